@@ -1,0 +1,1 @@
+"""The KVCacheNamespace API (models, CRD generation)."""

@@ -1,0 +1,161 @@
+"""Generates the KVCacheNamespace CustomResourceDefinition from the pydantic models.
+
+pydantic writes JSON Schema (draft 2020-12, with $refs and anyOf-null for optional fields);
+Kubernetes wants a structural OpenAPI v3 schema (inlined, typed at every level, boolean
+exclusiveMinimum). This module is that translation and nothing else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpersist.api import v1alpha1 as api
+
+_DROP = {"title"}
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _resolve(merged, defs)
+    return node
+
+
+def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One pydantic schema node as a structural OpenAPI v3 node."""
+    node = _resolve(node, defs)
+    if node.get("x-kubernetes-int-or-string"):
+        return {k: v for k, v in node.items() if k not in _DROP}
+    if "anyOf" in node:
+        branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(branches) != 1:
+            raise ValueError(f"union types are not structural: {node}")
+        inner = _resolve(branches[0], defs)
+        if rest.get("default", ...) is None:
+            rest.pop("default")
+        return structural({**inner, **rest}, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP or key == "$defs":
+            continue
+        if key == "properties":
+            out[key] = {name: structural(sub, defs) for name, sub in value.items()}
+        elif key == "items":
+            out[key] = structural(value, defs)
+        elif key == "additionalProperties":
+            # False (pydantic's extra="forbid") is not structural; the API server prunes and,
+            # with kubectl's default strict field validation, refuses unknown fields anyway.
+            if isinstance(value, dict):
+                out[key] = structural(value, defs)
+        elif key == "exclusiveMinimum":
+            out["minimum"], out["exclusiveMinimum"] = value, True
+        elif key == "exclusiveMaximum":
+            out["maximum"], out["exclusiveMaximum"] = value, True
+        elif key == "const":
+            out["enum"] = [value]
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        first = out["enum"][0]
+        out["type"] = "integer" if isinstance(first, int) else "string"
+    if "properties" in out:
+        out["type"] = "object"
+    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if "type" not in out:
+        raise ValueError(f"schema node without a type: {node}")
+    return out
+
+
+def _schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return structural(raw, raw.get("$defs", {}))
+
+
+def build_crd() -> dict[str, Any]:
+    spec = _schema(api.KVCacheNamespaceSpec)
+    status = _schema(api.KVCacheNamespaceStatus)
+    root = {
+        "type": "object",
+        "description": "A persistent, identity-namespaced KV cache for vLLM served by LMCache.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": "APIVersion of this object."},
+            "kind": {"type": "string", "description": "Kind of this object."},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "x-kubernetes-validations": [
+            api.cel(
+                f"self.metadata.name.size() <= {api.MAX_NAME_LENGTH}",
+                f"metadata.name: at most {api.MAX_NAME_LENGTH} characters (it prefixes the names of the pods, "
+                "Services and ConfigMaps made for it)",
+                reason="FieldValueInvalid",
+            ),
+        ],
+    }
+    columns = [
+        {"name": "Namespace-ID", "type": "string", "jsonPath": ".status.namespaceId"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "L2", "type": "string", "jsonPath": ".status.l2Kind"},
+        {"name": "L1-Used", "type": "string", "jsonPath": ".status.usage.l1Used"},
+        {"name": "L2-Used", "type": "string", "jsonPath": ".status.usage.l2Used"},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.replicas"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{api.PLURAL}.{api.GROUP}",
+            "annotations": {"argocd.argoproj.io/sync-wave": "-1"},
+        },
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["kvpersist"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+HEADER = "# Generated by `kvpersist crd` from operator/kvpersist/api/v1alpha1.py. Do not edit.\n"
+
+
+def render_crd() -> str:
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+CRD_PATHS = [Path("crds") / f"{api.PLURAL}.{api.GROUP}.yaml"]
+
+
+def write_crds(root: Path) -> list[Path]:
+    """Writes the CRD to every committed copy under root; returns the paths written."""
+    text = render_crd()
+    written = []
+    for rel in CRD_PATHS + [p for p in [Path("charts/kvpersist/crds") / CRD_PATHS[0].name] if (root / p.parent).is_dir()]:
+        (root / rel).write_text(text)
+        written.append(root / rel)
+    return written

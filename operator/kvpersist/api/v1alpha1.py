@@ -1,0 +1,491 @@
+"""The KVCacheNamespace API, version v1alpha1: the one definition of the spec and status.
+
+The CRD in crds/ is generated from these models (kvpersist.api.crd), so every field's
+description, default, range and pattern lives here once. Cross-field rules are written twice on
+purpose: as CEL (x-kubernetes-validations) so `kubectl apply` refuses bad input, and as pydantic
+validators so the operator refuses the same input when it reads an object; a table-driven test
+checks that both agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpersist.dev"
+VERSION = "v1alpha1"
+KIND = "KVCacheNamespace"
+PLURAL = "kvcachenamespaces"
+SINGULAR = "kvcachenamespace"
+SHORT_NAMES = ["kvns"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# metadata.name prefixes the StatefulSet, its pods, Services and ConfigMaps; pod names carry a
+# controller-revision-hash label of name + 11 characters, which must stay within 63.
+MAX_NAME_LENGTH = 40
+
+# KV cache dtypes vLLM accepts for --kv-cache-dtype, less those that are not resolved:
+# "auto" follows the model's dtype and "fp8" means e4m3 or e4m3fnuz depending on the platform.
+KV_CACHE_DTYPES = ("float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+CONNECTORS = ("LMCacheMPConnector",)
+EVICTION_POLICIES = ("LRU", "IsolatedLRU", "noop")
+
+# vLLM flags that the identity pins or the operator own; extraArgs may not set them, or a pod
+# could run with values other than the ones hashed into its namespace.
+PINNED_VLLM_FLAGS = (
+    "model", "revision", "tokenizer", "tokenizer-revision", "kv-cache-dtype", "block-size",
+    "tensor-parallel-size", "max-model-len", "kv-transfer-config", "chat-template", "dtype",
+    "quantization", "served-model-name", "port", "host", "config",
+)
+_FLAG_ALTERNATION = "|".join(f.replace("-", "[-_]") for f in PINNED_VLLM_FLAGS)
+PINNED_FLAG_REGEX = f"^(--({_FLAG_ALTERNATION})|-tp|-q)(=.*)?$"
+
+HEX40 = r"^[0-9a-f]{40}$"
+SHA256_DIGEST = r"^sha256:[0-9a-f]{64}$"
+HF_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
+BUCKET_HANDLE = r"^hf://buckets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._/-]+)?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+GIB = 1024**3
+
+Quantity = Annotated[
+    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0)],
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
+                    "x-kubernetes-int-or-string": True}),
+]
+
+
+def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+    """One x-kubernetes-validations entry."""
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+def defaults_of(model: type[_Model]) -> dict[str, Any]:
+    """A section's defaults as the API server should store them when the section is left out.
+
+    Spelled out in full (not `{}`) because the server checks CEL rules against the default as written."""
+    return model().model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------- identity
+
+
+class Identity(_Model):
+    """The pins that decide whether a stored KV block may be reused. Their canonical hash is the
+    compatibility namespace kvp-<32 hex>. Any pin left out disables the cache for this resource
+    (vLLM still runs) rather than risk a hit computed under other settings."""
+
+    model_id: str = Field(
+        min_length=1, max_length=256, pattern=HF_REPO_ID,
+        description="Hugging Face model id served by vLLM, e.g. Qwen/Qwen3-8B.",
+    )
+    model_revision: str | None = Field(
+        None, pattern=HEX40,
+        description="Full 40-character commit SHA of the model repository; branch names and tags move, SHAs do not.",
+    )
+    tokenizer: str | None = Field(
+        None, min_length=1, max_length=256, pattern=HF_REPO_ID,
+        description="Hugging Face id of the tokenizer repository (often the model id).",
+    )
+    tokenizer_revision: str | None = Field(
+        None, pattern=HEX40, description="Full 40-character commit SHA of the tokenizer repository.",
+    )
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="Resolved KV cache dtype passed to vLLM as --kv-cache-dtype. 'auto' and 'fp8' are refused: "
+        "they resolve differently per model or platform, so they cannot identify stored KV.",
+    )
+    block_size: Literal[BLOCK_SIZES] | None = Field(  # type: ignore[valid-type]
+        None, description="vLLM KV block size in tokens (--block-size).",
+    )
+    num_kv_heads: int | None = Field(
+        None, ge=1, le=1024, alias="numKVHeads",
+        description="Number of KV heads of the model (its config's num_key_value_heads).",
+    )
+    head_size: int | None = Field(None, ge=1, le=4096, description="Attention head size of the model.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=64, description="vLLM tensor-parallel size (--tensor-parallel-size); KV is sharded by it.",
+    )
+    connector: Literal[CONNECTORS] | None = Field(  # type: ignore[valid-type]
+        None, description="vLLM KV connector that moves KV between vLLM and the lmcache server.",
+    )
+    connector_build: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:@/=-]*$",
+        description="Pinned identity of the connector and vLLM build, e.g. vllm-0.33.0+lmcache-0.5.6 or an image "
+        "digest; KV layouts may change between builds.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, le=16_777_216, description="Maximum model length in tokens (--max-model-len).",
+    )
+    chat_template_digest: str | None = Field(
+        None, pattern=SHA256_DIGEST,
+        description="sha256 of the rendered chat template, as sha256:<64 hex>; another template gives other tokens.",
+    )
+
+
+# ---------------------------------------------------------------- tiers
+
+
+class L1(_Model):
+    """The lmcache server's host-RAM tier."""
+
+    size_gb: float = Field(
+        alias="sizeGB", gt=0, le=4096, description="Host RAM for the lmcache server's L1 buffer, in GiB (--l1-size-gb).",
+    )
+
+
+class NVMe(_Model):
+    """A local NVMe volume as L2: a PersistentVolumeClaim per lmcache server, or an existing claim."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.size) != has(self.existingClaimName)",
+                    "set exactly one of size (a new claim per lmcache server) or existingClaimName", reason="FieldValueInvalid"),
+                cel("!has(self.storageClassName) || has(self.size)",
+                    "storageClassName applies to a new claim: set size with it, or drop it with existingClaimName",
+                    field_path=".storageClassName"),
+                cel("!has(self.size) || quantity(self.size).asApproximateFloat() >= self.maxCapacityGB * 1073741824.0",
+                    "maxCapacityGB must fit in the claim: lower maxCapacityGB or raise size", field_path=".maxCapacityGB"),
+                cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
+                    "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
+            ]
+        }
+    )
+
+    storage_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN, description="StorageClass of the new claim; the cluster default when unset.",
+    )
+    size: Quantity | None = Field(None, description="Size of the new claim, e.g. 500Gi.")
+    existing_claim_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="Use this existing PersistentVolumeClaim instead of creating one (one lmcache server replica).",
+    )
+    adapter: Literal["nixl_store_dynamic", "fs"] = Field(
+        "nixl_store_dynamic",
+        description="LMCache L2 adapter: nixl_store_dynamic (persist/recover semantics, one file per chunk) or fs.",
+    )
+    backend: Literal["POSIX"] = Field("POSIX", description="NIXL backend of nixl_store_dynamic.")
+    max_capacity_gb: float = Field(
+        alias="maxCapacityGB", gt=0, le=1_048_576,
+        description="Capacity LMCache may fill, in GiB; nixl_store_dynamic's L2 eviction keeps usage below it "
+        "(the fs adapter declares no capacity: there the claim's size is the bound).",
+    )
+    direct_io: bool = Field(False, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect).")
+    reclaim_policy: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description="What happens to the KV data when the KVCacheNamespace is deleted: Retain keeps the claim and its "
+        "data, Delete removes the claims the operator created.",
+    )
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
+    key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
+
+
+class HFBucket(_Model):
+    """A Hugging Face bucket as L2 (LMCache's hfbucket adapter): remote, durable, shareable."""
+
+    bucket_handle: str = Field(
+        max_length=512, pattern=BUCKET_HANDLE,
+        description="hf://buckets/<namespace>/<bucket>[/<prefix>]; objects land under the prefix, then the namespace id.",
+    )
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding a Hugging Face token with write access; it reaches the server only as an "
+        "environment variable.",
+    )
+    create_bucket_if_missing: bool = Field(False, description="Create the bucket when it does not exist.")
+    num_workers: int = Field(4, ge=1, le=256, description="Parallel upload/download workers of the adapter.")
+    metadata_cache_ttl_seconds: float = Field(
+        30, ge=0, le=86_400, alias="metadataCacheTTLSeconds",
+        description="How long the adapter trusts its cached listing of the bucket, in seconds.",
+    )
+    max_capacity_gb: float = Field(
+        alias="maxCapacityGB", ge=0, le=1_048_576,
+        description="Capacity LMCache may fill in the bucket, in GiB; 0 disables capacity-driven eviction.",
+    )
+
+
+class L2(_Model):
+    """The durable tier: exactly one of nvme or hfBucket."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.nvme) != has(self.hfBucket)", "set exactly one of nvme or hfBucket", reason="FieldValueInvalid"),
+            ]
+        }
+    )
+
+    nvme: NVMe | None = Field(None, description="NVMe PersistentVolumeClaim as L2 (nixl_store_dynamic POSIX or fs).")
+    hf_bucket: HFBucket | None = Field(None, description="Hugging Face bucket as L2 (hfbucket adapter).")
+
+    @property
+    def kind(self) -> str:
+        return "nvme" if self.nvme is not None else "hfBucket"
+
+
+class Eviction(_Model):
+    """How LMCache makes room, in L1 and in the L2 adapter."""
+
+    policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
+        "LRU", description="LRU, IsolatedLRU (per cache_salt quotas) or noop (stores fail when full).",
+    )
+    trigger_watermark: float = Field(
+        0.8, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.",
+    )
+    eviction_ratio: float = Field(0.2, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
+
+
+# ---------------------------------------------------------------- workloads
+
+
+class Resources(_Model):
+    """Container resource requests and limits."""
+
+    requests: dict[str, Quantity] | None = Field(None, description="Requests by resource name, e.g. memory: 80Gi.")
+    limits: dict[str, Quantity] | None = Field(None, description="Limits by resource name.")
+
+
+class Toleration(_Model):
+    """A pod toleration."""
+
+    key: str | None = Field(None, max_length=317, description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; all effects when unset.",
+    )
+    toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
+
+
+class LMCacheServer(_Model):
+    """The lmcache server pods (a StatefulSet, one PersistentVolumeClaim per replica for NVMe)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.port != self.httpPort", "port and httpPort must differ", field_path=".httpPort"),
+            ]
+        }
+    )
+
+    image: str = Field(
+        "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
+        description="Image with the lmcache 0.5.6 CLI.",
+    )
+    replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
+    port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
+    http_port: int = Field(8080, ge=1, le=65535, description="HTTP admin port (/healthcheck, /status, /metrics).")
+    resources: Resources | None = Field(
+        None, description="Overrides; memory is otherwise requested as L1 + 5Gi and limited to 1.5x that.",
+    )
+
+
+class VLLM(_Model):
+    """The vLLM serving pods, launched with exactly the pinned identity."""
+
+    image: str = Field("vllm/vllm-openai:v0.33.0", min_length=1, max_length=512, description="vLLM image.")
+    replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
+    gpus_per_replica: int | None = Field(
+        None, ge=1, le=64, alias="gpusPerReplica",
+        description="nvidia.com/gpu per pod; defaults to identity.tensorParallelSize (or 1).",
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256, description="Name clients use in requests; defaults to identity.modelId.",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64,
+        description="More vLLM arguments. Flags the identity pins (--model, --kv-cache-dtype, --block-size, ...) are "
+        "refused: they would change KV under the same namespace.",
+        json_schema_extra={
+            "default": [],
+            "x-kubernetes-validations": [
+                cel(f"self.all(a, !a.matches('{PINNED_FLAG_REGEX}'))",
+                    "extraArgs may not set flags owned by identity or the operator (" + ", ".join(
+                        f"--{f}" for f in PINNED_VLLM_FLAGS) + ", -tp, -q): set the identity pin instead"),
+            ],
+        },
+    )
+    resources: Resources | None = Field(None, description="Extra requests/limits; GPUs come from gpusPerReplica.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
+        None, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
+    )
+    tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the vLLM pods.")
+
+
+class KVCacheNamespaceSpec(_Model):
+    """What the user wants: the pins, the tiers, eviction, and the two workloads."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.vllm.gpusPerReplica) || !has(self.identity.tensorParallelSize) || "
+                    "self.vllm.gpusPerReplica >= self.identity.tensorParallelSize",
+                    "vllm.gpusPerReplica must be at least identity.tensorParallelSize", field_path=".vllm.gpusPerReplica"),
+            ]
+        }
+    )
+
+    identity: Identity = Field(description="Identity pins; their hash is the compatibility namespace.")
+    l1: L1 = Field(description="Host-RAM tier of the lmcache server.")
+    l2: L2 = Field(description="Durable tier: an NVMe claim or a Hugging Face bucket.")
+    eviction: Eviction = Field(
+        default_factory=Eviction, description="Eviction policy of L1 and L2.",
+        json_schema_extra={"default": defaults_of(Eviction)},
+    )
+    lmcache_server: LMCacheServer = Field(
+        default_factory=LMCacheServer, alias="lmcacheServer", description="The lmcache server pods.",
+        json_schema_extra={"default": defaults_of(LMCacheServer)},
+    )
+    vllm: VLLM = Field(
+        default_factory=VLLM, description="The vLLM pods.", json_schema_extra={"default": defaults_of(VLLM)},
+    )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> KVCacheNamespaceSpec:
+        """The CEL rules again, for objects read by the operator and for unit tests."""
+        import re
+
+        n = self.l2.nvme
+        if (self.l2.nvme is None) == (self.l2.hf_bucket is None):
+            raise ValueError("spec.l2: set exactly one of nvme or hfBucket")
+        if n is not None:
+            if (n.size is None) == (n.existing_claim_name is None):
+                raise ValueError("spec.l2.nvme: set exactly one of size (a new claim per lmcache server) or existingClaimName")
+            if n.storage_class_name is not None and n.size is None:
+                raise ValueError("spec.l2.nvme.storageClassName: applies to a new claim: set size with it")
+            if n.size is not None and parse_quantity(str(n.size)) < n.max_capacity_gb * GIB:
+                raise ValueError("spec.l2.nvme.maxCapacityGB: must fit in the claim: lower maxCapacityGB or raise size")
+            if n.existing_claim_name is not None and n.reclaim_policy != "Retain":
+                raise ValueError("spec.l2.nvme.reclaimPolicy: an existing claim is not the operator's to delete")
+        if self.lmcache_server.port == self.lmcache_server.http_port:
+            raise ValueError("spec.lmcacheServer.httpPort: port and httpPort must differ")
+        bad = [a for a in self.vllm.extra_args if re.match(PINNED_FLAG_REGEX, a)]
+        if bad:
+            raise ValueError(f"spec.vllm.extraArgs: {bad[0]!r} sets a flag owned by identity or the operator")
+        tp = self.identity.tensor_parallel_size
+        if self.vllm.gpus_per_replica is not None and tp is not None and self.vllm.gpus_per_replica < tp:
+            raise ValueError("spec.vllm.gpusPerReplica: must be at least identity.tensorParallelSize")
+        return self
+
+
+def parse_quantity(q: str) -> float:
+    """A Kubernetes quantity in bytes (or units), enough for comparing sizes."""
+    import re
+
+    m = re.fullmatch(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?", q)
+    if not m:
+        raise ValueError(f"not a quantity: {q!r}")
+    number, suffix = float(m.group(1)), m.group(2) or ""
+    binary = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    decimal = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+    if suffix in binary:
+        return number * binary[suffix]
+    if suffix in decimal:
+        return number * decimal[suffix]
+    return number * 10 ** int(suffix[1:])
+
+
+# ---------------------------------------------------------------- status
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(max_length=64, description="IdentityResolved, L2Ready, LMCacheReady, VLLMReady or Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=128, description="CamelCase reason for the last transition.")
+    message: str = Field("", max_length=4096, description="What happened and, when something is wrong, the fix.")
+    last_transition_time: datetime | None = Field(None, description="When status last changed.")
+    observed_generation: int | None = Field(None, description="The generation this condition was computed from.")
+
+
+class Usage(_Model):
+    """Cache usage summed over the lmcache servers, from their /status."""
+
+    l1_used_bytes: int | None = Field(None, alias="l1UsedBytes", description="L1 bytes in use.")
+    l1_capacity_bytes: int | None = Field(None, alias="l1CapacityBytes", description="L1 capacity in bytes.")
+    l2_used_bytes: int | None = Field(None, alias="l2UsedBytes", description="L2 bytes in use by this namespace.")
+    l2_capacity_bytes: int | None = Field(None, alias="l2CapacityBytes", description="L2 capacity in bytes.")
+    l2_objects: int | None = Field(None, alias="l2Objects", description="L2 objects known to the servers' indexes.")
+    l1_used: str | None = Field(None, alias="l1Used", description="L1 usage for people, e.g. 1.5Gi/8Gi.")
+    l2_used: str | None = Field(None, alias="l2Used", description="L2 usage for people, e.g. 120Gi/500Gi.")
+    measured_at: datetime | None = Field(None, description="When the servers were last asked.")
+
+
+class ServerHealth(_Model):
+    """One lmcache server as last seen."""
+
+    pod: str = Field(max_length=253, description="Pod name.")
+    healthy: bool = Field(description="The server answered /status with is_healthy true.")
+    message: str = Field("", max_length=1024, description="Why it is not healthy, when it is not.")
+
+
+class KVCacheNamespaceStatus(_Model):
+    """What the operator observed."""
+
+    observed_generation: int | None = Field(None, description="The spec generation this status describes.")
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "CacheDisabled", "Failed"] | None = Field(
+        None, description="Pending, Progressing, Ready, Degraded, CacheDisabled or Failed.",
+    )
+    namespace_id: str | None = Field(
+        None, pattern=r"^kvp-[0-9a-f]{32}$", description="Compatibility namespace of the identity pins, kvp-<32 hex>.",
+    )
+    l2_kind: Literal["nvme", "hfBucket"] | None = Field(None, alias="l2Kind", description="nvme or hfBucket.")
+    ready_replicas: int | None = Field(None, description="vLLM pods ready.")
+    desired_replicas: int | None = Field(None, description="vLLM pods wanted.")
+    replicas: str | None = Field(None, description="ready/desired vLLM pods, for kubectl get.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Latest observations.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    usage: Usage | None = Field(None, description="Cache usage, when measured.")
+    servers: list[ServerHealth] = Field(default_factory=list, description="Per-server health.")
+
+
+class KVCacheNamespace(_Model):
+    """A KVCacheNamespace object as stored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal[API_VERSION] = Field(API_VERSION, alias="apiVersion")  # type: ignore[valid-type]
+    kind: Literal[KIND] = KIND  # type: ignore[valid-type]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: KVCacheNamespaceSpec
+    status: KVCacheNamespaceStatus | None = None
+
+    @model_validator(mode="after")
+    def _name_length(self) -> KVCacheNamespace:
+        name = self.metadata.get("name", "")
+        if len(name) > MAX_NAME_LENGTH:
+            raise ValueError(f"metadata.name: at most {MAX_NAME_LENGTH} characters, got {len(name)}")
+        return self
+
+
+def validation_message(exc: ValidationError) -> str:
+    """pydantic's errors as `path: message` lines, with the API's camelCase field paths."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {msg}" if path else msg)
+    return "; ".join(lines)

@@ -1,0 +1,102 @@
+"""Compatibility namespaces: the pins that decide whether stored KV may be reused, and their id.
+
+A KV block computed under one model revision, tokenizer, dtype, geometry, parallelism, connector
+build, length limit or chat template must never be served to a server running under another.
+So the id is a hash over all of them, and a missing pin yields no id at all: a cache that is
+off is slower, a guessed namespace is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+NAMESPACE_PREFIX = "kvp-"
+# Bump when the meaning of a pin changes, so old and new ids can never collide.
+SCHEMA_VERSION = 1
+
+# Canonical pin names, in the order people read them. The hash does not depend on this order.
+PIN_FIELDS = (
+    "model_id",
+    "model_revision",
+    "tokenizer",
+    "tokenizer_revision",
+    "kv_cache_dtype",
+    "block_size",
+    "num_kv_heads",
+    "head_size",
+    "tensor_parallel_size",
+    "connector",
+    "connector_build",
+    "max_model_len",
+    "chat_template_digest",
+)
+INT_PINS = {"block_size", "num_kv_heads", "head_size", "tensor_parallel_size", "max_model_len"}
+# Hex digests compare case-insensitively; ids and names are case-sensitive.
+LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest"}
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of resolving pins: an id, or the pins that are missing or malformed."""
+
+    namespace_id: str | None
+    missing: tuple[str, ...] = ()
+    invalid: tuple[str, ...] = ()
+    canonical: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def reason(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append("missing pins: " + ", ".join(self.missing))
+        if self.invalid:
+            parts.append("malformed pins: " + ", ".join(self.invalid))
+        return "; ".join(parts)
+
+
+def _normalize(name: str, value: Any) -> Any:
+    """The canonical form of one pin, or None when it is empty or of the wrong type."""
+    if value is None or isinstance(value, bool):
+        return None
+    if name in INT_PINS:
+        if isinstance(value, int):
+            return value if value > 0 else None
+        if isinstance(value, str) and value.strip().isdigit():
+            number = int(value.strip())
+            return number if number > 0 else None
+        return None
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text:
+        return None
+    return text.lower() if name in LOWERCASE_PINS else text
+
+
+def resolve(pins: Mapping[str, Any]) -> Resolution:
+    """Resolves snake_case pins to a namespace id. Unknown keys are ignored."""
+    canonical: dict[str, Any] = {}
+    missing, invalid = [], []
+    for name in PIN_FIELDS:
+        raw = pins.get(name)
+        value = _normalize(name, raw)
+        if value is None:
+            empty = raw is None or (isinstance(raw, str) and not raw.strip())
+            (missing if empty else invalid).append(name)
+        else:
+            canonical[name] = value
+    if missing or invalid:
+        return Resolution(None, tuple(missing), tuple(invalid))
+    document = json.dumps({"v": SCHEMA_VERSION, "pins": canonical}, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True)
+    digest = hashlib.sha256(document.encode("ascii")).hexdigest()
+    return Resolution(NAMESPACE_PREFIX + digest[:32], canonical=canonical)
+
+
+def namespace_id(pins: Mapping[str, Any]) -> str | None:
+    """kvp-<32 hex> for complete pins; None when any pin is missing, empty or malformed."""
+    return resolve(pins).namespace_id

@@ -1,0 +1,106 @@
+"""Invalid KVCacheNamespace manifests, each a different mistake, with the field its error must name.
+
+Shared by the unit tests (pydantic refuses them) and the e2e tests (`kubectl apply` refuses them),
+so the operator and the API server are held to the same table.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SAMPLES = Path(__file__).resolve().parents[2] / "config" / "samples"
+
+
+def sample(name: str = "nvme-minimal") -> dict[str, Any]:
+    return yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    field: str  # the path the error message must name
+    mutate: Callable[[dict[str, Any]], None]
+    base: str = "nvme-minimal"
+
+    def manifest(self) -> dict[str, Any]:
+        obj = copy.deepcopy(sample(self.base))
+        obj["metadata"]["name"] = "bad-" + self.id
+        self.mutate(obj)
+        return obj
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(obj: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = obj
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    return mutate
+
+
+def _delete(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(obj: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = obj
+        for p in parents:
+            node = node[p]
+        del node[leaf]
+
+    return mutate
+
+
+def _both(*mutations: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def mutate(obj: dict[str, Any]) -> None:
+        for m in mutations:
+            m(obj)
+
+    return mutate
+
+
+def _long_name(obj: dict[str, Any]) -> None:
+    obj["metadata"]["name"] = "a" * 41
+
+
+CASES = [
+    Case("revision-branch", "spec.identity.modelRevision", _set("spec.identity.modelRevision", "main")),
+    Case("dtype-auto", "spec.identity.kvCacheDtype", _set("spec.identity.kvCacheDtype", "auto")),
+    Case("dtype-fp8-unresolved", "spec.identity.kvCacheDtype", _set("spec.identity.kvCacheDtype", "fp8")),
+    Case("block-size-zero", "spec.identity.blockSize", _set("spec.identity.blockSize", 0)),
+    Case("tp-zero", "spec.identity.tensorParallelSize", _set("spec.identity.tensorParallelSize", 0)),
+    Case("template-digest-bare", "spec.identity.chatTemplateDigest",
+         _set("spec.identity.chatTemplateDigest", "5b2f3ccbd3a4f1b0c2a7e7c0a0c14ec8")),
+    Case("model-id-missing", "spec.identity.modelId", _delete("spec.identity.modelId")),
+    Case("unknown-pin", "spec.identity.modelRev", _set("spec.identity.modelRev", "x")),
+    Case("l1-zero", "spec.l1.sizeGB", _set("spec.l1.sizeGB", 0)),
+    Case("l2-both", "spec.l2", _set("spec.l2.hfBucket", {
+        "bucketHandle": "hf://buckets/acme/kv", "tokenSecretRef": {"name": "hf"}, "maxCapacityGB": 10})),
+    Case("l2-none", "spec.l2", _set("spec.l2", {})),
+    Case("nvme-size-and-claim", "spec.l2.nvme", _set("spec.l2.nvme.existingClaimName", "kv-data")),
+    Case("nvme-size-garbage", "spec.l2.nvme.size", _set("spec.l2.nvme.size", "lots")),
+    Case("nvme-capacity-over-size", "spec.l2.nvme.maxCapacityGB", _set("spec.l2.nvme.maxCapacityGB", 600)),
+    Case("nvme-adapter-unknown", "spec.l2.nvme.adapter", _set("spec.l2.nvme.adapter", "s3")),
+    Case("nvme-storage-class-with-claim", "spec.l2.nvme.storageClassName",
+         _both(_delete("spec.l2.nvme.size"), _set("spec.l2.nvme.existingClaimName", "kv-data"))),
+    Case("nvme-delete-existing-claim", "spec.l2.nvme.reclaimPolicy", _set("spec.l2.nvme", {
+        "existingClaimName": "kv-data", "maxCapacityGB": 100, "reclaimPolicy": "Delete"})),
+    Case("bucket-handle-s3", "spec.l2.hfBucket.bucketHandle",
+         _set("spec.l2.hfBucket.bucketHandle", "s3://acme/kv"), base="hf-bucket"),
+    Case("bucket-token-missing", "spec.l2.hfBucket.tokenSecretRef",
+         _delete("spec.l2.hfBucket.tokenSecretRef"), base="hf-bucket"),
+    Case("eviction-policy-fifo", "spec.eviction.policy", _set("spec.eviction.policy", "FIFO")),
+    Case("eviction-watermark-over-1", "spec.eviction.triggerWatermark", _set("spec.eviction.triggerWatermark", 1.5)),
+    Case("eviction-ratio-zero", "spec.eviction.evictionRatio", _set("spec.eviction.evictionRatio", 0)),
+    Case("extra-args-pinned-flag", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--kv-cache-dtype=fp8"])),
+    Case("extra-args-pinned-underscore", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--max_model_len", "9"])),
+    Case("gpus-below-tp", "spec.vllm.gpusPerReplica", _set("spec.vllm.gpusPerReplica", 1), base="isolated-lru"),
+    Case("ports-clash", "spec.lmcacheServer.httpPort", _set("spec.lmcacheServer", {"port": 8080, "httpPort": 8080})),
+    Case("name-too-long", "metadata.name", _long_name),
+]

@@ -1,0 +1,71 @@
+"""Fixtures for the e2e suite: the real local cluster, the CRD, and the operator as a process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Path]:
+    """The shared local cluster: reused when running, else started here and stopped at the end."""
+    running = subprocess.run([*LOCALCLUSTER, "status"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=30).returncode == 0
+    if not running:
+        subprocess.run([*LOCALCLUSTER, "up"], check=True, stdout=subprocess.PIPE, timeout=300)
+    out = subprocess.run([*LOCALCLUSTER, "status"], check=True, stdout=subprocess.PIPE, text=True, timeout=30).stdout
+    kubeconfig = Path(next(line.split()[-1] for line in out.splitlines() if line.startswith("kubeconfig")))
+    yield kubeconfig
+    if not running:
+        subprocess.run([*LOCALCLUSTER, "down"], check=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: Path) -> Kubectl:
+    return Kubectl(cluster, bin_dir() / "kubectl")
+
+
+@pytest.fixture(scope="session")
+def crd(kubectl: Kubectl) -> None:
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")
+
+
+@pytest.fixture()
+def namespace(kubectl: Kubectl) -> Iterator[str]:
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    kubectl.run("create", "namespace", name)
+    yield name
+    kubectl.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture()
+def operator(cluster: Path, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    """`kvpersist run` as its own process, watching the test's namespace; its log path is yielded."""
+    log = tmp_path / "operator.log"
+    env = {**os.environ, "KUBECONFIG": str(cluster)}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+

@@ -1,0 +1,55 @@
+"""kubectl against the local cluster, for tests: real binary, real API server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+LOCALCLUSTER = [sys.executable, str(REPO / "hack" / "localcluster.py")]
+
+
+def bin_dir() -> Path:
+    out = subprocess.run([*LOCALCLUSTER, "bin-dir"], check=True, stdout=subprocess.PIPE, text=True, timeout=30)
+    return Path(out.stdout.strip())
+
+
+@dataclass
+class Kubectl:
+    kubeconfig: Path
+    binary: Path
+
+    def run(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(self.binary), f"--kubeconfig={self.kubeconfig}", *args], input=stdin, text=True,
+                              capture_output=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def apply(self, obj: dict[str, Any] | str, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+        text = obj if isinstance(obj, str) else json.dumps(obj)
+        return self.run("apply", *flags, "-f", "-", stdin=text, check=check)
+
+    def get(self, kind: str, name: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+        args = ["get", kind, *([name] if name else []), "-o", "json"]
+        if namespace:
+            args += ["-n", namespace]
+        return json.loads(self.run(*args).stdout)
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
+    """Polls probe until it returns something truthy; fails after timeout with what was awaited."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")

@@ -1,0 +1,73 @@
+"""The KVCacheNamespace API on a real kube-apiserver: samples apply, mistakes are refused at
+`kubectl apply` naming the field, `kubectl explain` documents the pins, `kubectl get` shows the columns."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.identity import namespace_id
+from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
+from tests.e2e.kube import Kubectl, wait_for
+
+pytestmark = pytest.mark.e2e
+SAMPLE_NAMES = sorted(p.stem for p in SAMPLES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_sample_applies(kubectl: Kubectl, crd: None, namespace: str, name: str) -> None:
+    path = SAMPLES / f"{name}.yaml"
+    kubectl.run("apply", "--server-side", "--dry-run=server", "-n", namespace, "-f", str(path))
+    kubectl.run("apply", "-n", namespace, "-f", str(path))
+    obj = yaml.safe_load(path.read_text())
+    stored = kubectl.get("kvns", obj["metadata"]["name"], namespace)
+    # Defaults come from the schema, so what is stored is what the operator's model would default to.
+    model = KVCacheNamespace.model_validate(obj)
+    assert stored["spec"]["eviction"]["policy"] == model.spec.eviction.policy
+    assert stored["spec"]["lmcacheServer"]["port"] == model.spec.lmcache_server.port
+    assert stored["spec"]["vllm"]["image"] == model.spec.vllm.image
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_invalid_manifest_refused(kubectl: Kubectl, crd: None, namespace: str, case: Case) -> None:
+    obj = case.manifest()
+    obj["metadata"]["namespace"] = namespace
+    out = kubectl.apply(obj, check=False)
+    assert out.returncode != 0, f"{case.id} was accepted"
+    assert case.field in out.stderr, out.stderr
+    assert kubectl.run("get", "kvns", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_explain_shows_descriptions(kubectl: Kubectl, crd: None) -> None:
+    out = kubectl.run("explain", "kvcachenamespace.spec.identity").stdout
+    for field, words in [("modelRevision", "40-character commit SHA"), ("kvCacheDtype", "auto"),
+                         ("chatTemplateDigest", "sha256"), ("tensorParallelSize", "tensor-parallel")]:
+        assert field in out and words in out, field
+
+
+def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespace: str) -> None:
+    kubectl.run("apply", "-n", namespace, "-f", str(SAMPLES / "nvme-minimal.yaml"))
+    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.identity.model_dump())
+    wait_for("status.namespaceId", lambda: kubectl.get("kvns", "llama31-8b", namespace).get("status", {}).get("namespaceId"),
+             timeout=60)
+    out = kubectl.run("get", "kvns", "-n", namespace).stdout
+    header = out.splitlines()[0].split()
+    assert header == ["NAME", "NAMESPACE-ID", "PHASE", "L2", "L1-USED", "L2-USED", "READY", "AGE"]
+    row = out.splitlines()[1].split()
+    assert row[0] == "llama31-8b" and row[1] == expected and row[3] == "nvme"
+
+
+def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, namespace: str) -> None:
+    obj = sample()
+    del obj["spec"]["identity"]["chatTemplateDigest"]
+    obj["metadata"]["namespace"] = namespace
+    kubectl.apply(obj)
+    status = wait_for("phase CacheDisabled", lambda: (lambda s: s if s.get("phase") == "CacheDisabled" else None)(
+        kubectl.get("kvns", "llama31-8b", namespace).get("status", {})), timeout=60)
+    assert "namespaceId" not in status
+    cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
+    assert cond["status"] == "False" and cond["reason"] == "IdentityIncomplete"
+    assert "chat_template_digest" in cond["message"]
+    wait_for("an IdentityIncomplete event", lambda: kubectl.run(
+        "get", "events", "-n", namespace, "--field-selector", "reason=IdentityIncomplete", "-o", "name").stdout.strip())

@@ -5,19 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${KVPERSIST_CLUSTER_DIR:-${KVPERSIST_CACHE:-$HOME/.cache/kvpersist}/cluster}"
-OPERATOR_PID="$STATE/operator.pid"
 
-stop_operator() {
-  if [ -f "$OPERATOR_PID" ] && kill -0 "$(cat "$OPERATOR_PID")" 2>/dev/null; then
-    kill -TERM -- "-$(cat "$OPERATOR_PID")" 2>/dev/null || true
-    for _ in $(seq 1 50); do kill -0 "$(cat "$OPERATOR_PID")" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$(cat "$OPERATOR_PID")" 2>/dev/null || true
+stop_pidfile() { # stops the process group a pid file names, bounded
+  local f="$STATE/$1.pid"
+  if [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null; then
+    kill -TERM -- "-$(cat "$f")" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$(cat "$f")" 2>/dev/null || true
   fi
-  rm -f "$OPERATOR_PID"
+  rm -f "$f"
 }
 
 if [ "${1:-}" = "down" ]; then
-  stop_operator
+  stop_pidfile operator
+  stop_pidfile lmcache-runner
   python3 hack/localcluster.py down
   exit 0
 fi
@@ -31,15 +32,21 @@ kubectl apply --server-side -f crds/
 kubectl wait --for condition=established --timeout=60s crd/kvcachenamespaces.kvpersist.dev
 kubectl apply -f hack/dev/local-nvme.yaml
 
-stop_operator
+stop_pidfile operator
+stop_pidfile lmcache-runner
 mkdir -p "$STATE/logs"
 setsid kvpersist run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
-echo $! > "$OPERATOR_PID"
-echo "operator running (pid $(cat "$OPERATOR_PID"), log $STATE/logs/operator.log)"
+echo $! > "$STATE/operator.pid"
+echo "operator running (pid $(cat "$STATE/operator.pid"), log $STATE/logs/operator.log)"
+# kwok runs no containers: this starts the real lmcache server for each lmcache-server pod, on
+# the pod's loopback IP, with L1 capped to what this machine can hold.
+setsid python3 hack/kwok_lmcache_runner.py --namespace default --max-l1-gb 1 \
+  --workdir "$STATE/kwok-pods" >"$STATE/logs/lmcache-runner.log" 2>&1 < /dev/null &
+echo $! > "$STATE/lmcache-runner.pid"
 
 kubectl apply -f config/samples/nvme-minimal.yaml
-for _ in $(seq 1 60); do
-  [ -n "$(kubectl get kvns llama31-8b -o jsonpath='{.status.phase}' 2>/dev/null)" ] && break
+for _ in $(seq 1 120); do
+  [ "$(kubectl get kvns llama31-8b -o jsonpath='{.status.phase}' 2>/dev/null)" = "Ready" ] && break
   sleep 1
 done
 kubectl get kvcachenamespaces

@@ -1,10 +1,13 @@
-"""Conditions and phase: pure functions from observations to the status a user reads."""
+"""Conditions and phase: pure functions from what was observed to the status a user reads."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from kvpersist.usage import ServerReport, summarize
 
 CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "Ready")
 
@@ -33,8 +36,155 @@ def merge_conditions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str
     return sorted(merged, key=lambda c: order.get(c["type"], len(order)))
 
 
-def same_conditions(a: Iterable[Mapping[str, Any]], b: Iterable[Mapping[str, Any]]) -> bool:
-    """Equal apart from timestamps: the test for 'status changed, write it'."""
-    strip = lambda cs: sorted((c["type"], c["status"], c["reason"], c.get("message", ""), c.get("observedGeneration"))  # noqa: E731
-                              for c in cs)
-    return strip(a) == strip(b)
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+@dataclass
+class Observation:
+    """Everything the status is computed from; gathered by the handlers, judged here."""
+
+    generation: int | None
+    namespace_id: str | None
+    identity_reason: str
+    l2_kind: str
+    server_desired: int
+    vllm_desired: int
+    statefulset: Mapping[str, Any] | None = None
+    deployment: Mapping[str, Any] | None = None
+    server_pods: list[Mapping[str, Any]] = field(default_factory=list)
+    claims: list[Mapping[str, Any]] = field(default_factory=list)
+    existing_claim: str | None = None
+    reports: list[ServerReport] = field(default_factory=list)
+
+
+def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
+    """(rolled out and all ready, ready count) for a StatefulSet or Deployment."""
+    if obj is None:
+        return desired == 0, 0
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    ready = int(status.get("readyReplicas") or 0)
+    current = status.get("observedGeneration") == meta.get("generation")
+    updated = int(status.get("updatedReplicas") or 0)
+    return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
+
+
+def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The status fields (without timestamps) and the conditions for one observation."""
+    gen = obs.generation
+    conds: list[dict[str, Any]] = []
+    cache_on = obs.namespace_id is not None
+    if cache_on:
+        conds.append(condition("IdentityResolved", True, "PinsComplete", f"compatibility namespace {obs.namespace_id}", gen))
+    else:
+        conds.append(condition("IdentityResolved", False, "IdentityIncomplete",
+                               f"cache disabled, vLLM runs without it: {obs.identity_reason}; set them in spec.identity", gen))
+
+    servers_done, servers_ready = _rollout_done(obs.statefulset, obs.server_desired)
+    vllm_done, vllm_ready = _rollout_done(obs.deployment, obs.vllm_desired)
+    ready_pods = {p["metadata"]["name"] for p in obs.server_pods if _pod_ready(p)}
+    sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
+
+    # L2
+    if not cache_on:
+        conds.append(condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen))
+    elif obs.l2_kind == "nvme":
+        pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
+        bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
+        if obs.existing_claim and not obs.claims:
+            conds.append(condition("L2Ready", False, "ClaimNotFound",
+                                   f"claim {obs.existing_claim} not found: create it, or fix spec.l2.nvme.existingClaimName", gen))
+        elif len(obs.claims) < obs.server_desired:
+            conds.append(condition("L2Ready", False, "ClaimMissing",
+                                   f"{len(obs.claims)}/{obs.server_desired} claims exist; the StatefulSet creates them", gen))
+        elif pending:
+            conds.append(condition("L2Ready", False, "ClaimPending",
+                                   f"claims not bound: {', '.join(sorted(pending))}; check spec.l2.nvme.storageClassName "
+                                   "and that matching PersistentVolumes exist", gen))
+        elif bad_adapter:
+            conds.append(condition("L2Ready", False, "AdapterUnhealthy",
+                                   f"L2 adapter unhealthy on {', '.join(bad_adapter)}", gen))
+        else:
+            conds.append(condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen))
+    else:
+        bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
+        if bad_adapter:
+            conds.append(condition("L2Ready", False, "AdapterUnhealthy",
+                                   f"hfbucket adapter unhealthy on {', '.join(bad_adapter)}", gen))
+        elif any(r.l2_healthy for r in obs.reports):
+            conds.append(condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy", gen))
+        else:
+            conds.append(condition("L2Ready", None, "NotMeasured", "no lmcache server has reported yet", gen))
+
+    # lmcache servers
+    if not cache_on:
+        conds.append(condition("LMCacheReady", None, "CacheDisabled", "lmcache servers scaled to zero", gen))
+    elif sick:
+        conds.append(condition("LMCacheReady", False, "ServerUnhealthy",
+                               "; ".join(f"{r.pod}: {r.message}" for r in sick), gen))
+    elif servers_done and len([r for r in obs.reports if r.healthy]) >= obs.server_desired:
+        conds.append(condition("LMCacheReady", True, "ServersHealthy", f"{servers_ready}/{obs.server_desired} servers healthy", gen))
+    else:
+        conds.append(condition("LMCacheReady", False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready", gen))
+
+    # vLLM
+    if vllm_done:
+        conds.append(condition("VLLMReady", True, "PodsReady", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
+    else:
+        conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
+
+    by_type = {c["type"]: c for c in conds}
+    not_ok = [c for c in conds if c["status"] != "True"]
+    if not cache_on:
+        phase = "CacheDisabled"
+        conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
+    elif not not_ok:
+        phase = "Ready"
+        conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
+    else:
+        degraded = bool(sick) or by_type["L2Ready"]["reason"] == "AdapterUnhealthy"
+        started = servers_ready + vllm_ready > 0
+        phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
+        first = not_ok[0]
+        conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
+
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "phase": phase,
+        "namespaceId": obs.namespace_id,
+        "l2Kind": obs.l2_kind,
+        "readyReplicas": vllm_ready,
+        "desiredReplicas": obs.vllm_desired,
+        "replicas": f"{vllm_ready}/{obs.vllm_desired}",
+        "servers": [{"pod": r.pod, "healthy": r.healthy, "message": r.message} for r in obs.reports],
+    }
+    return status, conds
+
+
+def failed_status(generation: int | None, message: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """For a spec the operator cannot read (only possible if the CRD was bypassed or is stale)."""
+    return {"observedGeneration": generation, "phase": "Failed"}, [condition("Ready", False, "InvalidSpec", message, generation)]
+
+
+def _strip(conds: Iterable[Mapping[str, Any]]) -> list[tuple]:
+    return sorted((c["type"], c["status"], c["reason"], c.get("message", ""), c.get("observedGeneration")) for c in conds)
+
+
+def _without_stamp(usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (usage or {}).items() if k != "measuredAt"}
+
+
+def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
+                 reports: list[ServerReport]) -> dict[str, Any] | None:
+    """The status patch to write, or None when nothing a user could see changed.
+
+    Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
+    that could not be measured this time keeps its last known value."""
+    patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
+    if _strip(old.get("conditions") or []) != _strip(conds):
+        patch["conditions"] = merge_conditions(old.get("conditions") or [], conds)
+    usage = summarize(reports, measured_at=now())
+    if usage and _without_stamp(usage) != _without_stamp(old.get("usage")):
+        patch["usage"] = usage
+    return patch or None

@@ -1,22 +1,36 @@
-"""kopf handlers: read a KVCacheNamespace, resolve its identity, and write what was found to status.
+"""kopf handlers: apply what a KVCacheNamespace becomes, and keep its status true.
 
-Thin on purpose: parsing lives in kvpersist.api, hashing in kvpersist.identity, status shapes in
-kvpersist.conditions. Handlers only order those and talk to the API server.
+Thin on purpose: parsing lives in kvpersist.api, hashing in kvpersist.identity, manifests in
+kvpersist.builders, status judgement in kvpersist.conditions. Handlers order those and talk to
+the API server.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kvpersist import kube
 from kvpersist.api import v1alpha1 as api
-from kvpersist.conditions import condition, merge_conditions, same_conditions
+from kvpersist.builders.all import build_all
+from kvpersist.builders.target import SERVER, Target
+from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
 from kvpersist.identity import resolve
+from kvpersist.usage import collect_usage
 
 PREFIX = "kvpersist.dev"
+STATUS_INTERVAL_S = 10.0
+
+# Apply failures the API server gave for a generation (e.g. an immutable field changed), kept so
+# the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
+_apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 
 
 @kopf.on.startup()
@@ -28,67 +42,170 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    kube.load_config()
 
 
-def desired_status(body: kopf.Body) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
-    """The status for this object, and the events worth telling the user (type, reason, message)."""
-    generation = body.get("metadata", {}).get("generation")
-    old = body.get("status") or {}
-    events: list[tuple[str, str, str]] = []
-    try:
-        obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": dict(body.get("metadata", {}))})
-    except ValidationError as exc:
-        message = api.validation_message(exc)
-        conds = [condition("Ready", False, "InvalidSpec", message, generation)]
-        status = {"observedGeneration": generation, "phase": "Failed", "conditions": conds}
-        if old.get("phase") != "Failed":
-            events.append(("Warning", "InvalidSpec", message))
-        return status, events
-
+def _target(body: Mapping[str, Any]) -> tuple[Target, str]:
+    """The builders' view of the object and the reason its identity is incomplete (if it is).
+    Raises ValidationError for a spec the operator cannot read."""
+    meta = body["metadata"]
+    obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": {"name": meta["name"]}})
     res = resolve(obj.spec.identity.model_dump())
-    if res.namespace_id is None:
-        ident = condition("IdentityResolved", False, "IdentityIncomplete",
-                          f"cache disabled, vLLM runs without it: {res.reason}; set them in spec.identity", generation)
-        phase = "CacheDisabled"
+    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res.reason
+
+
+def _observe(body: Mapping[str, Any], target: Target, reason: str) -> Observation:
+    ns = target.namespace
+    spec = target.spec
+    sts = kube.get("apps/v1", "StatefulSet", target.server_name, ns)
+    pods = kube.list_objects("v1", "Pod", ns, target.selector(SERVER))
+    claims: list[dict[str, Any]] = []
+    if spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name:
+        claim = kube.get("v1", "PersistentVolumeClaim", spec.l2.nvme.existing_claim_name, ns)
+        claims = [claim] if claim else []
+    elif spec.l2.nvme is not None:
+        claims = kube.list_objects("v1", "PersistentVolumeClaim", ns, target.selector(SERVER))
+    running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
+               for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
+    return Observation(
+        generation=body["metadata"].get("generation"),
+        namespace_id=target.namespace_id,
+        identity_reason=reason,
+        l2_kind=spec.l2.kind,
+        server_desired=server_desired,
+        vllm_desired=spec.vllm.replicas,
+        statefulset=sts,
+        deployment=kube.get("apps/v1", "Deployment", target.vllm_name, ns),
+        server_pods=pods,
+        claims=claims,
+        existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
+        reports=collect_usage(sorted(running), spec.lmcache_server.http_port) if target.cache_enabled else [],
+    )
+
+
+def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The transitions a user cares about, as (type, reason, message)."""
+    events = []
+    old_id, new_id = old.get("namespaceId"), new.get("namespaceId")
+    if new_id and new_id != old_id:
+        events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id}"
+                       + (f" (was {old_id}; its data is kept, unreachable from these pins)" if old_id else "")))
+    phase = new.get("phase")
+    if phase and phase != old.get("phase"):
+        ready = next((c for c in conds if c["type"] == "Ready"), None)
+        detail = ready["message"] if ready else ""
+        if phase == "CacheDisabled":
+            ident = next(c for c in conds if c["type"] == "IdentityResolved")
+            events.append(("Warning", "IdentityIncomplete", ident["message"]))
+        elif phase in ("Degraded", "Failed"):
+            events.append(("Warning", phase, detail))
+        elif phase == "Ready":
+            events.append(("Normal", "Ready", detail))
+    return events
+
+
+def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """Observe, judge, and write status only when something a user can see changed."""
+    meta = body["metadata"]
+    old = dict(body.get("status") or {})
+    generation = meta.get("generation")
+    try:
+        target, reason = _target(body)
+    except ValidationError as exc:
+        fields, conds = failed_status(generation, api.validation_message(exc))
+        reports = []
     else:
-        ident = condition("IdentityResolved", True, "PinsComplete", f"compatibility namespace {res.namespace_id}", generation)
-        phase = "Pending"
-    ready = condition("Ready", False, "WorkloadsPending" if res.namespace_id else "CacheDisabled",
-                      "waiting for the lmcache server and vLLM workloads", generation)
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "phase": phase,
-        "l2Kind": obj.spec.l2.kind,
-        "conditions": [ident, ready],
-    }
-    if res.namespace_id:
-        status["namespaceId"] = res.namespace_id
-    if res.namespace_id and old.get("namespaceId") != res.namespace_id:
-        previous = old.get("namespaceId")
-        events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {res.namespace_id}"
-                       + (f" (was {previous}; its data is kept, unreachable from these pins)" if previous else "")))
-    if phase == "CacheDisabled" and old.get("phase") != "CacheDisabled":
-        events.append(("Warning", "IdentityIncomplete", ident["message"]))
-    return status, events
-
-
-def status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    keys = set(new) - {"conditions"}
-    return any(old.get(k) != new[k] for k in keys) or not same_conditions(old.get("conditions", []), new["conditions"]) \
-        or ("namespaceId" in old and "namespaceId" not in new)
+        observation = _observe(body, target, reason)
+        fields, conds = compute_status(observation)
+        reports = observation.reports
+        error = _apply_errors.get((target.namespace, target.name))
+        if error and error[0] == generation:
+            fields = {**fields, "phase": "Failed"}
+            conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
+    new_status = status_patch(old, fields, conds, reports)
+    if new_status is None:
+        return
+    kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], new_status)
+    for type_, reason_, message in _events_for(old, {**old, **new_status}, conds):
+        kube.post_event(body, type_, reason_, message)
+        logger.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason_, message)
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
-def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    old = dict(body.get("status") or {})
-    new, events = desired_status(body)
-    if status_changed(old, new):
-        new["conditions"] = merge_conditions(old.get("conditions", []), new["conditions"])
-        if "namespaceId" in old and "namespaceId" not in new:
-            new["namespaceId"] = None
-        patch.status.update(new)
-    for type_, reason, message in events:
-        kopf.event(body, type=type_, reason=reason, message=message)
-        logger.info("%s: %s", reason, message)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
+def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Apply every object this resource becomes (server-side, idempotent), then refresh status."""
+    try:
+        target, _reason = _target(body)
+    except ValidationError:
+        refresh_status(body, logger)
+        return
+    key = (target.namespace, target.name)
+    try:
+        for manifest in build_all(target):
+            kopf.append_owner_reference(manifest, owner=body)
+            kube.apply(manifest)
+    except ApiException as exc:
+        if exc.status in (400, 403, 404, 409, 422):
+            _apply_errors[key] = (body["metadata"].get("generation"), f"the API server refused an object: {_api_message(exc)}")
+            logger.error("apply failed: %s", _apply_errors[key][1])
+        else:
+            raise kopf.TemporaryError(f"applying workloads failed ({exc.status}); retrying", delay=15) from exc
+    else:
+        _apply_errors.pop(key, None)
+    refresh_status(body, logger)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message", str(exc))
+    except (TypeError, ValueError):
+        return str(exc.reason)
+
+
+# Usage and health change without any event on the resource, so status is polled. Not with a
+# kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
+# operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
+_known: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
+        _known.pop(key, None)
+        _apply_errors.pop(key, None)
+    else:
+        _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
+                       "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+                       "status": dict(body.get("status") or {})}
+
+
+async def _status_loop(logger: logging.Logger) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(STATUS_INTERVAL_S)
+        for key, body in list(_known.items()):
+            if _known.get(key) is not body:
+                continue  # changed or deleted meanwhile; the next round sees the new snapshot
+            try:
+                await loop.run_in_executor(None, refresh_status, body, logger)
+            except Exception as exc:  # one object's failure must not stop the others' status
+                logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
+
+
+_loop_task: asyncio.Task | None = None
+
+
+@kopf.on.startup()
+async def start_status_loop(logger: logging.Logger, **_: Any) -> None:
+    global _loop_task
+    _loop_task = asyncio.create_task(_status_loop(logger))
+
+
+@kopf.on.cleanup()
+async def stop_status_loop(**_: Any) -> None:
+    if _loop_task is not None:
+        _loop_task.cancel()

@@ -91,6 +91,8 @@ CASES = [
          _both(_delete("spec.l2.nvme.size"), _set("spec.l2.nvme.existingClaimName", "kv-data"))),
     Case("nvme-delete-existing-claim", "spec.l2.nvme.reclaimPolicy", _set("spec.l2.nvme", {
         "existingClaimName": "kv-data", "maxCapacityGB": 100, "reclaimPolicy": "Delete"})),
+    Case("existing-claim-two-servers", "spec.lmcacheServer.replicas", _both(
+        _set("spec.l2.nvme", {"existingClaimName": "kv-data", "maxCapacityGB": 100}), _set("spec.lmcacheServer.replicas", 2))),
     Case("bucket-handle-s3", "spec.l2.hfBucket.bucketHandle",
          _set("spec.l2.hfBucket.bucketHandle", "s3://acme/kv"), base="hf-bucket"),
     Case("bucket-token-missing", "spec.l2.hfBucket.tokenSecretRef",

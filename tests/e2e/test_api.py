@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -69,5 +71,11 @@ def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, n
     cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
     assert cond["status"] == "False" and cond["reason"] == "IdentityIncomplete"
     assert "chat_template_digest" in cond["message"]
+    dep = wait_for("the vLLM Deployment", lambda: kubectl.run("get", "deployment", "llama31-8b-vllm", "-n", namespace,
+                                                            "-o", "json", check=False).stdout)
+    args = json.loads(dep)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--kv-transfer-config" not in args and "meta-llama/Llama-3.1-8B-Instruct" in args
+    sts = kubectl.get("statefulset", "llama31-8b-lmcache", namespace)
+    assert sts["spec"]["replicas"] == 0
     wait_for("an IdentityIncomplete event", lambda: kubectl.run(
         "get", "events", "-n", namespace, "--field-selector", "reason=IdentityIncomplete", "-o", "name").stdout.strip())

@@ -161,6 +161,13 @@ class NVMe(_Model):
                     field_path=".storageClassName"),
                 cel("!has(self.size) || quantity(self.size).asApproximateFloat() >= self.maxCapacityGB * 1073741824.0",
                     "maxCapacityGB must fit in the claim: lower maxCapacityGB or raise size", field_path=".maxCapacityGB"),
+                cel("has(self.size) == has(oldSelf.size) && (!has(self.size) || self.size == oldSelf.size)",
+                    "size is fixed once set (claims are made from it and keep their data): create a new KVCacheNamespace "
+                    "for another size", field_path=".size"),
+                cel("has(self.storageClassName) == has(oldSelf.storageClassName) && "
+                    "(!has(self.storageClassName) || self.storageClassName == oldSelf.storageClassName)",
+                    "storageClassName is fixed once set: create a new KVCacheNamespace for another class",
+                    field_path=".storageClassName"),
                 cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
                     "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
             ]
@@ -230,6 +237,8 @@ class L2(_Model):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("has(self.nvme) != has(self.hfBucket)", "set exactly one of nvme or hfBucket", reason="FieldValueInvalid"),
+                cel("has(self.nvme) == has(oldSelf.nvme)",
+                    "the L2 kind is fixed once set (the cached data lives there): create a new KVCacheNamespace instead"),
             ]
         }
     )
@@ -341,6 +350,9 @@ class KVCacheNamespaceSpec(_Model):
                 cel("!has(self.vllm.gpusPerReplica) || !has(self.identity.tensorParallelSize) || "
                     "self.vllm.gpusPerReplica >= self.identity.tensorParallelSize",
                     "vllm.gpusPerReplica must be at least identity.tensorParallelSize", field_path=".vllm.gpusPerReplica"),
+                cel("!has(self.l2.nvme) || !has(self.l2.nvme.existingClaimName) || self.lmcacheServer.replicas == 1",
+                    "an existing claim serves one lmcache server: set lmcacheServer.replicas to 1, or use size for a "
+                    "claim per server", field_path=".lmcacheServer.replicas"),
             ]
         }
     )
@@ -382,6 +394,8 @@ class KVCacheNamespaceSpec(_Model):
         bad = [a for a in self.vllm.extra_args if re.match(PINNED_FLAG_REGEX, a)]
         if bad:
             raise ValueError(f"spec.vllm.extraArgs: {bad[0]!r} sets a flag owned by identity or the operator")
+        if n is not None and n.existing_claim_name is not None and self.lmcache_server.replicas != 1:
+            raise ValueError("spec.lmcacheServer.replicas: an existing claim serves one lmcache server: set it to 1")
         tp = self.identity.tensor_parallel_size
         if self.vllm.gpus_per_replica is not None and tp is not None and self.vllm.gpus_per_replica < tp:
             raise ValueError("spec.vllm.gpusPerReplica: must be at least identity.tensorParallelSize")

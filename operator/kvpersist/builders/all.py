@@ -1,0 +1,22 @@
+"""Everything one KVCacheNamespace becomes, in the order it should be applied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpersist.builders.connection import build_connection_configmap
+from kvpersist.builders.lmcache import build_lmcache_statefulset
+from kvpersist.builders.services import build_local_service, build_metrics_service
+from kvpersist.builders.target import Target
+from kvpersist.builders.vllm import build_vllm_deployment
+
+
+def build_all(target: Target) -> list[dict[str, Any]]:
+    """Services and ConfigMap first (the StatefulSet names its governing Service), vLLM last."""
+    return [
+        build_metrics_service(target),
+        build_local_service(target),
+        build_connection_configmap(target),
+        build_lmcache_statefulset(target),
+        build_vllm_deployment(target),
+    ]

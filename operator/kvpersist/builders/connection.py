@@ -1,0 +1,43 @@
+"""The kv-transfer-config that wires vLLM to its lmcache server, and the ConfigMap publishing it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvpersist.builders.target import SERVER, Target
+
+CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_connector"}
+
+
+def kv_transfer_config(target: Target) -> dict[str, Any]:
+    """The connector is pinned by module path, so vLLM cannot pick up another implementation."""
+    connector = target.spec.identity.connector or "LMCacheMPConnector"
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": CONNECTOR_MODULES[connector],
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": f"tcp://{target.local_service_name}.{target.namespace}.svc",
+            "lmcache.mp.port": target.spec.lmcache_server.port,
+        },
+    }
+
+
+def kv_transfer_config_json(target: Target) -> str:
+    return json.dumps(kv_transfer_config(target), separators=(",", ":"), sort_keys=True)
+
+
+def build_connection_configmap(target: Target) -> dict[str, Any]:
+    """For clients other than the operator's own vLLM pods: what to pass as --kv-transfer-config."""
+    if target.cache_enabled:
+        data = {"kv-transfer-config.json": kv_transfer_config_json(target), "namespace-id": target.namespace_id or "",
+                "cache": "enabled"}
+    else:
+        data = {"cache": "disabled"}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": target.metadata(target.connection_name, SERVER),
+        "data": data,
+    }

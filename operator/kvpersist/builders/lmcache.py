@@ -1,0 +1,178 @@
+"""The lmcache server: its command line, its L2 adapter JSON, and the StatefulSet that runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from kvpersist.api.v1alpha1 import Eviction
+from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, L2_VOLUME, SERVER, Target
+
+# Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
+MEMORY_OVERHEAD_GIB = 5
+MEMORY_LIMIT_FACTOR = 1.5
+
+
+def _eviction_json(eviction: Eviction) -> dict[str, Any]:
+    return {
+        "eviction_policy": eviction.policy,
+        "trigger_watermark": eviction.trigger_watermark,
+        "eviction_ratio": eviction.eviction_ratio,
+    }
+
+
+def l2_path(target: Target) -> str:
+    """Where this namespace's files live on the claim: one folder per namespace id, so two
+    KVCacheNamespaces on one volume never read each other's files."""
+    return f"{L2_MOUNT_PATH}/{target.namespace_id}"
+
+
+def l2_adapter_config(target: Target) -> dict[str, Any]:
+    """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacityGB."""
+    spec = target.spec
+    eviction = _eviction_json(spec.eviction)
+    if spec.l2.nvme is not None:
+        nvme = spec.l2.nvme
+        if nvme.adapter == "fs":
+            return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
+                    "persist_enabled": True, "eviction": eviction}
+        return {
+            "type": "nixl_store_dynamic",
+            "backend": nvme.backend,
+            # nixl_store_dynamic takes string values in backend_params.
+            "backend_params": {
+                "file_path": l2_path(target),
+                "use_direct_io": "true" if nvme.direct_io else "false",
+                "max_capacity_gb": _number(nvme.max_capacity_gb),
+            },
+            "persist_enabled": True,
+            "eviction": eviction,
+        }
+    bucket = spec.l2.hf_bucket
+    assert bucket is not None
+    return {
+        "type": "hfbucket",
+        "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
+        "token_env": HF_TOKEN_ENV,
+        "create_bucket_if_missing": bucket.create_bucket_if_missing,
+        "num_workers": bucket.num_workers,
+        "metadata_cache_ttl_secs": bucket.metadata_cache_ttl_seconds,
+        "max_capacity_gb": bucket.max_capacity_gb,
+        "shared": True,
+        "eviction": eviction,
+    }
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def server_args(target: Target) -> list[str]:
+    """`lmcache server` arguments. The admin API binds all interfaces for probes and the operator;
+    a NetworkPolicy keeps everyone else out, and /run_script stays off."""
+    spec = target.spec
+    return [
+        "server",
+        "--host", "0.0.0.0",
+        "--port", str(spec.lmcache_server.port),
+        "--http-host", "0.0.0.0",
+        "--http-port", str(spec.lmcache_server.http_port),
+        "--l1-size-gb", _number(spec.l1.size_gb),
+        "--eviction-policy", spec.eviction.policy,
+        "--eviction-trigger-watermark", _number(spec.eviction.trigger_watermark),
+        "--eviction-ratio", _number(spec.eviction.eviction_ratio),
+        "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
+        "--no-run-script-api-enabled",
+    ]
+
+
+def server_resources(target: Target) -> dict[str, dict[str, str]]:
+    """Memory from L1 (L1 + 5Gi requested, 1.5x that as the limit) unless the spec overrides it."""
+    request_mi = math.ceil((target.spec.l1.size_gb + MEMORY_OVERHEAD_GIB) * 1024)
+    limit_mi = math.ceil(request_mi * MEMORY_LIMIT_FACTOR)
+    requests: dict[str, str] = {"memory": f"{request_mi}Mi", "cpu": "2"}
+    limits: dict[str, str] = {"memory": f"{limit_mi}Mi"}
+    override = target.spec.lmcache_server.resources
+    if override is not None:
+        requests.update({k: str(v) for k, v in (override.requests or {}).items()})
+        limits.update({k: str(v) for k, v in (override.limits or {}).items()})
+    return {"requests": requests, "limits": limits}
+
+
+def _probe(port_name: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": "/healthcheck", "port": port_name}, "periodSeconds": period,
+            "timeoutSeconds": 3, "failureThreshold": failures}
+
+
+def server_container(target: Target) -> dict[str, Any]:
+    srv = target.spec.lmcache_server
+    env: list[dict[str, Any]] = [{"name": "LMCACHE_DISABLE_BANNER", "value": "1"}]
+    bucket = target.spec.l2.hf_bucket
+    if bucket is not None:
+        # The token reaches the server only through the environment, from the Secret.
+        env.append({"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": bucket.token_secret_ref.name, "key": bucket.token_secret_ref.key}}})
+    container: dict[str, Any] = {
+        "name": "lmcache-server",
+        "image": srv.image,
+        "command": ["lmcache"],
+        "args": server_args(target),
+        "env": env,
+        "ports": [
+            {"name": "zmq", "containerPort": srv.port, "protocol": "TCP"},
+            {"name": "http", "containerPort": srv.http_port, "protocol": "TCP"},
+        ],
+        "resources": server_resources(target),
+        # Loading torch and allocating L1 takes a while; the startup probe covers it.
+        "startupProbe": _probe("http", 5, 120),
+        "readinessProbe": _probe("http", 5, 3),
+        "livenessProbe": _probe("http", 10, 6),
+    }
+    if target.spec.l2.nvme is not None:
+        container["volumeMounts"] = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}]
+    return container
+
+
+def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
+    """One lmcache server per GPU node of this resource (required anti-affinity), on the same
+    nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
+    (persistentVolumeClaimRetentionPolicy follows reclaimPolicy). Scaled to zero, never deleted,
+    while the cache is disabled, so no claim is lost over a missing pin."""
+    spec = target.spec
+    selector = target.selector(SERVER)
+    pod_spec: dict[str, Any] = {
+        "containers": [server_container(target)],
+        # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace.
+        "hostIPC": True,
+        "terminationGracePeriodSeconds": 60,
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}]}},
+    }
+    if spec.vllm.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
+    if spec.vllm.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
+    sts_spec: dict[str, Any] = {
+        "serviceName": target.metrics_service_name,
+        "replicas": spec.lmcache_server.replicas if target.cache_enabled else 0,
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector},
+        "template": {"metadata": {"labels": target.labels(SERVER)}, "spec": pod_spec},
+    }
+    nvme = spec.l2.nvme
+    if nvme is not None and nvme.existing_claim_name:
+        pod_spec["volumes"] = [{"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}}]
+    elif nvme is not None:
+        claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(nvme.size)}}}
+        if nvme.storage_class_name:
+            claim_spec["storageClassName"] = nvme.storage_class_name
+        sts_spec["volumeClaimTemplates"] = [{"metadata": {"name": L2_VOLUME, "labels": target.selector(SERVER)},
+                                             "spec": claim_spec}]
+        sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": nvme.reclaim_policy, "whenScaled": "Retain"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": target.metadata(target.server_name, SERVER),
+        "spec": sts_spec,
+    }

@@ -1,0 +1,71 @@
+"""What the builders need to know about one KVCacheNamespace, and the names and labels they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+
+L2_MOUNT_PATH = "/var/lib/kvpersist/l2"
+L2_VOLUME = "l2"
+HF_TOKEN_ENV = "KVPERSIST_HF_TOKEN"
+MANAGED_BY = "kvpersist"
+NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
+SERVER = "lmcache-server"
+VLLM = "vllm"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One KVCacheNamespace as the builders see it. namespace_id None means the cache is off."""
+
+    name: str
+    namespace: str
+    spec: KVCacheNamespaceSpec
+    namespace_id: str | None
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.namespace_id is not None
+
+    # ---- names
+    @property
+    def server_name(self) -> str:
+        """StatefulSet of the lmcache servers; its pods are <name>-lmcache-<ordinal>."""
+        return f"{self.name}-lmcache"
+
+    @property
+    def local_service_name(self) -> str:
+        """Node-local Service vLLM connects through (same name as the StatefulSet, by design)."""
+        return f"{self.name}-lmcache"
+
+    @property
+    def metrics_service_name(self) -> str:
+        """Headless Service: governs the StatefulSet and exposes the HTTP admin/metrics port."""
+        return f"{self.name}-lmcache-metrics"
+
+    @property
+    def connection_name(self) -> str:
+        return f"{self.name}-connection"
+
+    @property
+    def vllm_name(self) -> str:
+        return f"{self.name}-vllm"
+
+    # ---- labels
+    def selector(self, component: str) -> dict[str, str]:
+        """Labels that select one component's pods; never change, so selectors stay valid."""
+        return {
+            "app.kubernetes.io/name": "kvpersist",
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/component": component,
+        }
+
+    def labels(self, component: str) -> dict[str, str]:
+        out = {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY}
+        if self.namespace_id:
+            out[NAMESPACE_ID_LABEL] = self.namespace_id
+        return out
+
+    def metadata(self, name: str, component: str) -> dict:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels(component)}

@@ -1,0 +1,91 @@
+"""The operator's access to the API server: server-side apply and the reads status needs."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kubernetes
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
+
+FIELD_MANAGER = "kvpersist"
+REQUEST_TIMEOUT_S = 30
+
+
+def load_config() -> None:
+    """In a pod: its ServiceAccount. Elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+@functools.cache
+def client() -> DynamicClient:
+    return DynamicClient(kubernetes.client.ApiClient())
+
+
+def _resource(api_version: str, kind: str) -> Any:
+    return client().resources.get(api_version=api_version, kind=kind)
+
+
+def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Server-side apply as the operator's field manager. force: the operator owns these fields;
+    a hand edit of them is drift to undo, not a conflict to stop on."""
+    res = _resource(manifest["apiVersion"], manifest["kind"])
+    out = res.server_side_apply(body=dict(manifest), field_manager=FIELD_MANAGER, force_conflicts=True,
+                                _request_timeout=REQUEST_TIMEOUT_S)
+    return out.to_dict()
+
+
+def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    try:
+        return _resource(api_version, kind).get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S).to_dict()
+    except NotFoundError:
+        return None
+
+
+def list_objects(api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    out = _resource(api_version, kind).get(namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S)
+    return [item.to_dict() for item in out.items]
+
+
+def patch_status(api_version: str, kind: str, name: str, namespace: str, status: Mapping[str, Any]) -> None:
+    """JSON merge patch of the status subresource (a None value removes a field)."""
+    res = _resource(api_version, kind)
+    client().request("patch", res.path(name=name, namespace=namespace) + "/status", body={"status": dict(status)},
+                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
+
+
+def post_event(owner: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A core/v1 Event on the owner, as `kubectl describe` shows them. Best effort: a lost event
+    must never fail a reconcile."""
+    meta = owner["metadata"]
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta["uid"]},
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": FIELD_MANAGER},
+        "reportingComponent": FIELD_MANAGER,
+        "reportingInstance": FIELD_MANAGER,
+        "firstTimestamp": now.split(".")[0] + "Z",
+        "lastTimestamp": now.split(".")[0] + "Z",
+        "eventTime": now,
+        "action": reason,
+        "count": 1,
+    }
+    try:
+        _resource("v1", "Event").create(body=body, namespace=meta["namespace"], _request_timeout=REQUEST_TIMEOUT_S)
+    except kubernetes.client.exceptions.ApiException:
+        logging.getLogger(__name__).warning("could not post event %s on %s/%s", reason, meta["namespace"], meta["name"])

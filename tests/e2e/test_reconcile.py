@@ -1,0 +1,292 @@
+"""The operator end to end: a KVCacheNamespace becomes real workloads on the local cluster, kwok
+runs the pods, and each lmcache-server pod is backed by a real `lmcache server` process on the
+pod's loopback IP (hack/kwok_lmcache_runner.py), so status shows what the real server reports.
+
+One scenario, in order: apply -> Ready with usage; KV stored grows usage; L1 change rolls out;
+a pin change moves to a new namespace without touching the old files; delete keeps the claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.builders.lmcache import server_args
+from kvpersist.builders.target import Target
+from kvpersist.builders.vllm import vllm_args
+from kvpersist.identity import resolve
+from tests.cases.invalid_manifests import sample
+from tests.e2e.kube import REPO, Kubectl, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
+
+sys.path.insert(0, str(REPO / "hack"))
+from kwok_lmcache_runner import Runner  # noqa: E402
+
+NAME = "llama31-8b"
+LMCACHE = shutil.which("lmcache")
+
+
+def start_operator(kubeconfig: Path, namespace: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+class RunnerThread:
+    """Syncs the runner every second in the background, like a kubelet's loop."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.halt.is_set():
+            with contextlib.suppress(subprocess.SubprocessError, KeyError):
+                self.runner.sync()
+            self.halt.wait(1.0)
+
+    def __enter__(self) -> RunnerThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.thread.join(timeout=30)
+        self.runner.stop_all()
+
+
+def storage(ns: str) -> dict:
+    """A StorageClass and a static local PV on the GPU node, private to this test's namespace."""
+    return {"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": f"{ns}-nvme"},
+         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "WaitForFirstConsumer"},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-pv"},
+         "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": f"{ns}-nvme",
+                  "persistentVolumeReclaimPolicy": "Retain", "local": {"path": f"/mnt/{ns}"},
+                  "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                      {"key": "kubernetes.io/hostname", "operator": "In", "values": ["kwok-gpu-0"]}]}]}}}},
+    ]}
+
+
+def manifest(ns: str, **identity_changes: object) -> dict:
+    obj = sample()
+    obj["metadata"]["namespace"] = ns
+    obj["spec"]["identity"].update(identity_changes)
+    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacityGB=1)
+    return obj
+
+
+def target_of(obj: dict) -> Target:
+    spec = KVCacheNamespace.model_validate(obj).spec
+    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.identity.model_dump()).namespace_id)
+
+
+def kvns_status(k: Kubectl, ns: str) -> dict:
+    return k.get("kvns", NAME, ns).get("status") or {}
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def scenario(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    if LMCACHE is None:
+        pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
+    ns = f"e2e-{uuid.uuid4().hex[:8]}"
+    work = tmp_path_factory.mktemp("reconcile")
+    kubectl.run("create", "namespace", ns)
+    kubectl.apply(storage(ns))
+    log = work / "operator.log"
+    operator = start_operator(kubectl.kubeconfig, ns, log)
+    runner = Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=LMCACHE)
+    state = {"ns": ns, "work": work, "runner": runner, "operator": operator, "log": log}
+    try:
+        with RunnerThread(runner):
+            yield state
+    finally:
+        stop(state["operator"])
+        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+        kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
+        kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)
+
+
+def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    obj = manifest(ns)
+    kubectl.apply(obj)
+    t = target_of(obj)
+    status = wait_for("phase Ready", lambda: (lambda s: s if s.get("phase") == "Ready" else None)(kvns_status(kubectl, ns)),
+                      timeout=180)
+    assert status["namespaceId"] == t.namespace_id and status["replicas"] == "1/1"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "IdentityResolved": "True", "L2Ready": "True", "LMCacheReady": "True", "VLLMReady": "True", "Ready": "True"}
+
+    sts = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
+    assert sts["spec"]["template"]["spec"]["containers"][0]["args"] == server_args(t)
+    assert sts["metadata"]["ownerReferences"][0]["kind"] == "KVCacheNamespace"
+    dep = kubectl.get("deployment", f"{NAME}-vllm", ns)
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == vllm_args(t)
+    vllm_pod = next(p for p in kubectl.get("pods", namespace=ns)["items"] if p["metadata"]["name"].startswith(f"{NAME}-vllm"))
+    server_pod = kubectl.get("pod", f"{NAME}-lmcache-0", ns)
+    assert vllm_pod["spec"]["nodeName"] == server_pod["spec"]["nodeName"] == "kwok-gpu-0"
+    svc = kubectl.get("service", f"{NAME}-lmcache", ns)
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    cm = kubectl.get("configmap", f"{NAME}-connection", ns)
+    assert json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector"] == "LMCacheMPConnector"
+    pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
+    assert pvc["status"]["phase"] == "Bound"
+    assert status["usage"]["l1CapacityBytes"] == 2**28 and status["usage"]["l2CapacityBytes"] == 2**30
+    assert status["servers"] == [{"pod": f"{NAME}-lmcache-0", "healthy": True, "message": ""}]
+    events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=Ready", "-o", "name").stdout
+    assert events.strip()
+
+
+def _server_status(ip: str) -> dict:
+    with urllib.request.urlopen(f"http://{ip}:8080/status", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]
+    before = kvns_status(kubectl, ns)["usage"]
+    bench = subprocess.run([LMCACHE, "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
+                            "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
+                            "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", "0",
+                            "--end", "4", "--interval", "0.1", "--format", "json"],
+                           capture_output=True, text=True, timeout=180, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    server = _server_status(ip)["storage_manager"]
+    want_objects = server["l2_adapters"][0]["stored_object_count"]
+    want_l2 = server["l2_eviction_controller"]["adapters"][0]["total_bytes_used"]
+    assert want_objects > 0 and want_l2 > 0
+    usage = wait_for("status usage to match the server", lambda: (lambda u: u if u.get("l2Objects") == want_objects else None)(
+        kvns_status(kubectl, ns).get("usage") or {}), timeout=60)
+    assert usage["l2UsedBytes"] == want_l2 > before.get("l2UsedBytes", 0)
+    assert usage["l1UsedBytes"] == server["l1_manager"]["memory_used_bytes"] > 0
+    scenario["stored_files"] = files_digest(_l2_dir(scenario, target_of(manifest(ns)).namespace_id))
+    assert len(scenario["stored_files"]) == want_objects
+
+
+def _l2_dir(scenario: dict, namespace_id: str | None) -> Path:
+    return scenario["work"] / "pods" / "volumes" / scenario["ns"] / f"l2-{NAME}-lmcache-0" / str(namespace_id)
+
+
+def test_l1_change_rolls_out(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    obj = manifest(ns)
+    obj["spec"]["l1"]["sizeGB"] = 0.5
+    kubectl.apply(obj)
+    wait_for("the server to restart with 0.5 GiB of L1", lambda: (kvns_status(kubectl, ns).get("usage") or {}).get(
+        "l1CapacityBytes") == 2**29 and kvns_status(kubectl, ns).get("phase") == "Ready", timeout=180)
+    sts = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
+    assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"]
+
+
+def test_pin_change_moves_to_new_namespace_and_keeps_old_files(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    old_id = kvns_status(kubectl, ns)["namespaceId"]
+    obj = manifest(ns, maxModelLen=16384)
+    obj["spec"]["l1"]["sizeGB"] = 0.5
+    kubectl.apply(obj)
+    new_id = target_of(obj).namespace_id
+    assert new_id != old_id
+    wait_for("the new namespace id and Ready", lambda: kvns_status(kubectl, ns).get("namespaceId") == new_id
+             and kvns_status(kubectl, ns).get("phase") == "Ready", timeout=180)
+    args = kubectl.get("statefulset", f"{NAME}-lmcache", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert new_id in " ".join(args) and old_id not in " ".join(args)
+    assert files_digest(_l2_dir(scenario, old_id)) == scenario["stored_files"]
+    events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=NamespaceResolved", "-o", "json").stdout
+    assert any(old_id in e["message"] and new_id in e["message"] for e in json.loads(events)["items"])
+
+
+def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    stop(scenario["operator"], signal.SIGKILL)
+    extra = []
+    for i in range(5):
+        obj = manifest(ns)
+        obj["metadata"]["name"] = f"extra-{i}"
+        obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"claim-{i}", "maxCapacityGB": 1}}
+        extra.append(obj)
+    kubectl.apply({"apiVersion": "v1", "kind": "List", "items": extra})
+    scenario["operator"] = start_operator(kubectl.kubeconfig, ns, scenario["log"])
+    time.sleep(1.5)  # let it get part-way through the five reconciles
+    stop(scenario["operator"], signal.SIGKILL)
+    scenario["operator"] = start_operator(kubectl.kubeconfig, ns, scenario["log"])
+    for obj in extra:
+        name = obj["metadata"]["name"]
+        wait_for(f"{name} reconciled", lambda n=name: kubectl.get("kvns", n, ns).get("status", {}).get("observedGeneration"),
+                 timeout=120)
+    for kind in ("statefulsets", "deployments", "services", "configmaps"):
+        names = [o["metadata"]["name"] for o in kubectl.get(kind, namespace=ns)["items"]]
+        assert len(names) == len(set(names))
+    for obj in extra:
+        name = obj["metadata"]["name"]
+        for kind, suffix in (("statefulset", "lmcache"), ("deployment", "vllm"), ("configmap", "connection")):
+            assert kubectl.get(kind, f"{name}-{suffix}", ns)["metadata"]["labels"]["app.kubernetes.io/instance"] == name
+        kubectl.run("delete", "kvns", name, "-n", ns)
+
+
+def test_reclaim_delete_removes_the_claims_it_made(kubectl: Kubectl, scenario: dict) -> None:
+    ns = scenario["ns"]
+    obj = manifest(ns)
+    obj["metadata"]["name"] = "scratch"
+    obj["spec"]["l2"] = {"nvme": {"size": "1Gi", "maxCapacityGB": 1, "reclaimPolicy": "Delete"}}
+    kubectl.run("apply", "-f", "-", stdin=json.dumps(obj))
+    storage_pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-scratch-pv"},
+                  "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                           "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/mnt/{ns}-scratch"}}}
+    kubectl.apply(storage_pv)
+    wait_for("the scratch claim to bind", lambda: kubectl.run("get", "pvc", "l2-scratch-lmcache-0", "-n", ns, "-o",
+                                                             "jsonpath={.status.phase}", check=False).stdout == "Bound",
+             timeout=120)
+    kubectl.run("delete", "kvns", "scratch", "-n", ns)
+    wait_for("the claim to go with the resource", lambda: kubectl.run("get", "pvc", "l2-scratch-lmcache-0", "-n", ns,
+                                                                     check=False).returncode != 0, timeout=120)
+    kubectl.run("delete", "pv", f"{ns}-scratch-pv", "--wait=false", check=False)
+
+
+def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenario: dict) -> None:
+    """Deleted with the operator down: no finalizer holds the object, the garbage collector
+    removes what it owned, and the claim with its KV data stays (reclaimPolicy Retain)."""
+    ns = scenario["ns"]
+    stop(scenario["operator"])
+    kubectl.run("delete", "kvns", NAME, "-n", ns, timeout=60)
+    gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
+        ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"), ("service", f"{NAME}-lmcache"),
+        ("service", f"{NAME}-lmcache-metrics"), ("configmap", f"{NAME}-connection")])
+    wait_for("the owned objects to be garbage-collected", gone, timeout=120)
+    assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
+    old_id = target_of(manifest(ns)).namespace_id
+    assert files_digest(_l2_dir(scenario, old_id)) == scenario["stored_files"]

@@ -1,0 +1,193 @@
+"""Every builder, without a cluster: what one KVCacheNamespace becomes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.builders.all import build_all
+from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
+from kvpersist.builders.lmcache import build_lmcache_statefulset, l2_adapter_config, server_args, server_resources
+from kvpersist.builders.services import build_local_service, build_metrics_service
+from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, Target
+from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
+from kvpersist.identity import resolve
+from tests.cases.invalid_manifests import sample
+
+
+def target(name: str = "nvme-minimal", mutate=None, namespace: str = "ml") -> Target:
+    obj = sample(name)
+    if mutate:
+        mutate(obj)
+    model = KVCacheNamespace.model_validate(obj)
+    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.identity.model_dump()).namespace_id)
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
+    t = target("isolated-lru")
+    args = server_args(t)
+    assert args[0] == "server"
+    assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "0.0.0.0"
+    assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "8080"
+    assert _flag(args, "--l1-size-gb") == "64"
+    assert _flag(args, "--eviction-policy") == "IsolatedLRU"
+    assert _flag(args, "--eviction-trigger-watermark") == "0.9" and _flag(args, "--eviction-ratio") == "0.1"
+    assert "--no-run-script-api-enabled" in args
+    assert json.loads(_flag(args, "--l2-adapter")) == l2_adapter_config(t)
+
+
+def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
+    t = target()
+    cfg = l2_adapter_config(t)
+    assert cfg["type"] == "nixl_store_dynamic" and cfg["backend"] == "POSIX" and cfg["persist_enabled"] is True
+    assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "false",
+                                     "max_capacity_gb": "450"}
+    assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}
+
+
+def test_fs_adapter() -> None:
+    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs", directIO=True))
+    cfg = l2_adapter_config(t)
+    assert cfg["type"] == "fs" and cfg["base_path"].endswith(t.namespace_id) and cfg["use_odirect"] is True
+
+
+def test_hfbucket_adapter_uses_token_env_and_namespaced_prefix() -> None:
+    t = target("hf-bucket")
+    cfg = l2_adapter_config(t)
+    assert cfg["type"] == "hfbucket" and cfg["shared"] is True
+    assert cfg["bucket_handle"] == f"hf://buckets/acme-ml/kv-cache/prod/{t.namespace_id}"
+    assert cfg["token_env"] == HF_TOKEN_ENV and "token" not in cfg
+    assert (cfg["create_bucket_if_missing"], cfg["num_workers"], cfg["max_capacity_gb"]) == (True, 8, 2000)
+    sts = build_lmcache_statefulset(t)
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[HF_TOKEN_ENV] == {"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "hf-kv-writer", "key": "token"}}}
+    assert "volumeClaimTemplates" not in sts["spec"]
+
+
+def test_two_resources_on_one_volume_get_disjoint_paths() -> None:
+    a = target()
+    b = target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=16384))
+    assert a.namespace_id != b.namespace_id
+    pa = l2_adapter_config(a)["backend_params"]["file_path"]
+    pb = l2_adapter_config(b)["backend_params"]["file_path"]
+    assert pa != pb and not pa.startswith(pb) and not pb.startswith(pa)
+
+
+@pytest.mark.parametrize(("l1", "request_mi", "limit_mi"), [(32, 37 * 1024, 56832), (0.25, 5376, 8064)])
+def test_server_memory_from_l1(l1: float, request_mi: int, limit_mi: int) -> None:
+    t = target(mutate=lambda o: o["spec"]["l1"].update(sizeGB=l1))
+    res = server_resources(t)
+    assert res["requests"]["memory"] == f"{request_mi}Mi" and res["limits"]["memory"] == f"{limit_mi}Mi"
+
+
+def test_server_memory_override() -> None:
+    t = target(mutate=lambda o: o["spec"].update(lmcacheServer={"resources": {"limits": {"memory": "100Gi"}}}))
+    assert server_resources(t)["limits"]["memory"] == "100Gi"
+
+
+def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
+    sts = build_lmcache_statefulset(target())
+    spec = sts["spec"]
+    assert spec["replicas"] == 1 and spec["serviceName"] == "llama31-8b-lmcache-metrics"
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    vct = spec["volumeClaimTemplates"][0]
+    assert vct["spec"]["storageClassName"] == "local-nvme" and vct["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    pod = spec["template"]["spec"]
+    assert pod["hostIPC"] is True
+    container = pod["containers"][0]
+    assert container["command"] == ["lmcache"]
+    assert container["volumeMounts"] == [{"name": "l2", "mountPath": L2_MOUNT_PATH}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthcheck"
+    deleting = build_lmcache_statefulset(target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(reclaimPolicy="Delete")))
+    assert deleting["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
+
+
+def test_existing_claim_is_mounted_not_templated() -> None:
+    t = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "kv-data", "maxCapacityGB": 100}))
+    sts = build_lmcache_statefulset(t)
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert sts["spec"]["template"]["spec"]["volumes"] == [{"name": "l2", "persistentVolumeClaim": {"claimName": "kv-data"}}]
+
+
+def test_services() -> None:
+    t = target()
+    local = build_local_service(t)
+    assert local["metadata"]["name"] == "llama31-8b-lmcache" and local["spec"]["internalTrafficPolicy"] == "Local"
+    assert local["spec"]["ports"] == [{"name": "zmq", "port": 5555, "targetPort": "zmq", "protocol": "TCP"}]
+    metrics = build_metrics_service(t)
+    assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["ports"][0]["port"] == 8080
+    assert local["spec"]["selector"] == metrics["spec"]["selector"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+
+
+def test_connection_configmap_pins_the_connector_module() -> None:
+    t = target()
+    cm = build_connection_configmap(t)
+    assert cm["metadata"]["name"] == "llama31-8b-connection"
+    cfg = json.loads(cm["data"]["kv-transfer-config.json"])
+    assert cfg == kv_transfer_config(t)
+    assert cfg["kv_connector"] == "LMCacheMPConnector"
+    assert cfg["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
+    assert cfg["kv_role"] == "kv_both"
+    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://llama31-8b-lmcache.ml.svc", "lmcache.mp.port": 5555}
+    assert cm["data"]["namespace-id"] == t.namespace_id
+
+
+def test_vllm_launch_has_exactly_the_pins() -> None:
+    t = target("isolated-lru")
+    args = vllm_args(t)
+    ident = t.spec.identity
+    assert args[:2] == ["serve", ident.model_id]
+    assert _flag(args, "--revision") == ident.model_revision
+    assert _flag(args, "--tokenizer") == ident.tokenizer
+    assert _flag(args, "--tokenizer-revision") == ident.tokenizer_revision
+    assert _flag(args, "--kv-cache-dtype") == "fp8_e4m3"
+    assert _flag(args, "--block-size") == "16"
+    assert _flag(args, "--tensor-parallel-size") == "2"
+    assert _flag(args, "--max-model-len") == "65536"
+    assert json.loads(_flag(args, "--kv-transfer-config")) == kv_transfer_config(t)
+    assert args[-3:] == ["--gpu-memory-utilization", "0.90", "--enable-prefix-caching"]
+
+
+def test_vllm_deployment_co_located_with_its_server() -> None:
+    t = target("isolated-lru")
+    dep = build_vllm_deployment(t)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "PYTHONHASHSEED", "value": "0"} in container["env"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["hostIPC"] is True
+    term = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert dep["spec"]["replicas"] == 2
+
+
+def test_incomplete_identity_runs_vllm_without_cache() -> None:
+    t = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))
+    assert t.namespace_id is None
+    args = vllm_args(t)
+    assert "--kv-transfer-config" not in args and _flag(args, "--kv-cache-dtype") == "bfloat16"
+    pod = build_vllm_deployment(t)["spec"]["template"]["spec"]
+    assert "affinity" not in pod and "hostIPC" not in pod
+    assert build_lmcache_statefulset(t)["spec"]["replicas"] == 0  # scaled down, claims kept
+    assert build_connection_configmap(t)["data"] == {"cache": "disabled"}
+
+
+def test_namespace_id_labels_and_owned_names() -> None:
+    t = target()
+    objs = build_all(t)
+    assert [o["kind"] for o in objs] == ["Service", "Service", "ConfigMap", "StatefulSet", "Deployment"]
+    for o in objs:
+        assert o["metadata"]["namespace"] == "ml"
+        assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id
+        assert o["metadata"]["name"].startswith("llama31-8b-")

@@ -1,0 +1,94 @@
+"""Phase and conditions from observations: a table of situations a user would meet."""
+
+from __future__ import annotations
+
+from kvpersist.conditions import Observation, compute_status, merge_conditions, status_patch
+from kvpersist.usage import ServerReport
+
+NID = "kvp-" + "0" * 32
+
+
+def rollout(ready: int, desired: int, generation: int = 1, observed: int = 1) -> dict:
+    return {"metadata": {"generation": generation},
+            "status": {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": desired, "replicas": desired}}
+
+
+def pod(name: str, ready: bool) -> dict:
+    return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def bound(name: str, phase: str = "Bound") -> dict:
+    return {"metadata": {"name": name}, "status": {"phase": phase}}
+
+
+def obs(**kw) -> Observation:
+    base = dict(generation=3, namespace_id=NID, identity_reason="", l2_kind="nvme", server_desired=1, vllm_desired=1,
+                statefulset=rollout(1, 1), deployment=rollout(1, 1), server_pods=[pod("s-0", True)],
+                claims=[bound("l2-s-0")], reports=[ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True)])
+    base.update(kw)
+    return Observation(**base)
+
+
+def conds_of(o: Observation) -> tuple[str, dict]:
+    fields, conds = compute_status(o)
+    return fields["phase"], {c["type"]: (c["status"], c["reason"]) for c in conds}
+
+
+def test_all_good_is_ready() -> None:
+    phase, c = conds_of(obs())
+    assert phase == "Ready" and all(s == "True" for s, _ in c.values())
+
+
+def test_nothing_running_yet_is_pending() -> None:
+    phase, c = conds_of(obs(statefulset=rollout(0, 1), deployment=rollout(0, 1), server_pods=[pod("s-0", False)],
+                            reports=[ServerReport("s-0", False, "unreachable")]))
+    assert phase == "Pending" and c["LMCacheReady"] == ("False", "ServersStarting")
+
+
+def test_rollout_in_progress_is_progressing() -> None:
+    phase, c = conds_of(obs(deployment=rollout(1, 1, generation=4, observed=3)))
+    assert phase == "Progressing" and c["VLLMReady"] == ("False", "RollingOut")
+
+
+def test_ready_pod_with_unreachable_status_is_degraded() -> None:
+    phase, c = conds_of(obs(reports=[ServerReport("s-0", False, "/status unreachable")]))
+    assert phase == "Degraded" and c["LMCacheReady"] == ("False", "ServerUnhealthy") and c["Ready"][0] == "False"
+
+
+def test_claim_pending_names_the_fix() -> None:
+    _fields, conds = compute_status(obs(claims=[bound("l2-s-0", "Pending")]))
+    l2 = next(c for c in conds if c["type"] == "L2Ready")
+    assert l2["reason"] == "ClaimPending" and "storageClassName" in l2["message"]
+
+
+def test_missing_pin_is_cache_disabled() -> None:
+    fields, conds = compute_status(obs(namespace_id=None, identity_reason="missing pins: head_size", server_desired=0,
+                                       statefulset=rollout(0, 0), server_pods=[], claims=[], reports=[]))
+    assert fields["phase"] == "CacheDisabled" and fields["namespaceId"] is None
+    ident = next(c for c in conds if c["type"] == "IdentityResolved")
+    assert ident["status"] == "False" and "head_size" in ident["message"]
+
+
+def test_status_written_only_on_change() -> None:
+    o = obs()
+    fields, conds = compute_status(o)
+    first = status_patch({}, fields, conds, o.reports)
+    assert first and first["phase"] == "Ready" and first["usage"]["l1UsedBytes"] == 1
+    # Same observation again, later: nothing to write (timestamps alone never cause a write).
+    assert status_patch(first, fields, conds, o.reports) is None
+    more = [ServerReport("s-0", True, l1_used=2, l1_capacity=2, l2_healthy=True)]
+    assert status_patch(first, fields, conds, more)["usage"]["l1UsedBytes"] == 2
+
+
+def test_transition_time_kept_while_status_holds() -> None:
+    old = [{"type": "Ready", "status": "True", "reason": "A", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+    same = merge_conditions(old, [{"type": "Ready", "status": "True", "reason": "B", "message": "x"}])
+    assert same[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    flipped = merge_conditions(old, [{"type": "Ready", "status": "False", "reason": "B", "message": "x"}])
+    assert flipped[0]["lastTransitionTime"] != "2026-01-01T00:00:00Z"
+
+
+def test_missing_existing_claim_names_it() -> None:
+    _, conds = compute_status(obs(claims=[], existing_claim="kv-data"))
+    l2 = next(c for c in conds if c["type"] == "L2Ready")
+    assert l2["reason"] == "ClaimNotFound" and "kv-data" in l2["message"]

@@ -1,0 +1,44 @@
+"""Parsing lmcache 0.5.6's /status (a response captured from the real server after 8 stores)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvpersist.usage import collect_usage, human_bytes, parse_status, summarize
+
+CAPTURED = json.loads((Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_text())
+
+
+def test_parse_real_status() -> None:
+    rep = parse_status("s-0", CAPTURED)
+    assert rep.healthy and rep.message == ""
+    assert (rep.l1_used, rep.l1_capacity) == (4194304, 536870912)
+    assert (rep.l2_used, rep.l2_capacity, rep.l2_objects) == (4194304, 1073741824, 8)
+    assert rep.l2_healthy is True
+
+
+def test_unhealthy_adapter_is_reported() -> None:
+    bad = json.loads(json.dumps(CAPTURED))
+    bad["storage_manager"]["l2_adapters"][0]["is_healthy"] = False
+    rep = parse_status("s-0", bad)
+    assert not rep.healthy and rep.l2_healthy is False and "DynamicNixlStoreL2Adapter" in rep.message
+
+
+def test_summarize_sums_servers() -> None:
+    reps = [parse_status("s-0", CAPTURED), parse_status("s-1", CAPTURED)]
+    usage = summarize(reps, measured_at="2026-11-30T00:00:00Z")
+    assert usage["l1UsedBytes"] == 2 * 4194304 and usage["l2Objects"] == 16
+    assert usage["l1Used"] == "8Mi/1Gi" and usage["l2Used"] == "8Mi/2Gi"
+
+
+def test_unreachable_server_is_unhealthy_with_reason() -> None:
+    # Port 9 on loopback: nothing listens; the answer must come back quickly and say why.
+    [rep] = collect_usage([("s-0", "127.0.0.1")], port=9, timeout=1.0)
+    assert not rep.healthy and "unreachable" in rep.message
+    [none] = collect_usage([("s-1", None)], port=9)
+    assert not none.healthy and "no IP" in none.message
+
+
+def test_human_bytes() -> None:
+    assert [human_bytes(n) for n in (None, 512, 2048, 1536 * 2**20, 2**40)] == [None, "512B", "2Ki", "1.5Gi", "1Ti"]

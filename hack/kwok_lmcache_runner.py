@@ -32,6 +32,21 @@ SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/managed
 STOP_TIMEOUT_S = 20.0
 
 
+def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb: float | None = None) -> list[str]:
+    """A container's args as run on this machine: mount paths become local folders, the
+    all-interfaces bind address becomes the pod's (loopback) address, L1 optionally capped."""
+    out: list[str] = []
+    for arg in args:
+        for mount_path, local in mounts.items():
+            arg = arg.replace(mount_path, str(local))
+        if out and out[-1] == "--l1-size-gb" and max_l1_gb is not None and float(arg) > max_l1_gb:
+            print(f"[runner] L1 capped from {arg} to {max_l1_gb} GiB (--max-l1-gb: this machine is smaller than the "
+                  "pod's node)", file=sys.stderr, flush=True)
+            arg = str(max_l1_gb)
+        out.append(host if arg == "0.0.0.0" else arg)
+    return out
+
+
 @dataclass
 class Runner:
     kubeconfig: Path
@@ -71,16 +86,7 @@ class Runner:
                   for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: self.volume_dir(claims[m["name"]]) for m in container.get("volumeMounts", [])
                   if m["name"] in claims}
-        ip = pod["status"]["podIP"]
-        out: list[str] = []
-        for arg in container.get("args", []):
-            for mount_path, local in mounts.items():
-                arg = arg.replace(mount_path, str(local))
-            if out and out[-1] == "--l1-size-gb" and self.max_l1_gb is not None and float(arg) > self.max_l1_gb:
-                print(f"[runner] {pod['metadata']['name']}: L1 capped from {arg} to {self.max_l1_gb} GiB "
-                      "(--max-l1-gb: this machine is smaller than the pod's node)", file=sys.stderr, flush=True)
-                arg = str(self.max_l1_gb)
-            out.append(ip if arg == "0.0.0.0" else arg)
+        out = localize_args(container.get("args", []), mounts, pod["status"]["podIP"], self.max_l1_gb)
         command = container.get("command", [])
         return [self.lmcache if command[:1] == ["lmcache"] else command[0], *command[1:], *out]
 

@@ -56,6 +56,8 @@ class Observation:
     server_pods: list[Mapping[str, Any]] = field(default_factory=list)
     claims: list[Mapping[str, Any]] = field(default_factory=list)
     existing_claim: str | None = None
+    writes_failing: list[str] = field(default_factory=list)  # pods whose L2 writes fail now
+    bucket_check: tuple[bool, str, str] | None = None  # hfBucket preflight: (ok, reason, message)
     reports: list[ServerReport] = field(default_factory=list)
 
 
@@ -109,13 +111,25 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
             conds.append(condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen))
     else:
         bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
-        if bad_adapter:
+        if obs.bucket_check is not None and not obs.bucket_check[0]:
+            conds.append(condition("L2Ready", False, obs.bucket_check[1], obs.bucket_check[2], gen))
+        elif bad_adapter:
             conds.append(condition("L2Ready", False, "AdapterUnhealthy",
                                    f"hfbucket adapter unhealthy on {', '.join(bad_adapter)}", gen))
         elif any(r.l2_healthy for r in obs.reports):
-            conds.append(condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy", gen))
+            conds.append(condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy"
+                                   + (f"; {obs.bucket_check[2]}" if obs.bucket_check else ""), gen))
+        elif obs.bucket_check is not None:
+            conds.append(condition("L2Ready", None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet", gen))
         else:
             conds.append(condition("L2Ready", None, "NotMeasured", "no lmcache server has reported yet", gen))
+
+    failing = [r for r in obs.reports if r.pod in obs.writes_failing]
+    if cache_on and failing and conds[-1]["status"] != "False":
+        detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
+        conds[-1] = condition("L2Ready", False, "L2WritesFailing",
+                              f"L2 writes failing on {detail}: the volume is full or failing; serving continues from L1 "
+                              "and recompute. Free space or raise the claim, and keep maxCapacityGB below the free space", gen)
 
     # lmcache servers
     if not cache_on:
@@ -143,7 +157,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         phase = "Ready"
         conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
     else:
-        degraded = bool(sick) or by_type["L2Ready"]["reason"] == "AdapterUnhealthy"
+        degraded = bool(sick) or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
         first = not_ok[0]

@@ -8,8 +8,11 @@ the API server.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,8 +25,9 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
+from kvpersist.hfbucket import preflight_bucket
 from kvpersist.identity import resolve
-from kvpersist.usage import collect_usage
+from kvpersist.usage import WriteFailureTracker, collect_usage
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
@@ -31,6 +35,9 @@ STATUS_INTERVAL_S = 10.0
 # Apply failures the API server gave for a generation (e.g. an immutable field changed), kept so
 # the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
+_write_failures = WriteFailureTracker()
+PREFLIGHT_TTL_S = 300.0
+_preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] = {}
 
 
 @kopf.on.startup()
@@ -68,7 +75,11 @@ def _observe(body: Mapping[str, Any], target: Target, reason: str) -> Observatio
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
+    reports = collect_usage(sorted(running), spec.lmcache_server.http_port) if target.cache_enabled else []
+    now = time.monotonic()
+    failing = [r.pod for r in reports if _write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
     return Observation(
+        bucket_check=_bucket_check(target) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
         identity_reason=reason,
@@ -80,8 +91,33 @@ def _observe(body: Mapping[str, Any], target: Target, reason: str) -> Observatio
         server_pods=pods,
         claims=claims,
         existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
-        reports=collect_usage(sorted(running), spec.lmcache_server.http_port) if target.cache_enabled else [],
+        writes_failing=failing,
+        reports=reports,
     )
+
+
+def _bucket_check(target: Target) -> tuple[bool, str, str]:
+    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and Secret version."""
+    bucket = target.spec.l2.hf_bucket
+    assert bucket is not None
+    ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
+    secret = kube.get("v1", "Secret", bucket.token_secret_ref.name, target.namespace)
+    if secret is None:
+        return (False, "SecretNotFound", f"{ref} not found in namespace {target.namespace}: create it, e.g. kubectl create "
+                f"secret generic {bucket.token_secret_ref.name} --from-literal={bucket.token_secret_ref.key}=hf_...")
+    raw = (secret.get("data") or {}).get(bucket.token_secret_ref.key)
+    if not raw:
+        return (False, "SecretKeyMissing", f"{ref}: the Secret has no such key; set spec.l2.hfBucket.tokenSecretRef.key")
+    key = (target.namespace, target.name, bucket.bucket_handle, bucket.create_bucket_if_missing,
+           secret["metadata"].get("resourceVersion"))
+    cached = _preflights.get((target.namespace, target.name))
+    now = time.monotonic()
+    if cached and cached[0] == key and now - cached[1] < PREFLIGHT_TTL_S:
+        return cached[2]
+    result = preflight_bucket(bucket.bucket_handle, base64.b64decode(raw).decode().strip(), bucket.create_bucket_if_missing,
+                              ref, endpoint=os.environ.get("HF_ENDPOINT"))
+    _preflights[(target.namespace, target.name)] = (key, now, (result.ok, result.reason, result.message))
+    return result.ok, result.reason, result.message
 
 
 def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]]) -> list[tuple[str, str, str]]:

@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 STATUS_TIMEOUT_S = 2.0
@@ -26,6 +26,8 @@ class ServerReport:
     l2_capacity: int | None = None
     l2_objects: int | None = None
     l2_healthy: bool | None = None
+    l2_writes_failed: int | None = None  # objects whose L2 write failed since the server started
+    l2_writes_submitted: int | None = None
 
 
 def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
@@ -53,19 +55,62 @@ def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
     )
 
 
+# Counters from /metrics: objects handed to the L2 store path, and objects that landed. The
+# difference, less what is still pending, is what failed (ENOSPC, I/O errors): /status does not
+# show it, its adapters stay "healthy" while every write fails.
+SUBMITTED = "lmcache_mp_l2_store_submitted_objects_chunks_total"
+COMPLETED = "lmcache_mp_l2_store_completed_objects_chunks_total"
+
+
+def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> dict[str, float]:
+    """Sums of the named Prometheus samples over all label sets."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        if name in wanted:
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics: Mapping[str, float]) -> ServerReport:
+    """The report plus failed L2 writes: submitted - completed - still pending."""
+    if SUBMITTED not in metrics or COMPLETED not in metrics:
+        return report
+    ctl = (status.get("storage_manager") or {}).get("store_controller") or {}
+    pending = int(ctl.get("pending_keys_count") or 0) + int(ctl.get("in_flight_task_count") or 0)
+    submitted = int(metrics[SUBMITTED])
+    failed = max(0, submitted - int(metrics[COMPLETED]) - pending)
+    return replace(report, l2_writes_failed=failed, l2_writes_submitted=submitted)
+
+
 def _sum(values: Iterable[Any]) -> int | None:
     nums = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
     return sum(nums) if nums else None
 
 
 def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S) -> ServerReport:
-    url = f"http://{ip}:{port}/status"
+    """GET /status (health, usage), then /metrics (failed writes); both bounded by timeout."""
+    base = f"http://{ip}:{port}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return parse_status(pod, json.loads(resp.read()))
+        with urllib.request.urlopen(base + "/status", timeout=timeout) as resp:
+            status = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {ip}:{port}: {reason}")
+    report = parse_status(pod, status)
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=timeout) as resp:
+            metrics = parse_metrics(resp.read().decode(errors="replace"))
+    except (urllib.error.URLError, OSError):
+        return report
+    return with_write_failures(report, status, metrics)
 
 
 def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S) -> list[ServerReport]:
@@ -110,3 +155,28 @@ def summarize(reports: list[ServerReport], measured_at: str) -> dict[str, Any]:
     if total["l2_used"] is not None and total["l2_capacity"]:
         usage["l2Used"] = f"{human_bytes(total['l2_used'])}/{human_bytes(total['l2_capacity'])}"
     return {k: v for k, v in usage.items() if v is not None}
+
+
+class WriteFailureTracker:
+    """Remembers each server's failed-write count between polls: writes are failing *now* when
+    the count grew within the last hold_s seconds. Cumulative counts alone would flag a server
+    forever after one bad minute."""
+
+    def __init__(self, hold_s: float = 120.0) -> None:
+        self.hold_s = hold_s
+        self._last: dict[str, tuple[int, float]] = {}  # key -> (failed count, when it last grew)
+
+    def failing(self, key: str, failed: int | None, now: float) -> bool:
+        if failed is None:
+            return False
+        previous = self._last.get(key)
+        if previous is None:
+            grew_at = now if failed > 0 else float("-inf")
+        elif failed > previous[0]:
+            grew_at = now
+        elif failed < previous[0]:  # the server restarted: counters began again
+            grew_at = now if failed > 0 else float("-inf")
+        else:
+            grew_at = previous[1]
+        self._last[key] = (failed, grew_at)
+        return now - grew_at <= self.hold_s

@@ -92,3 +92,11 @@ def test_missing_existing_claim_names_it() -> None:
     _, conds = compute_status(obs(claims=[], existing_claim="kv-data"))
     l2 = next(c for c in conds if c["type"] == "L2Ready")
     assert l2["reason"] == "ClaimNotFound" and "kv-data" in l2["message"]
+
+
+def test_failing_l2_writes_degrade_with_the_fix() -> None:
+    rep = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_writes_failed=24, l2_writes_submitted=32)
+    fields, conds = compute_status(obs(reports=[rep], writes_failing=["s-0"]))
+    l2 = next(c for c in conds if c["type"] == "L2Ready")
+    assert fields["phase"] == "Degraded"
+    assert l2["reason"] == "L2WritesFailing" and "24 of 32" in l2["message"] and "full" in l2["message"]

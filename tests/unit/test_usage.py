@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvpersist.usage import collect_usage, human_bytes, parse_status, summarize
+from kvpersist.usage import (
+    WriteFailureTracker,
+    collect_usage,
+    human_bytes,
+    parse_metrics,
+    parse_status,
+    summarize,
+    with_write_failures,
+)
 
 CAPTURED = json.loads((Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_text())
 
@@ -42,3 +50,33 @@ def test_unreachable_server_is_unhealthy_with_reason() -> None:
 
 def test_human_bytes() -> None:
     assert [human_bytes(n) for n in (None, 512, 2048, 1536 * 2**20, 2**40)] == [None, "512B", "2Ki", "1.5Gi", "1Ti"]
+
+
+METRICS = """# HELP lmcache_mp_l2_store_submitted_objects_chunks_total objects submitted
+# TYPE lmcache_mp_l2_store_submitted_objects_chunks_total counter
+lmcache_mp_l2_store_submitted_objects_chunks_total 32.0
+lmcache_mp_l2_store_completed_objects_chunks_total 8.0
+lmcache_mp_l2_store_completed_requests_total{l2_name="nixl_store_dynamic"} 16.0
+lmcache_mp_l2_usage_bytes{l2_name="nixl_store_dynamic"} 4.194304e+06
+"""
+
+
+def test_parse_metrics_and_failed_writes() -> None:
+    # The counters as a real lmcache 0.5.6 server showed them after filling a 4 MiB volume.
+    metrics = parse_metrics(METRICS)
+    assert metrics == {"lmcache_mp_l2_store_submitted_objects_chunks_total": 32.0,
+                       "lmcache_mp_l2_store_completed_objects_chunks_total": 8.0}
+    rep = with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, metrics)
+    assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (24, 32)
+    assert with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, {}).l2_writes_failed is None
+
+
+def test_write_failure_tracker_flags_growth_then_forgets() -> None:
+    t = WriteFailureTracker(hold_s=60)
+    assert not t.failing("p", 0, now=0)
+    assert t.failing("p", 5, now=10)  # grew
+    assert t.failing("p", 5, now=60)  # within hold
+    assert not t.failing("p", 5, now=71)  # quiet for longer than hold
+    assert t.failing("p", 6, now=80)  # grew again
+    assert not t.failing("p", 0, now=90)  # server restarted, no failures since
+    assert not t.failing("p", None, now=100)

@@ -1,0 +1,90 @@
+"""The operator and the kwok lmcache runner as processes, and manifests sized for this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.builders.target import Target
+from kvpersist.identity import resolve
+from tests.cases.invalid_manifests import sample
+from tests.e2e.kube import REPO
+
+sys.path.insert(0, str(REPO / "hack"))
+from kwok_lmcache_runner import Runner
+
+NAME = "llama31-8b"
+
+
+def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), **(extra_env or {})}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+class RunnerThread:
+    """Syncs the runner every second in the background, like a kubelet's loop."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.halt.is_set():
+            with contextlib.suppress(subprocess.SubprocessError, KeyError):
+                self.runner.sync()
+            self.halt.wait(1.0)
+
+    def __enter__(self) -> RunnerThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.thread.join(timeout=30)
+        self.runner.stop_all()
+
+
+def storage(ns: str) -> dict:
+    """A StorageClass and a static local PV on the GPU node, private to this test's namespace."""
+    return {"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": f"{ns}-nvme"},
+         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "WaitForFirstConsumer"},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-pv"},
+         "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": f"{ns}-nvme",
+                  "persistentVolumeReclaimPolicy": "Retain", "local": {"path": f"/mnt/{ns}"},
+                  "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                      {"key": "kubernetes.io/hostname", "operator": "In", "values": ["kwok-gpu-0"]}]}]}}}},
+    ]}
+
+
+def manifest(ns: str, **identity_changes: object) -> dict:
+    obj = sample()
+    obj["metadata"]["namespace"] = ns
+    obj["spec"]["identity"].update(identity_changes)
+    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacityGB=1)
+    return obj
+
+
+def target_of(obj: dict) -> Target:
+    spec = KVCacheNamespace.model_validate(obj).spec
+    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.identity.model_dump()).namespace_id)

@@ -1,0 +1,150 @@
+"""A real `lmcache server` process, started with exactly the args the operator renders for a
+sample KVCacheNamespace: the L2 mount mapped into a temp folder, loopback address, free ports."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.builders.lmcache import server_args
+from kvpersist.builders.target import L2_MOUNT_PATH, Target
+from kvpersist.identity import resolve
+from tests.cases.invalid_manifests import sample
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "hack"))
+from kwok_lmcache_runner import localize_args  # noqa: E402
+
+LMCACHE = shutil.which("lmcache")
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, **pins: Any) -> Target:
+    obj = copy.deepcopy(sample(name))
+    obj["spec"]["identity"].update(pins)
+    obj["spec"]["l1"]["sizeGB"] = l1_gb
+    if "nvme" in obj["spec"]["l2"]:
+        obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb)
+    obj["spec"]["lmcacheServer"] = {"port": free_port(), "httpPort": free_port()}
+    spec = KVCacheNamespace.model_validate(obj).spec
+    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.identity.model_dump()).namespace_id)
+
+
+@dataclass
+class LocalServer:
+    """One lmcache server process for a target; the volume folder outlives restarts."""
+
+    target: Target
+    volume: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+    starts: list[float] = field(default_factory=list)
+
+    @property
+    def argv(self) -> list[str]:
+        assert LMCACHE
+        return [LMCACHE, *localize_args(server_args(self.target), {L2_MOUNT_PATH: self.volume}, "127.0.0.1")]
+
+    @property
+    def rpc_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.target.spec.lmcache_server.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.target.spec.lmcache_server.http_port}"
+
+    @property
+    def l2_dir(self) -> Path:
+        return self.volume / str(self.target.namespace_id)
+
+    def start(self) -> float:
+        """Starts and waits for /healthcheck; returns seconds to healthy."""
+        t0 = time.monotonic()
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+        self.starts.append(t0)
+        while time.monotonic() - t0 < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lmcache server exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            if self.healthy():
+                return time.monotonic() - t0
+            time.sleep(0.25)
+        raise AssertionError(f"lmcache server not healthy after {START_TIMEOUT_S}s: {self.log.read_text()[-3000:]}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http_url + "/status", timeout=5) as r:
+            return json.loads(r.read())
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def drive(server: LocalServer, mode: str, seqs: str) -> dict[str, Any]:
+    """Runs the KV driver (tests/integration/kvdriver.py) in its own process against server."""
+    out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", mode, "--rpc-url", server.rpc_url,
+                          "--http-url", server.http_url, "--seqs", seqs], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture()
+def servers(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
+    """Factory of LocalServers sharing one volume folder by default; all stopped at the end."""
+    if LMCACHE is None:
+        pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
+    made: list[LocalServer] = []
+
+    def make(target: Target, volume: Path | None = None) -> LocalServer:
+        srv = LocalServer(target, volume or (tmp_path / "volume"), tmp_path / f"server-{len(made)}.log")
+        srv.volume.mkdir(parents=True, exist_ok=True)
+        made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
+        srv.stop()
+
+
+def files_state(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """name -> (size, mtime_ns, sha256 prefix) for every file: to show 'untouched'."""
+    import hashlib
+
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()[:16])
+            for p in sorted(folder.glob("*")) if p.is_file()}

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${KVPERSIST_CACHE:-$HOME/.cache/kvpersist}"
-EXTRAS="${KVPERSIST_EXTRAS:-dev,datapath}"
+EXTRAS="${KVPERSIST_EXTRAS:-dev,datapath,contract}"
 key=$(python3 - "$EXTRAS" <<'PY'
 import hashlib, json, sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -15,7 +15,7 @@ PY
 )
 VENV="$CACHE/venv-$key"
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
-  echo "[venv] creating $VENV with extras $EXTRAS (first time: lmcache pulls in torch, several minutes)" >&2
+  echo "[venv] creating $VENV with extras $EXTRAS (first time: lmcache and vLLM pull in torch, about 10 GB and several minutes)" >&2
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2

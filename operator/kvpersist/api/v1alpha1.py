@@ -27,9 +27,19 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # controller-revision-hash label of name + 11 characters, which must stay within 63.
 MAX_NAME_LENGTH = 40
 
-# KV cache dtypes vLLM accepts for --kv-cache-dtype, less those that are not resolved:
-# "auto" follows the model's dtype and "fp8" means e4m3 or e4m3fnuz depending on the platform.
-KV_CACHE_DTYPES = ("float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+# KV cache dtypes vLLM 0.33.0 accepts for --kv-cache-dtype, less the two that are not resolved
+# (UNRESOLVED_KV_CACHE_DTYPES). tests/contract checks this list against vLLM's own, so the two
+# cannot drift apart silently.
+UNRESOLVED_KV_CACHE_DTYPES = {
+    "auto": "follows the model's dtype, which the pins do not name",
+    "fp8": "means fp8_e4m3 on CUDA but e4m3fnuz on ROCm: name fp8_e4m3 or fp8_e5m2",
+}
+KV_CACHE_DTYPES = (
+    "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
+    "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+    "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit",
+    "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
+)
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 CONNECTORS = ("LMCacheMPConnector",)
 EVICTION_POLICIES = ("LRU", "IsolatedLRU", "noop")

@@ -13,6 +13,10 @@ def _run(args: argparse.Namespace) -> int:
     from kvpersist import handlers  # noqa: F401  (registers the kopf handlers)
 
     kopf.configure(verbose=args.verbose)
+    if args.metrics_port:
+        from kvpersist import metrics
+
+        metrics.serve(args.metrics_host, args.metrics_port)
     namespaces = args.namespace or []
     kopf.run(
         clusterwide=not namespaces,
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--standalone", action="store_true", help="no peering: for one replica only")
     run.add_argument("--peering", default=None, help="KopfPeering name shared by replicas that must not both run")
+    run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)
 

@@ -20,7 +20,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import kube
+from kvpersist import kube, metrics
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import SERVER, Target
@@ -159,12 +159,16 @@ def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
         if error and error[0] == generation:
             fields = {**fields, "phase": "Failed"}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
+    metrics.inc("kvpersist_status_refreshes_total")
+    metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
     new_status = status_patch(old, fields, conds, reports)
     if new_status is None:
         return
     kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], new_status)
+    metrics.inc("kvpersist_status_writes_total")
     for type_, reason_, message in _events_for(old, {**old, **new_status}, conds):
         kube.post_event(body, type_, reason_, message)
+        metrics.inc("kvpersist_events_total")
         logger.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason_, message)
 
 
@@ -179,11 +183,14 @@ def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         refresh_status(body, logger)
         return
     key = (target.namespace, target.name)
+    metrics.inc("kvpersist_reconciles_total")
     try:
         for manifest in build_all(target):
             kopf.append_owner_reference(manifest, owner=body)
             kube.apply(manifest)
+            metrics.inc("kvpersist_applies_total")
     except ApiException as exc:
+        metrics.inc("kvpersist_apply_errors_total")
         if exc.status in (400, 403, 404, 409, 422):
             _apply_errors[key] = (body["metadata"].get("generation"), f"the API server refused an object: {_api_message(exc)}")
             logger.error("apply failed: %s", _apply_errors[key][1])
@@ -213,6 +220,7 @@ def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _known.pop(key, None)
         _apply_errors.pop(key, None)
+        metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),

@@ -186,8 +186,46 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["Service", "Service", "ConfigMap", "StatefulSet", "Deployment"]
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "Service", "Service", "ConfigMap", "StatefulSet", "Deployment"]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id
         assert o["metadata"]["name"].startswith("llama31-8b-")
+
+
+def test_network_policy_admits_only_operator_to_admin_port() -> None:
+    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy
+
+    t = target()
+    pol = build_network_policy(t, "kvpersist-system")
+    assert pol["spec"]["podSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    zmq, http = pol["spec"]["ingress"]
+    assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
+    assert zmq["from"] == [{"podSelector": {"matchLabels": build_vllm_deployment(t)["spec"]["selector"]["matchLabels"]}}]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
+                             "podSelector": {"matchLabels": OPERATOR_LABELS}}]
+    closed = build_network_policy(t, None)
+    assert len(closed["spec"]["ingress"]) == 1  # operator unknown: admin port closed to the cluster
+
+
+def test_operator_metrics_text() -> None:
+    import urllib.request
+
+    from kvpersist import metrics
+
+    metrics.inc("kvpersist_status_writes_total", 3)
+    metrics.set_phase("ml", "a", "Ready")
+    metrics.set_phase("ml", "b", "Ready")
+    metrics.set_phase("ml", "c", "Degraded")
+    metrics.set_phase("ml", "c", None)
+    server = metrics.serve("127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        server.shutdown()
+    assert "# TYPE kvpersist_status_writes_total counter" in text
+    assert any(line.startswith("kvpersist_status_writes_total ") and float(line.split()[1]) >= 3 for line in text.splitlines())
+    assert 'kvpersist_resources{phase="Ready"} 2' in text and "Degraded" not in text

@@ -1,0 +1,43 @@
+"""The NetworkPolicy that keeps the lmcache servers' admin port to the operator alone.
+
+The HTTP admin API has no authentication and serves /env (the process environment, where the
+Hugging Face token lives) and /quota. Only the operator may reach it; vLLM pods of the same
+resource may reach the ZMQ port; nothing else gets in."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvpersist.builders.target import SERVER, VLLM, Target
+
+# Where the operator runs, so the policy can admit it. Set by the Helm chart.
+OPERATOR_NAMESPACE_ENV = "KVPERSIST_OPERATOR_NAMESPACE"
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kvpersist-operator"}
+
+
+def operator_namespace() -> str | None:
+    return os.environ.get(OPERATOR_NAMESPACE_ENV) or None
+
+
+def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, Any]:
+    """Ingress to the servers: ZMQ from this resource's vLLM pods; HTTP from the operator's pods
+    (when the operator's namespace is known; else from nowhere in the cluster, which kubelet
+    probes from the node are not subject to on common CNIs)."""
+    spec = target.spec
+    rules: list[dict[str, Any]] = [{
+        "from": [{"podSelector": {"matchLabels": target.selector(VLLM)}}],
+        "ports": [{"protocol": "TCP", "port": spec.lmcache_server.port}],
+    }]
+    if operator_ns:
+        rules.append({
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
+                      "podSelector": {"matchLabels": OPERATOR_LABELS}}],
+            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.http_port}],
+        })
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": target.metadata(f"{target.name}-lmcache", SERVER),
+        "spec": {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": rules},
+    }

@@ -375,22 +375,28 @@ def cmd_up(args: argparse.Namespace) -> None:
     print(KUBECONFIG)
 
 
+def stop_component(name: str, pid: int, sig: int = signal.SIGTERM) -> None:
+    """Signals the component's process group, SIGKILL when it outlives the bound (the API server
+    can take long to drain its watches)."""
+    os.killpg(pid, sig)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline and running_pid(name):
+        time.sleep(0.2)
+    if running_pid(name):
+        os.killpg(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    pid_file(name).unlink(missing_ok=True)
+
+
 def stop_all() -> list[str]:
-    """SIGTERM in reverse start order, SIGKILL what outlives the bound; returns what was stopped."""
+    """Stops in reverse start order; returns what was stopped."""
     stopped = []
     for name in ["kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]:
         pid = running_pid(name)
         if pid is None:
             pid_file(name).unlink(missing_ok=True)
             continue
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and running_pid(name):
-            time.sleep(0.2)
-        if running_pid(name):
-            os.killpg(pid, signal.SIGKILL)
-            time.sleep(0.5)
-        pid_file(name).unlink(missing_ok=True)
+        stop_component(name, pid)
         stopped.append(name)
     return stopped
 
@@ -402,6 +408,23 @@ def cmd_down(_: argparse.Namespace) -> None:
     if left:
         raise ClusterError(f"still running after down: {', '.join(left)}")
     log(f"stopped {', '.join(stopped) if stopped else 'nothing (was not running)'}")
+
+
+def cmd_restart(args: argparse.Namespace) -> None:
+    """Stops one component and starts it again with the same flags: for fault tests."""
+    name = args.component
+    pki = STATE / "pki"
+    comp = next((c for c in components(need_binaries(), pki) if c.name == name), None)
+    if comp is None:
+        raise ClusterError(f"no component {name!r}; one of etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
+    pid = running_pid(name)
+    if pid is None:
+        raise ClusterError(f"{name} is not running: `python3 hack/localcluster.py up` first")
+    stop_component(name, pid, signal.SIGKILL if args.kill else signal.SIGTERM)
+    if running_pid(name):
+        raise ClusterError(f"{name} (pid {pid}) did not stop, even after SIGKILL")
+    time.sleep(args.down_seconds)
+    start(comp, pki)
 
 
 def cmd_status(_: argparse.Namespace) -> None:
@@ -427,6 +450,11 @@ def main() -> None:
     up.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the cluster and wipe its data").set_defaults(fn=cmd_down)
     sub.add_parser("status", help="exit 0 when the cluster runs").set_defaults(fn=cmd_status)
+    restart = sub.add_parser("restart", help="stop one component and start it again (fault tests)")
+    restart.add_argument("component")
+    restart.add_argument("--kill", action="store_true", help="SIGKILL instead of SIGTERM")
+    restart.add_argument("--down-seconds", type=float, default=0.0, help="stay down this long before starting")
+    restart.set_defaults(fn=cmd_restart)
     sub.add_parser("bin-dir", help="print the binaries' folder").set_defaults(fn=lambda _: print(bin_dir(False)))
     args = p.parse_args()
     try:

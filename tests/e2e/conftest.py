@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -69,3 +70,25 @@ def operator(cluster: Path, crd: None, namespace: str, tmp_path: Path) -> Iterat
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
 
+
+
+RELIABILITY_LOG = REPO / "build" / "reliability.jsonl"
+
+
+@pytest.fixture(scope="session")
+def _reliability_records() -> Iterator[list[dict]]:
+    records: list[dict] = []
+    yield records
+    if records:
+        RELIABILITY_LOG.parent.mkdir(exist_ok=True)
+        with RELIABILITY_LOG.open("w") as out:
+            for rec in records:
+                out.write(json.dumps(rec) + "\n")
+
+
+@pytest.fixture()
+def fault_log(request: pytest.FixtureRequest, _reliability_records: list[dict]):
+    """Records one fault and what happened; hack/reliability_report.py renders docs/reliability.md."""
+    def record(fault: str, outcome: str) -> None:
+        _reliability_records.append({"test": request.node.nodeid, "fault": fault, "outcome": outcome})
+    return record

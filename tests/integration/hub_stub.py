@@ -13,11 +13,12 @@ GOOD_TOKEN = "hf_stub_valid_token_0123456789"
 
 
 class HubStub:
-    """Buckets in `existing`; GOOD_TOKEN is the only valid token; namespace "readonly-org" refuses
+    """Buckets in `existing`; `token` (GOOD_TOKEN by default) is the only valid token; namespace "readonly-org" refuses
     creation (403); bucket "slow/bucket" answers after `delay` seconds."""
 
-    def __init__(self, existing: set[str] | None = None, delay: float = 30.0) -> None:
+    def __init__(self, existing: set[str] | None = None, delay: float = 30.0, token: str = GOOD_TOKEN) -> None:
         self.existing = set(existing or ())
+        self.token = token
         self.delay = delay
         self.requests: list[tuple[str, str]] = []
         self.seen_tokens: list[str] = []
@@ -29,6 +30,12 @@ class HubStub:
 
             def _send(self, code: int, body: dict, error_code: str | None = None) -> None:
                 data = json.dumps(body).encode()
+                try:
+                    self._write(code, data, body, error_code)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client gave up (the preflight's timeout test): nothing to answer
+
+            def _write(self, code: int, data: bytes, body: dict, error_code: str | None) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -47,7 +54,7 @@ class HubStub:
                 bid = self.path.removeprefix("/api/buckets/").split("?")[0].strip("/")
                 if bid == "slow/bucket":
                     time.sleep(stub.delay)
-                if auth != f"Bearer {GOOD_TOKEN}":
+                if auth != f"Bearer {stub.token}":
                     return self._send(401, {"error": "Invalid credentials in Authorization header"})
                 if method == "GET":
                     if bid not in stub.existing:

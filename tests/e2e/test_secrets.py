@@ -1,0 +1,91 @@
+"""A known token planted in the Secret of an hfBucket resource must appear nowhere else: not in
+any object of the cluster (args, env values, ConfigMaps, status, events), not in the operator's
+log. And the lmcache servers' dangerous admin routes stay shut: /run_script is off, and the
+admin port is open to the operator alone (NetworkPolicy)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cases.invalid_manifests import sample
+from tests.e2e.kube import Kubectl, wait_for
+from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, stop, storage
+from tests.integration.hub_stub import HubStub
+
+pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
+
+
+def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path, fault_log) -> None:
+    token = "hf_" + secrets.token_hex(16)
+    encoded = base64.b64encode(token.encode()).decode()
+    bucket_ns, nvme_ns, operator_ns = (f"e2e-{uuid.uuid4().hex[:8]}" for _ in range(3))
+    for ns in (bucket_ns, nvme_ns, operator_ns):
+        kubectl.run("create", "namespace", ns)
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-kv-writer", "namespace": bucket_ns},
+                   "type": "Opaque", "data": {"token": encoded}})
+    kubectl.apply(storage(nvme_ns))
+    log = tmp_path / "operator.log"
+    runner = Runner(kubectl.kubeconfig, nvme_ns, tmp_path / "pods", kubectl=str(kubectl.binary),
+                    lmcache=str(Path(sys.executable).parent / "lmcache"))
+    with HubStub(existing={"acme-ml/kv-cache"}, token=token) as hub:
+        env = {"KUBECONFIG": str(kubectl.kubeconfig), "HF_ENDPOINT": hub.url, "KVPERSIST_OPERATOR_NAMESPACE": operator_ns}
+        with log.open("ab") as out:  # cluster-wide, as the chart runs it
+            operator = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--verbose"],
+                                        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                        start_new_session=True)
+        try:
+            with RunnerThread(runner):
+                bucket = sample("hf-bucket")
+                bucket["metadata"]["namespace"] = bucket_ns
+                kubectl.apply(bucket)
+                kubectl.apply(manifest(nvme_ns))
+                wait_for("the bucket preflight to pass", lambda: any(
+                    c["type"] == "L2Ready" and c["reason"] == "BucketReachable"
+                    for c in (kubectl.get("kvns", "qwen25-7b-bucket", bucket_ns).get("status") or {}).get("conditions", [])),
+                    timeout=90)
+                wait_for("the NVMe resource Ready", lambda: (kubectl.get("kvns", NAME, nvme_ns).get("status") or {}).get(
+                    "phase") == "Ready", timeout=180)
+                assert token in hub.seen_tokens  # it did reach the Hub, from the Secret
+
+                ip = kubectl.get("pod", f"{NAME}-lmcache-0", nvme_ns)["status"]["podIP"]
+                request = urllib.request.Request(f"http://{ip}:8080/run_script", data=b'{"script": "print(1)"}',
+                                                 method="POST", headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as resp:
+                        run_script = resp.status
+                except urllib.error.HTTPError as exc:
+                    run_script = exc.code
+                assert run_script in (403, 404, 405), f"/run_script answered {run_script}"
+
+                resources = kubectl.run("api-resources", "--verbs=list", "-o", "name").stdout.split()
+                resources = [r for r in resources if r not in ("secrets",)]
+                dump = kubectl.run("get", ",".join(resources), "-A", "-o", "json", timeout=120).stdout
+                hits = [t for t in (token, encoded) if t in dump]
+                log_hits = [t for t in (token, encoded) if t in log.read_text()]
+                assert hits == [] and log_hits == []
+
+                pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", nvme_ns)
+                admin = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8080}]]
+                assert admin and admin[0]["from"] == [{
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvpersist-operator"}}}]
+        finally:
+            stop(operator)
+            for ns in (bucket_ns, nvme_ns, operator_ns):
+                kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+            kubectl.run("delete", "pv", f"{nvme_ns}-pv", "--wait=false", check=False)
+            kubectl.run("delete", "storageclass", f"{nvme_ns}-nvme", check=False)
+    fault_log("a known Hugging Face token planted in a Secret, full flow run (preflight, real server, verbose log)",
+              f"0 hits for the token or its base64 in {len(resources)} listable resource types across all namespaces "
+              f"(Secrets aside) and in the operator's verbose log; the Hub got it; /run_script answered {run_script}; "
+              "the admin port admits only the operator's namespace and pods")

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir
+from tests.e2e.operator_env import start_operator, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -55,22 +53,11 @@ def namespace(kubectl: Kubectl) -> Iterator[str]:
 def operator(cluster: Path, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
     """`kvpersist run` as its own process, watching the test's namespace; its log path is yielded."""
     log = tmp_path / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(cluster)}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start_operator(cluster, namespace, log)
     try:
         yield log
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
+        stop(proc)
 
 RELIABILITY_LOG = REPO / "build" / "reliability.jsonl"
 

@@ -5,7 +5,6 @@ lmcache's own /status still calls every part healthy."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -13,18 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.kube import REPO, Kubectl, wait_for
+from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage
+from tests.integration.kvdriver import drive_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 
 
 def drive(ip: str, mode: str, seqs: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", mode, "--rpc-url", f"tcp://{ip}:5555",
-                          "--http-url", f"http://{ip}:8080", "--seqs", seqs], capture_output=True, text=True, timeout=300,
-                         cwd=REPO, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["summary"]
+    return drive_subprocess(mode, f"tcp://{ip}:5555", f"http://{ip}:8080", seqs)["summary"]
 
 
 def test_full_volume_is_reported_and_serving_continues(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:

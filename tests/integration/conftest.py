@@ -25,6 +25,7 @@ from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.target import L2_MOUNT_PATH, Target
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
+from tests.integration.kvdriver import drive_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
@@ -116,12 +117,8 @@ class LocalServer:
 
 
 def drive(server: LocalServer, mode: str, seqs: str) -> dict[str, Any]:
-    """Runs the KV driver (tests/integration/kvdriver.py) in its own process against server."""
-    out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", mode, "--rpc-url", server.rpc_url,
-                          "--http-url", server.http_url, "--seqs", seqs], capture_output=True, text=True, timeout=300,
-                         cwd=REPO, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Runs the KV driver (tests/integration/kvdriver.py) against server."""
+    return drive_subprocess(mode, server.rpc_url, server.http_url, seqs)
 
 
 @pytest.fixture()

@@ -102,6 +102,20 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int) ->
     return out
 
 
+def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout: float = 300) -> dict[str, Any]:
+    """Runs this driver in its own process (torch and ZMQ state stay out of the caller) and
+    returns its JSON."""
+    import subprocess
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", mode, "--rpc-url", rpc_url, "--http-url",
+                          http_url, "--seqs", seqs], capture_output=True, text=True, timeout=timeout,
+                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    if out.returncode != 0:
+        raise AssertionError(f"kvdriver {mode} failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["store", "verify"])

@@ -10,4 +10,4 @@ export PATH="$VENV/bin:$BIN:$PATH"
 trap 'python3 hack/localcluster.py down >/dev/null 2>&1 || true' EXIT
 
 ruff check .
-pytest -p no:cacheprovider -o junit_family=legacy "$@" tests
+pytest -p no:cacheprovider --durations=15 "$@" tests

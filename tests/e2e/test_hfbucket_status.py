@@ -45,17 +45,17 @@ def test_bucket_preflight_reasons_and_no_token_leak(kubectl: Kubectl, crd: None,
             obj["spec"]["l2"]["hfBucket"]["createBucketIfMissing"] = False
             kubectl.apply(obj)
             cond = wait_for("SecretNotFound", lambda: (lambda c: c if c and c["reason"] == "SecretNotFound" else None)(
-                _l2(kubectl, ns)), timeout=60)
+                _l2(kubectl, ns)), timeout=120)
             assert "kubectl create secret generic hf-kv-writer" in cond["message"]
 
             kubectl.apply(_secret(ns, BAD_TOKEN))
             cond = wait_for("TokenRejected", lambda: (lambda c: c if c and c["reason"] == "TokenRejected" else None)(
-                _l2(kubectl, ns)), timeout=60)
+                _l2(kubectl, ns)), timeout=120)
             assert cond["status"] == "False" and "hf-kv-writer" in cond["message"]
 
             kubectl.apply(_secret(ns, GOOD_TOKEN))
             cond = wait_for("BucketReachable", lambda: (lambda c: c if c and c["reason"] == "BucketReachable" else None)(
-                _l2(kubectl, ns)), timeout=60)
+                _l2(kubectl, ns)), timeout=120)
             assert BAD_TOKEN in hub.seen_tokens and GOOD_TOKEN in hub.seen_tokens  # the Hub did get them
 
             # Nowhere else: not in any object of the namespace (the Secret aside), events, or the operator's log.

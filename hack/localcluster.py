@@ -268,6 +268,9 @@ def components(bins: dict[str, Path], pki: Path) -> list[Component]:
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
             f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false", "--v=1",
+            # Pod IPs here are loopback addresses, which Endpoints and EndpointSlices refuse: those
+            # controllers would retry (and post events) forever. Nothing routes Service traffic here.
+            "--controllers=*,-endpoint,-endpointslice,-endpointslicemirroring",
         ], "tcp"),
         Component("kube-scheduler", [
             str(bins["kube-scheduler"]), f"--kubeconfig={kc / 'scheduler'}",

@@ -220,6 +220,8 @@ def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _known.pop(key, None)
         _apply_errors.pop(key, None)
+        _last_refresh.pop(key, None)
+        _dirty.discard(key)
         metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
@@ -227,13 +229,37 @@ def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
                        "status": dict(body.get("status") or {})}
 
 
+# Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
+# refreshed on the loop's next tick, so phase follows pod readiness within a second or so,
+# without polling every resource that often.
+_dirty: set[tuple[str, str]] = set()
+_last_refresh: dict[tuple[str, str], float] = {}
+TICK_S = 1.0
+
+
+@kopf.on.event("apps", "v1", "statefulsets", labels={"app.kubernetes.io/managed-by": "kvpersist"})
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": "kvpersist"})
+def workload_changed(body: kopf.Body, **_: Any) -> None:
+    owner = (body["metadata"]["namespace"], body["metadata"].get("labels", {}).get("app.kubernetes.io/instance", ""))
+    if owner in _known:
+        _dirty.add(owner)
+
+
+def due(now: float) -> list[tuple[str, str]]:
+    """Resources to refresh now: those marked dirty, and those not refreshed for STATUS_INTERVAL_S."""
+    return [key for key in list(_known) if key in _dirty or now - _last_refresh.get(key, float("-inf")) >= STATUS_INTERVAL_S]
+
+
 async def _status_loop(logger: logging.Logger) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(STATUS_INTERVAL_S)
-        for key, body in list(_known.items()):
-            if _known.get(key) is not body:
-                continue  # changed or deleted meanwhile; the next round sees the new snapshot
+        await asyncio.sleep(TICK_S)
+        for key in due(time.monotonic()):
+            body = _known.get(key)
+            if body is None:
+                continue  # deleted meanwhile
+            _dirty.discard(key)
+            _last_refresh[key] = time.monotonic()
             try:
                 await loop.run_in_executor(None, refresh_status, body, logger)
             except Exception as exc:  # one object's failure must not stop the others' status

@@ -33,8 +33,9 @@ NEEDED = {
 } | {("kvcachenamespaces.kvpersist.dev/status", "patch")} | {
     (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",
                      "networkpolicies.networking.k8s.io") for v in ("get", "create", "patch")
-} | {("pods", "list"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"), ("secrets", "get"),
-     ("events", "create")}
+} | {(r, v) for r in ("statefulsets.apps", "deployments.apps") for v in ("list", "watch")} | {
+    ("pods", "list"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"), ("secrets", "get"),
+    ("events", "create")}
 DEFAULTS = {("selfsubjectaccessreviews.authorization.k8s.io", "create"),
             ("selfsubjectrulesreviews.authorization.k8s.io", "create"),
             ("selfsubjectreviews.authentication.k8s.io", "create")} | {

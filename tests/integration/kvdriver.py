@@ -28,11 +28,11 @@ os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 2 KV heads of 64: 512 KiB per 256-token chunk
 
 
-def _config(rpc_url: str, http_url: str, num_tokens: int) -> Any:
+def _config(rpc_url: str, http_url: str, num_tokens: int, shape: str = SHAPE, num_blocks: int = 64) -> Any:
     from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
     return BenchConfig(rpc_url=rpc_url, http_url=http_url, mode="cpu", transfer_mode="lmcache_driven", tp_size=1,
-                       use_mla=False, num_tokens=num_tokens, kvcache_shape_spec=SHAPE, num_blocks=64, block_size=16)
+                       use_mla=False, num_tokens=num_tokens, kvcache_shape_spec=shape, num_blocks=num_blocks, block_size=16)
 
 
 def _checksums(client: Any, request: Any, tokens: int) -> list[str]:
@@ -50,10 +50,11 @@ def _clear(client: Any, request: Any, tokens: int) -> None:
     _zero_fill_client_blocks(list(worker.kv_caches.values()), request.block_offset, tokens // client._block_size)
 
 
-def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int) -> dict[str, Any]:
+def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, shape: str = SHAPE,
+        num_blocks: int = 64) -> dict[str, Any]:
     from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 
-    client = ServerBenchClient(_config(rpc_url, http_url, num_tokens), log=lambda _msg: None)
+    client = ServerBenchClient(_config(rpc_url, http_url, num_tokens, shape, num_blocks), log=lambda _msg: None)
     out: dict[str, Any] = {"mode": mode, "sequences": []}
     client.start()
     caches = client._workers[0].kv_caches
@@ -102,14 +103,15 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int) ->
     return out
 
 
-def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout: float = 300) -> dict[str, Any]:
+def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout: float = 300,
+                     extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Runs this driver in its own process (torch and ZMQ state stay out of the caller) and
     returns its JSON."""
     import subprocess
     from pathlib import Path
 
     out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", mode, "--rpc-url", rpc_url, "--http-url",
-                          http_url, "--seqs", seqs], capture_output=True, text=True, timeout=timeout,
+                          http_url, "--seqs", seqs, *extra], capture_output=True, text=True, timeout=timeout,
                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
     if out.returncode != 0:
         raise AssertionError(f"kvdriver {mode} failed: {out.stderr[-3000:]}")
@@ -123,9 +125,12 @@ def main() -> None:
     parser.add_argument("--http-url", required=True)
     parser.add_argument("--seqs", default="0:8", help="start:end sequence numbers (end exclusive)")
     parser.add_argument("--num-tokens", type=int, default=512)
+    parser.add_argument("--shape", default=SHAPE, help="KV shape spec, as lmcache bench server takes it")
+    parser.add_argument("--num-blocks", type=int, default=64)
     args = parser.parse_args()
     start, end = (int(x) for x in args.seqs.split(":"))
-    json.dump(run(args.mode, args.rpc_url, args.http_url, range(start, end), args.num_tokens), sys.stdout)
+    json.dump(run(args.mode, args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks),
+              sys.stdout)
     sys.stdout.write("\n")
 
 

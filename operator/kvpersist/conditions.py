@@ -72,6 +72,44 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
     return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
 
 
+def _l2_condition(obs: Observation, gen: int | None) -> dict[str, Any]:
+    """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
+    L2 writes failing now, which lmcache's /status does not show."""
+    if obs.namespace_id is None:
+        return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
+    bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
+    failing = [r for r in obs.reports if r.pod in obs.writes_failing]
+    if obs.l2_kind == "nvme":
+        pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
+        if obs.existing_claim and not obs.claims:
+            return condition("L2Ready", False, "ClaimNotFound",
+                             f"claim {obs.existing_claim} not found: create it, or fix spec.l2.nvme.existingClaimName", gen)
+        if len(obs.claims) < obs.server_desired:
+            return condition("L2Ready", False, "ClaimMissing",
+                             f"{len(obs.claims)}/{obs.server_desired} claims exist; the StatefulSet creates them", gen)
+        if pending:
+            return condition("L2Ready", False, "ClaimPending", f"claims not bound: {', '.join(sorted(pending))}; check "
+                             "spec.l2.nvme.storageClassName and that matching PersistentVolumes exist", gen)
+    elif obs.bucket_check is not None and not obs.bucket_check[0]:
+        return condition("L2Ready", False, obs.bucket_check[1], obs.bucket_check[2], gen)
+    if bad_adapter:
+        return condition("L2Ready", False, "AdapterUnhealthy", f"{obs.l2_kind} L2 adapter unhealthy on {', '.join(bad_adapter)}",
+                         gen)
+    if failing:
+        detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
+        return condition("L2Ready", False, "L2WritesFailing",
+                         f"L2 writes failing on {detail}: the volume is full or failing; serving continues from L1 "
+                         "and recompute. Free space or raise the claim, and keep maxCapacityGB below the free space", gen)
+    if obs.l2_kind == "nvme":
+        return condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen)
+    check = f"; {obs.bucket_check[2]}" if obs.bucket_check else ""
+    if any(r.l2_healthy for r in obs.reports):
+        return condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy" + check, gen)
+    if obs.bucket_check is not None:
+        return condition("L2Ready", None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet", gen)
+    return condition("L2Ready", None, "NotMeasured", "no lmcache server has reported yet", gen)
+
+
 def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The status fields (without timestamps) and the conditions for one observation."""
     gen = obs.generation
@@ -88,48 +126,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     ready_pods = {p["metadata"]["name"] for p in obs.server_pods if _pod_ready(p)}
     sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
 
-    # L2
-    if not cache_on:
-        conds.append(condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen))
-    elif obs.l2_kind == "nvme":
-        pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
-        bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
-        if obs.existing_claim and not obs.claims:
-            conds.append(condition("L2Ready", False, "ClaimNotFound",
-                                   f"claim {obs.existing_claim} not found: create it, or fix spec.l2.nvme.existingClaimName", gen))
-        elif len(obs.claims) < obs.server_desired:
-            conds.append(condition("L2Ready", False, "ClaimMissing",
-                                   f"{len(obs.claims)}/{obs.server_desired} claims exist; the StatefulSet creates them", gen))
-        elif pending:
-            conds.append(condition("L2Ready", False, "ClaimPending",
-                                   f"claims not bound: {', '.join(sorted(pending))}; check spec.l2.nvme.storageClassName "
-                                   "and that matching PersistentVolumes exist", gen))
-        elif bad_adapter:
-            conds.append(condition("L2Ready", False, "AdapterUnhealthy",
-                                   f"L2 adapter unhealthy on {', '.join(bad_adapter)}", gen))
-        else:
-            conds.append(condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen))
-    else:
-        bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
-        if obs.bucket_check is not None and not obs.bucket_check[0]:
-            conds.append(condition("L2Ready", False, obs.bucket_check[1], obs.bucket_check[2], gen))
-        elif bad_adapter:
-            conds.append(condition("L2Ready", False, "AdapterUnhealthy",
-                                   f"hfbucket adapter unhealthy on {', '.join(bad_adapter)}", gen))
-        elif any(r.l2_healthy for r in obs.reports):
-            conds.append(condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy"
-                                   + (f"; {obs.bucket_check[2]}" if obs.bucket_check else ""), gen))
-        elif obs.bucket_check is not None:
-            conds.append(condition("L2Ready", None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet", gen))
-        else:
-            conds.append(condition("L2Ready", None, "NotMeasured", "no lmcache server has reported yet", gen))
-
-    failing = [r for r in obs.reports if r.pod in obs.writes_failing]
-    if cache_on and failing and conds[-1]["status"] != "False":
-        detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
-        conds[-1] = condition("L2Ready", False, "L2WritesFailing",
-                              f"L2 writes failing on {detail}: the volume is full or failing; serving continues from L1 "
-                              "and recompute. Free space or raise the claim, and keep maxCapacityGB below the free space", gen)
+    conds.append(_l2_condition(obs, gen))
 
     # lmcache servers
     if not cache_on:

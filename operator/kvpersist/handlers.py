@@ -37,6 +37,11 @@ STATUS_INTERVAL_S = 10.0
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _write_failures = WriteFailureTracker()
 PREFLIGHT_TTL_S = 300.0
+# Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
+# refreshed on the status loop's next tick, so phase follows pod readiness within a second or
+# so, without polling every resource that often; and when each was last refreshed.
+_dirty: set[tuple[str, str]] = set()
+_last_refresh: dict[tuple[str, str], float] = {}
 _preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] = {}
 
 
@@ -144,6 +149,9 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
 def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed."""
     meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    _dirty.discard(key)
+    _last_refresh[key] = time.monotonic()
     old = dict(body.get("status") or {})
     generation = meta.get("generation")
     try:
@@ -229,11 +237,6 @@ def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
                        "status": dict(body.get("status") or {})}
 
 
-# Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
-# refreshed on the loop's next tick, so phase follows pod readiness within a second or so,
-# without polling every resource that often.
-_dirty: set[tuple[str, str]] = set()
-_last_refresh: dict[tuple[str, str], float] = {}
 TICK_S = 1.0
 
 
@@ -258,8 +261,6 @@ async def _status_loop(logger: logging.Logger) -> None:
             body = _known.get(key)
             if body is None:
                 continue  # deleted meanwhile
-            _dirty.discard(key)
-            _last_refresh[key] = time.monotonic()
             try:
                 await loop.run_in_executor(None, refresh_status, body, logger)
             except Exception as exc:  # one object's failure must not stop the others' status

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 from tests.cases.invalid_manifests import sample  # noqa: E402
-from tests.e2e.kube import LOCALCLUSTER, Kubectl, bin_dir  # noqa: E402
+from tests.e2e.kube import LOCALCLUSTER, Kubectl, bin_dir, wait_for  # noqa: E402
 from tests.e2e.operator_env import RunnerThread  # noqa: E402
 
 from kwok_lmcache_runner import Runner  # noqa: E402
@@ -47,15 +47,6 @@ from kwok_lmcache_runner import Runner  # noqa: E402
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-def wait(what: str, probe: Callable[[], bool], timeout: float, interval: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if probe():
-            return
-        time.sleep(interval)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class Cluster:
@@ -115,7 +106,7 @@ class Operator:
         threading.Thread(target=self._sample, daemon=True).start()
         # Started means serving its metrics, plus a moment for kopf's watches: startup is not
         # what the latency numbers are about.
-        wait("the operator to start", self._up, 60, interval=0.2)
+        wait_for("the operator to start", self._up, 60, interval=0.2)
         time.sleep(2)
 
     def _up(self) -> bool:
@@ -222,7 +213,7 @@ def latency(cluster: Cluster, work: Path) -> None:
                                 lambda s: (s.get("status") or {}).get("readyReplicas") == 1, ("get", "statefulsets", "-n", ns),
                                 300, key=lambda s: s["metadata"]["labels"]["app.kubernetes.io/instance"])
             t0 = time.monotonic()
-            wait("every status observed", lambda ns=ns, n=n: sum(
+            wait_for("every status observed", lambda ns=ns, n=n: sum(
                 1 for o in json.loads(k.run("get", "kvns", "-n", ns, "-o", "json").stdout)["items"] if observed(o)) == n, 300)
             rolled = time.monotonic() - t0
         finally:
@@ -283,7 +274,7 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float) -> None:
             return sum(1 for o in items if (o.get("status") or {}).get("observedGeneration")
                        == o["metadata"]["generation"]) == count
 
-        wait(f"{count} resources reconciled", all_observed, 1800, interval=2)
+        wait_for(f"{count} resources reconciled", all_observed, 1800, interval=2)
         converge_s = time.monotonic() - t0
         cpu1, req1, w1 = op.cpu_seconds(), cluster.requests(), op.writes()
         # Settle: first statuses are written at reconcile time, later ones as pods get scheduled and

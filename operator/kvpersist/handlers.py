@@ -43,6 +43,11 @@ PREFLIGHT_TTL_S = 300.0
 _dirty: set[tuple[str, str]] = set()
 _last_refresh: dict[tuple[str, str], float] = {}
 _preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] = {}
+# Usage and health change without any event on the resource, so status is polled. Not with a
+# kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
+# operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
+_known: dict[tuple[str, str], dict[str, Any]] = {}
+TICK_S = 1.0
 
 
 @kopf.on.startup()
@@ -216,12 +221,6 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-# Usage and health change without any event on the resource, so status is polled. Not with a
-# kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
-# operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
-_known: dict[tuple[str, str], dict[str, Any]] = {}
-
-
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
@@ -235,9 +234,6 @@ def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                        "status": dict(body.get("status") or {})}
-
-
-TICK_S = 1.0
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels={"app.kubernetes.io/managed-by": "kvpersist"})

@@ -8,7 +8,6 @@ a pin change moves to a new namespace without touching the old files; delete kee
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage, target_of
+from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 
@@ -35,10 +35,6 @@ LMCACHE = shutil.which("lmcache")
 
 def kvns_status(k: Kubectl, ns: str) -> dict:
     return k.get("kvns", NAME, ns).get("status") or {}
-
-
-def files_digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +113,7 @@ def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> Non
         kvns_status(kubectl, ns).get("usage") or {}), timeout=60)
     assert usage["l2UsedBytes"] == want_l2 > before.get("l2UsedBytes", 0)
     assert usage["l1UsedBytes"] == server["l1_manager"]["memory_used_bytes"] > 0
-    scenario["stored_files"] = files_digest(_l2_dir(scenario, target_of(manifest(ns)).namespace_id))
+    scenario["stored_files"] = files_state(_l2_dir(scenario, target_of(manifest(ns)).namespace_id))
     assert len(scenario["stored_files"]) == want_objects
 
 
@@ -148,7 +144,7 @@ def test_pin_change_moves_to_new_namespace_and_keeps_old_files(kubectl: Kubectl,
              and kvns_status(kubectl, ns).get("phase") == "Ready", timeout=180)
     args = kubectl.get("statefulset", f"{NAME}-lmcache", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert new_id in " ".join(args) and old_id not in " ".join(args)
-    assert files_digest(_l2_dir(scenario, old_id)) == scenario["stored_files"]
+    assert files_state(_l2_dir(scenario, old_id)) == scenario["stored_files"]
     events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=NamespaceResolved", "-o", "json").stdout
     assert any(old_id in e["message"] and new_id in e["message"] for e in json.loads(events)["items"])
 
@@ -212,4 +208,4 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
     old_id = target_of(manifest(ns)).namespace_id
-    assert files_digest(_l2_dir(scenario, old_id)) == scenario["stored_files"]
+    assert files_state(_l2_dir(scenario, old_id)) == scenario["stored_files"]

@@ -137,11 +137,3 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
     yield make
     for srv in made:
         srv.stop()
-
-
-def files_state(folder: Path) -> dict[str, tuple[int, int, str]]:
-    """name -> (size, mtime_ns, sha256 prefix) for every file: to show 'untouched'."""
-    import hashlib
-
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()[:16])
-            for p in sorted(folder.glob("*")) if p.is_file()}

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvpersist.usage import fetch_status
-from tests.integration.conftest import LocalServer, drive, files_state, make_target
+from tests.fsstate import files_state
+from tests.integration.conftest import LocalServer, drive, make_target
 
 pytestmark = pytest.mark.datapath
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "hack"))
 from tests.cases.invalid_manifests import sample  # noqa: E402
 from tests.e2e.kube import LOCALCLUSTER, Kubectl, bin_dir, wait_for  # noqa: E402
 from tests.e2e.operator_env import RunnerThread  # noqa: E402
+from tests.integration.hub_stub import GOOD_TOKEN, HubStub  # noqa: E402
 
 from kwok_lmcache_runner import Runner  # noqa: E402
 
@@ -90,7 +91,7 @@ def operator_reads(before: dict, after: dict) -> float:
 
 
 class Operator:
-    def __init__(self, kubeconfig: Path, namespace: str | None, log: Path) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str | None, log: Path, env: dict[str, str] | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.metrics_port = sock.getsockname()[1]
@@ -100,7 +101,7 @@ class Operator:
             args += ["--namespace", namespace]
         with log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+                                         env={**os.environ, "KUBECONFIG": str(kubeconfig), **(env or {})})
         self.peak_rss_kib = 0
         self._halt = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
@@ -259,7 +260,12 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float) -> None:
     k = cluster.k
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     k.run("create", "namespace", ns)
-    op = Operator(cluster.kubeconfig, ns, work / "operator-scale.log")
+    # A healthy bucket: the token's Secret exists and the Hub answers (the local stand-in of its API
+    # shapes from the tests, as no Hub is reachable here), so steady state is the normal one.
+    hub = HubStub(existing={"acme-ml/kv-cache"}).__enter__()
+    k.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-kv-writer", "namespace": ns},
+             "stringData": {"token": GOOD_TOKEN}})
+    op = Operator(cluster.kubeconfig, ns, work / "operator-scale.log", env={"HF_ENDPOINT": hub.url})
     try:
         time.sleep(3)
         cpu0, req0, w0 = op.cpu_seconds(), cluster.requests(), op.writes()
@@ -291,6 +297,7 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float) -> None:
         req3, cpu3, w3 = cluster.requests(), op.cpu_seconds(), op.writes()
     finally:
         op.stop()
+        hub.__exit__(None, None, None)
         k.run("delete", "namespace", ns, "--wait=false", check=False)
     writes_per_reconcile = (w1 - w0) / count
     per_reconcile = writes_per_reconcile + operator_reads(req0, req1) / count

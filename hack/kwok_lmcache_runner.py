@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Plays kubelet for lmcache-server pods on the kwok nodes: runs the REAL `lmcache server`
-process with the pod's own container command, args and env, on the pod's IP.
+"""Plays kubelet for lmcache-server pods on the kwok nodes: runs each of the pod's containers (the
+REAL `lmcache server`, and the kvpersist inventory agent beside it) with its own command, args
+and env, on the pod's IP.
 
 kwok gives pods IPs in 127.16.0.0/16 (loopback) but runs no containers. This fills the gap for
 the lmcache servers, so the operator's usage collector, probes-by-hand and the data path talk to
@@ -54,9 +55,10 @@ class Runner:
     workdir: Path
     kubectl: str = "kubectl"
     lmcache: str = "lmcache"
+    kvpersist: str = field(default_factory=lambda: shutil.which("kvpersist") or str(Path(sys.executable).parent / "kvpersist"))
     max_l1_gb: float | None = None  # cap for machines smaller than the sample's nodes
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # pod uid -> process
-    names: dict[str, str] = field(default_factory=dict)  # pod uid -> pod name
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # "<pod uid>/<container>" -> process
+    names: dict[str, str] = field(default_factory=dict)  # "<pod uid>/<container>" -> pod name
 
     def _kubectl_json(self, *args: str) -> dict:
         out = subprocess.run([self.kubectl, f"--kubeconfig={self.kubeconfig}", "-n", self.namespace, *args, "-o", "json"],
@@ -79,16 +81,17 @@ class Runner:
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         return env
 
-    def argv(self, pod: dict) -> list[str]:
-        """The container's command line as a kubelet would run it, with its L2 mount mapped."""
-        container = pod["spec"]["containers"][0]
+    def argv(self, pod: dict, container: dict | None = None) -> list[str]:
+        """A container's command line as a kubelet would run it, with its L2 mount mapped."""
+        container = container or pod["spec"]["containers"][0]
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
                   for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: self.volume_dir(claims[m["name"]]) for m in container.get("volumeMounts", [])
                   if m["name"] in claims}
         out = localize_args(container.get("args", []), mounts, pod["status"]["podIP"], self.max_l1_gb)
         command = container.get("command", [])
-        return [self.lmcache if command[:1] == ["lmcache"] else command[0], *command[1:], *out]
+        local = {"lmcache": self.lmcache, "kvpersist": self.kvpersist}
+        return [local.get(command[0], command[0]), *command[1:], *out]
 
     def sync(self) -> None:
         """Start a server for each Running pod that has none; stop those whose pod is gone."""
@@ -98,24 +101,26 @@ class Runner:
             status = pod.get("status", {})
             if status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
                 live[pod["metadata"]["uid"]] = pod
-        for uid in [u for u in self.procs if u not in live]:
-            self.stop(uid)
+        for key in [k for k in self.procs if k.split("/")[0] not in live]:
+            self.stop(key)
         for uid, pod in live.items():
-            proc = self.procs.get(uid)
-            if proc is not None and proc.poll() is None:
-                continue
-            name = pod["metadata"]["name"]
-            log = (self.workdir / "logs").joinpath(f"{self.namespace}-{name}.log")
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with log.open("ab") as out:
-                self.procs[uid] = subprocess.Popen(self.argv(pod), env=self._env(pod["spec"]["containers"][0]), stdout=out,
-                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            self.names[uid] = name
-            print(f"[runner] started lmcache server for {self.namespace}/{name} on {pod['status']['podIP']} "
-                  f"(pid {self.procs[uid].pid})", file=sys.stderr, flush=True)
+            for container in pod["spec"]["containers"]:
+                key = f"{uid}/{container['name']}"
+                proc = self.procs.get(key)
+                if proc is not None and proc.poll() is None:
+                    continue
+                name = pod["metadata"]["name"]
+                log = (self.workdir / "logs").joinpath(f"{self.namespace}-{name}-{container['name']}.log")
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("ab") as out:
+                    self.procs[key] = subprocess.Popen(self.argv(pod, container), env=self._env(container), stdout=out,
+                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                self.names[key] = name
+                print(f"[runner] started {container['name']} for {self.namespace}/{name} on {pod['status']['podIP']} "
+                      f"(pid {self.procs[key].pid})", file=sys.stderr, flush=True)
 
-    def stop(self, uid: str, sig: int = signal.SIGTERM) -> None:
-        proc = self.procs.pop(uid, None)
+    def stop(self, key: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(key, None)
         if proc is None or proc.poll() is not None:
             return
         os.killpg(proc.pid, sig)
@@ -125,11 +130,11 @@ class Runner:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
-    def kill(self, pod_name: str) -> None:
-        """SIGKILL one pod's server, as a crash would."""
-        for uid, name in list(self.names.items()):
-            if name == pod_name:
-                self.stop(uid, signal.SIGKILL)
+    def kill(self, pod_name: str, container: str = "lmcache-server") -> None:
+        """SIGKILL one container of a pod (its lmcache server by default), as a crash would."""
+        for key, name in list(self.names.items()):
+            if name == pod_name and key.endswith(f"/{container}"):
+                self.stop(key, signal.SIGKILL)
 
     def stop_all(self) -> None:
         for uid in list(self.procs):

@@ -1,4 +1,6 @@
-"""The `kvpersist` command: `run` starts the controller; `crd` prints or writes the generated CRD."""
+"""The `kvpersist` command: `run` starts the controller; `status`, `report` and `gc` are the admin's
+view and explicit cleanup (also `kubectl kvpersist ...`); `agent` is the inventory sidecar; `crd`
+prints or writes the generated CRD."""
 
 from __future__ import annotations
 
@@ -39,7 +41,30 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin(args: argparse.Namespace) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    from kvpersist import admin, kube
+
+    kube.load_config(args.kubeconfig, args.context)
+    namespace = None if args.all_namespaces else args.namespace
+    try:
+        if args.command == "status":
+            return admin.cmd_status(namespace, args.output)
+        if args.command == "report":
+            return admin.cmd_report(namespace, args.output)
+        return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
+    except ApiException as exc:
+        print(f"error: the API server answered {exc.status} {exc.reason}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["agent"]:
+        from kvpersist import agent
+
+        return agent.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -53,6 +78,27 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)
 
+    for name, help_ in (("status", "a table of KVCacheNamespaces: phase, namespace id, L1/L2 usage, health, orphans"),
+                        ("report", "per volume or bucket: namespaces, bytes, objects, last write, orphan or not; "
+                         "orphans first, the best to reclaim at the top"),
+                        ("gc", "delete ONE orphaned namespace's data, named explicitly (dry run unless --no-dry-run)")):
+        cmd = sub.add_parser(name, help=help_, description=help_)
+        if name == "gc":
+            cmd.add_argument("namespace_id", metavar="NAMESPACE_ID", help="kvp-<32 hex>, as `kvpersist report` lists it")
+            cmd.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
+                             help="only say what would be deleted (default); --no-dry-run deletes")
+            cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the operator's answer")
+        else:
+            cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
+        cmd.add_argument("-n", "--namespace", help="only this Kubernetes namespace (default: all)")
+        cmd.add_argument("-A", "--all-namespaces", action="store_true", help="all namespaces (the default)")
+        cmd.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+        cmd.add_argument("--context", default=None, help="kubeconfig context")
+        cmd.set_defaults(fn=_admin)
+
+    # Parsed by kvpersist.agent itself (main() hands it the rest of the line).
+    sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist agent --help)")
+
     crd = sub.add_parser("crd", help="print the CRD generated from the API models")
     crd.add_argument("--write", action="store_true", help="write every committed copy instead of printing")
     crd.add_argument("--root", default=".", help="repository root for --write")
@@ -60,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     return args.fn(args)
+
+
+def kubectl_plugin() -> int:
+    """`kubectl kvpersist ...`: kubectl finds kubectl-kvpersist on PATH and passes the rest."""
+    return main(sys.argv[1:])
 
 
 if __name__ == "__main__":

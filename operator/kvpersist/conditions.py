@@ -9,7 +9,9 @@ from typing import Any
 
 from kvpersist.usage import ServerReport, summarize
 
-CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "Ready")
+CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "WithinBudget", "Ready")
+# Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job.
+INFORMATIONAL = ("WithinBudget",)
 
 
 def now() -> str:
@@ -59,6 +61,8 @@ class Observation:
     writes_failing: list[str] = field(default_factory=list)  # pods whose L2 writes fail now
     bucket_check: tuple[bool, str, str] | None = None  # hfBucket preflight: (ok, reason, message)
     reports: list[ServerReport] = field(default_factory=list)
+    inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
+    budget_bytes: int | None = None  # spec.l2.nvme.budget
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -72,13 +76,47 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
     return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
 
 
+def budget_status(obs: Observation) -> dict[str, Any] | None:
+    """status.budget. Used bytes: the larger of the servers' count (what lmcache enforces against,
+    only what it saw since it started) and the volume's (the data itself). Exhausted once the next
+    object of average size would not fit: lmcache refuses it."""
+    if obs.budget_bytes is None or obs.namespace_id is None:
+        return None
+    from kvpersist.usage import human_bytes
+
+    reported = [r for r in obs.reports if r.l2_used is not None]
+    used_servers = sum(r.l2_used or 0 for r in reported)
+    objects_servers = sum(r.l2_objects or 0 for r in reported)
+    inv = obs.inventory or {}
+    used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
+    if not reported and not inv:
+        return {"bytes": obs.budget_bytes, "state": "Available", "budget": f"?/{human_bytes(obs.budget_bytes)}"}
+    used, objects = max(used_servers, used_volume), max(objects_servers, objects_volume)
+    exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes)
+    return {"bytes": obs.budget_bytes, "usedBytes": used, "state": "Exhausted" if exhausted else "Available",
+            "budget": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}
+
+
+def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
+    if budget is None:
+        return None
+    if budget["state"] == "Exhausted":
+        return condition("WithinBudget", False, "BudgetExhausted",
+                         f"L2 holds {budget['budget']} of this namespace's budget: new KV is not persisted (served from L1 "
+                         "and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room", gen)
+    return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['budget']} used", gen)
+
+
 def _l2_condition(obs: Observation, gen: int | None) -> dict[str, Any]:
     """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
     L2 writes failing now, which lmcache's /status does not show."""
     if obs.namespace_id is None:
         return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
     bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
-    failing = [r for r in obs.reports if r.pod in obs.writes_failing]
+    budget = budget_status(obs)
+    # Writes refused at the budget are the budget doing its job, not a failing volume.
+    exhausted = budget is not None and budget["state"] == "Exhausted"
+    failing = [] if exhausted else [r for r in obs.reports if r.pod in obs.writes_failing]
     if obs.l2_kind == "nvme":
         pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
         if obs.existing_claim and not obs.claims:
@@ -145,8 +183,13 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     else:
         conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
 
+    budget = budget_status(obs)
+    budget_cond = _budget_condition(budget, gen)
+    if budget_cond is not None:
+        conds.append(budget_cond)
+
     by_type = {c["type"]: c for c in conds}
-    not_ok = [c for c in conds if c["status"] != "True"]
+    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL]
     if not cache_on:
         phase = "CacheDisabled"
         conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
@@ -170,6 +213,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         "replicas": f"{vllm_ready}/{obs.vllm_desired}",
         "servers": [{"pod": r.pod, "healthy": r.healthy, "message": r.message} for r in obs.reports],
     }
+    if budget is not None:
+        status["budget"] = budget
     return status, conds
 
 
@@ -187,15 +232,19 @@ def _without_stamp(usage: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
-                 reports: list[ServerReport]) -> dict[str, Any] | None:
+                 reports: list[ServerReport], inventory: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The status patch to write, or None when nothing a user could see changed.
 
     Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
     that could not be measured this time keeps its last known value."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
+    if old.get("budget") is not None and "budget" not in fields:
+        patch["budget"] = None  # the budget was taken off the spec
     if _strip(old.get("conditions") or []) != _strip(conds):
         patch["conditions"] = merge_conditions(old.get("conditions") or [], conds)
     usage = summarize(reports, measured_at=now())
     if usage and _without_stamp(usage) != _without_stamp(old.get("usage")):
         patch["usage"] = usage
+    if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):
+        patch["inventory"] = {**inventory, "measuredAt": now()}
     return patch or None

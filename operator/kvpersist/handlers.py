@@ -21,13 +21,20 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist import kube, metrics
+from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
-from kvpersist.builders.target import SERVER, Target
+from kvpersist.builders.target import L2_VOLUME, Target
+from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
+from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
+from kvpersist.conditions import now as condition_now
 from kvpersist.hfbucket import preflight_bucket
 from kvpersist.identity import resolve
+from kvpersist.inventory import Inventory, status_summary
+from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from kvpersist.usage import WriteFailureTracker, collect_usage
+from kvpersist.workloads import WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
@@ -47,7 +54,17 @@ _preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] =
 # kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
 # operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
 _known: dict[tuple[str, str], dict[str, Any]] = {}
+_resolved: dict[tuple[str, str], str | None] = {}  # each known resource's namespace id from its spec
 TICK_S = 1.0
+# A bucket listing is a paged walk of the Hub's tree: at most once per this many seconds.
+BUCKET_INVENTORY_TTL_S = 300.0
+_bucket_inventory: dict[tuple[str, str], tuple[float, Inventory]] = {}
+_gc_inflight: set[str] = set()  # gc request ids being carried out
+_gc_tasks: set[asyncio.Task] = set()
+# kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
+# kvpersist.workloads), by handler name; kopf hands them to the startup handler. Read only in the
+# event loop, where kopf writes them.
+_indices: dict[str, Mapping[Any, Any]] = {}
 
 
 @kopf.on.startup()
@@ -59,6 +76,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    for group, version, plural in WATCHED:
+        settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
     kube.load_config()
 
 
@@ -71,63 +90,127 @@ def _target(body: Mapping[str, Any]) -> tuple[Target, str]:
     return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res.reason
 
 
-def _observe(body: Mapping[str, Any], target: Target, reason: str) -> Observation:
+def _observe(body: Mapping[str, Any], target: Target, reason: str, seen: Seen) -> Observation:
+    """Workload objects come from the watch caches (seen); only a claim the user named is read,
+    since it carries none of the operator's labels."""
     ns = target.namespace
     spec = target.spec
-    sts = kube.get("apps/v1", "StatefulSet", target.server_name, ns)
-    pods = kube.list_objects("v1", "Pod", ns, target.selector(SERVER))
+    pods = seen.server_pods()
     claims: list[dict[str, Any]] = []
     if spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name:
         claim = kube.get("v1", "PersistentVolumeClaim", spec.l2.nvme.existing_claim_name, ns)
         claims = [claim] if claim else []
     elif spec.l2.nvme is not None:
-        claims = kube.list_objects("v1", "PersistentVolumeClaim", ns, target.selector(SERVER))
+        claims = seen.server_claims()
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
     reports = collect_usage(sorted(running), spec.lmcache_server.http_port) if target.cache_enabled else []
     now = time.monotonic()
     failing = [r.pod for r in reports if _write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
+    inventory = None
+    secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
+    if spec.l2.nvme is not None and target.cache_enabled:
+        volumes = []
+        for pod, ip in sorted(running):
+            inv = fetch_inventory(ip, spec.lmcache_server.agent_port) if ip else None
+            if inv is None:  # a partial inventory would make totals flap: keep the last whole one
+                volumes = []
+                break
+            volumes.append((f"pvc/{spec.l2.nvme.existing_claim_name or f'{L2_VOLUME}-{pod}'}", pod, inv))
+        inventory = status_summary(volumes, target.namespace_id, set(seen.live_ids)) if volumes else None
+    elif spec.l2.hf_bucket is not None and target.cache_enabled:
+        inv = _bucket_inventory_of(target, secret)
+        inventory = status_summary([(inv.location, None, inv)], target.namespace_id, set(seen.live_ids)) if inv else None
     return Observation(
-        bucket_check=_bucket_check(target) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
+        bucket_check=_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
         identity_reason=reason,
         l2_kind=spec.l2.kind,
         server_desired=server_desired,
         vllm_desired=spec.vllm.replicas,
-        statefulset=sts,
-        deployment=kube.get("apps/v1", "Deployment", target.vllm_name, ns),
+        statefulset=seen.statefulset(target),
+        deployment=seen.deployment(target),
         server_pods=pods,
         claims=claims,
         existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
         writes_failing=failing,
         reports=reports,
+        inventory=inventory,
+        budget_bytes=int(api.parse_quantity(str(spec.l2.nvme.budget))) if spec.l2.nvme is not None and spec.l2.nvme.budget
+        is not None else None,
     )
 
 
-def _bucket_check(target: Target) -> tuple[bool, str, str]:
-    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and Secret version."""
+class _SecretOnce:
+    """The bucket token's Secret, read at most once per refresh and only if someone asks."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self._read = False
+        self._secret: dict[str, Any] | None = None
+
+    def get(self) -> dict[str, Any] | None:
+        if not self._read:
+            ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
+            self._secret, self._read = kube.get("v1", "Secret", ref.name, self.target.namespace), True
+        return self._secret
+
+    def token(self) -> str | None:
+        ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
+        raw = ((self.get() or {}).get("data") or {}).get(ref.key)
+        return base64.b64decode(raw).decode().strip() if raw else None
+
+
+def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]:
+    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and bucket settings.
+    A passing check is reused without reading the Secret again; a failing one re-reads it on
+    every refresh, so a Secret created or fixed shows within one status interval."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
-    secret = kube.get("v1", "Secret", bucket.token_secret_ref.name, target.namespace)
+    settings = (bucket.bucket_handle, bucket.create_bucket_if_missing, bucket.token_secret_ref.name, bucket.token_secret_ref.key)
+    cached = _preflights.get((target.namespace, target.name))
+    now = time.monotonic()
+    if cached and cached[0][:len(settings)] == settings and cached[2][0] and now - cached[1] < PREFLIGHT_TTL_S:
+        return cached[2]
+    secret = secrets.get()
     if secret is None:
         return (False, "SecretNotFound", f"{ref} not found in namespace {target.namespace}: create it, e.g. kubectl create "
                 f"secret generic {bucket.token_secret_ref.name} --from-literal={bucket.token_secret_ref.key}=hf_...")
     raw = (secret.get("data") or {}).get(bucket.token_secret_ref.key)
     if not raw:
         return (False, "SecretKeyMissing", f"{ref}: the Secret has no such key; set spec.l2.hfBucket.tokenSecretRef.key")
-    key = (target.namespace, target.name, bucket.bucket_handle, bucket.create_bucket_if_missing,
-           secret["metadata"].get("resourceVersion"))
-    cached = _preflights.get((target.namespace, target.name))
-    now = time.monotonic()
+    key = (*settings, secret["metadata"].get("resourceVersion"))
     if cached and cached[0] == key and now - cached[1] < PREFLIGHT_TTL_S:
         return cached[2]
     result = preflight_bucket(bucket.bucket_handle, base64.b64decode(raw).decode().strip(), bucket.create_bucket_if_missing,
                               ref, endpoint=os.environ.get("HF_ENDPOINT"))
     _preflights[(target.namespace, target.name)] = (key, now, (result.ok, result.reason, result.message))
     return result.ok, result.reason, result.message
+
+
+def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | None:
+    """The bucket prefix's listing, at most once per BUCKET_INVENTORY_TTL_S; the last one when the
+    Hub does not answer (the L2Ready condition reports the Hub's problems)."""
+    bucket = target.spec.l2.hf_bucket
+    assert bucket is not None
+    key = (target.namespace, target.name)
+    cached = _bucket_inventory.get(key)
+    now = time.monotonic()
+    if cached and cached[1].location == bucket.bucket_handle and now - cached[0] < BUCKET_INVENTORY_TTL_S:
+        return cached[1]
+    token = secrets.token()
+    if token is None:
+        return cached[1] if cached else None
+    try:
+        inv = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
+    except BucketInventoryError:
+        _bucket_inventory[key] = (now, cached[1]) if cached else (now, Inventory(bucket.bucket_handle))
+        return cached[1] if cached else None
+    _bucket_inventory[key] = (now, inv)
+    return inv
 
 
 def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -148,11 +231,19 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
             events.append(("Warning", phase, detail))
         elif phase == "Ready":
             events.append(("Normal", "Ready", detail))
+    old_budget, new_budget = (old.get("budget") or {}).get("state"), (new.get("budget") or {}).get("state")
+    if new_budget != old_budget and new_budget is not None:
+        cond = next((c for c in conds if c["type"] == "WithinBudget"), None)
+        if new_budget == "Exhausted":
+            events.append(("Warning", "BudgetExhausted", cond["message"] if cond else "L2 budget exhausted"))
+        elif old_budget == "Exhausted":
+            events.append(("Normal", "BudgetAvailable", cond["message"] if cond else "L2 budget has room again"))
     return events
 
 
-def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
-    """Observe, judge, and write status only when something a user can see changed."""
+def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
+    """Observe, judge, and write status only when something a user can see changed. Blocking
+    (HTTP to the servers, the status patch): runs in a worker thread."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     _dirty.discard(key)
@@ -163,18 +254,19 @@ def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
         target, reason = _target(body)
     except ValidationError as exc:
         fields, conds = failed_status(generation, api.validation_message(exc))
-        reports = []
+        reports, inventory = [], None
     else:
-        observation = _observe(body, target, reason)
+        observation = _observe(body, target, reason, seen)
         fields, conds = compute_status(observation)
         reports = observation.reports
+        inventory = observation.inventory
         error = _apply_errors.get((target.namespace, target.name))
         if error and error[0] == generation:
             fields = {**fields, "phase": "Failed"}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
     metrics.inc("kvpersist_status_refreshes_total")
     metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
-    new_status = status_patch(old, fields, conds, reports)
+    new_status = status_patch(old, fields, conds, reports, inventory)
     if new_status is None:
         return
     kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], new_status)
@@ -185,16 +277,13 @@ def refresh_status(body: Mapping[str, Any], logger: logging.Logger) -> None:
         logger.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason_, message)
 
 
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
-def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    """Apply every object this resource becomes (server-side, idempotent), then refresh status."""
+def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
+    """Apply every object this resource becomes (server-side, idempotent). False when the spec
+    cannot be read (status says why). Blocking: runs in a worker thread."""
     try:
         target, _reason = _target(body)
     except ValidationError:
-        refresh_status(body, logger)
-        return
+        return False
     key = (target.namespace, target.name)
     metrics.inc("kvpersist_reconciles_total")
     try:
@@ -211,7 +300,72 @@ def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
             raise kopf.TemporaryError(f"applying workloads failed ({exc.status}); retrying", delay=15) from exc
     else:
         _apply_errors.pop(key, None)
-    refresh_status(body, logger)
+    return True
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
+async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Apply the workloads, then refresh status. The blocking parts run in worker threads; the
+    watch caches are read here, in the event loop."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, apply_workloads, body, logger)
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    await loop.run_in_executor(None, refresh_status, body, _seen(key), logger)
+
+
+def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
+    """Carry out one gc request: refuse a live namespace, else delete through the agents or from
+    the bucket; record the outcome in status.gc and an Event, then clear the request. Blocking:
+    runs in a worker thread."""
+    meta = body["metadata"]
+    target: Target | None = None
+    try:
+        target, _reason = _target(body)
+    except ValidationError as exc:
+        outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
+    if target is not None:
+        why = request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
+        if why:
+            outcome = gc_result(request, "Refused", f"refused: {why}; nothing was deleted")
+        elif target.spec.l2.nvme is not None:
+            servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
+                       if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+                       and not p["metadata"].get("deletionTimestamp")]
+            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port)
+        else:
+            bucket = target.spec.l2.hf_bucket
+            assert bucket is not None
+            token = _SecretOnce(target).token()
+            if token is None:
+                outcome = gc_result(request, "Failed", f"Secret {bucket.token_secret_ref.name} has no key "
+                                    f"{bucket.token_secret_ref.key}: the bucket cannot be reached")
+            else:
+                outcome = gc_bucket(request, lambda nsid: remove_bucket_namespace(
+                    bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False), bucket.bucket_handle)
+                _bucket_inventory.pop((meta["namespace"], meta["name"]), None)
+    outcome["completedAt"] = condition_now()
+    kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {"gc": outcome})
+    ok = outcome["outcome"] in ("Deleted", "NotFound")
+    reasons = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}
+    reason = reasons.get(outcome["outcome"], "GCFailed")
+    kube.post_event(body, "Normal" if ok else "Warning", reason, outcome["message"])
+    metrics.inc("kvpersist_gc_total")
+    logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
+    kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
+
+
+async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
+    try:
+        body = _known.get(key)
+        if body is not None:
+            await asyncio.get_running_loop().run_in_executor(None, run_gc, body, request, _seen(key), logger)
+            _dirty.add(key)  # the inventory changed: show it
+    except Exception as exc:  # reported, and retried on the next event while the annotation stays
+        logger.error("gc of %s on %s/%s failed: %s", request.get("namespaceId"), key[0], key[1], exc)
+    finally:
+        _gc_inflight.discard(request["requestId"])
 
 
 def _api_message(exc: ApiException) -> str:
@@ -222,26 +376,82 @@ def _api_message(exc: ApiException) -> str:
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _known.pop(key, None)
         _apply_errors.pop(key, None)
         _last_refresh.pop(key, None)
+        _preflights.pop(key, None)
+        _resolved.pop(key, None)
+        _bucket_inventory.pop(key, None)
         _dirty.discard(key)
         metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                        "status": dict(body.get("status") or {})}
+        try:
+            _resolved[key] = _target(body)[0].namespace_id
+        except ValidationError:
+            _resolved[key] = None
+        request = parse_request(body["metadata"].get("annotations"))
+        done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
+        if request and request["requestId"] != done and request["requestId"] not in _gc_inflight:
+            _gc_inflight.add(request["requestId"])
+            task = asyncio.create_task(_gc(key, request, logger))
+            _gc_tasks.add(task)
+            task.add_done_callback(_gc_tasks.discard)
 
 
-@kopf.on.event("apps", "v1", "statefulsets", labels={"app.kubernetes.io/managed-by": "kvpersist"})
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": "kvpersist"})
-def workload_changed(body: kopf.Body, **_: Any) -> None:
-    owner = (body["metadata"]["namespace"], body["metadata"].get("labels", {}).get("app.kubernetes.io/instance", ""))
+# The watch caches. kopf runs no handler until every index has its initial listing, so the first
+# refresh after a restart never sees a half-filled cache. Only the kinds the builders make carry
+# WATCH_SELECTOR's label, which kopf sends as the watches' labelSelector (see configure).
+_MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=_MANAGED)
+async def kvp_statefulsets(body: kopf.Body, **_: Any) -> Any:
+    _mark_dirty(body)
+    return index_entry(body)
+
+
+@kopf.index("apps", "v1", "deployments", labels=_MANAGED)
+async def kvp_deployments(body: kopf.Body, **_: Any) -> Any:
+    _mark_dirty(body)
+    return index_entry(body)
+
+
+@kopf.index("", "v1", "pods", labels=_MANAGED)
+async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
+    return index_entry(body)
+
+
+@kopf.index("", "v1", "persistentvolumeclaims")
+async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
+    return index_entry(body)
+
+
+def _mark_dirty(body: Mapping[str, Any]) -> None:
+    """A workload changed: refresh its owner on the next tick, so phase follows pod readiness."""
+    owner = owner_key(body)
     if owner in _known:
         _dirty.add(owner)
+
+
+def _seen(key: tuple[str, str], live: frozenset[str] | None = None) -> Seen:
+    """Copies of one resource's objects from the indexes; call in the event loop only."""
+    def values(name: str) -> list[dict[str, Any]]:
+        store = _indices.get(name, {}).get(key)
+        return list(store) if store is not None else []
+    return Seen(statefulsets=values("kvp_statefulsets"), deployments=values("kvp_deployments"),
+                pods=values("kvp_pods"), claims=values("kvp_claims"), live_ids=_live() if live is None else live)
+
+
+def _live() -> frozenset[str]:
+    """Every namespace id in use, from the caches; call in the event loop only."""
+    pods = [p for store in _indices.get("kvp_pods", {}).values() for p in store]
+    return live_ids(_known.values(), _resolved.values(), pods)
 
 
 def due(now: float) -> list[tuple[str, str]]:
@@ -253,12 +463,14 @@ async def _status_loop(logger: logging.Logger) -> None:
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(TICK_S)
-        for key in due(time.monotonic()):
+        keys = due(time.monotonic())
+        live = _live() if keys else frozenset()
+        for key in keys:
             body = _known.get(key)
             if body is None:
                 continue  # deleted meanwhile
             try:
-                await loop.run_in_executor(None, refresh_status, body, logger)
+                await loop.run_in_executor(None, refresh_status, body, _seen(key, live), logger)
             except Exception as exc:  # one object's failure must not stop the others' status
                 logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
 
@@ -267,8 +479,10 @@ _loop_task: asyncio.Task | None = None
 
 
 @kopf.on.startup()
-async def start_status_loop(logger: logging.Logger, **_: Any) -> None:
+async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
+                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
     global _loop_task
+    _indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods, kvp_claims=kvp_claims)
     _loop_task = asyncio.create_task(_status_loop(logger))
 
 

@@ -16,12 +16,16 @@ FIELD_MANAGER = "kvpersist"
 REQUEST_TIMEOUT_S = 30
 
 
-def load_config() -> None:
-    """In a pod: its ServiceAccount. Elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+def load_config(kubeconfig: str | None = None, context: str | None = None) -> None:
+    """In a pod: its ServiceAccount. Elsewhere: the kubeconfig (the argument, $KUBECONFIG or
+    ~/.kube/config)."""
+    if kubeconfig is None and context is None:
+        try:
+            kubernetes.config.load_incluster_config()
+            return
+        except kubernetes.config.ConfigException:
+            pass
+    kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
 
 
 @functools.cache
@@ -53,6 +57,19 @@ def list_objects(api_version: str, kind: str, namespace: str, labels: Mapping[st
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S)
     return [item.to_dict() for item in out.items]
+
+
+def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
+    """Every object of a kind, in one namespace or (None) all of them."""
+    out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S)
+    return [item.to_dict() for item in out.items]
+
+
+def patch_annotations(api_version: str, kind: str, name: str, namespace: str, annotations: Mapping[str, str | None]) -> None:
+    """JSON merge patch of metadata.annotations (None removes one)."""
+    res = _resource(api_version, kind)
+    client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"annotations": dict(annotations)}},
+                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
 
 
 def patch_status(api_version: str, kind: str, name: str, namespace: str, status: Mapping[str, Any]) -> None:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
-from tests.e2e.kube import REPO
+from tests.e2e.kube import REPO, Kubectl
 
 sys.path.insert(0, str(REPO / "hack"))
 from kwok_lmcache_runner import Runner
@@ -88,3 +92,37 @@ def manifest(ns: str, **identity_changes: object) -> dict:
 def target_of(obj: dict) -> Target:
     spec = KVCacheNamespace.model_validate(obj).spec
     return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.identity.model_dump()).namespace_id)
+
+
+@dataclass
+class Env:
+    """One test namespace with its storage, an operator watching it, and the runner's pods."""
+
+    ns: str
+    work: Path
+    runner: Runner
+    operator: subprocess.Popen
+    log: Path
+
+    def volume(self, claim: str = f"l2-{NAME}-lmcache-0") -> Path:
+        return self.runner.volume_dir(claim)
+
+
+@contextlib.contextmanager
+def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | None = None) -> Iterator[Env]:
+    """Namespace, StorageClass + PV, operator and runner; all stopped and deleted afterwards."""
+    lmcache = shutil.which("lmcache") or str(Path(sys.executable).parent / "lmcache")
+    ns = f"e2e-{uuid.uuid4().hex[:8]}"
+    kubectl.run("create", "namespace", ns)
+    kubectl.apply(storage(ns))
+    log = work / "operator.log"
+    env = Env(ns, work, Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache),
+              start_operator(kubectl.kubeconfig, ns, log, operator_env), log)
+    try:
+        with RunnerThread(env.runner):
+            yield env
+    finally:
+        stop(env.operator)
+        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+        kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
+        kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)

@@ -34,7 +34,8 @@ NEEDED = {
     (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",
                      "networkpolicies.networking.k8s.io") for v in ("get", "create", "patch")
 } | {(r, v) for r in ("statefulsets.apps", "deployments.apps") for v in ("list", "watch")} | {
-    ("pods", "list"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"), ("secrets", "get"),
+    ("pods", "list"), ("pods", "watch"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"),
+    ("persistentvolumeclaims", "watch"), ("secrets", "get"),
     ("events", "create")}
 DEFAULTS = {("selfsubjectaccessreviews.authorization.k8s.io", "create"),
             ("selfsubjectrulesreviews.authorization.k8s.io", "create"),

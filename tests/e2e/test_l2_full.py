@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage
+from tests.e2e.operator_env import NAME, kvpersist_env, manifest
 from tests.integration.kvdriver import drive_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -24,18 +22,13 @@ def drive(ip: str, mode: str, seqs: str) -> dict:
 
 
 def test_full_volume_is_reported_and_serving_continues(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
-    ns = f"e2e-{uuid.uuid4().hex[:8]}"
-    kubectl.run("create", "namespace", ns)
-    kubectl.apply(storage(ns))
-    runner = Runner(kubectl.kubeconfig, ns, tmp_path / "pods", kubectl=str(kubectl.binary),
-                    lmcache=str(Path(sys.executable).parent / "lmcache"))
-    volume = runner.volume_dir(f"l2-{NAME}-lmcache-0")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(volume)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): the disk-full case needs root")
-    operator = start_operator(kubectl.kubeconfig, ns, tmp_path / "operator.log")
-    try:
-        with RunnerThread(runner):
+    with kvpersist_env(kubectl, tmp_path) as env:
+        ns = env.ns
+        volume = env.volume()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(volume)], capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): the disk-full case needs root")
+        try:
             kubectl.apply(manifest(ns))
             get_status = lambda: kubectl.get("kvns", NAME, ns).get("status") or {}  # noqa: E731
             wait_for("Ready", lambda: get_status().get("phase") == "Ready", timeout=180)
@@ -55,9 +48,5 @@ def test_full_volume_is_reported_and_serving_continues(kubectl: Kubectl, crd: No
             assert served["hit_chunks"] == 32 and served["wrong_bytes"] == 0
             events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=Degraded", "-o", "json").stdout
             assert any("L2WritesFailing" in e["message"] or "full" in e["message"] for e in json.loads(events)["items"])
-    finally:
-        stop(operator)
-        subprocess.run(["umount", "-l", str(volume)], check=False)
-        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
-        kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
-        kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)
+        finally:
+            subprocess.run(["umount", "-l", str(volume)], check=False)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage, target_of
+from tests.e2e.operator_env import NAME, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -41,22 +40,8 @@ def kvns_status(k: Kubectl, ns: str) -> dict:
 def scenario(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if LMCACHE is None:
         pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
-    ns = f"e2e-{uuid.uuid4().hex[:8]}"
-    work = tmp_path_factory.mktemp("reconcile")
-    kubectl.run("create", "namespace", ns)
-    kubectl.apply(storage(ns))
-    log = work / "operator.log"
-    operator = start_operator(kubectl.kubeconfig, ns, log)
-    runner = Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=LMCACHE)
-    state = {"ns": ns, "work": work, "runner": runner, "operator": operator, "log": log}
-    try:
-        with RunnerThread(runner):
-            yield state
-    finally:
-        stop(state["operator"])
-        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
-        kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
-        kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)
+    with kvpersist_env(kubectl, tmp_path_factory.mktemp("reconcile")) as env:
+        yield {"ns": env.ns, "work": env.work, "runner": env.runner, "env": env}
 
 
 def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> None:
@@ -151,7 +136,8 @@ def test_pin_change_moves_to_new_namespace_and_keeps_old_files(kubectl: Kubectl,
 
 def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubectl, scenario: dict) -> None:
     ns = scenario["ns"]
-    stop(scenario["operator"], signal.SIGKILL)
+    env = scenario["env"]
+    stop(env.operator, signal.SIGKILL)
     extra = []
     for i in range(5):
         obj = manifest(ns)
@@ -159,10 +145,10 @@ def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubec
         obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"claim-{i}", "maxCapacityGB": 1}}
         extra.append(obj)
     kubectl.apply({"apiVersion": "v1", "kind": "List", "items": extra})
-    scenario["operator"] = start_operator(kubectl.kubeconfig, ns, scenario["log"])
+    env.operator = start_operator(kubectl.kubeconfig, ns, env.log)
     time.sleep(1.5)  # let it get part-way through the five reconciles
-    stop(scenario["operator"], signal.SIGKILL)
-    scenario["operator"] = start_operator(kubectl.kubeconfig, ns, scenario["log"])
+    stop(env.operator, signal.SIGKILL)
+    env.operator = start_operator(kubectl.kubeconfig, ns, env.log)
     for obj in extra:
         name = obj["metadata"]["name"]
         wait_for(f"{name} reconciled", lambda n=name: kubectl.get("kvns", n, ns).get("status", {}).get("observedGeneration"),
@@ -200,7 +186,7 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     """Deleted with the operator down: no finalizer holds the object, the garbage collector
     removes what it owned, and the claim with its KV data stays (reclaimPolicy Retain)."""
     ns = scenario["ns"]
-    stop(scenario["operator"])
+    stop(scenario["env"].operator)
     kubectl.run("delete", "kvns", NAME, "-n", ns, timeout=60)
     gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
         ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"), ("service", f"{NAME}-lmcache"),

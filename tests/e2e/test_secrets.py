@@ -75,7 +75,9 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
                 assert hits == [] and log_hits == []
 
                 pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", nvme_ns)
-                admin = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8080}]]
+                # The admin API and the inventory agent (it can delete an orphaned namespace): the operator only.
+                admin = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8080},
+                                                                            {"protocol": "TCP", "port": 8090}]]
                 assert admin and admin[0]["from"] == [{
                     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvpersist-operator"}}}]
@@ -88,4 +90,4 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
     fault_log("a known Hugging Face token planted in a Secret, full flow run (preflight, real server, verbose log)",
               f"0 hits for the token or its base64 in {len(resources)} listable resource types across all namespaces "
               f"(Secrets aside) and in the operator's verbose log; the Hub got it; /run_script answered {run_script}; "
-              "the admin port admits only the operator's namespace and pods")
+              "the admin and inventory-agent ports admit only the operator's namespace and pods")

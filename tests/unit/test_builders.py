@@ -36,7 +36,8 @@ def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
     assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "0.0.0.0"
     assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "8080"
     assert _flag(args, "--l1-size-gb") == "64"
-    assert _flag(args, "--eviction-policy") == "IsolatedLRU"
+    assert _flag(args, "--eviction-policy") == "LRU"  # L1: IsolatedLRU would kill L1's eviction thread
+    assert json.loads(_flag(args, "--l2-adapter"))["eviction"]["eviction_policy"] == "IsolatedLRU"
     assert _flag(args, "--eviction-trigger-watermark") == "0.9" and _flag(args, "--eviction-ratio") == "0.1"
     assert "--no-run-script-api-enabled" in args
     assert json.loads(_flag(args, "--l2-adapter")) == l2_adapter_config(t)
@@ -203,7 +204,7 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
     zmq, http = pol["spec"]["ingress"]
     assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
     assert zmq["from"] == [{"podSelector": {"matchLabels": build_vllm_deployment(t)["spec"]["selector"]["matchLabels"]}}]
-    assert http["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8080}, {"protocol": "TCP", "port": 8090}]  # admin API, inventory agent
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
                              "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     closed = build_network_policy(t, None)
@@ -229,3 +230,12 @@ def test_operator_metrics_text() -> None:
     assert "# TYPE kvpersist_status_writes_total counter" in text
     assert any(line.startswith("kvpersist_status_writes_total ") and float(line.split()[1]) >= 3 for line in text.splitlines())
     assert 'kvpersist_resources{phase="Ready"} 2' in text and "Degraded" not in text
+
+
+def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
+    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(budget="2Mi"))
+    cfg = l2_adapter_config(t)
+    assert cfg["backend_params"]["max_capacity_gb"] == "0.001953125"  # 2 MiB, as lmcache parses float(GB) * 2**30
+    assert cfg["eviction"]["eviction_policy"] == "noop"
+    assert "--eviction-policy" in server_args(t)  # L1 keeps the spec's policy
+    assert server_args(t)[server_args(t).index("--eviction-policy") + 1] == t.spec.eviction.policy

@@ -100,3 +100,38 @@ def test_failing_l2_writes_degrade_with_the_fix() -> None:
     l2 = next(c for c in conds if c["type"] == "L2Ready")
     assert fields["phase"] == "Degraded"
     assert l2["reason"] == "L2WritesFailing" and "24 of 32" in l2["message"] and "full" in l2["message"]
+
+
+def test_budget_exhausted_is_said_and_serving_stays_ready() -> None:
+    full = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=2 * 2**20, l2_objects=4,
+                        l2_writes_failed=12, l2_writes_submitted=16)
+    fields, conds = compute_status(obs(reports=[full], writes_failing=["s-0"], budget_bytes=2 * 2**20))
+    by = {c["type"]: c for c in conds}
+    assert fields["phase"] == "Ready" and by["Ready"]["status"] == "True"
+    assert by["WithinBudget"]["reason"] == "BudgetExhausted" and "stored KV keeps hitting" in by["WithinBudget"]["message"]
+    assert by["L2Ready"]["status"] == "True"  # refusals at the cap are not a failing volume
+    assert fields["budget"] == {"bytes": 2 * 2**20, "usedBytes": 2 * 2**20, "state": "Exhausted", "budget": "2Mi/2Mi"}
+
+
+def test_budget_counts_the_volume_when_the_server_forgot() -> None:
+    """After a restart lmcache's count starts at zero; the files on the volume still count."""
+    fresh = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=0, l2_objects=0)
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory={"currentBytes": 2**21, "currentObjects": 4}))
+    assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == 2**21
+
+
+def test_budget_with_room_and_failing_writes_is_still_a_failure() -> None:
+    half = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=2**20, l2_objects=2,
+                        l2_writes_failed=3, l2_writes_submitted=5)
+    phase, c = conds_of(obs(reports=[half], writes_failing=["s-0"], budget_bytes=2**30))
+    assert c["WithinBudget"] == ("True", "UnderBudget") and c["L2Ready"] == ("False", "L2WritesFailing") and phase == "Degraded"
+
+
+def test_no_budget_no_budget_condition() -> None:
+    fields, conds = compute_status(obs())
+    assert "budget" not in fields and "WithinBudget" not in {c["type"] for c in conds}
+
+
+def test_budget_taken_off_the_spec_leaves_status() -> None:
+    fields, conds = compute_status(obs())
+    assert status_patch({"budget": {"bytes": 1, "state": "Available"}}, fields, conds, [])["budget"] is None

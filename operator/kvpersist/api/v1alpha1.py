@@ -180,6 +180,11 @@ class NVMe(_Model):
                     field_path=".storageClassName"),
                 cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
                     "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
+                cel("!has(self.budget) || (quantity(self.budget).asApproximateFloat() >= 1048576.0 && "
+                    "quantity(self.budget).asApproximateFloat() <= self.maxCapacityGB * 1073741824.0)",
+                    "budget must be at least 1Mi and at most maxCapacityGB", field_path=".budget"),
+                cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
+                    "the fs adapter has no capacity to hold a budget to: use adapter nixl_store_dynamic", field_path=".budget"),
             ]
         }
     )
@@ -201,6 +206,12 @@ class NVMe(_Model):
         alias="maxCapacityGB", gt=0, le=1_048_576,
         description="Capacity LMCache may fill, in GiB; nixl_store_dynamic's L2 eviction keeps usage below it "
         "(the fs adapter declares no capacity: there the claim's size is the bound).",
+    )
+    budget: Quantity | None = Field(
+        None,
+        description="Hard cap on this namespace's L2 bytes, e.g. 200Gi. At the cap new L2 writes are refused (nothing "
+        "is evicted to make room) while lookups of stored KV go on hitting; status shows it (condition WithinBudget). "
+        "Unset: maxCapacityGB with the eviction policy keeps usage under capacity by evicting.",
     )
     direct_io: bool = Field(False, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect).")
     reclaim_policy: Literal["Retain", "Delete"] = Field(
@@ -302,6 +313,8 @@ class LMCacheServer(_Model):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.port != self.httpPort", "port and httpPort must differ", field_path=".httpPort"),
+                cel("self.agentPort != self.port && self.agentPort != self.httpPort",
+                    "agentPort must differ from port and httpPort", field_path=".agentPort"),
             ]
         }
     )
@@ -313,6 +326,11 @@ class LMCacheServer(_Model):
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
     port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
     http_port: int = Field(8080, ge=1, le=65535, description="HTTP admin port (/healthcheck, /status, /metrics).")
+    agent_port: int = Field(
+        8090, ge=1, le=65535,
+        description="Port of the inventory agent beside each server (NVMe L2 only): per-namespace usage of the volume, "
+        "and deletion of an orphaned namespace on an admin's request.",
+    )
     resources: Resources | None = Field(
         None, description="Overrides; memory is otherwise requested as L1 + 5Gi and limited to 1.5x that.",
     )
@@ -397,10 +415,16 @@ class KVCacheNamespaceSpec(_Model):
                 raise ValueError("spec.l2.nvme.storageClassName: applies to a new claim: set size with it")
             if n.size is not None and parse_quantity(str(n.size)) < n.max_capacity_gb * GIB:
                 raise ValueError("spec.l2.nvme.maxCapacityGB: must fit in the claim: lower maxCapacityGB or raise size")
+            if n.budget is not None and not 2**20 <= parse_quantity(str(n.budget)) <= n.max_capacity_gb * GIB:
+                raise ValueError("spec.l2.nvme.budget: must be at least 1Mi and at most maxCapacityGB")
+            if n.budget is not None and n.adapter != "nixl_store_dynamic":
+                raise ValueError("spec.l2.nvme.budget: the fs adapter has no capacity to hold a budget to")
             if n.existing_claim_name is not None and n.reclaim_policy != "Retain":
                 raise ValueError("spec.l2.nvme.reclaimPolicy: an existing claim is not the operator's to delete")
         if self.lmcache_server.port == self.lmcache_server.http_port:
             raise ValueError("spec.lmcacheServer.httpPort: port and httpPort must differ")
+        if self.lmcache_server.agent_port in (self.lmcache_server.port, self.lmcache_server.http_port):
+            raise ValueError("spec.lmcacheServer.agentPort: agentPort must differ from port and httpPort")
         bad = [a for a in self.vllm.extra_args if re.match(PINNED_FLAG_REGEX, a)]
         if bad:
             raise ValueError(f"spec.vllm.extraArgs: {bad[0]!r} sets a flag owned by identity or the operator")
@@ -464,6 +488,58 @@ class ServerHealth(_Model):
     message: str = Field("", max_length=1024, description="Why it is not healthy, when it is not.")
 
 
+class NamespaceShare(_Model):
+    """One compatibility namespace's data on a volume or bucket, read from the data itself."""
+
+    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace folder or prefix, kvp-<32 hex>.")
+    bytes: int = Field(ge=0, description="Bytes of its objects (apparent size, as du -sb counts).")
+    objects: int = Field(ge=0, description="Number of objects.")
+    last_write: datetime | None = Field(None, description="When its newest object was written.")
+    orphan: bool | None = Field(None, description="No KVCacheNamespace and no lmcache server uses it any more.")
+
+
+class VolumeInventory(_Model):
+    """What one L2 volume (claim) or bucket prefix holds, per namespace, orphans first."""
+
+    location: str = Field(max_length=1024, description="pvc/<claim name>, or the bucket handle.")
+    pod: str | None = Field(None, max_length=253, description="The lmcache server pod whose agent read the volume.")
+    other_bytes: int | None = Field(None, ge=0, description="Bytes outside any namespace folder (never touched by gc).")
+    namespaces: list[NamespaceShare] = Field(default_factory=list, description="Namespaces found, orphans first, largest first.")
+
+
+class InventoryStatus(_Model):
+    """Per-namespace L2 usage of this resource's volumes or bucket."""
+
+    current_bytes: int = Field(0, ge=0, description="Bytes of the namespace this resource serves.")
+    current_objects: int = Field(0, ge=0, description="Objects of the namespace this resource serves.")
+    orphaned_namespaces: int = Field(0, ge=0, description="Namespaces with data that nothing uses any more.")
+    orphaned_bytes: int = Field(0, ge=0, description="Bytes they hold: reclaimable with `kvpersist gc`.")
+    volumes: list[VolumeInventory] = Field(default_factory=list, description="Each volume or bucket prefix.")
+    measured_at: datetime | None = Field(None, description="When the data was last read.")
+
+
+class GCStatus(_Model):
+    """The last explicit cleanup (`kvpersist gc`) asked of this resource."""
+
+    request_id: str = Field(max_length=64, description="The request's id, from the kvpersist.dev/gc annotation.")
+    namespace_id: str = Field(max_length=64, description="The namespace named for deletion.")
+    outcome: Literal["Deleted", "Refused", "NotFound", "Failed"] = Field(description="Deleted, Refused, NotFound or Failed.")
+    message: str = Field("", max_length=4096, description="What was deleted, or why not.")
+    bytes: int = Field(0, ge=0, description="Bytes deleted.")
+    objects: int = Field(0, ge=0, description="Objects deleted.")
+    completed_at: datetime | None = Field(None, description="When it finished.")
+
+
+class BudgetStatus(_Model):
+    """The namespace's L2 budget (spec.l2.nvme.budget) and how much of it is used."""
+
+    bytes: int = Field(ge=0, description="The budget in bytes.")
+    used_bytes: int | None = Field(None, ge=0, description="Bytes the namespace holds on L2 (the larger of the servers' count "
+                                   "and the volume's).")
+    state: Literal["Available", "Exhausted"] = Field(description="Available, or Exhausted: new L2 writes are refused.")
+    budget: str | None = Field(None, description="The budget for people, e.g. 2Mi/2Mi used.")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -484,6 +560,9 @@ class KVCacheNamespaceStatus(_Model):
     )
     usage: Usage | None = Field(None, description="Cache usage, when measured.")
     servers: list[ServerHealth] = Field(default_factory=list, description="Per-server health.")
+    inventory: InventoryStatus | None = Field(None, description="Per-namespace L2 usage, orphans included.")
+    budget: BudgetStatus | None = Field(None, description="The L2 budget, when spec.l2.nvme.budget is set.")
+    gc: GCStatus | None = Field(None, description="The last explicit cleanup of an orphaned namespace.")
 
 
 class KVCacheNamespace(_Model):

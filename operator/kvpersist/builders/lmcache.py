@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
-from kvpersist.api.v1alpha1 import Eviction
+from kvpersist import __version__
+from kvpersist.api.v1alpha1 import GIB, Eviction, parse_quantity
 from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, L2_VOLUME, SERVER, Target
+
+# The inventory agent runs from the operator's own image; the Helm chart sets this to it.
+AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
+DEFAULT_AGENT_IMAGE = f"ghcr.io/kvpersist/kvpersist-operator:{__version__}"
+AGENT_CONTAINER = "inventory-agent"
 
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
 MEMORY_OVERHEAD_GIB = 5
@@ -29,11 +36,18 @@ def l2_path(target: Target) -> str:
 
 
 def l2_adapter_config(target: Target) -> dict[str, Any]:
-    """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacityGB."""
+    """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacityGB,
+    or under the budget (a hard cap, no eviction) when one is set."""
     spec = target.spec
     eviction = _eviction_json(spec.eviction)
     if spec.l2.nvme is not None:
         nvme = spec.l2.nvme
+        capacity_gb = nvme.max_capacity_gb
+        if nvme.budget is not None:
+            # A budget is a hard cap: the adapter's capacity, and no eviction to make room under it,
+            # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
+            capacity_gb = parse_quantity(str(nvme.budget)) / GIB
+            eviction = {**eviction, "eviction_policy": "noop"}
         if nvme.adapter == "fs":
             return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
                     "persist_enabled": True, "eviction": eviction}
@@ -44,7 +58,7 @@ def l2_adapter_config(target: Target) -> dict[str, Any]:
             "backend_params": {
                 "file_path": l2_path(target),
                 "use_direct_io": "true" if nvme.direct_io else "false",
-                "max_capacity_gb": _number(nvme.max_capacity_gb),
+                "max_capacity_gb": _number(capacity_gb),
             },
             "persist_enabled": True,
             "eviction": eviction,
@@ -68,6 +82,14 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def l1_eviction_policy(policy: str) -> str:
+    """The server-wide flag is L1's policy. IsolatedLRU needs a cache_salt that L1's eviction loop
+    never passes: with it, lmcache 0.5.6's L1 eviction thread dies at the first watermark
+    (ValueError "requires cache_salt") and L1 is never evicted again. Per-salt isolation is an
+    L2 matter; it stays on the adapter."""
+    return "LRU" if policy == "IsolatedLRU" else policy
+
+
 def server_args(target: Target) -> list[str]:
     """`lmcache server` arguments. The admin API binds all interfaces for probes and the operator;
     a NetworkPolicy keeps everyone else out, and /run_script stays off."""
@@ -79,7 +101,7 @@ def server_args(target: Target) -> list[str]:
         "--http-host", "0.0.0.0",
         "--http-port", str(spec.lmcache_server.http_port),
         "--l1-size-gb", _number(spec.l1.size_gb),
-        "--eviction-policy", spec.eviction.policy,
+        "--eviction-policy", l1_eviction_policy(spec.eviction.policy),
         "--eviction-trigger-watermark", _number(spec.eviction.trigger_watermark),
         "--eviction-ratio", _number(spec.eviction.eviction_ratio),
         "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
@@ -134,15 +156,43 @@ def server_container(target: Target) -> dict[str, Any]:
     return container
 
 
-def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
+def agent_image() -> str:
+    return os.environ.get(AGENT_IMAGE_ENV) or DEFAULT_AGENT_IMAGE
+
+
+def agent_container(target: Target, image: str) -> dict[str, Any]:
+    """The inventory agent (kvpersist.agent) beside the server: the only thing that can read the
+    volume for per-namespace reports and delete an orphaned namespace when an admin asks."""
+    port = target.spec.lmcache_server.agent_port
+    args = ["agent", "--root", L2_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(port)]
+    if target.namespace_id:
+        args += ["--serving", target.namespace_id]
+    probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
+    return {
+        "name": AGENT_CONTAINER,
+        "image": image,
+        "command": ["kvpersist"],
+        "args": args,
+        "ports": [{"name": "agent", "containerPort": port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "readinessProbe": probe,
+        "livenessProbe": probe,
+        "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}],
+    }
+
+
+def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
     """One lmcache server per GPU node of this resource (required anti-affinity), on the same
     nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
     (persistentVolumeClaimRetentionPolicy follows reclaimPolicy). Scaled to zero, never deleted,
     while the cache is disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
+    containers = [server_container(target)]
+    if spec.l2.nvme is not None:
+        containers.append(agent_container(target, image_of_agent or agent_image()))
     pod_spec: dict[str, Any] = {
-        "containers": [server_container(target)],
+        "containers": containers,
         # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace.
         "hostIPC": True,
         "terminationGracePeriodSeconds": 60,

@@ -1,7 +1,8 @@
 """The NetworkPolicy that keeps the lmcache servers' admin port to the operator alone.
 
 The HTTP admin API has no authentication and serves /env (the process environment, where the
-Hugging Face token lives) and /quota. Only the operator may reach it; vLLM pods of the same
+Hugging Face token lives) and /quota; the inventory agent beside it can delete an orphaned
+namespace's data. Only the operator may reach either; vLLM pods of the same
 resource may reach the ZMQ port; nothing else gets in."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, A
         rules.append({
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                       "podSelector": {"matchLabels": OPERATOR_LABELS}}],
-            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.http_port}],
+            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.http_port},
+                      {"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
         })
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -1,0 +1,242 @@
+"""`kvpersist status | report | gc`: what an admin runs (also as `kubectl kvpersist ...`).
+
+Everything comes from the API server: the resources' status, which the operator fills from the
+servers and from the inventory agents' reading of the data itself. `gc` never deletes by itself:
+it asks the operator (annotation kvpersist.dev/gc-request on the resource whose volume holds the
+namespace), which refuses any namespace still in use and records the outcome in status.gc and an
+Event. Dry run unless --no-dry-run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.identity import resolve
+from kvpersist.inventory import NAMESPACE_ID_RE
+from kvpersist.usage import human_bytes
+from kvpersist.workloads import live_ids
+
+GC_ANNOTATION = "kvpersist.dev/gc-request"
+SERVER_SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/managed-by=kvpersist"
+
+
+def resolved_id(obj: Mapping[str, Any]) -> str | None:
+    try:
+        spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
+    except ValueError:
+        return None
+    return resolve(spec.identity.model_dump()).namespace_id
+
+
+def _ref(obj: Mapping[str, Any]) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Who still uses a namespace: resources (by status or by spec) and lmcache pods."""
+    out = []
+    for r in resources:
+        if (r.get("status") or {}).get("namespaceId") == namespace_id or resolved_id(r) == namespace_id:
+            out.append(f"KVCacheNamespace {_ref(r)}")
+    for p in pods:
+        if (p["metadata"].get("labels") or {}).get("kvpersist.dev/namespace-id") == namespace_id:
+            out.append(f"pod {_ref(p)}")
+    return out
+
+
+@dataclass
+class Row:
+    """One namespace on one volume or bucket, as `report` prints it."""
+
+    location: str
+    resource: str
+    namespace_id: str
+    bytes: int
+    objects: int
+    last_write: str | None
+    orphan: bool
+    current: bool
+    budget_bytes: int | None = None
+
+
+def report_rows(resources: Iterable[Mapping[str, Any]], live: frozenset[str]) -> list[Row]:
+    """Rows from every resource's status.inventory, orphans re-judged against what is live now.
+    A volume shared by several resources (one existing claim) is listed once."""
+    rows: dict[tuple[str, str], Row] = {}
+    for r in resources:
+        status = r.get("status") or {}
+        current = status.get("namespaceId")
+        budget = (status.get("budget") or {}).get("bytes")
+        for vol in (status.get("inventory") or {}).get("volumes") or []:
+            where = vol["location"] if vol["location"].startswith("hf://") else f"{r['metadata']['namespace']}/{vol['location']}"
+            for n in vol.get("namespaces") or []:
+                key = (where, n["namespaceId"])
+                row = Row(where, _ref(r), n["namespaceId"], int(n.get("bytes") or 0), int(n.get("objects") or 0), n.get("lastWrite"),
+                          n["namespaceId"] not in live, n["namespaceId"] == current, budget if n["namespaceId"] == current else None)
+                if key not in rows or row.current:
+                    rows[key] = row
+    return rank_rows(rows.values())
+
+
+def _age_key(last_write: str | None) -> float:
+    if not last_write:
+        return 0.0
+    return datetime.fromisoformat(last_write.replace("Z", "+00:00")).timestamp()
+
+
+def rank_rows(rows: Iterable[Row]) -> list[Row]:
+    """Orphans first: the one whose deletion frees most at the top, then the longest unwritten;
+    in-use namespaces after them, largest first."""
+    return sorted(rows, key=lambda r: (not r.orphan, -r.bytes, _age_key(r.last_write), r.location, r.namespace_id))
+
+
+def _ago(stamp: str | None, now: float) -> str:
+    if not stamp:
+        return "-"
+    s = max(0, int(now - _age_key(stamp)))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)] if rows else [len(h) for h in header]
+    lines = [header, *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in lines)
+
+
+def format_report(rows: list[Row], now: float) -> str:
+    header = ["LOCATION", "NAMESPACE-ID", "BYTES", "SIZE", "OBJECTS", "LAST-WRITE", "STATE", "BUDGET", "RESOURCE"]
+    body = [[r.location, r.namespace_id, str(r.bytes), human_bytes(r.bytes) or "0B", str(r.objects), _ago(r.last_write, now),
+             "orphan" if r.orphan else ("current" if r.current else "in use"),
+             human_bytes(r.budget_bytes) if r.budget_bytes else "-", r.resource] for r in rows]
+    return table(header, body)
+
+
+def format_status(resources: Iterable[Mapping[str, Any]]) -> str:
+    header = ["NAMESPACE", "NAME", "PHASE", "NAMESPACE-ID", "L1", "L2", "SERVERS", "ORPHANED", "BUDGET"]
+    body = []
+    for r in sorted(resources, key=_ref):
+        st = r.get("status") or {}
+        usage, inv, budget = st.get("usage") or {}, st.get("inventory") or {}, st.get("budget") or {}
+        servers = st.get("servers") or []
+        body.append([r["metadata"]["namespace"], r["metadata"]["name"], st.get("phase") or "-", st.get("namespaceId") or "-",
+                     usage.get("l1Used") or "-", usage.get("l2Used") or "-",
+                     f"{sum(1 for s in servers if s.get('healthy'))}/{len(servers)} healthy",
+                     f"{inv.get('orphanedNamespaces', 0)} ({human_bytes(inv.get('orphanedBytes', 0)) or '0B'})" if inv else "-",
+                     budget.get("state") or "-"])
+    return table(header, body)
+
+
+# ------------------------------------------------------------------ commands (talk to the API)
+
+
+def _resources(namespace: str | None) -> list[dict[str, Any]]:
+    from kvpersist import kube
+
+    return kube.list_all(api.API_VERSION, api.KIND, namespace)
+
+
+def _live(resources: list[dict[str, Any]], namespace: str | None
+          ) -> tuple[frozenset[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Live ids over the whole cluster when allowed (a namespace elsewhere may share the volume)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from kvpersist import kube
+
+    try:
+        every = kube.list_all(api.API_VERSION, api.KIND) if namespace else resources
+        pods = kube.list_all("v1", "Pod", None, SERVER_SELECTOR)
+    except ApiException:
+        every, pods = resources, kube.list_all("v1", "Pod", namespace, SERVER_SELECTOR)
+    return live_ids(every, [resolved_id(r) for r in every], pods), every, pods
+
+
+def cmd_status(namespace: str | None, output: str) -> int:
+    resources = _resources(namespace)
+    if output == "json":
+        print(json.dumps([{"namespace": r["metadata"]["namespace"], "name": r["metadata"]["name"], **(r.get("status") or {})}
+                          for r in resources], indent=2))
+    else:
+        print(format_status(resources) if resources else "No KVCacheNamespaces found.")
+    return 0
+
+
+def cmd_report(namespace: str | None, output: str) -> int:
+    resources = _resources(namespace)
+    live, _, _ = _live(resources, namespace)
+    rows = report_rows(resources, live)
+    if output == "json":
+        print(json.dumps([r.__dict__ for r in rows], indent=2))
+    elif not rows:
+        print("No inventory yet: the operator reports one within a minute of a server starting.")
+    else:
+        print(format_report(rows, time.time()))
+        orphans = [r for r in rows if r.orphan]
+        if orphans:
+            total = sum(r.bytes for r in orphans)
+            print(f"\n{len(orphans)} orphaned namespace(s), {human_bytes(total) or '0B'} reclaimable. First to delete: "
+                  f"kvpersist gc {orphans[0].namespace_id} --no-dry-run")
+    return 0
+
+
+def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: float) -> int:
+    from kvpersist import kube
+
+    if not NAMESPACE_ID_RE.fullmatch(namespace_id):
+        print(f"error: {namespace_id!r} is not a namespace id (kvp-<32 hex>); `kvpersist report` lists them", file=sys.stderr)
+        return 2
+    resources = _resources(namespace)
+    live, every, pods = _live(resources, namespace)
+    if namespace_id in live:
+        print(f"refused: {namespace_id} is in use by {', '.join(users_of(namespace_id, every, pods))}; only orphaned "
+              "namespaces can be deleted", file=sys.stderr)
+        return 3
+    holders = [r for r in report_rows(resources, live) if r.namespace_id == namespace_id]
+    if not holders:
+        print(f"{namespace_id}: no data in any volume or bucket the operator reports (`kvpersist report`)", file=sys.stderr)
+        return 1
+    for h in holders:
+        verb = "would delete" if dry_run else "deleting"
+        print(f"{verb} {namespace_id} from {h.location}: {h.bytes} bytes ({human_bytes(h.bytes) or '0B'}) in {h.objects} objects")
+    if dry_run:
+        print("dry run: nothing deleted; add --no-dry-run to delete")
+        return 0
+    by_resource = {h.resource: h for h in holders}
+    failed = 0
+    for ref in by_resource:
+        ns, name = ref.split("/", 1)
+        request = str(uuid.uuid4())
+        kube.patch_annotations(api.API_VERSION, api.KIND, name, ns,
+                               {GC_ANNOTATION: json.dumps({"requestId": request, "namespaceId": namespace_id})})
+        outcome = _wait_gc(ns, name, request, timeout)
+        if outcome is None:
+            print(f"{ref}: no answer from the operator within {timeout:.0f}s; the request stays on the resource "
+                  f"(annotation {GC_ANNOTATION}) and runs when the operator does", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{ref}: {outcome['outcome']}: {outcome.get('message', '')}")
+        failed += outcome["outcome"] != "Deleted"
+    return 1 if failed else 0
+
+
+def _wait_gc(ns: str, name: str, request: str, timeout: float) -> dict[str, Any] | None:
+    from kvpersist import kube
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        obj = kube.get(api.API_VERSION, api.KIND, name, ns)
+        gc = ((obj or {}).get("status") or {}).get("gc") or {}
+        if gc.get("requestId") == request:
+            return gc
+        time.sleep(1.0)
+    return None

@@ -1,0 +1,162 @@
+"""What each compatibility namespace holds on an L2 volume or bucket, read from the data itself.
+
+Every namespace's files live under a folder (volume) or prefix (bucket) named by its id
+(kvp-<32 hex>), so the data is its own record: nothing to drift. Pure grouping and ranking
+here; the volume scan (local paths, used by the agent beside each lmcache server) and the bucket
+listing (huggingface_hub) are thin sources of (path, size, mtime) entries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+NAMESPACE_ID_RE = re.compile(r"kvp-[0-9a-f]{32}")  # always fullmatch: `$` would let a trailing newline in
+
+
+@dataclass
+class NamespaceUsage:
+    """One namespace's share of a volume or bucket."""
+
+    namespace_id: str
+    bytes: int = 0
+    objects: int = 0
+    last_write: float | None = None  # unix seconds of the newest object
+    orphan: bool | None = None  # None until compared with what is live
+
+    def add(self, size: int, mtime: float | None) -> None:
+        self.bytes += size
+        self.objects += 1
+        if mtime is not None and (self.last_write is None or mtime > self.last_write):
+            self.last_write = mtime
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"namespaceId": self.namespace_id, "bytes": self.bytes, "objects": self.objects,
+                               "lastWrite": iso(self.last_write)}
+        if self.orphan is not None:
+            out["orphan"] = self.orphan
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NamespaceUsage:
+        last = data.get("lastWrite")
+        return cls(data["namespaceId"], int(data.get("bytes") or 0), int(data.get("objects") or 0),
+                   datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() if last else None, data.get("orphan"))
+
+
+@dataclass
+class Inventory:
+    """All namespaces found on one volume or bucket prefix, plus what else sits there."""
+
+    location: str
+    namespaces: list[NamespaceUsage] = field(default_factory=list)
+    other_bytes: int = 0  # files outside any namespace folder (never touched by gc)
+    capacity_bytes: int | None = None
+    free_bytes: int | None = None
+
+    def get(self, namespace_id: str) -> NamespaceUsage | None:
+        return next((n for n in self.namespaces if n.namespace_id == namespace_id), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"location": self.location, "namespaces": [n.to_json() for n in self.namespaces], "otherBytes": self.other_bytes,
+                "capacityBytes": self.capacity_bytes, "freeBytes": self.free_bytes}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Inventory:
+        return cls(data.get("location", ""), [NamespaceUsage.from_json(n) for n in data.get("namespaces") or []],
+                   int(data.get("otherBytes") or 0), data.get("capacityBytes"), data.get("freeBytes"))
+
+
+def iso(ts: float | None) -> str | None:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if ts is not None else None
+
+
+def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> Inventory:
+    """(relative path, size, mtime) entries, grouped by the namespace folder they sit in."""
+    by_id: dict[str, NamespaceUsage] = {}
+    other = 0
+    for path, size, mtime in entries:
+        first = path.lstrip("/").split("/", 1)[0]
+        if NAMESPACE_ID_RE.fullmatch(first) and "/" in path.lstrip("/"):
+            by_id.setdefault(first, NamespaceUsage(first)).add(size, mtime)
+        else:
+            other += size
+    return Inventory(location, sorted(by_id.values(), key=lambda n: n.namespace_id), other)
+
+
+def scan_volume(root: Path) -> Inventory:
+    """Walk an L2 mount. Apparent sizes (what `du -sb` counts); files vanishing mid-walk (an
+    eviction, a temp file renamed) are skipped, not errors."""
+    def entries() -> Iterable[tuple[str, int, float | None]]:
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(full)
+                except FileNotFoundError:
+                    continue
+                yield os.path.relpath(full, root), st.st_size, st.st_mtime
+    inv = group(entries(), str(root))
+    # Namespace folders with nothing in them yet still show (a server started, nothing stored).
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        if child.is_dir() and NAMESPACE_ID_RE.fullmatch(child.name) and inv.get(child.name) is None:
+            inv.namespaces.append(NamespaceUsage(child.name))
+    inv.namespaces.sort(key=lambda n: n.namespace_id)
+    usage = shutil.disk_usage(root)
+    inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
+    return inv
+
+
+def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
+    """Delete one namespace's folder from a volume; returns what it held. The caller has already
+    refused live namespaces; this only guards against a path that is not a namespace folder."""
+    if not NAMESPACE_ID_RE.fullmatch(namespace_id):
+        raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
+    folder = root / namespace_id
+    held = group(((os.path.relpath(os.path.join(d, f), root), os.lstat(os.path.join(d, f)).st_size, None)
+                  for d, _, fs in os.walk(folder) for f in fs), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
+    if folder.is_dir() and not folder.is_symlink():
+        shutil.rmtree(folder)
+    return held
+
+
+def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:
+    for n in inv.namespaces:
+        n.orphan = n.namespace_id not in live
+    return inv
+
+
+def rank(namespaces: Iterable[NamespaceUsage]) -> list[NamespaceUsage]:
+    """Orphans first, the one whose deletion frees most at the top; equal sizes, the longest
+    unwritten first. Live namespaces last, largest first."""
+    return sorted(namespaces, key=lambda n: (not n.orphan, -n.bytes, n.last_write if n.last_write is not None else 0.0))
+
+
+def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: str | None, live: set[str]) -> dict[str, Any]:
+    """status.inventory: each (location, pod, inventory) with orphans marked, and the totals a user
+    reads first: this resource's namespace's share, and what orphans hold."""
+    out_volumes = []
+    current_bytes = current_objects = orphaned_bytes = 0
+    orphaned: set[str] = set()
+    for location, pod, inv in volumes:
+        mark_orphans(inv, live)
+        for n in inv.namespaces:
+            if n.namespace_id == current:
+                current_bytes += n.bytes
+                current_objects += n.objects
+            elif n.orphan:
+                orphaned.add(n.namespace_id)
+                orphaned_bytes += n.bytes
+        vol: dict[str, Any] = {"location": location, "namespaces": [n.to_json() for n in rank(inv.namespaces)]}
+        # Not the filesystem's free space: it moves with every write anywhere on the disk, and status
+        # is written only when something changed.
+        vol.update({k: v for k, v in (("pod", pod), ("otherBytes", inv.other_bytes or None)) if v is not None})
+        out_volumes.append(vol)
+    return {"currentBytes": current_bytes, "currentObjects": current_objects, "orphanedNamespaces": len(orphaned),
+            "orphanedBytes": orphaned_bytes, "volumes": out_volumes}

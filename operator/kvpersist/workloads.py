@@ -1,0 +1,97 @@
+"""The operator's own workload objects as its watch streams last saw them.
+
+A status refresh used to GET the StatefulSet and Deployment and LIST pods and claims of every
+resource, every 10 s: four reads per resource per round (10 k a minute at 500 resources) to learn
+what the watch streams had already delivered. kopf indexes keep the objects instead, filtered
+server-side by one label, and slimmed to the fields status is computed from so memory stays
+small. Pure functions here; the kopf wiring is in kvpersist.handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
+
+# Every object the builders make carries it (pods and claims included, through the templates'
+# selector labels), so one server-side selector per kind keeps everything else off the wire.
+WATCH_SELECTOR = "app.kubernetes.io/name=kvpersist"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "pods"),
+           ("", "v1", "persistentvolumeclaims"))
+
+OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
+
+
+def owner_key(body: Mapping[str, Any]) -> OwnerKey | None:
+    meta = body.get("metadata") or {}
+    instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+    return (meta.get("namespace", ""), instance) if instance else None
+
+
+def _pick(mapping: Mapping[str, Any] | None, keys: Iterable[str]) -> dict[str, Any]:
+    mapping = mapping or {}
+    return {k: mapping[k] for k in keys if k in mapping}
+
+
+def slim(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields kvpersist.conditions reads, and nothing else (a pod's spec is kilobytes)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    out: dict[str, Any] = {
+        "metadata": {**_pick(meta, ("name", "namespace", "generation", "deletionTimestamp", "resourceVersion")),
+                     "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, COMPONENT_LABEL, NAMESPACE_ID_LABEL))},
+        "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas")),
+    }
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    if ready:
+        out["status"]["conditions"] = [_pick(ready[0], ("type", "status"))]
+    return out
+
+
+def index_entry(body: Mapping[str, Any]) -> dict[OwnerKey, dict[str, Any]] | None:
+    """What a kopf index handler returns: the slim object under its owner's key."""
+    key = owner_key(body)
+    return {key: slim(body)} if key else None
+
+
+@dataclass
+class Seen:
+    """One resource's objects from the indexes: copied in the event loop, read in a worker thread."""
+
+    statefulsets: list[dict[str, Any]] = field(default_factory=list)
+    deployments: list[dict[str, Any]] = field(default_factory=list)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
+
+    def statefulset(self, target: Target) -> dict[str, Any] | None:
+        return _named(self.statefulsets, target.server_name)
+
+    def deployment(self, target: Target) -> dict[str, Any] | None:
+        return _named(self.deployments, target.vllm_name)
+
+    def server_pods(self) -> list[dict[str, Any]]:
+        return sorted((p for p in self.pods if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER),
+                      key=lambda p: p["metadata"]["name"])
+
+    def server_claims(self) -> list[dict[str, Any]]:
+        return sorted((c for c in self.claims if c["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER),
+                      key=lambda c: c["metadata"]["name"])
+
+
+def _named(objs: Iterable[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((o for o in objs if o["metadata"]["name"] == name), None)
+
+
+def live_ids(resources: Iterable[Mapping[str, Any]], resolved: Iterable[str | None],
+             pods: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """Namespaces in use: each resource's reported and resolved id, and the id every lmcache pod
+    (old ones mid-rollout included) still serves. gc refuses all of them."""
+    out = {(r.get("status") or {}).get("namespaceId") for r in resources}
+    out |= set(resolved)
+    out |= {(p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) for p in pods}
+    return frozenset(i for i in out if i)

@@ -1,0 +1,141 @@
+"""Admin end to end: reports from the data itself, orphans after a pin change, and explicit
+cleanup, with real lmcache servers writing real files and the inventory agent beside each.
+
+In order: store KV in namespace A; change a pin (namespace B) and store there too; `report`
+shows A as an orphan with the bytes `du` counts; `gc A` (dry run) changes nothing; `gc B` is
+refused (in use); `gc A --no-dry-run` frees exactly A's bytes and leaves B byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.kube import Kubectl, wait_for
+from tests.e2e.operator_env import NAME, kvpersist_env, manifest, target_of
+from tests.fsstate import files_state
+
+pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
+
+LMCACHE = shutil.which("lmcache")
+
+
+def kvns_status(k: Kubectl, ns: str) -> dict:
+    return k.get("kvns", NAME, ns).get("status") or {}
+
+
+def cli(k: Kubectl, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args, "--kubeconfig", str(k.kubeconfig)],
+                          capture_output=True, text=True, timeout=240)
+
+
+def du_files(folder: Path) -> int:
+    """What `du` counts for the files of a namespace folder (apparent bytes, the folder's own
+    directory entry left out: gc removes that too, but it is not KV data)."""
+    files = [str(p) for p in folder.rglob("*") if p.is_file()]
+    out = subprocess.run(["du", "-cb", *files], capture_output=True, text=True, check=True, timeout=60).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def du_volume(volume: Path) -> int:
+    return int(subprocess.run(["du", "-sb", str(volume)], capture_output=True, text=True, check=True, timeout=60).stdout.split()[0])
+
+
+def store(ip: str, start: int, end: int) -> None:
+    bench = subprocess.run([LMCACHE, "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
+                            "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
+                            "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", str(start),
+                            "--end", str(end), "--interval", "0.1", "--format", "json"],
+                           capture_output=True, text=True, timeout=180, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    assert bench.returncode == 0, bench.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def scenario(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    if LMCACHE is None:
+        pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
+    with kvpersist_env(kubectl, tmp_path_factory.mktemp("admin")) as env:
+        yield {"ns": env.ns, "volume": env.volume()}
+
+
+def _ready_with(kubectl: Kubectl, ns: str, namespace_id: str | None) -> dict:
+    return wait_for(f"Ready on {namespace_id}", lambda: (lambda s: s if s.get("phase") == "Ready" and s.get("namespaceId")
+                                                         == namespace_id else None)(kvns_status(kubectl, ns)), timeout=240)
+
+
+def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl, scenario: dict) -> None:
+    ns, volume = scenario["ns"], scenario["volume"]
+    old = manifest(ns)
+    kubectl.apply(old)
+    a = target_of(old).namespace_id
+    _ready_with(kubectl, ns, a)
+    store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 4)
+    new = manifest(ns, maxModelLen=16384)
+    kubectl.apply(new)
+    b = target_of(new).namespace_id
+    assert a != b
+    _ready_with(kubectl, ns, b)
+    store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
+    scenario.update(a=a, b=b)
+    a_bytes = du_files(volume / a)
+    assert a_bytes > 0 and du_files(volume / b) > 0
+
+    def reported() -> list[dict] | None:
+        out = cli(kubectl, "report", "-n", ns, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        rows = {r["namespace_id"]: r for r in json.loads(out.stdout)}
+        return list(rows.values()) if a in rows and b in rows and rows[a]["bytes"] == a_bytes and rows[b]["objects"] > 0 else None
+
+    rows = wait_for("report to list both namespaces", reported, timeout=120)
+    assert rows[0]["namespace_id"] == a and rows[0]["orphan"] and rows[0]["bytes"] == a_bytes  # the first to delete
+    assert rows[0]["objects"] == len(list((volume / a).iterdir()))
+    assert not rows[1]["orphan"] and rows[1]["current"]
+    inventory = kvns_status(kubectl, ns)["inventory"]
+    assert (inventory["orphanedNamespaces"], inventory["orphanedBytes"]) == (1, a_bytes)
+    table = cli(kubectl, "report", "-n", ns)
+    assert table.returncode == 0 and f"kvpersist gc {a} --no-dry-run" in table.stdout, table.stdout
+    status_table = cli(kubectl, "status", "-n", ns)
+    assert NAME in status_table.stdout and "Ready" in status_table.stdout and "1 (" in status_table.stdout
+
+
+def test_gc_dry_run_changes_nothing_and_live_is_refused(kubectl: Kubectl, scenario: dict) -> None:
+    ns, volume, a, b = scenario["ns"], scenario["volume"], scenario["a"], scenario["b"]
+    before = {nsid: files_state(volume / nsid) for nsid in (a, b)}
+    dry = cli(kubectl, "gc", a, "-n", ns)
+    assert dry.returncode == 0 and "would delete" in dry.stdout and "nothing deleted" in dry.stdout, dry.stdout + dry.stderr
+    live = cli(kubectl, "gc", b, "-n", ns, "--no-dry-run")
+    assert live.returncode == 3 and "refused" in live.stderr and f"KVCacheNamespace {ns}/{NAME}" in live.stderr
+    bad = cli(kubectl, "gc", "kvp-nothex", "-n", ns, "--no-dry-run")
+    assert bad.returncode == 2
+    assert {nsid: files_state(volume / nsid) for nsid in (a, b)} == before
+    assert "gc" not in kvns_status(kubectl, ns)  # nothing reached the operator
+
+
+def test_gc_frees_exactly_the_orphan_and_leaves_the_rest_identical(kubectl: Kubectl, scenario: dict) -> None:
+    ns, volume, a, b = scenario["ns"], scenario["volume"], scenario["a"], scenario["b"]
+    a_bytes, a_objects = du_files(volume / a), len(list((volume / a).iterdir()))
+    dir_entry = du_volume(volume / a) - a_bytes  # the folder's own size, as du counts it
+    b_before = files_state(volume / b)
+    volume_before = du_volume(volume)
+    out = cli(kubectl, "gc", a, "-n", ns, "--no-dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{ns}/{NAME}: Deleted" in out.stdout
+    assert not (volume / a).exists()
+    assert volume_before - du_volume(volume) == a_bytes + dir_entry
+    assert files_state(volume / b) == b_before
+    gc = kvns_status(kubectl, ns)["gc"]
+    assert (gc["outcome"], gc["namespaceId"], gc["bytes"], gc["objects"]) == ("Deleted", a, a_bytes, a_objects)
+    assert "kvpersist.dev/gc-request" not in (kubectl.get("kvns", NAME, ns)["metadata"].get("annotations") or {})
+    events = json.loads(kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=NamespaceDeleted", "-o",
+                                    "json").stdout)["items"]
+    assert any(a in e["message"] for e in events)
+    wait_for("the report to drop the deleted namespace", lambda: a not in cli(kubectl, "report", "-n", ns).stdout, timeout=120)
+    again = cli(kubectl, "gc", a, "-n", ns, "--no-dry-run")
+    assert again.returncode == 1 and "no data" in again.stderr

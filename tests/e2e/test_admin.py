@@ -103,6 +103,11 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
     assert table.returncode == 0 and f"kvpersist gc {a} --no-dry-run" in table.stdout, table.stdout
     status_table = cli(kubectl, "status", "-n", ns)
     assert NAME in status_table.stdout and "Ready" in status_table.stdout and "1 (" in status_table.stdout
+    # The same as a kubectl plugin: kubectl finds kubectl-kvpersist on PATH; the kubeconfig comes from $KUBECONFIG.
+    plugin = subprocess.run([str(kubectl.binary), "kvpersist", "report", "-n", ns], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "KUBECONFIG": str(kubectl.kubeconfig),
+                                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    assert plugin.returncode == 0 and a in plugin.stdout, plugin.stdout + plugin.stderr
 
 
 def test_gc_dry_run_changes_nothing_and_live_is_refused(kubectl: Kubectl, scenario: dict) -> None:

@@ -239,3 +239,15 @@ def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
     assert cfg["eviction"]["eviction_policy"] == "noop"
     assert "--eviction-policy" in server_args(t)  # L1 keeps the spec's policy
     assert server_args(t)[server_args(t).index("--eviction-policy") + 1] == t.spec.eviction.policy
+
+
+def test_inventory_agent_beside_the_server_with_nvme_only() -> None:
+    t = target()
+    pod = build_lmcache_statefulset(t, "img:1")["spec"]["template"]["spec"]
+    server, agent = pod["containers"]
+    assert agent["image"] == "img:1" and agent["command"] == ["kvpersist"]
+    assert agent["args"][:1] == ["agent"] and _flag(agent["args"], "--serving") == t.namespace_id
+    assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"] == server["volumeMounts"]
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+    bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
+    assert [c["name"] for c in bucket["containers"]] == ["lmcache-server"]

@@ -178,6 +178,10 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "readinessProbe": probe,
         "livenessProbe": probe,
         "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}],
+        # It must read, and on request delete, files the lmcache server wrote as whatever user its
+        # image runs as: uid 0 with only DAC_OVERRIDE, nothing else, and a read-only root.
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
     }
 
 

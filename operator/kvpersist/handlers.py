@@ -58,7 +58,9 @@ _resolved: dict[tuple[str, str], str | None] = {}  # each known resource's names
 TICK_S = 1.0
 # A bucket listing is a paged walk of the Hub's tree: at most once per this many seconds.
 BUCKET_INVENTORY_TTL_S = 300.0
-_bucket_inventory: dict[tuple[str, str], tuple[float, Inventory]] = {}
+BUCKET_INVENTORY_RETRY_S = 30.0  # after a failed listing (no token yet, Hub refused or down)
+_bucket_inventory: dict[tuple[str, str], tuple[float, Inventory | None]] = {}  # (when, last good listing)
+_bucket_inventory_failed: set[tuple[str, str]] = set()
 _gc_inflight: set[str] = set()  # gc request ids being carried out
 _gc_tasks: set[asyncio.Task] = set()
 # kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
@@ -192,25 +194,27 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
 
 
 def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | None:
-    """The bucket prefix's listing, at most once per BUCKET_INVENTORY_TTL_S; the last one when the
-    Hub does not answer (the L2Ready condition reports the Hub's problems)."""
+    """The bucket prefix's listing, at most once per BUCKET_INVENTORY_TTL_S (BUCKET_INVENTORY_RETRY_S
+    after a failure); the last good one meanwhile (L2Ready reports the Hub's problems)."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)
-    cached = _bucket_inventory.get(key)
+    when, last = _bucket_inventory.get(key, (float("-inf"), None))
+    if last is not None and last.location != bucket.bucket_handle:
+        when, last = float("-inf"), None
     now = time.monotonic()
-    if cached and cached[1].location == bucket.bucket_handle and now - cached[0] < BUCKET_INVENTORY_TTL_S:
-        return cached[1]
+    if now - when < (BUCKET_INVENTORY_RETRY_S if key in _bucket_inventory_failed else BUCKET_INVENTORY_TTL_S):
+        return last
     token = secrets.token()
-    if token is None:
-        return cached[1] if cached else None
     try:
-        inv = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
+        if token is None:
+            raise BucketInventoryError("SecretNotFound", "no token")
+        last = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
+        _bucket_inventory_failed.discard(key)
     except BucketInventoryError:
-        _bucket_inventory[key] = (now, cached[1]) if cached else (now, Inventory(bucket.bucket_handle))
-        return cached[1] if cached else None
-    _bucket_inventory[key] = (now, inv)
-    return inv
+        _bucket_inventory_failed.add(key)
+    _bucket_inventory[key] = (now, last)
+    return last
 
 
 def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -385,6 +389,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _preflights.pop(key, None)
         _resolved.pop(key, None)
         _bucket_inventory.pop(key, None)
+        _bucket_inventory_failed.discard(key)
         _dirty.discard(key)
         metrics.set_phase(key[0], key[1], None)
     else:

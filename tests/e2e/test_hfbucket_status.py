@@ -58,6 +58,16 @@ def test_bucket_preflight_reasons_and_no_token_leak(kubectl: Kubectl, crd: None,
                 _l2(kubectl, ns)), timeout=120)
             assert BAD_TOKEN in hub.seen_tokens and GOOD_TOKEN in hub.seen_tokens  # the Hub did get them
 
+            # The bucket's inventory, from its listing: an old namespace's objects are an orphan.
+            orphan = "kvp-" + "e" * 32
+            hub.put("acme-ml/kv-cache", f"prod/{orphan}/m%40a.bin", b"x" * 100, 1_700_000_000.0)
+            inventory = wait_for("the bucket inventory", lambda: (lambda i: i if i.get("orphanedBytes") == 100 else None)(
+                (kubectl.get("kvns", obj["metadata"]["name"], ns).get("status") or {}).get("inventory") or {}), timeout=120)
+            volume = inventory["volumes"][0]
+            assert volume["location"] == obj["spec"]["l2"]["hfBucket"]["bucketHandle"]
+            assert volume["namespaces"][0] == {"namespaceId": orphan, "bytes": 100, "objects": 1,
+                                               "lastWrite": "2023-11-14T22:13:20Z", "orphan": True}
+
             # Nowhere else: not in any object of the namespace (the Secret aside), events, or the operator's log.
             dump = kubectl.run("get", "kvns,statefulsets,deployments,configmaps,services,events,pods", "-n", ns,
                                "-o", "json").stdout

@@ -15,12 +15,11 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.identity import resolve
-from kvpersist.inventory import NAMESPACE_ID_RE
+from kvpersist.inventory import NAMESPACE_ID_RE, parse_iso
 from kvpersist.usage import human_bytes
 from kvpersist.workloads import live_ids
 
@@ -87,9 +86,7 @@ def report_rows(resources: Iterable[Mapping[str, Any]], live: frozenset[str]) ->
 
 
 def _age_key(last_write: str | None) -> float:
-    if not last_write:
-        return 0.0
-    return datetime.fromisoformat(last_write.replace("Z", "+00:00")).timestamp()
+    return parse_iso(last_write) or 0.0
 
 
 def rank_rows(rows: Iterable[Row]) -> list[Row]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, remove_namespace, scan_volume
+from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, namespace_usage, remove_namespace, scan_volume
 
 log = logging.getLogger("kvpersist.agent")
 DEFAULT_PORT = 8090
@@ -50,7 +50,7 @@ class Agent:
             return 400, {"error": f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)"}
         if namespace_id == self.serving:
             return 409, {"error": f"{namespace_id} is the namespace this lmcache server serves: refused"}
-        held = self.inventory(fresh=True).get(namespace_id)
+        held = namespace_usage(self.root, namespace_id)  # that folder only, not the whole volume
         if held is None:
             return 404, {"error": f"{namespace_id} has no data on this volume"}
         if dry_run:

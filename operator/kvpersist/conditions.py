@@ -107,13 +107,12 @@ def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict
     return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['budget']} used", gen)
 
 
-def _l2_condition(obs: Observation, gen: int | None) -> dict[str, Any]:
+def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] | None) -> dict[str, Any]:
     """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
     L2 writes failing now, which lmcache's /status does not show."""
     if obs.namespace_id is None:
         return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
     bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
-    budget = budget_status(obs)
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
     failing = [] if exhausted else [r for r in obs.reports if r.pod in obs.writes_failing]
@@ -164,7 +163,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     ready_pods = {p["metadata"]["name"] for p in obs.server_pods if _pod_ready(p)}
     sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
 
-    conds.append(_l2_condition(obs, gen))
+    budget = budget_status(obs)
+    conds.append(_l2_condition(obs, gen, budget))
 
     # lmcache servers
     if not cache_on:
@@ -183,7 +183,6 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     else:
         conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
 
-    budget = budget_status(obs)
     budget_cond = _budget_condition(budget, gen)
     if budget_cond is not None:
         conds.append(budget_cond)

@@ -140,8 +140,7 @@ def _observe(body: Mapping[str, Any], target: Target, reason: str, seen: Seen) -
         writes_failing=failing,
         reports=reports,
         inventory=inventory,
-        budget_bytes=int(api.parse_quantity(str(spec.l2.nvme.budget))) if spec.l2.nvme is not None and spec.l2.nvme.budget
-        is not None else None,
+        budget_bytes=spec.l2.nvme.budget_bytes if spec.l2.nvme is not None else None,
     )
 
 
@@ -181,13 +180,13 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
     if secret is None:
         return (False, "SecretNotFound", f"{ref} not found in namespace {target.namespace}: create it, e.g. kubectl create "
                 f"secret generic {bucket.token_secret_ref.name} --from-literal={bucket.token_secret_ref.key}=hf_...")
-    raw = (secret.get("data") or {}).get(bucket.token_secret_ref.key)
-    if not raw:
+    token = secrets.token()
+    if not token:
         return (False, "SecretKeyMissing", f"{ref}: the Secret has no such key; set spec.l2.hfBucket.tokenSecretRef.key")
     key = (*settings, secret["metadata"].get("resourceVersion"))
     if cached and cached[0] == key and now - cached[1] < PREFLIGHT_TTL_S:
         return cached[2]
-    result = preflight_bucket(bucket.bucket_handle, base64.b64decode(raw).decode().strip(), bucket.create_bucket_if_missing,
+    result = preflight_bucket(bucket.bucket_handle, token, bucket.create_bucket_if_missing,
                               ref, endpoint=os.environ.get("HF_ENDPOINT"))
     _preflights[(target.namespace, target.name)] = (key, now, (result.ok, result.reason, result.message))
     return result.ok, result.reason, result.message

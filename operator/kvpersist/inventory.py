@@ -45,9 +45,8 @@ class NamespaceUsage:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NamespaceUsage:
-        last = data.get("lastWrite")
         return cls(data["namespaceId"], int(data.get("bytes") or 0), int(data.get("objects") or 0),
-                   datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() if last else None, data.get("orphan"))
+                   parse_iso(data.get("lastWrite")), data.get("orphan"))
 
 
 @dataclass
@@ -77,6 +76,11 @@ def iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if ts is not None else None
 
 
+def parse_iso(stamp: str | None) -> float | None:
+    """iso()'s inverse: unix seconds, or None."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+
+
 def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> Inventory:
     """(relative path, size, mtime) entries, grouped by the namespace folder they sit in."""
     by_id: dict[str, NamespaceUsage] = {}
@@ -90,19 +94,22 @@ def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> In
     return Inventory(location, sorted(by_id.values(), key=lambda n: n.namespace_id), other)
 
 
+def _files(root: Path, top: Path) -> Iterable[tuple[str, int, float | None]]:
+    """(path relative to root, apparent size, mtime) of every file under top. Apparent sizes are
+    what `du -sb` counts; files vanishing mid-walk (an eviction, a temp file renamed) are skipped."""
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            yield os.path.relpath(full, root), st.st_size, st.st_mtime
+
+
 def scan_volume(root: Path) -> Inventory:
-    """Walk an L2 mount. Apparent sizes (what `du -sb` counts); files vanishing mid-walk (an
-    eviction, a temp file renamed) are skipped, not errors."""
-    def entries() -> Iterable[tuple[str, int, float | None]]:
-        for dirpath, _dirs, files in os.walk(root):
-            for name in files:
-                full = os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(full)
-                except FileNotFoundError:
-                    continue
-                yield os.path.relpath(full, root), st.st_size, st.st_mtime
-    inv = group(entries(), str(root))
+    """Walk an L2 mount: every namespace folder, and what lies outside them."""
+    inv = group(_files(root, root), str(root))
     # Namespace folders with nothing in them yet still show (a server started, nothing stored).
     for child in sorted(root.iterdir()) if root.is_dir() else []:
         if child.is_dir() and NAMESPACE_ID_RE.fullmatch(child.name) and inv.get(child.name) is None:
@@ -113,16 +120,24 @@ def scan_volume(root: Path) -> Inventory:
     return inv
 
 
-def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
-    """Delete one namespace's folder from a volume; returns what it held. The caller has already
-    refused live namespaces; this only guards against a path that is not a namespace folder."""
+def namespace_usage(root: Path, namespace_id: str) -> NamespaceUsage | None:
+    """What one namespace folder holds (walking only that folder); None when there is no such
+    folder. Refuses anything that is not a namespace id, so no other path is ever walked."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
     folder = root / namespace_id
-    held = group(((os.path.relpath(os.path.join(d, f), root), os.lstat(os.path.join(d, f)).st_size, None)
-                  for d, _, fs in os.walk(folder) for f in fs), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
-    if folder.is_dir() and not folder.is_symlink():
-        shutil.rmtree(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return None
+    return group(_files(root, folder), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
+
+
+def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
+    """Delete one namespace's folder from a volume; returns what it held. The caller has already
+    refused live namespaces; this only guards against a path that is not a namespace folder."""
+    held = namespace_usage(root, namespace_id)
+    if held is None:
+        return NamespaceUsage(namespace_id)
+    shutil.rmtree(root / namespace_id)
     return held
 
 

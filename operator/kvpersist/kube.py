@@ -53,12 +53,6 @@ def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any
         return None
 
 
-def list_objects(api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-    selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    out = _resource(api_version, kind).get(namespace=namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S)
-    return [item.to_dict() for item in out.items]
-
-
 def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
     """Every object of a kind, in one namespace or (None) all of them."""
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S)

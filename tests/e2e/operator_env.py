@@ -94,6 +94,11 @@ def target_of(obj: dict) -> Target:
     return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.identity.model_dump()).namespace_id)
 
 
+def lmcache() -> str:
+    """The lmcache CLI: on PATH, else beside this Python (the venv hack/venv.sh makes)."""
+    return shutil.which("lmcache") or str(Path(sys.executable).parent / "lmcache")
+
+
 @dataclass
 class Env:
     """One test namespace with its storage, an operator watching it, and the runner's pods."""
@@ -111,12 +116,11 @@ class Env:
 @contextlib.contextmanager
 def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | None = None) -> Iterator[Env]:
     """Namespace, StorageClass + PV, operator and runner; all stopped and deleted afterwards."""
-    lmcache = shutil.which("lmcache") or str(Path(sys.executable).parent / "lmcache")
     ns = f"e2e-{uuid.uuid4().hex[:8]}"
     kubectl.run("create", "namespace", ns)
     kubectl.apply(storage(ns))
     log = work / "operator.log"
-    env = Env(ns, work, Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache),
+    env = Env(ns, work, Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache()),
               start_operator(kubectl.kubeconfig, ns, log, operator_env), log)
     try:
         with RunnerThread(env.runner):
@@ -126,3 +130,13 @@ def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | N
         kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
         kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
         kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)
+
+
+def bench_store(ip: str, start: int, end: int) -> None:
+    """Real KV into a pod's lmcache server with lmcache's own bench client (sequences start..end)."""
+    bench = subprocess.run([lmcache(), "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
+                            "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
+                            "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", str(start),
+                            "--end", str(end), "--interval", "0.1", "--format", "json"],
+                           capture_output=True, text=True, timeout=180, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    assert bench.returncode == 0, bench.stderr[-2000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, kvpersist_env, manifest, target_of
+from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -48,15 +48,6 @@ def du_volume(volume: Path) -> int:
     return int(subprocess.run(["du", "-sb", str(volume)], capture_output=True, text=True, check=True, timeout=60).stdout.split()[0])
 
 
-def store(ip: str, start: int, end: int) -> None:
-    bench = subprocess.run([LMCACHE, "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
-                            "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
-                            "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", str(start),
-                            "--end", str(end), "--interval", "0.1", "--format", "json"],
-                           capture_output=True, text=True, timeout=180, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
-    assert bench.returncode == 0, bench.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def scenario(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if LMCACHE is None:
@@ -76,13 +67,13 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
     kubectl.apply(old)
     a = target_of(old).namespace_id
     _ready_with(kubectl, ns, a)
-    store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 4)
+    bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 4)
     new = manifest(ns, maxModelLen=16384)
     kubectl.apply(new)
     b = target_of(new).namespace_id
     assert a != b
     _ready_with(kubectl, ns, b)
-    store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
+    bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
     scenario.update(a=a, b=b)
     a_bytes = du_files(volume / a)
     assert a_bytes > 0 and du_files(volume / b) > 0

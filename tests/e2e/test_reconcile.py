@@ -9,10 +9,8 @@ a pin change moves to a new namespace without touching the old files; delete kee
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import pytest
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, kvpersist_env, manifest, start_operator, stop, target_of
+from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -84,12 +82,7 @@ def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> Non
     ns = scenario["ns"]
     ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]
     before = kvns_status(kubectl, ns)["usage"]
-    bench = subprocess.run([LMCACHE, "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
-                            "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
-                            "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", "0",
-                            "--end", "4", "--interval", "0.1", "--format", "json"],
-                           capture_output=True, text=True, timeout=180, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
-    assert bench.returncode == 0, bench.stderr[-2000:]
+    bench_store(ip, 0, 4)
     server = _server_status(ip)["storage_manager"]
     want_objects = server["l2_adapters"][0]["stored_object_count"]
     want_l2 = server["l2_eviction_controller"]["adapters"][0]["total_bytes_used"]

@@ -220,6 +220,10 @@ class NVMe(_Model):
         "data, Delete removes the claims the operator created.",
     )
 
+    @property
+    def budget_bytes(self) -> int | None:
+        return int(parse_quantity(str(self.budget))) if self.budget is not None else None
+
 
 class SecretKeyRef(_Model):
     """A key of a Secret in the resource's namespace."""
@@ -415,7 +419,7 @@ class KVCacheNamespaceSpec(_Model):
                 raise ValueError("spec.l2.nvme.storageClassName: applies to a new claim: set size with it")
             if n.size is not None and parse_quantity(str(n.size)) < n.max_capacity_gb * GIB:
                 raise ValueError("spec.l2.nvme.maxCapacityGB: must fit in the claim: lower maxCapacityGB or raise size")
-            if n.budget is not None and not 2**20 <= parse_quantity(str(n.budget)) <= n.max_capacity_gb * GIB:
+            if n.budget_bytes is not None and not 2**20 <= n.budget_bytes <= n.max_capacity_gb * GIB:
                 raise ValueError("spec.l2.nvme.budget: must be at least 1Mi and at most maxCapacityGB")
             if n.budget is not None and n.adapter != "nixl_store_dynamic":
                 raise ValueError("spec.l2.nvme.budget: the fs adapter has no capacity to hold a budget to")

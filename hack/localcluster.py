@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist"))
 STATE = Path(os.environ.get("KVPERSIST_CLUSTER_DIR", CACHE / "cluster"))
 KUBECONFIG = STATE / "kubeconfig"
+AUDIT_LOG = STATE / "logs" / "audit.log"
 HOST = "127.0.0.1"
 PORT_BASE = int(os.environ.get("KVPERSIST_CLUSTER_PORT_BASE", "26400"))
 SERVICE_CIDR = "10.96.0.0/16"
@@ -52,6 +53,8 @@ PORTS = {
 API_URL = f"https://{HOST}:{PORTS['kube-apiserver']}"
 
 # Fake nodes: one CPU node for the lmcache servers and one GPU node sized like an 8-GPU host.
+REAL_NODE = "real-gpu-0"
+REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
 NODES = [
     {
         "name": "kwok-cpu-0",
@@ -65,6 +68,26 @@ NODES = [
             "nvidia.com/gpu.present": "true",
             "nvidia.com/gpu.product": "NVIDIA-H200",
         },
+        "capacity": {
+            "cpu": "96",
+            "memory": "1536Gi",
+            "pods": "110",
+            "ephemeral-storage": "4Ti",
+            "nvidia.com/gpu": "8",
+        },
+    },
+    {
+        # A GPU node whose pods are run for real by hack/kubelet_runner.py, which plays its
+        # kubelet: kwok starts its pods unready, and the runner reports Ready when the pod's own
+        # readiness probe passes. Tainted, so only pods that ask for it (tests, the demo) land here.
+        "name": REAL_NODE,
+        "labels": {
+            "node.kubernetes.io/instance-type": "gpu-8x",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": "NVIDIA-H200",
+            REAL_NODE_TAINT: "true",
+        },
+        "taints": [{"key": REAL_NODE_TAINT, "value": "true", "effect": "NoSchedule"}],
         "capacity": {
             "cpu": "96",
             "memory": "1536Gi",
@@ -234,6 +257,24 @@ def start(comp: Component, pki: Path) -> None:
     raise ClusterError(f"{comp.name} not ready after {START_TIMEOUT_S:.0f}s; see {STATE / 'logs' / (comp.name + '.log')}")
 
 
+# Requests of ServiceAccounts outside kube-system (an operator run with a chart's credentials),
+# at Metadata level: the user, verb, resource, status code and the authorizer's decision, no bodies.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived", "ResponseStarted"],
+    "rules": [
+        {"level": "None", "userGroups": ["system:serviceaccounts:kube-system"]},
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
+
+
+def write_audit_policy() -> Path:
+    path = STATE / "audit-policy.json"
+    path.write_text(json.dumps(AUDIT_POLICY, indent=2) + "\n")
+    return path
+
+
 def components(bins: dict[str, Path], pki: Path) -> list[Component]:
     etcd_url = f"http://{HOST}:{PORTS['etcd-client']}"
     kc = STATE / "kubeconfigs"
@@ -256,6 +297,9 @@ def components(bins: dict[str, Path], pki: Path) -> list[Component]:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", "--profiling=false", "--v=1",
+            # Who was refused what, for tests that must tell an RBAC refusal from any other 403.
+            f"--audit-policy-file={write_audit_policy()}", f"--audit-log-path={AUDIT_LOG}", "--audit-log-format=json",
+            "--audit-log-maxsize=64", "--audit-log-maxbackup=1",
             # The default reconciler refuses a loopback advertise address; nothing in-cluster needs it.
             "--endpoint-reconciler-type=none",
         ], "api"),
@@ -281,7 +325,7 @@ def components(bins: dict[str, Path], pki: Path) -> list[Component]:
         Component("kwok", [
             str(bins["kwok"]), f"--kubeconfig={kc / 'kwok'}",
             "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            f"--config={bins['kwok'].parent / 'kwok-stages.yaml'}", "--node-lease-duration-seconds=40",
+            f"--config={write_kwok_stages(bins)}", "--node-lease-duration-seconds=40",
             f"--server-address={HOST}:{PORTS['kwok']}", f"--node-ip={HOST}",
             f"--cidr={os.environ.get('KVPERSIST_POD_CIDR', '127.16.0.0/16')}",
         ], "tcp"),
@@ -304,8 +348,99 @@ def node_manifest(spec: dict) -> dict:
         "kind": "Node",
         "metadata": {"name": spec["name"], "labels": labels,
                      "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}},
+        "spec": {"taints": spec.get("taints", [])},
         "status": {"capacity": spec["capacity"], "allocatable": spec["capacity"]},
     }
+
+
+# Pods on the real node start Running with an IP but unready; the runner, as their kubelet,
+# reports readiness from their probes. kwok's own "pod-ready" stage leaves them alone.
+REAL_NODE_STAGE = f"""apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-start-unready-on-real-node
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values:
+      - 'Pending'
+    - key: '.spec.nodeName'
+      operator: 'In'
+      values:
+      - '{REAL_NODE}'
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: Initialized
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: PodScheduled
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "False"
+        reason: ContainersNotReady
+        type: Ready
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "False"
+        reason: ContainersNotReady
+        type: ContainersReady
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: false
+        started: false
+        restartCount: 0
+        state:
+          running:
+            startedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}
+      {{{{ $hostIPs := NodeIPsWith .spec.nodeName }}}}
+      {{{{ with $hostIPs }}}}
+      hostIP: {{{{ index . 0 | Quote }}}}
+      hostIPs:
+      {{{{ range . }}}}
+      - ip: {{{{ . | Quote }}}}
+      {{{{ end }}}}
+      {{{{ end }}}}
+      {{{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" )
+           ( or .metadata.name "" ) ( or .metadata.namespace "" ) }}}}
+      {{{{ with $podIPs }}}}
+      podIP: {{{{ index . 0 | Quote }}}}
+      podIPs:
+      {{{{ range . }}}}
+      - ip: {{{{ . | Quote }}}}
+      {{{{ end }}}}
+      {{{{ end }}}}
+      phase: Running
+      startTime: {{{{ $now | Quote }}}}
+"""
+
+
+def write_kwok_stages(bins: dict[str, Path]) -> Path:
+    """kwok's fast stages from its module, with "pod-ready" kept off the real node, plus the
+    real node's own start stage."""
+    docs = bins["kwok"].parent.joinpath("kwok-stages.yaml").read_text().split("\n---\n")
+    out = []
+    for doc in docs:
+        if "name: pod-ready\n" in doc:
+            marker = "    matchExpressions:\n"
+            assert marker in doc, "kwok's pod-ready stage changed shape: update write_kwok_stages"
+            doc = doc.replace(marker, marker + f"    - key: '.spec.nodeName'\n      operator: 'NotIn'\n      values:\n"
+                              f"      - '{REAL_NODE}'\n", 1)
+        out.append(doc)
+    path = STATE / "kwok-stages.yaml"
+    path.write_text("\n---\n".join([*out, REAL_NODE_STAGE]))
+    return path
 
 
 def wait_nodes_ready(bins: dict[str, Path]) -> None:
@@ -407,6 +542,8 @@ def stop_all() -> list[str]:
 def cmd_down(_: argparse.Namespace) -> None:
     stopped = stop_all()
     shutil.rmtree(STATE / "etcd", ignore_errors=True)
+    for old in (STATE / "logs").glob("audit*.log"):
+        old.unlink()
     left = [n for n in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok") if running_pid(n)]
     if left:
         raise ClusterError(f"still running after down: {', '.join(left)}")
@@ -440,6 +577,7 @@ def cmd_status(_: argparse.Namespace) -> None:
     ready = ok and api_ready(STATE / "pki")
     print(f"{'api /readyz':26s} {'ok' if ready else 'not ready'}")
     print(f"{'kubeconfig':26s} {KUBECONFIG}")
+    print(f"{'audit log':26s} {AUDIT_LOG}")
     if not ready:
         sys.exit(1)
 

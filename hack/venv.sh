@@ -14,6 +14,10 @@ print(hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()[:12]
 PY
 )
 VENV="$CACHE/venv-$key"
+mkdir -p "$CACHE"
+# One builder at a time: a second run must not delete a venv that the first is still filling.
+exec 9>"$CACHE/venv-$key.lock"
+flock -w 1800 9 || { echo "[venv] another run holds $CACHE/venv-$key.lock for 30 min" >&2; exit 1; }
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
   echo "[venv] creating $VENV with extras $EXTRAS (first time: lmcache and vLLM pull in torch, about 10 GB and several minutes)" >&2
   rm -rf "$VENV"

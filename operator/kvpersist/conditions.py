@@ -9,6 +9,10 @@ from typing import Any
 
 from kvpersist.usage import ServerReport, summarize
 
+# Hit figures move with every request: alone they cause at most one status write per this many
+# seconds (with any other change they ride along at once; the first figures are written at once).
+HITS_WRITE_INTERVAL_S = 60.0
+
 CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "WithinBudget", "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job.
 INFORMATIONAL = ("WithinBudget",)
@@ -63,6 +67,7 @@ class Observation:
     reports: list[ServerReport] = field(default_factory=list)
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
+    last_inventory: Mapping[str, Any] | None = None  # status.inventory as last written (when this read failed)
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -76,6 +81,18 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
     return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
 
 
+def _served_share(inventory: Mapping[str, Any] | None, namespace_id: str | None) -> dict[str, Any]:
+    """What the last whole inventory counted for namespace_id: a volume that could not be read this
+    time (an agent slow or restarting) still holds its data, and a budget read from the servers
+    alone (they count from zero after a restart) would flip to Available."""
+    current = [n for vol in (inventory or {}).get("volumes") or [] for n in vol.get("namespaces") or []
+               if n.get("namespaceId") == namespace_id]
+    if not current:
+        return {}
+    return {"currentBytes": sum(int(n.get("bytes") or 0) for n in current),
+            "currentObjects": sum(int(n.get("objects") or 0) for n in current)}
+
+
 def budget_status(obs: Observation) -> dict[str, Any] | None:
     """status.budget. Used bytes: the larger of the servers' count (what lmcache enforces against,
     only what it saw since it started) and the volume's (the data itself). Exhausted once the next
@@ -87,7 +104,7 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     reported = [r for r in obs.reports if r.l2_used is not None]
     used_servers = sum(r.l2_used or 0 for r in reported)
     objects_servers = sum(r.l2_objects or 0 for r in reported)
-    inv = obs.inventory or {}
+    inv = obs.inventory or _served_share(obs.last_inventory, obs.namespace_id)
     used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
     if not reported and not inv:
         return {"bytes": obs.budget_bytes, "state": "Available", "budget": f"?/{human_bytes(obs.budget_bytes)}"}
@@ -230,12 +247,46 @@ def _without_stamp(usage: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (usage or {}).items() if k != "measuredAt"}
 
 
+def _present(value: Any) -> Any:
+    """value without None entries at any depth: what a merge patch leaves stored."""
+    if isinstance(value, Mapping):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_present(v) for v in value]
+    return value
+
+
+def _age_s(stamp: Any, at: datetime) -> float:
+    try:
+        return (at - datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)).total_seconds()
+    except ValueError:
+        return float("inf")
+
+
+def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, riding: bool,
+               at: datetime) -> dict[str, Any] | None:
+    """status.hits to write, or None. Not when nothing changed (measuredAt aside); otherwise at once
+    when there were none, when another field is written anyway (riding), or when the stored ones
+    are HITS_WRITE_INTERVAL_S old; else later. Totals never lag in memory: a restarted operator
+    folds from the stored totals and per-server counters together."""
+    if hits is None:
+        return None
+    if _present(_without_stamp(hits)) == _present(_without_stamp(old)):
+        return None
+    if old and not riding and _age_s(old.get("measuredAt"), at) < HITS_WRITE_INTERVAL_S:
+        return None
+    return {**hits, "measuredAt": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
-                 reports: list[ServerReport], inventory: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                 reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
+                 hits: Mapping[str, Any] | None = None, at: datetime | None = None) -> dict[str, Any] | None:
     """The status patch to write, or None when nothing a user could see changed.
 
     Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
-    that could not be measured this time keeps its last known value."""
+    that could not be measured this time keeps its last known value; so do the hit figures
+    (status.hits, from kvpersist.usage.HitTracker), which alone write at most once per
+    HITS_WRITE_INTERVAL_S."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
     if old.get("budget") is not None and "budget" not in fields:
         patch["budget"] = None  # the budget was taken off the spec
@@ -246,4 +297,7 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
         patch["usage"] = usage
     if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):
         patch["inventory"] = {**inventory, "measuredAt": now()}
+    hits_update = hits_patch(old.get("hits"), hits, bool(patch), at or datetime.now(UTC))
+    if hits_update is not None:
+        patch["hits"] = hits_update
     return patch or None

@@ -33,7 +33,7 @@ from kvpersist.hfbucket import preflight_bucket
 from kvpersist.identity import resolve
 from kvpersist.inventory import Inventory, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
-from kvpersist.usage import WriteFailureTracker, collect_usage
+from kvpersist.usage import HitTracker, WriteFailureTracker, collect_usage
 from kvpersist.workloads import WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
 
 PREFIX = "kvpersist.dev"
@@ -43,6 +43,7 @@ STATUS_INTERVAL_S = 10.0
 # the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _write_failures = WriteFailureTracker()
+_hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
 PREFLIGHT_TTL_S = 300.0
 # Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
 # refreshed on the status loop's next tick, so phase follows pod readiness within a second or
@@ -260,6 +261,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         reports, inventory = [], None
     else:
         observation = _observe(body, target, reason, seen)
+        observation.last_inventory = old.get("inventory")
         fields, conds = compute_status(observation)
         reports = observation.reports
         inventory = observation.inventory
@@ -269,7 +271,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
     metrics.inc("kvpersist_status_refreshes_total")
     metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
-    new_status = status_patch(old, fields, conds, reports, inventory)
+    hits = _hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
+    new_status = status_patch(old, fields, conds, reports, inventory, hits)
     if new_status is None:
         return
     kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], new_status)
@@ -390,6 +393,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _bucket_inventory.pop(key, None)
         _bucket_inventory_failed.discard(key)
         _dirty.discard(key)
+        _hits.forget(key)
         metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),

@@ -1,16 +1,27 @@
-"""Cache usage and health, read from each lmcache server's HTTP /status."""
+"""Cache usage and health, read from each lmcache server's HTTP /status and /metrics; and the
+hit figures (per tier, in total and over a recent window) folded from its lookup counters."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
+import re
+import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 STATUS_TIMEOUT_S = 2.0
+# A /metrics body larger than this is not read further: the figures it carries become unknown.
+# lmcache 0.5.6 answers with about 15 KB; each extra (model_name, cache_salt) pair adds ~1 KB.
+MAX_METRICS_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -28,6 +39,7 @@ class ServerReport:
     l2_healthy: bool | None = None
     l2_writes_failed: int | None = None  # objects whose L2 write failed since the server started
     l2_writes_submitted: int | None = None
+    lookups: LookupCounters | None = None  # the lookup counters of /metrics; None: unknown
 
 
 def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
@@ -62,21 +74,39 @@ SUBMITTED = "lmcache_mp_l2_store_submitted_objects_chunks_total"
 COMPLETED = "lmcache_mp_l2_store_completed_objects_chunks_total"
 
 
-def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> dict[str, float]:
-    """Sums of the named Prometheus samples over all label sets."""
-    wanted = set(names)
+# One sample line of the Prometheus text format, as prometheus_client writes it: a name, optional
+# labels (quoted values with backslash escapes), a value and an optional timestamp. Unambiguous
+# alternations only, so a hostile line costs linear time.
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:" + _LABEL + r"(?:," + _LABEL + r")*,?)?\})?[ \t]+"
+                     r"([-+]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))"
+                     r"(?:[ \t]+-?[0-9]+)?[ \t]*")
+
+
+def parse_exposition(text: str) -> dict[str, float] | None:
+    """Every sample of a Prometheus text body, summed per metric name over its label sets; None
+    when the body is not that format (any line that is neither a comment nor a sample) or is
+    larger than MAX_METRICS_BYTES. Never raises."""
+    if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
+        return None
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
+    for line in text.split("\n"):
+        line = line.rstrip("\r")
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        if name in wanted:
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
+        m = _SAMPLE.fullmatch(line)
+        if m is None:
+            return None
+        name, value = m.group(1), float(m.group(3))
+        out[name] = out.get(name, 0.0) + value
     return out
+
+
+def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> dict[str, float]:
+    """Sums of the named Prometheus samples over all label sets; empty for a body that is not
+    Prometheus text."""
+    wanted = set(names)
+    return {k: v for k, v in (parse_exposition(text) or {}).items() if k in wanted}
 
 
 def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics: Mapping[str, float]) -> ServerReport:
@@ -90,27 +120,275 @@ def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics
     return replace(report, l2_writes_failed=failed, l2_writes_submitted=submitted)
 
 
+# Lookup counters (lmcache 0.5.6, lmcache/v1/mp_observability/subscribers/metrics/lookup.py): OTel
+# counters that the Prometheus reader exports with their unit and _total appended, labelled by
+# model_name and cache_salt (summed here). All four move on every finished lookup, in tokens:
+# requested (chunk-aligned tokens looked up), hit (the contiguous prefix found in L1 or L2),
+# and its split by tier, hit_l1 (what L1 held) + hit_l2 (what L2 added beyond it) == hit.
+# They appear at the first lookup; a server that has served none has none.
+LOOKUP_REQUESTED = "lmcache_mp_lookup_requested_tokens_total"
+LOOKUP_HIT = "lmcache_mp_lookup_hit_tokens_total"
+LOOKUP_HIT_L1 = "lmcache_mp_lookup_hit_l1_tokens_total"
+LOOKUP_HIT_L2 = "lmcache_mp_lookup_hit_l2_tokens_total"
+# prometheus_client's process collector: tells a restarted server from one whose counters grew.
+PROCESS_START = "process_start_time_seconds"
+MAX_COUNTER = 2**53  # beyond this a float counter is no longer exact: treat it as garbage
+
+# The recent window of status.hits.window, and how often hit figures alone may cause a write.
+HIT_WINDOW_S = 300.0
+MAX_SAMPLES = 512  # per resource; the status loop adds about one per 10 s
+
+
+@dataclass(frozen=True)
+class LookupCounters:
+    """One server's lookup counters as read from its /metrics (cumulative since it started)."""
+
+    requested: int = 0
+    hit: int = 0
+    hit_l1: int = 0
+    hit_l2: int = 0
+    started: str | None = None  # process start, RFC 3339 to the second; None: not exported
+
+
+def _stamp(seconds: float) -> str | None:
+    try:
+        return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | None:
+    """The lookup counters of a parsed /metrics body; None when unknown: no body, a body that is
+    not lmcache's (no lmcache_ sample at all), or a counter that is negative, not finite or absurd.
+    A server that has served no lookup yet exports none of them: zeros."""
+    if not metrics or not any(k.startswith("lmcache_") for k in metrics):
+        return None
+    values = []
+    for name in (LOOKUP_REQUESTED, LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2):
+        v = metrics.get(name, 0.0)
+        if not math.isfinite(v) or v < 0 or v > MAX_COUNTER:
+            return None
+        values.append(int(v))
+    start = metrics.get(PROCESS_START)
+    started = _stamp(start) if start is not None and math.isfinite(start) and start > 0 else None
+    return LookupCounters(*values, started=started)
+
+
+@dataclass(frozen=True)
+class HitTotals:
+    """Token counts: looked up, found in cache (L1 + L2), found in L1, added by L2."""
+
+    lookup: int = 0
+    hit: int = 0
+    l1: int = 0
+    l2: int = 0
+
+    def __add__(self, other: HitTotals) -> HitTotals:
+        return HitTotals(self.lookup + other.lookup, self.hit + other.hit, self.l1 + other.l1, self.l2 + other.l2)
+
+    def __sub__(self, other: HitTotals) -> HitTotals:
+        return HitTotals(self.lookup - other.lookup, self.hit - other.hit, self.l1 - other.l1, self.l2 - other.l2)
+
+
+def _as_totals(c: LookupCounters) -> HitTotals:
+    return HitTotals(c.requested, c.hit, c.hit_l1, c.hit_l2)
+
+
+def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> HitTotals:
+    """What a server counted since previous. All of current when there is no previous, when its
+    process start changed, or when any counter went down: the server restarted and counts from
+    zero again, so what it shows now is all new."""
+    if previous is None:
+        return _as_totals(current)
+    restarted = previous.started is not None and current.started is not None and previous.started != current.started
+    delta = _as_totals(current) - _as_totals(previous)
+    if restarted or min(delta.lookup, delta.hit, delta.l1, delta.l2) < 0:
+        return _as_totals(current)
+    return delta
+
+
+def fold_counters(totals: HitTotals, baselines: Mapping[str, LookupCounters],
+                  current: Mapping[str, LookupCounters | None]) -> tuple[HitTotals, dict[str, LookupCounters]]:
+    """Running totals plus what each server counted since its baseline (its counters when last
+    folded), and the new baselines. A server whose counters are unknown this time keeps its
+    baseline, so nothing it counts meanwhile is lost; servers no longer listed are forgotten, but
+    only when some server is listed (an empty list says nothing about who runs)."""
+    new_baselines = dict(baselines) if not current else {p: c for p, c in baselines.items() if p in current}
+    for pod, counters in sorted(current.items()):
+        if counters is None:
+            continue
+        totals = totals + counter_delta(baselines.get(pod), counters)
+        new_baselines[pod] = counters
+    return totals, new_baselines
+
+
+def percent(part: int, whole: int) -> str | None:
+    """A ratio for people, to 0.1%: 2048 of 5120 -> 40.0%; None without a whole."""
+    if whole <= 0:
+        return None
+    return f"{100.0 * part / whole:.1f}%"
+
+
+def _figures(t: HitTotals) -> dict[str, Any]:
+    return {"lookupTokens": t.lookup, "hitTokens": t.hit, "hitTokensL1": t.l1, "hitTokensL2": t.l2,
+            "hitRate": percent(t.hit, t.lookup), "hitRateL1": percent(t.l1, t.lookup), "hitRateL2": percent(t.l2, t.lookup)}
+
+
+def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> dict[str, Any] | None:
+    """The figures over the recent window from (monotonic time, running totals) samples, oldest
+    first: from the newest sample at least span_s old (else the oldest) to the newest. None
+    (unknown) with fewer than two samples, or when the newest is older than the window (no
+    server has answered for that long)."""
+    if len(samples) < 2 or now - samples[-1][0] > span_s:
+        return None
+    old = [s for s in samples if s[0] <= now - span_s]
+    first = old[-1] if old else samples[0]
+    last = samples[-1]
+    elapsed = last[0] - first[0]
+    if elapsed <= 0:
+        return None
+    d = last[1] - first[1]
+    out = {"seconds": int(span_s) if old else int(elapsed), **_figures(d)}
+    out["lookupTokensPerSecond"] = round(d.lookup / elapsed)
+    out["hitTokensPerSecond"] = round(d.hit / elapsed)
+    return out
+
+
+def trim_samples(samples: deque[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> None:
+    """Drops samples the window no longer needs: all but the newest that is at least span_s old."""
+    while len(samples) > 1 and samples[1][0] <= now - span_s:
+        samples.popleft()
+    while len(samples) > MAX_SAMPLES:
+        samples.popleft()
+
+
+def hits_status(totals: HitTotals, baselines: Mapping[str, LookupCounters], window: Mapping[str, Any] | None,
+                since: str | None) -> dict[str, Any]:
+    """status.hits: the totals and their rates, the window (None: unknown, removed from status),
+    the summary the HIT column prints (the window's hit rate, else the total's), and the counters
+    each server last showed (the baselines a restarted operator folds from). Absent figures are
+    None so that a merge patch removes them."""
+    summary = None
+    if window is not None and window.get("hitRate") is not None:
+        summary = f"{window['hitRate']} ({_duration(window['seconds'])})"
+    elif totals.lookup > 0:
+        summary = f"{percent(totals.hit, totals.lookup)} (total)"
+    servers = [{"pod": pod, "startedAt": c.started, "lookupTokens": c.requested, "hitTokens": c.hit,
+                "hitTokensL1": c.hit_l1, "hitTokensL2": c.hit_l2} for pod, c in sorted(baselines.items())]
+    return {**_figures(totals), "window": dict(window) if window is not None else None, "summary": summary,
+            "since": since, "servers": [{k: v for k, v in s.items() if v is not None} for s in servers]}
+
+
+def _duration(seconds: int) -> str:
+    return f"{seconds // 60}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds}s"
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER else 0
+
+
+def persisted_hits(hits: Mapping[str, Any] | None) -> tuple[HitTotals, dict[str, LookupCounters], str | None]:
+    """Totals, per-server baselines and start of counting from a stored status.hits (what a
+    restarted operator continues from); zeros when there is none."""
+    if not isinstance(hits, Mapping):
+        return HitTotals(), {}, None
+    totals = HitTotals(_int(hits.get("lookupTokens")), _int(hits.get("hitTokens")), _int(hits.get("hitTokensL1")),
+                       _int(hits.get("hitTokensL2")))
+    baselines = {}
+    for s in hits.get("servers") or []:
+        if isinstance(s, Mapping) and isinstance(s.get("pod"), str):
+            baselines[s["pod"]] = LookupCounters(_int(s.get("lookupTokens")), _int(s.get("hitTokens")),
+                                                 _int(s.get("hitTokensL1")), _int(s.get("hitTokensL2")),
+                                                 s.get("startedAt") if isinstance(s.get("startedAt"), str) else None)
+    since = hits.get("since") if isinstance(hits.get("since"), str) else None
+    return totals, baselines, since
+
+
+@dataclass
+class _HitState:
+    uid: str | None
+    totals: HitTotals
+    baselines: dict[str, LookupCounters]
+    since: str | None
+    samples: deque[tuple[float, HitTotals]] = field(default_factory=deque)
+
+
+class HitTracker:
+    """Per resource: running hit totals, each server's last counters, and the samples of the
+    recent window. Seeded from the stored status.hits when the operator (re)starts, so totals
+    survive operator restarts; the window lives only in memory, so it is unknown until two
+    refreshes have happened."""
+
+    def __init__(self, span_s: float = HIT_WINDOW_S) -> None:
+        self.span_s = span_s
+        self._state: dict[Any, _HitState] = {}
+        self._lock = threading.Lock()  # refreshes of one resource may overlap (status loop and reconcile)
+
+    def observe(self, key: Any, uid: str | None, stored: Mapping[str, Any] | None, reports: Iterable[ServerReport],
+                now: float, wall: str) -> dict[str, Any] | None:
+        """Folds one refresh's reports in; status.hits, or None while nothing was ever counted."""
+        with self._lock:
+            return self._observe(key, uid, stored, list(reports), now, wall)
+
+    def _observe(self, key: Any, uid: str | None, stored: Mapping[str, Any] | None, reports: list[ServerReport],
+                 now: float, wall: str) -> dict[str, Any] | None:
+        state = self._state.get(key)
+        if state is None or state.uid != uid:
+            totals, baselines, since = persisted_hits(stored)
+            state = self._state[key] = _HitState(uid, totals, baselines, since)
+        current = {r.pod: r.lookups for r in reports}
+        if any(c is not None for c in current.values()):
+            state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
+            state.since = state.since or wall
+            state.samples.append((now, state.totals))
+            trim_samples(state.samples, now, self.span_s)
+        if state.since is None:
+            return None
+        return hits_status(state.totals, state.baselines, window_figures(state.samples, now, self.span_s), state.since)
+
+    def forget(self, key: Any) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+
+
 def _sum(values: Iterable[Any]) -> int | None:
     nums = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
     return sum(nums) if nums else None
 
 
+def _read_bounded(resp: Any, limit: int, deadline: float) -> bytes | None:
+    """At most limit bytes of a response, read before deadline (monotonic); None past either, so
+    neither a huge nor a trickling body holds the status loop."""
+    chunks, size = [], 0
+    while True:
+        chunk = resp.read(65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit or time.monotonic() > deadline:
+            return None
+        chunks.append(chunk)
+
+
 def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S) -> ServerReport:
-    """GET /status (health, usage), then /metrics (failed writes); both bounded by timeout."""
+    """GET /status (health, usage), then /metrics (failed writes, lookup counters); both bounded
+    by timeout. A /metrics that fails or is not Prometheus text leaves those figures unknown."""
     base = f"http://{ip}:{port}"
     try:
         with urllib.request.urlopen(base + "/status", timeout=timeout) as resp:
             status = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {ip}:{port}: {reason}")
     report = parse_status(pod, status)
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=timeout) as resp:
-            metrics = parse_metrics(resp.read().decode(errors="replace"))
-    except (urllib.error.URLError, OSError):
+            body = _read_bounded(resp, MAX_METRICS_BYTES, time.monotonic() + 2 * timeout)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return report
-    return with_write_failures(report, status, metrics)
+    metrics = parse_exposition(body.decode("utf-8", errors="replace")) if body is not None else None
+    report = with_write_failures(report, status, metrics or {})
+    return replace(report, lookups=lookup_counters(metrics))
 
 
 def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S) -> list[ServerReport]:

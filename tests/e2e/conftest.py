@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir
+from tests.e2e.kube import CLUSTER_KINDS, LOCALCLUSTER, REPO, Kubectl, bin_dir, delete_and_wait_gone, names_of
 from tests.e2e.operator_env import start_operator, stop
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +33,25 @@ def cluster() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def kubectl(cluster: Path) -> Kubectl:
     return Kubectl(cluster, bin_dir() / "kubectl")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_nothing(kubectl: Kubectl) -> Iterator[None]:
+    """Whatever a module created at cluster scope (namespaces, PVs, storage classes) is deleted and
+    gone before the next module starts: the chart's operator watches every namespace, and a module
+    must pass whatever ran before it."""
+    before = {kind: names_of(kubectl, kind) for kind in CLUSTER_KINDS}
+    yield
+    delete_and_wait_gone(kubectl, {kind: names_of(kubectl, kind) - before[kind] for kind in CLUSTER_KINDS})
+
+
+@pytest.fixture(scope="session")
+def audit_log(cluster: Path) -> Path:
+    """The API server's audit log (ServiceAccount requests with the authorizer's decision)."""
+    out = subprocess.run([*LOCALCLUSTER, "status"], check=True, stdout=subprocess.PIPE, text=True, timeout=30).stdout
+    path = Path(next(line.split()[-1] for line in out.splitlines() if line.startswith("audit log")))
+    assert path.exists(), f"{path} missing: the local cluster predates its audit log; run `python3 hack/localcluster.py down`"
+    return path
 
 
 @pytest.fixture(scope="session")

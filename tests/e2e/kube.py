@@ -53,3 +53,23 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval:
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+# Cluster-scoped kinds the e2e modules create besides namespaces (test storage).
+CLUSTER_KINDS = ("namespaces", "persistentvolumes", "storageclasses")
+GONE_TIMEOUT_S = 180.0
+
+
+def names_of(kubectl: Kubectl, kind: str) -> set[str]:
+    out = kubectl.run("get", kind, "-o", "jsonpath={.items[*].metadata.name}")
+    return set(out.stdout.split())
+
+
+def delete_and_wait_gone(kubectl: Kubectl, leftovers: dict[str, set[str]], timeout: float = GONE_TIMEOUT_S) -> None:
+    """Deletes what a module left and waits until the API server no longer has it, so no later
+    module's operator can see a half-deleted namespace (a terminating one refuses new content)."""
+    for kind, names in leftovers.items():
+        if names:
+            kubectl.run("delete", kind, *sorted(names), "--wait=false", "--ignore-not-found", check=False)
+    wait_for(f"{leftovers} to be gone", lambda: not any(names & names_of(kubectl, kind) for kind, names in leftovers.items()),
+             timeout=timeout, interval=1.0)

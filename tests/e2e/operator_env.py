@@ -21,9 +21,10 @@ from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl
 
 sys.path.insert(0, str(REPO / "hack"))
-from kwok_lmcache_runner import Runner
+from kubelet_runner import REAL_NODE, Runner
 
 NAME = "llama31-8b"
+REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
 
 
 def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -68,7 +69,8 @@ class RunnerThread:
 
 
 def storage(ns: str) -> dict:
-    """A StorageClass and a static local PV on the GPU node, private to this test's namespace."""
+    """A StorageClass and a static local PV on the real GPU node (its pods run for real, under
+    hack/kubelet_runner.py), private to this test's namespace."""
     return {"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": f"{ns}-nvme"},
          "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "WaitForFirstConsumer"},
@@ -76,7 +78,7 @@ def storage(ns: str) -> dict:
          "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": f"{ns}-nvme",
                   "persistentVolumeReclaimPolicy": "Retain", "local": {"path": f"/mnt/{ns}"},
                   "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                      {"key": "kubernetes.io/hostname", "operator": "In", "values": ["kwok-gpu-0"]}]}]}}}},
+                      {"key": "kubernetes.io/hostname", "operator": "In", "values": [REAL_NODE]}]}]}}}},
     ]}
 
 
@@ -86,6 +88,14 @@ def manifest(ns: str, **identity_changes: object) -> dict:
     obj["spec"]["identity"].update(identity_changes)
     obj["spec"]["l1"]["sizeGB"] = 0.25
     obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacityGB=1)
+    return on_real_node(obj)
+
+
+def on_real_node(obj: dict) -> dict:
+    """Pins a resource's pods to the real node (the runner is their kubelet)."""
+    vllm = obj["spec"].setdefault("vllm", {})
+    vllm["nodeSelector"] = {"kubernetes.io/hostname": REAL_NODE}
+    vllm["tolerations"] = [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}]
     return obj
 
 
@@ -114,14 +124,17 @@ class Env:
 
 
 @contextlib.contextmanager
-def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | None = None) -> Iterator[Env]:
-    """Namespace, StorageClass + PV, operator and runner; all stopped and deleted afterwards."""
+def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | None = None, vllm: str | None = None,
+                  hf_home: Path | None = None) -> Iterator[Env]:
+    """Namespace, StorageClass + PV, operator and runner; all stopped and deleted afterwards.
+    With `vllm` (the CPU build) and `hf_home` (its models), vLLM pods run for real."""
     ns = f"e2e-{uuid.uuid4().hex[:8]}"
     kubectl.run("create", "namespace", ns)
     kubectl.apply(storage(ns))
     log = work / "operator.log"
-    env = Env(ns, work, Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache()),
-              start_operator(kubectl.kubeconfig, ns, log, operator_env), log)
+    runner = Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache(), vllm=vllm,
+                    hf_home=hf_home)
+    env = Env(ns, work, runner, start_operator(kubectl.kubeconfig, ns, log, operator_env), log)
     try:
         with RunnerThread(env.runner):
             yield env

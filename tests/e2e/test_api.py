@@ -55,7 +55,7 @@ def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespac
              timeout=60)
     out = kubectl.run("get", "kvns", "-n", namespace).stdout
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "NAMESPACE-ID", "PHASE", "L2", "L1-USED", "L2-USED", "READY", "AGE"]
+    assert header == ["NAME", "NAMESPACE-ID", "PHASE", "L2", "L1-USED", "L2-USED", "HIT", "READY", "AGE"]
     row = out.splitlines()[1].split()
     assert row[0] == "llama31-8b" and row[1] == expected and row[3] == "nvme"
 

@@ -1,6 +1,6 @@
 """The operator end to end: a KVCacheNamespace becomes real workloads on the local cluster, kwok
 runs the pods, and each lmcache-server pod is backed by a real `lmcache server` process on the
-pod's loopback IP (hack/kwok_lmcache_runner.py), so status shows what the real server reports.
+pod's loopback IP (hack/kubelet_runner.py), so status shows what the real server reports.
 
 One scenario, in order: apply -> Ready with usage; KV stored grows usage; L1 change rolls out;
 a pin change moves to a new namespace without touching the old files; delete keeps the claim.
@@ -21,7 +21,7 @@ import pytest
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, start_operator, stop, target_of
+from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -60,7 +60,9 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == vllm_args(t)
     vllm_pod = next(p for p in kubectl.get("pods", namespace=ns)["items"] if p["metadata"]["name"].startswith(f"{NAME}-vllm"))
     server_pod = kubectl.get("pod", f"{NAME}-lmcache-0", ns)
-    assert vllm_pod["spec"]["nodeName"] == server_pod["spec"]["nodeName"] == "kwok-gpu-0"
+    assert vllm_pod["spec"]["nodeName"] == server_pod["spec"]["nodeName"] == REAL_NODE
+    # No model on this machine for the sample: the vLLM pod is simulated, and says so.
+    assert "vLLM" in vllm_pod["metadata"]["annotations"]["kvpersist.dev/simulated"]
     svc = kubectl.get("service", f"{NAME}-lmcache", ns)
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
     cm = kubectl.get("configmap", f"{NAME}-connection", ns)

@@ -29,7 +29,7 @@ from tests.integration.kvdriver import drive_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
-from kwok_lmcache_runner import localize_args  # noqa: E402
+from kubelet_runner import localize_args  # noqa: E402
 
 LMCACHE = shutil.which("lmcache")
 START_TIMEOUT_S = 120.0

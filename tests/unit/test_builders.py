@@ -137,7 +137,8 @@ def test_connection_configmap_pins_the_connector_module() -> None:
     assert cfg["kv_connector"] == "LMCacheMPConnector"
     assert cfg["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
     assert cfg["kv_role"] == "kv_both"
-    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://llama31-8b-lmcache.ml.svc", "lmcache.mp.port": 5555}
+    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://llama31-8b-lmcache.ml.svc", "lmcache.mp.port": 5555,
+                                                "lmcache.mp.heartbeat_interval": 2.0}
     assert cm["data"]["namespace-id"] == t.namespace_id
 
 

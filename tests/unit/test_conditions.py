@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvpersist.conditions import Observation, compute_status, merge_conditions, status_patch
+from datetime import UTC, datetime, timedelta
+
+from kvpersist.conditions import HITS_WRITE_INTERVAL_S, Observation, compute_status, merge_conditions, status_patch
 from kvpersist.usage import ServerReport
 
 NID = "kvp-" + "0" * 32
@@ -120,6 +122,19 @@ def test_budget_counts_the_volume_when_the_server_forgot() -> None:
     assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == 2**21
 
 
+def test_budget_keeps_the_last_inventory_when_the_volume_cannot_be_read() -> None:
+    """An agent that does not answer this time (restarting, slow) must not make a full budget look
+    Available; the last inventory's share of the served namespace still counts, another's not."""
+    fresh = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=0, l2_objects=0)
+    last = {"currentBytes": 2**21, "volumes": [{"location": "pvc/a", "namespaces": [
+        {"namespaceId": NID, "bytes": 2**21, "objects": 4},
+        {"namespaceId": "kvp-" + "2" * 32, "bytes": 2**30, "objects": 9, "orphan": True}]}]}
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=None, last_inventory=last))
+    assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == 2**21
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=None, last_inventory={"volumes": []}))
+    assert fields["budget"]["state"] == "Available"
+
+
 def test_budget_with_room_and_failing_writes_is_still_a_failure() -> None:
     half = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=2**20, l2_objects=2,
                         l2_writes_failed=3, l2_writes_submitted=5)
@@ -135,3 +150,37 @@ def test_no_budget_no_budget_condition() -> None:
 def test_budget_taken_off_the_spec_leaves_status() -> None:
     fields, conds = compute_status(obs())
     assert status_patch({"budget": {"bytes": 1, "state": "Available"}}, fields, conds, [])["budget"] is None
+
+
+def _hits(lookup: int, hit: int, window: dict | None = None) -> dict:
+    return {"lookupTokens": lookup, "hitTokens": hit, "hitTokensL1": hit, "hitTokensL2": 0,
+            "hitRate": f"{100 * hit / lookup:.1f}%" if lookup else None, "hitRateL1": None, "hitRateL2": None,
+            "window": window, "summary": None, "since": "2026-01-01T00:00:00Z", "servers": []}
+
+
+def test_hit_figures_write_once_then_only_when_changed_and_at_most_once_a_minute() -> None:
+    o = obs()
+    fields, conds = compute_status(o)
+    t0 = datetime(2026, 1, 1, 0, 0, 0, tzinfo=UTC)
+    base = status_patch({}, fields, conds, o.reports, at=t0)
+    first = status_patch(base, fields, conds, o.reports, hits=_hits(1000, 400), at=t0)
+    assert first == {"hits": {**_hits(1000, 400), "measuredAt": "2026-01-01T00:00:00Z"}}  # the first figures: at once
+    stored = {**base, "hits": {k: v for k, v in first["hits"].items() if v is not None}}  # a merge patch drops the Nones
+    # Nothing changed, at every later tick: no write, however long.
+    for minutes in (0, 1, 60):
+        assert status_patch(stored, fields, conds, o.reports, hits=_hits(1000, 400), at=t0 + timedelta(minutes=minutes)) is None
+    # Figures moved: not within HITS_WRITE_INTERVAL_S of the last write, then once.
+    moved = _hits(2000, 1400, window={"seconds": 10, "lookupTokens": 1000, "hitTokens": 1000})
+    assert status_patch(stored, fields, conds, o.reports, hits=moved, at=t0 + timedelta(seconds=30)) is None
+    late = status_patch(stored, fields, conds, o.reports, hits=moved, at=t0 + timedelta(seconds=HITS_WRITE_INTERVAL_S))
+    assert late == {"hits": {**moved, "measuredAt": "2026-01-01T00:01:00Z"}}
+    # With another change written anyway, they ride along at once.
+    more = [ServerReport("s-0", True, l1_used=2, l1_capacity=2, l2_healthy=True)]
+    riding = status_patch(stored, fields, conds, more, hits=moved, at=t0 + timedelta(seconds=1))
+    assert riding is not None and riding["hits"]["lookupTokens"] == 2000 and "usage" in riding
+    # A window that became unknown (operator restart) is removed with an explicit null.
+    stored_w = {**stored, "hits": {**{k: v for k, v in moved.items() if v is not None}, "measuredAt": "2026-01-01T00:00:00Z"}}
+    gone = status_patch(stored_w, fields, conds, o.reports, hits=_hits(2000, 1400), at=t0 + timedelta(minutes=5))
+    assert gone is not None and "window" in gone["hits"] and gone["hits"]["window"] is None
+    # No hit figures (never counted): nothing written about them.
+    assert status_patch(base, fields, conds, o.reports, hits=None, at=t0) is None

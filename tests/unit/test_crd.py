@@ -58,7 +58,15 @@ def test_crd_names_and_printer_columns() -> None:
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Namespace-ID", "Phase", "L2", "L1-Used", "L2-Used", "Ready", "Age"]
+    assert cols == ["Namespace-ID", "Phase", "L2", "L1-Used", "L2-Used", "Hit", "Ready", "Age"]
+    hit = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Hit")
+    assert hit["jsonPath"] == ".status.hits.summary"
+    status = _schema()["properties"]["status"]["properties"]
+    hits = status["hits"]["properties"]
+    assert {"lookupTokens", "hitTokens", "hitTokensL1", "hitTokensL2", "hitRate", "hitRateL1", "hitRateL2", "window",
+            "summary", "servers", "since", "measuredAt"} <= set(hits)
+    assert hits["hitTokensL1"]["type"] == "integer" and hits["hitRate"]["type"] == "string"
+    assert {"seconds", "hitRate", "hitTokensPerSecond"} <= set(hits["window"]["properties"])
 
 
 def test_render_is_yaml_of_build() -> None:

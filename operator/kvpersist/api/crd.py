@@ -106,6 +106,8 @@ def build_crd() -> dict[str, Any]:
         {"name": "L2", "type": "string", "jsonPath": ".status.l2Kind"},
         {"name": "L1-Used", "type": "string", "jsonPath": ".status.usage.l1Used"},
         {"name": "L2-Used", "type": "string", "jsonPath": ".status.usage.l2Used"},
+        {"name": "Hit", "type": "string", "jsonPath": ".status.hits.summary",
+         "description": "Cache hit rate over the last 5 minutes, else in total"},
         {"name": "Ready", "type": "string", "jsonPath": ".status.replicas"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

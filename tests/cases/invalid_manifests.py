@@ -102,11 +102,18 @@ CASES = [
     Case("bucket-token-missing", "spec.l2.hfBucket.tokenSecretRef",
          _delete("spec.l2.hfBucket.tokenSecretRef"), base="hf-bucket"),
     Case("eviction-policy-fifo", "spec.eviction.policy", _set("spec.eviction.policy", "FIFO")),
+    # lmcache 0.5.6 wipes every salt without a quota within a second: refused, saying why.
+    Case("eviction-isolated-lru", "spec.eviction.policy", _set("spec.eviction.policy", "IsolatedLRU")),
     Case("eviction-watermark-over-1", "spec.eviction.triggerWatermark", _set("spec.eviction.triggerWatermark", 1.5)),
     Case("eviction-ratio-zero", "spec.eviction.evictionRatio", _set("spec.eviction.evictionRatio", 0)),
     Case("extra-args-pinned-flag", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--kv-cache-dtype=fp8"])),
     Case("extra-args-pinned-underscore", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--max_model_len", "9"])),
-    Case("gpus-below-tp", "spec.vllm.gpusPerReplica", _set("spec.vllm.gpusPerReplica", 1), base="isolated-lru"),
+    # vLLM's parser takes abbreviations, dotted JSON keys and short options: only the allow-list passes.
+    Case("extra-args-abbreviation", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--max-model-le=9"])),
+    Case("extra-args-dotted-override", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--hf-overrides.rope_theta=1"])),
+    Case("extra-args-short-option", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["-O3"])),
+    Case("extra-args-kv-changing", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--trust-remote-code"])),
+    Case("gpus-below-tp", "spec.vllm.gpusPerReplica", _set("spec.vllm.gpusPerReplica", 1), base="tp2-fp8"),
     Case("ports-clash", "spec.lmcacheServer.httpPort", _set("spec.lmcacheServer", {"port": 8080, "httpPort": 8080})),
     Case("name-too-long", "metadata.name", _long_name),
 ]

@@ -36,7 +36,7 @@ def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-BASE = {name: sample(name) for name in ("nvme-minimal", "hf-bucket", "isolated-lru")}
+BASE = {name: sample(name) for name in ("nvme-minimal", "hf-bucket", "tp2-fp8")}
 PATHS = {name: [p for p in _paths(obj["spec"]) if p] for name, obj in BASE.items()}
 
 

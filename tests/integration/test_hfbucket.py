@@ -37,7 +37,7 @@ def _lmcache_parse(args: list[str]):
     return parse_args_to_config(ns), parse_args_to_mp_server_config(ns), parse_args_to_http_frontend_config(ns)
 
 
-@pytest.mark.parametrize("sample_name", ["nvme-minimal", "hf-bucket", "isolated-lru"])
+@pytest.mark.parametrize("sample_name", ["nvme-minimal", "hf-bucket", "tp2-fp8"])
 def test_lmcache_parser_accepts_rendered_args(sample_name: str) -> None:
     target = make_target(sample_name)
     storage, mp, http = _lmcache_parse(server_args(target)[1:])  # without the "server" subcommand

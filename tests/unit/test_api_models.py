@@ -22,9 +22,10 @@ def test_invalid_manifest_refused_naming_field(case: Case) -> None:
     assert case.field in validation_message(info.value)
 
 
-def test_defaults_match_lmcache() -> None:
+def test_defaults_are_the_source_setups() -> None:
+    """Eviction at 0.9 a tenth at a time (the source setup), not lmcache's own 0.8 / 0.2."""
     spec = KVCacheNamespace.model_validate(sample()).spec
-    assert (spec.eviction.policy, spec.eviction.trigger_watermark, spec.eviction.eviction_ratio) == ("LRU", 0.8, 0.2)
+    assert (spec.eviction.policy, spec.eviction.trigger_watermark, spec.eviction.eviction_ratio) == ("LRU", 0.9, 0.1)
     assert spec.l2.nvme is not None
     assert (spec.l2.nvme.adapter, spec.l2.nvme.backend, spec.l2.nvme.reclaim_policy) == (
         "nixl_store_dynamic", "POSIX", "Retain")
@@ -42,3 +43,13 @@ def test_parse_quantity(text: str, value: float) -> None:
 def test_parse_quantity_refuses_garbage() -> None:
     with pytest.raises(ValueError, match="not a quantity"):
         parse_quantity("lots")
+
+
+def test_isolated_lru_is_refused_saying_why_and_the_fix() -> None:
+    obj = sample()
+    obj["spec"]["eviction"] = {"policy": "IsolatedLRU"}
+    with pytest.raises(ValidationError) as info:
+        KVCacheNamespace.model_validate(obj)
+    message = validation_message(info.value)
+    assert "spec.eviction.policy" in message and "quota" in message and "use policy LRU" in message
+

@@ -30,14 +30,14 @@ def _flag(args: list[str], flag: str) -> str:
 
 
 def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
-    t = target("isolated-lru")
+    t = target("tp2-fp8")
     args = server_args(t)
     assert args[0] == "server"
     assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "0.0.0.0"
     assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "8080"
     assert _flag(args, "--l1-size-gb") == "64"
-    assert _flag(args, "--eviction-policy") == "LRU"  # L1: IsolatedLRU would kill L1's eviction thread
-    assert json.loads(_flag(args, "--l2-adapter"))["eviction"]["eviction_policy"] == "IsolatedLRU"
+    assert _flag(args, "--eviction-policy") == "LRU"
+    assert json.loads(_flag(args, "--l2-adapter"))["eviction"]["eviction_policy"] == "LRU"
     assert _flag(args, "--eviction-trigger-watermark") == "0.9" and _flag(args, "--eviction-ratio") == "0.1"
     assert "--no-run-script-api-enabled" in args
     assert json.loads(_flag(args, "--l2-adapter")) == l2_adapter_config(t)
@@ -49,7 +49,7 @@ def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
     assert cfg["type"] == "nixl_store_dynamic" and cfg["backend"] == "POSIX" and cfg["persist_enabled"] is True
     assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "false",
                                      "max_capacity_gb": "450"}
-    assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}
+    assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
 
 
 def test_fs_adapter() -> None:
@@ -143,7 +143,7 @@ def test_connection_configmap_pins_the_connector_module() -> None:
 
 
 def test_vllm_launch_has_exactly_the_pins() -> None:
-    t = target("isolated-lru")
+    t = target("tp2-fp8")
     args = vllm_args(t)
     ident = t.spec.identity
     assert args[:2] == ["serve", ident.model_id]
@@ -159,7 +159,7 @@ def test_vllm_launch_has_exactly_the_pins() -> None:
 
 
 def test_vllm_deployment_co_located_with_its_server() -> None:
-    t = target("isolated-lru")
+    t = target("tp2-fp8")
     dep = build_vllm_deployment(t)
     pod = dep["spec"]["template"]["spec"]
     container = pod["containers"][0]

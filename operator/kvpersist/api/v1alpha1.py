@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "kvpersist.dev"
@@ -43,16 +43,57 @@ KV_CACHE_DTYPES = (
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 CONNECTORS = ("LMCacheMPConnector",)
 EVICTION_POLICIES = ("LRU", "IsolatedLRU", "noop")
+# Kept in the enum so that an old object still parses and is told why, not just "unsupported".
+ISOLATED_LRU_REFUSED = ("lmcache 0.5.6 evicts every object of a cache salt that has no quota within a second, and its "
+                        "quotas are lost at every restart (docs/admin.md); each KVCacheNamespace has its own servers "
+                        "already, so use policy LRU")
 
-# vLLM flags that the identity pins or the operator own; extraArgs may not set them, or a pod
-# could run with values other than the ones hashed into its namespace.
-PINNED_VLLM_FLAGS = (
-    "model", "revision", "tokenizer", "tokenizer-revision", "kv-cache-dtype", "block-size",
-    "tensor-parallel-size", "max-model-len", "kv-transfer-config", "chat-template", "dtype",
-    "quantization", "served-model-name", "port", "host", "config",
-)
-_FLAG_ALTERNATION = "|".join(f.replace("-", "[-_]") for f in PINNED_VLLM_FLAGS)
-PINNED_FLAG_REGEX = f"^(--({_FLAG_ALTERNATION})|-tp|-q)(=.*)?$"
+# The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value).
+# An allow-list: each one sizes memory or batches, schedules, logs or shapes the HTTP API, and
+# none changes the KV a prompt produces. Everything else is refused in every spelling vLLM's
+# parser accepts (abbreviations, underscores, --flag=value, --some-config.key=value, -O3): the
+# identity pins, the operator's own flags (--kv-transfer-config, --host, --port,
+# --served-model-name) and whatever changes KV bytes, layout or tokens (--hf-overrides,
+# --kv-cache-dtype-skip-layers, --mamba-cache-dtype, --quantization, --code-revision,
+# --trust-remote-code, --hf-config-path, LoRA, speculative decoding, ...). Scheduling flags may
+# change the float rounding of a batch, as any batch composition does; not what it computes.
+# tests/contract/test_extra_args_oracle.py checks this table against vLLM's own parsers.
+EXTRA_ARGS: dict[str, bool] = {
+    "--gpu-memory-utilization": True, "--max-num-seqs": True, "--max-num-batched-tokens": True,
+    "--scheduling-policy": True, "--seed": True, "--max-logprobs": True, "--max-log-len": True,
+    "--uvicorn-log-level": True, "--root-path": True, "--response-role": True, "--tool-call-parser": True,
+    "--reasoning-parser": True, "--allowed-origins": True, "--allowed-methods": True, "--allowed-headers": True,
+    "--enable-prefix-caching": False, "--disable-prefix-caching": False, "--no-enable-prefix-caching": False,
+    "--enforce-eager": False, "--no-enforce-eager": False,
+    "--enable-chunked-prefill": False, "--disable-chunked-prefill": False, "--no-enable-chunked-prefill": False,
+    "--async-scheduling": False, "--no-async-scheduling": False,
+    "--enable-auto-tool-choice": False, "--disable-log-stats": False,
+    "--enable-log-requests": False, "--disable-log-requests": False,
+    "--disable-uvicorn-access-log": False, "--disable-fastapi-docs": False,
+    "--return-tokens-as-token-ids": False, "--enable-prompt-tokens-details": False,
+}
+EXTRA_ARG_REGEX = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"  # flags are [a-z-]: nothing to escape
+EXTRA_ARGS_RULE = ("extraArgs may set only these vLLM flags, spelled in full: " + ", ".join(sorted(EXTRA_ARGS))
+                   + "; identity pins are set in spec.identity, and flags that change the KV are refused")
+
+
+def extra_args_problem(args: list[str]) -> str | None:
+    """Why extraArgs would let vLLM run with other KV than the pins say, or None. Each token is an
+    allowed flag, or the value right after an allowed flag that takes one."""
+    wants_value = ""
+    for arg in args:
+        if wants_value and not arg.startswith("-"):
+            wants_value = ""
+            continue
+        if wants_value:
+            return f"{wants_value} needs a value before {arg!r}"
+        flag, eq, _ = arg.partition("=")
+        if not arg.startswith("-"):
+            return f"{arg!r} is neither an allowed flag nor the value of one"
+        if flag not in EXTRA_ARGS:
+            return f"{arg!r} is not a flag extraArgs may set"
+        wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
+    return f"{wants_value} needs a value" if wants_value else None
 
 HEX40 = r"^[0-9a-f]{40}$"
 SHA256_DIGEST = r"^sha256:[0-9a-f]{64}$"
@@ -280,12 +321,23 @@ class Eviction(_Model):
     """How LMCache makes room, in L1 and in the L2 adapter."""
 
     policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "LRU", description="LRU, IsolatedLRU (per cache_salt quotas) or noop (stores fail when full).",
+        "LRU", description="LRU or noop (stores fail when full). IsolatedLRU is refused: " + ISOLATED_LRU_REFUSED,
+        json_schema_extra={"x-kubernetes-validations": [cel("self != 'IsolatedLRU'", "IsolatedLRU is refused: "
+                                                            + ISOLATED_LRU_REFUSED)]},
     )
+    # The source setup's values: evict at 90 % of capacity, a tenth at a time. A round frees less
+    # than the 0.2 lmcache would pick and starts later, so more of the disk serves hits.
     trigger_watermark: float = Field(
-        0.8, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.",
+        0.9, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.",
     )
-    eviction_ratio: float = Field(0.2, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
+    eviction_ratio: float = Field(0.1, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
+
+    @field_validator("policy")
+    @classmethod
+    def _not_isolated_lru(cls, policy: str) -> str:
+        if policy == "IsolatedLRU":
+            raise ValueError("IsolatedLRU is refused: " + ISOLATED_LRU_REFUSED)
+        return policy
 
 
 # ---------------------------------------------------------------- workloads
@@ -355,14 +407,13 @@ class VLLM(_Model):
     port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64,
-        description="More vLLM arguments. Flags the identity pins (--model, --kv-cache-dtype, --block-size, ...) are "
-        "refused: they would change KV under the same namespace.",
+        description="More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
+        "scheduling, logging, the HTTP API), spelled in full; everything else, the identity pins included, is refused: "
+        "it could change KV under the same namespace.",
         json_schema_extra={
             "default": [],
             "x-kubernetes-validations": [
-                cel(f"self.all(a, !a.matches('{PINNED_FLAG_REGEX}'))",
-                    "extraArgs may not set flags owned by identity or the operator (" + ", ".join(
-                        f"--{f}" for f in PINNED_VLLM_FLAGS) + ", -tp, -q): set the identity pin instead"),
+                cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))", EXTRA_ARGS_RULE),
             ],
         },
     )
@@ -407,7 +458,6 @@ class KVCacheNamespaceSpec(_Model):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> KVCacheNamespaceSpec:
         """The CEL rules again, for objects read by the operator and for unit tests."""
-        import re
 
         n = self.l2.nvme
         if (self.l2.nvme is None) == (self.l2.hf_bucket is None):
@@ -429,9 +479,9 @@ class KVCacheNamespaceSpec(_Model):
             raise ValueError("spec.lmcacheServer.httpPort: port and httpPort must differ")
         if self.lmcache_server.agent_port in (self.lmcache_server.port, self.lmcache_server.http_port):
             raise ValueError("spec.lmcacheServer.agentPort: agentPort must differ from port and httpPort")
-        bad = [a for a in self.vllm.extra_args if re.match(PINNED_FLAG_REGEX, a)]
-        if bad:
-            raise ValueError(f"spec.vllm.extraArgs: {bad[0]!r} sets a flag owned by identity or the operator")
+        problem = extra_args_problem(list(self.vllm.extra_args))
+        if problem:
+            raise ValueError(f"spec.vllm.extraArgs: {problem}; {EXTRA_ARGS_RULE}")
         if n is not None and n.existing_claim_name is not None and self.lmcache_server.replicas != 1:
             raise ValueError("spec.lmcacheServer.replicas: an existing claim serves one lmcache server: set it to 1")
         tp = self.identity.tensor_parallel_size

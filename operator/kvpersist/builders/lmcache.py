@@ -83,10 +83,9 @@ def _number(value: float) -> str:
 
 
 def l1_eviction_policy(policy: str) -> str:
-    """The server-wide flag is L1's policy. IsolatedLRU needs a cache_salt that L1's eviction loop
-    never passes: with it, lmcache 0.5.6's L1 eviction thread dies at the first watermark
-    (ValueError "requires cache_salt") and L1 is never evicted again. Per-salt isolation is an
-    L2 matter; it stays on the adapter."""
+    """The server-wide flag is L1's policy. Never IsolatedLRU, even if an old object slipped
+    through: it needs a cache_salt that L1's eviction loop never passes, and lmcache 0.5.6's L1
+    eviction thread dies at the first watermark (ValueError "requires cache_salt")."""
     return "LRU" if policy == "IsolatedLRU" else policy
 
 

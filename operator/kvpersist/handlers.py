@@ -24,7 +24,7 @@ from kvpersist import kube, metrics
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
-from kvpersist.builders.target import L2_VOLUME, Target
+from kvpersist.builders.target import L2_VOLUME, SERVER, Target
 from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
 from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
@@ -33,8 +33,9 @@ from kvpersist.hfbucket import preflight_bucket
 from kvpersist.identity import resolve
 from kvpersist.inventory import Inventory, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
+from kvpersist.stale_routes import ROUTE_KINDS, ids_in_use, stale
 from kvpersist.usage import HitTracker, WriteFailureTracker, collect_usage
-from kvpersist.workloads import WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
+from kvpersist.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
@@ -63,6 +64,9 @@ BUCKET_INVENTORY_RETRY_S = 30.0  # after a failed listing (no token yet, Hub ref
 _bucket_inventory: dict[tuple[str, str], tuple[float, Inventory | None]] = {}  # (when, last good listing)
 _bucket_inventory_failed: set[tuple[str, str]] = set()
 _gc_inflight: set[str] = set()  # gc request ids being carried out
+# Resources whose reconcile may have left an old namespace id's Service and ZMQ policy behind
+# (every reconcile, so a restarted operator checks once too); cleared when none can be left.
+_routes_pending: set[tuple[str, str]] = set()
 _gc_tasks: set[asyncio.Task] = set()
 # kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
 # kvpersist.workloads), by handler name; kopf hands them to the startup handler. Read only in the
@@ -260,6 +264,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory = [], None
     else:
+        if key in _routes_pending and clean_stale_routes(target, seen, logger):
+            _routes_pending.discard(key)
         observation = _observe(body, target, reason, seen)
         observation.last_inventory = old.get("inventory")
         fields, conds = compute_status(observation)
@@ -306,7 +312,26 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
             raise kopf.TemporaryError(f"applying workloads failed ({exc.status}); retrying", delay=15) from exc
     else:
         _apply_errors.pop(key, None)
+        _routes_pending.add(key)  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
+
+
+def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
+    """Deletes the per-id Services and ZMQ policies of ids no pod of the resource carries any
+    more; True once no pod of another id is left to wait for. Blocking: a worker thread."""
+    in_use = ids_in_use(seen.pods)
+    selector = f"{INSTANCE_LABEL}={target.name},{COMPONENT_LABEL}={SERVER}"
+    try:
+        for api_version, kind in ROUTE_KINDS:
+            for name in stale(target, kube.list_all(api_version, kind, target.namespace, selector), in_use):
+                kube.delete(api_version, kind, name, target.namespace)
+                logger.info("%s/%s: deleted %s %s: no pod of its namespace id is left", target.namespace, target.name,
+                            kind, name)
+    except ApiException as exc:
+        logger.warning("%s/%s: stale Services and policies not cleaned (%s); retrying", target.namespace, target.name,
+                       exc.status)
+        return False
+    return not (in_use - {target.namespace_id})
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
@@ -394,6 +419,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _bucket_inventory_failed.discard(key)
         _dirty.discard(key)
         _hits.forget(key)
+        _routes_pending.discard(key)
         metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),

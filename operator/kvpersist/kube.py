@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Mapping
@@ -57,6 +58,12 @@ def list_all(api_version: str, kind: str, namespace: str | None = None, label_se
     """Every object of a kind, in one namespace or (None) all of them."""
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S)
     return [item.to_dict() for item in out.items]
+
+
+def delete(api_version: str, kind: str, name: str, namespace: str) -> None:
+    """Deletes one object; one already gone is fine."""
+    with contextlib.suppress(NotFoundError):
+        _resource(api_version, kind).delete(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S)
 
 
 def patch_annotations(api_version: str, kind: str, name: str, namespace: str, annotations: Mapping[str, str | None]) -> None:

@@ -34,7 +34,8 @@ NEEDED = {
 } | {("kvcachenamespaces.kvpersist.dev/status", "patch")} | {
     (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",
                      "networkpolicies.networking.k8s.io") for v in ("get", "create", "patch")
-} | {(r, v) for r in ("statefulsets.apps", "deployments.apps") for v in ("list", "watch")} | {
+} | {(r, v) for r in ("services", "networkpolicies.networking.k8s.io") for v in ("list", "delete")} | {
+    (r, v) for r in ("statefulsets.apps", "deployments.apps") for v in ("list", "watch")} | {
     ("pods", "list"), ("pods", "watch"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"),
     ("persistentvolumeclaims", "watch"), ("secrets", "get"),
     ("events", "create")}
@@ -174,7 +175,7 @@ def test_chart_service_account_reconciles_to_ready(kubectl: Kubectl, installed: 
     log = installed["log"].read_text()
     assert re.search(rf'"{re.escape(user)}" cannot \w+ resource', log) is None, log[-3000:]
     pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", ns)
-    http_rule = pol["spec"]["ingress"][1]
+    [http_rule] = pol["spec"]["ingress"]
     assert http_rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": installed["release_ns"]}
 
 

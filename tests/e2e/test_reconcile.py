@@ -63,7 +63,8 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert vllm_pod["spec"]["nodeName"] == server_pod["spec"]["nodeName"] == REAL_NODE
     # No model on this machine for the sample: the vLLM pod is simulated, and says so.
     assert "vLLM" in vllm_pod["metadata"]["annotations"]["kvpersist.dev/simulated"]
-    svc = kubectl.get("service", f"{NAME}-lmcache", ns)
+    svc = kubectl.get("service", t.local_service_name, ns)  # <name>-lmcache-<8 hex of the id>
+    assert svc["spec"]["selector"]["kvpersist.dev/namespace-id"] == t.namespace_id
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
     cm = kubectl.get("configmap", f"{NAME}-connection", ns)
     assert json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector"] == "LMCacheMPConnector"
@@ -184,7 +185,8 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     stop(scenario["env"].operator)
     kubectl.run("delete", "kvns", NAME, "-n", ns, timeout=60)
     gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
-        ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"), ("service", f"{NAME}-lmcache"),
+        ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
+        ("service", target_of(manifest(ns)).local_service_name),
         ("service", f"{NAME}-lmcache-metrics"), ("configmap", f"{NAME}-connection")])
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"

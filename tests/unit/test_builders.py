@@ -11,7 +11,7 @@ from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
 from kvpersist.builders.lmcache import build_lmcache_statefulset, l2_adapter_config, server_args, server_resources
 from kvpersist.builders.services import build_local_service, build_metrics_service
-from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, Target
+from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, NAMESPACE_ID_LABEL, Target
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
@@ -121,11 +121,48 @@ def test_existing_claim_is_mounted_not_templated() -> None:
 def test_services() -> None:
     t = target()
     local = build_local_service(t)
-    assert local["metadata"]["name"] == "llama31-8b-lmcache" and local["spec"]["internalTrafficPolicy"] == "Local"
+    assert local["metadata"]["name"] == f"llama31-8b-lmcache-{t.namespace_id[4:12]}"
+    assert local["spec"]["internalTrafficPolicy"] == "Local"
     assert local["spec"]["ports"] == [{"name": "zmq", "port": 5555, "targetPort": "zmq", "protocol": "TCP"}]
     metrics = build_metrics_service(t)
     assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["ports"][0]["port"] == 8080
-    assert local["spec"]["selector"] == metrics["spec"]["selector"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert metrics["spec"]["selector"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    # The local Service selects only servers of the current namespace id.
+    assert local["spec"]["selector"] == {**metrics["spec"]["selector"], NAMESPACE_ID_LABEL: t.namespace_id}
+
+
+def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
+    """Name, selector, affinity, policy and connection all carry the id: a pin change gives new
+    ones, and the old vLLM pods keep theirs, which select no server of the new identity."""
+    from kvpersist.builders.networkpolicy import build_zmq_policy
+
+    old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
+    assert old.namespace_id != new.namespace_id
+    for t in (old, new):
+        server_labels = build_lmcache_statefulset(t)["spec"]["template"]["metadata"]["labels"]
+        vllm_pod = build_vllm_deployment(t)["spec"]["template"]
+        host = json.loads(_flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))[
+            "kv_connector_extra_config"]["lmcache.mp.host"]
+        assert host == f"tcp://{build_local_service(t)['metadata']['name']}.ml.svc"
+        assert json.loads(build_connection_configmap(t)["data"]["kv-transfer-config.json"]) == json.loads(
+            _flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))
+        affinity = vllm_pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        zmq = build_zmq_policy(t)
+        for other in (old, new):
+            other_server = build_lmcache_statefulset(other)["spec"]["template"]["metadata"]["labels"]
+            other_vllm = build_vllm_deployment(other)["spec"]["template"]["metadata"]["labels"]
+            same = other is t
+
+            def selects(selector: dict, labels: dict) -> bool:
+                return all(labels.get(k) == v for k, v in selector.items())
+
+            assert selects(build_local_service(t)["spec"]["selector"], other_server) == same
+            assert selects(affinity["labelSelector"]["matchLabels"], other_server) == same
+            assert selects(zmq["spec"]["podSelector"]["matchLabels"], other_server) == same
+            assert selects(zmq["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"], other_vllm) == same
+        assert selects(build_local_service(t)["spec"]["selector"], server_labels)
+    assert build_local_service(old)["metadata"]["name"] != build_local_service(new)["metadata"]["name"]
+    assert build_zmq_policy(old)["metadata"]["name"] != build_zmq_policy(new)["metadata"]["name"]
 
 
 def test_connection_configmap_pins_the_connector_module() -> None:
@@ -137,7 +174,8 @@ def test_connection_configmap_pins_the_connector_module() -> None:
     assert cfg["kv_connector"] == "LMCacheMPConnector"
     assert cfg["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
     assert cfg["kv_role"] == "kv_both"
-    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://llama31-8b-lmcache.ml.svc", "lmcache.mp.port": 5555,
+    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": f"tcp://llama31-8b-lmcache-{t.namespace_id[4:12]}.ml.svc",
+                                                "lmcache.mp.port": 5555,
                                                 "lmcache.mp.heartbeat_interval": 2.0}
     assert cm["data"]["namespace-id"] == t.namespace_id
 
@@ -168,7 +206,8 @@ def test_vllm_deployment_co_located_with_its_server() -> None:
     assert pod["hostIPC"] is True
     term = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert term["labelSelector"]["matchLabels"] == {**build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"],
+                                                    NAMESPACE_ID_LABEL: t.namespace_id}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert dep["spec"]["replicas"] == 2
@@ -188,7 +227,8 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["NetworkPolicy", "Service", "Service", "ConfigMap", "StatefulSet", "Deployment"]
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "Service", "Service", "ConfigMap", "StatefulSet",
+                                         "Deployment"]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id
@@ -196,20 +236,22 @@ def test_namespace_id_labels_and_owned_names() -> None:
 
 
 def test_network_policy_admits_only_operator_to_admin_port() -> None:
-    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy
+    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy, build_zmq_policy
 
     t = target()
     pol = build_network_policy(t, "kvpersist-system")
     assert pol["spec"]["podSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
     assert pol["spec"]["policyTypes"] == ["Ingress"]
-    zmq, http = pol["spec"]["ingress"]
+    [http] = pol["spec"]["ingress"]
+    [zmq] = build_zmq_policy(t)["spec"]["ingress"]
     assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
-    assert zmq["from"] == [{"podSelector": {"matchLabels": build_vllm_deployment(t)["spec"]["selector"]["matchLabels"]}}]
+    assert zmq["from"] == [{"podSelector": {"matchLabels": {
+        **build_vllm_deployment(t)["spec"]["selector"]["matchLabels"], NAMESPACE_ID_LABEL: t.namespace_id}}}]
     assert http["ports"] == [{"protocol": "TCP", "port": 8080}, {"protocol": "TCP", "port": 8090}]  # admin API, inventory agent
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
                              "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     closed = build_network_policy(t, None)
-    assert len(closed["spec"]["ingress"]) == 1  # operator unknown: admin port closed to the cluster
+    assert closed["spec"]["ingress"] == []  # operator unknown: admin port closed to the cluster
 
 
 def test_operator_metrics_text() -> None:
@@ -252,3 +294,18 @@ def test_inventory_agent_beside_the_server_with_nvme_only() -> None:
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
     bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
     assert [c["name"] for c in bucket["containers"]] == ["lmcache-server"]
+
+
+def test_stale_routes_are_old_ids_no_pod_carries() -> None:
+    from kvpersist.stale_routes import ids_in_use, stale
+
+    old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
+    objs = [build_local_service(old), build_local_service(new), build_metrics_service(new),
+            {"metadata": {"name": "llama31-8b-lmcache", "labels": {NAMESPACE_ID_LABEL: old.namespace_id}}}]
+    old_pod = {"metadata": {"labels": build_vllm_deployment(old)["spec"]["template"]["metadata"]["labels"]}}
+    new_pod = {"metadata": {"labels": build_vllm_deployment(new)["spec"]["template"]["metadata"]["labels"]}}
+    # An old vLLM pod still runs: its Service stays.
+    assert stale(new, objs, ids_in_use([old_pod, new_pod])) == []
+    # It is gone: only the old id's per-id Service goes, never a name the resource keeps.
+    assert stale(new, objs, ids_in_use([new_pod])) == [build_local_service(old)["metadata"]["name"]]
+    assert stale(old, objs, ids_in_use([])) == [build_local_service(new)["metadata"]["name"]]

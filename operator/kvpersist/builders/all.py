@@ -6,17 +6,20 @@ from typing import Any
 
 from kvpersist.builders.connection import build_connection_configmap
 from kvpersist.builders.lmcache import build_lmcache_statefulset
-from kvpersist.builders.networkpolicy import build_network_policy, operator_namespace
+from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy, operator_namespace
 from kvpersist.builders.services import build_local_service, build_metrics_service
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
 
 
 def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, Any]]:
-    """Policy first (no window where the admin port is open), then Services and ConfigMap (the
-    StatefulSet names its governing Service), vLLM last."""
+    """Policies first (no window where the admin port is open), then Services and ConfigMap (the
+    StatefulSet names its governing Service), vLLM last. The ZMQ policy and the local Service
+    are per namespace id: after a pin change the old id's stay until no pod of it is left
+    (kvpersist.handlers removes them then)."""
     return [
         build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace()),
+        build_zmq_policy(target),
         build_metrics_service(target),
         build_local_service(target),
         build_connection_configmap(target),

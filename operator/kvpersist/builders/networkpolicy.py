@@ -2,8 +2,8 @@
 
 The HTTP admin API has no authentication and serves /env (the process environment, where the
 Hugging Face token lives) and /quota; the inventory agent beside it can delete an orphaned
-namespace's data. Only the operator may reach either; vLLM pods of the same
-resource may reach the ZMQ port; nothing else gets in."""
+namespace's data. Only the operator may reach either; vLLM pods of the same resource and the
+same namespace id may reach the ZMQ port; nothing else gets in."""
 
 from __future__ import annotations
 
@@ -22,14 +22,11 @@ def operator_namespace() -> str | None:
 
 
 def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, Any]:
-    """Ingress to the servers: ZMQ from this resource's vLLM pods; HTTP from the operator's pods
-    (when the operator's namespace is known; else from nowhere in the cluster, which kubelet
-    probes from the node are not subject to on common CNIs)."""
+    """Every server of the resource: HTTP from the operator's pods only (when the operator's
+    namespace is known; else from nowhere in the cluster, which kubelet probes from the node are
+    not subject to on common CNIs). No ZMQ here: see build_zmq_policy."""
     spec = target.spec
-    rules: list[dict[str, Any]] = [{
-        "from": [{"podSelector": {"matchLabels": target.selector(VLLM)}}],
-        "ports": [{"protocol": "TCP", "port": spec.lmcache_server.port}],
-    }]
+    rules: list[dict[str, Any]] = []
     if operator_ns:
         rules.append({
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
@@ -42,4 +39,19 @@ def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, A
         "kind": "NetworkPolicy",
         "metadata": target.metadata(f"{target.name}-lmcache", SERVER),
         "spec": {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": rules},
+    }
+
+
+def build_zmq_policy(target: Target) -> dict[str, Any]:
+    """ZMQ to the servers of one namespace id from the vLLM pods of the same id only: during a pin
+    change old vLLM pods may still run beside new servers, and must not store into them (one
+    policy per id, named like the id's Service)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": target.metadata(target.local_service_name, SERVER),
+        "spec": {"podSelector": {"matchLabels": target.id_selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": [{
+            "from": [{"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
+            "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
+        }]},
     }

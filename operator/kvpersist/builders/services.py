@@ -9,7 +9,8 @@ from kvpersist.builders.target import SERVER, Target
 
 def build_local_service(target: Target) -> dict[str, Any]:
     """vLLM's way to its cache server: internalTrafficPolicy Local keeps every connection on the
-    node, where the server shares the IPC namespace with vLLM."""
+    node, where the server shares the IPC namespace with vLLM; the namespace id in its name and
+    selector keeps it to servers of the identity its clients were launched with."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -17,7 +18,7 @@ def build_local_service(target: Target) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "internalTrafficPolicy": "Local",
-            "selector": target.selector(SERVER),
+            "selector": target.id_selector(SERVER),
             "ports": [{"name": "zmq", "port": target.spec.lmcache_server.port, "targetPort": "zmq", "protocol": "TCP"}],
         },
     }

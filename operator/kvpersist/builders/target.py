@@ -36,8 +36,14 @@ class Target:
 
     @property
     def local_service_name(self) -> str:
-        """Node-local Service vLLM connects through (same name as the StatefulSet, by design)."""
-        return f"{self.name}-lmcache"
+        """Node-local Service vLLM connects through. With the cache on it is one per namespace id
+        and selects only servers of that id: a vLLM pod of another identity (an old one, during
+        a pin change) cannot reach them by name, nor they it."""
+        return self.per_id_name(self.namespace_id)
+
+    def per_id_name(self, namespace_id: str | None) -> str:
+        """<name>-lmcache-<8 hex of the id> (at most 57 characters), or <name>-lmcache."""
+        return f"{self.name}-lmcache-{namespace_id[len('kvp-'):][:8]}" if namespace_id else f"{self.name}-lmcache"
 
     @property
     def metrics_service_name(self) -> str:
@@ -60,6 +66,14 @@ class Target:
             "app.kubernetes.io/instance": self.name,
             "app.kubernetes.io/component": component,
         }
+
+    def id_selector(self, component: str) -> dict[str, str]:
+        """One component's pods of this resource's current namespace id (all of them with the
+        cache off): what pairs vLLM pods with servers."""
+        out = self.selector(component)
+        if self.namespace_id:
+            out[NAMESPACE_ID_LABEL] = self.namespace_id
+        return out
 
     def labels(self, component: str) -> dict[str, str]:
         out = {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY}

@@ -49,7 +49,7 @@ def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
 
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
     """With the cache on, each pod must land on a node that runs one of this resource's lmcache
-    servers (required pod affinity) and share its IPC namespace; vLLM and the server stay separate
+    servers of its own namespace id (required pod affinity) and share its IPC namespace; vLLM and the server stay separate
     processes, so a vLLM restart never touches the cache."""
     spec = target.spec
     container: dict[str, Any] = {
@@ -72,7 +72,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     if target.cache_enabled:
         pod_spec["hostIPC"] = True
         pod_spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"labelSelector": {"matchLabels": target.selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
+            {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
     if spec.vllm.node_selector:
         pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
     if spec.vllm.tolerations:

@@ -57,7 +57,7 @@ class Cluster:
             subprocess.run([*LOCALCLUSTER, "up"], check=True, capture_output=True, timeout=300)
         self.started = not running
         status = subprocess.run([*LOCALCLUSTER, "status"], check=True, capture_output=True, text=True).stdout
-        self.kubeconfig = Path(status.strip().splitlines()[-1].split()[-1])
+        self.kubeconfig = Path(next(line.split()[-1] for line in status.splitlines() if line.startswith("kubeconfig")))
         self.k = Kubectl(self.kubeconfig, bin_dir() / "kubectl")
         self.k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         self.k.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")

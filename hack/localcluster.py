@@ -576,8 +576,8 @@ def cmd_status(_: argparse.Namespace) -> None:
         print(f"{n:26s} {'running pid ' + str(pid) if pid else 'stopped'}")
     ready = ok and api_ready(STATE / "pki")
     print(f"{'api /readyz':26s} {'ok' if ready else 'not ready'}")
-    print(f"{'kubeconfig':26s} {KUBECONFIG}")
     print(f"{'audit log':26s} {AUDIT_LOG}")
+    print(f"{'kubeconfig':26s} {KUBECONFIG}")  # last: scripts read it from the last line
     if not ready:
         sys.exit(1)
 

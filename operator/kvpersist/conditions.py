@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpersist.inventory import iso, parse_iso
 from kvpersist.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
@@ -258,9 +259,10 @@ def _present(value: Any) -> Any:
 
 def _age_s(stamp: Any, at: datetime) -> float:
     try:
-        return (at - datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)).total_seconds()
+        then = parse_iso(stamp) if isinstance(stamp, str) else None
     except ValueError:
-        return float("inf")
+        then = None
+    return at.timestamp() - then if then is not None else float("inf")
 
 
 def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, riding: bool,
@@ -275,7 +277,7 @@ def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, ri
         return None
     if old and not riding and _age_s(old.get("measuredAt"), at) < HITS_WRITE_INTERVAL_S:
         return None
-    return {**hits, "measuredAt": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return {**hits, "measuredAt": iso(at.timestamp())}
 
 
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],

@@ -15,8 +15,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
+
+from kvpersist.inventory import iso
 
 STATUS_TIMEOUT_S = 2.0
 # A /metrics body larger than this is not read further: the figures it carries become unknown.
@@ -151,8 +152,9 @@ class LookupCounters:
 
 
 def _stamp(seconds: float) -> str | None:
+    """iso(), or None for a value no clock shows (a hostile /metrics)."""
     try:
-        return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return iso(seconds)
     except (OverflowError, OSError, ValueError):
         return None
 

@@ -21,8 +21,10 @@ from tests.e2e.kube import LOCALCLUSTER, Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
-KINDS = [("networkpolicy", "lmcache"), ("service", "lmcache"), ("service", "lmcache-metrics"), ("configmap", "connection"),
-         ("statefulset", "lmcache"), ("deployment", "vllm")]
+# What each resource owns: two policies (admin port; ZMQ of its namespace id), the per-id local
+# Service, the headless one, the ConfigMap, the StatefulSet and the Deployment.
+KINDS = [("networkpolicy", "lmcache"), ("networkpolicy", "lmcache-<id>"), ("service", "lmcache-<id>"),
+         ("service", "lmcache-metrics"), ("configmap", "connection"), ("statefulset", "lmcache"), ("deployment", "vllm")]
 
 
 @pytest.fixture()
@@ -91,7 +93,7 @@ def test_operator_sigkill_mid_reconcile_converges(kubectl: Kubectl, env: dict, f
         assert kubectl.get("kvns", name, ns)["status"]["namespaceId"].startswith("kvp-")
     fault_log("operator SIGKILLed while reconciling 20 resources, then restarted",
               f"{done_at_kill}/20 had status at the kill; all 20 converged {seconds:.1f}s after the restart; "
-              "each owned object exists exactly once (6 per resource), every resource has its namespace id")
+              f"each owned object exists exactly once ({len(KINDS)} per resource), every resource has its namespace id")
 
 
 def test_apiserver_restart_operator_reconnects(kubectl: Kubectl, env: dict, fault_log) -> None:

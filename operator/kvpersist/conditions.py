@@ -68,7 +68,7 @@ class Observation:
     reports: list[ServerReport] = field(default_factory=list)
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
-    last_inventory: Mapping[str, Any] | None = None  # status.inventory as last written (when this read failed)
+    budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -82,22 +82,14 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
     return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
 
 
-def _served_share(inventory: Mapping[str, Any] | None, namespace_id: str | None) -> dict[str, Any]:
-    """What the last whole inventory counted for namespace_id: a volume that could not be read this
-    time (an agent slow or restarting) still holds its data, and a budget read from the servers
-    alone (they count from zero after a restart) would flip to Available."""
-    current = [n for vol in (inventory or {}).get("volumes") or [] for n in vol.get("namespaces") or []
-               if n.get("namespaceId") == namespace_id]
-    if not current:
-        return {}
-    return {"currentBytes": sum(int(n.get("bytes") or 0) for n in current),
-            "currentObjects": sum(int(n.get("objects") or 0) for n in current)}
-
-
 def budget_status(obs: Observation) -> dict[str, Any] | None:
     """status.budget. Used bytes: the larger of the servers' count (what lmcache enforces against,
-    only what it saw since it started) and the volume's (the data itself). Exhausted once the next
-    object of average size would not fit: lmcache refuses it."""
+    only what it saw since it started) and the volume's (the data itself, from a scan up to 30 s
+    old), and never less than last written for the same namespace: with a budget the adapter
+    evicts nothing, and gc refuses the namespace being served, so its bytes do not shrink; a
+    restarted server (counting from zero) beside a scan from before the last writes must not make
+    a full budget look Available. Exhausted once the next object of average size would not fit:
+    lmcache refuses it."""
     if obs.budget_bytes is None or obs.namespace_id is None:
         return None
     from kvpersist.usage import human_bytes
@@ -105,11 +97,11 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     reported = [r for r in obs.reports if r.l2_used is not None]
     used_servers = sum(r.l2_used or 0 for r in reported)
     objects_servers = sum(r.l2_objects or 0 for r in reported)
-    inv = obs.inventory or _served_share(obs.last_inventory, obs.namespace_id)
+    inv = obs.inventory or {}
     used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
-    if not reported and not inv:
+    if not reported and not inv and not obs.budget_floor:
         return {"bytes": obs.budget_bytes, "state": "Available", "budget": f"?/{human_bytes(obs.budget_bytes)}"}
-    used, objects = max(used_servers, used_volume), max(objects_servers, objects_volume)
+    used, objects = max(used_servers, used_volume, obs.budget_floor), max(objects_servers, objects_volume)
     exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes)
     return {"bytes": obs.budget_bytes, "usedBytes": used, "state": "Exhausted" if exhausted else "Available",
             "budget": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}

@@ -267,7 +267,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if key in _routes_pending and clean_stale_routes(target, seen, logger):
             _routes_pending.discard(key)
         observation = _observe(body, target, reason, seen)
-        observation.last_inventory = old.get("inventory")
+        if old.get("namespaceId") == target.namespace_id:
+            observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
         fields, conds = compute_status(observation)
         reports = observation.reports
         inventory = observation.inventory

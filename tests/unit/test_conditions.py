@@ -122,17 +122,17 @@ def test_budget_counts_the_volume_when_the_server_forgot() -> None:
     assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == 2**21
 
 
-def test_budget_keeps_the_last_inventory_when_the_volume_cannot_be_read() -> None:
-    """An agent that does not answer this time (restarting, slow) must not make a full budget look
-    Available; the last inventory's share of the served namespace still counts, another's not."""
+def test_budget_does_not_shrink_when_the_server_restarts_before_the_next_scan() -> None:
+    """A restarted server counts from zero and the agent's scan may predate the last writes: the
+    budget stays as last written for the namespace (with a budget nothing is evicted)."""
     fresh = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=0, l2_objects=0)
-    last = {"currentBytes": 2**21, "volumes": [{"location": "pvc/a", "namespaces": [
-        {"namespaceId": NID, "bytes": 2**21, "objects": 4},
-        {"namespaceId": "kvp-" + "2" * 32, "bytes": 2**30, "objects": 9, "orphan": True}]}]}
-    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=None, last_inventory=last))
+    stale_scan = {"currentBytes": 0, "currentObjects": 0}
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=stale_scan, budget_floor=2**21))
     assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == 2**21
-    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=None, last_inventory={"volumes": []}))
-    assert fields["budget"]["state"] == "Available"
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=None, budget_floor=2**21))
+    assert fields["budget"]["state"] == "Exhausted"
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=stale_scan))
+    assert fields["budget"]["state"] == "Available"  # no floor (a new namespace id): what is seen
 
 
 def test_budget_with_room_and_failing_writes_is_still_a_failure() -> None:

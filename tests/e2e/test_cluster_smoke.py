@@ -34,7 +34,9 @@ def _cluster_pids(state: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, str], Path]]:
     state = tmp_path_factory.mktemp("smoke-cluster")
-    env = {**os.environ, "KVPERSIST_CLUSTER_DIR": str(state), "KVPERSIST_CLUSTER_PORT_BASE": "27400"}
+    # 1000 ports above the shared cluster's, so a second suite on its own ports never collides.
+    port_base = int(os.environ.get("KVPERSIST_CLUSTER_PORT_BASE", "26400")) + 1000
+    env = {**os.environ, "KVPERSIST_CLUSTER_DIR": str(state), "KVPERSIST_CLUSTER_PORT_BASE": str(port_base)}
     up = subprocess.run([*LOCALCLUSTER, "up"], env=env, capture_output=True, text=True,
                         timeout=300)
     assert up.returncode == 0, up.stderr

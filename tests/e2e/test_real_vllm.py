@@ -134,7 +134,7 @@ def vllm_pod(kubectl: Kubectl, ns: str, exclude: set[str] = frozenset(), timeout
 
 def server_ip(kubectl: Kubectl, ns: str, exclude_uid: str | None = None) -> str:
     p = wait_for("a Ready lmcache server", lambda: (lambda q: q if q and q["metadata"]["uid"] != exclude_uid else None)(
-        pod(kubectl, ns, f"{NAME}-lmcache-")), timeout=180, interval=1)
+        pod(kubectl, ns, f"{NAME}-lmcache-")), timeout=300, interval=1)
     return p["status"]["podIP"]
 
 
@@ -198,8 +198,17 @@ def test_server_pod_deleted_hits_from_l2(kubectl: Kubectl, chain: dict) -> None:
     kubectl.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
     server = server_ip(kubectl, ns, exclude_uid=old)
     ip = vllm_pod(kubectl, ns)["status"]["podIP"]
-    # vLLM notices the restart by its heartbeat and registers again; until then a request may miss.
-    tokens, hits = wait_for("vLLM to hit again", lambda: (lambda r: r if r[1] > 0 else None)(ask(ip)), timeout=120, interval=2)
+    # vLLM notices the restart by its heartbeat and registers again. Until its lookups reach the
+    # new server, a request misses and may store its KV afresh (into L1): so wait with a prompt of
+    # its own until the new server counts vLLM's lookups, then ask the long one, once.
+    probe = prompt(99, 300)
+
+    def lookups() -> float:
+        return metrics(f"http://{server}:8080/metrics").get("lmcache_mp_lookup_requested_tokens_total", 0.0)
+
+    wait_for("vLLM's lookups to reach the new server", lambda: (lambda n: complete(ip, probe) and lookups() > n)(lookups()),
+             timeout=300, interval=2)
+    tokens, hits = ask(ip)
     l1, l2 = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
     assert hits == chain["cacheable"] and l2 >= chain["cacheable"], (tokens, hits, l1, l2)
 

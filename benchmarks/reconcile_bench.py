@@ -156,7 +156,7 @@ def light(ns: str, name: str) -> dict:
     obj = sample("hf-bucket")
     obj["metadata"] = {"name": name, "namespace": ns}
     obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["vllm"] = {"replicas": 0}
+    obj["spec"]["vllm"]["replicas"] = 0
     return obj
 
 

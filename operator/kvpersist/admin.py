@@ -32,7 +32,7 @@ def resolved_id(obj: Mapping[str, Any]) -> str | None:
         spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
     except ValueError:
         return None
-    return resolve(spec.identity.model_dump()).namespace_id
+    return resolve(spec.pins()).namespace_id
 
 
 def _ref(obj: Mapping[str, Any]) -> str:

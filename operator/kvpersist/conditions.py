@@ -69,6 +69,7 @@ class Observation:
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
     budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
+    identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -165,8 +166,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     if cache_on:
         conds.append(condition("IdentityResolved", True, "PinsComplete", f"compatibility namespace {obs.namespace_id}", gen))
     else:
-        conds.append(condition("IdentityResolved", False, "IdentityIncomplete",
-                               f"cache disabled, vLLM runs without it: {obs.identity_reason}; set them in spec.identity", gen))
+        conds.append(condition("IdentityResolved", False, obs.identity_code,
+                               f"cache disabled, vLLM runs without it: {obs.identity_reason}", gen))
 
     servers_done, servers_ready = _rollout_done(obs.statefulset, obs.server_desired)
     vllm_done, vllm_ready = _rollout_done(obs.deployment, obs.vllm_desired)

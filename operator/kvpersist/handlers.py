@@ -30,7 +30,7 @@ from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
 from kvpersist.conditions import now as condition_now
 from kvpersist.hfbucket import preflight_bucket
-from kvpersist.identity import resolve
+from kvpersist.identity import Resolution, resolve
 from kvpersist.inventory import Inventory, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from kvpersist.stale_routes import ROUTE_KINDS, ids_in_use, stale
@@ -88,16 +88,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube.load_config()
 
 
-def _target(body: Mapping[str, Any]) -> tuple[Target, str]:
+def _target(body: Mapping[str, Any]) -> tuple[Target, Resolution]:
     """The builders' view of the object and the reason its identity is incomplete (if it is).
     Raises ValidationError for a spec the operator cannot read."""
     meta = body["metadata"]
     obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": {"name": meta["name"]}})
-    res = resolve(obj.spec.identity.model_dump())
-    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res.reason
+    res = resolve(obj.spec.pins())
+    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
 
 
-def _observe(body: Mapping[str, Any], target: Target, reason: str, seen: Seen) -> Observation:
+def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen) -> Observation:
     """Workload objects come from the watch caches (seen); only a claim the user named is read,
     since it carries none of the operator's labels."""
     ns = target.namespace
@@ -133,7 +133,8 @@ def _observe(body: Mapping[str, Any], target: Target, reason: str, seen: Seen) -
         bucket_check=_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
-        identity_reason=reason,
+        identity_reason=resolution.reason,
+        identity_code=resolution.code,
         l2_kind=spec.l2.kind,
         server_desired=server_desired,
         vllm_desired=spec.vllm.replicas,
@@ -234,7 +235,7 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
         detail = ready["message"] if ready else ""
         if phase == "CacheDisabled":
             ident = next(c for c in conds if c["type"] == "IdentityResolved")
-            events.append(("Warning", "IdentityIncomplete", ident["message"]))
+            events.append(("Warning", ident["reason"], ident["message"]))
         elif phase in ("Degraded", "Failed"):
             events.append(("Warning", phase, detail))
         elif phase == "Ready":
@@ -259,14 +260,14 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     old = dict(body.get("status") or {})
     generation = meta.get("generation")
     try:
-        target, reason = _target(body)
+        target, resolution = _target(body)
     except ValidationError as exc:
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory = [], None
     else:
         if key in _routes_pending and clean_stale_routes(target, seen, logger):
             _routes_pending.discard(key)
-        observation = _observe(body, target, reason, seen)
+        observation = _observe(body, target, resolution, seen)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
         fields, conds = compute_status(observation)

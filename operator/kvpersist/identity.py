@@ -3,20 +3,23 @@
 A KV block computed under one model revision, tokenizer, dtype, geometry, parallelism, connector
 build, length limit or chat template must never be served to a server running under another.
 So the id is a hash over all of them, and a missing pin yields no id at all: a cache that is
-off is slower, a guessed namespace is wrong.
+off is slower, a guessed namespace is wrong. What runs is part of it too: the digests of the vLLM
+and lmcache server images (a tag can move to another build under the same name), so an image
+named by tag alone leaves the cache off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 NAMESPACE_PREFIX = "kvp-"
 # Bump when the meaning of a pin changes, so old and new ids can never collide.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the image digests joined the pins
 
 # Canonical pin names, in the order people read them. The hash does not depend on this order.
 PIN_FIELDS = (
@@ -33,10 +36,25 @@ PIN_FIELDS = (
     "connector_build",
     "max_model_len",
     "chat_template_digest",
+    "vllm_image_digest",
+    "lmcache_server_image_digest",
 )
+# Pins taken from what runs rather than from spec.identity: where each comes from, and the fix.
+IMAGE_PINS = {
+    "vllm_image_digest": "spec.vllm.image",
+    "lmcache_server_image_digest": "spec.lmcacheServer.image",
+}
+IMAGE_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
 INT_PINS = {"block_size", "num_kv_heads", "head_size", "tensor_parallel_size", "max_model_len"}
 # Hex digests compare case-insensitively; ids and names are case-sensitive.
-LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest"}
+LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest", *IMAGE_PINS}
+
+
+def image_digest(reference: str | None) -> str | None:
+    """sha256:<64 hex> of an image reference pinned by digest (name[:tag]@sha256:...), else None.
+    A tag alone names whatever was pushed last; only the digest names the bytes that run."""
+    match = IMAGE_DIGEST_RE.search((reference or "").strip())
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)
@@ -49,12 +67,26 @@ class Resolution:
     canonical: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
+    def code(self) -> str:
+        """The condition reason: ImageNotPinned when only an image lacks its digest."""
+        unpinned = set(self.missing) | set(self.invalid)
+        return "ImageNotPinned" if unpinned and unpinned <= set(IMAGE_PINS) else "IdentityIncomplete"
+
+    @property
     def reason(self) -> str:
+        """What is missing and how to fix it, by the fields a user edits."""
         parts = []
-        if self.missing:
-            parts.append("missing pins: " + ", ".join(self.missing))
-        if self.invalid:
-            parts.append("malformed pins: " + ", ".join(self.invalid))
+        missing = [p for p in self.missing if p not in IMAGE_PINS]
+        invalid = [p for p in self.invalid if p not in IMAGE_PINS]
+        if missing:
+            parts.append("missing pins: " + ", ".join(missing) + " (set them in spec.identity)")
+        if invalid:
+            parts.append("malformed pins: " + ", ".join(invalid) + " (fix them in spec.identity)")
+        for pin, where in IMAGE_PINS.items():
+            if pin in self.missing or pin in self.invalid:
+                parts.append(f"{where} is not pinned by digest: name it as <image>@sha256:<64 hex> (`docker buildx "
+                             "imagetools inspect <image>` prints the digest); a tag can move to another build under "
+                             "the same namespace")
         return "; ".join(parts)
 
 

@@ -49,7 +49,7 @@ def baseline() -> list[str]:
     obj = sample("tp2-fp8")
     obj["spec"]["vllm"]["extraArgs"] = []
     spec = KVCacheNamespace.model_validate(obj).spec
-    return vllm_args(Target("m", "ml", spec, resolve(spec.identity.model_dump()).namespace_id))
+    return vllm_args(Target("m", "ml", spec, resolve(spec.pins()).namespace_id))
 
 
 def probe(flag: str) -> list[str]:

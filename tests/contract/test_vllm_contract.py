@@ -55,7 +55,7 @@ def _validate(engine: Any) -> None:
 
 def _target(obj: dict) -> Target:
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.identity.model_dump()).namespace_id)
+    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins()).namespace_id)
 
 
 def _check(target: Target) -> None:
@@ -97,7 +97,7 @@ def test_pin_table_launches_parse(vllm: Any, pins: dict) -> None:
     gpus = pins.pop("gpus", None)
     obj["spec"]["identity"].update(pins)
     if gpus:
-        obj["spec"]["vllm"] = {"gpusPerReplica": gpus}
+        obj["spec"]["vllm"]["gpusPerReplica"] = gpus
     _check(_target(obj))
 
 

@@ -101,7 +101,7 @@ def on_real_node(obj: dict) -> dict:
 
 def target_of(obj: dict) -> Target:
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.identity.model_dump()).namespace_id)
+    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.pins()).namespace_id)
 
 
 def lmcache() -> str:

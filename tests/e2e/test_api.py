@@ -50,7 +50,7 @@ def test_explain_shows_descriptions(kubectl: Kubectl, crd: None) -> None:
 
 def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespace: str) -> None:
     kubectl.run("apply", "-n", namespace, "-f", str(SAMPLES / "nvme-minimal.yaml"))
-    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.identity.model_dump())
+    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.pins())
     wait_for("status.namespaceId", lambda: kubectl.get("kvns", "llama31-8b", namespace).get("status", {}).get("namespaceId"),
              timeout=60)
     out = kubectl.run("get", "kvns", "-n", namespace).stdout
@@ -79,3 +79,39 @@ def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, n
     assert sts["spec"]["replicas"] == 0
     wait_for("an IdentityIncomplete event", lambda: kubectl.run(
         "get", "events", "-n", namespace, "--field-selector", "reason=IdentityIncomplete", "-o", "name").stdout.strip())
+
+
+def test_image_by_tag_disables_cache_and_a_new_digest_is_a_new_namespace(kubectl: Kubectl, operator,
+                                                                          namespace: str) -> None:
+    """What runs is part of the identity: a tag alone leaves the cache off with the fix named; a
+    digest turns it on; another digest of the same image is another namespace."""
+    obj = sample()
+    pinned = obj["spec"]["vllm"]["image"]
+    obj["spec"]["vllm"]["image"] = pinned.split("@")[0]  # vllm/vllm-openai:v0.33.0
+    obj["metadata"]["namespace"] = namespace
+    kubectl.apply(obj)
+
+    def status_with(pred):
+        return lambda: (lambda s: s if pred(s) else None)(kubectl.get("kvns", "llama31-8b", namespace).get("status", {}))
+
+    status = wait_for("phase CacheDisabled", status_with(lambda s: s.get("phase") == "CacheDisabled"), timeout=60)
+    cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
+    assert cond["reason"] == "ImageNotPinned" and "spec.vllm.image" in cond["message"] and "@sha256:" in cond["message"]
+    assert "namespaceId" not in status
+    wait_for("an ImageNotPinned event", lambda: kubectl.run(
+        "get", "events", "-n", namespace, "--field-selector", "reason=ImageNotPinned", "-o", "name").stdout.strip())
+
+    obj["spec"]["vllm"]["image"] = pinned
+    kubectl.apply(obj)
+    first = wait_for("a namespace id", status_with(lambda s: s.get("namespaceId")), timeout=60)["namespaceId"]
+    assert first == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins())
+
+    obj["spec"]["vllm"]["image"] = pinned.split("@")[0] + "@sha256:" + "0" * 64  # another build, same tag
+    kubectl.apply(obj)
+    second = wait_for("another namespace id", status_with(lambda s: s.get("namespaceId") not in (None, first)),
+                      timeout=60)["namespaceId"]
+    assert second == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins())
+    server = wait_for("the server set on the new id", lambda: (lambda s: s if second in json.dumps(s["spec"]["template"])
+                                                               else None)(kubectl.get("statefulset", "llama31-8b-lmcache",
+                                                                                      namespace)), timeout=60)
+    assert first not in json.dumps(server["spec"]["template"])

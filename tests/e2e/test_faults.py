@@ -52,7 +52,7 @@ def light(ns: str, name: str, **spec_changes: object) -> dict:
     obj = manifest(ns)
     obj["metadata"]["name"] = name
     obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacityGB": 1}}
-    obj["spec"]["vllm"] = {"replicas": 0}
+    obj["spec"]["vllm"]["replicas"] = 0
     obj["spec"].update(spec_changes)
     return obj
 

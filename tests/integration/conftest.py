@@ -47,9 +47,9 @@ def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: fl
     obj["spec"]["l1"]["sizeGB"] = l1_gb
     if "nvme" in obj["spec"]["l2"]:
         obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb)
-    obj["spec"]["lmcacheServer"] = {"port": free_port(), "httpPort": free_port()}
+    obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.identity.model_dump()).namespace_id)
+    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins()).namespace_id)
 
 
 @dataclass

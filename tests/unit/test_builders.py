@@ -22,7 +22,7 @@ def target(name: str = "nvme-minimal", mutate=None, namespace: str = "ml") -> Ta
     if mutate:
         mutate(obj)
     model = KVCacheNamespace.model_validate(obj)
-    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.identity.model_dump()).namespace_id)
+    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.pins()).namespace_id)
 
 
 def _flag(args: list[str], flag: str) -> str:

@@ -69,6 +69,17 @@ def test_missing_pin_is_cache_disabled() -> None:
     assert fields["phase"] == "CacheDisabled" and fields["namespaceId"] is None
     ident = next(c for c in conds if c["type"] == "IdentityResolved")
     assert ident["status"] == "False" and "head_size" in ident["message"]
+    assert ident["reason"] == "IdentityIncomplete"
+
+
+def test_unpinned_image_is_cache_disabled_with_its_own_reason() -> None:
+    fields, conds = compute_status(obs(namespace_id=None, identity_code="ImageNotPinned",
+                                       identity_reason="spec.vllm.image is not pinned by digest", server_desired=0,
+                                       statefulset=rollout(0, 0), server_pods=[], claims=[], reports=[]))
+    by_type = {c["type"]: c for c in conds}
+    assert fields["phase"] == "CacheDisabled"
+    assert by_type["IdentityResolved"]["reason"] == "ImageNotPinned"
+    assert "spec.vllm.image" in by_type["Ready"]["message"]
 
 
 def test_status_written_only_on_change() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpersist.identity import PIN_FIELDS, namespace_id, resolve
+from kvpersist.identity import IMAGE_PINS, PIN_FIELDS, image_digest, namespace_id, resolve
 
 BASE = {
     "model_id": "meta-llama/Llama-3.1-8B-Instruct",
@@ -22,6 +22,8 @@ BASE = {
     "connector_build": "vllm-0.33.0+lmcache-0.5.6",
     "max_model_len": 32768,
     "chat_template_digest": "sha256:" + "ab" * 32,
+    "vllm_image_digest": "sha256:" + "1a" * 32,
+    "lmcache_server_image_digest": "sha256:" + "2b" * 32,
 }
 
 # One different value per pin.
@@ -39,6 +41,8 @@ CHANGED = {
     "connector_build": "vllm-0.33.1+lmcache-0.5.6",
     "max_model_len": 65536,
     "chat_template_digest": "sha256:" + "cd" * 32,
+    "vllm_image_digest": "sha256:" + "3c" * 32,
+    "lmcache_server_image_digest": "sha256:" + "4d" * 32,
 }
 
 
@@ -50,8 +54,8 @@ def test_id_shape_and_stability() -> None:
     nid = namespace_id(BASE)
     assert nid is not None and nid.startswith("kvp-") and len(nid) == 36
     int(nid[4:], 16)
-    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate.
-    assert nid == "kvp-155cec36d4bd8a6654f45519895d0ad4"
+    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images joined).
+    assert nid == "kvp-ccd81c23098d422861c55690882ab4fe"
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
@@ -85,7 +89,8 @@ def test_missing_pin_gives_no_id(pin: str) -> None:
     res = resolve(pins)
     assert res.namespace_id is None
     assert res.missing == (pin,)
-    assert pin in res.reason
+    assert (IMAGE_PINS.get(pin) or pin) in res.reason
+    assert res.code == ("ImageNotPinned" if pin in IMAGE_PINS else "IdentityIncomplete")
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
@@ -99,3 +104,65 @@ def test_empty_pin_gives_no_id(pin: str, empty: object) -> None:
 def test_malformed_pin_gives_no_id(pin: str, bad: object) -> None:
     res = resolve({**BASE, pin: bad})
     assert res.namespace_id is None and res.invalid == (pin,)
+
+
+# ---------------------------------------------------------------- what runs: the image digests
+
+DIGEST = "sha256:" + "5e" * 32
+
+
+@pytest.mark.parametrize(("reference", "digest"), [
+    ("vllm/vllm-openai:v0.33.0@" + DIGEST, DIGEST),
+    ("registry.local:5000/mirror/vllm@" + DIGEST, DIGEST),
+    ("vllm/vllm-openai:v0.33.0", None),  # a tag moves
+    ("vllm/vllm-openai", None),
+    ("vllm/vllm-openai@sha256:" + "5e" * 31, None),  # short
+    ("vllm/vllm-openai@sha256:" + "5E" * 32, None),  # registries print lowercase; anything else is not a digest
+    ("vllm/vllm-openai@sha512:" + "5e" * 64, None),
+    ("", None),
+    (None, None),
+])
+def test_image_digest(reference: str | None, digest: str | None) -> None:
+    assert image_digest(reference) == digest
+
+
+def _spec(**images: str):
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
+    from tests.cases.invalid_manifests import sample
+
+    obj = sample()
+    obj["spec"]["vllm"]["image"] = images.get("vllm", obj["spec"]["vllm"]["image"])
+    obj["spec"]["lmcacheServer"]["image"] = images.get("server", obj["spec"]["lmcacheServer"]["image"])
+    return KVCacheNamespace.model_validate(obj).spec
+
+
+def test_sample_images_are_pinned_and_in_the_id() -> None:
+    spec = _spec()
+    pins = spec.pins()
+    assert pins["vllm_image_digest"] == image_digest(spec.vllm.image) is not None
+    assert pins["lmcache_server_image_digest"] == image_digest(spec.lmcache_server.image) is not None
+    assert resolve(pins).namespace_id is not None
+
+
+@pytest.mark.parametrize("which", ["vllm", "server"])
+def test_a_changed_image_is_a_new_namespace(which: str) -> None:
+    """The same pins with another build of either image never share stored KV."""
+    base = resolve(_spec().pins()).namespace_id
+    other = resolve(_spec(**{which: "example.org/other@" + DIGEST}).pins()).namespace_id
+    assert other is not None and other != base
+
+
+def test_the_same_bytes_under_another_name_keep_the_namespace() -> None:
+    """A mirror serving the same digest runs the same build: the id follows the bytes, not the name."""
+    spec = _spec()
+    mirrored = _spec(vllm="mirror.local/vllm@" + image_digest(spec.vllm.image),
+                     server="mirror.local/lmcache@" + image_digest(spec.lmcache_server.image))
+    assert resolve(mirrored.pins()).namespace_id == resolve(spec.pins()).namespace_id
+
+
+@pytest.mark.parametrize(("which", "field"), [("vllm", "spec.vllm.image"), ("server", "spec.lmcacheServer.image")])
+def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin(which: str, field: str) -> None:
+    res = resolve(_spec(**{which: "vllm/vllm-openai:v0.33.0"}).pins())
+    assert res.namespace_id is None and res.code == "ImageNotPinned"
+    assert field in res.reason and "@sha256:" in res.reason
+    assert "spec.identity" not in res.reason  # the identity pins are all there; only the image is the fix

@@ -377,7 +377,8 @@ class LMCacheServer(_Model):
 
     image: str = Field(
         "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
-        description="Image with the lmcache 0.5.6 CLI.",
+        description="Image with the lmcache 0.5.6 CLI. Name it by digest (<image>@sha256:<64 hex>): the digest is "
+        "part of the namespace id, and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
     )
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
     port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
@@ -395,7 +396,11 @@ class LMCacheServer(_Model):
 class VLLM(_Model):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
-    image: str = Field("vllm/vllm-openai:v0.33.0", min_length=1, max_length=512, description="vLLM image.")
+    image: str = Field(
+        "vllm/vllm-openai:v0.33.0", min_length=1, max_length=512,
+        description="vLLM image. Name it by digest (<image>@sha256:<64 hex>): the digest is part of the namespace id, "
+        "and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
+    )
     replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
     gpus_per_replica: int | None = Field(
         None, ge=1, le=64, alias="gpusPerReplica",
@@ -454,6 +459,13 @@ class KVCacheNamespaceSpec(_Model):
     vllm: VLLM = Field(
         default_factory=VLLM, description="The vLLM pods.", json_schema_extra={"default": defaults_of(VLLM)},
     )
+
+    def pins(self) -> dict[str, Any]:
+        """Everything the namespace id hashes: spec.identity and the digests of the two images."""
+        from kvpersist.identity import image_digest
+
+        return {**self.identity.model_dump(), "vllm_image_digest": image_digest(self.vllm.image),
+                "lmcache_server_image_digest": image_digest(self.lmcache_server.image)}
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> KVCacheNamespaceSpec:

@@ -8,7 +8,8 @@ starts them unready and leaves readiness to this runner. What a kubelet and the 
 network would do, and nothing else, is mapped:
   - a claim mounted in a container becomes a folder under --workdir (one per claim, kept across
     pod restarts like a real volume); `0.0.0.0` binds become the pod's IP;
-  - env from Secrets is resolved with kubectl; an image's own environment (the vLLM CPU build's
+  - env from Secrets is resolved with kubectl, and a Secret volume becomes files (its items, its
+    mode) in a folder of the pod's; an image's own environment (the vLLM CPU build's
     settings) sits under the pod's, which wins, as in a container;
   - each pod gets its own /etc/hosts (a private mount namespace, as a kubelet manages a pod's
     hosts file) in which every Service of the namespace resolves to one Ready endpoint the
@@ -191,6 +192,20 @@ class Runner:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def secret_dir(self, pod: dict, volume: str, source: dict) -> Path:
+        """A Secret volume as a kubelet makes it: the listed keys (or all) as files, with the mode
+        asked for, in a folder of the pod's own (written afresh at each start)."""
+        path = self.workdir / "secrets" / self.namespace / pod["metadata"]["name"] / volume
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o700)
+        data = self._kubectl_json("get", "secret", source["secretName"]).get("data") or {}
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            target = path / item["path"]
+            target.write_bytes(base64.b64decode(data[item["key"]]))
+            target.chmod(item.get("mode", source.get("defaultMode", 0o644)))
+        return path
+
     def _env(self, container: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
         if container.get("command", [""])[0] == "vllm":
@@ -214,6 +229,9 @@ class Runner:
                   for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: self.volume_dir(claims[m["name"]]) for m in container.get("volumeMounts", [])
                   if m["name"] in claims}
+        secrets = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+        mounts.update({m["mountPath"]: self.secret_dir(pod, m["name"], secrets[m["name"]])
+                       for m in container.get("volumeMounts", []) if m["name"] in secrets})
         out = localize_args(container.get("args", []), mounts, pod["status"]["podIP"], self.max_l1_gb)
         command = container.get("command", [])
         local = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm"}

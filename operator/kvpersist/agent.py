@@ -6,6 +6,12 @@ gives bytes, objects and last write per namespace folder; POST /gc deletes one n
 the operator asks. It refuses the namespace its own server serves, whatever the caller says; the
 operator refuses every other namespace still in use before asking. Reached only by the operator
 (the lmcache NetworkPolicy admits nothing else to this port).
+
+With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
+0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
+before the restart are neither counted nor evicted by it and the folder grows past its capacity
+(measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
+deletes that folder's oldest chunk files until it holds at most the capacity.
 """
 
 from __future__ import annotations
@@ -20,22 +26,50 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, namespace_usage, remove_namespace, scan_volume
+from kvpersist.inventory import (
+    NAMESPACE_ID_RE,
+    Inventory,
+    NamespaceUsage,
+    iso,
+    namespace_usage,
+    remove_namespace,
+    scan_volume,
+    trim_namespace,
+)
 
 log = logging.getLogger("kvpersist.agent")
 DEFAULT_PORT = 8090
 SCAN_TTL_S = 30.0  # a walk of a big volume is not free: answer from a recent scan
+# Between two trims the folder can exceed its capacity by what lmcache writes in one period; a
+# trim walks only the served folder, so a short period is cheap.
+TRIM_PERIOD_S = 30.0
+MAX_TRIM_PERIOD_S = 3600.0
 
 
 class Agent:
-    """Scans (cached for SCAN_TTL_S) and deletes; one deletion at a time."""
+    """Scans (cached for SCAN_TTL_S), deletes and trims; one deletion or trim at a time.
 
-    def __init__(self, root: Path, serving: str | None, scan_ttl_s: float = SCAN_TTL_S) -> None:
+    The trim target is the capacity itself, not capacity x (1 - evictionRatio): a deleted file may
+    be one lmcache has re-indexed since its restart, and deleting it from under the server turns
+    that key's lookups into misses until lmcache drops the key (measured: no wrong bytes, but the
+    key is not written again meanwhile), so the agent deletes as little as it can. It walks the
+    folder every period anyway, so headroom below the capacity would not save walks. lmcache's own
+    accounting keeps what it has indexed within the capacity, so without a restart the agent finds
+    nothing to trim (tests/integration/test_capacity.py)."""
+
+    def __init__(self, root: Path, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
+                 capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S) -> None:
         self.root = root
         self.serving = serving
         self.scan_ttl_s = scan_ttl_s
+        self.capacity_bytes = capacity_bytes
+        self.trim_period_s = trim_period_s
+        self.trim_passes = 0  # completed passes, whether they deleted anything or not (tests wait on it)
+        self.last_trim: dict[str, Any] | None = None  # the last pass that deleted something
         self._lock = threading.Lock()
         self._scan: tuple[float, Inventory] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def inventory(self, fresh: bool = False) -> Inventory:
         with self._lock:
@@ -61,6 +95,46 @@ class Agent:
         log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, removed.bytes, removed.objects)
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
 
+    @property
+    def trimming(self) -> bool:
+        return bool(self.serving and self.capacity_bytes)
+
+    def trim_once(self) -> NamespaceUsage | None:
+        """One pass over the served folder; None when trimming is off."""
+        if not self.trimming:
+            return None
+        assert self.serving and self.capacity_bytes
+        with self._lock:
+            trimmed = trim_namespace(self.root, self.serving, self.capacity_bytes)
+            if trimmed.objects:
+                self._scan = None
+                self.last_trim = {"bytes": trimmed.bytes, "objects": trimmed.objects, "at": iso(time.time()),
+                                  "newestTrimmed": iso(trimmed.last_write), "capacityBytes": self.capacity_bytes}
+            self.trim_passes += 1
+        if trimmed.objects:
+            log.warning("trimmed %s to its capacity of %d bytes: deleted %d bytes in %d oldest chunk files (newest written %s)",
+                        self.serving, self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
+        return trimmed
+
+    def _trim_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.trim_once()
+            except Exception:  # the thread must outlive any one pass: a dead trimmer is no bound
+                log.exception("trim of %s failed; trying again in %.0f s", self.serving, self.trim_period_s)
+            self._stop.wait(self.trim_period_s)
+
+    def start_trimming(self) -> None:
+        """A daemon thread that trims now and then every trim_period_s; nothing when trimming is off."""
+        if self.trimming and self._thread is None:
+            self._thread = threading.Thread(target=self._trim_loop, name="kvpersist-trim", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
 
 def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
@@ -81,7 +155,7 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
                 self._send(200, {"status": "ok"})
             elif url.path == "/inventory":
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
-                self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving})
+                self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim})
             else:
                 self._send(404, {"error": "not found"})
 
@@ -106,14 +180,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serving", help="the namespace id this pod's lmcache server serves (never deleted)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--capacity-bytes", type=_positive_int,
+                        help="keep the --serving namespace's folder at most this big (oldest chunk files deleted first)")
+    parser.add_argument("--trim-period", type=_period, default=TRIM_PERIOD_S, metavar="SECONDS",
+                        help=f"seconds between two trims (default {TRIM_PERIOD_S:.0f}, at most {MAX_TRIM_PERIOD_S:.0f})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    server = make_server(Agent(args.root, args.serving), args.host, args.port)
+    agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period)
+    if args.capacity_bytes and not args.serving:
+        log.warning("--capacity-bytes without --serving: nothing to trim")
+    server = make_server(agent, args.host, args.port)
     log.info("serving the inventory of %s on %s:%d", args.root, args.host, args.port)
+    if agent.trimming:
+        log.info("trimming %s to %d bytes every %.1f s", args.serving, args.capacity_bytes, args.trim_period)
+    agent.start_trimming()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        agent.stop()
         server.server_close()
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of bytes")
+    return value
+
+
+def _period(text: str) -> float:
+    """A bounded period: a trim that never comes back is no bound on the folder."""
+    value = float(text)
+    if not 0 < value <= MAX_TRIM_PERIOD_S:
+        raise argparse.ArgumentTypeError(f"{text}: must be more than 0 and at most {MAX_TRIM_PERIOD_S:.0f} seconds")
+    return value

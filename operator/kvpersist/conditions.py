@@ -70,6 +70,7 @@ class Observation:
     budget_bytes: int | None = None  # spec.l2.nvme.budget
     budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
+    key_problem: tuple[str, str] | None = None  # (reason, message): the user's L2 key Secret is unusable
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -100,9 +101,12 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     objects_servers = sum(r.l2_objects or 0 for r in reported)
     inv = obs.inventory or {}
     used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
-    if not reported and not inv and not obs.budget_floor:
+    if not reported and not inv and not obs.budget_floor:  # nothing measured yet
         return {"bytes": obs.budget_bytes, "state": "Available", "budget": f"?/{human_bytes(obs.budget_bytes)}"}
-    used, objects = max(used_servers, used_volume, obs.budget_floor), max(objects_servers, objects_volume)
+    # The floor never above the budget: past it (lmcache restarted, counting from zero) the inventory
+    # agent trims the folder back to the budget, and the scans show it.
+    floor = min(obs.budget_floor, obs.budget_bytes)
+    used, objects = max(used_servers, used_volume, floor), max(objects_servers, objects_volume)
     exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes)
     return {"bytes": obs.budget_bytes, "usedBytes": used, "state": "Exhausted" if exhausted else "Available",
             "budget": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}
@@ -127,6 +131,8 @@ def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] |
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
     failing = [] if exhausted else [r for r in obs.reports if r.pod in obs.writes_failing]
+    if obs.key_problem is not None:
+        return condition("L2Ready", False, obs.key_problem[0], obs.key_problem[1], gen)
     if obs.l2_kind == "nvme":
         pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
         if obs.existing_claim and not obs.claims:

@@ -24,7 +24,8 @@ from kvpersist import kube, metrics
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
-from kvpersist.builders.target import L2_VOLUME, SERVER, Target
+from kvpersist.builders.keysecret import build_key_secret
+from kvpersist.builders.target import L2_KEY_BYTES, L2_VOLUME, SERVER, Target
 from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
 from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
@@ -130,6 +131,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         inv = _bucket_inventory_of(target, secret)
         inventory = status_summary([(inv.location, None, inv)], target.namespace_id, set(seen.live_ids)) if inv else None
     return Observation(
+        key_problem=_key_problem(target) if target.cache_enabled else None,
         bucket_check=_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
@@ -148,6 +150,29 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         inventory=inventory,
         budget_bytes=spec.l2.nvme.budget_bytes if spec.l2.nvme is not None else None,
     )
+
+
+def _key_problem(target: Target) -> tuple[str, str] | None:
+    """Why the user's L2 key Secret cannot serve (the servers would not start), or None. The
+    generated one is the operator's own: made before the servers, never changed."""
+    if target.key_secret is None or target.key_secret_generated:
+        return None
+    name, item = target.key_secret
+    where = f"spec.l2.encryption.keySecretRef: Secret {name} key {item}"
+    try:
+        secret = kube.get("v1", "Secret", name, target.namespace)
+    except ApiException as exc:
+        return "KeySecretUnreadable", f"{where}: the API server answered {exc.status}"
+    if secret is None:
+        return "KeySecretNotFound", (f"{where} not found in namespace {target.namespace}: create it with {L2_KEY_BYTES} "
+                                     f"random bytes, e.g. head -c {L2_KEY_BYTES} /dev/urandom > key && kubectl create "
+                                     f"secret generic {name} --from-file={item}=key")
+    raw = (secret.get("data") or {}).get(item)
+    if not raw:
+        return "KeySecretKeyMissing", f"{where}: the Secret has no such key; set keySecretRef.key"
+    if len(base64.b64decode(raw)) < L2_KEY_BYTES:
+        return "KeyTooShort", f"{where}: the key has fewer than {L2_KEY_BYTES} bytes; use {L2_KEY_BYTES} random bytes"
+    return None
 
 
 class _SecretOnce:
@@ -301,6 +326,13 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
     key = (target.namespace, target.name)
     metrics.inc("kvpersist_reconciles_total")
     try:
+        key_secret = build_key_secret(target) if target.cache_enabled else None
+        # Before the servers, which cannot start without it; created once and never owned (see keysecret).
+        if key_secret is not None and kube.create_if_absent(key_secret):
+            logger.info("%s/%s: generated L2 master key Secret %s", target.namespace, target.name,
+                        key_secret["metadata"]["name"])
+            kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
+                            "L2's master key; it is kept when this resource is deleted (the data needs it)")
         for manifest in build_all(target):
             kopf.append_owner_reference(manifest, owner=body)
             kube.apply(manifest)

@@ -19,7 +19,7 @@ from typing import Any
 
 NAMESPACE_PREFIX = "kvp-"
 # Bump when the meaning of a pin changes, so old and new ids can never collide.
-SCHEMA_VERSION = 2  # 2: the image digests joined the pins
+SCHEMA_VERSION = 2  # 2: the image digests and the L2 serde joined the pins
 
 # Canonical pin names, in the order people read them. The hash does not depend on this order.
 PIN_FIELDS = (
@@ -38,6 +38,7 @@ PIN_FIELDS = (
     "chat_template_digest",
     "vllm_image_digest",
     "lmcache_server_image_digest",
+    "l2_serde",
 )
 # Pins taken from what runs rather than from spec.identity: where each comes from, and the fix.
 IMAGE_PINS = {

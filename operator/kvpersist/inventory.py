@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+import stat
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 NAMESPACE_ID_RE = re.compile(r"kvp-[0-9a-f]{32}")  # always fullmatch: `$` would let a trailing newline in
 
@@ -139,6 +140,91 @@ def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
         return NamespaceUsage(namespace_id)
     shutil.rmtree(root / namespace_id)
     return held
+
+
+class ChunkFile(NamedTuple):
+    """One committed chunk file in a namespace folder, as lstat saw it."""
+
+    path: str
+    size: int
+    mtime: float
+    ino: int
+
+
+# lmcache 0.5.6's nixl_store_dynamic writes `<final>.bin.tmp.<uuid hex>`, then renames it to `<final>.bin`.
+TEMP_MARK = ".tmp."
+
+
+def is_chunk_name(name: str) -> bool:
+    """A committed chunk file: never an in-flight temp file, never anything lmcache did not name."""
+    return name.endswith(".bin") and TEMP_MARK not in name
+
+
+def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int) -> list[ChunkFile]:
+    """The oldest files (by mtime, then path, so the choice is deterministic) whose removal brings
+    total_bytes down to target_bytes or below; nothing when already there. Deleting by write age is
+    the only order the agent can see: lmcache's index and LRU live in the server's memory."""
+    chosen: list[ChunkFile] = []
+    excess = total_bytes - target_bytes
+    for f in sorted(files, key=lambda f: (f.mtime, f.path)):
+        if excess <= 0:
+            break
+        chosen.append(f)
+        excess -= f.size
+    return chosen
+
+
+def folder_files(folder: Path) -> tuple[list[ChunkFile], int]:
+    """(committed chunk files, bytes of all regular files) under folder, which must be a real
+    directory. Symlinks (files or directories) are neither followed nor counted."""
+    chunks: list[ChunkFile] = []
+    total = 0
+    for dirpath, _dirs, names in os.walk(folder):  # followlinks=False: a linked directory is not entered
+        for name in names:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # evicted or renamed mid-walk
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            total += st.st_size
+            if is_chunk_name(name):
+                chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+    return chunks, total
+
+
+def _unlink_if_unchanged(f: ChunkFile) -> bool:
+    """Deletes f only if it is still the file that was chosen: lmcache may have renamed a fresh
+    write onto the same name since the scan (a re-store of a key it had not re-indexed)."""
+    try:
+        st = os.lstat(f.path)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != f.ino or st.st_mtime != f.mtime:
+            return False
+        os.unlink(f.path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int) -> NamespaceUsage:
+    """Deletes the oldest chunk files of one namespace folder until it holds at most capacity_bytes;
+    returns what was deleted. Only committed chunk files directly owned by <root>/<namespace_id>
+    (a real directory, not a link) are ever deleted; temp files count towards the total but stay."""
+    if not NAMESPACE_ID_RE.fullmatch(namespace_id):
+        raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
+    trimmed = NamespaceUsage(namespace_id)
+    folder = root / namespace_id
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return trimmed
+    except FileNotFoundError:
+        return trimmed
+    chunks, total = folder_files(folder)
+    for f in choose_oldest(chunks, total, capacity_bytes):
+        if _unlink_if_unchanged(f):
+            trimmed.add(f.size, f.mtime)
+    return trimmed
 
 
 def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:

@@ -11,7 +11,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 FIELD_MANAGER = "kvpersist"
 REQUEST_TIMEOUT_S = 30
@@ -45,6 +45,18 @@ def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
     out = res.server_side_apply(body=dict(manifest), field_manager=FIELD_MANAGER, force_conflicts=True,
                                 _request_timeout=REQUEST_TIMEOUT_S)
     return out.to_dict()
+
+
+def create_if_absent(manifest: Mapping[str, Any]) -> bool:
+    """Creates an object unless one of its name exists (then leaves it as it is); True if created.
+    For what must never be overwritten, such as a generated key."""
+    meta = manifest["metadata"]
+    try:
+        _resource(manifest["apiVersion"], manifest["kind"]).create(body=dict(manifest), namespace=meta.get("namespace"),
+                                                                   _request_timeout=REQUEST_TIMEOUT_S)
+    except ConflictError:
+        return False
+    return True
 
 
 def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ a pin change moves to a new namespace without touching the old files; delete kee
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import signal
@@ -74,6 +75,15 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert status["servers"] == [{"pod": f"{NAME}-lmcache-0", "healthy": True, "message": ""}]
     events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=Ready", "-o", "name").stdout
     assert events.strip()
+    # L2 is encrypted (the server above is healthy and read its key from the mounted file): the key
+    # is a generated Secret that nothing owns, and its bytes are nowhere in the workloads.
+    key = kubectl.get("secret", f"{NAME}-l2-key", ns)
+    assert "ownerReferences" not in key["metadata"] and len(base64.b64decode(key["data"]["master-key"])) == 32
+    assert json.loads(server_args(t)[server_args(t).index("--l2-adapter") + 1])["serde"]["type"] == "aesgcm"
+    workloads = json.dumps([sts, dep, cm])
+    assert key["data"]["master-key"] not in workloads and f"{NAME}-l2-key" in json.dumps(sts)
+    assert kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=L2KeyGenerated", "-o", "name").stdout.strip()
+    scenario["key"] = key["data"]
 
 
 def _server_status(ip: str) -> dict:
@@ -190,5 +200,7 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
         ("service", f"{NAME}-lmcache-metrics"), ("configmap", f"{NAME}-connection")])
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
+    # And the key without which that data is unreadable: kept, unchanged.
+    assert kubectl.get("secret", f"{NAME}-l2-key", ns)["data"] == scenario["key"]
     old_id = target_of(manifest(ns)).namespace_id
     assert files_state(_l2_dir(scenario, old_id)) == scenario["stored_files"]

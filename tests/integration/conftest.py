@@ -22,7 +22,7 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import server_args
-from kvpersist.builders.target import L2_MOUNT_PATH, Target
+from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
 from tests.integration.kvdriver import drive_subprocess
@@ -41,15 +41,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, **pins: Any) -> Target:
+def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, encrypted: bool = True,
+                **pins: Any) -> Target:
     obj = copy.deepcopy(sample(name))
     obj["spec"]["identity"].update(pins)
+    obj["spec"]["l2"]["encryption"] = {"enabled": encrypted}
     obj["spec"]["l1"]["sizeGB"] = l1_gb
     if "nvme" in obj["spec"]["l2"]:
         obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb)
     obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
     spec = KVCacheNamespace.model_validate(obj).spec
     return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins()).namespace_id)
+
+
+def write_key(folder: Path, key: bytes | None = None) -> Path:
+    """A folder as the key Secret's volume looks in the pod: master.key, 32 random bytes, 0400."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / L2_KEY_FILE
+    if not path.exists() or key is not None:
+        if path.exists():
+            path.chmod(0o600)
+        path.write_bytes(key if key is not None else os.urandom(L2_KEY_BYTES))
+        path.chmod(0o400)
+    return folder
 
 
 @dataclass
@@ -59,13 +73,19 @@ class LocalServer:
     target: Target
     volume: Path
     log: Path
+    key_dir: Path | None = None  # the L2 key Secret's volume: master.key (made by write_key when None)
     proc: subprocess.Popen | None = None
     starts: list[float] = field(default_factory=list)
 
     @property
     def argv(self) -> list[str]:
         assert LMCACHE
-        return [LMCACHE, *localize_args(server_args(self.target), {L2_MOUNT_PATH: self.volume}, "127.0.0.1")]
+        mounts = {L2_MOUNT_PATH: self.volume}
+        if self.target.key_secret is not None:
+            if self.key_dir is None:
+                self.key_dir = write_key(self.log.parent / f"{self.log.stem}-l2-key")
+            mounts[L2_KEY_MOUNT_PATH] = self.key_dir
+        return [LMCACHE, *localize_args(server_args(self.target), mounts, "127.0.0.1")]
 
     @property
     def rpc_url(self) -> str:
@@ -128,8 +148,10 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
         pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
     made: list[LocalServer] = []
 
-    def make(target: Target, volume: Path | None = None) -> LocalServer:
-        srv = LocalServer(target, volume or (tmp_path / "volume"), tmp_path / f"server-{len(made)}.log")
+    def make(target: Target, volume: Path | None = None, key_dir: Path | None = None) -> LocalServer:
+        # One key per test, as one Secret serves every replica and restart; a test may pass another.
+        key = key_dir or write_key(tmp_path / "l2-key")
+        srv = LocalServer(target, volume or (tmp_path / "volume"), tmp_path / f"server-{len(made)}.log", key)
         srv.volume.mkdir(parents=True, exist_ok=True)
         made.append(srv)
         return srv

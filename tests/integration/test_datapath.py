@@ -17,7 +17,7 @@ import pytest
 
 from kvpersist.usage import fetch_status
 from tests.fsstate import files_state
-from tests.integration.conftest import LocalServer, drive, make_target
+from tests.integration.conftest import LocalServer, drive, make_target, write_key
 
 pytestmark = pytest.mark.datapath
 
@@ -84,6 +84,10 @@ def _corrupt(folder: Path, how: str, count: int) -> list[str]:
             path.write_bytes(b"")
         elif how == "garble":
             path.write_bytes(os.urandom(path.stat().st_size))
+        elif how == "flip":  # one bit, in the middle: what bit rot does
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            path.write_bytes(bytes(data))
     return names
 
 
@@ -104,16 +108,57 @@ def test_damaged_files_miss_and_recompute(servers: Servers, how: str) -> None:
     assert healed["hit_chunks"] == 12 and healed["wrong_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="lmcache 0.5.6 nixl_store_dynamic keeps no checksum: a same-size file with other "
-                   "bytes is served as a hit. Known gap, reported; this test turns red when lmcache starts catching it.")
-def test_same_size_garbage_is_not_served(servers: Servers) -> None:
+@pytest.mark.parametrize("how", ["garble", "flip"])
+def test_same_size_corruption_is_a_miss(servers: Servers, how: str) -> None:
+    """lmcache keeps no checksum: only the aesgcm serde (spec.l2.encryption, on by default) makes a
+    file of the right size with other bytes fail, as a miss. Without it this served wrong bytes."""
     srv = servers(make_target())
+    srv.start()
+    assert drive(srv, "store", "0:4")["summary"]["stored_chunks"] == 8
+    srv.stop(signal.SIGKILL)
+    damaged = _corrupt(srv.l2_dir, how, 2)
+    srv.start()
+    first = drive(srv, "verify", "0:4")["summary"]
+    assert first["wrong_bytes"] == 0 and first["lookup_errors"] == 0
+    assert first["hit_chunks"] <= 8 - len(damaged)  # the damaged ones (and what follows them in a prefix) miss
+    assert first["hit_chunks"] > 0  # the rest is still served
+    assert srv.healthy() and srv.proc is not None and srv.proc.poll() is None
+    again = drive(srv, "verify", "0:4")["summary"]  # and it stays a miss, never turns into a hit of wrong bytes
+    assert again["wrong_bytes"] == 0 and again["hit_chunks"] <= 8 - len(damaged)
+
+
+def test_unencrypted_l2_serves_same_size_garbage(servers: Servers) -> None:
+    """The control for the test above, and the documented risk of spec.l2.encryption.enabled
+    false: lmcache 0.5.6 then serves a same-size file with other bytes as a hit."""
+    srv = servers(make_target(encrypted=False))
     srv.start()
     drive(srv, "store", "0:4")
     srv.stop(signal.SIGKILL)
     _corrupt(srv.l2_dir, "garble", 2)
     srv.start()
-    assert drive(srv, "verify", "0:4")["summary"]["wrong_bytes"] == 0
+    assert drive(srv, "verify", "0:4")["summary"]["wrong_bytes"] > 0
+
+
+def test_another_key_reads_as_misses_and_the_right_key_reads_again(servers: Servers, tmp_path: Path) -> None:
+    """A namespace's data under another master key (a Secret replaced or another cluster's) is a
+    miss, never wrong bytes; with its own key back, all of it is served."""
+    target = make_target()
+    own = servers(target)
+    own.start()
+    assert drive(own, "store", "0:4")["summary"]["stored_chunks"] == 8
+    own.stop(signal.SIGKILL)
+    files = files_state(own.l2_dir)
+
+    other = servers(target, key_dir=write_key(tmp_path / "other-key"))
+    other.start()
+    wrong_key = drive(other, "verify", "0:4")["summary"]
+    assert wrong_key["hit_chunks"] == 0 and wrong_key["wrong_bytes"] == 0 and other.healthy()
+    other.stop(signal.SIGKILL)
+    assert files_state(own.l2_dir) == files  # nothing rewritten
+
+    own.start()
+    right_key = drive(own, "verify", "0:4")["summary"]
+    assert right_key["hit_chunks"] == 8 and right_key["wrong_bytes"] == 0
 
 
 @pytest.fixture()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -9,9 +10,19 @@ import pytest
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
+from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.lmcache import build_lmcache_statefulset, l2_adapter_config, server_args, server_resources
 from kvpersist.builders.services import build_local_service, build_metrics_service
-from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, NAMESPACE_ID_LABEL, Target
+from kvpersist.builders.target import (
+    HF_TOKEN_ENV,
+    L2_KEY_BYTES,
+    L2_KEY_FILE,
+    L2_KEY_MOUNT_PATH,
+    L2_KEY_VOLUME,
+    L2_MOUNT_PATH,
+    NAMESPACE_ID_LABEL,
+    Target,
+)
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
@@ -104,7 +115,7 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     assert pod["hostIPC"] is True
     container = pod["containers"][0]
     assert container["command"] == ["lmcache"]
-    assert container["volumeMounts"] == [{"name": "l2", "mountPath": L2_MOUNT_PATH}]
+    assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthcheck"
     deleting = build_lmcache_statefulset(target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(reclaimPolicy="Delete")))
@@ -115,7 +126,8 @@ def test_existing_claim_is_mounted_not_templated() -> None:
     t = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "kv-data", "maxCapacityGB": 100}))
     sts = build_lmcache_statefulset(t)
     assert "volumeClaimTemplates" not in sts["spec"]
-    assert sts["spec"]["template"]["spec"]["volumes"] == [{"name": "l2", "persistentVolumeClaim": {"claimName": "kv-data"}}]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["l2"] == {"name": "l2", "persistentVolumeClaim": {"claimName": "kv-data"}}
 
 
 def test_services() -> None:
@@ -290,7 +302,7 @@ def test_inventory_agent_beside_the_server_with_nvme_only() -> None:
     server, agent = pod["containers"]
     assert agent["image"] == "img:1" and agent["command"] == ["kvpersist"]
     assert agent["args"][:1] == ["agent"] and _flag(agent["args"], "--serving") == t.namespace_id
-    assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"] == server["volumeMounts"]
+    assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"] == server["volumeMounts"][:1]
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
     bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
     assert [c["name"] for c in bucket["containers"]] == ["lmcache-server"]
@@ -309,3 +321,51 @@ def test_stale_routes_are_old_ids_no_pod_carries() -> None:
     # It is gone: only the old id's per-id Service goes, never a name the resource keeps.
     assert stale(new, objs, ids_in_use([new_pod])) == [build_local_service(old)["metadata"]["name"]]
     assert stale(old, objs, ids_in_use([])) == [build_local_service(new)["metadata"]["name"]]
+
+
+# ---------------------------------------------------------------- L2 encryption (spec.l2.encryption)
+
+
+@pytest.mark.parametrize("name", ["nvme-minimal", "hf-bucket"])
+def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
+    t = target(name)
+    cfg = l2_adapter_config(t)
+    assert cfg["serde"] == {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256,
+                            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
+    pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
+    key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)
+    assert key["secret"] == {"secretName": f"{t.name}-l2-key", "items": [{"key": "master-key", "path": L2_KEY_FILE}],
+                             "defaultMode": 0o400}
+    server = pod["containers"][0]
+    assert {"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True} in server["volumeMounts"]
+    assert all(m["name"] != L2_KEY_VOLUME for c in pod["containers"][1:] for m in c.get("volumeMounts", []))
+    assert not any("secretKeyRef" in json.dumps(e) and "l2-key" in json.dumps(e) for e in server["env"])
+
+
+def test_the_users_key_secret_is_mounted_and_none_generated() -> None:
+    t = target(mutate=lambda o: o["spec"]["l2"].update(encryption={"keySecretRef": {"name": "shared-kv-key", "key": "k"}}))
+    pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
+    key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)
+    assert key["secret"]["secretName"] == "shared-kv-key" and key["secret"]["items"] == [{"key": "k", "path": L2_KEY_FILE}]
+    assert build_key_secret(t) is None
+
+
+def test_generated_key_secret_is_random_unowned_and_kept() -> None:
+    t = target()
+    a, b = build_key_secret(t), build_key_secret(t)
+    assert a is not None and b is not None
+    assert a["metadata"]["name"] == f"{t.name}-l2-key" and "ownerReferences" not in a["metadata"]
+    assert len(base64.b64decode(a["data"]["master-key"])) == L2_KEY_BYTES
+    assert a["data"] != b["data"]  # random each time: the handler creates it once and never applies over it
+    assert build_key_secret(t, key=b"k" * 32)["data"] == {"master-key": base64.b64encode(b"k" * 32).decode()}
+    # Not among the owned objects, so deleting the resource (garbage collection) keeps it.
+    assert all(m["kind"] != "Secret" for m in build_all(t))
+
+
+def test_unencrypted_l2_has_no_serde_no_key_and_another_namespace() -> None:
+    plain = target(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False}))
+    assert "serde" not in l2_adapter_config(plain) and build_key_secret(plain) is None
+    pod = build_lmcache_statefulset(plain)["spec"]["template"]["spec"]
+    assert all(v["name"] != L2_KEY_VOLUME for v in pod.get("volumes", []))
+    # Plain and encrypted objects never share a folder: the serde is in the id.
+    assert plain.namespace_id is not None and plain.namespace_id != target().namespace_id

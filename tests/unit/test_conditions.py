@@ -195,3 +195,11 @@ def test_hit_figures_write_once_then_only_when_changed_and_at_most_once_a_minute
     assert gone is not None and "window" in gone["hits"] and gone["hits"]["window"] is None
     # No hit figures (never counted): nothing written about them.
     assert status_patch(base, fields, conds, o.reports, hits=None, at=t0) is None
+
+
+def test_unusable_key_secret_is_named_in_l2_ready() -> None:
+    fields, conds = compute_status(obs(key_problem=("KeySecretNotFound", "spec.l2.encryption.keySecretRef: Secret k "
+                                                                          "key master-key not found")))
+    l2 = next(c for c in conds if c["type"] == "L2Ready")
+    assert (l2["status"], l2["reason"]) == ("False", "KeySecretNotFound") and "keySecretRef" in l2["message"]
+    assert fields["phase"] != "Ready"

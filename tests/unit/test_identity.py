@@ -24,6 +24,7 @@ BASE = {
     "chat_template_digest": "sha256:" + "ab" * 32,
     "vllm_image_digest": "sha256:" + "1a" * 32,
     "lmcache_server_image_digest": "sha256:" + "2b" * 32,
+    "l2_serde": "aesgcm-256",
 }
 
 # One different value per pin.
@@ -43,6 +44,7 @@ CHANGED = {
     "chat_template_digest": "sha256:" + "cd" * 32,
     "vllm_image_digest": "sha256:" + "3c" * 32,
     "lmcache_server_image_digest": "sha256:" + "4d" * 32,
+    "l2_serde": "none",
 }
 
 
@@ -54,8 +56,8 @@ def test_id_shape_and_stability() -> None:
     nid = namespace_id(BASE)
     assert nid is not None and nid.startswith("kvp-") and len(nid) == 36
     int(nid[4:], 16)
-    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images joined).
-    assert nid == "kvp-ccd81c23098d422861c55690882ab4fe"
+    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images and serde joined).
+    assert nid == "kvp-531b0642262062e915f563e618177206"
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)

@@ -74,3 +74,33 @@ def test_vllm_is_real_only_with_build_and_cached_model(tmp_path: Path) -> None:
     assert runner.why_simulated(container) == ""
     assert runner.why_simulated({"command": ["lmcache"], "args": []}) == ""
     assert flag_value(["--revision=abc"], "--revision") == "abc" and flag_value(args, "--port") == "8000"
+
+
+def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monkeypatch) -> None:
+    """The rendered server pod's key Secret volume: the listed item as a file, with its mode, and
+    the mount path in the args (inside the --l2-adapter JSON) pointing at it."""
+    import base64
+    import json
+
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
+    from kvpersist.builders.lmcache import build_lmcache_statefulset
+    from kvpersist.builders.target import L2_KEY_FILE, Target
+    from kvpersist.identity import resolve
+    from tests.cases.invalid_manifests import sample
+
+    spec = KVCacheNamespace.model_validate(sample()).spec
+    target = Target("llama31-8b", "ns", spec, resolve(spec.pins()).namespace_id)
+    template = build_lmcache_statefulset(target)["spec"]["template"]
+    key = bytes(range(32))
+    secrets = {"llama31-8b-l2-key": {"data": {"master-key": base64.b64encode(key).decode()}}}
+    runner = Runner(tmp_path / "kc", "ns", tmp_path)
+    monkeypatch.setattr(runner, "_kubectl_json", lambda *args: secrets[args[2]])
+    pod = {"metadata": {"name": "llama31-8b-lmcache-0"}, "spec": template["spec"] | {"volumes": [
+        *template["spec"]["volumes"], {"name": "l2", "persistentVolumeClaim": {"claimName": "l2-llama31-8b-lmcache-0"}}]},
+        "status": {"podIP": "127.16.0.9"}}
+    argv = runner.argv(pod)
+    adapter = json.loads(argv[argv.index("--l2-adapter") + 1])
+    key_file = Path(adapter["serde"]["master_key_path"])
+    assert key_file.name == L2_KEY_FILE and key_file.is_relative_to(tmp_path) and key_file.read_bytes() == key
+    assert key_file.stat().st_mode & 0o777 == 0o400
+    assert adapter["backend_params"]["file_path"].startswith(str(tmp_path))

@@ -103,6 +103,8 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 GIB = 1024**3
+# What spec.l2.encryption renders as the L2 adapter's serde; part of the namespace id.
+L2_SERDE = "aesgcm-256"
 
 Quantity = Annotated[
     Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0)],
@@ -252,6 +254,8 @@ class NVMe(_Model):
         None,
         description="Hard cap on this namespace's L2 bytes, e.g. 200Gi. At the cap new L2 writes are refused (nothing "
         "is evicted to make room) while lookups of stored KV go on hitting; status shows it (condition WithinBudget). "
+        "After a server restart lmcache counts from zero and accepts writes again; the inventory agent then deletes "
+        "the oldest files to keep the folder within the budget. "
         "Unset: maxCapacityGB with the eviction policy keeps usage under capacity by evicting.",
     )
     direct_io: bool = Field(False, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect).")
@@ -296,6 +300,33 @@ class HFBucket(_Model):
     )
 
 
+class KeySecretRef(_Model):
+    """A Secret key holding L2's master key (its raw bytes, at least 32)."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
+    key: str = Field("master-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key in the Secret.")
+
+
+class L2Encryption(_Model):
+    """Authenticated encryption of L2 (lmcache's aesgcm serde, AES-256-GCM, a key per cache salt
+    derived from a master key). Why on by default: lmcache keeps no checksum, so a file of the
+    right size with other bytes (bit rot, a bad disk, tampering) would be served as a hit; with
+    it, such a file fails authentication and is a miss. It also encrypts the KV at rest."""
+
+    enabled: bool = Field(
+        True, description="Encrypt and authenticate every L2 object. Turning it off or on is a new namespace (the id "
+        "hashes it): plain and encrypted objects never meet.",
+    )
+    key_secret_ref: KeySecretRef | None = Field(
+        None, description="The master key: a Secret key with at least 32 random bytes, mounted into the lmcache server "
+        "as a file (never in args or env). Unset: the operator generates Secret <name>-l2-key (key master-key) once "
+        "and never deletes it, so the data stays readable after the resource is deleted and re-created. Name the same "
+        "Secret in every cluster that shares a bucket. Another key under the same namespace reads as misses, never as "
+        "wrong bytes.",
+    )
+
+
 class L2(_Model):
     """The durable tier: exactly one of nvme or hfBucket."""
 
@@ -311,6 +342,10 @@ class L2(_Model):
 
     nvme: NVMe | None = Field(None, description="NVMe PersistentVolumeClaim as L2 (nixl_store_dynamic POSIX or fs).")
     hf_bucket: HFBucket | None = Field(None, description="Hugging Face bucket as L2 (hfbucket adapter).")
+    encryption: L2Encryption = Field(
+        default_factory=L2Encryption, description="Authenticated encryption of L2 objects: corruption is a miss.",
+        json_schema_extra={"default": defaults_of(L2Encryption)},
+    )
 
     @property
     def kind(self) -> str:
@@ -461,11 +496,13 @@ class KVCacheNamespaceSpec(_Model):
     )
 
     def pins(self) -> dict[str, Any]:
-        """Everything the namespace id hashes: spec.identity and the digests of the two images."""
+        """Everything the namespace id hashes: spec.identity, the digests of the two images, and
+        the L2 serde (an encrypted object read as plain bytes would be wrong bytes)."""
         from kvpersist.identity import image_digest
 
         return {**self.identity.model_dump(), "vllm_image_digest": image_digest(self.vllm.image),
-                "lmcache_server_image_digest": image_digest(self.lmcache_server.image)}
+                "lmcache_server_image_digest": image_digest(self.lmcache_server.image),
+                "l2_serde": L2_SERDE if self.l2.encryption.enabled else "none"}
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> KVCacheNamespaceSpec:

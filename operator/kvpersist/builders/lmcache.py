@@ -9,7 +9,16 @@ from typing import Any
 
 from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction
-from kvpersist.builders.target import HF_TOKEN_ENV, L2_MOUNT_PATH, L2_VOLUME, SERVER, Target
+from kvpersist.builders.target import (
+    HF_TOKEN_ENV,
+    L2_KEY_FILE,
+    L2_KEY_MOUNT_PATH,
+    L2_KEY_VOLUME,
+    L2_MOUNT_PATH,
+    L2_VOLUME,
+    SERVER,
+    Target,
+)
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
 AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
@@ -35,9 +44,25 @@ def l2_path(target: Target) -> str:
     return f"{L2_MOUNT_PATH}/{target.namespace_id}"
 
 
+def l2_serde(target: Target) -> dict[str, Any] | None:
+    """lmcache's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
+    version, IV, ciphertext and a GCM tag, so a changed byte fails authentication and is a miss.
+    The master key is a file from a Secret volume, never an argument or a variable."""
+    if target.key_secret is None:
+        return None
+    return {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256,
+            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
+
+
 def l2_adapter_config(target: Target) -> dict[str, Any]:
     """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacityGB,
-    or under the budget (a hard cap, no eviction) when one is set."""
+    or under the budget (a hard cap, no eviction) when one is set, and the serde when encrypted."""
+    config = _adapter_config(target)
+    serde = l2_serde(target)
+    return {**config, "serde": serde} if serde else config
+
+
+def _adapter_config(target: Target) -> dict[str, Any]:
     spec = target.spec
     eviction = _eviction_json(spec.eviction)
     if spec.l2.nvme is not None:
@@ -154,9 +179,23 @@ def server_container(target: Target) -> dict[str, Any]:
         "readinessProbe": _probe("http", 5, 3),
         "livenessProbe": _probe("http", 10, 6),
     }
+    mounts = []
     if target.spec.l2.nvme is not None:
-        container["volumeMounts"] = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}]
+        mounts.append({"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
+    if target.key_secret is not None:
+        mounts.append({"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True})
+    if mounts:
+        container["volumeMounts"] = mounts
     return container
+
+
+def key_volume(target: Target) -> dict[str, Any] | None:
+    """The master key as one read-only file; the server fails to start (and says so) without it."""
+    if target.key_secret is None:
+        return None
+    name, key = target.key_secret
+    return {"name": L2_KEY_VOLUME, "secret": {"secretName": name, "items": [{"key": key, "path": L2_KEY_FILE}],
+                                              "defaultMode": 0o400}}
 
 
 def agent_image() -> str:
@@ -165,11 +204,17 @@ def agent_image() -> str:
 
 def agent_container(target: Target, image: str) -> dict[str, Any]:
     """The inventory agent (kvpersist.agent) beside the server: the only thing that can read the
-    volume for per-namespace reports and delete an orphaned namespace when an admin asks."""
+    volume for per-namespace reports and delete an orphaned namespace when an admin asks. With
+    nixl_store_dynamic it also holds the served folder to the adapter's capacity (the budget, else
+    maxCapacityGB), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
     port = target.spec.lmcache_server.agent_port
     args = ["agent", "--root", L2_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(port)]
+    nvme = target.spec.l2.nvme
     if target.namespace_id:
         args += ["--serving", target.namespace_id]
+        if nvme is not None and nvme.adapter == "nixl_store_dynamic":
+            capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
+            args += ["--capacity-bytes", str(capacity)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
     return {
         "name": AGENT_CONTAINER,
@@ -218,9 +263,12 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
         "template": {"metadata": {"labels": target.labels(SERVER)}, "spec": pod_spec},
     }
     nvme = spec.l2.nvme
+    volumes = [v for v in (key_volume(target),) if v]
     if nvme is not None and nvme.existing_claim_name:
-        pod_spec["volumes"] = [{"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}}]
-    elif nvme is not None:
+        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}})
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if nvme is not None and not nvme.existing_claim_name:
         claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(nvme.size)}}}
         if nvme.storage_class_name:
             claim_spec["storageClassName"] = nvme.storage_class_name

@@ -9,6 +9,11 @@ from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
 L2_MOUNT_PATH = "/var/lib/kvpersist/l2"
 L2_VOLUME = "l2"
 HF_TOKEN_ENV = "KVPERSIST_HF_TOKEN"
+# L2's master key: a Secret volume, read by lmcache's aesgcm serde from this file.
+L2_KEY_VOLUME = "l2-key"
+L2_KEY_MOUNT_PATH = "/etc/kvpersist/l2-key"
+L2_KEY_FILE = "master.key"
+L2_KEY_BYTES = 32
 MANAGED_BY = "kvpersist"
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 SERVER = "lmcache-server"
@@ -49,6 +54,21 @@ class Target:
     def metrics_service_name(self) -> str:
         """Headless Service: governs the StatefulSet and exposes the HTTP admin/metrics port."""
         return f"{self.name}-lmcache-metrics"
+
+    @property
+    def key_secret(self) -> tuple[str, str] | None:
+        """(Secret, key) of L2's master key when L2 is encrypted: the user's, or <name>-l2-key."""
+        enc = self.spec.l2.encryption
+        if not enc.enabled:
+            return None
+        if enc.key_secret_ref is not None:
+            return enc.key_secret_ref.name, enc.key_secret_ref.key
+        return f"{self.name}-l2-key", "master-key"
+
+    @property
+    def key_secret_generated(self) -> bool:
+        """The operator makes (once) and never deletes the key Secret: no key, no data."""
+        return self.spec.l2.encryption.enabled and self.spec.l2.encryption.key_secret_ref is None
 
     @property
     def connection_name(self) -> str:

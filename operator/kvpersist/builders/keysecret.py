@@ -1,0 +1,40 @@
+"""The Secret holding L2's master key, when the operator generates it (spec.l2.encryption with
+no keySecretRef).
+
+Created once, only if absent, and never applied over: a new key makes every stored object
+unreadable (misses, never wrong bytes). It carries no owner reference, so deleting the resource
+keeps it, as it keeps the data; re-creating the resource under the same name reads the data
+again. Deleting it is the user's call (`kubectl delete secret <name>-l2-key`)."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from typing import Any
+
+from kvpersist.builders.target import L2_KEY_BYTES, MANAGED_BY, Target
+
+KEEP_ANNOTATION = "kvpersist.dev/keep"
+
+
+def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any] | None:
+    """The generated key Secret (random bytes unless given), or None when the user names one or L2
+    is not encrypted."""
+    if not target.key_secret_generated or target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    raw = key if key is not None else secrets.token_bytes(L2_KEY_BYTES)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": name,
+            "namespace": target.namespace,
+            "labels": {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": target.name,
+                       "app.kubernetes.io/component": "l2-key", "app.kubernetes.io/managed-by": MANAGED_BY},
+            "annotations": {KEEP_ANNOTATION: "the master key of this resource's L2 data: without it the data is "
+                            "unreadable; kept when the KVCacheNamespace is deleted"},
+        },
+        "data": {item: base64.b64encode(raw).decode()},
+    }

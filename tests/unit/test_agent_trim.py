@@ -1,0 +1,218 @@
+"""The agent's capacity trim: which files it picks (oldest first, just enough), what it never
+touches (temp files, links, other namespaces, anything outside the served folder), its thread and
+report, its flags, and the builder rendering them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvpersist.agent import Agent, _period, _positive_int, make_server
+from kvpersist.api.v1alpha1 import GIB, KVCacheNamespace
+from kvpersist.builders.lmcache import agent_container
+from kvpersist.builders.target import Target
+from kvpersist.identity import resolve
+from kvpersist.inventory import ChunkFile, _unlink_if_unchanged, choose_oldest, is_chunk_name, trim_namespace
+from tests.cases.invalid_manifests import sample
+
+A, B = "kvp-" + "a" * 32, "kvp-" + "b" * 32
+KIB = 1024
+
+
+def _f(name: str, size: int, mtime: float) -> ChunkFile:
+    return ChunkFile(name, size, mtime, 0)
+
+
+def _chunk(folder: Path, i: int, size: int, mtime: float, suffix: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"m_00000000_0_{i:064x}.bin{suffix}"
+    path.write_bytes(b"\0" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def _sizes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+# ---- the pure choice
+
+def test_choose_oldest_takes_just_enough_oldest_first() -> None:
+    files = [_f("c", 10, 3.0), _f("a", 10, 1.0), _f("b", 10, 2.0), _f("d", 10, 4.0)]
+    assert [f.path for f in choose_oldest(files, 40, 25)] == ["a", "b"]  # 40 -> 20
+    assert [f.path for f in choose_oldest(files, 40, 30)] == ["a"]  # exactly at the target is enough
+    assert choose_oldest(files, 40, 40) == [] and choose_oldest(files, 40, 1000) == []
+
+
+def test_choose_oldest_breaks_mtime_ties_by_path_and_may_take_everything() -> None:
+    files = [_f("y", 5, 1.0), _f("x", 5, 1.0), _f("z", 5, 0.5)]
+    assert [f.path for f in choose_oldest(files, 15, 6)] == ["z", "x"]
+    # Bytes that cannot be deleted (temp files) stay counted: everything deletable goes, no more.
+    assert [f.path for f in choose_oldest(files, 100, 0)] == ["z", "x", "y"]
+
+
+def test_chunk_names_exclude_lmcache_temp_files() -> None:
+    assert is_chunk_name("test-model_01000100_0_" + "ab" * 32 + ".bin")
+    assert is_chunk_name("m_00000000_0_" + "ab" * 32 + "@salt.bin")
+    assert not is_chunk_name("m_00000000_0_" + "ab" * 32 + ".bin.tmp.0ab817bf43904236acf250ca11e1a499")
+    assert not is_chunk_name("README") and not is_chunk_name("x.bin.partial")
+
+
+# ---- the trim on a folder
+
+def test_trim_deletes_the_oldest_chunks_of_the_served_folder_only(tmp_path: Path) -> None:
+    served, other = tmp_path / A, tmp_path / B
+    for i in range(10):
+        _chunk(served, i, 100 * KIB, 1000.0 + i)
+        _chunk(other, i, 100 * KIB, 1.0 + i)  # older than everything served: must stay anyway
+    other_before = sorted(p.name for p in other.iterdir())
+    trimmed = trim_namespace(tmp_path, A, 650 * KIB)
+    assert (trimmed.objects, trimmed.bytes, trimmed.last_write) == (4, 400 * KIB, 1003.0)
+    assert sorted(p.name for p in served.iterdir()) == [f"m_00000000_0_{i:064x}.bin" for i in range(4, 10)]
+    assert sorted(p.name for p in other.iterdir()) == other_before
+    assert trim_namespace(tmp_path, A, 650 * KIB).objects == 0  # under capacity: nothing more
+
+
+def test_trim_counts_but_never_deletes_temp_and_foreign_files(tmp_path: Path) -> None:
+    served = tmp_path / A
+    tmp_file = _chunk(served, 99, 300 * KIB, 1.0, suffix=".tmp.0ab817bf43904236acf250ca11e1a499")  # oldest of all
+    foreign = served / "notes.txt"
+    foreign.write_bytes(b"x" * 100 * KIB)
+    os.utime(foreign, (1.0, 1.0))
+    for i in range(4):
+        _chunk(served, i, 100 * KIB, 100.0 + i)
+    trimmed = trim_namespace(tmp_path, A, 500 * KIB)  # 800 KiB held, 400 of them not chunk files
+    assert trimmed.objects == 3 and tmp_file.exists() and foreign.exists()
+    assert _sizes(served) == 500 * KIB
+
+
+def test_trim_reaches_sharded_subfolders(tmp_path: Path) -> None:
+    for i in range(4):
+        _chunk(tmp_path / A / "ab" / f"{i:02x}", i, 100 * KIB, 10.0 + i)
+    assert trim_namespace(tmp_path, A, 200 * KIB).objects == 2
+    assert _sizes(tmp_path / A) == 200 * KIB
+
+
+def test_trim_never_follows_links(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    victim = _chunk(outside, 1, 500 * KIB, 1.0)
+    _chunk(tmp_path / B, 2, 500 * KIB, 1.0)
+    served = tmp_path / "vol" / A
+    for i in range(3):
+        _chunk(served, 10 + i, 100 * KIB, 50.0 + i)
+    (served / victim.name).symlink_to(victim)  # an old-looking chunk name, pointing outside
+    (served / "linked-dir").symlink_to(tmp_path / B, target_is_directory=True)
+    trimmed = trim_namespace(tmp_path / "vol", A, 200 * KIB)
+    assert trimmed.objects == 1  # links neither counted nor deleted: 300 KiB of real files -> 200
+    assert victim.exists() and len(list((tmp_path / B).iterdir())) == 1
+    assert (served / victim.name).is_symlink()
+
+
+def test_a_linked_namespace_folder_is_not_trimmed(tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere"
+    for i in range(3):
+        _chunk(real, i, 100 * KIB, 1.0 + i)
+    (tmp_path / "vol").mkdir()
+    (tmp_path / "vol" / A).symlink_to(real, target_is_directory=True)
+    assert trim_namespace(tmp_path / "vol", A, 0).objects == 0
+    assert len(list(real.iterdir())) == 3
+    assert trim_namespace(tmp_path / "vol", B, 0).objects == 0  # no folder at all
+
+
+def test_trim_refuses_what_is_not_a_namespace_id(tmp_path: Path) -> None:
+    for bad in ("..", "", "kvp-short", A + "/..", A + "\n"):
+        with pytest.raises(ValueError):
+            trim_namespace(tmp_path, bad, 0)
+
+
+def test_a_file_rewritten_since_the_scan_is_not_deleted(tmp_path: Path) -> None:
+    """lmcache renames a fresh write onto the same name: the chosen (old) file is gone, the new one stays."""
+    path = _chunk(tmp_path, 1, 10, 1.0)
+    st = path.stat()
+    stale = ChunkFile(str(path), st.st_size, st.st_mtime, st.st_ino)
+    fresh = _chunk(tmp_path / "new", 1, 10, 2.0)
+    os.rename(fresh, path)
+    assert not _unlink_if_unchanged(stale) and path.exists()
+    st = path.stat()
+    assert _unlink_if_unchanged(ChunkFile(str(path), st.st_size, st.st_mtime, st.st_ino)) and not path.exists()
+    assert not _unlink_if_unchanged(ChunkFile(str(path), 10, 2.0, st.st_ino))  # already gone: not counted
+
+
+# ---- the agent
+
+def test_no_capacity_no_trim(tmp_path: Path) -> None:
+    for i in range(3):
+        _chunk(tmp_path / A, i, 100 * KIB, 1.0 + i)
+    for agent in (Agent(tmp_path, A), Agent(tmp_path, None, capacity_bytes=1)):
+        assert agent.trim_once() is None
+        agent.start_trimming()
+        assert agent._thread is None
+    assert len(list((tmp_path / A).iterdir())) == 3
+
+
+def test_agent_thread_keeps_the_folder_within_capacity_and_reports_the_last_trim(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, A, capacity_bytes=300 * KIB, trim_period_s=0.05)
+    server = make_server(agent, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/inventory?fresh=1"
+    try:
+        agent.start_trimming()
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert json.loads(r.read())["trimmed"] is None  # nothing trimmed yet
+        for i in range(8):  # a writer, newer files each time
+            _chunk(tmp_path / A, i, 100 * KIB, time.time() + i)
+        passes = agent.trim_passes
+        deadline = time.monotonic() + 10
+        while (agent.trim_passes < passes + 2 or _sizes(tmp_path / A) > 300 * KIB) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sizes(tmp_path / A) == 300 * KIB
+        assert sorted(p.name for p in (tmp_path / A).iterdir()) == [f"m_00000000_0_{i:064x}.bin" for i in range(5, 8)]
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.loads(r.read())
+        assert body["trimmed"]["capacityBytes"] == 300 * KIB and body["trimmed"]["at"].endswith("Z")
+        assert body["trimmed"]["objects"] >= 1 and body["namespaces"][0]["bytes"] == 300 * KIB
+    finally:
+        agent.stop()
+        server.shutdown()
+        server.server_close()
+    assert agent._thread is not None and not agent._thread.is_alive()
+
+
+def test_flags_are_bounded() -> None:
+    assert _positive_int("1048576") == 1048576 and _period("0.5") == 0.5 and _period("3600") == 3600
+    for bad in ("0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _positive_int(bad)
+    for bad in ("0", "-1", "3601", "inf", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _period(bad)
+
+
+# ---- the builder
+
+def _target(mutate=None, enabled: bool = True) -> Target:
+    obj = sample("nvme-minimal")
+    if mutate:
+        mutate(obj)
+    spec = KVCacheNamespace.model_validate(obj).spec
+    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins()).namespace_id if enabled else None)
+
+
+def _capacity_arg(t: Target) -> str | None:
+    args = agent_container(t, "img:1")["args"]
+    return args[args.index("--capacity-bytes") + 1] if "--capacity-bytes" in args else None
+
+
+def test_builder_renders_the_adapter_capacity_for_nixl_only() -> None:
+    assert _capacity_arg(_target()) == str(450 * GIB)  # maxCapacityGB 450
+    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(maxCapacityGB=0.5))) == str(GIB // 2)
+    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(budget="200Gi"))) == str(200 * GIB)
+    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs"))) is None
+    assert _capacity_arg(_target(enabled=False)) is None  # no namespace served, nothing to hold to a capacity

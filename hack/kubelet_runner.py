@@ -301,7 +301,11 @@ class Runner:
                     if c.proc is None or now - c.exited >= RESTART_BACKOFF_S:
                         c.restarts += int(c.proc is not None)
                         c.exited = 0.0
-                        self._start(key, pod, spec, hosts)
+                        try:
+                            self._start(key, pod, spec, hosts)
+                        except (subprocess.SubprocessError, KeyError) as exc:  # a kubelet's CreateContainerConfigError
+                            print(f"[runner] cannot start {spec['name']} for {self.namespace}/{pod['metadata']['name']}: "
+                                  f"a Secret it needs is missing or lacks a key ({exc})", file=sys.stderr, flush=True)
                     continue
                 ip = pod["status"]["podIP"]
                 if not c.startup_done and c.startup and c.startup.due(now, c.started):

@@ -11,7 +11,13 @@ from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
 from kvpersist.builders.keysecret import build_key_secret
-from kvpersist.builders.lmcache import build_lmcache_statefulset, l2_adapter_config, server_args, server_resources
+from kvpersist.builders.lmcache import (
+    SERDE_WORKERS,
+    build_lmcache_statefulset,
+    l2_adapter_config,
+    server_args,
+    server_resources,
+)
 from kvpersist.builders.services import build_local_service, build_metrics_service
 from kvpersist.builders.target import (
     HF_TOKEN_ENV,
@@ -59,7 +65,7 @@ def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
     cfg = l2_adapter_config(t)
     assert cfg["type"] == "nixl_store_dynamic" and cfg["backend"] == "POSIX" and cfg["persist_enabled"] is True
     assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "false",
-                                     "max_capacity_gb": "450"}
+                                     "max_capacity_gb": repr(450 * 63 / 64)}  # the share the disk padding leaves
     assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
 
 
@@ -290,7 +296,11 @@ def test_operator_metrics_text() -> None:
 def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
     t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(budget="2Mi"))
     cfg = l2_adapter_config(t)
-    assert cfg["backend_params"]["max_capacity_gb"] == "0.001953125"  # 2 MiB, as lmcache parses float(GB) * 2**30
+    # 2 MiB, as lmcache parses float(GB) * 2**30, less the 1/64 an encrypted object's padding takes on disk
+    assert float(cfg["backend_params"]["max_capacity_gb"]) * 2**30 == 2 * 2**20 * 63 / 64
+    plain = l2_adapter_config(target(mutate=lambda o: o["spec"]["l2"].update(
+        nvme={**o["spec"]["l2"]["nvme"], "budget": "2Mi"}, encryption={"enabled": False})))
+    assert plain["backend_params"]["max_capacity_gb"] == "0.001953125"
     assert cfg["eviction"]["eviction_policy"] == "noop"
     assert "--eviction-policy" in server_args(t)  # L1 keeps the spec's policy
     assert server_args(t)[server_args(t).index("--eviction-policy") + 1] == t.spec.eviction.policy
@@ -330,7 +340,7 @@ def test_stale_routes_are_old_ids_no_pod_carries() -> None:
 def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
     t = target(name)
     cfg = l2_adapter_config(t)
-    assert cfg["serde"] == {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256,
+    assert cfg["serde"] == {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256, "max_workers": SERDE_WORKERS,
                             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)

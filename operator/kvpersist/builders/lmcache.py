@@ -44,13 +44,22 @@ def l2_path(target: Target) -> str:
     return f"{L2_MOUNT_PATH}/{target.namespace_id}"
 
 
+# lmcache counts an encrypted object at its framed size (chunk + 29 bytes) while the file takes
+# whole 4 KiB pages on disk (524,288-byte chunks: 528,384 bytes). So the adapter is given 63/64 of
+# the declared capacity, and the disk stays within what was declared (the agent trims to it).
+ENCRYPTED_DISK_SHARE = 63 / 64
+# Threads that (de)serialize concurrent L2 transfers (lmcache's default is 1). On the 2-core test
+# machine 1 and 4 read alike (benchmarks/RESULTS.md); a GPU node has the cores for more.
+SERDE_WORKERS = 4
+
+
 def l2_serde(target: Target) -> dict[str, Any] | None:
     """lmcache's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
     version, IV, ciphertext and a GCM tag, so a changed byte fails authentication and is a miss.
     The master key is a file from a Secret volume, never an argument or a variable."""
     if target.key_secret is None:
         return None
-    return {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256,
+    return {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256, "max_workers": SERDE_WORKERS,
             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
 
 
@@ -73,6 +82,8 @@ def _adapter_config(target: Target) -> dict[str, Any]:
             # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
             capacity_gb = nvme.budget_bytes / GIB
             eviction = {**eviction, "eviction_policy": "noop"}
+        if target.key_secret is not None:
+            capacity_gb *= ENCRYPTED_DISK_SHARE
         if nvme.adapter == "fs":
             return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
                     "persist_enabled": True, "eviction": eviction}

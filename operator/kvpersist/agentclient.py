@@ -1,38 +1,98 @@
-"""The operator's side of the inventory agent (kvpersist.agent): bounded HTTP calls."""
+"""The operator's side of the inventory agent (kvpersist.agent): bounded HTTP calls whose
+answers are checked before use, since an agent (or whatever answers on its port) may be broken
+or hostile and one bad pod must not stall or crash a refresh."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-from typing import Any
+import logging
+from typing import Annotated, Any
 
-from kvpersist.inventory import Inventory
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-TIMEOUT_S = 2.0  # as for /status: a refresh must not hang on one pod
+from kvpersist import httpclient
+from kvpersist.httpclient import Count, PeerError
+from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, NamespaceUsage, parse_iso
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 2.0  # as for /status: a refresh must not hang on one pod (the whole call, body included)
 GC_TIMEOUT_S = 120.0  # deleting a big namespace folder takes a while
 
 
-def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S) -> Inventory | None:
-    """The agent's last scan of its volume; None when it does not answer (status keeps the last)."""
+def _unix_time(stamp: Any) -> float | None:
+    """An RFC 3339 stamp as the agent writes it (inventory.iso) -> unix seconds."""
+    if stamp is None or stamp == "":
+        return None
+    if not isinstance(stamp, str):
+        raise ValueError("not an RFC 3339 time")
     try:
-        with urllib.request.urlopen(f"http://{ip}:{port}/inventory", timeout=timeout) as resp:
-            return Inventory.from_json(json.loads(resp.read()))
-    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return parse_iso(stamp)
+    except (ValueError, OverflowError, OSError):
+        raise ValueError("not an RFC 3339 time") from None
+
+
+def _namespace_id(value: str) -> str:
+    if not NAMESPACE_ID_RE.fullmatch(value):
+        raise ValueError("not a namespace id (kvp-<32 hex>)")
+    return value
+
+
+class NamespaceBody(BaseModel):
+    """One namespace of an agent's /inventory."""
+
+    namespace_id: Annotated[str, AfterValidator(_namespace_id)] = Field(alias="namespaceId")
+    bytes: Count | None = None
+    objects: Count | None = None
+    last_write: Annotated[float | None, BeforeValidator(_unix_time)] = Field(None, alias="lastWrite")
+    orphan: StrictBool | None = None
+
+
+class InventoryBody(BaseModel):
+    """The parts of an agent's /inventory the operator reads (serving, trimmed: ignored)."""
+
+    location: str = ""
+    namespaces: list[NamespaceBody] | None = None
+    other_bytes: Count | None = Field(None, alias="otherBytes")
+    capacity_bytes: Count | None = Field(None, alias="capacityBytes")
+    free_bytes: Count | None = Field(None, alias="freeBytes")
+
+    def inventory(self) -> Inventory:
+        return Inventory(self.location, [NamespaceUsage(n.namespace_id, n.bytes or 0, n.objects or 0, n.last_write, n.orphan)
+                                         for n in self.namespaces or []],
+                         self.other_bytes or 0, self.capacity_bytes, self.free_bytes)
+
+
+class GcBody(BaseModel):
+    """The fields of a /gc answer its callers read (cleanup.gc_volumes); the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+    deleted: StrictBool | None = None
+    bytes: Count | None = None
+    objects: Count | None = None
+    error: str | None = None
+
+
+def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S) -> Inventory | None:
+    """The agent's last scan of its volume; None when it does not answer, or answers anything
+    but a well-formed inventory (status keeps the last; the reason is logged)."""
+    try:
+        reply = httpclient.get(ip, port, "/inventory", timeout=timeout)
+        if not reply.ok:
+            raise PeerError(f"answered HTTP {reply.status}")
+        return httpclient.parse(reply.body, InventoryBody).inventory()
+    except PeerError as exc:
+        log.warning("no inventory from the agent at %s:%s: %s", ip, port, exc)
         return None
 
 
 def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
-    """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached."""
-    body = json.dumps({"namespaceId": namespace_id, "dryRun": dry_run}).encode()
-    req = urllib.request.Request(f"http://{ip}:{port}/gc", data=body, method="POST", headers={"Content-Type": "application/json"})
+    """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached. A body that is
+    not a well-formed answer becomes {"error": why}, keeping the code."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read())
-        except ValueError:
-            return exc.code, {"error": str(exc)}
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return 0, {"error": f"agent at {ip}:{port} unreachable: {getattr(exc, 'reason', exc)}"}
+        reply = httpclient.post_json(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, timeout=timeout)
+    except PeerError as exc:
+        return 0, {"error": f"agent at {ip}:{port} unreachable: {exc}"}
+    try:
+        return reply.status, httpclient.parse(reply.body, GcBody).model_dump(exclude_unset=True)
+    except PeerError as exc:
+        return reply.status, {"error": f"agent at {ip}:{port} answered HTTP {reply.status}, malformed: {exc}"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -69,8 +69,95 @@ class Observation:
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
     budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
+    budget_floor_exhausted: bool = False  # and whether that status said Exhausted
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
     key_problem: tuple[str, str] | None = None  # (reason, message): the user's L2 key Secret is unusable
+    server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
+
+
+# Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
+# ReplicaFailure condition (in the watch cache); a StatefulSet only in FailedCreate Events, read
+# when it has lacked pods this long, at most this often per resource: none while all pods exist.
+PODS_MISSING_GRACE_S = 10.0
+FAILED_CREATE_RECHECK_S = 60.0
+FAILURE_MESSAGE_MAX = 1024
+NOT_CREATED_REASONS = ("PodsForbidden", "PodsNotCreated")
+PRIVILEGED_FIX = ("kvpersist's pods need the privileged Pod Security level (hostIPC, for CUDA IPC between vLLM and "
+                  "its lmcache server; baseline forbids host namespaces): label the namespace "
+                  "pod-security.kubernetes.io/enforce=privileged (see docs/security.md)")
+
+
+def pods_missing(statefulset: Mapping[str, Any] | None, desired: int) -> bool:
+    """Fewer pods exist than the StatefulSet should have (its status counts the pods it created)."""
+    if statefulset is None or desired == 0:
+        return False
+    return int((statefulset.get("status") or {}).get("replicas") or 0) < desired
+
+
+def _event_time(event: Mapping[str, Any]) -> float:
+    for key in ("lastTimestamp", "eventTime", "firstTimestamp"):
+        stamp = event.get(key) or ((event.get("series") or {}).get("lastObservedTime") if key == "eventTime" else None)
+        if isinstance(stamp, datetime):
+            return stamp.timestamp()
+        if isinstance(stamp, str):
+            try:
+                return parse_iso(stamp) or 0.0
+            except ValueError:
+                continue
+    return 0.0
+
+
+def failed_create(events: Iterable[Mapping[str, Any]]) -> str | None:
+    """The API server's reason from a workload's latest FailedCreate Event, unless a pod was
+    created after it (SuccessfulCreate): then that failure is over."""
+    failed = [e for e in events if e.get("reason") == "FailedCreate"]
+    if not failed:
+        return None
+    latest = max(failed, key=_event_time)
+    created = [_event_time(e) for e in events if e.get("reason") == "SuccessfulCreate"]
+    if created and max(created) > _event_time(latest):
+        return None
+    return str(latest.get("message") or "FailedCreate")[:FAILURE_MESSAGE_MAX]
+
+
+class FailedCreateCheck:
+    """When to read a StatefulSet's Events, and the last answer: only after its pods have been
+    missing PODS_MISSING_GRACE_S, then at most once per FAILED_CREATE_RECHECK_S; forgotten as soon
+    as every pod exists. Bounded: an idle or healthy resource costs no request."""
+
+    def __init__(self) -> None:
+        self._missing_since: dict[Any, float] = {}
+        self._answers: dict[Any, tuple[float, str | None]] = {}
+
+    def failure(self, key: Any, missing: bool, now: float, lookup: Callable[[], str | None]) -> str | None:
+        if not missing:
+            self._missing_since.pop(key, None)
+            self._answers.pop(key, None)
+            return None
+        since = self._missing_since.setdefault(key, now)
+        if now - since < PODS_MISSING_GRACE_S:
+            return None
+        answer = self._answers.get(key)
+        if answer is None or now - answer[0] >= FAILED_CREATE_RECHECK_S:
+            answer = (now, lookup())
+            self._answers[key] = answer
+        return answer[1]
+
+
+def replica_failure(deployment: Mapping[str, Any] | None) -> str | None:
+    """A Deployment's ReplicaFailure message: its ReplicaSet could not create pods."""
+    for c in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return str(c.get("message") or c.get("reason") or "ReplicaFailure")[:FAILURE_MESSAGE_MAX]
+    return None
+
+
+def not_created(what: str, message: str) -> tuple[str, str]:
+    """(reason, message) for pods the API server refused: PodsForbidden, with the fix, when Pod
+    Security admission refused them; PodsNotCreated with the API server's words otherwise."""
+    if "PodSecurity" in message:
+        return "PodsForbidden", f"the API server refuses the {what} pods: {message}; {PRIVILEGED_FIX}"
+    return "PodsNotCreated", f"the {what} pods cannot be created: {message}"
 
 
 def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, int]:
@@ -107,7 +194,10 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     # agent trims the folder back to the budget, and the scans show it.
     floor = min(obs.budget_floor, obs.budget_bytes)
     used, objects = max(used_servers, used_volume, floor), max(objects_servers, objects_volume)
-    exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes)
+    # With no object count to judge by (a restarted server and no scan this round), the floor's
+    # own verdict stands: files padded on disk (encrypted) leave a full budget below its bytes.
+    floor_only = objects == 0 and used == floor > 0 and obs.budget_floor_exhausted
+    exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes) or floor_only
     return {"bytes": obs.budget_bytes, "usedBytes": used, "state": "Exhausted" if exhausted else "Available",
             "budget": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}
 
@@ -189,13 +279,18 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     elif sick:
         conds.append(condition("LMCacheReady", False, "ServerUnhealthy",
                                "; ".join(f"{r.pod}: {r.message}" for r in sick), gen))
+    elif obs.server_create_failure is not None and not servers_done:
+        conds.append(condition("LMCacheReady", False, *not_created("lmcache server", obs.server_create_failure), gen))
     elif servers_done and len([r for r in obs.reports if r.healthy]) >= obs.server_desired:
         conds.append(condition("LMCacheReady", True, "ServersHealthy", f"{servers_ready}/{obs.server_desired} servers healthy", gen))
     else:
         conds.append(condition("LMCacheReady", False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready", gen))
 
     # vLLM
-    if vllm_done:
+    vllm_failure = replica_failure(obs.deployment)
+    if vllm_failure is not None and not vllm_done:
+        conds.append(condition("VLLMReady", False, *not_created("vLLM", vllm_failure), gen))
+    elif vllm_done:
         conds.append(condition("VLLMReady", True, "PodsReady", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
     else:
         conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
@@ -216,7 +311,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         degraded = bool(sick) or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
-        first = not_ok[0]
+        # Pods the API server refuses explain everything after them (claims wait for a pod): first.
+        first = next((c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), not_ok[0])
         conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
 
     status: dict[str, Any] = {

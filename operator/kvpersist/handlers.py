@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import logging
 import os
@@ -28,7 +29,16 @@ from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import L2_KEY_BYTES, L2_VOLUME, SERVER, Target
 from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
 from kvpersist.cleanup import result as gc_result
-from kvpersist.conditions import Observation, compute_status, condition, failed_status, status_patch
+from kvpersist.conditions import (
+    FailedCreateCheck,
+    Observation,
+    compute_status,
+    condition,
+    failed_create,
+    failed_status,
+    pods_missing,
+    status_patch,
+)
 from kvpersist.conditions import now as condition_now
 from kvpersist.hfbucket import preflight_bucket
 from kvpersist.identity import Resolution, resolve
@@ -45,6 +55,7 @@ STATUS_INTERVAL_S = 10.0
 # the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _write_failures = WriteFailureTracker()
+_failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
 _hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
 PREFLIGHT_TTL_S = 300.0
 # Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
@@ -57,6 +68,17 @@ _preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] =
 # kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
 # operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
 _known: dict[tuple[str, str], dict[str, Any]] = {}
+# One refresh or apply of a resource at a time (the loop and reconcile() share it), so status is
+# never written twice from one observation and an Event never posted twice.
+_locks: dict[tuple[str, str], asyncio.Lock] = {}
+# Owned children deleted or edited by someone else: applied again on the loop's next tick.
+_drifted: set[tuple[str, str]] = set()
+_child_generations: dict[tuple[str, str, str], int] = {}  # (kind, namespace, name) -> last generation seen
+# Refreshes run side by side, at most this many: one slow server costs its own resource a
+# refresh period, never the others theirs (each call is bounded too, see kvpersist.usage).
+REFRESH_CONCURRENCY = 8
+_refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY, thread_name_prefix="kvp-refresh")
+_refresh_tasks: set[asyncio.Task] = set()
 _resolved: dict[tuple[str, str], str | None] = {}  # each known resource's namespace id from its spec
 TICK_S = 1.0
 # A bucket listing is a paged walk of the Hub's tree: at most once per this many seconds.
@@ -130,6 +152,20 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     elif spec.l2.hf_bucket is not None and target.cache_enabled:
         inv = _bucket_inventory_of(target, secret)
         inventory = status_summary([(inv.location, None, inv)], target.namespace_id, set(seen.live_ids)) if inv else None
+    statefulset = seen.statefulset(target)
+
+    def statefulset_failure() -> str | None:
+        """The StatefulSet's own Events (one LIST, field-selected): the API server's reason."""
+        selector = f"involvedObject.kind=StatefulSet,involvedObject.name={target.server_name}"
+        try:
+            events = kube.client().resources.get(api_version="v1", kind="Event").get(
+                namespace=ns, field_selector=selector, _request_timeout=kube.REQUEST_TIMEOUT_S)
+        except ApiException:  # e.g. no right to list events: LMCacheReady then says ServersStarting
+            return None
+        return failed_create([e.to_dict() for e in events.items])
+
+    create_failure = _failed_creates.failure((ns, target.server_name), pods_missing(statefulset, server_desired), now,
+                                             statefulset_failure)
     return Observation(
         key_problem=_key_problem(target) if target.cache_enabled else None,
         bucket_check=_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
@@ -140,8 +176,9 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         l2_kind=spec.l2.kind,
         server_desired=server_desired,
         vllm_desired=spec.vllm.replicas,
-        statefulset=seen.statefulset(target),
+        statefulset=statefulset,
         deployment=seen.deployment(target),
+        server_create_failure=create_failure,
         server_pods=pods,
         claims=claims,
         existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
@@ -295,6 +332,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         observation = _observe(body, target, resolution, seen)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
+            observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
         fields, conds = compute_status(observation)
         reports = observation.reports
         inventory = observation.inventory
@@ -375,9 +413,15 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """Apply the workloads, then refresh status. The blocking parts run in worker threads; the
     watch caches are read here, in the event loop."""
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, apply_workloads, body, logger)
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    await loop.run_in_executor(None, refresh_status, body, _seen(key), logger)
+    async with _lock(key):
+        _drifted.discard(key)
+        await loop.run_in_executor(_refresh_pool, apply_workloads, body, logger)
+        await loop.run_in_executor(_refresh_pool, refresh_status, body, _seen(key), logger)
+
+
+def _lock(key: tuple[str, str]) -> asyncio.Lock:
+    return _locks.setdefault(key, asyncio.Lock())
 
 
 def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
@@ -454,6 +498,8 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _dirty.discard(key)
         _hits.forget(key)
         _routes_pending.discard(key)
+        _drifted.discard(key)
+        _locks.pop(key, None)
         metrics.set_phase(key[0], key[1], None)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
@@ -500,6 +546,58 @@ async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
     return index_entry(body)
 
 
+def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str, on_edit: bool) -> None:
+    """A child of a known resource was deleted, or (on_edit) changed: apply the resource again on
+    the next tick. The operator's own applies change nothing the second time (server-side apply
+    of the same fields writes nothing), so this settles after one round. The initial listing
+    (event type None) is not drift: resume applies everything then anyway."""
+    owner = owner_key(body)
+    meta = body.get("metadata") or {}
+    child = (kind, meta.get("namespace", ""), meta.get("name", ""))
+    kind_of_event = event.get("type")
+    if kind_of_event == "DELETED":
+        _child_generations.pop(child, None)
+    if owner not in _known or kind_of_event is None:
+        if kind_of_event is None and meta.get("generation") is not None:
+            _child_generations[child] = meta["generation"]
+        return
+    if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
+        _drifted.add(owner)
+    elif on_edit:
+        generation = meta.get("generation")
+        if generation is None or _child_generations.get(child) != generation:
+            _drifted.add(owner)
+        if generation is not None:
+            _child_generations[child] = generation
+
+
+@kopf.on.event("", "v1", "services", labels=_MANAGED)
+async def drift_services(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "Service", on_edit=True)
+
+
+@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
+async def drift_configmaps(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "ConfigMap", on_edit=True)
+
+
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
+async def drift_networkpolicies(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "NetworkPolicy", on_edit=True)
+
+
+# StatefulSets and Deployments change status all the time: only a deletion or a new generation
+# (someone edited the spec) is drift.
+@kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
+async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "StatefulSet", on_edit=True)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
+async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "Deployment", on_edit=True)
+
+
 def _mark_dirty(body: Mapping[str, Any]) -> None:
     """A workload changed: refresh its owner on the next tick, so phase follows pod readiness."""
     owner = owner_key(body)
@@ -527,20 +625,56 @@ def due(now: float) -> list[tuple[str, str]]:
     return [key for key in list(_known) if key in _dirty or now - _last_refresh.get(key, float("-inf")) >= STATUS_INTERVAL_S]
 
 
-async def _status_loop(logger: logging.Logger) -> None:
+async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen, restore: bool,
+                       logger: logging.Logger) -> None:
+    """One resource's round under its lock: its drifted children applied again, then its status."""
     loop = asyncio.get_running_loop()
+    async with _lock(key):
+        try:
+            if restore:
+                logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
+                await loop.run_in_executor(_refresh_pool, apply_workloads, body, logger)
+            await loop.run_in_executor(_refresh_pool, refresh_status, body, seen, logger)
+        except Exception as exc:  # one object's failure must not stop the others' status
+            logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
+
+
+# The liveness probe fails when the loop has not ticked for this long: a status loop that stopped
+# (died, or the event loop is blocked) is an operator that must be restarted.
+LOOP_STALL_S = 60.0
+_last_tick: float | None = None
+
+
+@kopf.on.probe(id="statusLoopSecondsSinceTick")
+def status_loop_alive(**_: Any) -> float:
+    """Seconds since the status loop last ticked; raises (kopf's /healthz answers 500) when stalled."""
+    if _loop_task is not None and _loop_task.done():
+        raise kopf.PermanentError("the status loop has stopped")
+    if _last_tick is None:
+        return 0.0
+    age = time.monotonic() - _last_tick
+    if age > LOOP_STALL_S:
+        raise kopf.PermanentError(f"the status loop last ticked {age:.0f}s ago")
+    return round(age, 1)
+
+
+async def _status_loop(logger: logging.Logger) -> None:
+    global _last_tick
     while True:
         await asyncio.sleep(TICK_S)
-        keys = due(time.monotonic())
+        _last_tick = time.monotonic()
+        restore = {key for key in _drifted if key in _known}
+        keys = sorted(set(due(time.monotonic())) | restore)
         live = _live() if keys else frozenset()
         for key in keys:
             body = _known.get(key)
-            if body is None:
-                continue  # deleted meanwhile
-            try:
-                await loop.run_in_executor(None, refresh_status, body, _seen(key, live), logger)
-            except Exception as exc:  # one object's failure must not stop the others' status
-                logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
+            if body is None or _lock(key).locked():
+                continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
+            if key in restore:
+                _drifted.discard(key)
+            task = asyncio.create_task(_refresh_one(key, body, _seen(key, live), key in restore, logger))
+            _refresh_tasks.add(task)
+            task.add_done_callback(_refresh_tasks.discard)
 
 
 _loop_task: asyncio.Task | None = None

@@ -3,23 +3,24 @@ hit figures (per tier, in total and over a recent window) folded from its lookup
 
 from __future__ import annotations
 
-import http.client
-import json
 import math
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import BaseModel, StrictBool, ValidationError
+
+from kvpersist import httpclient
+from kvpersist.httpclient import Count, PeerError
 from kvpersist.inventory import iso
 
-STATUS_TIMEOUT_S = 2.0
+STATUS_TIMEOUT_S = 2.0  # all of one server's answer, /status and /metrics together
+MAX_PARALLEL = 32  # servers asked at once: up to this many stuck ones still cost one timeout in all
 # A /metrics body larger than this is not read further: the figures it carries become unknown.
 # lmcache 0.5.6 answers with about 15 KB; each extra (model_name, cache_salt) pair adds ~1 KB.
 MAX_METRICS_BYTES = 4 * 2**20
@@ -43,27 +44,88 @@ class ServerReport:
     lookups: LookupCounters | None = None  # the lookup counters of /metrics; None: unknown
 
 
+# The parts of lmcache 0.5.6's /status the operator reads (all else is ignored). Absent or null
+# parts read as empty, as they always have; present ones must have the right shape and types.
+class _Part(BaseModel):
+    is_healthy: StrictBool | None = None
+
+
+class L1Manager(_Part):
+    memory_used_bytes: Count | None = None
+    memory_total_bytes: Count | None = None
+
+
+class L2Adapter(_Part):
+    type: str = "?"
+    stored_object_count: Count | None = None
+
+
+class L2EvictionAdapter(BaseModel):
+    total_bytes_used: Count | None = None
+    total_capacity_bytes: Count | None = None
+
+
+class L2EvictionController(BaseModel):
+    adapters: list[L2EvictionAdapter] | None = None
+
+
+class StoreController(BaseModel):
+    pending_keys_count: Count | None = None
+    in_flight_task_count: Count | None = None
+
+
+class StorageManager(_Part):
+    l1_manager: L1Manager | None = None
+    l2_adapters: list[L2Adapter] | None = None
+    l2_eviction_controller: L2EvictionController | None = None
+    store_controller: StoreController | None = None
+
+
+class LMCacheStatus(_Part):
+    storage_manager: StorageManager | None = None
+
+
+def _malformed(pod: str, reason: str) -> ServerReport:
+    return ServerReport(pod=pod, healthy=False, message=f"malformed /status: {reason}")
+
+
+def status_model(status: Any) -> LMCacheStatus:
+    """A /status body as the model; PeerError naming what is malformed."""
+    try:
+        return LMCacheStatus.model_validate(status)
+    except ValidationError as exc:
+        raise PeerError(httpclient.problems(exc)) from None
+
+
 def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
     """Reads lmcache 0.5.6's /status: L1 from l1_manager, L2 bytes from the L2 eviction
     controller's per-adapter accounting, objects from the adapters' in-memory index (lazy after a
-    restart: files on disk count once they are looked up)."""
-    sm = status.get("storage_manager") or {}
-    l1 = sm.get("l1_manager") or {}
-    adapters = sm.get("l2_adapters") or []
-    evictions = (sm.get("l2_eviction_controller") or {}).get("adapters") or []
-    unhealthy = [name for name, part in (("storage manager", sm), ("L1", l1)) if part and part.get("is_healthy") is False]
-    bad_l2 = [a.get("type", "?") for a in adapters if a.get("is_healthy") is False]
-    healthy = bool(status.get("is_healthy")) and not unhealthy and not bad_l2
+    restart: files on disk count once they are looked up). A body of another shape is an
+    unhealthy report saying what is wrong, never an exception: the refresh must go on."""
+    try:
+        return _report(pod, status_model(status))
+    except PeerError as exc:
+        return _malformed(pod, str(exc))
+
+
+def _report(pod: str, status: LMCacheStatus) -> ServerReport:
+    sm = status.storage_manager or StorageManager()
+    l1 = sm.l1_manager or L1Manager()
+    adapters = sm.l2_adapters or []
+    evictions = (sm.l2_eviction_controller or L2EvictionController()).adapters or []
+    unhealthy = [name for name, part in (("storage manager", sm), ("L1", l1)) if part.is_healthy is False]
+    bad_l2 = [a.type for a in adapters if a.is_healthy is False]
+    healthy = bool(status.is_healthy) and not unhealthy and not bad_l2
     message = "" if healthy else "unhealthy: " + ", ".join(unhealthy + [f"L2 adapter {t}" for t in bad_l2] or ["server"])
     return ServerReport(
         pod=pod,
         healthy=healthy,
         message=message,
-        l1_used=l1.get("memory_used_bytes"),
-        l1_capacity=l1.get("memory_total_bytes"),
-        l2_used=_sum(e.get("total_bytes_used") for e in evictions),
-        l2_capacity=_sum(e.get("total_capacity_bytes") for e in evictions),
-        l2_objects=_sum(a.get("stored_object_count") for a in adapters),
+        l1_used=l1.memory_used_bytes,
+        l1_capacity=l1.memory_total_bytes,
+        l2_used=_sum(e.total_bytes_used for e in evictions),
+        l2_capacity=_sum(e.total_capacity_bytes for e in evictions),
+        l2_objects=_sum(a.stored_object_count for a in adapters),
         l2_healthy=(not bad_l2) if adapters else None,
     )
 
@@ -111,13 +173,27 @@ def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> d
 
 
 def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics: Mapping[str, float]) -> ServerReport:
-    """The report plus failed L2 writes: submitted - completed - still pending."""
-    if SUBMITTED not in metrics or COMPLETED not in metrics:
+    """The report plus failed L2 writes: submitted - completed - still pending. Unchanged when
+    the status or the counters are malformed."""
+    try:
+        return _with_failures(report, status_model(status), metrics)
+    except PeerError:
         return report
-    ctl = (status.get("storage_manager") or {}).get("store_controller") or {}
-    pending = int(ctl.get("pending_keys_count") or 0) + int(ctl.get("in_flight_task_count") or 0)
-    submitted = int(metrics[SUBMITTED])
-    failed = max(0, submitted - int(metrics[COMPLETED]) - pending)
+
+
+def _counter(metrics: Mapping[str, float], name: str) -> int | None:
+    """A counter's value when it is one (finite, not negative, exact); None otherwise."""
+    v = metrics.get(name)
+    return int(v) if v is not None and math.isfinite(v) and 0 <= v <= MAX_COUNTER else None
+
+
+def _with_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
+    submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED)
+    if submitted is None or completed is None:
+        return report
+    ctl = (status.storage_manager or StorageManager()).store_controller or StoreController()
+    pending = (ctl.pending_keys_count or 0) + (ctl.in_flight_task_count or 0)
+    failed = max(0, submitted - completed - pending)
     return replace(report, l2_writes_failed=failed, l2_writes_submitted=submitted)
 
 
@@ -358,48 +434,47 @@ def _sum(values: Iterable[Any]) -> int | None:
     return sum(nums) if nums else None
 
 
-def _read_bounded(resp: Any, limit: int, deadline: float) -> bytes | None:
-    """At most limit bytes of a response, read before deadline (monotonic); None past either, so
-    neither a huge nor a trickling body holds the status loop."""
-    chunks, size = [], 0
-    while True:
-        chunk = resp.read(65536)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit or time.monotonic() > deadline:
-            return None
-        chunks.append(chunk)
-
-
 def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S) -> ServerReport:
-    """GET /status (health, usage), then /metrics (failed writes, lookup counters); both bounded
-    by timeout. A /metrics that fails or is not Prometheus text leaves those figures unknown."""
-    base = f"http://{ip}:{port}"
+    """GET /status (health, usage), then /metrics (failed writes, lookup counters), both within
+    timeout seconds in all: a slow, trickling, oversized or garbled answer costs at most that
+    and makes an unhealthy report saying why. A /metrics that fails, or is not Prometheus
+    text, leaves only those figures unknown."""
+    deadline = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(base + "/status", timeout=timeout) as resp:
-            status = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        reason = getattr(exc, "reason", exc)
-        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {ip}:{port}: {reason}")
-    report = parse_status(pod, status)
+        reply = httpclient.get(ip, port, "/status", timeout=timeout)
+    except PeerError as exc:
+        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {ip}:{port}: {exc}")
+    if not reply.ok:
+        return ServerReport(pod=pod, healthy=False, message=f"/status at {ip}:{port} answered HTTP {reply.status}")
     try:
-        with urllib.request.urlopen(base + "/metrics", timeout=timeout) as resp:
-            body = _read_bounded(resp, MAX_METRICS_BYTES, time.monotonic() + 2 * timeout)
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
-        return report
-    metrics = parse_exposition(body.decode("utf-8", errors="replace")) if body is not None else None
-    report = with_write_failures(report, status, metrics or {})
+        status = status_model(httpclient.load_json(reply.body))
+    except PeerError as exc:
+        return _malformed(pod, str(exc))
+    report = _report(pod, status)
+    metrics = _fetch_metrics(ip, port, deadline - time.monotonic())
+    report = _with_failures(report, status, metrics or {})
     return replace(report, lookups=lookup_counters(metrics))
 
 
+def _fetch_metrics(ip: str, port: int, timeout: float) -> dict[str, float] | None:
+    """The parsed /metrics of a server, or None (no time left, no answer, not Prometheus text)."""
+    if timeout <= 0:
+        return None
+    try:
+        reply = httpclient.get(ip, port, "/metrics", timeout=timeout, max_bytes=MAX_METRICS_BYTES)
+    except PeerError:
+        return None
+    return parse_exposition(reply.body.decode("utf-8", errors="replace")) if reply.ok else None
+
+
 def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S) -> list[ServerReport]:
-    """Asks every (pod, ip) in parallel; a pod without an IP yet is reported as not healthy."""
+    """Asks every (pod, ip) in parallel, so stuck servers cost one timeout together, not one
+    each; a pod without an IP yet is reported as not healthy."""
     pods = list(pods)
     with_ip = [(p, ip) for p, ip in pods if ip]
     reports = {p: ServerReport(pod=p, healthy=False, message="pod has no IP yet") for p, ip in pods if not ip}
     if with_ip:
-        with ThreadPoolExecutor(max_workers=min(8, len(with_ip))) as pool:
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(with_ip))) as pool:
             for rep in pool.map(lambda pi: fetch_status(pi[0], pi[1], port, timeout), with_ip):
                 reports[rep.pod] = rep
     return [reports[p] for p, _ in pods]

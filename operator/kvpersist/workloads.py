@@ -21,7 +21,8 @@ WATCH_SELECTOR = "app.kubernetes.io/name=kvpersist"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "pods"),
-           ("", "v1", "persistentvolumeclaims"))
+           ("", "v1", "persistentvolumeclaims"), ("", "v1", "services"), ("", "v1", "configmaps"),
+           ("networking.k8s.io", "v1", "networkpolicies"))
 
 OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
 
@@ -46,9 +47,14 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
                      "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, COMPONENT_LABEL, NAMESPACE_ID_LABEL))},
         "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas")),
     }
-    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
-    if ready:
-        out["status"]["conditions"] = [_pick(ready[0], ("type", "status"))]
+    conditions = status.get("conditions") or []
+    ready = [_pick(c, ("type", "status")) for c in conditions if c.get("type") == "Ready"][:1]
+    # A Deployment whose ReplicaSet cannot create pods (PodSecurity, quota) says why here, in the
+    # API server's words: kept so status can name it without another request.
+    failure = [_pick(c, ("type", "status", "reason", "message")) for c in conditions
+               if c.get("type") == "ReplicaFailure" and c.get("status") == "True"][:1]
+    if ready or failure:
+        out["status"]["conditions"] = ready + failure
     return out
 
 

@@ -35,9 +35,11 @@ NEEDED = {
     (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",
                      "networkpolicies.networking.k8s.io") for v in ("get", "create", "patch")
 } | {(r, v) for r in ("services", "networkpolicies.networking.k8s.io") for v in ("list", "delete")} | {
-    (r, v) for r in ("statefulsets.apps", "deployments.apps") for v in ("list", "watch")} | {
+    # list + watch: the workload caches, and drift (a deleted or edited child is applied again).
+    (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",
+                     "networkpolicies.networking.k8s.io") for v in ("list", "watch")} | {
     ("pods", "list"), ("pods", "watch"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"),
-    ("persistentvolumeclaims", "watch"), ("secrets", "get"),
+    ("persistentvolumeclaims", "watch"), ("secrets", "get"), ("secrets", "create"),  # create: L2's generated key
     ("events", "create")}
 DEFAULTS = {("selfsubjectaccessreviews.authorization.k8s.io", "create"),
             ("selfsubjectrulesreviews.authorization.k8s.io", "create"),

@@ -71,7 +71,8 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector"] == "LMCacheMPConnector"
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
-    assert status["usage"]["l1CapacityBytes"] == 2**28 and status["usage"]["l2CapacityBytes"] == 2**30
+    # L2's capacity as lmcache enforces it: 63/64 of maxCapacityGB, the rest for encrypted files' padding.
+    assert status["usage"]["l1CapacityBytes"] == 2**28 and status["usage"]["l2CapacityBytes"] == 2**30 * 63 // 64
     assert status["servers"] == [{"pod": f"{NAME}-lmcache-0", "healthy": True, "message": ""}]
     events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=Ready", "-o", "name").stdout
     assert events.strip()
@@ -110,6 +111,30 @@ def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> Non
 
 def _l2_dir(scenario: dict, namespace_id: str | None) -> Path:
     return scenario["work"] / "pods" / "volumes" / scenario["ns"] / f"l2-{NAME}-lmcache-0" / str(namespace_id)
+
+
+def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict) -> None:
+    """Drift: the NetworkPolicy that keeps the admin port closed, the Service vLLM connects
+    through and the connection ConfigMap, each deleted, and the Service's selector edited, are
+    applied again by the operator within seconds (it watches what it owns)."""
+    ns = scenario["ns"]
+    t = target_of(manifest(ns))
+    children = [("networkpolicy", f"{NAME}-lmcache"), ("service", t.local_service_name), ("configmap", f"{NAME}-connection")]
+    for kind, name in children:
+        uid = kubectl.get(kind, name, ns)["metadata"]["uid"]
+        started = time.monotonic()
+        kubectl.run("delete", kind, name, "-n", ns, "--wait=true", timeout=60)
+        back = wait_for(f"{kind} {name} to come back", lambda k=kind, n=name, u=uid: (lambda o: o if o and o["metadata"][
+            "uid"] != u else None)(json.loads(kubectl.run("get", k, n, "-n", ns, "-o", "json", check=False).stdout or "null")),
+            timeout=30, interval=0.2)
+        print(f"\n[drift] {kind} {name} deleted, back after {time.monotonic() - started:.1f}s")
+        assert back["metadata"]["ownerReferences"][0]["name"] == NAME
+    kubectl.run("patch", "service", t.local_service_name, "-n", ns, "--type=merge", "-p",
+                json.dumps({"spec": {"selector": {"kvpersist.dev/namespace-id": "kvp-" + "0" * 32}}}))
+    restored = wait_for("the Service's selector restored", lambda: (lambda sel: sel if sel.get(
+        "kvpersist.dev/namespace-id") == t.namespace_id else None)(kubectl.get("service", t.local_service_name, ns)["spec"][
+            "selector"]), timeout=30, interval=0.2)
+    assert restored["kvpersist.dev/namespace-id"] == t.namespace_id
 
 
 def test_l1_change_rolls_out(kubectl: Kubectl, scenario: dict) -> None:

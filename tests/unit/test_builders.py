@@ -379,3 +379,78 @@ def test_unencrypted_l2_has_no_serde_no_key_and_another_namespace() -> None:
     assert all(v["name"] != L2_KEY_VOLUME for v in pod.get("volumes", []))
     # Plain and encrypted objects never share a folder: the serde is in the id.
     assert plain.namespace_id is not None and plain.namespace_id != target().namespace_id
+
+
+# Least privilege (issue 15, docs/security.md): every pod the operator renders, every container.
+def _variants() -> list[Target]:
+    """Every sample, with the cache off, with an existing claim, and unencrypted: each shape of pod."""
+    return [target("nvme-minimal"), target("tp2-fp8"), target("hf-bucket"),
+            target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest")),
+            target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "mine", "maxCapacityGB": 100})),
+            target(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False}))]
+
+
+def _pod_templates(t: Target) -> list[tuple[str, dict, set[str]]]:
+    """Every pod template among everything build_all renders (with its claim templates' names): a
+    new workload cannot skip the walk."""
+    return [(m["kind"], m["spec"]["template"]["spec"], {c["metadata"]["name"] for c in m["spec"].get("volumeClaimTemplates", [])})
+            for m in build_all(t, "kvpersist-system") if "template" in (m.get("spec") or {})]
+
+
+@pytest.mark.parametrize("t", _variants(), ids=lambda t: f"{t.name}-{t.spec.l2.kind}-{bool(t.namespace_id)}")
+def test_every_container_of_every_pod_is_least_privileged(t: Target) -> None:
+    templates = _pod_templates(t)
+    assert sorted(kind for kind, _, _ in templates) == ["Deployment", "StatefulSet"]
+    for kind, pod, claims in templates:
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, kind
+        # None of them calls the API server: no token in the pod.
+        assert pod["automountServiceAccountToken"] is False, kind
+        assert "privileged" not in json.dumps(pod), kind
+        assert not pod.get("hostNetwork") and not pod.get("hostPID"), kind
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        assert not any("hostPath" in v for v in volumes.values()), kind
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert set(sc["capabilities"].get("add", [])) <= {"DAC_OVERRIDE"}, c["name"]
+            assert "privileged" not in sc, c["name"]
+            # Read-only root everywhere but vLLM (its caches and model download; docs/security.md).
+            assert sc["readOnlyRootFilesystem"] is (c["name"] != "vllm"), c["name"]
+            assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes) | claims, c["name"]
+
+
+def test_lmcache_server_writes_only_to_its_volumes() -> None:
+    """Read-only root: /tmp is an emptyDir and numba's kernel cache goes there (without it
+    lmcache 0.5.6 falls back to CLI-only mode and `lmcache server` exits)."""
+    from kvpersist.builders.lmcache import NUMBA_CACHE_DIR, TMP_PATH, TMP_VOLUME
+
+    pod = build_lmcache_statefulset(target(), "img:1")["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    assert {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR} in server["env"]
+    assert NUMBA_CACHE_DIR.startswith(TMP_PATH + "/")
+    assert {"name": TMP_VOLUME, "mountPath": TMP_PATH} in server["volumeMounts"]
+    assert next(v for v in pod["volumes"] if v["name"] == TMP_VOLUME)["emptyDir"]["sizeLimit"]
+    # The claim stays the first mount (the agent shares it), the key read-only.
+    assert server["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
+    assert all(m.get("readOnly") for m in server["volumeMounts"] if m["name"] == L2_KEY_VOLUME)
+
+
+def test_the_agent_alone_keeps_root_with_dac_override_and_the_servers_run_as_their_image() -> None:
+    """The agent reads and deletes what the root lmcache server wrote: uid 0, DAC_OVERRIDE only.
+    Nothing else sets a user: the images' own (root) applies, so no runAsNonRoot anywhere."""
+    pod = build_lmcache_statefulset(target(), "img:1")["spec"]["template"]["spec"]
+    server, agent = pod["containers"]
+    assert agent["securityContext"]["runAsUser"] == 0 and agent["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "runAsUser" not in server["securityContext"] and "runAsUser" not in pod["securityContext"]
+    vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]
+    assert "runAsUser" not in vllm["containers"][0]["securityContext"] and "fsGroup" not in vllm["securityContext"]
+
+
+def test_host_ipc_only_where_cuda_ipc_needs_it() -> None:
+    """hostIPC is what makes these pods need the privileged Pod Security level: on the servers,
+    and on vLLM only while the cache is on."""
+    assert build_lmcache_statefulset(target())["spec"]["template"]["spec"]["hostIPC"] is True
+    assert build_vllm_deployment(target())["spec"]["template"]["spec"]["hostIPC"] is True
+    off = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))
+    assert "hostIPC" not in build_vllm_deployment(off)["spec"]["template"]["spec"]

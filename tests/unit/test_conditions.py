@@ -146,6 +146,23 @@ def test_budget_does_not_shrink_when_the_server_restarts_before_the_next_scan() 
     assert fields["budget"]["state"] == "Available"  # no floor (a new namespace id): what is seen
 
 
+def test_a_full_budget_of_padded_files_stays_exhausted_across_a_restart() -> None:
+    """Encrypted chunks take 528,384 bytes on disk: three fill a 2 MiB budget at 1.5 MiB. After a
+    restart (count zero, the scan not yet redone) the floor's verdict stands; a scan that counts
+    the objects judges again."""
+    padded = 3 * 528_384
+    fresh = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=0, l2_objects=0)
+    stale_scan = {"currentBytes": 0, "currentObjects": 0}
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=stale_scan, budget_floor=padded,
+                                   budget_floor_exhausted=True))
+    assert fields["budget"]["state"] == "Exhausted" and fields["budget"]["usedBytes"] == padded
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=stale_scan, budget_floor=padded))
+    assert fields["budget"]["state"] == "Available"  # it was not full before either
+    scan = {"currentBytes": padded, "currentObjects": 3}
+    fields, _ = compute_status(obs(reports=[fresh], budget_bytes=2**21, inventory=scan, budget_floor=padded))
+    assert fields["budget"]["state"] == "Exhausted"  # a fourth would not fit
+
+
 def test_budget_with_room_and_failing_writes_is_still_a_failure() -> None:
     half = ServerReport("s-0", True, l1_used=1, l1_capacity=2, l2_healthy=True, l2_used=2**20, l2_objects=2,
                         l2_writes_failed=3, l2_writes_submitted=5)
@@ -203,3 +220,92 @@ def test_unusable_key_secret_is_named_in_l2_ready() -> None:
     l2 = next(c for c in conds if c["type"] == "L2Ready")
     assert (l2["status"], l2["reason"]) == ("False", "KeySecretNotFound") and "keySecretRef" in l2["message"]
     assert fields["phase"] != "Ready"
+
+
+# Pods the API server refuses to create (PodSecurity admission): said in LMCacheReady/VLLMReady.
+PSS = 'pods "llama31-8b-lmcache-0" is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostIPC=true)'
+
+
+def _event(reason: str, at: str, message: str = "") -> dict:
+    return {"reason": reason, "lastTimestamp": at, "message": message}
+
+
+def test_pods_refused_by_pod_security_say_so_with_the_fix() -> None:
+    from kvpersist.workloads import slim
+
+    none_created = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 0}}
+    deployment = {"metadata": {"name": "x-vllm", "generation": 1}, "status": {
+        "observedGeneration": 1, "conditions": [
+            {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable", "message": "m"},
+            {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+             "message": PSS.replace("llama31-8b-lmcache-0", "x-vllm-5d9f-abcde")}]}}
+    kept = slim(deployment)  # what the watch cache holds: the failure, in the API server's words
+    assert kept["status"]["conditions"] == [deployment["status"]["conditions"][1]]
+    fields, conds = compute_status(obs(statefulset=none_created, deployment=kept, server_pods=[], reports=[],
+                                       claims=[bound("l2-s-0", "Pending")], server_create_failure=PSS))
+    by_type = {c["type"]: c for c in conds}
+    for type_ in ("LMCacheReady", "VLLMReady"):
+        c = by_type[type_]
+        assert (c["status"], c["reason"]) == ("False", "PodsForbidden"), c
+        assert 'violates PodSecurity "baseline:latest"' in c["message"] and "hostIPC" in c["message"]
+        assert "pod-security.kubernetes.io/enforce=privileged" in c["message"] and "docs/security.md" in c["message"]
+    # The root cause leads Ready, not the claim that waits for a pod to be scheduled.
+    assert by_type["L2Ready"]["reason"] == "ClaimPending"
+    assert by_type["Ready"]["reason"] == "PodsForbidden" and fields["phase"] == "Pending"
+
+
+def test_pods_refused_for_another_reason_are_not_created_in_the_api_servers_words() -> None:
+    quota = 'pods "s-0" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1'
+    _, c = conds_of(obs(statefulset={"metadata": {"generation": 1}, "status": {"observedGeneration": 1}},
+                        server_pods=[], reports=[], server_create_failure=quota))
+    assert c["LMCacheReady"] == ("False", "PodsNotCreated")
+    _, conds = compute_status(obs(statefulset={"metadata": {"generation": 1}, "status": {"observedGeneration": 1}},
+                                  server_pods=[], reports=[], server_create_failure=quota))
+    assert quota in next(x for x in conds if x["type"] == "LMCacheReady")["message"]
+
+
+def test_a_create_failure_does_not_hide_a_finished_rollout_or_a_ready_deployment() -> None:
+    """A ReplicaFailure left on a Deployment whose pods all run, or a stale event beside a full
+    StatefulSet, is not reported."""
+    stale = {**rollout(1, 1), "status": {**rollout(1, 1)["status"], "conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": PSS}]}}
+    assert conds_of(obs(deployment=stale, server_create_failure=PSS))[1]["LMCacheReady"] == ("True", "ServersHealthy")
+    assert conds_of(obs(deployment=stale))[1]["VLLMReady"] == ("True", "PodsReady")
+
+
+def test_failed_create_is_the_latest_failure_unless_a_pod_was_created_since() -> None:
+    from kvpersist.conditions import failed_create
+
+    older = _event("FailedCreate", "2026-11-30T10:00:00Z", "old")
+    newer = _event("FailedCreate", "2026-11-30T10:05:00Z", PSS)
+    assert failed_create([]) is None and failed_create([_event("SuccessfulCreate", "2026-11-30T10:00:00Z")]) is None
+    assert failed_create([newer, older]) == PSS
+    assert failed_create([older, newer, _event("SuccessfulCreate", "2026-11-30T10:01:00Z")]) == PSS
+    assert failed_create([older, newer, _event("SuccessfulCreate", "2026-11-30T10:06:00Z")]) is None
+    micro = {"reason": "FailedCreate", "eventTime": "2026-11-30T10:07:00.123456Z", "message": "new style"}
+    assert failed_create([newer, micro]) == "new style"
+    assert len(failed_create([_event("FailedCreate", "2026-11-30T10:00:00Z", "x" * 10_000)]) or "") <= 1024
+
+
+def test_events_are_read_only_after_the_grace_and_at_most_once_a_minute() -> None:
+    from kvpersist.conditions import FAILED_CREATE_RECHECK_S, PODS_MISSING_GRACE_S, FailedCreateCheck, pods_missing
+
+    assert pods_missing({"status": {"replicas": 0}}, 1) and not pods_missing({"status": {"replicas": 1}}, 1)
+    assert not pods_missing(None, 1) and not pods_missing({"status": {}}, 0)
+    calls: list[float] = []
+
+    def lookup() -> str:
+        calls.append(1)
+        return PSS
+
+    check, key = FailedCreateCheck(), ("ns", "x-lmcache")
+    assert check.failure(key, False, 0.0, lookup) is None and calls == []  # all pods exist: no request
+    assert check.failure(key, True, 100.0, lookup) is None and calls == []  # missing only just now
+    assert check.failure(key, True, 100.0 + PODS_MISSING_GRACE_S, lookup) == PSS and len(calls) == 1
+    for t in range(0, int(FAILED_CREATE_RECHECK_S) - 1, 5):  # refreshes every few seconds: one read
+        assert check.failure(key, True, 100.0 + PODS_MISSING_GRACE_S + t, lookup) == PSS
+    assert len(calls) == 1
+    assert check.failure(key, True, 100.0 + PODS_MISSING_GRACE_S + FAILED_CREATE_RECHECK_S, lookup) == PSS
+    assert len(calls) == 2
+    assert check.failure(key, False, 500.0, lookup) is None  # the namespace was labelled: pods exist
+    assert check.failure(key, True, 501.0, lookup) is None and len(calls) == 2  # a new grace starts

@@ -168,3 +168,22 @@ def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin(which: str, field: 
     assert res.namespace_id is None and res.code == "ImageNotPinned"
     assert field in res.reason and "@sha256:" in res.reason
     assert "spec.identity" not in res.reason  # the identity pins are all there; only the image is the fix
+
+
+def test_every_identity_field_is_hashed_and_launched_or_says_why_not() -> None:
+    """One table: a field added to spec.identity that is left out of the hash, or out of vLLM's
+    command line without a reason here, fails this test."""
+    from kvpersist.api.v1alpha1 import Identity
+    from kvpersist.builders.vllm import PIN_FLAGS
+
+    fields = set(Identity.model_fields)
+    assert fields <= set(PIN_FIELDS), f"not hashed: {fields - set(PIN_FIELDS)}"
+    # Pins vLLM takes no flag for: checked against the model (geometry), carried by the
+    # connector config, or only describing what the user renders (the chat template).
+    not_flags = {"model_id": "the positional model argument", "num_kv_heads": "the model's config",
+                 "head_size": "the model's config", "connector": "--kv-transfer-config",
+                 "connector_build": "the image (its digest is hashed too)",
+                 "chat_template_digest": "the client renders the template"}
+    flagged = {attr for attr, _flag in PIN_FLAGS}
+    assert fields == flagged | set(not_flags), f"neither launched nor explained: {fields - flagged - set(not_flags)}"
+    assert not flagged & set(not_flags)

@@ -32,3 +32,92 @@ def test_seen_reads_the_indexes(monkeypatch) -> None:
     monkeypatch.setattr(handlers, "_indices", {"kvp_pods": {("ns", "a"): [pod]}})
     seen = handlers._seen(("ns", "a"))
     assert seen.pods == [pod] and seen.statefulsets == [] and handlers._seen(("ns", "b")).pods == []
+
+
+def _child(kind_name: str, generation: int | None = None) -> dict:
+    meta = {"name": kind_name, "namespace": "ns", "labels": {"app.kubernetes.io/instance": "a"}}
+    if generation is not None:
+        meta["generation"] = generation
+    return {"metadata": meta}
+
+
+def test_a_deleted_or_edited_child_marks_its_owner_for_apply(monkeypatch) -> None:
+    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}})
+    monkeypatch.setattr(handlers, "_drifted", set())
+    monkeypatch.setattr(handlers, "_child_generations", {})
+    # The initial listing is not drift (resume applies everything then).
+    asyncio.run(handlers.drift_networkpolicies(event={"type": None}, body=_child("a-lmcache", 1)))
+    asyncio.run(handlers.drift_statefulsets(event={"type": None}, body=_child("a-lmcache", 3)))
+    assert handlers._drifted == set()
+    asyncio.run(handlers.drift_networkpolicies(event={"type": "DELETED"}, body=_child("a-lmcache", 1)))
+    assert handlers._drifted == {("ns", "a")}
+    handlers._drifted.clear()
+    asyncio.run(handlers.drift_configmaps(event={"type": "MODIFIED"}, body=_child("a-connection")))
+    assert handlers._drifted == {("ns", "a")}
+    handlers._drifted.clear()
+    # A StatefulSet's status changes all the time: only a new generation (a spec edit) is drift.
+    asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 3)))
+    assert handlers._drifted == set()
+    asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 4)))
+    assert handlers._drifted == {("ns", "a")}
+    handlers._drifted.clear()
+    # Children of unknown owners (another operator's, or a resource being deleted) are left alone.
+    other = {"metadata": {"name": "x", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}
+    asyncio.run(handlers.drift_services(event={"type": "DELETED"}, body=other))
+    assert handlers._drifted == set()
+
+
+def test_one_slow_refresh_never_holds_up_the_others(monkeypatch) -> None:
+    """The loop starts each due resource's round on its own; a resource whose round still runs is
+    skipped, not waited for."""
+    import threading
+    import time
+
+    keys = [("ns", f"r{i}") for i in range(5)]
+    monkeypatch.setattr(handlers, "_known", {k: {"metadata": {"namespace": k[0], "name": k[1]}} for k in keys})
+    monkeypatch.setattr(handlers, "_dirty", set(keys))
+    monkeypatch.setattr(handlers, "_last_refresh", {})
+    monkeypatch.setattr(handlers, "_drifted", set())
+    monkeypatch.setattr(handlers, "_locks", {})
+    monkeypatch.setattr(handlers, "_indices", {})
+    monkeypatch.setattr(handlers, "TICK_S", 0.05)
+    release, done, calls = threading.Event(), [], []
+
+    def refresh(body, seen, logger) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        handlers._dirty.discard(key)
+        handlers._last_refresh[key] = time.monotonic()
+        calls.append(key)
+        if key == ("ns", "r0"):
+            release.wait(10)  # a server that never answers in time
+        done.append(key)
+
+    monkeypatch.setattr(handlers, "refresh_status", refresh)
+
+    async def run() -> None:
+        loop_task = asyncio.create_task(handlers._status_loop(handlers.logging.getLogger("test")))
+        deadline = time.monotonic() + 5
+        while len(done) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        handlers._dirty.add(("ns", "r0"))  # due again while its first round still hangs
+        await asyncio.sleep(0.3)
+        release.set()
+        loop_task.cancel()
+        await asyncio.gather(*handlers._refresh_tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    assert sorted(done[:4]) == keys[1:]  # the four others finished while r0 hung
+    assert calls.count(("ns", "r0")) == 1  # and r0 was not started twice
+
+
+def test_liveness_fails_when_the_status_loop_stalls(monkeypatch) -> None:
+    import time
+
+    import pytest
+
+    monkeypatch.setattr(handlers, "_loop_task", None)
+    monkeypatch.setattr(handlers, "_last_tick", time.monotonic() - 2)
+    assert 1 <= handlers.status_loop_alive() < handlers.LOOP_STALL_S
+    monkeypatch.setattr(handlers, "_last_tick", time.monotonic() - handlers.LOOP_STALL_S - 1)
+    with pytest.raises(handlers.kopf.PermanentError, match="last ticked"):
+        handlers.status_loop_alive()

@@ -25,6 +25,35 @@ AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
 DEFAULT_AGENT_IMAGE = f"ghcr.io/kvpersist/kvpersist-operator:{__version__}"
 AGENT_CONTAINER = "inventory-agent"
 
+# Least privilege (docs/security.md): every container of every pod the operator makes gets these,
+# and every pod a RuntimeDefault seccomp profile and no ServiceAccount token (none of them calls
+# the API server). The images run as root; neither lmcache nor vLLM is known to work as another
+# user, so only the operator's own pod is non-root.
+SECCOMP_PROFILE = "RuntimeDefault"
+# The lmcache server's root filesystem is read-only; /tmp is its scratch (an emptyDir). numba
+# caches lmcache's kernels at import next to their source or in ~/.cache, both read-only then:
+# without a writable NUMBA_CACHE_DIR lmcache 0.5.6 falls back to its CLI-only mode and
+# `lmcache server` exits ("unrecognized arguments"; measured with a read-only root).
+TMP_VOLUME = "tmp"
+TMP_PATH = "/tmp"
+NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
+TMP_SIZE_LIMIT = "1Gi"  # measured: a few hundred KB of numba cache
+
+
+def container_security_context(read_only_root: bool = True) -> dict[str, Any]:
+    """No privilege escalation (setuid binaries, no_new_privs), no Linux capabilities at all, and
+    a read-only root filesystem unless the program must write under it."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": read_only_root,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_security(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """The pod-level controls, added to a pod spec: seccomp, and no ServiceAccount token."""
+    pod_spec["securityContext"] = {"seccompProfile": {"type": SECCOMP_PROFILE}}
+    pod_spec["automountServiceAccountToken"] = False
+    return pod_spec
+
+
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
 MEMORY_OVERHEAD_GIB = 5
 MEMORY_LIMIT_FACTOR = 1.5
@@ -167,7 +196,8 @@ def _probe(port_name: str, period: int, failures: int) -> dict[str, Any]:
 
 def server_container(target: Target) -> dict[str, Any]:
     srv = target.spec.lmcache_server
-    env: list[dict[str, Any]] = [{"name": "LMCACHE_DISABLE_BANNER", "value": "1"}]
+    env: list[dict[str, Any]] = [{"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
+                                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}]
     bucket = target.spec.l2.hf_bucket
     if bucket is not None:
         # The token reaches the server only through the environment, from the Secret.
@@ -189,14 +219,16 @@ def server_container(target: Target) -> dict[str, Any]:
         "startupProbe": _probe("http", 1, 600),
         "readinessProbe": _probe("http", 5, 3),
         "livenessProbe": _probe("http", 10, 6),
+        # Runs as its image's user (root: the image is not known to work as another), without any
+        # capability: what it writes (L2 folder, /tmp) it creates and owns itself.
+        "securityContext": container_security_context(),
     }
     mounts = []
     if target.spec.l2.nvme is not None:
         mounts.append({"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
     if target.key_secret is not None:
         mounts.append({"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True})
-    if mounts:
-        container["volumeMounts"] = mounts
+    container["volumeMounts"] = [*mounts, {"name": TMP_VOLUME, "mountPath": TMP_PATH}]
     return container
 
 
@@ -237,10 +269,12 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "readinessProbe": probe,
         "livenessProbe": probe,
         "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}],
-        # It must read, and on request delete, files the lmcache server wrote as whatever user its
-        # image runs as: uid 0 with only DAC_OVERRIDE, nothing else, and a read-only root.
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
+        # It must read, and on request delete, files the lmcache server wrote as its image's user
+        # (root, 0644 files in 0755 folders): uid 0 with only DAC_OVERRIDE, nothing else, and a
+        # read-only root. Not a shared non-root uid with fsGroup: the server stays root (above), and
+        # folders written by earlier versions are root's on volumes whose plugin ignores fsGroup.
+        "securityContext": {**container_security_context(), "runAsUser": 0, "runAsNonRoot": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
     }
 
 
@@ -254,14 +288,15 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     containers = [server_container(target)]
     if spec.l2.nvme is not None:
         containers.append(agent_container(target, image_of_agent or agent_image()))
-    pod_spec: dict[str, Any] = {
+    pod_spec: dict[str, Any] = pod_security({
         "containers": containers,
-        # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace.
+        # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace. It is why these pods
+        # need the privileged Pod Security level (baseline forbids host namespaces; docs/security.md).
         "hostIPC": True,
         "terminationGracePeriodSeconds": 60,
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}]}},
-    }
+    })
     if spec.vllm.node_selector:
         pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
     if spec.vllm.tolerations:
@@ -277,8 +312,8 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     volumes = [v for v in (key_volume(target),) if v]
     if nvme is not None and nvme.existing_claim_name:
         volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}})
-    if volumes:
-        pod_spec["volumes"] = volumes
+    volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})
+    pod_spec["volumes"] = volumes
     if nvme is not None and not nvme.existing_claim_name:
         claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(nvme.size)}}}
         if nvme.storage_class_name:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.builders.connection import kv_transfer_config_json
+from kvpersist.builders.lmcache import container_security_context, pod_security
 from kvpersist.builders.target import SERVER, VLLM, Target
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
@@ -64,12 +65,18 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        # No capabilities, no privilege escalation. The root filesystem stays writable: vLLM
+        # downloads the model into its Hugging Face cache and compiles kernels (torch.compile,
+        # Triton, FlashInfer) into caches under $HOME and /tmp, whose paths vary with the image and
+        # the version; an image may also ship the model in that cache (docs/security.md).
+        "securityContext": container_security_context(read_only_root=False),
     }
-    pod_spec: dict[str, Any] = {
+    pod_spec: dict[str, Any] = pod_security({
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-    }
+    })
     if target.cache_enabled:
+        # As for the lmcache server: CUDA IPC needs it, and it needs the privileged Pod Security level.
         pod_spec["hostIPC"] = True
         pod_spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}

@@ -142,8 +142,8 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
     if spec.l2.nvme is not None and target.cache_enabled:
         volumes = []
-        for pod, ip in sorted(running):
-            inv = fetch_inventory(ip, spec.lmcache_server.agent_port) if ip else None
+        pods = sorted(running)
+        for (pod, _ip), inv in zip(pods, _inventories(pods, spec.lmcache_server.agent_port), strict=True):
             if inv is None:  # a partial inventory would make totals flap: keep the last whole one
                 volumes = []
                 break
@@ -187,6 +187,15 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         inventory=inventory,
         budget_bytes=spec.l2.nvme.budget_bytes if spec.l2.nvme is not None else None,
     )
+
+
+def _inventories(pods: list[tuple[str, str | None]], port: int) -> list[Inventory | None]:
+    """Every agent's inventory, asked in parallel: each call is bounded (kvpersist.httpclient), so
+    the round costs one deadline however many agents are slow."""
+    if not pods:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(pods))) as pool:
+        return list(pool.map(lambda pi: fetch_inventory(pi[1], port) if pi[1] else None, pods))
 
 
 def _key_problem(target: Target) -> tuple[str, str] | None:

@@ -40,7 +40,7 @@ NEEDED = {
                      "networkpolicies.networking.k8s.io") for v in ("list", "watch")} | {
     ("pods", "list"), ("pods", "watch"), ("persistentvolumeclaims", "get"), ("persistentvolumeclaims", "list"),
     ("persistentvolumeclaims", "watch"), ("secrets", "get"), ("secrets", "create"),  # create: L2's generated key
-    ("events", "create")}
+    ("events", "create"), ("events", "list")}  # list: a StatefulSet's FailedCreate (PodsForbidden)
 DEFAULTS = {("selfsubjectaccessreviews.authorization.k8s.io", "create"),
             ("selfsubjectrulesreviews.authorization.k8s.io", "create"),
             ("selfsubjectreviews.authentication.k8s.io", "create")} | {

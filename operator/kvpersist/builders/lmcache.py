@@ -9,6 +9,7 @@ from typing import Any
 
 from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction
+from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import (
     HF_TOKEN_ENV,
     L2_KEY_FILE,
@@ -25,11 +26,6 @@ AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
 DEFAULT_AGENT_IMAGE = f"ghcr.io/kvpersist/kvpersist-operator:{__version__}"
 AGENT_CONTAINER = "inventory-agent"
 
-# Least privilege (docs/security.md): every container of every pod the operator makes gets these,
-# and every pod a RuntimeDefault seccomp profile and no ServiceAccount token (none of them calls
-# the API server). The images run as root; neither lmcache nor vLLM is known to work as another
-# user, so only the operator's own pod is non-root.
-SECCOMP_PROFILE = "RuntimeDefault"
 # The lmcache server's root filesystem is read-only; /tmp is its scratch (an emptyDir). numba
 # caches lmcache's kernels at import next to their source or in ~/.cache, both read-only then:
 # without a writable NUMBA_CACHE_DIR lmcache 0.5.6 falls back to its CLI-only mode and
@@ -38,20 +34,6 @@ TMP_VOLUME = "tmp"
 TMP_PATH = "/tmp"
 NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
 TMP_SIZE_LIMIT = "1Gi"  # measured: a few hundred KB of numba cache
-
-
-def container_security_context(read_only_root: bool = True) -> dict[str, Any]:
-    """No privilege escalation (setuid binaries, no_new_privs), no Linux capabilities at all, and
-    a read-only root filesystem unless the program must write under it."""
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": read_only_root,
-            "capabilities": {"drop": ["ALL"]}}
-
-
-def pod_security(pod_spec: dict[str, Any]) -> dict[str, Any]:
-    """The pod-level controls, added to a pod spec: seccomp, and no ServiceAccount token."""
-    pod_spec["securityContext"] = {"seccompProfile": {"type": SECCOMP_PROFILE}}
-    pod_spec["automountServiceAccountToken"] = False
-    return pod_spec
 
 
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.builders.connection import kv_transfer_config_json
-from kvpersist.builders.lmcache import container_security_context, pod_security
+from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import SERVER, VLLM, Target
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.

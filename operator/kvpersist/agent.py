@@ -5,7 +5,9 @@ what its lazy index has seen since a restart). The agent reads the volume itself
 gives bytes, objects and last write per namespace folder; POST /gc deletes one named folder when
 the operator asks. It refuses the namespace its own server serves, whatever the caller says; the
 operator refuses every other namespace still in use before asking. Reached only by the operator
-(the lmcache NetworkPolicy admits nothing else to this port).
+(the lmcache NetworkPolicy admits nothing else to this port), and both /inventory and /gc need
+the resource's agent token (a bearer token from an owned Secret, mounted as a file): where the
+policy is not enforced, nobody else can delete or list.
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
 0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
@@ -17,6 +19,7 @@ deletes that folder's oldest chunk files until it holds at most the capacity.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import threading
@@ -46,6 +49,26 @@ TRIM_PERIOD_S = 30.0
 MAX_TRIM_PERIOD_S = 3600.0
 
 
+class TokenFile:
+    """The token from a mounted Secret, read again when the file changes: the kubelet updates a
+    Secret volume in place, and a re-created Secret must not lock the operator out until a restart."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._value = ""
+
+    @property
+    def value(self) -> str:
+        try:
+            st = self.path.stat()
+            if (st.st_mtime_ns, st.st_ino) != self._stamp:
+                self._value, self._stamp = self.path.read_text().strip(), (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            pass  # keep the last one read
+        return self._value
+
+
 class Agent:
     """Scans (cached for SCAN_TTL_S), deletes and trims; one deletion or trim at a time.
 
@@ -58,8 +81,10 @@ class Agent:
     nothing to trim (tests/integration/test_capacity.py)."""
 
     def __init__(self, root: Path, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
-                 capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S) -> None:
+                 capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
+                 token: str | TokenFile | None = None) -> None:
         self.root = root
+        self.token = token
         self.serving = serving
         self.scan_ttl_s = scan_ttl_s
         self.capacity_bytes = capacity_bytes
@@ -94,6 +119,16 @@ class Agent:
             self._scan = None
         log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, removed.bytes, removed.objects)
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
+
+    def authorized(self, header: str | None, deleting: bool) -> tuple[bool, str]:
+        """Whether a request may go on, and why not. With a token (the operator renders one from
+        the resource's own Secret) every /inventory and /gc must carry it; without one, /gc is off."""
+        expected = self.token.value if isinstance(self.token, TokenFile) else self.token
+        if not expected:
+            return (not deleting, "this agent was started without --token-file: /gc is off")
+        given = (header or "").removeprefix("Bearer ").strip()
+        ok = hmac.compare_digest(given.encode(), expected.encode())
+        return ok, "" if ok else "missing or wrong bearer token"
 
     @property
     def trimming(self) -> bool:
@@ -154,6 +189,10 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
             if url.path == "/healthz":
                 self._send(200, {"status": "ok"})
             elif url.path == "/inventory":
+                ok, why = agent.authorized(self.headers.get("Authorization"), deleting=False)
+                if not ok:
+                    self._send(401, {"error": why})
+                    return
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
                 self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim})
             else:
@@ -162,6 +201,11 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
         def do_POST(self) -> None:
             if urlparse(self.path).path != "/gc":
                 self._send(404, {"error": "not found"})
+                return
+            ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True)
+            if not ok:
+                log.warning("refused /gc from %s: %s", self.client_address[0], why)
+                self._send(403 if "without --token-file" in why else 401, {"error": why})
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -180,13 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serving", help="the namespace id this pod's lmcache server serves (never deleted)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--token-file", type=Path,
+                        help="a file holding the bearer token /inventory and /gc require (the resource's agent-token "
+                        "Secret); without it /gc is off")
     parser.add_argument("--capacity-bytes", type=_positive_int,
                         help="keep the --serving namespace's folder at most this big (oldest chunk files deleted first)")
     parser.add_argument("--trim-period", type=_period, default=TRIM_PERIOD_S, metavar="SECONDS",
                         help=f"seconds between two trims (default {TRIM_PERIOD_S:.0f}, at most {MAX_TRIM_PERIOD_S:.0f})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period)
+    token = TokenFile(args.token_file) if args.token_file else None
+    if token is not None and not token.value:
+        parser.error(f"--token-file {args.token_file} is empty")
+    agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period, token=token)
     if args.capacity_bytes and not args.serving:
         log.warning("--capacity-bytes without --serving: nothing to trim")
     server = make_server(agent, args.host, args.port)

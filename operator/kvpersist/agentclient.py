@@ -72,11 +72,16 @@ class GcBody(BaseModel):
     error: str | None = None
 
 
-def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S) -> Inventory | None:
+def auth(token: str | None) -> dict[str, str] | None:
+    """The agent's bearer token as a header (the agent refuses /gc, and /inventory, without it)."""
+    return {"Authorization": f"Bearer {token}"} if token else None
+
+
+def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S, token: str | None = None) -> Inventory | None:
     """The agent's last scan of its volume; None when it does not answer, or answers anything
     but a well-formed inventory (status keeps the last; the reason is logged)."""
     try:
-        reply = httpclient.get(ip, port, "/inventory", timeout=timeout)
+        reply = httpclient.get(ip, port, "/inventory", timeout=timeout, headers=auth(token))
         if not reply.ok:
             raise PeerError(f"answered HTTP {reply.status}")
         return httpclient.parse(reply.body, InventoryBody).inventory()
@@ -85,11 +90,13 @@ def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S) -> Inventory
         return None
 
 
-def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
+def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S,
+               token: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached. A body that is
     not a well-formed answer becomes {"error": why}, keeping the code."""
     try:
-        reply = httpclient.post_json(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, timeout=timeout)
+        reply = httpclient.post_json(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, timeout=timeout,
+                                     headers=auth(token))
     except PeerError as exc:
         return 0, {"error": f"agent at {ip}:{port} unreachable: {exc}"}
     try:

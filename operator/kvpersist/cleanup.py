@@ -52,13 +52,15 @@ def result(request: Mapping[str, str], outcome: str, message: str, held: Namespa
     return out
 
 
-def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent_port: int) -> dict[str, Any]:
-    """Ask every server pod's agent (pod, ip) to delete the namespace from its volume."""
+def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent_port: int,
+               token: str | None = None) -> dict[str, Any]:
+    """Ask every server pod's agent (pod, ip) to delete the namespace from its volume (with the
+    resource's agent token: an agent refuses /gc without it)."""
     nsid = request["namespaceId"]
     deleted = NamespaceUsage(nsid)
     notes, failures = [], []
     for pod, ip in servers:
-        code, body = request_gc(ip, agent_port, nsid, dry_run=False)
+        code, body = request_gc(ip, agent_port, nsid, dry_run=False, token=token)
         if code == 200 and body.get("deleted"):
             deleted.bytes += int(body.get("bytes") or 0)
             deleted.objects += int(body.get("objects") or 0)

@@ -12,9 +12,12 @@ from pathlib import Path
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvpersist import handlers  # noqa: F401  (registers the kopf handlers)
+    from kvpersist import handlers, leadership  # handlers: registers the kopf handlers
 
     kopf.configure(verbose=args.verbose)
+    peering = None if args.standalone else args.peering
+    priority = args.priority if args.priority is not None else leadership.random_priority()
+    handlers.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
     if args.metrics_port:
         from kvpersist import metrics
 
@@ -26,6 +29,7 @@ def _run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness,
         standalone=args.standalone,
         peering_name=args.peering,
+        priority=priority,
     )
     return 0
 
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--standalone", action="store_true", help="no peering: for one replica only")
     run.add_argument("--peering", default=None, help="KopfPeering name shared by replicas that must not both run")
+    run.add_argument("--priority", type=int, default=None,
+                     help="peering priority (highest live replica works); default: random, so replicas never tie")
     run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     run.add_argument("-v", "--verbose", action="store_true")

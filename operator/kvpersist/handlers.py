@@ -21,12 +21,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import kube, metrics
+from kvpersist import kube, leadership, metrics
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
-from kvpersist.builders.keysecret import build_key_secret
-from kvpersist.builders.target import L2_KEY_BYTES, L2_VOLUME, SERVER, Target
+from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, SERVER, Target
 from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
 from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import (
@@ -108,7 +108,55 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 30
     for group, version, plural in WATCHED:
         settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
+    # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.leadership).
+    settings.peering.priority = _peering["priority"]
+    settings.peering.lifetime = leadership.PEERING_LIFETIME_S
     kube.load_config()
+
+
+# Set by `kvpersist run`: the peering name (None: standalone), this process's id and priority,
+# and the namespaces it watches (kopf peers in each of them then, cluster-wide otherwise).
+_peering: dict[str, Any] = {"name": None, "identity": "", "priority": 0, "namespaces": ()}
+PEERING_CHECK_S = 2.0
+_active_seen: dict[str | None, tuple[float, bool]] = {}
+
+
+def set_peering(name: str | None, identity: str, priority: int, namespaces: tuple[str, ...] = ()) -> None:
+    _peering.update(name=name, identity=identity, priority=priority, namespaces=tuple(namespaces))
+    _active_seen.clear()
+
+
+def active(now: float, namespace: str | None) -> bool:
+    """Whether this replica may write status for a resource in namespace: always when standalone;
+    with peering, when the peering object kopf uses there says so (read at most every
+    PEERING_CHECK_S per object). Blocking."""
+    if not _peering["name"]:
+        return True
+    scope = namespace if _peering["namespaces"] else None
+    seen = _active_seen.get(scope)
+    if seen is not None and now - seen[0] < PEERING_CHECK_S:
+        return seen[1]
+    try:
+        if scope is None:
+            record = kube.get_cluster("kopf.dev/v1", "ClusterKopfPeering", _peering["name"])
+        else:
+            record = kube.get("kopf.dev/v1", "KopfPeering", _peering["name"], scope)
+    except ApiException:
+        record = None
+    verdict = leadership.is_active(record, _peering["identity"], _peering["priority"])
+    if seen is None or verdict != seen[1]:
+        logging.getLogger("kvpersist").info("this replica is %s%s", "active" if verdict else "standing by (a peer is active)",
+                                            f" in {scope}" if scope else "")
+    _active_seen[scope] = (now, verdict)
+    return verdict
+
+
+def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str]]:
+    """The keys this replica may refresh. Each peering scope is checked every tick, keys or not,
+    so a standby knows (and says) it is one even before it has seen any resource."""
+    for scope in _peering["namespaces"] or (None,):
+        active(now, scope)
+    return [k for k in keys if active(now, k[0])]
 
 
 def _target(body: Mapping[str, Any]) -> tuple[Target, Resolution]:
@@ -142,8 +190,9 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
     if spec.l2.nvme is not None and target.cache_enabled:
         volumes = []
-        pods = sorted(running)
-        for (pod, _ip), inv in zip(pods, _inventories(pods, spec.lmcache_server.agent_port), strict=True):
+        agents = sorted(running)
+        token = _agent_token(target)
+        for (pod, _ip), inv in zip(agents, _inventories(agents, spec.lmcache_server.agent_port, token), strict=True):
             if inv is None:  # a partial inventory would make totals flap: keep the last whole one
                 volumes = []
                 break
@@ -189,13 +238,35 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     )
 
 
-def _inventories(pods: list[tuple[str, str | None]], port: int) -> list[Inventory | None]:
+def _inventories(pods: list[tuple[str, str | None]], port: int, token: str | None) -> list[Inventory | None]:
     """Every agent's inventory, asked in parallel: each call is bounded (kvpersist.httpclient), so
     the round costs one deadline however many agents are slow."""
     if not pods:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(pods))) as pool:
-        return list(pool.map(lambda pi: fetch_inventory(pi[1], port) if pi[1] else None, pods))
+        return list(pool.map(lambda pi: fetch_inventory(pi[1], port, token=token) if pi[1] else None, pods))
+
+
+AGENT_TOKEN_TTL_S = 300.0
+_agent_tokens: dict[tuple[str, str], tuple[float, str | None]] = {}
+
+
+def _agent_token(target: Target) -> str | None:
+    """The resource's agent token, from its Secret, read at most every AGENT_TOKEN_TTL_S (and again
+    after a failed read). Never logged."""
+    key = (target.namespace, target.name)
+    cached = _agent_tokens.get(key)
+    now = time.monotonic()
+    if cached and cached[1] and now - cached[0] < AGENT_TOKEN_TTL_S:
+        return cached[1]
+    try:
+        secret = kube.get("v1", "Secret", target.agent_token_secret, target.namespace)
+    except ApiException:
+        secret = None
+    raw = ((secret or {}).get("data") or {}).get(AGENT_TOKEN_KEY)
+    token = base64.b64decode(raw).decode().strip() if raw else None
+    _agent_tokens[key] = (now, token)
+    return token
 
 
 def _key_problem(target: Target) -> tuple[str, str] | None:
@@ -380,9 +451,14 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
                         key_secret["metadata"]["name"])
             kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
                             "L2's master key; it is kept when this resource is deleted (the data needs it)")
+        token_secret = build_agent_token_secret(target)
+        if token_secret is not None:  # before the agents, which read it at start; never applied over
+            kopf.append_owner_reference(token_secret, owner=body)
+            kube.create_if_absent(token_secret)
         for manifest in build_all(target):
             kopf.append_owner_reference(manifest, owner=body)
-            kube.apply(manifest)
+            applied = kube.apply(manifest)
+            _note_own_write(applied)
             metrics.inc("kvpersist_applies_total")
     except ApiException as exc:
         metrics.inc("kvpersist_apply_errors_total")
@@ -451,7 +527,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
             servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
                        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
                        and not p["metadata"].get("deletionTimestamp")]
-            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port)
+            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target))
         else:
             bucket = target.spec.l2.hf_bucket
             assert bucket is not None
@@ -507,6 +583,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _dirty.discard(key)
         _hits.forget(key)
         _routes_pending.discard(key)
+        _agent_tokens.pop(key, None)
         _drifted.discard(key)
         _locks.pop(key, None)
         metrics.set_phase(key[0], key[1], None)
@@ -553,6 +630,15 @@ async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
 @kopf.index("", "v1", "persistentvolumeclaims")
 async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
     return index_entry(body)
+
+
+def _note_own_write(obj: Mapping[str, Any]) -> None:
+    """The generation the operator's own apply left a child at: its watch event is no drift. (If an
+    apply changes something every time, e.g. a field the API server stores otherwise than sent,
+    the child would otherwise look edited after every apply and be applied again each tick.)"""
+    meta = obj.get("metadata") or {}
+    if meta.get("generation") is not None:
+        _child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = meta["generation"]
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str, on_edit: bool) -> None:
@@ -669,11 +755,14 @@ def status_loop_alive(**_: Any) -> float:
 
 async def _status_loop(logger: logging.Logger) -> None:
     global _last_tick
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(TICK_S)
         _last_tick = time.monotonic()
         restore = {key for key in _drifted if key in _known}
         keys = sorted(set(due(time.monotonic())) | restore)
+        # Where a peer is active, its status, not ours from caches kopf has paused.
+        keys = await loop.run_in_executor(_refresh_pool, _active_keys, keys, _last_tick)
         live = _live() if keys else frozenset()
         for key in keys:
             body = _known.get(key)

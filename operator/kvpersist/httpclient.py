@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -122,9 +123,14 @@ def _connect(host: str, port: int, deadline: float) -> socket.socket:
     raise last
 
 
-def _head(method: str, host: str, port: int, path: str, body: bytes | None, content_type: str | None) -> bytes:
+def _head(method: str, host: str, port: int, path: str, body: bytes | None, content_type: str | None,
+          headers: Mapping[str, str] | None = None) -> bytes:
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lines = [f"{method} {path} HTTP/1.1", f"Host: {authority}", "User-Agent: kvpersist", "Connection: close"]
+    for name, value in (headers or {}).items():
+        if any(c in name + value for c in "\r\n"):
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}")
     if body is not None:
         lines += [f"Content-Type: {content_type or 'application/octet-stream'}", f"Content-Length: {len(body)}"]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
@@ -167,7 +173,7 @@ def _reason(exc: BaseException, timeout: float) -> str:
 
 
 def request(method: str, host: str, port: int, path: str, *, timeout: float, max_bytes: int,
-            body: bytes | None = None, content_type: str | None = None) -> Reply:
+            body: bytes | None = None, content_type: str | None = None, headers: Mapping[str, str] | None = None) -> Reply:
     """One HTTP/1.1 call, over within timeout seconds in all, with a body of at most max_bytes.
     Any status code is a Reply; everything else (refused, unresolvable, too slow, too large,
     truncated, not HTTP) is a PeerError with the reason."""
@@ -176,7 +182,7 @@ def request(method: str, host: str, port: int, path: str, *, timeout: float, max
     try:
         sock = _connect(host, port, deadline)
         sock.settimeout(_remaining(deadline))
-        sock.sendall(_head(method, host, port, path, body, content_type) + (body or b""))
+        sock.sendall(_head(method, host, port, path, body, content_type, headers) + (body or b""))
         resp = http.client.HTTPResponse(_Wire(sock, deadline), method=method)  # type: ignore[arg-type]
         resp.begin()
         return Reply(resp.status, _read_body(resp, max_bytes))
@@ -191,13 +197,15 @@ def request(method: str, host: str, port: int, path: str, *, timeout: float, max
             sock.close()
 
 
-def get(host: str, port: int, path: str, *, timeout: float, max_bytes: int = MAX_JSON_BYTES) -> Reply:
-    return request("GET", host, port, path, timeout=timeout, max_bytes=max_bytes)
+def get(host: str, port: int, path: str, *, timeout: float, max_bytes: int = MAX_JSON_BYTES,
+        headers: Mapping[str, str] | None = None) -> Reply:
+    return request("GET", host, port, path, timeout=timeout, max_bytes=max_bytes, headers=headers)
 
 
-def post_json(host: str, port: int, path: str, payload: Any, *, timeout: float, max_bytes: int = MAX_JSON_BYTES) -> Reply:
+def post_json(host: str, port: int, path: str, payload: Any, *, timeout: float, max_bytes: int = MAX_JSON_BYTES,
+              headers: Mapping[str, str] | None = None) -> Reply:
     return request("POST", host, port, path, timeout=timeout, max_bytes=max_bytes, body=json.dumps(payload).encode(),
-                   content_type="application/json")
+                   content_type="application/json", headers=headers)
 
 
 def _json_type(value: Any) -> str:

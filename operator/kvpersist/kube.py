@@ -66,6 +66,14 @@ def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any
         return None
 
 
+def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+    """A cluster-scoped object, or None."""
+    try:
+        return _resource(api_version, kind).get(name=name, _request_timeout=REQUEST_TIMEOUT_S).to_dict()
+    except NotFoundError:
+        return None
+
+
 def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
     """Every object of a kind, in one namespace or (None) all of them."""
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S)

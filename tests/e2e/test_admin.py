@@ -8,6 +8,7 @@ refused (in use); `gc A --no-dry-run` frees exactly A's bytes and leaves B byte-
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -112,6 +113,27 @@ def test_gc_dry_run_changes_nothing_and_live_is_refused(kubectl: Kubectl, scenar
     assert bad.returncode == 2
     assert {nsid: files_state(volume / nsid) for nsid in (a, b)} == before
     assert "gc" not in kvns_status(kubectl, ns)  # nothing reached the operator
+
+
+def test_the_agent_refuses_anyone_without_the_resources_token(kubectl: Kubectl, scenario: dict) -> None:
+    """The inventory agent on the server pod's IP, asked directly (this test process stands in for
+    another pod: the local cluster enforces no NetworkPolicy, so only the token stands between):
+    without the token, or with a wrong one, /gc deletes nothing and /inventory lists nothing."""
+    from kvpersist.agentclient import fetch_inventory, request_gc
+
+    ns, volume, a = scenario["ns"], scenario["volume"], scenario["a"]
+    ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]
+    before = files_state(volume / a)
+    for token in (None, "0" * 64):
+        code, body = request_gc(ip, 8090, a, dry_run=False, timeout=10, token=token)
+        assert code == 401 and "token" in body["error"], (code, body)
+        assert fetch_inventory(ip, 8090, token=token) is None
+    assert files_state(volume / a) == before
+    secret = kubectl.get("secret", f"{NAME}-agent-token", ns)
+    assert secret["metadata"]["ownerReferences"][0]["name"] == NAME  # the resource's own: gone with it
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    inv = fetch_inventory(ip, 8090, token=token)
+    assert inv is not None and a in {n.namespace_id for n in inv.namespaces}
 
 
 def test_gc_frees_exactly_the_orphan_and_leaves_the_rest_identical(kubectl: Kubectl, scenario: dict) -> None:

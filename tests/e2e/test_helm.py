@@ -29,7 +29,7 @@ RELEASE = "kvpersist"
 # ones every authenticated user has by default (self reviews), which can-i --list also prints.
 NEEDED = {
     ("customresourcedefinitions.apiextensions.k8s.io", v) for v in ("list", "watch")
-} | {("clusterkopfpeerings.kopf.dev", v) for v in ("list", "watch", "patch", "get")} | {
+} | {(r, v) for r in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev") for v in ("list", "watch", "patch", "get")} | {
     ("kvcachenamespaces.kvpersist.dev", v) for v in ("list", "watch", "patch")
 } | {("kvcachenamespaces.kvpersist.dev/status", "patch")} | {
     (r, v) for r in ("statefulsets.apps", "deployments.apps", "services", "configmaps",

@@ -113,13 +113,14 @@ def _l2_dir(scenario: dict, namespace_id: str | None) -> Path:
     return scenario["work"] / "pods" / "volumes" / scenario["ns"] / f"l2-{NAME}-lmcache-0" / str(namespace_id)
 
 
-def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict) -> None:
+def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict, fault_log) -> None:
     """Drift: the NetworkPolicy that keeps the admin port closed, the Service vLLM connects
     through and the connection ConfigMap, each deleted, and the Service's selector edited, are
     applied again by the operator within seconds (it watches what it owns)."""
     ns = scenario["ns"]
     t = target_of(manifest(ns))
     children = [("networkpolicy", f"{NAME}-lmcache"), ("service", t.local_service_name), ("configmap", f"{NAME}-connection")]
+    times = []
     for kind, name in children:
         uid = kubectl.get(kind, name, ns)["metadata"]["uid"]
         started = time.monotonic()
@@ -127,7 +128,8 @@ def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict) 
         back = wait_for(f"{kind} {name} to come back", lambda k=kind, n=name, u=uid: (lambda o: o if o and o["metadata"][
             "uid"] != u else None)(json.loads(kubectl.run("get", k, n, "-n", ns, "-o", "json", check=False).stdout or "null")),
             timeout=30, interval=0.2)
-        print(f"\n[drift] {kind} {name} deleted, back after {time.monotonic() - started:.1f}s")
+        times.append(f"{kind} {time.monotonic() - started:.1f}s")
+        print(f"\n[drift] {kind} {name} deleted, back after {times[-1]}")
         assert back["metadata"]["ownerReferences"][0]["name"] == NAME
     kubectl.run("patch", "service", t.local_service_name, "-n", ns, "--type=merge", "-p",
                 json.dumps({"spec": {"selector": {"kvpersist.dev/namespace-id": "kvp-" + "0" * 32}}}))
@@ -135,6 +137,9 @@ def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict) 
         "kvpersist.dev/namespace-id") == t.namespace_id else None)(kubectl.get("service", t.local_service_name, ns)["spec"][
             "selector"]), timeout=30, interval=0.2)
     assert restored["kvpersist.dev/namespace-id"] == t.namespace_id
+    fault_log("owned children deleted by hand (the admin-port NetworkPolicy, the per-id Service, the connection "
+              "ConfigMap), and the Service's selector edited", "each came back, applied again by the operator: "
+              + ", ".join(times) + "; the selector restored")
 
 
 def test_l1_change_rolls_out(kubectl: Kubectl, scenario: dict) -> None:

@@ -25,7 +25,7 @@ import pytest
 
 from kvpersist.api.v1alpha1 import GIB
 from kvpersist.builders.lmcache import agent_container
-from kvpersist.builders.target import L2_MOUNT_PATH
+from kvpersist.builders.target import AGENT_TOKEN_KEY, AGENT_TOKEN_MOUNT_PATH, L2_MOUNT_PATH
 from tests.integration.conftest import REPO, LocalServer, drive, free_port, localize_args, make_target
 
 pytestmark = pytest.mark.datapath
@@ -63,7 +63,13 @@ class AgentProcess:
     on a free loopback port, trimming every TRIM_PERIOD_S instead of every 30 s."""
 
     def __init__(self, srv: LocalServer, log: Path) -> None:
-        args = localize_args(agent_container(srv.target, "unused")["args"], {L2_MOUNT_PATH: srv.volume}, "127.0.0.1")
+        # The token Secret's volume, as the kubelet would make it: one file.
+        token_dir = log.parent / f"{log.stem}-agent-token"
+        token_dir.mkdir(parents=True, exist_ok=True)
+        self.token = "capacity-test-" + os.urandom(8).hex()
+        (token_dir / AGENT_TOKEN_KEY).write_text(self.token)
+        args = localize_args(agent_container(srv.target, "unused")["args"],
+                             {L2_MOUNT_PATH: srv.volume, AGENT_TOKEN_MOUNT_PATH: token_dir}, "127.0.0.1")
         self.port = free_port()
         args[args.index("--port") + 1] = str(self.port)
         self.capacity = int(args[args.index("--capacity-bytes") + 1])
@@ -79,7 +85,8 @@ class AgentProcess:
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers={"Authorization": f"Bearer {self.token}"})
+            with urllib.request.urlopen(req, timeout=5) as r:
                 return json.loads(r.read())
         except OSError:
             return None

@@ -216,3 +216,31 @@ def test_builder_renders_the_adapter_capacity_for_nixl_only() -> None:
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(budget="200Gi"))) == str(200 * GIB)
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs"))) is None
     assert _capacity_arg(_target(enabled=False)) is None  # no namespace served, nothing to hold to a capacity
+
+
+def test_agent_without_a_token_file_refuses_gc_and_rereads_a_changed_token(tmp_path: Path) -> None:
+    """No token configured: /gc is off (403), whoever asks. A token file changed in place (the
+    kubelet updates a Secret volume) is read again, so a re-created Secret does not lock out."""
+    from kvpersist.agent import TokenFile
+    from kvpersist.agentclient import request_gc
+
+    (tmp_path / B).mkdir()
+    (tmp_path / B / "x.bin").write_bytes(b"x")
+    server = make_server(Agent(tmp_path, A), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert request_gc("127.0.0.1", server.server_address[1], B, dry_run=False, token="anything")[0] == 403
+        assert (tmp_path / B / "x.bin").exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    tf = TokenFile(token)
+    assert tf.value == "first"
+    time.sleep(0.01)
+    token.write_text("second")
+    os.utime(token, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert tf.value == "second"
+    token.unlink()
+    assert tf.value == "second"  # a file gone for a moment keeps the last token

@@ -10,7 +10,7 @@ import pytest
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
-from kvpersist.builders.keysecret import build_key_secret
+from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     SERDE_WORKERS,
     build_lmcache_statefulset,
@@ -269,7 +269,7 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
                              "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     closed = build_network_policy(t, None)
-    assert closed["spec"]["ingress"] == []  # operator unknown: admin port closed to the cluster
+    assert "ingress" not in closed["spec"] and closed["spec"]["policyTypes"] == ["Ingress"]  # operator unknown: closed
 
 
 def test_operator_metrics_text() -> None:
@@ -312,7 +312,7 @@ def test_inventory_agent_beside_the_server_with_nvme_only() -> None:
     server, agent = pod["containers"]
     assert agent["image"] == "img:1" and agent["command"] == ["kvpersist"]
     assert agent["args"][:1] == ["agent"] and _flag(agent["args"], "--serving") == t.namespace_id
-    assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"] == server["volumeMounts"][:1]
+    assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"][0] == server["volumeMounts"][0]
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
     bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
     assert [c["name"] for c in bucket["containers"]] == ["lmcache-server"]
@@ -454,3 +454,28 @@ def test_host_ipc_only_where_cuda_ipc_needs_it() -> None:
     assert build_vllm_deployment(target())["spec"]["template"]["spec"]["hostIPC"] is True
     off = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))
     assert "hostIPC" not in build_vllm_deployment(off)["spec"]["template"]["spec"]
+
+
+def test_the_agent_gets_its_token_as_a_file_and_only_the_agent() -> None:
+    t = target()
+    pod = build_lmcache_statefulset(t, "img:1")["spec"]["template"]["spec"]
+    server, agent = pod["containers"]
+    token_file = _flag(agent["args"], "--token-file")
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "agent-token")
+    assert token_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+    assert all(m["name"] != "agent-token" for m in server["volumeMounts"])
+    volume = next(v for v in pod["volumes"] if v["name"] == "agent-token")
+    assert volume["secret"]["secretName"] == f"{t.name}-agent-token" and volume["secret"]["defaultMode"] == 0o400
+    secret = build_agent_token_secret(t)
+    assert secret is not None and secret["metadata"]["name"] == f"{t.name}-agent-token"
+    assert len(base64.b64decode(secret["data"]["token"])) == 64 and build_agent_token_secret(t)["data"] != secret["data"]
+    assert build_agent_token_secret(target("hf-bucket")) is None  # no agent without a volume
+
+
+def test_a_policy_without_rules_renders_no_ingress_key() -> None:
+    """`ingress: []` is stored as absent: applied each time, it would bump the generation forever."""
+    from kvpersist.builders.networkpolicy import build_network_policy
+
+    t = target()
+    assert "ingress" not in build_network_policy(t, None)["spec"]
+    assert build_network_policy(t, "kvpersist-system")["spec"]["ingress"]

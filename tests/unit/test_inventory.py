@@ -20,6 +20,7 @@ from kvpersist.inventory import group, mark_orphans, rank, remove_namespace, sca
 from tests.fsstate import files_state
 
 A, B, C = "kvp-" + "a" * 32, "kvp-" + "b" * 32, "kvp-" + "c" * 32
+TOKEN = "t0ken" * 12  # the resource's agent token
 
 
 def _write(root: Path, nsid: str, n: int, size: int, mtime: float) -> None:
@@ -74,21 +75,26 @@ def test_remove_namespace_touches_nothing_else(tmp_path: Path) -> None:
 def test_agent_over_http_refuses_its_own_namespace_and_deletes_an_orphan(tmp_path: Path) -> None:
     _write(tmp_path, A, 2, 1000, 1.0)
     _write(tmp_path, B, 3, 10, 1.0)
-    server = make_server(Agent(tmp_path, serving=A), "127.0.0.1", 0)
+    server = make_server(Agent(tmp_path, serving=A, token=TOKEN), "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     port = server.server_address[1]
     try:
-        inv = fetch_inventory("127.0.0.1", port)
+        inv = fetch_inventory("127.0.0.1", port, token=TOKEN)
         assert inv is not None and {n.namespace_id: n.bytes for n in inv.namespaces} == {A: 2000, B: 30}
-        assert request_gc("127.0.0.1", port, A, dry_run=False)[0] == 409 and (tmp_path / A).exists()
-        assert request_gc("127.0.0.1", port, "../etc", dry_run=False)[0] == 400
-        assert request_gc("127.0.0.1", port, C, dry_run=False)[0] == 404
-        code, body = request_gc("127.0.0.1", port, B, dry_run=True)
+        # Without the resource's token, or with another, nothing is listed or deleted.
+        assert fetch_inventory("127.0.0.1", port) is None and fetch_inventory("127.0.0.1", port, token="x" * 64) is None
+        assert request_gc("127.0.0.1", port, B, dry_run=False)[0] == 401 and (tmp_path / B).exists()
+        assert request_gc("127.0.0.1", port, B, dry_run=False, token=TOKEN[:-1])[0] == 401 and (tmp_path / B).exists()
+        assert request_gc("127.0.0.1", port, A, dry_run=False, token=TOKEN)[0] == 409 and (tmp_path / A).exists()
+        assert request_gc("127.0.0.1", port, "../etc", dry_run=False, token=TOKEN)[0] == 400
+        assert request_gc("127.0.0.1", port, C, dry_run=False, token=TOKEN)[0] == 404
+        code, body = request_gc("127.0.0.1", port, B, dry_run=True, token=TOKEN)
         assert code == 200 and body["bytes"] == 30 and not body["deleted"] and (tmp_path / B).exists()
-        code, body = request_gc("127.0.0.1", port, B, dry_run=False)
+        code, body = request_gc("127.0.0.1", port, B, dry_run=False, token=TOKEN)
         assert code == 200 and body["deleted"] and (body["bytes"], body["objects"]) == (30, 3) and not (tmp_path / B).exists()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/inventory", timeout=5) as resp:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/inventory", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
             assert [n["namespaceId"] for n in json.loads(resp.read())["namespaces"]] == [A]
     finally:
         server.shutdown()
@@ -162,17 +168,18 @@ def test_gc_volumes_through_real_agents(tmp_path: Path) -> None:
         _write(root, A, 1, 10, 1.0)
         if i == 0:
             _write(root, B, 2, 100, 1.0)
-        server = make_server(Agent(root, serving=A), "127.0.0.1", 0)
+        server = make_server(Agent(root, serving=A, token=TOKEN), "127.0.0.1", 0)
         threads.append(threading.Thread(target=server.serve_forever, daemon=True))
         threads[-1].start()
         servers.append(server)
     try:
         pods = [(f"p-{i}", "127.0.0.1") for i in range(2)]
         # one agent per port: call each separately, as the operator calls each pod's agent
-        out = [gc_volumes({"requestId": "r", "namespaceId": B}, [pods[i]], s.server_address[1]) for i, s in enumerate(servers)]
+        out = [gc_volumes({"requestId": "r", "namespaceId": B}, [pods[i]], s.server_address[1], TOKEN)
+               for i, s in enumerate(servers)]
         assert out[0]["outcome"] == "Deleted" and (out[0]["bytes"], out[0]["objects"]) == (200, 2)
         assert out[1]["outcome"] == "NotFound"
-        refused = gc_volumes({"requestId": "r", "namespaceId": A}, [pods[0]], servers[0].server_address[1])
+        refused = gc_volumes({"requestId": "r", "namespaceId": A}, [pods[0]], servers[0].server_address[1], TOKEN)
         assert refused["outcome"] == "Failed" and "serves" in refused["message"] and (tmp_path / "v0" / A).exists()
         assert gc_volumes({"requestId": "r", "namespaceId": B}, [], 1)["outcome"] == "NotFound"
     finally:

@@ -121,3 +121,19 @@ def test_liveness_fails_when_the_status_loop_stalls(monkeypatch) -> None:
     monkeypatch.setattr(handlers, "_last_tick", time.monotonic() - handlers.LOOP_STALL_S - 1)
     with pytest.raises(handlers.kopf.PermanentError, match="last ticked"):
         handlers.status_loop_alive()
+
+
+def test_the_operators_own_apply_is_not_drift(monkeypatch) -> None:
+    """A child whose stored form differs from what is applied (e.g. `ingress: []` stored as absent)
+    gets a new generation on every apply; that event must not count as someone's edit, or the
+    operator would apply it again every tick."""
+    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}})
+    monkeypatch.setattr(handlers, "_drifted", set())
+    monkeypatch.setattr(handlers, "_child_generations", {})
+    applied = _child("a-lmcache", 7)
+    applied["kind"] = "NetworkPolicy"
+    handlers._note_own_write(applied)
+    asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
+    assert handlers._drifted == set()
+    asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
+    assert handlers._drifted == {("ns", "a")}

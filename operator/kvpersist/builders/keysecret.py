@@ -1,5 +1,5 @@
-"""The Secret holding L2's master key, when the operator generates it (spec.l2.encryption with
-no keySecretRef).
+"""The Secrets the operator generates: L2's master key (spec.l2.encryption with no keySecretRef)
+and the inventory agent's bearer token.
 
 Created once, only if absent, and never applied over: a new key makes every stored object
 unreadable (misses, never wrong bytes). It carries no owner reference, so deleting the resource
@@ -12,7 +12,7 @@ import base64
 import secrets
 from typing import Any
 
-from kvpersist.builders.target import L2_KEY_BYTES, MANAGED_BY, Target
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, MANAGED_BY, Target
 
 KEEP_ANNOTATION = "kvpersist.dev/keep"
 
@@ -37,4 +37,24 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
                             "unreadable; kept when the KVCacheNamespace is deleted"},
         },
         "data": {item: base64.b64encode(raw).decode()},
+    }
+
+
+def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any] | None:
+    """The agent's token (NVMe L2 only: no agent otherwise), random unless given. Unlike the key,
+    the resource owns it (the handler adds the reference): worthless once the agents are gone.
+    Created once; a token that changed under a running agent would lock the operator out of it."""
+    if target.spec.l2.nvme is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": target.agent_token_secret,
+            "namespace": target.namespace,
+            "labels": {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": target.name,
+                       "app.kubernetes.io/component": "agent-token", "app.kubernetes.io/managed-by": MANAGED_BY},
+        },
+        "data": {AGENT_TOKEN_KEY: base64.b64encode((token or secrets.token_hex(32)).encode()).decode()},
     }

@@ -11,6 +11,9 @@ from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction
 from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import (
+    AGENT_TOKEN_KEY,
+    AGENT_TOKEN_MOUNT_PATH,
+    AGENT_TOKEN_VOLUME,
     HF_TOKEN_ENV,
     L2_KEY_FILE,
     L2_KEY_MOUNT_PATH,
@@ -233,7 +236,8 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     nixl_store_dynamic it also holds the served folder to the adapter's capacity (the budget, else
     maxCapacityGB), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
     port = target.spec.lmcache_server.agent_port
-    args = ["agent", "--root", L2_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(port)]
+    args = ["agent", "--root", L2_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(port),
+            "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
     nvme = target.spec.l2.nvme
     if target.namespace_id:
         args += ["--serving", target.namespace_id]
@@ -250,7 +254,8 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": probe,
         "livenessProbe": probe,
-        "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}],
+        "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH},
+                         {"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}],
         # It must read, and on request delete, files the lmcache server wrote as its image's user
         # (root, 0644 files in 0755 folders): uid 0 with only DAC_OVERRIDE, nothing else, and a
         # read-only root. Not a shared non-root uid with fsGroup: the server stays root (above), and
@@ -292,6 +297,10 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     }
     nvme = spec.l2.nvme
     volumes = [v for v in (key_volume(target),) if v]
+    if nvme is not None:  # the agent's token, for the agent only
+        volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
+                                                               "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
+                                                               "defaultMode": 0o400}})
     if nvme is not None and nvme.existing_claim_name:
         volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})

@@ -34,11 +34,14 @@ def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, A
             "ports": [{"protocol": "TCP", "port": spec.lmcache_server.http_port},
                       {"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
         })
+    spec_out: dict[str, Any] = {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"]}
+    if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
+        spec_out["ingress"] = rules  # so every apply would count as a change and bump the generation
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": target.metadata(f"{target.name}-lmcache", SERVER),
-        "spec": {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": rules},
+        "spec": spec_out,
     }
 
 

@@ -14,6 +14,10 @@ L2_KEY_VOLUME = "l2-key"
 L2_KEY_MOUNT_PATH = "/etc/kvpersist/l2-key"
 L2_KEY_FILE = "master.key"
 L2_KEY_BYTES = 32
+# The inventory agent's bearer token: a Secret the resource owns, mounted into the agent only.
+AGENT_TOKEN_VOLUME = "agent-token"
+AGENT_TOKEN_MOUNT_PATH = "/etc/kvpersist/agent-token"
+AGENT_TOKEN_KEY = "token"
 MANAGED_BY = "kvpersist"
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 SERVER = "lmcache-server"
@@ -64,6 +68,10 @@ class Target:
         if enc.key_secret_ref is not None:
             return enc.key_secret_ref.name, enc.key_secret_ref.key
         return f"{self.name}-l2-key", "master-key"
+
+    @property
+    def agent_token_secret(self) -> str:
+        return f"{self.name}-agent-token"
 
     @property
     def key_secret_generated(self) -> bool:

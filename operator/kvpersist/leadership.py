@@ -1,0 +1,66 @@
+"""Which replica is active, when several run with kopf peering.
+
+kopf pauses every replica that sees a live peer of higher or equal priority, so replicas started
+with the same priority (a Deployment's pods all get the same args) would all pause. Each process
+therefore takes a random priority: the highest live one works, the others wait, and when it dies
+its record expires after PEERING_LIFETIME_S and the next highest resumes.
+
+kopf pauses only its own handlers. The status loop is the operator's own task, so it asks here,
+reading the same peering record with the same rule, before each round: a paused replica must not
+write status from caches that kopf stopped updating.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+# How long a replica's record counts as alive without a keep-alive; kopf touches it every
+# lifetime minus 5-10 s. Fail-over takes up to about this long after the active one dies.
+PEERING_LIFETIME_S = 15
+POD_ID_ENV = "POD_ID"  # kopf's own name for the peer id (detect_own_id)
+
+
+def own_identity() -> str:
+    """The id kopf will use for this process: POD_ID if set (the chart sets the pod name), else one
+    made here and exported so that kopf and this module agree."""
+    if not os.environ.get(POD_ID_ENV):
+        os.environ[POD_ID_ENV] = f"{socket.gethostname()}-{os.getpid()}-{random.getrandbits(32):08x}"
+    return os.environ[POD_ID_ENV]
+
+
+def random_priority() -> int:
+    """Distinct replicas, distinct priorities (ties would pause them all)."""
+    return random.randint(1, 2**31 - 1)
+
+
+def _alive(info: Mapping[str, Any], now: datetime) -> bool:
+    try:
+        seen = datetime.fromisoformat(str(info["lastseen"]))
+        if seen.tzinfo is None:
+            seen = seen.replace(tzinfo=UTC)
+        return now <= seen + timedelta(seconds=int(info.get("lifetime", PEERING_LIFETIME_S)))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def is_active(peering: Mapping[str, Any] | None, identity: str, priority: int, now: datetime | None = None) -> bool:
+    """kopf's rule for one ClusterKopfPeering object: active unless another live peer has a
+    priority at least as high. Not active before kopf has written our own record (it does so at
+    start), nor when the object cannot be read: better a late status than two writers."""
+    if peering is None:
+        return False
+    peers = peering.get("status") or {}
+    if not isinstance(peers, Mapping) or identity not in peers:
+        return False
+    now = now or datetime.now(UTC)
+    for peer_id, info in peers.items():
+        if peer_id == identity or not isinstance(info, Mapping) or not _alive(info, now):
+            continue
+        if int(info.get("priority", 0)) >= priority:
+            return False
+    return True

@@ -192,6 +192,10 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         volumes = []
         agents = sorted(running)
         token = _agent_token(target)
+        key = (target.namespace, target.name)
+        if token is None and now - _token_missing.get(key, float("-inf")) > TOKEN_REAPPLY_S:
+            _token_missing[key] = now  # its Secret is gone (or was a deleted namesake's): make it again
+            _drifted.add(key)
         for (pod, _ip), inv in zip(agents, _inventories(agents, spec.lmcache_server.agent_port, token), strict=True):
             if inv is None:  # a partial inventory would make totals flap: keep the last whole one
                 volumes = []
@@ -248,6 +252,8 @@ def _inventories(pods: list[tuple[str, str | None]], port: int, token: str | Non
 
 
 AGENT_TOKEN_TTL_S = 300.0
+TOKEN_REAPPLY_S = 15.0  # a missing token Secret is applied again at most this often
+_token_missing: dict[tuple[str, str], float] = {}
 _agent_tokens: dict[tuple[str, str], tuple[float, str | None]] = {}
 
 
@@ -454,7 +460,8 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         token_secret = build_agent_token_secret(target)
         if token_secret is not None:  # before the agents, which read it at start; never applied over
             kopf.append_owner_reference(token_secret, owner=body)
-            kube.create_if_absent(token_secret)
+            if not kube.create_if_absent(token_secret):
+                _adopt(token_secret)
         for manifest in build_all(target):
             kopf.append_owner_reference(manifest, owner=body)
             applied = kube.apply(manifest)
@@ -471,6 +478,19 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         _apply_errors.pop(key, None)
         _routes_pending.add(key)  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
+
+
+def _adopt(wanted: Mapping[str, Any]) -> None:
+    """An existing generated Secret that a deleted resource of the same name owned (deleted and
+    re-created before the garbage collector came): made this resource's, so the collector leaves
+    it. One already being deleted is left to go; the next refresh finds no token and applies again."""
+    meta = wanted["metadata"]
+    current = kube.get(wanted["apiVersion"], wanted["kind"], meta["name"], meta["namespace"])
+    if current is None or current["metadata"].get("deletionTimestamp"):
+        return
+    uids = {ref.get("uid") for ref in current["metadata"].get("ownerReferences") or []}
+    if not {ref["uid"] for ref in meta["ownerReferences"]} <= uids:
+        kube.set_owner(wanted["apiVersion"], wanted["kind"], meta["name"], meta["namespace"], meta["ownerReferences"])
 
 
 def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
@@ -584,6 +604,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _hits.forget(key)
         _routes_pending.discard(key)
         _agent_tokens.pop(key, None)
+        _token_missing.pop(key, None)
         _drifted.discard(key)
         _locks.pop(key, None)
         metrics.set_phase(key[0], key[1], None)

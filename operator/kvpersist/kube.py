@@ -93,6 +93,13 @@ def patch_annotations(api_version: str, kind: str, name: str, namespace: str, an
                      content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
 
 
+def set_owner(api_version: str, kind: str, name: str, namespace: str, owner_refs: list[Mapping[str, Any]]) -> None:
+    """Replaces an object's ownerReferences (JSON merge patch replaces the list)."""
+    res = _resource(api_version, kind)
+    client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"ownerReferences": list(owner_refs)}},
+                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
+
+
 def patch_status(api_version: str, kind: str, name: str, namespace: str, status: Mapping[str, Any]) -> None:
     """JSON merge patch of the status subresource (a None value removes a field)."""
     res = _resource(api_version, kind)

@@ -79,7 +79,7 @@ def test_two_replicas_one_active_and_failover(kubectl: Kubectl, crd: None, tmp_p
         assert "--l1-size-gb" in (args := sts["spec"]["template"]["spec"]["containers"][0]["args"])
         assert args[args.index("--l1-size-gb") + 1] == "0.5"
         fault_log("two operator replicas with peering (random priorities); the active one SIGKILLed",
-                  f"one replica active, the other standing by (it wrote no status); after the kill the standby "
+                  f"one replica active, the other standing by (never active before the kill); after it the standby "
                   f"reconciled the next spec change in {took:.1f}s (peering lifetime {PEERING_LIFETIME_S}s)")
     finally:
         for proc in procs.values():

@@ -780,7 +780,7 @@ async def _status_loop(logger: logging.Logger) -> None:
     while True:
         await asyncio.sleep(TICK_S)
         _last_tick = time.monotonic()
-        restore = {key for key in _drifted if key in _known}
+        restore = set(_drifted) & _known.keys()  # a copy first: worker threads add to _drifted
         keys = sorted(set(due(time.monotonic())) | restore)
         # Where a peer is active, its status, not ours from caches kopf has paused.
         keys = await loop.run_in_executor(_refresh_pool, _active_keys, keys, _last_tick)

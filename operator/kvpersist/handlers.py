@@ -8,7 +8,6 @@ the API server.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import json
 import logging
@@ -41,6 +40,7 @@ from kvpersist.conditions import (
 )
 from kvpersist.conditions import now as condition_now
 from kvpersist.hfbucket import preflight_bucket
+from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution, resolve
 from kvpersist.inventory import Inventory, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
@@ -245,10 +245,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
 def _inventories(pods: list[tuple[str, str | None]], port: int, token: str | None) -> list[Inventory | None]:
     """Every agent's inventory, asked in parallel: each call is bounded (kvpersist.httpclient), so
     the round costs one deadline however many agents are slow."""
-    if not pods:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(pods))) as pool:
-        return list(pool.map(lambda pi: fetch_inventory(pi[1], port, token=token) if pi[1] else None, pods))
+    return in_parallel(lambda pi: fetch_inventory(pi[1], port, token=token) if pi[1] else None, pods, limit=16)
 
 
 AGENT_TOKEN_TTL_S = 300.0
@@ -269,8 +266,8 @@ def _agent_token(target: Target) -> str | None:
         secret = kube.get("v1", "Secret", target.agent_token_secret, target.namespace)
     except ApiException:
         secret = None
-    raw = ((secret or {}).get("data") or {}).get(AGENT_TOKEN_KEY)
-    token = base64.b64decode(raw).decode().strip() if raw else None
+    raw = kube.secret_value(secret, AGENT_TOKEN_KEY)
+    token = raw.decode().strip() if raw else None
     _agent_tokens[key] = (now, token)
     return token
 
@@ -290,10 +287,10 @@ def _key_problem(target: Target) -> tuple[str, str] | None:
         return "KeySecretNotFound", (f"{where} not found in namespace {target.namespace}: create it with {L2_KEY_BYTES} "
                                      f"random bytes, e.g. head -c {L2_KEY_BYTES} /dev/urandom > key && kubectl create "
                                      f"secret generic {name} --from-file={item}=key")
-    raw = (secret.get("data") or {}).get(item)
+    raw = kube.secret_value(secret, item)
     if not raw:
         return "KeySecretKeyMissing", f"{where}: the Secret has no such key; set keySecretRef.key"
-    if len(base64.b64decode(raw)) < L2_KEY_BYTES:
+    if len(raw) < L2_KEY_BYTES:
         return "KeyTooShort", f"{where}: the key has fewer than {L2_KEY_BYTES} bytes; use {L2_KEY_BYTES} random bytes"
     return None
 
@@ -314,8 +311,8 @@ class _SecretOnce:
 
     def token(self) -> str | None:
         ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
-        raw = ((self.get() or {}).get("data") or {}).get(ref.key)
-        return base64.b64decode(raw).decode().strip() if raw else None
+        raw = kube.secret_value(self.get(), ref.key)
+        return raw.decode().strip() if raw else None
 
 
 def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]:
@@ -662,11 +659,12 @@ def _note_own_write(obj: Mapping[str, Any]) -> None:
         _child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = meta["generation"]
 
 
-def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str, on_edit: bool) -> None:
-    """A child of a known resource was deleted, or (on_edit) changed: apply the resource again on
-    the next tick. The operator's own applies change nothing the second time (server-side apply
-    of the same fields writes nothing), so this settles after one round. The initial listing
-    (event type None) is not drift: resume applies everything then anyway."""
+def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
+    """A child of a known resource was deleted, or changed (a new generation, or any change of a
+    kind without one): apply the resource again on the next tick. Status updates keep the
+    generation, so a StatefulSet's or Deployment's rollout is no drift; the operator's own writes
+    are noted by _note_own_write. The initial listing (event type None) is not drift: resume
+    applies everything then anyway."""
     owner = owner_key(body)
     meta = body.get("metadata") or {}
     child = (kind, meta.get("namespace", ""), meta.get("name", ""))
@@ -677,41 +675,39 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str, on
         if kind_of_event is None and meta.get("generation") is not None:
             _child_generations[child] = meta["generation"]
         return
+    generation = meta.get("generation")
     if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
         _drifted.add(owner)
-    elif on_edit:
-        generation = meta.get("generation")
-        if generation is None or _child_generations.get(child) != generation:
-            _drifted.add(owner)
-        if generation is not None:
-            _child_generations[child] = generation
+        return
+    if generation is None or _child_generations.get(child) != generation:
+        _drifted.add(owner)
+    if generation is not None:
+        _child_generations[child] = generation
 
 
 @kopf.on.event("", "v1", "services", labels=_MANAGED)
 async def drift_services(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "Service", on_edit=True)
+    _note_drift(event, body, "Service")
 
 
 @kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
 async def drift_configmaps(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "ConfigMap", on_edit=True)
+    _note_drift(event, body, "ConfigMap")
 
 
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
 async def drift_networkpolicies(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "NetworkPolicy", on_edit=True)
+    _note_drift(event, body, "NetworkPolicy")
 
 
-# StatefulSets and Deployments change status all the time: only a deletion or a new generation
-# (someone edited the spec) is drift.
 @kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
 async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "StatefulSet", on_edit=True)
+    _note_drift(event, body, "StatefulSet")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
 async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "Deployment", on_edit=True)
+    _note_drift(event, body, "Deployment")
 
 
 def _mark_dirty(body: Mapping[str, Any]) -> None:

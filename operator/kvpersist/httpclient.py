@@ -16,7 +16,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -240,3 +241,16 @@ def parse(body: bytes, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise PeerError(problems(exc)) from None
+
+
+R = TypeVar("R")
+MAX_PARALLEL = 32  # peers asked at once: that many stuck ones still cost one deadline together
+
+
+def in_parallel(call: Callable[[Any], R], items: Sequence[Any], limit: int = MAX_PARALLEL) -> list[R]:
+    """call(item) for every item at once, results in order: each call is bounded by its own
+    deadline, so a round over many peers costs one deadline, not one each."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=min(limit, len(items))) as pool:
+        return list(pool.map(call, items))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import logging
@@ -57,6 +58,12 @@ def create_if_absent(manifest: Mapping[str, Any]) -> bool:
     except ConflictError:
         return False
     return True
+
+
+def secret_value(secret: Mapping[str, Any] | None, key: str) -> bytes | None:
+    """One key of a Secret as read (base64 in data), decoded; None when the Secret or key is absent."""
+    raw = ((secret or {}).get("data") or {}).get(key)
+    return base64.b64decode(raw) if raw else None
 
 
 def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:

@@ -9,7 +9,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,7 +19,6 @@ from kvpersist.httpclient import Count, PeerError
 from kvpersist.inventory import iso
 
 STATUS_TIMEOUT_S = 2.0  # all of one server's answer, /status and /metrics together
-MAX_PARALLEL = 32  # servers asked at once: up to this many stuck ones still cost one timeout in all
 # A /metrics body larger than this is not read further: the figures it carries become unknown.
 # lmcache 0.5.6 answers with about 15 KB; each extra (model_name, cache_salt) pair adds ~1 KB.
 MAX_METRICS_BYTES = 4 * 2**20
@@ -473,10 +471,8 @@ def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: fl
     pods = list(pods)
     with_ip = [(p, ip) for p, ip in pods if ip]
     reports = {p: ServerReport(pod=p, healthy=False, message="pod has no IP yet") for p, ip in pods if not ip}
-    if with_ip:
-        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(with_ip))) as pool:
-            for rep in pool.map(lambda pi: fetch_status(pi[0], pi[1], port, timeout), with_ip):
-                reports[rep.pod] = rep
+    for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout), with_ip):
+        reports[rep.pod] = rep
     return [reports[p] for p, _ in pods]
 
 

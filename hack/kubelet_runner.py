@@ -8,6 +8,14 @@ starts them unready and leaves readiness to this runner. What a kubelet and the 
 network would do, and nothing else, is mapped:
   - a claim mounted in a container becomes a folder under --workdir (one per claim, kept across
     pod restarts like a real volume); `0.0.0.0` binds become the pod's IP;
+  - the pod's own loopback: every pod here shares the machine's network namespace, so `127.0.0.1`
+    in a container's args or exec probe becomes an address of the pod's own on the machine's
+    loopback (pod_loopback: 127.16.3.4 -> 127.116.3.4), which no Service, endpoint or pod IP
+    names. A STAND-IN: unlike a pod's loopback, other processes of this machine can reach it;
+    what it shows is that nothing listens on the pod IP;
+  - probes: httpGet and tcpSocket on the pod IP, exec as a process with the container's env;
+  - a command of lmcache, kvpersist or vllm runs this machine's build of it, also as the program
+    (`$0`) of a `sh -c SCRIPT PROGRAM` wrapper;
   - env from Secrets is resolved with kubectl, and a Secret volume becomes files (its items, its
     mode) in a folder of the pod's; an image's own environment (the vLLM CPU build's
     settings) sits under the pod's, which wins, as in a container;
@@ -18,7 +26,9 @@ network would do, and nothing else, is mapped:
   - a container that exits is restarted (restartPolicy Always) and counted in restartCount.
 Containers whose command is `vllm` run the real vLLM (CPU build, --vllm) when the pod's model
 and revision are in --hf-home; otherwise they are SIMULATED: no process, Ready at once, and the
-pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not run.
+pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not run. Nor is a
+container's securityContext applied (user, capabilities, read-only root): processes run as the
+runner's user.
 
     python3 hack/kubelet_runner.py --namespace default [--vllm PATH --hf-home DIR] [--once]
 """
@@ -49,11 +59,23 @@ VLLM_IMAGE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "V
                   "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb: float | None = None) -> list[str]:
+def pod_loopback(pod_ip: str) -> str:
+    """The address standing in for a pod's own 127.0.0.1: its pod IP with 100 added to the second
+    octet (127.16.3.4 -> 127.116.3.4), on the machine's loopback, which no Service names."""
+    parts = pod_ip.split(".")
+    if len(parts) != 4 or parts[0] != "127":
+        raise ValueError(f"pod IP {pod_ip} is not a loopback address: the runner gives pods 127/8 addresses")
+    return f"127.{(int(parts[1]) + 100) % 256}.{parts[2]}.{parts[3]}"
+
+
+def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb: float | None = None,
+                  loopback: str | None = None) -> list[str]:
     """A container's args as run on this machine: mount paths become local folders, the
-    all-interfaces bind address becomes the pod's (loopback) address, L1 optionally capped."""
+    all-interfaces bind address becomes the pod's (loopback) address, the pod's own loopback
+    (127.0.0.1) becomes `loopback` when given (the runner: pod_loopback), L1 optionally capped."""
     out: list[str] = []
     for arg in args:
+        arg = arg.replace("127.0.0.1", loopback) if loopback and "127.0.0.1" in arg else arg
         for mount_path, local in mounts.items():
             arg = arg.replace(mount_path, str(local))
         if out and out[-1] == "--l1-size-gb" and max_l1_gb is not None and float(arg) > max_l1_gb:
@@ -100,6 +122,8 @@ class Probe:
     """A readiness (or startup) probe, run by the book: initial delay, period, thresholds."""
 
     spec: dict
+    exec_argv: list[str] | None = None  # an exec probe's command, as run here
+    env: dict[str, str] | None = None  # an exec probe runs with its container's environment
     passes: int = 0
     fails: int = 0
     last: float = 0.0
@@ -119,6 +143,13 @@ class Probe:
                 with urllib.request.urlopen(f"http://{ip}:{port}{get.get('path', '/')}", timeout=timeout) as r:
                     success = 200 <= r.status < 400
             except (urllib.error.URLError, OSError, ValueError):
+                success = False
+        elif "exec" in self.spec:
+            try:
+                success = subprocess.run(self.exec_argv or ["false"], env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         timeout=timeout).returncode == 0
+            except (OSError, subprocess.SubprocessError):
                 success = False
         else:  # tcpSocket
             port = self.spec["tcpSocket"]["port"]
@@ -222,6 +253,15 @@ class Runner:
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         return env
 
+    def _probe(self, spec: dict | None, pod: dict, env: dict[str, str]) -> Probe | None:
+        if spec is None:
+            return None
+        if "exec" not in spec:
+            return Probe(spec)
+        command = localize_args(spec["exec"]["command"], {}, pod["status"]["podIP"], loopback=pod_loopback(pod["status"]["podIP"]))
+        local = {"python3": sys.executable, "python": sys.executable}  # the image's Python: this runner's
+        return Probe(spec, exec_argv=[local.get(command[0], command[0]), *command[1:]], env=env)
+
     def argv(self, pod: dict, container: dict | None = None) -> list[str]:
         """A container's command line as a kubelet would run it, with its L2 mount mapped."""
         container = container or pod["spec"]["containers"][0]
@@ -232,10 +272,15 @@ class Runner:
         secrets = {v["name"]: v["secret"] for v in pod["spec"].get("volumes", []) if "secret" in v}
         mounts.update({m["mountPath"]: self.secret_dir(pod, m["name"], secrets[m["name"]])
                        for m in container.get("volumeMounts", []) if m["name"] in secrets})
-        out = localize_args(container.get("args", []), mounts, pod["status"]["podIP"], self.max_l1_gb)
-        command = container.get("command", [])
+        ip = pod["status"]["podIP"]
+        out = localize_args(container.get("args", []), mounts, ip, self.max_l1_gb, loopback=pod_loopback(ip))
+        command = list(container.get("command", []))
         local = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm"}
-        return [local.get(command[0], command[0]), *command[1:], *out]
+        if command[:2] == ["sh", "-c"] and len(command) > 3:  # a shell wrapper: its $0 names the program
+            command[3] = local.get(command[3], command[3])
+        else:
+            command[0] = local.get(command[0], command[0])
+        return [*command, *out]
 
     def why_simulated(self, container: dict) -> str:
         """vLLM runs for real only with the CPU build and the pod's model in the local cache."""
@@ -255,13 +300,14 @@ class Runner:
         log.parent.mkdir(parents=True, exist_ok=True)
         # The pod's own /etc/hosts, in a private mount namespace, like a kubelet's per-pod file.
         wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+        env = self._env(spec)
         with log.open("ab") as out:
-            proc = subprocess.Popen([*wrap, *self.argv(pod, spec)], env=self._env(spec), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*wrap, *self.argv(pod, spec)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         c = self.containers[key]
         c.proc, c.started, c.startup_done = proc, time.monotonic(), "startupProbe" not in spec
-        c.startup = Probe(spec["startupProbe"]) if "startupProbe" in spec else None
-        c.readiness = Probe(spec["readinessProbe"]) if "readinessProbe" in spec else None
+        c.startup = self._probe(spec.get("startupProbe"), pod, env)
+        c.readiness = self._probe(spec.get("readinessProbe"), pod, env)
         print(f"[runner] started {spec['name']} for {self.namespace}/{name} on {pod['status']['podIP']} (pid {proc.pid})",
               file=sys.stderr, flush=True)
 

@@ -15,4 +15,6 @@ export PATH="$VENV/bin:$BIN:$PATH"
 trap 'python3 hack/localcluster.py down >/dev/null 2>&1 || true' EXIT
 
 ruff check .
+# pyproject.toml's lower bounds: the unit tests on exactly those versions (a venv of their own).
+python3 hack/lowest_deps.py -q
 pytest -p no:cacheprovider --durations=15 "$@" tests

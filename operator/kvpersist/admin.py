@@ -187,6 +187,10 @@ def cmd_report(namespace: str | None, output: str) -> int:
 
 
 def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: float) -> int:
+    """Exit 0 deleted (or dry run), 1 no data or not deleted, 2 malformed id, 3 refused (in use, or
+    a bucket not marked exclusive), 4 the API server refused the request (no gc permission)."""
+    from kubernetes.client.exceptions import ApiException
+
     from kvpersist import kube
 
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
@@ -202,6 +206,13 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
     if not holders:
         print(f"{namespace_id}: no data in any volume or bucket the operator reports (`kvpersist report`)", file=sys.stderr)
         return 1
+    shared = [h for h in holders if h.location.startswith("hf://") and not _exclusive_bucket(resources, h.resource)]
+    if shared:
+        from kvpersist.cleanup import bucket_refusal
+
+        for h in shared:
+            print(f"refused: {h.resource}: {bucket_refusal(h.location, False)}", file=sys.stderr)
+        return 3
     for h in holders:
         verb = "would delete" if dry_run else "deleting"
         print(f"{verb} {namespace_id} from {h.location}: {h.bytes} bytes ({human_bytes(h.bytes) or '0B'}) in {h.objects} objects")
@@ -213,8 +224,14 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
     for ref in by_resource:
         ns, name = ref.split("/", 1)
         request = str(uuid.uuid4())
-        kube.patch_annotations(api.API_VERSION, api.KIND, name, ns,
-                               {GC_ANNOTATION: json.dumps({"requestId": request, "namespaceId": namespace_id})})
+        try:
+            kube.patch_annotations(api.API_VERSION, api.KIND, name, ns,
+                                   {GC_ANNOTATION: json.dumps({"requestId": request, "namespaceId": namespace_id})})
+        except ApiException as exc:
+            if exc.status not in (401, 403):
+                raise
+            print(f"{ref}: not allowed to request gc: {_api_message(exc)}", file=sys.stderr)
+            return 4
         outcome = _wait_gc(ns, name, request, timeout)
         if outcome is None:
             print(f"{ref}: no answer from the operator within {timeout:.0f}s; the request stays on the resource "
@@ -224,6 +241,21 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
         print(f"{ref}: {outcome['outcome']}: {outcome.get('message', '')}")
         failed += outcome["outcome"] != "Deleted"
     return 1 if failed else 0
+
+
+def _exclusive_bucket(resources: Iterable[Mapping[str, Any]], ref: str) -> bool:
+    """Whether the resource ref (ns/name) marks its bucket spec.l2.hfBucket.exclusiveToThisCluster."""
+    obj = next((r for r in resources if _ref(r) == ref), None)
+    bucket = (((obj or {}).get("spec") or {}).get("l2") or {}).get("hfBucket") or {}
+    return bucket.get("exclusiveToThisCluster") is True
+
+
+def _api_message(exc: Any) -> str:
+    """The API server's own words (a ValidatingAdmissionPolicy's message names the permission)."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"the API server answered {exc.status} {exc.reason}"
 
 
 def _wait_gc(ns: str, name: str, request: str, timeout: float) -> dict[str, Any] | None:

@@ -1,4 +1,10 @@
-"""The inventory agent: a sidecar beside each lmcache server that can see its L2 volume.
+"""The inventory agent: a sidecar beside each lmcache server, the one door into its pod.
+
+lmcache's HTTP admin API (/env with the whole environment, /cache/clear, DELETE /cache/objects,
+/quota, /reconfigure) listens on the pod's loopback only, so nothing outside the pod reaches it
+whatever the CNI does. The agent forwards the operator the two reads it needs: GET /server/status
+(with the resource's agent token) and GET /server/metrics (counters only, open so Prometheus can
+scrape it), each bounded in time and size; nothing else of lmcache's API is reachable through it.
 
 The operator cannot mount a claim, and lmcache reports only the namespace it serves (and only
 what its lazy index has seen since a restart). The agent reads the volume itself: GET /inventory
@@ -29,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from kvpersist import httpclient
+from kvpersist.httpclient import PeerError
 from kvpersist.inventory import (
     NAMESPACE_ID_RE,
     Inventory,
@@ -47,6 +55,11 @@ SCAN_TTL_S = 30.0  # a walk of a big volume is not free: answer from a recent sc
 # trim walks only the served folder, so a short period is cheap.
 TRIM_PERIOD_S = 30.0
 MAX_TRIM_PERIOD_S = 3600.0
+# lmcache's admin API, forwarded: what may pass, each read bounded (the server runs a tenant's
+# image; a stalled or flooding one must not hold the agent's threads or memory). Under the
+# operator's own 2-second deadline for both reads together.
+PROXIED = {"/server/status": ("/status", 4 * 2**20, True), "/server/metrics": ("/metrics", 4 * 2**20, False)}
+PROXY_TIMEOUT_S = 1.5
 
 
 class TokenFile:
@@ -80,10 +93,11 @@ class Agent:
     accounting keeps what it has indexed within the capacity, so without a restart the agent finds
     nothing to trim (tests/integration/test_capacity.py)."""
 
-    def __init__(self, root: Path, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
+    def __init__(self, root: Path | None, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
                  capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
-                 token: str | TokenFile | None = None) -> None:
-        self.root = root
+                 token: str | TokenFile | None = None, server: tuple[str, int] | None = None) -> None:
+        self.root = root  # None: no volume here (a bucket's L2), only the forwarded reads
+        self.server = server  # (host, port) of lmcache's admin API inside the pod
         self.token = token
         self.serving = serving
         self.scan_ttl_s = scan_ttl_s
@@ -97,6 +111,7 @@ class Agent:
         self._thread: threading.Thread | None = None
 
     def inventory(self, fresh: bool = False) -> Inventory:
+        assert self.root is not None
         with self._lock:
             now = time.monotonic()
             if fresh or self._scan is None or now - self._scan[0] > self.scan_ttl_s:
@@ -107,6 +122,8 @@ class Agent:
         """(HTTP code, body). Never touches anything but <root>/<namespace_id>."""
         if not NAMESPACE_ID_RE.fullmatch(namespace_id or ""):
             return 400, {"error": f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)"}
+        if self.root is None:
+            return 404, {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
         if namespace_id == self.serving:
             return 409, {"error": f"{namespace_id} is the namespace this lmcache server serves: refused"}
         held = namespace_usage(self.root, namespace_id)  # that folder only, not the whole volume
@@ -120,25 +137,41 @@ class Agent:
         log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, removed.bytes, removed.objects)
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
 
+    def forward(self, path: str) -> tuple[int, str, bytes]:
+        """(HTTP code, content type, body) of one allowed read of lmcache's admin API. A server
+        that is down, slow or oversized answers 502/504 with why, never a hung request."""
+        upstream, cap, _ = PROXIED[path]
+        if self.server is None:
+            return 404, "application/json", json.dumps({"error": "this agent was started without --server-url"}).encode()
+        host, port = self.server
+        try:
+            reply = httpclient.get(host, port, upstream, timeout=PROXY_TIMEOUT_S, max_bytes=cap)
+        except PeerError as exc:
+            code = 504 if "deadline" in str(exc) or "timed out" in str(exc) else 502
+            return code, "application/json", json.dumps({"error": f"lmcache {upstream}: {exc}"}).encode()
+        kind = "application/json" if upstream == "/status" else "text/plain; version=0.0.4"
+        return reply.status, kind, reply.body
+
     def authorized(self, header: str | None, deleting: bool) -> tuple[bool, str]:
         """Whether a request may go on, and why not. With a token (the operator renders one from
-        the resource's own Secret) every /inventory and /gc must carry it; without one, /gc is off."""
+        the resource's own Secret) every /inventory, /server/status and /gc must carry it; without
+        one, /gc and /server/status are off."""
         expected = self.token.value if isinstance(self.token, TokenFile) else self.token
         if not expected:
-            return (not deleting, "this agent was started without --token-file: /gc is off")
+            return (not deleting, "this agent was started without --token-file: /gc and /server/status are off")
         given = (header or "").removeprefix("Bearer ").strip()
         ok = hmac.compare_digest(given.encode(), expected.encode())
         return ok, "" if ok else "missing or wrong bearer token"
 
     @property
     def trimming(self) -> bool:
-        return bool(self.serving and self.capacity_bytes)
+        return bool(self.root and self.serving and self.capacity_bytes)
 
     def trim_once(self) -> NamespaceUsage | None:
         """One pass over the served folder; None when trimming is off."""
         if not self.trimming:
             return None
-        assert self.serving and self.capacity_bytes
+        assert self.root and self.serving and self.capacity_bytes
         with self._lock:
             trimmed = trim_namespace(self.root, self.serving, self.capacity_bytes)
             if trimmed.objects:
@@ -188,6 +221,19 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
             url = urlparse(self.path)
             if url.path == "/healthz":
                 self._send(200, {"status": "ok"})
+            elif url.path in PROXIED:
+                ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True) if PROXIED[url.path][2] else (True, "")
+                if not ok:
+                    self._send(403 if "without --token-file" in why else 401, {"error": why})
+                    return
+                code, kind, data = agent.forward(url.path)
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            elif url.path == "/inventory" and agent.root is None:
+                self._send(404, {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"})
             elif url.path == "/inventory":
                 ok, why = agent.authorized(self.headers.get("Authorization"), deleting=False)
                 if not ok:
@@ -220,7 +266,9 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpersist agent", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, required=True, help="the L2 mount (namespace folders under it)")
+    parser.add_argument("--root", type=Path, help="the L2 mount (namespace folders under it); none with a bucket's L2")
+    parser.add_argument("--server-url", help="lmcache's admin API inside the pod, e.g. http://127.0.0.1:8080 "
+                        "(forwarded: GET /server/status and /server/metrics)")
     parser.add_argument("--serving", help="the namespace id this pod's lmcache server serves (never deleted)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -236,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     token = TokenFile(args.token_file) if args.token_file else None
     if token is not None and not token.value:
         parser.error(f"--token-file {args.token_file} is empty")
-    agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period, token=token)
+    agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period, token=token,
+                  server=_server(parser, args.server_url))
     if args.capacity_bytes and not args.serving:
         log.warning("--capacity-bytes without --serving: nothing to trim")
     server = make_server(agent, args.host, args.port)
-    log.info("serving the inventory of %s on %s:%d", args.root, args.host, args.port)
+    log.info("serving the inventory of %s and lmcache's %s on %s:%d", args.root or "no volume", args.server_url,
+             args.host, args.port)
     if agent.trimming:
         log.info("trimming %s to %d bytes every %.1f s", args.serving, args.capacity_bytes, args.trim_period)
     agent.start_trimming()
@@ -252,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         agent.stop()
         server.server_close()
     return 0
+
+
+def _server(parser: argparse.ArgumentParser, url: str | None) -> tuple[str, int] | None:
+    if not url:
+        return None
+    parsed = urlparse(url)
+    if parsed.scheme != "http" or not parsed.hostname or not parsed.port or parsed.path not in ("", "/"):
+        parser.error(f"--server-url {url}: must be http://HOST:PORT")
+    return parsed.hostname, parsed.port
 
 
 def _positive_int(text: str) -> int:

@@ -1,21 +1,28 @@
 """Explicit deletion of one orphaned namespace's data, as an admin asked (`kvpersist gc`).
 
 Never automatic: it runs only for a request on the resource (annotation kvpersist.dev/gc-request,
-set by the CLI), and refuses any namespace some resource or server still uses, whatever the
-request says. The agents (volumes) refuse their own server's namespace a second time.
+set by the CLI; where config/gc's ValidatingAdmissionPolicy is installed, only a user allowed
+`update` on kvcachenamespaces/gc can set it), and refuses any namespace some resource or server
+still uses, whatever the request says: judged once from the watch caches, then again from a
+fresh listing right before each deletion (recheck), since a resource or server may appear
+between the two. A bucket namespace is deleted only from a bucket marked exclusive to this
+cluster. The agents (volumes) refuse their own server's namespace a second time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvpersist.agentclient import request_gc
 from kvpersist.inventory import NAMESPACE_ID_RE, NamespaceUsage
+from kvpersist.inventory_bucket import DeletionRefused
 from kvpersist.usage import human_bytes
 
 GC_ANNOTATION = "kvpersist.dev/gc-request"
+# Asked right before each deletion: why the namespace may not be deleted now, or None.
+Recheck = Callable[[], str | None]
 
 
 def parse_request(annotations: Mapping[str, str] | None) -> dict[str, str] | None:
@@ -43,6 +50,36 @@ def refusal(namespace_id: str, current: str | None, live: frozenset[str]) -> str
     return None
 
 
+def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
+                pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """refusal() judged from a fresh listing of every KVCacheNamespace and every pod that carries a
+    namespace id, naming who uses it (what the watch caches may not have seen yet)."""
+    from kvpersist.admin import users_of
+
+    why = refusal(namespace_id, current, frozenset())
+    if why:
+        return why
+    users = users_of(namespace_id, resources, pods)
+    if users:
+        more = f" and {len(users) - 5} more" if len(users) > 5 else ""
+        return f"{namespace_id} is now in use by {', '.join(users[:5])}{more} (checked again right before deleting)"
+    return None
+
+
+def bucket_refusal(bucket_handle: str, exclusive: bool) -> str | None:
+    """Why no namespace may be deleted from this bucket: one other clusters may share looks orphaned
+    here while in use there (this cluster sees only its own resources and servers)."""
+    if exclusive:
+        return None
+    return (f"spec.l2.hfBucket.exclusiveToThisCluster is not true: {bucket_handle} may be shared with another cluster, "
+            "whose resources and servers this cluster cannot see, so a namespace orphaned here may be in use there; "
+            "set it to true only if no other cluster reads or writes that bucket prefix, then ask again")
+
+
+def _so_far(notes: list[str]) -> str:
+    return f"; already deleted: {'; '.join(notes)}" if notes else ""
+
+
 def result(request: Mapping[str, str], outcome: str, message: str, held: NamespaceUsage | None = None,
            completed_at: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requestId": request["requestId"], "namespaceId": request["namespaceId"], "outcome": outcome,
@@ -53,13 +90,19 @@ def result(request: Mapping[str, str], outcome: str, message: str, held: Namespa
 
 
 def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent_port: int,
-               token: str | None = None) -> dict[str, Any]:
+               token: str | None = None, recheck: Recheck | None = None) -> dict[str, Any]:
     """Ask every server pod's agent (pod, ip) to delete the namespace from its volume (with the
-    resource's agent token: an agent refuses /gc without it)."""
+    resource's agent token: an agent refuses /gc without it). recheck runs right before each
+    agent's /gc; a reason from it stops there, and nothing more is deleted."""
     nsid = request["namespaceId"]
     deleted = NamespaceUsage(nsid)
-    notes, failures = [], []
+    notes: list[str] = []
+    failures: list[str] = []
     for pod, ip in servers:
+        why = recheck() if recheck is not None else None
+        if why:
+            return result(request, "Refused", f"refused before asking {pod}: {why}; nothing more was deleted"
+                          + _so_far(notes), deleted)
         code, body = request_gc(ip, agent_port, nsid, dry_run=False, token=token)
         if code == 200 and body.get("deleted"):
             deleted.bytes += int(body.get("bytes") or 0)
@@ -78,11 +121,18 @@ def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent
     return result(request, "Deleted", f"deleted {nsid}: " + "; ".join(notes), deleted)
 
 
-def gc_bucket(request: Mapping[str, str], remove: Callable[[str], NamespaceUsage], handle: str) -> dict[str, Any]:
-    """Delete the namespace's objects under the bucket prefix (remove: namespace id -> what it held)."""
+def gc_bucket(request: Mapping[str, str], remove: Callable[..., NamespaceUsage], handle: str,
+              recheck: Recheck | None = None) -> dict[str, Any]:
+    """Delete the namespace's objects under the bucket prefix (remove: namespace id -> what it held;
+    with recheck, remove(namespace id, recheck), which asks it right before each batch it deletes)."""
     nsid = request["namespaceId"]
     try:
-        held = remove(nsid)
+        held = remove(nsid) if recheck is None else remove(nsid, recheck)
+    except DeletionRefused as exc:
+        done = exc.deleted
+        so_far = f"; {done.objects} of {exc.total_objects} objects ({human_bytes(done.bytes) or '0B'}) were deleted before" \
+            if done.objects else ""
+        return result(request, "Refused", f"refused: {exc}; nothing more was deleted from {handle}{so_far}", done)
     except Exception as exc:  # the Hub's errors, already scrubbed of the token by inventory_bucket
         return result(request, "Failed", f"{handle}/{nsid}: {exc}")
     if held.objects == 0:

@@ -5,6 +5,7 @@ prints or writes the generated CRD."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,13 @@ def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvpersist import handlers, leadership  # handlers: registers the kopf handlers
+    from kvpersist.policy import Policy
 
+    try:  # the chart's allowedImages and secretLabel: a typo must stop the operator, not admit everything
+        handlers.set_policy(Policy.from_env(os.environ))
+    except ValueError as exc:
+        print(f"kvpersist run: {exc}", file=sys.stderr)
+        return 2
     kopf.configure(verbose=args.verbose)
     peering = None if args.standalone else args.peering
     priority = args.priority if args.priority is not None else leadership.random_priority()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -25,8 +26,8 @@ from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
-from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, SERVER, Target
-from kvpersist.cleanup import GC_ANNOTATION, gc_bucket, gc_volumes, parse_request, refusal
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, parse_request, refusal, refusal_now
 from kvpersist.cleanup import result as gc_result
 from kvpersist.conditions import (
     FailedCreateCheck,
@@ -44,6 +45,16 @@ from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution, resolve
 from kvpersist.inventory import Inventory, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
+from kvpersist.policy import REASONS as REFUSAL_REASONS
+from kvpersist.policy import (
+    SECRET_NOT_ALLOWED,
+    Policy,
+    Refusal,
+    image_refusal,
+    named_secrets,
+    refused_status,
+    secret_refusal,
+)
 from kvpersist.stale_routes import ROUTE_KINDS, ids_in_use, stale
 from kvpersist.usage import HitTracker, WriteFailureTracker, collect_usage
 from kvpersist.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
@@ -57,6 +68,11 @@ _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _write_failures = WriteFailureTracker()
 _failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
 _hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
+# Which images and Secrets a resource may use (the chart's allowedImages and secretLabel; set by
+# `kvpersist run` from its environment), and the resources refused when last applied: nothing was
+# applied for them, so they are applied again once the refusal is gone (a Secret labelled later).
+_policy = Policy()
+_refused: dict[tuple[str, str], Refusal] = {}
 PREFLIGHT_TTL_S = 300.0
 # Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
 # refreshed on the status loop's next tick, so phase follows pod readiness within a second or
@@ -168,9 +184,39 @@ def _target(body: Mapping[str, Any]) -> tuple[Target, Resolution]:
     return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
 
 
-def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen) -> Observation:
+def set_policy(new: Policy) -> None:
+    global _policy
+    _policy = new
+
+
+def _refusal(target: Target) -> Refusal | None:
+    """Why this resource may not be applied under the operator's policy (an image outside
+    allowedImages, a named Secret without secretLabel), or None. Only the named Secrets'
+    metadata is read for it, never their data. Blocking."""
+    refused = image_refusal(target.spec, _policy.allowed_images)
+    for field, name in named_secrets(target.spec):
+        refused = refused or _named_secret_refusal(field, name, target.namespace)
+    return refused
+
+
+def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:
+    """SecretNotAllowed when secretLabel is set and the Secret a user named lacks it, or None.
+    Reads the Secret's metadata only. Blocking."""
+    if _policy.secret_label is None:
+        return None
+    try:
+        metadata = kube.get_metadata("v1", "Secret", name, namespace)
+    except ApiException as exc:
+        return SECRET_NOT_ALLOWED, (f"{field}: Secret {name}: its labels could not be read (the API server answered "
+                                    f"{exc.status}), so it is not used; retrying")
+    return secret_refusal(field, name, namespace, metadata, _policy.secret_label)
+
+
+def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
+             secrets_usable: bool = True) -> Observation:
     """Workload objects come from the watch caches (seen); only a claim the user named is read,
-    since it carries none of the operator's labels."""
+    since it carries none of the operator's labels. secrets_usable False: the Secrets the user
+    named are refused (policy), so neither is read."""
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
@@ -183,26 +229,26 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
-    reports = collect_usage(sorted(running), spec.lmcache_server.http_port) if target.cache_enabled else []
+    token = _agent_token(target) if target.cache_enabled else None
+    reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
+    key = (target.namespace, target.name)
+    if target.cache_enabled and token is None and now - _token_missing.get(key, float("-inf")) > TOKEN_REAPPLY_S:
+        _token_missing[key] = now  # its Secret is gone (or was a deleted namesake's): make it again
+        _drifted.add(key)
     failing = [r.pod for r in reports if _write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
     inventory = None
     secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
     if spec.l2.nvme is not None and target.cache_enabled:
         volumes = []
         agents = sorted(running)
-        token = _agent_token(target)
-        key = (target.namespace, target.name)
-        if token is None and now - _token_missing.get(key, float("-inf")) > TOKEN_REAPPLY_S:
-            _token_missing[key] = now  # its Secret is gone (or was a deleted namesake's): make it again
-            _drifted.add(key)
         for (pod, _ip), inv in zip(agents, _inventories(agents, spec.lmcache_server.agent_port, token), strict=True):
             if inv is None:  # a partial inventory would make totals flap: keep the last whole one
                 volumes = []
                 break
             volumes.append((f"pvc/{spec.l2.nvme.existing_claim_name or f'{L2_VOLUME}-{pod}'}", pod, inv))
         inventory = status_summary(volumes, target.namespace_id, set(seen.live_ids)) if volumes else None
-    elif spec.l2.hf_bucket is not None and target.cache_enabled:
+    elif spec.l2.hf_bucket is not None and target.cache_enabled and secrets_usable:
         inv = _bucket_inventory_of(target, secret)
         inventory = status_summary([(inv.location, None, inv)], target.namespace_id, set(seen.live_ids)) if inv else None
     statefulset = seen.statefulset(target)
@@ -220,8 +266,9 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     create_failure = _failed_creates.failure((ns, target.server_name), pods_missing(statefulset, server_desired), now,
                                              statefulset_failure)
     return Observation(
-        key_problem=_key_problem(target) if target.cache_enabled else None,
-        bucket_check=_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled else None,
+        key_problem=_key_problem(target) if target.cache_enabled and secrets_usable else None,
+        bucket_check=(_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled
+                      and secrets_usable else None),
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
         identity_reason=resolution.reason,
@@ -302,11 +349,17 @@ class _SecretOnce:
         self.target = target
         self._read = False
         self._secret: dict[str, Any] | None = None
+        self.problem: str | None = None  # why the Secret is not used (secretLabel), when it is not
 
     def get(self) -> dict[str, Any] | None:
         if not self._read:
             ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
-            self._secret, self._read = kube.get("v1", "Secret", ref.name, self.target.namespace), True
+            self._read = True
+            refused = _named_secret_refusal("spec.l2.hfBucket.tokenSecretRef", ref.name, self.target.namespace)
+            if refused is not None:  # not read at all: neither the preflight nor a listing nor gc uses it
+                self.problem = refused[1]
+            else:
+                self._secret = kube.get("v1", "Secret", ref.name, self.target.namespace)
         return self._secret
 
     def token(self) -> str | None:
@@ -375,13 +428,19 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
         events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id}"
                        + (f" (was {old_id}; its data is kept, unreachable from these pins)" if old_id else "")))
     phase = new.get("phase")
+    # Refused by the operator's policy (ImageNotAllowed, SecretNotAllowed): a Warning of that reason
+    # whenever the refusal is new or says something new, in place of the generic Failed one.
+    ready = next((c for c in conds if c["type"] == "Ready"), None)
+    old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
+    refused = ready is not None and ready["reason"] in REFUSAL_REASONS
+    if refused and (old_ready.get("reason"), old_ready.get("message")) != (ready["reason"], ready["message"]):
+        events.append(("Warning", ready["reason"], ready["message"]))
     if phase and phase != old.get("phase"):
-        ready = next((c for c in conds if c["type"] == "Ready"), None)
         detail = ready["message"] if ready else ""
         if phase == "CacheDisabled":
             ident = next(c for c in conds if c["type"] == "IdentityResolved")
             events.append(("Warning", ident["reason"], ident["message"]))
-        elif phase in ("Degraded", "Failed"):
+        elif phase in ("Degraded", "Failed") and not refused:
             events.append(("Warning", phase, detail))
         elif phase == "Ready":
             events.append(("Normal", "Ready", detail))
@@ -412,7 +471,11 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     else:
         if key in _routes_pending and clean_stale_routes(target, seen, logger):
             _routes_pending.discard(key)
-        observation = _observe(body, target, resolution, seen)
+        refused = _refusal(target)
+        if refused is None and key in _refused:
+            _drifted.add(key)  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
+        observation = _observe(body, target, resolution, seen,
+                               secrets_usable=refused is None or refused[0] != SECRET_NOT_ALLOWED)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
@@ -423,6 +486,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if error and error[0] == generation:
             fields = {**fields, "phase": "Failed"}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
+        if refused is not None:
+            fields, conds = refused_status(fields, conds, refused, generation)
     metrics.inc("kvpersist_status_refreshes_total")
     metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
     hits = _hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
@@ -446,19 +511,30 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         return False
     key = (target.namespace, target.name)
     metrics.inc("kvpersist_reconciles_total")
+    refused = _refusal(target)
+    if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
+        if _refused.get(key) != refused:
+            logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refused[1])
+        _refused[key] = refused
+        return True
+    _refused.pop(key, None)
     try:
         key_secret = build_key_secret(target) if target.cache_enabled else None
+        if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
+            key_secret["metadata"]["labels"].update(_policy.generated_secret_labels())
         # Before the servers, which cannot start without it; created once and never owned (see keysecret).
         if key_secret is not None and kube.create_if_absent(key_secret):
             logger.info("%s/%s: generated L2 master key Secret %s", target.namespace, target.name,
                         key_secret["metadata"]["name"])
             kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
                             "L2's master key; it is kept when this resource is deleted (the data needs it)")
-        token_secret = build_agent_token_secret(target)
-        if token_secret is not None:  # before the agents, which read it at start; never applied over
-            kopf.append_owner_reference(token_secret, owner=body)
-            if not kube.create_if_absent(token_secret):
-                _adopt(token_secret)
+        token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
+        token_secret["metadata"]["labels"].update(_policy.generated_secret_labels())
+        kopf.append_owner_reference(token_secret, owner=body)
+        # Never applied over, never adopted: one a deleted namesake owned is the garbage collector's,
+        # and once it is gone the next refresh finds no token and creates it again. Adopting it would
+        # need `patch` on every Secret the operator can see.
+        kube.create_if_absent(token_secret)
         for manifest in build_all(target):
             kopf.append_owner_reference(manifest, owner=body)
             applied = kube.apply(manifest)
@@ -475,19 +551,6 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         _apply_errors.pop(key, None)
         _routes_pending.add(key)  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
-
-
-def _adopt(wanted: Mapping[str, Any]) -> None:
-    """An existing generated Secret that a deleted resource of the same name owned (deleted and
-    re-created before the garbage collector came): made this resource's, so the collector leaves
-    it. One already being deleted is left to go; the next refresh finds no token and applies again."""
-    meta = wanted["metadata"]
-    current = kube.get(wanted["apiVersion"], wanted["kind"], meta["name"], meta["namespace"])
-    if current is None or current["metadata"].get("deletionTimestamp"):
-        return
-    uids = {ref.get("uid") for ref in current["metadata"].get("ownerReferences") or []}
-    if not {ref["uid"] for ref in meta["ownerReferences"]} <= uids:
-        kube.set_owner(wanted["apiVersion"], wanted["kind"], meta["name"], meta["namespace"], meta["ownerReferences"])
 
 
 def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
@@ -537,24 +600,31 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     except ValidationError as exc:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
     if target is not None:
-        why = request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
+        bucket = target.spec.l2.hf_bucket
+        # The watch caches first (cheap, and they see this resource's own pods); then, right before
+        # each deletion, the API server itself (recheck): the caches may lag, and cover only the
+        # watched namespaces.
+        why = (request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
+               or (bucket_refusal(bucket.bucket_handle, bucket.exclusive_to_this_cluster) if bucket is not None else None))
+        recheck = functools.partial(in_use_now, request["namespaceId"], target.namespace_id)
         if why:
             outcome = gc_result(request, "Refused", f"refused: {why}; nothing was deleted")
         elif target.spec.l2.nvme is not None:
             servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
                        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
                        and not p["metadata"].get("deletionTimestamp")]
-            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target))
+            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target), recheck)
         else:
-            bucket = target.spec.l2.hf_bucket
             assert bucket is not None
-            token = _SecretOnce(target).token()
+            token_secret = _SecretOnce(target)  # refused unread without secretLabel, when that is set
+            token = token_secret.token()
             if token is None:
-                outcome = gc_result(request, "Failed", f"Secret {bucket.token_secret_ref.name} has no key "
-                                    f"{bucket.token_secret_ref.key}: the bucket cannot be reached")
+                outcome = gc_result(request, "Failed", token_secret.problem or f"Secret {bucket.token_secret_ref.name} "
+                                    f"has no key {bucket.token_secret_ref.key}: the bucket cannot be reached")
             else:
-                outcome = gc_bucket(request, lambda nsid: remove_bucket_namespace(
-                    bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False), bucket.bucket_handle)
+                outcome = gc_bucket(request, lambda nsid, before: remove_bucket_namespace(
+                    bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False,
+                    before_delete=before), bucket.bucket_handle, recheck)
                 _bucket_inventory.pop((meta["namespace"], meta["name"]), None)
     outcome["completedAt"] = condition_now()
     kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {"gc": outcome})
@@ -565,6 +635,19 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     metrics.inc("kvpersist_gc_total")
     logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
     kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
+
+
+def in_use_now(namespace_id: str, current: str | None) -> str | None:
+    """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
+    carrying a namespace id in all namespaces, made now (never the watch caches): gc calls it right
+    before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
+    try:
+        resources = kube.list_all(api.API_VERSION, api.KIND)
+        pods = kube.list_all("v1", "Pod", None, NAMESPACE_ID_LABEL)
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in all namespaces, the "
+                f"API server answered {exc.status}); the operator needs list on both cluster-wide")
+    return refusal_now(namespace_id, current, resources, pods)
 
 
 async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
@@ -602,6 +685,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _routes_pending.discard(key)
         _agent_tokens.pop(key, None)
         _token_missing.pop(key, None)
+        _refused.pop(key, None)
         _drifted.discard(key)
         _locks.pop(key, None)
         metrics.set_phase(key[0], key[1], None)

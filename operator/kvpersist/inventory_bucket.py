@@ -27,6 +27,16 @@ DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size
 T = TypeVar("T")
 
 
+class DeletionRefused(RuntimeError):
+    """A removal stopped before a batch because before_delete gave a reason (the namespace came
+    into use); says how much was already deleted."""
+
+    def __init__(self, reason: str, deleted: NamespaceUsage, total_objects: int) -> None:
+        super().__init__(reason)
+        self.deleted = deleted
+        self.total_objects = total_objects
+
+
 class BucketInventoryError(RuntimeError):
     """A listing or deletion the Hub refused or did not answer in time. `reason` is a CamelCase
     word for status conditions; the text names the bucket and the fix, never the token."""
@@ -62,9 +72,11 @@ def scan_bucket(bucket_handle: str, token: str, endpoint: str | None = None) -> 
 
 
 def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, endpoint: str | None = None,
-                            dry_run: bool = True) -> NamespaceUsage:
+                            dry_run: bool = True, before_delete: Callable[[], str | None] | None = None) -> NamespaceUsage:
     """What one namespace holds in the bucket; unless dry_run, deletes exactly its objects (those
-    under `<prefix>/<namespace_id>/`). The caller has already refused live namespaces."""
+    under `<prefix>/<namespace_id>/`). The caller has already refused live namespaces; before_delete
+    is asked again right before each batch (the listing alone can take a while), and a reason from
+    it stops the removal with DeletionRefused."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
     bid, prefix = split_handle(bucket_handle)
@@ -79,6 +91,12 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
     paths = [o.path for o in objects]
     for start in range(0, len(paths), DELETE_CHUNK):
         chunk = paths[start:start + DELETE_CHUNK]
+        why = before_delete() if before_delete is not None else None
+        if why:
+            done = NamespaceUsage(namespace_id)
+            for o in objects[:start]:
+                done.add(o.size, o.mtime)
+            raise DeletionRefused(why, done, len(paths))
         try:
             _guarded(bid, "delete from", token, lambda c=chunk: _delete_chunk(bid, c, token, endpoint, deadline))
         except BucketInventoryError as exc:

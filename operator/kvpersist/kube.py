@@ -73,6 +73,21 @@ def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any
         return None
 
 
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+
+
+def get_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """An object's metadata only (the API server answers PartialObjectMetadata), or None when it
+    does not exist: a Secret's labels can be checked without its data reaching the operator."""
+    res = _resource(api_version, kind)
+    try:
+        out = client().request("get", res.path(name=name, namespace=namespace), header_params={"Accept": METADATA_ONLY},
+                               _request_timeout=REQUEST_TIMEOUT_S)
+    except NotFoundError:
+        return None
+    return dict(out.to_dict().get("metadata") or {})
+
+
 def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
     """A cluster-scoped object, or None."""
     try:
@@ -97,13 +112,6 @@ def patch_annotations(api_version: str, kind: str, name: str, namespace: str, an
     """JSON merge patch of metadata.annotations (None removes one)."""
     res = _resource(api_version, kind)
     client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"annotations": dict(annotations)}},
-                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
-
-
-def set_owner(api_version: str, kind: str, name: str, namespace: str, owner_refs: list[Mapping[str, Any]]) -> None:
-    """Replaces an object's ownerReferences (JSON merge patch replaces the list)."""
-    res = _resource(api_version, kind)
-    client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"ownerReferences": list(owner_refs)}},
                      content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
 
 

@@ -432,46 +432,70 @@ def _sum(values: Iterable[Any]) -> int | None:
     return sum(nums) if nums else None
 
 
-def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S) -> ServerReport:
+# lmcache's admin API listens on its pod's loopback only; the agent beside it forwards these two
+# reads (kvpersist.agent). DIRECT reads a server's own API (tests, or a process in its pod).
+THROUGH_AGENT = "/server"
+DIRECT = ""
+
+
+def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None,
+                 prefix: str = THROUGH_AGENT) -> ServerReport:
     """GET /status (health, usage), then /metrics (failed writes, lookup counters), both within
-    timeout seconds in all: a slow, trickling, oversized or garbled answer costs at most that
-    and makes an unhealthy report saying why. A /metrics that fails, or is not Prometheus
-    text, leaves only those figures unknown."""
+    timeout seconds in all, through the pod's agent (with the resource's agent token): a slow,
+    trickling, oversized or garbled answer costs at most that and makes an unhealthy report
+    saying why. A /metrics that fails, or is not Prometheus text, leaves only those figures unknown."""
     deadline = time.monotonic() + timeout
+    where = f"{ip}:{port}" + (" (the pod's agent)" if prefix == THROUGH_AGENT else "")
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        reply = httpclient.get(ip, port, "/status", timeout=timeout)
+        reply = httpclient.get(ip, port, prefix + "/status", timeout=timeout, headers=headers)
     except PeerError as exc:
-        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {ip}:{port}: {exc}")
+        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {where}: {exc}")
+    if reply.status in (502, 504) and prefix == THROUGH_AGENT:  # the agent is up, lmcache is not answering it
+        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable from the agent at {where}: "
+                            f"HTTP {reply.status}{_error_of(reply.body)}")
     if not reply.ok:
-        return ServerReport(pod=pod, healthy=False, message=f"/status at {ip}:{port} answered HTTP {reply.status}")
+        return ServerReport(pod=pod, healthy=False,
+                            message=f"/status at {where} answered HTTP {reply.status}{_error_of(reply.body)}")
     try:
         status = status_model(httpclient.load_json(reply.body))
     except PeerError as exc:
         return _malformed(pod, str(exc))
     report = _report(pod, status)
-    metrics = _fetch_metrics(ip, port, deadline - time.monotonic())
+    metrics = _fetch_metrics(ip, port, deadline - time.monotonic(), prefix, headers)
     report = _with_failures(report, status, metrics or {})
     return replace(report, lookups=lookup_counters(metrics))
 
 
-def _fetch_metrics(ip: str, port: int, timeout: float) -> dict[str, float] | None:
+def _error_of(body: bytes) -> str:
+    """The agent's short reason for a refused or failed read (a JSON {"error": ...}), if any."""
+    try:
+        error = httpclient.load_json(body[:1024]).get("error")
+    except (PeerError, AttributeError):
+        return ""
+    return f": {str(error)[:200]}" if error else ""
+
+
+def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str = THROUGH_AGENT,
+                   headers: Mapping[str, str] | None = None) -> dict[str, float] | None:
     """The parsed /metrics of a server, or None (no time left, no answer, not Prometheus text)."""
     if timeout <= 0:
         return None
     try:
-        reply = httpclient.get(ip, port, "/metrics", timeout=timeout, max_bytes=MAX_METRICS_BYTES)
+        reply = httpclient.get(ip, port, prefix + "/metrics", timeout=timeout, max_bytes=MAX_METRICS_BYTES, headers=headers)
     except PeerError:
         return None
     return parse_exposition(reply.body.decode("utf-8", errors="replace")) if reply.ok else None
 
 
-def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S) -> list[ServerReport]:
+def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S,
+                  token: str | None = None, prefix: str = THROUGH_AGENT) -> list[ServerReport]:
     """Asks every (pod, ip) in parallel, so stuck servers cost one timeout together, not one
     each; a pod without an IP yet is reported as not healthy."""
     pods = list(pods)
     with_ip = [(p, ip) for p, ip in pods if ip]
     reports = {p: ServerReport(pod=p, healthy=False, message="pod has no IP yet") for p, ip in pods if not ip}
-    for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout), with_ip):
+    for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout, token, prefix), with_ip):
         reports[rep.pod] = rep
     return [reports[p] for p, _ in pods]
 

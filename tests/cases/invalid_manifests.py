@@ -115,5 +115,10 @@ CASES = [
     Case("extra-args-kv-changing", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--trust-remote-code"])),
     Case("gpus-below-tp", "spec.vllm.gpusPerReplica", _set("spec.vllm.gpusPerReplica", 1), base="tp2-fp8"),
     Case("ports-clash", "spec.lmcacheServer.httpPort", _set("spec.lmcacheServer", {"port": 8080, "httpPort": 8080})),
+    # operator Exists without a key tolerates every taint: control-plane, reserved GPU nodes, NoExecute.
+    Case("toleration-catch-all", "spec.vllm.tolerations", _set("spec.vllm.tolerations", [{"operator": "Exists"}])),
+    Case("toleration-catch-all-empty-key", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                        {"key": "", "operator": "Exists", "effect": "NoExecute"}])),
     Case("name-too-long", "metadata.name", _long_name),
 ]

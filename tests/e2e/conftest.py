@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.kube import CLUSTER_KINDS, LOCALCLUSTER, REPO, Kubectl, bin_dir, delete_and_wait_gone, names_of
+from tests.e2e.kube import CLUSTER_KINDS, LOCALCLUSTER, REPO, Kubectl, bin_dir, delete_and_wait_gone, names_of, wait_for
 from tests.e2e.operator_env import start_operator, stop
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +58,27 @@ def audit_log(cluster: Path) -> Path:
 def crd(kubectl: Kubectl) -> None:
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")
+
+
+GC_POLICY = REPO / "config" / "gc" / "gc-authorization.yaml"
+
+
+@pytest.fixture(scope="module")
+def gc_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
+    """config/gc's ValidatingAdmissionPolicy, binding and ClusterRole kvpersist-gc, for one module:
+    removed afterwards, since the chart (tests/e2e/test_helm.py) installs the same names. Waits until
+    the API server has type-checked the policy against the CRD, and fails on any warning."""
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(GC_POLICY))
+
+    def checked() -> dict | None:
+        policy = kubectl.get("validatingadmissionpolicy", "kvpersist-gc-request")
+        done = (policy.get("status") or {}).get("observedGeneration") == policy["metadata"]["generation"]
+        return policy if done else None
+
+    policy = wait_for("the API server to type-check the gc policy", checked, timeout=60)
+    assert not (policy["status"].get("typeChecking") or {}).get("expressionWarnings"), policy["status"]
+    yield
+    kubectl.run("delete", "-f", str(GC_POLICY), "--ignore-not-found", check=False)
 
 
 @pytest.fixture()

@@ -21,7 +21,14 @@ from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl
 
 sys.path.insert(0, str(REPO / "hack"))
-from kubelet_runner import REAL_NODE, Runner
+from kubelet_runner import REAL_NODE, Runner, pod_loopback
+
+
+def in_pod(pod_ip: str, port: int = 8080) -> str:
+    """lmcache's admin API as a process inside the server pod sees it (`kubectl exec ... curl
+    127.0.0.1:8080`): it listens on the pod's loopback only. Here that is the runner's stand-in
+    for the pod's loopback (hack/kubelet_runner.py, pod_loopback), not the pod IP."""
+    return f"http://{pod_loopback(pod_ip)}:{port}"
 
 NAME = "llama31-8b"
 REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
@@ -147,7 +154,7 @@ def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | N
 
 def bench_store(ip: str, start: int, end: int) -> None:
     """Real KV into a pod's lmcache server with lmcache's own bench client (sequences start..end)."""
-    bench = subprocess.run([lmcache(), "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", f"http://{ip}:8080",
+    bench = subprocess.run([lmcache(), "bench", "server", "--rpc-url", f"tcp://{ip}:5555", "--url", in_pod(ip),
                             "--mode", "cpu", "--transfer-mode", "lmcache_driven", "--num-tokens", "512",
                             "--kvcache-shape-spec", "(2,64,16,2,64):float16:4", "--num-blocks", "64", "--start", str(start),
                             "--end", str(end), "--interval", "0.1", "--format", "json"],

@@ -3,7 +3,10 @@ cleanup, with real lmcache servers writing real files and the inventory agent be
 
 In order: store KV in namespace A; change a pin (namespace B) and store there too; `report`
 shows A as an orphan with the bytes `du` counts; `gc A` (dry run) changes nothing; `gc B` is
-refused (in use); `gc A --no-dry-run` frees exactly A's bytes and leaves B byte-identical.
+refused (in use); a user who may edit the resource but lacks kvcachenamespaces/gc is refused by
+the API server (config/gc's policy, installed for this module); granted it, the request is
+admitted, and the operator's fresh re-check refuses A, now used by a resource in a namespace it
+does not watch; `gc A --no-dry-run` frees exactly A's bytes and leaves B byte-identical.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, target_of
@@ -50,7 +54,7 @@ def du_volume(volume: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def scenario(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def scenario(kubectl: Kubectl, crd: None, gc_policy: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if LMCACHE is None:
         pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
     with kvpersist_env(kubectl, tmp_path_factory.mktemp("admin")) as env:
@@ -134,6 +138,77 @@ def test_the_agent_refuses_anyone_without_the_resources_token(kubectl: Kubectl, 
     token = base64.b64decode(secret["data"]["token"]).decode()
     inv = fetch_inventory(ip, 8090, token=token)
     assert inv is not None and a in {n.namespace_id for n in inv.namespaces}
+
+
+def token_kubeconfig(kubectl: Kubectl, ns: str, service_account: str, path: Path) -> Kubectl:
+    """kubectl (and the CLI) as a ServiceAccount: a kubeconfig holding its token only."""
+    token = kubectl.run("create", "token", service_account, "-n", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": service_account, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": service_account}}],
+        "current-context": "sa",
+    }))
+    return Kubectl(path, kubectl.binary)
+
+
+def test_gc_is_its_own_permission_and_in_use_is_checked_again_right_before_deleting(
+        kubectl: Kubectl, scenario: dict, tmp_path: Path) -> None:
+    """An editor (get, list, patch on kvcachenamespaces; list on pods) may edit the resource but not
+    ask for gc: the API server refuses the annotation, naming the permission, and nothing is
+    deleted. Bound to the ClusterRole kvpersist-gc, the same request is admitted; a resource in a
+    namespace the operator does not watch resolves to A meanwhile (the editor's CLI cannot see it,
+    nor can the operator's watch caches), and the operator's listing right before the agent's /gc
+    refuses. A is untouched throughout."""
+    ns, volume, a = scenario["ns"], scenario["volume"], scenario["a"]
+    before = files_state(volume / a)
+    kubectl.run("create", "serviceaccount", "kv-editor", "-n", ns)
+    kubectl.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "kvns-editor", "namespace": ns},
+                   "rules": [{"apiGroups": ["kvpersist.dev"], "resources": ["kvcachenamespaces"],
+                              "verbs": ["get", "list", "watch", "patch", "update"]},
+                             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
+    kubectl.run("create", "rolebinding", "kvns-editor", "--role=kvns-editor", f"--serviceaccount={ns}:kv-editor", "-n", ns)
+    editor = token_kubeconfig(kubectl, ns, "kv-editor", tmp_path / "editor.kubeconfig")
+    user = f"system:serviceaccount:{ns}:kv-editor"
+    request = json.dumps({"requestId": "by-hand", "namespaceId": a})
+    annotate = ("annotate", "kvns", NAME, "-n", ns, f"kvpersist.dev/gc-request={request}")
+
+    # Editing is allowed (another annotation), asking for gc is not: a server-side dry run first, so
+    # that nothing is written should the policy not be loaded yet.
+    editor.run("annotate", "kvns", NAME, "-n", ns, "example.com/owner=ml-team", "--overwrite")
+    refused = wait_for("the API server to refuse the gc annotation", lambda: (lambda out: out if out.returncode else None)(
+        editor.run(*annotate, "--dry-run=server", check=False)), timeout=60)
+    for out in (refused, editor.run(*annotate, check=False)):
+        assert out.returncode != 0 and "forbidden" in out.stderr.lower(), out.stderr
+        assert "kvcachenamespaces/gc" in out.stderr and "ClusterRole kvpersist-gc" in out.stderr and user in out.stderr, out.stderr
+    out = cli(editor, "gc", a, "-n", ns, "--no-dry-run")
+    assert out.returncode == 4 and "not allowed to request gc" in out.stderr and "kvcachenamespaces/gc" in out.stderr, (
+        out.stdout + out.stderr)
+    assert "kvpersist.dev/gc-request" not in (kubectl.get("kvns", NAME, ns)["metadata"].get("annotations") or {})
+    assert "gc" not in kvns_status(kubectl, ns) and files_state(volume / a) == before
+
+    # Granted the gc step: admitted. Meanwhile A comes into use where neither the editor's CLI
+    # (no cluster-wide list) nor the operator's caches (it watches ns only) look.
+    kubectl.run("create", "rolebinding", "kvpersist-gc", "--clusterrole=kvpersist-gc", f"--serviceaccount={ns}:kv-editor",
+                "-n", ns)
+    wait_for("the grant to take effect", lambda: editor.run(*annotate, "--dry-run=server", check=False).returncode == 0, timeout=60)
+    other = f"{ns}-other"
+    kubectl.run("create", "namespace", other)
+    user_of_a = manifest(other)
+    assert target_of(user_of_a).namespace_id == a
+    kubectl.apply(user_of_a)
+    try:
+        out = cli(editor, "gc", a, "-n", ns, "--no-dry-run")
+        assert out.returncode == 1 and f"{ns}/{NAME}: Refused" in out.stdout, out.stdout + out.stderr
+        assert f"KVCacheNamespace {other}/{NAME}" in out.stdout and "checked again right before deleting" in out.stdout, out.stdout
+        gc = kvns_status(kubectl, ns)["gc"]
+        assert (gc["outcome"], gc["namespaceId"], gc["bytes"]) == ("Refused", a, 0)
+        assert files_state(volume / a) == before
+        assert "kvpersist.dev/gc-request" not in (kubectl.get("kvns", NAME, ns)["metadata"].get("annotations") or {})
+    finally:
+        kubectl.run("delete", "kvns", NAME, "-n", other, "--wait=true", "--timeout=60s", check=False)
+        kubectl.run("delete", "namespace", other, "--wait=false", check=False)
 
 
 def test_gc_frees_exactly_the_orphan_and_leaves_the_rest_identical(kubectl: Kubectl, scenario: dict) -> None:

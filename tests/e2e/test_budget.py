@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, kvpersist_env, manifest, target_of
+from tests.e2e.operator_env import NAME, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
 from tests.integration.kvdriver import drive_subprocess
 
@@ -23,12 +23,12 @@ BUDGET = 2 * 2**20  # room for 3 encrypted chunks of 512 KiB (tests.integration.
 
 
 def drive(ip: str, mode: str, seqs: str) -> dict:
-    return drive_subprocess(mode, f"tcp://{ip}:5555", f"http://{ip}:8080", seqs)["summary"]
+    return drive_subprocess(mode, f"tcp://{ip}:5555", in_pod(ip), seqs)["summary"]
 
 
 def healthy(ip: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{ip}:8080/healthcheck", timeout=2) as resp:
+        with urllib.request.urlopen(f"{in_pod(ip)}/healthcheck", timeout=2) as resp:
             return resp.status == 200
     except OSError:
         return False

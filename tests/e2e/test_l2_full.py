@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, kvpersist_env, manifest
+from tests.e2e.operator_env import NAME, in_pod, kvpersist_env, manifest
 from tests.integration.kvdriver import drive_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 
 
 def drive(ip: str, mode: str, seqs: str) -> dict:
-    return drive_subprocess(mode, f"tcp://{ip}:5555", f"http://{ip}:8080", seqs)["summary"]
+    return drive_subprocess(mode, f"tcp://{ip}:5555", in_pod(ip), seqs)["summary"]
 
 
 def test_full_volume_is_reported_and_serving_continues(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:

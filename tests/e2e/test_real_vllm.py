@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import REPO, Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Env, kvpersist_env, manifest, target_of
+from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
@@ -184,9 +184,9 @@ def test_vllm_pod_deleted_hits_from_server_l1(kubectl: Kubectl, chain: dict) -> 
     vllm = vllm_pod(kubectl, ns, exclude={chain["vllm"]})
     chain["vllm"] = vllm["metadata"]["name"]
     ip, server = vllm["status"]["podIP"], server_ip(kubectl, ns)
-    l1_before, l2_before = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    l1_before, l2_before = lmcache_hits(metrics(f"{in_pod(server)}/metrics"))
     tokens, hits = ask(ip)
-    l1, l2 = (a - b for a, b in zip(lmcache_hits(metrics(f"http://{server}:8080/metrics")), (l1_before, l2_before), strict=True))
+    l1, l2 = (a - b for a, b in zip(lmcache_hits(metrics(f"{in_pod(server)}/metrics")), (l1_before, l2_before), strict=True))
     assert hits == chain["cacheable"], (tokens, hits)
     assert l1 >= chain["cacheable"] and l2 == 0
     assert greedy(ip) == chain["cold"]  # token ids and logprobs, served from cache, as served cold
@@ -204,12 +204,12 @@ def test_server_pod_deleted_hits_from_l2(kubectl: Kubectl, chain: dict) -> None:
     probe = prompt(99, 300)
 
     def lookups() -> float:
-        return metrics(f"http://{server}:8080/metrics").get("lmcache_mp_lookup_requested_tokens_total", 0.0)
+        return metrics(f"{in_pod(server)}/metrics").get("lmcache_mp_lookup_requested_tokens_total", 0.0)
 
     wait_for("vLLM's lookups to reach the new server", lambda: (lambda n: complete(ip, probe) and lookups() > n)(lookups()),
              timeout=300, interval=2)
     tokens, hits = ask(ip)
-    l1, l2 = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    l1, l2 = lmcache_hits(metrics(f"{in_pod(server)}/metrics"))
     assert hits == chain["cacheable"] and l2 >= chain["cacheable"], (tokens, hits, l1, l2)
 
 
@@ -222,7 +222,7 @@ def test_recreated_resource_hits_from_retained_l2(kubectl: Kubectl, chain: dict)
     chain["vllm"] = vllm["metadata"]["name"]
     server = server_ip(kubectl, ns)
     tokens, hits = ask(vllm["status"]["podIP"])
-    l1, l2 = lmcache_hits(metrics(f"http://{server}:8080/metrics"))
+    l1, l2 = lmcache_hits(metrics(f"{in_pod(server)}/metrics"))
     assert hits == chain["cacheable"] and l2 >= chain["cacheable"], (tokens, hits, l1, l2)
     assert greedy(vllm["status"]["podIP"]) == chain["cold"]
 
@@ -235,7 +235,7 @@ def test_status_hit_figures_match_vllm(kubectl: Kubectl, chain: dict) -> None:
 
     def caught_up() -> dict | None:
         """status.hits once it shows the server's own counter (hit figures are written at most once a minute)."""
-        served = metrics(f"http://{server['status']['podIP']}:8080/metrics").get("lmcache_mp_lookup_hit_tokens_total", 0.0)
+        served = metrics(f"{in_pod(server['status']['podIP'])}/metrics").get("lmcache_mp_lookup_hit_tokens_total", 0.0)
         hits = (kubectl.get("kvns", NAME, ns).get("status") or {}).get("hits") or {}
         mine = next((s for s in hits.get("servers", []) if s["pod"] == server["metadata"]["name"]), None)
         return hits if mine is not None and mine.get("hitTokens", 0) == served else None

@@ -22,7 +22,7 @@ import pytest
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, kvpersist_env, manifest, start_operator, stop, target_of
+from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, in_pod, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -88,7 +88,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
 
 
 def _server_status(ip: str) -> dict:
-    with urllib.request.urlopen(f"http://{ip}:8080/status", timeout=5) as r:
+    with urllib.request.urlopen(f"{in_pod(ip)}/status", timeout=5) as r:
         return json.loads(r.read())
 
 

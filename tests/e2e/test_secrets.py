@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -19,10 +20,37 @@ import pytest
 
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, stop, storage
+from tests.e2e.operator_env import NAME, Runner, RunnerThread, in_pod, manifest, stop, storage
 from tests.integration.hub_stub import HubStub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
+
+
+def lmcache_admin_is_closed(kubectl: Kubectl, namespace: str, server_ip: str) -> str:
+    """lmcache's admin API serves /env (the whole environment: a bucket's HF token) and
+    /cache/clear without authentication. From another pod's IP its port on the server's pod IP is
+    closed, and the agent (the pod's one HTTP port) forwards none of it; inside the pod (the
+    runner's stand-in for its loopback) it answers, so this is what the loopback bind keeps in."""
+    others = [p["status"]["podIP"] for p in kubectl.get("pods", namespace=namespace)["items"]
+              if p.get("status", {}).get("podIP") not in (None, server_ip)]
+    assert others, "no other pod IP in the namespace to try from"
+    source = others[0]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((server_ip, 8080), timeout=5, source_address=(source, 0)).close()
+    with socket.create_connection((server_ip, 8090), timeout=5, source_address=(source, 0)):
+        pass  # the agent's port is open to that pod (no CNI here): it must refuse the rest itself
+    refused = {}
+    for path in ("/env", "/server/env", "/server/../env", "/cache/clear", "/server/cache/clear", "/server/quota"):
+        try:
+            with urllib.request.urlopen(f"http://{server_ip}:8090{path}", timeout=10) as resp:
+                refused[path] = resp.status
+        except urllib.error.HTTPError as exc:
+            refused[path] = exc.code
+    assert set(refused.values()) == {404}, refused
+    with urllib.request.urlopen(f"{in_pod(server_ip)}/env", timeout=10) as resp:  # control: inside the pod it answers
+        assert resp.status == 200 and b"NUMBA_CACHE_DIR" in resp.read()
+    return (f"lmcache's admin port {server_ip}:8080 refused a connection from pod IP {source}; the agent's port "
+            f"answered 404 to {', '.join(refused)}; inside the pod /env answered 200")
 
 
 def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path, fault_log) -> None:
@@ -58,7 +86,11 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
                 assert token in hub.seen_tokens  # it did reach the Hub, from the Secret
 
                 ip = kubectl.get("pod", f"{NAME}-lmcache-0", nvme_ns)["status"]["podIP"]
-                request = urllib.request.Request(f"http://{ip}:8080/run_script", data=b'{"script": "print(1)"}',
+                admin = lmcache_admin_is_closed(kubectl, nvme_ns, ip)
+                # ... and the operator still reads health and usage, through the agent with its token.
+                wait_for("usage in status", lambda: ((kubectl.get("kvns", NAME, nvme_ns).get("status") or {}).get(
+                    "usage") or {}).get("l1CapacityBytes", 0) > 0, timeout=60)
+                request = urllib.request.Request(f"{in_pod(ip)}/run_script", data=b'{"script": "print(1)"}',
                                                  method="POST", headers={"Content-Type": "application/json"})
                 try:
                     with urllib.request.urlopen(request, timeout=10) as resp:
@@ -75,10 +107,10 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
                 assert hits == [] and log_hits == []
 
                 pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", nvme_ns)
-                # The admin API and the inventory agent (it can delete an orphaned namespace): the operator only.
-                admin = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8080},
-                                                                            {"protocol": "TCP", "port": 8090}]]
-                assert admin and admin[0]["from"] == [{
+                # The inventory agent (it can delete an orphaned namespace): the operator only. lmcache's
+                # admin API needs no rule: it is on the pod's loopback.
+                agent = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8090}]]
+                assert agent and agent[0]["from"] == [{
                     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvpersist-operator"}}}]
         finally:
@@ -90,4 +122,4 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
     fault_log("a known Hugging Face token planted in a Secret, full flow run (preflight, real server, verbose log)",
               f"0 hits for the token or its base64 in {len(resources)} listable resource types across all namespaces "
               f"(Secrets aside) and in the operator's verbose log; the Hub got it; /run_script answered {run_script}; "
-              "the admin and inventory-agent ports admit only the operator's namespace and pods")
+              f"{admin}; the inventory agent's port admits only the operator's namespace and pods")

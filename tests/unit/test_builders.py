@@ -50,7 +50,8 @@ def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
     t = target("tp2-fp8")
     args = server_args(t)
     assert args[0] == "server"
-    assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "0.0.0.0"
+    # ZMQ on every interface (vLLM pods reach it); the admin API (/env, /cache/clear) on loopback only.
+    assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "127.0.0.1"
     assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "8080"
     assert _flag(args, "--l1-size-gb") == "64"
     assert _flag(args, "--eviction-policy") == "LRU"
@@ -120,10 +121,15 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     pod = spec["template"]["spec"]
     assert pod["hostIPC"] is True
     container = pod["containers"][0]
-    assert container["command"] == ["lmcache"]
+    # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it).
+    assert container["command"] == ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "lmcache"]
     assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
+    # Nothing listens on the pod IP but ZMQ: the probes run inside the container, on loopback.
+    assert [p["name"] for p in container["ports"]] == ["zmq"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/healthcheck"
+        assert "httpGet" not in container[probe]
+        assert container[probe]["exec"]["command"][:2] == ["python3", "-c"]
+        assert container[probe]["exec"]["command"][-1] == "http://127.0.0.1:8080/healthcheck"
     deleting = build_lmcache_statefulset(target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(reclaimPolicy="Delete")))
     assert deleting["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
 
@@ -143,7 +149,9 @@ def test_services() -> None:
     assert local["spec"]["internalTrafficPolicy"] == "Local"
     assert local["spec"]["ports"] == [{"name": "zmq", "port": 5555, "targetPort": "zmq", "protocol": "TCP"}]
     metrics = build_metrics_service(t)
-    assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["ports"][0]["port"] == 8080
+    # The agents' port (lmcache's /metrics forwarded as /server/metrics), not lmcache's loopback one.
+    assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["ports"][0]["port"] == 8090
+    assert metrics["spec"]["ports"][0]["targetPort"] == "agent"
     assert metrics["spec"]["selector"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
     # The local Service selects only servers of the current namespace id.
     assert local["spec"]["selector"] == {**metrics["spec"]["selector"], NAMESPACE_ID_LABEL: t.namespace_id}
@@ -265,7 +273,7 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
     assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
     assert zmq["from"] == [{"podSelector": {"matchLabels": {
         **build_vllm_deployment(t)["spec"]["selector"]["matchLabels"], NAMESPACE_ID_LABEL: t.namespace_id}}}]
-    assert http["ports"] == [{"protocol": "TCP", "port": 8080}, {"protocol": "TCP", "port": 8090}]  # admin API, inventory agent
+    assert http["ports"] == [{"protocol": "TCP", "port": 8090}]  # the agent (lmcache's admin API is loopback only)
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
                              "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     closed = build_network_policy(t, None)
@@ -306,16 +314,22 @@ def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
     assert server_args(t)[server_args(t).index("--eviction-policy") + 1] == t.spec.eviction.policy
 
 
-def test_inventory_agent_beside_the_server_with_nvme_only() -> None:
+def test_an_agent_beside_every_server_and_the_volume_only_with_nvme() -> None:
     t = target()
     pod = build_lmcache_statefulset(t, "img:1")["spec"]["template"]["spec"]
     server, agent = pod["containers"]
     assert agent["image"] == "img:1" and agent["command"] == ["kvpersist"]
     assert agent["args"][:1] == ["agent"] and _flag(agent["args"], "--serving") == t.namespace_id
     assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"][0] == server["volumeMounts"][0]
-    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
-    bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
-    assert [c["name"] for c in bucket["containers"]] == ["lmcache-server"]
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # It forwards the operator's reads of lmcache's loopback-only admin API.
+    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:8080"
+    bucket = build_lmcache_statefulset(target("hf-bucket"), "img:1")["spec"]["template"]["spec"]
+    server, agent = bucket["containers"]
+    assert agent["name"] == "inventory-agent" and "--root" not in agent["args"] and "--serving" not in agent["args"]
+    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:8080"
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # no volume: no capability
+    assert [m["name"] for m in agent["volumeMounts"]] == ["agent-token"]
 
 
 def test_stale_routes_are_old_ids_no_pod_carries() -> None:
@@ -413,7 +427,7 @@ def test_every_container_of_every_pod_is_least_privileged(t: Target) -> None:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False, c["name"]
             assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
-            assert set(sc["capabilities"].get("add", [])) <= {"DAC_OVERRIDE"}, c["name"]
+            assert "add" not in sc["capabilities"], c["name"]
             assert "privileged" not in sc, c["name"]
             # Read-only root everywhere but vLLM (its caches and model download; docs/security.md).
             assert sc["readOnlyRootFilesystem"] is (c["name"] != "vllm"), c["name"]
@@ -436,12 +450,18 @@ def test_lmcache_server_writes_only_to_its_volumes() -> None:
     assert all(m.get("readOnly") for m in server["volumeMounts"] if m["name"] == L2_KEY_VOLUME)
 
 
-def test_the_agent_alone_keeps_root_with_dac_override_and_the_servers_run_as_their_image() -> None:
-    """The agent reads and deletes what the root lmcache server wrote: uid 0, DAC_OVERRIDE only.
-    Nothing else sets a user: the images' own (root) applies, so no runAsNonRoot anywhere."""
-    pod = build_lmcache_statefulset(target(), "img:1")["spec"]["template"]["spec"]
+@pytest.mark.parametrize("name", ["nvme-minimal", "hf-bucket"])
+def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_their_image(name: str) -> None:
+    """The agent reads and deletes what the root lmcache server wrote through the pod's fsGroup
+    (measured: docs/security.md): non-root, no capability. lmcache and vLLM set no user: the
+    images' own (root) applies (vLLM's shared-memory KV is 0600 of its uid)."""
+    pod = build_lmcache_statefulset(target(name), "img:1")["spec"]["template"]["spec"]
     server, agent = pod["containers"]
-    assert agent["securityContext"]["runAsUser"] == 0 and agent["securityContext"]["readOnlyRootFilesystem"] is True
+    sc = agent["securityContext"]
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (65532, 2000, True) and sc["readOnlyRootFilesystem"]
+    assert pod["securityContext"]["fsGroup"] == 2000 and pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    token = next(v for v in pod["volumes"] if v["name"] == "agent-token")["secret"]
+    assert token["defaultMode"] == 0o440  # the agent reads it as a member of the pod's group
     assert "runAsUser" not in server["securityContext"] and "runAsUser" not in pod["securityContext"]
     vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]
     assert "runAsUser" not in vllm["containers"][0]["securityContext"] and "fsGroup" not in vllm["securityContext"]
@@ -465,11 +485,12 @@ def test_the_agent_gets_its_token_as_a_file_and_only_the_agent() -> None:
     assert token_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
     assert all(m["name"] != "agent-token" for m in server["volumeMounts"])
     volume = next(v for v in pod["volumes"] if v["name"] == "agent-token")
-    assert volume["secret"]["secretName"] == f"{t.name}-agent-token" and volume["secret"]["defaultMode"] == 0o400
+    assert volume["secret"]["secretName"] == f"{t.name}-agent-token" and volume["secret"]["defaultMode"] == 0o440
     secret = build_agent_token_secret(t)
     assert secret is not None and secret["metadata"]["name"] == f"{t.name}-agent-token"
     assert len(base64.b64decode(secret["data"]["token"])) == 64 and build_agent_token_secret(t)["data"] != secret["data"]
-    assert build_agent_token_secret(target("hf-bucket")) is None  # no agent without a volume
+    # A bucket's server pods have an agent too (it forwards lmcache's /status), so a token as well.
+    assert build_agent_token_secret(target("hf-bucket"))["metadata"]["name"] == "qwen25-7b-bucket-agent-token"
 
 
 def test_a_policy_without_rules_renders_no_ingress_key() -> None:

@@ -247,7 +247,7 @@ def test_idle_window_falls_back_to_the_total() -> None:
 def serve(metrics: bytes) -> Iterator[int]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps(STATUS).encode() if self.path == "/status" else metrics
+            body = json.dumps(STATUS).encode() if self.path.endswith("/status") else metrics
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -282,7 +282,7 @@ def test_fetch_reads_lookup_counters_and_refuses_garbage() -> None:
 
 def test_chart_dashboard_and_podmonitor_match_what_the_servers_export() -> None:
     from kvpersist.api.v1alpha1 import KVCacheNamespace
-    from kvpersist.builders.lmcache import server_container
+    from kvpersist.builders.lmcache import agent_container
     from kvpersist.builders.target import SERVER, Target
     from kvpersist.usage import LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2, LOOKUP_REQUESTED
     from tests.cases.invalid_manifests import sample
@@ -296,8 +296,10 @@ def test_chart_dashboard_and_podmonitor_match_what_the_servers_export() -> None:
     podmonitor = (chart / "templates" / "lmcache-podmonitor.yaml").read_text()
     obj = sample("nvme-minimal")
     target = Target(obj["metadata"]["name"], "ns", KVCacheNamespace.model_validate(obj).spec, None)
-    ports = {p["name"]: p["containerPort"] for p in server_container(target)["ports"]}
-    assert ports["http"] == target.spec.lmcache_server.http_port and "- port: http\n" in podmonitor
+    ports = {p["name"]: p["containerPort"] for p in agent_container(target, "img")["ports"]}
+    # lmcache's admin API is loopback only: its /metrics is scraped through the agent's port.
+    assert ports["agent"] == target.spec.lmcache_server.agent_port and "- port: agent\n" in podmonitor
+    assert "path: /server/metrics\n" in podmonitor
     selector = target.selector(SERVER)
     for label in ("app.kubernetes.io/name", "app.kubernetes.io/component"):
         assert f"{label}: {selector[label]}\n" in podmonitor

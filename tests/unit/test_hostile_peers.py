@@ -150,13 +150,13 @@ def answer(body: bytes, status: int = 200) -> Behave:
 
 def routes(table: dict[str, Behave]) -> Behave:
     def behave(conn: Conn, path: str) -> None:
-        table.get(path, answer(b"{}", 404))(conn, path)
+        table.get(path.removeprefix("/server"), answer(b"{}", 404))(conn, path)  # as forwarded by the agent
     return behave
 
 
 def healthy(conn: Conn, path: str) -> None:
     """A well-behaved lmcache 0.5.6 server."""
-    answer(METRICS if path == "/metrics" else STATUS)(conn, path)
+    answer(METRICS if path.endswith("/metrics") else STATUS)(conn, path)
 
 
 def trickle_body(conn: Conn, path: str) -> None:
@@ -455,3 +455,53 @@ def test_the_helper_reads_a_chunked_body_and_stops_at_the_cap() -> None:
         with pytest.raises(httpclient.PeerError, match="limit"):
             httpclient.get("127.0.0.1", peer.port, "/", timeout=DEADLINE, max_bytes=4)
         assert httpclient.get("127.0.0.1", peer.port, "/", timeout=DEADLINE, max_bytes=5).body == b"abcde"
+
+
+# ---------------------------------------------------------------- the agent's door to lmcache's admin API
+
+
+@contextmanager
+def agent_before(upstream: Peer, token: str = "t0ken") -> Iterator[int]:
+    """A real kvpersist agent (no volume) forwarding to `upstream`, which stands in for the
+    lmcache admin API on the pod's loopback; yields the agent's port."""
+    from kvpersist.agent import Agent, make_server
+
+    server = make_server(Agent(None, None, token=token, server=("127.0.0.1", upstream.port)), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, name="agent", daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_the_agent_forwards_status_with_the_token_and_metrics_and_nothing_else() -> None:
+    with serving(routes({"/status": healthy, "/metrics": healthy})) as lmcache, agent_before(lmcache) as port:
+        rep = fetch_status("s-0", "127.0.0.1", port, timeout=DEADLINE, token="t0ken")
+        assert rep.healthy and rep.l2_writes_submitted == 32 and rep.lookups is not None
+        for token in (None, "wrong"):
+            refused = fetch_status("s-0", "127.0.0.1", port, timeout=DEADLINE, token=token)
+            assert not refused.healthy and "HTTP 401" in refused.message and "bearer token" in refused.message
+        assert httpclient.get("127.0.0.1", port, "/server/metrics", timeout=DEADLINE).body == METRICS  # open: counters
+        for path in ("/env", "/server/env", "/cache/clear", "/server/cache/clear", "/server/../env", "/server/status/../env",
+                     "/server/quota", "/server/reconfigure/l1"):
+            assert httpclient.get("127.0.0.1", port, path, timeout=DEADLINE, headers={"Authorization": "Bearer t0ken"}).status == 404
+            assert httpclient.request("DELETE", "127.0.0.1", port, path, timeout=DEADLINE, max_bytes=4096).status in (404, 501)
+        # lmcache saw the two reads and nothing else.
+        assert set(lmcache.paths) == {"/status", "/metrics"}
+
+
+@pytest.mark.parametrize("behave", [trickle_body, hang, huge_streamed, garbage_status := answer(b"[]")],
+                         ids=["trickle", "hang", "huge", "garbage"])
+def test_a_misbehaving_server_behind_the_agent_costs_one_bounded_read(behave: Behave) -> None:
+    from kvpersist.agent import PROXY_TIMEOUT_S
+
+    with serving(behave) as lmcache, agent_before(lmcache) as port, timed(PROXY_TIMEOUT_S + SLACK + 0.5):
+        rep = fetch_status("s-0", "127.0.0.1", port, timeout=PROXY_TIMEOUT_S + 0.5, token="t0ken")
+    assert not rep.healthy, rep
+    if behave is garbage_status:
+        assert rep.message.startswith("malformed /status: "), rep.message
+    else:
+        assert "HTTP 50" in rep.message and "lmcache /status" in rep.message, rep.message

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
-from kubelet_runner import Probe, Runner, flag_value, hosts_file  # noqa: E402
+from kubelet_runner import Probe, Runner, flag_value, hosts_file, localize_args, pod_loopback  # noqa: E402
 
 
 def pod(name: str, ip: str, node: str, ready: bool, **labels: str) -> dict:
@@ -61,6 +61,52 @@ def test_probe_thresholds() -> None:
         assert seen == [False, False, True, True, True, False]
     finally:
         server.shutdown()
+
+
+def test_the_pods_loopback_is_its_own_address_and_exec_probes_run_there(tmp_path: Path) -> None:
+    """What the rendered lmcache server binds as 127.0.0.1 (its admin API) and what its exec probe
+    asks map to one address of the pod's, not the pod IP; the probe passes only when it answers."""
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
+    from kvpersist.builders.lmcache import server_container
+    from kvpersist.builders.target import Target
+    from tests.cases.invalid_manifests import sample
+
+    ip = "127.16.3.4"
+    assert pod_loopback(ip) == "127.116.3.4" and pod_loopback("127.19.0.9") == "127.119.0.9"
+    obj = sample("nvme-minimal")
+    container = server_container(Target("s", "ns", KVCacheNamespace.model_validate(obj).spec, None))
+    args = localize_args(container["args"], {}, ip, loopback=pod_loopback(ip))
+    assert flag_value(args, "--http-host") == "127.116.3.4" and flag_value(args, "--host") == ip
+    assert flag_value(localize_args(container["args"], {}, "127.0.0.1"), "--http-host") == "127.0.0.1"  # no pod: as is
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthcheck" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    runner = Runner(tmp_path / "kubeconfig", "ns", tmp_path, lmcache="/opt/lmcache")
+    # The shell wrapper (umask) runs this machine's lmcache as its $0, on the pod's own addresses.
+    argv = runner.argv({"spec": {"volumes": []}, "status": {"podIP": ip}}, {**container, "volumeMounts": []})
+    assert argv[:4] == ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "/opt/lmcache"] and argv[4:] == args
+    # The port the probe names, served on the pod's loopback address; nothing on the pod IP.
+    server = http.server.HTTPServer(("127.116.3.4", 0), Handler)
+    port = server.server_address[1]
+    spec = {**container["readinessProbe"], "failureThreshold": 1}
+    spec["exec"] = {"command": [*spec["exec"]["command"][:-1], f"http://127.0.0.1:{port}/healthcheck"]}
+    the_pod = {"status": {"podIP": ip}}
+    probe = runner._probe(spec, the_pod, {"PATH": "/usr/bin:/bin"})
+    assert probe is not None and probe.exec_argv[0] == sys.executable
+    assert probe.exec_argv[-1] == f"http://127.116.3.4:{port}/healthcheck"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert probe.run(ip, {}, 0.0) and probe.ok
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not probe.run(ip, {}, 1.0) and not probe.ok  # nothing answers any more
 
 
 def test_vllm_is_real_only_with_build_and_cached_model(tmp_path: Path) -> None:

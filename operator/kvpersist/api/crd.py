@@ -28,6 +28,9 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """One pydantic schema node as a structural OpenAPI v3 node."""
     node = _resolve(node, defs)
+    if len(node.get("allOf", ())) == 1:  # pydantic < 2.9 wraps a described $ref: {"allOf": [{"$ref": ...}], ...}
+        rest = {k: v for k, v in node.items() if k != "allOf"}
+        return structural({**_resolve(node["allOf"][0], defs), **rest}, defs)
     if node.get("x-kubernetes-int-or-string"):
         return {k: v for k, v in node.items() if k not in _DROP}
     if "anyOf" in node:
@@ -60,6 +63,8 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["enum"] = [value]
         else:
             out[key] = value
+    if out.get("type") == "number":  # one spelling whatever pydantic wrote (versions differ: 0 or 0.0)
+        out.update({k: float(out[k]) for k in ("minimum", "maximum", "default") if isinstance(out.get(k), int)})
     if "enum" in out and "type" not in out:
         first = out["enum"][0]
         out["type"] = "integer" if isinstance(first, int) else "string"

@@ -124,7 +124,9 @@ def cel(rule: str, message: str, field_path: str | None = None, reason: str | No
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    # protected_namespaces: identity.modelId is a field, not pydantic's (older pydantic warns on "model_").
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+                              protected_namespaces=())
 
 
 def defaults_of(model: type[_Model]) -> dict[str, Any]:
@@ -289,6 +291,11 @@ class HFBucket(_Model):
         "environment variable.",
     )
     create_bucket_if_missing: bool = Field(False, description="Create the bucket when it does not exist.")
+    exclusive_to_this_cluster: bool = Field(
+        False, description="True only when no other cluster reads or writes this bucket prefix. `kvpersist gc` deletes a "
+        "namespace from the bucket only when true: this cluster cannot see another cluster's resources and servers, so "
+        "a namespace that looks orphaned here may be in use there. Not part of the namespace id.",
+    )
     num_workers: int = Field(4, ge=1, le=256, description="Parallel upload/download workers of the adapter.")
     metadata_cache_ttl_seconds: float = Field(
         30, ge=0, le=86_400, alias="metadataCacheTTLSeconds",
@@ -385,16 +392,36 @@ class Resources(_Model):
     limits: dict[str, Quantity] | None = Field(None, description="Limits by resource name.")
 
 
-class Toleration(_Model):
-    """A pod toleration."""
+CATCH_ALL_TOLERATION = ("operator Exists without a key tolerates every taint (control-plane, GPU nodes reserved for "
+                        "others, NoExecute evictions): name the taint key, e.g. key: nvidia.com/gpu")
 
-    key: str | None = Field(None, max_length=317, description="Taint key; empty with operator Exists matches all.")
+
+class Toleration(_Model):
+    """A pod toleration. One naming no key is refused: it would put these hostIPC pods on any node."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.operator != 'Exists' || (has(self.key) && self.key != '')", CATCH_ALL_TOLERATION,
+                    field_path=".key", reason="FieldValueForbidden"),
+            ]
+        }
+    )
+
+    key: str | None = Field(None, max_length=317, description="Taint key. Required with operator Exists: without one the "
+                            "toleration would match every taint, and is refused.")
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
     value: str | None = Field(None, max_length=63, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to match; all effects when unset.",
     )
     toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
+
+    @model_validator(mode="after")
+    def _not_catch_all(self) -> Toleration:
+        if self.operator == "Exists" and not self.key:
+            raise ValueError(f"key: {CATCH_ALL_TOLERATION}")
+        return self
 
 
 class LMCacheServer(_Model):
@@ -417,11 +444,12 @@ class LMCacheServer(_Model):
     )
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
     port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
-    http_port: int = Field(8080, ge=1, le=65535, description="HTTP admin port (/healthcheck, /status, /metrics).")
+    http_port: int = Field(8080, ge=1, le=65535, description="lmcache's HTTP admin port (/healthcheck, /status, "
+                           "/metrics), on the pod's loopback only; the agent forwards /status and /metrics.")
     agent_port: int = Field(
         8090, ge=1, le=65535,
-        description="Port of the inventory agent beside each server (NVMe L2 only): per-namespace usage of the volume, "
-        "and deletion of an orphaned namespace on an admin's request.",
+        description="Port of the agent beside each server: the operator's door to lmcache's /status and /metrics, and "
+        "with NVMe L2 per-namespace usage of the volume and deletion of an orphaned namespace on an admin's request.",
     )
     resources: Resources | None = Field(
         None, description="Overrides; memory is otherwise requested as L1 + 5Gi and limited to 1.5x that.",

@@ -40,12 +40,10 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
     }
 
 
-def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any] | None:
-    """The agent's token (NVMe L2 only: no agent otherwise), random unless given. Unlike the key,
+def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any]:
+    """The agent's token (every server pod has an agent), random unless given. Unlike the key,
     the resource owns it (the handler adds the reference): worthless once the agents are gone.
     Created once; a token that changed under a running agent would lock the operator out of it."""
-    if target.spec.l2.nvme is None:
-        return None
     return {
         "apiVersion": "v1",
         "kind": "Secret",

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction
-from kvpersist.builders.security import container_security_context, pod_security
+from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
     AGENT_TOKEN_MOUNT_PATH,
@@ -37,6 +37,19 @@ TMP_VOLUME = "tmp"
 TMP_PATH = "/tmp"
 NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
 TMP_SIZE_LIMIT = "1Gi"  # measured: a few hundred KB of numba cache
+
+
+# lmcache's HTTP admin API (/env, /cache/clear, DELETE /cache/objects, /quota, /reconfigure) binds
+# the pod's loopback: nothing outside the pod reaches it, whatever the CNI enforces. The kubelet's
+# probes run inside the container (exec), and the agent forwards the operator's two reads.
+ADMIN_HOST = "127.0.0.1"
+# An exec probe: the image's python3 (lmcache's image is a Python one) asks /healthcheck on loopback.
+HEALTH_SCRIPT = ("import sys, urllib.request; "
+                 "sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)")
+# The server writes L2 group-writable (its folders 2775 in the fsGroup, files 0664), so the
+# non-root agent in that group can delete them. Measured with lmcache 0.5.6 (docs/security.md):
+# with the default umask 0022 the agent's delete fails with EACCES. `$0` is the program.
+SERVER_COMMAND = ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "lmcache"]
 
 
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
@@ -140,14 +153,14 @@ def l1_eviction_policy(policy: str) -> str:
 
 
 def server_args(target: Target) -> list[str]:
-    """`lmcache server` arguments. The admin API binds all interfaces for probes and the operator;
-    a NetworkPolicy keeps everyone else out, and /run_script stays off."""
+    """`lmcache server` arguments. The ZMQ port binds all interfaces (vLLM pods on the node reach
+    it); the admin API binds loopback only, and /run_script stays off."""
     spec = target.spec
     return [
         "server",
         "--host", "0.0.0.0",
         "--port", str(spec.lmcache_server.port),
-        "--http-host", "0.0.0.0",
+        "--http-host", ADMIN_HOST,
         "--http-port", str(spec.lmcache_server.http_port),
         "--l1-size-gb", _number(spec.l1.size_gb),
         "--eviction-policy", l1_eviction_policy(spec.eviction.policy),
@@ -174,9 +187,15 @@ def server_resources(target: Target) -> dict[str, dict[str, str]]:
     return {"requests": requests, "limits": limits}
 
 
-def _probe(port_name: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": "/healthcheck", "port": port_name}, "periodSeconds": period,
-            "timeoutSeconds": 3, "failureThreshold": failures}
+def admin_url(target: Target) -> str:
+    """lmcache's admin API as seen from inside its pod."""
+    return f"http://{ADMIN_HOST}:{target.spec.lmcache_server.http_port}"
+
+
+def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
+    """Inside the container: the kubelet's httpGet would go to the pod IP, where nothing listens."""
+    return {"exec": {"command": ["python3", "-c", HEALTH_SCRIPT, admin_url(target) + "/healthcheck"]},
+            "periodSeconds": period, "timeoutSeconds": 3, "failureThreshold": failures}
 
 
 def server_container(target: Target) -> dict[str, Any]:
@@ -191,21 +210,20 @@ def server_container(target: Target) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "lmcache-server",
         "image": srv.image,
-        "command": ["lmcache"],
+        "command": SERVER_COMMAND,
         "args": server_args(target),
         "env": env,
-        "ports": [
-            {"name": "zmq", "containerPort": srv.port, "protocol": "TCP"},
-            {"name": "http", "containerPort": srv.http_port, "protocol": "TCP"},
-        ],
+        "ports": [{"name": "zmq", "containerPort": srv.port, "protocol": "TCP"}],  # the admin API: loopback
         "resources": server_resources(target),
         # Loading torch and allocating L1 takes a while; the startup probe covers it (10 minutes),
         # checked every second so the pod turns Ready as soon as the server is healthy.
-        "startupProbe": _probe("http", 1, 600),
-        "readinessProbe": _probe("http", 5, 3),
-        "livenessProbe": _probe("http", 10, 6),
-        # Runs as its image's user (root: the image is not known to work as another), without any
-        # capability: what it writes (L2 folder, /tmp) it creates and owns itself.
+        "startupProbe": _probe(target, 1, 600),
+        "readinessProbe": _probe(target, 5, 3),
+        "livenessProbe": _probe(target, 10, 6),
+        # Runs as its image's user (root), without any capability: what it writes (L2 folder, /tmp)
+        # it creates and owns itself. Not non-root: vLLM's connector registers its KV in shared
+        # memory segments of mode 0600 (its own uid, root in vLLM's image); a server of another uid
+        # cannot open them (measured with lmcache 0.5.6: REGISTER_KV_CACHE, EACCES).
         "securityContext": container_security_context(),
     }
     mounts = []
@@ -231,20 +249,27 @@ def agent_image() -> str:
 
 
 def agent_container(target: Target, image: str) -> dict[str, Any]:
-    """The inventory agent (kvpersist.agent) beside the server: the only thing that can read the
-    volume for per-namespace reports and delete an orphaned namespace when an admin asks. With
-    nixl_store_dynamic it also holds the served folder to the adapter's capacity (the budget, else
+    """The inventory agent (kvpersist.agent) beside the server, in every server pod: the one door
+    into it. It forwards the operator's reads of lmcache's loopback-only admin API (/status with
+    the resource's token, /metrics). With NVMe it is also the only thing that can read the volume
+    for per-namespace reports and delete an orphaned namespace when an admin asks, and with
+    nixl_store_dynamic it holds the served folder to the adapter's capacity (the budget, else
     maxCapacityGB), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
     port = target.spec.lmcache_server.agent_port
-    args = ["agent", "--root", L2_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(port),
-            "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
     nvme = target.spec.l2.nvme
-    if target.namespace_id:
+    args = ["agent", *(["--root", L2_MOUNT_PATH] if nvme is not None else []), "--host", "0.0.0.0", "--port", str(port),
+            "--server-url", admin_url(target), "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
+    if target.namespace_id and nvme is not None:
         args += ["--serving", target.namespace_id]
-        if nvme is not None and nvme.adapter == "nixl_store_dynamic":
+        if nvme.adapter == "nixl_store_dynamic":
             capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
             args += ["--capacity-bytes", str(capacity)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
+    mounts = [{"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}]
+    # Non-root, no capability: it reads and deletes what the root server wrote through the pod's
+    # fsGroup (DATA_GROUP; the server writes group-writable), and reads its token file the same way.
+    if nvme is not None:
+        mounts.insert(0, {"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
     return {
         "name": AGENT_CONTAINER,
         "image": image,
@@ -254,14 +279,9 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": probe,
         "livenessProbe": probe,
-        "volumeMounts": [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH},
-                         {"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}],
-        # It must read, and on request delete, files the lmcache server wrote as its image's user
-        # (root, 0644 files in 0755 folders): uid 0 with only DAC_OVERRIDE, nothing else, and a
-        # read-only root. Not a shared non-root uid with fsGroup: the server stays root (above), and
-        # folders written by earlier versions are root's on volumes whose plugin ignores fsGroup.
-        "securityContext": {**container_security_context(), "runAsUser": 0, "runAsNonRoot": False,
-                            "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}},
+        "volumeMounts": mounts,
+        "securityContext": {**container_security_context(), "runAsUser": AGENT_USER, "runAsGroup": DATA_GROUP,
+                            "runAsNonRoot": True},
     }
 
 
@@ -272,10 +292,8 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     while the cache is disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
-    containers = [server_container(target)]
-    if spec.l2.nvme is not None:
-        containers.append(agent_container(target, image_of_agent or agent_image()))
-    pod_spec: dict[str, Any] = pod_security({
+    containers = [server_container(target), agent_container(target, image_of_agent or agent_image())]
+    pod_spec: dict[str, Any] = pod_security(fs_group=DATA_GROUP, pod_spec={
         "containers": containers,
         # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace. It is why these pods
         # need the privileged Pod Security level (baseline forbids host namespaces; docs/security.md).
@@ -297,10 +315,10 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     }
     nvme = spec.l2.nvme
     volumes = [v for v in (key_volume(target),) if v]
-    if nvme is not None:  # the agent's token, for the agent only
-        volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
-                                                               "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
-                                                               "defaultMode": 0o400}})
+    # The agent's token, mounted into the agent only; readable by the pod's group (the agent's).
+    volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
+                                                           "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
+                                                           "defaultMode": 0o440}})
     if nvme is not None and nvme.existing_claim_name:
         volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})

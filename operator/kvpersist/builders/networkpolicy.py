@@ -1,9 +1,10 @@
-"""The NetworkPolicy that keeps the lmcache servers' admin port to the operator alone.
+"""The NetworkPolicies of the lmcache server pods: the agent's port to the operator alone, ZMQ to
+vLLM pods of the same namespace id alone.
 
-The HTTP admin API has no authentication and serves /env (the process environment, where the
-Hugging Face token lives) and /quota; the inventory agent beside it can delete an orphaned
-namespace's data. Only the operator may reach either; vLLM pods of the same resource and the
-same namespace id may reach the ZMQ port; nothing else gets in."""
+lmcache's HTTP admin API (no authentication; /env holds the Hugging Face token) binds the pod's
+loopback and needs no policy. The inventory agent beside it forwards the operator's reads and can
+delete an orphaned namespace's data; it checks the resource's token itself, and this policy is
+the second line where the CNI enforces it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def operator_namespace() -> str | None:
 
 
 def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, Any]:
-    """Every server of the resource: HTTP from the operator's pods only (when the operator's
+    """Every server of the resource: the agent's port from the operator's pods only (when the operator's
     namespace is known; else from nowhere in the cluster, which kubelet probes from the node are
     not subject to on common CNIs). No ZMQ here: see build_zmq_policy."""
     spec = target.spec
@@ -31,8 +32,7 @@ def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, A
         rules.append({
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                       "podSelector": {"matchLabels": OPERATOR_LABELS}}],
-            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.http_port},
-                      {"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
+            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
         })
     spec_out: dict[str, Any] = {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"]}
     if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,

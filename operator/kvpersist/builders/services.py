@@ -25,7 +25,8 @@ def build_local_service(target: Target) -> dict[str, Any]:
 
 
 def build_metrics_service(target: Target) -> dict[str, Any]:
-    """Headless: governs the StatefulSet (stable pod DNS) and exposes /metrics for scraping."""
+    """Headless: governs the StatefulSet (stable pod DNS) and exposes the agents' port, where
+    lmcache's /metrics is forwarded as /server/metrics for scraping (the admin API is loopback)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -34,7 +35,7 @@ def build_metrics_service(target: Target) -> dict[str, Any]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": target.selector(SERVER),
-            "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.http_port, "targetPort": "http",
+            "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.agent_port, "targetPort": "agent",
                        "protocol": "TCP"}],
         },
     }

@@ -1,0 +1,214 @@
+"""Creating a KVCacheNamespace is less power than the operator's own, on the real API server: an
+image outside the allowed prefixes (chart value allowedImages) and a named Secret without the
+required label (secretLabel) get nothing applied and say why; with watchNamespaces the chart grants
+Secrets only in those namespaces."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cases.invalid_manifests import sample
+from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
+from tests.e2e.operator_env import start_operator, stop
+from tests.integration.hub_stub import HubStub
+
+pytestmark = pytest.mark.e2e
+LABEL = "kvpersist.dev/usable-by=kvpersist"
+EVIL_DIGEST = "@sha256:" + "e" * 64
+
+
+@pytest.fixture()
+def start(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Path]]:
+    """Starts `kvpersist run` on the test's namespace with the given environment (the chart's values)."""
+    procs: list[subprocess.Popen] = []
+
+    def run(env: dict[str, str]) -> Path:
+        log = tmp_path / "operator.log"
+        procs.append(start_operator(kubectl.kubeconfig, namespace, log, env))
+        return log
+
+    yield run
+    for proc in procs:
+        stop(proc)
+
+
+def _named(obj: dict[str, Any], name: str, namespace: str) -> dict[str, Any]:
+    obj["metadata"]["name"] = name
+    obj["metadata"]["namespace"] = namespace
+    return obj
+
+
+def _ready(kubectl: Kubectl, name: str, ns: str) -> dict[str, Any]:
+    status = kubectl.get("kvns", name, ns).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+
+
+def _exists(kubectl: Kubectl, kind: str, name: str, ns: str) -> bool:
+    return kubectl.run("get", kind, name, "-n", ns, "-o", "name", check=False).returncode == 0
+
+
+def _events(kubectl: Kubectl, ns: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in kubectl.get("events", namespace=ns)["items"] if e["reason"] == reason]
+
+
+def _refused(kubectl: Kubectl, name: str, ns: str, reason: str, generation: int = 1) -> dict[str, Any]:
+    return wait_for(f"{name}: Ready False {reason}", lambda: (lambda c: c if c.get("reason") == reason and c.get(
+        "observedGeneration") == generation else None)(_ready(kubectl, name, ns)), timeout=60)
+
+
+def _workloads(kubectl: Kubectl, name: str, ns: str) -> list[str]:
+    return [f"{kind}/{n}" for kind, n in (("statefulset", f"{name}-lmcache"), ("deployment", f"{name}-vllm"),
+                                          ("secret", f"{name}-agent-token"), ("secret", f"{name}-l2-key"),
+                                          ("configmap", f"{name}-connection")) if _exists(kubectl, kind, n, ns)]
+
+
+def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespace: str, start) -> None:
+    """allowedImages docker.io/vllm/ and lmcache/vllm-openai: the samples' images reconcile;
+    lmcache/vllm-openai-evil (the same characters, another repository) is refused with the field,
+    the image, the prefixes and the fix named, a Warning event and no workload; an allowed resource
+    edited to a refused image keeps its workloads exactly as they were."""
+    start({"KVPERSIST_ALLOWED_IMAGES": "docker.io/vllm/, lmcache/vllm-openai"})
+    ns = namespace
+    kubectl.apply(_named(sample(), "allowed", ns))
+    evil = _named(sample(), "refused", ns)
+    evil["spec"]["lmcacheServer"]["image"] = "lmcache/vllm-openai-evil:v0.5.6" + EVIL_DIGEST
+    kubectl.apply(evil)
+
+    wait_for("the allowed resource's StatefulSet and Deployment", lambda: _exists(
+        kubectl, "statefulset", "allowed-lmcache", ns) and _exists(kubectl, "deployment", "allowed-vllm", ns), timeout=60)
+    cond = _refused(kubectl, "refused", ns, "ImageNotAllowed")
+    assert cond["status"] == "False"
+    for words in ("spec.lmcacheServer.image", evil["spec"]["lmcacheServer"]["image"], "docker.io/vllm/",
+                  "lmcache/vllm-openai", "allowedImages"):
+        assert words in cond["message"], (words, cond["message"])
+    assert kubectl.get("kvns", "refused", ns)["status"]["phase"] == "Failed"
+    event = wait_for("an ImageNotAllowed event", lambda: _events(kubectl, ns, "ImageNotAllowed"))[0]
+    assert event["type"] == "Warning" and event["involvedObject"]["name"] == "refused"
+    assert "spec.lmcacheServer.image" in event["message"]
+    time.sleep(3)  # the refused resource has been applied (and refused) before its status was written
+    assert _workloads(kubectl, "refused", ns) == []
+    assert _ready(kubectl, "allowed", ns).get("reason") not in ("ImageNotAllowed", "SecretNotAllowed")
+
+    # An allowed resource edited to a refused image: status says so, its workloads stay untouched.
+    before = {kind: kubectl.get(kind, f"allowed-{suffix}", ns) for kind, suffix in (("statefulset", "lmcache"),
+                                                                                     ("deployment", "vllm"))}
+    edited = _named(sample(), "allowed", ns)
+    edited["spec"]["vllm"]["image"] = "registry.evil.example/vllm/vllm-openai" + EVIL_DIGEST
+    kubectl.apply(edited)
+    cond = _refused(kubectl, "allowed", ns, "ImageNotAllowed", generation=2)
+    assert "spec.vllm.image" in cond["message"] and "registry.evil.example/vllm/vllm-openai" in cond["message"]
+    time.sleep(3)
+    for kind, old in before.items():
+        now = kubectl.get(kind, old["metadata"]["name"], ns)
+        assert now["metadata"]["generation"] == old["metadata"]["generation"], kind
+        assert now["spec"]["template"] == old["spec"]["template"], kind
+    kubectl.apply(_named(sample(), "allowed", ns))  # back to an allowed image: no longer refused
+    wait_for("allowed again", lambda: (lambda c: c.get("observedGeneration") == 3 and c.get("reason") != "ImageNotAllowed")(
+        _ready(kubectl, "allowed", ns)), timeout=60)
+
+
+def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kubectl, namespace: str, start,
+                                                                     request: pytest.FixtureRequest) -> None:
+    """secretLabel set: an L2 key Secret and a bucket token Secret without the label are refused
+    (field, Secret and label named; a Warning event; nothing applied, the bucket never contacted),
+    the operator's own Secrets carry the label, and labelling the key Secret brings the workloads."""
+    ns = namespace
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    token = "hf_" + secrets.token_hex(16)
+    for name, item, value in (("shared-key", "master-key", key), ("hf-kv-writer", "token",
+                                                                   base64.b64encode(token.encode()).decode())):
+        kubectl.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                       "metadata": {"name": name, "namespace": ns}, "data": {item: value}})
+    hub = HubStub(existing={"acme-ml/kv-cache"}, token=token).__enter__()  # what a bucket preflight would reach
+    request.addfinalizer(lambda: hub.__exit__(None, None, None))
+    log = start({"KVPERSIST_SECRET_LABEL": LABEL, "HF_ENDPOINT": hub.url})
+    keyed = _named(sample(), "keyed", ns)
+    keyed["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
+    kubectl.apply(keyed)
+    kubectl.apply(_named(sample("hf-bucket"), "bucket", ns))
+    kubectl.apply(_named(sample(), "plain", ns))
+
+    for name, field, secret in (("keyed", "spec.l2.encryption.keySecretRef", "shared-key"),
+                                ("bucket", "spec.l2.hfBucket.tokenSecretRef", "hf-kv-writer")):
+        cond = _refused(kubectl, name, ns, "SecretNotAllowed")
+        for words in (field, f"Secret {secret}", LABEL, "kubectl label secret"):
+            assert words in cond["message"], (words, cond["message"])
+        status = kubectl.get("kvns", name, ns)["status"]
+        l2 = next(c for c in status["conditions"] if c["type"] == "L2Ready")
+        assert status["phase"] == "Failed" and l2["reason"] == "SecretNotAllowed"
+    events = wait_for("two SecretNotAllowed events", lambda: (lambda e: e if len(e) >= 2 else None)(
+        _events(kubectl, ns, "SecretNotAllowed")))
+    assert {e["involvedObject"]["name"] for e in events} == {"keyed", "bucket"}
+    assert all(e["type"] == "Warning" for e in events)
+
+    # The resource that names no Secret reconciles; the Secrets the operator made carry the label.
+    wait_for("plain's workloads", lambda: _exists(kubectl, "statefulset", "plain-lmcache", ns), timeout=60)
+    k, v = LABEL.split("=")
+    for made in ("plain-l2-key", "plain-agent-token"):
+        assert kubectl.get("secret", made, ns)["metadata"]["labels"].get(k) == v, made
+    time.sleep(3)
+    assert _workloads(kubectl, "keyed", ns) == [] and _workloads(kubectl, "bucket", ns) == []
+    assert hub.requests == [] and token not in log.read_text()  # the refused token was never read nor sent
+
+    # Whoever may read the Secret labels it: the resource is applied on the operator's next round.
+    kubectl.run("label", "secret", "shared-key", "-n", ns, LABEL)
+    sts = wait_for("keyed's StatefulSet after the label", lambda: _exists(kubectl, "statefulset", "keyed-lmcache", ns)
+                   and kubectl.get("statefulset", "keyed-lmcache", ns), timeout=60)
+    volumes = sts["spec"]["template"]["spec"]["volumes"]
+    assert any((v.get("secret") or {}).get("secretName") == "shared-key" for v in volumes)
+    wait_for("keyed no longer refused", lambda: _ready(kubectl, "keyed", ns).get("reason") != "SecretNotAllowed", timeout=60)
+    assert _ready(kubectl, "bucket", ns).get("reason") == "SecretNotAllowed" and hub.requests == []
+    # And the stub is what the operator reaches once the token's Secret is labelled: the check above can fail.
+    kubectl.run("label", "secret", "hf-kv-writer", "-n", ns, LABEL)
+    wait_for("the bucket preflight with the labelled token", lambda: token in hub.seen_tokens, timeout=60)
+
+
+def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: Path) -> None:
+    """The chart with watchNamespaces: its ServiceAccount may get and create Secrets in those
+    namespaces (a Role each) and nowhere else; no cluster-wide Secret verb."""
+    suffix = uuid.uuid4().hex[:6]
+    release, release_ns, watched, other = f"lp-{suffix}", f"lp-sys-{suffix}", f"lp-w-{suffix}", f"lp-o-{suffix}"
+    rendered = subprocess.run([str(bin_dir() / "helm"), "template", release, str(REPO / "charts" / "kvpersist"),
+                               "--namespace", release_ns, "--set", f"watchNamespaces={{{watched}}}"],
+                              check=True, capture_output=True, text=True, timeout=120).stdout
+    fullname = f"{release}-kvpersist"
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding") and d["metadata"]["name"].startswith(
+        fullname)]
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == fullname)
+    assert not [r for r in cluster_role["rules"] if "secrets" in r["resources"]]
+    assert {(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"] in ("Role", "RoleBinding")} == {
+        ("Role", watched), ("RoleBinding", watched)}
+    for ns in (release_ns, watched, other):
+        kubectl.run("create", "namespace", ns)
+    cluster_scoped = [(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"].startswith("Cluster")]
+    try:
+        kubectl.run("apply", "--server-side", "-f", "-", stdin="---\n".join(yaml.safe_dump(d) for d in docs))
+        sa = f"system:serviceaccount:{release_ns}:{fullname}"
+
+        def can(verb: str, *where: str) -> bool:
+            out = kubectl.run("auth", "can-i", verb, "secrets", f"--as={sa}", *where, check=False)
+            return out.stdout.strip() == "yes"
+
+        wait_for("the Role to take effect", lambda: can("get", "-n", watched), timeout=30)
+        assert can("create", "-n", watched)
+        assert not can("get", "-n", other) and not can("create", "-n", other) and not can("get", "-n", release_ns)
+        assert not can("get", "--all-namespaces") and not can("list", "-n", watched)
+        # The rest of the ClusterRole is still there: the check is not vacuous.
+        assert kubectl.run("auth", "can-i", "watch", "kvcachenamespaces.kvpersist.dev", f"--as={sa}", "-n", other,
+                           check=False).stdout.strip() == "yes"
+    finally:
+        for kind, name in cluster_scoped:
+            kubectl.run("delete", kind.lower(), name, "--ignore-not-found", check=False)
+        for ns in (release_ns, watched, other):
+            kubectl.run("delete", "namespace", ns, "--wait=false", check=False)

@@ -21,9 +21,10 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import kube, leadership, metrics
+from kvpersist import kube, leadership, metrics, retry
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.status import checked_patch
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, NAMESPACE_ID_LABEL, SERVER, Target
@@ -43,7 +44,7 @@ from kvpersist.conditions import now as condition_now
 from kvpersist.hfbucket import preflight_bucket
 from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution, resolve
-from kvpersist.inventory import Inventory, status_summary
+from kvpersist.inventory import Inventory, iso, status_summary
 from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from kvpersist.policy import REASONS as REFUSAL_REASONS
 from kvpersist.policy import (
@@ -65,6 +66,7 @@ STATUS_INTERVAL_S = 10.0
 # Apply failures the API server gave for a generation (e.g. an immutable field changed), kept so
 # the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
+_apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
 _write_failures = WriteFailureTracker()
 _failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
 _hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
@@ -454,6 +456,16 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     return events
 
 
+def _write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
+    """Every status write of the operator: checked against the status models first, since the API
+    server would prune a key the CRD lacks without a word (kvpersist.api.status: in tests a bad
+    key raises; in production its field is left out and logged). What was sent, or None. Blocking."""
+    sent = checked_patch(patch, logger, f"{meta['namespace']}/{meta['name']}")
+    if sent is not None:
+        kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], sent)
+    return sent
+
+
 def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed. Blocking
     (HTTP to the servers, the status patch): runs in a worker thread."""
@@ -483,9 +495,15 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         reports = observation.reports
         inventory = observation.inventory
         error = _apply_errors.get((target.namespace, target.name))
+        retrying = _apply_backoff.pending((target.namespace, target.name))
         if error and error[0] == generation:
             fields = {**fields, "phase": "Failed"}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
+        elif retrying is not None:
+            message = (f"applying the workloads failed {retrying.attempts} time(s), last: {retrying.message}; next try "
+                       f"at {iso(retrying.due_wall)} (the workloads may not match the spec meanwhile)")
+            fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
+            conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
         if refused is not None:
             fields, conds = refused_status(fields, conds, refused, generation)
     metrics.inc("kvpersist_status_refreshes_total")
@@ -494,7 +512,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     new_status = status_patch(old, fields, conds, reports, inventory, hits)
     if new_status is None:
         return
-    kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], new_status)
+    new_status = _write_status(meta, new_status, logger)
+    if new_status is None:
+        return
     metrics.inc("kvpersist_status_writes_total")
     for type_, reason_, message in _events_for(old, {**old, **new_status}, conds):
         kube.post_event(body, type_, reason_, message)
@@ -540,15 +560,23 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
             applied = kube.apply(manifest)
             _note_own_write(applied)
             metrics.inc("kvpersist_applies_total")
-    except ApiException as exc:
+    except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
-        if exc.status in (400, 403, 404, 409, 422):
-            _apply_errors[key] = (body["metadata"].get("generation"), f"the API server refused an object: {_api_message(exc)}")
+        generation = body["metadata"].get("generation")
+        if isinstance(exc, ApiException) and retry.is_permanent(exc.status):
+            _apply_errors[key] = (generation, f"the API server refused an object: {_api_message(exc)}")
+            _apply_backoff.succeeded(key)  # not retried: only a changed spec can pass
             logger.error("apply failed: %s", _apply_errors[key][1])
         else:
-            raise kopf.TemporaryError(f"applying workloads failed ({exc.status}); retrying", delay=15) from exc
+            why = (f"HTTP {exc.status}: {_api_message(exc)}" if isinstance(exc, ApiException)
+                   else f"{type(exc).__name__}: {exc}")[:1024]
+            pending = _apply_backoff.failed(key, generation, why, time.monotonic())
+            _drifted.add(key)  # the status loop applies again once pending.due_at has passed
+            logger.warning("%s/%s: applying the workloads failed (attempt %d: %s); trying again in %.0f s",
+                           target.namespace, target.name, pending.attempts, why, retry.delay(pending.attempts))
     else:
         _apply_errors.pop(key, None)
+        _apply_backoff.succeeded(key)
         _routes_pending.add(key)  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
 
@@ -627,7 +655,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                     before_delete=before), bucket.bucket_handle, recheck)
                 _bucket_inventory.pop((meta["namespace"], meta["name"]), None)
     outcome["completedAt"] = condition_now()
-    kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {"gc": outcome})
+    _write_status(meta, {"gc": outcome}, logger)
     ok = outcome["outcome"] in ("Deleted", "NotFound")
     reasons = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}
     reason = reasons.get(outcome["outcome"], "GCFailed")
@@ -675,6 +703,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _known.pop(key, None)
         _apply_errors.pop(key, None)
+        _apply_backoff.forget(key)
         _last_refresh.pop(key, None)
         _preflights.pop(key, None)
         _resolved.pop(key, None)
@@ -860,7 +889,8 @@ async def _status_loop(logger: logging.Logger) -> None:
     while True:
         await asyncio.sleep(TICK_S)
         _last_tick = time.monotonic()
-        restore = set(_drifted) & _known.keys()  # a copy first: worker threads add to _drifted
+        # A copy first (worker threads add to _drifted); an apply that failed waits for its backoff.
+        restore = {key for key in set(_drifted) & _known.keys() if _apply_backoff.due(key, _last_tick)}
         keys = sorted(set(due(time.monotonic())) | restore)
         # Where a peer is active, its status, not ours from caches kopf has paused.
         keys = await loop.run_in_executor(_refresh_pool, _active_keys, keys, _last_tick)

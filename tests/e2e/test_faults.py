@@ -188,3 +188,39 @@ def test_fifty_resources_churned_concurrently(kubectl: Kubectl, env: dict, fault
     fault_log("50 resources created, updated and 25 of them deleted, 10 clients at a time",
               f"the 25 kept converged to their second generation and the deleted ones left no object behind in "
               f"{seconds:.1f}s; {len(doomed_pvcs)} claims of deleted resources remain, as reclaimPolicy Retain says")
+
+
+def test_a_transient_refusal_is_retried_with_backoff_and_said_in_status(kubectl: Kubectl, env: dict, fault_log) -> None:
+    """A full ResourceQuota makes the API server refuse the NetworkPolicies (403, "exceeded quota"):
+    not the spec's fault, so the operator keeps trying (5 s, 10 s, ...) and Ready says why; once
+    the quota is gone, the next try applies them."""
+    ns, name = env["ns"], "retried"
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-policies", "namespace": ns},
+             "spec": {"hard": {"count/networkpolicies.networking.k8s.io": "0"}}}
+    kubectl.apply(quota)
+    env["start_operator"]()
+    kubectl.apply(light(ns, name))
+
+    def ready() -> dict:
+        conds = (kubectl.get("kvns", name, ns).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "Ready"), {})
+
+    wait_for("Ready to say the apply is being retried", lambda: ready().get("reason") == "ApplyRetrying", timeout=90)
+    assert "exceeded quota" in ready()["message"] and "HTTP 403" in ready()["message"], ready()
+    wait_for("a second try", lambda: "failed 2 time(s)" in ready().get("message", ""), timeout=60)
+    seen = ready()["message"]
+    # The policies come first (no server pod before its port is closed to others): nothing after them yet.
+    for kind in ("networkpolicy", "statefulset"):
+        assert kubectl.run("get", kind, f"{name}-lmcache", "-n", ns, check=False).returncode != 0, kind
+
+    kubectl.run("delete", "resourcequota", "no-policies", "-n", ns)
+    freed = time.monotonic()
+    wait_for("the policies applied on the next try", lambda: kubectl.run(
+        "get", "networkpolicy", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=120)
+    applied = time.monotonic() - freed
+    wait_for("the StatefulSet applied too", lambda: kubectl.run(
+        "get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=60)
+    wait_for("Ready no longer ApplyRetrying", lambda: ready().get("reason") != "ApplyRetrying", timeout=60)
+    fault_log("a ResourceQuota refusing the NetworkPolicies (HTTP 403, exceeded quota), then removed",
+              f"Ready False ApplyRetrying ('{seen[:140]}...'), tried again with backoff; applied {applied:.1f}s after the "
+              "quota was removed (bound: the backoff then due, 20 s at the third try, + 1 s tick), the StatefulSet after them")

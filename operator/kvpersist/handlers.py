@@ -13,8 +13,9 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -370,10 +371,39 @@ class _SecretOnce:
         return raw.decode().strip() if raw else None
 
 
-def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]:
-    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and bucket settings.
-    A passing check is reused without reading the Secret again; a failing one re-reads it on
-    every refresh, so a Secret created or fixed shows within one status interval."""
+# Hub calls (preflight, listing) are bounded (inventory_bucket.BUCKET_DEADLINE_S) but may take
+# minutes for a slow Hub or a huge bucket: they run in a pool of their own, never on the refresh
+# path; a refresh reads their last result, and the resource is refreshed again when one finishes.
+BUCKET_WORKERS = 4
+_bucket_pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUCKET_WORKERS, thread_name_prefix="kvp-bucket")
+_bucket_jobs: dict[tuple[str, str, str], concurrent.futures.Future] = {}
+_bucket_jobs_lock = threading.Lock()
+
+
+def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
+    """Starts job in the bucket pool unless this resource's job of that kind still runs; True if
+    started. Whatever it raises is logged, and the resource is marked for a refresh when it ends."""
+    def run() -> None:
+        try:
+            job()
+        except Exception:  # a failed job must not go unnoticed, nor kill the pool's thread
+            logging.getLogger("kvpersist").exception("bucket %s of %s/%s failed", what, key[0], key[1])
+        finally:
+            _dirty.add(key)
+
+    with _bucket_jobs_lock:
+        running = _bucket_jobs.get((*key, what))
+        if running is not None and not running.done():
+            return False
+        _bucket_jobs[(*key, what)] = _bucket_pool.submit(run)
+        return True
+
+
+def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str] | None:
+    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and bucket settings,
+    off the refresh path: None (unknown) until the first one for these settings has answered. A
+    passing check is reused without reading the Secret again; a failing one re-reads it on every
+    refresh, so a Secret created or fixed shows within one status interval."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
@@ -392,15 +422,21 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
     key = (*settings, secret["metadata"].get("resourceVersion"))
     if cached and cached[0] == key and now - cached[1] < PREFLIGHT_TTL_S:
         return cached[2]
-    result = preflight_bucket(bucket.bucket_handle, token, bucket.create_bucket_if_missing,
-                              ref, endpoint=os.environ.get("HF_ENDPOINT"))
-    _preflights[(target.namespace, target.name)] = (key, now, (result.ok, result.reason, result.message))
-    return result.ok, result.reason, result.message
+    resource = (target.namespace, target.name)
+
+    def check() -> None:
+        result = preflight_bucket(bucket.bucket_handle, token, bucket.create_bucket_if_missing,
+                                  ref, endpoint=os.environ.get("HF_ENDPOINT"))
+        _preflights[resource] = (key, time.monotonic(), (result.ok, result.reason, result.message))
+
+    _off_path(resource, "preflight", check)
+    return cached[2] if cached and cached[0][:len(settings)] == settings else None  # the last verdict meanwhile
 
 
 def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | None:
     """The bucket prefix's listing, at most once per BUCKET_INVENTORY_TTL_S (BUCKET_INVENTORY_RETRY_S
-    after a failure); the last good one meanwhile (L2Ready reports the Hub's problems)."""
+    after a failure), listed off the refresh path; the last good one meanwhile (L2Ready reports the
+    Hub's problems)."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)
@@ -411,14 +447,20 @@ def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | No
     if now - when < (BUCKET_INVENTORY_RETRY_S if key in _bucket_inventory_failed else BUCKET_INVENTORY_TTL_S):
         return last
     token = secrets.token()
-    try:
-        if token is None:
-            raise BucketInventoryError("SecretNotFound", "no token")
-        last = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
-        _bucket_inventory_failed.discard(key)
-    except BucketInventoryError:
-        _bucket_inventory_failed.add(key)
-    _bucket_inventory[key] = (now, last)
+    previous = last
+
+    def listing() -> None:
+        try:
+            if token is None:
+                raise BucketInventoryError("SecretNotFound", "no token")
+            listed = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
+            _bucket_inventory_failed.discard(key)
+        except BucketInventoryError:
+            listed = previous
+            _bucket_inventory_failed.add(key)
+        _bucket_inventory[key] = (time.monotonic(), listed)
+
+    _off_path(key, "listing", listing)
     return last
 
 

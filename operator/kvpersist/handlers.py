@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import kube, leadership, metrics, retry
+from kvpersist import fallback, kube, leadership, metrics, retry
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
@@ -68,6 +69,7 @@ STATUS_INTERVAL_S = 10.0
 # the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
+_fallback = fallback.Fallback()  # resources whose vLLM runs without the cache while their servers are away
 _write_failures = WriteFailureTracker()
 _failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
 _hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
@@ -471,6 +473,12 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     if new_id and new_id != old_id:
         events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id}"
                        + (f" (was {old_id}; its data is kept, unreachable from these pins)" if old_id else "")))
+    was_bypassed = any(c.get("type") == fallback.CONDITION for c in old.get("conditions") or [])
+    bypass = next((c for c in conds if c["type"] == fallback.CONDITION), None)
+    if bypass is not None and not was_bypassed:
+        events.append(("Warning", fallback.CONDITION, bypass["message"]))
+    elif bypass is None and was_bypassed and new.get("namespaceId"):
+        events.append(("Normal", "CacheRestored", "the lmcache servers are healthy again: vLLM runs with the cache"))
     phase = new.get("phase")
     # Refused by the operator's policy (ImageNotAllowed, SecretNotAllowed): a Warning of that reason
     # whenever the refusal is new or says something new, in place of the generic Failed one.
@@ -508,6 +516,25 @@ def _write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: log
     return sent
 
 
+def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[dict[str, Any]], generation: int | None,
+                    logger: logging.Logger) -> list[dict[str, Any]]:
+    """Feeds LMCacheReady to kvpersist.fallback; when vLLM is to go without the cache, or back
+    with it, marks the resource for an apply. The conditions, with CacheBypassed while it lasts."""
+    lmcache = next((c for c in conds if c["type"] == "LMCacheReady"), {})
+    _fallback.seed(key, fallback.bypassed_in(body))
+    change = _fallback.observe(key, lmcache.get("status") == "True", time.monotonic())
+    if change is not None:
+        _drifted.add(key)  # the status loop applies the vLLM Deployment with (or without) the cache
+        logger.warning("%s/%s: %s", key[0], key[1], "the lmcache servers are unavailable: rolling vLLM without the cache"
+                       if change else "the lmcache servers are healthy again: rolling vLLM with the cache")
+    if not _fallback.bypassed(key):
+        return conds
+    why = f"{lmcache.get('reason', 'Unknown')}: {lmcache.get('message', '')}"[:600]
+    message = (f"the lmcache servers stayed unavailable for over {_fallback.after_s:.0f} s ({why}): vLLM runs without the "
+               f"cache (no --kv-transfer-config) and gets it back once they are healthy for {_fallback.recover_s:.0f} s")
+    return [*conds, condition(fallback.CONDITION, True, "ServersUnavailable", message, generation)]
+
+
 def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed. Blocking
     (HTTP to the servers, the status patch): runs in a worker thread."""
@@ -536,6 +563,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = compute_status(observation)
         reports = observation.reports
         inventory = observation.inventory
+        if target.cache_enabled:
+            conds = _cache_fallback(key, body, conds, generation, logger)
         error = _apply_errors.get((target.namespace, target.name))
         retrying = _apply_backoff.pending((target.namespace, target.name))
         if error and error[0] == generation:
@@ -573,6 +602,8 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         return False
     key = (target.namespace, target.name)
     metrics.inc("kvpersist_reconciles_total")
+    _fallback.seed(key, fallback.bypassed_in(body))
+    target = dataclasses.replace(target, cache_bypassed=_fallback.bypassed(key))
     refused = _refusal(target)
     if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
         if _refused.get(key) != refused:
@@ -746,6 +777,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         _known.pop(key, None)
         _apply_errors.pop(key, None)
         _apply_backoff.forget(key)
+        _fallback.forget(key)
         _last_refresh.pop(key, None)
         _preflights.pop(key, None)
         _resolved.pop(key, None)

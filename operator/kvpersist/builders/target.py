@@ -32,10 +32,17 @@ class Target:
     namespace: str
     spec: KVCacheNamespaceSpec
     namespace_id: str | None
+    # The servers have been unavailable too long: vLLM runs without the cache meanwhile
+    # (kvpersist.fallback); the servers themselves stay as declared.
+    cache_bypassed: bool = False
 
     @property
     def cache_enabled(self) -> bool:
         return self.namespace_id is not None
+
+    @property
+    def vllm_uses_cache(self) -> bool:
+        return self.cache_enabled and not self.cache_bypassed
 
     # ---- names
     @property

@@ -31,7 +31,7 @@ def vllm_args(target: Target) -> list[str]:
         if value is not None:
             args += [flag, str(value)]
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
-    if target.cache_enabled:
+    if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]
     return args + list(vllm.extra_args)
 
@@ -51,7 +51,8 @@ def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
     """With the cache on, each pod must land on a node that runs one of this resource's lmcache
     servers of its own namespace id (required pod affinity) and share its IPC namespace; vLLM and the server stay separate
-    processes, so a vLLM restart never touches the cache."""
+    processes, so a vLLM restart never touches the cache. While the cache is bypassed (servers
+    unavailable too long, kvpersist.fallback) none of that: vLLM serves without it."""
     spec = target.spec
     container: dict[str, Any] = {
         "name": "vllm",
@@ -75,7 +76,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     })
-    if target.cache_enabled:
+    if target.vllm_uses_cache:
         # As for the lmcache server: CUDA IPC needs it, and it needs the privileged Pod Security level.
         pod_spec["hostIPC"] = True
         pod_spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
@@ -85,6 +86,8 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     if spec.vllm.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
     annotations = {}
+    if target.cache_bypassed and target.cache_enabled:  # on the pods too: `kubectl get pod -o yaml` says why
+        annotations["kvpersist.dev/cache-bypassed"] = "the lmcache servers are unavailable; see the CacheBypassed condition"
     if spec.identity.chat_template_digest:
         annotations["kvpersist.dev/chat-template-digest"] = spec.identity.chat_template_digest
     return {

@@ -770,28 +770,34 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
+def _forget(key: tuple[str, str]) -> None:
+    """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
+    event, or a 404 from the API server for one whose event a watch outage lost)."""
+    _known.pop(key, None)
+    _apply_errors.pop(key, None)
+    _apply_backoff.forget(key)
+    _fallback.forget(key)
+    _last_refresh.pop(key, None)
+    _preflights.pop(key, None)
+    _resolved.pop(key, None)
+    _bucket_inventory.pop(key, None)
+    _bucket_inventory_failed.discard(key)
+    _dirty.discard(key)
+    _hits.forget(key)
+    _routes_pending.discard(key)
+    _agent_tokens.pop(key, None)
+    _token_missing.pop(key, None)
+    _refused.pop(key, None)
+    _drifted.discard(key)
+    _locks.pop(key, None)
+    metrics.set_phase(key[0], key[1], None)
+
+
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
-        _known.pop(key, None)
-        _apply_errors.pop(key, None)
-        _apply_backoff.forget(key)
-        _fallback.forget(key)
-        _last_refresh.pop(key, None)
-        _preflights.pop(key, None)
-        _resolved.pop(key, None)
-        _bucket_inventory.pop(key, None)
-        _bucket_inventory_failed.discard(key)
-        _dirty.discard(key)
-        _hits.forget(key)
-        _routes_pending.discard(key)
-        _agent_tokens.pop(key, None)
-        _token_missing.pop(key, None)
-        _refused.pop(key, None)
-        _drifted.discard(key)
-        _locks.pop(key, None)
-        metrics.set_phase(key[0], key[1], None)
+        _forget(key)
     else:
         _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
@@ -936,6 +942,19 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
             await loop.run_in_executor(_refresh_pool, refresh_status, body, seen, logger)
         except Exception as exc:  # one object's failure must not stop the others' status
             logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
+            gone = isinstance(exc, ApiException) and exc.status == 404
+        else:
+            return
+    # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
+    # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
+    if gone and not await loop.run_in_executor(_refresh_pool, _exists, key):
+        logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
+        _forget(key)
+
+
+def _exists(key: tuple[str, str]) -> bool:
+    """Whether the API server still has this resource. Blocking."""
+    return kube.get(api.API_VERSION, api.KIND, key[1], key[0]) is not None
 
 
 # The liveness probe fails when the loop has not ticked for this long: a status loop that stopped

@@ -1,0 +1,46 @@
+"""A resource deleted while the operator's watch was down (its DELETED event lost) is forgotten
+once its status write finds nothing and the API server confirms it is gone; one that still exists
+is kept whatever a refresh failed with."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist import handlers
+from kvpersist.workloads import Seen
+
+KEY = ("ns", "ghost")
+
+
+@pytest.mark.parametrize(("error", "exists", "forgotten"), [
+    (ApiException(status=404), False, True),
+    (ApiException(status=404), True, False),  # a 404 of something else: the resource is still there
+    (ApiException(status=500), False, False),  # not asked: only a 404 raises the question
+    (RuntimeError("boom"), False, False),
+])
+def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, error: Exception, exists: bool,
+                                          forgotten: bool) -> None:
+    asked: list[tuple[str, str]] = []
+
+    def refresh(*_a: Any) -> None:
+        raise error
+
+    def exists_now(key: tuple[str, str]) -> bool:
+        asked.append(key)
+        return exists
+
+    monkeypatch.setattr(handlers, "refresh_status", refresh)
+    monkeypatch.setattr(handlers, "_exists", exists_now)
+    handlers._known[KEY] = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
+    handlers._dirty.add(KEY)
+    try:
+        asyncio.run(handlers._refresh_one(KEY, handlers._known[KEY], Seen(), False, logging.getLogger("test")))
+        assert (KEY not in handlers._known) is forgotten and (KEY not in handlers._dirty) is forgotten
+        assert asked == ([KEY] if isinstance(error, ApiException) and error.status == 404 else [])
+    finally:
+        handlers._forget(KEY)

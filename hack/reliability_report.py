@@ -2,7 +2,8 @@
 """Renders docs/reliability.md from the fault suite's own records (build/reliability.jsonl,
 written by tests/e2e when the fault tests run):
 
-    bash hack/test.sh tests/e2e/test_faults.py tests/e2e/test_secrets.py tests/e2e/test_fuzz.py
+    bash hack/test.sh tests/e2e/test_faults.py tests/e2e/test_secrets.py tests/e2e/test_fuzz.py \
+        tests/e2e/test_hostile_peers_e2e.py tests/e2e/test_cache_fallback.py
     python3 hack/reliability_report.py > docs/reliability.md
 """
 

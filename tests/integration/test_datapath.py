@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.usage import fetch_status
+from kvpersist.usage import DIRECT, fetch_status
 from tests.fsstate import files_state
 from tests.integration.conftest import LocalServer, drive, make_target, write_key
 
@@ -182,7 +182,8 @@ def test_disk_full_fails_stores_keeps_serving_and_is_reported(servers: Servers, 
     assert srv.healthy()
     served = drive(srv, "verify", "0:16")["summary"]  # L1 still serves what L2 could not take
     assert served["hit_chunks"] == 32 and served["wrong_bytes"] == 0
-    report = fetch_status("srv-0", "127.0.0.1", srv.target.spec.lmcache_server.http_port)
+    # lmcache's own admin API (what the agent forwards in a pod): this test runs the server alone.
+    report = fetch_status("srv-0", "127.0.0.1", srv.target.spec.lmcache_server.http_port, prefix=DIRECT)
     assert report.healthy  # lmcache's /status stays "healthy" ...
     assert report.l2_writes_failed and report.l2_writes_failed >= 32 - 8  # ... the operator still sees the failed writes
     assert report.l2_writes_submitted == 32

@@ -99,6 +99,9 @@ _child_generations: dict[tuple[str, str, str], int] = {}  # (kind, namespace, na
 # refresh period, never the others theirs (each call is bounded too, see kvpersist.usage).
 REFRESH_CONCURRENCY = 8
 _refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY, thread_name_prefix="kvp-refresh")
+# The loop's own blocking step (which replica is active) has a thread of its own: with every
+# refresh thread busy on slow servers, ticks must still come on time (and liveness stay true).
+_tick_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvp-tick")
 _refresh_tasks: set[asyncio.Task] = set()
 _resolved: dict[tuple[str, str], str | None] = {}  # each known resource's namespace id from its spec
 TICK_S = 1.0
@@ -986,7 +989,7 @@ async def _status_loop(logger: logging.Logger) -> None:
         restore = {key for key in set(_drifted) & _known.keys() if _apply_backoff.due(key, _last_tick)}
         keys = sorted(set(due(time.monotonic())) | restore)
         # Where a peer is active, its status, not ours from caches kopf has paused.
-        keys = await loop.run_in_executor(_refresh_pool, _active_keys, keys, _last_tick)
+        keys = await loop.run_in_executor(_tick_pool, _active_keys, keys, _last_tick)
         live = _live() if keys else frozenset()
         for key in keys:
             body = _known.get(key)

@@ -253,14 +253,19 @@ class Runner:
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         return env
 
+    def local(self, program: str) -> str:
+        """This machine's build of a program an image names (its Python is this runner's)."""
+        builds = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm",
+                  "python3": sys.executable, "python": sys.executable}
+        return builds.get(program, program)
+
     def _probe(self, spec: dict | None, pod: dict, env: dict[str, str]) -> Probe | None:
         if spec is None:
             return None
         if "exec" not in spec:
             return Probe(spec)
         command = localize_args(spec["exec"]["command"], {}, pod["status"]["podIP"], loopback=pod_loopback(pod["status"]["podIP"]))
-        local = {"python3": sys.executable, "python": sys.executable}  # the image's Python: this runner's
-        return Probe(spec, exec_argv=[local.get(command[0], command[0]), *command[1:]], env=env)
+        return Probe(spec, exec_argv=[self.local(command[0]), *command[1:]], env=env)
 
     def argv(self, pod: dict, container: dict | None = None) -> list[str]:
         """A container's command line as a kubelet would run it, with its L2 mount mapped."""
@@ -275,11 +280,10 @@ class Runner:
         ip = pod["status"]["podIP"]
         out = localize_args(container.get("args", []), mounts, ip, self.max_l1_gb, loopback=pod_loopback(ip))
         command = list(container.get("command", []))
-        local = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm"}
         if command[:2] == ["sh", "-c"] and len(command) > 3:  # a shell wrapper: its $0 names the program
-            command[3] = local.get(command[3], command[3])
+            command[3] = self.local(command[3])
         else:
-            command[0] = local.get(command[0], command[0])
+            command[0] = self.local(command[0])
         return [*command, *out]
 
     def why_simulated(self, container: dict) -> str:

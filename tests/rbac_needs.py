@@ -29,7 +29,7 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -898,16 +898,7 @@ class Finder:
                  "server_side_apply": ["patch", "create"],  # apply creates a missing object: both are checked
                  "watch": ["list", "watch"]}[method]
 
-        def compute(ctx: Ctx) -> list[tuple[Grant, Assumptions]]:
-            out = []
-            for v in self.r.resolve(receiver, ctx):
-                if not isinstance(v.value, Handle):
-                    raise _Unresolved("not a resource")
-                group, plural = plural_of(v.value.api_version, v.value.kind)
-                out.extend(((group, plural, verb), v.assumes) for verb in verbs)
-            return out
-
-        self._add(mod, call, self._resolve_grants(mod, receiver, compute), line)
+        self._add(mod, call, self._resolve_grants(mod, receiver, self._on_handle(receiver, verbs)), line)
 
     def _request(self, mod: Module, call: ast.Call) -> None:
         where = f"{mod.rel}:{call.lineno}"
@@ -926,6 +917,10 @@ class Finder:
         verbs = _verb(http, _given(_kw(path, "name", 0)))
         receiver = path.func.value
 
+        self._add(mod, call, self._resolve_grants(mod, call, self._on_handle(receiver, verbs, sub)))
+
+    def _on_handle(self, receiver: ast.expr, verbs: list[str], sub: str = "") -> Callable[[Ctx], list[tuple[Grant, Assumptions]]]:
+        """The grants of verbs on every resource handle the receiver may be (its subresource sub)."""
         def compute(ctx: Ctx) -> list[tuple[Grant, Assumptions]]:
             out = []
             for v in self.r.resolve(receiver, ctx):
@@ -934,8 +929,7 @@ class Finder:
                 group, plural = plural_of(v.value.api_version, v.value.kind)
                 out.extend(((group, f"{plural}/{sub}" if sub else plural, verb), v.assumes) for verb in verbs)
             return out
-
-        self._add(mod, call, self._resolve_grants(mod, call, compute))
+        return compute
 
     def _typed(self, mod: Module, func: ast.Attribute, call: ast.Call | None) -> None:
         name = self._typed_name(func.attr)

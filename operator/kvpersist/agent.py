@@ -60,6 +60,7 @@ MAX_TRIM_PERIOD_S = 3600.0
 # operator's own 2-second deadline for both reads together.
 PROXIED = {"/server/status": ("/status", 4 * 2**20, True), "/server/metrics": ("/metrics", 4 * 2**20, False)}
 PROXY_TIMEOUT_S = 1.5
+NO_VOLUME = {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
 
 
 class TokenFile:
@@ -123,7 +124,7 @@ class Agent:
         if not NAMESPACE_ID_RE.fullmatch(namespace_id or ""):
             return 400, {"error": f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)"}
         if self.root is None:
-            return 404, {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
+            return 404, NO_VOLUME
         if namespace_id == self.serving:
             return 409, {"error": f"{namespace_id} is the namespace this lmcache server serves: refused"}
         held = namespace_usage(self.root, namespace_id)  # that folder only, not the whole volume
@@ -233,7 +234,7 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
                 self.end_headers()
                 self.wfile.write(data)
             elif url.path == "/inventory" and agent.root is None:
-                self._send(404, {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"})
+                self._send(404, NO_VOLUME)
             elif url.path == "/inventory":
                 ok, why = agent.authorized(self.headers.get("Authorization"), deleting=False)
                 if not ok:

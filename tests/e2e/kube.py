@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 LOCALCLUSTER = [sys.executable, str(REPO / "hack" / "localcluster.py")]
 
@@ -41,6 +43,19 @@ class Kubectl:
         if namespace:
             args += ["-n", namespace]
         return json.loads(self.run(*args).stdout)
+
+    def as_service_account(self, namespace: str, service_account: str, path: Path) -> Kubectl:
+        """kubectl as a ServiceAccount: a kubeconfig at path holding only its token (no client
+        certificate, which the API server would authenticate first)."""
+        token = self.run("create", "token", service_account, "-n", namespace, "--duration=2h").stdout.strip()
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+            "users": [{"name": service_account, "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": service_account}}],
+            "current-context": "sa",
+        }))
+        return Kubectl(path, self.binary)
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:

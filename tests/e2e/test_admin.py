@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, target_of
@@ -140,19 +139,6 @@ def test_the_agent_refuses_anyone_without_the_resources_token(kubectl: Kubectl, 
     assert inv is not None and a in {n.namespace_id for n in inv.namespaces}
 
 
-def token_kubeconfig(kubectl: Kubectl, ns: str, service_account: str, path: Path) -> Kubectl:
-    """kubectl (and the CLI) as a ServiceAccount: a kubeconfig holding its token only."""
-    token = kubectl.run("create", "token", service_account, "-n", ns, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
-        "users": [{"name": service_account, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": service_account}}],
-        "current-context": "sa",
-    }))
-    return Kubectl(path, kubectl.binary)
-
-
 def test_gc_is_its_own_permission_and_in_use_is_checked_again_right_before_deleting(
         kubectl: Kubectl, scenario: dict, tmp_path: Path) -> None:
     """An editor (get, list, patch on kvcachenamespaces; list on pods) may edit the resource but not
@@ -169,7 +155,7 @@ def test_gc_is_its_own_permission_and_in_use_is_checked_again_right_before_delet
                               "verbs": ["get", "list", "watch", "patch", "update"]},
                              {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
     kubectl.run("create", "rolebinding", "kvns-editor", "--role=kvns-editor", f"--serviceaccount={ns}:kv-editor", "-n", ns)
-    editor = token_kubeconfig(kubectl, ns, "kv-editor", tmp_path / "editor.kubeconfig")
+    editor = kubectl.as_service_account(ns, "kv-editor", tmp_path / "editor.kubeconfig")
     user = f"system:serviceaccount:{ns}:kv-editor"
     request = json.dumps({"requestId": "by-hand", "namespaceId": a})
     annotate = ("annotate", "kvns", NAME, "-n", ns, f"kvpersist.dev/gc-request={request}")

@@ -64,20 +64,6 @@ def test_template_accepted_by_server_side_dry_run(kubectl: Kubectl, crd: None) -
     kubectl.run("delete", "namespace", "kvpersist-dryrun", "--wait=false", check=False)
 
 
-def token_kubeconfig(kubectl: Kubectl, ns: str, service_account: str, path: Path) -> Path:
-    """A kubeconfig holding only a ServiceAccount's token (no client certificate, which the API
-    server would authenticate first)."""
-    token = kubectl.run("create", "token", service_account, "-n", ns, "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
-        "users": [{"name": service_account, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"], "user": service_account}}],
-        "current-context": "sa",
-    }))
-    return path
-
-
 @pytest.fixture(scope="module")
 def installed(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     release_ns = f"kvp-sys-{uuid.uuid4().hex[:6]}"
@@ -88,7 +74,7 @@ def installed(kubectl: Kubectl, crd: None, tmp_path_factory: pytest.TempPathFact
     kubectl.run("create", "namespace", app_ns)
     kubectl.apply(storage(app_ns))
     # The chart's ServiceAccount, as a kubeconfig with its token: the operator gets nothing else.
-    sa_kubeconfig = token_kubeconfig(kubectl, release_ns, RELEASE, work / "sa.kubeconfig")
+    sa_kubeconfig = kubectl.as_service_account(release_ns, RELEASE, work / "sa.kubeconfig").kubeconfig
     log = work / "operator.log"
     # As the chart runs it: cluster-wide, with peering; the namespace the NetworkPolicy admits.
     operator = subprocess.Popen(
@@ -141,7 +127,7 @@ def test_audit_check_sees_an_rbac_refusal(kubectl: Kubectl, installed: dict, aud
     """The check above can fail: a ServiceAccount without rights is refused, and the audit log says so."""
     ns = installed["release_ns"]
     kubectl.run("create", "serviceaccount", "nobody", "-n", ns)
-    nobody = Kubectl(token_kubeconfig(kubectl, ns, "nobody", tmp_path / "nobody.kubeconfig"), kubectl.binary)
+    nobody = kubectl.as_service_account(ns, "nobody", tmp_path / "nobody.kubeconfig")
     out = nobody.run("get", "secrets", "-n", installed["app_ns"], check=False)
     assert out.returncode != 0 and "forbidden" in out.stderr.lower(), out.stderr
     user = f"system:serviceaccount:{ns}:nobody"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +34,7 @@ from kvpersist.usage import (
     percent,
     window_figures,
 )
+from tests.serving import in_thread
 
 DATA = Path(__file__).parent / "data"
 STATUS = json.loads((DATA / "lmcache-0.5.6-status-nixl-8-objects.json").read_text())
@@ -256,14 +256,8 @@ def serve(metrics: bytes) -> Iterator[int]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    with in_thread(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as port:
+        yield port
 
 
 def test_fetch_reads_lookup_counters_and_refuses_garbage() -> None:

@@ -22,6 +22,7 @@ from kvpersist import httpclient
 from kvpersist.agentclient import fetch_inventory, request_gc
 from kvpersist.cleanup import gc_volumes
 from kvpersist.usage import collect_usage, fetch_status, parse_status
+from tests.serving import in_thread
 
 STATUS = (Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_bytes()
 METRICS = b"""# TYPE lmcache_mp_l2_store_submitted_objects_chunks_total counter
@@ -466,15 +467,8 @@ def agent_before(upstream: Peer, token: str = "t0ken") -> Iterator[int]:
     lmcache admin API on the pod's loopback; yields the agent's port."""
     from kvpersist.agent import Agent, make_server
 
-    server = make_server(Agent(None, None, token=token, server=("127.0.0.1", upstream.port)), "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, name="agent", daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with in_thread(make_server(Agent(None, None, token=token, server=("127.0.0.1", upstream.port)), "127.0.0.1", 0)) as port:
+        yield port
 
 
 def test_the_agent_forwards_status_with_the_token_and_metrics_and_nothing_else() -> None:

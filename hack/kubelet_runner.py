@@ -15,7 +15,12 @@ network would do, and nothing else, is mapped:
     what it shows is that nothing listens on the pod IP;
   - probes: httpGet and tcpSocket on the pod IP, exec as a process with the container's env;
   - a command of lmcache, kvpersist or vllm runs this machine's build of it, also as the program
-    (`$0`) of a `sh -c SCRIPT PROGRAM` wrapper;
+    (`$0`) of a `sh -c SCRIPT PROGRAM` wrapper, with that build's folder first on PATH (what
+    the script runs before it, e.g. the build check's `python3`, is the image's Python: the one
+    beside its program);
+  - a container's termination message (kvpersist.buildcheck's refusal) is a file of the pod's
+    folder named by KVPERSIST_TERMINATION_LOG (the stand-in for /dev/termination-log), reported
+    with the exit code as the container's lastState, as a kubelet does;
   - env from Secrets is resolved with kubectl, and a Secret volume becomes files (its items, its
     mode) in a folder of the pod's; an image's own environment (the vLLM CPU build's
     settings) sits under the pod's, which wins, as in a container;
@@ -52,11 +57,18 @@ from pathlib import Path
 
 REAL_NODE = "real-gpu-0"
 SIMULATED = "kvpersist.dev/simulated"
+TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"  # kvpersist.buildcheck's override of /dev/termination-log
 STOP_TIMEOUT_S = 20.0
 RESTART_BACKOFF_S = 2.0
 # What the vLLM CPU image would set in its own environment (see ../shared/context/real-vllm-cpu.md).
 VLLM_IMAGE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                   "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def program(container: dict) -> str:
+    """The program a container runs: its command, or the `$0` of a `sh -c SCRIPT PROGRAM` wrapper."""
+    command = container.get("command") or [""]
+    return command[3] if command[:2] == ["sh", "-c"] and len(command) > 3 else command[0]
 
 
 def pod_loopback(pod_ip: str) -> str:
@@ -177,6 +189,7 @@ class Container:
     started: float = 0.0
     exited: float = 0.0
     restarts: int = 0
+    last_exit: tuple[int, str] | None = None  # (exit code, termination message) of its last run
     startup: Probe | None = None
     readiness: Probe | None = None
     startup_done: bool = False
@@ -223,6 +236,12 @@ class Runner:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def termination_file(self, key: str) -> Path:
+        """Where a container's run leaves its termination message (key: "<pod uid>/<container>")."""
+        path = self.workdir / "termination" / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def secret_dir(self, pod: dict, volume: str, source: dict) -> Path:
         """A Secret volume as a kubelet makes it: the listed keys (or all) as files, with the mode
         asked for, in a folder of the pod's own (written afresh at each start)."""
@@ -239,11 +258,14 @@ class Runner:
 
     def _env(self, container: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
-        if container.get("command", [""])[0] == "vllm":
+        name = program(container)
+        if name == "vllm":
             env.update(VLLM_IMAGE_ENV)
-            env["PATH"] = f"{Path(self.vllm or 'vllm').parent}:{env.get('PATH', '')}"
             if self.hf_home:
                 env["HF_HOME"] = str(self.hf_home)
+        local = self.local(name)
+        if os.sep in local:  # the image's own programs (its python3) are those beside it
+            env["PATH"] = f"{Path(local).parent}:{env.get('PATH', '')}"
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = item["value"]
@@ -288,7 +310,7 @@ class Runner:
 
     def why_simulated(self, container: dict) -> str:
         """vLLM runs for real only with the CPU build and the pod's model in the local cache."""
-        if container.get("command", [""])[0] != "vllm":
+        if program(container) != "vllm":
             return ""
         if not self.vllm:
             return "vLLM: no vLLM build given to this runner"
@@ -305,6 +327,9 @@ class Runner:
         # The pod's own /etc/hosts, in a private mount namespace, like a kubelet's per-pod file.
         wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
         env = self._env(spec)
+        termination = self.termination_file(key)
+        termination.unlink(missing_ok=True)  # each run starts without a message, as under a kubelet
+        env[TERMINATION_LOG_ENV] = str(termination)
         with log.open("ab") as out:
             proc = subprocess.Popen([*wrap, *self.argv(pod, spec)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -348,6 +373,9 @@ class Runner:
                 if c.proc is None or c.proc.poll() is not None:
                     if c.proc is not None and not c.exited:
                         c.exited = now
+                        message = self.termination_file(key)
+                        code = c.proc.returncode  # killed by a signal: 128 + its number, as a kubelet reports it
+                        c.last_exit = (128 - code if code < 0 else code, message.read_text()[:4096] if message.exists() else "")
                     if c.proc is None or now - c.exited >= RESTART_BACKOFF_S:
                         c.restarts += int(c.proc is not None)
                         c.exited = 0.0
@@ -371,18 +399,20 @@ class Runner:
         simulated = "; ".join(sorted({c.simulated for c in states if c.simulated}))
         if simulated and pod["metadata"].get("annotations", {}).get(SIMULATED) != simulated:
             self._kubectl("annotate", "pod", name, "--overwrite", f"{SIMULATED}={simulated}")
-        ready = tuple((c.name, c.ready, c.restarts) for c in states)
+        ready = tuple((c.name, c.ready, c.restarts, c.last_exit) for c in states)
         if self.reported.get(uid) == ready:
             return
-        all_ready = all(r for _, r, _ in ready)
+        all_ready = all(r for _, r, _, _ in ready)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         conditions = [c for c in pod["status"].get("conditions", []) if c["type"] not in ("Ready", "ContainersReady")]
         for kind in ("ContainersReady", "Ready"):
             conditions.append({"type": kind, "status": str(all_ready), "lastTransitionTime": stamp,
                                **({} if all_ready else {"reason": "ContainersNotReady"})})
         old = {s["name"]: s for s in pod["status"].get("containerStatuses", [])}
-        statuses = [{**old.get(n, {"name": n, "image": ""}), "ready": r, "started": True, "restartCount": restarts}
-                    for n, r, restarts in ready]
+        statuses = [{**old.get(n, {"name": n, "image": ""}), "ready": r, "started": True, "restartCount": restarts,
+                     **({"lastState": {"terminated": {"exitCode": last[0], "reason": "Error" if last[0] else "Completed",
+                                                      "message": last[1], "finishedAt": stamp}}} if last else {})}
+                    for n, r, restarts, last in ready]
         patch = {"status": {"conditions": conditions, "containerStatuses": statuses}}
         self._kubectl("patch", "pod", name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
         self.reported[uid] = ready

@@ -103,6 +103,12 @@ class ClusterError(Exception):
     """A one-line, actionable failure."""
 
 
+# What the NVIDIA GPU Operator creates, and what the pods name by default (spec.*.runtimeClassName):
+# the API server refuses a pod whose RuntimeClass does not exist. A stand-in here: kwok and the
+# kubelet runner run no container runtime, so its handler is never called.
+RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+
+
 def log(msg: str) -> None:
     print(f"[localcluster] {msg}", file=sys.stderr, flush=True)
 
@@ -481,6 +487,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     names = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
     live = [n for n in names if running_pid(n)]
     if live == names and api_ready(STATE / "pki"):
+        kubectl(bins, "apply", "-f", "-", stdin=json.dumps(RUNTIME_CLASS))  # one started before it was added
         log("already running")
         print(KUBECONFIG)
         return
@@ -502,7 +509,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     try:
         for comp in components(bins, pki):
             start(comp, pki)
-        nodes = {"apiVersion": "v1", "kind": "List", "items": [node_manifest(n) for n in NODES]}
+        nodes = {"apiVersion": "v1", "kind": "List", "items": [*(node_manifest(n) for n in NODES), RUNTIME_CLASS]}
         kubectl(bins, "apply", "-f", "-", stdin=json.dumps(nodes))
         wait_nodes_ready(bins)
         wait_default_sa(bins)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpersist import buildcheck
 from kvpersist.inventory import iso, parse_iso
 from kvpersist.usage import ServerReport, summarize
 
@@ -14,7 +15,7 @@ from kvpersist.usage import ServerReport, summarize
 # seconds (with any other change they ride along at once; the first figures are written at once).
 HITS_WRITE_INTERVAL_S = 60.0
 
-CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "WithinBudget", "Ready")
+CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", buildcheck.CONDITION, "WithinBudget", "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job.
 INFORMATIONAL = ("WithinBudget",)
 
@@ -73,6 +74,7 @@ class Observation:
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
     key_problem: tuple[str, str] | None = None  # (reason, message): the user's L2 key Secret is unusable
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
+    build: buildcheck.Verdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
 
 
 # Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
@@ -82,9 +84,11 @@ PODS_MISSING_GRACE_S = 10.0
 FAILED_CREATE_RECHECK_S = 60.0
 FAILURE_MESSAGE_MAX = 1024
 NOT_CREATED_REASONS = ("PodsForbidden", "PodsNotCreated")
-PRIVILEGED_FIX = ("kvpersist's pods need the privileged Pod Security level (hostIPC, for CUDA IPC between vLLM and "
-                  "its lmcache server; baseline forbids host namespaces): label the namespace "
-                  "pod-security.kubernetes.io/enforce=privileged (see docs/security.md)")
+# The pods share no host namespace (CUDA IPC through lmcache's isolated IPC: docs/security.md) and
+# so pass baseline; restricted refuses them: the lmcache server and vLLM run as root.
+POD_SECURITY_FIX = ("kvpersist's pods need the baseline Pod Security level (the lmcache server and vLLM run as root, "
+                    "which restricted forbids): label the namespace pod-security.kubernetes.io/enforce=baseline "
+                    "(see docs/security.md)")
 
 
 def pods_missing(statefulset: Mapping[str, Any] | None, desired: int) -> bool:
@@ -156,7 +160,7 @@ def not_created(what: str, message: str) -> tuple[str, str]:
     """(reason, message) for pods the API server refused: PodsForbidden, with the fix, when Pod
     Security admission refused them; PodsNotCreated with the API server's words otherwise."""
     if "PodSecurity" in message:
-        return "PodsForbidden", f"the API server refuses the {what} pods: {message}; {PRIVILEGED_FIX}"
+        return "PodsForbidden", f"the API server refuses the {what} pods: {message}; {POD_SECURITY_FIX}"
     return "PodsNotCreated", f"the {what} pods cannot be created: {message}"
 
 
@@ -295,12 +299,17 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     else:
         conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
 
+    if obs.build is not None and cache_on:
+        conds.append(buildcheck.condition(obs.build, gen))
+
     budget_cond = _budget_condition(budget, gen)
     if budget_cond is not None:
         conds.append(budget_cond)
 
     by_type = {c["type"]: c for c in conds}
-    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL]
+    # A build that cannot be compared (connectorBuild names no versions) is only reported.
+    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL
+              and (c["type"], c["status"]) != (buildcheck.CONDITION, "Unknown")]
     if not cache_on:
         phase = "CacheDisabled"
         conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
@@ -308,11 +317,14 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         phase = "Ready"
         conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
     else:
-        degraded = bool(sick) or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
+        build_mismatch = by_type.get(buildcheck.CONDITION, {}).get("reason") == buildcheck.MISMATCH
+        degraded = bool(sick) or build_mismatch or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
         # Pods the API server refuses explain everything after them (claims wait for a pod): first.
-        first = next((c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), not_ok[0])
+        # So does a build mismatch (a server that refuses to start is only "starting" to the others).
+        first = next((c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or next(
+            (c for c in not_ok if c["reason"] == buildcheck.MISMATCH), not_ok[0])
         conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
 
     status: dict[str, Any] = {

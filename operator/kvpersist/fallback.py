@@ -4,7 +4,7 @@ vLLM cannot start with `--kv-transfer-config` while no server of its namespace i
 node: the required pod affinity keeps it Pending, and a connector that cannot reach its server
 gives up after mq_timeout (300 s). A cache is an optimisation, serving is not: when LMCacheReady
 has stayed false for FALLBACK_AFTER_S, vLLM is rolled without the connector (and without the
-affinity and hostIPC that only the cache needs), and the resource says so (condition
+affinity to a server that only the cache needs), and the resource says so (condition
 CacheBypassed). Once LMCacheReady has been true again for RECOVER_AFTER_S (so a flapping server
 does not roll vLLM back and forth), vLLM is rolled back with the cache. Nothing of the cache's
 data is touched either way: the servers stay as declared.
@@ -35,7 +35,9 @@ def bypassed_in(body: Mapping[str, Any]) -> bool:
     """Whether the resource's stored status says vLLM runs without the cache (so an operator that
     restarts keeps it so, rather than rolling vLLM back to a cache that is still away)."""
     conds = ((body.get("status") or {}).get("conditions")) or []
-    return any(c.get("type") == CONDITION and c.get("status") == "True" for c in conds)
+    # Not a bypass over a vLLM that refused its versions: kvpersist.buildcheck keeps that one.
+    return any(c.get("type") == CONDITION and c.get("status") == "True" and c.get("reason") != "BuildMismatch"
+               for c in conds)
 
 
 class Fallback:

@@ -23,7 +23,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import fallback, kube, leadership, metrics, retry
+from kvpersist import buildcheck, fallback, kube, leadership, metrics, retry
 from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
@@ -70,6 +70,7 @@ STATUS_INTERVAL_S = 10.0
 _apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
 _apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
 _fallback = fallback.Fallback()  # resources whose vLLM runs without the cache while their servers are away
+_build_bypass = buildcheck.BuildBypass()  # resources whose vLLM refused its lmcache/vLLM versions: no cache for that id
 _write_failures = WriteFailureTracker()
 _failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
 _hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
@@ -481,7 +482,19 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     if bypass is not None and not was_bypassed:
         events.append(("Warning", fallback.CONDITION, bypass["message"]))
     elif bypass is None and was_bypassed and new.get("namespaceId"):
-        events.append(("Normal", "CacheRestored", "the lmcache servers are healthy again: vLLM runs with the cache"))
+        over_build = any(c.get("type") == fallback.CONDITION and c.get("reason") == buildcheck.MISMATCH
+                         for c in old.get("conditions") or [])
+        events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
+                       "changed): vLLM runs with the cache again, checking its build" if over_build else
+                       "the lmcache servers are healthy again: vLLM runs with the cache"))
+    # The pods' build check (kvpersist.buildcheck): once per distinct mismatch, and when it is over.
+    old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildcheck.CONDITION), {})
+    build = next((c for c in conds if c["type"] == buildcheck.CONDITION), None)
+    if build is not None and build["status"] == "False":
+        if (old_build.get("reason"), old_build.get("message")) != (build["reason"], build["message"]):
+            events.append(("Warning", build["reason"], build["message"]))
+    elif build is not None and build["status"] == "True" and old_build.get("status") == "False":
+        events.append(("Normal", build["reason"], build["message"]))
     phase = new.get("phase")
     # Refused by the operator's policy (ImageNotAllowed, SecretNotAllowed): a Warning of that reason
     # whenever the refusal is new or says something new, in place of the generic Failed one.
@@ -538,6 +551,33 @@ def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[d
     return [*conds, condition(fallback.CONDITION, True, "ServersUnavailable", message, generation)]
 
 
+def _build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, seen: Seen,
+                 logger: logging.Logger) -> buildcheck.Verdict:
+    """The pods' runtime build check (kvpersist.buildcheck), read from their container statuses
+    in the watch cache. A vLLM pod that refused its versions sends vLLM without the cache for this
+    namespace id (applied on the next tick); a server that refuses is simply not ready, and
+    kvpersist.fallback does the rest."""
+    _build_bypass.seed(key, body)
+    found = buildcheck.refusals(seen.pods, target.namespace_id)
+    if _build_bypass.observe(key, target.namespace_id, found):
+        _drifted.add(key)
+        logger.warning("%s/%s: a vLLM pod refused to start over its versions: rolling vLLM without the cache (%s)",
+                       key[0], key[1], _build_bypass.detail(key, target.namespace_id))
+    return buildcheck.Verdict(target.spec.identity.connector_build, tuple(found),
+                              _build_bypass.detail(key, target.namespace_id))
+
+
+def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, Any]],
+                    generation: int | None) -> list[dict[str, Any]]:
+    """CacheBypassed (reason BuildMismatch) while vLLM runs without the cache over its versions:
+    it says more than the servers' fallback, and lasts until the namespace id changes."""
+    detail = _build_bypass.detail(key, target.namespace_id)
+    if detail is None:
+        return conds
+    return [*(c for c in conds if c["type"] != fallback.CONDITION),
+            condition(fallback.CONDITION, True, buildcheck.MISMATCH, buildcheck.bypass_message(detail), generation)]
+
+
 def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed. Blocking
     (HTTP to the servers, the status patch): runs in a worker thread."""
@@ -560,6 +600,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             _drifted.add(key)  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
         observation = _observe(body, target, resolution, seen,
                                secrets_usable=refused is None or refused[0] != SECRET_NOT_ALLOWED)
+        if target.cache_enabled:
+            observation.build = _build_check(key, body, target, seen, logger)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
@@ -568,6 +610,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         inventory = observation.inventory
         if target.cache_enabled:
             conds = _cache_fallback(key, body, conds, generation, logger)
+            conds = _build_bypassed(key, target, conds, generation)
         error = _apply_errors.get((target.namespace, target.name))
         retrying = _apply_backoff.pending((target.namespace, target.name))
         if error and error[0] == generation:
@@ -606,7 +649,11 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
     key = (target.namespace, target.name)
     metrics.inc("kvpersist_reconciles_total")
     _fallback.seed(key, fallback.bypassed_in(body))
-    target = dataclasses.replace(target, cache_bypassed=_fallback.bypassed(key))
+    _build_bypass.seed(key, body)
+    build_refused = _build_bypass.detail(key, target.namespace_id) is not None
+    target = dataclasses.replace(target, cache_bypassed=_fallback.bypassed(key) or build_refused)
+    if build_refused:
+        target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
     refused = _refusal(target)
     if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
         if _refused.get(key) != refused:
@@ -780,6 +827,7 @@ def _forget(key: tuple[str, str]) -> None:
     _apply_errors.pop(key, None)
     _apply_backoff.forget(key)
     _fallback.forget(key)
+    _build_bypass.forget(key)
     _last_refresh.pop(key, None)
     _preflights.pop(key, None)
     _resolved.pop(key, None)

@@ -2,10 +2,11 @@
 (the chart's allowedImages) and the Secrets it may name (the chart's secretLabel).
 
 Why: the operator runs with more rights than whoever creates a KVCacheNamespace. Without these,
-creating one runs any image on GPU nodes with hostIPC (the pods the operator makes), with any
-Secret of the namespace mounted into it (spec.l2.encryption.keySecretRef) or in its environment
-(spec.l2.hfBucket.tokenSecretRef): a Secret its author may not be allowed to read. Pure: the
-handlers read the Secrets' labels and act on the verdict (docs/security.md).
+creating one runs any image on GPU nodes (the pods the operator makes; its lmcache server sees
+every GPU of its node), with any Secret of the namespace mounted into it
+(spec.l2.encryption.keySecretRef) or in its environment (spec.l2.hfBucket.tokenSecretRef): a Secret
+its author may not be allowed to read. Pure: the handlers read the Secrets' labels and act on the
+verdict (docs/security.md).
 """
 
 from __future__ import annotations

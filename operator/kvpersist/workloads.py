@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.buildcheck import slim_statuses
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 
 # Every object the builders make carries it (pods and claims included, through the templates'
@@ -55,6 +56,11 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"][:1]
     if ready or failure:
         out["status"]["conditions"] = ready + failure
+    # A container that refused to start over its lmcache/vLLM versions says so in its termination
+    # message (kvpersist.buildcheck): kept, and nothing else of the container statuses.
+    refused = slim_statuses(status.get("containerStatuses"))
+    if refused:
+        out["status"]["containerStatuses"] = refused
     return out
 
 

@@ -41,6 +41,28 @@ def test_invalid_manifest_refused(kubectl: Kubectl, crd: None, namespace: str, c
     assert kubectl.run("get", "kvns", "-n", namespace, "-o", "name").stdout.strip() == ""
 
 
+def test_runtime_class_defaults_to_nvidia_and_an_empty_one_is_kept(kubectl: Kubectl, crd: None, namespace: str) -> None:
+    """The NVIDIA GPU Operator's RuntimeClass by default; "" (the node's default runtime) must
+    survive `kubectl apply` and the schema's defaulting (a null does not: kubectl drops it)."""
+    obj = sample()
+    obj["metadata"].update(name="rc-default", namespace=namespace)
+    kubectl.apply(obj)
+    stored = kubectl.get("kvns", "rc-default", namespace)["spec"]
+    assert stored["lmcacheServer"]["runtimeClassName"] == stored["vllm"]["runtimeClassName"] == "nvidia"
+    obj["metadata"]["name"] = "rc-none"
+    obj["spec"].setdefault("lmcacheServer", {})["runtimeClassName"] = ""
+    obj["spec"]["vllm"]["runtimeClassName"] = ""
+    kubectl.apply(obj)
+    stored = kubectl.get("kvns", "rc-none", namespace)["spec"]
+    assert stored["lmcacheServer"]["runtimeClassName"] == stored["vllm"]["runtimeClassName"] == ""
+    model = KVCacheNamespace.model_validate({**obj, "spec": stored}).spec
+    assert model.lmcache_server.runtime_class_name == model.vllm.runtime_class_name == ""
+    bad = {**obj, "metadata": {**obj["metadata"], "name": "rc-bad"}}
+    bad["spec"] = {**obj["spec"], "vllm": {**obj["spec"]["vllm"], "runtimeClassName": "Not_A_Name"}}
+    out = kubectl.apply(bad, check=False)
+    assert out.returncode != 0 and "spec.vllm.runtimeClassName" in out.stderr, out.stderr
+
+
 def test_explain_shows_descriptions(kubectl: Kubectl, crd: None) -> None:
     out = kubectl.run("explain", "kvcachenamespace.spec.identity").stdout
     for field, words in [("modelRevision", "40-character commit SHA"), ("kvCacheDtype", "auto"),

@@ -52,7 +52,8 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
                       timeout=180)
     assert status["namespaceId"] == t.namespace_id and status["replicas"] == "1/1"
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
-        "IdentityResolved": "True", "L2Ready": "True", "LMCacheReady": "True", "VLLMReady": "True", "Ready": "True"}
+        "IdentityResolved": "True", "L2Ready": "True", "LMCacheReady": "True", "VLLMReady": "True", "BuildVerified": "True",
+        "Ready": "True"}
 
     sts = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
     assert sts["spec"]["template"]["spec"]["containers"][0]["args"] == server_args(t)

@@ -119,10 +119,12 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     vct = spec["volumeClaimTemplates"][0]
     assert vct["spec"]["storageClassName"] == "local-nvme" and vct["spec"]["resources"]["requests"]["storage"] == "500Gi"
     pod = spec["template"]["spec"]
-    assert pod["hostIPC"] is True
+    assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod) and pod["runtimeClassName"] == "nvidia"
     container = pod["containers"][0]
-    # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it).
-    assert container["command"] == ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "lmcache"]
+    # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it)
+    # and checks the installed lmcache against connectorBuild first (kvpersist.buildcheck).
+    assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && exec "$0" "$@"',
+                                    "lmcache"]
     assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
     # Nothing listens on the pod IP but ZMQ: the probes run inside the container, on loopback.
     assert [p["name"] for p in container["ports"]] == ["zmq"]
@@ -202,7 +204,8 @@ def test_connection_configmap_pins_the_connector_module() -> None:
     assert cfg["kv_role"] == "kv_both"
     assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": f"tcp://llama31-8b-lmcache-{t.namespace_id[4:12]}.ml.svc",
                                                 "lmcache.mp.port": 5555,
-                                                "lmcache.mp.heartbeat_interval": 2.0}
+                                                "lmcache.mp.heartbeat_interval": 2.0,
+                                                "lmcache.mp.isolated_ipc": True}
     assert cm["data"]["namespace-id"] == t.namespace_id
 
 
@@ -229,7 +232,7 @@ def test_vllm_deployment_co_located_with_its_server() -> None:
     container = pod["containers"][0]
     assert {"name": "PYTHONHASHSEED", "value": "0"} in container["env"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert pod["hostIPC"] is True
+    assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod) and pod["runtimeClassName"] == "nvidia"
     term = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"] == {**build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"],
@@ -467,13 +470,20 @@ def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_the
     assert "runAsUser" not in vllm["containers"][0]["securityContext"] and "fsGroup" not in vllm["securityContext"]
 
 
-def test_host_ipc_only_where_cuda_ipc_needs_it() -> None:
-    """hostIPC is what makes these pods need the privileged Pod Security level: on the servers,
-    and on vLLM only while the cache is on."""
-    assert build_lmcache_statefulset(target())["spec"]["template"]["spec"]["hostIPC"] is True
-    assert build_vllm_deployment(target())["spec"]["template"]["spec"]["hostIPC"] is True
+def test_no_pod_uses_a_host_namespace_and_the_runtime_class_is_the_users() -> None:
+    """Isolated CUDA IPC needs no host namespace (tests/contract/test_gpu_pod_contract.py), so
+    the baseline Pod Security level admits every pod, cache on or off; runtimeClassName ""
+    leaves the node's default runtime."""
     off = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))
-    assert "hostIPC" not in build_vllm_deployment(off)["spec"]["template"]["spec"]
+    for t in (target(), target("tp2-fp8"), target("hf-bucket"), off):
+        for pod in (build_lmcache_statefulset(t)["spec"]["template"]["spec"],
+                    build_vllm_deployment(t)["spec"]["template"]["spec"]):
+            assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod)
+            assert pod["runtimeClassName"] == "nvidia"
+    default_runtime = target(mutate=lambda o: (o["spec"].setdefault("lmcacheServer", {}).update(runtimeClassName=""),
+                                               o["spec"]["vllm"].update(runtimeClassName="gpu")))
+    assert "runtimeClassName" not in build_lmcache_statefulset(default_runtime)["spec"]["template"]["spec"]
+    assert build_vllm_deployment(default_runtime)["spec"]["template"]["spec"]["runtimeClassName"] == "gpu"
 
 
 def test_the_agent_gets_its_token_as_a_file_and_only_the_agent() -> None:

@@ -223,7 +223,8 @@ def test_unusable_key_secret_is_named_in_l2_ready() -> None:
 
 
 # Pods the API server refuses to create (PodSecurity admission): said in LMCacheReady/VLLMReady.
-PSS = 'pods "llama31-8b-lmcache-0" is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostIPC=true)'
+PSS = ('pods "llama31-8b-lmcache-0" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true '
+       '(pod or container "lmcache-server" must set securityContext.runAsNonRoot=true)')
 
 
 def _event(reason: str, at: str, message: str = "") -> dict:
@@ -247,8 +248,9 @@ def test_pods_refused_by_pod_security_say_so_with_the_fix() -> None:
     for type_ in ("LMCacheReady", "VLLMReady"):
         c = by_type[type_]
         assert (c["status"], c["reason"]) == ("False", "PodsForbidden"), c
-        assert 'violates PodSecurity "baseline:latest"' in c["message"] and "hostIPC" in c["message"]
-        assert "pod-security.kubernetes.io/enforce=privileged" in c["message"] and "docs/security.md" in c["message"]
+        assert 'violates PodSecurity "restricted:latest"' in c["message"] and "runAsNonRoot" in c["message"]
+        assert "pod-security.kubernetes.io/enforce=baseline" in c["message"] and "docs/security.md" in c["message"]
+        assert "privileged" not in c["message"] and "hostIPC" not in c["message"]
     # The root cause leads Ready, not the claim that waits for a pod to be scheduled.
     assert by_type["L2Ready"]["reason"] == "ClaimPending"
     assert by_type["Ready"]["reason"] == "PodsForbidden" and fields["phase"] == "Pending"

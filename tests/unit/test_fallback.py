@@ -54,6 +54,10 @@ def test_bypassed_vllm_has_no_connector_affinity_or_host_ipc_and_the_servers_sta
     assert "--kv-transfer-config" not in args and "--revision" in args  # the pins stay
     pod = without["spec"]["template"]["spec"]
     assert "affinity" not in pod and "hostIPC" not in pod
-    assert "kvpersist.dev/cache-bypassed" in without["spec"]["template"]["metadata"]["annotations"]
+    said = without["spec"]["template"]["metadata"]["annotations"]["kvpersist.dev/cache-bypassed"]
+    assert said.startswith("the lmcache servers are unavailable")
+    refused = dataclasses.replace(off, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+    said = build_vllm_deployment(refused)["spec"]["template"]["metadata"]["annotations"]["kvpersist.dev/cache-bypassed"]
+    assert said.startswith("a vLLM pod refused")  # the pods say which bypass it is
     assert "kvpersist.dev/cache-bypassed" not in with_cache["spec"]["template"]["metadata"]["annotations"]
     assert build_lmcache_statefulset(off, "img") == build_lmcache_statefulset(on, "img")

@@ -11,7 +11,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
-from kubelet_runner import Probe, Runner, flag_value, hosts_file, localize_args, pod_loopback  # noqa: E402
+from kubelet_runner import (  # noqa: E402
+    TERMINATION_LOG_ENV,
+    Probe,
+    Runner,
+    flag_value,
+    hosts_file,
+    localize_args,
+    pod_loopback,
+    program,
+)
 
 
 def pod(name: str, ip: str, node: str, ready: bool, **labels: str) -> dict:
@@ -88,9 +97,9 @@ def test_the_pods_loopback_is_its_own_address_and_exec_probes_run_there(tmp_path
             pass
 
     runner = Runner(tmp_path / "kubeconfig", "ns", tmp_path, lmcache="/opt/lmcache")
-    # The shell wrapper (umask) runs this machine's lmcache as its $0, on the pod's own addresses.
+    # The shell wrapper (umask, build check) runs this machine's lmcache as its $0, on the pod's own addresses.
     argv = runner.argv({"spec": {"volumes": []}, "status": {"podIP": ip}}, {**container, "volumeMounts": []})
-    assert argv[:4] == ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "/opt/lmcache"] and argv[4:] == args
+    assert argv[:4] == ["sh", "-c", container["command"][2], "/opt/lmcache"] and argv[4:] == args
     # The port the probe names, served on the pod's loopback address; nothing on the pod IP.
     server = http.server.HTTPServer(("127.116.3.4", 0), Handler)
     port = server.server_address[1]
@@ -150,3 +159,28 @@ def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monk
     assert key_file.name == L2_KEY_FILE and key_file.is_relative_to(tmp_path) and key_file.read_bytes() == key
     assert key_file.stat().st_mode & 0o777 == 0o400
     assert adapter["backend_params"]["file_path"].startswith(str(tmp_path))
+
+
+def test_wrapped_programs_are_still_this_machines_builds(tmp_path: Path) -> None:
+    """The build check wraps lmcache and vLLM in `sh -c SCRIPT PROGRAM` (kvpersist.buildcheck):
+    the runner still knows vLLM by its `$0` (simulated without a build, the CPU build's env
+    otherwise), and the script's python3 is the one beside the program (its venv), as in an image."""
+    from kvpersist import buildcheck
+    from kvpersist.builders.lmcache import server_container
+    from kvpersist.builders.vllm import build_vllm_deployment
+    from tests.unit.test_builders import target
+
+    vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]["containers"][0]
+    server = server_container(target())
+    assert vllm["command"][0] == "sh" and program(vllm) == "vllm" and program(server) == "lmcache"
+    assert program({"command": ["kvpersist"]}) == "kvpersist"
+    runner = Runner(tmp_path / "kc", "ns", tmp_path, lmcache="/opt/lmcache-venv/bin/lmcache")
+    assert "no vLLM build" in runner.why_simulated(vllm)
+    runner.vllm = "/opt/vllm-venv/bin/vllm"
+    env = runner._env(vllm)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["PATH"].startswith("/opt/vllm-venv/bin:")
+    assert env["KVPERSIST_EXPECT_VLLM"] == "0.33.0"
+    assert runner._env(server)["PATH"].startswith("/opt/lmcache-venv/bin:")
+    assert runner.argv({"spec": {"volumes": []}, "status": {"podIP": "127.16.0.2"}}, vllm)[3] == "/opt/vllm-venv/bin/vllm"
+    assert runner.termination_file("uid/vllm") == tmp_path / "termination" / "uid" / "vllm"
+    assert TERMINATION_LOG_ENV == buildcheck.TERMINATION_LOG_ENV  # the runner's file is where the check writes

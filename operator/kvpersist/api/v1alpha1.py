@@ -397,7 +397,7 @@ CATCH_ALL_TOLERATION = ("operator Exists without a key tolerates every taint (co
 
 
 class Toleration(_Model):
-    """A pod toleration. One naming no key is refused: it would put these hostIPC pods on any node."""
+    """A pod toleration. One naming no key is refused: it would put these GPU-seeing pods on any node."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -422,6 +422,13 @@ class Toleration(_Model):
         if self.operator == "Exists" and not self.key:
             raise ValueError(f"key: {CATCH_ALL_TOLERATION}")
         return self
+
+
+# The RuntimeClass the NVIDIA GPU Operator creates; a DNS subdomain, as Kubernetes names it, or ""
+# for none (as storageClassName: "" means no class): a null would not survive `kubectl apply`,
+# which drops it and lets the schema's default back in (seen on the local cluster).
+DEFAULT_RUNTIME_CLASS = "nvidia"
+RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class LMCacheServer(_Model):
@@ -453,6 +460,12 @@ class LMCacheServer(_Model):
     )
     resources: Resources | None = Field(
         None, description="Overrides; memory is otherwise requested as L1 + 5Gi and limited to 1.5x that.",
+    )
+    runtime_class_name: str = Field(
+        DEFAULT_RUNTIME_CLASS, max_length=253, pattern=RUNTIME_CLASS_PATTERN,
+        description="RuntimeClass of the server pods. The server requests no GPU but opens vLLM's KV through CUDA "
+        "IPC, so it must see the node's GPUs: the NVIDIA runtime does that from NVIDIA_VISIBLE_DEVICES=all. \"\": "
+        "the node's default runtime (where that is NVIDIA's).",
     )
 
 
@@ -490,6 +503,11 @@ class VLLM(_Model):
         None, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
     )
     tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the vLLM pods.")
+    runtime_class_name: str = Field(
+        DEFAULT_RUNTIME_CLASS, max_length=253, pattern=RUNTIME_CLASS_PATTERN,
+        description="RuntimeClass of the vLLM pods (the NVIDIA GPU Operator makes `nvidia`). \"\": the node's "
+        "default runtime.",
+    )
 
 
 class KVCacheNamespaceSpec(_Model):

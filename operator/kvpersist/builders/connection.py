@@ -26,6 +26,8 @@ def kv_transfer_config(target: Target) -> dict[str, Any]:
             # hangs for mq_timeout (300 s) and kills its engine (seen with lmcache 0.5.6). A
             # server takes several seconds to start, so 2 s cannot miss one.
             "lmcache.mp.heartbeat_interval": HEARTBEAT_INTERVAL_S,
+            # Must match the server's --isolated-ipc (builders/lmcache.server_args says why).
+            "lmcache.mp.isolated_ipc": True,
         },
     }
 

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from kvpersist import __version__
+from kvpersist import __version__, buildcheck
 from kvpersist.api.v1alpha1 import GIB, Eviction
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
@@ -50,6 +50,14 @@ HEALTH_SCRIPT = ("import sys, urllib.request; "
 # non-root agent in that group can delete them. Measured with lmcache 0.5.6 (docs/security.md):
 # with the default umask 0022 the agent's delete fails with EACCES. `$0` is the program.
 SERVER_COMMAND = ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "lmcache"]
+
+
+# The server requests no GPU (that would take one from vLLM) yet opens vLLM's KV on the node's
+# GPUs by CUDA IPC, finding each by UUID (lmcache's DeviceIPCWrapper._get_device_index_from_uuid).
+# The NVIDIA runtime (the pod's runtimeClassName) mounts every GPU for this variable; a server that
+# sees none fails to open the KV ("No CUDA GPUs are available", measured: gpu_ipc_check.py).
+GPU_VISIBILITY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                      {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
 
 
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
@@ -171,6 +179,15 @@ def server_args(target: Target) -> list[str]:
         # Both transfer paths: lmcache-driven (CUDA IPC, vLLM on GPUs) and engine-driven (what
         # vLLM's CPU build uses); each engine picks its own, the KV bytes are the same.
         "--supported-transfer-mode", "auto",
+        # vLLM's pods and these share no /dev/shm, IPC or PID namespace. lmcache's default CUDA IPC
+        # (torch storage IPC, whose reference counter is a /dev/shm file, and CUDA interprocess
+        # events) cannot open vLLM's KV then: "mapping of buffer object failed", measured on an
+        # H200 with lmcache 0.5.6's own wrappers (hack/gpu_ipc_check.py,
+        # docs/measurements/gpu-ipc-h200.json). Isolated IPC (cudaIpc memory handles, events on
+        # timeline semaphores: lmcache/v1/platform/devices/cuda/ipc_wrapper.py RawCudaIPCWrapper,
+        # timeline_semaphore_event_ipc.py) worked there in every pod layout. The connector sets
+        # lmcache.mp.isolated_ipc to match (builders/connection.py).
+        "--isolated-ipc",
     ]
 
 
@@ -201,7 +218,7 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 def server_container(target: Target) -> dict[str, Any]:
     srv = target.spec.lmcache_server
     env: list[dict[str, Any]] = [{"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
-                                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}]
+                                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV]
     bucket = target.spec.l2.hf_bucket
     if bucket is not None:
         # The token reaches the server only through the environment, from the Secret.
@@ -232,7 +249,8 @@ def server_container(target: Target) -> dict[str, Any]:
     if target.key_secret is not None:
         mounts.append({"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True})
     container["volumeMounts"] = [*mounts, {"name": TMP_VOLUME, "mountPath": TMP_PATH}]
-    return container
+    # Its lmcache must be the declared build: checked before `lmcache server` starts.
+    return buildcheck.wrap(container, target, SERVER)
 
 
 def key_volume(target: Target) -> dict[str, Any] | None:
@@ -295,13 +313,14 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     containers = [server_container(target), agent_container(target, image_of_agent or agent_image())]
     pod_spec: dict[str, Any] = pod_security(fs_group=DATA_GROUP, pod_spec={
         "containers": containers,
-        # CUDA IPC with the vLLM pods on the node needs a shared IPC namespace. It is why these pods
-        # need the privileged Pod Security level (baseline forbids host namespaces; docs/security.md).
-        "hostIPC": True,
+        # No host namespace: isolated CUDA IPC (server_args) needs none, so the baseline Pod
+        # Security level admits these pods (docs/security.md).
         "terminationGracePeriodSeconds": 60,
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}]}},
     })
+    if spec.lmcache_server.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.lmcache_server.runtime_class_name
     if spec.vllm.node_selector:
         pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
     if spec.vllm.tolerations:

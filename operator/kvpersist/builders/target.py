@@ -35,6 +35,8 @@ class Target:
     # The servers have been unavailable too long: vLLM runs without the cache meanwhile
     # (kvpersist.fallback); the servers themselves stay as declared.
     cache_bypassed: bool = False
+    # Why, for the vLLM pods' annotation: the servers' absence (the default) or a refused build.
+    bypass_reason: str = "the lmcache servers are unavailable"
 
     @property
     def cache_enabled(self) -> bool:

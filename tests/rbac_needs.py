@@ -6,7 +6,7 @@ Two sources, both read here rather than typed by hand:
   kubernetes client's typed methods (`list_namespaced_pod`, ...) by the path and HTTP method the
   client itself sends, and the dynamic client (`resources.get(api_version=, kind=)` then `.get`,
   `.create`, `.server_side_apply`, `request("patch", res.path() + "/status")`, ...) by the same
-  rules. Wrappers (kvpersist.kube.get takes the kind as an argument) are followed to their
+  rules. Wrappers (kvpersist.controller.kube.get takes the kind as an argument) are followed to their
   callers, loop variables to their tuples and manifests to the builder that returns them.
 - kopf's own requests, from the handlers kvpersist registers (kopf's registry) and the settings
   its startup handler chooses: list + watch of every watched resource, patch of the resources it
@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO / "operator" / "kvpersist"
 CHART = REPO / "charts" / "kvpersist"
 DOCS = REPO / "docs" / "security.md"
-ENTRY = "kvpersist.handlers"  # what `kvpersist run` imports (with what it imports in turn)
+ENTRY = "kvpersist.controller.handlers"  # what `kvpersist run` imports (with what it imports in turn)
+KUBE = "kvpersist.controller.kube"  # the operator's wrappers of the API server's calls
 # Modules that call the API server but never as the operator's ServiceAccount.
 OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig"}
 MODES = ("clusterwide", "namespaced")  # the chart: watchNamespaces empty, or set
@@ -1036,16 +1037,16 @@ def modules_calling_the_api() -> set[str]:
     """Modules outside the operator's import closure that call the API server (they must run as
     another identity, and say which in OTHER_IDENTITIES)."""
     out = set()
-    kube_functions = set(module("kvpersist.kube").functions)
+    kube_functions = set(module(KUBE).functions)
     for name in all_modules():
-        if name in operator_modules() or name == "kvpersist.kube":
+        if name in operator_modules() or name == KUBE:
             continue
         mod = module(name)
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.Call):
                 callee = _callee(mod, node.func)
                 attr = node.func.attr if isinstance(node.func, ast.Attribute) else ""
-                if (callee and callee[0] == "kvpersist.kube" and callee[1] in kube_functions - {"load_config", "secret_value"}) \
+                if (callee and callee[0] == KUBE and callee[1] in kube_functions - {"load_config", "secret_value"}) \
                         or Finder._typed_name(attr) or attr in ("server_side_apply", "call_api", "param_serialize"):
                     out.add(name)
     return out
@@ -1066,7 +1067,7 @@ def kopf_settings() -> Any:
     """The settings kvpersist's startup handlers choose (its storages decide what kopf patches)."""
     import kopf
 
-    from kvpersist import kube
+    from kvpersist.controller import kube
 
     importlib.import_module(ENTRY)  # registers the handlers
     settings = kopf.OperatorSettings()
@@ -1133,7 +1134,7 @@ def kopf_needs(mode: str) -> list[KopfNeed]:
 
 def peering_resource(mode: str) -> tuple[str, str]:
     """kopf peers cluster-wide when it serves all namespaces, in each namespace otherwise (the
-    chart always passes --peering); kvpersist.handlers.active reads the same object."""
+    chart always passes --peering); kvpersist.controller.handlers.active reads the same object."""
     from kopf._cogs.structs import references
 
     selector = references.CLUSTER_PEERINGS_K if mode == "clusterwide" else references.NAMESPACED_PEERINGS_K

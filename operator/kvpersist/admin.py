@@ -19,9 +19,9 @@ from typing import Any
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.identity import resolve
-from kvpersist.inventory import NAMESPACE_ID_RE, parse_iso
-from kvpersist.usage import human_bytes
-from kvpersist.workloads import live_ids
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, parse_iso
+from kvpersist.status.usage import human_bytes
+from kvpersist.status.workloads import live_ids
 
 GC_ANNOTATION = "kvpersist.dev/gc-request"
 SERVER_SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/managed-by=kvpersist"
@@ -138,7 +138,7 @@ def format_status(resources: Iterable[Mapping[str, Any]]) -> str:
 
 
 def _resources(namespace: str | None) -> list[dict[str, Any]]:
-    from kvpersist import kube
+    from kvpersist.controller import kube
 
     return kube.list_all(api.API_VERSION, api.KIND, namespace)
 
@@ -148,7 +148,7 @@ def _live(resources: list[dict[str, Any]], namespace: str | None
     """Live ids over the whole cluster when allowed (a namespace elsewhere may share the volume)."""
     from kubernetes.client.exceptions import ApiException
 
-    from kvpersist import kube
+    from kvpersist.controller import kube
 
     try:
         every = kube.list_all(api.API_VERSION, api.KIND) if namespace else resources
@@ -191,7 +191,7 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
     a bucket not marked exclusive), 4 the API server refused the request (no gc permission)."""
     from kubernetes.client.exceptions import ApiException
 
-    from kvpersist import kube
+    from kvpersist.controller import kube
 
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         print(f"error: {namespace_id!r} is not a namespace id (kvp-<32 hex>); `kvpersist report` lists them", file=sys.stderr)
@@ -208,7 +208,7 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
         return 1
     shared = [h for h in holders if h.location.startswith("hf://") and not _exclusive_bucket(resources, h.resource)]
     if shared:
-        from kvpersist.cleanup import bucket_refusal
+        from kvpersist.inventory.cleanup import bucket_refusal
 
         for h in shared:
             print(f"refused: {h.resource}: {bucket_refusal(h.location, False)}", file=sys.stderr)
@@ -259,7 +259,7 @@ def _api_message(exc: Any) -> str:
 
 
 def _wait_gc(ns: str, name: str, request: str, timeout: float) -> dict[str, Any] | None:
-    from kvpersist import kube
+    from kvpersist.controller import kube
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

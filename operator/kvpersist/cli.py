@@ -13,8 +13,8 @@ from pathlib import Path
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvpersist import handlers, leadership  # handlers: registers the kopf handlers
-    from kvpersist.policy import Policy
+    from kvpersist.controller import handlers, leadership  # handlers: registers the kopf handlers
+    from kvpersist.controller.policy import Policy
 
     try:  # the chart's allowedImages and secretLabel: a typo must stop the operator, not admit everything
         handlers.set_policy(Policy.from_env(os.environ))
@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else leadership.random_priority()
     handlers.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
     if args.metrics_port:
-        from kvpersist import metrics
+        from kvpersist.controller import metrics
 
         metrics.serve(args.metrics_host, args.metrics_port)
     namespaces = args.namespace or []
@@ -55,7 +55,8 @@ def _crd(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     from kubernetes.client.exceptions import ApiException
 
-    from kvpersist import admin, kube
+    from kvpersist import admin
+    from kvpersist.controller import kube
 
     kube.load_config(args.kubeconfig, args.context)
     namespace = None if args.all_namespaces else args.namespace
@@ -73,7 +74,7 @@ def _admin(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["agent"]:
-        from kvpersist import agent
+        from kvpersist.inventory import agent
 
         return agent.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--context", default=None, help="kubeconfig context")
         cmd.set_defaults(fn=_admin)
 
-    # Parsed by kvpersist.agent itself (main() hands it the rest of the line).
+    # Parsed by kvpersist.inventory.agent itself (main() hands it the rest of the line).
     sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist agent --help)")
 
     crd = sub.add_parser("crd", help="print the CRD generated from the API models")

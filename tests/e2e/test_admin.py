@@ -122,7 +122,7 @@ def test_the_agent_refuses_anyone_without_the_resources_token(kubectl: Kubectl, 
     """The inventory agent on the server pod's IP, asked directly (this test process stands in for
     another pod: the local cluster enforces no NetworkPolicy, so only the token stands between):
     without the token, or with a wrong one, /gc deletes nothing and /inventory lists nothing."""
-    from kvpersist.agentclient import fetch_inventory, request_gc
+    from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 
     ns, volume, a = scenario["ns"], scenario["volume"], scenario["a"]
     ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]

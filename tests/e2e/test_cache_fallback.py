@@ -1,4 +1,4 @@
-"""vLLM keeps serving when its lmcache servers cannot run (kvpersist.fallback), on the local
+"""vLLM keeps serving when its lmcache servers cannot run (kvpersist.controller.fallback), on the local
 cluster with the real API server and scheduler: the servers are held unschedulable (a CPU request
 no node has), so vLLM, which with the cache needs a server of its id on its node, would stay
 Pending forever. After the bound (15 s here, 300 s by default) it is rolled without the cache,

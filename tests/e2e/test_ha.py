@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.leadership import PEERING_LIFETIME_S
+from kvpersist.controller.leadership import PEERING_LIFETIME_S
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, manifest, stop, storage
 

@@ -7,7 +7,7 @@ What is real: the operator process (`kvpersist run`, one namespace), the API ser
 controllers (StatefulSets, pods, claims), kwok's simulated pods on the kwok-* nodes (Running with
 a loopback pod IP, no process behind it). What stands in: on each server pod's IP and agent port,
 a small HTTP server in this test process plays the pod's inventory agent (`StandInAgent`, not
-`kvpersist.agent`): it checks the resource's bearer token from its `NAME-agent-token` Secret and
+`kvpersist.inventory.agent`): it checks the resource's bearer token from its `NAME-agent-token` Secret and
 answers GET /server/status with lmcache 0.5.6's real /status body
 (tests/unit/data/lmcache-0.5.6-status-nixl-8-objects.json), /server/metrics with its real
 /metrics body, and /inventory as the agent does; three of them misbehave. The Hub is
@@ -41,7 +41,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.handlers import STATUS_INTERVAL_S
+from kvpersist.controller.handlers import STATUS_INTERVAL_S
 from kvpersist.httpclient import MAX_JSON_BYTES
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl

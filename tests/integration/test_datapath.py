@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.usage import DIRECT, fetch_status
+from kvpersist.status.usage import DIRECT, fetch_status
 from tests.fsstate import files_state
 from tests.integration.conftest import LocalServer, drive, make_target, write_key
 

@@ -14,10 +14,10 @@ import socket
 
 import pytest
 
-from kvpersist import hfbucket
 from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.target import HF_TOKEN_ENV
+from kvpersist.inventory import hfbucket
 from tests.integration.conftest import make_target
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub
 

@@ -1,4 +1,4 @@
-"""Per-namespace inventory and explicit cleanup of a Hugging Face bucket L2 (kvpersist.inventory_bucket).
+"""Per-namespace inventory and explicit cleanup of a Hugging Face bucket L2 (kvpersist.inventory.bucket).
 
 No Hugging Face endpoint is reachable from these machines: the listing and deletion go through
 huggingface_hub's real client to tests/integration/hub_stub.py, a local stand-in for the Hub's
@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpersist import hfbucket, inventory_bucket
-from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
+from kvpersist.inventory import bucket as inventory_bucket
+from kvpersist.inventory import hfbucket
+from kvpersist.inventory.bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub
 
 BID = "acme-ml/kv-cache"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.agent import Agent, _period, _positive_int, make_server
 from kvpersist.api.v1alpha1 import GIB, KVCacheNamespace
 from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import Target
 from kvpersist.identity import resolve
-from kvpersist.inventory import ChunkFile, _unlink_if_unchanged, choose_oldest, is_chunk_name, trim_namespace
+from kvpersist.inventory.agent import Agent, _period, _positive_int, make_server
+from kvpersist.inventory.volume import ChunkFile, _unlink_if_unchanged, choose_oldest, is_chunk_name, trim_namespace
 from tests.cases.invalid_manifests import sample
 
 A, B = "kvp-" + "a" * 32, "kvp-" + "b" * 32
@@ -221,8 +221,8 @@ def test_builder_renders_the_adapter_capacity_for_nixl_only() -> None:
 def test_agent_without_a_token_file_refuses_gc_and_rereads_a_changed_token(tmp_path: Path) -> None:
     """No token configured: /gc is off (403), whoever asks. A token file changed in place (the
     kubelet updates a Secret volume) is read again, so a re-created Secret does not lock out."""
-    from kvpersist.agent import TokenFile
-    from kvpersist.agentclient import request_gc
+    from kvpersist.inventory.agent import TokenFile
+    from kvpersist.inventory.agentclient import request_gc
 
     (tmp_path / B).mkdir()
     (tmp_path / B / "x.bin").write_bytes(b"x")

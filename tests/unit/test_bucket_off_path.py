@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvpersist import handlers
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
-from kvpersist.hfbucket import Preflight
-from kvpersist.inventory import Inventory
+from kvpersist.controller import handlers
+from kvpersist.inventory.hfbucket import Preflight
+from kvpersist.inventory.volume import Inventory
 from tests.cases.invalid_manifests import sample
 
 

@@ -1,4 +1,4 @@
-"""The runtime build check (kvpersist.buildcheck): connectorBuild parsed, the check script run for
+"""The runtime build check (kvpersist.controller.buildcheck): connectorBuild parsed, the check script run for
 real against fake installed distributions, the containers it wraps, and what the operator makes
 of a pod that refused to start."""
 
@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist import buildcheck, handlers
-from kvpersist.buildcheck import (
+from kvpersist.builders.lmcache import server_container
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
+from kvpersist.controller import buildcheck, handlers
+from kvpersist.controller.buildcheck import (
     CHECK_SCRIPT,
     EXIT_CODE,
     MISMATCH_PREFIX,
@@ -26,12 +29,9 @@ from kvpersist.buildcheck import (
     declared_versions,
     refusals,
 )
-from kvpersist.builders.lmcache import server_container
-from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
-from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
-from kvpersist.conditions import compute_status
-from kvpersist.fallback import bypassed_in
-from kvpersist.workloads import Seen, slim
+from kvpersist.controller.fallback import bypassed_in
+from kvpersist.status.conditions import compute_status
+from kvpersist.status.workloads import Seen, slim
 from tests.unit.test_builders import target
 from tests.unit.test_conditions import obs
 

@@ -122,7 +122,7 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod) and pod["runtimeClassName"] == "nvidia"
     container = pod["containers"][0]
     # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it)
-    # and checks the installed lmcache against connectorBuild first (kvpersist.buildcheck).
+    # and checks the installed lmcache against connectorBuild first (kvpersist.controller.buildcheck).
     assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && exec "$0" "$@"',
                                     "lmcache"]
     assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
@@ -286,7 +286,7 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
 def test_operator_metrics_text() -> None:
     import urllib.request
 
-    from kvpersist import metrics
+    from kvpersist.controller import metrics
 
     metrics.inc("kvpersist_status_writes_total", 3)
     metrics.set_phase("ml", "a", "Ready")
@@ -336,7 +336,7 @@ def test_an_agent_beside_every_server_and_the_volume_only_with_nvme() -> None:
 
 
 def test_stale_routes_are_old_ids_no_pod_carries() -> None:
-    from kvpersist.stale_routes import ids_in_use, stale
+    from kvpersist.controller.stale_routes import ids_in_use, stale
 
     old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
     objs = [build_local_service(old), build_local_service(new), build_metrics_service(new),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from kvpersist.conditions import HITS_WRITE_INTERVAL_S, Observation, compute_status, merge_conditions, status_patch
-from kvpersist.usage import ServerReport
+from kvpersist.status.conditions import HITS_WRITE_INTERVAL_S, Observation, compute_status, merge_conditions, status_patch
+from kvpersist.status.usage import ServerReport
 
 NID = "kvp-" + "0" * 32
 
@@ -232,7 +232,7 @@ def _event(reason: str, at: str, message: str = "") -> dict:
 
 
 def test_pods_refused_by_pod_security_say_so_with_the_fix() -> None:
-    from kvpersist.workloads import slim
+    from kvpersist.status.workloads import slim
 
     none_created = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 0}}
     deployment = {"metadata": {"name": "x-vllm", "generation": 1}, "status": {
@@ -276,7 +276,7 @@ def test_a_create_failure_does_not_hide_a_finished_rollout_or_a_ready_deployment
 
 
 def test_failed_create_is_the_latest_failure_unless_a_pod_was_created_since() -> None:
-    from kvpersist.conditions import failed_create
+    from kvpersist.status.conditions import failed_create
 
     older = _event("FailedCreate", "2026-11-30T10:00:00Z", "old")
     newer = _event("FailedCreate", "2026-11-30T10:05:00Z", PSS)
@@ -290,7 +290,7 @@ def test_failed_create_is_the_latest_failure_unless_a_pod_was_created_since() ->
 
 
 def test_events_are_read_only_after_the_grace_and_at_most_once_a_minute() -> None:
-    from kvpersist.conditions import FAILED_CREATE_RECHECK_S, PODS_MISSING_GRACE_S, FailedCreateCheck, pods_missing
+    from kvpersist.status.conditions import FAILED_CREATE_RECHECK_S, PODS_MISSING_GRACE_S, FailedCreateCheck, pods_missing
 
     assert pods_missing({"status": {"replicas": 0}}, 1) and not pods_missing({"status": {"replicas": 1}}, 1)
     assert not pods_missing(None, 1) and not pods_missing({"status": {}}, 0)

@@ -1,5 +1,5 @@
 """vLLM without the cache while its servers stay unavailable, back with it once they are healthy
-(kvpersist.fallback), and what the builders render for each."""
+(kvpersist.controller.fallback), and what the builders render for each."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.vllm import build_vllm_deployment
-from kvpersist.fallback import Fallback, bypassed_in
+from kvpersist.controller.fallback import Fallback, bypassed_in
 from tests.unit.test_builders import target
 
 KEY = ("ns", "a")

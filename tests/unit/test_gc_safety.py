@@ -14,11 +14,13 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist import cleanup, handlers, inventory_bucket
 from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.controller import handlers
 from kvpersist.identity import resolve
-from kvpersist.inventory import NamespaceUsage
-from kvpersist.workloads import Seen
+from kvpersist.inventory import bucket as inventory_bucket
+from kvpersist.inventory import cleanup
+from kvpersist.inventory.volume import NamespaceUsage
+from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist import handlers
-from kvpersist.workloads import Seen
+from kvpersist.controller import handlers
+from kvpersist.status.workloads import Seen
 
 KEY = ("ns", "ghost")
 

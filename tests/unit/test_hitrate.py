@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
-from kvpersist.usage import (
+from kvpersist.status.usage import (
     HIT_WINDOW_S,
     MAX_METRICS_BYTES,
     HitTotals,
@@ -278,7 +278,7 @@ def test_chart_dashboard_and_podmonitor_match_what_the_servers_export() -> None:
     from kvpersist.api.v1alpha1 import KVCacheNamespace
     from kvpersist.builders.lmcache import agent_container
     from kvpersist.builders.target import SERVER, Target
-    from kvpersist.usage import LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2, LOOKUP_REQUESTED
+    from kvpersist.status.usage import LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2, LOOKUP_REQUESTED
     from tests.cases.invalid_manifests import sample
 
     chart = Path(__file__).resolve().parents[2] / "charts" / "kvpersist"

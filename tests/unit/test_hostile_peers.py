@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvpersist import httpclient
-from kvpersist.agentclient import fetch_inventory, request_gc
-from kvpersist.cleanup import gc_volumes
-from kvpersist.usage import collect_usage, fetch_status, parse_status
+from kvpersist.inventory.agentclient import fetch_inventory, request_gc
+from kvpersist.inventory.cleanup import gc_volumes
+from kvpersist.status.usage import collect_usage, fetch_status, parse_status
 from tests.serving import in_thread
 
 STATUS = (Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_bytes()
@@ -394,7 +394,7 @@ def test_a_valid_inventory_reads_as_before() -> None:
 
 @pytest.mark.parametrize("case", BAD_INVENTORIES, ids=list(BAD_INVENTORIES))
 def test_a_garbage_inventory_is_none_with_a_logged_reason(case: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvpersist.agentclient"), serving(answer(BAD_INVENTORIES[case])) as peer:
+    with caplog.at_level(logging.WARNING, logger="kvpersist.inventory.agentclient"), serving(answer(BAD_INVENTORIES[case])) as peer:
         assert fetch_inventory("127.0.0.1", peer.port, timeout=DEADLINE) is None
     assert f"127.0.0.1:{peer.port}" in caplog.text
 
@@ -405,7 +405,7 @@ def test_a_garbage_inventory_is_none_with_a_logged_reason(case: str, caplog: pyt
 ], ids=["trickle body", "trickle headers", "hang", "huge declared", "huge streamed", "500", "not HTTP"])
 def test_a_stalling_or_huge_inventory_is_none_within_the_deadline(behave: Behave, reason: str,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvpersist.agentclient"), serving(behave) as peer, timed(DEADLINE + SLACK):
+    with caplog.at_level(logging.WARNING, logger="kvpersist.inventory.agentclient"), serving(behave) as peer, timed(DEADLINE + SLACK):
         assert fetch_inventory("127.0.0.1", peer.port, timeout=DEADLINE) is None
     assert reason in caplog.text
     assert peer.sent < 32 * 2**20
@@ -465,7 +465,7 @@ def test_the_helper_reads_a_chunked_body_and_stops_at_the_cap() -> None:
 def agent_before(upstream: Peer, token: str = "t0ken") -> Iterator[int]:
     """A real kvpersist agent (no volume) forwarding to `upstream`, which stands in for the
     lmcache admin API on the pod's loopback; yields the agent's port."""
-    from kvpersist.agent import Agent, make_server
+    from kvpersist.inventory.agent import Agent, make_server
 
     with in_thread(make_server(Agent(None, None, token=token, server=("127.0.0.1", upstream.port)), "127.0.0.1", 0)) as port:
         yield port
@@ -490,7 +490,7 @@ def test_the_agent_forwards_status_with_the_token_and_metrics_and_nothing_else()
 @pytest.mark.parametrize("behave", [trickle_body, hang, huge_streamed, garbage_status := answer(b"[]")],
                          ids=["trickle", "hang", "huge", "garbage"])
 def test_a_misbehaving_server_behind_the_agent_costs_one_bounded_read(behave: Behave) -> None:
-    from kvpersist.agent import PROXY_TIMEOUT_S
+    from kvpersist.inventory.agent import PROXY_TIMEOUT_S
 
     with serving(behave) as lmcache, agent_before(lmcache) as port, timed(PROXY_TIMEOUT_S + SLACK + 0.5):
         rep = fetch_status("s-0", "127.0.0.1", port, timeout=PROXY_TIMEOUT_S + 0.5, token="t0ken")

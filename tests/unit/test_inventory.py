@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvpersist.admin import Row, format_report, rank_rows, report_rows, users_of
-from kvpersist.agent import Agent, make_server
-from kvpersist.agentclient import fetch_inventory, request_gc
-from kvpersist.cleanup import parse_request, refusal
-from kvpersist.inventory import group, mark_orphans, rank, remove_namespace, scan_volume, status_summary
+from kvpersist.inventory.agent import Agent, make_server
+from kvpersist.inventory.agentclient import fetch_inventory, request_gc
+from kvpersist.inventory.cleanup import parse_request, refusal
+from kvpersist.inventory.volume import group, mark_orphans, rank, remove_namespace, scan_volume, status_summary
 from tests.fsstate import files_state
 
 A, B, C = "kvp-" + "a" * 32, "kvp-" + "b" * 32, "kvp-" + "c" * 32
@@ -146,8 +146,8 @@ def test_users_of_names_resources_and_pods() -> None:
 
 
 def test_gc_bucket_outcomes() -> None:
-    from kvpersist.cleanup import gc_bucket
-    from kvpersist.inventory import NamespaceUsage
+    from kvpersist.inventory.cleanup import gc_bucket
+    from kvpersist.inventory.volume import NamespaceUsage
 
     req = {"requestId": "r", "namespaceId": C}
     assert gc_bucket(req, lambda n: NamespaceUsage(n, 10, 2), "hf://buckets/a/b")["outcome"] == "Deleted"
@@ -160,7 +160,7 @@ def test_gc_bucket_outcomes() -> None:
 
 
 def test_gc_volumes_through_real_agents(tmp_path: Path) -> None:
-    from kvpersist.cleanup import gc_volumes
+    from kvpersist.inventory.cleanup import gc_volumes
 
     servers, threads = [], []
     for i in range(2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from kvpersist import leadership
+from kvpersist.controller import leadership
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

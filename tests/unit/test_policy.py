@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvpersist import handlers
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.conditions import condition
-from kvpersist.policy import (
+from kvpersist.controller import handlers
+from kvpersist.controller.policy import (
     ALLOWED_IMAGES_ENV,
     IMAGE_NOT_ALLOWED,
     SECRET_LABEL_ENV,
@@ -27,6 +26,7 @@ from kvpersist.policy import (
     refused_status,
     secret_refusal,
 )
+from kvpersist.status.conditions import condition
 from tests.cases.invalid_manifests import sample
 
 DIGEST = "@sha256:" + "a" * 64

@@ -11,7 +11,7 @@ import pytest
 
 from tests import rbac_needs as rb
 
-HANDLERS = rb.PACKAGE_DIR / "handlers.py"
+HANDLERS = rb.PACKAGE_DIR / "controller" / "handlers.py"
 SA, SA_NS = "kvpersist", "kvpersist-system"
 
 
@@ -31,7 +31,7 @@ def rendered(helm: Path) -> dict[str, list[dict[str, Any]]]:
 
 def _with_probe(code: str) -> dict[str, str]:
     """handlers.py with a function appended that module-level code references (so it is reached)."""
-    return {"kvpersist.handlers": HANDLERS.read_text() + "\n\n" + code + "\n_PROBES = [_probe]\n"}
+    return {"kvpersist.controller.handlers": HANDLERS.read_text() + "\n\n" + code + "\n_PROBES = [_probe]\n"}
 
 
 def test_every_call_of_the_operator_is_understood() -> None:

@@ -1,11 +1,11 @@
 """Apply failures: invalid objects wait for a new spec; everything else is tried again with a
-per-resource exponential backoff (kvpersist.retry)."""
+per-resource exponential backoff (kvpersist.controller.retry)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpersist import retry
+from kvpersist.controller import retry
 
 
 @pytest.mark.parametrize("status", [400, 422])

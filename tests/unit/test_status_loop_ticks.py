@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist import handlers
+from kvpersist.controller import handlers
 
 
 def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:

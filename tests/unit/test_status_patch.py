@@ -14,18 +14,19 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from kvpersist import conditions, handlers
 from kvpersist.api import status as status_api
 from kvpersist.api.status import StatusPatchError, checked_patch, validate_patch
 from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
 from kvpersist.builders.target import SERVER
-from kvpersist.cleanup import result as gc_result
-from kvpersist.conditions import Observation, compute_status, failed_status, status_patch
+from kvpersist.controller import handlers
+from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
 from kvpersist.identity import resolve
-from kvpersist.inventory import Inventory, NamespaceUsage, status_summary
-from kvpersist.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
-from kvpersist.usage import HitTracker, LookupCounters, ServerReport, WriteFailureTracker
-from kvpersist.workloads import COMPONENT_LABEL, Seen
+from kvpersist.inventory.cleanup import result as gc_result
+from kvpersist.inventory.volume import Inventory, NamespaceUsage, status_summary
+from kvpersist.status import conditions
+from kvpersist.status.conditions import Observation, compute_status, failed_status, status_patch
+from kvpersist.status.usage import HitTracker, LookupCounters, ServerReport, WriteFailureTracker
+from kvpersist.status.workloads import COMPONENT_LABEL, Seen
 from tests.cases.invalid_manifests import sample
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -329,4 +330,4 @@ def test_every_status_write_goes_through_the_check() -> None:
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "patch_status":
                     callers.append((path.relative_to(ROOT / "operator").as_posix(), func.name))
-    assert sorted(set(callers)) == [("kvpersist/handlers.py", "_write_status")]
+    assert sorted(set(callers)) == [("kvpersist/controller/handlers.py", "_write_status")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvpersist import handlers
+from kvpersist.controller import handlers
 
 
 def test_due_dirty_now_others_by_interval(monkeypatch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvpersist.usage import (
+from kvpersist.status.usage import (
     WriteFailureTracker,
     collect_usage,
     human_bytes,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvpersist.builders.target import Target
-from kvpersist.conditions import _pod_ready, _rollout_done
-from kvpersist.workloads import Seen, index_entry, owner_key, slim
+from kvpersist.status.conditions import _pod_ready, _rollout_done
+from kvpersist.status.workloads import Seen, index_entry, owner_key, slim
 
 POD = {
     "apiVersion": "v1", "kind": "Pod",

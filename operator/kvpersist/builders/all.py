@@ -16,7 +16,7 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     """Policies first (no window where the admin port is open), then Services and ConfigMap (the
     StatefulSet names its governing Service), vLLM last. The ZMQ policy and the local Service
     are per namespace id: after a pin change the old id's stay until no pod of it is left
-    (kvpersist.handlers removes them then)."""
+    (kvpersist.controller.handlers removes them then)."""
     return [
         build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace()),
         build_zmq_policy(target),

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from kvpersist import __version__, buildcheck
+from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
@@ -23,6 +23,7 @@ from kvpersist.builders.target import (
     SERVER,
     Target,
 )
+from kvpersist.controller import buildcheck
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
 AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
@@ -267,7 +268,7 @@ def agent_image() -> str:
 
 
 def agent_container(target: Target, image: str) -> dict[str, Any]:
-    """The inventory agent (kvpersist.agent) beside the server, in every server pod: the one door
+    """The inventory agent (kvpersist.inventory.agent) beside the server, in every server pod: the one door
     into it. It forwards the operator's reads of lmcache's loopback-only admin API (/status with
     the resource's token, /metrics). With NVMe it is also the only thing that can read the volume
     for per-namespace reports and delete an orphaned namespace when an admin asks, and with

@@ -33,7 +33,7 @@ class Target:
     spec: KVCacheNamespaceSpec
     namespace_id: str | None
     # The servers have been unavailable too long: vLLM runs without the cache meanwhile
-    # (kvpersist.fallback); the servers themselves stay as declared.
+    # (kvpersist.controller.fallback); the servers themselves stay as declared.
     cache_bypassed: bool = False
     # Why, for the vLLM pods' annotation: the servers' absence (the default) or a refused build.
     bypass_reason: str = "the lmcache servers are unavailable"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpersist import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import SERVER, VLLM, Target
+from kvpersist.controller import buildcheck
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (
@@ -53,7 +53,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     """With the cache on, each pod must land on a node that runs one of this resource's lmcache
     servers of its own namespace id (required pod affinity); vLLM and the server stay separate
     processes, so a vLLM restart never touches the cache. While the cache is bypassed (servers
-    unavailable too long, kvpersist.fallback) no affinity: vLLM serves without it."""
+    unavailable too long, kvpersist.controller.fallback) no affinity: vLLM serves without it."""
     spec = target.spec
     container: dict[str, Any] = {
         "name": "vllm",

@@ -16,7 +16,7 @@ from pydantic import BaseModel, StrictBool, ValidationError
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
-from kvpersist.inventory import iso
+from kvpersist.inventory.volume import iso
 
 STATUS_TIMEOUT_S = 2.0  # all of one server's answer, /status and /metrics together
 # A /metrics body larger than this is not read further: the figures it carries become unknown.
@@ -433,7 +433,7 @@ def _sum(values: Iterable[Any]) -> int | None:
 
 
 # lmcache's admin API listens on its pod's loopback only; the agent beside it forwards these two
-# reads (kvpersist.agent). DIRECT reads a server's own API (tests, or a process in its pod).
+# reads (kvpersist.inventory.agent). DIRECT reads a server's own API (tests, or a process in its pod).
 THROUGH_AGENT = "/server"
 DIRECT = ""
 

@@ -1,7 +1,7 @@
 """kopf handlers: apply what a KVCacheNamespace becomes, and keep its status true.
 
 Thin on purpose: parsing lives in kvpersist.api, hashing in kvpersist.identity, manifests in
-kvpersist.builders, status judgement in kvpersist.conditions. Handlers order those and talk to
+kvpersist.builders, status judgement in kvpersist.status.conditions. Handlers order those and talk to
 the API server.
 """
 
@@ -23,16 +23,32 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import buildcheck, fallback, kube, leadership, metrics, retry
-from kvpersist.agentclient import fetch_inventory
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, parse_request, refusal, refusal_now
-from kvpersist.cleanup import result as gc_result
-from kvpersist.conditions import (
+from kvpersist.controller import buildcheck, fallback, kube, leadership, metrics, retry
+from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
+from kvpersist.controller.policy import (
+    SECRET_NOT_ALLOWED,
+    Policy,
+    Refusal,
+    image_refusal,
+    named_secrets,
+    refused_status,
+    secret_refusal,
+)
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, stale
+from kvpersist.httpclient import in_parallel
+from kvpersist.identity import Resolution, resolve
+from kvpersist.inventory.agentclient import fetch_inventory
+from kvpersist.inventory.bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
+from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, parse_request, refusal, refusal_now
+from kvpersist.inventory.cleanup import result as gc_result
+from kvpersist.inventory.hfbucket import preflight_bucket
+from kvpersist.inventory.volume import Inventory, iso, status_summary
+from kvpersist.status.conditions import (
     FailedCreateCheck,
     Observation,
     compute_status,
@@ -42,25 +58,9 @@ from kvpersist.conditions import (
     pods_missing,
     status_patch,
 )
-from kvpersist.conditions import now as condition_now
-from kvpersist.hfbucket import preflight_bucket
-from kvpersist.httpclient import in_parallel
-from kvpersist.identity import Resolution, resolve
-from kvpersist.inventory import Inventory, iso, status_summary
-from kvpersist.inventory_bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
-from kvpersist.policy import REASONS as REFUSAL_REASONS
-from kvpersist.policy import (
-    SECRET_NOT_ALLOWED,
-    Policy,
-    Refusal,
-    image_refusal,
-    named_secrets,
-    refused_status,
-    secret_refusal,
-)
-from kvpersist.stale_routes import ROUTE_KINDS, ids_in_use, stale
-from kvpersist.usage import HitTracker, WriteFailureTracker, collect_usage
-from kvpersist.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
+from kvpersist.status.conditions import now as condition_now
+from kvpersist.status.usage import HitTracker, WriteFailureTracker, collect_usage
+from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
@@ -97,7 +97,7 @@ _locks: dict[tuple[str, str], asyncio.Lock] = {}
 _drifted: set[tuple[str, str]] = set()
 _child_generations: dict[tuple[str, str, str], int] = {}  # (kind, namespace, name) -> last generation seen
 # Refreshes run side by side, at most this many: one slow server costs its own resource a
-# refresh period, never the others theirs (each call is bounded too, see kvpersist.usage).
+# refresh period, never the others theirs (each call is bounded too, see kvpersist.status.usage).
 REFRESH_CONCURRENCY = 8
 _refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY, thread_name_prefix="kvp-refresh")
 # The loop's own blocking step (which replica is active) has a thread of its own: with every
@@ -117,7 +117,7 @@ _gc_inflight: set[str] = set()  # gc request ids being carried out
 _routes_pending: set[tuple[str, str]] = set()
 _gc_tasks: set[asyncio.Task] = set()
 # kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
-# kvpersist.workloads), by handler name; kopf hands them to the startup handler. Read only in the
+# kvpersist.status.workloads), by handler name; kopf hands them to the startup handler. Read only in the
 # event loop, where kopf writes them.
 _indices: dict[str, Mapping[Any, Any]] = {}
 
@@ -133,7 +133,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 30
     for group, version, plural in WATCHED:
         settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
-    # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.leadership).
+    # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
     settings.peering.priority = _peering["priority"]
     settings.peering.lifetime = leadership.PEERING_LIFETIME_S
     kube.load_config()
@@ -487,7 +487,7 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
         events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
                        "changed): vLLM runs with the cache again, checking its build" if over_build else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
-    # The pods' build check (kvpersist.buildcheck): once per distinct mismatch, and when it is over.
+    # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
     old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildcheck.CONDITION), {})
     build = next((c for c in conds if c["type"] == buildcheck.CONDITION), None)
     if build is not None and build["status"] == "False":
@@ -534,7 +534,7 @@ def _write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: log
 
 def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[dict[str, Any]], generation: int | None,
                     logger: logging.Logger) -> list[dict[str, Any]]:
-    """Feeds LMCacheReady to kvpersist.fallback; when vLLM is to go without the cache, or back
+    """Feeds LMCacheReady to kvpersist.controller.fallback; when vLLM is to go without the cache, or back
     with it, marks the resource for an apply. The conditions, with CacheBypassed while it lasts."""
     lmcache = next((c for c in conds if c["type"] == "LMCacheReady"), {})
     _fallback.seed(key, fallback.bypassed_in(body))
@@ -553,10 +553,10 @@ def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[d
 
 def _build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, seen: Seen,
                  logger: logging.Logger) -> buildcheck.Verdict:
-    """The pods' runtime build check (kvpersist.buildcheck), read from their container statuses
+    """The pods' runtime build check (kvpersist.controller.buildcheck), read from their container statuses
     in the watch cache. A vLLM pod that refused its versions sends vLLM without the cache for this
     namespace id (applied on the next tick); a server that refuses is simply not ready, and
-    kvpersist.fallback does the rest."""
+    kvpersist.controller.fallback does the rest."""
     _build_bypass.seed(key, body)
     found = buildcheck.refusals(seen.pods, target.namespace_id)
     if _build_bypass.observe(key, target.namespace_id, found):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import quote
 
-from kvpersist import hfbucket
-from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, NamespaceUsage, group
+from kvpersist.inventory import hfbucket
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, group
 
 BUCKET_DEADLINE_S = 120.0  # the whole scan or removal; each request is also bounded by hfbucket.PREFLIGHT_TIMEOUT_S
 DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size)

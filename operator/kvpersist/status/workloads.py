@@ -4,7 +4,7 @@ A status refresh used to GET the StatefulSet and Deployment and LIST pods and cl
 resource, every 10 s: four reads per resource per round (10 k a minute at 500 resources) to learn
 what the watch streams had already delivered. kopf indexes keep the objects instead, filtered
 server-side by one label, and slimmed to the fields status is computed from so memory stays
-small. Pure functions here; the kopf wiring is in kvpersist.handlers.
+small. Pure functions here; the kopf wiring is in kvpersist.controller.handlers.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.buildcheck import slim_statuses
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.controller.buildcheck import slim_statuses
 
 # Every object the builders make carries it (pods and claims included, through the templates'
 # selector labels), so one server-side selector per kind keeps everything else off the wire.
@@ -40,7 +40,7 @@ def _pick(mapping: Mapping[str, Any] | None, keys: Iterable[str]) -> dict[str, A
 
 
 def slim(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields kvpersist.conditions reads, and nothing else (a pod's spec is kilobytes)."""
+    """The fields kvpersist.status.conditions reads, and nothing else (a pod's spec is kilobytes)."""
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     out: dict[str, Any] = {
@@ -57,7 +57,7 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     if ready or failure:
         out["status"]["conditions"] = ready + failure
     # A container that refused to start over its lmcache/vLLM versions says so in its termination
-    # message (kvpersist.buildcheck): kept, and nothing else of the container statuses.
+    # message (kvpersist.controller.buildcheck): kept, and nothing else of the container statuses.
     refused = slim_statuses(status.get("containerStatuses"))
     if refused:
         out["status"]["containerStatuses"] = refused

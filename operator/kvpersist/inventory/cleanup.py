@@ -15,10 +15,10 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvpersist.agentclient import request_gc
-from kvpersist.inventory import NAMESPACE_ID_RE, NamespaceUsage
-from kvpersist.inventory_bucket import DeletionRefused
-from kvpersist.usage import human_bytes
+from kvpersist.inventory.agentclient import request_gc
+from kvpersist.inventory.bucket import DeletionRefused
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, NamespaceUsage
+from kvpersist.status.usage import human_bytes
 
 GC_ANNOTATION = "kvpersist.dev/gc-request"
 # Asked right before each deletion: why the namespace may not be deleted now, or None.
@@ -133,7 +133,7 @@ def gc_bucket(request: Mapping[str, str], remove: Callable[..., NamespaceUsage],
         so_far = f"; {done.objects} of {exc.total_objects} objects ({human_bytes(done.bytes) or '0B'}) were deleted before" \
             if done.objects else ""
         return result(request, "Refused", f"refused: {exc}; nothing more was deleted from {handle}{so_far}", done)
-    except Exception as exc:  # the Hub's errors, already scrubbed of the token by inventory_bucket
+    except Exception as exc:  # the Hub's errors, already scrubbed of the token by kvpersist.inventory.bucket
         return result(request, "Failed", f"{handle}/{nsid}: {exc}")
     if held.objects == 0:
         return result(request, "NotFound", f"{nsid} has no objects under {handle}")

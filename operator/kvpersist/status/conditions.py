@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kvpersist import buildcheck
-from kvpersist.inventory import iso, parse_iso
-from kvpersist.usage import ServerReport, summarize
+from kvpersist.controller import buildcheck
+from kvpersist.inventory.volume import iso, parse_iso
+from kvpersist.status.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
@@ -185,7 +185,7 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     lmcache refuses it."""
     if obs.budget_bytes is None or obs.namespace_id is None:
         return None
-    from kvpersist.usage import human_bytes
+    from kvpersist.status.usage import human_bytes
 
     reported = [r for r in obs.reports if r.l2_used is not None]
     used_servers = sum(r.l2_used or 0 for r in reported)
@@ -394,7 +394,7 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
 
     Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
     that could not be measured this time keeps its last known value; so do the hit figures
-    (status.hits, from kvpersist.usage.HitTracker), which alone write at most once per
+    (status.hits, from kvpersist.status.usage.HitTracker), which alone write at most once per
     HITS_WRITE_INTERVAL_S."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
     if old.get("budget") is not None and "budget" not in fields:

@@ -288,7 +288,7 @@ class BuildBypass:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the build check found for one resource, for kvpersist.conditions."""
+    """What the build check found for one resource, for kvpersist.status.conditions."""
 
     connector_build: str | None
     refusals: tuple[Refusal, ...] = ()
@@ -299,7 +299,7 @@ def condition(verdict: Verdict, generation: int | None) -> dict[str, Any]:
     """BuildVerified: False (BuildMismatch) while a server refuses or vLLM runs without the cache
     over its versions, naming the pod, both versions and the fix; True (BuildMatches) while none
     has refused; Unknown (NotComparable) when connectorBuild names no versions."""
-    from kvpersist.conditions import condition as make
+    from kvpersist.status.conditions import condition as make
 
     declared = declared_versions(verdict.connector_build)
     server = next((r for r in verdict.refusals if r.component == SERVER), None)

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
-from kvpersist.inventory import (
+from kvpersist.inventory.volume import (
     NAMESPACE_ID_RE,
     Inventory,
     NamespaceUsage,

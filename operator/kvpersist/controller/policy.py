@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
-from kvpersist.conditions import condition
+from kvpersist.status.conditions import condition
 
 ALLOWED_IMAGES_ENV = "KVPERSIST_ALLOWED_IMAGES"
 SECRET_LABEL_ENV = "KVPERSIST_SECRET_LABEL"

@@ -1,4 +1,4 @@
-"""The operator's side of the inventory agent (kvpersist.agent): bounded HTTP calls whose
+"""The operator's side of the inventory agent (kvpersist.inventory.agent): bounded HTTP calls whose
 answers are checked before use, since an agent (or whatever answers on its port) may be broken
 or hostile and one bad pod must not stall or crash a refresh."""
 
@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
-from kvpersist.inventory import NAMESPACE_ID_RE, Inventory, NamespaceUsage, parse_iso
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, parse_iso
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 After a pin change they must outlive the old id's pods (old vLLM pods still resolve their
 Service, old servers still need their policy) and no longer: once no pod of the resource
-carries the old id, they are deleted. Pure decisions here; kvpersist.handlers lists and deletes.
+carries the old id, they are deleted. Pure decisions here; kvpersist.controller.handlers lists and deletes.
 """
 
 from __future__ import annotations

@@ -4,13 +4,29 @@ its field is left out and logged, kvpersist.api.status), so a misspelled key fai
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvpersist.api import status
+
+if TYPE_CHECKING:
+    from kvpersist.controller.state import Controller
 
 
 @pytest.fixture(autouse=True)
 def _strict_status_patches(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(status, "STRICT", True)
     yield
+
+
+@pytest.fixture()
+def controller(monkeypatch: pytest.MonkeyPatch) -> Iterator[Controller]:
+    """A fresh kvpersist.controller.state.Controller in place of the handlers' one, for a test that
+    sets up or reads the operator's per-resource state."""
+    from kvpersist.controller import handlers
+    from kvpersist.controller.state import Controller
+
+    fresh = Controller()
+    monkeypatch.setattr(handlers, "CONTROLLER", fresh)
+    yield fresh

@@ -59,9 +59,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(handlers, "scan_bucket", scan)
     monkeypatch.setattr(handlers, "preflight_bucket", preflight)
-    for table in (handlers._bucket_inventory, handlers._preflights):
-        table.pop((target.namespace, target.name), None)
-    handlers._dirty.discard((target.namespace, target.name))
+    handlers.CONTROLLER.forget((target.namespace, target.name))
     state.update(target=target, inventory=inventory)
     yield state
     state["release"].set()
@@ -74,9 +72,9 @@ def test_a_hanging_listing_costs_the_refresh_nothing(hub: dict) -> None:
         assert handlers._bucket_inventory_of(target, Token()) is None
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["listings"] == 1)
-    assert hub["listings"] == 1 and key not in handlers._dirty
+    assert hub["listings"] == 1 and not handlers.CONTROLLER.state(key).dirty
     hub["release"].set()
-    wait_until(lambda: key in handlers._dirty)  # marked for a refresh when it ended
+    wait_until(lambda: handlers.CONTROLLER.state(key).dirty)  # marked for a refresh when it ended
     assert handlers._bucket_inventory_of(target, Token()) is hub["inventory"]
     assert hub["listings"] == 1  # and cached for its TTL
 
@@ -89,6 +87,6 @@ def test_a_hanging_preflight_leaves_the_check_unknown_then_shows_its_verdict(hub
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["preflights"] == 1)
     hub["release"].set()
-    wait_until(lambda: key in handlers._dirty)
+    wait_until(lambda: handlers.CONTROLLER.state(key).dirty)
     assert handlers._bucket_check(target, Token()) == (True, "BucketReachable", "bucket reachable")
     assert hub["preflights"] == 1

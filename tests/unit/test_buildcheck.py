@@ -30,6 +30,7 @@ from kvpersist.controller.buildcheck import (
     refusals,
 )
 from kvpersist.controller.fallback import bypassed_in
+from kvpersist.controller.state import Controller
 from kvpersist.status.conditions import compute_status
 from kvpersist.status.workloads import Seen, slim
 from tests.unit.test_builders import target
@@ -313,19 +314,17 @@ def test_a_vllm_refusal_bypasses_the_cache_for_that_id_only_and_survives_a_resta
     assert fresh.detail(key, NID) is None
 
 
-def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: Controller) -> None:
     """handlers: a refusing vLLM pod in the watch cache marks the resource for an apply that renders
     vLLM without the cache; CacheBypassed says why; a Warning event per distinct message."""
     import logging
 
     t = dataclasses.replace(target(), namespace_id=NID)
     key = (t.namespace, t.name)
-    monkeypatch.setattr(handlers, "_build_bypass", BuildBypass())
-    monkeypatch.setattr(handlers, "_drifted", set())
     seen = Seen(pods=[slim(refused_pod("r-vllm-b", VLLM, "vllm"))])
     verdict = handlers._build_check(key, {"status": {}}, t, seen, logging.getLogger("test"))
-    assert key in handlers._drifted and verdict.vllm_bypass is not None
-    assert handlers._build_bypass.detail(key, NID) is not None  # apply_workloads renders with cache_bypassed
+    assert handlers.CONTROLLER.state(key).drifted and verdict.vllm_bypass is not None
+    assert handlers.CONTROLLER.build_bypass.detail(key, NID) is not None  # apply_workloads renders with cache_bypassed
     conds = handlers._build_bypassed(key, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
                                               "message": "x"}], 3)
     assert [(c["type"], c["reason"]) for c in conds] == [("CacheBypassed", "BuildMismatch")]

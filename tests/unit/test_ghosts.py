@@ -36,11 +36,13 @@ def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, erro
 
     monkeypatch.setattr(handlers, "refresh_status", refresh)
     monkeypatch.setattr(handlers, "_exists", exists_now)
-    handlers._known[KEY] = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
-    handlers._dirty.add(KEY)
+    state = handlers.CONTROLLER.state(KEY)
+    state.body = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
+    state.dirty = True
     try:
-        asyncio.run(handlers._refresh_one(KEY, handlers._known[KEY], Seen(), False, logging.getLogger("test")))
-        assert (KEY not in handlers._known) is forgotten and (KEY not in handlers._dirty) is forgotten
+        asyncio.run(handlers._refresh_one(KEY, state.body, Seen(), False, logging.getLogger("test")))
+        assert (KEY not in handlers.CONTROLLER.known()) is forgotten
+        assert (KEY not in handlers.CONTROLLER.flagged("dirty")) is forgotten
         assert asked == ([KEY] if isinstance(error, ApiException) and error.status == 404 else [])
     finally:
         handlers._forget(KEY)

@@ -172,30 +172,30 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(handlers.kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
     monkeypatch.setattr(handlers.kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or {})
     monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
-    monkeypatch.setattr(handlers, "_policy", Policy(allowed_images=("registry.example.com/",)))
+    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
     body = _body(sample())
     key = ("ml", body["metadata"]["name"])
     handlers.apply_workloads(body, logging.getLogger("test"))
-    assert calls == [] and handlers._refused[key][0] == IMAGE_NOT_ALLOWED
+    assert calls == [] and handlers.CONTROLLER.state(key).refused[0] == IMAGE_NOT_ALLOWED
 
     obj = sample()
     obj["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
-    monkeypatch.setattr(handlers, "_policy", Policy(secret_label=("kvpersist.dev/usable-by", "kvpersist")))
+    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(secret_label=("kvpersist.dev/usable-by", "kvpersist")))
     handlers.apply_workloads(_body(obj), logging.getLogger("test"))
-    assert calls == ["metadata Secret shared-key"] and handlers._refused[key][0] == SECRET_NOT_ALLOWED
+    assert calls == ["metadata Secret shared-key"] and handlers.CONTROLLER.state(key).refused[0] == SECRET_NOT_ALLOWED
 
     calls.clear()
-    monkeypatch.setattr(handlers, "_policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
+    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
                                                     secret_label=("kvpersist.dev/usable-by", "kvpersist")))
     created: list[dict[str, Any]] = []
     monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: created.append(m) or True)
     handlers.apply_workloads(body, logging.getLogger("test"))
-    assert key not in handlers._refused
+    assert handlers.CONTROLLER.state(key).refused is None
     assert {"apply StatefulSet", "apply Deployment"} <= set(calls)
     # The operator's own Secrets carry the label, so they are usable under the same rule.
     assert {s["metadata"]["name"] for s in created} == {"llama31-8b-l2-key", "llama31-8b-agent-token"}
     assert all(s["metadata"]["labels"]["kvpersist.dev/usable-by"] == "kvpersist" for s in created)
-    handlers._refused.clear()
+    handlers.CONTROLLER.forget(key)
 
 
 def test_refusal_event_is_posted_once_with_its_reason() -> None:
@@ -219,4 +219,4 @@ def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.Monke
     monkeypatch.setattr(kopf, "run", lambda **_: pytest.fail("kopf.run reached with a malformed policy"))
     monkeypatch.setenv(SECRET_LABEL_ENV, "kvpersist.dev/usable-by")
     assert cli.main(["run", "--standalone"]) == 2
-    assert SECRET_LABEL_ENV in capsys.readouterr().err and handlers._policy == Policy()
+    assert SECRET_LABEL_ENV in capsys.readouterr().err and handlers.CONTROLLER.policy == Policy()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller import handlers
+from kvpersist.controller import handlers, state
 
 
 def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,7 +23,7 @@ def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(handlers, "TICK_S", 0.01)
     monkeypatch.setattr(handlers, "_active_keys", counted)
-    busy = [handlers._refresh_pool.submit(release.wait, 10) for _ in range(handlers.REFRESH_CONCURRENCY)]
+    busy = [handlers.CONTROLLER.refresh_pool.submit(release.wait, 10) for _ in range(state.REFRESH_CONCURRENCY)]
 
     async def run_for(seconds: float) -> None:
         task = asyncio.create_task(handlers._status_loop(logging.getLogger("test")))

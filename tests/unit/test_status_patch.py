@@ -20,12 +20,13 @@ from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
 from kvpersist.builders.target import SERVER
 from kvpersist.controller import handlers
 from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
+from kvpersist.controller.state import Controller
 from kvpersist.identity import resolve
 from kvpersist.inventory.cleanup import result as gc_result
 from kvpersist.inventory.volume import Inventory, NamespaceUsage, status_summary
 from kvpersist.status import conditions
 from kvpersist.status.conditions import Observation, compute_status, failed_status, status_patch
-from kvpersist.status.usage import HitTracker, LookupCounters, ServerReport, WriteFailureTracker
+from kvpersist.status.usage import HitTracker, LookupCounters, ServerReport
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen
 from tests.cases.invalid_manifests import sample
 
@@ -252,10 +253,7 @@ class FakeApi:
         monkeypatch.setattr(handlers, "_inventories", lambda agents, port, token: [
             Inventory("ignored", [NamespaceUsage(NID, 5 * 2**20, 7, 1.7e9), NamespaceUsage(ORPHAN, 2**20, 3)], 12)
             for _ in agents])
-        for name, value in (("_hits", HitTracker()), ("_write_failures", WriteFailureTracker()), ("_routes_pending", set()),
-                            ("_dirty", set()), ("_last_refresh", {}), ("_drifted", set()), ("_refused", {}),
-                            ("_apply_errors", {})):
-            monkeypatch.setattr(handlers, name, value)
+        monkeypatch.setattr(handlers, "CONTROLLER", Controller())
 
 
 def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:

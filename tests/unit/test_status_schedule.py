@@ -6,30 +6,39 @@ from __future__ import annotations
 import asyncio
 
 from kvpersist.controller import handlers
+from kvpersist.controller.state import Controller
 
 
-def test_due_dirty_now_others_by_interval(monkeypatch) -> None:
-    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}, ("ns", "b"): {}, ("ns", "c"): {}})
-    monkeypatch.setattr(handlers, "_dirty", {("ns", "b")})
-    monkeypatch.setattr(handlers, "_last_refresh", {("ns", "a"): 100.0, ("ns", "b"): 100.0})
+def _known(controller: Controller, *keys: tuple[str, str], **fields: object) -> None:
+    """Resources a watch event has shown (an empty snapshot each), with these fields set."""
+    for key in keys:
+        state = controller.state(key)
+        state.body = {"metadata": {"namespace": key[0], "name": key[1]}}
+        for name, value in fields.items():
+            setattr(state, name, value)
+
+
+def test_due_dirty_now_others_by_interval(controller: Controller) -> None:
+    _known(controller, ("ns", "a"), ("ns", "b"), ("ns", "c"))
+    controller.state(("ns", "b")).dirty = True
+    controller.state(("ns", "a")).last_refresh = controller.state(("ns", "b")).last_refresh = 100.0
     now = 100.0 + handlers.STATUS_INTERVAL_S / 2
     assert handlers.due(now) == [("ns", "b"), ("ns", "c")]  # b: a workload changed; c: never refreshed
     assert handlers.due(100.0 + handlers.STATUS_INTERVAL_S) == [("ns", "a"), ("ns", "b"), ("ns", "c")]
 
 
-def test_workload_event_marks_its_owner_dirty(monkeypatch) -> None:
-    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}})
-    monkeypatch.setattr(handlers, "_dirty", set())
+def test_workload_event_marks_its_owner_dirty(controller: Controller) -> None:
+    _known(controller, ("ns", "a"))
     sts = {"metadata": {"name": "a-lmcache", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "a"}}}
     entry = asyncio.run(handlers.kvp_statefulsets(body=sts))
     asyncio.run(handlers.kvp_deployments(body={"metadata": {"namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}))
-    assert handlers._dirty == {("ns", "a")}
+    assert controller.flagged("dirty") == {("ns", "a")}
     assert list(entry) == [("ns", "a")]  # indexed under its owner
 
 
-def test_seen_reads_the_indexes(monkeypatch) -> None:
+def test_seen_reads_the_indexes(controller: Controller) -> None:
     pod = {"metadata": {"name": "a-lmcache-0", "labels": {"app.kubernetes.io/component": "lmcache-server"}}}
-    monkeypatch.setattr(handlers, "_indices", {"kvp_pods": {("ns", "a"): [pod]}})
+    controller.indices["kvp_pods"] = {("ns", "a"): [pod]}
     seen = handlers._seen(("ns", "a"))
     assert seen.pods == [pod] and seen.statefulsets == [] and handlers._seen(("ns", "b")).pods == []
 
@@ -41,52 +50,45 @@ def _child(kind_name: str, generation: int | None = None) -> dict:
     return {"metadata": meta}
 
 
-def test_a_deleted_or_edited_child_marks_its_owner_for_apply(monkeypatch) -> None:
-    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}})
-    monkeypatch.setattr(handlers, "_drifted", set())
-    monkeypatch.setattr(handlers, "_child_generations", {})
+def test_a_deleted_or_edited_child_marks_its_owner_for_apply(controller: Controller) -> None:
+    _known(controller, ("ns", "a"))
     # The initial listing is not drift (resume applies everything then).
     asyncio.run(handlers.drift_networkpolicies(event={"type": None}, body=_child("a-lmcache", 1)))
     asyncio.run(handlers.drift_statefulsets(event={"type": None}, body=_child("a-lmcache", 3)))
-    assert handlers._drifted == set()
+    assert controller.flagged("drifted") == set()
     asyncio.run(handlers.drift_networkpolicies(event={"type": "DELETED"}, body=_child("a-lmcache", 1)))
-    assert handlers._drifted == {("ns", "a")}
-    handlers._drifted.clear()
+    assert controller.flagged("drifted") == {("ns", "a")}
+    controller.state(("ns", "a")).drifted = False
     asyncio.run(handlers.drift_configmaps(event={"type": "MODIFIED"}, body=_child("a-connection")))
-    assert handlers._drifted == {("ns", "a")}
-    handlers._drifted.clear()
+    assert controller.flagged("drifted") == {("ns", "a")}
+    controller.state(("ns", "a")).drifted = False
     # A StatefulSet's status changes all the time: only a new generation (a spec edit) is drift.
     asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 3)))
-    assert handlers._drifted == set()
+    assert controller.flagged("drifted") == set()
     asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 4)))
-    assert handlers._drifted == {("ns", "a")}
-    handlers._drifted.clear()
+    assert controller.flagged("drifted") == {("ns", "a")}
+    controller.state(("ns", "a")).drifted = False
     # Children of unknown owners (another operator's, or a resource being deleted) are left alone.
     other = {"metadata": {"name": "x", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}
     asyncio.run(handlers.drift_services(event={"type": "DELETED"}, body=other))
-    assert handlers._drifted == set()
+    assert controller.flagged("drifted") == set()
 
 
-def test_one_slow_refresh_never_holds_up_the_others(monkeypatch) -> None:
+def test_one_slow_refresh_never_holds_up_the_others(monkeypatch, controller: Controller) -> None:
     """The loop starts each due resource's round on its own; a resource whose round still runs is
     skipped, not waited for."""
     import threading
     import time
 
     keys = [("ns", f"r{i}") for i in range(5)]
-    monkeypatch.setattr(handlers, "_known", {k: {"metadata": {"namespace": k[0], "name": k[1]}} for k in keys})
-    monkeypatch.setattr(handlers, "_dirty", set(keys))
-    monkeypatch.setattr(handlers, "_last_refresh", {})
-    monkeypatch.setattr(handlers, "_drifted", set())
-    monkeypatch.setattr(handlers, "_locks", {})
-    monkeypatch.setattr(handlers, "_indices", {})
+    _known(controller, *keys, dirty=True)
     monkeypatch.setattr(handlers, "TICK_S", 0.05)
     release, done, calls = threading.Event(), [], []
 
     def refresh(body, seen, logger) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        handlers._dirty.discard(key)
-        handlers._last_refresh[key] = time.monotonic()
+        controller.state(key).dirty = False
+        controller.state(key).last_refresh = time.monotonic()
         calls.append(key)
         if key == ("ns", "r0"):
             release.wait(10)  # a server that never answers in time
@@ -99,41 +101,39 @@ def test_one_slow_refresh_never_holds_up_the_others(monkeypatch) -> None:
         deadline = time.monotonic() + 5
         while len(done) < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        handlers._dirty.add(("ns", "r0"))  # due again while its first round still hangs
+        controller.state(("ns", "r0")).dirty = True  # due again while its first round still hangs
         await asyncio.sleep(0.3)
         release.set()
         loop_task.cancel()
-        await asyncio.gather(*handlers._refresh_tasks, return_exceptions=True)
+        await asyncio.gather(*controller.refresh_tasks, return_exceptions=True)
 
     asyncio.run(run())
     assert sorted(done[:4]) == keys[1:]  # the four others finished while r0 hung
     assert calls.count(("ns", "r0")) == 1  # and r0 was not started twice
 
 
-def test_liveness_fails_when_the_status_loop_stalls(monkeypatch) -> None:
+def test_liveness_fails_when_the_status_loop_stalls(controller: Controller) -> None:
     import time
 
     import pytest
 
-    monkeypatch.setattr(handlers, "_loop_task", None)
-    monkeypatch.setattr(handlers, "_last_tick", time.monotonic() - 2)
+    controller.loop_task = None
+    controller.last_tick = time.monotonic() - 2
     assert 1 <= handlers.status_loop_alive() < handlers.LOOP_STALL_S
-    monkeypatch.setattr(handlers, "_last_tick", time.monotonic() - handlers.LOOP_STALL_S - 1)
+    controller.last_tick = time.monotonic() - handlers.LOOP_STALL_S - 1
     with pytest.raises(handlers.kopf.PermanentError, match="last ticked"):
         handlers.status_loop_alive()
 
 
-def test_the_operators_own_apply_is_not_drift(monkeypatch) -> None:
+def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
     """A child whose stored form differs from what is applied (e.g. `ingress: []` stored as absent)
     gets a new generation on every apply; that event must not count as someone's edit, or the
     operator would apply it again every tick."""
-    monkeypatch.setattr(handlers, "_known", {("ns", "a"): {}})
-    monkeypatch.setattr(handlers, "_drifted", set())
-    monkeypatch.setattr(handlers, "_child_generations", {})
+    _known(controller, ("ns", "a"))
     applied = _child("a-lmcache", 7)
     applied["kind"] = "NetworkPolicy"
     handlers._note_own_write(applied)
     asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
-    assert handlers._drifted == set()
+    assert controller.flagged("drifted") == set()
     asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
-    assert handlers._drifted == {("ns", "a")}
+    assert controller.flagged("drifted") == {("ns", "a")}

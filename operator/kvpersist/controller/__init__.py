@@ -1,5 +1,6 @@
-"""The controller: the kopf handlers and the status loop (handlers, which holds the per-resource
-state), the decisions they act on (retry, fallback, policy, the runtime build check, stale
-routes), which replica is active (leadership), the API server (kube) and the operator's metrics.
-It renders with kvpersist.builders and reads through kvpersist.status and kvpersist.inventory.
+"""The controller: the kopf handlers and the status loop (handlers), what the operator remembers
+(state: a ResourceState per resource, owned by one Controller, forgotten in one step), the
+decisions they act on (retry, fallback, policy, the runtime build check, stale routes), which
+replica is active (leadership), the API server (kube) and the operator's metrics. It renders with
+kvpersist.builders and reads through kvpersist.status and kvpersist.inventory.
 """

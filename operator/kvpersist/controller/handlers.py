@@ -8,13 +8,11 @@ the API server.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +38,7 @@ from kvpersist.controller.policy import (
     secret_refusal,
 )
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, stale
+from kvpersist.controller.state import Controller
 from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution, resolve
 from kvpersist.inventory.agentclient import fetch_inventory
@@ -49,7 +48,6 @@ from kvpersist.inventory.cleanup import result as gc_result
 from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory, iso, status_summary
 from kvpersist.status.conditions import (
-    FailedCreateCheck,
     Observation,
     compute_status,
     condition,
@@ -59,67 +57,19 @@ from kvpersist.status.conditions import (
     status_patch,
 )
 from kvpersist.status.conditions import now as condition_now
-from kvpersist.status.usage import HitTracker, WriteFailureTracker, collect_usage
+from kvpersist.status.usage import collect_usage
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, WATCHED, Seen, index_entry, live_ids, owner_key
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
 
-# Apply failures the API server gave for a generation (e.g. an immutable field changed), kept so
-# the periodic status refresh reports them instead of overwriting them. Keyed by (namespace, name).
-_apply_errors: dict[tuple[str, str], tuple[int | None, str]] = {}
-_apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
-_fallback = fallback.Fallback()  # resources whose vLLM runs without the cache while their servers are away
-_build_bypass = buildcheck.BuildBypass()  # resources whose vLLM refused its lmcache/vLLM versions: no cache for that id
-_write_failures = WriteFailureTracker()
-_failed_creates = FailedCreateCheck()  # why a StatefulSet lacks pods: its Events, read rarely (see conditions)
-_hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
-# Which images and Secrets a resource may use (the chart's allowedImages and secretLabel; set by
-# `kvpersist run` from its environment), and the resources refused when last applied: nothing was
-# applied for them, so they are applied again once the refusal is gone (a Secret labelled later).
-_policy = Policy()
-_refused: dict[tuple[str, str], Refusal] = {}
 PREFLIGHT_TTL_S = 300.0
-# Resources whose workloads changed since their last refresh (a StatefulSet or Deployment event):
-# refreshed on the status loop's next tick, so phase follows pod readiness within a second or
-# so, without polling every resource that often; and when each was last refreshed.
-_dirty: set[tuple[str, str]] = set()
-_last_refresh: dict[tuple[str, str], float] = {}
-_preflights: dict[tuple[str, str], tuple[tuple, float, tuple[bool, str, str]]] = {}
-# Usage and health change without any event on the resource, so status is polled. Not with a
-# kopf timer: timers put a finalizer on every object, and then nothing can be deleted while the
-# operator is down. Instead, watch events keep a snapshot of each object and one loop polls them.
-_known: dict[tuple[str, str], dict[str, Any]] = {}
-# One refresh or apply of a resource at a time (the loop and reconcile() share it), so status is
-# never written twice from one observation and an Event never posted twice.
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
-# Owned children deleted or edited by someone else: applied again on the loop's next tick.
-_drifted: set[tuple[str, str]] = set()
-_child_generations: dict[tuple[str, str, str], int] = {}  # (kind, namespace, name) -> last generation seen
-# Refreshes run side by side, at most this many: one slow server costs its own resource a
-# refresh period, never the others theirs (each call is bounded too, see kvpersist.status.usage).
-REFRESH_CONCURRENCY = 8
-_refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY, thread_name_prefix="kvp-refresh")
-# The loop's own blocking step (which replica is active) has a thread of its own: with every
-# refresh thread busy on slow servers, ticks must still come on time (and liveness stay true).
-_tick_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvp-tick")
-_refresh_tasks: set[asyncio.Task] = set()
-_resolved: dict[tuple[str, str], str | None] = {}  # each known resource's namespace id from its spec
 TICK_S = 1.0
 # A bucket listing is a paged walk of the Hub's tree: at most once per this many seconds.
 BUCKET_INVENTORY_TTL_S = 300.0
 BUCKET_INVENTORY_RETRY_S = 30.0  # after a failed listing (no token yet, Hub refused or down)
-_bucket_inventory: dict[tuple[str, str], tuple[float, Inventory | None]] = {}  # (when, last good listing)
-_bucket_inventory_failed: set[tuple[str, str]] = set()
-_gc_inflight: set[str] = set()  # gc request ids being carried out
-# Resources whose reconcile may have left an old namespace id's Service and ZMQ policy behind
-# (every reconcile, so a restarted operator checks once too); cleared when none can be left.
-_routes_pending: set[tuple[str, str]] = set()
-_gc_tasks: set[asyncio.Task] = set()
-# kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
-# kvpersist.status.workloads), by handler name; kopf hands them to the startup handler. Read only in the
-# event loop, where kopf writes them.
-_indices: dict[str, Mapping[Any, Any]] = {}
+# Everything the operator remembers, per resource and across them (kvpersist.controller.state).
+CONTROLLER = Controller()
 
 
 @kopf.on.startup()
@@ -134,52 +84,49 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     for group, version, plural in WATCHED:
         settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
     # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
-    settings.peering.priority = _peering["priority"]
+    settings.peering.priority = CONTROLLER.peering["priority"]
     settings.peering.lifetime = leadership.PEERING_LIFETIME_S
     kube.load_config()
 
 
-# Set by `kvpersist run`: the peering name (None: standalone), this process's id and priority,
-# and the namespaces it watches (kopf peers in each of them then, cluster-wide otherwise).
-_peering: dict[str, Any] = {"name": None, "identity": "", "priority": 0, "namespaces": ()}
 PEERING_CHECK_S = 2.0
-_active_seen: dict[str | None, tuple[float, bool]] = {}
 
 
 def set_peering(name: str | None, identity: str, priority: int, namespaces: tuple[str, ...] = ()) -> None:
-    _peering.update(name=name, identity=identity, priority=priority, namespaces=tuple(namespaces))
-    _active_seen.clear()
+    CONTROLLER.peering.update(name=name, identity=identity, priority=priority, namespaces=tuple(namespaces))
+    CONTROLLER.active_seen.clear()
 
 
 def active(now: float, namespace: str | None) -> bool:
     """Whether this replica may write status for a resource in namespace: always when standalone;
     with peering, when the peering object kopf uses there says so (read at most every
     PEERING_CHECK_S per object). Blocking."""
-    if not _peering["name"]:
+    peering, seen_by_scope = CONTROLLER.peering, CONTROLLER.active_seen
+    if not peering["name"]:
         return True
-    scope = namespace if _peering["namespaces"] else None
-    seen = _active_seen.get(scope)
+    scope = namespace if peering["namespaces"] else None
+    seen = seen_by_scope.get(scope)
     if seen is not None and now - seen[0] < PEERING_CHECK_S:
         return seen[1]
     try:
         if scope is None:
-            record = kube.get_cluster("kopf.dev/v1", "ClusterKopfPeering", _peering["name"])
+            record = kube.get_cluster("kopf.dev/v1", "ClusterKopfPeering", peering["name"])
         else:
-            record = kube.get("kopf.dev/v1", "KopfPeering", _peering["name"], scope)
+            record = kube.get("kopf.dev/v1", "KopfPeering", peering["name"], scope)
     except ApiException:
         record = None
-    verdict = leadership.is_active(record, _peering["identity"], _peering["priority"])
+    verdict = leadership.is_active(record, peering["identity"], peering["priority"])
     if seen is None or verdict != seen[1]:
         logging.getLogger("kvpersist").info("this replica is %s%s", "active" if verdict else "standing by (a peer is active)",
                                             f" in {scope}" if scope else "")
-    _active_seen[scope] = (now, verdict)
+    seen_by_scope[scope] = (now, verdict)
     return verdict
 
 
 def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str]]:
     """The keys this replica may refresh. Each peering scope is checked every tick, keys or not,
     so a standby knows (and says) it is one even before it has seen any resource."""
-    for scope in _peering["namespaces"] or (None,):
+    for scope in CONTROLLER.peering["namespaces"] or (None,):
         active(now, scope)
     return [k for k in keys if active(now, k[0])]
 
@@ -194,15 +141,14 @@ def _target(body: Mapping[str, Any]) -> tuple[Target, Resolution]:
 
 
 def set_policy(new: Policy) -> None:
-    global _policy
-    _policy = new
+    CONTROLLER.policy = new
 
 
 def _refusal(target: Target) -> Refusal | None:
     """Why this resource may not be applied under the operator's policy (an image outside
     allowedImages, a named Secret without secretLabel), or None. Only the named Secrets'
     metadata is read for it, never their data. Blocking."""
-    refused = image_refusal(target.spec, _policy.allowed_images)
+    refused = image_refusal(target.spec, CONTROLLER.policy.allowed_images)
     for field, name in named_secrets(target.spec):
         refused = refused or _named_secret_refusal(field, name, target.namespace)
     return refused
@@ -211,14 +157,15 @@ def _refusal(target: Target) -> Refusal | None:
 def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:
     """SecretNotAllowed when secretLabel is set and the Secret a user named lacks it, or None.
     Reads the Secret's metadata only. Blocking."""
-    if _policy.secret_label is None:
+    policy = CONTROLLER.policy
+    if policy.secret_label is None:
         return None
     try:
         metadata = kube.get_metadata("v1", "Secret", name, namespace)
     except ApiException as exc:
         return SECRET_NOT_ALLOWED, (f"{field}: Secret {name}: its labels could not be read (the API server answered "
                                     f"{exc.status}), so it is not used; retrying")
-    return secret_refusal(field, name, namespace, metadata, _policy.secret_label)
+    return secret_refusal(field, name, namespace, metadata, policy.secret_label)
 
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
@@ -241,11 +188,11 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     token = _agent_token(target) if target.cache_enabled else None
     reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
-    key = (target.namespace, target.name)
-    if target.cache_enabled and token is None and now - _token_missing.get(key, float("-inf")) > TOKEN_REAPPLY_S:
-        _token_missing[key] = now  # its Secret is gone (or was a deleted namesake's): make it again
-        _drifted.add(key)
-    failing = [r.pod for r in reports if _write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
+    state = CONTROLLER.state((target.namespace, target.name))
+    if target.cache_enabled and token is None and now - state.token_missing_at > TOKEN_REAPPLY_S:
+        state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
+        state.drifted = True
+    failing = [r.pod for r in reports if state.write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
     inventory = None
     secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
     if spec.l2.nvme is not None and target.cache_enabled:
@@ -272,7 +219,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
             return None
         return failed_create([e.to_dict() for e in events.items])
 
-    create_failure = _failed_creates.failure((ns, target.server_name), pods_missing(statefulset, server_desired), now,
+    create_failure = state.failed_creates.failure((ns, target.server_name), pods_missing(statefulset, server_desired), now,
                                              statefulset_failure)
     return Observation(
         key_problem=_key_problem(target) if target.cache_enabled and secrets_usable else None,
@@ -306,15 +253,13 @@ def _inventories(pods: list[tuple[str, str | None]], port: int, token: str | Non
 
 AGENT_TOKEN_TTL_S = 300.0
 TOKEN_REAPPLY_S = 15.0  # a missing token Secret is applied again at most this often
-_token_missing: dict[tuple[str, str], float] = {}
-_agent_tokens: dict[tuple[str, str], tuple[float, str | None]] = {}
 
 
 def _agent_token(target: Target) -> str | None:
     """The resource's agent token, from its Secret, read at most every AGENT_TOKEN_TTL_S (and again
     after a failed read). Never logged."""
-    key = (target.namespace, target.name)
-    cached = _agent_tokens.get(key)
+    state = CONTROLLER.state((target.namespace, target.name))
+    cached = state.agent_token
     now = time.monotonic()
     if cached and cached[1] and now - cached[0] < AGENT_TOKEN_TTL_S:
         return cached[1]
@@ -324,7 +269,7 @@ def _agent_token(target: Target) -> str | None:
         secret = None
     raw = kube.secret_value(secret, AGENT_TOKEN_KEY)
     token = raw.decode().strip() if raw else None
-    _agent_tokens[key] = (now, token)
+    state.agent_token = (now, token)
     return token
 
 
@@ -377,31 +322,27 @@ class _SecretOnce:
         return raw.decode().strip() if raw else None
 
 
-# Hub calls (preflight, listing) are bounded (inventory_bucket.BUCKET_DEADLINE_S) but may take
-# minutes for a slow Hub or a huge bucket: they run in a pool of their own, never on the refresh
-# path; a refresh reads their last result, and the resource is refreshed again when one finishes.
-BUCKET_WORKERS = 4
-_bucket_pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUCKET_WORKERS, thread_name_prefix="kvp-bucket")
-_bucket_jobs: dict[tuple[str, str, str], concurrent.futures.Future] = {}
-_bucket_jobs_lock = threading.Lock()
-
-
+# Hub calls (preflight, listing) may take minutes for a slow Hub or a huge bucket: they run in the
+# controller's bucket pool, never on the refresh path; a refresh reads their last result, and the
+# resource is refreshed again when one finishes.
 def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
     """Starts job in the bucket pool unless this resource's job of that kind still runs; True if
     started. Whatever it raises is logged, and the resource is marked for a refresh when it ends."""
+    state = CONTROLLER.state(key)
+
     def run() -> None:
         try:
             job()
         except Exception:  # a failed job must not go unnoticed, nor kill the pool's thread
             logging.getLogger("kvpersist").exception("bucket %s of %s/%s failed", what, key[0], key[1])
         finally:
-            _dirty.add(key)
+            state.dirty = True
 
-    with _bucket_jobs_lock:
-        running = _bucket_jobs.get((*key, what))
+    with CONTROLLER.bucket_jobs_lock:
+        running = state.bucket_jobs.get(what)
         if running is not None and not running.done():
             return False
-        _bucket_jobs[(*key, what)] = _bucket_pool.submit(run)
+        state.bucket_jobs[what] = CONTROLLER.bucket_pool.submit(run)
         return True
 
 
@@ -414,7 +355,8 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
     settings = (bucket.bucket_handle, bucket.create_bucket_if_missing, bucket.token_secret_ref.name, bucket.token_secret_ref.key)
-    cached = _preflights.get((target.namespace, target.name))
+    state = CONTROLLER.state((target.namespace, target.name))
+    cached = state.preflight
     now = time.monotonic()
     if cached and cached[0][:len(settings)] == settings and cached[2][0] and now - cached[1] < PREFLIGHT_TTL_S:
         return cached[2]
@@ -433,7 +375,7 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
     def check() -> None:
         result = preflight_bucket(bucket.bucket_handle, token, bucket.create_bucket_if_missing,
                                   ref, endpoint=os.environ.get("HF_ENDPOINT"))
-        _preflights[resource] = (key, time.monotonic(), (result.ok, result.reason, result.message))
+        state.preflight = (key, time.monotonic(), (result.ok, result.reason, result.message))
 
     _off_path(resource, "preflight", check)
     return cached[2] if cached and cached[0][:len(settings)] == settings else None  # the last verdict meanwhile
@@ -446,11 +388,12 @@ def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | No
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)
-    when, last = _bucket_inventory.get(key, (float("-inf"), None))
+    state = CONTROLLER.state(key)
+    when, last = state.bucket_inventory or (float("-inf"), None)
     if last is not None and last.location != bucket.bucket_handle:
         when, last = float("-inf"), None
     now = time.monotonic()
-    if now - when < (BUCKET_INVENTORY_RETRY_S if key in _bucket_inventory_failed else BUCKET_INVENTORY_TTL_S):
+    if now - when < (BUCKET_INVENTORY_RETRY_S if state.bucket_inventory_failed else BUCKET_INVENTORY_TTL_S):
         return last
     token = secrets.token()
     previous = last
@@ -460,11 +403,11 @@ def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | No
             if token is None:
                 raise BucketInventoryError("SecretNotFound", "no token")
             listed = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
-            _bucket_inventory_failed.discard(key)
+            state.bucket_inventory_failed = False
         except BucketInventoryError:
             listed = previous
-            _bucket_inventory_failed.add(key)
-        _bucket_inventory[key] = (time.monotonic(), listed)
+            state.bucket_inventory_failed = True
+        state.bucket_inventory = (time.monotonic(), listed)
 
     _off_path(key, "listing", listing)
     return last
@@ -537,17 +480,18 @@ def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[d
     """Feeds LMCacheReady to kvpersist.controller.fallback; when vLLM is to go without the cache, or back
     with it, marks the resource for an apply. The conditions, with CacheBypassed while it lasts."""
     lmcache = next((c for c in conds if c["type"] == "LMCacheReady"), {})
-    _fallback.seed(key, fallback.bypassed_in(body))
-    change = _fallback.observe(key, lmcache.get("status") == "True", time.monotonic())
+    tracker = CONTROLLER.fallback
+    tracker.seed(key, fallback.bypassed_in(body))
+    change = tracker.observe(key, lmcache.get("status") == "True", time.monotonic())
     if change is not None:
-        _drifted.add(key)  # the status loop applies the vLLM Deployment with (or without) the cache
+        CONTROLLER.state(key).drifted = True  # the status loop applies the vLLM Deployment with (or without) the cache
         logger.warning("%s/%s: %s", key[0], key[1], "the lmcache servers are unavailable: rolling vLLM without the cache"
                        if change else "the lmcache servers are healthy again: rolling vLLM with the cache")
-    if not _fallback.bypassed(key):
+    if not tracker.bypassed(key):
         return conds
     why = f"{lmcache.get('reason', 'Unknown')}: {lmcache.get('message', '')}"[:600]
-    message = (f"the lmcache servers stayed unavailable for over {_fallback.after_s:.0f} s ({why}): vLLM runs without the "
-               f"cache (no --kv-transfer-config) and gets it back once they are healthy for {_fallback.recover_s:.0f} s")
+    message = (f"the lmcache servers stayed unavailable for over {tracker.after_s:.0f} s ({why}): vLLM runs without the "
+               f"cache (no --kv-transfer-config) and gets it back once they are healthy for {tracker.recover_s:.0f} s")
     return [*conds, condition(fallback.CONDITION, True, "ServersUnavailable", message, generation)]
 
 
@@ -557,21 +501,21 @@ def _build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, 
     in the watch cache. A vLLM pod that refused its versions sends vLLM without the cache for this
     namespace id (applied on the next tick); a server that refuses is simply not ready, and
     kvpersist.controller.fallback does the rest."""
-    _build_bypass.seed(key, body)
+    bypass = CONTROLLER.build_bypass
+    bypass.seed(key, body)
     found = buildcheck.refusals(seen.pods, target.namespace_id)
-    if _build_bypass.observe(key, target.namespace_id, found):
-        _drifted.add(key)
+    if bypass.observe(key, target.namespace_id, found):
+        CONTROLLER.state(key).drifted = True
         logger.warning("%s/%s: a vLLM pod refused to start over its versions: rolling vLLM without the cache (%s)",
-                       key[0], key[1], _build_bypass.detail(key, target.namespace_id))
-    return buildcheck.Verdict(target.spec.identity.connector_build, tuple(found),
-                              _build_bypass.detail(key, target.namespace_id))
+                       key[0], key[1], bypass.detail(key, target.namespace_id))
+    return buildcheck.Verdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
 
 
 def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, Any]],
                     generation: int | None) -> list[dict[str, Any]]:
     """CacheBypassed (reason BuildMismatch) while vLLM runs without the cache over its versions:
     it says more than the servers' fallback, and lasts until the namespace id changes."""
-    detail = _build_bypass.detail(key, target.namespace_id)
+    detail = CONTROLLER.build_bypass.detail(key, target.namespace_id)
     if detail is None:
         return conds
     return [*(c for c in conds if c["type"] != fallback.CONDITION),
@@ -583,8 +527,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     (HTTP to the servers, the status patch): runs in a worker thread."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    _dirty.discard(key)
-    _last_refresh[key] = time.monotonic()
+    state = CONTROLLER.state(key)
+    state.dirty = False
+    state.last_refresh = time.monotonic()
     old = dict(body.get("status") or {})
     generation = meta.get("generation")
     try:
@@ -593,11 +538,11 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory = [], None
     else:
-        if key in _routes_pending and clean_stale_routes(target, seen, logger):
-            _routes_pending.discard(key)
+        if state.routes_pending and clean_stale_routes(target, seen, logger):
+            state.routes_pending = False
         refused = _refusal(target)
-        if refused is None and key in _refused:
-            _drifted.add(key)  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
+        if refused is None and state.refused is not None:
+            state.drifted = True  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
         observation = _observe(body, target, resolution, seen,
                                secrets_usable=refused is None or refused[0] != SECRET_NOT_ALLOWED)
         if target.cache_enabled:
@@ -611,8 +556,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if target.cache_enabled:
             conds = _cache_fallback(key, body, conds, generation, logger)
             conds = _build_bypassed(key, target, conds, generation)
-        error = _apply_errors.get((target.namespace, target.name))
-        retrying = _apply_backoff.pending((target.namespace, target.name))
+        error = state.apply_error
+        retrying = CONTROLLER.apply_backoff.pending(key)
         if error and error[0] == generation:
             fields = {**fields, "phase": "Failed"}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
@@ -625,7 +570,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields, conds = refused_status(fields, conds, refused, generation)
     metrics.inc("kvpersist_status_refreshes_total")
     metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
-    hits = _hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
+    hits = CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
     new_status = status_patch(old, fields, conds, reports, inventory, hits)
     if new_status is None:
         return
@@ -647,24 +592,25 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
     except ValidationError:
         return False
     key = (target.namespace, target.name)
+    state = CONTROLLER.state(key)
     metrics.inc("kvpersist_reconciles_total")
-    _fallback.seed(key, fallback.bypassed_in(body))
-    _build_bypass.seed(key, body)
-    build_refused = _build_bypass.detail(key, target.namespace_id) is not None
-    target = dataclasses.replace(target, cache_bypassed=_fallback.bypassed(key) or build_refused)
+    CONTROLLER.fallback.seed(key, fallback.bypassed_in(body))
+    CONTROLLER.build_bypass.seed(key, body)
+    build_refused = CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
+    target = dataclasses.replace(target, cache_bypassed=CONTROLLER.fallback.bypassed(key) or build_refused)
     if build_refused:
         target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
     refused = _refusal(target)
     if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
-        if _refused.get(key) != refused:
+        if state.refused != refused:
             logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refused[1])
-        _refused[key] = refused
+        state.refused = refused
         return True
-    _refused.pop(key, None)
+    state.refused = None
     try:
         key_secret = build_key_secret(target) if target.cache_enabled else None
         if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
-            key_secret["metadata"]["labels"].update(_policy.generated_secret_labels())
+            key_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
         # Before the servers, which cannot start without it; created once and never owned (see keysecret).
         if key_secret is not None and kube.create_if_absent(key_secret):
             logger.info("%s/%s: generated L2 master key Secret %s", target.namespace, target.name,
@@ -672,7 +618,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
             kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
                             "L2's master key; it is kept when this resource is deleted (the data needs it)")
         token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
-        token_secret["metadata"]["labels"].update(_policy.generated_secret_labels())
+        token_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
         kopf.append_owner_reference(token_secret, owner=body)
         # Never applied over, never adopted: one a deleted namesake owned is the garbage collector's,
         # and once it is gone the next refresh finds no token and creates it again. Adopting it would
@@ -687,20 +633,20 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
         if isinstance(exc, ApiException) and retry.is_permanent(exc.status):
-            _apply_errors[key] = (generation, f"the API server refused an object: {_api_message(exc)}")
-            _apply_backoff.succeeded(key)  # not retried: only a changed spec can pass
-            logger.error("apply failed: %s", _apply_errors[key][1])
+            state.apply_error = (generation, f"the API server refused an object: {_api_message(exc)}")
+            CONTROLLER.apply_backoff.succeeded(key)  # not retried: only a changed spec can pass
+            logger.error("apply failed: %s", state.apply_error[1])
         else:
             why = (f"HTTP {exc.status}: {_api_message(exc)}" if isinstance(exc, ApiException)
                    else f"{type(exc).__name__}: {exc}")[:1024]
-            pending = _apply_backoff.failed(key, generation, why, time.monotonic())
-            _drifted.add(key)  # the status loop applies again once pending.due_at has passed
+            pending = CONTROLLER.apply_backoff.failed(key, generation, why, time.monotonic())
+            state.drifted = True  # the status loop applies again once pending.due_at has passed
             logger.warning("%s/%s: applying the workloads failed (attempt %d: %s); trying again in %.0f s",
                            target.namespace, target.name, pending.attempts, why, retry.delay(pending.attempts))
     else:
-        _apply_errors.pop(key, None)
-        _apply_backoff.succeeded(key)
-        _routes_pending.add(key)  # an old id's Service and policy may now be stale (see clean_stale_routes)
+        state.apply_error = None
+        CONTROLLER.apply_backoff.succeeded(key)
+        state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
 
 
@@ -730,14 +676,11 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     watch caches are read here, in the event loop."""
     loop = asyncio.get_running_loop()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    async with _lock(key):
-        _drifted.discard(key)
-        await loop.run_in_executor(_refresh_pool, apply_workloads, body, logger)
-        await loop.run_in_executor(_refresh_pool, refresh_status, body, _seen(key), logger)
-
-
-def _lock(key: tuple[str, str]) -> asyncio.Lock:
-    return _locks.setdefault(key, asyncio.Lock())
+    state = CONTROLLER.state(key)
+    async with state.lock:
+        state.drifted = False
+        await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
+        await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, _seen(key), logger)
 
 
 def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
@@ -776,7 +719,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                 outcome = gc_bucket(request, lambda nsid, before: remove_bucket_namespace(
                     bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False,
                     before_delete=before), bucket.bucket_handle, recheck)
-                _bucket_inventory.pop((meta["namespace"], meta["name"]), None)
+                CONTROLLER.state((meta["namespace"], meta["name"])).bucket_inventory = None
     outcome["completedAt"] = condition_now()
     _write_status(meta, {"gc": outcome}, logger)
     ok = outcome["outcome"] in ("Deleted", "NotFound")
@@ -803,14 +746,14 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
 
 async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
     try:
-        body = _known.get(key)
-        if body is not None:
-            await asyncio.get_running_loop().run_in_executor(None, run_gc, body, request, _seen(key), logger)
-            _dirty.add(key)  # the inventory changed: show it
+        state = CONTROLLER.get(key)
+        if state is not None and state.body is not None:
+            await asyncio.get_running_loop().run_in_executor(None, run_gc, state.body, request, _seen(key), logger)
+            state.dirty = True  # the inventory changed: show it
     except Exception as exc:  # reported, and retried on the next event while the annotation stays
         logger.error("gc of %s on %s/%s failed: %s", request.get("namespaceId"), key[0], key[1], exc)
     finally:
-        _gc_inflight.discard(request["requestId"])
+        CONTROLLER.gc_inflight.discard(request["requestId"])
 
 
 def _api_message(exc: ApiException) -> str:
@@ -823,24 +766,7 @@ def _api_message(exc: ApiException) -> str:
 def _forget(key: tuple[str, str]) -> None:
     """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
     event, or a 404 from the API server for one whose event a watch outage lost)."""
-    _known.pop(key, None)
-    _apply_errors.pop(key, None)
-    _apply_backoff.forget(key)
-    _fallback.forget(key)
-    _build_bypass.forget(key)
-    _last_refresh.pop(key, None)
-    _preflights.pop(key, None)
-    _resolved.pop(key, None)
-    _bucket_inventory.pop(key, None)
-    _bucket_inventory_failed.discard(key)
-    _dirty.discard(key)
-    _hits.forget(key)
-    _routes_pending.discard(key)
-    _agent_tokens.pop(key, None)
-    _token_missing.pop(key, None)
-    _refused.pop(key, None)
-    _drifted.discard(key)
-    _locks.pop(key, None)
+    CONTROLLER.forget(key)
     metrics.set_phase(key[0], key[1], None)
 
 
@@ -850,20 +776,21 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _forget(key)
     else:
-        _known[key] = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
+        state = CONTROLLER.state(key)
+        state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                        "status": dict(body.get("status") or {})}
         try:
-            _resolved[key] = _target(body)[0].namespace_id
+            state.namespace_id = _target(body)[0].namespace_id
         except ValidationError:
-            _resolved[key] = None
+            state.namespace_id = None
         request = parse_request(body["metadata"].get("annotations"))
         done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
-        if request and request["requestId"] != done and request["requestId"] not in _gc_inflight:
-            _gc_inflight.add(request["requestId"])
+        if request and request["requestId"] != done and request["requestId"] not in CONTROLLER.gc_inflight:
+            CONTROLLER.gc_inflight.add(request["requestId"])
             task = asyncio.create_task(_gc(key, request, logger))
-            _gc_tasks.add(task)
-            task.add_done_callback(_gc_tasks.discard)
+            CONTROLLER.gc_tasks.add(task)
+            task.add_done_callback(CONTROLLER.gc_tasks.discard)
 
 
 # The watch caches. kopf runs no handler until every index has its initial listing, so the first
@@ -900,7 +827,7 @@ def _note_own_write(obj: Mapping[str, Any]) -> None:
     the child would otherwise look edited after every apply and be applied again each tick.)"""
     meta = obj.get("metadata") or {}
     if meta.get("generation") is not None:
-        _child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = meta["generation"]
+        CONTROLLER.child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = meta["generation"]
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
@@ -913,20 +840,22 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     meta = body.get("metadata") or {}
     child = (kind, meta.get("namespace", ""), meta.get("name", ""))
     kind_of_event = event.get("type")
+    generations = CONTROLLER.child_generations
     if kind_of_event == "DELETED":
-        _child_generations.pop(child, None)
-    if owner not in _known or kind_of_event is None:
+        generations.pop(child, None)
+    state = CONTROLLER.get(owner) if owner is not None else None
+    if state is None or not state.known or kind_of_event is None:
         if kind_of_event is None and meta.get("generation") is not None:
-            _child_generations[child] = meta["generation"]
+            generations[child] = meta["generation"]
         return
     generation = meta.get("generation")
     if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
-        _drifted.add(owner)
+        state.drifted = True
         return
-    if generation is None or _child_generations.get(child) != generation:
-        _drifted.add(owner)
+    if generation is None or generations.get(child) != generation:
+        state.drifted = True
     if generation is not None:
-        _child_generations[child] = generation
+        generations[child] = generation
 
 
 @kopf.on.event("", "v1", "services", labels=_MANAGED)
@@ -957,14 +886,15 @@ async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any)
 def _mark_dirty(body: Mapping[str, Any]) -> None:
     """A workload changed: refresh its owner on the next tick, so phase follows pod readiness."""
     owner = owner_key(body)
-    if owner in _known:
-        _dirty.add(owner)
+    state = CONTROLLER.get(owner) if owner is not None else None
+    if state is not None and state.known:
+        state.dirty = True
 
 
 def _seen(key: tuple[str, str], live: frozenset[str] | None = None) -> Seen:
     """Copies of one resource's objects from the indexes; call in the event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
-        store = _indices.get(name, {}).get(key)
+        store = CONTROLLER.indices.get(name, {}).get(key)
         return list(store) if store is not None else []
     return Seen(statefulsets=values("kvp_statefulsets"), deployments=values("kvp_deployments"),
                 pods=values("kvp_pods"), claims=values("kvp_claims"), live_ids=_live() if live is None else live)
@@ -972,25 +902,26 @@ def _seen(key: tuple[str, str], live: frozenset[str] | None = None) -> Seen:
 
 def _live() -> frozenset[str]:
     """Every namespace id in use, from the caches; call in the event loop only."""
-    pods = [p for store in _indices.get("kvp_pods", {}).values() for p in store]
-    return live_ids(_known.values(), _resolved.values(), pods)
+    pods = [p for store in CONTROLLER.indices.get("kvp_pods", {}).values() for p in store]
+    known = CONTROLLER.known().values()
+    return live_ids([st.body for st in known if st.body is not None], [st.namespace_id for st in known], pods)
 
 
 def due(now: float) -> list[tuple[str, str]]:
     """Resources to refresh now: those marked dirty, and those not refreshed for STATUS_INTERVAL_S."""
-    return [key for key in list(_known) if key in _dirty or now - _last_refresh.get(key, float("-inf")) >= STATUS_INTERVAL_S]
+    return [key for key, st in CONTROLLER.known().items() if st.dirty or now - st.last_refresh >= STATUS_INTERVAL_S]
 
 
 async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen, restore: bool,
                        logger: logging.Logger) -> None:
     """One resource's round under its lock: its drifted children applied again, then its status."""
     loop = asyncio.get_running_loop()
-    async with _lock(key):
+    async with CONTROLLER.lock(key):
         try:
             if restore:
                 logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
-                await loop.run_in_executor(_refresh_pool, apply_workloads, body, logger)
-            await loop.run_in_executor(_refresh_pool, refresh_status, body, seen, logger)
+                await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
+            await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, seen, logger)
         except Exception as exc:  # one object's failure must not stop the others' status
             logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
             gone = isinstance(exc, ApiException) and exc.status == 404
@@ -998,7 +929,7 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
             return
     # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
     # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
-    if gone and not await loop.run_in_executor(_refresh_pool, _exists, key):
+    if gone and not await loop.run_in_executor(CONTROLLER.refresh_pool, _exists, key):
         logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
         _forget(key)
 
@@ -1011,57 +942,52 @@ def _exists(key: tuple[str, str]) -> bool:
 # The liveness probe fails when the loop has not ticked for this long: a status loop that stopped
 # (died, or the event loop is blocked) is an operator that must be restarted.
 LOOP_STALL_S = 60.0
-_last_tick: float | None = None
 
 
 @kopf.on.probe(id="statusLoopSecondsSinceTick")
 def status_loop_alive(**_: Any) -> float:
     """Seconds since the status loop last ticked; raises (kopf's /healthz answers 500) when stalled."""
-    if _loop_task is not None and _loop_task.done():
+    if CONTROLLER.loop_task is not None and CONTROLLER.loop_task.done():
         raise kopf.PermanentError("the status loop has stopped")
-    if _last_tick is None:
+    if CONTROLLER.last_tick is None:
         return 0.0
-    age = time.monotonic() - _last_tick
+    age = time.monotonic() - CONTROLLER.last_tick
     if age > LOOP_STALL_S:
         raise kopf.PermanentError(f"the status loop last ticked {age:.0f}s ago")
     return round(age, 1)
 
 
 async def _status_loop(logger: logging.Logger) -> None:
-    global _last_tick
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(TICK_S)
-        _last_tick = time.monotonic()
-        # A copy first (worker threads add to _drifted); an apply that failed waits for its backoff.
-        restore = {key for key in set(_drifted) & _known.keys() if _apply_backoff.due(key, _last_tick)}
+        tick = CONTROLLER.last_tick = time.monotonic()
+        # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
+        restore = {key for key, st in CONTROLLER.known().items() if st.drifted and CONTROLLER.apply_backoff.due(key, tick)}
         keys = sorted(set(due(time.monotonic())) | restore)
         # Where a peer is active, its status, not ours from caches kopf has paused.
-        keys = await loop.run_in_executor(_tick_pool, _active_keys, keys, _last_tick)
+        keys = await loop.run_in_executor(CONTROLLER.tick_pool, _active_keys, keys, tick)
         live = _live() if keys else frozenset()
         for key in keys:
-            body = _known.get(key)
-            if body is None or _lock(key).locked():
+            state = CONTROLLER.get(key)
+            if state is None or state.body is None or state.lock.locked():
                 continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
             if key in restore:
-                _drifted.discard(key)
-            task = asyncio.create_task(_refresh_one(key, body, _seen(key, live), key in restore, logger))
-            _refresh_tasks.add(task)
-            task.add_done_callback(_refresh_tasks.discard)
-
-
-_loop_task: asyncio.Task | None = None
+                state.drifted = False
+            task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live), key in restore, logger))
+            CONTROLLER.refresh_tasks.add(task)
+            task.add_done_callback(CONTROLLER.refresh_tasks.discard)
 
 
 @kopf.on.startup()
 async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
                             kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
-    global _loop_task
-    _indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods, kvp_claims=kvp_claims)
-    _loop_task = asyncio.create_task(_status_loop(logger))
+    CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
+                              kvp_claims=kvp_claims)
+    CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
 
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
-    if _loop_task is not None:
-        _loop_task.cancel()
+    if CONTROLLER.loop_task is not None:
+        CONTROLLER.loop_task.cancel()

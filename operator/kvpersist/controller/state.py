@@ -1,0 +1,154 @@
+"""What the running operator remembers, in one place: a ResourceState per KVCacheNamespace, and the
+Controller that owns them with what is shared across resources (thread pools, trackers, policy,
+the watch caches kopf hands over, peering). kvpersist.controller.handlers holds one Controller.
+
+Forgetting a resource (deleted, or a 404 from the API server) is one step: its ResourceState is
+dropped, and every tracker the Controller holds is told to forget it too (each member with a
+forget(key) method), so nothing about it is left behind by construction. Only plain state here:
+the handlers decide and talk to the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpersist.controller import buildcheck, fallback, retry
+from kvpersist.controller.policy import Policy, Refusal
+from kvpersist.status.conditions import FailedCreateCheck
+from kvpersist.status.usage import HitTracker, WriteFailureTracker
+
+if TYPE_CHECKING:
+    from kvpersist.inventory.volume import Inventory
+
+Key = tuple[str, str]  # (namespace, name) of a KVCacheNamespace
+
+# Refreshes run side by side, at most this many: one slow server costs its own resource a
+# refresh period, never the others theirs (each call is bounded too, see kvpersist.status.usage).
+REFRESH_CONCURRENCY = 8
+# Hub calls (preflight, listing) are bounded (inventory_bucket.BUCKET_DEADLINE_S) but may take
+# minutes for a slow Hub or a huge bucket: they run in a pool of their own, never on the refresh path.
+BUCKET_WORKERS = 4
+
+
+@dataclass(eq=False)
+class ResourceState:
+    """Everything the operator remembers about one resource. Written from the event loop and from
+    worker threads, one field at a time (as the module-level tables it replaces were)."""
+
+    # The last watch event's snapshot (None: no event seen yet, e.g. state an apply left), and the
+    # namespace id its spec resolves to. Usage and health change without any event on the resource,
+    # so status is polled: watch events keep this snapshot and the status loop polls it (not a kopf
+    # timer: timers put a finalizer on every object, and nothing could be deleted while the operator is down).
+    body: dict[str, Any] | None = None
+    namespace_id: str | None = None
+    # Its workloads changed since its last refresh (a StatefulSet or Deployment event): refreshed on
+    # the status loop's next tick, so phase follows pod readiness; and when it was last refreshed.
+    dirty: bool = False
+    last_refresh: float = float("-inf")
+    # An owned child was deleted or edited by someone else (or an apply is to be tried again, or
+    # vLLM is to go without the cache or back): applied again on the loop's next tick.
+    drifted: bool = False
+    # An apply failure the API server gave for a generation (e.g. an immutable field changed), kept
+    # so the periodic refresh reports it instead of overwriting it: (generation, message).
+    apply_error: tuple[int | None, str] | None = None
+    # Refused by the operator's policy when last applied: nothing was applied, so it is applied again
+    # once the refusal is gone (a Secret labelled later).
+    refused: Refusal | None = None
+    # Its last apply may have left an old namespace id's Service and ZMQ policy behind (set by every
+    # apply, so a restarted operator checks once too); cleared when none can be left.
+    routes_pending: bool = False
+    # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
+    preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
+    # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
+    bucket_inventory: tuple[float, Inventory | None] | None = None
+    bucket_inventory_failed: bool = False
+    bucket_jobs: dict[str, concurrent.futures.Future[None]] = field(default_factory=dict)  # "preflight"/"listing"
+    # The agent token read from its Secret (when, token), and when its Secret was last found missing.
+    agent_token: tuple[float, str | None] | None = None
+    token_missing_at: float = float("-inf")
+    # Its servers' failed-write counts between polls (by "namespace/pod"), and why its StatefulSet
+    # lacks pods (its Events, read rarely; see kvpersist.status.conditions).
+    write_failures: WriteFailureTracker = field(default_factory=WriteFailureTracker)
+    failed_creates: FailedCreateCheck = field(default_factory=FailedCreateCheck)
+    # One refresh or apply of the resource at a time (the status loop and reconcile() share it), so
+    # status is never written twice from one observation and an Event never posted twice.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def known(self) -> bool:
+        """Whether a watch event has shown the resource (and it was not deleted since)."""
+        return self.body is not None
+
+
+class Controller:
+    """The ResourceStates by key, and what is shared across resources."""
+
+    def __init__(self) -> None:
+        self.resources: dict[Key, ResourceState] = {}
+        # Trackers that keep their own per-resource tables (and locks, and tests of their own):
+        # forget() calls each one's forget(key).
+        self.apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
+        self.fallback = fallback.Fallback()  # vLLM without the cache while a resource's servers are away
+        self.build_bypass = buildcheck.BuildBypass()  # vLLM refused its lmcache/vLLM versions: no cache for that id
+        self.hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
+        # Which images and Secrets a resource may use (the chart's allowedImages and secretLabel, set
+        # by `kvpersist run` from its environment).
+        self.policy = Policy()
+        # Owned children, by (kind, namespace, name): the last generation seen (not per resource:
+        # dropped on the child's own DELETED event).
+        self.child_generations: dict[tuple[str, str, str], int] = {}
+        self.gc_inflight: set[str] = set()  # gc request ids being carried out
+        self.gc_tasks: set[asyncio.Task[None]] = set()
+        self.refresh_tasks: set[asyncio.Task[None]] = set()
+        # kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see
+        # kvpersist.status.workloads), by handler name; kopf hands them to the startup handler. Read
+        # only in the event loop, where kopf writes them.
+        self.indices: dict[str, Mapping[Any, Any]] = {}
+        # Set by `kvpersist run`: the peering name (None: standalone), this process's id and priority,
+        # and the namespaces it watches (kopf peers in each of them then, cluster-wide otherwise);
+        # and the last verdict per peering scope (when, active).
+        self.peering: dict[str, Any] = {"name": None, "identity": "", "priority": 0, "namespaces": ()}
+        self.active_seen: dict[str | None, tuple[float, bool]] = {}
+        self.refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY,
+                                                                  thread_name_prefix="kvp-refresh")
+        # The loop's own blocking step (which replica is active) has a thread of its own: with every
+        # refresh thread busy on slow servers, ticks must still come on time (and liveness stay true).
+        self.tick_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvp-tick")
+        self.bucket_pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUCKET_WORKERS, thread_name_prefix="kvp-bucket")
+        self.bucket_jobs_lock = threading.Lock()  # guards each ResourceState's bucket_jobs
+        self.last_tick: float | None = None
+        self.loop_task: asyncio.Task[None] | None = None
+
+    def state(self, key: Key) -> ResourceState:
+        """The resource's state, made empty when there is none (safe from any thread)."""
+        found = self.resources.get(key)
+        return found if found is not None else self.resources.setdefault(key, ResourceState())
+
+    def get(self, key: Key) -> ResourceState | None:
+        """The resource's state, or None; makes none."""
+        return self.resources.get(key)
+
+    def known(self) -> dict[Key, ResourceState]:
+        """A copy: the resources a watch event has shown, in the order first seen."""
+        return {key: st for key, st in list(self.resources.items()) if st.known}
+
+    def flagged(self, flag: str) -> set[Key]:
+        """The keys whose ResourceState has this flag (dirty, drifted, ...) set."""
+        return {key for key, st in list(self.resources.items()) if getattr(st, flag)}
+
+    def lock(self, key: Key) -> asyncio.Lock:
+        return self.state(key).lock
+
+    def forget(self, key: Key) -> None:
+        """Everything held about one resource, dropped in one step."""
+        self.resources.pop(key, None)
+        for tracker in self._trackers():
+            tracker.forget(key)
+
+    def _trackers(self) -> list[Any]:
+        return [value for value in vars(self).values() if callable(getattr(value, "forget", None))]

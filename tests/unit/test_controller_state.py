@@ -1,0 +1,151 @@
+"""Forgetting a resource leaves nothing of it behind (kvpersist.controller.state): state is made for
+one resource through the paths the operator takes (a watch event, an apply that fails and is to be
+retried, a refresh with the cache on), then forgotten; nothing the controller holds, no table of
+the handlers module and no metric may still name it. A per-resource table added anywhere there
+without being covered by forget fails this test."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist.controller import handlers, metrics
+from kvpersist.controller.state import Controller, ResourceState
+from kvpersist.status.workloads import COMPONENT_LABEL, Seen
+from tests.cases.invalid_manifests import sample
+from tests.unit.test_status_patch import FakeApi, _pod, _report, _rollout
+
+LOG = logging.getLogger("test")
+
+
+def _holding(roots: Mapping[str, Any], key: tuple[str, str]) -> list[str]:
+    """Where anything reachable from roots names key: the key itself (or a tuple beginning with it),
+    a "namespace/name..." string, or a ResourceState (the walk goes into containers and into the
+    attributes of kvpersist's own objects; thread pools, locks and tasks are not state)."""
+    found: list[str] = []
+    visited: set[int] = set()
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if isinstance(obj, tuple) and obj[:2] == key:  # before the visited check: one key object is in many places
+            found.append(path)
+            return
+        if isinstance(obj, str):
+            if obj.startswith(f"{key[0]}/{key[1]}"):
+                found.append(path)
+            return
+        if depth > 12 or id(obj) in visited:
+            return
+        visited.add(id(obj))
+        if isinstance(obj, ResourceState):
+            found.append(path)
+        elif isinstance(obj, Mapping):
+            for k, v in list(obj.items()):
+                walk(k, f"{path} key {k!r}", depth + 1)
+                walk(v, f"{path}[{k!r}]", depth + 1)
+        elif isinstance(obj, list | tuple | set | frozenset | collections.deque):
+            for i, v in enumerate(list(obj)):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif type(obj).__module__.startswith("kvpersist") and hasattr(obj, "__dict__"):
+            for name, v in vars(obj).items():
+                walk(v, f"{path}.{name}", depth + 1)
+
+    for name, root in roots.items():
+        walk(root, name, 0)
+    return found
+
+
+def _roots() -> dict[str, Any]:
+    """The controller, and every table (and kvpersist object) at module level in the handlers and
+    metrics modules."""
+    roots: dict[str, Any] = {"CONTROLLER": handlers.CONTROLLER}
+    for module in (handlers, metrics):
+        for name, value in vars(module).items():
+            if isinstance(value, types.ModuleType | type | types.FunctionType) or name.startswith("__"):
+                continue
+            if isinstance(value, dict | set | list | collections.deque) or type(value).__module__.startswith("kvpersist"):
+                roots[f"{module.__name__}.{name}"] = value
+    return roots
+
+
+def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = FakeApi(monkeypatch, [_report("s-0", 2048)])  # a fresh controller too
+    body = sample("nvme-minimal")
+    body["metadata"].update(namespace="ml", uid="u1", generation=2)
+    key = ("ml", body["metadata"]["name"])
+    target, _ = handlers._target(body)
+
+    # Seen by a watch event; applied, and the apply failed (to be retried); refreshed twice.
+    asyncio.run(handlers.track(event={"type": "ADDED"}, body=body, logger=LOG))
+    monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: True)
+
+    def apply(_m: Any) -> Any:
+        raise ApiException(status=503)
+
+    monkeypatch.setattr(handlers.kube, "apply", apply)
+    assert handlers.apply_workloads(body, LOG)
+    seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
+                deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
+                pods=[_pod(f"{target.server_name}-0")],
+                claims=[{"metadata": {"name": "l2", "labels": {COMPONENT_LABEL: "lmcache-server"}},
+                         "status": {"phase": "Bound"}}],
+                live_ids=frozenset({target.namespace_id or ""}))
+    handlers.refresh_status(body, seen, LOG)
+    body["status"] = dict(api.patches[-1])
+    handlers.refresh_status(body, seen, LOG)
+
+    held = _holding(_roots(), key)
+    # What the test relies on: the paths above reached every kind of place state is kept in.
+    for place in ("CONTROLLER.resources", "CONTROLLER.apply_backoff", "CONTROLLER.fallback", "CONTROLLER.build_bypass",
+                  "CONTROLLER.hits", "kvpersist.controller.metrics._phases"):
+        assert any(path.startswith(place) for path in held), (place, held)
+
+    handlers._forget(key)
+    assert _holding(_roots(), key) == []
+    assert handlers.CONTROLLER.get(key) is None
+
+
+def test_every_tracker_of_the_controller_is_forgotten() -> None:
+    """forget() reaches each member with a forget(key): the trackers are found, not listed."""
+    controller = handlers.CONTROLLER
+    trackers = {type(t).__name__ for t in controller._trackers()}
+    assert {"Backoff", "Fallback", "BuildBypass", "HitTracker"} <= trackers
+
+
+def test_reconcile_and_the_status_loop_never_run_one_resource_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                                     controller: Controller) -> None:
+    """One key's lock is taken by reconcile() and by the loop's round (its drift re-apply and its
+    refresh): the blocking work of one resource never overlaps, however the two interleave."""
+    import threading
+    import time
+
+    key = ("ns", "a")
+    body = {"metadata": {"namespace": key[0], "name": key[1]}}
+    controller.state(key).body = body
+    running, most, guard = [0], [0], threading.Lock()
+
+    def work(*_a: Any) -> bool:
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with guard:
+            running[0] -= 1
+        return True
+
+    monkeypatch.setattr(handlers, "apply_workloads", work)
+    monkeypatch.setattr(handlers, "refresh_status", work)
+
+    async def both() -> None:
+        await asyncio.gather(handlers.reconcile(body=body, logger=LOG),
+                             handlers._refresh_one(key, body, Seen(), True, LOG),
+                             handlers.reconcile(body=body, logger=LOG))
+
+    asyncio.run(both())
+    assert most[0] == 1

@@ -285,6 +285,32 @@ registration_detail() {
 NONCE="$(date +%s)-$$"  # a prompt no earlier run has cached
 ask_prompt() { in_vllm ask "$WORDS" "$NONCE"; }
 
+# Steps d and e: delete the vLLM pod ($1 is the step), wait for its replacement, the server on its
+# node, and its registration with that server (sets VLLM_POD, VLLM_IP, NODE, SRV_POD, SRV_UID, SRV_IP, ST).
+replace_vllm() {
+  local step="$1" why="$2" old="$VLLM_POD" before
+  before="$(pyj 'd["gpu"] + d["cpu"]' <<<"$ST")"
+  say "deleting vLLM pod $old $why"
+  k delete pod "$old" --wait=false >/dev/null
+  read -r VLLM_POD _ VLLM_IP NODE < <(ready_pod vllm "$old" || true) || true
+  [ -n "${VLLM_POD:-}" ] || fail "$step. no new Ready vLLM pod within ${WAIT_S}s"
+  read -r SRV_POD SRV_UID SRV_IP _ < <(NODE_FILTER="$NODE" ready_pod lmcache-server || true) || true
+  [ -n "${SRV_POD:-}" ] || fail "$step. no Ready lmcache server on $NODE, the new vLLM pod's node"
+  ST="$(wait_registered "$before")" || fail "$step. the new vLLM pod $VLLM_POD did not register with $SRV_POD within 120 s"
+}
+
+# The prompt again ($1 is the step), counting how far the server's counter $2 moved meanwhile:
+# sets AGAIN (vLLM's answer), EXT (tokens from LMCache), SAID and COUNTED.
+ask_counting() {
+  local step="$1" counter="$2" m0 m1
+  m0="$(in_server metrics)"
+  AGAIN="$(ask_prompt 2>&1)" || fail "$step. the request to the new pod $VLLM_POD failed: $AGAIN"
+  m1="$(in_server metrics)"
+  COUNTED="$(python3 -c 'import json,sys; a,b=json.loads(sys.argv[1]),json.loads(sys.argv[2]); n=sys.argv[3]; print(int(b[n]-a[n]))' "$m0" "$m1" "$counter")"
+  EXT="$(pyj 'd["external"]' <<<"$AGAIN")"
+  SAID="$(pyj '"{external} of {prompt_tokens} tokens from LMCache, {seconds} s".format(**d)' <<<"$AGAIN")"
+}
+
 # ---------------------------------------------------------------- a. the server sees the GPU
 
 HAS_GPU=1
@@ -354,21 +380,10 @@ if [ "$SKIP_RESTARTS" = 1 ]; then
 else
 # ---------------------------------------------------------------- d. vLLM restarted: from the server
 
-  BEFORE_IDS="$(pyj 'd["gpu"] + d["cpu"]' <<<"$ST")"
-  say "deleting vLLM pod $VLLM_POD (the server keeps the KV)"
-  k delete pod "$VLLM_POD" --wait=false >/dev/null
   OLD_VLLM="$VLLM_POD"
-  read -r VLLM_POD _ VLLM_IP NODE < <(ready_pod vllm "$OLD_VLLM" || true) || true
-  [ -n "${VLLM_POD:-}" ] || fail "d. no new Ready vLLM pod within ${WAIT_S}s"
-  read -r SRV_POD SRV_UID SRV_IP _ < <(NODE_FILTER="$NODE" ready_pod lmcache-server || true) || true
-  [ -n "${SRV_POD:-}" ] || fail "d. no Ready lmcache server on $NODE, the new vLLM pod's node"
-  ST="$(wait_registered "$BEFORE_IDS")" || fail "d. the new vLLM pod $VLLM_POD did not register with $SRV_POD within 120 s"
-  M0="$(in_server metrics)"
-  AGAIN="$(ask_prompt 2>&1)" || fail "d. the request to the new pod $VLLM_POD failed: $AGAIN"
-  M1="$(in_server metrics)"
-  L1HIT="$(python3 -c 'import json,sys; a,b=json.loads(sys.argv[1]),json.loads(sys.argv[2]); n="lmcache_mp_lookup_hit_l1_tokens_total"; print(int(b[n]-a[n]))' "$M0" "$M1")"
-  EXT="$(pyj 'd["external"]' <<<"$AGAIN")"
-  SAID="$(pyj '"{external} of {prompt_tokens} tokens from LMCache, {seconds} s".format(**d)' <<<"$AGAIN")"
+  replace_vllm d "(the server keeps the KV)"
+  ask_counting d lmcache_mp_lookup_hit_l1_tokens_total
+  L1HIT="$COUNTED"
   [ "$EXT" -gt 0 ] || fail "d. the new vLLM pod $VLLM_POD got nothing from the cache: $SAID"
   pass "d. vLLM pod restarted ($OLD_VLLM -> $VLLM_POD): $SAID; the server counted $L1HIT tokens hit in L1"
 
@@ -391,21 +406,9 @@ else
   ST="$(wait_registered '[]')" || fail "e. vLLM pod $VLLM_POD did not re-register with the new server $SRV_POD within 120 s" \
     "vLLM re-registers on its heartbeat (lmcache.mp.heartbeat_interval, 2 s as the operator renders it)"
   info "vLLM pod $VLLM_POD re-registered with the new server $SRV_POD: $(registration_detail "$ST")"
-  BEFORE_IDS="$(pyj 'd["gpu"] + d["cpu"]' <<<"$ST")"
-  say "deleting vLLM pod $VLLM_POD too (its own GPU prefix cache must not answer)"
-  k delete pod "$VLLM_POD" --wait=false >/dev/null
-  OLD_VLLM="$VLLM_POD"
-  read -r VLLM_POD _ VLLM_IP NODE < <(ready_pod vllm "$OLD_VLLM" || true) || true
-  [ -n "${VLLM_POD:-}" ] || fail "e. no new Ready vLLM pod within ${WAIT_S}s"
-  read -r SRV_POD SRV_UID SRV_IP _ < <(NODE_FILTER="$NODE" ready_pod lmcache-server || true) || true
-  [ -n "${SRV_POD:-}" ] || fail "e. no Ready lmcache server on $NODE"
-  wait_registered "$BEFORE_IDS" >/dev/null || fail "e. the new vLLM pod $VLLM_POD did not register within 120 s"
-  M0="$(in_server metrics)"
-  AGAIN="$(ask_prompt 2>&1)" || fail "e. the request to $VLLM_POD failed: $AGAIN"
-  M1="$(in_server metrics)"
-  L2HIT="$(python3 -c 'import json,sys; a,b=json.loads(sys.argv[1]),json.loads(sys.argv[2]); n="lmcache_mp_lookup_hit_l2_tokens_total"; print(int(b[n]-a[n]))' "$M0" "$M1")"
-  EXT="$(pyj 'd["external"]' <<<"$AGAIN")"
-  SAID="$(pyj '"{external} of {prompt_tokens} tokens from LMCache, {seconds} s".format(**d)' <<<"$AGAIN")"
+  replace_vllm e "too (its own GPU prefix cache must not answer)"
+  ask_counting e lmcache_mp_lookup_hit_l2_tokens_total
+  L2HIT="$COUNTED"
   [ "$EXT" -gt 0 ] || fail "e. after the server restart vLLM got nothing from the cache: $SAID"
   [ "$L2HIT" -gt 0 ] || fail "e. vLLM got $EXT tokens from the cache but the new server counted no L2 hit" \
     "(lmcache_mp_lookup_hit_l2_tokens_total did not move): they did not come from L2"

@@ -4,8 +4,10 @@ Each namespace's lmcache hfbucket adapter writes under `<bucketHandle>/<kvp-id>`
 listing of the handle's prefix, grouped by its first folder (inventory.group), says what each
 namespace holds; deleting a namespace deletes exactly the objects under `<prefix>/<kvp-id>/`.
 
-Bounded in time: every request goes through huggingface_hub's shared client, bounded by
-hfbucket.PREFLIGHT_TIMEOUT_S, and no new request starts once BUCKET_DEADLINE_S has passed.
+Bounded in time: every request goes through hfbucket's client, so each ends, connect to last
+byte, within hfbucket.HUB_CALL_DEADLINE_S and within the whole scan's or removal's
+BUCKET_DEADLINE_S (a Hub that trickles its answer is hung up on), and no new request starts once
+BUCKET_DEADLINE_S has passed.
 The token is passed in by the caller, sent only to the Hub, never logged, and no message or
 exception text built here contains it.
 """
@@ -21,7 +23,7 @@ from urllib.parse import quote
 from kvpersist.inventory import hfbucket
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, group
 
-BUCKET_DEADLINE_S = 120.0  # the whole scan or removal; each request is also bounded by hfbucket.PREFLIGHT_TIMEOUT_S
+BUCKET_DEADLINE_S = 120.0  # the whole scan or removal; each request is also bounded by hfbucket.HUB_CALL_DEADLINE_S
 DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size)
 
 T = TypeVar("T")
@@ -108,9 +110,9 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
 
 def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: float) -> Iterator[_Object]:
     """Files strictly below `prefix/`. Same route, params and paging as HfApi.list_bucket_tree, but
-    sent through the bounded client: list_bucket_tree pages with timeout=None, which lifts the
-    client's timeout. The Hub matches the prefix as a raw string ("p" also lists "p2/..."), so
-    entries outside the folder are dropped here."""
+    sent through the bounded client with the listing's deadline on each page (list_bucket_tree
+    pages with timeout=None and no way to pass one). The Hub matches the prefix as a raw string
+    ("p" also lists "p2/..."), so entries outside the folder are dropped here."""
     from huggingface_hub import BucketFile, HfApi
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
@@ -122,7 +124,7 @@ def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: flo
     headers = build_hf_headers(token=token)
     while url is not None:
         _check_deadline(bid, deadline)
-        resp = get_session().get(url, params=params, headers=headers)
+        resp = get_session().get(url, params=params, headers=headers, extensions={hfbucket.DEADLINE_EXTENSION: deadline})
         if resp.status_code == 404 and resp.headers.get("X-Error-Code") == "EntryNotFound":
             return  # the bucket exists, nothing under the prefix (lmcache reads it as empty too)
         hf_raise_for_status(resp)
@@ -137,14 +139,15 @@ def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: flo
 
 def _delete_chunk(bid: str, paths: list[str], token: str, endpoint: str | None, deadline: float) -> None:
     """One /batch request of deleteFile operations. huggingface_hub retries it a few times on
-    timeouts and 5xx, each try bounded by the client's timeout."""
+    timeouts and 5xx, each try bounded by hfbucket.HUB_CALL_DEADLINE_S and by `deadline`."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import BucketBatchError
 
     _check_deadline(bid, deadline)
     hfbucket._bound_hub_client()
     try:
-        HfApi(endpoint=endpoint, token=token).batch_bucket_files(bid, delete=paths)
+        with hfbucket.hub_deadline(deadline):
+            HfApi(endpoint=endpoint, token=token).batch_bucket_files(bid, delete=paths)
     except BucketBatchError as exc:
         failed = getattr(exc, "failures", None) or []
         first = f" (first: {failed[0].get('path')}: {failed[0].get('error')})" if failed else ""
@@ -180,9 +183,11 @@ def _guarded(bid: str, action: str, token: str, fn: Callable[[], T]) -> T:
         if code == 404:
             raise BucketInventoryError("BucketNotFound", f"bucket {bid} does not exist (or the token cannot see it)") from exc
         raise BucketInventoryError("HubError", f"the Hub answered {code} when asked to {action} bucket {bid}") from exc
-    except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout
-        msg = f"cannot reach the Hugging Face Hub to {action} bucket {bid}: {type(exc).__name__}"
-        raise BucketInventoryError("HubUnreachable", msg) from exc
+    except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
+        ours = isinstance(exc, hfbucket.HubDeadlineExceeded | hfbucket.HubAnswerTooLarge)  # text without URL or token
+        msg = f"cannot reach the Hugging Face Hub to {action} bucket {bid}: {_scrub(str(exc), token) if ours else type(exc).__name__}"
+        reason = "HubTimeout" if isinstance(exc, hfbucket.HubDeadlineExceeded) else "HubUnreachable"
+        raise BucketInventoryError(reason, msg) from exc
 
 
 def _scrub(text: str, token: str) -> str:

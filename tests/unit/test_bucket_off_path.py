@@ -60,6 +60,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(handlers, "scan_bucket", scan)
     monkeypatch.setattr(handlers, "preflight_bucket", preflight)
     handlers.CONTROLLER.forget((target.namespace, target.name))
+    handlers.CONTROLLER.state((target.namespace, target.name))  # known, as after its first watch event
     state.update(target=target, inventory=inventory)
     yield state
     state["release"].set()

@@ -322,6 +322,7 @@ def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: 
     t = dataclasses.replace(target(), namespace_id=NID)
     key = (t.namespace, t.name)
     seen = Seen(pods=[slim(refused_pod("r-vllm-b", VLLM, "vllm"))])
+    handlers.CONTROLLER.state(key)  # known, as after its first watch event
     verdict = handlers._build_check(key, {"status": {}}, t, seen, logging.getLogger("test"))
     assert handlers.CONTROLLER.state(key).drifted and verdict.vllm_bypass is not None
     assert handlers.CONTROLLER.build_bypass.detail(key, NID) is not None  # apply_workloads renders with cache_bypassed

@@ -149,3 +149,41 @@ def test_reconcile_and_the_status_loop_never_run_one_resource_at_once(monkeypatc
 
     asyncio.run(both())
     assert most[0] == 1
+
+
+def test_a_refresh_running_when_its_resource_is_deleted_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resource is deleted (its DELETED event, forget) while its refresh still runs in a worker
+    thread: what that refresh writes afterwards (its state, the hit totals, the phase metric) must
+    not bring the resource back as an entry nobody refreshes or forgets."""
+    import threading
+
+    api = FakeApi(monkeypatch, [_report("s-0", 2048)])
+    body = sample("nvme-minimal")
+    body["metadata"].update(namespace="ml", uid="u2", generation=1)
+    key = ("ml", body["metadata"]["name"])
+    target, _ = handlers._target(body)
+    seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
+                deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
+                pods=[_pod(f"{target.server_name}-0")], live_ids=frozenset({target.namespace_id or ""}))
+    entered, release = threading.Event(), threading.Event()
+    refusal = handlers._refusal
+
+    def slow_refusal(t: Any) -> Any:  # early in refresh_status, before it observes and writes
+        entered.set()
+        assert release.wait(10), "never released"
+        return refusal(t)
+
+    monkeypatch.setattr(handlers, "_refusal", slow_refusal)
+
+    async def scene() -> None:
+        await handlers.track(event={"type": "ADDED"}, body=body, logger=LOG)
+        round_ = asyncio.create_task(handlers._refresh_one(key, body, seen, False, LOG))
+        assert await asyncio.to_thread(entered.wait, 10)
+        await handlers.track(event={"type": "DELETED"}, body=body, logger=LOG)
+        release.set()
+        await asyncio.wait_for(round_, 20)
+
+    asyncio.run(scene())
+    assert api.patches, "the refresh ran to its end (it wrote status)"
+    assert handlers.CONTROLLER.get(key) is None
+    assert _holding(_roots(), key) == []

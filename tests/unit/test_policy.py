@@ -175,6 +175,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
     body = _body(sample())
     key = ("ml", body["metadata"]["name"])
+    handlers.CONTROLLER.state(key)  # known, as after its first watch event
     handlers.apply_workloads(body, logging.getLogger("test"))
     assert calls == [] and handlers.CONTROLLER.state(key).refused[0] == IMAGE_NOT_ALLOWED
 

@@ -33,6 +33,8 @@ REFRESH_CONCURRENCY = 8
 # Hub calls (preflight, listing) are bounded (inventory_bucket.BUCKET_DEADLINE_S) but may take
 # minutes for a slow Hub or a huge bucket: they run in a pool of their own, never on the refresh path.
 BUCKET_WORKERS = 4
+# API calls of the applies' first steps at once (a refresh thread's apply waits for its own).
+APPLY_CONCURRENCY = 8
 
 
 @dataclass(eq=False)
@@ -119,15 +121,25 @@ class Controller:
         # The loop's own blocking step (which replica is active) has a thread of its own: with every
         # refresh thread busy on slow servers, ticks must still come on time (and liveness stay true).
         self.tick_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvp-tick")
+        # An apply's first step (Secrets and policies, side by side); its jobs never wait on the pool.
+        self.apply_pool = concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY, thread_name_prefix="kvp-apply")
         self.bucket_pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUCKET_WORKERS, thread_name_prefix="kvp-bucket")
         self.bucket_jobs_lock = threading.Lock()  # guards each ResourceState's bucket_jobs
         self.last_tick: float | None = None
         self.loop_task: asyncio.Task[None] | None = None
 
     def state(self, key: Key) -> ResourceState:
-        """The resource's state, made empty when there is none (safe from any thread)."""
+        """The resource's state, made empty when there is none. Only for the event loop's entry
+        points (a watch event, a create/update handler): a worker thread uses held()."""
         found = self.resources.get(key)
         return found if found is not None else self.resources.setdefault(key, ResourceState())
+
+    def held(self, key: Key) -> ResourceState:
+        """The resource's state for a worker thread, never made: a refresh or apply still running
+        when its resource was forgotten gets a detached ResourceState, so what it writes goes
+        nowhere instead of bringing back an empty entry nobody refreshes or forgets again."""
+        found = self.resources.get(key)
+        return found if found is not None else ResourceState()
 
     def get(self, key: Key) -> ResourceState | None:
         """The resource's state, or None; makes none."""
@@ -142,7 +154,7 @@ class Controller:
         return {key for key, st in list(self.resources.items()) if getattr(st, flag)}
 
     def lock(self, key: Key) -> asyncio.Lock:
-        return self.state(key).lock
+        return self.held(key).lock
 
     def forget(self, key: Key) -> None:
         """Everything held about one resource, dropped in one step."""

@@ -256,7 +256,7 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "Service", "Service", "ConfigMap", "StatefulSet",
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet", "Service", "Service", "ConfigMap",
                                          "Deployment"]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"

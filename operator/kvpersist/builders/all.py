@@ -13,16 +13,17 @@ from kvpersist.builders.vllm import build_vllm_deployment
 
 
 def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, Any]]:
-    """Policies first (no window where the admin port is open), then Services and ConfigMap (the
-    StatefulSet names its governing Service), vLLM last. The ZMQ policy and the local Service
-    are per namespace id: after a pin change the old id's stay until no pod of it is left
-    (kvpersist.controller.handlers removes them then)."""
+    """Policies first (no window where the admin port is open), then the lmcache StatefulSet (the
+    workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
+    its Services (the governing one is only needed for pod DNS) and the ConfigMap, vLLM last. The
+    ZMQ policy and the local Service are per namespace id: after a pin change the old id's stay
+    until no pod of it is left (kvpersist.controller.handlers removes them then)."""
     return [
         build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace()),
         build_zmq_policy(target),
+        build_lmcache_statefulset(target),
         build_metrics_service(target),
         build_local_service(target),
         build_connection_configmap(target),
-        build_lmcache_statefulset(target),
         build_vllm_deployment(target),
     ]

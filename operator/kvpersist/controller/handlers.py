@@ -8,6 +8,7 @@ the API server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -86,6 +87,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
     settings.peering.priority = CONTROLLER.peering["priority"]
     settings.peering.lifetime = leadership.PEERING_LIFETIME_S
+    # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces to
+    # match them, which the chart does not grant, and hold every watch back through 9 refused tries
+    # (about a minute, measured in tests/e2e/test_helm_ha.py) before assuming they exist. Exact names
+    # need no scan; CRDs are then read once at start (the chart installs them before the operator).
+    named = CONTROLLER.peering["namespaces"]
+    if named and not any(c in ns for ns in named for c in "*?[!"):
+        settings.scanning.disabled = True
     kube.load_config()
 
 
@@ -188,7 +196,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     token = _agent_token(target) if target.cache_enabled else None
     reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
-    state = CONTROLLER.state((target.namespace, target.name))
+    state = CONTROLLER.held((target.namespace, target.name))
     if target.cache_enabled and token is None and now - state.token_missing_at > TOKEN_REAPPLY_S:
         state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
         state.drifted = True
@@ -258,7 +266,7 @@ TOKEN_REAPPLY_S = 15.0  # a missing token Secret is applied again at most this o
 def _agent_token(target: Target) -> str | None:
     """The resource's agent token, from its Secret, read at most every AGENT_TOKEN_TTL_S (and again
     after a failed read). Never logged."""
-    state = CONTROLLER.state((target.namespace, target.name))
+    state = CONTROLLER.held((target.namespace, target.name))
     cached = state.agent_token
     now = time.monotonic()
     if cached and cached[1] and now - cached[0] < AGENT_TOKEN_TTL_S:
@@ -328,7 +336,7 @@ class _SecretOnce:
 def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
     """Starts job in the bucket pool unless this resource's job of that kind still runs; True if
     started. Whatever it raises is logged, and the resource is marked for a refresh when it ends."""
-    state = CONTROLLER.state(key)
+    state = CONTROLLER.held(key)
 
     def run() -> None:
         try:
@@ -355,7 +363,7 @@ def _bucket_check(target: Target, secrets: _SecretOnce) -> tuple[bool, str, str]
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
     settings = (bucket.bucket_handle, bucket.create_bucket_if_missing, bucket.token_secret_ref.name, bucket.token_secret_ref.key)
-    state = CONTROLLER.state((target.namespace, target.name))
+    state = CONTROLLER.held((target.namespace, target.name))
     cached = state.preflight
     now = time.monotonic()
     if cached and cached[0][:len(settings)] == settings and cached[2][0] and now - cached[1] < PREFLIGHT_TTL_S:
@@ -388,7 +396,7 @@ def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | No
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)
-    state = CONTROLLER.state(key)
+    state = CONTROLLER.held(key)
     when, last = state.bucket_inventory or (float("-inf"), None)
     if last is not None and last.location != bucket.bucket_handle:
         when, last = float("-inf"), None
@@ -484,7 +492,7 @@ def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[d
     tracker.seed(key, fallback.bypassed_in(body))
     change = tracker.observe(key, lmcache.get("status") == "True", time.monotonic())
     if change is not None:
-        CONTROLLER.state(key).drifted = True  # the status loop applies the vLLM Deployment with (or without) the cache
+        CONTROLLER.held(key).drifted = True  # the status loop applies the vLLM Deployment with (or without) the cache
         logger.warning("%s/%s: %s", key[0], key[1], "the lmcache servers are unavailable: rolling vLLM without the cache"
                        if change else "the lmcache servers are healthy again: rolling vLLM with the cache")
     if not tracker.bypassed(key):
@@ -505,7 +513,7 @@ def _build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, 
     bypass.seed(key, body)
     found = buildcheck.refusals(seen.pods, target.namespace_id)
     if bypass.observe(key, target.namespace_id, found):
-        CONTROLLER.state(key).drifted = True
+        CONTROLLER.held(key).drifted = True
         logger.warning("%s/%s: a vLLM pod refused to start over its versions: rolling vLLM without the cache (%s)",
                        key[0], key[1], bypass.detail(key, target.namespace_id))
     return buildcheck.Verdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
@@ -527,7 +535,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     (HTTP to the servers, the status patch): runs in a worker thread."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    state = CONTROLLER.state(key)
+    state = CONTROLLER.held(key)
     state.dirty = False
     state.last_refresh = time.monotonic()
     old = dict(body.get("status") or {})
@@ -592,7 +600,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
     except ValidationError:
         return False
     key = (target.namespace, target.name)
-    state = CONTROLLER.state(key)
+    state = CONTROLLER.held(key)
     metrics.inc("kvpersist_reconciles_total")
     CONTROLLER.fallback.seed(key, fallback.bypassed_in(body))
     CONTROLLER.build_bypass.seed(key, body)
@@ -611,24 +619,35 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         key_secret = build_key_secret(target) if target.cache_enabled else None
         if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
             key_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
-        # Before the servers, which cannot start without it; created once and never owned (see keysecret).
-        if key_secret is not None and kube.create_if_absent(key_secret):
+        token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
+        token_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
+        kopf.append_owner_reference(token_secret, owner=body)
+        manifests = build_all(target)
+        for manifest in manifests:
+            kopf.append_owner_reference(manifest, owner=body)
+        # What the server pods need before they exist: the L2 key (created once and never owned, see
+        # keysecret), the agent token, and the policies that close their ports. Side by side, one
+        # round trip instead of four: the StatefulSet, next, is what a user waits for.
+        policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+        jobs = [CONTROLLER.apply_pool.submit(_apply_owned, m) for m in policies]
+        # The token Secret is never applied over, never adopted: one a deleted namesake owned is the
+        # garbage collector's, and once it is gone the next refresh finds no token and creates it
+        # again. Adopting it would need `patch` on every Secret the operator can see.
+        jobs.append(CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret)))
+        key_job = CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(key_secret)) if key_secret is not None else None
+        if key_job is not None:
+            jobs.append(key_job)
+        concurrent.futures.wait(jobs)
+        for job in jobs:
+            job.result()  # the first failure, raised here (every job has ended)
+        if key_job is not None and key_job.result():
             logger.info("%s/%s: generated L2 master key Secret %s", target.namespace, target.name,
                         key_secret["metadata"]["name"])
             kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
                             "L2's master key; it is kept when this resource is deleted (the data needs it)")
-        token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
-        token_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
-        kopf.append_owner_reference(token_secret, owner=body)
-        # Never applied over, never adopted: one a deleted namesake owned is the garbage collector's,
-        # and once it is gone the next refresh finds no token and creates it again. Adopting it would
-        # need `patch` on every Secret the operator can see.
-        kube.create_if_absent(token_secret)
-        for manifest in build_all(target):
-            kopf.append_owner_reference(manifest, owner=body)
-            applied = kube.apply(manifest)
-            _note_own_write(applied)
-            metrics.inc("kvpersist_applies_total")
+        for manifest in manifests:
+            if manifest["kind"] != "NetworkPolicy":
+                _apply_owned(manifest)
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -648,6 +667,12 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         CONTROLLER.apply_backoff.succeeded(key)
         state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
     return True
+
+
+def _apply_owned(manifest: dict[str, Any]) -> None:
+    applied = kube.apply(manifest)
+    _note_own_write(applied)
+    metrics.inc("kvpersist_applies_total")
 
 
 def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
@@ -679,8 +704,11 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     state = CONTROLLER.state(key)
     async with state.lock:
         state.drifted = False
-        await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
-        await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, _seen(key), logger)
+        try:
+            await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
+            await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, _seen(key), logger)
+        finally:
+            _sweep_if_forgotten(key)
 
 
 def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
@@ -719,7 +747,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                 outcome = gc_bucket(request, lambda nsid, before: remove_bucket_namespace(
                     bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False,
                     before_delete=before), bucket.bucket_handle, recheck)
-                CONTROLLER.state((meta["namespace"], meta["name"])).bucket_inventory = None
+                CONTROLLER.held((meta["namespace"], meta["name"])).bucket_inventory = None
     outcome["completedAt"] = condition_now()
     _write_status(meta, {"gc": outcome}, logger)
     ok = outcome["outcome"] in ("Deleted", "NotFound")
@@ -768,6 +796,14 @@ def _forget(key: tuple[str, str]) -> None:
     event, or a 404 from the API server for one whose event a watch outage lost)."""
     CONTROLLER.forget(key)
     metrics.set_phase(key[0], key[1], None)
+
+
+def _sweep_if_forgotten(key: tuple[str, str]) -> None:
+    """After a round of worker threads: when the resource was forgotten while they ran (deleted
+    meanwhile), forget it again, so what they wrote into the trackers (hits, backoff, the phase
+    metric) goes too. In the event loop, like track(): nothing can bring the key back in between."""
+    if CONTROLLER.get(key) is None:
+        _forget(key)
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
@@ -927,6 +963,8 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
             gone = isinstance(exc, ApiException) and exc.status == 404
         else:
             return
+        finally:
+            _sweep_if_forgotten(key)
     # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
     # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
     if gone and not await loop.run_in_executor(CONTROLLER.refresh_pool, _exists, key):

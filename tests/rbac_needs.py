@@ -1063,16 +1063,18 @@ class KopfNeed:
     optional: bool = False  # kopf carries on without it (and logs a warning)
 
 
-def kopf_settings() -> Any:
-    """The settings kvpersist's startup handlers choose (its storages decide what kopf patches)."""
+def kopf_settings(mode: str = "clusterwide") -> Any:
+    """The settings kvpersist's startup handlers choose (its storages decide what kopf patches; in
+    namespaced mode, as the chart runs it with watchNamespaces' names, whether kopf scans)."""
     import kopf
 
-    from kvpersist.controller import kube
+    from kvpersist.controller import handlers, kube
 
     importlib.import_module(ENTRY)  # registers the handlers
     settings = kopf.OperatorSettings()
     registry = kopf.get_default_registry()
-    with mock.patch.object(kube, "load_config"):
+    named = ("team-a",) if mode == "namespaced" else ()
+    with mock.patch.object(kube, "load_config"), mock.patch.dict(handlers.CONTROLLER.peering, {"namespaces": named}):
         for handler in registry._activities.get_all_handlers():
             if str(handler.activity) in ("Activity.STARTUP", "startup") and not inspect.iscoroutinefunction(handler.fn) \
                     and "settings" in inspect.signature(handler.fn).parameters:
@@ -1087,7 +1089,7 @@ def kopf_needs(mode: str) -> list[KopfNeed]:
 
     importlib.import_module(ENTRY)  # registers the handlers
     registry = kopf.get_default_registry()
-    settings = kopf_settings()
+    settings = kopf_settings(mode)
     if registry._webhooks.get_all_handlers():
         raise UnknownCall("kopf admission webhooks are registered: the mapping does not know what they need")
     watched: dict[tuple[str, str], list[str]] = {}

@@ -26,9 +26,28 @@ REPO = Path(__file__).resolve().parents[2]
 PEERING_CRD = REPO / "charts" / "kvpersist" / "crds" / "clusterkopfpeerings.kopf.dev.yaml"
 
 
-def _observed(kubectl: Kubectl, ns: str, generation: int) -> dict | None:
+def observed(kubectl: Kubectl, ns: str, generation: int) -> dict | None:
     status = kubectl.get("kvns", NAME, ns).get("status") or {}
     return status if status.get("observedGeneration") == generation and status.get("phase") else None
+
+
+def kill_and_take_over(kubectl: Kubectl, ns: str, obj: dict, generation: int, active: subprocess.Popen) -> float:
+    """SIGKILLs the active replica, changes the spec (a change only a working replica can
+    reconcile) and waits for it to be reconciled; the seconds from the kill to that."""
+    os.killpg(active.pid, signal.SIGKILL)
+    active.wait(timeout=10)
+    killed = time.monotonic()
+    obj["spec"]["l1"]["sizeGB"] = 0.5
+    kubectl.apply(obj)
+    new_generation = kubectl.get("kvns", NAME, ns)["metadata"]["generation"]
+    assert new_generation > generation
+    wait_for("the standby to take over", lambda: observed(kubectl, ns, new_generation),
+             timeout=4 * PEERING_LIFETIME_S + 60, interval=0.5)
+    took = time.monotonic() - killed
+    sts = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
+    assert "--l1-size-gb" in (args := sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args[args.index("--l1-size-gb") + 1] == "0.5"
+    return took
 
 
 def test_two_replicas_one_active_and_failover(kubectl: Kubectl, crd: None, tmp_path: Path, fault_log) -> None:
@@ -50,7 +69,7 @@ def test_two_replicas_one_active_and_failover(kubectl: Kubectl, crd: None, tmp_p
         obj = manifest(ns)
         kubectl.apply(obj)
         generation = kubectl.get("kvns", NAME, ns)["metadata"]["generation"]
-        wait_for("status from the active replica", lambda: _observed(kubectl, ns, generation), timeout=120)
+        wait_for("status from the active replica", lambda: observed(kubectl, ns, generation), timeout=120)
 
         record = json.loads(kubectl.run("get", "clusterkopfpeering", peering, "-o", "json").stdout)["status"]
         assert set(record) >= set(logs), record
@@ -61,23 +80,11 @@ def test_two_replicas_one_active_and_failover(kubectl: Kubectl, crd: None, tmp_p
         assert "this replica is active" in logs[active].read_text()
         assert "this replica is active" not in logs[standby].read_text()
 
-        os.killpg(procs[active].pid, signal.SIGKILL)
-        procs[active].wait(timeout=10)
-        killed = time.monotonic()
-        obj["spec"]["l1"]["sizeGB"] = 0.5  # a change only a working replica can reconcile
-        kubectl.apply(obj)
-        new_generation = kubectl.get("kvns", NAME, ns)["metadata"]["generation"]
-        assert new_generation > generation
-        wait_for("the standby to take over", lambda: _observed(kubectl, ns, new_generation),
-                 timeout=4 * PEERING_LIFETIME_S + 60, interval=0.5)
-        took = time.monotonic() - killed
+        took = kill_and_take_over(kubectl, ns, obj, generation, procs[active])
         print(f"\n[ha] active replica SIGKILLed; the standby reconciled the next change after {took:.1f}s "
               f"(peering lifetime {PEERING_LIFETIME_S}s)")
         wait_for("the standby to log that it is active", lambda: "this replica is active" in logs[standby].read_text(),
                  timeout=30)
-        sts = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
-        assert "--l1-size-gb" in (args := sts["spec"]["template"]["spec"]["containers"][0]["args"])
-        assert args[args.index("--l1-size-gb") + 1] == "0.5"
         fault_log("two operator replicas with peering (random priorities); the active one SIGKILLed",
                   f"one replica active, the other standing by (never active before the kill); after it the standby "
                   f"reconciled the next spec change in {took:.1f}s (peering lifetime {PEERING_LIFETIME_S}s)")

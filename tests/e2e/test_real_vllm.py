@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.builders.target import NAMESPACE_ID_LABEL
 from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
@@ -124,6 +125,20 @@ def pod(kubectl: Kubectl, ns: str, prefix: str, exclude: set[str] = frozenset())
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
         if p["metadata"]["name"].startswith(prefix) and p["metadata"]["name"] not in exclude and ready \
                 and not p["metadata"].get("deletionTimestamp"):
+            return p
+    return None
+
+
+def new_identity_pod(kubectl: Kubectl, ns: str, namespace_id: str, max_model_len: str) -> dict | None:
+    """A Ready vLLM pod of this namespace id launched with exactly this --max-model-len. By the
+    pod's id label and the flag's own value: a substring of its args also matches the old pod
+    (the test namespace's random name once held "3072", and the old pod answered)."""
+    for p in kubectl.get("pods", namespace=ns)["items"]:
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+        args = p["spec"]["containers"][0].get("args", [])
+        if p["metadata"]["name"].startswith(f"{NAME}-vllm-") and ready and not p["metadata"].get("deletionTimestamp") \
+                and (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id \
+                and "--max-model-len" in args and args[args.index("--max-model-len") + 1] == max_model_len:
             return p
     return None
 
@@ -264,8 +279,8 @@ def test_pin_change_gets_no_external_hit_and_leaves_old_files(kubectl: Kubectl, 
     new_id = target_of(changed).namespace_id
     assert new_id != chain["nsid"]
     kubectl.apply(changed)
-    vllm = wait_for("a vLLM pod of the new identity", lambda: (lambda p: p if p and "3072" in " ".join(
-        p["spec"]["containers"][0]["args"]) else None)(pod(kubectl, ns, f"{NAME}-vllm-")), timeout=300, interval=1)
+    vllm = wait_for("a vLLM pod of the new identity", lambda: new_identity_pod(kubectl, ns, new_id, "3072"),
+                    timeout=300, interval=1)
     wait_for("the new namespace on the resource", lambda: kubectl.get("kvns", NAME, ns)["status"].get("namespaceId") == new_id,
              timeout=60)
     tokens, hits = ask(vllm["status"]["podIP"])

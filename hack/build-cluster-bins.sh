@@ -34,6 +34,7 @@ build_k8s() {
     # ignores in a dependency; pin each one to the published tag of the same release instead.
     local kdir
     kdir="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')"
+    # shellcheck disable=SC2013  # module paths: one word each
     for m in $(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$kdir/go.mod"); do
       go mod edit -replace="$m=$m@$minor"
     done
@@ -70,6 +71,7 @@ build_etcd() {
     local edir
     edir="$(go mod download -json "go.etcd.io/etcd/server/v3@$ETCD_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')"
     # etcd's own replace directives point at sibling folders; pin those modules to the same tag.
+    # shellcheck disable=SC2013  # module paths: one word each
     for m in $(sed -n 's#^\s*\(go.etcd.io/etcd/[a-z0-9/-]*\) => \.\./.*#\1#p' "$edir/go.mod"); do
       go mod edit -replace="$m=$m@$ETCD_VERSION"
     done

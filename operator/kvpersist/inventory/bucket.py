@@ -184,8 +184,7 @@ def _guarded(bid: str, action: str, token: str, fn: Callable[[], T]) -> T:
             raise BucketInventoryError("BucketNotFound", f"bucket {bid} does not exist (or the token cannot see it)") from exc
         raise BucketInventoryError("HubError", f"the Hub answered {code} when asked to {action} bucket {bid}") from exc
     except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
-        ours = isinstance(exc, hfbucket.HubDeadlineExceeded | hfbucket.HubAnswerTooLarge)  # text without URL or token
-        msg = f"cannot reach the Hugging Face Hub to {action} bucket {bid}: {_scrub(str(exc), token) if ours else type(exc).__name__}"
+        msg = f"cannot reach the Hugging Face Hub to {action} bucket {bid}: {_scrub(hfbucket.transport_error_text(exc), token)}"
         reason = "HubTimeout" if isinstance(exc, hfbucket.HubDeadlineExceeded) else "HubUnreachable"
         raise BucketInventoryError(reason, msg) from exc
 

@@ -309,11 +309,16 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
         return _unreachable(bid, exc)
 
 
+def transport_error_text(exc: BaseException) -> str:
+    """What a message may say about a failed Hub request: the exception type only, except for this
+    module's own errors, whose text is ours (the deadline or the size cap) and never holds a URL
+    or the token."""
+    return str(exc) if isinstance(exc, HubDeadlineExceeded | HubAnswerTooLarge) else type(exc).__name__
+
+
 def _unreachable(bid: str, exc: BaseException) -> Preflight:
-    """Names the exception type only, except for this module's own errors, whose text is ours
-    (the deadline or the size cap) and never holds a URL or the token."""
-    why = str(exc) if isinstance(exc, HubDeadlineExceeded | HubAnswerTooLarge) else type(exc).__name__
-    return Preflight(False, "HubUnreachable", f"cannot reach the Hugging Face Hub to check bucket {bid}: {why}")
+    return Preflight(False, "HubUnreachable",
+                     f"cannot reach the Hugging Face Hub to check bucket {bid}: {transport_error_text(exc)}")
 
 
 def _refused(bid: str, code: int | None, secret_ref: str, creating: bool) -> Preflight:

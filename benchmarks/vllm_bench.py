@@ -12,9 +12,11 @@ model (hack/testmodel.py --size bench: 8 layers, hidden 512). Cases, in order:
   both restarted         both pods deleted: served from L2
 Between cases vLLM's own prefix cache is off (--no-enable-prefix-caching), so every request asks
 LMCache. Each case sends the prompt --repeats times after the first (cached) answer; TTFT is the
-median of those, the first answer's own TTFT is printed too.
+median of those, the first answer's own TTFT is printed too, and every repeat with the tier
+lmcache served it from (its L1/L2 hit counters, read from the server around each request). The
+two restart cases run --cycles times each, so a slow case shows whether it recurs.
 
-    python benchmarks/vllm_bench.py [--prompt-words 3400] [--repeats 3]
+    python benchmarks/vllm_bench.py [--prompt-words 3400] [--repeats 3] [--cycles 1]
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir, wait_for
-from tests.e2e.operator_env import NAME, kvpersist_env
+from tests.e2e.operator_env import NAME, in_pod, kvpersist_env
 from tests.e2e.test_real_vllm import (
     external_hits,
+    lmcache_hits,
     metrics,
     pod,
     prompt,
@@ -67,21 +70,32 @@ def ttft(ip: str, text: str, model: str) -> tuple[float, int]:
     return first, tokens
 
 
-def measure(ip: str, text: str, model: str, repeats: int) -> dict:
-    """The first answer's TTFT, the median of `repeats` more, and tokens computed vs from cache."""
-    m0 = metrics(f"http://{ip}:8000/metrics")
-    first, tokens = ttft(ip, text, model)
-    m1 = metrics(f"http://{ip}:8000/metrics")
-    hits = external_hits(m1) - external_hits(m0)
-    rest = [ttft(ip, text, model)[0] for _ in range(repeats)]
-    return {"ttft_first_s": first, "ttft_s": statistics.median(rest) if rest else first, "prompt_tokens": tokens,
-            "from_cache": int(hits), "computed": tokens - int(hits)}
+def timed(ip: str, text: str, model: str, server: str | None) -> dict:
+    """One request: TTFT, tokens, vLLM's external hits and lmcache's L1/L2 hit tokens for it."""
+    v0 = external_hits(metrics(f"http://{ip}:8000/metrics"))
+    s0 = lmcache_hits(metrics(server + "/metrics")) if server else (0.0, 0.0)
+    seconds, tokens = ttft(ip, text, model)
+    v1 = external_hits(metrics(f"http://{ip}:8000/metrics"))
+    s1 = lmcache_hits(metrics(server + "/metrics")) if server else (0.0, 0.0)
+    return {"ttft_s": round(seconds, 4), "tokens": tokens, "from_cache": int(v1 - v0), "l1": int(s1[0] - s0[0]),
+            "l2": int(s1[1] - s0[1])}
+
+
+def measure(ip: str, text: str, model: str, repeats: int, server: str | None = None) -> dict:
+    """The first answer's TTFT, the median of `repeats` more, tokens computed vs from cache, and
+    each request's own figures (server: the lmcache admin API, for the tier of each hit)."""
+    first = timed(ip, text, model, server)
+    rest = [timed(ip, text, model, server) for _ in range(repeats)]
+    return {"ttft_first_s": first["ttft_s"], "ttft_s": statistics.median(r["ttft_s"] for r in rest) if rest else first["ttft_s"],
+            "prompt_tokens": first["tokens"], "from_cache": first["from_cache"], "computed": first["tokens"] - first["from_cache"],
+            "requests": [first, *rest]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-words", type=int, default=3400, help="pseudo-words in the prompt (3400: ~4.2k tokens)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cycles", type=int, default=1, help="how many times each restart case runs")
     args = ap.parse_args()
 
     running = subprocess.run([*LOCALCLUSTER, "status"], capture_output=True, timeout=30).returncode == 0
@@ -109,24 +123,32 @@ def main() -> None:
             t0 = time.monotonic()
             k.run("delete", "pod", vllm["metadata"]["name"], "-n", ns, "--wait=false")
             vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
-            results["vLLM restarted"] = measure(vllm["status"]["podIP"], text, model["modelId"], args.repeats)
+            results["vLLM restarted"] = measure(vllm["status"]["podIP"], text, model["modelId"], args.repeats,
+                                                in_pod(server_ip(k, ns)))
             results["vLLM restarted"]["delete_to_cached_answer_s"] = time.monotonic() - t0
 
-            old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
-            k.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
-            server_ip(k, ns, exclude_uid=old)
-            ip = vllm["status"]["podIP"]
-            wait_for("vLLM to hit the new server", lambda: measure(ip, text, model["modelId"], 0)["from_cache"] > 0,
-                     timeout=180, interval=2)
-            results["server restarted"] = measure(ip, text, model["modelId"], args.repeats)
+            for cycle in range(1, args.cycles + 1):
+                suffix = f" #{cycle}" if args.cycles > 1 else ""
+                old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+                k.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
+                server = in_pod(server_ip(k, ns, exclude_uid=old))
+                ip = vllm["status"]["podIP"]
+                t0 = time.monotonic()
+                wait_for("vLLM to hit the new server", lambda ip=ip: timed(ip, text, model["modelId"], None)["from_cache"] > 0,
+                         timeout=180, interval=2)
+                results["server restarted" + suffix] = measure(ip, text, model["modelId"], args.repeats, server)
+                results["server restarted" + suffix]["first_hit_after_s"] = time.monotonic() - t0
 
-            old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
-            k.run("delete", "pod", f"{NAME}-lmcache-0", vllm["metadata"]["name"], "-n", ns, "--wait=false")
-            server_ip(k, ns, exclude_uid=old)
-            vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
-            ip = vllm["status"]["podIP"]
-            wait_for("vLLM to hit", lambda: measure(ip, text, model["modelId"], 0)["from_cache"] > 0, timeout=180, interval=2)
-            results["both restarted"] = measure(ip, text, model["modelId"], args.repeats)
+                old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+                k.run("delete", "pod", f"{NAME}-lmcache-0", vllm["metadata"]["name"], "-n", ns, "--wait=false")
+                server = in_pod(server_ip(k, ns, exclude_uid=old))
+                vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
+                ip = vllm["status"]["podIP"]
+                t0 = time.monotonic()
+                wait_for("vLLM to hit", lambda ip=ip: timed(ip, text, model["modelId"], None)["from_cache"] > 0, timeout=180,
+                         interval=2)
+                results["both restarted" + suffix] = measure(ip, text, model["modelId"], args.repeats, server)
+                results["both restarted" + suffix]["first_hit_after_s"] = time.monotonic() - t0
             assert pod(k, ns, f"{NAME}-vllm-") is not None
     finally:
         if not running:
@@ -136,7 +158,7 @@ def main() -> None:
     print(f"{'case':18s} {'TTFT s':>8s} {'x cold':>7s} {'first s':>8s} {'computed':>9s} {'cached':>7s}")
     for case, r in results.items():
         print(f"{case:18s} {r['ttft_s']:8.3f} {r['ttft_s'] / cold:7.2f} {r['ttft_first_s']:8.3f} {r['computed']:9d} "
-              f"{r['from_cache']:7d}")
+              f"{r['from_cache']:7d}  " + " ".join(f"{q['ttft_s']:.2f}s(L1 {q['l1']}, L2 {q['l2']})" for q in r["requests"]))
     e2e = results["vLLM restarted"]["delete_to_cached_answer_s"]
     print(f"kubectl delete pod (vLLM) -> first answer from cache: {e2e:.1f} s")
     print(json.dumps(results))

@@ -73,11 +73,15 @@ print(json.dumps({
 }))
 PY
 echo "waiting for phase Ready (vLLM's CPU build starts in about a minute)"
-for _ in $(seq 1 300); do
-  [ "$(kubectl get kvns tiny-llama -o jsonpath='{.status.phase}' 2>/dev/null)" = "Ready" ] && break
-  sleep 1
-done
+# Bounded, and a timeout stops the demo (set -e) with the resource's own account of why.
+if ! kubectl wait --for=jsonpath='{.status.phase}'=Ready --timeout=300s kvns/tiny-llama; then
+  kubectl get kvcachenamespaces tiny-llama -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}' || true
+  echo "[demo] FAILED: tiny-llama not Ready within 300 s; logs: $STATE/logs/operator.log, $STATE/logs/runner.log" >&2
+  exit 1
+fi
 kubectl get kvcachenamespaces
+# Exits non-zero when the first answer is not cold, the second not served from cache (vLLM's and
+# lmcache's own counters), the outputs differ, or a wait runs out.
 python3 hack/demo_prompt.py --kubeconfig "$KUBECONFIG" --name tiny-llama
 kubectl get kvcachenamespaces
 echo

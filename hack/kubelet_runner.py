@@ -277,8 +277,12 @@ class Runner:
 
     def local(self, program: str) -> str:
         """This machine's build of a program an image names (its Python is this runner's)."""
+        # An image's python3 is the one with its programs: the server's runs lmcache
+        # (kvpersist.inserver.serve), so here it is the python beside this machine's lmcache.
+        beside = Path(self.lmcache).parent / "python3"
+        python = str(beside) if os.sep in self.lmcache and beside.exists() else sys.executable
         builds = {"lmcache": self.lmcache, "kvpersist": self.kvpersist, "vllm": self.vllm or "vllm",
-                  "python3": sys.executable, "python": sys.executable}
+                  "python3": python, "python": python}
         return builds.get(program, program)
 
     def _probe(self, spec: dict | None, pod: dict, env: dict[str, str]) -> Probe | None:

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,23 +27,41 @@ GC_ANNOTATION = "kvpersist.dev/gc-request"
 SERVER_SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/managed-by=kvpersist"
 
 
-def resolved_id(obj: Mapping[str, Any]) -> str | None:
+def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
+    """The id the spec resolves to now, with the L2 key fingerprint status records for the Secret
+    the spec names (the key itself is not read here); fingerprint, when given, reads the key of a
+    resource whose status records none (the operator's check right before a gc deletes)."""
     try:
         spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
     except ValueError:
         return None
-    return resolve(spec.pins()).namespace_id
+    from kvpersist.builders.target import Target
+    from kvpersist.controller.l2key import fingerprint_in_status
+
+    meta = obj.get("metadata") or {}
+    key_secret = Target(meta.get("name", ""), meta.get("namespace", ""), spec, None).key_secret
+    recorded = fingerprint_in_status(obj.get("status"), key_secret[0] if key_secret else None)
+    if key_secret is not None and recorded is None and fingerprint is not None:
+        recorded = fingerprint(obj)
+    return resolve(spec.pins(recorded)).namespace_id
 
 
 def _ref(obj: Mapping[str, Any]) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
 
-def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Who still uses a namespace: resources (by status or by spec) and lmcache pods."""
+def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
+             fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> list[str]:
+    """Who still uses a namespace: resources (by status, by spec, or waiting for the L2 key whose
+    data it holds) and lmcache pods."""
     out = []
     for r in resources:
-        if (r.get("status") or {}).get("namespaceId") == namespace_id or resolved_id(r) == namespace_id:
+        status = r.get("status") or {}
+        if status.get("namespaceId") == namespace_id:
+            out.append(f"KVCacheNamespace {_ref(r)}")
+        elif (status.get("l2Key") or {}).get("namespaceId") == namespace_id:
+            out.append(f"KVCacheNamespace {_ref(r)} (waiting for the L2 key its data needs)")
+        elif resolved_id(r, fingerprint) == namespace_id:
             out.append(f"KVCacheNamespace {_ref(r)}")
     for p in pods:
         if (p["metadata"].get("labels") or {}).get("kvpersist.dev/namespace-id") == namespace_id:

@@ -5,12 +5,15 @@ build, length limit or chat template must never be served to a server running un
 So the id is a hash over all of them, and a missing pin yields no id at all: a cache that is
 off is slower, a guessed namespace is wrong. What runs is part of it too: the digests of the vLLM
 and lmcache server images (a tag can move to another build under the same name), so an image
-named by tag alone leaves the cache off.
+named by tag alone leaves the cache off. And with L2 encrypted, the key: objects sealed under
+one key are misses under another, forever, so another key is another namespace (a fingerprint of
+the key is the pin, never the key), and a key that cannot be read leaves the cache off.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from collections.abc import Mapping
@@ -19,7 +22,7 @@ from typing import Any
 
 NAMESPACE_PREFIX = "kvp-"
 # Bump when the meaning of a pin changes, so old and new ids can never collide.
-SCHEMA_VERSION = 2  # 2: the image digests and the L2 serde joined the pins
+SCHEMA_VERSION = 3  # 2: the image digests and the L2 serde joined the pins; 3: the L2 layout (and the key fingerprint)
 
 # Canonical pin names, in the order people read them. The hash does not depend on this order.
 PIN_FIELDS = (
@@ -39,7 +42,15 @@ PIN_FIELDS = (
     "vllm_image_digest",
     "lmcache_server_image_digest",
     "l2_serde",
+    "l2_layout",
+    "l2_key_fingerprint",
 )
+# The L2 master key's fingerprint: a pin only while L2 is encrypted (l2_serde other than "none").
+# The first 16 hex of HMAC-SHA256 keyed by the key over a fixed message: it names the key without
+# revealing anything of it, so it may be in status, events and logs (the key never is).
+L2_KEY_PIN = "l2_key_fingerprint"
+KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
+KEY_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 # Pins taken from what runs rather than from spec.identity: where each comes from, and the fix.
 IMAGE_PINS = {
     "vllm_image_digest": "spec.vllm.image",
@@ -48,7 +59,19 @@ IMAGE_PINS = {
 IMAGE_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
 INT_PINS = {"block_size", "num_kv_heads", "head_size", "tensor_parallel_size", "max_model_len"}
 # Hex digests compare case-insensitively; ids and names are case-sensitive.
-LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest", *IMAGE_PINS}
+LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest", L2_KEY_PIN, *IMAGE_PINS}
+
+
+def key_fingerprint(key: bytes) -> str:
+    """The L2 key's pin: 16 hex of HMAC-SHA256(key, KEY_FINGERPRINT_MESSAGE), over the bytes
+    exactly as the server's key file holds them."""
+    return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
+
+
+def encrypted(pins: Mapping[str, Any]) -> bool:
+    """Whether these pins name an encrypting serde, and so need the key's fingerprint."""
+    serde = _normalize("l2_serde", pins.get("l2_serde"))
+    return serde is not None and serde != "none"
 
 
 def image_digest(reference: str | None) -> str | None:
@@ -69,16 +92,20 @@ class Resolution:
 
     @property
     def code(self) -> str:
-        """The condition reason: ImageNotPinned when only an image lacks its digest."""
+        """The condition reason: ImageNotPinned when only an image lacks its digest, L2KeyNotRead
+        when only the L2 key's fingerprint is missing (the handlers say why it could not be read)."""
         unpinned = set(self.missing) | set(self.invalid)
-        return "ImageNotPinned" if unpinned and unpinned <= set(IMAGE_PINS) else "IdentityIncomplete"
+        if unpinned == {L2_KEY_PIN}:
+            return "L2KeyNotRead"
+        rest = unpinned - {L2_KEY_PIN}
+        return "ImageNotPinned" if rest and rest <= set(IMAGE_PINS) else "IdentityIncomplete"
 
     @property
     def reason(self) -> str:
         """What is missing and how to fix it, by the fields a user edits."""
         parts = []
-        missing = [p for p in self.missing if p not in IMAGE_PINS]
-        invalid = [p for p in self.invalid if p not in IMAGE_PINS]
+        missing = [p for p in self.missing if p not in IMAGE_PINS and p != L2_KEY_PIN]
+        invalid = [p for p in self.invalid if p not in IMAGE_PINS and p != L2_KEY_PIN]
         if missing:
             parts.append("missing pins: " + ", ".join(missing) + " (set them in spec.identity)")
         if invalid:
@@ -88,6 +115,9 @@ class Resolution:
                 parts.append(f"{where} is not pinned by digest: name it as <image>@sha256:<64 hex> (`docker buildx "
                              "imagetools inspect <image>` prints the digest); a tag can move to another build under "
                              "the same namespace")
+        if L2_KEY_PIN in self.missing or L2_KEY_PIN in self.invalid:
+            parts.append(f"the L2 key (spec.l2.encryption) has not been read ({L2_KEY_PIN}): without it no namespace "
+                         "can be named")
         return "; ".join(parts)
 
 
@@ -107,14 +137,19 @@ def _normalize(name: str, value: Any) -> Any:
     text = value.strip()
     if not text:
         return None
+    if name == L2_KEY_PIN and not KEY_FINGERPRINT_RE.fullmatch(text.lower()):
+        return None
     return text.lower() if name in LOWERCASE_PINS else text
 
 
 def resolve(pins: Mapping[str, Any]) -> Resolution:
-    """Resolves snake_case pins to a namespace id. Unknown keys are ignored."""
+    """Resolves snake_case pins to a namespace id. Unknown keys are ignored, and so is the key
+    fingerprint while L2 is not encrypted (plain objects need no key)."""
     canonical: dict[str, Any] = {}
     missing, invalid = [], []
     for name in PIN_FIELDS:
+        if name == L2_KEY_PIN and not encrypted(pins):
+            continue
         raw = pins.get(name)
         value = _normalize(name, raw)
         if value is None:

@@ -21,7 +21,7 @@ import pytest
 from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARGS, KVCacheNamespace, extra_args_problem
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
 
 pytestmark = pytest.mark.contract
@@ -49,7 +49,7 @@ def baseline() -> list[str]:
     obj = sample("tp2-fp8")
     obj["spec"]["vllm"]["extraArgs"] = []
     spec = KVCacheNamespace.model_validate(obj).spec
-    return vllm_args(Target("m", "ml", spec, resolve(spec.pins()).namespace_id))
+    return vllm_args(Target("m", "ml", spec, resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id))
 
 
 def probe(flag: str) -> list[str]:

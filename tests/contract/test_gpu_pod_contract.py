@@ -32,7 +32,7 @@ from kvpersist.builders.connection import build_connection_configmap
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import SAMPLES, sample
 
 pytestmark = pytest.mark.contract
@@ -45,7 +45,7 @@ HOST_NAMESPACES = {"hostIPC", "hostPID", "hostNetwork"}
 def _target(name: str) -> Target:
     obj = sample(name)
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins()).namespace_id)
+    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id)
 
 
 def _pods(t: Target) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -95,11 +95,11 @@ def test_one_ipc_design_in_both_pods_as_lmcache_reads_it(name: str) -> None:
     server_pod, vllm_pod = _pods(t)
     server_cfg = _server_mp_config(_container(server_pod, "lmcache-server")["args"])
     vllm_extra = _extra_config(_container(vllm_pod, "vllm")["args"])
-    published = json.loads(build_connection_configmap(t)["data"]["kv-transfer-config.json"])["kv_connector_extra_config"]
     assert server_cfg.isolated_ipc is True
     # "Must match the LMCache server's --isolated-ipc setting" (vllm_multi_process_adapter.py).
     assert _resolve_extra_config(vllm_extra)["isolated_ipc"] is True
-    assert _resolve_extra_config(published)["isolated_ipc"] is True  # what other clients are told to pass
+    # No other client is told how to connect: the connection ConfigMap names the namespace only.
+    assert "kv-transfer-config.json" not in build_connection_configmap(t)["data"]
     assert not HOST_NAMESPACES & set(server_pod) and not HOST_NAMESPACES & set(vllm_pod)
 
 
@@ -153,8 +153,10 @@ def test_the_two_ipc_ends_never_share_a_pid(name: str, monkeypatch: pytest.Monke
 
     server_pod, vllm_pod = _pods(_target(name))
     server = _container(server_pod, "lmcache-server")
-    assert server["command"][:2] == ["sh", "-c"] and server["command"][2].endswith('exec "$0" "$@"')
-    assert server["command"][3] == "lmcache"  # exec'd by the container's PID 1: the server is PID 1
+    assert server["command"][:2] == ["sh", "-c"] and server["command"][2].endswith('exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"')
+    # exec'd by the container's PID 1, and lmcache's entry point runs in that python3 itself
+    # (kvpersist.inserver.serve calls it, no child process): the server is PID 1
+    assert server["command"][3] == "python3" and "lmcache_main()" in _env(server)["KVPERSIST_LMCACHE_SERVE"]
     value = _env(_container(vllm_pod, "vllm"))["VLLM_ENABLE_V1_MULTIPROCESSING"]
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
     assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True  # as vLLM reads it: the engine is a child process
@@ -176,7 +178,8 @@ def test_both_pods_check_the_declared_build_before_they_start(name: str, tmp_pat
     for container, packages in ((_container(server_pod, "lmcache-server"), ("lmcache",)),
                                 (_container(vllm_pod, "vllm"), ("vllm", "lmcache"))):
         env = _env(container)
-        assert buildcheck.CHECK in container["command"][2] and container["command"][2].endswith(buildcheck.EXEC)
+        assert buildcheck.CHECK in container["command"][2] and container["command"][2].endswith('"$@"')
+        assert f"{buildcheck.CHECK} && {buildcheck.EXEC_PROGRAM}" in container["command"][2]  # the check, then the program
         for package in packages:
             assert env[buildcheck.EXPECT_ENV[package]] == importlib.metadata.version(package), (name, package)
         log = tmp_path / "termination-log"

@@ -15,7 +15,7 @@ from kvpersist.api.v1alpha1 import BLOCK_SIZES, KV_CACHE_DTYPES, UNRESOLVED_KV_C
 from kvpersist.builders.connection import CONNECTOR_MODULES
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import SAMPLES, sample
 
 pytestmark = pytest.mark.contract
@@ -55,7 +55,7 @@ def _validate(engine: Any) -> None:
 
 def _target(obj: dict) -> Target:
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins()).namespace_id)
+    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id)
 
 
 def _check(target: Target) -> None:

@@ -44,10 +44,15 @@ class Kubectl:
             args += ["-n", namespace]
         return json.loads(self.run(*args).stdout)
 
-    def as_service_account(self, namespace: str, service_account: str, path: Path) -> Kubectl:
+    def as_service_account(self, namespace: str, service_account: str, path: Path, pod: dict[str, Any] | None = None) -> Kubectl:
         """kubectl as a ServiceAccount: a kubeconfig at path holding only its token (no client
-        certificate, which the API server would authenticate first)."""
-        token = self.run("create", "token", service_account, "-n", namespace, "--duration=2h").stdout.strip()
+        certificate, which the API server would authenticate first). With a pod, the token is
+        bound to it, as a kubelet's projected token is: the API server then records the pod's
+        name with each request (the audit log's user.extra), so two replicas of one
+        Deployment are told apart."""
+        bound = ["--bound-object-kind=Pod", f"--bound-object-name={pod['metadata']['name']}",
+                 f"--bound-object-uid={pod['metadata']['uid']}"] if pod else []
+        token = self.run("create", "token", service_account, "-n", namespace, "--duration=2h", *bound).stdout.strip()
         admin = yaml.safe_load(self.kubeconfig.read_text())
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],

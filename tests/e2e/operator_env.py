@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.target import Target
-from kvpersist.identity import resolve
+from kvpersist.builders.target import L2_KEY_BYTES, Target
+from kvpersist.controller.handlers import STATUS_INTERVAL_S
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
-from tests.e2e.kube import REPO, Kubectl
+from tests.e2e.kube import REPO, Kubectl, wait_for
+from tests.integration.kvdriver import SHAPE_PINS
 
 sys.path.insert(0, str(REPO / "hack"))
 from kubelet_runner import REAL_NODE, Runner, pod_loopback
@@ -34,13 +40,50 @@ NAME = "llama31-8b"
 REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`kvpersist run` on one namespace, its metrics on a loopback port of its own (the process's
+    `metrics_url`, for refreshes())."""
     # Strict status: a patch key the status models lack raises (kvpersist.api.status), so a
     # misspelled key fails the e2e test instead of being left out with a log line.
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPERSIST_STRICT_STATUS": "1", **(extra_env or {})}
+    port = free_port()
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace],
+        proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace,
+                                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.metrics_url = f"http://127.0.0.1:{port}/metrics"  # type: ignore[attr-defined]
+    return proc
+
+
+def operator_metrics(proc: subprocess.Popen) -> dict[str, float]:
+    """The operator's /metrics, by series (name with its labels); empty while it is not serving."""
+    try:
+        with urllib.request.urlopen(proc.metrics_url, timeout=5) as r:  # type: ignore[attr-defined]
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def refreshes(proc: subprocess.Popen, namespace: str, name: str) -> int:
+    """How many status rounds the operator has run for one resource (each after its applies)."""
+    return int(operator_metrics(proc).get(f'kvpersist_resource_refreshes_total{{namespace="{namespace}",name="{name}"}}', 0))
+
+
+def more_rounds(proc: subprocess.Popen, namespace: str, *names: str, rounds: int = 2) -> None:
+    """Waits until the operator has run `rounds` more status rounds for each named resource (a
+    round's drift applies, if any, go first): what a "nothing happened" check waits for, instead
+    of a sleep. Two by default: the first may be one already under way when this is called."""
+    start = {name: refreshes(proc, namespace, name) for name in names}
+    wait_for(f"{rounds} more status rounds of {', '.join(names)} in {namespace}",
+             lambda: all(refreshes(proc, namespace, name) >= start[name] + rounds for name in names),
+             timeout=rounds * STATUS_INTERVAL_S + 30, interval=0.5)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -92,9 +135,11 @@ def storage(ns: str) -> dict:
 
 
 def manifest(ns: str, **identity_changes: object) -> dict:
+    """The sample with the KV geometry of what the tests drive (tests/integration/kvdriver.SHAPE):
+    a server's L1 page, and so its file sizes, follow these pins (kvpersist.api l1_page_bytes)."""
     obj = sample()
     obj["metadata"]["namespace"] = ns
-    obj["spec"]["identity"].update(identity_changes)
+    obj["spec"]["identity"].update({**SHAPE_PINS, **identity_changes})
     obj["spec"]["l1"]["sizeGB"] = 0.25
     obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacityGB=1)
     return on_real_node(obj)
@@ -108,9 +153,35 @@ def on_real_node(obj: dict) -> dict:
     return obj
 
 
-def target_of(obj: dict) -> Target:
+# Renders a Target without reading a key: for a manifest to create by hand (benchmarks), never an
+# id to compare with status (that needs the key the servers mount: pass kubectl).
+UNREAD_KEY_FINGERPRINT = key_fingerprint(b"\0" * L2_KEY_BYTES)
+
+
+def key_of(kubectl: Kubectl, obj: dict, timeout: float = 120) -> bytes | None:
+    """The L2 key the resource's servers mount, from its Secret (the user's, or the generated one,
+    waited for: the operator makes it on its first apply); None when L2 is not encrypted."""
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.pins()).namespace_id)
+    secret = Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, None).key_secret
+    if secret is None:
+        return None
+    name, item = secret
+
+    def read() -> bytes | None:
+        out = kubectl.run("get", "secret", name, "-n", obj["metadata"]["namespace"], "-o", "json", check=False)
+        data = (json.loads(out.stdout).get("data") or {}) if out.returncode == 0 else {}
+        return base64.b64decode(data[item]) if data.get(item) else None
+
+    return wait_for(f"the L2 key Secret {name}", read, timeout=timeout)
+
+
+def target_of(obj: dict, kubectl: Kubectl | None = None) -> Target:
+    """The Target the operator renders for obj. With L2 encrypted its id follows the key: read with
+    kubectl (key_of); without kubectl, UNREAD_KEY_FINGERPRINT (renderable, not the operator's id)."""
+    spec = KVCacheNamespace.model_validate(obj).spec
+    key = key_of(kubectl, obj) if kubectl is not None else None
+    fingerprint = key_fingerprint(key) if key is not None else UNREAD_KEY_FINGERPRINT
+    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.pins(fingerprint)).namespace_id)
 
 
 def lmcache() -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, target_of
+from tests.e2e.operator_env import NAME, bench_store, key_of, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -69,12 +69,12 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
     ns, volume = scenario["ns"], scenario["volume"]
     old = manifest(ns)
     kubectl.apply(old)
-    a = target_of(old).namespace_id
+    a = target_of(old, kubectl).namespace_id
     _ready_with(kubectl, ns, a)
     bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 4)
     new = manifest(ns, maxModelLen=16384)
     kubectl.apply(new)
-    b = target_of(new).namespace_id
+    b = target_of(new, kubectl).namespace_id
     assert a != b
     _ready_with(kubectl, ns, b)
     bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
@@ -181,8 +181,14 @@ def test_gc_is_its_own_permission_and_in_use_is_checked_again_right_before_delet
     wait_for("the grant to take effect", lambda: editor.run(*annotate, "--dry-run=server", check=False).returncode == 0, timeout=60)
     other = f"{ns}-other"
     kubectl.run("create", "namespace", other)
+    # The same pins and the same L2 key (a Secret of its own with A's bytes, as clusters sharing a key
+    # have): A's id, which only reading that Secret can tell (its status is empty: nothing serves it).
+    key = key_of(kubectl, manifest(ns))
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shared-key", "namespace": other},
+                   "type": "Opaque", "data": {"master-key": base64.b64encode(key).decode()}})
     user_of_a = manifest(other)
-    assert target_of(user_of_a).namespace_id == a
+    user_of_a["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
+    assert target_of(user_of_a, kubectl).namespace_id == a
     kubectl.apply(user_of_a)
     try:
         out = cli(editor, "gc", a, "-n", ns, "--no-dry-run")

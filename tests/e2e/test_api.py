@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 import yaml
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.identity import namespace_id
+from kvpersist.identity import key_fingerprint, namespace_id
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 from tests.e2e.kube import Kubectl, wait_for
 
@@ -72,9 +73,12 @@ def test_explain_shows_descriptions(kubectl: Kubectl, crd: None) -> None:
 
 def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespace: str) -> None:
     kubectl.run("apply", "-n", namespace, "-f", str(SAMPLES / "nvme-minimal.yaml"))
-    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.pins())
     wait_for("status.namespaceId", lambda: kubectl.get("kvns", "llama31-8b", namespace).get("status", {}).get("namespaceId"),
              timeout=60)
+    # The id is the pins with the fingerprint of the L2 key the operator generated (a pin since schema 3).
+    key = base64.b64decode(kubectl.get("secret", "llama31-8b-l2-key", namespace)["data"]["master-key"])
+    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.pins(key_fingerprint(key)))
+    assert expected is not None
     out = kubectl.run("get", "kvns", "-n", namespace).stdout
     header = out.splitlines()[0].split()
     assert header == ["NAME", "NAMESPACE-ID", "PHASE", "L2", "L1-USED", "L2-USED", "HIT", "READY", "AGE"]
@@ -126,13 +130,14 @@ def test_image_by_tag_disables_cache_and_a_new_digest_is_a_new_namespace(kubectl
     obj["spec"]["vllm"]["image"] = pinned
     kubectl.apply(obj)
     first = wait_for("a namespace id", status_with(lambda s: s.get("namespaceId")), timeout=60)["namespaceId"]
-    assert first == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins())
+    fingerprint = key_fingerprint(base64.b64decode(kubectl.get("secret", "llama31-8b-l2-key", namespace)["data"]["master-key"]))
+    assert first == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint))
 
     obj["spec"]["vllm"]["image"] = pinned.split("@")[0] + "@sha256:" + "0" * 64  # another build, same tag
     kubectl.apply(obj)
     second = wait_for("another namespace id", status_with(lambda s: s.get("namespaceId") not in (None, first)),
                       timeout=60)["namespaceId"]
-    assert second == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins())
+    assert second == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint))
     server = wait_for("the server set on the new id", lambda: (lambda s: s if second in json.dumps(s["spec"]["template"])
                                                                else None)(kubectl.get("statefulset", "llama31-8b-lmcache",
                                                                                       namespace)), timeout=60)

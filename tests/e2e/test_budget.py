@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.api.v1alpha1 import KVCacheNamespace, l1_page_bytes
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
@@ -44,9 +45,9 @@ def test_budget_refuses_new_writes_and_keeps_serving(kubectl: Kubectl, crd: None
         ns, runner = env.ns, env.runner
         obj = manifest(ns)
         obj["spec"]["l2"]["nvme"]["budget"] = "2Mi"
-        folder = env.volume() / str(target_of(obj).namespace_id)
         get_status = lambda: kubectl.get("kvns", NAME, ns).get("status") or {}  # noqa: E731
         kubectl.apply(obj)
+        folder = env.volume() / str(target_of(obj, kubectl).namespace_id)  # the id follows the generated key
         wait_for("Ready", lambda: get_status().get("phase") == "Ready", timeout=180)
         ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]
 
@@ -55,11 +56,12 @@ def test_budget_refuses_new_writes_and_keeps_serving(kubectl: Kubectl, crd: None
         status = wait_for("budget Exhausted", lambda: (lambda s: s if (s.get("budget") or {}).get("state") == "Exhausted"
                                                        else None)(get_status()), timeout=90)
         # Each 512 KiB chunk is framed by the L2 serde (spec.l2.encryption: version, IV and tag) and
-        # the file padded: as many whole files as fit under the cap, and not one more.
+        # the file padded to whole L1 pages: as many whole files as fit under the cap, and not one more.
+        page = l1_page_bytes(KVCacheNamespace.model_validate(obj).spec)
         sizes = {p.stat().st_size for p in folder.iterdir()}
         assert len(sizes) == 1, sizes
         size, stored = sizes.pop(), len(list(folder.iterdir()))
-        assert 2**19 < size < 2**19 + 2**13 and stored * size <= BUDGET < (stored + 1) * size and stored >= 3
+        assert size == 2**19 + page and stored * size <= BUDGET < (stored + 1) * size and stored >= 3
         assert status["budget"]["bytes"] == BUDGET and stored * 2**19 < status["budget"]["usedBytes"] <= stored * size
         cond = next(c for c in status["conditions"] if c["type"] == "WithinBudget")
         assert (cond["status"], cond["reason"]) == ("False", "BudgetExhausted") and "/2Mi of this namespace" in cond["message"]
@@ -83,5 +85,5 @@ def test_budget_refuses_new_writes_and_keeps_serving(kubectl: Kubectl, crd: None
         assert table.returncode == 0 and "Exhausted" in table.stdout, table.stdout + table.stderr
         report = wait_for("the report's cap", lambda: (lambda r: r if r.returncode == 0 and "2Mi" in r.stdout else None)(
             cli(kubectl, "report", "-n", ns)), timeout=90)
-        row = next(line for line in report.stdout.splitlines() if str(target_of(obj).namespace_id) in line)
+        row = next(line for line in report.stdout.splitlines() if str(target_of(obj, kubectl).namespace_id) in line)
         assert "current" in row and "2Mi" in row.split()

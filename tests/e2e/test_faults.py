@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import LOCALCLUSTER, Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, start_operator, stop, storage
+from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, more_rounds, operator_metrics, start_operator, stop, storage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 # What each resource owns: two policies (admin port; ZMQ of its namespace id), the per-id local
@@ -224,3 +224,67 @@ def test_a_transient_refusal_is_retried_with_backoff_and_said_in_status(kubectl:
     fault_log("a ResourceQuota refusing the NetworkPolicies (HTTP 403, exceeded quota), then removed",
               f"Ready False ApplyRetrying ('{seen[:140]}...'), tried again with backoff; applied {applied:.1f}s after the "
               "quota was removed (bound: the backoff then due, 20 s at the third try, + 1 s tick), the StatefulSet after them")
+
+
+def test_an_object_the_api_server_refuses_as_invalid_fails_until_the_spec_changes(kubectl: Kubectl, env: dict,
+                                                                                  fault_log) -> None:
+    """A ValidatingAdmissionPolicy refuses the resource's StatefulSet (422 Invalid, as a schema or
+    webhook refusal would): no retry can pass, so it is ApplyFailed for that generation (phase
+    Failed, the API server's words in Ready), tried no more; a spec change once the policy is gone
+    applies it."""
+    ns, name = env["ns"], "invalid-apply"
+    policy = f"kvpersist-test-refuse-{ns}"
+    refused_by = f"the test's admission policy refuses StatefulSets of {name}"
+    objs = [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy", "metadata": {"name": policy},
+         "spec": {"failurePolicy": "Fail",
+                  "matchConstraints": {"resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
+                                                          "operations": ["CREATE", "UPDATE"], "resources": ["statefulsets"]}]},
+                  "validations": [{"expression": "!has(object.metadata.labels) || !('app.kubernetes.io/instance' in "
+                                                 f"object.metadata.labels) || object.metadata.labels['app.kubernetes.io/instance'] "
+                                                 f"!= '{name}'", "message": refused_by}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": policy},
+         "spec": {"policyName": policy, "validationActions": ["Deny"],
+                  "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}}},
+    ]
+    probe = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+             "metadata": {"name": "probe", "namespace": ns, "labels": {"app.kubernetes.io/instance": name}},
+             "spec": {"serviceName": "probe", "selector": {"matchLabels": {"p": "p"}},
+                      "template": {"metadata": {"labels": {"p": "p"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}}}
+    try:
+        kubectl.apply({"apiVersion": "v1", "kind": "List", "items": objs})
+        # In force once the API server refuses a dry run the same way (its policy cache is asynchronous).
+        wait_for("the policy in force", lambda: refused_by in kubectl.apply(probe, "--dry-run=server", check=False).stderr,
+                 timeout=60, interval=1)
+        op = env["start_operator"]()
+        kubectl.apply(light(ns, name))
+
+        def ready() -> dict:
+            conds = (kubectl.get("kvns", name, ns).get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "Ready"), {})
+
+        cond = wait_for("Ready False ApplyFailed", lambda: (lambda c: c if c.get("reason") == "ApplyFailed" else None)(ready()),
+                        timeout=90)
+        assert cond["status"] == "False" and cond["observedGeneration"] == 1
+        assert "the API server refused an object" in cond["message"] and refused_by in cond["message"], cond
+        assert kubectl.get("kvns", name, ns)["status"]["phase"] == "Failed"
+        errors = operator_metrics(op)["kvpersist_apply_errors_total"]
+        more_rounds(op, ns, name, rounds=1)  # not retried (a retry would be due within the 5 s backoff): only a changed spec can pass
+        assert operator_metrics(op)["kvpersist_apply_errors_total"] == errors and ready()["reason"] == "ApplyFailed"
+        assert kubectl.run("get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode != 0
+
+        kubectl.run("delete", "validatingadmissionpolicybinding", policy)
+        wait_for("the policy out of force", lambda: refused_by not in kubectl.apply(probe, "--dry-run=server", check=False).stderr,
+                 timeout=60, interval=1)
+        kubectl.apply(light(ns, name, l1={"sizeGB": 0.5}))
+        wait_for("the StatefulSet applied for the new generation", lambda: kubectl.run(
+            "get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=60)
+        after = wait_for("Ready no longer ApplyFailed", lambda: (lambda c: c if c.get("observedGeneration") == 2 and c.get(
+            "reason") != "ApplyFailed" else None)(ready()), timeout=60)
+        fault_log("an admission policy refusing the StatefulSet as invalid (HTTP 422), removed, then a spec change",
+                  f"Ready False ApplyFailed with the API server's message, phase Failed, not retried over the next status "
+                  f"round; the next generation applied (Ready {after['reason']})")
+    finally:
+        for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+            kubectl.run("delete", kind, policy, "--ignore-not-found", check=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import secrets
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import yaml
 
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
-from tests.e2e.operator_env import start_operator, stop
+from tests.e2e.operator_env import more_rounds, start_operator, stop
 from tests.integration.hub_stub import HubStub
 
 pytestmark = pytest.mark.e2e
@@ -28,14 +27,16 @@ EVIL_DIGEST = "@sha256:" + "e" * 64
 
 
 @pytest.fixture()
-def start(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Path]]:
-    """Starts `kvpersist run` on the test's namespace with the given environment (the chart's values)."""
+def start(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> Iterator[Callable[[dict[str, str]],
+                                                                                    tuple[subprocess.Popen, Path]]]:
+    """Starts `kvpersist run` on the test's namespace with the given environment (the chart's
+    values); the process and its log."""
     procs: list[subprocess.Popen] = []
 
-    def run(env: dict[str, str]) -> Path:
+    def run(env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = tmp_path / "operator.log"
         procs.append(start_operator(kubectl.kubeconfig, namespace, log, env))
-        return log
+        return procs[-1], log
 
     yield run
     for proc in procs:
@@ -77,7 +78,7 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     lmcache/vllm-openai-evil (the same characters, another repository) is refused with the field,
     the image, the prefixes and the fix named, a Warning event and no workload; an allowed resource
     edited to a refused image keeps its workloads exactly as they were."""
-    start({"KVPERSIST_ALLOWED_IMAGES": "docker.io/vllm/, lmcache/vllm-openai"})
+    operator, _log = start({"KVPERSIST_ALLOWED_IMAGES": "docker.io/vllm/, lmcache/vllm-openai"})
     ns = namespace
     kubectl.apply(_named(sample(), "allowed", ns))
     evil = _named(sample(), "refused", ns)
@@ -95,7 +96,7 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     event = wait_for("an ImageNotAllowed event", lambda: _events(kubectl, ns, "ImageNotAllowed"))[0]
     assert event["type"] == "Warning" and event["involvedObject"]["name"] == "refused"
     assert "spec.lmcacheServer.image" in event["message"]
-    time.sleep(3)  # the refused resource has been applied (and refused) before its status was written
+    more_rounds(operator, ns, "refused", rounds=1)  # a status round after the reconcile that refused it (its applies first)
     assert _workloads(kubectl, "refused", ns) == []
     assert _ready(kubectl, "allowed", ns).get("reason") not in ("ImageNotAllowed", "SecretNotAllowed")
 
@@ -107,7 +108,7 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     kubectl.apply(edited)
     cond = _refused(kubectl, "allowed", ns, "ImageNotAllowed", generation=2)
     assert "spec.vllm.image" in cond["message"] and "registry.evil.example/vllm/vllm-openai" in cond["message"]
-    time.sleep(3)
+    more_rounds(operator, ns, "allowed", rounds=1)
     for kind, old in before.items():
         now = kubectl.get(kind, old["metadata"]["name"], ns)
         assert now["metadata"]["generation"] == old["metadata"]["generation"], kind
@@ -131,7 +132,7 @@ def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kub
                        "metadata": {"name": name, "namespace": ns}, "data": {item: value}})
     hub = HubStub(existing={"acme-ml/kv-cache"}, token=token).__enter__()  # what a bucket preflight would reach
     request.addfinalizer(lambda: hub.__exit__(None, None, None))
-    log = start({"KVPERSIST_SECRET_LABEL": LABEL, "HF_ENDPOINT": hub.url})
+    operator, log = start({"KVPERSIST_SECRET_LABEL": LABEL, "HF_ENDPOINT": hub.url})
     keyed = _named(sample(), "keyed", ns)
     keyed["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
     kubectl.apply(keyed)
@@ -156,7 +157,7 @@ def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kub
     k, v = LABEL.split("=")
     for made in ("plain-l2-key", "plain-agent-token"):
         assert kubectl.get("secret", made, ns)["metadata"]["labels"].get(k) == v, made
-    time.sleep(3)
+    more_rounds(operator, ns, "keyed", "bucket", rounds=1)
     assert _workloads(kubectl, "keyed", ns) == [] and _workloads(kubectl, "bucket", ns) == []
     assert hub.requests == [] and token not in log.read_text()  # the refused token was never read nor sent
 

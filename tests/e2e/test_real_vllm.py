@@ -7,8 +7,10 @@ out as a pinned Hugging Face cache entry, whose pins are read from its own files
 One scenario, in order, each step asserted on counters (vLLM's and lmcache's), never on timing:
 cold; vLLM pod deleted (hit from the server's L1); server pod deleted (hit from L2); resource
 deleted and re-created with the same pins (hit from L2, the claim was retained); a pin changed
-(no external hit, the old namespace's files byte-identical). Greedy completions are the same
-served cold and from cache, and status's hit figures agree with vLLM's own counter.
+(no external hit though the new server was asked, then a hit from that server: a miss, not a pod
+without its connector; the old namespace's files byte-identical). Greedy completions are the same
+served cold and from cache, and status's hit figures agree with vLLM's own counter. The first two
+steps are the demo's own checks (hack/demo_prompt.py), run here as the demo runs them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import subprocess
 import sys
 import urllib.request
@@ -30,10 +31,13 @@ from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
 
+sys.path.insert(0, str(REPO / "hack"))
+import demo_prompt  # hack/ is no package: the demo's own script, imported for its prompt
+
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
 
-CHUNK = 256  # LMCache's chunk, in tokens: what a hit is counted in
-PROMPT_WORDS = 1300  # about 2,400 tokens of the test tokenizer: nine whole chunks
+CHUNK = demo_prompt.CHUNK  # LMCache's chunk, in tokens: what a hit is counted in
+SEED = 1  # the demo's prompt of this seed is LONG: about 2,400 tokens of the test tokenizer, nine whole chunks
 
 
 def vllm_build() -> Path:
@@ -67,13 +71,8 @@ def real_manifest(ns: str, model: dict, **identity: object) -> dict:
     return obj
 
 
-def prompt(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words)) + "."
-
-
-LONG = prompt(1, PROMPT_WORDS)
+prompt = demo_prompt.prompt
+LONG = prompt(SEED)
 GREEDY_SET = [prompt(s, 400) for s in (2, 3, 4)]
 
 
@@ -143,6 +142,16 @@ def new_identity_pod(kubectl: Kubectl, ns: str, namespace_id: str, max_model_len
     return None
 
 
+def new_identity_server(kubectl: Kubectl, ns: str, namespace_id: str) -> dict | None:
+    """The Ready lmcache server pod of this namespace id (by its label: the pod name is the same)."""
+    for p in kubectl.get("pods", namespace=ns)["items"]:
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+        if p["metadata"]["name"].startswith(f"{NAME}-lmcache-") and ready and not p["metadata"].get("deletionTimestamp") \
+                and (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id:
+            return p
+    return None
+
+
 def vllm_pod(kubectl: Kubectl, ns: str, exclude: set[str] = frozenset(), timeout: float = 300) -> dict:
     return wait_for("a Ready vLLM pod", lambda: pod(kubectl, ns, f"{NAME}-vllm-", exclude), timeout=timeout, interval=1)
 
@@ -158,7 +167,7 @@ def chain(kubectl: Kubectl, crd: None, model: dict, tmp_path_factory: pytest.Tem
     with kvpersist_env(kubectl, tmp_path_factory.mktemp("realvllm"), vllm=model["vllm"], hf_home=Path(model["hfHome"])) as env:
         obj = real_manifest(env.ns, model)
         kubectl.apply(obj)
-        state: dict = {"env": env, "obj": obj, "nsid": target_of(obj).namespace_id}
+        state: dict = {"env": env, "obj": obj, "nsid": target_of(obj, kubectl).namespace_id}
         try:
             yield state
         except BaseException:
@@ -178,33 +187,33 @@ def ask(ip: str) -> tuple[int, float]:
     return usage["prompt_tokens"], external_hits(metrics(f"http://{ip}:8000/metrics")) - before
 
 
-def test_cold_prompt_is_computed_and_stored(kubectl: Kubectl, chain: dict) -> None:
+def test_the_demo_cold_then_served_from_the_servers_l1_after_the_vllm_pod_is_deleted(kubectl: Kubectl, chain: dict,
+                                                                                       tmp_path: Path) -> None:
+    """hack/demo_prompt.py, as the demo runs it (its exit code is the verdict): cold first, the vLLM
+    pod deleted, the same prompt from the server's L1 with the same greedy answer, status.hits."""
     ns, env = chain["env"].ns, chain["env"]
     vllm = vllm_pod(kubectl, ns)
     assert "kvpersist.dev/simulated" not in vllm["metadata"].get("annotations", {})  # the real thing
-    ip = vllm["status"]["podIP"]
-    tokens, hits = ask(ip)
-    assert tokens > 6 * CHUNK and hits == 0
-    chain["cacheable"] = tokens // CHUNK * CHUNK
-    chain["cold"] = greedy(ip)
-    folder = env.volume() / chain["nsid"]
-    wait_for("the prompt's chunks in L2", lambda: len([p for p in folder.glob("*") if p.is_file()]) >= tokens // CHUNK,
+    wait_for("the namespace id in status", lambda: (kubectl.get("kvns", NAME, ns).get("status") or {}).get("namespaceId"),
              timeout=60)
-    chain["vllm"] = vllm["metadata"]["name"]
-
-
-def test_vllm_pod_deleted_hits_from_server_l1(kubectl: Kubectl, chain: dict) -> None:
-    ns = chain["env"].ns
-    kubectl.run("delete", "pod", chain["vllm"], "-n", ns, "--wait=false")
-    vllm = vllm_pod(kubectl, ns, exclude={chain["vllm"]})
-    chain["vllm"] = vllm["metadata"]["name"]
-    ip, server = vllm["status"]["podIP"], server_ip(kubectl, ns)
-    l1_before, l2_before = lmcache_hits(metrics(f"{in_pod(server)}/metrics"))
-    tokens, hits = ask(ip)
-    l1, l2 = (a - b for a, b in zip(lmcache_hits(metrics(f"{in_pod(server)}/metrics")), (l1_before, l2_before), strict=True))
-    assert hits == chain["cacheable"], (tokens, hits)
-    assert l1 >= chain["cacheable"] and l2 == 0
-    assert greedy(ip) == chain["cold"]  # token ids and logprobs, served from cache, as served cold
+    chain["cold"] = greedy(vllm["status"]["podIP"])
+    summary = tmp_path / "demo.json"
+    demo = subprocess.run([sys.executable, str(REPO / "hack" / "demo_prompt.py"), "--name", NAME, "--namespace", ns,
+                           "--kubeconfig", str(kubectl.kubeconfig), "--kubectl", str(kubectl.binary), "--seed", str(SEED),
+                           "--json", str(summary)], capture_output=True, text=True, timeout=900)
+    print(demo.stdout)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    result = json.loads(summary.read_text())
+    cold, warm = result["cold"], result["warm"]
+    assert cold["pod"] == vllm["metadata"]["name"] and warm["pod"] != cold["pod"]
+    assert cold["prompt_tokens"] > 6 * CHUNK and cold["external_hits"] == 0
+    assert warm["external_hits"] == result["cacheable"] and warm["lmcache_l1"] >= result["cacheable"] and warm["lmcache_l2"] == 0
+    chain["cacheable"], chain["vllm"] = result["cacheable"], warm["pod"]
+    folder = env.volume() / chain["nsid"]
+    wait_for("the prompt's chunks in L2", lambda: len([p for p in folder.glob("*") if p.is_file()])
+             >= cold["prompt_tokens"] // CHUNK, timeout=60)
+    new = vllm_pod(kubectl, ns, exclude={cold["pod"]})
+    assert greedy(new["status"]["podIP"]) == chain["cold"]  # token ids and logprobs, served from cache, as served cold
 
 
 def test_server_pod_deleted_hits_from_l2(kubectl: Kubectl, chain: dict) -> None:
@@ -276,13 +285,24 @@ def test_pin_change_gets_no_external_hit_and_leaves_old_files(kubectl: Kubectl, 
     assert kept
     changed = copy.deepcopy(chain["obj"])
     changed["spec"]["identity"]["maxModelLen"] = 3072  # still room for the prompt
-    new_id = target_of(changed).namespace_id
+    new_id = target_of(changed, kubectl).namespace_id
     assert new_id != chain["nsid"]
     kubectl.apply(changed)
     vllm = wait_for("a vLLM pod of the new identity", lambda: new_identity_pod(kubectl, ns, new_id, "3072"),
                     timeout=300, interval=1)
     wait_for("the new namespace on the resource", lambda: kubectl.get("kvns", NAME, ns)["status"].get("namespaceId") == new_id,
              timeout=60)
+    server = in_pod(wait_for("the new identity's server", lambda: new_identity_server(kubectl, ns, new_id), timeout=300,
+                             interval=1)["status"]["podIP"])
+    asked = metrics(f"{server}/metrics").get("lmcache_mp_lookup_requested_tokens_total", 0.0)
     tokens, hits = ask(vllm["status"]["podIP"])
     assert hits == 0, (tokens, hits)
+    # A miss, not a pod without a connector: the new server was asked, and the same prompt once
+    # stored there is a hit (vLLM's own prefix cache is off).
+    assert metrics(f"{server}/metrics").get("lmcache_mp_lookup_requested_tokens_total", 0.0) - asked >= chain["cacheable"]
+    new_folder = env.volume() / new_id
+    wait_for("the prompt's chunks in the new namespace's L2", lambda: len([p for p in new_folder.glob("*") if p.is_file()])
+             >= tokens // CHUNK, timeout=60)
+    _tokens, again = ask(vllm["status"]["podIP"])
+    assert again == chain["cacheable"], (tokens, again)
     assert files_state(old_folder) == kept

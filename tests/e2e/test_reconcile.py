@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.lmcache import server_args
+from kvpersist.builders.lmcache import encrypted_disk_share, server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, in_pod, kvpersist_env, manifest, start_operator, stop, target_of
@@ -47,7 +47,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     ns = scenario["ns"]
     obj = manifest(ns)
     kubectl.apply(obj)
-    t = target_of(obj)
+    t = target_of(obj, kubectl)
     status = wait_for("phase Ready", lambda: (lambda s: s if s.get("phase") == "Ready" else None)(kvns_status(kubectl, ns)),
                       timeout=180)
     assert status["namespaceId"] == t.namespace_id and status["replicas"] == "1/1"
@@ -69,11 +69,13 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert svc["spec"]["selector"]["kvpersist.dev/namespace-id"] == t.namespace_id
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
     cm = kubectl.get("configmap", f"{NAME}-connection", ns)
-    assert json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector"] == "LMCacheMPConnector"
+    assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}  # no kv-transfer-config for others
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
-    # L2's capacity as lmcache enforces it: 63/64 of maxCapacityGB, the rest for encrypted files' padding.
-    assert status["usage"]["l1CapacityBytes"] == 2**28 and status["usage"]["l2CapacityBytes"] == 2**30 * 63 // 64
+    # L2's capacity as lmcache enforces it: the share of maxCapacityGB an encrypted file's extra page leaves.
+    share = encrypted_disk_share(t.spec)
+    assert 16 / 17 <= share < 1
+    assert status["usage"]["l1CapacityBytes"] == 2**28 and abs(status["usage"]["l2CapacityBytes"] - 2**30 * share) < 2
     assert status["servers"] == [{"pod": f"{NAME}-lmcache-0", "healthy": True, "message": ""}]
     events = kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=Ready", "-o", "name").stdout
     assert events.strip()
@@ -81,7 +83,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     # is a generated Secret that nothing owns, and its bytes are nowhere in the workloads.
     key = kubectl.get("secret", f"{NAME}-l2-key", ns)
     assert "ownerReferences" not in key["metadata"] and len(base64.b64decode(key["data"]["master-key"])) == 32
-    assert json.loads(server_args(t)[server_args(t).index("--l2-adapter") + 1])["serde"]["type"] == "aesgcm"
+    assert json.loads(server_args(t)[server_args(t).index("--l2-adapter") + 1])["serde"]["type"] == "kvpersist-aesgcm"
     workloads = json.dumps([sts, dep, cm])
     assert key["data"]["master-key"] not in workloads and f"{NAME}-l2-key" in json.dumps(sts)
     assert kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=L2KeyGenerated", "-o", "name").stdout.strip()
@@ -106,7 +108,7 @@ def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> Non
         kvns_status(kubectl, ns).get("usage") or {}), timeout=60)
     assert usage["l2UsedBytes"] == want_l2 > before.get("l2UsedBytes", 0)
     assert usage["l1UsedBytes"] == server["l1_manager"]["memory_used_bytes"] > 0
-    scenario["stored_files"] = files_state(_l2_dir(scenario, target_of(manifest(ns)).namespace_id))
+    scenario["stored_files"] = files_state(_l2_dir(scenario, target_of(manifest(ns), kubectl).namespace_id))
     assert len(scenario["stored_files"]) == want_objects
 
 
@@ -119,7 +121,7 @@ def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict, 
     through and the connection ConfigMap, each deleted, and the Service's selector edited, are
     applied again by the operator within seconds (it watches what it owns)."""
     ns = scenario["ns"]
-    t = target_of(manifest(ns))
+    t = target_of(manifest(ns), kubectl)
     children = [("networkpolicy", f"{NAME}-lmcache"), ("service", t.local_service_name), ("configmap", f"{NAME}-connection")]
     times = []
     for kind, name in children:
@@ -160,7 +162,7 @@ def test_pin_change_moves_to_new_namespace_and_keeps_old_files(kubectl: Kubectl,
     obj = manifest(ns, maxModelLen=16384)
     obj["spec"]["l1"]["sizeGB"] = 0.5
     kubectl.apply(obj)
-    new_id = target_of(obj).namespace_id
+    new_id = target_of(obj, kubectl).namespace_id
     assert new_id != old_id
     wait_for("the new namespace id and Ready", lambda: kvns_status(kubectl, ns).get("namespaceId") == new_id
              and kvns_status(kubectl, ns).get("phase") == "Ready", timeout=180)
@@ -227,11 +229,11 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     kubectl.run("delete", "kvns", NAME, "-n", ns, timeout=60)
     gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
         ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
-        ("service", target_of(manifest(ns)).local_service_name),
+        ("service", target_of(manifest(ns), kubectl).local_service_name),
         ("service", f"{NAME}-lmcache-metrics"), ("configmap", f"{NAME}-connection")])
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
     # And the key without which that data is unreadable: kept, unchanged.
     assert kubectl.get("secret", f"{NAME}-l2-key", ns)["data"] == scenario["key"]
-    old_id = target_of(manifest(ns)).namespace_id
+    old_id = target_of(manifest(ns), kubectl).namespace_id
     assert files_state(_l2_dir(scenario, old_id)) == scenario["stored_files"]

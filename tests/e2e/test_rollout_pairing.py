@@ -67,9 +67,9 @@ def test_pin_change_never_pairs_identities(kubectl: Kubectl, crd: None, tmp_path
         obj["spec"]["vllm"]["replicas"] = 2
         kubectl.apply(obj)
         wait_for("phase Ready", lambda: (kubectl.get("kvns", NAME, ns).get("status") or {}).get("phase") == "Ready", timeout=180)
-        old = target_of(obj)
+        old = target_of(obj, kubectl)
         obj["spec"]["identity"]["maxModelLen"] = 16384
-        new = target_of(obj)
+        new = target_of(obj, kubectl)
         assert new.namespace_id != old.namespace_id
         kubectl.apply(obj)
 

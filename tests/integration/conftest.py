@@ -21,18 +21,20 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.lmcache import server_args
+from kvpersist.builders.lmcache import serve_source, server_args
 from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
-from tests.integration.kvdriver import drive_subprocess
+from tests.integration.kvdriver import SHAPE_PINS, drive_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
 from kubelet_runner import localize_args  # noqa: E402
 
-LMCACHE = shutil.which("lmcache")
+# This interpreter's own lmcache (its venv's bin need not be on PATH), else the one on PATH.
+LMCACHE = shutil.which("lmcache", path=str(Path(sys.executable).parent)) or shutil.which("lmcache")
 START_TIMEOUT_S = 120.0
+STAND_IN_FINGERPRINT = key_fingerprint(b"kvpersist integration tests: the folder's key")
 
 
 def free_port() -> int:
@@ -42,16 +44,20 @@ def free_port() -> int:
 
 
 def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, encrypted: bool = True,
-                **pins: Any) -> Target:
+                nvme: dict[str, Any] | None = None, **pins: Any) -> Target:
+    """A sample's Target with these settings (nvme: more spec.l2.nvme fields, e.g. the adapter),
+    its KV geometry pins those of the KV the driver sends (kvdriver.SHAPE) unless pins say otherwise."""
     obj = copy.deepcopy(sample(name))
-    obj["spec"]["identity"].update(pins)
+    obj["spec"]["identity"].update({**SHAPE_PINS, **pins})
     obj["spec"]["l2"]["encryption"] = {"enabled": encrypted}
     obj["spec"]["l1"]["sizeGB"] = l1_gb
     if "nvme" in obj["spec"]["l2"]:
-        obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb)
+        obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb, **(nvme or {}))
     obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins()).namespace_id)
+    # The id names the folder; the servers here mount key files the tests write (write_key), so
+    # the key's fingerprint in it is a fixed stand-in (the operator reads the real one).
+    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins(STAND_IN_FINGERPRINT)).namespace_id)
 
 
 def write_key(folder: Path, key: bytes | None = None) -> Path:
@@ -76,6 +82,10 @@ class LocalServer:
     key_dir: Path | None = None  # the L2 key Secret's volume: master.key (made by write_key when None)
     proc: subprocess.Popen | None = None
     starts: list[float] = field(default_factory=list)
+    # Another serde than the rendered one, e.g. lmcache's own "aesgcm" (its frames are ours): the
+    # interoperability tests and the benchmark's comparison. The rest of the args stay rendered.
+    serde_type: str | None = None
+    extra_args: tuple[str, ...] = ()  # appended to the rendered args (benchmarks/datapath_bench.py --server-arg)
 
     @property
     def argv(self) -> list[str]:
@@ -85,7 +95,16 @@ class LocalServer:
             if self.key_dir is None:
                 self.key_dir = write_key(self.log.parent / f"{self.log.stem}-l2-key")
             mounts[L2_KEY_MOUNT_PATH] = self.key_dir
-        return [LMCACHE, *localize_args(server_args(self.target), mounts, "127.0.0.1")]
+        # The program the pod runs (builders/lmcache.py SERVER_COMMAND): this venv's python3
+        # with kvpersist.inserver.serve, which registers kvpersist's serde and runs lmcache.
+        args = server_args(self.target)
+        if self.serde_type is not None:
+            at = args.index("--l2-adapter") + 1
+            adapter = json.loads(args[at])
+            adapter["serde"]["type"] = self.serde_type
+            args[at] = json.dumps(adapter, separators=(",", ":"), sort_keys=True)
+        return [str(Path(LMCACHE).parent / "python3"), "-c", serve_source(), *localize_args(args, mounts, "127.0.0.1"),
+                *self.extra_args]
 
     @property
     def rpc_url(self) -> str:

@@ -26,6 +26,8 @@ from typing import Any
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 2 KV heads of 64: 512 KiB per 256-token chunk
+# The identity pins of that shape (a server's L1 page follows them: kvpersist.api l1_page_bytes).
+SHAPE_PINS = {"numKVHeads": 2, "headSize": 64, "kvCacheDtype": "float16"}
 
 
 def _config(rpc_url: str, http_url: str, num_tokens: int, shape: str = SHAPE, num_blocks: int = 64) -> Any:

@@ -25,14 +25,15 @@ pytestmark = pytest.mark.datapath
 
 
 def run_rendered(target: Target, work: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """The server container's command, env and args as a kubelet would run them here: `$0` is this
-    machine's lmcache and python3 the one beside it (the image's), mounts are temp folders."""
+    """The server container's command, env and args as a kubelet would run them here: `$0` is the
+    python3 beside this machine's lmcache (the image's), running the in-server launcher from the
+    rendered env; mounts are temp folders."""
     assert LMCACHE, "lmcache not on PATH: run through hack/test.sh (installs the datapath extra)"
     container = server_container(target)
     mounts = {L2_MOUNT_PATH: work / "l2", L2_KEY_MOUNT_PATH: write_key(work / "key")}
     command = container["command"]
-    assert command[:2] == ["sh", "-c"] and command[3] == "lmcache"
-    argv = [*command[:3], LMCACHE, *localize_args(container["args"], mounts, "127.0.0.1")]
+    assert command[:2] == ["sh", "-c"] and command[3] == "python3"
+    argv = [*command[:3], str(Path(LMCACHE).parent / "python3"), *localize_args(container["args"], mounts, "127.0.0.1")]
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
            "PATH": f"{Path(LMCACHE).parent}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
            "NUMBA_CACHE_DIR": str(work / "numba"), TERMINATION_LOG_ENV: str(work / "termination-log")}

@@ -139,26 +139,24 @@ def test_unencrypted_l2_serves_same_size_garbage(servers: Servers) -> None:
     assert drive(srv, "verify", "0:4")["summary"]["wrong_bytes"] > 0
 
 
-def test_another_key_reads_as_misses_and_the_right_key_reads_again(servers: Servers, tmp_path: Path) -> None:
-    """A namespace's data under another master key (a Secret replaced or another cluster's) is a
-    miss, never wrong bytes; with its own key back, all of it is served."""
+def test_another_key_reads_as_misses(servers: Servers, tmp_path: Path) -> None:
+    """A namespace's data under another master key (a Secret replaced, another cluster's) is a
+    miss, never wrong bytes, and the server stays healthy. (Since the namespace id carries the
+    key's fingerprint, only a folder moved by hand meets another key; what then becomes of those
+    objects: tests/integration/test_l2_serde.py.)"""
     target = make_target()
     own = servers(target)
     own.start()
     assert drive(own, "store", "0:4")["summary"]["stored_chunks"] == 8
     own.stop(signal.SIGKILL)
-    files = files_state(own.l2_dir)
 
     other = servers(target, key_dir=write_key(tmp_path / "other-key"))
     other.start()
     wrong_key = drive(other, "verify", "0:4")["summary"]
-    assert wrong_key["hit_chunks"] == 0 and wrong_key["wrong_bytes"] == 0 and other.healthy()
-    other.stop(signal.SIGKILL)
-    assert files_state(own.l2_dir) == files  # nothing rewritten
-
-    own.start()
-    right_key = drive(own, "verify", "0:4")["summary"]
-    assert right_key["hit_chunks"] == 8 and right_key["wrong_bytes"] == 0
+    assert wrong_key["hit_chunks"] == 0 and wrong_key["wrong_bytes"] == 0 and wrong_key["lookup_errors"] == 0
+    assert other.healthy() and other.proc is not None and other.proc.poll() is None
+    again = drive(other, "verify", "0:4")["summary"]
+    assert again["hit_chunks"] == 0 and again["wrong_bytes"] == 0
 
 
 @pytest.fixture()

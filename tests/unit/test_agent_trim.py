@@ -17,7 +17,7 @@ import pytest
 from kvpersist.api.v1alpha1 import GIB, KVCacheNamespace
 from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import Target
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.agent import Agent, _period, _positive_int, make_server
 from kvpersist.inventory.volume import ChunkFile, _unlink_if_unchanged, choose_oldest, is_chunk_name, trim_namespace
 from tests.cases.invalid_manifests import sample
@@ -54,7 +54,7 @@ def test_choose_oldest_takes_just_enough_oldest_first() -> None:
 def test_choose_oldest_breaks_mtime_ties_by_path_and_may_take_everything() -> None:
     files = [_f("y", 5, 1.0), _f("x", 5, 1.0), _f("z", 5, 0.5)]
     assert [f.path for f in choose_oldest(files, 15, 6)] == ["z", "x"]
-    # Bytes that cannot be deleted (temp files) stay counted: everything deletable goes, no more.
+    # More bytes than the files hold: everything given goes, no more.
     assert [f.path for f in choose_oldest(files, 100, 0)] == ["z", "x", "y"]
 
 
@@ -80,17 +80,73 @@ def test_trim_deletes_the_oldest_chunks_of_the_served_folder_only(tmp_path: Path
     assert trim_namespace(tmp_path, A, 650 * KIB).objects == 0  # under capacity: nothing more
 
 
-def test_trim_counts_but_never_deletes_temp_and_foreign_files(tmp_path: Path) -> None:
+def test_trim_neither_counts_nor_deletes_temp_and_foreign_files(tmp_path: Path) -> None:
+    """Bytes the trim may not delete are not counted either: counted, they made it delete live
+    chunks in their place (800 KiB held, 400 of them not chunk files: 3 of 4 chunks went)."""
     served = tmp_path / A
-    tmp_file = _chunk(served, 99, 300 * KIB, 1.0, suffix=".tmp.0ab817bf43904236acf250ca11e1a499")  # oldest of all
+    tmp_file = _chunk(served, 99, 300 * KIB, time.time(), suffix=".tmp.0ab817bf43904236acf250ca11e1a499")  # in flight
     foreign = served / "notes.txt"
     foreign.write_bytes(b"x" * 100 * KIB)
     os.utime(foreign, (1.0, 1.0))
     for i in range(4):
         _chunk(served, i, 100 * KIB, 100.0 + i)
-    trimmed = trim_namespace(tmp_path, A, 500 * KIB)  # 800 KiB held, 400 of them not chunk files
-    assert trimmed.objects == 3 and tmp_file.exists() and foreign.exists()
-    assert _sizes(served) == 500 * KIB
+    assert trim_namespace(tmp_path, A, 500 * KIB).objects == 0  # 400 KiB of chunks: within capacity
+    assert tmp_file.exists() and foreign.exists() and len(list(served.glob("*.bin"))) == 4
+    trimmed = trim_namespace(tmp_path, A, 250 * KIB)  # over it: the chunks alone come down to it
+    assert (trimmed.objects, trimmed.bytes) == (2, 200 * KIB) and tmp_file.exists() and foreign.exists()
+
+
+def _fs_file(folder: Path, i: int, size: int, mtime: float, suffix: str = ".data") -> Path:
+    """A file as lmcache 0.5.6's fs adapter names it (fs_l2_adapter._object_key_to_filename)."""
+    path = folder / f"m@0x00000000@0@{i:064x}{suffix}"
+    path.write_bytes(b"\0" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_another_adapters_files_never_make_the_trim_delete_every_chunk(tmp_path: Path) -> None:
+    """A folder the fs adapter filled (*.data) and nixl_store_dynamic then wrote to (*.bin): the
+    agent trims for nixl and may delete only *.bin. Counting the fs files (2 MiB against a 1 MiB
+    capacity) made it delete every nixl chunk, the newest KV included, and still be over."""
+    served = tmp_path / A
+    served.mkdir()
+    fs_files = [_fs_file(served, i, 256 * KIB, 10.0 + i) for i in range(8)]
+    chunks = [_chunk(served, i, 100 * KIB, 1000.0 + i) for i in range(4)]
+    assert trim_namespace(tmp_path, A, 1024 * KIB).objects == 0
+    assert all(p.exists() for p in fs_files + chunks)
+
+
+def test_abandoned_nixl_temp_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    from kvpersist.inventory.volume import ABANDONED_TEMP_S, sweep_abandoned
+
+    served = tmp_path / A
+    now = time.time()
+    old = now - ABANDONED_TEMP_S - 60
+    hexid = "0ab817bf43904236acf250ca11e1a499"
+    abandoned = _chunk(served, 1, 300 * KIB, old, suffix=f".tmp.{hexid}")
+    sharded = _chunk(served / "ab" / "cd", 2, 10 * KIB, old, suffix=f".tmp.{hexid}")
+    live = _chunk(served, 3, 300 * KIB, now - 5, suffix=f".tmp.{hexid}")  # being written
+    unknown = _chunk(served, 4, 10, old, suffix=".tmp.not-a-uuid")  # not lmcache's name: not ours
+    fs_tmp = _fs_file(served, 5, 10, old, suffix=".tmp")  # the fs adapter's, reused by its next store
+    chunk = _chunk(served, 6, 10, old)
+    swept = sweep_abandoned(tmp_path, A, now=now)
+    assert (swept.objects, swept.bytes) == (2, 310 * KIB)
+    assert not abandoned.exists() and not sharded.exists()
+    assert live.exists() and unknown.exists() and fs_tmp.exists() and chunk.exists()
+    assert sweep_abandoned(tmp_path, B).objects == 0  # no such folder
+    with pytest.raises(ValueError):
+        sweep_abandoned(tmp_path, "..")
+
+
+def test_the_agents_trim_pass_sweeps_abandoned_temp_files_first(tmp_path: Path) -> None:
+    from kvpersist.inventory.volume import ABANDONED_TEMP_S
+
+    old = time.time() - ABANDONED_TEMP_S - 60
+    crashed = _chunk(tmp_path / A, 9, 500 * KIB, old, suffix=".tmp.0ab817bf43904236acf250ca11e1a499")
+    kept = [_chunk(tmp_path / A, i, 100 * KIB, 100.0 + i) for i in range(3)]
+    agent = Agent(tmp_path, A, capacity_bytes=300 * KIB)
+    assert agent.trim_once().objects == 0  # the chunks fit; the dead write's file is gone
+    assert not crashed.exists() and all(p.exists() for p in kept) and agent.swept_temp_files == 1
 
 
 def test_trim_reaches_sharded_subfolders(tmp_path: Path) -> None:
@@ -202,7 +258,8 @@ def _target(mutate=None, enabled: bool = True) -> Target:
     if mutate:
         mutate(obj)
     spec = KVCacheNamespace.model_validate(obj).spec
-    return Target(obj["metadata"]["name"], "ml", spec, resolve(spec.pins()).namespace_id if enabled else None)
+    nsid = resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id if enabled else None  # the L2 key's pin too
+    return Target(obj["metadata"]["name"], "ml", spec, nsid)
 
 
 def _capacity_arg(t: Target) -> str | None:

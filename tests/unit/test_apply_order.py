@@ -34,6 +34,8 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
     monkeypatch.setattr(handlers.kube, "apply", call)
     monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: bool(call(m)))
     monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
+    monkeypatch.setattr(handlers.kube, "get", lambda *a: None)  # no key Secret yet: generated (its fingerprint is in the id)
+    monkeypatch.setattr(handlers.kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
     body = copy.deepcopy(sample())
     body["metadata"].update(namespace="ml", uid="u-order", generation=1)  # L2 encryption on (the default): a key Secret too
     key = ("ml", body["metadata"]["name"])

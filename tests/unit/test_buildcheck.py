@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.lmcache import server_container
+from kvpersist.builders.lmcache import SERVE_ENV, server_container
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
 from kvpersist.controller import buildcheck, handlers
@@ -142,8 +142,8 @@ def test_an_unwritable_termination_log_still_refuses(tmp_path: Path) -> None:
 
 def test_the_rendered_wrapper_runs_the_check_then_the_program_with_its_args(tmp_path: Path) -> None:
     """The server's command exactly as rendered, in sh: the check with the container's env, then
-    `exec "$0" "$@"` with the args unchanged; nothing runs after a refusal. A python3 on PATH that
-    sees only the fake distributions stands in for the image's."""
+    `exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"` with the args unchanged; nothing runs after a
+    refusal. A python3 on PATH that sees only the fake distributions stands in for the image's."""
     container = server_container(target())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -160,7 +160,8 @@ def test_the_rendered_wrapper_runs_the_check_then_the_program_with_its_args(tmp_
                               env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(site),
                                    TERMINATION_LOG_ENV: str(log)})
         assert done.returncode == code, done.stderr
-        assert done.stdout == (" ".join(container["args"]) + "\n" if code == 0 else "")
+        program_args = ["-c", env[SERVE_ENV], *container["args"]]  # kvpersist.inserver.serve, then lmcache's args
+        assert done.stdout == (" ".join(program_args) + "\n" if code == 0 else "")
         assert log.exists() is (code != 0)
 
 
@@ -173,9 +174,9 @@ def test_the_server_checks_lmcache_and_vllm_with_the_cache_checks_both(name: str
     declared = declared_versions(t.spec.identity.connector_build)
     assert declared == {"vllm": "0.33.0", "lmcache": "0.5.6"}
     server = server_container(t)
-    assert server["command"][:2] == ["sh", "-c"] and server["command"][3] == "lmcache"
+    assert server["command"][:2] == ["sh", "-c"] and server["command"][3] == "python3"
     assert server["command"][2].startswith("umask 0002 && ")  # the group-writable L2 stays
-    assert server["command"][2].endswith(f'{buildcheck.CHECK} && exec "$0" "$@"')
+    assert server["command"][2].endswith(f'{buildcheck.CHECK} && exec "$0" -c "${SERVE_ENV}" "$@"')
     assert server["args"][0] == "server"
     env = {e["name"]: e.get("value") for e in server["env"]}
     assert env[SCRIPT_ENV] == CHECK_SCRIPT and env["KVPERSIST_EXPECT_LMCACHE"] == "0.5.6"

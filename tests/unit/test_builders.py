@@ -15,6 +15,7 @@ from kvpersist.builders.lmcache import (
     SERDE_WORKERS,
     build_lmcache_statefulset,
     l2_adapter_config,
+    serve_source,
     server_args,
     server_resources,
 )
@@ -30,8 +31,10 @@ from kvpersist.builders.target import (
     Target,
 )
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
+
+KEY_FINGERPRINT = key_fingerprint(b"k" * 32)  # the L2 key's pin, as the operator reads it from the Secret
 
 
 def target(name: str = "nvme-minimal", mutate=None, namespace: str = "ml") -> Target:
@@ -39,7 +42,7 @@ def target(name: str = "nvme-minimal", mutate=None, namespace: str = "ml") -> Ta
     if mutate:
         mutate(obj)
     model = KVCacheNamespace.model_validate(obj)
-    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.pins()).namespace_id)
+    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.pins(KEY_FINGERPRINT)).namespace_id)
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -65,13 +68,14 @@ def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
     t = target()
     cfg = l2_adapter_config(t)
     assert cfg["type"] == "nixl_store_dynamic" and cfg["backend"] == "POSIX" and cfg["persist_enabled"] is True
-    assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "false",
-                                     "max_capacity_gb": repr(450 * 63 / 64)}  # the share the disk padding leaves
+    assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "true",
+                                     "max_capacity_gb": repr(450 * 16 / 17)}  # the share the disk padding leaves:
+    # encrypted, a file is its chunk and one L1 page, at most a sixteenth of a layer (64 KiB of 1 MiB here)
     assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
 
 
 def test_fs_adapter() -> None:
-    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs", directIO=True))
+    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs"))  # directIO true by default
     cfg = l2_adapter_config(t)
     assert cfg["type"] == "fs" and cfg["base_path"].endswith(t.namespace_id) and cfg["use_odirect"] is True
 
@@ -122,9 +126,12 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod) and pod["runtimeClassName"] == "nvidia"
     container = pod["containers"][0]
     # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it)
-    # and checks the installed lmcache against connectorBuild first (kvpersist.controller.buildcheck).
-    assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && exec "$0" "$@"',
-                                    "lmcache"]
+    # and checks the installed lmcache against connectorBuild first (kvpersist.controller.buildcheck),
+    # run by the image's python3 through kvpersist.inserver.serve (kvpersist's L2 serde, then lmcache).
+    assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && '
+                                    'exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"', "python3"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVPERSIST_LMCACHE_SERVE"] == serve_source() and "lmcache.cli.main" in env["KVPERSIST_LMCACHE_SERVE"]
     assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
     # Nothing listens on the pod IP but ZMQ: the probes run inside the container, on loopback.
     assert [p["name"] for p in container["ports"]] == ["zmq"]
@@ -172,8 +179,7 @@ def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
         host = json.loads(_flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))[
             "kv_connector_extra_config"]["lmcache.mp.host"]
         assert host == f"tcp://{build_local_service(t)['metadata']['name']}.ml.svc"
-        assert json.loads(build_connection_configmap(t)["data"]["kv-transfer-config.json"]) == json.loads(
-            _flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))
+        assert build_connection_configmap(t)["data"]["namespace-id"] == t.namespace_id
         affinity = vllm_pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
         zmq = build_zmq_policy(t)
         for other in (old, new):
@@ -193,11 +199,20 @@ def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
     assert build_zmq_policy(old)["metadata"]["name"] != build_zmq_policy(new)["metadata"]["name"]
 
 
-def test_connection_configmap_pins_the_connector_module() -> None:
+def test_the_connection_configmap_names_the_namespace_and_invites_no_other_writer() -> None:
+    """A client launched from a published kv-transfer-config carries none of the pins (any model,
+    any flags) and would write its KV into the namespace that pinned vLLM pods read: the ConfigMap
+    publishes the id and the cache's state, never the config or the server's address."""
     t = target()
     cm = build_connection_configmap(t)
     assert cm["metadata"]["name"] == "llama31-8b-connection"
-    cfg = json.loads(cm["data"]["kv-transfer-config.json"])
+    assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}
+    assert t.local_service_name not in json.dumps(cm) and "kv_connector" not in json.dumps(cm)
+
+
+def test_vllm_kv_transfer_config_pins_the_connector_module() -> None:
+    t = target()
+    cfg = json.loads(_flag(vllm_args(t), "--kv-transfer-config"))
     assert cfg == kv_transfer_config(t)
     assert cfg["kv_connector"] == "LMCacheMPConnector"
     assert cfg["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
@@ -206,7 +221,6 @@ def test_connection_configmap_pins_the_connector_module() -> None:
                                                 "lmcache.mp.port": 5555,
                                                 "lmcache.mp.heartbeat_interval": 2.0,
                                                 "lmcache.mp.isolated_ipc": True}
-    assert cm["data"]["namespace-id"] == t.namespace_id
 
 
 def test_vllm_launch_has_exactly_the_pins() -> None:
@@ -284,31 +298,46 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
 
 
 def test_operator_metrics_text() -> None:
+    """Counted against what the module already held: other tests (in any order) leave phases and
+    counts behind in the process."""
     import urllib.request
+    import uuid
 
     from kvpersist.controller import metrics
 
+    def scrape() -> dict[str, float]:
+        server = metrics.serve("127.0.0.1", 0)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        finally:
+            server.shutdown()
+        assert "# TYPE kvpersist_status_writes_total counter" in text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if not line.startswith("#")}
+
+    ns = f"ml-{uuid.uuid4().hex[:6]}"
+    before = scrape()
     metrics.inc("kvpersist_status_writes_total", 3)
-    metrics.set_phase("ml", "a", "Ready")
-    metrics.set_phase("ml", "b", "Ready")
-    metrics.set_phase("ml", "c", "Degraded")
-    metrics.set_phase("ml", "c", None)
-    server = metrics.serve("127.0.0.1", 0)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    finally:
-        server.shutdown()
-    assert "# TYPE kvpersist_status_writes_total counter" in text
-    assert any(line.startswith("kvpersist_status_writes_total ") and float(line.split()[1]) >= 3 for line in text.splitlines())
-    assert 'kvpersist_resources{phase="Ready"} 2' in text and "Degraded" not in text
+    metrics.refreshed(ns, "a", "Ready")
+    metrics.refreshed(ns, "a", "Ready")
+    metrics.refreshed(ns, "b", "Ready")
+    metrics.refreshed(ns, "c", "Degraded")
+    metrics.set_phase(ns, "c", None)  # deleted: its phase and its series go
+    after = scrape()
+    assert after["kvpersist_status_writes_total"] == before["kvpersist_status_writes_total"] + 3
+    assert after["kvpersist_status_refreshes_total"] == before["kvpersist_status_refreshes_total"] + 4
+    ready, degraded = 'kvpersist_resources{phase="Ready"}', 'kvpersist_resources{phase="Degraded"}'
+    assert after[ready] == before.get(ready, 0) + 2 and after.get(degraded, 0) == before.get(degraded, 0)
+    assert after[f'kvpersist_resource_refreshes_total{{namespace="{ns}",name="a"}}'] == 2
+    assert after[f'kvpersist_resource_refreshes_total{{namespace="{ns}",name="b"}}'] == 1
+    assert not any(f'namespace="{ns}",name="c"' in key for key in after)
 
 
 def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
     t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(budget="2Mi"))
     cfg = l2_adapter_config(t)
-    # 2 MiB, as lmcache parses float(GB) * 2**30, less the 1/64 an encrypted object's padding takes on disk
-    assert float(cfg["backend_params"]["max_capacity_gb"]) * 2**30 == 2 * 2**20 * 63 / 64
+    # 2 MiB, as lmcache parses float(GB) * 2**30, less the 1/17 an encrypted object's page takes on disk
+    assert float(cfg["backend_params"]["max_capacity_gb"]) * 2**30 == pytest.approx(2 * 2**20 * 16 / 17)
     plain = l2_adapter_config(target(mutate=lambda o: o["spec"]["l2"].update(
         nvme={**o["spec"]["l2"]["nvme"], "budget": "2Mi"}, encryption={"enabled": False})))
     assert plain["backend_params"]["max_capacity_gb"] == "0.001953125"
@@ -357,7 +386,7 @@ def test_stale_routes_are_old_ids_no_pod_carries() -> None:
 def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
     t = target(name)
     cfg = l2_adapter_config(t)
-    assert cfg["serde"] == {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256, "max_workers": SERDE_WORKERS,
+    assert cfg["serde"] == {"type": "kvpersist-aesgcm", "aes_bits": 256, "max_workers": SERDE_WORKERS,
                             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)

@@ -311,3 +311,37 @@ def test_events_are_read_only_after_the_grace_and_at_most_once_a_minute() -> Non
     assert len(calls) == 2
     assert check.failure(key, False, 500.0, lookup) is None  # the namespace was labelled: pods exist
     assert check.failure(key, True, 501.0, lookup) is None and len(calls) == 2  # a new grace starts
+
+
+def l2_of(o: Observation) -> tuple[str, dict]:
+    fields, conds = compute_status(o)
+    return fields["phase"], next(c for c in conds if c["type"] == "L2Ready")
+
+
+def test_claims_bound_is_l2_ready() -> None:
+    phase, l2 = l2_of(obs(server_desired=2, claims=[bound("l2-s-0"), bound("l2-s-1")],
+                          statefulset=rollout(2, 2), server_pods=[pod("s-0", True), pod("s-1", True)],
+                          reports=[ServerReport(p, True, l2_healthy=True) for p in ("s-0", "s-1")]))
+    assert (l2["status"], l2["reason"], l2["message"]) == ("True", "ClaimsBound", "2 claim(s) bound") and phase == "Ready"
+
+
+def test_a_claim_the_statefulset_has_not_made_yet_is_missing() -> None:
+    phase, l2 = l2_of(obs(server_desired=2, claims=[bound("l2-s-0")]))
+    assert (l2["status"], l2["reason"]) == ("False", "ClaimMissing") and "1/2 claims exist" in l2["message"]
+    assert phase != "Ready"
+
+
+def test_an_unhealthy_adapter_degrades_and_names_the_pod() -> None:
+    phase, l2 = l2_of(obs(reports=[ServerReport("s-0", True, l2_healthy=False)]))
+    assert (l2["status"], l2["reason"]) == ("False", "AdapterUnhealthy") and l2["message"] == "nvme L2 adapter unhealthy on s-0"
+    assert phase == "Degraded"
+
+
+def test_a_healthy_bucket_adapter_is_l2_ready_with_the_preflight_said() -> None:
+    bucket = dict(l2_kind="hfBucket", claims=[], bucket_check=(True, "BucketReachable", "bucket acme/kv reachable"))
+    phase, l2 = l2_of(obs(**bucket, reports=[ServerReport("s-0", True, l2_healthy=True)]))
+    assert (l2["status"], l2["reason"]) == ("True", "AdapterHealthy") and phase == "Ready"
+    assert l2["message"] == "hfbucket adapter healthy; bucket acme/kv reachable"
+    # The same preflight before any server said how its adapter is: not yet known.
+    _phase, unknown = l2_of(obs(**bucket, reports=[ServerReport("s-0", True)]))
+    assert (unknown["status"], unknown["reason"]) == ("Unknown", "BucketReachable")

@@ -16,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.controller import handlers
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory import bucket as inventory_bucket
 from kvpersist.inventory import cleanup
 from kvpersist.inventory.volume import NamespaceUsage
@@ -121,8 +121,16 @@ def test_refusal_now_sees_pods_and_resources_by_spec() -> None:
     pod = {"metadata": {"name": "p", "namespace": "x", "labels": {"kvpersist.dev/namespace-id": ORPHAN}}}
     assert "pod x/p" in cleanup.refusal_now(ORPHAN, current, [], [pod])
     body = _body()
-    nsid = resolve(KVCacheNamespace.model_validate(body).spec.pins()).namespace_id
-    assert nsid and "KVCacheNamespace ml/" in cleanup.refusal_now(nsid, current, [body], [])
+    fp = key_fingerprint(b"k" * 32)
+    nsid = resolve(KVCacheNamespace.model_validate(body).spec.pins(fp)).namespace_id
+    # The spec's id needs its L2 key: read for a resource whose status records none, ...
+    assert nsid and "KVCacheNamespace ml/" in cleanup.refusal_now(nsid, current, [body], [], fingerprint=lambda r: fp)
+    assert cleanup.refusal_now(nsid, current, [body], []) is None  # (without the key: another namespace, if any)
+    # ... else the fingerprint status records for the same Secret; and one waiting for its key holds its namespace.
+    recorded = {**body, "status": {"l2Key": {"secret": "llama31-8b-l2-key", "fingerprint": fp}}}
+    assert "KVCacheNamespace ml/" in cleanup.refusal_now(nsid, current, [recorded], [])
+    waiting = {**body, "status": {"l2Key": {"secret": "llama31-8b-l2-key", "fingerprint": fp, "namespaceId": ORPHAN}}}
+    assert "waiting for the L2 key" in cleanup.refusal_now(ORPHAN, current, [waiting], [])
     assert cleanup.refusal_now(ORPHAN, ORPHAN, [], []) and cleanup.refusal_now(ORPHAN, current, [], []) is None
 
 

@@ -137,14 +137,19 @@ def test_counter_delta_growth_and_restarts() -> None:
     assert counter_delta(a, past) == HitTotals(2000, 900, 500, 400)
 
 
+def tokens(t: HitTotals) -> tuple[int, int, int, int]:
+    return t.lookup, t.hit, t.l1, t.l2
+
+
 def test_fold_real_captures_across_a_server_restart() -> None:
     totals, base = fold_counters(HitTotals(), {}, {"s-0": counters_of(1)})
-    assert totals == HitTotals(2048, 0, 0, 0)
+    assert tokens(totals) == (2048, 0, 0, 0)
     totals, base = fold_counters(totals, base, {"s-0": counters_of(2)})
-    assert totals == HitTotals(5120, 2048, 2048, 0)
+    assert tokens(totals) == (5120, 2048, 2048, 0)
     # the server restarted: 3072 < 5120 and a new start time; its counts are all new
     totals, base = fold_counters(totals, base, {"s-0": counters_of(3)})
-    assert totals == HitTotals(8192, 4096, 2048, 2048)
+    assert tokens(totals) == (8192, 4096, 2048, 2048)
+    assert (totals.l2_loads, totals.l1_loads) == (4, 4 + counters_of(2).l1_loads)  # the restore counts fold alike
     assert (percent(totals.hit, totals.lookup), percent(totals.l1, totals.lookup), percent(totals.l2, totals.lookup)) == (
         "50.0%", "25.0%", "25.0%")
     assert base == {"s-0": counters_of(3)}
@@ -155,7 +160,7 @@ def test_restart_detected_by_start_time_when_counters_grew_past_the_old_ones() -
     # for a drop would add 1024.
     totals, base = fold_counters(HitTotals(), {}, {"s-0": counters_of(1)})
     totals, _ = fold_counters(totals, base, {"s-0": counters_of(3)})
-    assert totals == HitTotals(2048 + 3072, 2048, 0, 2048)
+    assert tokens(totals) == (2048 + 3072, 2048, 0, 2048)
 
 
 def test_unknown_server_keeps_its_baseline_and_gone_servers_are_forgotten() -> None:
@@ -188,6 +193,26 @@ def test_window_from_samples() -> None:
     assert (w["lookupTokens"], w["hitTokens"], w["hitRate"]) == (2600, 1500, "57.7%")  # from t=100
     # nothing answered for longer than the window: unknown
     assert window_figures(later, now=400.0 + HIT_WINDOW_S + 1) is None
+
+
+def test_restore_rates_per_tier_from_real_captures_and_the_window() -> None:
+    """lmcache's load-throughput histograms: L2 -> L1 only where L2 served (capture 3, after the
+    restart), L1 -> engine for every hit; the window's rate is its loads' mean, None without one."""
+    l1_only, l2 = counters_of(2), counters_of(3)
+    assert l1_only.l2_loads == 0 and l1_only.l1_loads > 0
+    assert l2.l2_loads == 4 and l2.l2_gbps_sum == pytest.approx(3.788196966889448) and l2.l1_loads == 4
+    samples = [(0.0, HitTotals()), (10.0, counter_delta(None, l2))]
+    w = window_figures(samples, now=10.0)
+    assert w is not None and w["restoresL2"] == 4 and w["restoreGbpsL2"] == round(3.788196966889448 / 4, 2)
+    assert w["restoresL1"] == 4 and w["restoreGbpsL1"] == round(1.2820079721745947 / 4, 2)
+    idle = window_figures([(0.0, HitTotals(10, 5, 5, 0)), (10.0, HitTotals(20, 5, 5, 0))], now=10.0)
+    assert idle is not None and idle["restoreGbpsL2"] is None and idle["restoresL2"] == 0
+    KVCacheNamespaceStatus.model_validate({"hits": {"window": w}})  # what the CRD takes
+    # A garbled histogram leaves the rate unknown (zero loads), the lookup counters stand.
+    garbled = lookup_counters({**parse_exposition(capture(3)), "lmcache_mp_l2_load_throughput_GB_per_second_count": -1.0})
+    assert garbled is not None and garbled.l2_loads == 0 and garbled.requested == l2.requested
+    # A server restart (counts back to zero) is a restart for these counters too.
+    assert counter_delta(l2, counters_of(2)).l2_loads == 0
 
 
 def _report(pod: str, c: LookupCounters | None) -> ServerReport:
@@ -278,7 +303,7 @@ def test_chart_dashboard_and_podmonitor_match_what_the_servers_export() -> None:
     from kvpersist.api.v1alpha1 import KVCacheNamespace
     from kvpersist.builders.lmcache import agent_container
     from kvpersist.builders.target import SERVER, Target
-    from kvpersist.status.usage import LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2, LOOKUP_REQUESTED
+    from kvpersist.status.usage import LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2, LOOKUP_REQUESTED, RESTORE_L1, RESTORE_L2
     from tests.cases.invalid_manifests import sample
 
     chart = Path(__file__).resolve().parents[2] / "charts" / "kvpersist"
@@ -287,6 +312,9 @@ def test_chart_dashboard_and_podmonitor_match_what_the_servers_export() -> None:
     for name in (LOOKUP_REQUESTED, LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2):
         assert name in exprs
         assert name in capture(2)  # and a real lmcache 0.5.6 exports it
+    for name in (RESTORE_L2, RESTORE_L1):  # the restore rates, as status.hits.window has them
+        assert f"rate({name}_sum{{" in exprs and f"rate({name}_count{{" in exprs
+        assert f"{name}_sum{{" in capture(3) and f"{name}_count{{" in capture(3)
     podmonitor = (chart / "templates" / "lmcache-podmonitor.yaml").read_text()
     obj = sample("nvme-minimal")
     target = Target(obj["metadata"]["name"], "ns", KVCacheNamespace.model_validate(obj).spec, None)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpersist.identity import IMAGE_PINS, PIN_FIELDS, image_digest, namespace_id, resolve
+from kvpersist.identity import IMAGE_PINS, L2_KEY_PIN, PIN_FIELDS, image_digest, key_fingerprint, namespace_id, resolve
 
 BASE = {
     "model_id": "meta-llama/Llama-3.1-8B-Instruct",
@@ -25,6 +25,8 @@ BASE = {
     "vllm_image_digest": "sha256:" + "1a" * 32,
     "lmcache_server_image_digest": "sha256:" + "2b" * 32,
     "l2_serde": "aesgcm-256",
+    "l2_layout": "nixl_store_dynamic",
+    "l2_key_fingerprint": "0123456789abcdef",
 }
 
 # One different value per pin.
@@ -45,6 +47,8 @@ CHANGED = {
     "vllm_image_digest": "sha256:" + "3c" * 32,
     "lmcache_server_image_digest": "sha256:" + "4d" * 32,
     "l2_serde": "none",
+    "l2_layout": "fs",
+    "l2_key_fingerprint": "fedcba9876543210",
 }
 
 
@@ -56,8 +60,9 @@ def test_id_shape_and_stability() -> None:
     nid = namespace_id(BASE)
     assert nid is not None and nid.startswith("kvp-") and len(nid) == 36
     int(nid[4:], 16)
-    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images and serde joined).
-    assert nid == "kvp-531b0642262062e915f563e618177206"
+    # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images and serde
+    # joined; 3: the L2 layout and the L2 key's fingerprint).
+    assert nid == "kvp-d62351ce81b6c166f0cd3c1be0f121d7"
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
@@ -92,7 +97,8 @@ def test_missing_pin_gives_no_id(pin: str) -> None:
     assert res.namespace_id is None
     assert res.missing == (pin,)
     assert (IMAGE_PINS.get(pin) or pin) in res.reason
-    assert res.code == ("ImageNotPinned" if pin in IMAGE_PINS else "IdentityIncomplete")
+    assert res.code == ("ImageNotPinned" if pin in IMAGE_PINS else "L2KeyNotRead" if pin == L2_KEY_PIN else
+                        "IdentityIncomplete")
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
@@ -138,9 +144,12 @@ def _spec(**images: str):
     return KVCacheNamespace.model_validate(obj).spec
 
 
+FP = key_fingerprint(b"k" * 32)  # the L2 key's pin (spec.l2.encryption is on in the sample)
+
+
 def test_sample_images_are_pinned_and_in_the_id() -> None:
     spec = _spec()
-    pins = spec.pins()
+    pins = spec.pins(FP)
     assert pins["vllm_image_digest"] == image_digest(spec.vllm.image) is not None
     assert pins["lmcache_server_image_digest"] == image_digest(spec.lmcache_server.image) is not None
     assert resolve(pins).namespace_id is not None
@@ -149,9 +158,38 @@ def test_sample_images_are_pinned_and_in_the_id() -> None:
 @pytest.mark.parametrize("which", ["vllm", "server"])
 def test_a_changed_image_is_a_new_namespace(which: str) -> None:
     """The same pins with another build of either image never share stored KV."""
-    base = resolve(_spec().pins()).namespace_id
-    other = resolve(_spec(**{which: "example.org/other@" + DIGEST}).pins()).namespace_id
+    base = resolve(_spec().pins(FP)).namespace_id
+    other = resolve(_spec(**{which: "example.org/other@" + DIGEST}).pins(FP)).namespace_id
     assert other is not None and other != base
+
+
+def test_switching_the_l2_adapter_is_a_new_namespace_and_folder() -> None:
+    """fs and nixl_store_dynamic name their files otherwise (*.data, *.bin) and the agent trims only
+    nixl's: one folder under both would let the trim count files it cannot delete and remove live
+    chunks. The layout is a pin, so a switch is a new id, hence a new folder (builders.lmcache.l2_path)."""
+    from kvpersist.api.v1alpha1 import KVCacheNamespace, l2_layout
+    from kvpersist.builders.lmcache import l2_path
+    from kvpersist.builders.target import Target
+    from tests.cases.invalid_manifests import sample
+
+    def target(obj: dict) -> Target:
+        obj["spec"]["l2"]["encryption"] = {"enabled": False}  # the layout alone, no key to read
+        spec = KVCacheNamespace.model_validate(obj).spec
+        return Target("r", "ns", spec, resolve(spec.pins()).namespace_id)
+
+    nixl = sample()
+    fs = sample()
+    fs["spec"]["l2"]["nvme"]["adapter"] = "fs"
+    bucket = sample("hf-bucket")
+    layouts = [l2_layout(KVCacheNamespace.model_validate(o).spec) for o in (nixl, fs, bucket)]
+    assert layouts[0].startswith("nixl_store_dynamic") and layouts[1:] == ["fs", "hfbucket"]
+    a, b = target(nixl), target(fs)
+    assert a.namespace_id and b.namespace_id and a.namespace_id != b.namespace_id
+    assert l2_path(a) != l2_path(b)
+    # Nothing else of the NVMe settings that keeps the files readable moves the id.
+    direct = sample()
+    direct["spec"]["l2"]["nvme"].update(directIO=False, maxCapacityGB=100)  # (true is the default)
+    assert target(direct).namespace_id == a.namespace_id
 
 
 def test_the_same_bytes_under_another_name_keep_the_namespace() -> None:
@@ -159,12 +197,12 @@ def test_the_same_bytes_under_another_name_keep_the_namespace() -> None:
     spec = _spec()
     mirrored = _spec(vllm="mirror.local/vllm@" + image_digest(spec.vllm.image),
                      server="mirror.local/lmcache@" + image_digest(spec.lmcache_server.image))
-    assert resolve(mirrored.pins()).namespace_id == resolve(spec.pins()).namespace_id
+    assert resolve(mirrored.pins(FP)).namespace_id == resolve(spec.pins(FP)).namespace_id
 
 
 @pytest.mark.parametrize(("which", "field"), [("vllm", "spec.vllm.image"), ("server", "spec.lmcacheServer.image")])
 def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin(which: str, field: str) -> None:
-    res = resolve(_spec(**{which: "vllm/vllm-openai:v0.33.0"}).pins())
+    res = resolve(_spec(**{which: "vllm/vllm-openai:v0.33.0"}).pins(FP))
     assert res.namespace_id is None and res.code == "ImageNotPinned"
     assert field in res.reason and "@sha256:" in res.reason
     assert "spec.identity" not in res.reason  # the identity pins are all there; only the image is the fix

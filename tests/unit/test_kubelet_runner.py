@@ -97,9 +97,10 @@ def test_the_pods_loopback_is_its_own_address_and_exec_probes_run_there(tmp_path
             pass
 
     runner = Runner(tmp_path / "kubeconfig", "ns", tmp_path, lmcache="/opt/lmcache")
-    # The shell wrapper (umask, build check) runs this machine's lmcache as its $0, on the pod's own addresses.
+    # The shell wrapper (umask, build check) runs this machine's python3 as its $0 (the one beside
+    # its lmcache when there is one: kvpersist.inserver.serve runs lmcache), on the pod's own addresses.
     argv = runner.argv({"spec": {"volumes": []}, "status": {"podIP": ip}}, {**container, "volumeMounts": []})
-    assert argv[:4] == ["sh", "-c", container["command"][2], "/opt/lmcache"] and argv[4:] == args
+    assert argv[:4] == ["sh", "-c", container["command"][2], sys.executable] and argv[4:] == args
     # The port the probe names, served on the pod's loopback address; nothing on the pod IP.
     server = http.server.HTTPServer(("127.116.3.4", 0), Handler)
     port = server.server_address[1]
@@ -140,13 +141,13 @@ def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monk
     from kvpersist.api.v1alpha1 import KVCacheNamespace
     from kvpersist.builders.lmcache import build_lmcache_statefulset
     from kvpersist.builders.target import L2_KEY_FILE, Target
-    from kvpersist.identity import resolve
+    from kvpersist.identity import key_fingerprint, resolve
     from tests.cases.invalid_manifests import sample
 
     spec = KVCacheNamespace.model_validate(sample()).spec
-    target = Target("llama31-8b", "ns", spec, resolve(spec.pins()).namespace_id)
-    template = build_lmcache_statefulset(target)["spec"]["template"]
     key = bytes(range(32))
+    target = Target("llama31-8b", "ns", spec, resolve(spec.pins(key_fingerprint(key))).namespace_id)
+    template = build_lmcache_statefulset(target)["spec"]["template"]
     secrets = {"llama31-8b-l2-key": {"data": {"master-key": base64.b64encode(key).decode()}}}
     runner = Runner(tmp_path / "kc", "ns", tmp_path)
     monkeypatch.setattr(runner, "_kubectl_json", lambda *args: secrets[args[2]])
@@ -172,15 +173,20 @@ def test_wrapped_programs_are_still_this_machines_builds(tmp_path: Path) -> None
 
     vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]["containers"][0]
     server = server_container(target())
-    assert vllm["command"][0] == "sh" and program(vllm) == "vllm" and program(server) == "lmcache"
+    assert vllm["command"][0] == "sh" and program(vllm) == "vllm" and program(server) == "python3"
     assert program({"command": ["kvpersist"]}) == "kvpersist"
-    runner = Runner(tmp_path / "kc", "ns", tmp_path, lmcache="/opt/lmcache-venv/bin/lmcache")
+    lmcache_bin = tmp_path / "lmcache-venv" / "bin"
+    lmcache_bin.mkdir(parents=True)
+    for name in ("lmcache", "python3"):
+        (lmcache_bin / name).touch(mode=0o755)
+    runner = Runner(tmp_path / "kc", "ns", tmp_path, lmcache=str(lmcache_bin / "lmcache"))
     assert "no vLLM build" in runner.why_simulated(vllm)
     runner.vllm = "/opt/vllm-venv/bin/vllm"
     env = runner._env(vllm)
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["PATH"].startswith("/opt/vllm-venv/bin:")
     assert env["KVPERSIST_EXPECT_VLLM"] == "0.33.0"
-    assert runner._env(server)["PATH"].startswith("/opt/lmcache-venv/bin:")
+    assert runner._env(server)["PATH"].startswith(f"{lmcache_bin}:")  # the server's python3 is lmcache's
+    assert runner.argv({"spec": {"volumes": []}, "status": {"podIP": "127.16.0.2"}}, server)[3] == str(lmcache_bin / "python3")
     assert runner.argv({"spec": {"volumes": []}, "status": {"podIP": "127.16.0.2"}}, vllm)[3] == "/opt/vllm-venv/bin/vllm"
     assert runner.termination_file("uid/vllm") == tmp_path / "termination" / "uid" / "vllm"
     assert TERMINATION_LOG_ENV == buildcheck.TERMINATION_LOG_ENV  # the runner's file is where the check writes

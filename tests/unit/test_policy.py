@@ -172,6 +172,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(handlers.kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
     monkeypatch.setattr(handlers.kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or {})
     monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
+    monkeypatch.setattr(handlers.kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
     monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
     body = _body(sample())
     key = ("ml", body["metadata"]["name"])

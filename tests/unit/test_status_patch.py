@@ -6,6 +6,7 @@ refresh_status round, so a builder that emits a key the model lacks fails this f
 from __future__ import annotations
 
 import ast
+import base64
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +22,7 @@ from kvpersist.builders.target import SERVER
 from kvpersist.controller import handlers
 from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.state import Controller
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.cleanup import result as gc_result
 from kvpersist.inventory.volume import Inventory, NamespaceUsage, status_summary
 from kvpersist.status import conditions
@@ -218,10 +219,18 @@ def test_a_budget_taken_off_the_spec_is_removed_with_none() -> None:
 @pytest.mark.parametrize("refusal", [(IMAGE_NOT_ALLOWED, "spec.vllm.image: not allowed"),
                                      (SECRET_NOT_ALLOWED, "spec.l2.hfBucket.tokenSecretRef: not labelled")])
 def test_refused_and_failed_status_fit(refusal: tuple[str, str]) -> None:
+    """The patches themselves, not `patch or {}`: an empty patch would fit whatever the builders did."""
     fields, conds = refused_status(*compute_status(_obs()), refusal, 3)
-    validate_patch(status_patch({}, fields, conds, [], None) or {})
+    patch = status_patch({}, fields, conds, [], None)
+    assert patch is not None and patch["phase"] == "Failed", patch
+    ready = next(c for c in patch["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"], ready["message"], ready["observedGeneration"]) == ("False", *refusal, 3)
+    validate_patch(patch)
     fields, conds = failed_status(4, "spec.l2: set exactly one of nvme or hfBucket")
-    validate_patch(status_patch({}, fields, conds, [], None) or {})
+    patch = status_patch({}, fields, conds, [], None)
+    assert patch is not None and patch["phase"] == "Failed" and patch["observedGeneration"] == 4, patch
+    assert [(c["type"], c["reason"]) for c in patch["conditions"]] == [("Ready", "InvalidSpec")]
+    validate_patch(patch)
 
 
 @pytest.mark.parametrize("outcome", ["Deleted", "Refused", "NotFound", "Failed"])
@@ -237,15 +246,25 @@ def test_a_builder_emitting_a_misspelled_key_fails(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(conditions, "summarize", lambda reports, measured_at: {"l1UsedByte": 1, "measuredAt": measured_at})
     fields, conds = compute_status(_obs())
     patch = status_patch({}, fields, conds, [_report("s-0")], None)
+    assert patch is not None and patch["usage"]["l1UsedByte"] == 1
     with pytest.raises(StatusPatchError, match=r"status\.usage\.l1UsedByte"):
-        validate_patch(patch or {})
+        validate_patch(patch)
+
+
+KEY = b"k" * 32  # the generated L2 key Secret's bytes, as FakeApi serves them
 
 
 class FakeApi:
-    """The API server as refresh_status and run_gc see it: status patches merged into the body."""
+    """The API server as refresh_status and run_gc see it: status patches merged into the body,
+    the generated L2 key Secret (KEY) read, metadata patches recorded."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, reports: list[ServerReport]) -> None:
         self.patches: list[dict[str, Any]] = []
+        self.metadata_patches: list[tuple[str, str, dict[str, Any]]] = []
+        secret = {"metadata": {"name": "llama31-8b-l2-key", "labels": {}}, "data": {"master-key": base64.b64encode(KEY).decode()}}
+        monkeypatch.setattr(handlers.kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
+        monkeypatch.setattr(handlers.kube, "patch_metadata", lambda v, kind, name, ns, patch: self.metadata_patches.append(
+            (kind, name, patch)))
         monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: self.patches.append(a[-1]))
         monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
         monkeypatch.setattr(handlers, "_agent_token", lambda target: "token")
@@ -262,8 +281,8 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
     body["spec"]["l2"]["nvme"]["budget"] = "64Mi"
     api = FakeApi(monkeypatch, [_report("s-0", 2048)])
-    target, _resolution = handlers._target(body)
-    assert target.namespace_id == resolve(target.spec.pins()).namespace_id
+    target, _resolution = handlers._target(body, key_fingerprint(KEY))
+    assert target.namespace_id == resolve(target.spec.pins(key_fingerprint(KEY))).namespace_id is not None
     pods = [_pod(f"{target.server_name}-0")]
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}], pods=pods,
@@ -276,7 +295,9 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     handlers.refresh_status(body, seen, LOG)
     assert len(api.patches) == 2
     first, second = api.patches
-    assert {"usage", "inventory", "hits", "budget", "conditions", "phase"} <= set(first)
+    assert {"usage", "inventory", "hits", "budget", "conditions", "phase", "l2Key"} <= set(first)
+    assert first["l2Key"] == {"secret": "llama31-8b-l2-key", "generated": True, "fingerprint": key_fingerprint(KEY),
+                              "namespaceId": target.namespace_id} and first["namespaceId"] == target.namespace_id
     assert second["budget"] is None and second["hits"]["window"] is not None
 
 

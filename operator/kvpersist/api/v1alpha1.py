@@ -103,8 +103,10 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 GIB = 1024**3
-# What spec.l2.encryption renders as the L2 adapter's serde; part of the namespace id.
-L2_SERDE = "aesgcm-256"
+# What spec.l2.encryption renders as the L2 adapter's serde, with the frame it writes
+# (kvpersist.inserver.serve: version 2, 2 MiB segments), which lmcache's own aesgcm cannot open;
+# part of the namespace id, so another frame format is another namespace.
+L2_SERDE = "kvpersist-aesgcm-256/v2"
 
 Quantity = Annotated[
     Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0)],
@@ -244,7 +246,9 @@ class NVMe(_Model):
     )
     adapter: Literal["nixl_store_dynamic", "fs"] = Field(
         "nixl_store_dynamic",
-        description="LMCache L2 adapter: nixl_store_dynamic (persist/recover semantics, one file per chunk) or fs.",
+        description="LMCache L2 adapter: nixl_store_dynamic (persist/recover semantics, one file per chunk) or fs. Part "
+        "of the namespace id (the two name their files otherwise): a change moves to a new namespace and folder, and the "
+        "old folder's KV stays there as an orphan (`kvpersist report`, `kvpersist gc`).",
     )
     backend: Literal["POSIX"] = Field("POSIX", description="NIXL backend of nixl_store_dynamic.")
     max_capacity_gb: float = Field(
@@ -260,7 +264,10 @@ class NVMe(_Model):
         "the oldest files to keep the folder within the budget. "
         "Unset: maxCapacityGB with the eviction policy keeps usage under capacity by evicting.",
     )
-    direct_io: bool = Field(False, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect).")
+    direct_io: bool = Field(True, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect): "
+                            "nixl_store_dynamic then reads a file straight into L1, past the page cache, at the disk's speed "
+                            "(benchmarks/RESULTS.md: 1.02x a plain sequential read of the same files, against 0.87x without). "
+                            "Set false on a filesystem without O_DIRECT (stores then fail, and L2Ready says L2WritesFailing).")
     reclaim_policy: Literal["Retain", "Delete"] = Field(
         "Retain",
         description="What happens to the KV data when the KVCacheNamespace is deleted: Retain keeps the claim and its "
@@ -541,14 +548,19 @@ class KVCacheNamespaceSpec(_Model):
         default_factory=VLLM, description="The vLLM pods.", json_schema_extra={"default": defaults_of(VLLM)},
     )
 
-    def pins(self) -> dict[str, Any]:
-        """Everything the namespace id hashes: spec.identity, the digests of the two images, and
-        the L2 serde (an encrypted object read as plain bytes would be wrong bytes)."""
+    def pins(self, key_fingerprint: str | None = None) -> dict[str, Any]:
+        """Everything the namespace id hashes: spec.identity, the digests of the two images, the
+        L2 serde (an encrypted object read as plain bytes would be wrong bytes) and the L2 layout
+        (l2_layout: another adapter names its files otherwise, so a switch is a new folder). With
+        encryption on, also the fingerprint of the key the servers mount (kvpersist.identity
+        key_fingerprint), read from its Secret by the caller: None leaves the id unresolved."""
         from kvpersist.identity import image_digest
 
         return {**self.identity.model_dump(), "vllm_image_digest": image_digest(self.vllm.image),
                 "lmcache_server_image_digest": image_digest(self.lmcache_server.image),
-                "l2_serde": L2_SERDE if self.l2.encryption.enabled else "none"}
+                "l2_serde": L2_SERDE if self.l2.encryption.enabled else "none",
+                "l2_layout": l2_layout(self),
+                "l2_key_fingerprint": key_fingerprint if self.l2.encryption.enabled else None}
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> KVCacheNamespaceSpec:
@@ -583,6 +595,63 @@ class KVCacheNamespaceSpec(_Model):
         if self.vllm.gpus_per_replica is not None and tp is not None and self.vllm.gpus_per_replica < tp:
             raise ValueError("spec.vllm.gpusPerReplica: must be at least identity.tensorParallelSize")
         return self
+
+
+def l2_layout(spec: KVCacheNamespaceSpec) -> str:
+    """The L2 adapter's layout on disk or in the bucket, a pin: lmcache 0.5.6's nixl_store_dynamic
+    writes `<model>_<rank>_<group>_<hash>.bin`, fs `<model>@0x<rank>@<group>@<hash>.data`, hfbucket
+    URL-encoded `<model>@<rank>@<hash>` objects. Two adapters in one folder cannot read each
+    other's files, and the inventory agent trims only nixl's (kvpersist.inventory.volume): so a
+    switch of adapter is a new namespace id, a new folder, the old one an orphan for `kvpersist gc`.
+    The one place this is decided (anything else that changes the files, e.g. their page size,
+    belongs here too)."""
+    if spec.l2.nvme is not None:
+        if spec.l2.nvme.adapter == "nixl_store_dynamic":
+            # nixl moves and sizes each file in L1 pages: another page size is another file size
+            # (an encrypted frame takes one page more than its chunk), unreadable by the other.
+            return f"nixl_store_dynamic/page={l1_page_bytes(spec)}"
+        return spec.l2.nvme.adapter
+    return "hfbucket"
+
+
+# lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered).
+CHUNK_TOKENS = 256
+DEFAULT_L1_PAGE = 4096  # lmcache's --l1-align-bytes default
+MAX_L1_PAGE = 2**20
+# Encrypted, a file is one page longer than its chunk: at most 1/16 of a layer (l1_page_bytes).
+ENCRYPTED_PAGES_PER_LAYER = 16
+KV_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
+
+
+def chunk_layer_bytes(spec: KVCacheNamespaceSpec) -> int | None:
+    """One layer of one stored chunk per rank: 256 tokens x K and V x KV heads per rank x head size x
+    element bytes. None where the pins do not tell (scaled or packed dtypes, a missing pin)."""
+    ident = spec.identity
+    element = KV_ELEMENT_BYTES.get(ident.kv_cache_dtype or "")
+    if element is None or not (ident.num_kv_heads and ident.head_size and ident.tensor_parallel_size):
+        return None
+    heads = max(1, ident.num_kv_heads // ident.tensor_parallel_size)  # KV heads are replicated past TP = heads
+    return CHUNK_TOKENS * 2 * heads * ident.head_size * element
+
+
+def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
+    """The server's L1 page (--l1-align-bytes) for nixl_store_dynamic: a power of two, up to 1 MiB,
+    that divides one layer of a chunk, so every chunk (a whole number of layers) fills whole pages
+    and L1 wastes nothing; 4 KiB (lmcache's default) for other adapters and where the pins do not
+    tell the bytes. Why: nixl_store_dynamic moves a file as one transfer per L1 page, built in
+    Python (file_dynamic_nixl_store_agent.py), so 4 KiB pages cost 8,192 descriptors per 32 MiB
+    chunk, a third of an L2 read's time (benchmarks/RESULTS.md). Encrypted, the page is at most a
+    sixteenth of a layer: an encrypted object is its chunk and a frame of a few bytes, so its file
+    takes one page more than the chunk, and that page must stay small beside even a one-layer chunk
+    (the disk share lmcache is given, builders.lmcache.encrypted_disk_share, follows from it)."""
+    nvme = spec.l2.nvme
+    layer = chunk_layer_bytes(spec)
+    if nvme is None or nvme.adapter != "nixl_store_dynamic" or layer is None:
+        return DEFAULT_L1_PAGE
+    page = min(MAX_L1_PAGE, layer & -layer)  # its largest power-of-two divisor
+    if spec.l2.encryption.enabled and layer >= ENCRYPTED_PAGES_PER_LAYER:
+        page = min(page, 1 << ((layer // ENCRYPTED_PAGES_PER_LAYER).bit_length() - 1))
+    return max(DEFAULT_L1_PAGE, page)
 
 
 def parse_quantity(q: str) -> float:
@@ -715,6 +784,13 @@ class HitWindow(HitFigures):
     seconds: int = Field(ge=0, description="The window's length: 300, or less while the operator has run for less.")
     lookup_tokens_per_second: int = Field(0, ge=0, description="lookupTokens per second over the window.")
     hit_tokens_per_second: int = Field(0, ge=0, description="hitTokens per second over the window: served from cache.")
+    restores_l2: int = Field(0, ge=0, description="Loads from L2 into L1 over the window (one per request that hit L2).")
+    restore_gbps_l2: float | None = Field(None, ge=0, description="Their mean rate in GB/s (lmcache's per-load bytes over "
+                                          "submit-to-done time, with the decryption): what an L2 hit costs before the "
+                                          "engine has it. Absent without a load. Compare it with the GPU's rate of "
+                                          "recomputing KV (docs/datapath.md): below that, L2 hits cost time.")
+    restores_l1: int = Field(0, ge=0, description="Copies from L1 into the engine over the window (every hit).")
+    restore_gbps_l1: float | None = Field(None, ge=0, description="Their mean rate in GB/s. Absent without a copy.")
 
 
 class ServerLookups(_Model):
@@ -742,6 +818,21 @@ class HitStatus(HitFigures):
     measured_at: datetime | None = Field(None, description="When these figures were last written.")
 
 
+class L2KeyStatus(_Model):
+    """L2's master key as the servers use it, named by its fingerprint (never the key itself)."""
+
+    secret: str = Field(max_length=253, description="The Secret holding it: spec.l2.encryption.keySecretRef, or the "
+                        "generated <name>-l2-key.")
+    generated: bool = Field(False, description="The operator generated it (and will never generate another over data "
+                            "sealed with it).")
+    fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{16}$", description="The first 16 hex of HMAC-SHA256 keyed "
+                                    "by the key over 'kvpersist l2 key fingerprint v1': a pin of the namespace id, so "
+                                    "another key is another namespace. Kept while the key cannot be read.")
+    namespace_id: str | None = Field(None, pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace last served under "
+                                     "this key: what is unreadable without it. Kept, and refused by gc, while the key "
+                                     "cannot be read.")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -767,6 +858,8 @@ class KVCacheNamespaceStatus(_Model):
     hits: HitStatus | None = Field(None, description="Cache hit rate per tier and tokens served from cache, in total "
                                    "and over the last 5 minutes, from the lmcache servers' /metrics.")
     gc: GCStatus | None = Field(None, description="The last explicit cleanup of an orphaned namespace.")
+    l2_key: L2KeyStatus | None = Field(None, alias="l2Key", description="The L2 master key in use, by fingerprint, and "
+                                       "the namespace stored under it (with spec.l2.encryption on).")
 
 
 class KVCacheNamespace(_Model):

@@ -17,13 +17,24 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
     its Services (the governing one is only needed for pod DNS) and the ConfigMap, vLLM last. The
     ZMQ policy and the local Service are per namespace id: after a pin change the old id's stay
-    until no pod of it is left (kvpersist.controller.handlers removes them then)."""
-    return [
+    until no pod of it is left (kvpersist.controller.handlers removes them then). With the cache
+    off there is no ZMQ policy (no server runs; the admin-port policy, which selects every server
+    and admits no ZMQ, holds its name `<name>-lmcache` alone); with the id's route names held by
+    another id's objects (target.routes False), neither the ZMQ policy nor the local Service."""
+    zmq, local = build_zmq_policy(target), build_local_service(target)
+    manifests = [
         build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace()),
-        build_zmq_policy(target),
+        zmq,
         build_lmcache_statefulset(target),
         build_metrics_service(target),
-        build_local_service(target),
+        local,
         build_connection_configmap(target),
         build_vllm_deployment(target),
     ]
+    # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
+    # list to its builders to derive the operator's grants.
+    if not (target.cache_enabled and target.routes):
+        manifests.remove(zmq)
+    if target.cache_enabled and not target.routes:
+        manifests.remove(local)
+    return manifests

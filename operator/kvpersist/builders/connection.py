@@ -1,4 +1,5 @@
-"""The kv-transfer-config that wires vLLM to its lmcache server, and the ConfigMap publishing it."""
+"""The kv-transfer-config that wires the operator's vLLM to its lmcache server, and the ConfigMap
+that names the namespace (and publishes no way in)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ def kv_transfer_config_json(target: Target) -> str:
 
 
 def build_connection_configmap(target: Target) -> dict[str, Any]:
-    """For clients other than the operator's own vLLM pods: what to pass as --kv-transfer-config."""
-    if target.cache_enabled:
-        data = {"kv-transfer-config.json": kv_transfer_config_json(target), "namespace-id": target.namespace_id or "",
-                "cache": "enabled"}
-    else:
-        data = {"cache": "disabled"}
+    """The namespace id and whether the cache is on, for people and tools; never a way in. It once
+    published the kv-transfer-config "for other clients", but such a client runs with whatever
+    model and flags it likes and writes its KV into the namespace's folder, where the pinned vLLM
+    pods then hit it: the only writer of a namespace is the operator's own Deployment, launched
+    with exactly the pins. Applied as before, so server-side apply drops the old key from a
+    ConfigMap an earlier version wrote (docs/design.md, "Who may write into a namespace")."""
+    data = {"namespace-id": target.namespace_id or "", "cache": "enabled"} if target.cache_enabled else {"cache": "disabled"}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

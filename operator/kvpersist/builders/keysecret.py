@@ -4,7 +4,9 @@ and the inventory agent's bearer token.
 Created once, only if absent, and never applied over: a new key makes every stored object
 unreadable (misses, never wrong bytes). It carries no owner reference, so deleting the resource
 keeps it, as it keeps the data; re-creating the resource under the same name reads the data
-again. Deleting it is the user's call (`kubectl delete secret <name>-l2-key`)."""
+again. Deleting it is the user's call (`kubectl delete secret <name>-l2-key`). Unowned, it carries
+no tracking label and refuses GitOps prunes (kvpersist.builders.retained): a pruned key is all of
+L2 unreadable."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import base64
 import secrets
 from typing import Any
 
+from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, MANAGED_BY, Target
 
 KEEP_ANNOTATION = "kvpersist.dev/keep"
+L2_KEY_COMPONENT = "l2-key"
 
 
 def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any] | None:
@@ -31,10 +35,9 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
         "metadata": {
             "name": name,
             "namespace": target.namespace,
-            "labels": {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": target.name,
-                       "app.kubernetes.io/component": "l2-key", "app.kubernetes.io/managed-by": MANAGED_BY},
+            "labels": retained_labels(target.name, L2_KEY_COMPONENT),
             "annotations": {KEEP_ANNOTATION: "the master key of this resource's L2 data: without it the data is "
-                            "unreadable; kept when the KVCacheNamespace is deleted"},
+                            "unreadable; kept when the KVCacheNamespace is deleted", **retained_annotations()},
         },
         "data": {item: base64.b64encode(raw).decode()},
     }

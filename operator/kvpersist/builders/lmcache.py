@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from importlib import resources
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, Eviction
+from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
@@ -24,6 +25,7 @@ from kvpersist.builders.target import (
     Target,
 )
 from kvpersist.controller import buildcheck
+from kvpersist.inserver.serve import SERDE_TYPE
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
 AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
@@ -49,8 +51,16 @@ HEALTH_SCRIPT = ("import sys, urllib.request; "
                  "sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)")
 # The server writes L2 group-writable (its folders 2775 in the fsGroup, files 0664), so the
 # non-root agent in that group can delete them. Measured with lmcache 0.5.6 (docs/security.md):
-# with the default umask 0022 the agent's delete fails with EACCES. `$0` is the program.
-SERVER_COMMAND = ["sh", "-c", 'umask 0002 && exec "$0" "$@"', "lmcache"]
+# with the default umask 0022 the agent's delete fails with EACCES. `$0` is the program: the
+# image's python3 running kvpersist.inserver.serve (its source in SERVE_ENV), which registers
+# kvpersist's L2 serde and then runs lmcache's own `lmcache` entry point with these args.
+SERVE_ENV = "KVPERSIST_LMCACHE_SERVE"
+SERVER_COMMAND = ["sh", "-c", f'umask 0002 && exec "$0" -c "${SERVE_ENV}" "$@"', "python3"]
+
+
+def serve_source() -> str:
+    """kvpersist.inserver.serve as the server container runs it (python3 -c)."""
+    return (resources.files("kvpersist.inserver") / "serve.py").read_text(encoding="utf-8")
 
 
 # The server requests no GPU (that would take one from vLLM) yet opens vLLM's KV on the node's
@@ -80,22 +90,37 @@ def l2_path(target: Target) -> str:
     return f"{L2_MOUNT_PATH}/{target.namespace_id}"
 
 
-# lmcache counts an encrypted object at its framed size (chunk + 29 bytes) while the file takes
-# whole 4 KiB pages on disk (524,288-byte chunks: 528,384 bytes). So the adapter is given 63/64 of
-# the declared capacity, and the disk stays within what was declared (the agent trims to it).
-ENCRYPTED_DISK_SHARE = 63 / 64
-# Threads that (de)serialize concurrent L2 transfers (lmcache's default is 1). On the 2-core test
-# machine 1 and 4 read alike (benchmarks/RESULTS.md); a GPU node has the cores for more.
+# lmcache counts an encrypted object at its framed size (its chunk and a frame of a few bytes),
+# while a file takes whole pages on disk (fs: the filesystem's 4 KiB; nixl_store_dynamic: L1's page,
+# so one page more than the chunk). The adapter is given that share of the declared capacity, so
+# the disk stays within what was declared (the agent trims to it) without trimming what lmcache
+# still counts as stored. 63/64: chunks of 252 KiB or more on 4 KiB pages.
+FOUR_KIB_DISK_SHARE = 63 / 64
+
+
+def encrypted_disk_share(spec: KVCacheNamespaceSpec) -> float:
+    """The share of the capacity lmcache may count, encrypted: a chunk over its file. For
+    nixl_store_dynamic the smallest chunk (one layer) over one layer and a page: at most a
+    seventeenth lost, since the page is at most a sixteenth of a layer (api l1_page_bytes)."""
+    layer = chunk_layer_bytes(spec)
+    page = l1_page_bytes(spec)
+    if spec.l2.nvme is None or spec.l2.nvme.adapter != "nixl_store_dynamic" or layer is None or layer % page:
+        return FOUR_KIB_DISK_SHARE
+    return layer / (layer + page)
+
+
+# Threads that seal and open the chunks of a batch side by side (kvpersist.inserver.serve).
 SERDE_WORKERS = 4
 
 
 def l2_serde(target: Target) -> dict[str, Any] | None:
-    """lmcache's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
-    version, IV, ciphertext and a GCM tag, so a changed byte fails authentication and is a miss.
-    The master key is a file from a Secret volume, never an argument or a variable."""
+    """kvpersist's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
+    version, IV, ciphertext and a GCM tag, so a changed byte fails authentication and is a miss;
+    lmcache's own aesgcm frame and keys, without its copies (kvpersist.inserver.serve). The
+    master key is a file from a Secret volume, never an argument or a variable."""
     if target.key_secret is None:
         return None
-    return {"type": "aesgcm", "key_provider": "hkdf", "aes_bits": 256, "max_workers": SERDE_WORKERS,
+    return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": SERDE_WORKERS,
             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
 
 
@@ -119,7 +144,7 @@ def _adapter_config(target: Target) -> dict[str, Any]:
             capacity_gb = nvme.budget_bytes / GIB
             eviction = {**eviction, "eviction_policy": "noop"}
         if target.key_secret is not None:
-            capacity_gb *= ENCRYPTED_DISK_SHARE
+            capacity_gb *= encrypted_disk_share(spec)
         if nvme.adapter == "fs":
             return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
                     "persist_enabled": True, "eviction": eviction}
@@ -172,10 +197,17 @@ def server_args(target: Target) -> list[str]:
         "--http-host", ADMIN_HOST,
         "--http-port", str(spec.lmcache_server.http_port),
         "--l1-size-gb", _number(spec.l1.size_gb),
+        # L1's page, which nixl_store_dynamic also moves and sizes files in (api l1_page_bytes).
+        "--l1-align-bytes", str(l1_page_bytes(spec)),
         "--eviction-policy", l1_eviction_policy(spec.eviction.policy),
         "--eviction-trigger-watermark", _number(spec.eviction.trigger_watermark),
         "--eviction-ratio", _number(spec.eviction.eviction_ratio),
         "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
+        # An L2 hit stays in L1 for the next request. lmcache 0.5.6's default policy drops every
+        # chunk it loaded from L2 once the engine has it, so after a server restart each repeat of
+        # a prefix read L2 again, while a prefix recomputed (before vLLM re-registered) came from
+        # L1: the "server restarted, vLLM kept" TTFT of benchmarks/RESULTS.md (docs/datapath.md).
+        "--l2-prefetch-policy", "retain",
         "--no-run-script-api-enabled",
         # Both transfer paths: lmcache-driven (CUDA IPC, vLLM on GPUs) and engine-driven (what
         # vLLM's CPU build uses); each engine picks its own, the KV bytes are the same.
@@ -218,7 +250,7 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 
 def server_container(target: Target) -> dict[str, Any]:
     srv = target.spec.lmcache_server
-    env: list[dict[str, Any]] = [{"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
+    env: list[dict[str, Any]] = [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
                                  {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV]
     bucket = target.spec.l2.hf_bucket
     if bucket is not None:

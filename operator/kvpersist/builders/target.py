@@ -37,6 +37,10 @@ class Target:
     cache_bypassed: bool = False
     # Why, for the vLLM pods' annotation: the servers' absence (the default) or a refused build.
     bypass_reason: str = "the lmcache servers are unavailable"
+    # False: an object of another namespace id holds this id's route names (per_id_name keeps 8
+    # hex of the id): no local Service or ZMQ policy is built, so none is re-pointed, and vLLM
+    # goes without the cache meanwhile (kvpersist.controller.stale_routes.route_conflicts).
+    routes: bool = True
 
     @property
     def cache_enabled(self) -> bool:
@@ -44,7 +48,7 @@ class Target:
 
     @property
     def vllm_uses_cache(self) -> bool:
-        return self.cache_enabled and not self.cache_bypassed
+        return self.cache_enabled and not self.cache_bypassed and self.routes
 
     # ---- names
     @property

@@ -35,6 +35,7 @@ MISMATCH = "BuildMismatch"
 # What the check puts before the program in the container's `sh -c` script. `$0` stays the
 # program and the args stay the program's own (hack/kubelet_runner.py relies on both).
 EXEC = 'exec "$0" "$@"'
+EXEC_PROGRAM = 'exec "$0"'  # a wrapper's last statement: the program, maybe with arguments of its own, then "$@"
 CHECK = f'python3 -c "${SCRIPT_ENV}"'
 
 # Runs inside the image, before the program: the image's python3 (both images are Python ones; the
@@ -145,7 +146,8 @@ def checks(target: Target, component: str) -> tuple[str, ...]:
 
 def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str, Any]:
     """The container with CHECK_SCRIPT run first: its command becomes (or stays) `sh -c SCRIPT
-    PROGRAM` with the check before `exec "$0" "$@"`, so the program and its args are unchanged;
+    PROGRAM` with the check before the script's closing `exec "$0" ... "$@"`, so the program and
+    its args are unchanged;
     the script and the declared versions go in its env. Returned as is when it checks nothing."""
     wanted = checks(target, component)
     if not wanted:
@@ -153,9 +155,10 @@ def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str,
     command = list(container["command"])
     if command[:2] == ["sh", "-c"]:
         script = command[2]
-        if not script.endswith(EXEC):
-            raise ValueError(f"{container['name']}: a shell wrapper must end with {EXEC}, not {script!r}")
-        command[2] = f"{script[:-len(EXEC)]}{CHECK} && {EXEC}"
+        head, sep, tail = script.rpartition(EXEC_PROGRAM)
+        if not sep or not tail.endswith('"$@"'):
+            raise ValueError(f"{container['name']}: a shell wrapper must end with {EXEC_PROGRAM} ... \"$@\", not {script!r}")
+        command[2] = f"{head}{CHECK} && {EXEC_PROGRAM}{tail}"
     else:
         container["args"] = [*command[1:], *container.get("args", [])]
         command = ["sh", "-c", f"{CHECK} && {EXEC}", command[0]]

@@ -35,9 +35,10 @@ def bypassed_in(body: Mapping[str, Any]) -> bool:
     """Whether the resource's stored status says vLLM runs without the cache (so an operator that
     restarts keeps it so, rather than rolling vLLM back to a cache that is still away)."""
     conds = ((body.get("status") or {}).get("conditions")) or []
-    # Not a bypass over a vLLM that refused its versions: kvpersist.controller.buildcheck keeps that one.
-    return any(c.get("type") == CONDITION and c.get("status") == "True" and c.get("reason") != "BuildMismatch"
-               for c in conds)
+    # Not a bypass over a vLLM that refused its versions (kvpersist.controller.buildcheck keeps that
+    # one), nor over route names another id holds (decided again at every apply: stale_routes).
+    return any(c.get("type") == CONDITION and c.get("status") == "True"
+               and c.get("reason") not in ("BuildMismatch", "RouteNameTaken") for c in conds)
 
 
 class Fallback:

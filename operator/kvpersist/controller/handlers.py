@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,8 +27,9 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
+from kvpersist.builders.retained import protect_patch
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.controller import buildcheck, fallback, kube, leadership, metrics, retry
+from kvpersist.controller import buildcheck, fallback, kube, l2key, leadership, metrics, retry, sharing
 from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.policy import (
     SECRET_NOT_ALLOWED,
@@ -38,10 +40,10 @@ from kvpersist.controller.policy import (
     refused_status,
     secret_refusal,
 )
-from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, stale
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_TAKEN, ids_in_use, route_conflicts, route_taken_message, stale
 from kvpersist.controller.state import Controller
 from kvpersist.httpclient import in_parallel
-from kvpersist.identity import Resolution, resolve
+from kvpersist.identity import Resolution, key_fingerprint, resolve
 from kvpersist.inventory.agentclient import fetch_inventory
 from kvpersist.inventory.bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, parse_request, refusal, refusal_now
@@ -139,13 +141,59 @@ def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str
     return [k for k in keys if active(now, k[0])]
 
 
-def _target(body: Mapping[str, Any]) -> tuple[Target, Resolution]:
+def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Target, Resolution]:
     """The builders' view of the object and the reason its identity is incomplete (if it is).
-    Raises ValidationError for a spec the operator cannot read."""
+    fingerprint: of the L2 key its servers mount (kvpersist.controller.l2key); without it an
+    encrypted resource has no namespace id, so a Target for names and policy only. Raises
+    ValidationError for a spec the operator cannot read."""
     meta = body["metadata"]
     obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": {"name": meta["name"]}})
-    res = resolve(obj.spec.pins())
+    res = resolve(obj.spec.pins(fingerprint))
     return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
+
+
+KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)
+
+
+def _read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
+    """The key Secret the servers mount, judged (kvpersist.controller.l2key), or None when L2 is not
+    encrypted; read at most every KEY_READ_TTL_S unless fresh. A failed read keeps the last
+    fingerprint read from the same Secret (the Secret is there, the API server did not answer):
+    a blip must not turn the cache off. The key's bytes are hashed here and kept nowhere. Blocking."""
+    if target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    state = CONTROLLER.held((target.namespace, target.name))
+    now = time.monotonic()
+    cached = state.key_read
+    if (not fresh and cached is not None and now - cached[0] < KEY_READ_TTL_S and (cached[1].secret, cached[1].item)
+            == (name, item)):
+        return cached[1]
+    try:
+        secret = kube.get("v1", "Secret", name, target.namespace)
+    except ApiException as exc:
+        if cached is not None and cached[1].fingerprint and (cached[1].secret, cached[1].item) == (name, item):
+            return cached[1]
+        return l2key.unreadable(name, item, target.key_secret_generated, exc.status)
+    key = l2key.read(secret, name, item, target.namespace, target.key_secret_generated, kube.secret_value(secret, item))
+    state.key_read = (now, key)
+    return key
+
+
+def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
+    """The key fingerprint without reading the Secret (in the event loop, for gc): the last read,
+    else what status records for the same Secret."""
+    meta = body["metadata"]
+    state = CONTROLLER.get((meta["namespace"], meta["name"]))
+    try:
+        base, _ = _target(body)
+    except ValidationError:
+        return None
+    if base.key_secret is None:
+        return None
+    if state is not None and state.key_read is not None and state.key_read[1].secret == base.key_secret[0]:
+        return state.key_read[1].fingerprint
+    return l2key.fingerprint_in_status(body.get("status"), base.key_secret[0])
 
 
 def set_policy(new: Policy) -> None:
@@ -177,10 +225,10 @@ def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | No
 
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
-             secrets_usable: bool = True) -> Observation:
+             secrets_usable: bool = True, key: l2key.KeyRead | None = None) -> Observation:
     """Workload objects come from the watch caches (seen); only a claim the user named is read,
     since it carries none of the operator's labels. secrets_usable False: the Secrets the user
-    named are refused (policy), so neither is read."""
+    named are refused (policy), so neither is read. key: the L2 key as read (_read_key)."""
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
@@ -229,14 +277,15 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
 
     create_failure = state.failed_creates.failure((ns, target.server_name), pods_missing(statefulset, server_desired), now,
                                              statefulset_failure)
+    key_problem = key.problem if key is not None and secrets_usable and key.fingerprint is None else None
     return Observation(
-        key_problem=_key_problem(target) if target.cache_enabled and secrets_usable else None,
+        key_problem=key_problem,
         bucket_check=(_bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled
                       and secrets_usable else None),
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
-        identity_reason=resolution.reason,
-        identity_code=resolution.code,
+        identity_reason=key_problem[1] if key_problem and resolution.code == "L2KeyNotRead" else resolution.reason,
+        identity_code=key_problem[0] if key_problem and resolution.code == "L2KeyNotRead" else resolution.code,
         l2_kind=spec.l2.kind,
         server_desired=server_desired,
         vllm_desired=spec.vllm.replicas,
@@ -279,29 +328,6 @@ def _agent_token(target: Target) -> str | None:
     token = raw.decode().strip() if raw else None
     state.agent_token = (now, token)
     return token
-
-
-def _key_problem(target: Target) -> tuple[str, str] | None:
-    """Why the user's L2 key Secret cannot serve (the servers would not start), or None. The
-    generated one is the operator's own: made before the servers, never changed."""
-    if target.key_secret is None or target.key_secret_generated:
-        return None
-    name, item = target.key_secret
-    where = f"spec.l2.encryption.keySecretRef: Secret {name} key {item}"
-    try:
-        secret = kube.get("v1", "Secret", name, target.namespace)
-    except ApiException as exc:
-        return "KeySecretUnreadable", f"{where}: the API server answered {exc.status}"
-    if secret is None:
-        return "KeySecretNotFound", (f"{where} not found in namespace {target.namespace}: create it with {L2_KEY_BYTES} "
-                                     f"random bytes, e.g. head -c {L2_KEY_BYTES} /dev/urandom > key && kubectl create "
-                                     f"secret generic {name} --from-file={item}=key")
-    raw = kube.secret_value(secret, item)
-    if not raw:
-        return "KeySecretKeyMissing", f"{where}: the Secret has no such key; set keySecretRef.key"
-    if len(raw) < L2_KEY_BYTES:
-        return "KeyTooShort", f"{where}: the key has fewer than {L2_KEY_BYTES} bytes; use {L2_KEY_BYTES} random bytes"
-    return None
 
 
 class _SecretOnce:
@@ -421,13 +447,23 @@ def _bucket_inventory_of(target: Target, secrets: _SecretOnce) -> Inventory | No
     return last
 
 
-def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]],
+                annotations: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
     """The transitions a user cares about, as (type, reason, message)."""
     events = []
     old_id, new_id = old.get("namespaceId"), new.get("namespaceId")
     if new_id and new_id != old_id:
         events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id}"
                        + (f" (was {old_id}; its data is kept, unreachable from these pins)" if old_id else "")))
+    # Another L2 key: another namespace, the old one's data unreadable with it (kvpersist.controller.l2key).
+    events += l2key.events(old, new, annotations)
+    # The key cannot be used (lost, missing, too short, ...): the cache is off; said once per distinct message.
+    ident = next((c for c in conds if c["type"] == "IdentityResolved"), None)
+    old_ident = next((c for c in old.get("conditions") or [] if c.get("type") == "IdentityResolved"), {})
+    key_off = ident is not None and ident["status"] == "False" and ident["reason"] in l2key.KEY_REASONS
+    if key_off and ident["reason"] != l2key.KEY_PENDING and (
+            (old_ident.get("reason"), old_ident.get("message")) != (ident["reason"], ident["message"])):
+        events.append(("Warning", ident["reason"], ident["message"]))
     was_bypassed = any(c.get("type") == fallback.CONDITION for c in old.get("conditions") or [])
     bypass = next((c for c in conds if c["type"] == fallback.CONDITION), None)
     if bypass is not None and not was_bypassed:
@@ -435,8 +471,11 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     elif bypass is None and was_bypassed and new.get("namespaceId"):
         over_build = any(c.get("type") == fallback.CONDITION and c.get("reason") == buildcheck.MISMATCH
                          for c in old.get("conditions") or [])
+        over_route = any(c.get("type") == fallback.CONDITION and c.get("reason") == ROUTE_TAKEN
+                         for c in old.get("conditions") or [])
         events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
                        "changed): vLLM runs with the cache again, checking its build" if over_build else
+                       "the namespace id's route names are free again: vLLM runs with the cache" if over_route else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
     # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
     old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildcheck.CONDITION), {})
@@ -451,12 +490,16 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     # whenever the refusal is new or says something new, in place of the generic Failed one.
     ready = next((c for c in conds if c["type"] == "Ready"), None)
     old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
-    refused = ready is not None and ready["reason"] in REFUSAL_REASONS
+    # So is a store another resource holds (StorageInUse: kvpersist.controller.sharing), and its end.
+    refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE)
     if refused and (old_ready.get("reason"), old_ready.get("message")) != (ready["reason"], ready["message"]):
         events.append(("Warning", ready["reason"], ready["message"]))
+    elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None:
+        events.append(("Normal", sharing.RELEASED, "the L2 store is no longer held by another resource: the lmcache "
+                       "servers start on it"))
     if phase and phase != old.get("phase"):
         detail = ready["message"] if ready else ""
-        if phase == "CacheDisabled":
+        if phase == "CacheDisabled" and not key_off and not refused:
             ident = next(c for c in conds if c["type"] == "IdentityResolved")
             events.append(("Warning", ident["reason"], ident["message"]))
         elif phase in ("Degraded", "Failed") and not refused:
@@ -530,6 +573,61 @@ def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, 
             condition(fallback.CONDITION, True, buildcheck.MISMATCH, buildcheck.bypass_message(detail), generation)]
 
 
+def _protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, logger: logging.Logger) -> None:
+    """What outlives the resource, kept out of GitOps prunes (kvpersist.builders.retained): the
+    generated key Secret (made before this version, or restored from a backup with its old labels)
+    and the claims the StatefulSet made (they get its selector's tracking label whatever the
+    template says), each patched once, metadata only; the claims also record the key fingerprint
+    their data needs. A failure is logged and tried again on a later refresh. Blocking."""
+    state = CONTROLLER.held((target.namespace, target.name))
+    if read is not None and read.generated and read.metadata is not None:
+        patch = protect_patch(read.metadata, target.name)
+        if patch is not None:
+            try:
+                kube.patch_metadata("v1", "Secret", read.secret, target.namespace, patch)
+                logger.info("%s/%s: Secret %s kept out of GitOps prunes (labels and annotations)", target.namespace,
+                            target.name, read.secret)
+            except ApiException as exc:
+                logger.warning("%s/%s: Secret %s not protected from prunes (%s); retrying", target.namespace,
+                               target.name, read.secret, exc.status)
+        if state.key_read is not None and state.key_read[1] == read:  # judged: not again until the next read
+            state.key_read = (state.key_read[0], dataclasses.replace(read, metadata=None))
+    fingerprint = read.fingerprint if read is not None and target.namespace_id is not None else None
+    _protect_claims([(c, target.name) for c in seen.server_claims()], fingerprint, logger)
+
+
+def _protect_claims(claims: list[tuple[Mapping[str, Any], str]], fingerprint: str | None, logger: logging.Logger) -> None:
+    """Patches each (claim, owner name) that needs it, at most once per resourceVersion. Blocking."""
+    for claim, owner in claims:
+        meta = claim.get("metadata") or {}
+        where = (meta.get("namespace", ""), meta.get("name", ""))
+        patch = protect_patch(meta, owner, fingerprint)
+        if patch is None or CONTROLLER.claims_protected.get(where) == (meta.get("resourceVersion"), fingerprint):
+            continue
+        try:
+            kube.patch_metadata("v1", "PersistentVolumeClaim", where[1], where[0], patch)
+        except ApiException as exc:
+            logger.warning("claim %s/%s not protected from prunes (%s); retrying", where[0], where[1], exc.status)
+            continue
+        CONTROLLER.claims_protected[where] = (meta.get("resourceVersion"), fingerprint)
+        logger.info("claim %s/%s kept out of GitOps prunes%s", where[0], where[1],
+                    f" (its data needs L2 key {fingerprint})" if fingerprint else "")
+
+
+def _orphan_claims() -> list[tuple[Mapping[str, Any], str]]:
+    """Claims of the operator's StatefulSets whose resource is gone (or not seen yet) and that are
+    not protected from prunes yet: a claim retained from before this version. Event loop only."""
+    known = CONTROLLER.known()
+    out = []
+    for key, store in list(CONTROLLER.indices.get("kvp_claims", {}).items()):
+        if key in known:
+            continue
+        for claim in list(store):
+            if claim["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER and protect_patch(claim["metadata"], key[1]):
+                out.append((claim, key[1]))
+    return out
+
+
 def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed. Blocking
     (HTTP to the servers, the status patch): runs in a worker thread."""
@@ -546,24 +644,46 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory = [], None
     else:
-        if state.routes_pending and clean_stale_routes(target, seen, logger):
-            state.routes_pending = False
         refused = _refusal(target)
         if refused is None and state.refused is not None:
             state.drifted = True  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
-        observation = _observe(body, target, resolution, seen,
-                               secrets_usable=refused is None or refused[0] != SECRET_NOT_ALLOWED)
+        secrets_usable = refused is None or refused[0] != SECRET_NOT_ALLOWED
+        read, _lost = _judge_key(body, _read_key(target) if secrets_usable else None, seen.server_claims())
+        target, resolution = _target(body, read.fingerprint if read is not None else None)
+        if read is not None and read.problem is not None and read.problem[0] == l2key.KEY_PENDING:
+            state.drifted = True  # the generated key is to be made (or made again: nothing is sealed with the last one)
+        if state.applied_id is not None and state.applied_id[0] != target.namespace_id:
+            state.drifted = True  # the key changed, went or came back: another namespace id to apply
+            if refused is None and CONTROLLER.apply_backoff.pending(key) is None and state.apply_error is None:
+                return  # status follows the apply (next tick): never the new id beside the old id's servers
+        _protect_retained(target, read, seen, logger)
+        resolved_id = target.namespace_id
+        target = _exclusive_recheck(target, body)  # as last applied: the cache off while its store is held
+        if state.routes_pending and clean_stale_routes(target, seen, logger):
+            state.routes_pending = False
+        observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)
         if target.cache_enabled:
             observation.build = _build_check(key, body, target, seen, logger)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
         fields, conds = compute_status(observation)
+        if target.key_secret is None:
+            fields["l2Key"] = None  # not encrypted: no key (a record left from before goes)
+        elif read is not None and read.fingerprint is not None and target.namespace_id is not None:
+            fields["l2Key"] = {"secret": read.secret, "generated": read.generated, "fingerprint": read.fingerprint,
+                               "namespaceId": target.namespace_id}
+        # Otherwise the last record stays as it is: the data stored under that key needs it back.
         reports = observation.reports
         inventory = observation.inventory
         if target.cache_enabled:
             conds = _cache_fallback(key, body, conds, generation, logger)
             conds = _build_bypassed(key, target, conds, generation)
+        if state.storage_refused is not None and resolved_id:
+            fields, conds = sharing.refused_status(fields, conds, resolved_id, state.storage_refused, generation)
+        elif state.route_taken is not None and target.cache_enabled:
+            conds = [*(c for c in conds if c["type"] != fallback.CONDITION),
+                     condition(fallback.CONDITION, True, ROUTE_TAKEN, state.route_taken, generation)]
         error = state.apply_error
         retrying = CONTROLLER.apply_backoff.pending(key)
         if error and error[0] == generation:
@@ -576,8 +696,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
         if refused is not None:
             fields, conds = refused_status(fields, conds, refused, generation)
-    metrics.inc("kvpersist_status_refreshes_total")
-    metrics.set_phase(meta["namespace"], meta["name"], fields.get("phase"))
+    metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
     new_status = status_patch(old, fields, conds, reports, inventory, hits)
     if new_status is None:
@@ -586,15 +705,30 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     if new_status is None:
         return
     metrics.inc("kvpersist_status_writes_total")
-    for type_, reason_, message in _events_for(old, {**old, **new_status}, conds):
+    for type_, reason_, message in _events_for(old, {**old, **new_status}, conds, meta.get("annotations")):
         kube.post_event(body, type_, reason_, message)
         metrics.inc("kvpersist_events_total")
         logger.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason_, message)
 
 
-def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
+def _judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
+               claims: list[dict[str, Any]] | None) -> tuple[l2key.KeyRead | None, l2key.Loss | None]:
+    """The key as read, with L2KeyLost in place of L2KeyPending when the generated Secret is gone
+    over data sealed with it (kvpersist.controller.l2key.loss): then it is not made again."""
+    if key is None or not key.absent or not key.generated:
+        return key, None
+    meta = body["metadata"]
+    found = l2key.loss(body.get("status"), key, meta.get("annotations"), claims)
+    if found is None:
+        return key, None
+    return dataclasses.replace(key, problem=(l2key.KEY_LOST, l2key.loss_message(found, meta["name"], meta["namespace"]))), found
+
+
+def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> bool:
     """Apply every object this resource becomes (server-side, idempotent). False when the spec
-    cannot be read (status says why). Blocking: runs in a worker thread."""
+    cannot be read (status says why). The L2 key is read first (its fingerprint is in the
+    namespace id, so in every per-id name); a generated one is made when absent, unless data
+    sealed with the last one exists (_judge_key). Blocking: runs in a worker thread."""
     try:
         target, _reason = _target(body)
     except ValidationError:
@@ -604,10 +738,6 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
     metrics.inc("kvpersist_reconciles_total")
     CONTROLLER.fallback.seed(key, fallback.bypassed_in(body))
     CONTROLLER.build_bypass.seed(key, body)
-    build_refused = CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
-    target = dataclasses.replace(target, cache_bypassed=CONTROLLER.fallback.bypassed(key) or build_refused)
-    if build_refused:
-        target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
     refused = _refusal(target)
     if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
         if state.refused != refused:
@@ -616,9 +746,26 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         return True
     state.refused = None
     try:
-        key_secret = build_key_secret(target) if target.cache_enabled else None
+        read, lost = _judge_key(body, _read_key(target, fresh=True), seen.server_claims() if seen is not None else None)
+        key_secret = None
+        if read is not None and read.absent and read.generated and lost is None:
+            raw = secrets.token_bytes(L2_KEY_BYTES)  # its fingerprint names the namespace before the Secret exists
+            key_secret = build_key_secret(target, key=raw)
+            read = dataclasses.replace(read, fingerprint=key_fingerprint(raw), problem=None, absent=False)
+            del raw
         if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
             key_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
+        target, _reason = _target(body, read.fingerprint if read is not None else None)
+        key_id = target.namespace_id  # what the spec and the key resolve to (refresh_status compares it)
+        build_refused = CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
+        target = dataclasses.replace(target, cache_bypassed=CONTROLLER.fallback.bypassed(key) or build_refused)
+        if build_refused:
+            target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+        if lost is not None and read is not None and read.problem is not None:
+            logger.warning("%s/%s: %s", target.namespace, target.name, read.problem[1])
+        if read is not None:
+            state.key_read = (time.monotonic(), read)
+        target = _exclusive(target, body, logger)  # a store or route names another resource or id holds
         token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
         token_secret["metadata"]["labels"].update(CONTROLLER.policy.generated_secret_labels())
         kopf.append_owner_reference(token_secret, owner=body)
@@ -640,11 +787,17 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         concurrent.futures.wait(jobs)
         for job in jobs:
             job.result()  # the first failure, raised here (every job has ended)
-        if key_job is not None and key_job.result():
-            logger.info("%s/%s: generated L2 master key Secret %s", target.namespace, target.name,
-                        key_secret["metadata"]["name"])
-            kube.post_event(body, "Normal", "L2KeyGenerated", f"generated Secret {key_secret['metadata']['name']} with "
-                            "L2's master key; it is kept when this resource is deleted (the data needs it)")
+        if key_job is not None and not key_job.result():
+            # Made by someone else between the read and the create: the manifests name a key it does
+            # not hold. Nothing server-side was applied yet; read it and apply again.
+            state.key_read = None
+            raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
+        if key_job is not None:
+            logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
+                        key_secret["metadata"]["name"], read.fingerprint if read else None)
+            kube.post_event(body, "Normal", l2key.KEY_GENERATED, f"generated Secret {key_secret['metadata']['name']} with "
+                            f"L2's master key (fingerprint {read.fingerprint if read else None}); it is kept when this "
+                            "resource is deleted (the data needs it)")
         for manifest in manifests:
             if manifest["kind"] != "NetworkPolicy":
                 _apply_owned(manifest)
@@ -666,6 +819,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger) -> bool:
         state.apply_error = None
         CONTROLLER.apply_backoff.succeeded(key)
         state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
+        state.applied_id = (key_id,)
     return True
 
 
@@ -693,6 +847,85 @@ def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bo
     return not (in_use - {target.namespace_id})
 
 
+def _store_user(target: Target, body: Mapping[str, Any]) -> sharing.User:
+    return sharing.user(target.namespace, target.name, str(body["metadata"].get("creationTimestamp") or ""), target.spec,
+                        target.namespace_id)
+
+
+def _storage_refusal(target: Target, body: Mapping[str, Any]) -> str | None:
+    """StorageInUse's message when another resource holds this one's claim or bucket prefix
+    (kvpersist.controller.sharing), else None. Read from the API server, never the watch caches: a
+    restarted operator may not have seen every resource yet. Raises ApiException. Blocking."""
+    me = _store_user(target, body)
+    if target.spec.l2.nvme is not None:  # claims are namespaced: that namespace's resources and servers
+        bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
+        pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
+    elif target.namespace_id:  # a bucket prefix is global: every namespace's resources
+        bodies, pods = kube.list_all(api.API_VERSION, api.KIND), []
+    else:
+        return None
+    return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)
+
+
+def _route_conflicts(target: Target) -> list[str]:
+    """The objects already under this id's route names that route elsewhere (stale_routes
+    .route_conflicts): a LIST by name of each kind (list is what the operator may do on them).
+    Raises ApiException. Blocking."""
+    name = target.per_id_name(target.namespace_id)
+    found = [(kind, obj) for api_version, kind in ROUTE_KINDS
+             for obj in kube.list_all(api_version, kind, target.namespace, field_selector=f"metadata.name={name}")]
+    return route_conflicts(target, found)
+
+
+def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> Target:
+    """Before an apply: the target as it may run alone. A claim or bucket prefix an older resource
+    holds: the cache off (servers at zero, vLLM without it; StorageInUse). Route names another
+    id's objects hold: no routes, vLLM without the cache (CacheBypassed, RouteNameTaken). Both
+    recorded in the resource's state for status. Raises ApiException (the apply is retried)."""
+    state = CONTROLLER.held((target.namespace, target.name))
+    storage = _storage_refusal(target, body) if target.cache_enabled else None
+    if storage != state.storage_refused and (storage or state.storage_refused):
+        logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
+    state.storage_refused = storage
+    if storage is not None:
+        return dataclasses.replace(target, namespace_id=None)
+    conflicts = _route_conflicts(target) if target.cache_enabled else []
+    taken = route_taken_message(target, conflicts) if conflicts else None
+    if taken != state.route_taken and taken:
+        logger.warning("%s/%s: %s", target.namespace, target.name, taken)
+    state.route_taken = taken
+    if taken is not None:
+        return dataclasses.replace(target, routes=False, cache_bypassed=True,
+                                   bypass_reason=f"route name {target.per_id_name(target.namespace_id)} is taken")
+    return target
+
+
+def _exclusive_recheck(target: Target, body: Mapping[str, Any]) -> Target:
+    """In a status refresh: applies again when what _exclusive decided may have changed (the
+    holder went, or an older resource now names the same store, or the route names are free),
+    and returns the target as last applied. While refused, the API server is asked (a rare
+    state); otherwise only the watch caches are looked at, so an idle refresh makes no request."""
+    state = CONTROLLER.held((target.namespace, target.name))
+    if not target.cache_enabled:
+        return target
+    try:
+        if state.storage_refused is not None:
+            changed = _storage_refusal(target, body) != state.storage_refused
+        else:
+            known = [u for st in CONTROLLER.known().values() if st.body is not None and (u := sharing.user_of(st.body))]
+            changed = (sharing.holder(_store_user(target, body), known) is not None
+                       or (state.route_taken is not None and not _route_conflicts(target)))
+        if changed:
+            state.drifted = True
+    except ApiException:
+        pass  # asked again on the next refresh
+    if state.storage_refused is not None:
+        return dataclasses.replace(target, namespace_id=None)
+    if state.route_taken is not None:
+        return dataclasses.replace(target, routes=False, cache_bypassed=True)
+    return target
+
+
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
@@ -705,7 +938,7 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     async with state.lock:
         state.drifted = False
         try:
-            await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
+            await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger, _seen(key))
             await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, _seen(key), logger)
         finally:
             _sweep_if_forgotten(key)
@@ -718,7 +951,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     meta = body["metadata"]
     target: Target | None = None
     try:
-        target, _reason = _target(body)
+        target, _reason = _target(body, _known_fingerprint(body))
     except ValidationError as exc:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
     if target is not None:
@@ -769,7 +1002,29 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
     except ApiException as exc:
         return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in all namespaces, the "
                 f"API server answered {exc.status}); the operator needs list on both cluster-wide")
-    return refusal_now(namespace_id, current, resources, pods)
+    try:
+        return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id}: an L2 key Secret could not be read (the API server "
+                f"answered {exc.status}), and a resource's namespace id needs its key")
+
+
+def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
+    """The fingerprint of the key a resource's servers would mount, read now from its Secret (for
+    one whose status records none: another namespace, not yet served). None when the Secret or
+    key is absent or short: then it can use no namespace. Raises ApiException when unreadable."""
+    meta = resource["metadata"]
+    try:
+        spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
+    except ValidationError:
+        return None
+    target = Target(meta["name"], meta["namespace"], spec, None)
+    if target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    secret = kube.get("v1", "Secret", name, meta["namespace"])
+    return l2key.read(secret, name, item, meta["namespace"], target.key_secret_generated,
+                      kube.secret_value(secret, item)).fingerprint
 
 
 async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
@@ -816,8 +1071,8 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
         state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                        "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
                        "status": dict(body.get("status") or {})}
-        try:
-            state.namespace_id = _target(body)[0].namespace_id
+        try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
+            state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
         except ValidationError:
             state.namespace_id = None
         request = parse_request(body["metadata"].get("annotations"))
@@ -956,7 +1211,8 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
         try:
             if restore:
                 logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
-                await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger)
+                await loop.run_in_executor(CONTROLLER.refresh_pool, apply_workloads, body, logger, seen)
+                seen = _seen(key, seen.live_ids)  # what the apply changed, as the watch caches have it now
             await loop.run_in_executor(CONTROLLER.refresh_pool, refresh_status, body, seen, logger)
         except Exception as exc:  # one object's failure must not stop the others' status
             logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
@@ -1006,6 +1262,12 @@ async def _status_loop(logger: logging.Logger) -> None:
         # Where a peer is active, its status, not ours from caches kopf has paused.
         keys = await loop.run_in_executor(CONTROLLER.tick_pool, _active_keys, keys, tick)
         live = _live() if keys else frozenset()
+        if tick - CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
+            CONTROLLER.orphan_sweep_at = tick
+            orphans = _orphan_claims()
+            if orphans:  # by the active replica only, as every other write
+                loop.run_in_executor(CONTROLLER.refresh_pool, lambda o=orphans: _protect_claims(
+                    [c for c in o if active(time.monotonic(), c[0]["metadata"].get("namespace"))], None, logger))
         for key in keys:
             state = CONTROLLER.get(key)
             if state is None or state.body is None or state.lock.locked():

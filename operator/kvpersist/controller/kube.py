@@ -96,9 +96,12 @@ def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None
         return None
 
 
-def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
-    """Every object of a kind, in one namespace or (None) all of them."""
-    out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector, _request_timeout=REQUEST_TIMEOUT_S)
+def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None,
+             field_selector: str | None = None) -> list[dict[str, Any]]:
+    """Every object of a kind, in one namespace or (None) all of them; field_selector e.g.
+    metadata.name=x: one name without `get` (which the operator may not do on every kind)."""
+    out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector,
+                                           field_selector=field_selector, _request_timeout=REQUEST_TIMEOUT_S)
     return [item.to_dict() for item in out.items]
 
 
@@ -112,6 +115,17 @@ def patch_annotations(api_version: str, kind: str, name: str, namespace: str, an
     """JSON merge patch of metadata.annotations (None removes one)."""
     res = _resource(api_version, kind)
     client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"annotations": dict(annotations)}},
+                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
+
+
+def patch_metadata(api_version: str, kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> None:
+    """JSON merge patch of an object's metadata only ({"metadata": {"labels": ..., "annotations":
+    ...}}, None removes one): never its data or spec (the key Secret and the claims are not the
+    operator's to apply over; kvpersist.builders.retained)."""
+    if set(patch) != {"metadata"} or not set(patch["metadata"]) <= {"labels", "annotations"}:
+        raise ValueError("patch_metadata patches labels and annotations only")
+    res = _resource(api_version, kind)
+    client().request("patch", res.path(name=name, namespace=namespace), body=dict(patch),
                      content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
 
 

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 _lock = threading.Lock()
 _counters: Counter[str] = Counter()
 _phases: dict[tuple[str, str], str] = {}
+_refreshes: Counter[tuple[str, str]] = Counter()
 
 HELP = {
     "kvpersist_reconciles_total": "Reconciles of a KVCacheNamespace (create, spec update, resume).",
@@ -29,11 +30,23 @@ def inc(name: str, n: int = 1) -> None:
 
 
 def set_phase(namespace: str, name: str, phase: str | None) -> None:
+    """A resource's phase; None when it is gone (its series go too)."""
     with _lock:
         if phase is None:
             _phases.pop((namespace, name), None)
+            _refreshes.pop((namespace, name), None)
         else:
             _phases[(namespace, name)] = phase
+
+
+def refreshed(namespace: str, name: str, phase: str | None) -> None:
+    """One status refresh of a resource, and the phase it found. Counted per resource too, so a
+    scrape (and a test) can tell that a resource had another round, whatever it wrote: a "nothing
+    happened" is only shown after the operator had its chance to make it happen."""
+    with _lock:
+        _counters["kvpersist_status_refreshes_total"] += 1
+        _refreshes[(namespace, name)] += 1
+    set_phase(namespace, name, phase)
 
 
 def render() -> str:
@@ -44,6 +57,10 @@ def render() -> str:
         lines += ["# HELP kvpersist_resources KVCacheNamespaces by phase.", "# TYPE kvpersist_resources gauge"]
         for phase, count in sorted(Counter(_phases.values()).items()):
             lines.append(f'kvpersist_resources{{phase="{phase}"}} {count}')
+        lines += ["# HELP kvpersist_resource_refreshes_total Status refreshes of one KVCacheNamespace (dropped when it is deleted).",
+                  "# TYPE kvpersist_resource_refreshes_total counter"]
+        for (namespace, name), count in sorted(_refreshes.items()):
+            lines.append(f'kvpersist_resource_refreshes_total{{namespace="{namespace}",name="{name}"}} {count}')
     return "\n".join(lines) + "\n"
 
 

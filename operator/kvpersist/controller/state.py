@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpersist.controller import buildcheck, fallback, retry
+from kvpersist.controller import buildcheck, fallback, l2key, retry
 from kvpersist.controller.policy import Policy, Refusal
 from kvpersist.status.conditions import FailedCreateCheck
 from kvpersist.status.usage import HitTracker, WriteFailureTracker
@@ -64,12 +64,23 @@ class ResourceState:
     # Its last apply may have left an old namespace id's Service and ZMQ policy behind (set by every
     # apply, so a restarted operator checks once too); cleared when none can be left.
     routes_pending: bool = False
+    # Refused its L2 store when last applied (another, older resource uses its claim or bucket
+    # prefix: kvpersist.controller.sharing): StorageInUse's message; applied with the cache off.
+    storage_refused: str | None = None
+    # Its namespace id's route names are held by another id's objects (kvpersist.controller
+    # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
+    route_taken: str | None = None
     # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
     preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
     # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
     bucket_inventory: tuple[float, Inventory | None] | None = None
     bucket_inventory_failed: bool = False
     bucket_jobs: dict[str, concurrent.futures.Future[None]] = field(default_factory=dict)  # "preflight"/"listing"
+    # The L2 key Secret as last read (when, judged: its fingerprint or why none; never the key), and
+    # the namespace id the last successful apply rendered, as (id,): another one (the key changed,
+    # went or came back) is applied on the next tick.
+    key_read: tuple[float, l2key.KeyRead] | None = None
+    applied_id: tuple[str | None] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.
     agent_token: tuple[float, str | None] | None = None
     token_missing_at: float = float("-inf")
@@ -105,6 +116,11 @@ class Controller:
         # dropped on the child's own DELETED event).
         self.child_generations: dict[tuple[str, str, str], int] = {}
         self.gc_inflight: set[str] = set()  # gc request ids being carried out
+        # Claims patched out of GitOps prunes (kvpersist.builders.retained), by (namespace, claim):
+        # (resourceVersion, key fingerprint) patched, so a watch cache that lags is not patched twice;
+        # and when the claims of deleted resources were last looked at.
+        self.claims_protected: dict[tuple[str, str], tuple[str | None, str | None]] = {}
+        self.orphan_sweep_at: float = float("-inf")
         self.gc_tasks: set[asyncio.Task[None]] = set()
         self.refresh_tasks: set[asyncio.Task[None]] = set()
         # kopf indexes of the operator's own StatefulSets, Deployments, pods and claims (see

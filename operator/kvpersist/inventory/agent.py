@@ -19,7 +19,9 @@ With --capacity-bytes it also keeps the served namespace's folder within that ca
 0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
 before the restart are neither counted nor evicted by it and the folder grows past its capacity
 (measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
-deletes that folder's oldest chunk files until it holds at most the capacity.
+deletes that folder's oldest chunk files until they hold at most the capacity, counting only what it
+may delete (nixl's committed `*.bin` files), and first the temp files of writes that died
+(`*.bin.tmp.<hex>` untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from urllib.parse import parse_qs, urlparse
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
 from kvpersist.inventory.volume import (
+    ABANDONED_TEMP_S,
     NAMESPACE_ID_RE,
     Inventory,
     NamespaceUsage,
@@ -45,6 +48,7 @@ from kvpersist.inventory.volume import (
     namespace_usage,
     remove_namespace,
     scan_volume,
+    sweep_abandoned,
     trim_namespace,
 )
 
@@ -106,6 +110,7 @@ class Agent:
         self.trim_period_s = trim_period_s
         self.trim_passes = 0  # completed passes, whether they deleted anything or not (tests wait on it)
         self.last_trim: dict[str, Any] | None = None  # the last pass that deleted something
+        self.swept_temp_files = 0  # abandoned temp files deleted so far
         self._lock = threading.Lock()
         self._scan: tuple[float, Inventory] | None = None
         self._stop = threading.Event()
@@ -174,12 +179,21 @@ class Agent:
             return None
         assert self.root and self.serving and self.capacity_bytes
         with self._lock:
+            # Temp files of writes that died (a killed server) are never renamed: gone first. The
+            # trim counts only the chunk files it may delete (kvpersist.inventory.volume).
+            swept = sweep_abandoned(self.root, self.serving)
             trimmed = trim_namespace(self.root, self.serving, self.capacity_bytes)
+            if swept.objects:
+                self._scan = None
+                self.swept_temp_files += swept.objects
             if trimmed.objects:
                 self._scan = None
                 self.last_trim = {"bytes": trimmed.bytes, "objects": trimmed.objects, "at": iso(time.time()),
                                   "newestTrimmed": iso(trimmed.last_write), "capacityBytes": self.capacity_bytes}
             self.trim_passes += 1
+        if swept.objects:
+            log.warning("deleted %d abandoned temp files (%d bytes) of %s: no write touched them for %.0f s",
+                        swept.objects, swept.bytes, self.serving, ABANDONED_TEMP_S)
         if trimmed.objects:
             log.warning("trimmed %s to its capacity of %d bytes: deleted %d bytes in %d oldest chunk files (newest written %s)",
                         self.serving, self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
@@ -241,7 +255,8 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
                     self._send(401, {"error": why})
                     return
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
-                self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim})
+                self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
+                                 "trimPasses": agent.trim_passes})
             else:
                 self._send(404, {"error": "not found"})
 

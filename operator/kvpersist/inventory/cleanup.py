@@ -51,15 +51,17 @@ def refusal(namespace_id: str, current: str | None, live: frozenset[str]) -> str
 
 
 def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
-                pods: Iterable[Mapping[str, Any]]) -> str | None:
+                pods: Iterable[Mapping[str, Any]],
+                fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
     """refusal() judged from a fresh listing of every KVCacheNamespace and every pod that carries a
-    namespace id, naming who uses it (what the watch caches may not have seen yet)."""
+    namespace id, naming who uses it (what the watch caches may not have seen yet). fingerprint:
+    reads the L2 key of a resource whose status records none (kvpersist.admin.users_of)."""
     from kvpersist.admin import users_of
 
     why = refusal(namespace_id, current, frozenset())
     if why:
         return why
-    users = users_of(namespace_id, resources, pods)
+    users = users_of(namespace_id, resources, pods, fingerprint)
     if users:
         more = f" and {len(users) - 5} more" if len(users) > 5 else ""
         return f"{namespace_id} is now in use by {', '.join(users[:5])}{more} (checked again right before deleting)"

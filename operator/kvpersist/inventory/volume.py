@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -151,13 +152,30 @@ class ChunkFile(NamedTuple):
     ino: int
 
 
-# lmcache 0.5.6's nixl_store_dynamic writes `<final>.bin.tmp.<uuid hex>`, then renames it to `<final>.bin`.
+# lmcache 0.5.6's nixl_store_dynamic (nixl_store_agents/file_dynamic_nixl_store_agent.py, dynamic_store)
+# opens `<final>.bin.tmp.<uuid4 hex>`, writes the chunk into it and renames it to `<final>.bin`; a
+# crash in between leaves the temp file, which nixl removes only at a clean shutdown (cleanup()).
+# (Its fs adapter writes `<stem>.tmp` beside `<stem>.data` and reuses it for the next store of that
+# key; the agent trims only nixl folders: an adapter switch is a new folder, api.v1alpha1.l2_layout.)
 TEMP_MARK = ".tmp."
+NIXL_TEMP_RE = re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")
+# A temp file untouched this long is abandoned: lmcache opens, writes and renames one chunk file in
+# one go (a chunk is megabytes; every write moves its mtime), so a live one is seconds old. Deleting
+# one still being written would only fail that store (its rename finds no file), never lose a
+# committed chunk; an hour leaves any slow disk its time.
+ABANDONED_TEMP_S = 3600.0
 
 
 def is_chunk_name(name: str) -> bool:
     """A committed chunk file: never an in-flight temp file, never anything lmcache did not name."""
     return name.endswith(".bin") and TEMP_MARK not in name
+
+
+def is_abandoned_temp(name: str, st: os.stat_result, now: float, after_s: float = ABANDONED_TEMP_S) -> bool:
+    """A nixl temp file (by its exact name) that nothing has written for after_s: its writer is gone
+    (a crash, a killed server), so no rename will ever commit it. lmcache creates it with O_TRUNC
+    and writes it at once, so its mtime is when its writer last did anything with it."""
+    return bool(NIXL_TEMP_RE.fullmatch(name)) and now - st.st_mtime > after_s
 
 
 def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int) -> list[ChunkFile]:
@@ -174,11 +192,15 @@ def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: in
     return chosen
 
 
-def folder_files(folder: Path) -> tuple[list[ChunkFile], int]:
-    """(committed chunk files, bytes of all regular files) under folder, which must be a real
-    directory. Symlinks (files or directories) are neither followed nor counted."""
+def folder_files(folder: Path, now: float | None = None,
+                 abandoned_after_s: float = ABANDONED_TEMP_S) -> tuple[list[ChunkFile], list[ChunkFile]]:
+    """(committed chunk files, abandoned temp files) under folder, which must be a real directory:
+    all the agent may ever delete there. Anything else (another adapter's files, a temp file still
+    being written, what lmcache did not name, links) is neither deleted nor counted by the trim:
+    counted, bytes it cannot delete would make it delete live chunks in their place, down to all."""
+    now = time.time() if now is None else now
     chunks: list[ChunkFile] = []
-    total = 0
+    temps: list[ChunkFile] = []
     for dirpath, _dirs, names in os.walk(folder):  # followlinks=False: a linked directory is not entered
         for name in names:
             path = os.path.join(dirpath, name)
@@ -188,10 +210,11 @@ def folder_files(folder: Path) -> tuple[list[ChunkFile], int]:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            total += st.st_size
             if is_chunk_name(name):
                 chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
-    return chunks, total
+            elif is_abandoned_temp(name, st, now, abandoned_after_s):
+                temps.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+    return chunks, temps
 
 
 def _unlink_if_unchanged(f: ChunkFile) -> bool:
@@ -207,24 +230,45 @@ def _unlink_if_unchanged(f: ChunkFile) -> bool:
     return True
 
 
-def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int) -> NamespaceUsage:
-    """Deletes the oldest chunk files of one namespace folder until it holds at most capacity_bytes;
-    returns what was deleted. Only committed chunk files directly owned by <root>/<namespace_id>
-    (a real directory, not a link) are ever deleted; temp files count towards the total but stay."""
+def _served_folder(root: Path, namespace_id: str) -> Path | None:
+    """<root>/<namespace_id> when it is a real directory (not a link); refuses a non-id."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
-    trimmed = NamespaceUsage(namespace_id)
     folder = root / namespace_id
     try:
-        if not stat.S_ISDIR(os.lstat(folder).st_mode):
-            return trimmed
+        return folder if stat.S_ISDIR(os.lstat(folder).st_mode) else None
     except FileNotFoundError:
+        return None
+
+
+def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int) -> NamespaceUsage:
+    """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
+    capacity_bytes; returns what was deleted. Only committed chunk files directly owned by
+    <root>/<namespace_id> (a real directory, not a link) are counted and deleted: a temp file or a
+    foreign file neither counts nor goes (abandoned temp files: sweep_abandoned)."""
+    trimmed = NamespaceUsage(namespace_id)
+    folder = _served_folder(root, namespace_id)
+    if folder is None:
         return trimmed
-    chunks, total = folder_files(folder)
+    chunks, _temps = folder_files(folder)
+    total = sum(f.size for f in chunks)
     for f in choose_oldest(chunks, total, capacity_bytes):
         if _unlink_if_unchanged(f):
             trimmed.add(f.size, f.mtime)
     return trimmed
+
+
+def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None,
+                    abandoned_after_s: float = ABANDONED_TEMP_S) -> NamespaceUsage:
+    """Deletes the abandoned temp files (is_abandoned_temp) of one namespace folder; returns them."""
+    swept = NamespaceUsage(namespace_id)
+    folder = _served_folder(root, namespace_id)
+    if folder is None:
+        return swept
+    for f in folder_files(folder, now, abandoned_after_s)[1]:
+        if _unlink_if_unchanged(f):
+            swept.add(f.size, f.mtime)
+    return swept
 
 
 def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:

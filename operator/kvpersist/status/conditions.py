@@ -72,7 +72,7 @@ class Observation:
     budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
     budget_floor_exhausted: bool = False  # and whether that status said Exhausted
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
-    key_problem: tuple[str, str] | None = None  # (reason, message): the user's L2 key Secret is unusable
+    key_problem: tuple[str, str] | None = None  # (reason, message): the L2 key cannot be used, so no namespace
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
     build: buildcheck.Verdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
 
@@ -219,14 +219,14 @@ def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict
 def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] | None) -> dict[str, Any]:
     """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
     L2 writes failing now, which lmcache's /status does not show."""
+    if obs.key_problem is not None:  # no key, no namespace (kvpersist.controller.l2key): said here and in IdentityResolved
+        return condition("L2Ready", False, obs.key_problem[0], obs.key_problem[1], gen)
     if obs.namespace_id is None:
         return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
     bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
     failing = [] if exhausted else [r for r in obs.reports if r.pod in obs.writes_failing]
-    if obs.key_problem is not None:
-        return condition("L2Ready", False, obs.key_problem[0], obs.key_problem[1], gen)
     if obs.l2_kind == "nvme":
         pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
         if obs.existing_claim and not obs.claims:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, StrictBool, ValidationError
@@ -205,6 +205,12 @@ LOOKUP_REQUESTED = "lmcache_mp_lookup_requested_tokens_total"
 LOOKUP_HIT = "lmcache_mp_lookup_hit_tokens_total"
 LOOKUP_HIT_L1 = "lmcache_mp_lookup_hit_l1_tokens_total"
 LOOKUP_HIT_L2 = "lmcache_mp_lookup_hit_l2_tokens_total"
+# Restore rates (lmcache 0.5.6, mp_observability/subscribers/metrics/l2_throughput.py and the
+# L1 -> engine transfer): histograms of one GB/s figure per load, bytes over submit-to-completion
+# time, exported as _sum and _count. L2 -> L1 is what an L2 hit costs before the engine gets it,
+# L1 -> engine what every hit costs. Their window's sum over count is the mean rate per load.
+RESTORE_L2 = "lmcache_mp_l2_load_throughput_GB_per_second"
+RESTORE_L1 = "lmcache_mp_l0_l1_load_throughput_GB_per_second"
 # prometheus_client's process collector: tells a restarted server from one whose counters grew.
 PROCESS_START = "process_start_time_seconds"
 MAX_COUNTER = 2**53  # beyond this a float counter is no longer exact: treat it as garbage
@@ -223,6 +229,11 @@ class LookupCounters:
     hit_l1: int = 0
     hit_l2: int = 0
     started: str | None = None  # process start, RFC 3339 to the second; None: not exported
+    # Sums of per-load GB/s and how many loads, L2 -> L1 and L1 -> engine (RESTORE_L2, RESTORE_L1).
+    l2_gbps_sum: float = 0.0
+    l2_loads: int = 0
+    l1_gbps_sum: float = 0.0
+    l1_loads: int = 0
 
 
 def _stamp(seconds: float) -> str | None:
@@ -247,27 +258,38 @@ def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | Non
         values.append(int(v))
     start = metrics.get(PROCESS_START)
     started = _stamp(start) if start is not None and math.isfinite(start) and start > 0 else None
-    return LookupCounters(*values, started=started)
+    restores = []
+    for name in (RESTORE_L2, RESTORE_L1):
+        total, loads = metrics.get(name + "_sum", 0.0), metrics.get(name + "_count", 0.0)
+        ok = all(math.isfinite(v) and 0 <= v <= MAX_COUNTER for v in (total, loads))
+        restores += [total, int(loads)] if ok else [0.0, 0]  # a garbled histogram: no rate, the rest stands
+    return LookupCounters(*values, started=started, l2_gbps_sum=restores[0], l2_loads=restores[1],
+                          l1_gbps_sum=restores[2], l1_loads=restores[3])
 
 
 @dataclass(frozen=True)
 class HitTotals:
-    """Token counts: looked up, found in cache (L1 + L2), found in L1, added by L2."""
+    """Token counts: looked up, found in cache (L1 + L2), found in L1, added by L2; and the
+    restore-rate sums and load counts per tier (in memory only: status keeps no totals of them)."""
 
     lookup: int = 0
     hit: int = 0
     l1: int = 0
     l2: int = 0
+    l2_gbps_sum: float = 0.0
+    l2_loads: int = 0
+    l1_gbps_sum: float = 0.0
+    l1_loads: int = 0
 
     def __add__(self, other: HitTotals) -> HitTotals:
-        return HitTotals(self.lookup + other.lookup, self.hit + other.hit, self.l1 + other.l1, self.l2 + other.l2)
+        return HitTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: HitTotals) -> HitTotals:
-        return HitTotals(self.lookup - other.lookup, self.hit - other.hit, self.l1 - other.l1, self.l2 - other.l2)
+        return HitTotals(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def _as_totals(c: LookupCounters) -> HitTotals:
-    return HitTotals(c.requested, c.hit, c.hit_l1, c.hit_l2)
+    return HitTotals(c.requested, c.hit, c.hit_l1, c.hit_l2, c.l2_gbps_sum, c.l2_loads, c.l1_gbps_sum, c.l1_loads)
 
 
 def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> HitTotals:
@@ -278,7 +300,7 @@ def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> H
         return _as_totals(current)
     restarted = previous.started is not None and current.started is not None and previous.started != current.started
     delta = _as_totals(current) - _as_totals(previous)
-    if restarted or min(delta.lookup, delta.hit, delta.l1, delta.l2) < 0:
+    if restarted or min(delta.lookup, delta.hit, delta.l1, delta.l2, delta.l2_loads, delta.l1_loads) < 0:
         return _as_totals(current)
     return delta
 
@@ -327,7 +349,14 @@ def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float, span_
     out = {"seconds": int(span_s) if old else int(elapsed), **_figures(d)}
     out["lookupTokensPerSecond"] = round(d.lookup / elapsed)
     out["hitTokensPerSecond"] = round(d.hit / elapsed)
+    out["restoresL2"], out["restoreGbpsL2"] = d.l2_loads, restore_rate(d.l2_gbps_sum, d.l2_loads)
+    out["restoresL1"], out["restoreGbpsL1"] = d.l1_loads, restore_rate(d.l1_gbps_sum, d.l1_loads)
     return out
+
+
+def restore_rate(gbps_sum: float, loads: int) -> float | None:
+    """The mean GB/s of the window's loads of one tier, to 0.01; None without a load."""
+    return round(max(0.0, gbps_sum) / loads, 2) if loads > 0 else None
 
 
 def trim_samples(samples: deque[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> None:

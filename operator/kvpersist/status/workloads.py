@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
+from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.controller.buildcheck import slim_statuses
 
@@ -29,8 +31,11 @@ OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
 
 
 def owner_key(body: Mapping[str, Any]) -> OwnerKey | None:
+    """(namespace, resource name) from the instance label, or on a claim that outlives its
+    resource from the operator's own (kvpersist.builders.retained: the tracking label is taken off)."""
     meta = body.get("metadata") or {}
-    instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+    labels = meta.get("labels") or {}
+    instance = labels.get(INSTANCE_LABEL) or labels.get(RETAINED_INSTANCE_LABEL)
     return (meta.get("namespace", ""), instance) if instance else None
 
 
@@ -45,9 +50,14 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     status = body.get("status") or {}
     out: dict[str, Any] = {
         "metadata": {**_pick(meta, ("name", "namespace", "generation", "deletionTimestamp", "resourceVersion")),
-                     "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, COMPONENT_LABEL, NAMESPACE_ID_LABEL))},
+                     "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, RETAINED_INSTANCE_LABEL, COMPONENT_LABEL,
+                                                          NAMESPACE_ID_LABEL))},
         "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas")),
     }
+    # What keeps a claim out of GitOps prunes, and the key its data needs (kvpersist.builders.retained).
+    protected = _pick(meta.get("annotations"), PROTECTED_ANNOTATIONS)
+    if protected:
+        out["metadata"]["annotations"] = protected
     conditions = status.get("conditions") or []
     ready = [_pick(c, ("type", "status")) for c in conditions if c.get("type") == "Ready"][:1]
     # A Deployment whose ReplicaSet cannot create pods (PodSecurity, quota) says why here, in the
@@ -101,9 +111,11 @@ def _named(objs: Iterable[dict[str, Any]], name: str) -> dict[str, Any] | None:
 
 def live_ids(resources: Iterable[Mapping[str, Any]], resolved: Iterable[str | None],
              pods: Iterable[Mapping[str, Any]]) -> frozenset[str]:
-    """Namespaces in use: each resource's reported and resolved id, and the id every lmcache pod
-    (old ones mid-rollout included) still serves. gc refuses all of them."""
+    """Namespaces in use: each resource's reported and resolved id, the one whose L2 key it waits
+    for (status.l2Key, kept while the key cannot be read), and the id every lmcache pod (old ones
+    mid-rollout included) still serves. gc refuses all of them."""
     out = {(r.get("status") or {}).get("namespaceId") for r in resources}
+    out |= {((r.get("status") or {}).get("l2Key") or {}).get("namespaceId") for r in resources}
     out |= set(resolved)
     out |= {(p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) for p in pods}
     return frozenset(i for i in out if i)

@@ -1,0 +1,186 @@
+"""L2's master key as the namespace id sees it: read from the Secret the servers mount, named by
+its fingerprint, and what to do when it changes or goes.
+
+Objects sealed under one key fail authentication under another: misses, forever. So the key is
+part of the identity (kvpersist.identity, pin l2_key_fingerprint): another key, or other bytes in
+the same Secret, is another namespace, and the old one's data stays as it was, an orphan for
+`kvpersist report` and `kvpersist gc` (readable again if that key comes back: its id follows the
+key). A key that cannot be read names no namespace: the cache is off, and the condition says why.
+
+The generated Secret is the one the operator would make again on its own. It never does so over
+data: when the Secret is gone and status (or a claim) shows data sealed under the key it held,
+the cache stays off and the resource says what happened and what the user can do (restore the
+Secret, or accept the loss with an annotation that names the lost key's fingerprint). Pure
+functions here; kvpersist.controller.handlers reads the Secret and acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvpersist.builders.retained import KEY_FINGERPRINT_ANNOTATION, PROTECTED_ANNOTATIONS
+from kvpersist.builders.target import L2_KEY_BYTES
+from kvpersist.identity import key_fingerprint
+from kvpersist.status.usage import human_bytes
+
+# Set by the user to accept that the data under the named key is lost: its value is that key's
+# fingerprint, so it never covers a later loss of another key.
+REPLACE_ANNOTATION = "kvpersist.dev/replace-l2-key"
+
+# Reasons of IdentityResolved and L2Ready (both False, the cache off) when the key cannot be used.
+KEY_NOT_FOUND = "KeySecretNotFound"
+KEY_MISSING = "KeySecretKeyMissing"
+KEY_TOO_SHORT = "KeyTooShort"
+KEY_UNREADABLE = "KeySecretUnreadable"
+KEY_PENDING = "L2KeyPending"  # the generated Secret does not exist yet: the next apply makes it
+KEY_LOST = "L2KeyLost"  # the generated Secret is gone and data sealed under it exists: not made again
+KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "KeySecretUnreadable", "L2KeyPending",
+                    "L2KeyLost"]
+KEY_REASONS: tuple[KeyReason, ...] = (KEY_NOT_FOUND, KEY_MISSING, KEY_TOO_SHORT, KEY_UNREADABLE, KEY_PENDING, KEY_LOST)
+# Events.
+KEY_GENERATED = "L2KeyGenerated"  # Normal: a generated key was made (first apply, or no data under the last one)
+KEY_CHANGED = "L2KeyChanged"  # Warning: another key, so another namespace; the old data is an orphan
+KEY_REPLACED = "L2KeyReplaced"  # Normal: a new key after the user accepted the loss (REPLACE_ANNOTATION)
+
+
+@dataclass(frozen=True)
+class KeyRead:
+    """One read of the key Secret the servers mount: its fingerprint, or why it cannot serve."""
+
+    secret: str
+    item: str
+    generated: bool  # the operator's own <name>-l2-key
+    fingerprint: str | None = None
+    problem: tuple[str, str] | None = None  # (reason, message)
+    absent: bool = False  # the Secret does not exist
+    # The Secret's labels and the prune-related annotations, as read: nothing else of its metadata
+    # (kubectl's last-applied annotation of a Secret holds its data, the key).
+    metadata: Mapping[str, Any] | None = None
+
+
+def read(secret: Mapping[str, Any] | None, name: str, item: str, namespace: str, generated: bool,
+         value: bytes | None) -> KeyRead:
+    """Judges a Secret as the API server returned it (None: not found) with its item's bytes."""
+    field = "the generated Secret" if generated else "spec.l2.encryption.keySecretRef: Secret"
+    where = f"{field} {name} key {item}"
+    if secret is None:
+        if generated:
+            return KeyRead(name, item, True, problem=(KEY_PENDING, f"{where} does not exist yet: the operator creates it "
+                                                      "on its next apply"), absent=True)
+        return KeyRead(name, item, False, absent=True, problem=(KEY_NOT_FOUND, (
+            f"{where} not found in namespace {namespace}: create it with {L2_KEY_BYTES} random bytes, e.g. head -c "
+            f"{L2_KEY_BYTES} /dev/urandom > key && kubectl create secret generic {name} --from-file={item}=key")))
+    meta = secret.get("metadata") or {}
+    metadata = {"labels": dict(meta.get("labels") or {}),
+                "annotations": {k: v for k, v in (meta.get("annotations") or {}).items() if k in PROTECTED_ANNOTATIONS}}
+    if not value:
+        return KeyRead(name, item, generated, problem=(KEY_MISSING, f"{where}: the Secret has no such key; "
+                                                       + ("restore it" if generated else "set keySecretRef.key")),
+                       metadata=metadata)
+    if len(value) < L2_KEY_BYTES:
+        return KeyRead(name, item, generated, problem=(KEY_TOO_SHORT, f"{where}: the key has fewer than {L2_KEY_BYTES} "
+                                                       f"bytes; use {L2_KEY_BYTES} random bytes"), metadata=metadata)
+    return KeyRead(name, item, generated, fingerprint=key_fingerprint(value), metadata=metadata)
+
+
+def unreadable(name: str, item: str, generated: bool, status: int | None) -> KeyRead:
+    """The API server did not answer the read (a 403, a 5xx, no answer)."""
+    return KeyRead(name, item, generated, problem=(KEY_UNREADABLE, f"Secret {name} key {item}: the API server answered "
+                                                   f"{status} to reading it; retrying"))
+
+
+def recorded(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.l2Key as stored: the key the servers last used, by fingerprint, and its namespace."""
+    return dict((status or {}).get("l2Key") or {})
+
+
+def fingerprint_in_status(status: Mapping[str, Any] | None, secret: str | None) -> str | None:
+    """The fingerprint status records for this Secret (None for another Secret, or none recorded):
+    what a reader without the key (kubectl users, the event loop) resolves the id with."""
+    key = recorded(status)
+    return key.get("fingerprint") if secret is not None and key.get("secret") == secret else None
+
+
+def held(status: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[int, int] | None:
+    """(bytes, objects) of a namespace by the last inventory in status (the data itself), or None
+    when nothing says: no inventory yet, only the servers' own counts (which start empty after a
+    restart), or no namespace."""
+    if not namespace_id:
+        return None
+    inventory = (status or {}).get("inventory")
+    if not inventory or not inventory.get("measuredAt"):
+        return None
+    shares = [n for v in inventory.get("volumes") or [] for n in v.get("namespaces") or [] if n.get("namespaceId") == namespace_id]
+    return sum(int(n.get("bytes") or 0) for n in shares), sum(int(n.get("objects") or 0) for n in shares)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The generated key is gone while data sealed under it may exist."""
+
+    secret: str
+    fingerprint: str
+    namespace_id: str | None
+    held: tuple[int, int] | None  # (bytes, objects); None: unknown
+    evidence: str  # where the record comes from
+
+
+def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[str, str] | None,
+         claims: list[Mapping[str, Any]] | None = None) -> Loss | None:
+    """Whether making a new key now would make stored data unreadable without the user asking:
+    the generated Secret is absent, status records the key it held (or a claim of the resource
+    records one), the inventory does not show that key's namespace empty, and the user has not
+    accepted the loss of exactly that key (REPLACE_ANNOTATION)."""
+    if not key.generated or not key.absent:
+        return None
+    record = recorded(status)
+    found: Loss | None = None
+    if record.get("fingerprint") and record.get("secret") == key.secret:
+        amount = held(status, record.get("namespaceId"))
+        if amount is None or amount[1] > 0:
+            found = Loss(key.secret, record["fingerprint"], record.get("namespaceId"), amount, "status.l2Key")
+    if found is None and not record.get("fingerprint"):
+        for claim in claims or []:
+            fp = ((claim.get("metadata") or {}).get("annotations") or {}).get(KEY_FINGERPRINT_ANNOTATION)
+            if fp:
+                found = Loss(key.secret, fp, None, None, f"claim {claim['metadata'].get('name')}")
+                break
+    if found is None or (annotations or {}).get(REPLACE_ANNOTATION) == found.fingerprint:
+        return None
+    return found
+
+
+def _amount(amount: tuple[int, int] | None) -> str:
+    if amount is None:
+        return "an unknown amount of data (not measured yet)"
+    return f"{human_bytes(amount[0]) or '0B'} in {amount[1]} objects"
+
+
+def loss_message(found: Loss, name: str, namespace: str) -> str:
+    """What happened, what it costs and what the user can do: for the condition and the event."""
+    where = f"namespace {found.namespace_id}" if found.namespace_id else f"the L2 data ({found.evidence})"
+    return (f"Secret {found.secret} with L2's master key (fingerprint {found.fingerprint}) is gone, and {where} holds "
+            f"{_amount(found.held)} sealed with it: unreadable without that key. No new key is generated over it (that "
+            "would turn it into misses for good), and the cache stays off meanwhile (vLLM runs without it). Restore "
+            f"the Secret from a backup (the same bytes under key master-key): the namespace comes back by itself. Or "
+            f"accept the loss: kubectl annotate kvcachenamespace {name} -n {namespace} {REPLACE_ANNOTATION}="
+            f"{found.fingerprint} (a new key and namespace; the old data is then an orphan for `kvpersist gc`)")
+
+
+def events(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None,
+           annotations: Mapping[str, str] | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) when the key in use changed: the data under the old one stays,
+    unreadable with the new key."""
+    before, after = recorded(old), recorded(new)
+    if not before.get("fingerprint") or not after.get("fingerprint") or before["fingerprint"] == after["fingerprint"]:
+        return []
+    amount = _amount(held(old, before.get("namespaceId"))) if before.get("namespaceId") else "its data"
+    what = (f"L2's key changed (Secret {before.get('secret')} fingerprint {before['fingerprint']} -> Secret "
+            f"{after.get('secret')} fingerprint {after['fingerprint']}): namespace {after.get('namespaceId')} replaces "
+            f"{before.get('namespaceId')}, whose data ({amount}) stays where it is, unreadable with the new key: an orphan "
+            "for `kvpersist report` and `kvpersist gc`, served again if the old key comes back")
+    if (annotations or {}).get(REPLACE_ANNOTATION) == before["fingerprint"]:
+        return [("Normal", KEY_REPLACED, f"as asked ({REPLACE_ANNOTATION}): {what}")]
+    return [("Warning", KEY_CHANGED, what)]

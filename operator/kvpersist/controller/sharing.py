@@ -1,0 +1,196 @@
+"""One L2 store, one KVCacheNamespace: a second user of a claim or of a bucket prefix is refused.
+
+Nothing in the schema stops two resources from naming the same existingClaimName (or one naming
+the claim another's StatefulSet makes, `l2-<name>-lmcache-<n>`), nor two resources, in two
+Kubernetes namespaces, from writing under the same bucket prefix with the same namespace id. Both
+would serve the same `kvp-` folder: each inventory agent trims the folder to its own capacity, so
+the smaller budget deletes the other's live chunks, and with two keys each reads the other's
+objects as misses. So a store has one user: the oldest resource naming it (creationTimestamp,
+then namespace and name: the same answer from every replica and after every restart, never
+flapping), and every other one is refused (condition StorageInUse, naming the holder): its
+servers scale to zero, vLLM runs without the cache, nothing of the data is touched. It clears by
+itself when the holder goes or points elsewhere. A claim is taken over only once no server pod of
+another resource mounts it any more (a deleted holder's pods terminate for up to a minute).
+
+What collides is what the servers really share: the claim (whatever the ids: one volume, one
+folder tree, one disk), and for a bucket the handle's path plus the namespace id (one prefix
+being the other's, or the same). Pure decisions here; kvpersist.controller.handlers reads the
+resources and pods from the API server and applies the verdict.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.builders.target import L2_VOLUME, SERVER
+from kvpersist.status.conditions import condition
+from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL
+
+STORAGE_IN_USE = "StorageInUse"
+RELEASED = "StorageReleased"  # the Normal event once the refusal is gone
+
+
+@dataclass(frozen=True)
+class User:
+    """One KVCacheNamespace as far as its L2 store goes: plain fields, read from a stored object
+    without parsing its spec (the status loop looks at every known resource each round)."""
+
+    namespace: str
+    name: str
+    created: str  # metadata.creationTimestamp (RFC 3339 in UTC: sorts as text); "" when unknown
+    claim: str | None = None  # spec.l2.nvme.existingClaimName
+    generated: bool = False  # spec.l2.nvme with size: its StatefulSet makes l2-<name>-lmcache-<n>
+    bucket: str | None = None  # spec.l2.hfBucket.bucketHandle
+    namespace_id: str | None = None  # the id it serves (its status, for others: their keys are theirs to read)
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        """Who came first. An unknown creation time sorts last (it cannot claim to be older)."""
+        return (self.created or "~", self.namespace, self.name)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def user(namespace: str, name: str, created: str, spec: KVCacheNamespaceSpec, namespace_id: str | None) -> User:
+    """This resource, from its parsed spec."""
+    nvme, bucket = spec.l2.nvme, spec.l2.hf_bucket
+    return User(namespace, name, created, nvme.existing_claim_name if nvme is not None else None,
+                nvme is not None and nvme.existing_claim_name is None, bucket.bucket_handle if bucket is not None else None,
+                namespace_id)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def user_of(body: Mapping[str, Any]) -> User | None:
+    """Another stored KVCacheNamespace as a User; None for one being deleted (while its pods last,
+    they still hold a claim: mounted_elsewhere) or naming no L2."""
+    meta = body.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    l2 = (body.get("spec") or {}).get("l2") or {}
+    nvme = l2.get("nvme") if isinstance(l2.get("nvme"), Mapping) else None
+    bucket = l2.get("hfBucket") if isinstance(l2.get("hfBucket"), Mapping) else None
+    if nvme is None and bucket is None:
+        return None
+    claim = _text(nvme.get("existingClaimName")) if nvme is not None else None
+    return User(str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("creationTimestamp") or ""),
+                claim, nvme is not None and claim is None, _text(bucket.get("bucketHandle")) if bucket else None,
+                _text((body.get("status") or {}).get("namespaceId")))
+
+
+def generated_claim(name: str) -> re.Pattern[str]:
+    """The claims a resource's StatefulSet makes, one per ordinal: <volume>-<name>-lmcache-<n>."""
+    return re.compile(rf"{re.escape(L2_VOLUME)}-{re.escape(name)}-lmcache-(0|[1-9][0-9]*)")
+
+
+def _bucket_path(u: User) -> tuple[str, ...] | None:
+    """The bucket prefix the servers write under, as path segments (handle, then the id)."""
+    if u.bucket is None or not u.namespace_id:
+        return None
+    return (*(p for p in u.bucket.removeprefix("hf://buckets/").split("/") if p), u.namespace_id)
+
+
+def shared(a: User, b: User) -> str | None:
+    """What two resources' servers would both write into, for people; None when nothing."""
+    if (a.claim or a.generated) and (b.claim or b.generated):
+        if a.namespace != b.namespace:
+            return None  # claims are namespaced
+        if a.claim is not None and a.claim == b.claim:
+            return f"claim {a.claim}"
+        for claim, other in ((a.claim, b), (b.claim, a)):
+            if claim is not None and other.generated and generated_claim(other.name).fullmatch(claim):
+                return f"claim {claim} (made by {other.ref}'s StatefulSet)"
+        return None
+    pa, pb = _bucket_path(a), _bucket_path(b)
+    if pa is None or pb is None:
+        return None
+    short, long_ = sorted((pa, pb), key=len)
+    if long_[:len(short)] == short:
+        return "bucket prefix hf://buckets/" + "/".join(long_)
+    return None
+
+
+def holder(me: User, others: Iterable[User]) -> tuple[User, str] | None:
+    """The resource that keeps what me would share with it (the first by User.order), and what that
+    is; None when me is the first, or shares nothing."""
+    found = [(other, what) for other in others
+             if (other.namespace, other.name) != (me.namespace, me.name) and (what := shared(me, other))]
+    older = [(other, what) for other, what in found if other.order < me.order]
+    return min(older, key=lambda ow: ow[0].order) if older else None
+
+
+def my_claims(me: User) -> tuple[str | None, re.Pattern[str] | None]:
+    """The claim me names, or the pattern of those its StatefulSet makes."""
+    return me.claim, generated_claim(me.name) if me.generated else None
+
+
+def mounted_elsewhere(me: User, pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Server pods of other resources (listed from the API server in me's namespace) that mount one
+    of me's claims, as `pod P of K`: while one lasts, me does not start on the claim."""
+    exact, pattern = my_claims(me)
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if meta.get("namespace", me.namespace) != me.namespace or labels.get(INSTANCE_LABEL) == me.name:
+            continue
+        if labels.get(COMPONENT_LABEL) != SERVER:
+            continue
+        for volume in (pod.get("spec") or {}).get("volumes") or []:
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim and (claim == exact or (pattern is not None and pattern.fullmatch(claim))):
+                out.append(f"pod {meta.get('name')} of {me.namespace}/{labels.get(INSTANCE_LABEL) or '?'} (claim {claim})")
+    return sorted(out)
+
+
+def field_of(me: User) -> str:
+    if me.bucket is not None:
+        return "spec.l2.hfBucket.bucketHandle"
+    return "spec.l2.nvme.existingClaimName" if me.claim else "spec.l2.nvme.size (its StatefulSet's claims)"
+
+
+def refusal(me: User, others: Iterable[User], pods: Iterable[Mapping[str, Any]] = ()) -> str | None:
+    """Why me may not use its L2 store now (StorageInUse's message), or None."""
+    first = holder(me, others)
+    consequence = ("this resource's lmcache servers are scaled to zero and vLLM runs without the cache, its data "
+                   "untouched, until then")
+    if first is not None:
+        other, what = first
+        return (f"{field_of(me)}: {what} is already used by KVCacheNamespace {other.ref} (created "
+                f"{other.created or 'earlier'}; the oldest keeps it): two resources on one store delete each other's KV "
+                f"(each inventory agent or bucket eviction holds it to its own capacity) and read each other's objects as "
+                f"misses. Point this resource at another store, or remove {other.ref} or its claim on it; {consequence}")
+    busy = mounted_elsewhere(me, pods)
+    if busy:
+        return (f"{field_of(me)}: still mounted by {', '.join(busy[:3])}{' ...' if len(busy) > 3 else ''}: another "
+                f"resource's lmcache server still runs on it; {consequence} (when that pod is gone)")
+    return None
+
+
+def refused_status(fields: Mapping[str, Any], conds: list[dict[str, Any]], namespace_id: str | None, message: str,
+                   generation: int | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Status of a refused resource, from the status of the same resource with the cache off: its
+    namespace id (the pins resolve), phase CacheDisabled, L2Ready and Ready False StorageInUse."""
+    by_type = {c["type"]: c for c in conds}
+    out = []
+    for c in conds:
+        if c["type"] == "IdentityResolved" and namespace_id:
+            c = condition("IdentityResolved", True, "PinsComplete", f"compatibility namespace {namespace_id}", generation)
+        elif c["type"] in ("L2Ready", "Ready"):
+            c = condition(c["type"], False, STORAGE_IN_USE, message, generation)
+        elif c["type"] == "LMCacheReady":
+            c = condition("LMCacheReady", None, STORAGE_IN_USE, "lmcache servers scaled to zero: their L2 store is in use "
+                          "by another resource (L2Ready)", generation)
+        out.append(c)
+    for missing in ("L2Ready", "Ready"):
+        if missing not in by_type:
+            out.append(condition(missing, False, STORAGE_IN_USE, message, generation))
+    return {**fields, "phase": "CacheDisabled", "namespaceId": namespace_id}, out

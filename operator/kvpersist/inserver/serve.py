@@ -213,7 +213,8 @@ class ObjectBatches:
                 job()
             except Exception as exc:  # a failed object is a miss, never a dead worker
                 ok = False
-                _log_failure(task_id, sealing, exc)
+                with contextlib.suppress(Exception):  # nor a batch never reported: lmcache would wait on it
+                    _log_failure(task_id, sealing, exc)
             with self._lock:
                 state["ok"] = state["ok"] and ok
                 state["left"] -= 1
@@ -462,9 +463,14 @@ _LOGGER: list[Any] = []
 def _logger() -> Any:
     """lmcache's logger (its format, level and handler), made once: init_logger resets handlers."""
     if not _LOGGER:
-        from lmcache.logging import init_logger
+        try:
+            from lmcache.logging import init_logger
+        except ImportError:  # outside a server (the unit tests' lowest versions): the standard logger
+            import logging
 
-        _LOGGER.append(init_logger("kvpersist.inserver.serve"))
+            _LOGGER.append(logging.getLogger("kvpersist.inserver.serve"))
+        else:
+            _LOGGER.append(init_logger("kvpersist.inserver.serve"))
     return _LOGGER[0]
 
 

@@ -805,6 +805,16 @@ def make_cold(paths: list[str], method: str) -> dict[str, Any]:
     return out
 
 
+def _run_threads(workers: list[threading.Thread]) -> float:
+    """Starts every worker, waits for all, and returns the wall seconds from first start to last join."""
+    t = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.monotonic() - t
+
+
 class Chunks:
     """The chunk files on disk and what they hold: file i's plaintext is `base` with header(i) in
     its first 16 bytes, sealed under one key (the project's AeadKeys, HKDF as lmcache derives it)."""
@@ -886,13 +896,7 @@ class Chunks:
             except BaseException as exc:  # reported, never a hung pass
                 errors.append(exc)
 
-        workers = [threading.Thread(target=worker, args=b, daemon=True) for b in buffers]
-        t = time.monotonic()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        seconds = time.monotonic() - t
+        seconds = _run_threads([threading.Thread(target=worker, args=b, daemon=True) for b in buffers])
         if errors:
             raise errors[0]
         return {"kind": kind, "threads": threads, **state, "seconds": seconds, "partial": state["files"] < len(self.files),
@@ -987,13 +991,7 @@ class Chunks:
                 if time.monotonic() >= stop:
                     return
 
-        workers = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
-        t = time.monotonic()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        wall = time.monotonic() - t
+        wall = _run_threads([threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)])
         total = sum(done) * self.plain_len
         return {"threads": threads, "opens": sum(done), "seconds": wall, "gbps": total / wall / GB if wall > 0 else None}
 

@@ -178,3 +178,20 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
     yield make
     for srv in made:
         srv.stop()
+
+
+@pytest.fixture()
+def agents(tmp_path: Path) -> Iterator[Callable[[LocalServer], Any]]:
+    """Inventory agents as the operator renders them (test_capacity.AgentProcess), one per call,
+    all stopped at the end."""
+    from tests.integration.test_capacity import AgentProcess  # it imports this module
+
+    made: list[AgentProcess] = []
+
+    def make(srv: LocalServer) -> AgentProcess:
+        made.append(AgentProcess(srv, tmp_path / f"agent-{len(made)}.log"))
+        return made[-1]
+
+    yield make
+    for agent in made:
+        agent.stop()

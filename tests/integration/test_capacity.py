@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,19 +126,6 @@ class AgentProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-
-
-@pytest.fixture()
-def agents(tmp_path: Path) -> Iterator[Callable[[LocalServer], AgentProcess]]:
-    made: list[AgentProcess] = []
-
-    def make(srv: LocalServer) -> AgentProcess:
-        made.append(AgentProcess(srv, tmp_path / f"agent-{len(made)}.log"))
-        return made[-1]
-
-    yield make
-    for agent in made:
-        agent.stop()
 
 
 def _sampled(folder: Path, work: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], int]:

@@ -16,7 +16,7 @@ import copy
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,20 +47,6 @@ def target(adapter: str, ports: tuple[int, int]) -> Target:
     obj["spec"]["identity"].update(numKVHeads=2, headSize=64, kvCacheDtype="float16")
     spec = KVCacheNamespace.model_validate(obj).spec
     return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins()).namespace_id)
-
-
-@pytest.fixture()
-def agents(tmp_path: Path) -> Iterator[Callable[[LocalServer], AgentProcess]]:
-    """Agents as the operator renders them (test_capacity.AgentProcess), all stopped at the end."""
-    made: list[AgentProcess] = []
-
-    def make(srv: LocalServer) -> AgentProcess:
-        made.append(AgentProcess(srv, tmp_path / f"agent-{len(made)}.log"))
-        return made[-1]
-
-    yield make
-    for agent in made:
-        agent.stop()
 
 
 def files(folder: Path, suffix: str) -> set[str]:

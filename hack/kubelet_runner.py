@@ -18,7 +18,7 @@ network would do, and nothing else, is mapped:
     (`$0`) of a `sh -c SCRIPT PROGRAM` wrapper, with that build's folder first on PATH (what
     the script runs before it, e.g. the build check's `python3`, is the image's Python: the one
     beside its program);
-  - a container's termination message (kvpersist.controller.buildcheck's refusal) is a file of the pod's
+  - a container's termination message (kvpersist.builders.buildcheck's refusal) is a file of the pod's
     folder named by KVPERSIST_TERMINATION_LOG (the stand-in for /dev/termination-log), reported
     with the exit code as the container's lastState, as a kubelet does;
   - env from Secrets is resolved with kubectl, and a Secret volume becomes files (its items, its
@@ -57,7 +57,7 @@ from pathlib import Path
 
 REAL_NODE = "real-gpu-0"
 SIMULATED = "kvpersist.dev/simulated"
-TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"  # kvpersist.controller.buildcheck's override of /dev/termination-log
+TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"  # kvpersist.builders.buildcheck's override of /dev/termination-log
 STOP_TIMEOUT_S = 20.0
 RESTART_BACKOFF_S = 2.0
 # What the vLLM CPU image would set in its own environment (see ../shared/context/real-vllm-cpu.md).

@@ -13,60 +13,19 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.identity import resolve
+from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, parse_iso
 from kvpersist.status.usage import human_bytes
+from kvpersist.status.users import ref as _ref
+from kvpersist.status.users import resolved_id, users_of
 from kvpersist.status.workloads import live_ids
 
-GC_ANNOTATION = "kvpersist.dev/gc-request"
 SERVER_SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/managed-by=kvpersist"
-
-
-def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
-    """The id the spec resolves to now, with the L2 key fingerprint status records for the Secret
-    the spec names (the key itself is not read here); fingerprint, when given, reads the key of a
-    resource whose status records none (the operator's check right before a gc deletes)."""
-    try:
-        spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
-    except ValueError:
-        return None
-    from kvpersist.builders.target import Target
-    from kvpersist.controller.l2key import fingerprint_in_status
-
-    meta = obj.get("metadata") or {}
-    key_secret = Target(meta.get("name", ""), meta.get("namespace", ""), spec, None).key_secret
-    recorded = fingerprint_in_status(obj.get("status"), key_secret[0] if key_secret else None)
-    if key_secret is not None and recorded is None and fingerprint is not None:
-        recorded = fingerprint(obj)
-    return resolve(spec.pins(recorded)).namespace_id
-
-
-def _ref(obj: Mapping[str, Any]) -> str:
-    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
-
-
-def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
-             fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> list[str]:
-    """Who still uses a namespace: resources (by status, by spec, or waiting for the L2 key whose
-    data it holds) and lmcache pods."""
-    out = []
-    for r in resources:
-        status = r.get("status") or {}
-        if status.get("namespaceId") == namespace_id:
-            out.append(f"KVCacheNamespace {_ref(r)}")
-        elif (status.get("l2Key") or {}).get("namespaceId") == namespace_id:
-            out.append(f"KVCacheNamespace {_ref(r)} (waiting for the L2 key its data needs)")
-        elif resolved_id(r, fingerprint) == namespace_id:
-            out.append(f"KVCacheNamespace {_ref(r)}")
-    for p in pods:
-        if (p["metadata"].get("labels") or {}).get("kvpersist.dev/namespace-id") == namespace_id:
-            out.append(f"pod {_ref(p)}")
-    return out
 
 
 @dataclass
@@ -226,8 +185,6 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
         return 1
     shared = [h for h in holders if h.location.startswith("hf://") and not _exclusive_bucket(resources, h.resource)]
     if shared:
-        from kvpersist.inventory.cleanup import bucket_refusal
-
         for h in shared:
             print(f"refused: {h.resource}: {bucket_refusal(h.location, False)}", file=sys.stderr)
         return 3

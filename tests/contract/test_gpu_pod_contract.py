@@ -16,7 +16,7 @@ share no host namespace, so:
   (measured "both_pid_1"; timeline_semaphore_event_ipc.py says the PID values must differ). The
   server is PID 1 of its container (sh execs it); vLLM's KV lives in its engine process, a child.
 - Versions: both containers check the declared lmcache (and vLLM) build before they start
-  (kvpersist.controller.buildcheck)."""
+  (kvpersist.builders.buildcheck)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_the_two_ipc_ends_never_share_a_pid(name: str, monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("name", NAMES)
 def test_both_pods_check_the_declared_build_before_they_start(name: str, tmp_path: Path) -> None:
-    """The MP protocol has no version handshake: each container runs kvpersist.controller.buildcheck's
+    """The MP protocol has no version handshake: each container runs kvpersist.builders.buildcheck's
     script before its program, against the versions connectorBuild declares. Here the script
     runs for real in this environment, which holds exactly the declared lmcache and vLLM."""
     import importlib.metadata
@@ -172,7 +172,7 @@ def test_both_pods_check_the_declared_build_before_they_start(name: str, tmp_pat
     import subprocess
     import sys
 
-    from kvpersist.controller import buildcheck
+    from kvpersist.builders import buildcheck
 
     server_pod, vllm_pod = _pods(_target(name))
     for container, packages in ((_container(server_pod, "lmcache-server"), ("lmcache",)),

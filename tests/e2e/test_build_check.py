@@ -1,4 +1,4 @@
-"""The runtime build check (kvpersist.controller.buildcheck) on the local cluster, with the real lmcache server
+"""The runtime build check (kvpersist.builders.buildcheck) on the local cluster, with the real lmcache server
 and the real vLLM CPU build under hack/kubelet_runner.py, which reports a container's exit code
 and termination message as its lastState, as a kubelet does:
 - a connectorBuild whose lmcache is not the installed one (0.5.6): the server refuses to start,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.controller.buildcheck import EXIT_CODE, MISMATCH_PREFIX
+from kvpersist.builders.buildcheck import EXIT_CODE, MISMATCH_PREFIX
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, kvpersist_env, manifest, more_rounds
 from tests.e2e.test_real_vllm import model, print_logs, real_manifest, vllm_pod  # noqa: F401  (model: a fixture)

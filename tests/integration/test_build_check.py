@@ -1,4 +1,4 @@
-"""The real `lmcache server` through the command the operator renders (kvpersist.controller.buildcheck): the
+"""The real `lmcache server` through the command the operator renders (kvpersist.builders.buildcheck): the
 build check runs first in the same `sh -c` wrapper as the umask, then `exec "$0" "$@"` starts the
 server with its args unchanged when the installed lmcache is the declared one (0.5.6 here); when
 connectorBuild declares another it refuses, with exit code 78 and a termination message, and no
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.builders.buildcheck import EXIT_CODE, MISMATCH_PREFIX, PREFIX, TERMINATION_LOG_ENV
 from kvpersist.builders.lmcache import server_container
 from kvpersist.builders.target import L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
-from kvpersist.controller.buildcheck import EXIT_CODE, MISMATCH_PREFIX, PREFIX, TERMINATION_LOG_ENV
 from tests.integration.conftest import LMCACHE, START_TIMEOUT_S, localize_args, make_target, write_key
 
 pytestmark = pytest.mark.datapath

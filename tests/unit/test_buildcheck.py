@@ -1,6 +1,6 @@
-"""The runtime build check (kvpersist.controller.buildcheck): connectorBuild parsed, the check script run for
-real against fake installed distributions, the containers it wraps, and what the operator makes
-of a pod that refused to start."""
+"""The runtime build check (kvpersist.builders.buildcheck, .status.build, .controller.buildcheck):
+connectorBuild parsed, the check script run for real against fake installed distributions, the
+containers it wraps, and what the operator makes of a pod that refused to start."""
 
 from __future__ import annotations
 
@@ -13,24 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.lmcache import SERVE_ENV, server_container
-from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
-from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
-from kvpersist.controller import buildcheck, handlers
-from kvpersist.controller.buildcheck import (
+from kvpersist.builders import buildcheck
+from kvpersist.builders.buildcheck import (
     CHECK_SCRIPT,
     EXIT_CODE,
     MISMATCH_PREFIX,
     PREFIX,
     SCRIPT_ENV,
     TERMINATION_LOG_ENV,
-    BuildBypass,
-    Verdict,
     declared_versions,
-    refusals,
 )
+from kvpersist.builders.lmcache import SERVE_ENV, server_container
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
+from kvpersist.controller import handlers
+from kvpersist.controller.buildcheck import BuildBypass
 from kvpersist.controller.fallback import bypassed_in
 from kvpersist.controller.state import Controller
+from kvpersist.status.build import BuildVerdict as Verdict
+from kvpersist.status.build import bypass_message, refusals
 from kvpersist.status.conditions import compute_status
 from kvpersist.status.workloads import Seen, slim
 from tests.unit.test_builders import target
@@ -303,7 +304,7 @@ def test_a_vllm_refusal_bypasses_the_cache_for_that_id_only_and_survives_a_resta
 
     # A restarted operator reads it back from the status it wrote.
     stored = {"status": {"namespaceId": NID, "conditions": [
-        {"type": "CacheBypassed", "status": "True", "reason": "BuildMismatch", "message": buildcheck.bypass_message(detail)}]}}
+        {"type": "CacheBypassed", "status": "True", "reason": "BuildMismatch", "message": bypass_message(detail)}]}}
     again = BuildBypass()
     again.seed(key, stored)
     assert again.detail(key, NID) == detail

@@ -126,7 +126,7 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     assert not {"hostIPC", "hostPID", "hostNetwork"} & set(pod) and pod["runtimeClassName"] == "nvidia"
     container = pod["containers"][0]
     # lmcache, in a shell that makes what it writes group-writable (the non-root agent deletes it)
-    # and checks the installed lmcache against connectorBuild first (kvpersist.controller.buildcheck),
+    # and checks the installed lmcache against connectorBuild first (kvpersist.builders.buildcheck),
     # run by the image's python3 through kvpersist.inserver.serve (kvpersist's L2 serde, then lmcache).
     assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && '
                                     'exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"', "python3"]

@@ -163,12 +163,12 @@ def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monk
 
 
 def test_wrapped_programs_are_still_this_machines_builds(tmp_path: Path) -> None:
-    """The build check wraps lmcache and vLLM in `sh -c SCRIPT PROGRAM` (kvpersist.controller.buildcheck):
+    """The build check wraps lmcache and vLLM in `sh -c SCRIPT PROGRAM` (kvpersist.builders.buildcheck):
     the runner still knows vLLM by its `$0` (simulated without a build, the CPU build's env
     otherwise), and the script's python3 is the one beside the program (its venv), as in an image."""
+    from kvpersist.builders import buildcheck
     from kvpersist.builders.lmcache import server_container
     from kvpersist.builders.vllm import build_vllm_deployment
-    from kvpersist.controller import buildcheck
     from tests.unit.test_builders import target
 
     vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]["containers"][0]

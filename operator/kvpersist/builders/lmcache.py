@@ -10,6 +10,7 @@ from typing import Any
 
 from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
+from kvpersist.builders import buildcheck
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
@@ -24,7 +25,6 @@ from kvpersist.builders.target import (
     SERVER,
     Target,
 )
-from kvpersist.controller import buildcheck
 from kvpersist.inserver.serve import SERDE_TYPE
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.

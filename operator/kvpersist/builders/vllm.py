@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import container_security_context, pod_security
 from kvpersist.builders.target import SERVER, VLLM, Target
-from kvpersist.controller import buildcheck
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (

@@ -29,7 +29,7 @@ from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import protect_patch
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, L2_VOLUME, NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.controller import buildcheck, fallback, kube, l2key, leadership, metrics, retry, sharing
+from kvpersist.controller import fallback, kube, l2key, leadership, metrics, retry, sharing
 from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.policy import (
     SECRET_NOT_ALLOWED,
@@ -50,6 +50,7 @@ from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket
 from kvpersist.inventory.cleanup import result as gc_result
 from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory, iso, status_summary
+from kvpersist.status import build as buildstatus
 from kvpersist.status.conditions import (
     Observation,
     compute_status,
@@ -469,7 +470,7 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     if bypass is not None and not was_bypassed:
         events.append(("Warning", fallback.CONDITION, bypass["message"]))
     elif bypass is None and was_bypassed and new.get("namespaceId"):
-        over_build = any(c.get("type") == fallback.CONDITION and c.get("reason") == buildcheck.MISMATCH
+        over_build = any(c.get("type") == fallback.CONDITION and c.get("reason") == buildstatus.MISMATCH
                          for c in old.get("conditions") or [])
         over_route = any(c.get("type") == fallback.CONDITION and c.get("reason") == ROUTE_TAKEN
                          for c in old.get("conditions") or [])
@@ -478,8 +479,8 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
                        "the namespace id's route names are free again: vLLM runs with the cache" if over_route else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
     # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
-    old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildcheck.CONDITION), {})
-    build = next((c for c in conds if c["type"] == buildcheck.CONDITION), None)
+    old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildstatus.CONDITION), {})
+    build = next((c for c in conds if c["type"] == buildstatus.CONDITION), None)
     if build is not None and build["status"] == "False":
         if (old_build.get("reason"), old_build.get("message")) != (build["reason"], build["message"]):
             events.append(("Warning", build["reason"], build["message"]))
@@ -547,19 +548,19 @@ def _cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[d
 
 
 def _build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, seen: Seen,
-                 logger: logging.Logger) -> buildcheck.Verdict:
+                 logger: logging.Logger) -> buildstatus.BuildVerdict:
     """The pods' runtime build check (kvpersist.controller.buildcheck), read from their container statuses
     in the watch cache. A vLLM pod that refused its versions sends vLLM without the cache for this
     namespace id (applied on the next tick); a server that refuses is simply not ready, and
     kvpersist.controller.fallback does the rest."""
     bypass = CONTROLLER.build_bypass
     bypass.seed(key, body)
-    found = buildcheck.refusals(seen.pods, target.namespace_id)
+    found = buildstatus.refusals(seen.pods, target.namespace_id)
     if bypass.observe(key, target.namespace_id, found):
         CONTROLLER.held(key).drifted = True
         logger.warning("%s/%s: a vLLM pod refused to start over its versions: rolling vLLM without the cache (%s)",
                        key[0], key[1], bypass.detail(key, target.namespace_id))
-    return buildcheck.Verdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
+    return buildstatus.BuildVerdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
 
 
 def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, Any]],
@@ -570,7 +571,7 @@ def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, 
     if detail is None:
         return conds
     return [*(c for c in conds if c["type"] != fallback.CONDITION),
-            condition(fallback.CONDITION, True, buildcheck.MISMATCH, buildcheck.bypass_message(detail), generation)]
+            condition(fallback.CONDITION, True, buildstatus.MISMATCH, buildstatus.bypass_message(detail), generation)]
 
 
 def _protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, logger: logging.Logger) -> None:

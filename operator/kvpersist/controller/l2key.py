@@ -24,6 +24,7 @@ from kvpersist.builders.retained import KEY_FINGERPRINT_ANNOTATION, PROTECTED_AN
 from kvpersist.builders.target import L2_KEY_BYTES
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.usage import human_bytes
+from kvpersist.status.users import fingerprint_in_status, recorded  # noqa: F401  (fingerprint_in_status: read as l2key's)
 
 # Set by the user to accept that the data under the named key is lost: its value is that key's
 # fingerprint, so it never covers a later loss of another key.
@@ -89,18 +90,6 @@ def unreadable(name: str, item: str, generated: bool, status: int | None) -> Key
     """The API server did not answer the read (a 403, a 5xx, no answer)."""
     return KeyRead(name, item, generated, problem=(KEY_UNREADABLE, f"Secret {name} key {item}: the API server answered "
                                                    f"{status} to reading it; retrying"))
-
-
-def recorded(status: Mapping[str, Any] | None) -> dict[str, Any]:
-    """status.l2Key as stored: the key the servers last used, by fingerprint, and its namespace."""
-    return dict((status or {}).get("l2Key") or {})
-
-
-def fingerprint_in_status(status: Mapping[str, Any] | None, secret: str | None) -> str | None:
-    """The fingerprint status records for this Secret (None for another Secret, or none recorded):
-    what a reader without the key (kubectl users, the event loop) resolves the id with."""
-    key = recorded(status)
-    return key.get("fingerprint") if secret is not None and key.get("secret") == secret else None
 
 
 def held(status: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[int, int] | None:

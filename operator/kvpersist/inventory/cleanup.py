@@ -19,6 +19,7 @@ from kvpersist.inventory.agentclient import request_gc
 from kvpersist.inventory.bucket import DeletionRefused
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, NamespaceUsage
 from kvpersist.status.usage import human_bytes
+from kvpersist.status.users import users_of
 
 GC_ANNOTATION = "kvpersist.dev/gc-request"
 # Asked right before each deletion: why the namespace may not be deleted now, or None.
@@ -55,9 +56,7 @@ def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapp
                 fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
     """refusal() judged from a fresh listing of every KVCacheNamespace and every pod that carries a
     namespace id, naming who uses it (what the watch caches may not have seen yet). fingerprint:
-    reads the L2 key of a resource whose status records none (kvpersist.admin.users_of)."""
-    from kvpersist.admin import users_of
-
+    reads the L2 key of a resource whose status records none (kvpersist.status.users.users_of)."""
     why = refusal(namespace_id, current, frozenset())
     if why:
         return why

@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kvpersist.controller import buildcheck
+from kvpersist.builders import buildcheck
+from kvpersist.builders.target import SERVER
 from kvpersist.inventory.volume import iso, parse_iso
+from kvpersist.status.build import CONDITION as BUILD_CONDITION
+from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
+from kvpersist.status.build import BuildVerdict, bypass_message
 from kvpersist.status.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
 HITS_WRITE_INTERVAL_S = 60.0
 
-CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", buildcheck.CONDITION, "WithinBudget", "Ready")
+CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", BUILD_CONDITION, "WithinBudget", "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job.
 INFORMATIONAL = ("WithinBudget",)
 
@@ -30,6 +34,30 @@ def condition(type_: str, ok: bool | None, reason: str, message: str = "", gener
     if generation is not None:
         out["observedGeneration"] = generation
     return out
+
+
+def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, Any]:
+    """BuildVerified: False (BuildMismatch) while a server refuses or vLLM runs without the cache
+    over its versions, naming the pod, both versions and the fix; True (BuildMatches) while none
+    has refused; Unknown (NotComparable) when connectorBuild names no versions."""
+    declared = buildcheck.declared_versions(verdict.connector_build)
+    server = next((r for r in verdict.refusals if r.component == SERVER), None)
+    problems = []
+    if server is not None:
+        problems.append(f"the lmcache server refuses to start, {server.detail}. vLLM waits for it, and runs without the "
+                        "cache once the servers have been unavailable for the fallback bound (CacheBypassed)")
+    if verdict.vllm_bypass is not None:
+        problems.append(bypass_message(verdict.vllm_bypass))
+    if problems:
+        return condition(BUILD_CONDITION, False, BUILD_MISMATCH, "; ".join(problems), generation)
+    if declared is None:
+        return condition(BUILD_CONDITION, None, "NotComparable",
+                    f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions (vllm-X+lmcache-Y): "
+                    f"nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)", generation)
+    return condition(BUILD_CONDITION, True, "BuildMatches",
+                f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: each lmcache server and each vLLM pod "
+                "with the cache checks the versions it runs at start and would refuse to start on a difference; none "
+                "has refused", generation)
 
 
 def merge_conditions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -74,7 +102,7 @@ class Observation:
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
     key_problem: tuple[str, str] | None = None  # (reason, message): the L2 key cannot be used, so no namespace
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
-    build: buildcheck.Verdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
+    build: BuildVerdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
 
 
 # Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
@@ -300,7 +328,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
 
     if obs.build is not None and cache_on:
-        conds.append(buildcheck.condition(obs.build, gen))
+        conds.append(build_condition(obs.build, gen))
 
     budget_cond = _budget_condition(budget, gen)
     if budget_cond is not None:
@@ -309,7 +337,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     by_type = {c["type"]: c for c in conds}
     # A build that cannot be compared (connectorBuild names no versions) is only reported.
     not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL
-              and (c["type"], c["status"]) != (buildcheck.CONDITION, "Unknown")]
+              and (c["type"], c["status"]) != (BUILD_CONDITION, "Unknown")]
     if not cache_on:
         phase = "CacheDisabled"
         conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
@@ -317,14 +345,14 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         phase = "Ready"
         conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
     else:
-        build_mismatch = by_type.get(buildcheck.CONDITION, {}).get("reason") == buildcheck.MISMATCH
+        build_mismatch = by_type.get(BUILD_CONDITION, {}).get("reason") == BUILD_MISMATCH
         degraded = bool(sick) or build_mismatch or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
         # Pods the API server refuses explain everything after them (claims wait for a pod): first.
         # So does a build mismatch (a server that refuses to start is only "starting" to the others).
         first = next((c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or next(
-            (c for c in not_ok if c["reason"] == buildcheck.MISMATCH), not_ok[0])
+            (c for c in not_ok if c["reason"] == BUILD_MISMATCH), not_ok[0])
         conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
 
     status: dict[str, Any] = {

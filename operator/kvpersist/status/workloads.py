@@ -16,7 +16,7 @@ from typing import Any
 from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.controller.buildcheck import slim_statuses
+from kvpersist.status.build import slim_statuses
 
 # Every object the builders make carries it (pods and claims included, through the templates'
 # selector labels), so one server-side selector per kind keeps everything else off the wire.
@@ -67,7 +67,7 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     if ready or failure:
         out["status"]["conditions"] = ready + failure
     # A container that refused to start over its lmcache/vLLM versions says so in its termination
-    # message (kvpersist.controller.buildcheck): kept, and nothing else of the container statuses.
+    # message (kvpersist.status.build): kept, and nothing else of the container statuses.
     refused = slim_statuses(status.get("containerStatuses"))
     if refused:
         out["status"]["containerStatuses"] = refused

@@ -1,0 +1,92 @@
+"""The runtime build check, read back: the refusals the pods' container statuses carry
+(kvpersist.builders.buildcheck's script exits EXIT_CODE with MISMATCH_PREFIX... as its termination
+message), and the verdict kvpersist.status.conditions turns into BuildVerified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.builders.buildcheck import EXIT_CODE, MISMATCH_PREFIX
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
+
+CONDITION = "BuildVerified"
+MISMATCH = "BuildMismatch"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A container that refused to start over its versions, as its pod's status tells it."""
+
+    pod: str
+    container: str
+    component: str  # SERVER or VLLM
+    message: str  # its termination message (MISMATCH_PREFIX ...)
+
+    @property
+    def detail(self) -> str:
+        return f"pod {self.pod} ({self.container}): {self.message[len(MISMATCH_PREFIX):].strip()}"
+
+
+def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The container's terminated state, now (Error) or last (while in CrashLoopBackOff)."""
+    out = []
+    for key in ("state", "lastState"):
+        term = (status.get(key) or {}).get("terminated")
+        if term and term.get("exitCode") == EXIT_CODE and str(term.get("message") or "").startswith(MISMATCH_PREFIX):
+            out.append(term)
+    return out
+
+
+def slim_statuses(statuses: Iterable[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """Only the container statuses that carry a refusal, only that (the watch cache stays small)."""
+    out = []
+    for status in statuses or []:
+        term = _terminated(status)
+        if term:
+            out.append({"name": status.get("name"),
+                        "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": str(term[0]["message"])[:1024]}}})
+    return out
+
+
+def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> list[Refusal]:
+    """Refusals among pods of the current namespace id (an old pod mid-rollout ran another
+    build, or was told another), sorted by pod, so the condition's message is stable."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if namespace_id is None or labels.get(NAMESPACE_ID_LABEL) != namespace_id or meta.get("deletionTimestamp"):
+            continue
+        component = labels.get("app.kubernetes.io/component", "")
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            for term in _terminated(status)[:1]:
+                out.append(Refusal(meta.get("name", ""), status.get("name", ""), component, str(term["message"])))
+    return sorted(out, key=lambda r: (r.component != SERVER, r.pod, r.container))
+
+
+BYPASS_PREFIX = "vLLM refused to start with the cache, "
+BYPASS_SUFFIX = (": it runs without the cache (no --kv-transfer-config) until spec.vllm.image or "
+                 "spec.identity.connectorBuild changes")
+
+
+def bypass_message(detail: str) -> str:
+    """The CacheBypassed message while vLLM runs without the cache over its versions."""
+    return f"{BYPASS_PREFIX}{detail}{BYPASS_SUFFIX}"
+
+
+def detail_of(message: str) -> str | None:
+    if message.startswith(BYPASS_PREFIX) and message.endswith(BYPASS_SUFFIX):
+        return message[len(BYPASS_PREFIX):-len(BYPASS_SUFFIX)]
+    return None
+
+
+@dataclass(frozen=True)
+class BuildVerdict:
+    """What the build check found for one resource, for kvpersist.status.conditions."""
+
+    connector_build: str | None
+    refusals: tuple[Refusal, ...] = ()
+    vllm_bypass: str | None = None  # the refusal detail while vLLM runs without the cache over it

@@ -1,0 +1,68 @@
+"""Who uses a namespace id: the resources whose spec, status or awaited L2 key resolves to it, and
+the lmcache pods labelled with it.
+
+Read from what the API server stores, without the L2 key itself (the key's fingerprint is in
+status), so the admin CLI, the operator's event loop and a gc's last check right before deleting
+judge it alike. It sits below both: kvpersist.inventory.cleanup refuses a gc with it and
+kvpersist.admin reports with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
+from kvpersist.identity import resolve
+
+
+def recorded(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.l2Key as stored: the key the servers last used, by fingerprint, and its namespace."""
+    return dict((status or {}).get("l2Key") or {})
+
+
+def fingerprint_in_status(status: Mapping[str, Any] | None, secret: str | None) -> str | None:
+    """The fingerprint status records for this Secret (None for another Secret, or none recorded):
+    what a reader without the key (kubectl users, the event loop) resolves the id with."""
+    key = recorded(status)
+    return key.get("fingerprint") if secret is not None and key.get("secret") == secret else None
+
+
+def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
+    """The id the spec resolves to now, with the L2 key fingerprint status records for the Secret
+    the spec names (the key itself is not read here); fingerprint, when given, reads the key of a
+    resource whose status records none (the operator's check right before a gc deletes)."""
+    try:
+        spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
+    except ValueError:
+        return None
+    meta = obj.get("metadata") or {}
+    key_secret = Target(meta.get("name", ""), meta.get("namespace", ""), spec, None).key_secret
+    found = fingerprint_in_status(obj.get("status"), key_secret[0] if key_secret else None)
+    if key_secret is not None and found is None and fingerprint is not None:
+        found = fingerprint(obj)
+    return resolve(spec.pins(found)).namespace_id
+
+
+def ref(obj: Mapping[str, Any]) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
+             fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> list[str]:
+    """Who still uses a namespace: resources (by status, by spec, or waiting for the L2 key whose
+    data it holds) and lmcache pods."""
+    out = []
+    for r in resources:
+        status = r.get("status") or {}
+        if status.get("namespaceId") == namespace_id:
+            out.append(f"KVCacheNamespace {ref(r)}")
+        elif (status.get("l2Key") or {}).get("namespaceId") == namespace_id:
+            out.append(f"KVCacheNamespace {ref(r)} (waiting for the L2 key its data needs)")
+        elif resolved_id(r, fingerprint) == namespace_id:
+            out.append(f"KVCacheNamespace {ref(r)}")
+    for p in pods:
+        if (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id:
+            out.append(f"pod {ref(p)}")
+    return out

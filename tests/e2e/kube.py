@@ -63,8 +63,10 @@ class Kubectl:
         return Kubectl(path, self.binary)
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
-    """Polls probe until it returns something truthy; fails after timeout with what was awaited."""
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval: float = 0.5,
+             explain: Callable[[], str] | None = None) -> Any:
+    """Polls probe until it returns something truthy; fails after timeout with what was awaited,
+    and explain()'s account of the state it was stuck in (a bare False says nothing in a CI log)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -72,7 +74,13 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, interval:
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    why = ""
+    if explain is not None:
+        try:
+            why = f"; {explain()}"
+        except Exception as exc:  # the account is a help, never the failure itself
+            why = f"; (explain failed: {exc!r})"
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r}){why}")
 
 
 # Cluster-scoped kinds the e2e modules create besides namespaces (test storage).

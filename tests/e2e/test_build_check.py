@@ -41,6 +41,26 @@ def events(kubectl: Kubectl, ns: str, reason: str) -> list[dict]:
     return [e for e in kubectl.get("events", namespace=ns)["items"] if e["reason"] == reason]
 
 
+def where_it_stands(kubectl: Kubectl, ns: str, operator_log: Path) -> str:
+    """The resource's conditions, its StatefulSet's replicas, each pod's containers and the operator's
+    last warnings, in a few lines: what a timed-out wait was stuck on."""
+    status = kubectl.get("kvns", NAME, ns).get("status") or {}
+    conds = [f"{c['type']}={c['status']} {c.get('reason')}: {str(c.get('message'))[:160]}"
+             for c in status.get("conditions") or []]
+    sts = kubectl.run("get", "statefulset", f"{NAME}-lmcache", "-n", ns, "-o", "json", check=False)
+    replicas = json.loads(sts.stdout).get("status") if sts.returncode == 0 else sts.stderr.strip()
+    pods = []
+    for pod in kubectl.get("pods", namespace=ns)["items"]:
+        labels = pod["metadata"].get("labels") or {}
+        states = [(s["name"], s.get("ready"), s.get("restartCount"), sorted(s.get("state") or {})) for s in
+                  (pod.get("status") or {}).get("containerStatuses") or []]
+        pods.append(f"{pod['metadata']['name']} id={labels.get('kvpersist.dev/namespace-id')} {states}")
+    lines = operator_log.read_text(errors="replace").splitlines() if operator_log.exists() else []
+    warnings = [line[:300] for line in lines if "WARNING" in line or "ERROR" in line or "Traceback" in line][-8:]
+    return (f"namespaceId={status.get('namespaceId')} conditions={conds} statefulset={replicas} pods={pods} "
+            f"operator warnings (last 8 of {len(lines)} lines)={warnings}")
+
+
 def test_a_server_of_another_lmcache_refuses_and_the_resource_says_so(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
     with kvpersist_env(kubectl, tmp_path) as env:
         ns = env.ns
@@ -78,7 +98,8 @@ def test_a_server_of_another_lmcache_refuses_and_the_resource_says_so(kubectl: K
                 pod_or_none(kubectl, f"{NAME}-lmcache-0", ns)), timeout=60, interval=0.5)
             replaced = time.monotonic() - fixed_at
             wait_for("LMCacheReady and BuildVerified True", lambda: cond("LMCacheReady").get("status") == "True"
-                     and cond("BuildVerified").get("status") == "True", timeout=240, interval=1)
+                     and cond("BuildVerified").get("status") == "True", timeout=240, interval=1,
+                     explain=lambda: where_it_stands(kubectl, ns, env.log))
         except AssertionError:
             print_logs(env)  # where the time went: the new server's own log, and the runner's view
             raise

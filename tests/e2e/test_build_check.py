@@ -58,7 +58,7 @@ def where_it_stands(kubectl: Kubectl, ns: str, operator_log: Path) -> str:
     lines = operator_log.read_text(errors="replace").splitlines() if operator_log.exists() else []
     warnings = [line[:300] for line in lines if "WARNING" in line or "ERROR" in line or "Traceback" in line][-8:]
     return (f"namespaceId={status.get('namespaceId')} conditions={conds} statefulset={replicas} pods={pods} "
-            f"operator warnings (last 8 of {len(lines)} lines)={warnings}")
+            f"operator warnings (last 8 of {len(lines)} lines)={warnings} operator's last lines={[x[:200] for x in lines[-3:]]}")
 
 
 def test_a_server_of_another_lmcache_refuses_and_the_resource_says_so(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:

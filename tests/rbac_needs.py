@@ -1068,13 +1068,13 @@ def kopf_settings(mode: str = "clusterwide") -> Any:
     namespaced mode, as the chart runs it with watchNamespaces' names, whether kopf scans)."""
     import kopf
 
-    from kvpersist.controller import handlers, kube
+    from kvpersist.controller import kube, runtime
 
     importlib.import_module(ENTRY)  # registers the handlers
     settings = kopf.OperatorSettings()
     registry = kopf.get_default_registry()
     named = ("team-a",) if mode == "namespaced" else ()
-    with mock.patch.object(kube, "load_config"), mock.patch.dict(handlers.CONTROLLER.peering, {"namespaces": named}):
+    with mock.patch.object(kube, "load_config"), mock.patch.dict(runtime.CONTROLLER.peering, {"namespaces": named}):
         for handler in registry._activities.get_all_handlers():
             if str(handler.activity) in ("Activity.STARTUP", "startup") and not inspect.iscoroutinefunction(handler.fn) \
                     and "settings" in inspect.signature(handler.fn).parameters:
@@ -1136,7 +1136,7 @@ def kopf_needs(mode: str) -> list[KopfNeed]:
 
 def peering_resource(mode: str) -> tuple[str, str]:
     """kopf peers cluster-wide when it serves all namespaces, in each namespace otherwise (the
-    chart always passes --peering); kvpersist.controller.handlers.active reads the same object."""
+    chart always passes --peering); kvpersist.controller.runtime.active reads the same object."""
     from kopf._cogs.structs import references
 
     selector = references.CLUSTER_PEERINGS_K if mode == "clusterwide" else references.NAMESPACED_PEERINGS_K
@@ -1183,7 +1183,7 @@ def needs(mode: str) -> Needs:
     for use in _code_uses():
         group, resource, _ = use.grant
         if (group, resource.split("/")[0]) == other_peering:
-            continue  # handlers.active reads the peering object of the mode in use only
+            continue  # runtime.active reads the peering object of the mode in use only
         why = f"`{use.where()}`"
         required.setdefault(use.grant, [])
         if why not in required[use.grant]:

@@ -13,18 +13,22 @@ from pathlib import Path
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvpersist.controller import handlers, leadership  # handlers: registers the kopf handlers
+    from kvpersist.controller import (
+        handlers,  # noqa: F401  (importing it registers the kopf handlers)
+        leadership,
+        runtime,
+    )
     from kvpersist.controller.policy import Policy
 
     try:  # the chart's allowedImages and secretLabel: a typo must stop the operator, not admit everything
-        handlers.set_policy(Policy.from_env(os.environ))
+        runtime.set_policy(Policy.from_env(os.environ))
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2
     kopf.configure(verbose=args.verbose)
     peering = None if args.standalone else args.peering
     priority = args.priority if args.priority is not None else leadership.random_priority()
-    handlers.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
+    runtime.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
     if args.metrics_port:
         from kvpersist.controller import metrics
 

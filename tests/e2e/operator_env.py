@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import L2_KEY_BYTES, Target
-from kvpersist.controller.handlers import STATUS_INTERVAL_S
+from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, wait_for

@@ -41,7 +41,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller.handlers import STATUS_INTERVAL_S
+from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.httpclient import MAX_JSON_BYTES
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl

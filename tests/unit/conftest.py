@@ -22,11 +22,11 @@ def _strict_status_patches(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture()
 def controller(monkeypatch: pytest.MonkeyPatch) -> Iterator[Controller]:
-    """A fresh kvpersist.controller.state.Controller in place of the handlers' one, for a test that
-    sets up or reads the operator's per-resource state."""
-    from kvpersist.controller import handlers
+    """A fresh kvpersist.controller.state.Controller in place of the operator's one (runtime.CONTROLLER,
+    which every handler module reads), for a test that sets up or reads the per-resource state."""
+    from kvpersist.controller import runtime
     from kvpersist.controller.state import Controller
 
     fresh = Controller()
-    monkeypatch.setattr(handlers, "CONTROLLER", fresh)
+    monkeypatch.setattr(runtime, "CONTROLLER", fresh)
     yield fresh

@@ -12,7 +12,7 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
-from kvpersist.controller import handlers
+from kvpersist.controller import refresh, runtime
 from kvpersist.inventory.hfbucket import Preflight
 from kvpersist.inventory.volume import Inventory
 from tests.cases.invalid_manifests import sample
@@ -57,10 +57,10 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Any:
         assert state["release"].wait(10)
         return Preflight(True, "BucketReachable", "bucket reachable")
 
-    monkeypatch.setattr(handlers, "scan_bucket", scan)
-    monkeypatch.setattr(handlers, "preflight_bucket", preflight)
-    handlers.CONTROLLER.forget((target.namespace, target.name))
-    handlers.CONTROLLER.state((target.namespace, target.name))  # known, as after its first watch event
+    monkeypatch.setattr(refresh, "scan_bucket", scan)
+    monkeypatch.setattr(refresh, "preflight_bucket", preflight)
+    runtime.CONTROLLER.forget((target.namespace, target.name))
+    runtime.CONTROLLER.state((target.namespace, target.name))  # known, as after its first watch event
     state.update(target=target, inventory=inventory)
     yield state
     state["release"].set()
@@ -70,24 +70,24 @@ def test_a_hanging_listing_costs_the_refresh_nothing(hub: dict) -> None:
     target, key = hub["target"], (hub["target"].namespace, hub["target"].name)
     start = time.monotonic()
     for _ in range(5):  # five refreshes while the Hub hangs: each returns at once, one listing runs
-        assert handlers._bucket_inventory_of(target, Token()) is None
+        assert refresh._bucket_inventory_of(target, Token()) is None
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["listings"] == 1)
-    assert hub["listings"] == 1 and not handlers.CONTROLLER.state(key).dirty
+    assert hub["listings"] == 1 and not runtime.CONTROLLER.state(key).dirty
     hub["release"].set()
-    wait_until(lambda: handlers.CONTROLLER.state(key).dirty)  # marked for a refresh when it ended
-    assert handlers._bucket_inventory_of(target, Token()) is hub["inventory"]
+    wait_until(lambda: runtime.CONTROLLER.state(key).dirty)  # marked for a refresh when it ended
+    assert refresh._bucket_inventory_of(target, Token()) is hub["inventory"]
     assert hub["listings"] == 1  # and cached for its TTL
 
 
 def test_a_hanging_preflight_leaves_the_check_unknown_then_shows_its_verdict(hub: dict) -> None:
     target, key = hub["target"], (hub["target"].namespace, hub["target"].name)
     start = time.monotonic()
-    assert handlers._bucket_check(target, Token()) is None  # unknown: L2Ready is not judged on it yet
-    assert handlers._bucket_check(target, Token()) is None
+    assert refresh._bucket_check(target, Token()) is None  # unknown: L2Ready is not judged on it yet
+    assert refresh._bucket_check(target, Token()) is None
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["preflights"] == 1)
     hub["release"].set()
-    wait_until(lambda: handlers.CONTROLLER.state(key).dirty)
-    assert handlers._bucket_check(target, Token()) == (True, "BucketReachable", "bucket reachable")
+    wait_until(lambda: runtime.CONTROLLER.state(key).dirty)
+    assert refresh._bucket_check(target, Token()) == (True, "BucketReachable", "bucket reachable")
     assert hub["preflights"] == 1

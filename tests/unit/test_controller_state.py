@@ -1,14 +1,16 @@
 """Forgetting a resource leaves nothing of it behind (kvpersist.controller.state): state is made for
 one resource through the paths the operator takes (a watch event, an apply that fails and is to be
 retried, a refresh with the cache on), then forgotten; nothing the controller holds, no table of
-the handlers module and no metric may still name it. A per-resource table added anywhere there
-without being covered by forget fails this test."""
+a kvpersist.controller module and no metric may still name it. A per-resource table added anywhere
+there without being covered by forget fails this test."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
 import logging
+import pkgutil
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +18,9 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist.controller import handlers, metrics
+import kvpersist.controller
+from kvpersist.controller import kube, reading, reconcile, refresh, runtime, status_loop, tracking
+from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.state import Controller, ResourceState
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen
 from tests.cases.invalid_manifests import sample
@@ -62,10 +66,12 @@ def _holding(roots: Mapping[str, Any], key: tuple[str, str]) -> list[str]:
 
 
 def _roots() -> dict[str, Any]:
-    """The controller, and every table (and kvpersist object) at module level in the handlers and
-    metrics modules."""
-    roots: dict[str, Any] = {"CONTROLLER": handlers.CONTROLLER}
-    for module in (handlers, metrics):
+    """The controller, and every table (and kvpersist object) at module level in every module of
+    kvpersist.controller (the handlers' roles, metrics and the rest)."""
+    roots: dict[str, Any] = {"CONTROLLER": runtime.CONTROLLER}
+    package = kvpersist.controller
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, value in vars(module).items():
             if isinstance(value, types.ModuleType | type | types.FunctionType) or name.startswith("__"):
                 continue
@@ -79,26 +85,26 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
     key = ("ml", body["metadata"]["name"])
-    target, _ = handlers._target(body)
+    target, _ = reading._target(body)
 
     # Seen by a watch event; applied, and the apply failed (to be retried); refreshed twice.
-    asyncio.run(handlers.track(event={"type": "ADDED"}, body=body, logger=LOG))
-    monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: True)
+    asyncio.run(tracking.track(event={"type": "ADDED"}, body=body, logger=LOG))
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
 
-    def apply(_m: Any) -> Any:
+    def unavailable(_m: Any) -> Any:
         raise ApiException(status=503)
 
-    monkeypatch.setattr(handlers.kube, "apply", apply)
-    assert handlers.apply_workloads(body, LOG)
+    monkeypatch.setattr(kube, "apply", unavailable)
+    assert apply_workloads(body, LOG)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")],
                 claims=[{"metadata": {"name": "l2", "labels": {COMPONENT_LABEL: "lmcache-server"}},
                          "status": {"phase": "Bound"}}],
                 live_ids=frozenset({target.namespace_id or ""}))
-    handlers.refresh_status(body, seen, LOG)
+    refresh.refresh_status(body, seen, LOG)
     body["status"] = dict(api.patches[-1])
-    handlers.refresh_status(body, seen, LOG)
+    refresh.refresh_status(body, seen, LOG)
 
     held = _holding(_roots(), key)
     # What the test relies on: the paths above reached every kind of place state is kept in.
@@ -106,14 +112,14 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
                   "CONTROLLER.hits", "kvpersist.controller.metrics._phases"):
         assert any(path.startswith(place) for path in held), (place, held)
 
-    handlers._forget(key)
+    tracking._forget(key)
     assert _holding(_roots(), key) == []
-    assert handlers.CONTROLLER.get(key) is None
+    assert runtime.CONTROLLER.get(key) is None
 
 
 def test_every_tracker_of_the_controller_is_forgotten() -> None:
     """forget() reaches each member with a forget(key): the trackers are found, not listed."""
-    controller = handlers.CONTROLLER
+    controller = runtime.CONTROLLER
     trackers = {type(t).__name__ for t in controller._trackers()}
     assert {"Backoff", "Fallback", "BuildBypass", "HitTracker"} <= trackers
 
@@ -139,13 +145,14 @@ def test_reconcile_and_the_status_loop_never_run_one_resource_at_once(monkeypatc
             running[0] -= 1
         return True
 
-    monkeypatch.setattr(handlers, "apply_workloads", work)
-    monkeypatch.setattr(handlers, "refresh_status", work)
+    for caller in (reconcile, status_loop):  # where each round looks them up
+        monkeypatch.setattr(caller, "apply_workloads", work)
+        monkeypatch.setattr(caller, "refresh_status", work)
 
     async def both() -> None:
-        await asyncio.gather(handlers.reconcile(body=body, logger=LOG),
-                             handlers._refresh_one(key, body, Seen(), True, LOG),
-                             handlers.reconcile(body=body, logger=LOG))
+        await asyncio.gather(reconcile.reconcile(body=body, logger=LOG),
+                             status_loop._refresh_one(key, body, Seen(), True, LOG),
+                             reconcile.reconcile(body=body, logger=LOG))
 
     asyncio.run(both())
     assert most[0] == 1
@@ -161,29 +168,29 @@ def test_a_refresh_running_when_its_resource_is_deleted_leaves_nothing(monkeypat
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u2", generation=1)
     key = ("ml", body["metadata"]["name"])
-    target, _ = handlers._target(body)
+    target, _ = reading._target(body)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")], live_ids=frozenset({target.namespace_id or ""}))
     entered, release = threading.Event(), threading.Event()
-    refusal = handlers._refusal
+    refusal = refresh._refusal
 
     def slow_refusal(t: Any) -> Any:  # early in refresh_status, before it observes and writes
         entered.set()
         assert release.wait(10), "never released"
         return refusal(t)
 
-    monkeypatch.setattr(handlers, "_refusal", slow_refusal)
+    monkeypatch.setattr(refresh, "_refusal", slow_refusal)
 
     async def scene() -> None:
-        await handlers.track(event={"type": "ADDED"}, body=body, logger=LOG)
-        round_ = asyncio.create_task(handlers._refresh_one(key, body, seen, False, LOG))
+        await tracking.track(event={"type": "ADDED"}, body=body, logger=LOG)
+        round_ = asyncio.create_task(status_loop._refresh_one(key, body, seen, False, LOG))
         assert await asyncio.to_thread(entered.wait, 10)
-        await handlers.track(event={"type": "DELETED"}, body=body, logger=LOG)
+        await tracking.track(event={"type": "DELETED"}, body=body, logger=LOG)
         release.set()
         await asyncio.wait_for(round_, 20)
 
     asyncio.run(scene())
     assert api.patches, "the refresh ran to its end (it wrote status)"
-    assert handlers.CONTROLLER.get(key) is None
+    assert runtime.CONTROLLER.get(key) is None
     assert _holding(_roots(), key) == []

@@ -15,7 +15,8 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import handlers
+from kvpersist.controller import gc as controller_gc
+from kvpersist.controller import kube, refresh
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory import bucket as inventory_bucket
 from kvpersist.inventory import cleanup
@@ -51,11 +52,11 @@ class FakeCluster:
         self.status: dict[str, Any] = {}
         self.annotations: dict[str, Any] = {}
         self.list_error: int | None = None
-        monkeypatch.setattr(handlers.kube, "list_all", self.list_all)
-        monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: self.status.update(a[-1]))
-        monkeypatch.setattr(handlers.kube, "post_event", lambda *a: self.calls.append(f"event {a[2]}"))
-        monkeypatch.setattr(handlers.kube, "patch_annotations", lambda *a: self.annotations.update(a[-1]))
-        monkeypatch.setattr(handlers, "_agent_token", lambda target: "token")
+        monkeypatch.setattr(kube, "list_all", self.list_all)
+        monkeypatch.setattr(kube, "patch_status", lambda *a: self.status.update(a[-1]))
+        monkeypatch.setattr(kube, "post_event", lambda *a: self.calls.append(f"event {a[2]}"))
+        monkeypatch.setattr(kube, "patch_annotations", lambda *a: self.annotations.update(a[-1]))
+        monkeypatch.setattr(controller_gc, "_agent_token", lambda target: "token")
         monkeypatch.setattr(cleanup, "request_gc", self.request_gc)
 
     def list_all(self, api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None) -> list:
@@ -81,7 +82,7 @@ def _servers(*ips: str) -> Seen:
 
 def test_each_agent_call_is_preceded_by_a_fresh_listing(monkeypatch: pytest.MonkeyPatch) -> None:
     api = FakeCluster(monkeypatch)
-    handlers.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1", "10.0.0.2"), LOG)
+    controller_gc.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1", "10.0.0.2"), LOG)
     assert api.calls[:6] == ["list KVCacheNamespace", "list Pod", "gc 10.0.0.1", "list KVCacheNamespace", "list Pod",
                              "gc 10.0.0.2"]
     assert api.status["gc"]["outcome"] == "Deleted" and api.status["gc"]["bytes"] == 200
@@ -92,7 +93,7 @@ def test_a_resource_created_between_two_deletions_stops_the_next(monkeypatch: py
     """The watch caches (Seen.live_ids) do not know the newcomer; the listing right before the
     second agent's /gc does, and that agent is never asked."""
     api = FakeCluster(monkeypatch, appears_after=1)
-    handlers.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1", "10.0.0.2"), LOG)
+    controller_gc.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1", "10.0.0.2"), LOG)
     assert [c for c in api.calls if c.startswith("gc ")] == ["gc 10.0.0.1"]
     gc = api.status["gc"]
     assert gc["outcome"] == "Refused" and "KVCacheNamespace other/newcomer" in gc["message"], gc
@@ -102,7 +103,7 @@ def test_a_resource_created_between_two_deletions_stops_the_next(monkeypatch: py
 
 def test_a_newcomer_before_the_first_deletion_deletes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     api = FakeCluster(monkeypatch, appears_after=0)
-    handlers.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1"), LOG)
+    controller_gc.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1"), LOG)
     assert not [c for c in api.calls if c.startswith("gc ")]
     assert api.status["gc"]["outcome"] == "Refused" and api.status["gc"]["bytes"] == 0
 
@@ -110,7 +111,7 @@ def test_a_newcomer_before_the_first_deletion_deletes_nothing(monkeypatch: pytes
 def test_an_unreadable_api_server_refuses_and_names_the_permission(monkeypatch: pytest.MonkeyPatch) -> None:
     api = FakeCluster(monkeypatch)
     api.list_error = 403
-    handlers.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1"), LOG)
+    controller_gc.run_gc(_body(), {"requestId": "r1", "namespaceId": ORPHAN}, _servers("10.0.0.1"), LOG)
     assert not [c for c in api.calls if c.startswith("gc ")]
     gc = api.status["gc"]
     assert gc["outcome"] == "Refused" and "403" in gc["message"] and "list on both cluster-wide" in gc["message"], gc
@@ -143,11 +144,11 @@ def test_a_bucket_not_marked_exclusive_is_refused_before_any_request(monkeypatch
     def never(*_a: Any, **_k: Any) -> NamespaceUsage:
         raise AssertionError("the bucket must not be touched")
 
-    monkeypatch.setattr(handlers, "remove_bucket_namespace", never)
-    monkeypatch.setattr(handlers._SecretOnce, "token", lambda self: "hf_x")
+    monkeypatch.setattr(controller_gc, "remove_bucket_namespace", never)
+    monkeypatch.setattr(refresh._SecretOnce, "token", lambda self: "hf_x")
     body = _body("hf-bucket")
     assert KVCacheNamespace.model_validate(body).spec.l2.hf_bucket.exclusive_to_this_cluster is False  # the default
-    handlers.run_gc(body, {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
+    controller_gc.run_gc(body, {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
     gc = api.status["gc"]
     assert gc["outcome"] == "Refused" and "spec.l2.hfBucket.exclusiveToThisCluster" in gc["message"], gc
     assert "nothing was deleted" in gc["message"] and not [c for c in api.calls if c.startswith("list")]
@@ -163,8 +164,8 @@ def test_an_exclusive_bucket_is_deleted_with_a_recheck_before_each_batch(monkeyp
         api.appears_after = 0  # a resource using the namespace is created after the first batch
 
     monkeypatch.setattr(inventory_bucket, "_delete_chunk", delete_chunk)
-    monkeypatch.setattr(handlers._SecretOnce, "token", lambda self: "hf_x")
-    handlers.run_gc(_body("hf-bucket", exclusiveToThisCluster=True), {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
+    monkeypatch.setattr(refresh._SecretOnce, "token", lambda self: "hf_x")
+    controller_gc.run_gc(_body("hf-bucket", exclusiveToThisCluster=True), {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
     deletes = [i for i, c in enumerate(api.calls) if c.startswith("delete")]
     assert api.calls[:3] == ["list KVCacheNamespace", "list Pod", "delete 1000"]
     assert all(api.calls[i - 2:i] == ["list KVCacheNamespace", "list Pod"] for i in deletes)

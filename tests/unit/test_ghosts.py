@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist.controller import handlers
+from kvpersist.controller import runtime, status_loop, tracking
 from kvpersist.status.workloads import Seen
 
 KEY = ("ns", "ghost")
@@ -34,15 +34,15 @@ def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, erro
         asked.append(key)
         return exists
 
-    monkeypatch.setattr(handlers, "refresh_status", refresh)
-    monkeypatch.setattr(handlers, "_exists", exists_now)
-    state = handlers.CONTROLLER.state(KEY)
+    monkeypatch.setattr(status_loop, "refresh_status", refresh)
+    monkeypatch.setattr(status_loop, "_exists", exists_now)
+    state = runtime.CONTROLLER.state(KEY)
     state.body = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
     state.dirty = True
     try:
-        asyncio.run(handlers._refresh_one(KEY, state.body, Seen(), False, logging.getLogger("test")))
-        assert (KEY not in handlers.CONTROLLER.known()) is forgotten
-        assert (KEY not in handlers.CONTROLLER.flagged("dirty")) is forgotten
+        asyncio.run(status_loop._refresh_one(KEY, state.body, Seen(), False, logging.getLogger("test")))
+        assert (KEY not in runtime.CONTROLLER.known()) is forgotten
+        assert (KEY not in runtime.CONTROLLER.flagged("dirty")) is forgotten
         assert asked == ([KEY] if isinstance(error, ApiException) and error.status == 404 else [])
     finally:
-        handlers._forget(KEY)
+        tracking._forget(KEY)

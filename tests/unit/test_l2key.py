@@ -26,11 +26,12 @@ from kvpersist.builders.retained import (
     protect_patch,
 )
 from kvpersist.builders.target import Target
-from kvpersist.controller import handlers, l2key
+from kvpersist.controller import kube, l2key, reading, refresh, runtime
+from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.state import Controller
 from kvpersist.identity import L2_KEY_PIN, key_fingerprint, resolve
 from kvpersist.status.conditions import Observation, compute_status
-from kvpersist.status.workloads import index_entry, live_ids, owner_key
+from kvpersist.status.workloads import Seen, index_entry, live_ids, owner_key
 from tests.cases.invalid_manifests import sample
 
 KEY_A, KEY_B = b"a" * 32, b"b" * 32
@@ -182,14 +183,14 @@ class Api:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, secret: dict[str, Any] | None) -> None:
         self.secret, self.created, self.applied, self.events, self.status, self.metadata = secret, [], [], [], [], []
-        monkeypatch.setattr(handlers, "CONTROLLER", Controller())
-        monkeypatch.setattr(handlers.kube, "get", lambda v, kind, name, ns: self.secret if kind == "Secret" else None)
-        monkeypatch.setattr(handlers.kube, "list_all", lambda *a, **k: [])
-        monkeypatch.setattr(handlers.kube, "apply", lambda m: self.applied.append(m) or m)
-        monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: self.created.append(m) or True)
-        monkeypatch.setattr(handlers.kube, "post_event", lambda body, t, reason, message: self.events.append((t, reason, message)))
-        monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: self.status.append(a[-1]))
-        monkeypatch.setattr(handlers.kube, "patch_metadata", lambda *a: self.metadata.append(a))
+        monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+        monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: self.secret if kind == "Secret" else None)
+        monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
+        monkeypatch.setattr(kube, "apply", lambda m: self.applied.append(m) or m)
+        monkeypatch.setattr(kube, "create_if_absent", lambda m: self.created.append(m) or True)
+        monkeypatch.setattr(kube, "post_event", lambda body, t, reason, message: self.events.append((t, reason, message)))
+        monkeypatch.setattr(kube, "patch_status", lambda *a: self.status.append(a[-1]))
+        monkeypatch.setattr(kube, "patch_metadata", lambda *a: self.metadata.append(a))
 
 
 def _body(status: dict[str, Any] | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
@@ -204,24 +205,24 @@ def test_apply_makes_no_key_over_data_and_one_when_asked(monkeypatch: pytest.Mon
     lost = _status(2**20, secret=f"{name}-l2-key")
     api = Api(monkeypatch, None)
     body = _body(lost)
-    handlers.CONTROLLER.state(("ml", name))
-    assert handlers.apply_workloads(body, LOG)
+    runtime.CONTROLLER.state(("ml", name))
+    assert apply_workloads(body, LOG)
     assert not [m for m in api.created if m["metadata"]["name"].endswith("-l2-key")]
     # No key, no namespace: the servers scaled to zero (their claims kept), vLLM without the cache.
     applied = {m["kind"]: m for m in api.applied}
     assert applied["StatefulSet"]["spec"]["replicas"] == 0
     assert "--kv-transfer-config" not in applied["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
-    read = handlers.CONTROLLER.state(("ml", name)).key_read[1]
+    read = runtime.CONTROLLER.state(("ml", name)).key_read[1]
     assert read.problem is not None and read.problem[0] == l2key.KEY_LOST and FP_A in read.problem[1]
 
     # Accepted (the annotation names the lost key): a new key, and the namespace follows it.
     api = Api(monkeypatch, None)
-    handlers.CONTROLLER.state(("ml", name))
-    assert handlers.apply_workloads(_body(lost, {l2key.REPLACE_ANNOTATION: FP_A}), LOG)
+    runtime.CONTROLLER.state(("ml", name))
+    assert apply_workloads(_body(lost, {l2key.REPLACE_ANNOTATION: FP_A}), LOG)
     [key] = [m for m in api.created if m["metadata"]["name"] == f"{name}-l2-key"]
     raw = base64.b64decode(key["data"]["master-key"])
     assert len(raw) == 32 and key_fingerprint(raw) != FP_A
-    assert handlers.CONTROLLER.state(("ml", name)).key_read[1].fingerprint == key_fingerprint(raw)
+    assert runtime.CONTROLLER.state(("ml", name)).key_read[1].fingerprint == key_fingerprint(raw)
     assert [r for _, r, _ in api.events] == [l2key.KEY_GENERATED] and raw.hex() not in repr(api.events)
 
 
@@ -232,14 +233,14 @@ def test_the_generated_key_and_claims_are_patched_out_of_prunes_once(monkeypatch
     api = Api(monkeypatch, old_style)
     body = _body()
     key = ("ml", name)
-    handlers.CONTROLLER.state(key)
-    target, _ = handlers._target(body)
+    runtime.CONTROLLER.state(key)
+    target, _ = reading._target(body)
     claim = {"metadata": {"name": f"l2-{name}-lmcache-0", "namespace": "ml", "resourceVersion": "7",
                           "labels": {TRACKING_LABEL: name, "app.kubernetes.io/component": "lmcache-server"}}}
-    seen = handlers.Seen(claims=[claim])
-    read = handlers._read_key(target)
-    handlers._protect_retained(handlers._target(body, read.fingerprint)[0], read, seen, LOG)
-    handlers._protect_retained(handlers._target(body, read.fingerprint)[0], handlers._read_key(target), seen, LOG)
+    seen = Seen(claims=[claim])
+    read = reading._read_key(target)
+    refresh._protect_retained(reading._target(body, read.fingerprint)[0], read, seen, LOG)
+    refresh._protect_retained(reading._target(body, read.fingerprint)[0], reading._read_key(target), seen, LOG)
     assert [(a[1], a[2]) for a in api.metadata] == [("Secret", f"{name}-l2-key"), ("PersistentVolumeClaim", claim["metadata"]["name"])]
     secret_patch, claim_patch = api.metadata[0][-1], api.metadata[1][-1]
     assert secret_patch["metadata"]["labels"] == {TRACKING_LABEL: None, INSTANCE_LABEL: name}
@@ -295,29 +296,29 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     body["metadata"].update(namespace="ml", uid="u1", generation=1, annotations={})
     key = ("ml", body["metadata"]["name"])
     secret = {"metadata": {"name": f"{key[1]}-l2-key"}, "data": {"master-key": base64.b64encode(KEY_A).decode()}}
-    monkeypatch.setattr(handlers.kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
-    monkeypatch.setattr(handlers.kube, "list_all", lambda *a, **k: [])
-    monkeypatch.setattr(handlers.kube, "apply", lambda m: m)
-    monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: True)
-    target, _ = handlers._target(body, FP_A)
-    seen = handlers.Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
-                         deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
-                         pods=[_pod(f"{target.server_name}-0")])
-    handlers.CONTROLLER.state(key)
-    assert handlers.apply_workloads(body, LOG)
-    handlers.refresh_status(body, seen, LOG)
+    monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
+    monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
+    monkeypatch.setattr(kube, "apply", lambda m: m)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
+    target, _ = reading._target(body, FP_A)
+    seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
+                deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
+                pods=[_pod(f"{target.server_name}-0")])
+    runtime.CONTROLLER.state(key)
+    assert apply_workloads(body, LOG)
+    refresh.refresh_status(body, seen, LOG)
     assert api.patches[-1]["namespaceId"] == target.namespace_id and api.patches[-1]["l2Key"]["fingerprint"] == FP_A
     body["status"] = dict(api.patches[-1])
 
     secret["data"]["master-key"] = base64.b64encode(KEY_B).decode()  # rotated in place
-    handlers.CONTROLLER.state(key).key_read = None  # the next read (the TTL passed)
-    handlers.CONTROLLER.state(key).drifted = False
+    runtime.CONTROLLER.state(key).key_read = None  # the next read (the TTL passed)
+    runtime.CONTROLLER.state(key).drifted = False
     writes = len(api.patches)
-    handlers.refresh_status(body, seen, LOG)
-    assert len(api.patches) == writes and handlers.CONTROLLER.state(key).drifted
-    assert handlers.apply_workloads(body, LOG, seen)
-    handlers.refresh_status(body, seen, LOG)
-    new_id = handlers._target(body, FP_B)[0].namespace_id
+    refresh.refresh_status(body, seen, LOG)
+    assert len(api.patches) == writes and runtime.CONTROLLER.state(key).drifted
+    assert apply_workloads(body, LOG, seen)
+    refresh.refresh_status(body, seen, LOG)
+    new_id = reading._target(body, FP_B)[0].namespace_id
     assert api.patches[-1]["namespaceId"] == new_id != target.namespace_id
     assert api.patches[-1]["l2Key"] == {"secret": f"{key[1]}-l2-key", "generated": True, "fingerprint": FP_B,
                                         "namespaceId": new_id}

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import handlers
+from kvpersist.controller import kube, refresh, runtime
+from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.policy import (
     ALLOWED_IMAGES_ENV,
     IMAGE_NOT_ALLOWED,
@@ -167,48 +168,48 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     """apply_workloads under a policy that refuses: no object applied or created (existing ones
     stay), no Secret data read; the same resource under an open policy is applied."""
     calls: list[str] = []
-    monkeypatch.setattr(handlers.kube, "apply", lambda m: calls.append(f"apply {m['kind']}") or m)
-    monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or True)
-    monkeypatch.setattr(handlers.kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
-    monkeypatch.setattr(handlers.kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or {})
-    monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
-    monkeypatch.setattr(handlers.kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
-    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
+    monkeypatch.setattr(kube, "apply", lambda m: calls.append(f"apply {m['kind']}") or m)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or True)
+    monkeypatch.setattr(kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
+    monkeypatch.setattr(kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or {})
+    monkeypatch.setattr(kube, "post_event", lambda *a: None)
+    monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
+    monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
     body = _body(sample())
     key = ("ml", body["metadata"]["name"])
-    handlers.CONTROLLER.state(key)  # known, as after its first watch event
-    handlers.apply_workloads(body, logging.getLogger("test"))
-    assert calls == [] and handlers.CONTROLLER.state(key).refused[0] == IMAGE_NOT_ALLOWED
+    runtime.CONTROLLER.state(key)  # known, as after its first watch event
+    apply_workloads(body, logging.getLogger("test"))
+    assert calls == [] and runtime.CONTROLLER.state(key).refused[0] == IMAGE_NOT_ALLOWED
 
     obj = sample()
     obj["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
-    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(secret_label=("kvpersist.dev/usable-by", "kvpersist")))
-    handlers.apply_workloads(_body(obj), logging.getLogger("test"))
-    assert calls == ["metadata Secret shared-key"] and handlers.CONTROLLER.state(key).refused[0] == SECRET_NOT_ALLOWED
+    monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(secret_label=("kvpersist.dev/usable-by", "kvpersist")))
+    apply_workloads(_body(obj), logging.getLogger("test"))
+    assert calls == ["metadata Secret shared-key"] and runtime.CONTROLLER.state(key).refused[0] == SECRET_NOT_ALLOWED
 
     calls.clear()
-    monkeypatch.setattr(handlers.CONTROLLER, "policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
-                                                    secret_label=("kvpersist.dev/usable-by", "kvpersist")))
+    monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
+                                                   secret_label=("kvpersist.dev/usable-by", "kvpersist")))
     created: list[dict[str, Any]] = []
-    monkeypatch.setattr(handlers.kube, "create_if_absent", lambda m: created.append(m) or True)
-    handlers.apply_workloads(body, logging.getLogger("test"))
-    assert handlers.CONTROLLER.state(key).refused is None
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or True)
+    apply_workloads(body, logging.getLogger("test"))
+    assert runtime.CONTROLLER.state(key).refused is None
     assert {"apply StatefulSet", "apply Deployment"} <= set(calls)
     # The operator's own Secrets carry the label, so they are usable under the same rule.
     assert {s["metadata"]["name"] for s in created} == {"llama31-8b-l2-key", "llama31-8b-agent-token"}
     assert all(s["metadata"]["labels"]["kvpersist.dev/usable-by"] == "kvpersist" for s in created)
-    handlers.CONTROLLER.forget(key)
+    runtime.CONTROLLER.forget(key)
 
 
 def test_refusal_event_is_posted_once_with_its_reason() -> None:
     ready = condition("Ready", False, IMAGE_NOT_ALLOWED, "spec.vllm.image: ...")
     new = {"phase": "Failed", "conditions": [ready]}
-    events = handlers._events_for({"phase": "Pending"}, new, [ready])
+    events = refresh._events_for({"phase": "Pending"}, new, [ready])
     assert events == [("Warning", IMAGE_NOT_ALLOWED, "spec.vllm.image: ...")]  # not also a generic Failed
-    assert handlers._events_for(new, new, [ready]) == []
+    assert refresh._events_for(new, new, [ready]) == []
     other = condition("Ready", False, SECRET_NOT_ALLOWED, "spec.l2...: ...")
-    assert handlers._events_for(new, {**new, "conditions": [other]}, [other]) == [("Warning", SECRET_NOT_ALLOWED,
-                                                                                   "spec.l2...: ...")]
+    assert refresh._events_for(new, {**new, "conditions": [other]}, [other]) == [("Warning", SECRET_NOT_ALLOWED,
+                                                                                  "spec.l2...: ...")]
 
 
 def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.MonkeyPatch,
@@ -221,4 +222,4 @@ def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.Monke
     monkeypatch.setattr(kopf, "run", lambda **_: pytest.fail("kopf.run reached with a malformed policy"))
     monkeypatch.setenv(SECRET_LABEL_ENV, "kvpersist.dev/usable-by")
     assert cli.main(["run", "--standalone"]) == 2
-    assert SECRET_LABEL_ENV in capsys.readouterr().err and handlers.CONTROLLER.policy == Policy()
+    assert SECRET_LABEL_ENV in capsys.readouterr().err and runtime.CONTROLLER.policy == Policy()

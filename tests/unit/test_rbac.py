@@ -11,7 +11,7 @@ import pytest
 
 from tests import rbac_needs as rb
 
-HANDLERS = rb.PACKAGE_DIR / "controller" / "handlers.py"
+PROBED = rb.PACKAGE_DIR / "controller" / "apply.py"  # one of the modules `kvpersist run` loads; it imports kube
 SA, SA_NS = "kvpersist", "kvpersist-system"
 
 
@@ -30,8 +30,8 @@ def rendered(helm: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _with_probe(code: str) -> dict[str, str]:
-    """handlers.py with a function appended that module-level code references (so it is reached)."""
-    return {"kvpersist.controller.handlers": HANDLERS.read_text() + "\n\n" + code + "\n_PROBES = [_probe]\n"}
+    """apply.py with a function appended that module-level code references (so it is reached)."""
+    return {"kvpersist.controller.apply": PROBED.read_text() + "\n\n" + code + "\n_PROBES = [_probe]\n"}
 
 
 def test_every_call_of_the_operator_is_understood() -> None:
@@ -46,7 +46,7 @@ def test_every_call_of_the_operator_is_understood() -> None:
     # Secrets are patched in one place only, their labels and annotations (kube.patch_metadata refuses
     # anything else): the generated L2 key kept out of GitOps prunes; never adopted, never its data.
     assert {u.where() for u in uses if u.grant == ("", "secrets", "patch")} == {
-        "controller.kube.patch_metadata ← controller.handlers._protect_retained"}
+        "controller.kube.patch_metadata ← controller.refresh._protect_retained"}
     # kube.list_all over ROUTE_KINDS: pairs stay together (never NetworkPolicy of v1).
     assert {("", "services", "delete"), ("networking.k8s.io", "networkpolicies", "delete")} <= grants
 
@@ -75,7 +75,7 @@ def test_a_new_call_is_picked_up_and_the_chart_check_fails(code: str, grant: rb.
     with rb.analysing(_with_probe(code)):
         need = rb.needs("clusterwide")
         assert grant in need.required
-        assert "handlers._probe" in "; ".join(need.required[grant])
+        assert "controller.apply._probe" in "; ".join(need.required[grant])
         problems = rb.compare(need, granted)
     missing = [p for p in problems if p.startswith(f"missing grant {rb._fmt(grant)}:")]
     # Granted already (e.g. list configmaps, for the drift watch): no complaint; else named.
@@ -119,7 +119,7 @@ def test_the_chart_check_can_fail(rendered: dict) -> None:
     need = rb.needs("clusterwide")
     problems = rb.compare(need, rb.chart_grants(_drop_verb(docs, "events", "list"), SA, SA_NS))
     assert len(problems) == 1 and problems[0].startswith("missing grant list events: needed by "), problems
-    assert "handlers._observe.statefulset_failure" in problems[0]
+    assert "controller.refresh._observe.statefulset_failure" in problems[0]
     extra = copy.deepcopy(docs)
     role = next(d for d in extra if d["kind"] == "ClusterRole" and d["metadata"]["name"] == SA)
     role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["list"]})

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller import handlers, state
+from kvpersist.controller import runtime, state, status_loop
 
 
 def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,12 +21,12 @@ def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.Monk
         calls.append(now)
         return []
 
-    monkeypatch.setattr(handlers, "TICK_S", 0.01)
-    monkeypatch.setattr(handlers, "_active_keys", counted)
-    busy = [handlers.CONTROLLER.refresh_pool.submit(release.wait, 10) for _ in range(state.REFRESH_CONCURRENCY)]
+    monkeypatch.setattr(status_loop, "TICK_S", 0.01)
+    monkeypatch.setattr(status_loop, "_active_keys", counted)
+    busy = [runtime.CONTROLLER.refresh_pool.submit(release.wait, 10) for _ in range(state.REFRESH_CONCURRENCY)]
 
     async def run_for(seconds: float) -> None:
-        task = asyncio.create_task(handlers._status_loop(logging.getLogger("test")))
+        task = asyncio.create_task(status_loop._status_loop(logging.getLogger("test")))
         await asyncio.sleep(seconds)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

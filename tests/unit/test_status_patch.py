@@ -19,7 +19,7 @@ from kvpersist.api import status as status_api
 from kvpersist.api.status import StatusPatchError, checked_patch, validate_patch
 from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
 from kvpersist.builders.target import SERVER
-from kvpersist.controller import handlers
+from kvpersist.controller import gc, kube, reading, refresh, runtime
 from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.state import Controller
 from kvpersist.identity import key_fingerprint, resolve
@@ -262,17 +262,18 @@ class FakeApi:
         self.patches: list[dict[str, Any]] = []
         self.metadata_patches: list[tuple[str, str, dict[str, Any]]] = []
         secret = {"metadata": {"name": "llama31-8b-l2-key", "labels": {}}, "data": {"master-key": base64.b64encode(KEY).decode()}}
-        monkeypatch.setattr(handlers.kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
-        monkeypatch.setattr(handlers.kube, "patch_metadata", lambda v, kind, name, ns, patch: self.metadata_patches.append(
+        monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
+        monkeypatch.setattr(kube, "patch_metadata", lambda v, kind, name, ns, patch: self.metadata_patches.append(
             (kind, name, patch)))
-        monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: self.patches.append(a[-1]))
-        monkeypatch.setattr(handlers.kube, "post_event", lambda *a: None)
-        monkeypatch.setattr(handlers, "_agent_token", lambda target: "token")
-        monkeypatch.setattr(handlers, "collect_usage", lambda running, port, token=None: reports)
-        monkeypatch.setattr(handlers, "_inventories", lambda agents, port, token: [
+        monkeypatch.setattr(kube, "patch_status", lambda *a: self.patches.append(a[-1]))
+        monkeypatch.setattr(kube, "post_event", lambda *a: None)
+        monkeypatch.setattr(refresh, "_agent_token", lambda target: "token")
+        monkeypatch.setattr(gc, "_agent_token", lambda target: "token")
+        monkeypatch.setattr(refresh, "collect_usage", lambda running, port, token=None: reports)
+        monkeypatch.setattr(refresh, "_inventories", lambda agents, port, token: [
             Inventory("ignored", [NamespaceUsage(NID, 5 * 2**20, 7, 1.7e9), NamespaceUsage(ORPHAN, 2**20, 3)], 12)
             for _ in agents])
-        monkeypatch.setattr(handlers, "CONTROLLER", Controller())
+        monkeypatch.setattr(runtime, "CONTROLLER", Controller())
 
 
 def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,18 +282,18 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
     body["spec"]["l2"]["nvme"]["budget"] = "64Mi"
     api = FakeApi(monkeypatch, [_report("s-0", 2048)])
-    target, _resolution = handlers._target(body, key_fingerprint(KEY))
+    target, _resolution = reading._target(body, key_fingerprint(KEY))
     assert target.namespace_id == resolve(target.spec.pins(key_fingerprint(KEY))).namespace_id is not None
     pods = [_pod(f"{target.server_name}-0")]
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}], pods=pods,
                 claims=[{"metadata": {"name": "l2", "labels": {COMPONENT_LABEL: SERVER}}, "status": {"phase": "Bound"}}],
                 live_ids=frozenset({target.namespace_id or ""}))
-    handlers.refresh_status(body, seen, LOG)
-    monkeypatch.setattr(handlers, "collect_usage", lambda running, port, token=None: [_report("s-0", 4096)])
+    refresh.refresh_status(body, seen, LOG)
+    monkeypatch.setattr(refresh, "collect_usage", lambda running, port, token=None: [_report("s-0", 4096)])
     body["status"] = dict(api.patches[-1])
     del body["spec"]["l2"]["nvme"]["budget"]
-    handlers.refresh_status(body, seen, LOG)
+    refresh.refresh_status(body, seen, LOG)
     assert len(api.patches) == 2
     first, second = api.patches
     assert {"usage", "inventory", "hits", "budget", "conditions", "phase", "l2Key"} <= set(first)
@@ -316,10 +317,10 @@ def test_in_production_a_bad_field_is_left_out_and_logged(monkeypatch: pytest.Mo
     assert checked_patch({"phse": "Ready"}, LOG) is None  # nothing valid: nothing sent
 
     sent_to_api: list[dict[str, Any]] = []
-    monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: sent_to_api.append(a[-1]))
+    monkeypatch.setattr(kube, "patch_status", lambda *a: sent_to_api.append(a[-1]))
     meta = {"name": "a", "namespace": "ml"}
-    assert handlers._write_status(meta, {"phse": "Ready"}, LOG) is None and sent_to_api == []
-    assert handlers._write_status(meta, patch, LOG) == {"phase": "Ready", "replicas": "1/1"}
+    assert refresh._write_status(meta, {"phse": "Ready"}, LOG) is None and sent_to_api == []
+    assert refresh._write_status(meta, patch, LOG) == {"phase": "Ready", "replicas": "1/1"}
     assert sent_to_api == [{"phase": "Ready", "replicas": "1/1"}]
 
 
@@ -332,14 +333,14 @@ def test_strict_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_in_tests_a_bad_patch_raises_before_anything_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[Any] = []
-    monkeypatch.setattr(handlers.kube, "patch_status", lambda *a: sent.append(a))
+    monkeypatch.setattr(kube, "patch_status", lambda *a: sent.append(a))
     with pytest.raises(StatusPatchError, match=r"status\.gc\.outcom"):
-        handlers._write_status({"name": "a", "namespace": "ml"}, {"gc": {"outcom": "Deleted"}}, LOG)
+        refresh._write_status({"name": "a", "namespace": "ml"}, {"gc": {"outcom": "Deleted"}}, LOG)
     assert sent == []
 
 
 def test_every_status_write_goes_through_the_check() -> None:
-    """kube.patch_status is called in one place only: handlers._write_status, which checks first."""
+    """kube.patch_status is called in one place only: refresh._write_status, which checks first."""
     callers = []
     for path in sorted((ROOT / "operator" / "kvpersist").rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -349,4 +350,4 @@ def test_every_status_write_goes_through_the_check() -> None:
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "patch_status":
                     callers.append((path.relative_to(ROOT / "operator").as_posix(), func.name))
-    assert sorted(set(callers)) == [("kvpersist/controller/handlers.py", "_write_status")]
+    assert sorted(set(callers)) == [("kvpersist/controller/refresh.py", "_write_status")]

@@ -4,8 +4,11 @@ STATUS_INTERVAL_S."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from kvpersist.controller import handlers
+import kopf
+
+from kvpersist.controller import drift, indexes, status_loop
 from kvpersist.controller.state import Controller
 
 
@@ -22,16 +25,16 @@ def test_due_dirty_now_others_by_interval(controller: Controller) -> None:
     _known(controller, ("ns", "a"), ("ns", "b"), ("ns", "c"))
     controller.state(("ns", "b")).dirty = True
     controller.state(("ns", "a")).last_refresh = controller.state(("ns", "b")).last_refresh = 100.0
-    now = 100.0 + handlers.STATUS_INTERVAL_S / 2
-    assert handlers.due(now) == [("ns", "b"), ("ns", "c")]  # b: a workload changed; c: never refreshed
-    assert handlers.due(100.0 + handlers.STATUS_INTERVAL_S) == [("ns", "a"), ("ns", "b"), ("ns", "c")]
+    now = 100.0 + status_loop.STATUS_INTERVAL_S / 2
+    assert status_loop.due(now) == [("ns", "b"), ("ns", "c")]  # b: a workload changed; c: never refreshed
+    assert status_loop.due(100.0 + status_loop.STATUS_INTERVAL_S) == [("ns", "a"), ("ns", "b"), ("ns", "c")]
 
 
 def test_workload_event_marks_its_owner_dirty(controller: Controller) -> None:
     _known(controller, ("ns", "a"))
     sts = {"metadata": {"name": "a-lmcache", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "a"}}}
-    entry = asyncio.run(handlers.kvp_statefulsets(body=sts))
-    asyncio.run(handlers.kvp_deployments(body={"metadata": {"namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}))
+    entry = asyncio.run(indexes.kvp_statefulsets(body=sts))
+    asyncio.run(indexes.kvp_deployments(body={"metadata": {"namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}))
     assert controller.flagged("dirty") == {("ns", "a")}
     assert list(entry) == [("ns", "a")]  # indexed under its owner
 
@@ -39,8 +42,8 @@ def test_workload_event_marks_its_owner_dirty(controller: Controller) -> None:
 def test_seen_reads_the_indexes(controller: Controller) -> None:
     pod = {"metadata": {"name": "a-lmcache-0", "labels": {"app.kubernetes.io/component": "lmcache-server"}}}
     controller.indices["kvp_pods"] = {("ns", "a"): [pod]}
-    seen = handlers._seen(("ns", "a"))
-    assert seen.pods == [pod] and seen.statefulsets == [] and handlers._seen(("ns", "b")).pods == []
+    seen = indexes._seen(("ns", "a"))
+    assert seen.pods == [pod] and seen.statefulsets == [] and indexes._seen(("ns", "b")).pods == []
 
 
 def _child(kind_name: str, generation: int | None = None) -> dict:
@@ -53,24 +56,24 @@ def _child(kind_name: str, generation: int | None = None) -> dict:
 def test_a_deleted_or_edited_child_marks_its_owner_for_apply(controller: Controller) -> None:
     _known(controller, ("ns", "a"))
     # The initial listing is not drift (resume applies everything then).
-    asyncio.run(handlers.drift_networkpolicies(event={"type": None}, body=_child("a-lmcache", 1)))
-    asyncio.run(handlers.drift_statefulsets(event={"type": None}, body=_child("a-lmcache", 3)))
+    asyncio.run(drift.drift_networkpolicies(event={"type": None}, body=_child("a-lmcache", 1)))
+    asyncio.run(drift.drift_statefulsets(event={"type": None}, body=_child("a-lmcache", 3)))
     assert controller.flagged("drifted") == set()
-    asyncio.run(handlers.drift_networkpolicies(event={"type": "DELETED"}, body=_child("a-lmcache", 1)))
+    asyncio.run(drift.drift_networkpolicies(event={"type": "DELETED"}, body=_child("a-lmcache", 1)))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
-    asyncio.run(handlers.drift_configmaps(event={"type": "MODIFIED"}, body=_child("a-connection")))
+    asyncio.run(drift.drift_configmaps(event={"type": "MODIFIED"}, body=_child("a-connection")))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
     # A StatefulSet's status changes all the time: only a new generation (a spec edit) is drift.
-    asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 3)))
+    asyncio.run(drift.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 3)))
     assert controller.flagged("drifted") == set()
-    asyncio.run(handlers.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 4)))
+    asyncio.run(drift.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 4)))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
     # Children of unknown owners (another operator's, or a resource being deleted) are left alone.
     other = {"metadata": {"name": "x", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}
-    asyncio.run(handlers.drift_services(event={"type": "DELETED"}, body=other))
+    asyncio.run(drift.drift_services(event={"type": "DELETED"}, body=other))
     assert controller.flagged("drifted") == set()
 
 
@@ -82,7 +85,7 @@ def test_one_slow_refresh_never_holds_up_the_others(monkeypatch, controller: Con
 
     keys = [("ns", f"r{i}") for i in range(5)]
     _known(controller, *keys, dirty=True)
-    monkeypatch.setattr(handlers, "TICK_S", 0.05)
+    monkeypatch.setattr(status_loop, "TICK_S", 0.05)
     release, done, calls = threading.Event(), [], []
 
     def refresh(body, seen, logger) -> None:
@@ -94,10 +97,10 @@ def test_one_slow_refresh_never_holds_up_the_others(monkeypatch, controller: Con
             release.wait(10)  # a server that never answers in time
         done.append(key)
 
-    monkeypatch.setattr(handlers, "refresh_status", refresh)
+    monkeypatch.setattr(status_loop, "refresh_status", refresh)
 
     async def run() -> None:
-        loop_task = asyncio.create_task(handlers._status_loop(handlers.logging.getLogger("test")))
+        loop_task = asyncio.create_task(status_loop._status_loop(logging.getLogger("test")))
         deadline = time.monotonic() + 5
         while len(done) < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -119,10 +122,10 @@ def test_liveness_fails_when_the_status_loop_stalls(controller: Controller) -> N
 
     controller.loop_task = None
     controller.last_tick = time.monotonic() - 2
-    assert 1 <= handlers.status_loop_alive() < handlers.LOOP_STALL_S
-    controller.last_tick = time.monotonic() - handlers.LOOP_STALL_S - 1
-    with pytest.raises(handlers.kopf.PermanentError, match="last ticked"):
-        handlers.status_loop_alive()
+    assert 1 <= status_loop.status_loop_alive() < status_loop.LOOP_STALL_S
+    controller.last_tick = time.monotonic() - status_loop.LOOP_STALL_S - 1
+    with pytest.raises(kopf.PermanentError, match="last ticked"):
+        status_loop.status_loop_alive()
 
 
 def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
@@ -132,8 +135,8 @@ def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
     _known(controller, ("ns", "a"))
     applied = _child("a-lmcache", 7)
     applied["kind"] = "NetworkPolicy"
-    handlers._note_own_write(applied)
-    asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
+    drift._note_own_write(applied)
+    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
     assert controller.flagged("drifted") == set()
-    asyncio.run(handlers.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
+    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
     assert controller.flagged("drifted") == {("ns", "a")}

@@ -17,7 +17,7 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
     its Services (the governing one is only needed for pod DNS) and the ConfigMap, vLLM last. The
     ZMQ policy and the local Service are per namespace id: after a pin change the old id's stay
-    until no pod of it is left (kvpersist.controller.handlers removes them then). With the cache
+    until no pod of it is left (kvpersist.controller.apply removes them then). With the cache
     off there is no ZMQ policy (no server runs; the admin-port policy, which selects every server
     and admits no ZMQ, holds its name `<name>-lmcache` alone); with the id's route names held by
     another id's objects (target.routes False), neither the ZMQ policy nor the local Service."""

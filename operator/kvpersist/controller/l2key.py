@@ -11,7 +11,7 @@ The generated Secret is the one the operator would make again on its own. It nev
 data: when the Secret is gone and status (or a claim) shows data sealed under the key it held,
 the cache stays off and the resource says what happened and what the user can do (restore the
 Secret, or accept the loss with an annotation that names the lost key's fingerprint). Pure
-functions here; kvpersist.controller.handlers reads the Secret and acts.
+functions here; kvpersist.controller.reading reads the Secret and kvpersist.controller.apply acts.
 """
 
 from __future__ import annotations

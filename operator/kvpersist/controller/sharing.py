@@ -14,7 +14,7 @@ another resource mounts it any more (a deleted holder's pods terminate for up to
 
 What collides is what the servers really share: the claim (whatever the ids: one volume, one
 folder tree, one disk), and for a bucket the handle's path plus the namespace id (one prefix
-being the other's, or the same). Pure decisions here; kvpersist.controller.handlers reads the
+being the other's, or the same). Pure decisions here; kvpersist.controller.apply reads the
 resources and pods from the API server and applies the verdict.
 """
 

@@ -8,7 +8,7 @@ carries the old id, they are deleted. Their names keep 8 hex of the id (a Servic
 applying the new id's route over the old one would re-point old vLLM pods to servers of another
 identity. So an existing route of another id under the name is never applied over
 (route_conflicts): the new id goes without its route, and vLLM without the cache, until the old
-one is gone. Pure decisions here; kvpersist.controller.handlers lists, deletes and applies.
+one is gone. Pure decisions here; kvpersist.controller.apply lists, deletes and applies.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the running operator remembers, in one place: a ResourceState per KVCacheNamespace, and the
 Controller that owns them with what is shared across resources (thread pools, trackers, policy,
-the watch caches kopf hands over, peering). kvpersist.controller.handlers holds one Controller.
+the watch caches kopf hands over, peering). kvpersist.controller.runtime holds one Controller.
 
 Forgetting a resource (deleted, or a 404 from the API server) is one step: its ResourceState is
 dropped, and every tracker the Controller holds is told to forget it too (each member with a

@@ -4,7 +4,7 @@ A status refresh used to GET the StatefulSet and Deployment and LIST pods and cl
 resource, every 10 s: four reads per resource per round (10 k a minute at 500 resources) to learn
 what the watch streams had already delivered. kopf indexes keep the objects instead, filtered
 server-side by one label, and slimmed to the fields status is computed from so memory stays
-small. Pure functions here; the kopf wiring is in kvpersist.controller.handlers.
+small. Pure functions here; the kopf wiring is in kvpersist.controller.indexes.
 """
 
 from __future__ import annotations

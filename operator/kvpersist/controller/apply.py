@@ -1,0 +1,240 @@
+"""Applying what a KVCacheNamespace becomes: the L2 key and agent token Secrets and the network
+policies first, then the workloads (server-side apply, idempotent). Before an apply, a claim,
+bucket prefix or route name another resource holds keeps the cache off (_exclusive); after one,
+an old namespace id's Services and policies go once no pod carries that id (clean_stale_routes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.all import build_all
+from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
+from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
+from kvpersist.controller import fallback, kube, l2key, metrics, retry, runtime, sharing
+from kvpersist.controller.drift import _note_own_write
+from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
+from kvpersist.identity import key_fingerprint
+from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, Seen
+
+
+def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> bool:
+    """Apply every object this resource becomes (server-side, idempotent). False when the spec
+    cannot be read (status says why). The L2 key is read first (its fingerprint is in the
+    namespace id, so in every per-id name); a generated one is made when absent, unless data
+    sealed with the last one exists (_judge_key). Blocking: runs in a worker thread."""
+    try:
+        target, _reason = _target(body)
+    except ValidationError:
+        return False
+    key = (target.namespace, target.name)
+    state = runtime.CONTROLLER.held(key)
+    metrics.inc("kvpersist_reconciles_total")
+    runtime.CONTROLLER.fallback.seed(key, fallback.bypassed_in(body))
+    runtime.CONTROLLER.build_bypass.seed(key, body)
+    refused = _refusal(target)
+    if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
+        if state.refused != refused:
+            logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refused[1])
+        state.refused = refused
+        return True
+    state.refused = None
+    try:
+        read, lost = _judge_key(body, _read_key(target, fresh=True), seen.server_claims() if seen is not None else None)
+        key_secret = None
+        if read is not None and read.absent and read.generated and lost is None:
+            raw = secrets.token_bytes(L2_KEY_BYTES)  # its fingerprint names the namespace before the Secret exists
+            key_secret = build_key_secret(target, key=raw)
+            read = dataclasses.replace(read, fingerprint=key_fingerprint(raw), problem=None, absent=False)
+            del raw
+        if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
+            key_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
+        target, _reason = _target(body, read.fingerprint if read is not None else None)
+        key_id = target.namespace_id  # what the spec and the key resolve to (refresh_status compares it)
+        build_refused = runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
+        target = dataclasses.replace(target, cache_bypassed=runtime.CONTROLLER.fallback.bypassed(key) or build_refused)
+        if build_refused:
+            target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+        if lost is not None and read is not None and read.problem is not None:
+            logger.warning("%s/%s: %s", target.namespace, target.name, read.problem[1])
+        if read is not None:
+            state.key_read = (time.monotonic(), read)
+        target = _exclusive(target, body, logger)  # a store or route names another resource or id holds
+        token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
+        token_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
+        kopf.append_owner_reference(token_secret, owner=body)
+        manifests = build_all(target)
+        for manifest in manifests:
+            kopf.append_owner_reference(manifest, owner=body)
+        # What the server pods need before they exist: the L2 key (created once and never owned, see
+        # keysecret), the agent token, and the policies that close their ports. Side by side, one
+        # round trip instead of four: the StatefulSet, next, is what a user waits for.
+        policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+        jobs = [runtime.CONTROLLER.apply_pool.submit(_apply_owned, m) for m in policies]
+        # The token Secret is never applied over, never adopted: one a deleted namesake owned is the
+        # garbage collector's, and once it is gone the next refresh finds no token and creates it
+        # again. Adopting it would need `patch` on every Secret the operator can see.
+        jobs.append(runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret)))
+        key_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(key_secret)) if key_secret is not None else None
+        if key_job is not None:
+            jobs.append(key_job)
+        concurrent.futures.wait(jobs)
+        for job in jobs:
+            job.result()  # the first failure, raised here (every job has ended)
+        if key_job is not None and not key_job.result():
+            # Made by someone else between the read and the create: the manifests name a key it does
+            # not hold. Nothing server-side was applied yet; read it and apply again.
+            state.key_read = None
+            raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
+        if key_job is not None:
+            logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
+                        key_secret["metadata"]["name"], read.fingerprint if read else None)
+            kube.post_event(body, "Normal", l2key.KEY_GENERATED, f"generated Secret {key_secret['metadata']['name']} with "
+                            f"L2's master key (fingerprint {read.fingerprint if read else None}); it is kept when this "
+                            "resource is deleted (the data needs it)")
+        for manifest in manifests:
+            if manifest["kind"] != "NetworkPolicy":
+                _apply_owned(manifest)
+    except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
+        metrics.inc("kvpersist_apply_errors_total")
+        generation = body["metadata"].get("generation")
+        if isinstance(exc, ApiException) and retry.is_permanent(exc.status):
+            state.apply_error = (generation, f"the API server refused an object: {_api_message(exc)}")
+            runtime.CONTROLLER.apply_backoff.succeeded(key)  # not retried: only a changed spec can pass
+            logger.error("apply failed: %s", state.apply_error[1])
+        else:
+            why = (f"HTTP {exc.status}: {_api_message(exc)}" if isinstance(exc, ApiException)
+                   else f"{type(exc).__name__}: {exc}")[:1024]
+            pending = runtime.CONTROLLER.apply_backoff.failed(key, generation, why, time.monotonic())
+            state.drifted = True  # the status loop applies again once pending.due_at has passed
+            logger.warning("%s/%s: applying the workloads failed (attempt %d: %s); trying again in %.0f s",
+                           target.namespace, target.name, pending.attempts, why, retry.delay(pending.attempts))
+    else:
+        state.apply_error = None
+        runtime.CONTROLLER.apply_backoff.succeeded(key)
+        state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
+        state.applied_id = (key_id,)
+    return True
+
+
+def _apply_owned(manifest: dict[str, Any]) -> None:
+    applied = kube.apply(manifest)
+    _note_own_write(applied)
+    metrics.inc("kvpersist_applies_total")
+
+
+def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
+    """Deletes the per-id Services and ZMQ policies of ids no pod of the resource carries any
+    more; True once no pod of another id is left to wait for. Blocking: a worker thread."""
+    in_use = ids_in_use(seen.pods)
+    selector = f"{INSTANCE_LABEL}={target.name},{COMPONENT_LABEL}={SERVER}"
+    try:
+        for api_version, kind in ROUTE_KINDS:
+            for name in stale(target, kube.list_all(api_version, kind, target.namespace, selector), in_use):
+                kube.delete(api_version, kind, name, target.namespace)
+                logger.info("%s/%s: deleted %s %s: no pod of its namespace id is left", target.namespace, target.name,
+                            kind, name)
+    except ApiException as exc:
+        logger.warning("%s/%s: stale Services and policies not cleaned (%s); retrying", target.namespace, target.name,
+                       exc.status)
+        return False
+    return not (in_use - {target.namespace_id})
+
+
+def _store_user(target: Target, body: Mapping[str, Any]) -> sharing.User:
+    return sharing.user(target.namespace, target.name, str(body["metadata"].get("creationTimestamp") or ""), target.spec,
+                        target.namespace_id)
+
+
+def _storage_refusal(target: Target, body: Mapping[str, Any]) -> str | None:
+    """StorageInUse's message when another resource holds this one's claim or bucket prefix
+    (kvpersist.controller.sharing), else None. Read from the API server, never the watch caches: a
+    restarted operator may not have seen every resource yet. Raises ApiException. Blocking."""
+    me = _store_user(target, body)
+    if target.spec.l2.nvme is not None:  # claims are namespaced: that namespace's resources and servers
+        bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
+        pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
+    elif target.namespace_id:  # a bucket prefix is global: every namespace's resources
+        bodies, pods = kube.list_all(api.API_VERSION, api.KIND), []
+    else:
+        return None
+    return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)
+
+
+def _route_conflicts(target: Target) -> list[str]:
+    """The objects already under this id's route names that route elsewhere (stale_routes
+    .route_conflicts): a LIST by name of each kind (list is what the operator may do on them).
+    Raises ApiException. Blocking."""
+    name = target.per_id_name(target.namespace_id)
+    found = [(kind, obj) for api_version, kind in ROUTE_KINDS
+             for obj in kube.list_all(api_version, kind, target.namespace, field_selector=f"metadata.name={name}")]
+    return route_conflicts(target, found)
+
+
+def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> Target:
+    """Before an apply: the target as it may run alone. A claim or bucket prefix an older resource
+    holds: the cache off (servers at zero, vLLM without it; StorageInUse). Route names another
+    id's objects hold: no routes, vLLM without the cache (CacheBypassed, RouteNameTaken). Both
+    recorded in the resource's state for status. Raises ApiException (the apply is retried)."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    storage = _storage_refusal(target, body) if target.cache_enabled else None
+    if storage != state.storage_refused and (storage or state.storage_refused):
+        logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
+    state.storage_refused = storage
+    if storage is not None:
+        return dataclasses.replace(target, namespace_id=None)
+    conflicts = _route_conflicts(target) if target.cache_enabled else []
+    taken = route_taken_message(target, conflicts) if conflicts else None
+    if taken != state.route_taken and taken:
+        logger.warning("%s/%s: %s", target.namespace, target.name, taken)
+    state.route_taken = taken
+    if taken is not None:
+        return dataclasses.replace(target, routes=False, cache_bypassed=True,
+                                   bypass_reason=f"route name {target.per_id_name(target.namespace_id)} is taken")
+    return target
+
+
+def _exclusive_recheck(target: Target, body: Mapping[str, Any]) -> Target:
+    """In a status refresh: applies again when what _exclusive decided may have changed (the
+    holder went, or an older resource now names the same store, or the route names are free),
+    and returns the target as last applied. While refused, the API server is asked (a rare
+    state); otherwise only the watch caches are looked at, so an idle refresh makes no request."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    if not target.cache_enabled:
+        return target
+    try:
+        if state.storage_refused is not None:
+            changed = _storage_refusal(target, body) != state.storage_refused
+        else:
+            known = [u for st in runtime.CONTROLLER.known().values() if st.body is not None and (u := sharing.user_of(st.body))]
+            changed = (sharing.holder(_store_user(target, body), known) is not None
+                       or (state.route_taken is not None and not _route_conflicts(target)))
+        if changed:
+            state.drifted = True
+    except ApiException:
+        pass  # asked again on the next refresh
+    if state.storage_refused is not None:
+        return dataclasses.replace(target, namespace_id=None)
+    if state.route_taken is not None:
+        return dataclasses.replace(target, routes=False, cache_bypassed=True)
+    return target
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message", str(exc))
+    except (TypeError, ValueError):
+        return str(exc.reason)

@@ -1,0 +1,78 @@
+"""Drift: a child of a known resource deleted, or edited by someone else, marks the resource for an
+apply on the status loop's next tick; the generations the operator's own applies leave are noted
+first, so they are no drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvpersist.controller import runtime
+from kvpersist.controller.runtime import _MANAGED
+from kvpersist.status.workloads import owner_key
+
+
+def _note_own_write(obj: Mapping[str, Any]) -> None:
+    """The generation the operator's own apply left a child at: its watch event is no drift. (If an
+    apply changes something every time, e.g. a field the API server stores otherwise than sent,
+    the child would otherwise look edited after every apply and be applied again each tick.)"""
+    meta = obj.get("metadata") or {}
+    if meta.get("generation") is not None:
+        runtime.CONTROLLER.child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = \
+            meta["generation"]
+
+
+def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
+    """A child of a known resource was deleted, or changed (a new generation, or any change of a
+    kind without one): apply the resource again on the next tick. Status updates keep the
+    generation, so a StatefulSet's or Deployment's rollout is no drift; the operator's own writes
+    are noted by _note_own_write. The initial listing (event type None) is not drift: resume
+    applies everything then anyway."""
+    owner = owner_key(body)
+    meta = body.get("metadata") or {}
+    child = (kind, meta.get("namespace", ""), meta.get("name", ""))
+    kind_of_event = event.get("type")
+    generations = runtime.CONTROLLER.child_generations
+    if kind_of_event == "DELETED":
+        generations.pop(child, None)
+    state = runtime.CONTROLLER.get(owner) if owner is not None else None
+    if state is None or not state.known or kind_of_event is None:
+        if kind_of_event is None and meta.get("generation") is not None:
+            generations[child] = meta["generation"]
+        return
+    generation = meta.get("generation")
+    if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
+        state.drifted = True
+        return
+    if generation is None or generations.get(child) != generation:
+        state.drifted = True
+    if generation is not None:
+        generations[child] = generation
+
+
+@kopf.on.event("", "v1", "services", labels=_MANAGED)
+async def drift_services(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "Service")
+
+
+@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
+async def drift_configmaps(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "ConfigMap")
+
+
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
+async def drift_networkpolicies(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "NetworkPolicy")
+
+
+@kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
+async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "StatefulSet")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
+async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "Deployment")

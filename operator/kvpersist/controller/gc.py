@@ -1,0 +1,123 @@
+"""Explicit cleanup (the gc annotation): a namespace id's data deleted through the agents or from the
+bucket, refused while anything uses the id, which the API server is asked again right before each
+deletion; the outcome recorded in status.gc and an Event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
+from kvpersist.controller import kube, l2key, metrics, runtime
+from kvpersist.controller.indexes import _seen
+from kvpersist.controller.reading import _known_fingerprint, _target
+from kvpersist.controller.refresh import _agent_token, _SecretOnce, _write_status
+from kvpersist.inventory.bucket import remove_bucket_namespace
+from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal, refusal_now
+from kvpersist.inventory.cleanup import result as gc_result
+from kvpersist.status.conditions import now as condition_now
+from kvpersist.status.workloads import Seen
+
+
+def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
+    """Carry out one gc request: refuse a live namespace, else delete through the agents or from
+    the bucket; record the outcome in status.gc and an Event, then clear the request. Blocking:
+    runs in a worker thread."""
+    meta = body["metadata"]
+    target: Target | None = None
+    try:
+        target, _reason = _target(body, _known_fingerprint(body))
+    except ValidationError as exc:
+        outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
+    if target is not None:
+        bucket = target.spec.l2.hf_bucket
+        # The watch caches first (cheap, and they see this resource's own pods); then, right before
+        # each deletion, the API server itself (recheck): the caches may lag, and cover only the
+        # watched namespaces.
+        why = (request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
+               or (bucket_refusal(bucket.bucket_handle, bucket.exclusive_to_this_cluster) if bucket is not None else None))
+        recheck = functools.partial(in_use_now, request["namespaceId"], target.namespace_id)
+        if why:
+            outcome = gc_result(request, "Refused", f"refused: {why}; nothing was deleted")
+        elif target.spec.l2.nvme is not None:
+            servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
+                       if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+                       and not p["metadata"].get("deletionTimestamp")]
+            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target), recheck)
+        else:
+            assert bucket is not None
+            token_secret = _SecretOnce(target)  # refused unread without secretLabel, when that is set
+            token = token_secret.token()
+            if token is None:
+                outcome = gc_result(request, "Failed", token_secret.problem or f"Secret {bucket.token_secret_ref.name} "
+                                    f"has no key {bucket.token_secret_ref.key}: the bucket cannot be reached")
+            else:
+                outcome = gc_bucket(request, lambda nsid, before: remove_bucket_namespace(
+                    bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False,
+                    before_delete=before), bucket.bucket_handle, recheck)
+                runtime.CONTROLLER.held((meta["namespace"], meta["name"])).bucket_inventory = None
+    outcome["completedAt"] = condition_now()
+    _write_status(meta, {"gc": outcome}, logger)
+    ok = outcome["outcome"] in ("Deleted", "NotFound")
+    reasons = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}
+    reason = reasons.get(outcome["outcome"], "GCFailed")
+    kube.post_event(body, "Normal" if ok else "Warning", reason, outcome["message"])
+    metrics.inc("kvpersist_gc_total")
+    logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
+    kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
+
+
+def in_use_now(namespace_id: str, current: str | None) -> str | None:
+    """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
+    carrying a namespace id in all namespaces, made now (never the watch caches): gc calls it right
+    before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
+    try:
+        resources = kube.list_all(api.API_VERSION, api.KIND)
+        pods = kube.list_all("v1", "Pod", None, NAMESPACE_ID_LABEL)
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in all namespaces, the "
+                f"API server answered {exc.status}); the operator needs list on both cluster-wide")
+    try:
+        return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id}: an L2 key Secret could not be read (the API server "
+                f"answered {exc.status}), and a resource's namespace id needs its key")
+
+
+def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
+    """The fingerprint of the key a resource's servers would mount, read now from its Secret (for
+    one whose status records none: another namespace, not yet served). None when the Secret or
+    key is absent or short: then it can use no namespace. Raises ApiException when unreadable."""
+    meta = resource["metadata"]
+    try:
+        spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
+    except ValidationError:
+        return None
+    target = Target(meta["name"], meta["namespace"], spec, None)
+    if target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    secret = kube.get("v1", "Secret", name, meta["namespace"])
+    return l2key.read(secret, name, item, meta["namespace"], target.key_secret_generated,
+                      kube.secret_value(secret, item)).fingerprint
+
+
+async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
+    try:
+        state = runtime.CONTROLLER.get(key)
+        if state is not None and state.body is not None:
+            await asyncio.get_running_loop().run_in_executor(None, run_gc, state.body, request, _seen(key), logger)
+            state.dirty = True  # the inventory changed: show it
+    except Exception as exc:  # reported, and retried on the next event while the annotation stays
+        logger.error("gc of %s on %s/%s failed: %s", request.get("namespaceId"), key[0], key[1], exc)
+    finally:
+        runtime.CONTROLLER.gc_inflight.discard(request["requestId"])

@@ -1,0 +1,113 @@
+"""What the roles read of one resource before they act on it: the builders' view of it (_target),
+its L2 key (read from the Secret and judged, or as last known without a read) and why the
+operator's policy refuses it. Shared by apply, the status refresh, gc and tracking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.target import Target
+from kvpersist.controller import kube, l2key, runtime
+from kvpersist.controller.policy import SECRET_NOT_ALLOWED, Refusal, image_refusal, named_secrets, secret_refusal
+from kvpersist.controller.runtime import STATUS_INTERVAL_S
+from kvpersist.identity import Resolution, resolve
+
+
+def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Target, Resolution]:
+    """The builders' view of the object and the reason its identity is incomplete (if it is).
+    fingerprint: of the L2 key its servers mount (kvpersist.controller.l2key); without it an
+    encrypted resource has no namespace id, so a Target for names and policy only. Raises
+    ValidationError for a spec the operator cannot read."""
+    meta = body["metadata"]
+    obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": {"name": meta["name"]}})
+    res = resolve(obj.spec.pins(fingerprint))
+    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
+
+
+KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)
+
+
+def _read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
+    """The key Secret the servers mount, judged (kvpersist.controller.l2key), or None when L2 is not
+    encrypted; read at most every KEY_READ_TTL_S unless fresh. A failed read keeps the last
+    fingerprint read from the same Secret (the Secret is there, the API server did not answer):
+    a blip must not turn the cache off. The key's bytes are hashed here and kept nowhere. Blocking."""
+    if target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    now = time.monotonic()
+    cached = state.key_read
+    if (not fresh and cached is not None and now - cached[0] < KEY_READ_TTL_S and (cached[1].secret, cached[1].item)
+            == (name, item)):
+        return cached[1]
+    try:
+        secret = kube.get("v1", "Secret", name, target.namespace)
+    except ApiException as exc:
+        if cached is not None and cached[1].fingerprint and (cached[1].secret, cached[1].item) == (name, item):
+            return cached[1]
+        return l2key.unreadable(name, item, target.key_secret_generated, exc.status)
+    key = l2key.read(secret, name, item, target.namespace, target.key_secret_generated, kube.secret_value(secret, item))
+    state.key_read = (now, key)
+    return key
+
+
+def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
+    """The key fingerprint without reading the Secret (in the event loop, for gc): the last read,
+    else what status records for the same Secret."""
+    meta = body["metadata"]
+    state = runtime.CONTROLLER.get((meta["namespace"], meta["name"]))
+    try:
+        base, _ = _target(body)
+    except ValidationError:
+        return None
+    if base.key_secret is None:
+        return None
+    if state is not None and state.key_read is not None and state.key_read[1].secret == base.key_secret[0]:
+        return state.key_read[1].fingerprint
+    return l2key.fingerprint_in_status(body.get("status"), base.key_secret[0])
+
+
+def _refusal(target: Target) -> Refusal | None:
+    """Why this resource may not be applied under the operator's policy (an image outside
+    allowedImages, a named Secret without secretLabel), or None. Only the named Secrets'
+    metadata is read for it, never their data. Blocking."""
+    refused = image_refusal(target.spec, runtime.CONTROLLER.policy.allowed_images)
+    for field, name in named_secrets(target.spec):
+        refused = refused or _named_secret_refusal(field, name, target.namespace)
+    return refused
+
+
+def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:
+    """SecretNotAllowed when secretLabel is set and the Secret a user named lacks it, or None.
+    Reads the Secret's metadata only. Blocking."""
+    policy = runtime.CONTROLLER.policy
+    if policy.secret_label is None:
+        return None
+    try:
+        metadata = kube.get_metadata("v1", "Secret", name, namespace)
+    except ApiException as exc:
+        return SECRET_NOT_ALLOWED, (f"{field}: Secret {name}: its labels could not be read (the API server answered "
+                                    f"{exc.status}), so it is not used; retrying")
+    return secret_refusal(field, name, namespace, metadata, policy.secret_label)
+
+
+def _judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
+               claims: list[dict[str, Any]] | None) -> tuple[l2key.KeyRead | None, l2key.Loss | None]:
+    """The key as read, with L2KeyLost in place of L2KeyPending when the generated Secret is gone
+    over data sealed with it (kvpersist.controller.l2key.loss): then it is not made again."""
+    if key is None or not key.absent or not key.generated:
+        return key, None
+    meta = body["metadata"]
+    found = l2key.loss(body.get("status"), key, meta.get("annotations"), claims)
+    if found is None:
+        return key, None
+    return dataclasses.replace(key, problem=(l2key.KEY_LOST, l2key.loss_message(found, meta["name"], meta["namespace"]))), found

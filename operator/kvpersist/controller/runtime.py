@@ -1,0 +1,92 @@
+"""What every role of the controller shares: the one Controller (all the operator remembers), kopf's
+settings (configure), the policy and peering that `kvpersist run` sets, and whether this replica may
+write (active).
+
+The other modules read the Controller as runtime.CONTROLLER (never `from ... import CONTROLLER`),
+so a Controller put in its place here (a test's fresh one) is the one every role uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist.controller import kube, leadership
+from kvpersist.controller.policy import Policy
+from kvpersist.controller.state import Controller
+from kvpersist.status.workloads import WATCH_SELECTOR, WATCHED
+
+PREFIX = "kvpersist.dev"
+STATUS_INTERVAL_S = 10.0
+# What the index and drift watches select (indexes, drift): the objects the builders make. Only
+# those kinds carry WATCH_SELECTOR's label, which kopf sends as the watches' labelSelector (see configure).
+_MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
+
+# Everything the operator remembers, per resource and across them (kvpersist.controller.state).
+CONTROLLER = Controller()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Keep kopf's bookkeeping in our own annotations and out of status, which our schema owns."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    for group, version, plural in WATCHED:
+        settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
+    # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
+    settings.peering.priority = CONTROLLER.peering["priority"]
+    settings.peering.lifetime = leadership.PEERING_LIFETIME_S
+    # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces to
+    # match them, which the chart does not grant, and hold every watch back through 9 refused tries
+    # (about a minute, measured in tests/e2e/test_helm_ha.py) before assuming they exist. Exact names
+    # need no scan; CRDs are then read once at start (the chart installs them before the operator).
+    named = CONTROLLER.peering["namespaces"]
+    if named and not any(c in ns for ns in named for c in "*?[!"):
+        settings.scanning.disabled = True
+    kube.load_config()
+
+
+PEERING_CHECK_S = 2.0
+
+
+def set_peering(name: str | None, identity: str, priority: int, namespaces: tuple[str, ...] = ()) -> None:
+    CONTROLLER.peering.update(name=name, identity=identity, priority=priority, namespaces=tuple(namespaces))
+    CONTROLLER.active_seen.clear()
+
+
+def active(now: float, namespace: str | None) -> bool:
+    """Whether this replica may write status for a resource in namespace: always when standalone;
+    with peering, when the peering object kopf uses there says so (read at most every
+    PEERING_CHECK_S per object). Blocking."""
+    peering, seen_by_scope = CONTROLLER.peering, CONTROLLER.active_seen
+    if not peering["name"]:
+        return True
+    scope = namespace if peering["namespaces"] else None
+    seen = seen_by_scope.get(scope)
+    if seen is not None and now - seen[0] < PEERING_CHECK_S:
+        return seen[1]
+    try:
+        if scope is None:
+            record = kube.get_cluster("kopf.dev/v1", "ClusterKopfPeering", peering["name"])
+        else:
+            record = kube.get("kopf.dev/v1", "KopfPeering", peering["name"], scope)
+    except ApiException:
+        record = None
+    verdict = leadership.is_active(record, peering["identity"], peering["priority"])
+    if seen is None or verdict != seen[1]:
+        logging.getLogger("kvpersist").info("this replica is %s%s", "active" if verdict else "standing by (a peer is active)",
+                                            f" in {scope}" if scope else "")
+    seen_by_scope[scope] = (now, verdict)
+    return verdict
+
+
+def set_policy(new: Policy) -> None:
+    CONTROLLER.policy = new
+

@@ -1,0 +1,130 @@
+"""The status loop: every tick, the resources due (dirty, or not refreshed for STATUS_INTERVAL_S)
+refreshed, those whose children drifted applied first, by the active replica only; its liveness
+probe, and its start and stop with the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.controller import kube, runtime
+from kvpersist.controller.apply import apply_workloads
+from kvpersist.controller.indexes import _live, _seen
+from kvpersist.controller.refresh import _orphan_claims, _protect_claims, refresh_status
+from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
+from kvpersist.controller.tracking import _forget, _sweep_if_forgotten
+from kvpersist.status.workloads import Seen
+
+TICK_S = 1.0
+
+
+def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str]]:
+    """The keys this replica may refresh. Each peering scope is checked every tick, keys or not,
+    so a standby knows (and says) it is one even before it has seen any resource."""
+    for scope in runtime.CONTROLLER.peering["namespaces"] or (None,):
+        active(now, scope)
+    return [k for k in keys if active(now, k[0])]
+
+
+def due(now: float) -> list[tuple[str, str]]:
+    """Resources to refresh now: those marked dirty, and those not refreshed for STATUS_INTERVAL_S."""
+    return [key for key, st in runtime.CONTROLLER.known().items() if st.dirty or now - st.last_refresh >= STATUS_INTERVAL_S]
+
+
+async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen, restore: bool,
+                       logger: logging.Logger) -> None:
+    """One resource's round under its lock: its drifted children applied again, then its status."""
+    loop = asyncio.get_running_loop()
+    async with runtime.CONTROLLER.lock(key):
+        try:
+            if restore:
+                logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
+                await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger, seen)
+                seen = _seen(key, seen.live_ids)  # what the apply changed, as the watch caches have it now
+            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, seen, logger)
+        except Exception as exc:  # one object's failure must not stop the others' status
+            logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
+            gone = isinstance(exc, ApiException) and exc.status == 404
+        else:
+            return
+        finally:
+            _sweep_if_forgotten(key)
+    # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
+    # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
+    if gone and not await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _exists, key):
+        logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
+        _forget(key)
+
+
+def _exists(key: tuple[str, str]) -> bool:
+    """Whether the API server still has this resource. Blocking."""
+    return kube.get(api.API_VERSION, api.KIND, key[1], key[0]) is not None
+
+
+# The liveness probe fails when the loop has not ticked for this long: a status loop that stopped
+# (died, or the event loop is blocked) is an operator that must be restarted.
+LOOP_STALL_S = 60.0
+
+
+@kopf.on.probe(id="statusLoopSecondsSinceTick")
+def status_loop_alive(**_: Any) -> float:
+    """Seconds since the status loop last ticked; raises (kopf's /healthz answers 500) when stalled."""
+    if runtime.CONTROLLER.loop_task is not None and runtime.CONTROLLER.loop_task.done():
+        raise kopf.PermanentError("the status loop has stopped")
+    if runtime.CONTROLLER.last_tick is None:
+        return 0.0
+    age = time.monotonic() - runtime.CONTROLLER.last_tick
+    if age > LOOP_STALL_S:
+        raise kopf.PermanentError(f"the status loop last ticked {age:.0f}s ago")
+    return round(age, 1)
+
+
+async def _status_loop(logger: logging.Logger) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(TICK_S)
+        tick = runtime.CONTROLLER.last_tick = time.monotonic()
+        # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
+        restore = {key for key, st in runtime.CONTROLLER.known().items()
+                   if st.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)}
+        keys = sorted(set(due(time.monotonic())) | restore)
+        # Where a peer is active, its status, not ours from caches kopf has paused.
+        keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
+        live = _live() if keys else frozenset()
+        if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
+            runtime.CONTROLLER.orphan_sweep_at = tick
+            orphans = _orphan_claims()
+            if orphans:  # by the active replica only, as every other write
+                loop.run_in_executor(runtime.CONTROLLER.refresh_pool, lambda o=orphans: _protect_claims(
+                    [c for c in o if active(time.monotonic(), c[0]["metadata"].get("namespace"))], None, logger))
+        for key in keys:
+            state = runtime.CONTROLLER.get(key)
+            if state is None or state.body is None or state.lock.locked():
+                continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
+            if key in restore:
+                state.drifted = False
+            task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live), key in restore, logger))
+            runtime.CONTROLLER.refresh_tasks.add(task)
+            task.add_done_callback(runtime.CONTROLLER.refresh_tasks.discard)
+
+
+@kopf.on.startup()
+async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
+                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
+    runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
+                                      kvp_claims=kvp_claims)
+    runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
+
+
+@kopf.on.cleanup()
+async def stop_status_loop(**_: Any) -> None:
+    if runtime.CONTROLLER.loop_task is not None:
+        runtime.CONTROLLER.loop_task.cancel()

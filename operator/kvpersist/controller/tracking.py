@@ -1,0 +1,57 @@
+"""What the operator knows of each resource: recorded from its watch events (which also start its gc
+requests), and forgotten when it is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.controller import metrics, runtime
+from kvpersist.controller.gc import _gc
+from kvpersist.controller.reading import _known_fingerprint, _target
+from kvpersist.inventory.cleanup import parse_request
+
+
+def _forget(key: tuple[str, str]) -> None:
+    """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
+    event, or a 404 from the API server for one whose event a watch outage lost)."""
+    runtime.CONTROLLER.forget(key)
+    metrics.set_phase(key[0], key[1], None)
+
+
+def _sweep_if_forgotten(key: tuple[str, str]) -> None:
+    """After a round of worker threads: when the resource was forgotten while they ran (deleted
+    meanwhile), forget it again, so what they wrote into the trackers (hits, backoff, the phase
+    metric) goes too. In the event loop, like track(): nothing can bring the key back in between."""
+    if runtime.CONTROLLER.get(key) is None:
+        _forget(key)
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
+        _forget(key)
+    else:
+        state = runtime.CONTROLLER.state(key)
+        state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
+                       "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+                       "status": dict(body.get("status") or {})}
+        try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
+            state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
+        except ValidationError:
+            state.namespace_id = None
+        request = parse_request(body["metadata"].get("annotations"))
+        done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
+        if request and request["requestId"] != done and request["requestId"] not in runtime.CONTROLLER.gc_inflight:
+            runtime.CONTROLLER.gc_inflight.add(request["requestId"])
+            task = asyncio.create_task(_gc(key, request, logger))
+            runtime.CONTROLLER.gc_tasks.add(task)
+            task.add_done_callback(runtime.CONTROLLER.gc_tasks.discard)

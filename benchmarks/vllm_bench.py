@@ -23,6 +23,7 @@ second before (background: starting pods, the inventory agent's scan, the cluste
 
     python benchmarks/vllm_bench.py [--prompt-words 3400] [--repeats 3] [--cycles 1] [--order server-first|both-first]
                                     [--settle 60]
+    python benchmarks/vllm_bench.py --summarize RUN.json   # the table of an earlier run, from its last line
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -129,7 +131,12 @@ def main() -> None:
     ap.add_argument("--order", choices=("server-first", "both-first"), default="server-first",
                     help="which restart case of each cycle runs first")
     ap.add_argument("--settle", type=float, default=60.0, help="seconds to wait at most for a quiet machine before repeats")
+    ap.add_argument("--summarize", type=Path, default=None,
+                    help="print the table of an earlier run from its JSON line (the last line it printed), and exit")
     args = ap.parse_args()
+    if args.summarize is not None:
+        summarize(json.loads(args.summarize.read_text()), f"from {args.summarize.name}")
+        return
 
     running = subprocess.run([*LOCALCLUSTER, "status"], capture_output=True, timeout=30).returncode == 0
     if not running:
@@ -192,22 +199,71 @@ def main() -> None:
     finally:
         if not running:
             subprocess.run([*LOCALCLUSTER, "down"], check=False, timeout=120)
-    cold = results["cold"]["ttft_s"]
-    best = min(r["ttft_s"] for case, r in results.items() if case != "cold")
-    print(f"model kvpersist/bench-llama, prompt {results['cold']['prompt_tokens']} tokens, {args.repeats} repeats (median), "
-          f"restart cases {args.order}")
-    print(f"{'case':20s} {'TTFT s':>8s} {'x cold':>7s} {'x best':>7s} {'bg cpu':>7s} {'first s':>8s} {'computed':>9s} {'cached':>7s}")
-    for case, r in results.items():
-        bg = f"{r['background_cpu']:.0%}" if r.get("background_cpu") is not None else "-"
-        print(f"{case:20s} {r['ttft_s']:8.3f} {r['ttft_s'] / cold:7.2f} {r['ttft_s'] / best:7.2f} {bg:>7s} {r['ttft_first_s']:8.3f} "
-              f"{r['computed']:9d} {r['from_cache']:7d}  "
-              + " ".join(f"{q['ttft_s']:.2f}s(L1 {q['l1']}, L2 {q['l2']})" for q in r["requests"]))
-    restarts = [r["ttft_s"] / best for case, r in results.items() if case != "cold"]
-    print(f"steady cached TTFT, worst restart case / best: {max(restarts):.2f} (target <= 1.2)")
-    e2e = results["vLLM restarted"]["delete_to_cached_answer_s"]
-    print(f"kubectl delete pod (vLLM) -> first answer from cache: {e2e:.1f} s")
+    summarize(results, f"{args.repeats} repeats (median), restart cases {args.order}")
     print(json.dumps(results))
 
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(X >= x) for a chi-square of k degrees of freedom (the regularized upper gamma Q(k/2, x/2),
+    by its power series: enough for the few cases here)."""
+    if x <= 0:
+        return 1.0
+    a, z = k / 2.0, x / 2.0
+    term = total = 1.0 / a
+    n = 1
+    while term > total * 1e-12 and n < 10000:
+        term *= z / (a + n)
+        total += term
+        n += 1
+    return max(0.0, 1.0 - math.exp(a * math.log(z) - z - math.lgamma(a)) * total)
+
+
+def kruskal_wallis(groups: dict[str, list[float]]) -> tuple[float, int, float]:
+    """(H, degrees of freedom, p): whether the groups' values could come from one distribution
+    (ties get their mean rank; no tie correction, which only makes H a little smaller)."""
+    values = sorted((v, g) for g, xs in groups.items() for v in xs)
+    n = len(values)
+    ranks: dict[str, list[float]] = {}
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and values[j + 1][0] == values[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks.setdefault(values[k][1], []).append((i + j) / 2 + 1)
+        i = j + 1
+    h = 12 / (n * (n + 1)) * sum(sum(r) ** 2 / len(r) for r in ranks.values()) - 3 * (n + 1)
+    df = len(groups) - 1
+    return h, df, chi2_sf(h, df)
+
+
+def summarize(results: dict[str, dict], how: str) -> None:
+    """The table: per case its median TTFT (x cold, x the best case), the spread of its repeats,
+    and whether the restart cases differ at all (Kruskal-Wallis over their repeats)."""
+    cold = results["cold"]["ttft_s"]
+    best = min(r["ttft_s"] for case, r in results.items() if case != "cold")
+    print(f"model kvpersist/bench-llama, prompt {results['cold']['prompt_tokens']} tokens, {how}")
+    print(f"{'case':20s} {'TTFT s':>8s} {'x cold':>7s} {'x best':>7s} {'min':>6s} {'q1':>6s} {'q3':>6s} {'max':>6s} {'bg cpu':>7s} "
+          f"{'first s':>8s} {'computed':>9s} {'cached':>7s}  tiers")
+    repeats: dict[str, list[float]] = {}
+    for case, r in results.items():
+        rest = [q["ttft_s"] for q in r["requests"][1:]] or [r["ttft_s"]]
+        if case != "cold":
+            repeats[case] = rest
+        q1, _, q3 = statistics.quantiles(rest, n=4) if len(rest) > 1 else (rest[0], 0, rest[0])
+        bg = f"{r['background_cpu']:.0%}" if r.get("background_cpu") is not None else "-"
+        tiers = sorted({f"L1 {q['l1']}, L2 {q['l2']}" for q in r["requests"]})
+        print(f"{case:20s} {r['ttft_s']:8.3f} {r['ttft_s'] / cold:7.2f} {r['ttft_s'] / best:7.2f} {min(rest):6.2f} {q1:6.2f} "
+              f"{q3:6.2f} {max(rest):6.2f} {bg:>7s} {r['ttft_first_s']:8.3f} {r['computed']:9d} {r['from_cache']:7d}  "
+              f"{'; '.join(tiers)}")
+    worst = max(statistics.median(x) for x in repeats.values()) / min(statistics.median(x) for x in repeats.values())
+    print(f"steady cached TTFT, worst restart case / best: {worst:.2f} (target <= 1.2)")
+    if len(repeats) > 1 and all(len(x) > 1 for x in repeats.values()):
+        h, df, p = kruskal_wallis(repeats)
+        print(f"do the restart cases differ? Kruskal-Wallis over their repeats: H {h:.2f}, df {df}, p {p:.2f} "
+              f"({'yes' if p < 0.05 else 'no'} at 5%)")
+    if "delete_to_cached_answer_s" in results.get("vLLM restarted", {}):
+        print(f"kubectl delete pod (vLLM) -> first answer from cache: {results['vLLM restarted']['delete_to_cached_answer_s']:.1f} s")
 
 if __name__ == "__main__":
     main()

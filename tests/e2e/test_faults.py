@@ -6,10 +6,13 @@ in docs/reliability.md is rendered from those records by hack/reliability_report
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,19 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import LOCALCLUSTER, Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, manifest, more_rounds, operator_metrics, start_operator, stop, storage
+from tests.e2e.operator_env import (
+    NAME,
+    Runner,
+    RunnerThread,
+    free_port,
+    manifest,
+    more_rounds,
+    operator_metrics,
+    refreshes,
+    start_operator,
+    stop,
+    storage,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 # What each resource owns: two policies (admin port; ZMQ of its namespace id), the per-id local
@@ -117,6 +132,63 @@ def test_apiserver_restart_operator_reconnects(kubectl: Kubectl, env: dict, faul
               "and started again 5 s later",
               f"API server back after {down:.1f}s; the operator process stayed up (no crash loop), reconnected its "
               f"watches, and applied a spec change made after the restart in {seconds:.1f}s")
+
+
+PEERING_CRD = Path(__file__).resolve().parents[2] / "charts" / "kvpersist" / "crds" / "kopfpeerings.kopf.dev.yaml"
+
+
+def healthz(url: str) -> int | None:
+    """The operator's liveness endpoint's HTTP status; None while it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def test_a_minute_without_the_api_server_does_not_stop_the_status_loop(kubectl: Kubectl, env: dict, fault_log) -> None:
+    """As the chart runs it (with peering, so each tick reads the peering object; a liveness probe):
+    kube-apiserver stopped for 60 s. A refused connection is urllib3's MaxRetryError, no ApiException;
+    the status loop must go on through the outage, so liveness stays fine (a kubelet would otherwise
+    restart the operator for as long as the outage lasts) and status rounds resume on the return."""
+    ns = env["ns"]
+    peering = f"kvpersist-outage-{uuid.uuid4().hex[:6]}"
+    kubectl.run("apply", "--server-side", "-f", str(PEERING_CRD))
+    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kopfpeerings.kopf.dev")
+    kubectl.apply({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": peering, "namespace": ns}})
+    port, live_port = free_port(), free_port()
+    live = f"http://127.0.0.1:{live_port}/healthz"
+    with env["log"].open("ab") as out:
+        op = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--peering", peering, "--namespace", ns,
+                               "--liveness", live, "--metrics-host", "127.0.0.1", "--metrics-port", str(port)],
+                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "KUBECONFIG": str(kubectl.kubeconfig), "POD_ID": "outage",
+                                   "PYTHONUNBUFFERED": "1", "KVPERSIST_STRICT_STATUS": "1"})
+    op.metrics_url = f"http://127.0.0.1:{port}/metrics"  # type: ignore[attr-defined]
+    env["procs"].append(op)
+    kubectl.apply(light(ns, "steady"))
+    wait_for("first reconcile", converged(kubectl, ns, ["steady"]), timeout=90)
+    wait_for("liveness fine", lambda: healthz(live) == 200, timeout=30)
+    wait_for("this replica active", lambda: "this replica is active" in env["log"].read_text(errors="replace"), timeout=30)
+    more_rounds(op, ns, "steady")
+    restart = subprocess.run([*LOCALCLUSTER, "restart", "kube-apiserver", "--down-seconds", "60"], timeout=300,
+                             capture_output=True, text=True)
+    assert restart.returncode == 0, restart.stderr
+    back = time.monotonic()
+    assert op.poll() is None, "the operator exited while the API server was away"
+    assert healthz(live) == 200, "liveness failed after the outage: the status loop stopped"
+    before = refreshes(op, ns, "steady")
+    wait_for("status rounds again", lambda: refreshes(op, ns, "steady") >= before + 2, timeout=60, interval=0.5)
+    resumed = time.monotonic() - back
+    assert healthz(live) == 200
+    text = env["log"].read_text(errors="replace")
+    assert f"status refresh of {ns}/steady failed" in text, text[-3000:]  # it ran through the outage, failing
+    assert "Multidimensional multitasker has failed" not in text  # kopf itself (its peering keep-alive) went on too
+    fault_log("kube-apiserver stopped for 60 s under an operator with peering and a liveness probe, as the chart runs it",
+              f"the process stayed up, liveness answered 200 after the outage (the status loop went on through "
+              f"it), and two status rounds ran {resumed:.1f}s after the API server was back")
 
 
 def test_unreachable_server_degrades_then_recovers(kubectl: Kubectl, env: dict, fault_log) -> None:

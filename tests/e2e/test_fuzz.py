@@ -70,7 +70,9 @@ for _obj in BASE.values():
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-10, 70000), st.floats(-2, 5000, allow_nan=False, allow_infinity=False),
     st.sampled_from(["", "auto", "fp8", "main", "LRU", "noop", "500Gi", "lots", "a" * 41, "0" * 40, "sha256:" + "f" * 64,
-                     "--kv-cache-dtype=fp8", "hf://buckets/a/b", "kvp-x"]),
+                     "--kv-cache-dtype=fp8", "hf://buckets/a/b", "kvp-x",
+                     # hostile quantities and prefixes (issue 29): an overflow, a sign, a walk out of the prefix
+                     "1e309", "9e99", "-500Gi", "99999999999999999999Ei", "hf://buckets/a/b/../c", "hf://buckets/a/b//c"]),
     st.text(max_size=12), st.lists(st.text(max_size=5), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
 

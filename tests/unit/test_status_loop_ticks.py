@@ -38,3 +38,74 @@ def test_ticks_go_on_while_every_refresh_thread_is_busy(monkeypatch: pytest.Monk
         for f in busy:
             f.result(10)
     assert len(calls) >= 5, calls  # with the refresh pool full, none would have come back
+
+
+def test_the_loop_outlives_ticks_that_fail_while_the_api_server_is_unreachable(monkeypatch: pytest.MonkeyPatch,
+                                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A refused connection raises urllib3's MaxRetryError, no ApiException: the ticks of an outage
+    fail, the loop goes on (its liveness probe stays fine) and ticks through once the server is back."""
+    from urllib3.exceptions import MaxRetryError
+
+    calls: list[str] = []
+
+    def outage_then_back(keys: list[Any], now: float) -> list[Any]:
+        if len(calls) < 5:
+            calls.append("refused")
+            raise MaxRetryError(None, "/apis/kopf.dev/v1/clusterkopfpeerings/x", "Connection refused")  # type: ignore[arg-type]
+        calls.append("ok")
+        return []
+
+    monkeypatch.setattr(status_loop, "TICK_S", 0.01)
+    monkeypatch.setattr(status_loop, "_active_keys", outage_then_back)
+
+    async def run_until_back() -> tuple[bool, float]:
+        task = asyncio.create_task(status_loop._status_loop(logging.getLogger("kvpersist.test")))
+        runtime.CONTROLLER.loop_task = task
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if calls.count("ok") >= 3:
+                break
+        alive = not task.done()
+        age = status_loop.status_loop_alive()  # raises when the loop has stopped
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return alive, age
+
+    with caplog.at_level(logging.INFO, logger="kvpersist.test"):
+        alive, age = asyncio.run(run_until_back())
+    assert alive and age < status_loop.LOOP_STALL_S
+    assert calls[:5] == ["refused"] * 5 and calls.count("ok") >= 3, calls
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("a tick failed (MaxRetryError" in m for m in said) == 1, said  # once per outage, not every tick
+    assert any("ticks succeed again" in m for m in said), said
+
+
+def test_an_unanswered_peering_read_keeps_the_last_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.active with peering, the API server gone: the last verdict stands (none: standing by),
+    and the record is read again on the next call rather than cached as unknown."""
+    from urllib3.exceptions import MaxRetryError
+
+    from kvpersist.controller import kube
+
+    reads: list[str] = []
+    answers: list[Any] = [{"status": {}}]
+
+    def get_cluster(api_version: str, kind: str, name: str) -> Any:
+        reads.append(name)
+        answer = answers.pop(0) if answers else MaxRetryError(None, "/", "Connection refused")  # type: ignore[arg-type]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(kube, "get_cluster", get_cluster)
+    monkeypatch.setattr(runtime.leadership, "is_active", lambda record, identity, priority: record is not None)
+    runtime.set_peering("kvpersist", "me", 0)
+    try:
+        assert runtime.active(100.0, None) is True  # read: a record, active
+        assert runtime.active(100.0 + runtime.PEERING_CHECK_S + 1, None) is True  # refused: the last verdict
+        assert runtime.active(100.0 + runtime.PEERING_CHECK_S + 1.1, None) is True  # read again, not cached
+        assert len(reads) == 3
+        runtime.CONTROLLER.active_seen.clear()
+        assert runtime.active(200.0, None) is False  # never answered: standing by
+    finally:
+        runtime.set_peering(None, "", 0)

@@ -9,10 +9,11 @@ checks that both agree.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "kvpersist.dev"
@@ -98,18 +99,34 @@ def extra_args_problem(args: list[str]) -> str | None:
 HEX40 = r"^[0-9a-f]{40}$"
 SHA256_DIGEST = r"^sha256:[0-9a-f]{64}$"
 HF_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
-BUCKET_HANDLE = r"^hf://buckets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._/-]+)?$"
+# The prefix is path segments that each start with a letter, digit, `_` or `-`: no `.` or `..`
+# (the Hub resolves neither; a prefix of another resource's data could be reached through them), no
+# empty segment (`//`, a trailing `/`).
+BUCKET_HANDLE = r"^hf://buckets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+# A Kubernetes quantity that is a size: no sign (every quantity here is a size or a resource
+# amount), an exponent of at most two digits (1e309 overflows a float: refused at apply time, not
+# an exception in the operator). The models also bound the value (MAX_QUANTITY).
+QUANTITY = r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$"
+MAX_QUANTITY = 2**63 - 1  # Kubernetes keeps a quantity's value in an int64
 GIB = 1024**3
 # What spec.l2.encryption renders as the L2 adapter's serde, with the frame it writes
 # (kvpersist.inserver.serve: version 2, 2 MiB segments), which lmcache's own aesgcm cannot open;
 # part of the namespace id, so another frame format is another namespace.
 L2_SERDE = "kvpersist-aesgcm-256/v2"
 
+def _bounded_quantity(value: str | int) -> str | int:
+    """A quantity the operator can compute with: finite and at most MAX_QUANTITY (a ValueError,
+    which pydantic reports naming the field, rather than an OverflowError out of a handler)."""
+    if parse_quantity(str(value)) > MAX_QUANTITY:
+        raise ValueError(f"{value!r} is larger than a Kubernetes quantity can be ({MAX_QUANTITY} = 8Ei - 1)")
+    return value
+
+
 Quantity = Annotated[
-    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0)],
+    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0, le=MAX_QUANTITY)],
+    AfterValidator(_bounded_quantity),
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
                     "x-kubernetes-int-or-string": True}),
 ]
@@ -664,11 +681,18 @@ def parse_quantity(q: str) -> float:
     number, suffix = float(m.group(1)), m.group(2) or ""
     binary = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
     decimal = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-    if suffix in binary:
-        return number * binary[suffix]
-    if suffix in decimal:
-        return number * decimal[suffix]
-    return number * 10 ** int(suffix[1:])
+    try:
+        if suffix in binary:
+            out = number * binary[suffix]
+        elif suffix in decimal:
+            out = number * decimal[suffix]
+        else:
+            out = number * 10.0 ** int(suffix[1:])
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise ValueError(f"not a finite quantity: {q!r}")
+    return out
 
 
 # ---------------------------------------------------------------- status

@@ -29,6 +29,9 @@ _MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
 CONTROLLER = Controller()
 
 
+API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Keep kopf's bookkeeping in our own annotations and out of status, which our schema owns."""
@@ -38,14 +41,19 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    # kopf's own requests, its peering keep-alive among them, retry an unreachable API server this
+    # long: with kopf's default (8 tries, 54 s) a minute's outage ends the keep-alive, and with it
+    # the operator. Every 10 s at most, so it is back within 10 s of the API server.
+    settings.networking.error_backoffs = API_ERROR_BACKOFFS
     for group, version, plural in WATCHED:
         settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
     # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
     settings.peering.priority = CONTROLLER.peering["priority"]
     settings.peering.lifetime = leadership.PEERING_LIFETIME_S
     # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces to
-    # match them, which the chart does not grant, and hold every watch back through 9 refused tries
-    # (about a minute, measured in tests/e2e/test_helm_ha.py) before assuming they exist. Exact names
+    # match them, which the chart does not grant, and hold every watch back through every refused try
+    # (API_ERROR_BACKOFFS; a minute with kopf's default, measured in tests/e2e/test_helm_ha.py) before
+    # assuming they exist. Exact names
     # need no scan; CRDs are then read once at start (the chart installs them before the operator).
     named = CONTROLLER.peering["namespaces"]
     if named and not any(c in ns for ns in named for c in "*?[!"):
@@ -79,6 +87,12 @@ def active(now: float, namespace: str | None) -> bool:
             record = kube.get("kopf.dev/v1", "KopfPeering", peering["name"], scope)
     except ApiException:
         record = None
+    except Exception:
+        # No answer at all (the API server down: urllib3's MaxRetryError, a timeout, a reset;
+        # none of them an ApiException): nothing is known of the peers, and nothing could be
+        # written anyway. The last verdict stands, not cached anew, so
+        # the record is read again on the next call; never seen, standing by.
+        return seen[1] if seen is not None else False
     verdict = leadership.is_active(record, peering["identity"], peering["priority"])
     if seen is None or verdict != seen[1]:
         logging.getLogger("kvpersist").info("this replica is %s%s", "active" if verdict else "standing by (a peer is active)",

@@ -88,32 +88,50 @@ def status_loop_alive(**_: Any) -> float:
 
 
 async def _status_loop(logger: logging.Logger) -> None:
-    loop = asyncio.get_running_loop()
+    """Ticks until cancelled. A tick that fails (the API server unreachable: urllib3's errors are
+    no ApiException) is logged once per streak and the next tick tries again: the loop ending would
+    fail the liveness probe and restart the operator for as long as an outage lasts."""
+    failing: str | None = None
     while True:
         await asyncio.sleep(TICK_S)
         tick = runtime.CONTROLLER.last_tick = time.monotonic()
-        # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
-        restore = {key for key, st in runtime.CONTROLLER.known().items()
-                   if st.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)}
-        keys = sorted(set(due(time.monotonic())) | restore)
-        # Where a peer is active, its status, not ours from caches kopf has paused.
-        keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
-        live = _live() if keys else frozenset()
-        if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
-            runtime.CONTROLLER.orphan_sweep_at = tick
-            orphans = _orphan_claims()
-            if orphans:  # by the active replica only, as every other write
-                loop.run_in_executor(runtime.CONTROLLER.refresh_pool, lambda o=orphans: _protect_claims(
-                    [c for c in o if active(time.monotonic(), c[0]["metadata"].get("namespace"))], None, logger))
-        for key in keys:
-            state = runtime.CONTROLLER.get(key)
-            if state is None or state.body is None or state.lock.locked():
-                continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
-            if key in restore:
-                state.drifted = False
-            task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live), key in restore, logger))
-            runtime.CONTROLLER.refresh_tasks.add(task)
-            task.add_done_callback(runtime.CONTROLLER.refresh_tasks.discard)
+        try:
+            await _tick(tick, logger)
+        except Exception as exc:
+            if failing is None:
+                logger.warning("status loop: a tick failed (%s: %s); trying again every %.0f s", type(exc).__name__, exc, TICK_S)
+            failing = type(exc).__name__
+        else:
+            if failing is not None:
+                logger.info("status loop: ticks succeed again (after %s)", failing)
+            failing = None
+
+
+async def _tick(tick: float, logger: logging.Logger) -> None:
+    """One round: the resources due (and those whose children drifted) refreshed, each in a task."""
+    loop = asyncio.get_running_loop()
+    # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
+    restore = {key for key, st in runtime.CONTROLLER.known().items()
+               if st.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)}
+    keys = sorted(set(due(time.monotonic())) | restore)
+    # Where a peer is active, its status, not ours from caches kopf has paused.
+    keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
+    live = _live() if keys else frozenset()
+    if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
+        runtime.CONTROLLER.orphan_sweep_at = tick
+        orphans = _orphan_claims()
+        if orphans:  # by the active replica only, as every other write
+            loop.run_in_executor(runtime.CONTROLLER.refresh_pool, lambda o=orphans: _protect_claims(
+                [c for c in o if active(time.monotonic(), c[0]["metadata"].get("namespace"))], None, logger))
+    for key in keys:
+        state = runtime.CONTROLLER.get(key)
+        if state is None or state.body is None or state.lock.locked():
+            continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
+        if key in restore:
+            state.drifted = False
+        task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live), key in restore, logger))
+        runtime.CONTROLLER.refresh_tasks.add(task)
+        task.add_done_callback(runtime.CONTROLLER.refresh_tasks.discard)
 
 
 @kopf.on.startup()

@@ -53,8 +53,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces to
     # match them, which the chart does not grant, and hold every watch back through every refused try
     # (API_ERROR_BACKOFFS; a minute with kopf's default, measured in tests/e2e/test_helm_ha.py) before
-    # assuming they exist. Exact names
-    # need no scan; CRDs are then read once at start (the chart installs them before the operator).
+    # assuming they exist. Exact names need no scan; CRDs are then read once at start (the chart
+    # installs them before the operator).
     named = CONTROLLER.peering["namespaces"]
     if named and not any(c in ns for ns in named for c in "*?[!"):
         settings.scanning.disabled = True
@@ -90,8 +90,8 @@ def active(now: float, namespace: str | None) -> bool:
     except Exception:
         # No answer at all (the API server down: urllib3's MaxRetryError, a timeout, a reset;
         # none of them an ApiException): nothing is known of the peers, and nothing could be
-        # written anyway. The last verdict stands, not cached anew, so
-        # the record is read again on the next call; never seen, standing by.
+        # written anyway. The last verdict stands, not cached anew, so the record is read again
+        # on the next call; never seen, standing by.
         return seen[1] if seen is not None else False
     verdict = leadership.is_active(record, peering["identity"], peering["priority"])
     if seen is None or verdict != seen[1]:

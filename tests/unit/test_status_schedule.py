@@ -140,3 +140,17 @@ def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
     assert controller.flagged("drifted") == set()
     asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
     assert controller.flagged("drifted") == {("ns", "a")}
+
+
+def test_a_watch_event_that_beats_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
+    """The child's event can arrive while the apply is still in flight, before _note_own_write has
+    its generation (tests/e2e/test_faults.py met it: an ApplyFailed resource applied again on the
+    next tick). Inside own_apply it is no drift; the same event once the apply is over is."""
+    _known(controller, ("ns", "a"))
+    manifest = _child("a-lmcache", 1)
+    manifest["kind"] = "NetworkPolicy"
+    with drift.own_apply(manifest):
+        asyncio.run(drift.drift_networkpolicies(event={"type": "ADDED"}, body=_child("a-lmcache", 1)))
+    assert controller.flagged("drifted") == set() and controller.child_applying == {}
+    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 2)))  # someone else
+    assert controller.flagged("drifted") == {("ns", "a")}

@@ -24,7 +24,7 @@ from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import fallback, kube, l2key, metrics, retry, runtime, sharing
-from kvpersist.controller.drift import _note_own_write
+from kvpersist.controller.drift import _note_own_write, own_apply
 from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
 from kvpersist.identity import key_fingerprint
@@ -131,8 +131,9 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
 
 
 def _apply_owned(manifest: dict[str, Any]) -> None:
-    applied = kube.apply(manifest)
-    _note_own_write(applied)
+    with own_apply(manifest):
+        applied = kube.apply(manifest)
+        _note_own_write(applied)
     metrics.inc("kvpersist_applies_total")
 
 

@@ -5,7 +5,8 @@ first, so they are no drift.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kopf
@@ -13,6 +14,29 @@ import kopf
 from kvpersist.controller import runtime
 from kvpersist.controller.runtime import _MANAGED
 from kvpersist.status.workloads import owner_key
+
+
+def child_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj.get("metadata") or {}
+    return obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
+
+
+@contextlib.contextmanager
+def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
+    """Marks a child as being applied by the operator: its watch event can arrive before the apply
+    returns (and before _note_own_write records its generation), and is then no drift. Someone
+    else's edit in that window is overwritten by the apply itself (server-side apply, forced)."""
+    key = child_key(manifest)
+    applying = runtime.CONTROLLER.child_applying
+    applying[key] = applying.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        left = applying.get(key, 1) - 1
+        if left > 0:
+            applying[key] = left
+        else:
+            applying.pop(key, None)
 
 
 def _note_own_write(obj: Mapping[str, Any]) -> None:
@@ -47,7 +71,9 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
         state.drifted = True
         return
-    if generation is None or generations.get(child) != generation:
+    if child in runtime.CONTROLLER.child_applying:
+        pass  # the operator's own apply, still in flight: no drift
+    elif generation is None or generations.get(child) != generation:
         state.drifted = True
     if generation is not None:
         generations[child] = generation

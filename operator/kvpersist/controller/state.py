@@ -115,6 +115,9 @@ class Controller:
         # Owned children, by (kind, namespace, name): the last generation seen (not per resource:
         # dropped on the child's own DELETED event).
         self.child_generations: dict[tuple[str, str, str], int] = {}
+        # Children the operator is applying right now, by the same key, with how many applies are in
+        # flight: their watch events may come before the apply returns, and are then no drift.
+        self.child_applying: dict[tuple[str, str, str], int] = {}
         self.gc_inflight: set[str] = set()  # gc request ids being carried out
         # Claims patched out of GitOps prunes (kvpersist.builders.retained), by (namespace, claim):
         # (resourceVersion, key fingerprint) patched, so a watch cache that lags is not patched twice;

@@ -43,10 +43,9 @@ def _note_own_write(obj: Mapping[str, Any]) -> None:
     """The generation the operator's own apply left a child at: its watch event is no drift. (If an
     apply changes something every time, e.g. a field the API server stores otherwise than sent,
     the child would otherwise look edited after every apply and be applied again each tick.)"""
-    meta = obj.get("metadata") or {}
-    if meta.get("generation") is not None:
-        runtime.CONTROLLER.child_generations[(obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))] = \
-            meta["generation"]
+    generation = (obj.get("metadata") or {}).get("generation")
+    if generation is not None:
+        runtime.CONTROLLER.child_generations[child_key(obj)] = generation
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:

@@ -915,7 +915,7 @@ class Finder:
         sub = suffix.strip("/")
         if "/" in sub or http.upper() not in HTTP_VERBS:
             raise UnknownCall(f"{where}: DynamicClient.request {http} ...{suffix} is not in the mapping")
-        verbs = _verb(http, _given(_kw(path, "name", 0)))
+        verbs = _verb(http, _given(_kw(path, "name", 0)), _true(_kw(call, "watch")))
         receiver = path.func.value
 
         self._add(mod, call, self._resolve_grants(mod, call, self._on_handle(receiver, verbs, sub)))

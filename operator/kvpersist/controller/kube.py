@@ -5,14 +5,17 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+from kubernetes.watch.watch import iter_resp_lines
 
 FIELD_MANAGER = "kvpersist"
 REQUEST_TIMEOUT_S = 30
@@ -86,6 +89,52 @@ def get_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict
     except NotFoundError:
         return None
     return dict(out.to_dict().get("metadata") or {})
+
+
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+LIST_PAGE = 500
+
+
+def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool) -> tuple[list[dict[str, Any]], str]:
+    """Every object of a kind (in one namespace, or None: all), in pages of LIST_PAGE, and the
+    list's resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata,
+    so a Secret's data never reaches the operator (kvpersist.controller.watchcache)."""
+    res = _resource(api_version, kind)
+    headers = {"Accept": METADATA_LIST} if metadata_only else {}
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=LIST_PAGE,
+                               _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S)
+        page = json.loads(out.data)
+        items += page.get("items") or []
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            return items, (page.get("metadata") or {}).get("resourceVersion", "")
+
+
+def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,
+               metadata_only: bool, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(type, object) of each event of one watch from resource_version, until the API server ends
+    it after timeout_s (or stop is set: checked at each event). Raises ApiException on an ERROR
+    event (410: the version expired, list again)."""
+    res = _resource(api_version, kind)
+    headers = {"Accept": METADATA_ONLY} if metadata_only else {}
+    resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
+                            resource_version=resource_version, timeout_seconds=timeout_s, serialize=False,
+                            _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S))
+    try:
+        for line in iter_resp_lines(resp):
+            if stop.is_set():
+                return
+            event = json.loads(line)
+            obj = event.get("object") or {}
+            if event.get("type") == "ERROR":
+                raise kubernetes.client.exceptions.ApiException(status=obj.get("code"), reason=obj.get("message"))
+            yield event.get("type", ""), obj
+    finally:
+        resp.close()
+        resp.release_conn()
 
 
 def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ from kvpersist.controller import fallback, kube, l2key, metrics, runtime, sharin
 from kvpersist.controller.apply import _exclusive_recheck, clean_stale_routes
 from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
-from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target
+from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target, named_claim, secret_version
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution
@@ -62,7 +62,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     pods = seen.server_pods()
     claims: list[dict[str, Any]] = []
     if spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name:
-        claim = kube.get("v1", "PersistentVolumeClaim", spec.l2.nvme.existing_claim_name, ns)
+        claim = named_claim(spec.l2.nvme.existing_claim_name, ns)
         claims = [claim] if claim else []
     elif spec.l2.nvme is not None:
         claims = seen.server_claims()
@@ -146,7 +146,11 @@ def _agent_token(target: Target) -> str | None:
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     cached = state.agent_token
     now = time.monotonic()
-    if cached and cached[1] and now - cached[0] < AGENT_TOKEN_TTL_S:
+    synced, version = secret_version(target.namespace, target.agent_token_secret)
+    if synced and version is None:  # the cache has listed and there is no such Secret: nothing to read
+        state.agent_token, state.agent_token_version = (now, None), None
+        return None
+    if cached and cached[1] and (state.agent_token_version == version if synced else now - cached[0] < AGENT_TOKEN_TTL_S):
         return cached[1]
     try:
         secret = kube.get("v1", "Secret", target.agent_token_secret, target.namespace)
@@ -155,6 +159,7 @@ def _agent_token(target: Target) -> str | None:
     raw = kube.secret_value(secret, AGENT_TOKEN_KEY)
     token = raw.decode().strip() if raw else None
     state.agent_token = (now, token)
+    state.agent_token_version = ((secret or {}).get("metadata") or {}).get("resourceVersion")
     return token
 
 

@@ -23,6 +23,7 @@ from kvpersist.status.conditions import FailedCreateCheck
 from kvpersist.status.usage import HitTracker, WriteFailureTracker
 
 if TYPE_CHECKING:
+    from kvpersist.controller.watchcache import WatchCache
     from kvpersist.inventory.volume import Inventory
 
 Key = tuple[str, str]  # (namespace, name) of a KVCacheNamespace
@@ -80,9 +81,13 @@ class ResourceState:
     # the namespace id the last successful apply rendered, as (id,): another one (the key changed,
     # went or came back) is applied on the next tick.
     key_read: tuple[float, l2key.KeyRead] | None = None
+    # The resourceVersion of the key Secret that read saw (None: it had none): while the Secret
+    # watch cache shows the same, the read stands without another request (kvpersist.controller.watchcache).
+    key_read_version: str | None = None
     applied_id: tuple[str | None] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.
     agent_token: tuple[float, str | None] | None = None
+    agent_token_version: str | None = None  # its Secret's resourceVersion at that read, as key_read_version
     token_missing_at: float = float("-inf")
     # Its servers' failed-write counts between polls (by "namespace/pod"), and why its StatefulSet
     # lacks pods (its Events, read rarely; see kvpersist.status.conditions).
@@ -146,6 +151,10 @@ class Controller:
         self.bucket_jobs_lock = threading.Lock()  # guards each ResourceState's bucket_jobs
         self.last_tick: float | None = None
         self.loop_task: asyncio.Task[None] | None = None
+        # Watch caches of named Secrets (metadata only) and claims (kvpersist.controller.watchcache);
+        # None: not started (a glob among the watched namespaces, or a test), reads go by request.
+        self.secret_cache: WatchCache | None = None
+        self.claim_cache: WatchCache | None = None
 
     def state(self, key: Key) -> ResourceState:
         """The resource's state, made empty when there is none. Only for the event loop's entry

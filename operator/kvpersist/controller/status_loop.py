@@ -15,7 +15,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import kube, runtime
+from kvpersist.controller import kube, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import _live, _seen
 from kvpersist.controller.refresh import _orphan_claims, _protect_claims, refresh_status
@@ -139,10 +139,27 @@ async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[An
                             kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
     runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
                                       kvp_claims=kvp_claims)
+    start_watch_caches()
     runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
+
+
+def start_watch_caches() -> None:
+    """The named Secrets' and claims' watch caches, in the namespaces kopf watches (none with a
+    glob among them: there is no list per namespace to make, so reads go by request)."""
+    scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
+    if scope is False:
+        logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
+        return
+    for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims)):
+        cache = make(scope)  # type: ignore[arg-type]
+        setattr(runtime.CONTROLLER, name, cache)
+        cache.start()
 
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
+    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache):
+        if cache is not None:
+            cache.stop()
     if runtime.CONTROLLER.loop_task is not None:
         runtime.CONTROLLER.loop_task.cancel()

@@ -136,7 +136,11 @@ def test_audit_check_sees_an_rbac_refusal(kubectl: Kubectl, installed: dict, aud
 
 
 def test_chart_service_account_reconciles_to_ready(kubectl: Kubectl, installed: dict, audit_log: Path) -> None:
+    """Under the chart's admission policies (on by default): the creator-rights one admits the
+    admin's resource, and never the operator's own writes (metadata patches, status) to it."""
     ns = installed["app_ns"]
+    for policy in (f"{RELEASE}-creator-rights", f"{RELEASE}-gc-request"):
+        assert kubectl.get("validatingadmissionpolicybinding", policy)["spec"]["validationActions"] == ["Deny"]
     kubectl.apply(manifest(ns))
     obj = wait_for("Ready under the chart's RBAC", lambda: (lambda o: o if o.get("status", {}).get("phase") == "Ready" else None)(
         _status(kubectl, ns, NAME)), timeout=180)

@@ -13,8 +13,20 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from kvpersist.api.text import NO_CONTROL_PATTERN, printable, refuse_control
 
 GROUP = "kvpersist.dev"
 VERSION = "v1alpha1"
@@ -130,6 +142,15 @@ Quantity = Annotated[
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
                     "x-kubernetes-int-or-string": True}),
 ]
+
+
+# A string without a strict pattern of its own (an image, a served model name, an extraArgs
+# value, a toleration, a node selector): no control or format character (kvpersist.api.text).
+# The models name the character and its position; the schema's pattern is the same table, for
+# the API server, and a map keyed by it gets a CEL rule over its keys (kvpersist.api.crd).
+FreeText = Annotated[str, BeforeValidator(refuse_control), Field(json_schema_extra={"pattern": NO_CONTROL_PATTERN})]
+# Resource names (memory, nvidia.com/gpu) and label keys are qualified names: at most 253 + 1 + 63.
+MapKey = Annotated[FreeText, Field(min_length=1, max_length=317)]
 
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
@@ -412,8 +433,9 @@ class Eviction(_Model):
 class Resources(_Model):
     """Container resource requests and limits."""
 
-    requests: dict[str, Quantity] | None = Field(None, description="Requests by resource name, e.g. memory: 80Gi.")
-    limits: dict[str, Quantity] | None = Field(None, description="Limits by resource name.")
+    requests: dict[MapKey, Quantity] | None = Field(None, max_length=32,
+                                                    description="Requests by resource name, e.g. memory: 80Gi.")
+    limits: dict[MapKey, Quantity] | None = Field(None, max_length=32, description="Limits by resource name.")
 
 
 CATCH_ALL_TOLERATION = ("operator Exists without a key tolerates every taint (control-plane, GPU nodes reserved for "
@@ -432,10 +454,10 @@ class Toleration(_Model):
         }
     )
 
-    key: str | None = Field(None, max_length=317, description="Taint key. Required with operator Exists: without one the "
+    key: FreeText | None = Field(None, max_length=317, description="Taint key. Required with operator Exists: without one the "
                             "toleration would match every taint, and is refused.")
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value for operator Equal.")
+    value: FreeText | None = Field(None, max_length=63, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to match; all effects when unset.",
     )
@@ -468,7 +490,7 @@ class LMCacheServer(_Model):
         }
     )
 
-    image: str = Field(
+    image: FreeText = Field(
         "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
         description="Image with the lmcache 0.5.6 CLI. Name it by digest (<image>@sha256:<64 hex>): the digest is "
         "part of the namespace id, and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
@@ -496,7 +518,7 @@ class LMCacheServer(_Model):
 class VLLM(_Model):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
-    image: str = Field(
+    image: FreeText = Field(
         "vllm/vllm-openai:v0.33.0", min_length=1, max_length=512,
         description="vLLM image. Name it by digest (<image>@sha256:<64 hex>): the digest is part of the namespace id, "
         "and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
@@ -506,11 +528,11 @@ class VLLM(_Model):
         None, ge=1, le=64, alias="gpusPerReplica",
         description="nvidia.com/gpu per pod; defaults to identity.tensorParallelSize (or 1).",
     )
-    served_model_name: str | None = Field(
+    served_model_name: FreeText | None = Field(
         None, min_length=1, max_length=256, description="Name clients use in requests; defaults to identity.modelId.",
     )
     port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
-    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+    extra_args: list[Annotated[FreeText, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64,
         description="More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
         "scheduling, logging, the HTTP API), spelled in full; everything else, the identity pins included, is refused: "
@@ -523,8 +545,8 @@ class VLLM(_Model):
         },
     )
     resources: Resources | None = Field(None, description="Extra requests/limits; GPUs come from gpusPerReplica.")
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
-        None, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
+    node_selector: dict[MapKey, Annotated[FreeText, Field(max_length=63)]] | None = Field(
+        None, max_length=64, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
     )
     tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the vLLM pods.")
     runtime_class_name: str = Field(
@@ -911,5 +933,7 @@ def validation_message(exc: ValidationError) -> str:
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{path}: {msg}" if path else msg)
+        # printable: a path through a map key, or a message quoting input, may hold the very
+        # character refused; the message goes into a condition and must not carry it.
+        lines.append(printable(f"{path}: {msg}" if path else msg))
     return "; ".join(lines)

@@ -145,4 +145,18 @@ CASES = [
          _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "value": "\ufeffpresent", "effect": "NoSchedule"}])),
     Case("resource-name-line-separator", "spec.lmcacheServer.resources.requests",
          _set("spec.lmcacheServer.resources", {"requests": {"memory\u2028": "8Gi"}})),
+    # What Kubernetes refuses in a pod template, refused at apply time naming the field rather than
+    # as a Deployment the API server refuses later: label syntax, resource names, toleration shape.
+    Case("node-selector-value-space", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool": "gpu nodes"})),
+    Case("node-selector-key-two-slashes", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"a/b/c": "x"})),
+    Case("resource-name-space", "spec.vllm.resources.limits", _set("spec.vllm.resources", {"limits": {"my gpu": 1}})),
+    Case("toleration-key-space", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia gpu", "operator": "Exists"}])),
+    Case("toleration-equal-without-key", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"operator": "Equal", "value": "present"}])),
+    Case("toleration-exists-with-value", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "value": "present"}])),
+    Case("toleration-seconds-without-no-execute", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule",
+                                         "tolerationSeconds": 60}])),
 ]

@@ -25,6 +25,14 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+KEY_PATTERNS = {
+    api.NO_CONTROL_PATTERN: "no control or format character (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls "
+                            "such as U+202E)",
+    api.QUALIFIED_NAME: "a qualified name as Kubernetes has it, e.g. memory or nvidia.com/gpu: an optional DNS "
+                        "subdomain and /, then at most 63 letters, digits, -, _ or ., a letter or digit at each end",
+}
+
+
 def _key_rule(names: dict[str, Any]) -> dict[str, str]:
     """propertyNames (the schema of a map's keys, which pydantic writes) as a CEL rule: a raw
     string, so the pattern's \\x{...} escapes reach RE2 as written."""
@@ -35,11 +43,8 @@ def _key_rule(names: dict[str, Any]) -> dict[str, str]:
     checks += [f"k.size() <= {names['maxLength']}"] if "maxLength" in names else []
     checks += [f"k.matches(r'{names['pattern']}')"] if "pattern" in names else []
     size = f"{names.get('minLength', 0)} to {names['maxLength']}" if "maxLength" in names else "any number of"
-    message = f"each key: {size} characters"
-    if names.get("pattern") == api.NO_CONTROL_PATTERN:
-        message += ", no control or format character (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls such as U+202E)"
-    elif "pattern" in names:
-        message += f", matching {names['pattern']}"
+    shape = KEY_PATTERNS.get(names["pattern"], f"matching {names['pattern']}") if "pattern" in names else "any text"
+    message = f"each key: {shape} ({size} characters)"
     return api.cel(f"self.all(k, {' && '.join(checks) or 'true'})", message, reason="FieldValueInvalid")
 
 

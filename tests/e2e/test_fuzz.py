@@ -1,13 +1,13 @@
 """Property-based fuzzing of the spec, against the pydantic models and the real API server.
 
 Each example is a sample with a few fields replaced by arbitrary values (wrong types, out of
-range, empty, missing). The oracle, per example:
+range, empty, missing, a control or format character in a string). The oracle, per example:
 - the API server refuses it naming a field the example changed (or one a rule ties to it), or
-  accepts it;
+  accepts it, and what it stores holds no control or format character (kvpersist.api.text);
 - an accepted one is reconciled (a status at its generation) without the operator crashing or
   looping, and the models decide how: where they refuse the stored object (they and the schema
   disagree), it ends Failed with Ready False InvalidSpec naming the fields they named; where they
-  accept it, it is never InvalidSpec;
+  accept it, it is never InvalidSpec; no condition message carries a control character;
 - pydantic, on its own, refuses with a path or accepts."""
 
 from __future__ import annotations
@@ -139,6 +139,17 @@ def names_a_changed_field(text: str, changed: list[str]) -> bool:
     return False
 
 
+def _strings(node: Any) -> list[str]:
+    """Every string in node, map keys included."""
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(node, list):
+        return [s for v in node for s in _strings(v)]
+    return []
+
+
 STATE: dict[str, Any] = {"accepted": [], "changed": {}, "refused": 0, "pydantic_refused": 0}
 
 
@@ -188,6 +199,8 @@ def test_operator_reconciled_every_accepted_spec_and_survived(kubectl: Kubectl, 
     disagree, failed = [], []
     for n in accepted:
         stored = kubectl.get("kvns", n, ns)
+        hostile = [ascii(t) for t in _strings(stored["spec"]) if any(forbidden(ch) for ch in t)]
+        assert hostile == [], f"{n}: the API server stored control or format characters: {hostile}"
         status = stored["status"]
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         try:

@@ -28,6 +28,22 @@ _MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
 # Everything the operator remembers, per resource and across them (kvpersist.controller.state).
 CONTROLLER = Controller()
 
+# listing_scopes' answer when the operator serves the whole cluster: one LIST of all namespaces.
+ALL_NAMESPACES: tuple[str | None, ...] = (None,)
+PATTERN_CHARACTERS = "*?[!,"  # kopf's namespace patterns: globs, negations, comma-separated lists
+
+
+def listing_scopes() -> tuple[str | None, ...]:
+    """Where a LIST meant to see every namespace's objects goes (who else holds a bucket prefix,
+    gc's last look): each watched namespace by name, or (None) the whole cluster when the
+    operator watches all of them or a pattern. With names, the chart grants the operator its
+    rights by a Role in each watched namespace and nothing cluster-wide, so a cluster-wide LIST
+    would be refused; what those namespaces hold is also all this operator serves."""
+    named = CONTROLLER.peering["namespaces"]
+    if not named or any(c in ns for ns in named for c in PATTERN_CHARACTERS):
+        return ALL_NAMESPACES
+    return tuple(dict.fromkeys(named))
+
 
 API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
 
@@ -55,8 +71,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (API_ERROR_BACKOFFS; a minute with kopf's default, measured in tests/e2e/test_helm_ha.py) before
     # assuming they exist. Exact names need no scan; CRDs are then read once at start (the chart
     # installs them before the operator).
-    named = CONTROLLER.peering["namespaces"]
-    if named and not any(c in ns for ns in named for c in "*?[!"):
+    if CONTROLLER.peering["namespaces"] and listing_scopes() != ALL_NAMESPACES:
         settings.scanning.disabled = True
     kube.load_config()
 

@@ -47,6 +47,13 @@ KUBE = "kvpersist.controller.kube"  # the operator's wrappers of the API server'
 OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig"}
 MODES = ("clusterwide", "namespaced")  # the chart: watchNamespaces empty, or set
 WATCHED = ("team-a", "team-b")  # watchNamespaces when the chart is rendered in namespaced mode
+# What Kubernetes grants every authenticated user (the ClusterRole system:basic-user): the chart
+# need not, and `kubectl auth can-i --list` shows them for a ServiceAccount without any binding.
+DEFAULT_GRANTS: frozenset[Grant] = frozenset({
+    ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
+    ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
+    ("authentication.k8s.io", "selfsubjectreviews", "create"),
+})
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 DYNAMIC_METHODS = {"get", "create", "delete", "patch", "replace", "server_side_apply", "watch"}
@@ -1292,8 +1299,9 @@ def is_namespaced(grant: Grant) -> bool:
 
 
 def cluster_scoped(need: Needs) -> set[Grant]:
-    """What of a need can only be granted cluster-wide (a cluster-scoped resource), optional included."""
-    return {g for g in need.required.keys() | need.optional.keys() if not is_namespaced(g)}
+    """What of a need can only be granted cluster-wide (a cluster-scoped resource), optional
+    included, beyond what every authenticated user holds (DEFAULT_GRANTS)."""
+    return {g for g in need.required.keys() | need.optional.keys() if not is_namespaced(g)} - DEFAULT_GRANTS
 
 
 def scope_problems(need: Needs, docs: list[dict[str, Any]], service_account: str, namespace: str,
@@ -1302,7 +1310,7 @@ def scope_problems(need: Needs, docs: list[dict[str, Any]], service_account: str
     cluster-wide; watching some, every namespaced grant in a Role of each of them and none
     cluster-wide or in another namespace, only cluster-scoped resources cluster-wide."""
     scoped = scoped_grants(docs, service_account, namespace)
-    cluster = scoped.get(None, {})
+    cluster = {**{g: ["every authenticated user"] for g in DEFAULT_GRANTS}, **scoped.get(None, {})}
     problems = []
     if watched:
         for grant in sorted(g for g in cluster if is_namespaced(g)):
@@ -1326,7 +1334,7 @@ def scope_problems(need: Needs, docs: list[dict[str, Any]], service_account: str
 def compare(need: Needs, granted: dict[Grant, list[str]]) -> list[str]:
     """What is needed and not granted, and what is granted and not needed (wildcards included)."""
     problems = []
-    for grant in sorted(need.required.keys() - granted.keys()):
+    for grant in sorted(need.required.keys() - granted.keys() - DEFAULT_GRANTS):
         problems.append(f"missing grant {_fmt(grant)}: needed by {'; '.join(need.required[grant])} "
                         f"({', '.join(need.sites.get(grant, ['kopf']))})")
     for grant in sorted(granted.keys() - need.required.keys() - need.optional.keys()):
@@ -1365,7 +1373,9 @@ def docs_table() -> str:
         for mode, need in per_mode.items():
             verbs = sorted(v for (g, r, v) in need.required if (g, r) == (group, resource))
             opt = sorted(v for (g, r, v) in need.optional if (g, r) == (group, resource))
-            why = [f"{v}: {'; '.join(need.required[(group, resource, v)])}" for v in verbs]
+            why = [f"{v}: {'; '.join(need.required[(group, resource, v)])}"
+                   + (" (every authenticated user's, by Kubernetes' system:basic-user: not in the chart)"
+                      if (group, resource, v) in DEFAULT_GRANTS else "") for v in verbs]
             why += [f"{v} (optional, not required): {'; '.join(need.optional[(group, resource, v)])}" for v in opt]
             verbs_text = ", ".join(verbs + [f"({v})" for v in opt])
             if not verbs_text:

@@ -226,7 +226,8 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: P
 # ServiceAccount holds (measured below on a fresh one): nothing. kopf, given exact names, scans
 # neither namespaces nor CRDs (controller/runtime.py configure) and peers on a KopfPeering in each
 # watched namespace; the operator's own cross-resource LISTs go to each watched namespace by name
-# (runtime.listing_scopes). tests/rbac_needs.py derives the same from the code (checked below).
+# (runtime.listing_scopes, once a SelfSubjectAccessReview, which every user may ask, says it may not
+# list them cluster-wide). tests/rbac_needs.py derives the same from the code (checked below).
 CLUSTER_WIDE_WITH_WATCH_NAMESPACES: set[tuple[str, str]] = set()
 
 
@@ -255,6 +256,8 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
                  and kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", b), timeout=30)
         need = rbac_needs.needs("namespaced")
         assert rbac_needs.can_i_pairs(rbac_needs.cluster_scoped(need)) == CLUSTER_WIDE_WITH_WATCH_NAMESPACES
+        # What the operator asks of the defaults (a SelfSubjectAccessReview: may it list across namespaces?).
+        assert rbac_needs.can_i_pairs(set(need.required) & rbac_needs.DEFAULT_GRANTS) <= kubectl.can_i_list(fresh, outside)
         for where in (outside, "kube-system", "default", release_ns):
             extra = kubectl.can_i_list(sa, where) - kubectl.can_i_list(fresh, where)
             assert extra <= CLUSTER_WIDE_WITH_WATCH_NAMESPACES, f"granted in {where}: {sorted(extra)}"
@@ -263,7 +266,7 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
                            ("patch", "persistentvolumeclaims"), ("patch", "kvcachenamespaces.kvpersist.dev")):
             assert not kubectl.can_i(sa, verb, what, "-n", "kube-system"), f"{verb} {what} in kube-system"
             assert not kubectl.can_i(sa, verb, what, "--all-namespaces"), f"{verb} {what} cluster-wide"
-        needed = rbac_needs.can_i_pairs(set(need.required))
+        needed = rbac_needs.can_i_pairs(set(need.required) - rbac_needs.DEFAULT_GRANTS)  # the fresh account has those
         optional = rbac_needs.can_i_pairs(set(need.optional))
         for ns in (a, b):
             got = kubectl.can_i_list(sa, ns) - kubectl.can_i_list(fresh, ns)

@@ -1,7 +1,8 @@
 """The operator's LISTs meant to see every namespace (who else holds a bucket prefix, gc's last look
-before deleting) go to each watched namespace by name when it watches named namespaces: the chart
-then grants it a Role in each of them and nothing cluster-wide, so a cluster-wide LIST would be
-refused (and with it every apply of a bucket-backed resource). Against the real API server with
+before deleting) go to each watched namespace by name when it watches named namespaces and its
+account may not list those kinds cluster-wide: the chart then grants it a Role in each of them and
+nothing cluster-wide, so a cluster-wide LIST would be refused (and with it every apply of a
+bucket-backed resource). With the rights to (an admin's kubeconfig), it still looks everywhere. Against the real API server with
 only the chart's Roles: tests/e2e/test_least_privilege.py::test_watch_namespaces_grant_nothing_elsewhere."""
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ from kvpersist.controller import apply, gc, kube, runtime
 from tests.cases.invalid_manifests import sample
 
 NSID = "kvp-" + "a" * 32
+
+
+@pytest.fixture(autouse=True)
+def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, str, str, str | None]]]:
+    """The SelfSubjectAccessReviews asked (verb, group, resource, namespace); all refused."""
+    calls: list[tuple[str, str, str, str | None]] = []
+
+    def may(verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+        calls.append((verb, group, resource, namespace))
+        return False
+
+    monkeypatch.setattr(kube, "may", may)
+    yield calls
+    runtime.set_peering(None, "", 0)
 
 
 @pytest.fixture()
@@ -64,6 +79,21 @@ def test_where_the_lists_go(watched: tuple[str, ...], scopes: tuple[str | None, 
         assert runtime.listing_scopes() == scopes
     finally:
         runtime.set_peering(None, "", 0)
+
+
+def test_the_account_is_asked_once_and_may_still_look_everywhere(monkeypatch: pytest.MonkeyPatch,
+                                                                  asked: list[tuple[str, str, str, str | None]]) -> None:
+    runtime.set_peering(None, "", 0, ("team-a", "team-b"))
+    assert runtime.listing_scopes() == runtime.listing_scopes() == ("team-a", "team-b")
+    assert asked == [("list", "kvpersist.dev", "kvcachenamespaces", None)]  # refused: pods not even asked
+    runtime.set_peering(None, "", 0, ("team-a",))  # asked again for a new start
+    monkeypatch.setattr(kube, "may", lambda verb, group, resource, namespace=None: asked.append(
+        (verb, group, resource, namespace)) or True)
+    assert runtime.listing_scopes() == runtime.ALL_NAMESPACES  # e.g. an admin's kubeconfig: the widest view
+    assert asked[1:] == [("list", "kvpersist.dev", "kvcachenamespaces", None), ("list", "", "pods", None)]
+    runtime.set_peering(None, "", 0, ())
+    del asked[:]
+    assert runtime.listing_scopes() == runtime.ALL_NAMESPACES and asked == []  # all namespaces: nothing to ask
 
 
 def test_named_namespaces_are_listed_one_by_one_and_each_is_seen(listed: list[tuple[str, str | None]]) -> None:

@@ -78,12 +78,14 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
 
 def in_use_now(namespace_id: str, current: str | None) -> str | None:
     """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
-    carrying a namespace id in all namespaces (or each watched one: runtime.listing_scopes), made
-    now (never the watch caches): gc calls it right before each agent's /gc and each bucket batch.
-    A failed read refuses too. Blocking."""
-    scopes = runtime.listing_scopes()
-    where = "all namespaces" if scopes == runtime.ALL_NAMESPACES else "the watched namespaces " + ", ".join(map(str, scopes))
+    carrying a namespace id in all namespaces (or, where the operator's rights end there, each
+    watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
+    before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
+    where = "all namespaces"
     try:
+        scopes = runtime.listing_scopes()
+        if scopes != runtime.ALL_NAMESPACES:
+            where = "the watched namespaces " + ", ".join(map(str, scopes))
         resources = [r for ns in scopes for r in kube.list_all(api.API_VERSION, api.KIND, ns)]
         pods = [p for ns in scopes for p in kube.list_all("v1", "Pod", ns, NAMESPACE_ID_LABEL)]
     except ApiException as exc:

@@ -131,3 +131,4 @@ def test_a_refused_list_names_where_it_listed(monkeypatch: pytest.MonkeyPatch) -
     finally:
         runtime.set_peering(None, "", 0)
     assert why is not None and "the watched namespaces team-a, team-b" in why and "403" in why, why
+    assert "list on both in each of them" in why, why

@@ -81,16 +81,16 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
     carrying a namespace id in all namespaces (or, where the operator's rights end there, each
     watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
     before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
-    where = "all namespaces"
+    where, scope = "all namespaces", "cluster-wide"
     try:
         scopes = runtime.listing_scopes()
         if scopes != runtime.ALL_NAMESPACES:
-            where = "the watched namespaces " + ", ".join(map(str, scopes))
+            where, scope = "the watched namespaces " + ", ".join(map(str, scopes)), "in each of them"
         resources = [r for ns in scopes for r in kube.list_all(api.API_VERSION, api.KIND, ns)]
         pods = [p for ns in scopes for p in kube.list_all("v1", "Pod", ns, NAMESPACE_ID_LABEL)]
     except ApiException as exc:
         return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in {where}, the "
-                f"API server answered {exc.status}); the operator needs list on both there")
+                f"API server answered {exc.status}); the operator needs list on both {scope}")
     try:
         return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
     except ApiException as exc:

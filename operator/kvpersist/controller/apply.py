@@ -168,8 +168,9 @@ def _storage_refusal(target: Target, body: Mapping[str, Any]) -> str | None:
     if target.spec.l2.nvme is not None:  # claims are namespaced: that namespace's resources and servers
         bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
         pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
-    elif target.namespace_id:  # a bucket prefix is global: every namespace's resources
-        bodies, pods = kube.list_all(api.API_VERSION, api.KIND), []
+    elif target.namespace_id:  # a bucket prefix is global: every (watched) namespace's resources
+        bodies = [b for ns in runtime.listing_scopes() for b in kube.list_all(api.API_VERSION, api.KIND, ns)]
+        pods = []
     else:
         return None
     return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)

@@ -154,6 +154,17 @@ def list_all(api_version: str, kind: str, namespace: str | None = None, label_se
     return [item.to_dict() for item in out.items]
 
 
+def may(verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+    """Whether this client's own account may do verb on resource (namespace None: in every
+    namespace), as the API server's authorizer answers a SelfSubjectAccessReview, which every
+    authenticated user may ask. Raises ApiException."""
+    attributes = kubernetes.client.V1ResourceAttributes(verb=verb, group=group, resource=resource, namespace=namespace)
+    review = kubernetes.client.V1SelfSubjectAccessReview(
+        spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes))
+    out = kubernetes.client.AuthorizationV1Api().create_self_subject_access_review(review, _request_timeout=REQUEST_TIMEOUT_S)
+    return bool(out.status and out.status.allowed)
+
+
 def delete(api_version: str, kind: str, name: str, namespace: str) -> None:
     """Deletes one object; one already gone is fine."""
     with contextlib.suppress(NotFoundError):

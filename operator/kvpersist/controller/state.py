@@ -140,6 +140,9 @@ class Controller:
         # and the last verdict per peering scope (when, active).
         self.peering: dict[str, Any] = {"name": None, "identity": "", "priority": 0, "namespaces": ()}
         self.active_seen: dict[str | None, tuple[float, bool]] = {}
+        # Watching named namespaces: whether this account may still LIST the cross-namespace kinds
+        # cluster-wide (runtime.listing_scopes asks the API server once); None: not asked yet.
+        self.lists_cluster_wide: bool | None = None
         self.refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY,
                                                                   thread_name_prefix="kvp-refresh")
         # The loop's own blocking step (which replica is active) has a thread of its own: with every

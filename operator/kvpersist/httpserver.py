@@ -148,6 +148,8 @@ class BoundedHTTPServer(HTTPServer):
         self._stopped.set()
         self._wake_r, self._wake_w = socket.socketpair()
         self._threads: list[threading.Thread] = []
+        self.refused = 0  # 503s: every worker busy and the queue full
+        self._warned = -1e9
         super().__init__(address, _bounded(handler))
 
     # ------------------------------------------------------------------ the loop (serve_forever's thread)
@@ -243,8 +245,11 @@ class BoundedHTTPServer(HTTPServer):
             try:
                 self._work.put_nowait(_Accepted(pending.sock, pending.address, bytes(pending.head)))
             except queue.Full:
-                log.warning("%s: all %d workers busy and %d requests queued: 503 to %s", self.name, self.workers,
-                            self._work.maxsize, pending.address[0])
+                self.refused += 1
+                if time.monotonic() - self._warned > 60:  # a flood must not flood the log too
+                    self._warned = time.monotonic()
+                    log.warning("%s: all %d workers busy and %d requests queued: 503 to %s (%d refused so far)",
+                                self.name, self.workers, self._work.maxsize, pending.address[0], self.refused)
                 _refuse(pending.sock, 503, "Service Unavailable")
         elif len(pending.head) > self.max_head:
             self._forget(sel, pending)

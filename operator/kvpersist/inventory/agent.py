@@ -13,7 +13,9 @@ the operator asks. It refuses the namespace its own server serves, whatever the 
 operator refuses every other namespace still in use before asking. Reached only by the operator
 (the lmcache NetworkPolicy admits nothing else to this port), and both /inventory and /gc need
 the resource's agent token (a bearer token from an owned Secret, mounted as a file): where the
-policy is not enforced, nobody else can delete or list.
+policy is not enforced, nobody else can delete or list. Whoever reaches the port still costs
+the agent no thread per connection and no unbounded read (kvpersist.httpserver: idle connections
+wait on one selector and are closed after 10 s, a /gc body's Content-Length is checked first).
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
 0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from

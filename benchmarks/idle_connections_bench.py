@@ -3,10 +3,11 @@
 connections, and how long a fresh client waits among them.
 
 The same processes as tests/integration/test_idle_connections.py (the agent from the args the
-operator renders; the metrics server alone, a stand-in for the operator's process), on 127.0.0.1;
+operator renders; the metrics server alone and the liveness front before kopf's endpoint, stand-ins
+for the operator's process), on 127.0.0.1;
 half of the connections have sent the start of a request head, half nothing. One line per N.
 
-    <venv>/bin/python benchmarks/idle_connections_bench.py [--connections 1000,3000,10000] [--server agent|metrics]
+    <venv>/bin/python benchmarks/idle_connections_bench.py [--connections 1000,3000,10000] [--server agent|metrics|liveness]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.integration.test_idle_connections import (
     proc_status,
     raise_fd_limit,
     start_agent,
+    start_liveness,
     start_metrics,
 )
 
@@ -32,11 +34,11 @@ from tests.integration.test_idle_connections import (
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", default="1000,3000,10000", help="comma-separated counts")
-    parser.add_argument("--server", choices=("agent", "metrics"), default="agent")
+    parser.add_argument("--server", choices=("agent", "metrics", "liveness"), default="agent")
     args = parser.parse_args()
     counts = [int(c) for c in args.connections.split(",")]
     raise_fd_limit(max(counts))
-    start = start_agent if args.server == "agent" else start_metrics
+    start = {"agent": start_agent, "metrics": start_metrics, "liveness": start_liveness}[args.server]
     with tempfile.TemporaryDirectory() as tmp:
         served = start(Path(tmp))
         try:

@@ -7,7 +7,10 @@ The agent is the real process, started with the args agent_container renders (it
 Secret mapped to folders, 0.0.0.0 to 127.0.0.1), as tests/integration/test_capacity.py starts it;
 no lmcache server is needed for /healthz and /inventory. The metrics server runs alone in a
 process of its own (kvpersist.controller.metrics.serve, as `kvpersist run --metrics-port` starts
-it): a STAND-IN for the operator's process, without kopf and an API server.
+it): a STAND-IN for the operator's process, without kopf and an API server. So is the liveness
+endpoint's: the bounded front (kvpersist.controller.health, as `kvpersist run --liveness` starts
+it) before kopf's own endpoint (kopf's health_reporter, the aiohttp server kopf.run starts, with
+the operator's probe registered), in one process without an API server.
 
 Half of the connections send nothing, half the start of a request head and then nothing (a slow
 loris that has stopped trickling). The fd limit of this process, and so of the servers it starts,
@@ -17,7 +20,9 @@ bounds the servers must be their own cap, not EMFILE.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import resource
 import selectors
 import signal
@@ -170,6 +175,34 @@ def start_metrics(tmp: Path) -> Served:
     return served
 
 
+def start_liveness(tmp: Path) -> Served:
+    """The liveness front and kopf's endpoint behind it (a stand-in for the operator's process);
+    the limit is the chart's for the operator, the bound the chart's probe timeout."""
+    chart = REPO / "charts" / "kvpersist"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    deployment = (chart / "templates" / "deployment.yaml").read_text()
+    probe_timeout = int(re.search(r"livenessProbe:(?:\n .*?)*?timeoutSeconds: (\d+)", deployment).group(1))  # type: ignore[union-attr]
+    port = free_port()
+    log = tmp / "liveness.log"
+    code = ("import asyncio, kopf; from kopf._core.engines.probing import health_reporter; "
+            "from kvpersist.controller import health, status_loop; "
+            f"url, upstream = health.kopf_endpoint('/healthz'); health.serve('127.0.0.1', {port}, '/healthz', upstream); "
+            "asyncio.run(health_reporter(url, memo=kopf.Memo(), indices={}, registry=kopf.get_default_registry(), "
+            "settings=kopf.OperatorSettings()))")
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=_env(),
+                                start_new_session=True)
+    served = Served(proc, port, memory_limit(values["resources"]), log)
+    _wait_up(served, f"http://127.0.0.1:{port}/healthz")
+
+    def probe() -> bool:  # the kubelet's, answered by kopf through the front
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=probe_timeout) as r:
+            return r.status == 200 and "statusLoopSecondsSinceTick" in json.loads(r.read())
+
+    served.fresh = [("kubelet /healthz", probe, float(probe_timeout))]
+    return served
+
+
 @contextmanager
 def flood(port: int, n: int) -> Iterator[list[socket.socket]]:
     """n connections to the port, every second one having sent the start of a request head; all
@@ -210,7 +243,7 @@ def wait_all_closed(socks: list[socket.socket], bound: float) -> int:
     return closed
 
 
-@pytest.mark.parametrize("start", [start_agent, start_metrics], ids=["agent", "metrics"])
+@pytest.mark.parametrize("start", [start_agent, start_metrics, start_liveness], ids=["agent", "metrics", "liveness"])
 def test_thousands_of_idle_connections(tmp_path: Path, start) -> None:  # type: ignore[no-untyped-def]
     raise_fd_limit(CONNECTIONS)
     served = start(tmp_path)

@@ -212,3 +212,47 @@ def test_the_metrics_server_holds_no_thread_per_idle_connection() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_liveness_front_passes_kopfs_answer_through_and_refuses_the_rest() -> None:
+    """kvpersist.controller.health before a STAND-IN for kopf's endpoint (a plain handler answering
+    what kopf answers: 200 and the probes' JSON, or 500 when a probe raised)."""
+    from kvpersist.controller import health
+    from kvpersist.httpserver import BoundedHTTPServer
+
+    answer = {"code": 200}
+
+    class Kopf(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"statusLoopSecondsSinceTick": 1.5}' if answer["code"] == 200 else b"500 Internal Server Error"
+            self.send_response(answer["code"])
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    assert health.split_endpoint("http://0.0.0.0:8080/healthz") == ("0.0.0.0", 8080, "/healthz")
+    for bad in ("https://0.0.0.0:8080/healthz", "http://0.0.0.0/healthz", "0.0.0.0:8080"):
+        with pytest.raises(ValueError, match="--liveness"):
+            health.split_endpoint(bad)
+    with running(BoundedHTTPServer(("127.0.0.1", 0), Kopf)) as upstream:
+        front = health.serve("127.0.0.1", 0, "/healthz", upstream)
+        port = front.server_address[1]
+        try:
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (200, b'{"statusLoopSecondsSinceTick": 1.5}')
+            answer["code"] = 500
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500
+            assert status_of(port, b"GET /env HTTP/1.0\r\n\r\n")[0] == 404
+        finally:
+            front.shutdown()
+            front.server_close()
+    _, down = health.kopf_endpoint("/healthz")  # nothing listens there
+    front = health.serve("127.0.0.1", 0, "/healthz", down)
+    try:
+        code, body = status_of(front.server_address[1], b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert code == 503 and "kopf's liveness endpoint" in json.loads(body)["error"]
+    finally:
+        front.shutdown()
+        front.server_close()

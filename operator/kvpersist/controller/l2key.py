@@ -160,7 +160,8 @@ def loss_message(found: Loss, name: str, namespace: str) -> str:
     return (f"Secret {found.secret} with L2's master key (fingerprint {found.fingerprint}) is gone, and {where} holds "
             f"{_amount(found.held)} sealed with it: unreadable without that key. No new key is generated over it (that "
             "would turn it into misses for good), and the cache stays off meanwhile (vLLM runs without it). Restore "
-            f"the Secret from a backup (the same bytes under key master-key): the namespace comes back by itself. Or "
+            f"the Secret from a backup (the same bytes under key master-key, with its labels): the namespace comes back "
+            "by itself. Or "
             f"accept the loss: kubectl annotate kvcachenamespace {name} -n {namespace} {REPLACE_ANNOTATION}="
             f"{found.fingerprint} (a new key and namespace; the old data is then an orphan for `kvpersist gc`)")
 

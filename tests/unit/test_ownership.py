@@ -19,6 +19,7 @@ from kvpersist.builders.keysecret import build_agent_token_secret, build_key_sec
 from kvpersist.builders.retained import retained_labels
 from kvpersist.controller import apply, drift, kube, l2key, ownership, reading, refresh, runtime
 from kvpersist.controller.state import Controller
+from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
 
 LOG = logging.getLogger("test")
@@ -250,3 +251,23 @@ def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
     token["metadata"]["ownerReferences"] = [_ref()]
     runtime.CONTROLLER.state(("ml", "llama31-8b")).agent_token = None
     assert refresh._agent_token(target) == "users-token"  # the operator's own (the reference it sets)
+
+
+def test_only_its_own_stale_routes_are_deleted(monkeypatch) -> None:
+    """clean_stale_routes deletes an old id's Service and policy only when the resource controls
+    them: a user's object with the same labels and a per-id name is left alone."""
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    body = _body()
+    runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
+    target, _ = reading._target(body, "f" * 16)
+    old = "kvp-" + "a" * 32
+    labels = {"app.kubernetes.io/instance": "llama31-8b", "app.kubernetes.io/component": "lmcache-server",
+              "kvpersist.dev/namespace-id": old}
+    own = {"metadata": {"name": target.per_id_name(old), "labels": labels, "ownerReferences": [_ref()]}}
+    users = {"metadata": {"name": target.per_id_name(old), "labels": labels}}
+    deleted: list[tuple[str, str]] = []
+    listed = {"Service": [own], "NetworkPolicy": [users]}
+    monkeypatch.setattr(kube, "list_all", lambda v, kind, ns, selector: listed[kind])
+    monkeypatch.setattr(kube, "delete", lambda v, kind, name, ns: deleted.append((kind, name)))
+    apply.clean_stale_routes(target, Seen(), LOG)
+    assert deleted == [("Service", target.per_id_name(old))]

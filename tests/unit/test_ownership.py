@@ -9,6 +9,7 @@ import asyncio
 import base64
 import copy
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -17,7 +18,7 @@ import pytest
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import retained_labels
-from kvpersist.controller import apply, drift, kube, l2key, ownership, reading, refresh, runtime
+from kvpersist.controller import apply, drift, kube, l2key, ownership, reading, refresh, runtime, status_loop
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
@@ -162,12 +163,17 @@ def test_an_object_it_did_not_make_stops_the_whole_apply_until_it_is_gone(monkey
     assert f"{taken[0]} {taken[1]}" in state.name_taken[1] and state.apply_error is None
     assert api.existing[taken] is users
 
-    # Looked at again only after RETRY_S (a status refresh marks it), and still refused while there.
+    # Looked at again only after RETRY_S (a status refresh marks it), and still refused while there;
+    # any other reason to apply (here: the key still to make, nothing made) waits for that moment too.
     assert apply._taken_recheck(key) == state.name_taken and not state.drifted
-    state.name_taken_retry_at = 0.0
-    assert apply._taken_recheck(key) is not None and state.drifted
+    now = time.monotonic()
+    state.drifted = True
+    assert not status_loop.may_apply(key, state, now) and status_loop.may_apply(key, state, now + ownership.RETRY_S)
     state.drifted = False
-    assert apply._taken_recheck(key) is not None and not state.drifted  # once per period, not every refresh
+    state.name_taken_retry_at = 0.0
+    assert apply._taken_recheck(key) is not None and state.drifted and status_loop.may_apply(key, state, now)
+    assert apply.apply_workloads(body, LOG)
+    assert api.applied == [] and state.name_taken_retry_at > now and not status_loop.may_apply(key, state, now)
 
     # Gone: the next apply makes everything, the operator's own.
     del api.existing[taken]

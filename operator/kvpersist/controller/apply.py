@@ -189,10 +189,11 @@ def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
 def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
     """In a status refresh: NameTaken's (reason, message) while objects the operator did not make
     hold its names, and an apply (which looks them up again) once ownership.RETRY_S has passed:
-    their holders carry none of the labels the drift watch selects, so nothing else says they went."""
+    their holders carry none of the labels the drift watch selects, so nothing else says they went.
+    Any other reason to apply meanwhile (a key still to make, a token missing: nothing was made)
+    waits for the same moment (status_loop.may_apply), so a taken name costs no reads per tick."""
     state = runtime.CONTROLLER.held(key)
     if state.name_taken is not None and time.monotonic() >= state.name_taken_retry_at:
-        state.name_taken_retry_at = float("inf")  # the apply sets it again if they are still there
         state.drifted = True
     return state.name_taken
 

@@ -137,6 +137,17 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
         resp.release_conn()
 
 
+def named_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """One object's metadata by name through a LIST (field selector metadata.name; the API server
+    answers PartialObjectMetadataList), or None when none exists: whether a name is taken, on
+    kinds the operator may list but not get, without reading what the object holds."""
+    res = _resource(api_version, kind)
+    out = client().request("get", res.path(namespace=namespace), field_selector=f"metadata.name={name}",
+                           header_params={"Accept": METADATA_LIST}, _request_timeout=REQUEST_TIMEOUT_S).to_dict()
+    items = [i for i in out.get("items") or [] if (i.get("metadata") or {}).get("name") == name]
+    return dict(items[0].get("metadata") or {}) if items else None
+
+
 def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
     """A cluster-scoped object, or None."""
     try:

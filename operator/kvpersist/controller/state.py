@@ -71,6 +71,10 @@ class ResourceState:
     # Its namespace id's route names are held by another id's objects (kvpersist.controller
     # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
     route_taken: str | None = None
+    # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
+    # (reason, message) while nothing is applied, and when the names are to be looked at again.
+    name_taken: Refusal | None = None
+    name_taken_retry_at: float = float("inf")
     # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
     preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
     # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
@@ -120,6 +124,10 @@ class Controller:
         # Owned children, by (kind, namespace, name): the last generation seen (not per resource:
         # dropped on the child's own DELETED event).
         self.child_generations: dict[tuple[str, str, str], int] = {}
+        # Children known as a resource's own, by the same key: the uid of the KVCacheNamespace each
+        # was last seen controlled by (drift watch events, the operator's own applies and creates), so
+        # only names not known as its own are looked up before an apply (kvpersist.controller.ownership).
+        self.child_owners: dict[tuple[str, str, str], str | None] = {}
         # Children the operator is applying right now, by the same key, with how many applies are in
         # flight: their watch events may come before the apply returns, and are then no drift.
         self.child_applying: dict[tuple[str, str, str], int] = {}

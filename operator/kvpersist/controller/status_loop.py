@@ -20,6 +20,7 @@ from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import _live, _seen
 from kvpersist.controller.refresh import _orphan_claims, _protect_claims, refresh_status
 from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
+from kvpersist.controller.state import ResourceState
 from kvpersist.controller.tracking import _forget, _sweep_if_forgotten
 from kvpersist.status.workloads import Seen
 
@@ -107,12 +108,18 @@ async def _status_loop(logger: logging.Logger) -> None:
             failing = None
 
 
+def may_apply(key: tuple[str, str], state: ResourceState, tick: float) -> bool:
+    """Whether a drifted resource is applied on this tick: not while a failed apply waits for its
+    backoff, nor while a name it needs is taken before its next look (kvpersist.controller.ownership)."""
+    return (state.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)
+            and (state.name_taken is None or tick >= state.name_taken_retry_at))
+
+
 async def _tick(tick: float, logger: logging.Logger) -> None:
     """One round: the resources due (and those whose children drifted) refreshed, each in a task."""
     loop = asyncio.get_running_loop()
     # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
-    restore = {key for key, st in runtime.CONTROLLER.known().items()
-               if st.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)}
+    restore = {key for key, st in runtime.CONTROLLER.known().items() if may_apply(key, st, tick)}
     keys = sorted(set(due(time.monotonic())) | restore)
     # Where a peer is active, its status, not ours from caches kopf has paused.
     keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)

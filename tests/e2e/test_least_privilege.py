@@ -181,9 +181,10 @@ def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kub
     wait_for("the bucket preflight with the labelled token", lambda: token in hub.seen_tokens, timeout=60)
 
 
-def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: Path) -> None:
+def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
     """The chart with watchNamespaces: its ServiceAccount may get and create Secrets in those
-    namespaces (a Role each) and nowhere else; no cluster-wide Secret verb."""
+    namespaces (a Role each) and nowhere else; no cluster-wide Secret verb. crd: can-i of a kind
+    the API server does not serve says no."""
     suffix = uuid.uuid4().hex[:6]
     release, release_ns, watched, other = f"lp-{suffix}", f"lp-sys-{suffix}", f"lp-w-{suffix}", f"lp-o-{suffix}"
     rendered = subprocess.run([str(bin_dir() / "helm"), "template", release, str(REPO / "charts" / "kvpersist"),
@@ -211,7 +212,9 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: P
         wait_for("the Role to take effect", lambda: can("get", "-n", watched), timeout=30)
         assert can("create", "-n", watched)
         assert not can("get", "-n", other) and not can("create", "-n", other) and not can("get", "-n", release_ns)
-        assert not can("get", "--all-namespaces") and not can("list", "-n", watched)
+        # list + watch there: the Secrets' metadata cache (kvpersist.controller.watchcache); never elsewhere.
+        assert can("list", "-n", watched) and can("watch", "-n", watched)
+        assert not can("get", "--all-namespaces") and not can("list", "--all-namespaces") and not can("list", "-n", other)
         # The rest of the Role is there too (the check is not vacuous), and there only.
         assert kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", watched)
         assert not kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", other)

@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -137,7 +138,9 @@ def _bounded_quantity(value: str | int) -> str | int:
 
 
 Quantity = Annotated[
-    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0, le=MAX_QUANTITY)],
+    # Strict int: a string is never turned into one (pydantic's lax int strips whitespace, U+2028
+    # included, and takes True as 1), so the models refuse what the API server's pattern refuses.
+    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_QUANTITY)],
     AfterValidator(_bounded_quantity),
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
                     "x-kubernetes-int-or-string": True}),

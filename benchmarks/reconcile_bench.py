@@ -5,6 +5,7 @@ reconcile, API writes per minute when nothing changes).
 
     .venv/bin/python benchmarks/reconcile_bench.py latency        # 1 and 50 resources (--faults: under them)
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500
+    .venv/bin/python benchmarks/reconcile_bench.py scale --count 100 --with-named   # each naming its claim and a key Secret
 
 Brings the local cluster up when it is not running (and down again after), installs the CRD,
 runs `kvpersist run` as its own process. Pods are kwok's; the one phase-Ready measurement runs
@@ -169,6 +170,31 @@ def light(ns: str, name: str) -> dict:
     obj["spec"]["l1"]["sizeGB"] = 0.25
     obj["spec"]["vllm"]["replicas"] = 0
     return obj
+
+
+NAMED_LABEL = "kvpersist.dev/usable-by=kvpersist"
+
+
+def named(ns: str, name: str) -> dict:
+    """A resource that names what the status refresh used to read by request every round: its own
+    claim (existingClaimName) and a labelled key Secret (keySecretRef; the operator runs with secretLabel)."""
+    obj = sample("nvme-minimal")
+    obj["metadata"] = {"name": name, "namespace": ns}
+    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacityGB": 1},
+                         "encryption": {"keySecretRef": {"name": "bench-key"}}}
+    obj["spec"]["vllm"]["replicas"] = 0
+    return obj
+
+
+def user_claim(ns: str, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-data", "namespace": ns},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+                     "storageClassName": f"{ns}-none"}}
+
+
+# What a named Secret or claim cost per round, read one by one.
+NAMED_READS = {("GET", "secrets"), ("GET", "persistentvolumeclaims")}
 
 
 def deployment(ns: str, name: str) -> dict:
@@ -490,21 +516,28 @@ def phase_ready(cluster: Cluster, work: Path) -> None:
           f"{ready_s:.2f} s; the server answered /healthcheck at {healthy_s:.2f} s (phase Ready {ready_s - healthy_s:.2f} s later)")
 
 
-def scale(cluster: Cluster, work: Path, count: int, idle_s: float) -> None:
+def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: bool = False) -> None:
     k = cluster.k
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     k.run("create", "namespace", ns)
+    if with_named:
+        k.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "bench-key", "namespace": ns,
+                 "labels": dict([NAMED_LABEL.split("=")])}, "stringData": {"master-key": uuid.uuid4().hex * 2}})
+        claims = [user_claim(ns, f"s{i:04d}") for i in range(count)]
+        for i in range(0, count, 50):
+            k.apply({"apiVersion": "v1", "kind": "List", "items": claims[i:i + 50]})
     # A healthy bucket: the token's Secret exists and the Hub answers (the local stand-in of its API
     # shapes from the tests, as no Hub is reachable here), so steady state is the normal one.
     hub = HubStub(existing={"acme-ml/kv-cache"}).__enter__()
     k.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-kv-writer", "namespace": ns},
              "stringData": {"token": GOOD_TOKEN}})
-    op = Operator(cluster.kubeconfig, ns, work / "operator-scale.log", env={"HF_ENDPOINT": hub.url})
+    env = {"HF_ENDPOINT": hub.url, **({"KVPERSIST_SECRET_LABEL": NAMED_LABEL} if with_named else {})}
+    op = Operator(cluster.kubeconfig, ns, work / "operator-scale.log", env=env)
     try:
         time.sleep(3)
         cpu0, req0, w0 = op.cpu_seconds(), cluster.requests(), op.writes()
         t0 = time.monotonic()
-        objs = [light(ns, f"s{i:04d}") for i in range(count)]
+        objs = [(named if with_named else light)(ns, f"s{i:04d}") for i in range(count)]
         with ThreadPoolExecutor(max_workers=10) as pool:
             list(pool.map(lambda chunk: k.apply({"apiVersion": "v1", "kind": "List", "items": chunk}),
                           [objs[i:i + 25] for i in range(0, count, 25)]))
@@ -537,6 +570,9 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float) -> None:
     per_reconcile = writes_per_reconcile + operator_reads(req0, req1) / count
     idle_writes = (w3 - w2) * 60 / idle_s
     idle_reads = operator_reads(req2, req3) * 60 / idle_s
+    idle_named = sum(v - req2.get(key, 0.0) for key, v in req3.items() if (key[0], key[1]) in NAMED_READS and key[2] == "")
+    print(f"resources {'naming their own claim and a key Secret (secretLabel set)' if with_named else 'on a Hugging Face bucket'}; "
+          f"idle: one-by-one GETs of Secrets and claims (any client): {idle_named * 60 / idle_s:.1f} / min")
     print("| resources | all reconciled (s) | statuses settled (s more) | operator peak RSS (MiB) | operator CPU to converge (s) | "
           "API requests / reconcile (writes) | idle: API writes / min | idle: API reads / min | idle: operator CPU / min (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -557,6 +593,7 @@ def main() -> None:
     sc = sub.add_parser("scale")
     sc.add_argument("--count", type=int, default=500)
     sc.add_argument("--idle-seconds", type=float, default=60)
+    sc.add_argument("--with-named", action="store_true", help="resources naming their own claim and a key Secret")
     args = parser.parse_args()
     cluster = Cluster()
     work = Path(tempfile.mkdtemp(prefix="kvpersist-bench-"))
@@ -568,7 +605,7 @@ def main() -> None:
         elif args.what == "phase-ready":
             phase_ready(cluster, work)
         else:
-            scale(cluster, work, args.count, args.idle_seconds)
+            scale(cluster, work, args.count, args.idle_seconds, args.with_named)
     finally:
         cluster.close()
 

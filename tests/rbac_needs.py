@@ -46,6 +46,14 @@ KUBE = "kvpersist.controller.kube"  # the operator's wrappers of the API server'
 # Modules that call the API server but never as the operator's ServiceAccount.
 OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig"}
 MODES = ("clusterwide", "namespaced")  # the chart: watchNamespaces empty, or set
+WATCHED = ("team-a", "team-b")  # watchNamespaces when the chart is rendered in namespaced mode
+# What Kubernetes grants every authenticated user (the ClusterRole system:basic-user): the chart
+# need not, and `kubectl auth can-i --list` shows them for a ServiceAccount without any binding.
+DEFAULT_GRANTS: frozenset[Grant] = frozenset({
+    ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
+    ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
+    ("authentication.k8s.io", "selfsubjectreviews", "create"),
+})
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 DYNAMIC_METHODS = {"get", "create", "delete", "patch", "replace", "server_side_apply", "watch"}
@@ -915,7 +923,7 @@ class Finder:
         sub = suffix.strip("/")
         if "/" in sub or http.upper() not in HTTP_VERBS:
             raise UnknownCall(f"{where}: DynamicClient.request {http} ...{suffix} is not in the mapping")
-        verbs = _verb(http, _given(_kw(path, "name", 0)))
+        verbs = _verb(http, _given(_kw(path, "name", 0)), _true(_kw(call, "watch")))
         receiver = path.func.value
 
         self._add(mod, call, self._resolve_grants(mod, call, self._on_handle(receiver, verbs, sub)))
@@ -1215,18 +1223,18 @@ def helm_binary() -> Path | None:
 def render(helm: Path, mode: str, release: str = "kvpersist", namespace: str = "kvpersist-system") -> list[dict[str, Any]]:
     args = [str(helm), "template", release, str(CHART), "--namespace", namespace]
     if mode == "namespaced":
-        args += ["--set", "watchNamespaces={team-a,team-b}"]
+        args += ["--set", "watchNamespaces={" + ",".join(WATCHED) + "}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise AssertionError(f"helm template: {out.stderr}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def chart_grants(docs: list[dict[str, Any]], service_account: str, namespace: str) -> dict[Grant, list[str]]:
-    """grant -> the roles granting it, for every (Cluster)Role bound to the ServiceAccount."""
+def _bound_rules(docs: list[dict[str, Any]], service_account: str, namespace: str) -> Iterator[tuple[str | None, str, dict]]:
+    """(the namespace a binding grants in, None for a ClusterRoleBinding; the role's label; a rule)
+    for every rule of every (Cluster)Role bound to the ServiceAccount."""
     roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d for d in docs
              if d["kind"] in ("ClusterRole", "Role")}
-    out: dict[Grant, list[str]] = {}
     for binding in docs:
         if binding["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
             continue
@@ -1242,17 +1250,91 @@ def chart_grants(docs: list[dict[str, Any]], service_account: str, namespace: st
                                  "the chart does not render")
         label = f"{ref['kind']} {ref['name']}" + (f" in {where}" if where else "")
         for rule in role.get("rules") or []:
-            for group in rule.get("apiGroups") or []:
-                for resource in rule.get("resources") or []:
-                    for verb in rule.get("verbs") or []:
-                        out.setdefault((group, resource, verb), []).append(label)
+            yield where, label, rule
+
+
+def _rule_grants(rule: dict[str, Any]) -> Iterator[Grant]:
+    for group in rule.get("apiGroups") or []:
+        for resource in rule.get("resources") or []:
+            for verb in rule.get("verbs") or []:
+                yield group, resource, verb
+
+
+def chart_grants(docs: list[dict[str, Any]], service_account: str, namespace: str) -> dict[Grant, list[str]]:
+    """grant -> the roles granting it, for every (Cluster)Role bound to the ServiceAccount."""
+    out: dict[Grant, list[str]] = {}
+    for _where, label, rule in _bound_rules(docs, service_account, namespace):
+        for grant in _rule_grants(rule):
+            out.setdefault(grant, []).append(label)
     return out
+
+
+def scoped_grants(docs: list[dict[str, Any]], service_account: str, namespace: str) -> dict[str | None, dict[Grant, list[str]]]:
+    """The ServiceAccount's grants by where they hold: None, everywhere (a ClusterRoleBinding);
+    a namespace's name, there only (its RoleBindings)."""
+    out: dict[str | None, dict[Grant, list[str]]] = {}
+    for where, label, rule in _bound_rules(docs, service_account, namespace):
+        for grant in _rule_grants(rule):
+            out.setdefault(where, {}).setdefault(grant, []).append(label)
+    return out
+
+
+@functools.cache
+def namespaced_resources() -> frozenset[tuple[str, str]]:
+    """(group, plural) of every namespaced resource: the built-in ones from the typed client's
+    paths (/namespaces/{namespace}/<plural>), the custom ones from the chart's CRDs' scope."""
+    out = set()
+    for routes in typed_routes().values():
+        for route in routes:
+            group, _version, rest = _split_path(route.path)
+            if "/namespaces/{namespace}/" in route.path and rest and not rest[0].startswith("{"):
+                out.add((group, rest[0]))
+    out |= {(c["spec"]["group"], c["spec"]["names"]["plural"]) for c in _chart_crds() if c["spec"]["scope"] == "Namespaced"}
+    return frozenset(out)
+
+
+def is_namespaced(grant: Grant) -> bool:
+    group, resource, _verb = grant
+    return (group, resource.split("/")[0]) in namespaced_resources()
+
+
+def cluster_scoped(need: Needs) -> set[Grant]:
+    """What of a need can only be granted cluster-wide (a cluster-scoped resource), optional
+    included, beyond what every authenticated user holds (DEFAULT_GRANTS)."""
+    return {g for g in need.required.keys() | need.optional.keys() if not is_namespaced(g)} - DEFAULT_GRANTS
+
+
+def scope_problems(need: Needs, docs: list[dict[str, Any]], service_account: str, namespace: str,
+                   watched: tuple[str, ...]) -> list[str]:
+    """Where the chart grants what: watching all namespaces (watched empty), everything
+    cluster-wide; watching some, every namespaced grant in a Role of each of them and none
+    cluster-wide or in another namespace, only cluster-scoped resources cluster-wide."""
+    scoped = scoped_grants(docs, service_account, namespace)
+    cluster = {**{g: ["every authenticated user"] for g in DEFAULT_GRANTS}, **scoped.get(None, {})}
+    problems = []
+    if watched:
+        for grant in sorted(g for g in cluster if is_namespaced(g)):
+            problems.append(f"cluster-wide grant {_fmt(grant)} ({', '.join(cluster[grant])}): a namespaced resource, "
+                            "which with watchNamespaces belongs in the Role of each watched namespace only")
+    for where in sorted(w for w in scoped if w is not None and w not in watched):
+        problems.append(f"grants in namespace {where}, which is not watched: "
+                        + ", ".join(_fmt(g) for g in sorted(scoped[where])))
+    for where in watched or (None,):
+        have = cluster.keys() | scoped.get(where, {}).keys()
+        for grant in sorted(g for g in need.required.keys() - have if is_namespaced(g)):
+            problems.append(f"missing grant {_fmt(grant)} in {'every namespace' if where is None else where}")
+    for grant in sorted(g for g in need.required.keys() - cluster.keys() if not is_namespaced(g)):
+        problems.append(f"missing cluster-wide grant {_fmt(grant)} (a cluster-scoped resource: only a ClusterRole grants it)")
+    for where, grants in scoped.items():
+        for grant in sorted(g for g in grants if where is not None and not is_namespaced(g)):
+            problems.append(f"grant {_fmt(grant)} in a Role of {where}: a cluster-scoped resource, which no Role reaches")
+    return problems
 
 
 def compare(need: Needs, granted: dict[Grant, list[str]]) -> list[str]:
     """What is needed and not granted, and what is granted and not needed (wildcards included)."""
     problems = []
-    for grant in sorted(need.required.keys() - granted.keys()):
+    for grant in sorted(need.required.keys() - granted.keys() - DEFAULT_GRANTS):
         problems.append(f"missing grant {_fmt(grant)}: needed by {'; '.join(need.required[grant])} "
                         f"({', '.join(need.sites.get(grant, ['kopf']))})")
     for grant in sorted(granted.keys() - need.required.keys() - need.optional.keys()):
@@ -1291,7 +1373,9 @@ def docs_table() -> str:
         for mode, need in per_mode.items():
             verbs = sorted(v for (g, r, v) in need.required if (g, r) == (group, resource))
             opt = sorted(v for (g, r, v) in need.optional if (g, r) == (group, resource))
-            why = [f"{v}: {'; '.join(need.required[(group, resource, v)])}" for v in verbs]
+            why = [f"{v}: {'; '.join(need.required[(group, resource, v)])}"
+                   + (" (every authenticated user's, by Kubernetes' system:basic-user: not in the chart)"
+                      if (group, resource, v) in DEFAULT_GRANTS else "") for v in verbs]
             why += [f"{v} (optional, not required): {'; '.join(need.optional[(group, resource, v)])}" for v in opt]
             verbs_text = ", ".join(verbs + [f"({v})" for v in opt])
             if not verbs_text:

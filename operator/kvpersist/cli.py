@@ -33,11 +33,22 @@ def _run(args: argparse.Namespace) -> int:
         from kvpersist.controller import metrics
 
         metrics.serve(args.metrics_host, args.metrics_port)
+    liveness = None
+    if args.liveness:  # kopf's endpoint on the loopback, a bounded front on the address asked for
+        from kvpersist.controller import health
+
+        try:
+            host, port, path = health.split_endpoint(args.liveness)
+        except ValueError as exc:
+            print(f"kvpersist run: {exc}", file=sys.stderr)
+            return 2
+        liveness, kopf_port = health.kopf_endpoint(path)
+        health.serve(host, port, path, kopf_port)
     namespaces = args.namespace or []
     kopf.run(
         clusterwide=not namespaces,
         namespaces=namespaces,
-        liveness_endpoint=args.liveness,
+        liveness_endpoint=liveness,
         standalone=args.standalone,
         peering_name=args.peering,
         priority=priority,
@@ -86,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="run the controller against the current kubeconfig or in-cluster config")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
-    run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz "
+                     "(kopf's own endpoint on the loopback, behind a bounded server)")
     run.add_argument("--standalone", action="store_true", help="no peering: for one replica only")
     run.add_argument("--peering", default=None, help="KopfPeering name shared by replicas that must not both run")
     run.add_argument("--priority", type=int, default=None,

@@ -131,4 +131,32 @@ CASES = [
          _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                                         {"key": "", "operator": "Exists", "effect": "NoExecute"}])),
     Case("name-too-long", "metadata.name", _long_name),
+    # Control and format characters in free strings (issue 29): a bidi override that makes the
+    # served name read backwards, a NUL and a line break that cut argv and log lines, a zero-width
+    # space that makes two images look alike, a tab in a node label, a bidi mark in a map key.
+    Case("served-name-bidi-override", "spec.vllm.servedModelName", _set("spec.vllm.servedModelName", "qwen\u202egnp.exe")),
+    Case("vllm-image-nul", "spec.vllm.image", _set("spec.vllm.image", "vllm/vllm-openai:v0.33.0\x00evil")),
+    Case("extra-args-newline", "spec.vllm.extraArgs",
+         _set("spec.vllm.extraArgs", ["--root-path", "/v1\nINFO: all requests authorised"])),
+    Case("server-image-zero-width", "spec.lmcacheServer.image", _set("spec.lmcacheServer.image", "lmcache/vllm\u200b-openai:v0.5.6")),
+    Case("node-selector-tab", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool": "gpu\tcpu"})),
+    Case("node-selector-key-bidi", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool\u2067": "gpu"})),
+    Case("toleration-value-bom", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "value": "\ufeffpresent", "effect": "NoSchedule"}])),
+    Case("resource-name-line-separator", "spec.lmcacheServer.resources.requests",
+         _set("spec.lmcacheServer.resources", {"requests": {"memory\u2028": "8Gi"}})),
+    # What Kubernetes refuses in a pod template, refused at apply time naming the field rather than
+    # as a Deployment the API server refuses later: label syntax, resource names, toleration shape.
+    Case("node-selector-value-space", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool": "gpu nodes"})),
+    Case("node-selector-key-two-slashes", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"a/b/c": "x"})),
+    Case("resource-name-space", "spec.vllm.resources.limits", _set("spec.vllm.resources", {"limits": {"my gpu": 1}})),
+    Case("toleration-key-space", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia gpu", "operator": "Exists"}])),
+    Case("toleration-equal-without-key", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"operator": "Equal", "value": "present"}])),
+    Case("toleration-exists-with-value", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "value": "present"}])),
+    Case("toleration-seconds-without-no-execute", "spec.vllm.tolerations",
+         _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule",
+                                         "tolerationSeconds": 60}])),
 ]

@@ -61,24 +61,37 @@ def crd(kubectl: Kubectl) -> None:
 
 
 GC_POLICY = REPO / "config" / "gc" / "gc-authorization.yaml"
+CREATOR_RIGHTS_POLICY = REPO / "config" / "creator-rights" / "creator-rights.yaml"
+
+
+def _installed_policy(kubectl: Kubectl, path: Path, name: str) -> Iterator[None]:
+    """A config/ ValidatingAdmissionPolicy (and what its file holds besides) for one module: removed
+    afterwards, since the chart (tests/e2e/test_helm.py) installs the same names. Waits until the
+    API server has type-checked the policy against the CRD, and fails on any warning."""
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(path))
+
+    def checked() -> dict | None:
+        policy = kubectl.get("validatingadmissionpolicy", name)
+        done = (policy.get("status") or {}).get("observedGeneration") == policy["metadata"]["generation"]
+        return policy if done else None
+
+    policy = wait_for(f"the API server to type-check {name}", checked, timeout=60)
+    assert not (policy["status"].get("typeChecking") or {}).get("expressionWarnings"), policy["status"]
+    yield
+    kubectl.run("delete", "-f", str(path), "--ignore-not-found", check=False)
 
 
 @pytest.fixture(scope="module")
 def gc_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
-    """config/gc's ValidatingAdmissionPolicy, binding and ClusterRole kvpersist-gc, for one module:
-    removed afterwards, since the chart (tests/e2e/test_helm.py) installs the same names. Waits until
-    the API server has type-checked the policy against the CRD, and fails on any warning."""
-    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(GC_POLICY))
+    """config/gc's ValidatingAdmissionPolicy, binding and ClusterRole kvpersist-gc."""
+    yield from _installed_policy(kubectl, GC_POLICY, "kvpersist-gc-request")
 
-    def checked() -> dict | None:
-        policy = kubectl.get("validatingadmissionpolicy", "kvpersist-gc-request")
-        done = (policy.get("status") or {}).get("observedGeneration") == policy["metadata"]["generation"]
-        return policy if done else None
 
-    policy = wait_for("the API server to type-check the gc policy", checked, timeout=60)
-    assert not (policy["status"].get("typeChecking") or {}).get("expressionWarnings"), policy["status"]
-    yield
-    kubectl.run("delete", "-f", str(GC_POLICY), "--ignore-not-found", check=False)
+@pytest.fixture(scope="module")
+def creator_rights_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
+    """config/creator-rights' ValidatingAdmissionPolicy and binding: a KVCacheNamespace's spec
+    needs its author to hold what its pods will (create on pods, get on what it names)."""
+    yield from _installed_policy(kubectl, CREATOR_RIGHTS_POLICY, "kvpersist-creator-rights")
 
 
 @pytest.fixture()

@@ -44,6 +44,27 @@ class Kubectl:
             args += ["-n", namespace]
         return json.loads(self.run(*args).stdout)
 
+    def can_i_list(self, user: str, namespace: str) -> set[tuple[str, str]]:
+        """(resource[.group][/subresource], verb) as `kubectl auth can-i --list --as=user -n
+        namespace` prints them; non-resource URLs (discovery, /healthz...) left out."""
+        out = self.run("auth", "can-i", "--list", f"--as={user}", "-n", namespace).stdout
+        granted = set()
+        for line in out.splitlines()[1:]:
+            cols = line.split()
+            if not cols or cols[0].startswith("["):
+                continue  # non-resource URLs, which every authenticated user may GET
+            resource, verbs = cols[0], line[line.index("[", line.index(cols[0]) + len(cols[0])):]
+            verbs = verbs.split("]")[-2].split("[")[-1].split() if "]" in verbs else []
+            granted |= {(resource, v) for v in verbs}
+        return granted
+
+    def can_i(self, user: str, verb: str, resource: str, *where: str) -> bool:
+        """`kubectl auth can-i verb resource --as=user` (where: -n NS, or --all-namespaces)."""
+        out = self.run("auth", "can-i", verb, resource, f"--as={user}", *where, check=False)
+        if out.stdout.strip() not in ("yes", "no"):
+            raise AssertionError(f"kubectl auth can-i {verb} {resource}: {out.stdout} {out.stderr}")
+        return out.stdout.strip() == "yes"
+
     def as_service_account(self, namespace: str, service_account: str, path: Path, pod: dict[str, Any] | None = None) -> Kubectl:
         """kubectl as a ServiceAccount: a kubeconfig at path holding only its token (no client
         certificate, which the API server would authenticate first). With a pod, the token is

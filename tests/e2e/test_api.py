@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import base64
 import json
+import random
+import re
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.api.text import FORBIDDEN, SURROGATES, forbidden
+from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.identity import key_fingerprint, namespace_id
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 from tests.e2e.kube import Kubectl, wait_for
@@ -40,6 +44,48 @@ def test_invalid_manifest_refused(kubectl: Kubectl, crd: None, namespace: str, c
     assert out.returncode != 0, f"{case.id} was accepted"
     assert case.field in out.stderr, out.stderr
     assert kubectl.run("get", "kvns", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def _probe_characters() -> list[int]:
+    """Each edge of each refused range, its middle and its neighbours, characters that must pass
+    (a space, accents, CJK, an emoji, the last code point) and a fixed random sample of the rest;
+    surrogates cannot travel in JSON."""
+    chars = {0x20, 0x41, 0x7E, 0xA0, 0xE9, 0x3000, 0xFFFD, 0x1F600, 0x10FFFF, 0xE0000, 0xE0080}
+    chars |= set(random.Random(29).sample(range(0x110000), 120))  # and some of the rest, the same each run
+    for a, b in FORBIDDEN:
+        chars |= {a - 1, a, (a + b) // 2, b, b + 1}
+    return sorted(c for c in chars if c >= 0 and not SURROGATES[0] <= c <= SURROGATES[1])
+
+
+def test_the_api_server_and_the_models_refuse_the_same_characters(kubectl: Kubectl, crd: None, namespace: str) -> None:
+    """The CRD's pattern, as the API server's Go regexp reads it, and the models' check, against
+    the one table (kvpersist.api.text.FORBIDDEN), character by character: each probe is one
+    extraArgs value ("a<c>b", no leading dash, so the allow-list rule passes it), and the API
+    server names each index it refuses."""
+    chars = _probe_characters()
+    mismatched = []
+    for start in range(0, len(chars), 60):
+        chunk = chars[start:start + 60]
+        obj = sample()
+        obj["metadata"].update(name="chars", namespace=namespace)
+        obj["spec"]["vllm"]["extraArgs"] = [f"a{chr(c)}b" for c in chunk]
+        out = kubectl.apply(obj, "--dry-run=server", check=False)
+        assert out.returncode == 0 or "is invalid" in out.stderr, out.stderr
+        by_api = {int(i) for i in re.findall(r"spec\.vllm\.extraArgs\[(\d+)\]: Invalid value", out.stderr)}
+        one = sample()
+        for i, c in enumerate(chunk):
+            one["spec"]["vllm"]["servedModelName"] = f"a{chr(c)}b"
+            try:
+                KVCacheNamespace.model_validate(one)
+                by_models = False
+            except ValidationError as exc:
+                by_models = True
+                assert "spec.vllm.servedModelName" in validation_message(exc) and f"U+{c:04X}" in str(exc), exc
+            if not (i in by_api) == by_models == forbidden(chr(c)):
+                mismatched.append(f"U+{c:04X} ({'refused' if forbidden(chr(c)) else 'allowed'} by the table): API server "
+                                  f"{'refuses' if i in by_api else 'accepts'}, models {'refuse' if by_models else 'accept'}")
+    assert mismatched == []
+    assert len(chars) >= 4 * len(FORBIDDEN)
 
 
 def test_runtime_class_defaults_to_nvidia_and_an_empty_one_is_kept(kubectl: Kubectl, crd: None, namespace: str) -> None:

@@ -169,9 +169,20 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
     assert t.per_id_name(twin) == name
     labels = {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/managed-by": "kvpersist",
               "app.kubernetes.io/instance": "routed"}
+    # The resource first with the cache off (vLLM by tag: no namespace id, no per-id route), so that
+    # what an earlier id left can carry its owner reference, as everything the operator made does
+    # (an object under its names without one is not its own: kvpersist.controller.ownership).
+    unpinned = copy.deepcopy(obj)
+    unpinned["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0"
+    kubectl.apply(unpinned)
+    wait_for("the cache-off apply", lambda: kubectl.run("get", "configmap", "routed-connection", "-n", ns,
+                                                         check=False).returncode == 0, timeout=60)
+    uid = kvns(kubectl, ns, "routed")["metadata"]["uid"]
+    owner = [{"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "name": "routed", "uid": uid,
+              "controller": True, "blockOwnerDeletion": True}]
     # What an earlier id of this resource left: its Service, and a vLLM pod still running under it.
     kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns, "labels": {
-        **labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin}}, "spec": {
+        **labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin}, "ownerReferences": owner}, "spec": {
         "selector": {**labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin},
         "ports": [{"name": "zmq", "port": 5555, "targetPort": "zmq"}]}})
     kubectl.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "routed-vllm-old", "namespace": ns, "labels": {
@@ -182,7 +193,7 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
     # And the connection ConfigMap as an earlier operator wrote it, with the config "for other clients".
     kubectl.run("apply", "--server-side", "--field-manager=kvpersist", "-f", "-", stdin=json.dumps({
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "routed-connection", "namespace": ns, "labels": {
-            **labels, "app.kubernetes.io/component": "lmcache-server"}},
+            **labels, "app.kubernetes.io/component": "lmcache-server"}, "ownerReferences": owner},
         "data": {"kv-transfer-config.json": '{"kv_connector":"LMCacheMPConnector"}', "namespace-id": twin,
                  "cache": "enabled"}}))
     kubectl.apply(obj)

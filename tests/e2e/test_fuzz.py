@@ -1,13 +1,13 @@
 """Property-based fuzzing of the spec, against the pydantic models and the real API server.
 
 Each example is a sample with a few fields replaced by arbitrary values (wrong types, out of
-range, empty, missing). The oracle, per example:
+range, empty, missing, a control or format character in a string). The oracle, per example:
 - the API server refuses it naming a field the example changed (or one a rule ties to it), or
-  accepts it;
+  accepts it, and what it stores holds no control or format character (kvpersist.api.text);
 - an accepted one is reconciled (a status at its generation) without the operator crashing or
   looping, and the models decide how: where they refuse the stored object (they and the schema
   disagree), it ends Failed with Ready False InvalidSpec naming the fields they named; where they
-  accept it, it is never InvalidSpec;
+  accept it, it is never InvalidSpec; no condition message carries a control character;
 - pydantic, on its own, refuses with a path or accepts."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from kvpersist.api.text import forbidden, printable
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import Kubectl, wait_for
@@ -72,9 +73,16 @@ VALUES = st.one_of(
     st.sampled_from(["", "auto", "fp8", "main", "LRU", "noop", "500Gi", "lots", "a" * 41, "0" * 40, "sha256:" + "f" * 64,
                      "--kv-cache-dtype=fp8", "hf://buckets/a/b", "kvp-x",
                      # hostile quantities and prefixes (issue 29): an overflow, a sign, a walk out of the prefix
-                     "1e309", "9e99", "-500Gi", "99999999999999999999Ei", "hf://buckets/a/b/../c", "hf://buckets/a/b//c"]),
+                     "1e309", "9e99", "-500Gi", "99999999999999999999Ei", "hf://buckets/a/b/../c", "hf://buckets/a/b//c",
+                     # control and format characters in free strings (issue 29): a bidi override, a NUL, a line
+                     # break, a zero-width space, a byte order mark, a tag character
+                     "qwen\u202egnp.exe", "a\x00b", "/v1\nINFO: ok", "vllm\u200b", "\ufeffgpu", "x\U000e0041"]),
     st.text(max_size=12), st.lists(st.text(max_size=5), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
+
+
+REFUSED_CHARS = st.sampled_from(["\u202e", "\u2067", "\x00", "\n", "\r", "\t", "\x1b", "\x85", "\u200b", "\ufeff",
+                                 "\u2028", "\U000e0041"])
 
 
 @st.composite
@@ -93,6 +101,9 @@ def specs(draw: st.DrawFn) -> tuple[dict, list[str]]:
             if isinstance(node, dict):
                 plausible = PLAUSIBLE.get(path[-1], [])
                 value = draw(st.sampled_from(plausible)) if plausible and draw(st.booleans()) else draw(VALUES)
+                if isinstance(value, str) and draw(st.integers(0, 4)) == 0:  # a plausible string, one character hostile
+                    at = draw(st.integers(0, len(value)))
+                    value = value[:at] + draw(REFUSED_CHARS) + value[at:]
                 if value is None:
                     node.pop(path[-1], None)
                 else:
@@ -126,6 +137,17 @@ def names_a_changed_field(text: str, changed: list[str]) -> bool:
         if "." in rest and rest in text:
             return True
     return False
+
+
+def _strings(node: Any) -> list[str]:
+    """Every string in node, map keys included."""
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(node, list):
+        return [s for v in node for s in _strings(v)]
+    return []
 
 
 STATE: dict[str, Any] = {"accepted": [], "changed": {}, "refused": 0, "pydantic_refused": 0}
@@ -177,6 +199,8 @@ def test_operator_reconciled_every_accepted_spec_and_survived(kubectl: Kubectl, 
     disagree, failed = [], []
     for n in accepted:
         stored = kubectl.get("kvns", n, ns)
+        hostile = [ascii(t) for t in _strings(stored["spec"]) if any(forbidden(ch) for ch in t)]
+        assert hostile == [], f"{n}: the API server stored control or format characters: {hostile}"
         status = stored["status"]
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         try:
@@ -185,11 +209,12 @@ def test_operator_reconciled_every_accepted_spec_and_survived(kubectl: Kubectl, 
             disagree.append(n)
             locs = [".".join(str(p) for p in err["loc"]) for err in exc.errors()]
             assert (status["phase"], ready["status"], ready["reason"]) == ("Failed", "False", "InvalidSpec"), (n, locs, status)
-            assert all(loc in ready["message"] for loc in locs), (locs, ready["message"])
+            assert all(printable(loc) in ready["message"] for loc in locs), (locs, ready["message"])
             assert any(loc.startswith("spec") for loc in locs) and names_a_changed_field(ready["message"], STATE["changed"][n]), \
                 (STATE["changed"][n], ready["message"])
         else:
             assert ready["reason"] != "InvalidSpec", (n, ready)
+        assert not any(forbidden(ch) for c in status["conditions"] for ch in c.get("message", "")), (n, status)
         if status["phase"] == "Failed":
             failed.append(f"{n}: {ready['reason']}")
     assert fuzz_env["op"].poll() is None, "the operator died"

@@ -1,13 +1,17 @@
 """Creating a KVCacheNamespace is less power than the operator's own, on the real API server: an
 image outside the allowed prefixes (chart value allowedImages) and a named Secret without the
 required label (secretLabel) get nothing applied and say why; with watchNamespaces the chart grants
-Secrets only in those namespaces."""
+the operator nothing outside those namespaces (Secrets included) and nothing cluster-wide, and that
+is enough for it to reconcile there."""
 
 from __future__ import annotations
 
 import base64
+import os
 import secrets
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import rbac_needs
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
-from tests.e2e.operator_env import more_rounds, start_operator, stop
+from tests.e2e.operator_env import free_port, more_rounds, start_operator, stop
+from tests.e2e.test_exclusive_stores import cond, kvns, replicas, resource
+from tests.e2e.test_helm import CHART, helm, rbac_decisions
 from tests.integration.hub_stub import HubStub
 
 pytestmark = pytest.mark.e2e
@@ -174,9 +181,10 @@ def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kub
     wait_for("the bucket preflight with the labelled token", lambda: token in hub.seen_tokens, timeout=60)
 
 
-def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: Path) -> None:
+def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
     """The chart with watchNamespaces: its ServiceAccount may get and create Secrets in those
-    namespaces (a Role each) and nowhere else; no cluster-wide Secret verb."""
+    namespaces (a Role each) and nowhere else; no cluster-wide Secret verb. crd: can-i of a kind
+    the API server does not serve says no."""
     suffix = uuid.uuid4().hex[:6]
     release, release_ns, watched, other = f"lp-{suffix}", f"lp-sys-{suffix}", f"lp-w-{suffix}", f"lp-o-{suffix}"
     rendered = subprocess.run([str(bin_dir() / "helm"), "template", release, str(REPO / "charts" / "kvpersist"),
@@ -186,8 +194,8 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: P
     docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding") and d["metadata"]["name"].startswith(
         fullname)]
-    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == fullname)
-    assert not [r for r in cluster_role["rules"] if "secrets" in r["resources"]]
+    # No ClusterRole at all (test_watch_namespaces_grant_nothing_elsewhere: nothing else either).
+    assert not [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == fullname]
     assert {(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"] in ("Role", "RoleBinding")} == {
         ("Role", watched), ("RoleBinding", watched)}
     for ns in (release_ns, watched, other):
@@ -204,12 +212,111 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, tmp_path: P
         wait_for("the Role to take effect", lambda: can("get", "-n", watched), timeout=30)
         assert can("create", "-n", watched)
         assert not can("get", "-n", other) and not can("create", "-n", other) and not can("get", "-n", release_ns)
-        assert not can("get", "--all-namespaces") and not can("list", "-n", watched)
-        # The rest of the ClusterRole is still there: the check is not vacuous.
-        assert kubectl.run("auth", "can-i", "watch", "kvcachenamespaces.kvpersist.dev", f"--as={sa}", "-n", other,
-                           check=False).stdout.strip() == "yes"
+        # list + watch there: the Secrets' metadata cache (kvpersist.controller.watchcache); never elsewhere.
+        assert can("list", "-n", watched) and can("watch", "-n", watched)
+        assert not can("get", "--all-namespaces") and not can("list", "--all-namespaces") and not can("list", "-n", other)
+        # The rest of the Role is there too (the check is not vacuous), and there only.
+        assert kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", watched)
+        assert not kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", other)
     finally:
         for kind, name in cluster_scoped:
             kubectl.run("delete", kind.lower(), name, "--ignore-not-found", check=False)
         for ns in (release_ns, watched, other):
+            kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# What the operator's ServiceAccount may hold cluster-wide with watchNamespaces, beyond what every
+# ServiceAccount holds (measured below on a fresh one): nothing. kopf, given exact names, scans
+# neither namespaces nor CRDs (controller/runtime.py configure) and peers on a KopfPeering in each
+# watched namespace; the operator's own cross-resource LISTs go to each watched namespace by name
+# (runtime.listing_scopes, once a SelfSubjectAccessReview, which every user may ask, says it may not
+# list them cluster-wide). tests/rbac_needs.py derives the same from the code (checked below).
+CLUSTER_WIDE_WITH_WATCH_NAMESPACES: set[tuple[str, str]] = set()
+
+
+def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, tmp_path: Path, audit_log: Path) -> None:
+    """`helm install --set watchNamespaces={a,b}`: the operator's ServiceAccount may do, outside a
+    and b, nothing a fresh ServiceAccount may not (`kubectl auth can-i --list`): no Deployment in
+    kube-system (which, with any ServiceAccount there, is cluster admin), no pod list anywhere. In a
+    and b it holds exactly what its code needs, and that is enough: the operator, run as the chart
+    runs it with only that account's token, reconciles both and sees across them (a bucket prefix
+    held in a refuses its second user in b), with no request of it refused (the audit log)."""
+    suffix = uuid.uuid4().hex[:6]
+    release, release_ns = f"wn-{suffix}", f"wn-sys-{suffix}"
+    a, b, outside = f"wn-a-{suffix}", f"wn-b-{suffix}", f"wn-o-{suffix}"
+    fullname = f"{release}-kvpersist"
+    sa = f"system:serviceaccount:{release_ns}:{fullname}"
+    fresh = f"system:serviceaccount:{release_ns}:fresh"
+    proc: subprocess.Popen | None = None
+    log = tmp_path / "operator.log"
+    for ns in (a, b, outside):
+        kubectl.run("create", "namespace", ns)
+    try:
+        helm("install", release, str(CHART), "--namespace", release_ns, "--create-namespace", "--kubeconfig",
+             str(kubectl.kubeconfig), "--set", f"watchNamespaces={{{a},{b}}}", "--set", "peering.name=kvpersist")
+        kubectl.run("create", "serviceaccount", "fresh", "-n", release_ns)  # no binding: the defaults only
+        wait_for("the Roles to take effect", lambda: kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", a)
+                 and kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", b), timeout=30)
+        need = rbac_needs.needs("namespaced")
+        assert rbac_needs.can_i_pairs(rbac_needs.cluster_scoped(need)) == CLUSTER_WIDE_WITH_WATCH_NAMESPACES
+        # What the operator asks of the defaults (a SelfSubjectAccessReview: may it list across namespaces?).
+        assert rbac_needs.can_i_pairs(set(need.required) & rbac_needs.DEFAULT_GRANTS) <= kubectl.can_i_list(fresh, outside)
+        for where in (outside, "kube-system", "default", release_ns):
+            extra = kubectl.can_i_list(sa, where) - kubectl.can_i_list(fresh, where)
+            assert extra <= CLUSTER_WIDE_WITH_WATCH_NAMESPACES, f"granted in {where}: {sorted(extra)}"
+        for verb, what in (("create", "deployments.apps"), ("patch", "statefulsets.apps"), ("delete", "services"),
+                           ("delete", "networkpolicies.networking.k8s.io"), ("list", "pods"), ("get", "secrets"),
+                           ("patch", "persistentvolumeclaims"), ("patch", "kvcachenamespaces.kvpersist.dev")):
+            assert not kubectl.can_i(sa, verb, what, "-n", "kube-system"), f"{verb} {what} in kube-system"
+            assert not kubectl.can_i(sa, verb, what, "--all-namespaces"), f"{verb} {what} cluster-wide"
+        needed = rbac_needs.can_i_pairs(set(need.required) - rbac_needs.DEFAULT_GRANTS)  # the fresh account has those
+        optional = rbac_needs.can_i_pairs(set(need.optional))
+        for ns in (a, b):
+            got = kubectl.can_i_list(sa, ns) - kubectl.can_i_list(fresh, ns)
+            assert needed <= got and not got - needed - optional, f"in {ns}: missing {needed - got}, extra {got - needed - optional}"
+        assert kubectl.can_i(sa, "create", "deployments.apps", "-n", a)  # the check above can say yes
+
+        # Enough: the operator as the chart's Deployment runs it (its args and env, the fieldRefs
+        # resolved for its pod), with that account's token only (no container runtime here: a process).
+        deployment = kubectl.get("deployment", fullname, release_ns)
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        assert {f"--namespace={a}", f"--namespace={b}"} <= set(container["args"])
+        pod = wait_for("the chart's operator pod", lambda: next((p for p in kubectl.get("pods", namespace=release_ns)["items"]
+                                                                  if p["metadata"]["name"].startswith(fullname)), None),
+                       timeout=60)
+        args = [f"--liveness=http://127.0.0.1:{free_port()}/healthz" if x.startswith("--liveness=")
+                else f"--metrics-port={free_port()}" if x.startswith("--metrics-port=") else x for x in container["args"]]
+        env = {e["name"]: e["value"] if "value" in e else pod["metadata"][e["valueFrom"]["fieldRef"]["fieldPath"].split(".")[1]]
+               for e in container.get("env", [])}
+        own = kubectl.as_service_account(release_ns, fullname, tmp_path / "sa.kubeconfig", pod=pod).kubeconfig
+        with log.open("ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", *args, "--metrics-host=127.0.0.1"],
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **env, "KUBECONFIG": str(own), "PYTHONUNBUFFERED": "1"})
+        bucket = {"hfBucket": {"bucketHandle": f"hf://buckets/acme-ml/kv-cache/{suffix}", "tokenSecretRef": {"name": "hf"},
+                               "maxCapacityGB": 1}}
+        kubectl.apply(resource(a, "first", bucket))
+        first = wait_for("first (in a) to serve", lambda: replicas(kubectl, a, "first") == 1
+                         and (kvns(kubectl, a, "first").get("status") or {}).get("namespaceId"), timeout=120,
+                         explain=lambda: log.read_text()[-3000:])
+        time.sleep(1.1)  # creationTimestamp has whole seconds: the second is younger, not a tie
+        kubectl.apply(resource(b, "second", bucket))  # the same pins, the same id, the same prefix, another namespace
+        second = wait_for("second (in b) refused: a's resource holds the prefix", lambda: (o := kvns(kubectl, b, "second"))
+                          and cond(o, "Ready").get("reason") == "StorageInUse" and o, timeout=120,
+                          explain=lambda: log.read_text()[-3000:])
+        assert f"{a}/first" in cond(second, "Ready")["message"] and first in cond(second, "Ready")["message"]
+        kubectl.apply(resource(outside, "third", bucket))
+        time.sleep(12)  # over a status interval: it would have a status by now, were it served
+        assert not (kvns(kubectl, outside, "third").get("status") or {}), "a namespace outside watchNamespaces was reconciled"
+        assert proc.poll() is None, log.read_text()[-3000:]
+        refused, allowed = rbac_decisions(audit_log, sa)
+        assert allowed > 0, f"no request of {sa} in the audit log: the check would be vacuous"
+        assert refused == [], refused[:10]
+        text = log.read_text()
+        assert "Not enough permissions" not in text and "Traceback" not in text, text[-3000:]
+    finally:
+        if proc is not None:
+            stop(proc)
+        helm("uninstall", release, "--namespace", release_ns, "--kubeconfig", str(kubectl.kubeconfig), check=False)
+        for ns in (a, b, outside, release_ns):
             kubectl.run("delete", "namespace", ns, "--wait=false", check=False)

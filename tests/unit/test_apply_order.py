@@ -37,6 +37,8 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
     monkeypatch.setattr(kube, "post_event", lambda *a: None)
     monkeypatch.setattr(kube, "get", lambda *a: None)  # no key Secret yet: generated (its fingerprint is in the id)
     monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
+    monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
+    monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
     body = copy.deepcopy(sample())
     body["metadata"].update(namespace="ml", uid="u-order", generation=1)  # L2 encryption on (the default): a key Secret too
     key = ("ml", body["metadata"]["name"])

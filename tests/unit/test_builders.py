@@ -499,6 +499,27 @@ def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_the
     assert "runAsUser" not in vllm["containers"][0]["securityContext"] and "fsGroup" not in vllm["securityContext"]
 
 
+def test_a_users_claim_is_never_re_owned_by_the_pods_fs_group() -> None:
+    """spec.l2.nvme.existingClaimName is a claim the operator did not make: its server pod sets no
+    fsGroup (nor fsGroupChangePolicy), so the kubelet never chgrps and makes group-writable the
+    user's files (Postgres and others refuse group-writable data). The agent's token file, then
+    root's, is readable by the agent's container alone (only it mounts it). The operator's own
+    claims (volumeClaimTemplates) keep the data group."""
+    users = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "pg-data", "maxCapacityGB": 100}))
+    pod = build_lmcache_statefulset(users, "img:1")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert {"name": "l2", "persistentVolumeClaim": {"claimName": "pg-data"}} in pod["volumes"]
+    token = next(v for v in pod["volumes"] if v["name"] == "agent-token")["secret"]
+    assert token["defaultMode"] == 0o444
+    assert [c["name"] for c in pod["containers"] if any(m["name"] == "agent-token" for m in c["volumeMounts"])] == [
+        "inventory-agent"]
+    agent = pod["containers"][1]["securityContext"]
+    assert (agent["runAsUser"], agent["runAsGroup"], agent["runAsNonRoot"]) == (65532, 2000, True)
+    own = build_lmcache_statefulset(target(), "img:1")["spec"]
+    assert "volumeClaimTemplates" in own
+    assert own["template"]["spec"]["securityContext"]["fsGroup"] == 2000
+
+
 def test_no_pod_uses_a_host_namespace_and_the_runtime_class_is_the_users() -> None:
     """Isolated CUDA IPC needs no host namespace (tests/contract/test_gpu_pod_contract.py), so
     the baseline Pod Security level admits every pod, cache on or off; runtimeClassName ""

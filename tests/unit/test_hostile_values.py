@@ -75,6 +75,15 @@ def test_overflowing_and_negative_sizes_are_refused() -> None:
     assert judged(with_value(("l2", "nvme", "size"), "nvme-minimal", "500Gi")) is None
 
 
+def test_a_quantity_string_is_never_read_as_a_number() -> None:
+    """What the API server's pattern refuses, the models refuse too: pydantic's lax int strips
+    whitespace (U+2028 and newlines included) and reads True as 1 (found by tests/unit/test_free_text.py)."""
+    for value in ("0\u2028", " 5", "5\n", "\t1", True, 1.0):
+        assert judged(with_value(("vllm", "resources", "limits", "memory"), "nvme-minimal", value)) is not None, ascii(value)
+        assert judged(with_value(("l2", "nvme", "size"), "nvme-minimal", value)) is not None, ascii(value)
+    assert judged(with_value(("vllm", "resources", "limits", "memory"), "nvme-minimal", 5)) is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.text(max_size=30), st.from_regex(QUANTITY, fullmatch=True), st.integers()))
 def test_any_quantity_text_is_a_refusal_or_a_finite_size(value: object) -> None:

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "operator" / "kvpersist"
 # Leaves first. Modules of one layer may import each other (status and inventory both read the
 # data's figures), never one above.
 LAYERS = {
-    "kvpersist": 0, "kvpersist.identity": 0, "kvpersist.httpclient": 0, "kvpersist.inserver": 0,
+    "kvpersist": 0, "kvpersist.identity": 0, "kvpersist.httpclient": 0, "kvpersist.httpserver": 0, "kvpersist.inserver": 0,
     "kvpersist.api": 1, "kvpersist.builders": 2, "kvpersist.status": 3, "kvpersist.inventory": 3,
     "kvpersist.controller": 4, "kvpersist.admin": 5, "kvpersist.cli": 6,
 }

@@ -24,6 +24,7 @@ from kvpersist.builders.retained import (
     KEY_FINGERPRINT_ANNOTATION,
     TRACKING_LABEL,
     protect_patch,
+    retained_labels,
 )
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, l2key, reading, refresh, runtime
@@ -186,6 +187,8 @@ class Api:
         monkeypatch.setattr(runtime, "CONTROLLER", Controller())
         monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: self.secret if kind == "Secret" else None)
         monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
+        monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
+        monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
         monkeypatch.setattr(kube, "apply", lambda m: self.applied.append(m) or m)
         monkeypatch.setattr(kube, "create_if_absent", lambda m: self.created.append(m) or True)
         monkeypatch.setattr(kube, "post_event", lambda body, t, reason, message: self.events.append((t, reason, message)))
@@ -228,7 +231,9 @@ def test_apply_makes_no_key_over_data_and_one_when_asked(monkeypatch: pytest.Mon
 
 def test_the_generated_key_and_claims_are_patched_out_of_prunes_once(monkeypatch: pytest.MonkeyPatch) -> None:
     name = sample()["metadata"]["name"]
-    old_style = {"metadata": {"name": f"{name}-l2-key", "labels": {TRACKING_LABEL: name}},
+    old_style = {"metadata": {"name": f"{name}-l2-key", "labels": {  # as the operator made it before retained labels
+        "app.kubernetes.io/name": "kvpersist", TRACKING_LABEL: name, "app.kubernetes.io/component": "l2-key",
+        "app.kubernetes.io/managed-by": "kvpersist"}},
                  "data": {"master-key": base64.b64encode(KEY_A).decode()}}
     api = Api(monkeypatch, old_style)
     body = _body()
@@ -295,9 +300,12 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     body = copy.deepcopy(sample())
     body["metadata"].update(namespace="ml", uid="u1", generation=1, annotations={})
     key = ("ml", body["metadata"]["name"])
-    secret = {"metadata": {"name": f"{key[1]}-l2-key"}, "data": {"master-key": base64.b64encode(KEY_A).decode()}}
+    secret = {"metadata": {"name": f"{key[1]}-l2-key", "labels": retained_labels(key[1], "l2-key")},
+              "data": {"master-key": base64.b64encode(KEY_A).decode()}}
     monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
     monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
+    monkeypatch.setattr(kube, "named_metadata", lambda *a: None)
+    monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
     monkeypatch.setattr(kube, "apply", lambda m: m)
     monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
     target, _ = reading._target(body, FP_A)

@@ -171,9 +171,12 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(kube, "apply", lambda m: calls.append(f"apply {m['kind']}") or m)
     monkeypatch.setattr(kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or True)
     monkeypatch.setattr(kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
-    monkeypatch.setattr(kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or {})
+    # The Secrets named exist (unlabelled); the agent token does not yet (the operator makes it).
+    monkeypatch.setattr(kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or (
+        None if a[2].endswith("-agent-token") else {}))
     monkeypatch.setattr(kube, "post_event", lambda *a: None)
     monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
+    monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
     monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
     body = _body(sample())
     key = ("ml", body["metadata"]["name"])

@@ -4,6 +4,7 @@ derives it), in both of the chart's modes; a call the derivation cannot read fai
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +123,9 @@ def test_the_chart_check_can_fail(rendered: dict) -> None:
     assert "controller.refresh._observe.statefulset_failure" in problems[0]
     extra = copy.deepcopy(docs)
     role = next(d for d in extra if d["kind"] == "ClusterRole" and d["metadata"]["name"] == SA)
-    role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["list"]})
+    role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["delete"]})
     assert rb.compare(need, rb.chart_grants(extra, SA, SA_NS)) == [
-        "unused grant list secrets (ClusterRole kvpersist): no code or kopf handler needs it"]
+        "unused grant delete secrets (ClusterRole kvpersist): no code or kopf handler needs it"]
 
 
 def test_kopf_keeps_its_state_in_annotations() -> None:
@@ -142,3 +143,71 @@ def test_kopf_keeps_its_state_in_annotations() -> None:
 def test_security_doc_table_is_current() -> None:
     text = rb.DOCS.read_text()
     assert rb.docs_block() in text, "docs/security.md's RBAC table is stale: python -m tests.rbac_needs --write-docs"
+
+
+@pytest.mark.parametrize("mode", rb.MODES)
+def test_each_grant_holds_where_it_is_needed_and_nowhere_else(mode: str, rendered: dict) -> None:
+    """Cluster-wide mode: one ClusterRole. Namespaced mode: every namespaced grant in a Role of
+    each watched namespace, none cluster-wide (a ClusterRole reaching StatefulSets or pods is every
+    namespace's, kube-system's included), nothing in another namespace."""
+    watched = rb.WATCHED if mode == "namespaced" else ()
+    problems = rb.scope_problems(rb.needs(mode), rendered[mode], SA, SA_NS, watched)
+    assert problems == [], "\n".join(problems)
+
+
+def test_namespaced_mode_needs_nothing_cluster_wide(rendered: dict) -> None:
+    """With exact namespace names kopf scans neither namespaces nor CRDs and peers per namespace,
+    and the operator lists the watched namespaces one by one: no cluster-scoped resource is
+    needed, so the chart renders no ClusterRole or ClusterRoleBinding for the operator."""
+    assert rb.cluster_scoped(rb.needs("namespaced")) == set()
+    assert {("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+            ("kopf.dev", "clusterkopfpeerings", "patch")} <= rb.cluster_scoped(rb.needs("clusterwide"))  # not vacuous
+    docs = rendered["namespaced"]
+    assert rb.scoped_grants(docs, SA, SA_NS).keys() == set(rb.WATCHED)
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding") and d["metadata"]["name"] == SA]
+
+
+def test_the_scope_check_can_fail(rendered: dict) -> None:
+    """The namespaced chart plus today's-main-style ClusterRole of namespaced rights is refused,
+    naming them; a verb dropped from one watched namespace's Role is missing there only."""
+    need = rb.needs("namespaced")
+    docs = copy.deepcopy(rendered["namespaced"])
+    clusterwide = rendered["clusterwide"]
+    docs += [copy.deepcopy(d) for d in clusterwide if d["kind"] in ("ClusterRole", "ClusterRoleBinding")
+             and d["metadata"]["name"] == SA]
+    problems = rb.scope_problems(need, docs, SA, SA_NS, rb.WATCHED)
+    assert any(p.startswith("cluster-wide grant create statefulsets.apps (ClusterRole kvpersist): a namespaced") for p in problems)
+    assert any(p.startswith("cluster-wide grant list pods (ClusterRole kvpersist)") for p in problems), problems
+    docs = copy.deepcopy(rendered["namespaced"])
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["namespace"] == "team-b")
+    for rule in role["rules"]:
+        if "deployments" in rule["resources"]:
+            rule["resources"].remove("deployments")
+    assert rb.scope_problems(need, docs, SA, SA_NS, rb.WATCHED) == [
+        f"missing grant {v} deployments.apps in team-b" for v in ("create", "list", "patch", "watch")]
+    # A Role of the operator's rights in a namespace it does not watch.
+    stray = copy.deepcopy([d for d in rendered["namespaced"] if d["kind"] in ("Role", "RoleBinding")
+                           and d["metadata"]["namespace"] == "team-a"])
+    for d in stray:
+        d["metadata"]["namespace"] = "kube-system"
+    problems = rb.scope_problems(need, rendered["namespaced"] + stray, SA, SA_NS, rb.WATCHED)
+    assert len(problems) == 1 and problems[0].startswith("grants in namespace kube-system, which is not watched: "), problems
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("{team-*}", "does not match pattern"),  # the values schema
+    ("{a,a}", "are equal"),
+])
+def test_watch_namespaces_takes_exact_names_only(helm: Path, value: str, says: str) -> None:
+    """A pattern names no namespace to put a Role in: refused, by the values schema and (with
+    --skip-schema-validation) by the template, saying what to do."""
+    def template(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(helm), "template", "r", str(rb.CHART), "--set", f"watchNamespaces={value}", *extra],
+                              capture_output=True, text=True, timeout=120)
+
+    out = template()
+    assert out.returncode != 0 and says in out.stderr, out.stderr
+    out = template("--skip-schema-validation")
+    assert out.returncode != 0, out.stdout[:500]
+    assert "watchNamespaces[" in out.stderr and ("only exact namespace names" in out.stderr
+                                                 or "listed twice" in out.stderr), out.stderr

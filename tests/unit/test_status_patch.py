@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from kvpersist.api import status as status_api
 from kvpersist.api.status import StatusPatchError, checked_patch, validate_patch
 from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
+from kvpersist.builders.retained import retained_labels
 from kvpersist.builders.target import SERVER
 from kvpersist.controller import gc, kube, reading, refresh, runtime
 from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
@@ -261,8 +262,11 @@ class FakeApi:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, reports: list[ServerReport]) -> None:
         self.patches: list[dict[str, Any]] = []
         self.metadata_patches: list[tuple[str, str, dict[str, Any]]] = []
-        secret = {"metadata": {"name": "llama31-8b-l2-key", "labels": {}}, "data": {"master-key": base64.b64encode(KEY).decode()}}
+        secret = {"metadata": {"name": "llama31-8b-l2-key", "labels": retained_labels("llama31-8b", "l2-key")},
+                  "data": {"master-key": base64.b64encode(KEY).decode()}}
         monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: secret if kind == "Secret" else None)
+        monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
+        monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
         monkeypatch.setattr(kube, "patch_metadata", lambda v, kind, name, ns, patch: self.metadata_patches.append(
             (kind, name, patch)))
         monkeypatch.setattr(kube, "patch_status", lambda *a: self.patches.append(a[-1]))

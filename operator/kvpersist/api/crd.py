@@ -25,6 +25,29 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+KEY_PATTERNS = {
+    api.NO_CONTROL_PATTERN: "no control or format character (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls "
+                            "such as U+202E)",
+    api.QUALIFIED_NAME: "a qualified name as Kubernetes has it, e.g. memory or nvidia.com/gpu: an optional DNS "
+                        "subdomain and /, then at most 63 letters, digits, -, _ or ., a letter or digit at each end",
+}
+
+
+def _key_rule(names: dict[str, Any]) -> dict[str, str]:
+    """propertyNames (the schema of a map's keys, which pydantic writes) as a CEL rule: a raw
+    string, so the pattern's \\x{...} escapes reach RE2 as written."""
+    unknown = set(names) - {"minLength", "maxLength", "pattern"}
+    if unknown or "'" in names.get("pattern", ""):
+        raise ValueError(f"propertyNames not translated to CEL: {names}")
+    checks = [f"k.size() >= {names['minLength']}"] if "minLength" in names else []
+    checks += [f"k.size() <= {names['maxLength']}"] if "maxLength" in names else []
+    checks += [f"k.matches(r'{names['pattern']}')"] if "pattern" in names else []
+    size = f"{names.get('minLength', 0)} to {names['maxLength']}" if "maxLength" in names else "any number of"
+    shape = KEY_PATTERNS.get(names["pattern"], f"matching {names['pattern']}") if "pattern" in names else "any text"
+    message = f"each key: {shape} ({size} characters)"
+    return api.cel(f"self.all(k, {' && '.join(checks) or 'true'})", message, reason="FieldValueInvalid")
+
+
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """One pydantic schema node as a structural OpenAPI v3 node."""
     node = _resolve(node, defs)
@@ -42,6 +65,12 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if rest.get("default", ...) is None:
             rest.pop("default")
         return structural({**inner, **rest}, defs)
+    if "patternProperties" in node:  # pydantic's spelling of a map whose keys have a pattern
+        (pattern, values), *more = node["patternProperties"].items()
+        if more or "additionalProperties" in node:
+            raise ValueError(f"patternProperties not translated: {node}")
+        node = {**{k: v for k, v in node.items() if k != "patternProperties"}, "additionalProperties": values,
+                "propertyNames": {**node.get("propertyNames", {}), "pattern": pattern}}
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROP or key == "$defs":
@@ -61,6 +90,9 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["maximum"], out["exclusiveMaximum"] = value, True
         elif key == "const":
             out["enum"] = [value]
+        elif key == "propertyNames":
+            # Not in a CRD's schema: the map's keys are checked by a CEL rule over them instead.
+            out.setdefault("x-kubernetes-validations", []).append(_key_rule(value))
         else:
             out[key] = value
     if out.get("type") == "number":  # one spelling whatever pydantic wrote (versions differ: 0 or 0.0)

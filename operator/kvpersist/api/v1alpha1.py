@@ -13,8 +13,21 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from kvpersist.api.text import NO_CONTROL_PATTERN, printable, refuse_control
 
 GROUP = "kvpersist.dev"
 VERSION = "v1alpha1"
@@ -125,11 +138,31 @@ def _bounded_quantity(value: str | int) -> str | int:
 
 
 Quantity = Annotated[
-    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Field(ge=0, le=MAX_QUANTITY)],
+    # Strict int: a string is never turned into one (pydantic's lax int strips whitespace, U+2028
+    # included, and takes True as 1), so the models refuse what the API server's pattern refuses.
+    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_QUANTITY)],
     AfterValidator(_bounded_quantity),
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
                     "x-kubernetes-int-or-string": True}),
 ]
+
+
+# A string without a strict pattern of its own (an image, a served model name, an extraArgs
+# value, a toleration, a node selector): no control or format character (kvpersist.api.text).
+# The models name the character and its position; the schema's pattern is the same table, for
+# the API server, and a map keyed by it gets a CEL rule over its keys (kvpersist.api.crd).
+FreeText = Annotated[str, BeforeValidator(refuse_control), Field(json_schema_extra={"pattern": NO_CONTROL_PATTERN})]
+# Kubernetes' own syntax for what it checks when the operator applies a pod template: label keys,
+# toleration keys and resource names (memory, nvidia.com/gpu) are qualified names (an optional DNS
+# subdomain and "/", then at most 63 characters); label values at most 63 of the same characters.
+# Refused here, at apply time and naming the field, rather than later as a Deployment the API
+# server refuses. The control check runs first, to name the character (Field before the
+# validator: pydantic keeps the pattern in the schema only in that order).
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?" + _LABEL_NAME + "$"
+LABEL_VALUE = "^(" + _LABEL_NAME + ")?$"
+QualifiedName = Annotated[str, Field(min_length=1, max_length=317, pattern=QUALIFIED_NAME), BeforeValidator(refuse_control)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE), BeforeValidator(refuse_control)]
 
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
@@ -412,12 +445,19 @@ class Eviction(_Model):
 class Resources(_Model):
     """Container resource requests and limits."""
 
-    requests: dict[str, Quantity] | None = Field(None, description="Requests by resource name, e.g. memory: 80Gi.")
-    limits: dict[str, Quantity] | None = Field(None, description="Limits by resource name.")
+    requests: dict[QualifiedName, Quantity] | None = Field(None, max_length=32,
+                                                           description="Requests by resource name, e.g. memory: 80Gi.")
+    limits: dict[QualifiedName, Quantity] | None = Field(None, max_length=32, description="Limits by resource name.")
 
 
 CATCH_ALL_TOLERATION = ("operator Exists without a key tolerates every taint (control-plane, GPU nodes reserved for "
                         "others, NoExecute evictions): name the taint key, e.g. key: nvidia.com/gpu")
+
+
+# What Kubernetes refuses in a pod's tolerations, refused at apply time instead of as a Deployment.
+EQUAL_NEEDS_KEY = "operator Equal matches a taint by key and value: name the taint key"
+EXISTS_TAKES_NO_VALUE = "operator Exists matches every value of the key: drop value, or use operator Equal"
+SECONDS_NEED_NO_EXECUTE = "applies to NoExecute taints only: set effect NoExecute, or drop tolerationSeconds"
 
 
 class Toleration(_Model):
@@ -428,14 +468,19 @@ class Toleration(_Model):
             "x-kubernetes-validations": [
                 cel("self.operator != 'Exists' || (has(self.key) && self.key != '')", CATCH_ALL_TOLERATION,
                     field_path=".key", reason="FieldValueForbidden"),
+                cel("self.operator == 'Exists' || has(self.key)", EQUAL_NEEDS_KEY, field_path=".key"),
+                cel("self.operator != 'Exists' || !has(self.value) || self.value == ''", EXISTS_TAKES_NO_VALUE,
+                    field_path=".value"),
+                cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                    SECONDS_NEED_NO_EXECUTE, field_path=".tolerationSeconds"),
             ]
         }
     )
 
-    key: str | None = Field(None, max_length=317, description="Taint key. Required with operator Exists: without one the "
-                            "toleration would match every taint, and is refused.")
+    key: QualifiedName | None = Field(None, description="Taint key, e.g. nvidia.com/gpu. Required: without one a "
+                                      "toleration with operator Exists would match every taint, and is refused.")
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value for operator Equal.")
+    value: LabelValue | None = Field(None, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to match; all effects when unset.",
     )
@@ -445,6 +490,12 @@ class Toleration(_Model):
     def _not_catch_all(self) -> Toleration:
         if self.operator == "Exists" and not self.key:
             raise ValueError(f"key: {CATCH_ALL_TOLERATION}")
+        if self.operator == "Equal" and self.key is None:
+            raise ValueError(f"key: {EQUAL_NEEDS_KEY}")
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"value: {EXISTS_TAKES_NO_VALUE}")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError(f"tolerationSeconds: {SECONDS_NEED_NO_EXECUTE}")
         return self
 
 
@@ -468,7 +519,7 @@ class LMCacheServer(_Model):
         }
     )
 
-    image: str = Field(
+    image: FreeText = Field(
         "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
         description="Image with the lmcache 0.5.6 CLI. Name it by digest (<image>@sha256:<64 hex>): the digest is "
         "part of the namespace id, and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
@@ -496,7 +547,7 @@ class LMCacheServer(_Model):
 class VLLM(_Model):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
-    image: str = Field(
+    image: FreeText = Field(
         "vllm/vllm-openai:v0.33.0", min_length=1, max_length=512,
         description="vLLM image. Name it by digest (<image>@sha256:<64 hex>): the digest is part of the namespace id, "
         "and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
@@ -506,11 +557,11 @@ class VLLM(_Model):
         None, ge=1, le=64, alias="gpusPerReplica",
         description="nvidia.com/gpu per pod; defaults to identity.tensorParallelSize (or 1).",
     )
-    served_model_name: str | None = Field(
+    served_model_name: FreeText | None = Field(
         None, min_length=1, max_length=256, description="Name clients use in requests; defaults to identity.modelId.",
     )
     port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
-    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+    extra_args: list[Annotated[FreeText, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64,
         description="More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
         "scheduling, logging, the HTTP API), spelled in full; everything else, the identity pins included, is refused: "
@@ -523,8 +574,8 @@ class VLLM(_Model):
         },
     )
     resources: Resources | None = Field(None, description="Extra requests/limits; GPUs come from gpusPerReplica.")
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
-        None, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
+    node_selector: dict[QualifiedName, LabelValue] | None = Field(
+        None, max_length=64, description="Node labels the vLLM pods (and so their lmcache servers) must run on.",
     )
     tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the vLLM pods.")
     runtime_class_name: str = Field(
@@ -911,5 +962,7 @@ def validation_message(exc: ValidationError) -> str:
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{path}: {msg}" if path else msg)
+        # printable: a path through a map key, or a message quoting input, may hold the very
+        # character refused; the message goes into a condition and must not carry it.
+        lines.append(printable(f"{path}: {msg}" if path else msg))
     return "; ".join(lines)

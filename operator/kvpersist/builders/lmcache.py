@@ -319,6 +319,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     mounts = [{"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}]
     # Non-root, no capability: it reads and deletes what the root server wrote through the pod's
     # fsGroup (DATA_GROUP; the server writes group-writable), and reads its token file the same way.
+    # On a user's claim (no fsGroup) only where its owner gave the volume's root that group, setgid.
     if nvme is not None:
         mounts.insert(0, {"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
     return {
@@ -336,6 +337,15 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     }
 
 
+def users_claim_name(target: Target) -> str | None:
+    """spec.l2.nvme.existingClaimName: a claim the operator did not make. Its server pod gets no
+    fsGroup, so the kubelet never re-owns the user's volume (chgrp and g+rwX over every file, which
+    Postgres and others refuse on their data); what the volume must then allow is the user's to
+    set (docs/api.md). The claims of volumeClaimTemplates are the operator's and keep DATA_GROUP."""
+    nvme = target.spec.l2.nvme
+    return nvme.existing_claim_name if nvme is not None and nvme.existing_claim_name else None
+
+
 def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
     """One lmcache server per GPU node of this resource (required anti-affinity), on the same
     nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
@@ -344,7 +354,8 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     spec = target.spec
     selector = target.selector(SERVER)
     containers = [server_container(target), agent_container(target, image_of_agent or agent_image())]
-    pod_spec: dict[str, Any] = pod_security(fs_group=DATA_GROUP, pod_spec={
+    users_claim = users_claim_name(target)
+    pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
         "containers": containers,
         # No host namespace: isolated CUDA IPC (server_args) needs none, so the baseline Pod
         # Security level admits these pods (docs/security.md).
@@ -367,12 +378,13 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     }
     nvme = spec.l2.nvme
     volumes = [v for v in (key_volume(target),) if v]
-    # The agent's token, mounted into the agent only; readable by the pod's group (the agent's).
+    # The agent's token, mounted into the agent only; readable by the pod's group (the agent's), or
+    # without an fsGroup (the file is then root's) by all of the one container that mounts it.
     volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
                                                            "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
-                                                           "defaultMode": 0o440}})
-    if nvme is not None and nvme.existing_claim_name:
-        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": nvme.existing_claim_name}})
+                                                           "defaultMode": 0o444 if users_claim else 0o440}})
+    if users_claim:
+        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": users_claim}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})
     pod_spec["volumes"] = volumes
     if nvme is not None and not nvme.existing_claim_name:

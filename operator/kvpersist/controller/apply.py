@@ -1,7 +1,9 @@
 """Applying what a KVCacheNamespace becomes: the L2 key and agent token Secrets and the network
 policies first, then the workloads (server-side apply, idempotent). Before an apply, a claim,
-bucket prefix or route name another resource holds keeps the cache off (_exclusive); after one,
-an old namespace id's Services and policies go once no pod carries that id (clean_stale_routes).
+bucket prefix or route name another resource holds keeps the cache off (_exclusive), and an
+object the operator did not make under one of its names keeps everything from being applied
+(_names_taken; kvpersist.controller.ownership); after one, an old namespace id's Services and
+policies go once no pod carries that id (clean_stale_routes).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import fallback, kube, l2key, metrics, retry, runtime, sharing
-from kvpersist.controller.drift import _note_own_write, own_apply
+from kvpersist.controller import fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
+from kvpersist.controller.drift import _note_own_write, child_key, own_apply
+from kvpersist.controller.policy import Refusal
 from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
 from kvpersist.identity import key_fingerprint
@@ -79,6 +82,19 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         manifests = build_all(target)
         for manifest in manifests:
             kopf.append_owner_reference(manifest, owner=body)
+        # An object the operator did not make under any of these names: nothing at all is applied
+        # (kvpersist.controller.ownership), and Ready says which (NameTaken).
+        taken = _names_taken(body, token_secret, manifests)
+        if taken:
+            refusal = (ownership.NAME_TAKEN, ownership.taken_message(target.name, target.namespace, taken))
+            if state.name_taken != refusal:
+                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refusal[1])
+            state.name_taken = refusal
+            state.name_taken_retry_at = time.monotonic() + ownership.RETRY_S
+            return True
+        state.name_taken, state.name_taken_retry_at = None, float("inf")
+        token_key = child_key(token_secret)
+        token_known = runtime.CONTROLLER.child_owners.get(token_key) == body["metadata"].get("uid")
         # What the server pods need before they exist: the L2 key (created once and never owned, see
         # keysecret), the agent token, and the policies that close their ports. Side by side, one
         # round trip instead of four: the StatefulSet, next, is what a user waits for.
@@ -87,13 +103,18 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         # The token Secret is never applied over, never adopted: one a deleted namesake owned is the
         # garbage collector's, and once it is gone the next refresh finds no token and creates it
         # again. Adopting it would need `patch` on every Secret the operator can see.
-        jobs.append(runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret)))
+        token_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret))
+        jobs.append(token_job)
         key_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(key_secret)) if key_secret is not None else None
         if key_job is not None:
             jobs.append(key_job)
         concurrent.futures.wait(jobs)
         for job in jobs:
             job.result()  # the first failure, raised here (every job has ended)
+        if token_job.result():
+            runtime.CONTROLLER.child_owners[token_key] = body["metadata"].get("uid")
+        elif not token_known:  # absent when looked up, someone else's now: judged on the next try
+            raise RuntimeError(f"Secret {target.agent_token_secret} appeared while applying; looking at it again")
         if key_job is not None and not key_job.result():
             # Made by someone else between the read and the create: the manifests name a key it does
             # not hold. Nothing server-side was applied yet; read it and apply again.
@@ -130,6 +151,53 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     return True
 
 
+def _names_taken(body: Mapping[str, Any], token_secret: dict[str, Any], manifests: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(kind, name) of each object under the names of this apply (the agent token Secret and the
+    manifests) that is not this resource's own (kvpersist.controller.ownership.is_own_child). Names
+    known as its own (drift watch events, its own applies and creates) are not looked up again, so
+    a steady state reads nothing; the others are, side by side, metadata only. Raises ApiException.
+    Blocking."""
+    uid = body["metadata"].get("uid")
+    owners = runtime.CONTROLLER.child_owners
+    unknown = [m for m in manifests if uid is None or owners.get(child_key(m)) != uid]
+    if uid is None or owners.get(child_key(token_secret)) != uid:
+        unknown.append(token_secret)
+    lookups = []
+    for manifest in unknown:  # side by side
+        lookups.append(runtime.CONTROLLER.apply_pool.submit(lambda m=manifest: _existing_metadata(m)))
+    found = [job.result() for job in lookups]
+    taken = []
+    for manifest, meta in zip(unknown, found, strict=True):
+        if meta is None:
+            continue  # free: the apply creates it
+        if ownership.is_own_child(meta, uid):
+            owners[child_key(manifest)] = uid
+        else:
+            taken.append((manifest["kind"], manifest["metadata"]["name"]))
+    return taken
+
+
+def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata of what holds a manifest's name now, or None: a Secret by GET (metadata only,
+    never its data), any other kind by a LIST of that name (what the operator may do on them)."""
+    meta = manifest["metadata"]
+    if manifest["kind"] == "Secret":
+        return kube.get_metadata("v1", "Secret", meta["name"], meta["namespace"])
+    return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
+
+
+def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
+    """In a status refresh: NameTaken's (reason, message) while objects the operator did not make
+    hold its names, and an apply (which looks them up again) once ownership.RETRY_S has passed:
+    their holders carry none of the labels the drift watch selects, so nothing else says they went.
+    Any other reason to apply meanwhile (a key still to make, a token missing: nothing was made)
+    waits for the same moment (status_loop.may_apply), so a taken name costs no reads per tick."""
+    state = runtime.CONTROLLER.held(key)
+    if state.name_taken is not None and time.monotonic() >= state.name_taken_retry_at:
+        state.drifted = True
+    return state.name_taken
+
+
 def _apply_owned(manifest: dict[str, Any]) -> None:
     with own_apply(manifest):
         applied = kube.apply(manifest)
@@ -142,9 +210,13 @@ def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bo
     more; True once no pod of another id is left to wait for. Blocking: a worker thread."""
     in_use = ids_in_use(seen.pods)
     selector = f"{INSTANCE_LABEL}={target.name},{COMPONENT_LABEL}={SERVER}"
+    uid = ((runtime.CONTROLLER.held((target.namespace, target.name)).body or {}).get("metadata") or {}).get("uid")
     try:
         for api_version, kind in ROUTE_KINDS:
-            for name in stale(target, kube.list_all(api_version, kind, target.namespace, selector), in_use):
+            # Only its own (a controller reference to it): labels alone are anyone's to copy.
+            own = [o for o in kube.list_all(api_version, kind, target.namespace, selector)
+                   if ownership.is_own_child(o.get("metadata"), uid)]
+            for name in stale(target, own, in_use):
                 kube.delete(api_version, kind, name, target.namespace)
                 logger.info("%s/%s: deleted %s %s: no pod of its namespace id is left", target.namespace, target.name,
                             kind, name)
@@ -168,8 +240,9 @@ def _storage_refusal(target: Target, body: Mapping[str, Any]) -> str | None:
     if target.spec.l2.nvme is not None:  # claims are namespaced: that namespace's resources and servers
         bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
         pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
-    elif target.namespace_id:  # a bucket prefix is global: every namespace's resources
-        bodies, pods = kube.list_all(api.API_VERSION, api.KIND), []
+    elif target.namespace_id:  # a bucket prefix is global: every (watched) namespace's resources
+        bodies = [b for ns in runtime.listing_scopes() for b in kube.list_all(api.API_VERSION, api.KIND, ns)]
+        pods = []
     else:
         return None
     return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)

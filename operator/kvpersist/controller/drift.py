@@ -1,6 +1,7 @@
 """Drift: a child of a known resource deleted, or edited by someone else, marks the resource for an
 apply on the status loop's next tick; the generations the operator's own applies leave are noted
-first, so they are no drift.
+first, so they are no drift. Each event also notes which resource controls the child, so an apply
+need not look up names it already knows as its own (kvpersist.controller.ownership).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import kopf
 
 from kvpersist.controller import runtime
+from kvpersist.controller.ownership import controller_uid
 from kvpersist.controller.runtime import _MANAGED
 from kvpersist.status.workloads import owner_key
 
@@ -46,6 +48,13 @@ def _note_own_write(obj: Mapping[str, Any]) -> None:
     generation = (obj.get("metadata") or {}).get("generation")
     if generation is not None:
         runtime.CONTROLLER.child_generations[child_key(obj)] = generation
+    _note_owner(child_key(obj), obj.get("metadata"))
+
+
+def _note_owner(child: tuple[str, str, str], meta: Mapping[str, Any] | None) -> None:
+    """Which resource controls a child as last seen (None: none): an apply looks up only the names
+    not known as its own (kvpersist.controller.ownership)."""
+    runtime.CONTROLLER.child_owners[child] = controller_uid(meta)
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
@@ -59,8 +68,11 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     child = (kind, meta.get("namespace", ""), meta.get("name", ""))
     kind_of_event = event.get("type")
     generations = runtime.CONTROLLER.child_generations
-    if kind_of_event == "DELETED":
+    if kind_of_event == "DELETED":  # (or no longer labelled as the operator's: the watch selects by label)
         generations.pop(child, None)
+        runtime.CONTROLLER.child_owners.pop(child, None)
+    else:
+        _note_owner(child, meta)
     state = runtime.CONTROLLER.get(owner) if owner is not None else None
     if state is None or not state.known or kind_of_event is None:
         if kind_of_event is None and meta.get("generation") is not None:

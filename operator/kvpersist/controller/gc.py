@@ -78,14 +78,19 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
 
 def in_use_now(namespace_id: str, current: str | None) -> str | None:
     """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
-    carrying a namespace id in all namespaces, made now (never the watch caches): gc calls it right
+    carrying a namespace id in all namespaces (or, where the operator's rights end there, each
+    watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
     before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
+    where, scope = "all namespaces", "cluster-wide"
     try:
-        resources = kube.list_all(api.API_VERSION, api.KIND)
-        pods = kube.list_all("v1", "Pod", None, NAMESPACE_ID_LABEL)
+        scopes = runtime.listing_scopes()
+        if scopes != runtime.ALL_NAMESPACES:
+            where, scope = "the watched namespaces " + ", ".join(map(str, scopes)), "in each of them"
+        resources = [r for ns in scopes for r in kube.list_all(api.API_VERSION, api.KIND, ns)]
+        pods = [p for ns in scopes for p in kube.list_all("v1", "Pod", ns, NAMESPACE_ID_LABEL)]
     except ApiException as exc:
-        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in all namespaces, the "
-                f"API server answered {exc.status}); the operator needs list on both cluster-wide")
+        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in {where}, the "
+                f"API server answered {exc.status}); the operator needs list on both {scope}")
     try:
         return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
     except ApiException as exc:

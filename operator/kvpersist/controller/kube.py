@@ -5,14 +5,17 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+from kubernetes.watch.watch import iter_resp_lines
 
 FIELD_MANAGER = "kvpersist"
 REQUEST_TIMEOUT_S = 30
@@ -88,6 +91,63 @@ def get_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict
     return dict(out.to_dict().get("metadata") or {})
 
 
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+LIST_PAGE = 500
+
+
+def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool) -> tuple[list[dict[str, Any]], str]:
+    """Every object of a kind (in one namespace, or None: all), in pages of LIST_PAGE, and the
+    list's resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata,
+    so a Secret's data never reaches the operator (kvpersist.controller.watchcache)."""
+    res = _resource(api_version, kind)
+    headers = {"Accept": METADATA_LIST} if metadata_only else {}
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=LIST_PAGE,
+                               _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S)
+        page = json.loads(out.data)
+        items += page.get("items") or []
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            return items, (page.get("metadata") or {}).get("resourceVersion", "")
+
+
+def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,
+               metadata_only: bool, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(type, object) of each event of one watch from resource_version, until the API server ends
+    it after timeout_s (or stop is set: checked at each event). Raises ApiException on an ERROR
+    event (410: the version expired, list again)."""
+    res = _resource(api_version, kind)
+    headers = {"Accept": METADATA_ONLY} if metadata_only else {}
+    resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
+                            resource_version=resource_version, timeout_seconds=timeout_s, serialize=False,
+                            _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S))
+    try:
+        for line in iter_resp_lines(resp):
+            if stop.is_set():
+                return
+            event = json.loads(line)
+            obj = event.get("object") or {}
+            if event.get("type") == "ERROR":
+                raise kubernetes.client.exceptions.ApiException(status=obj.get("code"), reason=obj.get("message"))
+            yield event.get("type", ""), obj
+    finally:
+        resp.close()
+        resp.release_conn()
+
+
+def named_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """One object's metadata by name through a LIST (field selector metadata.name; the API server
+    answers PartialObjectMetadataList), or None when none exists: whether a name is taken, on
+    kinds the operator may list but not get, without reading what the object holds."""
+    res = _resource(api_version, kind)
+    out = client().request("get", res.path(namespace=namespace), field_selector=f"metadata.name={name}",
+                           header_params={"Accept": METADATA_LIST}, _request_timeout=REQUEST_TIMEOUT_S).to_dict()
+    items = [i for i in out.get("items") or [] if (i.get("metadata") or {}).get("name") == name]
+    return dict(items[0].get("metadata") or {}) if items else None
+
+
 def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
     """A cluster-scoped object, or None."""
     try:
@@ -103,6 +163,17 @@ def list_all(api_version: str, kind: str, namespace: str | None = None, label_se
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector,
                                            field_selector=field_selector, _request_timeout=REQUEST_TIMEOUT_S)
     return [item.to_dict() for item in out.items]
+
+
+def may(verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+    """Whether this client's own account may do verb on resource (namespace None: in every
+    namespace), as the API server's authorizer answers a SelfSubjectAccessReview, which every
+    authenticated user may ask. Raises ApiException."""
+    attributes = kubernetes.client.V1ResourceAttributes(verb=verb, group=group, resource=resource, namespace=namespace)
+    review = kubernetes.client.V1SelfSubjectAccessReview(
+        spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes))
+    out = kubernetes.client.AuthorizationV1Api().create_self_subject_access_review(review, _request_timeout=REQUEST_TIMEOUT_S)
+    return bool(out.status and out.status.allowed)
 
 
 def delete(api_version: str, kind: str, name: str, namespace: str) -> None:

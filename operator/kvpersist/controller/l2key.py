@@ -37,9 +37,12 @@ KEY_TOO_SHORT = "KeyTooShort"
 KEY_UNREADABLE = "KeySecretUnreadable"
 KEY_PENDING = "L2KeyPending"  # the generated Secret does not exist yet: the next apply makes it
 KEY_LOST = "L2KeyLost"  # the generated Secret is gone and data sealed under it exists: not made again
+# <name>-l2-key exists but is not the operator's (kvpersist.controller.ownership): never used, never replaced
+KEY_NOT_OWNED = "KeySecretNotOwned"
 KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "KeySecretUnreadable", "L2KeyPending",
-                    "L2KeyLost"]
-KEY_REASONS: tuple[KeyReason, ...] = (KEY_NOT_FOUND, KEY_MISSING, KEY_TOO_SHORT, KEY_UNREADABLE, KEY_PENDING, KEY_LOST)
+                    "L2KeyLost", "KeySecretNotOwned"]
+KEY_REASONS: tuple[KeyReason, ...] = (KEY_NOT_FOUND, KEY_MISSING, KEY_TOO_SHORT, KEY_UNREADABLE, KEY_PENDING, KEY_LOST,
+                                      KEY_NOT_OWNED)
 # Events.
 KEY_GENERATED = "L2KeyGenerated"  # Normal: a generated key was made (first apply, or no data under the last one)
 KEY_CHANGED = "L2KeyChanged"  # Warning: another key, so another namespace; the old data is an orphan
@@ -62,10 +65,14 @@ class KeyRead:
 
 
 def read(secret: Mapping[str, Any] | None, name: str, item: str, namespace: str, generated: bool,
-         value: bytes | None) -> KeyRead:
-    """Judges a Secret as the API server returned it (None: not found) with its item's bytes."""
+         value: bytes | None, not_owned: str | None = None) -> KeyRead:
+    """Judges a Secret as the API server returned it (None: not found) with its item's bytes.
+    not_owned: why an existing generated Secret is not the operator's own (then its bytes are
+    not looked at, nor its metadata kept: nothing is patched onto it either)."""
     field = "the generated Secret" if generated else "spec.l2.encryption.keySecretRef: Secret"
     where = f"{field} {name} key {item}"
+    if secret is not None and not_owned is not None:
+        return KeyRead(name, item, generated, problem=(KEY_NOT_OWNED, not_owned))
     if secret is None:
         if generated:
             return KeyRead(name, item, True, problem=(KEY_PENDING, f"{where} does not exist yet: the operator creates it "
@@ -153,7 +160,8 @@ def loss_message(found: Loss, name: str, namespace: str) -> str:
     return (f"Secret {found.secret} with L2's master key (fingerprint {found.fingerprint}) is gone, and {where} holds "
             f"{_amount(found.held)} sealed with it: unreadable without that key. No new key is generated over it (that "
             "would turn it into misses for good), and the cache stays off meanwhile (vLLM runs without it). Restore "
-            f"the Secret from a backup (the same bytes under key master-key): the namespace comes back by itself. Or "
+            f"the Secret from a backup (the same bytes under key master-key, with its labels): the namespace comes back "
+            "by itself. Or "
             f"accept the loss: kubectl annotate kvcachenamespace {name} -n {namespace} {REPLACE_ANNOTATION}="
             f"{found.fingerprint} (a new key and namespace; the old data is then an orphan for `kvpersist gc`)")
 

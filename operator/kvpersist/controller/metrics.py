@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from kvpersist.httpserver import BoundedHTTPServer
 
 _lock = threading.Lock()
 _counters: Counter[str] = Counter()
@@ -80,8 +82,9 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
-def serve(host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), _Handler)
-    server.daemon_threads = True
+def serve(host: str, port: int) -> BoundedHTTPServer:
+    """/metrics on a daemon thread; bounded in connections, threads and time (kvpersist.httpserver):
+    a scrape is one short GET, so two workers serve it."""
+    server = BoundedHTTPServer((host, port), _Handler, workers=2, queue_size=8, name="metrics")
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

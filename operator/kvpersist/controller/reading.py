@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, l2key, runtime
+from kvpersist.controller import kube, l2key, ownership, runtime
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import Resolution, resolve
@@ -46,18 +46,57 @@ def _read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     now = time.monotonic()
     cached = state.key_read
-    if (not fresh and cached is not None and now - cached[0] < KEY_READ_TTL_S and (cached[1].secret, cached[1].item)
-            == (name, item)):
-        return cached[1]
+    same = cached is not None and (cached[1].secret, cached[1].item, cached[1].generated) == (name, item, target.key_secret_generated)
+    synced, version = secret_version(target.namespace, name)
+    if not fresh and same and (state.key_read_version == version if synced else now - cached[0] < KEY_READ_TTL_S):  # type: ignore[index]
+        return cached[1]  # type: ignore[index]
     try:
         secret = kube.get("v1", "Secret", name, target.namespace)
     except ApiException as exc:
-        if cached is not None and cached[1].fingerprint and (cached[1].secret, cached[1].item) == (name, item):
-            return cached[1]
+        if same and cached[1].fingerprint:  # type: ignore[index]
+            return cached[1]  # type: ignore[index]
         return l2key.unreadable(name, item, target.key_secret_generated, exc.status)
-    key = l2key.read(secret, name, item, target.namespace, target.key_secret_generated, kube.secret_value(secret, item))
+    # The generated name holding a Secret the operator did not make: its bytes are never read.
+    foreign = (target.key_secret_generated and secret is not None
+               and not ownership.is_own_key_secret(secret.get("metadata"), target.name))
+    not_owned = ownership.key_not_owned_message(name, target.name) if foreign else None
+    key = l2key.read(secret, name, item, target.namespace, target.key_secret_generated,
+                     None if foreign else kube.secret_value(secret, item), not_owned)
     state.key_read = (now, key)
+    state.key_read_version = ((secret or {}).get("metadata") or {}).get("resourceVersion")
     return key
+
+
+def secret_version(namespace: str, name: str) -> tuple[bool, str | None]:
+    """(whether the Secret watch cache knows, the Secret's resourceVersion or None when there is
+    none): a read of its data stands while this stays the same."""
+    cache = runtime.CONTROLLER.secret_cache
+    if cache is None:
+        return False, None
+    synced, found = cache.lookup(namespace, name)
+    return synced, (found["metadata"].get("resourceVersion") or "") if found is not None else None
+
+
+def secret_metadata(name: str, namespace: str) -> dict[str, Any] | None:
+    """A Secret's metadata, from the watch cache when it has listed, else by request (metadata
+    only either way: its data is never read for this). Blocking."""
+    cache = runtime.CONTROLLER.secret_cache
+    if cache is not None:
+        synced, found = cache.lookup(namespace, name)
+        if synced:
+            return dict(found["metadata"]) if found is not None else None
+    return kube.get_metadata("v1", "Secret", name, namespace)
+
+
+def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
+    """A claim the user named (existingClaimName), from the watch cache when it has listed, else
+    by request. Blocking."""
+    cache = runtime.CONTROLLER.claim_cache
+    if cache is not None:
+        synced, found = cache.lookup(namespace, name)
+        if synced:
+            return found
+    return kube.get("v1", "PersistentVolumeClaim", name, namespace)
 
 
 def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
@@ -93,7 +132,7 @@ def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | No
     if policy.secret_label is None:
         return None
     try:
-        metadata = kube.get_metadata("v1", "Secret", name, namespace)
+        metadata = secret_metadata(name, namespace)
     except ApiException as exc:
         return SECRET_NOT_ALLOWED, (f"{field}: Secret {name}: its labels could not be read (the API server answered "
                                     f"{exc.status}), so it is not used; retrying")

@@ -19,11 +19,11 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
 from kvpersist.builders.retained import protect_patch
 from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_VOLUME, SERVER, Target
-from kvpersist.controller import fallback, kube, l2key, metrics, runtime, sharing
-from kvpersist.controller.apply import _exclusive_recheck, clean_stale_routes
+from kvpersist.controller import fallback, kube, l2key, metrics, ownership, runtime, sharing
+from kvpersist.controller.apply import _exclusive_recheck, _taken_recheck, clean_stale_routes
 from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
-from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target
+from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target, named_claim, secret_version
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution
@@ -62,7 +62,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     pods = seen.server_pods()
     claims: list[dict[str, Any]] = []
     if spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name:
-        claim = kube.get("v1", "PersistentVolumeClaim", spec.l2.nvme.existing_claim_name, ns)
+        claim = named_claim(spec.l2.nvme.existing_claim_name, ns)
         claims = [claim] if claim else []
     elif spec.l2.nvme is not None:
         claims = seen.server_claims()
@@ -146,15 +146,25 @@ def _agent_token(target: Target) -> str | None:
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     cached = state.agent_token
     now = time.monotonic()
-    if cached and cached[1] and now - cached[0] < AGENT_TOKEN_TTL_S:
+    synced, version = secret_version(target.namespace, target.agent_token_secret)
+    if synced and version is None:  # the cache has listed and there is no such Secret: nothing to read
+        state.agent_token, state.agent_token_version = (now, None), None
+        return None
+    if cached and cached[1] and (state.agent_token_version == version if synced else now - cached[0] < AGENT_TOKEN_TTL_S):
         return cached[1]
     try:
         secret = kube.get("v1", "Secret", target.agent_token_secret, target.namespace)
     except ApiException:
         secret = None
+    owner_uid = ((state.body or {}).get("metadata") or {}).get("uid")
+    if secret is not None and not ownership.is_own_child(secret.get("metadata"), owner_uid):
+        # Someone else's Secret under the token's name: never sent to the agents; the apply says NameTaken.
+        runtime.CONTROLLER.child_owners.pop(("Secret", target.namespace, target.agent_token_secret), None)
+        secret = None
     raw = kube.secret_value(secret, AGENT_TOKEN_KEY)
     token = raw.decode().strip() if raw else None
     state.agent_token = (now, token)
+    state.agent_token_version = ((secret or {}).get("metadata") or {}).get("resourceVersion")
     return token
 
 
@@ -319,7 +329,7 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
     ready = next((c for c in conds if c["type"] == "Ready"), None)
     old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
     # So is a store another resource holds (StorageInUse: kvpersist.controller.sharing), and its end.
-    refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE)
+    refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE, ownership.NAME_TAKEN)
     if refused and (old_ready.get("reason"), old_ready.get("message")) != (ready["reason"], ready["message"]):
         events.append(("Warning", ready["reason"], ready["message"]))
     elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None:
@@ -522,8 +532,10 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                        f"at {iso(retrying.due_wall)} (the workloads may not match the spec meanwhile)")
             fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
-        if refused is not None:
-            fields, conds = refused_status(fields, conds, refused, generation)
+        taken = _taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
+        shown = refused if refused is not None else taken
+        if shown is not None:
+            fields, conds = refused_status(fields, conds, shown, generation)
     metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
     new_status = status_patch(old, fields, conds, reports, inventory, hits)

@@ -28,6 +28,38 @@ _MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
 # Everything the operator remembers, per resource and across them (kvpersist.controller.state).
 CONTROLLER = Controller()
 
+# listing_scopes' answer when the operator serves the whole cluster: one LIST of all namespaces.
+ALL_NAMESPACES: tuple[str | None, ...] = (None,)
+PATTERN_CHARACTERS = "*?[!,"  # kopf's namespace patterns: globs, negations, comma-separated lists
+# What listing_scopes' callers list: every KVCacheNamespace (a bucket prefix's users, gc's last
+# look) and the pods carrying a namespace id (gc's last look).
+CROSS_NAMESPACE_LISTS = (("kvpersist.dev", "kvcachenamespaces"), ("", "pods"))
+
+
+def named_namespaces() -> tuple[str, ...] | None:
+    """The namespaces `kvpersist run --namespace` named (each once), or None when it watches all
+    of them or a pattern (kopf then matches the cluster's namespaces)."""
+    named = CONTROLLER.peering["namespaces"]
+    if not named or any(c in ns for ns in named for c in PATTERN_CHARACTERS):
+        return None
+    return tuple(dict.fromkeys(named))
+
+
+def listing_scopes() -> tuple[str | None, ...]:
+    """Where a LIST meant to see every namespace's objects goes (who else holds a bucket prefix,
+    gc's last look before deleting): the whole cluster (None) when the operator watches all
+    namespaces or a pattern, or when its account may list those kinds cluster-wide anyway; else
+    each watched namespace by name. The chart, given watchNamespaces, grants a Role in each of them
+    and nothing cluster-wide, so a cluster-wide LIST would be refused; the operator then sees, and
+    guards, what those namespaces hold: all it serves. Asks the API server once (a
+    SelfSubjectAccessReview per kind). Raises ApiException. Blocking."""
+    named = named_namespaces()
+    if named is None:
+        return ALL_NAMESPACES
+    if CONTROLLER.lists_cluster_wide is None:
+        CONTROLLER.lists_cluster_wide = all(kube.may("list", group, plural) for group, plural in CROSS_NAMESPACE_LISTS)
+    return ALL_NAMESPACES if CONTROLLER.lists_cluster_wide else named
+
 
 API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
 
@@ -55,8 +87,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (API_ERROR_BACKOFFS; a minute with kopf's default, measured in tests/e2e/test_helm_ha.py) before
     # assuming they exist. Exact names need no scan; CRDs are then read once at start (the chart
     # installs them before the operator).
-    named = CONTROLLER.peering["namespaces"]
-    if named and not any(c in ns for ns in named for c in "*?[!"):
+    if named_namespaces() is not None:
         settings.scanning.disabled = True
     kube.load_config()
 
@@ -67,6 +98,7 @@ PEERING_CHECK_S = 2.0
 def set_peering(name: str | None, identity: str, priority: int, namespaces: tuple[str, ...] = ()) -> None:
     CONTROLLER.peering.update(name=name, identity=identity, priority=priority, namespaces=tuple(namespaces))
     CONTROLLER.active_seen.clear()
+    CONTROLLER.lists_cluster_wide = None
 
 
 def active(now: float, namespace: str | None) -> bool:

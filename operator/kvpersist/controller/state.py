@@ -23,6 +23,7 @@ from kvpersist.status.conditions import FailedCreateCheck
 from kvpersist.status.usage import HitTracker, WriteFailureTracker
 
 if TYPE_CHECKING:
+    from kvpersist.controller.watchcache import WatchCache
     from kvpersist.inventory.volume import Inventory
 
 Key = tuple[str, str]  # (namespace, name) of a KVCacheNamespace
@@ -70,6 +71,10 @@ class ResourceState:
     # Its namespace id's route names are held by another id's objects (kvpersist.controller
     # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
     route_taken: str | None = None
+    # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
+    # (reason, message) while nothing is applied, and when the names are to be looked at again.
+    name_taken: Refusal | None = None
+    name_taken_retry_at: float = float("inf")
     # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
     preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
     # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
@@ -80,9 +85,13 @@ class ResourceState:
     # the namespace id the last successful apply rendered, as (id,): another one (the key changed,
     # went or came back) is applied on the next tick.
     key_read: tuple[float, l2key.KeyRead] | None = None
+    # The resourceVersion of the key Secret that read saw (None: it had none): while the Secret
+    # watch cache shows the same, the read stands without another request (kvpersist.controller.watchcache).
+    key_read_version: str | None = None
     applied_id: tuple[str | None] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.
     agent_token: tuple[float, str | None] | None = None
+    agent_token_version: str | None = None  # its Secret's resourceVersion at that read, as key_read_version
     token_missing_at: float = float("-inf")
     # Its servers' failed-write counts between polls (by "namespace/pod"), and why its StatefulSet
     # lacks pods (its Events, read rarely; see kvpersist.status.conditions).
@@ -115,6 +124,10 @@ class Controller:
         # Owned children, by (kind, namespace, name): the last generation seen (not per resource:
         # dropped on the child's own DELETED event).
         self.child_generations: dict[tuple[str, str, str], int] = {}
+        # Children known as a resource's own, by the same key: the uid of the KVCacheNamespace each
+        # was last seen controlled by (drift watch events, the operator's own applies and creates), so
+        # only names not known as its own are looked up before an apply (kvpersist.controller.ownership).
+        self.child_owners: dict[tuple[str, str, str], str | None] = {}
         # Children the operator is applying right now, by the same key, with how many applies are in
         # flight: their watch events may come before the apply returns, and are then no drift.
         self.child_applying: dict[tuple[str, str, str], int] = {}
@@ -135,6 +148,9 @@ class Controller:
         # and the last verdict per peering scope (when, active).
         self.peering: dict[str, Any] = {"name": None, "identity": "", "priority": 0, "namespaces": ()}
         self.active_seen: dict[str | None, tuple[float, bool]] = {}
+        # Watching named namespaces: whether this account may still LIST the cross-namespace kinds
+        # cluster-wide (runtime.listing_scopes asks the API server once); None: not asked yet.
+        self.lists_cluster_wide: bool | None = None
         self.refresh_pool = concurrent.futures.ThreadPoolExecutor(max_workers=REFRESH_CONCURRENCY,
                                                                   thread_name_prefix="kvp-refresh")
         # The loop's own blocking step (which replica is active) has a thread of its own: with every
@@ -146,6 +162,10 @@ class Controller:
         self.bucket_jobs_lock = threading.Lock()  # guards each ResourceState's bucket_jobs
         self.last_tick: float | None = None
         self.loop_task: asyncio.Task[None] | None = None
+        # Watch caches of named Secrets (metadata only) and claims (kvpersist.controller.watchcache);
+        # None: not started (a glob among the watched namespaces, or a test), reads go by request.
+        self.secret_cache: WatchCache | None = None
+        self.claim_cache: WatchCache | None = None
 
     def state(self, key: Key) -> ResourceState:
         """The resource's state, made empty when there is none. Only for the event loop's entry

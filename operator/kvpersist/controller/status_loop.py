@@ -15,11 +15,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import kube, runtime
+from kvpersist.controller import kube, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import _live, _seen
 from kvpersist.controller.refresh import _orphan_claims, _protect_claims, refresh_status
 from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
+from kvpersist.controller.state import ResourceState
 from kvpersist.controller.tracking import _forget, _sweep_if_forgotten
 from kvpersist.status.workloads import Seen
 
@@ -107,12 +108,18 @@ async def _status_loop(logger: logging.Logger) -> None:
             failing = None
 
 
+def may_apply(key: tuple[str, str], state: ResourceState, tick: float) -> bool:
+    """Whether a drifted resource is applied on this tick: not while a failed apply waits for its
+    backoff, nor while a name it needs is taken before its next look (kvpersist.controller.ownership)."""
+    return (state.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)
+            and (state.name_taken is None or tick >= state.name_taken_retry_at))
+
+
 async def _tick(tick: float, logger: logging.Logger) -> None:
     """One round: the resources due (and those whose children drifted) refreshed, each in a task."""
     loop = asyncio.get_running_loop()
     # A snapshot first (worker threads mark resources drifted); an apply that failed waits for its backoff.
-    restore = {key for key, st in runtime.CONTROLLER.known().items()
-               if st.drifted and runtime.CONTROLLER.apply_backoff.due(key, tick)}
+    restore = {key for key, st in runtime.CONTROLLER.known().items() if may_apply(key, st, tick)}
     keys = sorted(set(due(time.monotonic())) | restore)
     # Where a peer is active, its status, not ours from caches kopf has paused.
     keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
@@ -139,10 +146,27 @@ async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[An
                             kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
     runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
                                       kvp_claims=kvp_claims)
+    start_watch_caches()
     runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
+
+
+def start_watch_caches() -> None:
+    """The named Secrets' and claims' watch caches, in the namespaces kopf watches (none with a
+    glob among them: there is no list per namespace to make, so reads go by request)."""
+    scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
+    if scope is False:
+        logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
+        return
+    for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims)):
+        cache = make(scope)  # type: ignore[arg-type]
+        setattr(runtime.CONTROLLER, name, cache)
+        cache.start()
 
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
+    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache):
+        if cache is not None:
+            cache.stop()
     if runtime.CONTROLLER.loop_task is not None:
         runtime.CONTROLLER.loop_task.cancel()

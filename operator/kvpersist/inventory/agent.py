@@ -13,7 +13,9 @@ the operator asks. It refuses the namespace its own server serves, whatever the 
 operator refuses every other namespace still in use before asking. Reached only by the operator
 (the lmcache NetworkPolicy admits nothing else to this port), and both /inventory and /gc need
 the resource's agent token (a bearer token from an owned Secret, mounted as a file): where the
-policy is not enforced, nobody else can delete or list.
+policy is not enforced, nobody else can delete or list. Whoever reaches the port still costs
+the agent no thread per connection and no unbounded read (kvpersist.httpserver: idle connections
+wait on one selector and are closed after 10 s, a /gc body's Content-Length is checked first).
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
 0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
@@ -32,13 +34,14 @@ import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
+from kvpersist.httpserver import BodyError, BoundedHTTPServer, read_body
 from kvpersist.inventory.volume import (
     ABANDONED_TEMP_S,
     NAMESPACE_ID_RE,
@@ -65,6 +68,7 @@ MAX_TRIM_PERIOD_S = 3600.0
 PROXIED = {"/server/status": ("/status", 4 * 2**20, True), "/server/metrics": ("/metrics", 4 * 2**20, False)}
 PROXY_TIMEOUT_S = 1.5
 NO_VOLUME = {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
+MAX_GC_BODY = 4096  # {"namespaceId": ..., "dryRun": ...}
 
 
 class TokenFile:
@@ -219,7 +223,10 @@ class Agent:
             self._thread.join(timeout)
 
 
-def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
+def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTTPServer:
+    """The agent's HTTP server: bounded in connections, threads, time and body size
+    (kvpersist.httpserver; `bounds` override its limits, for tests)."""
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug(fmt, *args)
@@ -270,14 +277,17 @@ def make_server(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
                 self._send(403 if "without --token-file" in why else 401, {"error": why})
                 return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(min(length, 4096)) or b"{}")
+                body = json.loads(read_body(self, MAX_GC_BODY) or b"{}")
+                if not isinstance(body, dict):
+                    raise BodyError(400, "the body must be a JSON object")
                 code, out = agent.gc(str(body.get("namespaceId", "")), bool(body.get("dryRun", True)))
+            except BodyError as exc:
+                code, out = exc.code, {"error": str(exc)}
             except (ValueError, OSError) as exc:
                 code, out = 500, {"error": str(exc)}
             self._send(code, out)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return BoundedHTTPServer((host, port), Handler, name="agent", **bounds)
 
 
 def main(argv: list[str] | None = None) -> int:

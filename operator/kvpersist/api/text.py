@@ -1,0 +1,97 @@
+"""The characters no free-text field of the spec may hold, decided once for the models and the CRD.
+
+A free string (an image, spec.vllm.servedModelName, an extraArgs value, a toleration, a node
+selector) ends up in pod specs, argv, logs and `kubectl` output. Control characters (NUL, CR, LF,
+TAB, ESC, C1) cut or forge lines there, and invisible format characters (bidi overrides such as
+U+202E, zero-width U+200B, U+FEFF) make one value read as another (a Trojan Source spelling). So
+both are refused at `kubectl apply` (the schema pattern NO_CONTROL_PATTERN, which the API server
+checks with Go's RE2) and by the models (refuse_control, which names the character and where it
+is). Both read the one table FORBIDDEN below, written out rather than taken from a Unicode
+database, so that Go's tables (the API server's) and Python's (unicodedata, another Unicode
+version) cannot make them disagree; tests/unit/test_free_text.py checks the table covers Python's
+categories and that the pattern and the check refuse the same characters.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Any
+
+# Unicode 15.1 categories Cc (controls) and Cf (format characters, bidi controls among them), and
+# Zl/Zp (U+2028 LINE SEPARATOR, U+2029 PARAGRAPH SEPARATOR: line breaks to JavaScript and many
+# log viewers). Inclusive ranges of code points.
+FORBIDDEN: tuple[tuple[int, int], ...] = (
+    (0x0000, 0x001F),  # C0 controls: NUL, TAB, LF, CR, ESC, ...
+    (0x007F, 0x009F),  # DEL and the C1 controls (U+0085 NEXT LINE, U+009B CSI)
+    (0x00AD, 0x00AD),  # SOFT HYPHEN
+    (0x0600, 0x0605),  # Arabic number signs
+    (0x061C, 0x061C),  # ARABIC LETTER MARK (a bidi mark)
+    (0x06DD, 0x06DD),
+    (0x070F, 0x070F),
+    (0x0890, 0x0891),
+    (0x08E2, 0x08E2),
+    (0x180E, 0x180E),  # MONGOLIAN VOWEL SEPARATOR
+    (0x200B, 0x200F),  # ZERO WIDTH SPACE, ZWNJ, ZWJ, LEFT-TO-RIGHT MARK, RIGHT-TO-LEFT MARK
+    (0x2028, 0x202E),  # LINE/PARAGRAPH SEPARATOR; bidi embeddings and overrides LRE RLE PDF LRO RLO
+    (0x2060, 0x2064),  # WORD JOINER, invisible operators
+    (0x2066, 0x206F),  # bidi isolates LRI RLI FSI PDI, deprecated format characters
+    (0xFEFF, 0xFEFF),  # ZERO WIDTH NO-BREAK SPACE (byte order mark)
+    (0xFFF9, 0xFFFB),  # interlinear annotation
+    (0x110BD, 0x110BD),
+    (0x110CD, 0x110CD),
+    (0x13430, 0x1343F),  # Egyptian hieroglyph format controls
+    (0x1BCA0, 0x1BCA3),  # shorthand format controls
+    (0x1D173, 0x1D17A),  # musical symbol format controls
+    (0xE0001, 0xE0001),  # LANGUAGE TAG
+    (0xE0020, 0xE007F),  # tag characters (invisible; spell hidden ASCII)
+)
+# Lone surrogates (U+D800-U+DFFF) cannot cross the API: JSON decoding in the API server turns
+# them into U+FFFD, so the pattern leaves them out (Rust's regex, pydantic's, cannot even name
+# them); the models refuse them too, for objects built in Python.
+SURROGATES = (0xD800, 0xDFFF)
+
+# RE2 (Go: the API server) and Rust regex (pydantic) syntax alike: \x{...} escapes, ASCII only.
+NO_CONTROL_CLASS = "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}" for a, b in FORBIDDEN)
+NO_CONTROL_PATTERN = f"^[^{NO_CONTROL_CLASS}]*$"
+RULE = ("control and format characters are refused (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls such as "
+        "U+202E, zero-width characters such as U+200B): remove it")
+
+
+CONTROL_NAMES = {"\x00": "NUL", "\t": "TAB", "\n": "LINE FEED", "\r": "CARRIAGE RETURN", "\x1b": "ESCAPE", "\x7f": "DELETE",
+                 "\x85": "NEXT LINE", "\x9b": "CONTROL SEQUENCE INTRODUCER"}  # unicodedata names no control
+
+
+def forbidden(char: str) -> bool:
+    """Whether one character is refused in a free string."""
+    c = ord(char)
+    return SURROGATES[0] <= c <= SURROGATES[1] or any(a <= c <= b for a, b in FORBIDDEN)
+
+
+def control_problem(value: str) -> str | None:
+    """Which refused character the value holds first, where, and the rule; None when it has none."""
+    for index, char in enumerate(value):
+        if forbidden(char):
+            name = unicodedata.name(char, "") or CONTROL_NAMES.get(char, "a control character")
+            return f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {RULE}"
+    return None
+
+
+def refuse_control(value: Any) -> Any:
+    """A pydantic before-validator: runs ahead of a field's pattern, so a string with a control
+    or format character is told which one and where rather than just that it does not match."""
+    if isinstance(value, str):
+        problem = control_problem(value)
+        if problem:
+            raise ValueError(problem)
+    return value
+
+
+def printable(text: str) -> str:
+    """text with every refused character written as \\uXXXX: for messages that quote user input
+    (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
+    def one(ch: str) -> str:
+        if not forbidden(ch):
+            return ch
+        return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
+
+    return "".join(one(ch) for ch in text)

@@ -1,0 +1,86 @@
+"""Whose object a derived name holds: the operator's own, or someone else's it must never take over.
+
+Server-side apply with forced conflicts writes over whatever holds a name: a user's ConfigMap
+`<name>-connection` would be rewritten, given an owner reference and garbage-collected with the
+resource; a user's `<name>-agent-token` or `<name>-l2-key` Secret would be trusted as the
+operator's own credential. So before an apply, every name the operator has not yet seen as its
+own is looked up (kvpersist.controller.apply), and an object there that is not its own stops the
+whole apply: nothing is applied over it, nor any other child (vLLM would mount that ConfigMap,
+the servers that token), and Ready says NameTaken, naming it. The L2 key is judged where it is
+read (kvpersist.controller.reading): not its own, it is never used (the cache off, KeySecretNotOwned).
+
+What counts as the operator's own, and why that is enough:
+- What it applies (workloads, Services, policies, the connection ConfigMap) and the agent token
+  Secret: an ownerReference with controller true to this very KVCacheNamespace, by uid (the API
+  server assigns it: a namesake deleted and made again has another one). Every version of the
+  operator has set that reference on them (kopf.append_owner_reference).
+- The generated L2 key, which has no owner on purpose (kvpersist.builders.keysecret): the labels
+  every version gave it, managed-by kvpersist, component l2-key and the resource's name (under
+  kvpersist.dev/instance, or app.kubernetes.io/instance before kvpersist.builders.retained). A
+  key restored from a backup carries them too (that restore is how lost data comes back).
+
+Nothing in an object is out of a writer's reach: labels, owner references, even managedFields
+(a client may send them, and picks its field manager's name). What these marks need is the right
+to write that object. So the operator takes over only an object whose writer vouched for it, and
+such a writer could change or delete it anyway: creating a KVCacheNamespace reaches no object its
+creator could not already write. A user who may create Secrets can plant a marked `<name>-l2-key`
+whose bytes they know; with Kubernetes' own roles that user may read the namespace's Secrets,
+the generated key included, anyway. Pure decisions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.keysecret import L2_KEY_COMPONENT
+from kvpersist.builders.retained import INSTANCE_LABEL, TRACKING_LABEL
+from kvpersist.builders.target import MANAGED_BY
+
+NAME_TAKEN = "NameTaken"  # Ready's reason while an object the operator did not make holds a derived name
+RETRY_S = 30.0  # how often a taken name is looked at again (its holder has none of the watched labels)
+
+
+def controller_uid(meta: Mapping[str, Any] | None) -> str | None:
+    """The uid of the KVCacheNamespace that controls an object (its ownerReference with controller
+    true), or None."""
+    for ref in (meta or {}).get("ownerReferences") or []:
+        if (ref.get("controller") is True and ref.get("kind") == api.KIND
+                and str(ref.get("apiVersion", "")).split("/")[0] == api.GROUP):
+            return ref.get("uid")
+    return None
+
+
+def is_own_child(meta: Mapping[str, Any] | None, owner_uid: str | None) -> bool:
+    """Whether an existing object is this resource's own child (owner_uid: the resource's uid)."""
+    return bool(owner_uid) and controller_uid(meta) == owner_uid
+
+
+def is_own_key_secret(meta: Mapping[str, Any] | None, name: str) -> bool:
+    """Whether an existing `<name>-l2-key` Secret carries the labels the operator gives the key it
+    generates (or gave it in earlier versions) for the resource `name`."""
+    labels = (meta or {}).get("labels") or {}
+    return (labels.get("app.kubernetes.io/managed-by") == MANAGED_BY
+            and labels.get("app.kubernetes.io/component") == L2_KEY_COMPONENT
+            and name in (labels.get(INSTANCE_LABEL), labels.get(TRACKING_LABEL)))
+
+
+def taken_message(name: str, namespace: str, taken: Iterable[tuple[str, str]]) -> str:
+    """Ready's message (and the Warning event's) while objects it did not make hold derived names."""
+    held = sorted(taken)
+    listed = ", ".join(f"{kind} {obj}" for kind, obj in held)
+    kind, obj = held[0]
+    return (f"{listed} already exists in namespace {namespace} and was not made by the operator for KVCacheNamespace "
+            f"{name} (no controller ownerReference to it): nothing is applied over it, nor any other object of this "
+            f"resource. Delete or rename that object if it is not needed (kubectl delete {kind.lower()} {obj} -n "
+            f"{namespace}), or give the KVCacheNamespace another name; the operator looks again every {RETRY_S:.0f} s")
+
+
+def key_not_owned_message(secret: str, name: str) -> str:
+    """IdentityResolved's and L2Ready's message when `<name>-l2-key` is someone else's Secret."""
+    return (f"the generated Secret {secret} exists but was not made by the operator (it lacks the labels "
+            f"app.kubernetes.io/managed-by={MANAGED_BY}, app.kubernetes.io/component={L2_KEY_COMPONENT}, "
+            f"{INSTANCE_LABEL}={name}): its key is not used, and the cache stays off. Delete or rename that Secret "
+            f"(the operator then generates the key), or name it in spec.l2.encryption.keySecretRef if it is meant "
+            "as this resource's key; a key restored from a backup keeps its labels")

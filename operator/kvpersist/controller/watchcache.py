@@ -1,0 +1,149 @@
+"""Watch caches of what the status refresh used to read by request every round: the Secrets a
+resource names (metadata only: their labels for secretLabel, and the resourceVersion that says
+whether a key or token must be read again) and the claims users name (existingClaimName, which
+carry none of the operator's labels, so the kopf index of claims never sees them).
+
+One list, then one watch from its resourceVersion, per watched namespace (or one cluster-wide),
+in a thread of its own: at 500 resources the refresh made 100+ reads a second; from here it makes
+none while nothing changes. Secret data never reaches the cache: the API server answers
+PartialObjectMetadata. Until a cache has listed (and again after a failed watch, until it has
+listed anew) lookups say so, and callers read by request as before: a cache never answers from a
+listing it does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from kvpersist.controller import kube
+from kvpersist.status.workloads import slim
+
+WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the next starts from the last resourceVersion
+BACKOFFS_S = (1, 2, 5, 10)  # after a failed list or watch (the API server down, a 410), then every 10 s
+Lister = Callable[[str | None], tuple[list[dict[str, Any]], str]]
+Watcher = Callable[[str | None, str, threading.Event], Iterator[tuple[str, dict[str, Any]]]]
+
+
+def _metadata(obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata") or {}
+    keep = ("name", "namespace", "uid", "resourceVersion", "labels", "annotations", "ownerReferences", "deletionTimestamp")
+    return {"metadata": {k: meta[k] for k in keep if k in meta}}
+
+
+class WatchCache:
+    """Objects of one kind in the given namespaces (None: cluster-wide), kept fresh by a watch."""
+
+    def __init__(self, kind: str, namespaces: tuple[str, ...] | None, lister: Lister, watcher: Watcher,
+                 keep: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
+        self.kind, self.lister, self.watcher, self.keep = kind, lister, watcher, keep
+        self.scopes: tuple[str | None, ...] = namespaces if namespaces else (None,)
+        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._synced: dict[str | None, bool] = dict.fromkeys(self.scopes, False)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.reads = 0  # lists made (a test and the benchmark count them)
+
+    def start(self) -> None:
+        for scope in self.scopes:
+            thread = threading.Thread(target=self._run, args=(scope,), name=f"kvpersist-cache-{self.kind}-{scope or 'all'}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
+        """(synced, the object or None when there is none). Not synced: the cache cannot say."""
+        with self._lock:
+            scope = namespace if namespace in self._synced else None
+            if not self._synced.get(scope, False):
+                return False, None
+            found = self._objects.get((namespace, name))
+            return True, (dict(found) if found is not None else None)
+
+    def _run(self, scope: str | None) -> None:
+        log = logging.getLogger("kvpersist")
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                version = self._relist(scope)
+                failures = 0
+                while not self._stop.is_set():
+                    version = self._watch(scope, version)
+            except Exception as exc:  # the API server down or refusing: unsynced until a new listing
+                with self._lock:
+                    self._synced[scope] = False
+                if failures == 0:
+                    log.warning("watch cache of %s in %s: %s; reading by request until it lists again", self.kind,
+                                scope or "all namespaces", exc.__class__.__name__)
+                self._stop.wait(BACKOFFS_S[min(failures, len(BACKOFFS_S) - 1)])
+                failures += 1
+
+    def _relist(self, scope: str | None) -> str:
+        self.reads += 1
+        items, version = self.lister(scope)
+        with self._lock:
+            for key in [k for k in self._objects if scope is None or k[0] == scope]:
+                del self._objects[key]
+            for item in items:
+                meta = item.get("metadata") or {}
+                self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = self.keep(item)
+            self._synced[scope] = True
+        return version
+
+    def _watch(self, scope: str | None, version: str) -> str:
+        """One watch, until the API server ends it; the resourceVersion to go on from. Raises on a
+        410 (the version expired: list again) or an error."""
+        for kind, obj in self.watcher(scope, version, self._stop):
+            meta = obj.get("metadata") or {}
+            version = meta.get("resourceVersion") or version
+            if kind == "BOOKMARK":
+                continue
+            key = (meta.get("namespace", ""), meta.get("name", ""))
+            with self._lock:
+                if kind == "DELETED":
+                    self._objects.pop(key, None)
+                else:
+                    self._objects[key] = self.keep(obj)
+        return version
+
+
+# The kinds are spelled out per call (not passed along) so tests/rbac_needs.py can tell which
+# resource each reaches.
+def _list_secrets(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "Secret", scope, metadata_only=True)
+
+
+def _watch_secrets(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    return kube.watch_page("v1", "Secret", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
+
+
+def _list_claims(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "PersistentVolumeClaim", scope, metadata_only=False)
+
+
+def _watch_claims(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    return kube.watch_page("v1", "PersistentVolumeClaim", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop)
+
+
+def secrets(namespaces: tuple[str, ...] | None) -> WatchCache:
+    return WatchCache("Secret", namespaces, _list_secrets, _watch_secrets, keep=_metadata)
+
+
+def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
+    return WatchCache("PersistentVolumeClaim", namespaces, _list_claims, _watch_claims, keep=slim)
+
+
+def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:
+    """The namespaces to watch: None (cluster-wide) when none are named, the names when all are
+    exact, False when a glob is among them (no list can be made per namespace: no cache)."""
+    if not named:
+        return None
+    if any(c in ns for ns in named for c in "*?[!"):
+        return False
+    return tuple(named)

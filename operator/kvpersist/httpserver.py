@@ -1,0 +1,324 @@
+"""A bounded HTTP server for the inventory agent and the operator's metrics (standard library only).
+
+http.server's ThreadingHTTPServer starts a thread per connection with no cap and reads with no
+timeout: a peer that opens thousands of connections and sends nothing (or trickles its headers a
+byte at a time) holds as many threads, their stacks and sockets, for as long as it likes. Here one
+thread waits for request heads on every connection at once (a selector; an idle connection costs
+a socket and a few hundred bytes, no thread), each head must arrive whole within HEAD_TIMEOUT_S of
+the accept and fit MAX_HEAD_BYTES, and at most `max_pending` connections wait at once: beyond that
+the oldest waiting one is closed, so a flood of idle connections never shuts out a fresh client
+that sends its request at once (the operator, the kubelet's probe). A complete head goes to one of
+a fixed pool of worker threads (a bounded queue before them: 503 when full), which runs the
+ordinary BaseHTTPRequestHandler with every socket read bounded by IO_TIMEOUT_S and all of a
+request's reads by REQUEST_TIMEOUT_S. One request per connection (HTTP/1.0, as both handlers speak).
+
+Bodies: read_body() takes a Content-Length that is a plain non-negative integer within the
+caller's cap (400, 411 or 413 otherwise, before reading anything), never a read to EOF.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import io
+import logging
+import queue
+import re
+import selectors
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HEAD_TIMEOUT_S = 10.0  # from accept to the blank line ending the headers
+IO_TIMEOUT_S = 10.0  # each socket read or write of a handler
+REQUEST_TIMEOUT_S = 15.0  # all of a handler's reads together (its body), from the end of the head
+MAX_HEAD_BYTES = 16 * 1024  # request line and headers
+MAX_PENDING = 512  # connections waiting for their head at once; the oldest goes first beyond it
+WORKERS = 8
+QUEUE = 32  # complete heads waiting for a worker; 503 beyond
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_HEAD_END = (b"\r\n\r\n", b"\n\n")
+
+
+class BodyError(Exception):
+    """A request body refused before reading it: the HTTP code and why."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def read_body(handler: BaseHTTPRequestHandler, cap: int) -> bytes:
+    """The request's body, at most `cap` bytes; BodyError (400, 411, 413) for a Content-Length that
+    is missing where Transfer-Encoding is sent, not one plain non-negative integer, or over the cap;
+    408 when the body does not arrive within the request's deadline."""
+    if handler.headers.get("Transfer-Encoding") is not None:
+        raise BodyError(411, "send the body with a Content-Length, not Transfer-Encoding")
+    values = handler.headers.get_all("Content-Length") or []
+    if not values:
+        return b""
+    if len(set(v.strip() for v in values)) != 1 or not _DIGITS.fullmatch(values[0].strip()):
+        raise BodyError(400, f"Content-Length must be one non-negative integer, not {', '.join(values)[:60]!r}")
+    length = int(values[0])
+    if length > cap:
+        raise BodyError(413, f"a body of {length} bytes is over this endpoint's {cap}")
+    try:
+        body = handler.rfile.read(length)
+    except TimeoutError:
+        raise BodyError(408, f"the body's {length} bytes did not come in time") from None
+    if len(body) != length:
+        raise BodyError(400, f"the body ended after {len(body)} of its {length} bytes")
+    return body
+
+
+class _Reader(io.RawIOBase):
+    """The socket as the handler reads it: first the head the selector already read, then the
+    socket, every read bounded by the time the request has left."""
+
+    def __init__(self, sock: socket.socket, head: bytes, deadline: float, io_timeout: float) -> None:
+        self._sock, self._head, self._deadline, self._io_timeout = sock, memoryview(head), deadline, io_timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's read deadline passed")
+        self._sock.settimeout(min(left, self._io_timeout))
+        return self._sock.recv_into(buffer)
+
+
+class _Writer(io.BufferedIOBase):
+    """Whole writes (sendall), each bounded by the socket's timeout."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._sock.sendall(data)
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+class _Accepted:
+    """A connection whose complete head was read, as the handler class receives it."""
+
+    def __init__(self, sock: socket.socket, address: Any, head: bytes) -> None:
+        self.sock, self.address, self.head = sock, address, head
+
+
+class _Pending:
+    __slots__ = ("address", "deadline", "head", "sock")
+
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock, self.address, self.head, self.deadline = sock, address, bytearray(), deadline
+
+
+class BoundedHTTPServer(HTTPServer):
+    """An HTTPServer with serve_forever(), shutdown() and server_close() as usual, bounded as the
+    module says. The handler class is an ordinary BaseHTTPRequestHandler subclass."""
+
+    request_queue_size = 128  # the listen backlog: a burst of connects must not wait on SYN retries
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, workers: int = WORKERS,
+                 max_pending: int = MAX_PENDING, queue_size: int = QUEUE, head_timeout: float = HEAD_TIMEOUT_S,
+                 io_timeout: float = IO_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S,
+                 max_head: int = MAX_HEAD_BYTES, name: str = "http") -> None:
+        self.workers, self.max_pending, self.head_timeout = workers, max_pending, head_timeout
+        self.io_timeout, self.request_timeout, self.max_head, self.name = io_timeout, request_timeout, max_head, name
+        self._work: queue.Queue[_Accepted | None] = queue.Queue(queue_size)
+        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # by fd, oldest first
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._threads: list[threading.Thread] = []
+        self.refused = 0  # 503s: every worker busy and the queue full
+        self._warned = -1e9
+        super().__init__(address, _bounded(handler))
+
+    # ------------------------------------------------------------------ the loop (serve_forever's thread)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stop.clear()
+        self._stopped.clear()
+        self._threads = [threading.Thread(target=self._worker, name=f"{self.name}-worker-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for thread in self._threads:
+            thread.start()
+        self.socket.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                oldest = next(iter(self._pending.values()), None)
+                wait = poll_interval if oldest is None else max(0.0, min(poll_interval, oldest.deadline - time.monotonic()))
+                for key, _ in sel.select(wait):
+                    if key.fileobj is self.socket:
+                        self._accept(sel)
+                    elif key.fileobj is self._wake_r:
+                        self._wake_r.recv(64)
+                    else:
+                        self._read_head(sel, key.data)
+                self._expire(sel)
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(sel, pending)
+            sel.close()
+            while True:  # heads no worker took yet: closed, then one stop for each worker
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    _close(item.sock)
+            for _ in self._threads:
+                self._work.put(None)
+            for thread in self._threads:
+                thread.join(5.0)
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(64):  # a burst per wake-up, without starving the reads
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: the oldest waiting connection makes room (else the
+                    # listening socket stays readable and the loop spins).
+                    if self._pending:
+                        self._drop(sel, next(iter(self._pending.values())))
+                    else:
+                        time.sleep(0.05)
+                return
+            if len(self._pending) >= self.max_pending:
+                self._drop(sel, next(iter(self._pending.values())))
+            sock.setblocking(False)
+            pending = _Pending(sock, address, time.monotonic() + self.head_timeout)
+            self._pending[sock.fileno()] = pending
+            sel.register(sock, selectors.EVENT_READ, pending)
+
+    def _read_head(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+        if pending.sock.fileno() < 0:  # dropped earlier in this same round of events
+            return
+        try:
+            data = pending.sock.recv(min(4096, self.max_head + 1 - len(pending.head)))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, pending)
+            return
+        pending.head += data
+        if any(end in pending.head for end in _HEAD_END):
+            self._forget(sel, pending)
+            try:
+                self._work.put_nowait(_Accepted(pending.sock, pending.address, bytes(pending.head)))
+            except queue.Full:
+                self.refused += 1
+                if time.monotonic() - self._warned > 60:  # a flood must not flood the log too
+                    self._warned = time.monotonic()
+                    log.warning("%s: all %d workers busy and %d requests queued: 503 to %s (%d refused so far)",
+                                self.name, self.workers, self._work.maxsize, pending.address[0], self.refused)
+                _refuse(pending.sock, 503, "Service Unavailable")
+        elif len(pending.head) > self.max_head:
+            self._forget(sel, pending)
+            _refuse(pending.sock, 431, "Request Header Fields Too Large")
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.deadline > now:
+                return
+            self._forget(sel, oldest)
+            _refuse(oldest.sock, 408, "Request Timeout")
+
+    def _forget(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+        self._pending.pop(pending.sock.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(pending.sock)
+
+    def _drop(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+        self._forget(sel, pending)
+        _close(pending.sock)
+
+    # ------------------------------------------------------------------ the workers
+
+    def _worker(self) -> None:
+        while (item := self._work.get()) is not None:
+            try:
+                item.sock.setblocking(True)
+                item.sock.settimeout(self.io_timeout)
+                self.RequestHandlerClass(item, item.address, self)  # type: ignore[arg-type]
+            except Exception as exc:  # one broken request must not end a worker
+                log.debug("%s: a request failed: %s: %s", self.name, type(exc).__name__, exc)
+            finally:
+                with contextlib.suppress(OSError):
+                    item.sock.shutdown(socket.SHUT_WR)
+                _close(item.sock)
+
+
+def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandler]:
+    """The handler class reading the head the loop already read, then the socket with deadlines."""
+
+    class Bounded(handler):  # type: ignore[valid-type, misc]
+        def setup(self) -> None:
+            accepted: _Accepted = self.request
+            server: BoundedHTTPServer = self.server  # type: ignore[assignment]
+            self.request = self.connection = accepted.sock
+            deadline = time.monotonic() + server.request_timeout
+            self.rfile = io.BufferedReader(_Reader(accepted.sock, accepted.head, deadline, server.io_timeout))
+            self.wfile = _Writer(accepted.sock)
+
+    Bounded.__name__ = Bounded.__qualname__ = handler.__name__
+    return Bounded
+
+
+def _refuse(sock: socket.socket, code: int, reason: str) -> None:
+    """A one-line answer, best effort (the socket is non-blocking: never waits), then closed. What
+    the peer already sent is read first (at most 64 KiB), or the close resets the connection and
+    the peer may never see the answer."""
+    with contextlib.suppress(OSError):
+        sock.send(f"HTTP/1.0 {code} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        for _ in range(16):
+            if not sock.recv(4096):
+                break
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()

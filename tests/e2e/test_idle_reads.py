@@ -1,0 +1,116 @@
+"""An idle resource costs the API server no reads (issue 29, item 8): the Secrets a resource names
+and the claim it names are read from watch caches (kvpersist.controller.watchcache; Secrets as
+metadata only), not by request every status round. The API server's own audit log counts the
+operator's requests (it runs as a ServiceAccount of its own, which the local cluster audits), and
+the caches still follow changes: a rotated key Secret is a new namespace id, a deleted claim says so.
+Real API server; the server pods are the local cluster's kwok pods (no lmcache needed for this)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import secrets
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cases.invalid_manifests import sample
+from tests.e2e.audit import at, events
+from tests.e2e.kube import Kubectl, wait_for
+from tests.e2e.operator_env import more_rounds, refreshes, start_operator, stop
+
+pytestmark = pytest.mark.e2e
+NAME = "idle"
+ROUNDS = 4  # status rounds (10 s each) watched for reads
+LABEL = "kvpersist.dev/usable-by=kvpersist"
+
+
+@pytest.fixture()
+def setup(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The operator as ServiceAccount `operator` of the test's namespace (cluster-admin: what is
+    under test is how often it reads, not RBAC), with secretLabel set, and its audit identity."""
+    ns = namespace
+    binding = f"{ns}-operator"
+    kubectl.run("create", "serviceaccount", "operator", "-n", ns)
+    kubectl.run("create", "clusterrolebinding", binding, "--clusterrole=cluster-admin", f"--serviceaccount={ns}:operator")
+    own = kubectl.as_service_account(ns, "operator", tmp_path / "operator.kubeconfig").kubeconfig
+    log = tmp_path / "operator.log"
+    proc = start_operator(own, ns, log, {"KVPERSIST_SECRET_LABEL": LABEL})
+    try:
+        yield {"ns": ns, "proc": proc, "user": f"system:serviceaccount:{ns}:operator", "log": log,
+               "as_operator": Kubectl(own, kubectl.binary)}
+    finally:
+        stop(proc)
+        kubectl.run("delete", "clusterrolebinding", binding, "--ignore-not-found", check=False)
+
+
+def put_key(kubectl: Kubectl, ns: str, key: bytes) -> None:
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                   "metadata": {"name": "user-key", "namespace": ns, "labels": dict([LABEL.split("=")])},
+                   "data": {"master-key": base64.b64encode(key).decode()}})
+
+
+def resource(ns: str) -> dict[str, Any]:
+    obj = copy.deepcopy(sample("nvme-minimal"))
+    obj["metadata"] = {"name": NAME, "namespace": ns}
+    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": "user-data", "maxCapacityGB": 1},
+                         "encryption": {"keySecretRef": {"name": "user-key"}}}
+    obj["spec"]["vllm"]["replicas"] = 0
+    return obj
+
+
+def reads(audit_log: Path, user: str, since: datetime, until: datetime) -> list[str]:
+    """The operator's one-by-one reads of Secrets and claims between since and until."""
+    return [f"{e['verb']} {e['objectRef'].get('resource')} {e['objectRef'].get('name')}"
+            for e in events(audit_log, user) if since <= at(e) <= until and e.get("verb") == "get"
+            and (e.get("objectRef") or {}).get("resource") in ("secrets", "persistentvolumeclaims")]
+
+
+def status(kubectl: Kubectl, ns: str) -> dict[str, Any]:
+    return kubectl.get("kvns", NAME, ns).get("status") or {}
+
+
+def test_an_idle_resource_reads_no_secret_or_claim_and_still_sees_changes(kubectl: Kubectl, setup: dict[str, Any],
+                                                                          audit_log: Path) -> None:
+    ns, proc, user = setup["ns"], setup["proc"], setup["user"]
+    kubectl.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "user-data", "namespace": ns},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+                            "storageClassName": f"{ns}-none"}})
+    put_key(kubectl, ns, secrets.token_bytes(32))
+    kubectl.apply(resource(ns))
+    first = wait_for("a namespace id from the named key", lambda: status(kubectl, ns).get("namespaceId"), timeout=90)
+    more_rounds(proc, ns, NAME)  # whatever the first rounds read (the caches listing) is behind us
+
+    since = datetime.now(UTC)
+    before = refreshes(proc, ns, NAME)
+    more_rounds(proc, ns, NAME, rounds=ROUNDS)
+    until = datetime.now(UTC)
+    rounds = refreshes(proc, ns, NAME) - before
+    assert rounds >= ROUNDS
+    # The audit log is written as requests complete: one request of ours as the operator's
+    # ServiceAccount marks the window's end; once it is in the log, so is everything before it.
+    marker = f"marker-{uuid.uuid4().hex[:8]}"
+    setup["as_operator"].run("get", "configmap", marker, "-n", ns, "--ignore-not-found")
+    wait_for("the marker request in the audit log", lambda: any((e.get("objectRef") or {}).get("name") == marker
+                                                                 for e in events(audit_log, user)), timeout=30)
+    seen = reads(audit_log, user, since, until)
+    assert seen == [], f"{rounds} idle status rounds read Secrets or claims one by one: {seen}"
+    assert (status(kubectl, ns).get("namespaceId")) == first
+
+    # The caches follow changes: new key bytes are a new namespace id (its data read again, once) ...
+    put_key(kubectl, ns, secrets.token_bytes(32))
+    wait_for("a new namespace id after the key rotated", lambda: status(kubectl, ns).get("namespaceId") not in (None, first),
+             timeout=60)
+    # ... and the named claim deleted is a claim not found.
+    kubectl.run("delete", "pvc", "user-data", "-n", ns, "--wait=false")
+    kubectl.run("patch", "pvc", "user-data", "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+
+    def claim_missing() -> bool:
+        l2 = next((c for c in status(kubectl, ns).get("conditions") or [] if c["type"] == "L2Ready"), {})
+        return "user-data not found" in l2.get("message", "")
+    wait_for("L2Ready to say the claim is gone", claim_missing, timeout=60)

@@ -1,0 +1,90 @@
+"""The creator-rights policy without a cluster: the chart ships the same objects as
+config/creator-rights, and the policy checks every Secret and claim the API lets a spec name. The
+API server's side (two users) is tests/e2e/test_creator_rights.py."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from kvpersist.api.v1alpha1 import KeySecretRef, KVCacheNamespaceSpec, SecretKeyRef
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "config/creator-rights/creator-rights.yaml"
+TEMPLATE = ROOT / "charts/kvpersist/templates/creator-rights.yaml"
+
+
+def _docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_chart_ships_the_same_creator_rights_policy_as_config() -> None:
+    """The chart's template, rendered for release "kvpersist" (helm's own rendering is checked by
+    tests/e2e/test_helm.py), equals the plain manifest apart from the chart's labels; on by default."""
+    template = TEMPLATE.read_text()
+    assert "{{- if .Values.creatorRights.enabled }}" in template
+    assert yaml.safe_load((ROOT / "charts/kvpersist/values.yaml").read_text())["creatorRights"] == {"enabled": True}
+    rendered = re.sub(r"\{\{-? (if|end)[^}]*\}\}\n?", "", template)
+    rendered = re.sub(r"\n *labels: \{\{-[^}]*\}\}", "", rendered)
+    rendered = rendered.replace('{{ include "kvpersist.fullname" . }}', "kvpersist")
+    assert "{{" not in rendered
+    plain = _docs(CONFIG.read_text())
+    assert _docs(rendered) == plain
+    assert [d["kind"] for d in plain] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert plain[1]["spec"] == {"policyName": "kvpersist-creator-rights", "validationActions": ["Deny"]}
+    rules = plain[0]["spec"]["matchConstraints"]["resourceRules"]
+    # The main resource only: status is a subresource (the operator's writes), never matched.
+    assert rules == [{"apiGroups": ["kvpersist.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+                      "resources": ["kvcachenamespaces"]}]
+    assert plain[0]["spec"]["failurePolicy"] == "Fail"
+
+
+def _types(annotation: Any) -> list[Any]:
+    """The annotation and every type inside it (unions, lists, dicts)."""
+    return [annotation, *(t for arg in typing.get_args(annotation) for t in _types(arg))]
+
+
+def _refs(model: type[BaseModel], path: str) -> list[tuple[str, str]]:
+    """(kind, spec path) of every Secret reference and claim name a spec can hold, found by walking
+    the models, so a field added later is found too."""
+    out: list[tuple[str, str]] = []
+    for name, field in model.model_fields.items():
+        here = f"{path}.{field.alias or name}"
+        if name == "existing_claim_name":
+            out.append(("claim", here))
+        for arg in _types(field.annotation):
+            if arg in (SecretKeyRef, KeySecretRef):
+                out.append(("secret", here + ".name"))
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                out += _refs(arg, here)
+    return out
+
+
+def test_every_secret_and_claim_a_spec_can_name_is_checked_by_name() -> None:
+    """Each reference the API has is read by the policy and checked with the authorizer for get,
+    by name, on its kind; each has its own refusal naming the field."""
+    policy = _docs(CONFIG.read_text())[0]["spec"]
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    refs = _refs(KVCacheNamespaceSpec, "spec")
+    assert sorted(refs) == [("claim", "spec.l2.nvme.existingClaimName"), ("secret", "spec.l2.encryption.keySecretRef.name"),
+                            ("secret", "spec.l2.hfBucket.tokenSecretRef.name")]
+    messages = [v.get("messageExpression", "") for v in policy["validations"]]
+    for kind, path in refs:
+        var = next(n for n, e in variables.items() if f"string(object.{path})" in e)
+        check = next(e for e in variables.values() if f".name(variables.{var}).check('get').allowed()" in e)
+        resource = "persistentvolumeclaims" if kind == "claim" else "secrets"
+        assert f"resource('{resource}')" in check and check.startswith("!variables.changed ||"), check
+        assert any(f"'{path} names " in m for m in messages), path
+    pods = variables["podsAllowed"]
+    assert "resource('pods')" in pods and "check('create')" in pods
+    assert variables["changed"] == "oldObject == null || object.spec != oldObject.spec"
+    # Every check is a validation: pods last, so a field's refusal names the field.
+    checks = [v["expression"].strip() for v in policy["validations"]]
+    assert checks == ["variables.tokenSecretAllowed", "variables.keySecretAllowed", "variables.claimAllowed",
+                      "variables.podsAllowed"]
+    assert all("variables.user" in m and "kubectl create rolebinding" in m for m in messages)

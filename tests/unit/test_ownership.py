@@ -1,0 +1,279 @@
+"""Ours or not ours (kvpersist.controller.ownership): what the operator makes counts as its own (in
+this version and as earlier ones made it), anything else under its names is refused, and
+knowing its own names costs no reads in a steady state. The API server is faked here;
+tests/e2e/test_no_adoption.py is the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import logging
+import time
+from typing import Any
+
+import kopf
+import pytest
+
+from kvpersist.builders.all import build_all
+from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
+from kvpersist.builders.retained import retained_labels
+from kvpersist.controller import apply, drift, kube, l2key, ownership, reading, refresh, runtime, status_loop
+from kvpersist.controller.state import Controller
+from kvpersist.status.workloads import Seen
+from tests.cases.invalid_manifests import sample
+
+LOG = logging.getLogger("test")
+UID = "uid-of-this-resource"
+
+
+def _body(uid: str = UID) -> dict[str, Any]:
+    body = copy.deepcopy(sample())
+    body["metadata"].update(namespace="ml", uid=uid, generation=1)
+    return body
+
+
+def _ref(uid: str = UID, controller: bool | None = True, kind: str = "KVCacheNamespace",
+         api_version: str = "kvpersist.dev/v1alpha1") -> dict[str, Any]:
+    ref = {"apiVersion": api_version, "kind": kind, "name": "llama31-8b", "uid": uid}
+    if controller is not None:
+        ref["controller"] = controller
+    return ref
+
+
+@pytest.mark.parametrize(("refs", "ours"), [
+    ([_ref()], True),
+    ([_ref(api_version="kvpersist.dev/v1beta1")], True),  # a later version of the API: the same resource
+    ([{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "x"}, _ref()], True),
+    ([_ref(controller=False)], False),  # a reference only: not what the operator sets
+    ([_ref(controller=None)], False),
+    ([_ref(uid="uid-of-a-deleted-namesake")], False),  # the same name, made again: another resource
+    ([_ref(kind="Deployment", api_version="apps/v1")], False),
+    ([_ref(api_version="evil.example/v1alpha1")], False),
+    ([], False),
+    (None, False),
+])
+def test_a_child_is_ours_only_with_a_controller_reference_to_this_resource(refs, ours) -> None:
+    meta = {"name": "llama31-8b-connection", "labels": {"app.kubernetes.io/managed-by": "kvpersist"}}
+    if refs is not None:
+        meta["ownerReferences"] = refs
+    assert ownership.is_own_child(meta, UID) is ours
+    assert ownership.is_own_child(meta, None) is False  # a resource without uid owns nothing
+
+
+def test_labels_alone_make_no_child_ours() -> None:
+    """Every label the operator sets, copied onto a user's object: still not its own."""
+    target, _ = reading._target(_body())
+    for manifest in build_all(target):
+        assert not ownership.is_own_child(manifest["metadata"], UID), manifest["kind"]
+
+
+def test_what_the_operator_makes_is_its_own() -> None:
+    """Every object the apply makes (with the owner reference it appends, as every version did),
+    the agent token Secret, and the generated key Secret as built now."""
+    body = _body()
+    target, _ = reading._target(body, "f" * 16)
+    made = [*build_all(target), build_agent_token_secret(target)]
+    for manifest in made:
+        kopf.append_owner_reference(manifest, owner=body)
+        assert ownership.is_own_child(manifest["metadata"], UID), manifest["kind"]
+    key = build_key_secret(target)
+    assert key is not None and "ownerReferences" not in key["metadata"]
+    assert ownership.is_own_key_secret(key["metadata"], target.name)
+
+
+OLD_KEY_LABELS = {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": "llama31-8b",
+                  "app.kubernetes.io/component": "l2-key", "app.kubernetes.io/managed-by": "kvpersist"}
+
+
+@pytest.mark.parametrize(("labels", "ours"), [
+    (retained_labels("llama31-8b", "l2-key"), True),
+    (OLD_KEY_LABELS, True),  # made before kvpersist.builders.retained (its tracking label not yet moved)
+    ({**retained_labels("llama31-8b", "l2-key"), "kvpersist.dev/usable-by": "kvpersist"}, True),
+    ({}, False),  # kubectl create secret generic llama31-8b-l2-key ...
+    (None, False),
+    (retained_labels("another", "l2-key"), False),
+    ({**OLD_KEY_LABELS, "app.kubernetes.io/instance": "another"}, False),
+    ({**retained_labels("llama31-8b", "l2-key"), "app.kubernetes.io/component": "agent-token"}, False),
+    ({k: v for k, v in retained_labels("llama31-8b", "l2-key").items() if k != "app.kubernetes.io/managed-by"}, False),
+])
+def test_the_key_secret_is_ours_by_the_labels_every_version_gave_it(labels, ours) -> None:
+    meta = {"name": "llama31-8b-l2-key"} if labels is None else {"name": "llama31-8b-l2-key", "labels": labels}
+    assert ownership.is_own_key_secret(meta, "llama31-8b") is ours
+
+
+def test_the_message_names_each_object_and_the_fix() -> None:
+    message = ownership.taken_message("r", "ml", [("Secret", "r-agent-token"), ("ConfigMap", "r-connection")])
+    assert "ConfigMap r-connection, Secret r-agent-token" in message
+    assert "kubectl delete configmap r-connection -n ml" in message and "another name" in message
+
+
+# ---------------------------------------------------------------- the apply, against a fake API server
+
+
+class Api:
+    """The objects under the resource's names (by (kind, name): metadata), and what is read and written."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, existing: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+        self.existing = existing or {}
+        self.reads: list[tuple[str, str]] = []
+        self.applied: list[dict[str, Any]] = []
+        self.created: list[dict[str, Any]] = []
+        monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+        self.secrets: dict[str, dict[str, Any]] = {}  # what the operator created, as read back (L2's key)
+        monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: self.secrets.get(name) if kind == "Secret" else None)
+        monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
+        monkeypatch.setattr(kube, "named_metadata", self._read)
+        monkeypatch.setattr(kube, "get_metadata", self._read)
+        monkeypatch.setattr(kube, "apply", self._apply)
+        monkeypatch.setattr(kube, "create_if_absent", self._create)
+        monkeypatch.setattr(kube, "post_event", lambda *a: None)
+
+    def _read(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        self.reads.append((kind, name))
+        return self.existing.get((kind, name))
+
+    def _apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(manifest)
+        self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
+        return manifest
+
+    def _create(self, manifest: dict[str, Any]) -> bool:
+        if (manifest["kind"], manifest["metadata"]["name"]) in self.existing:
+            return False
+        self.created.append(manifest)
+        self.secrets[manifest["metadata"]["name"]] = manifest
+        self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
+        return True
+
+
+@pytest.mark.parametrize("taken", [("ConfigMap", "llama31-8b-connection"), ("Deployment", "llama31-8b-vllm"),
+                                   ("NetworkPolicy", "llama31-8b-lmcache"), ("Secret", "llama31-8b-agent-token")])
+def test_an_object_it_did_not_make_stops_the_whole_apply_until_it_is_gone(monkeypatch, taken) -> None:
+    users = {"name": taken[1], "labels": {"app.kubernetes.io/managed-by": "kvpersist"},  # our label, copied
+             "ownerReferences": [_ref(controller=False)]}
+    api = Api(monkeypatch, {taken: users})
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)
+    state = runtime.CONTROLLER.state(key)
+    assert api.applied == [] and api.created == []  # nothing at all: not even the Secrets or policies
+    assert state.name_taken is not None and state.name_taken[0] == ownership.NAME_TAKEN
+    assert f"{taken[0]} {taken[1]}" in state.name_taken[1] and state.apply_error is None
+    assert api.existing[taken] is users
+
+    # Looked at again only after RETRY_S (a status refresh marks it), and still refused while there;
+    # any other reason to apply (here: the key still to make, nothing made) waits for that moment too.
+    assert apply._taken_recheck(key) == state.name_taken and not state.drifted
+    now = time.monotonic()
+    state.drifted = True
+    assert not status_loop.may_apply(key, state, now) and status_loop.may_apply(key, state, now + ownership.RETRY_S)
+    state.drifted = False
+    state.name_taken_retry_at = 0.0
+    assert apply._taken_recheck(key) is not None and state.drifted and status_loop.may_apply(key, state, now)
+    assert apply.apply_workloads(body, LOG)
+    assert api.applied == [] and state.name_taken_retry_at > now and not status_loop.may_apply(key, state, now)
+
+    # Gone: the next apply makes everything, the operator's own.
+    del api.existing[taken]
+    assert apply.apply_workloads(body, LOG)
+    assert state.name_taken is None and apply._taken_recheck(key) is None
+    made = {(m["kind"], m["metadata"]["name"]) for m in api.applied + api.created}
+    assert taken in made and ("StatefulSet", "llama31-8b-lmcache") in made
+
+
+def test_its_own_names_are_read_once_then_never_in_a_steady_state(monkeypatch) -> None:
+    api = Api(monkeypatch)
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)  # first apply: every name looked up (all free), then made
+    first = list(api.reads)
+    assert ("Secret", "llama31-8b-agent-token") in first and ("ConfigMap", "llama31-8b-connection") in first
+    api.reads.clear()
+    assert apply.apply_workloads(body, LOG)
+    assert api.reads == [] and runtime.CONTROLLER.state(key).name_taken is None
+
+    # A restarted operator: what the drift watch lists (with the owner references) is known as its own.
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    runtime.CONTROLLER.state(key).body = body
+    for manifest in api.applied:
+        meta = {**manifest["metadata"], "generation": 1}
+        handler = {"ConfigMap": drift.drift_configmaps, "Service": drift.drift_services, "Deployment": drift.drift_deployments,
+                   "StatefulSet": drift.drift_statefulsets, "NetworkPolicy": drift.drift_networkpolicies}[manifest["kind"]]
+        asyncio.run(handler(event={"type": None}, body={"kind": manifest["kind"], "metadata": meta}))
+    api.reads.clear()
+    assert apply.apply_workloads(body, LOG)
+    assert api.reads == [("Secret", "llama31-8b-agent-token")]  # Secrets are not watched: looked up once
+
+
+def test_a_deleted_child_is_looked_up_again(monkeypatch) -> None:
+    """Its DELETED event (or its label removed: the watch selects by label) forgets it as the
+    operator's own: whatever holds the name next is looked at before an apply."""
+    api = Api(monkeypatch)
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)
+    cm = next(m for m in api.applied if m["kind"] == "ConfigMap")
+    asyncio.run(drift.drift_configmaps(event={"type": "DELETED"}, body={"kind": "ConfigMap", "metadata": cm["metadata"]}))
+    api.existing[("ConfigMap", cm["metadata"]["name"])] = {"name": cm["metadata"]["name"]}  # a user's, made meanwhile
+    api.reads.clear()
+    api.applied.clear()
+    assert apply.apply_workloads(body, LOG)
+    assert api.reads == [("ConfigMap", cm["metadata"]["name"])] and api.applied == []
+    assert "ConfigMap llama31-8b-connection" in runtime.CONTROLLER.state(key).name_taken[1]
+
+
+def test_a_planted_key_secret_is_never_read_nor_patched(monkeypatch) -> None:
+    planted = {"metadata": {"name": "llama31-8b-l2-key", "labels": {}},
+               "data": {"master-key": base64.b64encode(b"p" * 32).decode()}}
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: planted if kind == "Secret" else None)
+
+    def never(*_a: Any) -> None:
+        raise AssertionError("the planted Secret's bytes were read")
+
+    monkeypatch.setattr(kube, "secret_value", never)
+    target, _ = reading._target(_body())
+    read = reading._read_key(target, fresh=True)
+    assert read is not None and read.fingerprint is None and not read.absent
+    assert read.problem is not None and read.problem[0] == l2key.KEY_NOT_OWNED and "llama31-8b-l2-key" in read.problem[1]
+    assert read.metadata is None  # nothing for _protect_retained to patch onto it
+    # Not absent, so no key is generated over it either (kvpersist.controller.apply), and the cache is off.
+    assert reading._judge_key(_body(), read, []) == (read, None)
+    assert reading._target(_body(), read.fingerprint)[0].namespace_id is None
+
+
+def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
+    body = _body()
+    token = {"metadata": {"name": "llama31-8b-agent-token"}, "data": {"token": base64.b64encode(b"users-token").decode()}}
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    monkeypatch.setattr(kube, "get", lambda *a: token)
+    runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
+    target, _ = reading._target(body)
+    assert refresh._agent_token(target) is None
+    token["metadata"]["ownerReferences"] = [_ref()]
+    runtime.CONTROLLER.state(("ml", "llama31-8b")).agent_token = None
+    assert refresh._agent_token(target) == "users-token"  # the operator's own (the reference it sets)
+
+
+def test_only_its_own_stale_routes_are_deleted(monkeypatch) -> None:
+    """clean_stale_routes deletes an old id's Service and policy only when the resource controls
+    them: a user's object with the same labels and a per-id name is left alone."""
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    body = _body()
+    runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
+    target, _ = reading._target(body, "f" * 16)
+    old = "kvp-" + "a" * 32
+    labels = {"app.kubernetes.io/instance": "llama31-8b", "app.kubernetes.io/component": "lmcache-server",
+              "kvpersist.dev/namespace-id": old}
+    own = {"metadata": {"name": target.per_id_name(old), "labels": labels, "ownerReferences": [_ref()]}}
+    users = {"metadata": {"name": target.per_id_name(old), "labels": labels}}
+    deleted: list[tuple[str, str]] = []
+    listed = {"Service": [own], "NetworkPolicy": [users]}
+    monkeypatch.setattr(kube, "list_all", lambda v, kind, ns, selector: listed[kind])
+    monkeypatch.setattr(kube, "delete", lambda v, kind, name, ns: deleted.append((kind, name)))
+    apply.clean_stale_routes(target, Seen(), LOG)
+    assert deleted == [("Service", target.per_id_name(old))]

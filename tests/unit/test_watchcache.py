@@ -1,0 +1,121 @@
+"""The watch cache's own logic (kvpersist.controller.watchcache), with a scripted list and watch in
+place of the API server (the real one: tests/e2e/test_idle_reads.py): it never answers before it
+has listed, nor after a failed watch until it has listed anew; deletes and changes land; and the
+Secret cache keeps metadata only, never data."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpersist.controller import watchcache
+
+
+def secret(name: str, version: str, data: str = "c2VjcmV0") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": version, "labels": {"a": "b"}},
+            "data": {"master-key": data}}
+
+
+class Script:
+    """A list answer per call, and watch events fed from the test."""
+
+    def __init__(self, listings: list[list[dict[str, Any]] | Exception]) -> None:
+        self.listings = listings
+        self.events: queue.Queue[tuple[str, dict[str, Any]] | Exception | None] = queue.Queue()
+        self.lists = 0
+
+    def lister(self, scope: str | None) -> tuple[list[dict[str, Any]], str]:
+        answer = self.listings[min(self.lists, len(self.listings) - 1)]
+        self.lists += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer, "1"
+
+    def watcher(self, scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+        while not stop.is_set():
+            try:
+                item = self.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def until(probe: Any, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (got := probe()):
+            return got
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture()
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(watchcache, "BACKOFFS_S", (0.05,))
+
+
+def make(script: Script) -> watchcache.WatchCache:
+    return watchcache.WatchCache("Secret", ("ns",), script.lister, script.watcher, keep=watchcache._metadata)
+
+
+def test_nothing_is_answered_before_the_first_listing(fast: None) -> None:
+    script = Script([RuntimeError("API server down"), [secret("k", "5")]])
+    cache = make(script)
+    assert cache.lookup("ns", "k") == (False, None)  # not started: cannot say
+    cache.start()
+    try:
+        _, found = until(lambda: (r := cache.lookup("ns", "k"))[0] and r)
+        assert found == {"metadata": {"name": "k", "namespace": "ns", "resourceVersion": "5", "labels": {"a": "b"}}}
+        assert "data" not in found and script.lists == 2
+    finally:
+        cache.stop()
+
+
+def test_changes_and_deletes_land_and_a_failed_watch_unsyncs_until_the_next_listing(fast: None) -> None:
+    gate = threading.Event()
+    script = Script([[secret("k", "5")]])
+    relisted: list[list[dict[str, Any]] | Exception] = [[secret("k", "9"), secret("other", "10")]]
+
+    def lister(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+        if script.lists >= 1:
+            gate.wait(5)  # hold the second listing until the test has looked
+            script.listings = relisted
+        return Script.lister(script, scope)
+
+    cache = watchcache.WatchCache("Secret", ("ns",), lister, script.watcher, keep=watchcache._metadata)
+    cache.start()
+    try:
+        until(lambda: cache.lookup("ns", "k")[0])
+        script.events.put(("MODIFIED", secret("k", "6")))
+        until(lambda: (cache.lookup("ns", "k")[1] or {}).get("metadata", {}).get("resourceVersion") == "6")
+        script.events.put(("DELETED", secret("k", "7")))
+        until(lambda: cache.lookup("ns", "k") == (True, None))
+        script.events.put(RuntimeError("watch broke"))  # e.g. a 410: the version expired
+        until(lambda: not cache.lookup("ns", "k")[0])  # unsynced: callers read by request
+        assert cache.lookup("ns", "other") == (False, None)
+        gate.set()
+        until(lambda: cache.lookup("ns", "other")[0])
+        assert cache.lookup("ns", "k")[1]["metadata"]["resourceVersion"] == "9"  # the new listing replaced the old
+    finally:
+        gate.set()
+        cache.stop()
+
+
+def test_a_namespace_outside_the_scopes_is_never_answered() -> None:
+    cache = watchcache.WatchCache("Secret", ("ns",), Script([[]]).lister, Script([[]]).watcher, keep=watchcache._metadata)
+    assert cache.lookup("elsewhere", "k") == (False, None)
+
+
+def test_the_scope_follows_the_watched_namespaces() -> None:
+    assert watchcache.scope_of(()) is None
+    assert watchcache.scope_of(("a", "b")) == ("a", "b")
+    assert watchcache.scope_of(("a", "team-*")) is False

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -260,10 +261,19 @@ def bucket_info(stub: Stub, handler: BaseHTTPRequestHandler) -> None:
 
 
 def test_the_hub_is_asked_through_the_environments_proxy(calls: Callable[..., tuple[dict[str, Any], float]],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """HTTP(S)_PROXY as httpx would honour it without an explicit transport (this client has one):
     the request goes to the proxy in absolute form, still under its deadline; NO_PROXY naming the
-    Hub's host turns it off. The stub plays the proxy; hub.invalid is never resolved."""
+    Hub's host turns it off. The stub plays the proxy; hub.invalid is never resolved. And the Hub is
+    asked the bucket only: no cached agent-harness registry (huggingface_hub fetches one a day for
+    its telemetry User-Agent, which the operator turns off)."""
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub.utils import _detect_agent
+
+    monkeypatch.setattr(hub_constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agent_harnesses.json"))
+    monkeypatch.setattr(_detect_agent, "_registry", None)
+    monkeypatch.setattr(hub_constants, "HF_HUB_DISABLE_TELEMETRY", False)  # as a fresh process has it
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "http://hub.invalid")  # as HF_ENDPOINT set before the import makes it
     with serving(bucket_info) as proxy:
         for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
             monkeypatch.delenv(name, raising=False)

@@ -263,8 +263,12 @@ def _bound_hub_client() -> None:
     with _client_lock:
         if _client_bounded:
             return
-        from huggingface_hub import close_session, set_client_factory
+        from huggingface_hub import close_session, constants, set_client_factory
 
+        # No telemetry: with it, building a request's User-Agent makes huggingface_hub fetch
+        # {endpoint}/api/agent-harnesses once a day (a call the operator never asked for, outside
+        # any deadline of its own) and cache the answer under HF_HOME.
+        constants.HF_HUB_DISABLE_TELEMETRY = True
         set_client_factory(_hub_client)
         close_session()
         _client_bounded = True

@@ -180,15 +180,16 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
     uid = kvns(kubectl, ns, "routed")["metadata"]["uid"]
     owner = [{"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "name": "routed", "uid": uid,
               "controller": True, "blockOwnerDeletion": True}]
-    # What an earlier id of this resource left: its Service, and a vLLM pod still running under it.
-    kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns, "labels": {
-        **labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin}, "ownerReferences": owner}, "spec": {
-        "selector": {**labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin},
-        "ports": [{"name": "zmq", "port": 5555, "targetPort": "zmq"}]}})
+    # What an earlier id of this resource left: a vLLM pod still running under it, and its Service (the
+    # pod first: a route of an id no pod uses is stale, and the operator deletes it at once).
     kubectl.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "routed-vllm-old", "namespace": ns, "labels": {
         **labels, "app.kubernetes.io/component": "vllm", NSID: twin}}, "spec": {
         "nodeSelector": {"kvpersist.dev/no-such-node": "true"}, "containers": [{"name": "vllm", "image": "vllm@sha256:"
                                                                                   + "0" * 64}]}})
+    kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns, "labels": {
+        **labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin}, "ownerReferences": owner}, "spec": {
+        "selector": {**labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin},
+        "ports": [{"name": "zmq", "port": 5555, "targetPort": "zmq"}]}})
     planted = kubectl.get("service", name, ns)
     # And the connection ConfigMap as an earlier operator wrote it, with the config "for other clients".
     kubectl.run("apply", "--server-side", "--field-manager=kvpersist", "-f", "-", stdin=json.dumps({

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvpersist.inventory.agent import Agent, make_server
+from tests.serving import in_thread
 
 TOKEN = "t0ken" * 12
 A = "kvp-" + "a" * 32
@@ -26,20 +27,8 @@ ANSWER_S = 5.0  # what "promptly" means here; every client read is bounded by it
 
 
 @contextmanager
-def running(server: Any) -> Iterator[int]:
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
-@contextmanager
 def agent(tmp_path: Path, **bounds: Any) -> Iterator[int]:
-    with running(make_server(Agent(tmp_path, serving=A, token=TOKEN), "127.0.0.1", 0, **bounds)) as port:
+    with in_thread(make_server(Agent(tmp_path, serving=A, token=TOKEN), "127.0.0.1", 0, **bounds)) as port:
         yield port
 
 
@@ -182,7 +171,7 @@ def test_a_full_queue_answers_503_and_the_workers_stay_fixed() -> None:
             return
 
     server = BoundedHTTPServer(("127.0.0.1", 0), Slow, workers=1, queue_size=1)
-    with running(server) as port, ExitStack() as stack:
+    with in_thread(server) as port, ExitStack() as stack:
         first = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S))
         first.sendall(b"GET / HTTP/1.0\r\n\r\n")
         assert entered.wait(ANSWER_S)
@@ -237,7 +226,7 @@ def test_the_liveness_front_passes_kopfs_answer_through_and_refuses_the_rest() -
     for bad in ("https://0.0.0.0:8080/healthz", "http://0.0.0.0/healthz", "0.0.0.0:8080"):
         with pytest.raises(ValueError, match="--liveness"):
             health.split_endpoint(bad)
-    with running(BoundedHTTPServer(("127.0.0.1", 0), Kopf)) as upstream:
+    with in_thread(BoundedHTTPServer(("127.0.0.1", 0), Kopf)) as upstream:
         front = health.serve("127.0.0.1", 0, "/healthz", upstream)
         port = front.server_address[1]
         try:

@@ -87,8 +87,8 @@ def refuse_control(value: Any) -> Any:
 
 
 def printable(text: str) -> str:
-    """text with every refused character written as \\uXXXX: for messages that quote user input
-    (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
+    """text with every refused character written as a \\u (or \\U) escape of its code point: for
+    messages that quote user input (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
     def one(ch: str) -> str:
         if not forbidden(ch):
             return ch

@@ -106,6 +106,20 @@ class Mode:
     trials: list[Trial] = field(default_factory=list)
 
 
+def store_all(server: LocalServer, seqs: int, label: str) -> None:
+    """Stores sequences 0..seqs through the server in batches that fit L1 (BATCH_SEQS), each
+    until its chunks are files in L2. A store that L1 refused is simply stored again: the driver
+    looks up first, so a retry writes only what is still missing."""
+    for start in range(0, seqs, BATCH_SEQS):
+        end = min(seqs, start + BATCH_SEQS)
+        for _attempt in range(5):
+            drive_subprocess("store", server.rpc_url, server.http_url, f"{start}:{end}", timeout=1800, extra=EXTRA)
+            if wait_files(server.l2_dir, end * CHUNKS_PER_SEQ, timeout=60):
+                break
+        else:
+            raise SystemExit(f"{label}: chunks of sequences {start}:{end} never reached L2")
+
+
 def prepare(mode: str, size_gb: float, root: Path, l1_gb: float, nvme: dict, extra_args: tuple[str, ...]) -> Mode:
     """A server for mode with size_gb of KV stored in L2 (and stopped)."""
     chunks = int(size_gb * 2**30 // CHUNK_BYTES)
@@ -122,17 +136,8 @@ def prepare(mode: str, size_gb: float, root: Path, l1_gb: float, nvme: dict, ext
     try:
         # In batches that fit L1: a burst larger than L1 while L2 writes are pending is
         # refused by lmcache ("Failed to batched allocate"), and those chunks never reach L2.
-        # A store that L1 refused is simply stored again: the driver looks up first, so a retry
-        # writes only what is still missing.
         t0 = time.monotonic()
-        for start in range(0, m.seqs, BATCH_SEQS):
-            end = min(m.seqs, start + BATCH_SEQS)
-            for _attempt in range(5):
-                drive_subprocess("store", server.rpc_url, server.http_url, f"{start}:{end}", timeout=1800, extra=EXTRA)
-                if wait_files(server.l2_dir, end * CHUNKS_PER_SEQ, timeout=60):
-                    break
-            else:
-                raise SystemExit(f"{mode}: chunks of sequences {start}:{end} never reached L2")
+        store_all(server, m.seqs, mode)
         m.store_s = time.monotonic() - t0
     finally:
         server.stop(signal.SIGKILL)

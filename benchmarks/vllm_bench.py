@@ -123,6 +123,24 @@ def measure(ip: str, text: str, model: str, repeats: int, server: str | None = N
             "requests": [first, *rest]}
 
 
+def bench_setup() -> tuple[Kubectl, dict, Path, bool]:
+    """The local cluster up (started when it is not) with the CRD, vLLM's CPU build and the bench
+    model in the HF cache: (kubectl, the model's record with its `vllm` program, the HF home, whether
+    the cluster was already running: one the bench started, it stops)."""
+    running = subprocess.run([*LOCALCLUSTER, "status"], capture_output=True, timeout=30).returncode == 0
+    if not running:
+        subprocess.run([*LOCALCLUSTER, "up"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+    kubeconfig = Path(os.environ.get("KVPERSIST_CLUSTER_DIR", Path.home() / ".cache" / "kvpersist" / "cluster")) / "kubeconfig"
+    k = Kubectl(kubeconfig, bin_dir() / "kubectl")
+    k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    venv = vllm_build()
+    hf_home = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist")) / "hf"
+    model = json.loads(subprocess.run([str(venv / "bin" / "python"), str(REPO / "hack" / "testmodel.py"), "--size", "bench",
+                                       "--hf-home", str(hf_home)], check=True, capture_output=True, text=True).stdout)
+    model["vllm"] = str(venv / "bin" / "vllm")
+    return k, model, hf_home, running
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-words", type=int, default=3400, help="pseudo-words in the prompt (3400: ~4.2k tokens)")
@@ -138,17 +156,7 @@ def main() -> None:
         summarize(json.loads(args.summarize.read_text()), f"from {args.summarize.name}")
         return
 
-    running = subprocess.run([*LOCALCLUSTER, "status"], capture_output=True, timeout=30).returncode == 0
-    if not running:
-        subprocess.run([*LOCALCLUSTER, "up"], check=True, stdout=subprocess.DEVNULL, timeout=300)
-    kubeconfig = Path(os.environ.get("KVPERSIST_CLUSTER_DIR", Path.home() / ".cache" / "kvpersist" / "cluster")) / "kubeconfig"
-    k = Kubectl(kubeconfig, bin_dir() / "kubectl")
-    k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    venv = vllm_build()
-    hf_home = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist")) / "hf"
-    model = json.loads(subprocess.run([str(venv / "bin" / "python"), str(REPO / "hack" / "testmodel.py"), "--size", "bench",
-                                       "--hf-home", str(hf_home)], check=True, capture_output=True, text=True).stdout)
-    model["vllm"] = str(venv / "bin" / "vllm")
+    k, model, hf_home, running = bench_setup()
     text = prompt(11, args.prompt_words)
     results: dict[str, dict] = {}
     try:

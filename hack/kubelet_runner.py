@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Plays kubelet for the local cluster's real node (`real-gpu-0`): runs each container of each pod
-bound there with its own command, args and env, on the pod's IP, and reports the pod Ready only
-when its readiness probe passes, as a kubelet would.
+"""Plays kubelet for one of the local cluster's real nodes (`real-gpu-0` by default, `real-gpu-1`
+with --node): runs each container of each pod bound to that node, and only those, with its own
+command, args and env, on the pod's IP, and reports the pod Ready only when its readiness probe
+passes, as a kubelet would. Two runners, one per node, play a two-node cluster.
 
 kwok gives pods IPs in 127.16.0.0/16 (loopback) but runs no containers; on the real node it
 starts them unready and leaves readiness to this runner. What a kubelet and the cluster's
 network would do, and nothing else, is mapped:
   - a claim mounted in a container becomes a folder under --workdir (one per claim, kept across
-    pod restarts like a real volume); `0.0.0.0` binds become the pod's IP;
+    pod restarts like a real volume); a claim whose accessModes allow many nodes (ReadWriteMany,
+    ReadOnlyMany: a shared filesystem) becomes one under --shared-dir instead, which the runners
+    of all nodes are given, so every node mounts the same folder; `0.0.0.0` binds (and ZMQ's
+    `tcp://*:`, vLLM's KV events) become the pod's IP;
   - the pod's own loopback: every pod here shares the machine's network namespace, so `127.0.0.1`
     in a container's args or exec probe becomes an address of the pod's own on the machine's
     loopback (pod_loopback: 127.16.3.4 -> 127.116.3.4), which no Service, endpoint or pod IP
@@ -35,7 +39,8 @@ pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not r
 container's securityContext applied (user, capabilities, read-only root): processes run as the
 runner's user.
 
-    python3 hack/kubelet_runner.py --namespace default [--vllm PATH --hf-home DIR] [--once]
+    python3 hack/kubelet_runner.py --namespace default [--node real-gpu-1] [--shared-dir DIR]
+                                   [--vllm PATH --hf-home DIR] [--once]
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REAL_NODE = "real-gpu-0"
+SECOND_NODE = "real-gpu-1"  # hack/localcluster.py's second real node (tests across nodes)
+SHARED_MODES = {"ReadWriteMany", "ReadOnlyMany"}  # a claim any node mounts: one folder for all runners
 SIMULATED = "kvpersist.dev/simulated"
 TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"  # kvpersist.builders.buildcheck's override of /dev/termination-log
 STOP_TIMEOUT_S = 20.0
@@ -88,6 +95,11 @@ def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb
     out: list[str] = []
     for arg in args:
         arg = arg.replace("127.0.0.1", loopback) if loopback and "127.0.0.1" in arg else arg
+        # A ZMQ bind on every interface (vLLM's --kv-events-config endpoint tcp://*:PORT) becomes one
+        # on the pod's address, spelled IPv4-mapped: vLLM binds only endpoints with `*` or `::` and
+        # connects to any other (vllm/distributed/kv_events.py _is_bind_endpoint); libzmq binds
+        # [::ffff:A] as A.
+        arg = arg.replace("tcp://*:", f"tcp://[::ffff:{host}]:") if host != "0.0.0.0" else arg
         for mount_path, local in mounts.items():
             arg = arg.replace(mount_path, str(local))
         if out and out[-1] == "--l1-size-gb" and max_l1_gb is not None and float(arg) > max_l1_gb:
@@ -215,6 +227,8 @@ class Runner:
     hf_home: Path | None = None  # where the models vLLM pods name lie, as a Hugging Face cache
     max_l1_gb: float | None = None  # cap for machines smaller than the sample's nodes
     node: str = REAL_NODE
+    shared_dir: Path | None = None  # where many-node claims live, the same for every node's runner; default workdir/shared
+    claim_modes: dict[str, list[str]] = field(default_factory=dict)  # claim -> its accessModes, read at each start
     containers: dict[str, Container] = field(default_factory=dict)  # "<pod uid>/<container>"
     names: dict[str, str] = field(default_factory=dict)  # "<pod uid>/<container>" -> pod name
     reported: dict[str, tuple] = field(default_factory=dict)  # pod uid -> readiness last patched
@@ -231,8 +245,15 @@ class Runner:
     def _kubectl_json(self, *args: str) -> dict:
         return json.loads(self._kubectl(*args, "-o", "json"))
 
+    def shared(self, claim: str) -> bool:
+        """Whether a claim is a shared filesystem (a many-node access mode): one folder for every node."""
+        return bool(SHARED_MODES & set(self.claim_modes.get(claim, ())))
+
     def volume_dir(self, claim: str) -> Path:
-        path = self.workdir / "volumes" / self.namespace / claim
+        """The claim's folder: this node's own for a ReadWriteOnce claim, the shared one (the
+        same path in every node's runner) for a ReadWriteMany or ReadOnlyMany claim."""
+        root = (self.shared_dir or self.workdir / "shared") if self.shared(claim) else self.workdir
+        path = root / "volumes" / self.namespace / claim
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -256,7 +277,7 @@ class Runner:
             target.chmod(item.get("mode", source.get("defaultMode", 0o644)))
         return path
 
-    def _env(self, container: dict) -> dict[str, str]:
+    def _env(self, container: dict, pod: dict | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
         name = program(container)
         if name == "vllm":
@@ -273,6 +294,12 @@ class Runner:
                 ref = item["valueFrom"]["secretKeyRef"]
                 secret = self._kubectl_json("get", "secret", ref["name"])
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+            elif "fieldRef" in item.get("valueFrom", {}) and pod is not None:  # the downward API's few fields
+                path = item["valueFrom"]["fieldRef"]["fieldPath"]
+                fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"].get("namespace"),
+                          "status.podIP": (pod.get("status") or {}).get("podIP"), "spec.nodeName": pod["spec"].get("nodeName")}
+                if fields.get(path) is not None:
+                    env[item["name"]] = str(fields[path])
         return env
 
     def local(self, program: str) -> str:
@@ -330,7 +357,10 @@ class Runner:
         log.parent.mkdir(parents=True, exist_ok=True)
         # The pod's own /etc/hosts, in a private mount namespace, like a kubelet's per-pod file.
         wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
-        env = self._env(spec)
+        env = self._env(spec, pod)
+        if any("persistentVolumeClaim" in v for v in pod["spec"].get("volumes", [])):  # which of its claims are shared
+            self.claim_modes = {c["metadata"]["name"]: c["spec"].get("accessModes") or []
+                                for c in self._kubectl_json("get", "persistentvolumeclaims")["items"]}
         termination = self.termination_file(key)
         termination.unlink(missing_ok=True)  # each run starts without a message, as under a kubelet
         env[TERMINATION_LOG_ENV] = str(termination)
@@ -454,6 +484,9 @@ def main() -> None:
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""))
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "kvpersist" / "kwok-pods"))
+    parser.add_argument("--node", default=REAL_NODE, help=f"the node to play ({REAL_NODE} or {SECOND_NODE})")
+    parser.add_argument("--shared-dir", default=None,
+                        help="folder for ReadWriteMany claims; give every node's runner the same one (default: WORKDIR/shared)")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--once", action="store_true", help="one sync, leave the processes running, exit")
     parser.add_argument("--max-l1-gb", type=float, default=None, help="cap --l1-size-gb (the host's RAM is the limit)")
@@ -464,7 +497,8 @@ def main() -> None:
     if not lmcache:
         sys.exit("error: lmcache not on PATH: install the datapath extra (bash hack/venv.sh)")
     runner = Runner(Path(args.kubeconfig), args.namespace, Path(args.workdir), lmcache=lmcache, max_l1_gb=args.max_l1_gb,
-                    vllm=args.vllm, hf_home=Path(args.hf_home) if args.hf_home else None)
+                    vllm=args.vllm, hf_home=Path(args.hf_home) if args.hf_home else None, node=args.node,
+                    shared_dir=Path(args.shared_dir) if args.shared_dir else None)
     if args.once:
         runner.sync()
         return

@@ -55,6 +55,40 @@ API_URL = f"https://{HOST}:{PORTS['kube-apiserver']}"
 # Fake nodes: one CPU node for the lmcache servers and one GPU node sized like an 8-GPU host.
 REAL_NODE = "real-gpu-0"
 REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
+# A second real node, for tests across nodes (tests/e2e/test_scale_out.py). Its own taint keeps
+# every pod that tolerates only REAL_NODE_TAINT (the demo, a test with a toleration and no
+# hostname) off it: only what tolerates both lands there.
+SECOND_NODE = "real-gpu-1"
+SECOND_NODE_TAINT = "kvpersist.dev/second-real-node"
+REAL_NODES = (REAL_NODE, SECOND_NODE)
+
+
+def real_node(name: str) -> dict:
+    """A GPU node whose pods are run for real by hack/kubelet_runner.py, which plays its kubelet:
+    kwok starts its pods unready, and the runner reports Ready when the pod's own readiness probe
+    passes. Tainted, so only pods that ask for it (tests, the demo) land here."""
+    taints = [{"key": REAL_NODE_TAINT, "value": "true", "effect": "NoSchedule"}]
+    if name != REAL_NODE:
+        taints.append({"key": SECOND_NODE_TAINT, "value": "true", "effect": "NoSchedule"})
+    return {
+        "name": name,
+        "labels": {
+            "node.kubernetes.io/instance-type": "gpu-8x",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": "NVIDIA-H200",
+            REAL_NODE_TAINT: "true",
+        },
+        "taints": taints,
+        "capacity": {
+            "cpu": "96",
+            "memory": "1536Gi",
+            "pods": "110",
+            "ephemeral-storage": "4Ti",
+            "nvidia.com/gpu": "8",
+        },
+    }
+
+
 NODES = [
     {
         "name": "kwok-cpu-0",
@@ -76,26 +110,7 @@ NODES = [
             "nvidia.com/gpu": "8",
         },
     },
-    {
-        # A GPU node whose pods are run for real by hack/kubelet_runner.py, which plays its
-        # kubelet: kwok starts its pods unready, and the runner reports Ready when the pod's own
-        # readiness probe passes. Tainted, so only pods that ask for it (tests, the demo) land here.
-        "name": REAL_NODE,
-        "labels": {
-            "node.kubernetes.io/instance-type": "gpu-8x",
-            "nvidia.com/gpu.present": "true",
-            "nvidia.com/gpu.product": "NVIDIA-H200",
-            REAL_NODE_TAINT: "true",
-        },
-        "taints": [{"key": REAL_NODE_TAINT, "value": "true", "effect": "NoSchedule"}],
-        "capacity": {
-            "cpu": "96",
-            "memory": "1536Gi",
-            "pods": "110",
-            "ephemeral-storage": "4Ti",
-            "nvidia.com/gpu": "8",
-        },
-    },
+    *(real_node(name) for name in REAL_NODES),
 ]
 
 
@@ -359,8 +374,9 @@ def node_manifest(spec: dict) -> dict:
     }
 
 
-# Pods on the real node start Running with an IP but unready; the runner, as their kubelet,
+# Pods on the real nodes start Running with an IP but unready; the runner, as their kubelet,
 # reports readiness from their probes. kwok's own "pod-ready" stage leaves them alone.
+REAL_NODE_VALUES = "\n".join(f"      - '{name}'" for name in REAL_NODES)
 REAL_NODE_STAGE = f"""apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
 metadata:
@@ -380,7 +396,7 @@ spec:
     - key: '.spec.nodeName'
       operator: 'In'
       values:
-      - '{REAL_NODE}'
+{REAL_NODE_VALUES}
   next:
     statusTemplate: |
       {{{{ $now := Now }}}}
@@ -442,7 +458,7 @@ def write_kwok_stages(bins: dict[str, Path]) -> Path:
             marker = "    matchExpressions:\n"
             assert marker in doc, "kwok's pod-ready stage changed shape: update write_kwok_stages"
             doc = doc.replace(marker, marker + f"    - key: '.spec.nodeName'\n      operator: 'NotIn'\n      values:\n"
-                              f"      - '{REAL_NODE}'\n", 1)
+                              f"{REAL_NODE_VALUES}\n", 1)
         out.append(doc)
     path = STATE / "kwok-stages.yaml"
     path.write_text("\n---\n".join([*out, REAL_NODE_STAGE]))

@@ -36,6 +36,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 MARKER = ".kvpersist-complete"
+# A variant's value and output projections: five times the base's spread, so the context's KV
+# decides its greedy answers (a wrong prefix changes the third token of the canary's answer).
+VARIANT_ATTENTION = 0.1
 
 
 def words(rng: random.Random, n: int) -> list[str]:
@@ -66,22 +69,41 @@ def train_tokenizer() -> tuple[str, dict[str, int]]:
 
 
 def model_files(size: str) -> dict[str, bytes]:
-    """All files of the snapshot, by name. Weights are seeded normals in bfloat16 (the dtype vLLM then serves in)."""
-    import torch
-    from safetensors.torch import save
-
+    """All files of the snapshot, by name."""
     dims = SIZES[size]
     tokenizer_json, ids = train_tokenizer()
-    h, layers = dims["hidden_size"], dims["num_hidden_layers"]
-    head_dim = h // dims["num_attention_heads"]
-    kv = dims["num_key_value_heads"] * head_dim
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **dims, "head_dim": head_dim, "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": MAX_POSITIONS, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": ids["<|bos|>"], "eos_token_id": ids["<|eos|>"],
     }  # fmt: skip
-    gen = torch.Generator().manual_seed(SEED)
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>",
+        "add_bos_token": True, "model_max_length": MAX_POSITIONS, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }  # fmt: skip
+    return {
+        "config.json": dump(config),
+        "generation_config.json": dump({"bos_token_id": ids["<|bos|>"], "eos_token_id": ids["<|eos|>"]}),
+        "model.safetensors": weights(size, SEED),
+        "tokenizer.json": tokenizer_json.encode(),
+        "tokenizer_config.json": dump(tok_config),
+        "special_tokens_map.json": dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"}),
+    }
+
+
+def weights(size: str, seed: int, attention: float = 0.02) -> bytes:
+    """model.safetensors: seeded normals in bfloat16 (the dtype vLLM then serves in); attention:
+    the spread of the value and output projections, how much the context weighs in an answer."""
+    import torch
+    from safetensors.torch import save
+
+    dims = SIZES[size]
+    h, layers = dims["hidden_size"], dims["num_hidden_layers"]
+    kv = dims["num_key_value_heads"] * (h // dims["num_attention_heads"])
+    gen = torch.Generator().manual_seed(seed)
 
     def normal(rows: int, cols: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=gen) * std).to(torch.bfloat16)
@@ -91,7 +113,7 @@ def model_files(size: str) -> dict[str, bytes]:
     for i in range(layers):
         p = f"model.layers.{i}."
         t |= {p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(kv, h),
-              p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, h),
+              p + "self_attn.v_proj.weight": normal(kv, h, attention), p + "self_attn.o_proj.weight": normal(h, h, attention),
               p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
               p + "mlp.down_proj.weight": normal(h, inter),
               p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
@@ -99,19 +121,7 @@ def model_files(size: str) -> dict[str, bytes]:
     t["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     # Logits with a spread of a few units: greedy decoding then has clear winners, not float-noise ties.
     t["lm_head.weight"] = normal(VOCAB_SIZE, h, 3.0 / h**0.5)
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>",
-        "add_bos_token": True, "model_max_length": MAX_POSITIONS, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }  # fmt: skip
-    return {
-        "config.json": dump(config),
-        "generation_config.json": dump({"bos_token_id": ids["<|bos|>"], "eos_token_id": ids["<|eos|>"]}),
-        "model.safetensors": save(t, metadata={"format": "pt"}),
-        "tokenizer.json": tokenizer_json.encode(),
-        "tokenizer_config.json": dump(tok_config),
-        "special_tokens_map.json": dump({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"}),
-    }
+    return save(t, metadata={"format": "pt"})
 
 
 def dump(obj: object) -> bytes:
@@ -144,6 +154,31 @@ def write_hub_entry(repo_dir: Path, files: dict[str, bytes]) -> str:
     return rev
 
 
+def add_snapshot(repo_dir: Path, files: dict[str, bytes]) -> str:
+    """Another revision beside those of the entry, added without touching them (refs/main stays):
+    blobs by hash and the snapshot folder each written under a temporary name, then renamed, so a
+    reader of the entry never sees a partial revision."""
+    rev = revision_of(files)
+    snap = repo_dir / "snapshots" / rev
+    if snap.is_dir():
+        return rev
+    for data in files.values():
+        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            part = blob.with_name(f".tmp-{os.getpid()}-{blob.name}")
+            part.write_bytes(data)
+            os.replace(part, blob)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=repo_dir / "snapshots"))
+    tmp.chmod(0o755)  # as the entry's other folders (mkdtemp makes it private)
+    for name, data in files.items():
+        (tmp / name).symlink_to(Path("../../blobs") / hashlib.sha256(data).hexdigest())
+    try:
+        os.rename(tmp, snap)
+    except OSError:  # another process added the same revision meanwhile: the same files
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rev
+
+
 def pins(model_id: str, snapshot: Path, hf_home: Path) -> dict[str, object]:
     """The identity pins, read back from the files as vLLM would see them."""
     config = json.loads((snapshot / "config.json").read_text())
@@ -158,8 +193,13 @@ def pins(model_id: str, snapshot: Path, hf_home: Path) -> dict[str, object]:
     }  # fmt: skip
 
 
-def ensure(size: str, hf_home: Path) -> dict[str, object]:
-    """Generate the model once per HF_HOME and size; later calls only read the pins back."""
+def ensure(size: str, hf_home: Path, variant: int = 0) -> dict[str, object]:
+    """Generate the model once per HF_HOME and size; later calls only read the pins back. A variant
+    N > 0 is another revision of the same model id: the same files but for weights of another
+    seed, so the same prompt is the same tokens (and the same lmcache chunk file names) while its
+    KV differs: what a test needs to put one identity's KV where another's is looked up. Its
+    attention weighs in (VARIANT_ATTENTION): with the base's, the tiny model's next token hardly
+    depends on its context, so no KV, right or wrong, would change an answer."""
     model_id = f"kvpersist/{size}-llama"
     repo_dir = hf_home / "hub" / ("models--" + model_id.replace("/", "--"))
     marker = repo_dir / MARKER
@@ -167,16 +207,22 @@ def ensure(size: str, hf_home: Path) -> dict[str, object]:
         repo_dir.parent.mkdir(parents=True, exist_ok=True)
         print(f"[testmodel] generating {model_id} under {hf_home}", file=sys.stderr)
         write_hub_entry(repo_dir, model_files(size))
-    return pins(model_id, repo_dir / "snapshots" / marker.read_text().strip(), hf_home)
+    base = repo_dir / "snapshots" / marker.read_text().strip()
+    if variant == 0:
+        return pins(model_id, base, hf_home)
+    files = {p.name: p.read_bytes() for p in base.iterdir()}
+    files["model.safetensors"] = weights(size, SEED + variant, VARIANT_ATTENTION)
+    return pins(model_id, repo_dir / "snapshots" / add_snapshot(repo_dir, files), hf_home)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--variant", type=int, default=0, help="N > 0: another revision, weights of another seed")
     default_home = Path(os.environ.get("KVPERSIST_CACHE", Path.home() / ".cache" / "kvpersist")) / "hf"
     ap.add_argument("--hf-home", type=Path, default=default_home, help="HF_HOME to populate (default: %(default)s)")
     args = ap.parse_args()
-    print(json.dumps(ensure(args.size, args.hf_home.resolve()), indent=2))
+    print(json.dumps(ensure(args.size, args.hf_home.resolve(), args.variant), indent=2))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ DOCS = REPO / "docs" / "security.md"
 ENTRY = "kvpersist.controller.handlers"  # what `kvpersist run` imports (with what it imports in turn)
 KUBE = "kvpersist.controller.kube"  # the operator's wrappers of the API server's calls
 # Modules that call the API server but never as the operator's ServiceAccount.
-OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig"}
+OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig",
+                    "kvpersist.plancmd": "`kvpersist plan`: run by a person with their own kubeconfig"}
 MODES = ("clusterwide", "namespaced")  # the chart: watchNamespaces empty, or set
 WATCHED = ("team-a", "team-b")  # watchNamespaces when the chart is rendered in namespaced mode
 # What Kubernetes grants every authenticated user (the ClusterRole system:basic-user): the chart
@@ -1220,8 +1221,13 @@ def helm_binary() -> Path | None:
     return path if out.returncode == 0 and path.exists() else None
 
 
+# `helm template` checks the chart's kubeVersion (>= 1.30) against --kube-version, which a helm
+# built from source without its Kubernetes version (the local cluster's) takes as 1.20.
+HELM_KUBE_VERSION = "1.30.0"
+
+
 def render(helm: Path, mode: str, release: str = "kvpersist", namespace: str = "kvpersist-system") -> list[dict[str, Any]]:
-    args = [str(helm), "template", release, str(CHART), "--namespace", namespace]
+    args = [str(helm), "template", release, str(CHART), "--namespace", namespace, "--kube-version", HELM_KUBE_VERSION]
     if mode == "namespaced":
         args += ["--set", "watchNamespaces={" + ",".join(WATCHED) + "}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,8 @@
 """The `kvpersist` command: `run` starts the controller; `status`, `report` and `gc` are the admin's
-view and explicit cleanup (also `kubectl kvpersist ...`); `agent` is the inventory sidecar; `crd`
-prints or writes the generated CRD."""
+view and explicit cleanup, `plan -f FILE` what an apply would do to the namespace id (also
+`kubectl kvpersist ...`); `agent` is the inventory sidecar; `pins`
+prints a model's identity pins from its Hub files; `crd` prints or writes the generated CRD;
+`pin-change-policy` the generated pin-change warning."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
+    from kvpersist.builders.networkpolicy import metrics_scraper
     from kvpersist.controller import (
         handlers,  # noqa: F401  (importing it registers the kopf handlers)
         leadership,
@@ -20,12 +23,16 @@ def _run(args: argparse.Namespace) -> int:
     )
     from kvpersist.controller.policy import Policy
 
-    try:  # the chart's allowedImages and secretLabel: a typo must stop the operator, not admit everything
+    try:  # the chart's allowedImages, secretLabel and metrics.scraper: a typo must stop the operator, not admit everything
         runtime.set_policy(Policy.from_env(os.environ))
+        metrics_scraper()
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2
     kopf.configure(verbose=args.verbose)
+    from kvpersist.controller import agentroll
+
+    agentroll.warn_if_unpinned()
     peering = None if args.standalone else args.peering
     priority = args.priority if args.priority is not None else leadership.random_priority()
     runtime.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
@@ -64,6 +71,17 @@ def _crd(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
     else:
         sys.stdout.write(render_crd())
+    return 0
+
+
+def _pin_change_policy(args: argparse.Namespace) -> int:
+    from kvpersist.api.pinchange import render_config, write
+
+    if args.write:
+        for path in write(Path(args.root)):
+            print(f"wrote {path}")
+    else:
+        sys.stdout.write(render_config())
     return 0
 
 
@@ -129,10 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     # Parsed by kvpersist.inventory.agent itself (main() hands it the rest of the line).
     sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist agent --help)")
 
+    from kvpersist import pinscmd, plancmd
+
+    pinscmd.add_parser(sub)
+    plancmd.add_parser(sub)
+
     crd = sub.add_parser("crd", help="print the CRD generated from the API models")
     crd.add_argument("--write", action="store_true", help="write every committed copy instead of printing")
     crd.add_argument("--root", default=".", help="repository root for --write")
     crd.set_defaults(fn=_crd)
+
+    policy = sub.add_parser("pin-change-policy", help="print the ValidatingAdmissionPolicy that warns at kubectl apply of a "
+                            "change that moves the namespace id (generated from the fields that reach it)")
+    policy.add_argument("--write", action="store_true", help="write config/pin-change-warning/ and the chart's template")
+    policy.add_argument("--root", default=".", help="repository root for --write")
+    policy.set_defaults(fn=_pin_change_policy)
 
     args = parser.parse_args(argv)
     return args.fn(args)

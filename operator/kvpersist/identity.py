@@ -56,6 +56,13 @@ IMAGE_PINS = {
     "vllm_image_digest": "spec.vllm.image",
     "lmcache_server_image_digest": "spec.lmcacheServer.image",
 }
+# The fix for an image named by tag alone (the CRD's defaults are tags: no image of this project is
+# published to pin them to). Both fields name the one image built from images/vllm-lmcache: the
+# connector in vLLM and the lmcache server must be one lmcache build.
+IMAGE_FIX = ("{fields} {verb} not pinned by digest: build images/vllm-lmcache, push it and name that one image by "
+             "digest in both spec.vllm.image and spec.lmcacheServer.image, as <image>@sha256:<64 hex> (`docker buildx "
+             "imagetools inspect <image>` prints the digest; docs/gpu-cluster.md); a tag can move to another build "
+             "under the same namespace")
 IMAGE_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
 INT_PINS = {"block_size", "num_kv_heads", "head_size", "tensor_parallel_size", "max_model_len"}
 # Hex digests compare case-insensitively; ids and names are case-sensitive.
@@ -81,6 +88,20 @@ def image_digest(reference: str | None) -> str | None:
     return match.group(1) if match else None
 
 
+# Pins the operator derives from other fields (never typed in spec.identity).
+DERIVED_PINS = {"l2_serde", "l2_layout", L2_KEY_PIN, *IMAGE_PINS}
+
+
+def field_path(pin: str) -> str:
+    """The field a user edits for a pin of spec.identity, as the API spells it
+    (chat_template_digest: spec.identity.chatTemplateDigest); the pin's own name is the hash's.
+    A derived pin keeps its name (its messages name the field to fix themselves)."""
+    if pin in DERIVED_PINS:
+        return pin
+    head, *rest = pin.split("_")
+    return "spec.identity." + head + "".join(w.capitalize() for w in rest)
+
+
 @dataclass(frozen=True)
 class Resolution:
     """The outcome of resolving pins: an id, or the pins that are missing or malformed."""
@@ -89,11 +110,16 @@ class Resolution:
     missing: tuple[str, ...] = ()
     invalid: tuple[str, ...] = ()
     canonical: dict[str, Any] | None = field(default=None, compare=False)
+    # (reason, message): complete pins the operator withholds the cache under anyway (a pin the
+    # model's files contradict: kvpersist.controller.pincheck).
+    blocked: tuple[str, str] | None = None
 
     @property
     def code(self) -> str:
         """The condition reason: ImageNotPinned when only an image lacks its digest, L2KeyNotRead
         when only the L2 key's fingerprint is missing (the handlers say why it could not be read)."""
+        if self.blocked is not None:
+            return self.blocked[0]
         unpinned = set(self.missing) | set(self.invalid)
         if unpinned == {L2_KEY_PIN}:
             return "L2KeyNotRead"
@@ -103,18 +129,18 @@ class Resolution:
     @property
     def reason(self) -> str:
         """What is missing and how to fix it, by the fields a user edits."""
+        if self.blocked is not None:
+            return self.blocked[1]
         parts = []
         missing = [p for p in self.missing if p not in IMAGE_PINS and p != L2_KEY_PIN]
         invalid = [p for p in self.invalid if p not in IMAGE_PINS and p != L2_KEY_PIN]
         if missing:
-            parts.append("missing pins: " + ", ".join(missing) + " (set them in spec.identity)")
+            parts.append("missing pins: " + ", ".join(map(field_path, missing)) + " (set them)")
         if invalid:
-            parts.append("malformed pins: " + ", ".join(invalid) + " (fix them in spec.identity)")
-        for pin, where in IMAGE_PINS.items():
-            if pin in self.missing or pin in self.invalid:
-                parts.append(f"{where} is not pinned by digest: name it as <image>@sha256:<64 hex> (`docker buildx "
-                             "imagetools inspect <image>` prints the digest); a tag can move to another build under "
-                             "the same namespace")
+            parts.append("malformed pins: " + ", ".join(map(field_path, invalid)) + " (fix them)")
+        unpinned = [where for pin, where in IMAGE_PINS.items() if pin in self.missing or pin in self.invalid]
+        if unpinned:
+            parts.append(IMAGE_FIX.format(fields=" and ".join(unpinned), verb="is" if len(unpinned) == 1 else "are"))
         if L2_KEY_PIN in self.missing or L2_KEY_PIN in self.invalid:
             parts.append(f"the L2 key (spec.l2.encryption) has not been read ({L2_KEY_PIN}): without it no namespace "
                          "can be named")

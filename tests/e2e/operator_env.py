@@ -27,7 +27,7 @@ from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.integration.kvdriver import SHAPE_PINS
 
 sys.path.insert(0, str(REPO / "hack"))
-from kubelet_runner import REAL_NODE, Runner, pod_loopback
+from kubelet_runner import REAL_NODE, SECOND_NODE, Runner, pod_loopback
 
 
 def in_pod(pod_ip: str, port: int = 8080) -> str:
@@ -37,7 +37,8 @@ def in_pod(pod_ip: str, port: int = 8080) -> str:
     return f"http://{pod_loopback(pod_ip)}:{port}"
 
 NAME = "llama31-8b"
-REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"
+REAL_NODE_TAINT = "kvpersist.dev/real-kubelet"  # and a label of both real nodes
+SECOND_NODE_TAINT = "kvpersist.dev/second-real-node"  # real-gpu-1 only: tests across nodes tolerate it
 
 
 def free_port() -> int:
@@ -55,7 +56,9 @@ def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[
     port = free_port()
     with log.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "run", "--standalone", "--namespace", namespace,
-                                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port)],
+                                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+                                 # kopf's own debug lines (each event, each handling cycle): to see a stuck run
+                                 *(["--verbose"] if os.environ.get("KVPERSIST_E2E_OPERATOR_VERBOSE") else [])],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     proc.metrics_url = f"http://127.0.0.1:{port}/metrics"  # type: ignore[attr-defined]
     return proc
@@ -134,6 +137,26 @@ def storage(ns: str) -> dict:
     ]}
 
 
+def second_node_storage(ns: str) -> dict:
+    """For tests across the two real nodes: a local PV on real-gpu-1 in the test's `<ns>-nvme`
+    class (a ReadWriteOnce claim per node), and a class `<ns>-shared` with one ReadWriteMany PV
+    any node mounts. That PV names an NFS export on loopback that nothing serves: a STAND-IN, never
+    mounted; the runners map the claim to one folder both see (Runner.shared_dir), a shared
+    filesystem's view (the same files on every node), not its consistency or speed."""
+    return {"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-pv-1"},
+         "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": f"{ns}-nvme",
+                  "persistentVolumeReclaimPolicy": "Retain", "local": {"path": f"/mnt/{ns}"},
+                  "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                      {"key": "kubernetes.io/hostname", "operator": "In", "values": [SECOND_NODE]}]}]}}}},
+        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": f"{ns}-shared"},
+         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-pv-shared"},
+         "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": f"{ns}-shared",
+                  "persistentVolumeReclaimPolicy": "Retain", "nfs": {"server": "127.0.0.1", "path": f"/{ns}"}}},
+    ]}
+
+
 def manifest(ns: str, **identity_changes: object) -> dict:
     """The sample with the KV geometry of what the tests drive (tests/integration/kvdriver.SHAPE):
     a server's L1 page, and so its file sizes, follow these pins (kvpersist.api l1_page_bytes)."""
@@ -150,6 +173,16 @@ def on_real_node(obj: dict) -> dict:
     vllm = obj["spec"].setdefault("vllm", {})
     vllm["nodeSelector"] = {"kubernetes.io/hostname": REAL_NODE}
     vllm["tolerations"] = [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}]
+    return obj
+
+
+def on_real_nodes(obj: dict) -> dict:
+    """Lets a resource's pods (vLLM and servers) onto both real nodes, real-gpu-0 and real-gpu-1
+    (one runner each), and no other: by the label both carry and a toleration of both taints."""
+    vllm = obj["spec"].setdefault("vllm", {})
+    vllm["nodeSelector"] = {REAL_NODE_TAINT: "true"}
+    vllm["tolerations"] = [{"key": key, "operator": "Exists", "effect": "NoSchedule"}
+                           for key in (REAL_NODE_TAINT, SECOND_NODE_TAINT)]
     return obj
 
 
@@ -198,6 +231,7 @@ class Env:
     runner: Runner
     operator: subprocess.Popen
     log: Path
+    second: Runner | None = None  # real-gpu-1's runner, with two_nodes
 
     def volume(self, claim: str = f"l2-{NAME}-lmcache-0") -> Path:
         return self.runner.volume_dir(claim)
@@ -205,24 +239,36 @@ class Env:
 
 @contextlib.contextmanager
 def kvpersist_env(kubectl: Kubectl, work: Path, operator_env: dict[str, str] | None = None, vllm: str | None = None,
-                  hf_home: Path | None = None) -> Iterator[Env]:
+                  hf_home: Path | None = None, two_nodes: bool = False) -> Iterator[Env]:
     """Namespace, StorageClass + PV, operator and runner; all stopped and deleted afterwards.
-    With `vllm` (the CPU build) and `hf_home` (its models), vLLM pods run for real."""
+    With `vllm` (the CPU build) and `hf_home` (its models), vLLM pods run for real. With
+    `two_nodes`, a second runner plays real-gpu-1 (second_node_storage: a PV there, and a
+    ReadWriteMany one both runners map to one folder, work/shared)."""
     ns = f"e2e-{uuid.uuid4().hex[:8]}"
     kubectl.run("create", "namespace", ns)
     kubectl.apply(storage(ns))
+    if two_nodes:
+        nodes = {n["metadata"]["name"] for n in kubectl.get("nodes")["items"]}
+        assert SECOND_NODE in nodes, (f"the local cluster has no {SECOND_NODE}: it predates the second real node; "
+                                      "run `python3 hack/localcluster.py down` and the tests again")
+        kubectl.apply(second_node_storage(ns))
     log = work / "operator.log"
+    shared = work / "shared" if two_nodes else None
     runner = Runner(kubectl.kubeconfig, ns, work / "pods", kubectl=str(kubectl.binary), lmcache=lmcache(), vllm=vllm,
-                    hf_home=hf_home)
-    env = Env(ns, work, runner, start_operator(kubectl.kubeconfig, ns, log, operator_env), log)
+                    hf_home=hf_home, shared_dir=shared)
+    second = Runner(kubectl.kubeconfig, ns, work / f"pods-{SECOND_NODE}", kubectl=str(kubectl.binary), lmcache=lmcache(),
+                    vllm=vllm, hf_home=hf_home, node=SECOND_NODE, shared_dir=shared) if two_nodes else None
+    env = Env(ns, work, runner, start_operator(kubectl.kubeconfig, ns, log, operator_env), log, second)
     try:
-        with RunnerThread(env.runner):
+        with RunnerThread(env.runner), (RunnerThread(second) if second else contextlib.nullcontext()):
             yield env
     finally:
         stop(env.operator)
         kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
-        kubectl.run("delete", "pv", f"{ns}-pv", "--wait=false", check=False)
-        kubectl.run("delete", "storageclass", f"{ns}-nvme", check=False)
+        for pv in (f"{ns}-pv", *((f"{ns}-pv-1", f"{ns}-pv-shared") if two_nodes else ())):
+            kubectl.run("delete", "pv", pv, "--wait=false", check=False)
+        for sc in (f"{ns}-nvme", *((f"{ns}-shared",) if two_nodes else ())):
+            kubectl.run("delete", "storageclass", sc, check=False)
 
 
 def bench_store(ip: str, start: int, end: int) -> None:

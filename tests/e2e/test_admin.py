@@ -1,7 +1,10 @@
 """Admin end to end: reports from the data itself, orphans after a pin change, and explicit
 cleanup, with real lmcache servers writing real files and the inventory agent beside each.
 
-In order: store KV in namespace A; change a pin (namespace B) and store there too; `report`
+In order: store KV in namespace A; `kvpersist plan` of a pin change names A -> B and A's bytes as
+the operator's inventory measured them, and kubectl apply prints the pin-change policy's Warning
+(config/pin-change-warning, installed for this module) with them; change the pin (namespace B) and
+store there too; the plan of a rollback says A's data is on the volume; `report`
 shows A as an orphan with the bytes `du` counts; `gc A` (dry run) changes nothing; `gc B` is
 refused (in use); a user who may edit the resource but lacks kvcachenamespaces/gc is refused by
 the API server (config/gc's policy, installed for this module); granted it, the request is
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.status.usage import human_bytes
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, bench_store, key_of, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
@@ -40,6 +44,13 @@ def cli(k: Kubectl, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+def _plan(k: Kubectl, obj: dict, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """`kvpersist plan -f` of obj, as its user runs it."""
+    path = tmp / "planned.yaml"
+    path.write_text(json.dumps(obj))
+    return cli(k, "plan", "-f", str(path), *args)
+
+
 def du_files(folder: Path) -> int:
     """What `du` counts for the files of a namespace folder (apparent bytes, the folder's own
     directory entry left out: gc removes that too, but it is not KV data)."""
@@ -53,11 +64,12 @@ def du_volume(volume: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def scenario(kubectl: Kubectl, crd: None, gc_policy: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def scenario(kubectl: Kubectl, crd: None, gc_policy: None, pin_change_policy: None,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if LMCACHE is None:
         pytest.fail("lmcache not on PATH: run through hack/test.sh (installs the datapath extra)")
     with kvpersist_env(kubectl, tmp_path_factory.mktemp("admin")) as env:
-        yield {"ns": env.ns, "volume": env.volume()}
+        yield {"ns": env.ns, "volume": env.volume(), "tmp": tmp_path_factory.mktemp("plans")}
 
 
 def _ready_with(kubectl: Kubectl, ns: str, namespace_id: str | None) -> dict:
@@ -73,9 +85,23 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
     _ready_with(kubectl, ns, a)
     bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 4)
     new = manifest(ns, maxModelLen=16384)
-    kubectl.apply(new)
     b = target_of(new, kubectl).namespace_id
     assert a != b
+    # Before the change (issue 32, item 2), with what the operator measured on the real volume:
+    # `kvpersist plan` names both ids and what becomes an orphan; kubectl apply prints the
+    # pin-change policy's Warning with the same numbers.
+    a_held = wait_for("the inventory to count what was stored", lambda: (lambda i: i if i.get("currentBytes") == du_files(
+        volume / a) else None)(kvns_status(kubectl, ns).get("inventory") or {}), timeout=120, interval=1)
+    before = _plan(kubectl, new, scenario["tmp"])
+    assert before.returncode == 2, before.stdout + before.stderr
+    [plan] = json.loads(_plan(kubectl, new, scenario["tmp"], "-o", "json").stdout)
+    assert (plan["oldId"], plan["newId"], plan["changedFields"]) == (a, b, ["spec.identity.maxModelLen"])
+    assert plan["oldHeld"] == {"bytes": a_held["currentBytes"], "objects": a_held["currentObjects"]}
+    assert not (plan["newHeld"] or {}).get("bytes"), plan  # nothing of b yet: it starts cold
+    applied = kubectl.apply(new)
+    warning = [line for line in applied.stderr.splitlines() if line.startswith("Warning:")]
+    assert warning and a in warning[0] and "spec.identity.maxModelLen" in warning[0], applied.stderr
+    assert human_bytes(a_held["currentBytes"]) in warning[0] and "kvpersist gc" in warning[0], warning
     _ready_with(kubectl, ns, b)
     bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
     scenario.update(a=a, b=b)
@@ -89,6 +115,9 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
         return list(rows.values()) if a in rows and b in rows and rows[a]["bytes"] == a_bytes and rows[b]["objects"] > 0 else None
 
     rows = wait_for("report to list both namespaces", reported, timeout=120)
+    # Back to the old pins: the plan says a's data is on this resource's L2, a rollback served at once.
+    [back] = json.loads(_plan(kubectl, old, scenario["tmp"], "-o", "json").stdout)
+    assert (back["oldId"], back["newId"]) == (b, a) and back["newHeld"]["bytes"] == a_bytes, back
     assert rows[0]["namespace_id"] == a and rows[0]["orphan"] and rows[0]["bytes"] == a_bytes  # the first to delete
     assert rows[0]["objects"] == len(list((volume / a).iterdir()))
     assert not rows[1]["orphan"] and rows[1]["current"]

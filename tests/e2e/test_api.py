@@ -46,6 +46,36 @@ def test_invalid_manifest_refused(kubectl: Kubectl, crd: None, namespace: str, c
     assert kubectl.run("get", "kvns", "-n", namespace, "-o", "name").stdout.strip() == ""
 
 
+def test_shared_serves_several_servers_on_one_claim_and_is_fixed_once_set(kubectl: Kubectl, crd: None,
+                                                                            namespace: str) -> None:
+    """spec.l2.nvme.shared: an existing claim may serve several servers; switching shared either
+    way is refused at apply time with the fix (a new KVCacheNamespace), as is the reclaimPolicy
+    of the one claim the operator made."""
+    obj = sample()
+    obj["metadata"].update(name="shared-l2", namespace=namespace)
+    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "lustre-kv", "maxCapacityGB": 100, "shared": True}
+    obj["spec"]["lmcacheServer"]["replicas"] = 3
+    kubectl.apply(obj)
+    assert kubectl.get("kvns", "shared-l2", namespace)["spec"]["l2"]["nvme"]["shared"] is True
+    obj["spec"]["l2"]["nvme"]["shared"] = False
+    obj["spec"]["lmcacheServer"]["replicas"] = 1
+    out = kubectl.apply(obj, check=False)
+    assert out.returncode != 0 and "spec.l2.nvme.shared" in out.stderr and "new KVCacheNamespace" in out.stderr, out.stderr
+    made = sample()
+    made["metadata"].update(name="shared-made", namespace=namespace)
+    made["spec"]["l2"]["nvme"].update(shared=True, reclaimPolicy="Delete")
+    kubectl.apply(made)
+    made["spec"]["l2"]["nvme"]["reclaimPolicy"] = "Retain"
+    out = kubectl.apply(made, check=False)
+    assert out.returncode != 0 and "spec.l2.nvme.reclaimPolicy" in out.stderr, out.stderr
+    plain = sample()
+    plain["metadata"].update(name="not-shared", namespace=namespace)
+    kubectl.apply(plain)
+    plain["spec"]["l2"]["nvme"]["shared"] = True
+    out = kubectl.apply(plain, check=False)
+    assert out.returncode != 0 and "spec.l2.nvme.shared" in out.stderr, out.stderr
+
+
 def _probe_characters() -> list[int]:
     """Each edge of each refused range, its middle and its neighbours, characters that must pass
     (a space, accents, CJK, an emoji, the last code point) and a fixed random sample of the rest;
@@ -127,9 +157,9 @@ def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespac
     assert expected is not None
     out = kubectl.run("get", "kvns", "-n", namespace).stdout
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "NAMESPACE-ID", "PHASE", "L2", "L1-USED", "L2-USED", "HIT", "READY", "AGE"]
+    assert header == ["NAME", "NAMESPACE-ID", "PHASE", "READY", "REASON", "VLLM", "L2", "L1-USED", "L2-USED", "HIT", "AGE"]
     row = out.splitlines()[1].split()
-    assert row[0] == "llama31-8b" and row[1] == expected and row[3] == "nvme"
+    assert row[0] == "llama31-8b" and row[1] == expected and row[6] == "nvme"
 
 
 def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, namespace: str) -> None:
@@ -142,7 +172,7 @@ def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, n
     assert "namespaceId" not in status
     cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
     assert cond["status"] == "False" and cond["reason"] == "IdentityIncomplete"
-    assert "chat_template_digest" in cond["message"]
+    assert "spec.identity.chatTemplateDigest" in cond["message"]
     dep = wait_for("the vLLM Deployment", lambda: kubectl.run("get", "deployment", "llama31-8b-vllm", "-n", namespace,
                                                             "-o", "json", check=False).stdout)
     args = json.loads(dep)["spec"]["template"]["spec"]["containers"][0]["args"]

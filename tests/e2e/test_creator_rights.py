@@ -27,6 +27,11 @@ pytestmark = pytest.mark.e2e
 
 ALICE, BOB = "alice@example.com", "bob@example.com"
 TOKEN_SECRET, KEY_SECRET, CLAIM = "hf-writer", "l2-master-key", "kv-data"
+# spec.vllm's and spec.imagePullSecrets' references (issue 30): each named by its own manifest below.
+HF_READER, API_KEY, WEIGHTS, ENV_SECRET, ENV_CONFIG, PULL = "hf-reader", "vllm-api-key", "weights", "vllm-env", "vllm-conf", "regcred"
+NAMED = {"bucket": ("Secret", TOKEN_SECRET), "keyed": ("Secret", KEY_SECRET), "claimed": ("PersistentVolumeClaim", CLAIM),
+         "gated": ("Secret", HF_READER), "apikey": ("Secret", API_KEY), "weights": ("PersistentVolumeClaim", WEIGHTS),
+         "envsecret": ("Secret", ENV_SECRET), "envconfig": ("ConfigMap", ENV_CONFIG), "pulling": ("Secret", PULL)}
 
 
 def as_user(kubectl: Kubectl, user: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -52,7 +57,20 @@ def manifests(ns: str) -> dict[str, tuple[str | None, dict]]:
     nvme.pop("size")
     nvme.pop("storageClassName")
     nvme["existingClaimName"] = CLAIM
+    def vllm(name: str, **fields: object) -> dict:
+        obj = at(sample(), name)
+        obj["spec"]["vllm"].update(fields)
+        return obj
+
+    pulling = at(sample(), "pulling")
+    pulling["spec"]["imagePullSecrets"] = [{"name": PULL}]
     return {"bucket": ("spec.l2.hfBucket.tokenSecretRef.name", bucket),
+            "gated": ("spec.vllm.hfTokenSecretRef.name", vllm("gated", hfTokenSecretRef={"name": HF_READER})),
+            "apikey": ("spec.vllm.apiKeySecretRef.name", vllm("apikey", apiKeySecretRef={"name": API_KEY})),
+            "weights": ("spec.vllm.modelCache.existingClaimName", vllm("weights", modelCache={"existingClaimName": WEIGHTS})),
+            "envsecret": ("spec.vllm.envFrom", vllm("envsecret", envFrom=[{"secretRef": {"name": ENV_SECRET}}])),
+            "envconfig": ("spec.vllm.envFrom", vllm("envconfig", envFrom=[{"configMapRef": {"name": ENV_CONFIG}}])),
+            "pulling": ("spec.imagePullSecrets", pulling),
             "keyed": ("spec.l2.encryption.keySecretRef.name", keyed),
             "claimed": ("spec.l2.nvme.existingClaimName", claimed),
             "plain": (None, at(sample(), "plain"))}
@@ -78,11 +96,17 @@ def users(kubectl: Kubectl, crd: None, creator_rights_policy: None, namespace: s
     author = [{"apiGroups": ["kvpersist.dev"], "resources": ["kvcachenamespaces"],
                "verbs": ["create", "get", "list", "watch", "patch", "update"]}]
     objects = [*role(ns, "kvns-author", author, (ALICE, BOB)),
-               *role(ns, "alice-pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}], (ALICE,)),
+               *role(ns, "alice-pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]},
+                                        {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]}],
+                     (ALICE,)),
                *role(ns, "alice-named", [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
                                           "resourceNames": [TOKEN_SECRET, KEY_SECRET]},
+                                         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+                                          "resourceNames": [HF_READER, API_KEY, ENV_SECRET, PULL]},
+                                         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"],
+                                          "resourceNames": [ENV_CONFIG]},
                                          {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"],
-                                          "resourceNames": [CLAIM]}], (ALICE,))]
+                                          "resourceNames": [CLAIM, WEIGHTS]}], (ALICE,))]
     kubectl.apply({"apiVersion": "v1", "kind": "List", "items": objects})
     wait_for("alice's and bob's rights", lambda: all(
         as_user(kubectl, u, "auth", "can-i", "create", "kvcachenamespaces.kvpersist.dev", "-n", ns).returncode == 0
@@ -105,7 +129,7 @@ def test_a_user_who_may_is_admitted_and_one_who_may_not_is_refused_naming_the_fi
     """bob (may create KVCacheNamespaces, nothing else) is refused for each resource, the first
     missing right named: the field that names a Secret or claim he may not get, and where the spec
     names none, pods he may not create; each message names him and the kubectl line that grants
-    it, and lists what the spec needs in all. alice (who holds it all) creates the same four."""
+    it, and lists what the spec needs in all. alice (who holds it all) creates the same ones."""
     ns = users
     for name, (field, obj) in manifests(ns).items():
         out = create_as(kubectl, BOB, obj)
@@ -118,8 +142,7 @@ def test_a_user_who_may_is_admitted_and_one_who_may_not_is_refused_naming_the_fi
             assert "kubectl create role kvpersist-pods --verb=create --resource=pods" in err, err
             assert err.rstrip().endswith("this spec needs create on pods)"), err
         else:
-            named = {"bucket": TOKEN_SECRET, "keyed": KEY_SECRET, "claimed": CLAIM}[name]
-            kind = "PersistentVolumeClaim" if name == "claimed" else "Secret"
+            kind, named = NAMED[name]
             assert f"{field} names {kind} {named}" in err and f"--resource-name={named}" in err, err
             assert f"this spec needs create on pods, get on {kind} {named})" in err, err
     assert kubectl.run("get", "kvns", "-n", ns, "-o", "name").stdout.split() == []
@@ -154,6 +177,25 @@ def test_metadata_and_status_need_nothing_a_spec_change_needs_it_all(kubectl: Ku
     out = as_user(kubectl, ALICE, *replicas)
     assert out.returncode == 0, out.stderr
     assert kubectl.get("kvns", "claimed", ns)["spec"]["vllm"]["replicas"] == 2
+
+
+def test_a_claim_the_operator_makes_needs_create_on_claims(kubectl: Kubectl, users: str) -> None:
+    """spec.vllm.modelCache.size makes the operator create claim <name>-model-cache: bob, who may
+    not create claims, is refused naming that field and the line that grants it; alice, who may,
+    is admitted (the user's-claim form, existingClaimName, is read only when set: no CEL error)."""
+    ns = users
+    obj = sample()
+    obj["metadata"].update(name="madecache", namespace=ns)
+    obj["spec"]["vllm"]["modelCache"] = {"size": "10Gi"}
+    out = create_as(kubectl, BOB, obj)
+    err = out.stderr
+    assert out.returncode != 0 and "ValidatingAdmissionPolicy 'kvpersist-creator-rights'" in err, err
+    assert "spec.vllm.modelCache.size makes the operator create a PersistentVolumeClaim madecache-model-cache" in err, err
+    assert f"{BOB} may not create PersistentVolumeClaims in {ns}" in err, err
+    assert "kubectl create role kvpersist-claims --verb=create --resource=persistentvolumeclaims" in err, err
+    assert err.rstrip().endswith("this spec needs create on pods, create on persistentvolumeclaims)"), err
+    out = create_as(kubectl, ALICE, obj)
+    assert out.returncode == 0, out.stderr
 
 
 GRANT = re.compile(r"kubectl create role .*? && kubectl create rolebinding \S+ --role=\S+ --user=\S+ -n \S+")

@@ -195,7 +195,23 @@ def test_operator_reconciled_every_accepted_spec_and_survived(kubectl: Kubectl, 
         return all((items[n].get("status") or {}).get("observedGeneration") == items[n]["metadata"]["generation"]
                    for n in accepted)
 
-    wait_for("every accepted spec reconciled", all_observed, timeout=180)
+    def behind() -> str:
+        """Which accepted resources lack a status at their generation, what they show, and the
+        operator's last lines: what a CI log needs to tell a slow operator from a stuck one."""
+        items = {o["metadata"]["name"]: o for o in kubectl.get("kvns", namespace=ns)["items"]}
+        late = []
+        for n in accepted:
+            obj = items.get(n) or {"metadata": {}}
+            st = obj.get("status") or {}
+            if st.get("observedGeneration") != obj["metadata"].get("generation"):
+                reasons = [f"{c.get('type')}={c.get('reason')}" for c in st.get("conditions") or []]
+                late.append(f"{n} (generation {obj['metadata'].get('generation')}, observed {st.get('observedGeneration')}, "
+                            f"phase {st.get('phase')}, {reasons}, changed {STATE['changed'].get(n)})")
+        tail = Path(fuzz_env["log"]).read_text(errors="replace").splitlines()[-40:]
+        return f"{len(late)} of {len(accepted)} behind: {late}; operator alive: {fuzz_env['op'].poll() is None}; " \
+               f"its log's last lines:\n" + "\n".join(tail)
+
+    wait_for("every accepted spec reconciled", all_observed, timeout=180, explain=behind)
     disagree, failed = [], []
     for n in accepted:
         stored = kubectl.get("kvns", n, ns)

@@ -49,7 +49,8 @@ def test_helm_lint() -> None:
 
 
 def test_template_accepted_by_server_side_dry_run(kubectl: Kubectl, crd: None) -> None:
-    rendered = helm("template", RELEASE, str(CHART), "--namespace", "kvpersist-dryrun", "--include-crds").stdout
+    rendered = helm("template", RELEASE, str(CHART), "--namespace", "kvpersist-dryrun", "--include-crds",
+                    "--kube-version", rbac_needs.HELM_KUBE_VERSION).stdout
     kinds = {d["kind"] for d in yaml.safe_load_all(rendered) if d}
     assert {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
             "ClusterKopfPeering", "Service", "NetworkPolicy"} <= kinds
@@ -229,7 +230,7 @@ def test_argocd_health_of_captured_statuses(installed: dict) -> None:
         status, message = argo_health(obj)
         assert status == expected[phase], (phase, status, message)
         assert message
-    assert "chat_template_digest" in argo_health(captured["CacheDisabled"])[1]
+    assert "spec.identity.chatTemplateDigest" in argo_health(captured["CacheDisabled"])[1]  # the field, as users write it
     stale = json.loads(json.dumps(captured["Ready"]))
     stale["metadata"]["generation"] = stale["status"]["observedGeneration"] + 1
     assert argo_health(stale)[0] == "Progressing"

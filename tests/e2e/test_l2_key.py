@@ -268,7 +268,13 @@ def test_accepting_the_loss_makes_a_new_key_and_an_orphan(kubectl: Kubectl, scen
     more_rounds(scenario["env"].operator, ns, NAME)
     assert kubectl.run("get", "secret", KEY_SECRET, "-n", ns, check=False).returncode != 0
     kubectl.run("annotate", "kvns", NAME, "-n", ns, "--overwrite", f"{REPLACE_ANNOTATION}={fingerprint}")
-    e = target_of(manifest(ns), kubectl).namespace_id  # waits for the new Secret
+    try:
+        e = target_of(manifest(ns), kubectl).namespace_id  # waits for the new Secret
+    except AssertionError as exc:
+        tail = "\n".join(scenario["env"].log.read_text(errors="replace").splitlines()[-40:])
+        raise AssertionError(f"{exc}; now: {seen(kubectl, ns)}; annotations: "
+                             f"{kubectl.get('kvns', NAME, ns)['metadata'].get('annotations')}; the operator's last lines:\n"
+                             f"{tail}") from exc
     assert e != d
     st = ready_on(kubectl, ns, e)
     assert st["l2Key"]["fingerprint"] != fingerprint and st["l2Key"]["generated"]

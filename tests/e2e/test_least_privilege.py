@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests import rbac_needs
-from tests.cases.invalid_manifests import sample
+from tests.cases.invalid_manifests import sample, upstream_images
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import free_port, more_rounds, start_operator, stop
 from tests.e2e.test_exclusive_stores import cond, kvns, replicas, resource
@@ -81,14 +81,14 @@ def _workloads(kubectl: Kubectl, name: str, ns: str) -> list[str]:
 
 
 def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespace: str, start) -> None:
-    """allowedImages docker.io/vllm/ and lmcache/vllm-openai: the samples' images reconcile;
+    """allowedImages docker.io/vllm/ and lmcache/vllm-openai: vLLM's and lmcache's upstream images reconcile;
     lmcache/vllm-openai-evil (the same characters, another repository) is refused with the field,
     the image, the prefixes and the fix named, a Warning event and no workload; an allowed resource
     edited to a refused image keeps its workloads exactly as they were."""
     operator, _log = start({"KVPERSIST_ALLOWED_IMAGES": "docker.io/vllm/, lmcache/vllm-openai"})
     ns = namespace
-    kubectl.apply(_named(sample(), "allowed", ns))
-    evil = _named(sample(), "refused", ns)
+    kubectl.apply(_named(upstream_images(), "allowed", ns))
+    evil = _named(upstream_images(), "refused", ns)
     evil["spec"]["lmcacheServer"]["image"] = "lmcache/vllm-openai-evil:v0.5.6" + EVIL_DIGEST
     kubectl.apply(evil)
 
@@ -110,7 +110,7 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     # An allowed resource edited to a refused image: status says so, its workloads stay untouched.
     before = {kind: kubectl.get(kind, f"allowed-{suffix}", ns) for kind, suffix in (("statefulset", "lmcache"),
                                                                                      ("deployment", "vllm"))}
-    edited = _named(sample(), "allowed", ns)
+    edited = _named(upstream_images(), "allowed", ns)
     edited["spec"]["vllm"]["image"] = "registry.evil.example/vllm/vllm-openai" + EVIL_DIGEST
     kubectl.apply(edited)
     cond = _refused(kubectl, "allowed", ns, "ImageNotAllowed", generation=2)
@@ -120,7 +120,7 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
         now = kubectl.get(kind, old["metadata"]["name"], ns)
         assert now["metadata"]["generation"] == old["metadata"]["generation"], kind
         assert now["spec"]["template"] == old["spec"]["template"], kind
-    kubectl.apply(_named(sample(), "allowed", ns))  # back to an allowed image: no longer refused
+    kubectl.apply(_named(upstream_images(), "allowed", ns))  # back to an allowed image: no longer refused
     wait_for("allowed again", lambda: (lambda c: c.get("observedGeneration") == 3 and c.get("reason") != "ImageNotAllowed")(
         _ready(kubectl, "allowed", ns)), timeout=60)
 
@@ -139,7 +139,9 @@ def test_a_named_secret_without_the_label_is_refused_until_labelled(kubectl: Kub
                        "metadata": {"name": name, "namespace": ns}, "data": {item: value}})
     hub = HubStub(existing={"acme-ml/kv-cache"}, token=token).__enter__()  # what a bucket preflight would reach
     request.addfinalizer(lambda: hub.__exit__(None, None, None))
-    operator, log = start({"KVPERSIST_SECRET_LABEL": LABEL, "HF_ENDPOINT": hub.url})
+    # The pin check (kvpersist.controller.pincheck) would read the models' files from the same
+    # endpoint, anonymously; off here, so that every request the stub counts is the bucket's.
+    operator, log = start({"KVPERSIST_SECRET_LABEL": LABEL, "HF_ENDPOINT": hub.url, "KVPERSIST_PIN_CHECK": "off"})
     keyed = _named(sample(), "keyed", ns)
     keyed["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
     kubectl.apply(keyed)
@@ -188,7 +190,8 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, crd: None, 
     suffix = uuid.uuid4().hex[:6]
     release, release_ns, watched, other = f"lp-{suffix}", f"lp-sys-{suffix}", f"lp-w-{suffix}", f"lp-o-{suffix}"
     rendered = subprocess.run([str(bin_dir() / "helm"), "template", release, str(REPO / "charts" / "kvpersist"),
-                               "--namespace", release_ns, "--set", f"watchNamespaces={{{watched}}}"],
+                               "--namespace", release_ns, "--set", f"watchNamespaces={{{watched}}}",
+                               "--kube-version", rbac_needs.HELM_KUBE_VERSION],
                               check=True, capture_output=True, text=True, timeout=120).stdout
     fullname = f"{release}-kvpersist"
     docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (

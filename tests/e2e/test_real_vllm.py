@@ -5,28 +5,35 @@ Service name. The model is a small random-weight Llama generated here (hack/test
 out as a pinned Hugging Face cache entry, whose pins are read from its own files.
 
 One scenario, in order, each step asserted on counters (vLLM's and lmcache's), never on timing:
-cold; vLLM pod deleted (hit from the server's L1); server pod deleted (hit from L2); resource
-deleted and re-created with the same pins (hit from L2, the claim was retained); a pin changed
-(no external hit though the new server was asked, then a hit from that server: a miss, not a pod
-without its connector; the old namespace's files byte-identical). Greedy completions are the same
-served cold and from cache, and status's hit figures agree with vLLM's own counter. The first two
-steps are the demo's own checks (hack/demo_prompt.py), run here as the demo runs them.
+KV events (spec.vllm.kvEvents: lmcache's stored chunks on the first vLLM pod's socket, under the
+namespace id's topic); cold; vLLM pod deleted (hit from the server's L1); server pod deleted (hit
+from L2); resource deleted and re-created with the same pins (hit from L2, the claim was
+retained); a pin changed (no external hit though the new server was asked, then a hit from that
+server: a miss, not a pod without its connector; the old namespace's files byte-identical).
+Greedy completions are the same served cold and from cache, and status's hit figures agree with
+vLLM's own counter. The cold and L1 steps are the demo's own checks (hack/demo_prompt.py), run
+here as the demo runs them.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
 from kvpersist.builders.target import NAMESPACE_ID_LABEL
+from kvpersist.builders.vllm import KV_EVENTS_PORT_NAME, KV_EVENTS_TOPIC_ANNOTATION
 from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state
@@ -74,6 +81,7 @@ def real_manifest(ns: str, model: dict, **identity: object) -> dict:
 prompt = demo_prompt.prompt
 LONG = prompt(SEED)
 GREEDY_SET = [prompt(s, 400) for s in (2, 3, 4)]
+EVENTS_SET = [prompt(s, 600) for s in (5, 6)]  # the KV events test's own: the prompts above must stay cold
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -106,6 +114,14 @@ def complete(ip: str, text: str, max_tokens: int = 1, logprobs: int | None = Non
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
+
+
+def tokenize(ip: str, text: str) -> list[int]:
+    """The prompt's token ids as a completion of it counts them (vLLM's /tokenize, the BOS included)."""
+    req = urllib.request.Request(f"http://{ip}:8000/tokenize", data=json.dumps({"model": "kvpersist/tiny-llama",
+                                 "prompt": text}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["tokens"]
 
 
 def greedy(ip: str) -> list[dict]:
@@ -166,6 +182,9 @@ def server_ip(kubectl: Kubectl, ns: str, exclude_uid: str | None = None) -> str:
 def chain(kubectl: Kubectl, crd: None, model: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     with kvpersist_env(kubectl, tmp_path_factory.mktemp("realvllm"), vllm=model["vllm"], hf_home=Path(model["hfHome"])) as env:
         obj = real_manifest(env.ns, model)
+        # KV events (docs/api.md, "KV events"): the first test subscribes while its first vLLM pod
+        # serves; no KV byte and no namespace id changes with them (tests/unit/test_kv_events.py).
+        obj["spec"]["vllm"]["kvEvents"] = {"enabled": True}
         kubectl.apply(obj)
         state: dict = {"env": env, "obj": obj, "nsid": target_of(obj, kubectl).namespace_id}
         try:
@@ -185,6 +204,126 @@ def ask(ip: str) -> tuple[int, float]:
     before = external_hits(metrics(f"http://{ip}:8000/metrics"))
     usage = complete(ip, LONG)["usage"]
     return usage["prompt_tokens"], external_hits(metrics(f"http://{ip}:8000/metrics")) - before
+
+
+class EventTap:
+    """A ZMQ SUB socket on one vLLM pod's KV events port (spec.vllm.kvEvents), subscribed to every
+    topic, so a message under any other topic than the namespace id would be seen too. Frames
+    (topic, sequence number, decoded batch) are collected on a thread, at most MAX_FRAMES, until
+    close(); vLLM is a peer like any other: a frame that is not (topic, 8-byte seq, msgpack) is kept
+    as it came, and fails the test's checks rather than the tap."""
+
+    MAX_FRAMES = 10_000
+
+    def __init__(self, ip: str, port: int) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._sock.connect(f"tcp://{ip}:{port}")
+        try:  # connected (so subscribed) before the first prompt: a PUB drops what no one is subscribed to yet
+            assert monitor.poll(30_000), f"no ZMQ handshake with vLLM's KV events socket tcp://{ip}:{port} in 30 s"
+        finally:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
+        self.frames: list[tuple[bytes, int, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-tap", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and len(self.frames) < self.MAX_FRAMES:
+                if not self._sock.poll(100):
+                    continue
+                parts = self._sock.recv_multipart()
+                if len(parts) != 3 or len(parts[1]) != 8:
+                    self.frames.append((b"<malformed>", -1, parts))
+                    continue
+                try:
+                    batch: object = msgspec.msgpack.decode(parts[2])
+                except msgspec.DecodeError:
+                    batch = parts[2]
+                self.frames.append((parts[0], int.from_bytes(parts[1], "big"), batch))
+        finally:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def close(self) -> list[tuple[bytes, int, object]]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return self.frames
+
+
+def kv_events(frames: list[tuple[bytes, int, object]]) -> list[dict]:
+    """vLLM's events of a KVEventBatch ([ts, events, data_parallel_rank]), each a map with its
+    `type` tag (BlockStored, BlockRemoved, AllBlocksCleared: vllm/distributed/kv_events.py)."""
+    out = []
+    for _topic, _seq, batch in frames:
+        assert isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list), batch
+        out += batch[1]
+    return out
+
+
+def event_chunks(event: dict) -> list[tuple[int, ...]]:
+    """A BlockStored event's token ids, one tuple per block (block_size tokens each)."""
+    tokens = event.get("token_ids") or []
+    size = event.get("block_size") or CHUNK
+    return [tuple(tokens[i:i + size]) for i in range(0, len(tokens), size)]
+
+
+def test_kv_events_carry_the_namespace_id_and_announce_lmcaches_chunks(kubectl: Kubectl, chain: dict) -> None:
+    """spec.vllm.kvEvents on the real vLLM: the pod names its topic (annotation) and socket (port
+    kv-events); a subscriber to every topic gets only the namespace id's, in sequence, and the
+    chunks lmcache stored for two prompts, as BlockStored of medium CPU in 256-token blocks with
+    the prompts' own token ids, each block's parent the one before it. vLLM's CPU build moves KV
+    engine-driven, so the servers keep no event log (builders/lmcache.worker_sourced_kv_events)
+    and the connector announces its own stores; vLLM's own blocks (medium GPU) do not come, as
+    its prefix cache is off here (docs/datapath.md, "KV events")."""
+    ns, nsid = chain["env"].ns, chain["nsid"]
+    vllm = vllm_pod(kubectl, ns)
+    meta, ip = vllm["metadata"], vllm["status"]["podIP"]
+    assert meta["annotations"][KV_EVENTS_TOPIC_ANNOTATION] == nsid == meta["labels"][NAMESPACE_ID_LABEL]
+    [port] = [p["containerPort"] for p in vllm["spec"]["containers"][0]["ports"] if p["name"] == KV_EVENTS_PORT_NAME]
+    tap = EventTap(ip, port)
+    try:
+        must: list[list[tuple[int, ...]]] = []  # each prompt's chunks a hit would serve, in order: announced
+        whole: set[tuple[int, ...]] = set()  # every whole chunk of the prompts: all that may be announced
+        for text in EVENTS_SET:
+            complete(ip, text, max_tokens=4)
+            tokens = tokenize(ip, text)
+            chunks = [tuple(tokens[i:i + CHUNK]) for i in range(0, len(tokens) - CHUNK + 1, CHUNK)]
+            must.append(chunks[:(len(tokens) - 1) // CHUNK])
+            whole.update(chunks)
+        wanted = {c for chunks in must for c in chunks}
+        assert len(wanted) >= 4, must  # two prompts of 600 words: at least two chunks each
+
+        def announced() -> bool:
+            complete(ip, "ba.", max_tokens=1)  # a finished store is announced at vLLM's next engine step: one more
+            return {c for e in kv_events(list(tap.frames)) for c in event_chunks(e)} >= wanted
+
+        wait_for("the prompts' chunks announced on vLLM's KV events socket", announced, timeout=60, interval=1)
+    finally:
+        frames = tap.close()
+    assert frames and {topic for topic, _seq, _batch in frames} == {nsid.encode()}, [f[:2] for f in frames]
+    seqs = [seq for _topic, seq, _batch in frames]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # none lost between vLLM and the tap
+    events = kv_events(frames)
+    assert {(e["type"], e.get("medium"), e.get("block_size")) for e in events} == {("BlockStored", "CPU", CHUNK)}, events[:3]
+    hash_of: dict[tuple[int, ...], object] = {}
+    parent_of: dict[object, object] = {}
+    for e in events:
+        parent = e["parent_block_hash"]
+        assert len(e["token_ids"]) == CHUNK * len(e["block_hashes"]), e
+        for chunk, h in zip(event_chunks(e), e["block_hashes"], strict=True):
+            assert chunk in whole, "a chunk announced that no prompt sent here holds"
+            assert hash_of.setdefault(chunk, h) == h and parent_of.setdefault(h, parent) == parent
+            parent = h
+    assert len(set(hash_of.values())) == len(hash_of)  # one hash per chunk
+    for chunks in must:  # a router can chain each prompt's prefix from the events
+        assert parent_of[hash_of[chunks[0]]] is None
+        assert all(parent_of[hash_of[cur]] == hash_of[prev] for prev, cur in itertools.pairwise(chunks))
 
 
 def test_the_demo_cold_then_served_from_the_servers_l1_after_the_vllm_pod_is_deleted(kubectl: Kubectl, chain: dict,

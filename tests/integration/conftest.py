@@ -86,6 +86,7 @@ class LocalServer:
     # interoperability tests and the benchmark's comparison. The rest of the args stay rendered.
     serde_type: str | None = None
     extra_args: tuple[str, ...] = ()  # appended to the rendered args (benchmarks/datapath_bench.py --server-arg)
+    env: dict[str, str] = field(default_factory=dict)  # more environment, as the pod's env (e.g. the Hub token)
 
     @property
     def argv(self) -> list[str]:
@@ -123,7 +124,7 @@ class LocalServer:
         t0 = time.monotonic()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **self.env})
         self.starts.append(t0)
         while time.monotonic() - t0 < START_TIMEOUT_S:
             if self.proc.poll() is not None:
@@ -181,15 +182,15 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
 
 
 @pytest.fixture()
-def agents(tmp_path: Path) -> Iterator[Callable[[LocalServer], Any]]:
+def agents(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Inventory agents as the operator renders them (test_capacity.AgentProcess), one per call,
     all stopped at the end."""
     from tests.integration.test_capacity import AgentProcess  # it imports this module
 
     made: list[AgentProcess] = []
 
-    def make(srv: LocalServer) -> AgentProcess:
-        made.append(AgentProcess(srv, tmp_path / f"agent-{len(made)}.log"))
+    def make(srv: LocalServer, pod_name: str | None = None, flags: dict[str, str] | None = None) -> AgentProcess:
+        made.append(AgentProcess(srv, tmp_path / f"agent-{len(made)}.log", pod_name, flags))
         return made[-1]
 
     yield make

@@ -9,6 +9,8 @@ retrieve and checksums the local buffer the server wrote into.
 
     python -m tests.integration.kvdriver store  --rpc-url tcp://127.0.0.1:5555 --http-url http://127.0.0.1:8080 --seqs 0:8
     python -m tests.integration.kvdriver verify --rpc-url ... --http-url ... --seqs 0:8
+    python -m tests.integration.kvdriver lookup ...   (lookups only, back to back: a read rate, no bytes checked)
+    python -m tests.integration.kvdriver hold ...     (registers its KV layout, as a vLLM worker does, until stdin closes)
 
 Prints one JSON object: per sequence the chunks looked up, hit, stored, and whether the
 retrieved bytes equal the source bytes.
@@ -53,7 +55,9 @@ def _clear(client: Any, request: Any, tokens: int) -> None:
 
 
 def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, shape: str = SHAPE,
-        num_blocks: int = 64) -> dict[str, Any]:
+        num_blocks: int = 64, start_at: float | None = None) -> dict[str, Any]:
+    """start_at: a time.time() to wait for once the client is up, so several drivers (started at
+    different moments, each importing torch) begin their requests together."""
     from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 
     client = ServerBenchClient(_config(rpc_url, http_url, num_tokens, shape, num_blocks), log=lambda _msg: None)
@@ -61,11 +65,23 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
     client.start()
     caches = client._workers[0].kv_caches
     pristine = {name: tensor.clone() for name, tensor in caches.items()}  # the seeded source bytes
+    if start_at is not None:
+        out["late_s"] = round(max(0.0, time.time() - start_at), 3)  # > 0: it was up after the start time
+        time.sleep(max(0.0, start_at - time.time()))
+    t_first = time.monotonic()
     try:
         for seq in seqs:
+            request = client.create_request(seq, request_id=f"kvdriver-{mode}-{seq}-{time.monotonic_ns()}", request_kind=mode)
+            if mode == "lookup":  # L2 -> L1 only (lmcache prefetches an L2 hit at lookup), back to back: a read rate
+                t0 = time.monotonic()
+                lookup = client.lookup(request)
+                out["sequences"].append({"seq": seq, "chunks": lookup.total_chunks, "hit_chunks": lookup.hit_chunks,
+                                         "lookup_error": lookup.error, "stored_chunks": 0,
+                                         "lookup_ms": round((time.monotonic() - t0) * 1000, 3)})
+                client.end_session(request)
+                continue
             for name, tensor in caches.items():
                 tensor.copy_(pristine[name])
-            request = client.create_request(seq, request_id=f"kvdriver-{mode}-{seq}-{time.monotonic_ns()}", request_kind=mode)
             expected = _checksums(client, request, request.num_full_tokens)
             t0 = time.monotonic()
             lookup = client.lookup(request)
@@ -91,6 +107,7 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
                 row["stored_chunks"] = 0
             client.end_session(request)
             out["sequences"].append(row)
+        out["wall_s"] = round(time.monotonic() - t_first, 3)
     finally:
         client.close()
     seq_rows = out["sequences"]
@@ -103,6 +120,26 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
         "lookup_errors": sum(1 for r in seq_rows if r["lookup_error"]),
     }
     return out
+
+
+def hold(rpc_url: str, http_url: str, seqs: range, num_tokens: int, shape: str = SHAPE, num_blocks: int = 64) -> None:
+    """Registers the client's KV layout with the server, as a vLLM worker does when it allocates its
+    KV (lmcache's warm prefetch answers 503 until one has), prints one JSON line (the model name
+    and world size it registered under, and each sequence's token ids), and holds it until stdin
+    closes."""
+    from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+    from lmcache.cli.commands.bench.server_bench.helpers import _MODEL_NAME
+
+    client = ServerBenchClient(_config(rpc_url, http_url, num_tokens, shape, num_blocks), log=lambda _msg: None)
+    client.start()
+    try:
+        ids = {seq: list(client.create_request(seq, request_id=f"kvdriver-hold-{seq}", request_kind="hold").token_ids)
+               for seq in seqs}
+        sys.stdout.write(json.dumps({"model": _MODEL_NAME, "world_size": client._kv_world_size, "token_ids": ids}) + "\n")
+        sys.stdout.flush()
+        sys.stdin.read()
+    finally:
+        client.close()
 
 
 def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout: float = 300,
@@ -122,17 +159,21 @@ def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["store", "verify"])
+    parser.add_argument("mode", choices=["store", "verify", "lookup", "hold"])
     parser.add_argument("--rpc-url", required=True)
     parser.add_argument("--http-url", required=True)
     parser.add_argument("--seqs", default="0:8", help="start:end sequence numbers (end exclusive)")
     parser.add_argument("--num-tokens", type=int, default=512)
     parser.add_argument("--shape", default=SHAPE, help="KV shape spec, as lmcache bench server takes it")
     parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--start-at", type=float, default=None, help="a time.time() to begin the requests at")
     args = parser.parse_args()
     start, end = (int(x) for x in args.seqs.split(":"))
-    json.dump(run(args.mode, args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks),
-              sys.stdout)
+    if args.mode == "hold":
+        hold(args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks)
+        return
+    json.dump(run(args.mode, args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks,
+                  args.start_at), sys.stdout)
     sys.stdout.write("\n")
 
 

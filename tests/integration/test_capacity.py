@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import GIB
-from kvpersist.builders.lmcache import agent_container
+from kvpersist.builders.lmcache import POD_NAME_ENV, agent_container
 from kvpersist.builders.target import AGENT_TOKEN_KEY, AGENT_TOKEN_MOUNT_PATH, L2_MOUNT_PATH
 from tests.integration.conftest import REPO, LocalServer, drive, free_port, localize_args, make_target
 
@@ -62,7 +62,10 @@ class AgentProcess:
     """`kvpersist agent` as the builder renders it, the claim mapped to the test's volume folder,
     on a free loopback port, trimming every TRIM_PERIOD_S instead of every 30 s."""
 
-    def __init__(self, srv: LocalServer, log: Path) -> None:
+    def __init__(self, srv: LocalServer, log: Path, pod_name: str | None = None,
+                 flags: dict[str, str] | None = None) -> None:
+        """pod_name: the pod's name as the downward API gives it (spec.l2.nvme.shared); flags: rendered
+        flags given other values (e.g. a shorter --trim-grace)."""
         # The token Secret's volume, as the kubelet would make it: one file.
         token_dir = log.parent / f"{log.stem}-agent-token"
         token_dir.mkdir(parents=True, exist_ok=True)
@@ -72,8 +75,12 @@ class AgentProcess:
                              {L2_MOUNT_PATH: srv.volume, AGENT_TOKEN_MOUNT_PATH: token_dir}, "127.0.0.1")
         self.port = free_port()
         args[args.index("--port") + 1] = str(self.port)
+        for flag, value in (flags or {}).items():
+            args[args.index(flag) + 1] = value
         self.capacity = int(args[args.index("--capacity-bytes") + 1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+        if pod_name is not None:
+            env[POD_NAME_ENV] = pod_name
         self.log = log
         with log.open("ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", *args, "--trim-period", str(TRIM_PERIOD_S)],

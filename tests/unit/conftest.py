@@ -4,6 +4,7 @@ its field is left out and logged, kvpersist.api.status), so a misspelled key fai
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -30,3 +31,14 @@ def controller(monkeypatch: pytest.MonkeyPatch) -> Iterator[Controller]:
     fresh = Controller()
     monkeypatch.setattr(runtime, "CONTROLLER", fresh)
     yield fresh
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The helm binary the local cluster's build made (the chart checks render with it)."""
+    from tests import rbac_needs
+
+    path = rbac_needs.helm_binary()
+    if path is None:
+        pytest.skip("helm not built: python3 hack/localcluster.py build")
+    return path

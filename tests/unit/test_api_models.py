@@ -2,17 +2,73 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace, parse_quantity, validation_message
+from kvpersist.identity import image_digest, key_fingerprint, resolve
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 
+SAMPLE_NAMES = sorted(p.stem for p in SAMPLES.glob("*.yaml"))
+# The samples' digest: no image of kvpersist is published, so it is a placeholder, and says so.
+PLACEHOLDER_DIGEST = "sha256:" + "0123456789abcdef" * 4
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in SAMPLES.glob("*.yaml")))
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
 def test_samples_validate(name: str) -> None:
     obj = KVCacheNamespace.model_validate(sample(name))
     assert obj.spec.identity.model_id
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_samples_run_the_one_image_by_digest_on_gpu_nodes(name: str) -> None:
+    """Each sample as shipped: the one images/vllm-lmcache image in both fields, by a digest the
+    sample calls a placeholder and says how to replace; every pin set, so the cache is on; and GPU
+    placement (GPUs per pod, a GPU node selector, the GPU taint tolerated)."""
+    text = (SAMPLES / f"{name}.yaml").read_text()
+    spec = KVCacheNamespace.model_validate(yaml.safe_load(text)).spec
+    assert spec.vllm.image == spec.lmcache_server.image
+    assert re.fullmatch(r"[a-z0-9.-]+/kvpersist/vllm-lmcache:vllm-[0-9.]+-lmcache-[0-9.]+@sha256:[0-9a-f]{64}", spec.vllm.image)
+    assert image_digest(spec.vllm.image) == PLACEHOLDER_DIGEST
+    for words in ("PLACEHOLDER", "images/vllm-lmcache", "spec.vllm.image", "spec.lmcacheServer.image",
+                  "docker buildx imagetools inspect", "kvpersist pins MODEL@REVISION"):
+        assert words in text, words
+    resolution = resolve(spec.pins(key_fingerprint(b"k" * 32)))
+    assert resolution.namespace_id is not None, resolution.reason
+    ident = spec.identity
+    assert (ident.num_kv_heads, ident.head_size) == ((4, 128) if "Qwen2.5-7B" in ident.model_id else (8, 128))
+    # GPUs per vLLM pod: gpusPerReplica, else tensorParallelSize (set in every sample: a pin).
+    assert ident.tensor_parallel_size is not None and (spec.vllm.gpus_per_replica or 0) in (0, ident.tensor_parallel_size)
+    assert spec.vllm.node_selector == {"nvidia.com/gpu.present": "true"}
+    assert [t.key for t in spec.vllm.tolerations or []] == ["nvidia.com/gpu"]
+    assert spec.vllm.resources is not None and "nvidia.com/gpu" not in (spec.vllm.resources.requests or {})
+
+
+GPU_DOC = Path(__file__).resolve().parents[2] / "docs" / "gpu-cluster.md"
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_the_walks_sed_puts_your_image_in_both_fields(name: str) -> None:
+    """docs/gpu-cluster.md's walk replaces the placeholder with one sed command: run as written
+    (IMAGE from the environment), on each sample, it changes both images and nothing else."""
+    command = re.search(r'^ *(sed "[^"]+") config/samples/nvme-minimal\.yaml > \S+$', GPU_DOC.read_text(),
+                        flags=re.MULTILINE)
+    assert command, "the walk's sed command is gone from docs/gpu-cluster.md"
+    image = "reg.local/kvpersist/vllm-lmcache:vllm-0.33.0-lmcache-0.5.6@sha256:" + "ab" * 32
+    path = SAMPLES / f"{name}.yaml"
+    out = subprocess.run(["sh", "-c", f'{command.group(1)} "$0"', str(path)], env={"IMAGE": image, "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    edited, shipped = yaml.safe_load(out), yaml.safe_load(path.read_text())
+    assert edited["spec"]["vllm"]["image"] == edited["spec"]["lmcacheServer"]["image"] == image
+    for section in ("vllm", "lmcacheServer"):
+        del edited["spec"][section]["image"], shipped["spec"][section]["image"]
+    assert edited == shipped
+    KVCacheNamespace.model_validate(yaml.safe_load(out))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

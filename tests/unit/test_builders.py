@@ -86,7 +86,9 @@ def test_hfbucket_adapter_uses_token_env_and_namespaced_prefix() -> None:
     assert cfg["type"] == "hfbucket" and cfg["shared"] is True
     assert cfg["bucket_handle"] == f"hf://buckets/acme-ml/kv-cache/prod/{t.namespace_id}"
     assert cfg["token_env"] == HF_TOKEN_ENV and "token" not in cfg
-    assert (cfg["create_bucket_if_missing"], cfg["num_workers"], cfg["max_capacity_gb"]) == (True, 8, 2000)
+    # createBucketIfMissing is true in this spec, yet lmcache never creates it: its bucket would be public
+    # (no visibility sent); the operator's preflight creates it private.
+    assert (cfg["create_bucket_if_missing"], cfg["num_workers"], cfg["max_capacity_gb"]) == (False, 8, 2000)
     sts = build_lmcache_statefulset(t)
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
@@ -270,8 +272,8 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet", "Service", "Service", "ConfigMap",
-                                         "Deployment"]
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet", "Service", "Service",
+                                         "PodDisruptionBudget", "ConfigMap", "Deployment"]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id

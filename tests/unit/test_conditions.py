@@ -41,6 +41,15 @@ def test_all_good_is_ready() -> None:
     assert phase == "Ready" and all(s == "True" for s, _ in c.values())
 
 
+def test_a_pin_check_that_cannot_answer_is_reported_and_leaves_ready_alone() -> None:
+    """PinsVerified Unknown (Hub unreachable, a gated model, the check off) is only reported: the
+    cache follows the declared pins (kvpersist.controller.pincheck)."""
+    for verdict in ((None, "HubUnreachable", "cannot reach the Hub"), (True, "PinsMatch", "match")):
+        phase, c = conds_of(obs(pins=verdict))
+        assert phase == "Ready" and c["PinsVerified"] == ({None: "Unknown", True: "True"}[verdict[0]], verdict[1])
+    assert "PinsVerified" not in conds_of(obs())[1]  # no revision to check: no condition
+
+
 def test_nothing_running_yet_is_pending() -> None:
     phase, c = conds_of(obs(statefulset=rollout(0, 1), deployment=rollout(0, 1), server_pods=[pod("s-0", False)],
                             reports=[ServerReport("s-0", False, "unreachable")]))
@@ -345,3 +354,15 @@ def test_a_healthy_bucket_adapter_is_l2_ready_with_the_preflight_said() -> None:
     # The same preflight before any server said how its adapter is: not yet known.
     _phase, unknown = l2_of(obs(**bucket, reports=[ServerReport("s-0", True)]))
     assert (unknown["status"], unknown["reason"]) == ("Unknown", "BucketReachable")
+
+
+def test_scale_status_counts_the_vllm_pods_there_are_and_names_their_selector() -> None:
+    """status.vllmReplicas and status.vllmSelector back the scale subresource (kubectl scale, an
+    HPA): the pods the Deployment has, ready or not; and the selector as a string, as HPA reads it."""
+    deployment = {"metadata": {"generation": 2},
+                  "status": {"observedGeneration": 2, "replicas": 3, "readyReplicas": 1, "updatedReplicas": 3}}
+    fields, _ = compute_status(obs(vllm_desired=3, deployment=deployment, vllm_selector="app.kubernetes.io/name=kvpersist"))
+    assert (fields["vllmReplicas"], fields["readyReplicas"], fields["replicas"]) == (3, 1, "1/3")
+    assert fields["vllmSelector"] == "app.kubernetes.io/name=kvpersist"
+    fields, _ = compute_status(obs(deployment=None))  # not made yet: none there
+    assert fields["vllmReplicas"] == 0 and "vllmSelector" not in fields

@@ -109,7 +109,7 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
     held = _holding(_roots(), key)
     # What the test relies on: the paths above reached every kind of place state is kept in.
     for place in ("CONTROLLER.resources", "CONTROLLER.apply_backoff", "CONTROLLER.fallback", "CONTROLLER.build_bypass",
-                  "CONTROLLER.hits", "kvpersist.controller.metrics._phases"):
+                  "CONTROLLER.hits", "kvpersist.controller.metrics._phases", "kvpersist.controller.metrics._resources"):
         assert any(path.startswith(place) for path in held), (place, held)
 
     tracking._forget(key)

@@ -56,9 +56,13 @@ def test_crd_names_and_printer_columns() -> None:
     names = crd["spec"]["names"]
     assert (names["kind"], names["plural"], names["shortNames"]) == ("KVCacheNamespace", "kvcachenamespaces", ["kvns"])
     version = crd["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
-    cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Namespace-ID", "Phase", "L2", "L1-Used", "L2-Used", "Hit", "Ready", "Age"]
+    assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
+    cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert list(cols) == ["Namespace-ID", "Phase", "Ready", "Reason", "VLLM", "L2", "L1-Used", "L2-Used", "Hit", "Age"]
+    # READY is the Ready condition, never a pod count (which reads "1/1" while the cache is off).
+    assert cols["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert cols["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'
+    assert cols["VLLM"] == ".status.replicas"
     hit = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Hit")
     assert hit["jsonPath"] == ".status.hits.summary"
     status = _schema()["properties"]["status"]["properties"]
@@ -71,3 +75,15 @@ def test_crd_names_and_printer_columns() -> None:
 
 def test_render_is_yaml_of_build() -> None:
     assert yaml.safe_load(render_crd()) == build_crd()
+
+
+def test_scale_subresource_acts_on_vllm_replicas() -> None:
+    """kubectl scale / an HPA: spec.vllm.replicas; the status paths are integer / string fields the
+    status writer fills (kvpersist.status.conditions.compute_status)."""
+    version = build_crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.vllm.replicas",
+                                                "statusReplicasPath": ".status.vllmReplicas",
+                                                "labelSelectorPath": ".status.vllmSelector"}
+    status = _schema()["properties"]["status"]["properties"]
+    assert status["vllmReplicas"]["type"] == "integer" and status["vllmSelector"]["type"] == "string"
+    assert _schema()["properties"]["spec"]["properties"]["vllm"]["properties"]["replicas"]["type"] == "integer"

@@ -12,7 +12,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from kvpersist.api.v1alpha1 import KeySecretRef, KVCacheNamespaceSpec, SecretKeyRef
+from kvpersist.api.v1alpha1 import (
+    VLLM,
+    APIKeySecretRef,
+    EnvFromSource,
+    HFTokenSecretRef,
+    KeySecretRef,
+    KVCacheNamespaceSpec,
+    LocalObjectRef,
+    SecretKeyRef,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config/creator-rights/creator-rights.yaml"
@@ -49,17 +58,25 @@ def _types(annotation: Any) -> list[Any]:
     return [annotation, *(t for arg in typing.get_args(annotation) for t in _types(arg))]
 
 
+SECRET_REFS = (SecretKeyRef, KeySecretRef, HFTokenSecretRef, APIKeySecretRef)
+
+
 def _refs(model: type[BaseModel], path: str) -> list[tuple[str, str]]:
-    """(kind, spec path) of every Secret reference and claim name a spec can hold, found by walking
-    the models, so a field added later is found too."""
+    """(kind, spec path) of every Secret, ConfigMap and claim a spec can name, found by walking the
+    models, so a field added later is found too; `[]` marks a list's entries."""
     out: list[tuple[str, str]] = []
     for name, field in model.model_fields.items():
         here = f"{path}.{field.alias or name}"
+        if typing.get_origin(field.annotation) is list:
+            here += "[]"
         if name == "existing_claim_name":
             out.append(("claim", here))
         for arg in _types(field.annotation):
-            if arg in (SecretKeyRef, KeySecretRef):
+            if arg in SECRET_REFS:
                 out.append(("secret", here + ".name"))
+            elif arg is LocalObjectRef:
+                kind = {"config_map_ref": "configmap"}.get(name, "secret")
+                out.append((kind, here + ".name"))
             elif isinstance(arg, type) and issubclass(arg, BaseModel):
                 out += _refs(arg, here)
     return out
@@ -71,20 +88,66 @@ def test_every_secret_and_claim_a_spec_can_name_is_checked_by_name() -> None:
     policy = _docs(CONFIG.read_text())[0]["spec"]
     variables = {v["name"]: v["expression"] for v in policy["variables"]}
     refs = _refs(KVCacheNamespaceSpec, "spec")
-    assert sorted(refs) == [("claim", "spec.l2.nvme.existingClaimName"), ("secret", "spec.l2.encryption.keySecretRef.name"),
-                            ("secret", "spec.l2.hfBucket.tokenSecretRef.name")]
+    assert sorted(refs) == [("claim", "spec.l2.nvme.existingClaimName"), ("claim", "spec.vllm.modelCache.existingClaimName"),
+                            ("configmap", "spec.prewarm.configMapRef.name"),
+                            ("configmap", "spec.vllm.envFrom[].configMapRef.name"), ("secret", "spec.imagePullSecrets[].name"),
+                            ("secret", "spec.l2.encryption.keySecretRef.name"),
+                            ("secret", "spec.l2.hfBucket.tokenSecretRef.name"),
+                            ("secret", "spec.vllm.apiKeySecretRef.name"), ("secret", "spec.vllm.envFrom[].secretRef.name"),
+                            ("secret", "spec.vllm.hfTokenSecretRef.name")]
     messages = [v.get("messageExpression", "") for v in policy["validations"]]
     for kind, path in refs:
+        if "[]" in path:
+            continue
         var = next(n for n, e in variables.items() if f"string(object.{path})" in e)
         check = next(e for e in variables.values() if f".name(variables.{var}).check('get').allowed()" in e)
-        resource = "persistentvolumeclaims" if kind == "claim" else "secrets"
+        resource = {"claim": "persistentvolumeclaims", "configmap": "configmaps"}.get(kind, "secrets")
         assert f"resource('{resource}')" in check and check.startswith("!variables.changed ||"), check
         assert any(f"'{path} names " in m for m in messages), path
+    # A list's entries, each by index up to the API's cap (one authorizer check per expression: a
+    # check's cost allows few in one), each checked for get on its own kind.
+    caps = {"spec.imagePullSecrets": KVCacheNamespaceSpec.model_fields["image_pull_secrets"],
+            "spec.vllm.envFrom": VLLM.model_fields["env_from"]}
+    for path, field in caps.items():
+        cap = next(m.max_length for m in field.metadata if hasattr(m, "max_length"))
+        for i in range(cap):
+            reads = [n for n, e in variables.items() if f"object.{path}[{i}]" in e]
+            assert reads, f"{path}[{i}] is not read by the policy"
+            assert any(f".name(variables.{n}" in e and "check('get')" in e and e.startswith("!variables.changed ||")
+                       for n in reads for e in variables.values()), f"{path}[{i}]"
+        assert not any(f"object.{path}[{cap}]" in e for e in variables.values())
+        assert any(f"'{path} names " in m for m in messages), path
+    assert set(EnvFromSource.model_fields) == {"secret_ref", "config_map_ref"}
+    envfrom = " ".join(e for n, e in variables.items() if n.startswith("envFrom"))
+    assert "['secrets', string(object.spec.vllm.envFrom[0].secretRef.name)]" in envfrom
+    assert "['configmaps', string(object.spec.vllm.envFrom[0].configMapRef.name)]" in envfrom
     pods = variables["podsAllowed"]
     assert "resource('pods')" in pods and "check('create')" in pods
     assert variables["changed"] == "oldObject == null || object.spec != oldObject.spec"
     # Every check is a validation: pods last, so a field's refusal names the field.
     checks = [v["expression"].strip() for v in policy["validations"]]
     assert checks == ["variables.tokenSecretAllowed", "variables.keySecretAllowed", "variables.claimAllowed",
-                      "variables.podsAllowed"]
+                      "variables.hfTokenSecretAllowed", "variables.apiKeySecretAllowed", "variables.modelClaimAllowed",
+                      "variables.modelClaimMadeAllowed", "size(variables.envFromDenied) == 0",
+                      "size(variables.pullSecretsDenied) == 0", "variables.prewarmConfigMapAllowed", "variables.podsAllowed"]
     assert all("variables.user" in m and "kubectl create rolebinding" in m for m in messages)
+
+
+def test_a_claim_the_operator_makes_needs_its_author_to_be_allowed_to_create_claims() -> None:
+    """spec.vllm.modelCache.size makes the operator create a claim in the namespace: the policy
+    asks the authorizer whether the author may create PersistentVolumeClaims there (only then, and
+    only when the spec changed), and its refusal names the field and the line that grants it. The
+    user's-claim form is read only when set (existingClaimName is optional now: reading it unset
+    would be a CEL error, which failurePolicy Fail turns into a refusal of every size form)."""
+    policy = _docs(CONFIG.read_text())[0]["spec"]
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    made = variables["modelClaimMade"]
+    assert "has(object.spec.vllm.modelCache.size)" in made
+    check = variables["modelClaimMadeAllowed"]
+    assert check.startswith("!variables.changed || !variables.modelClaimMade ||"), check
+    assert "resource('persistentvolumeclaims').namespace(variables.ns).check('create').allowed()" in check
+    assert "has(object.spec.vllm.modelCache.existingClaimName)" in variables["modelClaim"]
+    [refusal] = [v for v in policy["validations"] if v["expression"].strip() == "variables.modelClaimMadeAllowed"]
+    assert refusal["reason"] == "Forbidden" and refusal["message"].startswith("spec.vllm.modelCache.size ")
+    assert "--verb=create --resource=persistentvolumeclaims" in refusal["messageExpression"]
+    assert "'create on persistentvolumeclaims'" in variables["needs"]

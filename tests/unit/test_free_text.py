@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 
 from kvpersist.api.crd import build_crd
-from kvpersist.api.text import FORBIDDEN, NO_CONTROL_PATTERN, SURROGATES, control_problem, forbidden, printable
+from kvpersist.api.text import FORBIDDEN, NO_CONTROL_PATTERN, PROMPT_PATTERN, SURROGATES, control_problem, forbidden, printable
 from kvpersist.api.v1alpha1 import QUANTITY, KVCacheNamespace, validation_message
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import Target
@@ -138,6 +138,9 @@ def test_every_free_string_refuses_control_characters_at_apply_time(path: tuple[
     else:
         pattern = node.get("pattern")
     assert pattern, f"spec.{'.'.join(path)} takes any string: give it a pattern or the FreeText type"
+    if path[0] == "prewarm" and path[1] in ("prompts", "systemPrompts"):  # a prompt keeps its TAB, LF and CR
+        assert pattern == PROMPT_PATTERN  # tests/unit/test_prewarm.py compares it with the models' check
+        return
     assert pattern == NO_CONTROL_PATTERN or (pattern.isascii() and not loose(pattern)), pattern
 
 
@@ -185,7 +188,8 @@ def test_ordinary_free_strings_are_kept() -> None:
 
 
 # Objects a sample lacks, made with their required members, so a value under them can validate.
-MADE = {("l2", "encryption", "keySecretRef"): {"name": "kv-master-key"}}
+MADE = {("l2", "encryption", "keySecretRef"): {"name": "kv-master-key"}, ("vllm", "hfTokenSecretRef"): {"name": "hf-reader"},
+        ("vllm", "apiKeySecretRef"): {"name": "vllm-api"}}
 
 
 def _claim_instead_of_size(spec: dict[str, Any]) -> None:
@@ -193,8 +197,20 @@ def _claim_instead_of_size(spec: dict[str, Any]) -> None:
         spec["l2"]["nvme"].pop(key, None)
 
 
-# Fields that exclude others of the sample: those are dropped first.
-CONTEXT = {("l2", "nvme", "existingClaimName"): _claim_instead_of_size}
+def _model_cache_made(spec: dict[str, Any]) -> None:
+    spec["vllm"]["modelCache"] = {"size": "10Gi"}  # storageClassName and accessModes go with size
+
+
+# Fields that exclude others of the sample: those are dropped first (or that need another set).
+CONTEXT = {("l2", "nvme", "existingClaimName"): _claim_instead_of_size,
+           ("vllm", "modelCache", "storageClassName"): _model_cache_made,
+           ("vllm", "modelCache", "accessModes", "[]"): _model_cache_made}
+
+
+TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}
+# A plausible item of each other list of objects, by the list's field name.
+ITEMS: dict[str, dict[str, Any]] = {"env": {"name": "VLLM_LOGGING_LEVEL", "value": "INFO"},
+                                    "envFrom": {"secretRef": {"name": "vllm-env"}}, "imagePullSecrets": {"name": "regcred"}}
 
 
 def holder(path: tuple[str, ...], value: Any) -> dict[str, Any]:
@@ -214,7 +230,7 @@ def holder(path: tuple[str, ...], value: Any) -> dict[str, Any]:
             if path[i - 1] == "extraArgs":  # the value of a flag that takes one
                 node[:] = ["--root-path", value]
                 return obj
-            node[:] = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}]
+            node[:] = [copy.deepcopy(ITEMS.get(path[i - 1], TOLERATION))]
             node = node[0]
         elif key == "{}":
             node.clear()

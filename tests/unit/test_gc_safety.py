@@ -205,3 +205,23 @@ def test_chart_ships_the_same_gc_policy_as_config() -> None:
     check = policy["spec"]["validations"][0]["expression"]
     assert ".subresource('gc')" in check and ".check('update').allowed()" in check
     assert plain[2]["rules"] == [{"apiGroups": ["kvpersist.dev"], "resources": ["kvcachenamespaces/gc"], "verbs": ["update"]}]
+
+
+def test_the_charts_gc_role_is_named_after_the_release_as_the_docs_say() -> None:
+    """The chart's ClusterRole and policy are named after the release (two releases never collide
+    on these cluster-scoped names); the policy's refusal names the role the release installed, and
+    docs/admin.md gives the rule with both of these renderings."""
+    from tests import rbac_needs
+
+    helm = rbac_needs.helm_binary()
+    if helm is None:
+        pytest.skip("helm not built: python3 hack/localcluster.py build")
+    admin = " ".join((ROOT / "docs" / "admin.md").read_text().split())
+    for release, role in (("kvpersist", "kvpersist-gc"), ("ops", "ops-kvpersist-gc")):
+        docs = rbac_needs.render(helm, "clusterwide", release=release)
+        roles = [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-gc")]
+        assert roles == [role], roles
+        policy = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-gc-request"))
+        assert policy["metadata"]["name"] == f"{role}-request"
+        assert f"bind the ClusterRole {role} to it" in policy["spec"]["validations"][0]["messageExpression"]
+        assert f"`{role}` for `helm install {release} ...`" in admin, role

@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from kvpersist.identity import IMAGE_PINS, L2_KEY_PIN, PIN_FIELDS, image_digest, key_fingerprint, namespace_id, resolve
+from kvpersist.identity import (
+    IMAGE_PINS,
+    L2_KEY_PIN,
+    PIN_FIELDS,
+    field_path,
+    image_digest,
+    key_fingerprint,
+    namespace_id,
+    resolve,
+)
 
 BASE = {
     "model_id": "meta-llama/Llama-3.1-8B-Instruct",
@@ -96,7 +105,7 @@ def test_missing_pin_gives_no_id(pin: str) -> None:
     res = resolve(pins)
     assert res.namespace_id is None
     assert res.missing == (pin,)
-    assert (IMAGE_PINS.get(pin) or pin) in res.reason
+    assert (IMAGE_PINS.get(pin) or field_path(pin)) in res.reason
     assert res.code == ("ImageNotPinned" if pin in IMAGE_PINS else "L2KeyNotRead" if pin == L2_KEY_PIN else
                         "IdentityIncomplete")
 
@@ -206,6 +215,23 @@ def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin(which: str, field: 
     assert res.namespace_id is None and res.code == "ImageNotPinned"
     assert field in res.reason and "@sha256:" in res.reason
     assert "spec.identity" not in res.reason  # the identity pins are all there; only the image is the fix
+
+
+def test_a_minimal_manifest_says_the_images_are_the_fix() -> None:
+    """The CRD's default images are tags (no image of kvpersist is published to pin them to): a
+    manifest without spec.vllm and spec.lmcacheServer resolves every identity pin but no id, and the
+    message names both fields as the API spells them and the one fix, the images/vllm-lmcache image
+    by digest in both."""
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
+    from tests.cases.invalid_manifests import sample
+
+    obj = sample()
+    del obj["spec"]["vllm"], obj["spec"]["lmcacheServer"]
+    res = resolve(KVCacheNamespace.model_validate(obj).spec.pins(FP))
+    assert res.namespace_id is None and res.code == "ImageNotPinned"
+    assert res.reason.startswith("spec.vllm.image and spec.lmcacheServer.image are not pinned by digest"), res.reason
+    assert "images/vllm-lmcache" in res.reason and "one image by digest in both" in res.reason, res.reason
+    assert "spec.identity" not in res.reason and "lmcache_server" not in res.reason
 
 
 def test_every_identity_field_is_hashed_and_launched_or_says_why_not() -> None:

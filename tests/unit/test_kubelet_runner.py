@@ -1,17 +1,22 @@
 """The local cluster's kubelet stand-in: Service names resolve only to Ready endpoints the Service
-selects (same node under internalTrafficPolicy Local), probes follow their thresholds, and vLLM
-runs for real only when its model is in the local cache."""
+selects (same node under internalTrafficPolicy Local), probes follow their thresholds, vLLM
+runs for real only when its model is in the local cache, and a runner plays one node: it runs
+only that node's pods, and a ReadWriteMany claim is one folder for the runners of all nodes."""
 
 from __future__ import annotations
 
 import http.server
+import json
 import sys
 import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
+import kubelet_runner  # noqa: E402
 from kubelet_runner import (  # noqa: E402
+    REAL_NODE,
+    SECOND_NODE,
     TERMINATION_LOG_ENV,
     Probe,
     Runner,
@@ -119,6 +124,27 @@ def test_the_pods_loopback_is_its_own_address_and_exec_probes_run_there(tmp_path
     assert not probe.run(ip, {}, 1.0) and not probe.ok  # nothing answers any more
 
 
+def test_the_kv_events_socket_binds_the_pod_ip_not_every_interface() -> None:
+    """vLLM's PUB socket (spec.vllm.kvEvents, tcp://*:PORT) binds the pod's address, in the
+    IPv4-mapped spelling vLLM still binds (an endpoint without `*` or `::` it connects to); two vLLM
+    pods on this machine then never take each other's port, as pods in their own network namespaces."""
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
+    from kvpersist.builders.target import Target
+    from kvpersist.builders.vllm import vllm_args
+    from kvpersist.identity import resolve
+    from tests.cases.invalid_manifests import sample
+
+    obj = sample("nvme-minimal")
+    obj["spec"]["l2"]["encryption"] = {"enabled": False}
+    obj["spec"]["vllm"]["kvEvents"] = {"enabled": True, "replayPort": 5558}
+    spec = KVCacheNamespace.model_validate(obj).spec
+    args = localize_args(vllm_args(Target("r", "ns", spec, resolve(spec.pins()).namespace_id)), {}, "127.16.3.4")
+    events = json.loads(flag_value(args, "--kv-events-config") or "{}")
+    assert events["endpoint"] == "tcp://[::ffff:127.16.3.4]:5557" and events["replay_endpoint"] == "tcp://[::ffff:127.16.3.4]:5558"
+    assert "::" in events["endpoint"]  # what vllm.distributed.kv_events.ZmqEventPublisher._is_bind_endpoint binds
+    assert flag_value(args, "--host") == "127.16.3.4"
+
+
 def test_vllm_is_real_only_with_build_and_cached_model(tmp_path: Path) -> None:
     args = ["serve", "org/m", "--revision", "a" * 40, "--port", "8000"]
     container = {"command": ["vllm"], "args": args}
@@ -190,3 +216,96 @@ def test_wrapped_programs_are_still_this_machines_builds(tmp_path: Path) -> None
     assert runner.argv({"spec": {"volumes": []}, "status": {"podIP": "127.16.0.2"}}, vllm)[3] == "/opt/vllm-venv/bin/vllm"
     assert runner.termination_file("uid/vllm") == tmp_path / "termination" / "uid" / "vllm"
     assert TERMINATION_LOG_ENV == buildcheck.TERMINATION_LOG_ENV  # the runner's file is where the check writes
+
+
+def _server_pod(uid: str, name: str, node: str, ip: str, claim: str) -> dict:
+    """The operator's lmcache server pod (its rendered template) bound to `node`, mounting `claim`."""
+    from kvpersist.builders.lmcache import build_lmcache_statefulset
+    from tests.unit.test_builders import target
+
+    template = build_lmcache_statefulset(target())["spec"]["template"]
+    volumes = [v for v in template["spec"]["volumes"] if "secret" not in v]
+    mounts = {v["name"] for v in volumes}
+    containers = [{**c, "volumeMounts": [m for m in c.get("volumeMounts", []) if m["name"] in mounts | {"l2"}]}
+                  for c in template["spec"]["containers"]]
+    return {"metadata": {"uid": uid, "name": name, "labels": template["metadata"]["labels"]},
+            "spec": {**template["spec"], "nodeName": node, "containers": containers,
+                     "volumes": [*volumes, {"name": "l2", "persistentVolumeClaim": {"claimName": claim}}]},
+            "status": {"phase": "Running", "podIP": ip, "conditions": []}}
+
+
+def test_each_runner_runs_only_its_nodes_pods_and_a_shared_claim_is_one_folder(tmp_path: Path, monkeypatch) -> None:
+    """Two runners, one per real node, over one namespace: each starts the containers of the pods
+    bound to its own node and no other; the servers' ReadWriteMany claim maps to the same folder
+    in both (one shared filesystem), their ReadWriteOnce claims to folders of each node's own."""
+    pods = [_server_pod("a", "s-0", REAL_NODE, "127.16.0.4", "shared-l2"),
+            _server_pod("b", "s-1", SECOND_NODE, "127.16.1.4", "shared-l2"),
+            _server_pod("c", "s-2", REAL_NODE, "127.16.0.5", "own-l2-0"),
+            _server_pod("d", "s-3", SECOND_NODE, "127.16.1.5", "own-l2-1"),
+            _server_pod("e", "s-4", "kwok-gpu-0", "127.16.2.4", "own-l2-2")]
+    claims = [{"metadata": {"name": "shared-l2"}, "spec": {"accessModes": ["ReadWriteMany"]}},
+              *({"metadata": {"name": f"own-l2-{i}"}, "spec": {"accessModes": ["ReadWriteOnce"]}} for i in range(3))]
+    answers = {"pods": {"items": pods}, "services": {"items": []}, "persistentvolumeclaims": {"items": claims}}
+    started: dict[str, list[tuple[str | None, list[str]]]] = {}  # node -> (--host, argv) of each start
+    syncing = [""]  # the node whose runner is syncing
+
+    class FakeProc:
+        """A started container that never exits (no process: the runner's bookkeeping is under test)."""
+
+        pid, returncode = 0, None
+
+        def __init__(self, argv: list[str], **_: object) -> None:
+            started.setdefault(syncing[0], []).append((flag_value(argv, "--host"), argv))
+
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr(kubelet_runner.subprocess, "Popen", FakeProc)
+    shared = tmp_path / "shared-fs"
+    runners = {n: Runner(tmp_path / "kc", "ns", tmp_path / n, lmcache="/opt/lmcache", node=n, shared_dir=shared)
+               for n in (REAL_NODE, SECOND_NODE)}
+    for node, runner in runners.items():
+        syncing[0] = node
+        monkeypatch.setattr(runner, "_kubectl_json", lambda *args: answers[args[1]])
+        monkeypatch.setattr(runner, "_report", lambda pod: None)
+        runner.sync()
+    # Each runner started exactly the containers of its own node's pods, on their pod IPs.
+    assert {ip for ip, _ in started[REAL_NODE]} - {None} == {"127.16.0.4", "127.16.0.5"}
+    assert {ip for ip, _ in started[SECOND_NODE]} - {None} == {"127.16.1.4", "127.16.1.5"}
+    assert {k.split("/")[0] for k in runners[REAL_NODE].containers} == {"a", "c"}
+    assert {k.split("/")[0] for k in runners[SECOND_NODE].containers} == {"b", "d"}
+
+    def l2_path(node: str, ip: str) -> str:
+        argv = next(a for i, a in started[node] if i == ip and "--l2-adapter" in a)
+        return json.loads(argv[argv.index("--l2-adapter") + 1])["backend_params"]["file_path"]
+
+    a, b = runners[REAL_NODE], runners[SECOND_NODE]
+    assert a.volume_dir("shared-l2") == b.volume_dir("shared-l2") == shared / "volumes" / "ns" / "shared-l2"
+    assert l2_path(REAL_NODE, "127.16.0.4").startswith(str(shared / "volumes" / "ns" / "shared-l2"))
+    assert l2_path(SECOND_NODE, "127.16.1.4").startswith(str(shared / "volumes" / "ns" / "shared-l2"))
+    # ReadWriteOnce: each node's own folder, as a local disk (the one-node runner's path, unchanged).
+    assert l2_path(REAL_NODE, "127.16.0.5").startswith(str(tmp_path / REAL_NODE / "volumes" / "ns" / "own-l2-0"))
+    assert l2_path(SECOND_NODE, "127.16.1.5").startswith(str(tmp_path / SECOND_NODE / "volumes" / "ns" / "own-l2-1"))
+    assert a.volume_dir("own-l2-0") != b.volume_dir("own-l2-0")
+    for runner in runners.values():
+        runner.containers.clear()  # nothing to stop: no process was started
+
+
+def test_node_local_service_resolves_to_the_server_on_the_pods_own_node() -> None:
+    """The operator's node-local Service (internalTrafficPolicy Local) as the runner resolves it in
+    each node's /etc/hosts: vLLM on node B reaches node B's server, on node A node A's; a node
+    whose server is not Ready gets no entry (kube-proxy drops the traffic), never the other node's."""
+    from kvpersist.builders.services import build_local_service
+    from tests.unit.test_builders import target
+
+    t = target()
+    local = build_local_service(t)
+    local["metadata"]["namespace"] = "ns"
+    labels = t.labels("lmcache-server")
+    servers = [pod("s-0", "127.16.0.4", REAL_NODE, True, **labels), pod("s-1", "127.16.1.4", SECOND_NODE, True, **labels)]
+    name = local["metadata"]["name"]
+    for node, ip in ((REAL_NODE, "127.16.0.4"), (SECOND_NODE, "127.16.1.4")):
+        entry = [line for line in hosts_file(servers, [local], node).splitlines() if name in line]
+        assert entry and entry[0].startswith(f"{ip}\t"), (node, entry)
+    servers[1]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    assert name not in hosts_file(servers, [local], SECOND_NODE)

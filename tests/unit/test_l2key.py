@@ -215,8 +215,10 @@ def test_apply_makes_no_key_over_data_and_one_when_asked(monkeypatch: pytest.Mon
     applied = {m["kind"]: m for m in api.applied}
     assert applied["StatefulSet"]["spec"]["replicas"] == 0
     assert "--kv-transfer-config" not in applied["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    # What was read is cached as read (a Secret that does not exist yet), never as judged: the
+    # judgement follows the annotations of each round (the next test).
     read = runtime.CONTROLLER.state(("ml", name)).key_read[1]
-    assert read.problem is not None and read.problem[0] == l2key.KEY_LOST and FP_A in read.problem[1]
+    assert read.absent and read.problem is not None and read.problem[0] == l2key.KEY_PENDING
 
     # Accepted (the annotation names the lost key): a new key, and the namespace follows it.
     api = Api(monkeypatch, None)
@@ -227,6 +229,37 @@ def test_apply_makes_no_key_over_data_and_one_when_asked(monkeypatch: pytest.Mon
     assert len(raw) == 32 and key_fingerprint(raw) != FP_A
     assert runtime.CONTROLLER.state(("ml", name)).key_read[1].fingerprint == key_fingerprint(raw)
     assert [r for _, r, _ in api.events] == [l2key.KEY_GENERATED] and raw.hex() not in repr(api.events)
+
+
+class _NoSecretsSynced:
+    """The operator's Secret watch cache, listed, holding no Secret: the key stays absent, so its
+    read is never made again (the cache says nothing moved)."""
+
+    def lookup(self, namespace: str, name: str) -> tuple[bool, None]:
+        return True, None
+
+
+def test_an_accepted_loss_is_applied_though_the_secret_never_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI's L2-key e2e failure: an apply judged the absent key lost before the user's annotation
+    came, and cached the read as judged; with the Secret still absent the watch cache never let it
+    be read again, so every later round judged it lost again, even with the annotation, and the
+    key was never made. The annotation alone must lead to an apply that makes the key."""
+    name = sample()["metadata"]["name"]
+    key = ("ml", name)
+    lost = _status(2**20, secret=f"{name}-l2-key")
+    api = Api(monkeypatch, None)
+    runtime.CONTROLLER.secret_cache = _NoSecretsSynced()
+    runtime.CONTROLLER.state(key)
+    assert apply_workloads(_body(lost), LOG)  # a drift apply while the loss stands
+    assert not [m for m in api.created if m["metadata"]["name"].endswith("-l2-key")]
+    state = runtime.CONTROLLER.state(key)
+    state.drifted = False
+    refresh.refresh_status(_body(lost), Seen(), LOG)
+    assert not state.drifted  # still lost: nothing to make
+    refresh.refresh_status(_body(lost, {l2key.REPLACE_ANNOTATION: FP_A}), Seen(), LOG)
+    assert state.drifted  # accepted: the next tick applies, and the apply makes the key
+    assert apply_workloads(_body(lost, {l2key.REPLACE_ANNOTATION: FP_A}), LOG)
+    assert [m for m in api.created if m["metadata"]["name"] == f"{name}-l2-key"]
 
 
 def test_the_generated_key_and_claims_are_patched_out_of_prunes_once(monkeypatch: pytest.MonkeyPatch) -> None:

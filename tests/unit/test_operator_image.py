@@ -112,7 +112,7 @@ def test_every_entry_point_and_subcommand_answers_help(venv: Path) -> None:
         done = in_image(venv, script, "--help")
         assert done.returncode == 0, f"{script} --help: {done.stderr}"
     top = in_image(venv, "kvpersist", "--help").stdout
-    subcommands = re.search(r"\{([a-z,]+)\}", top)
+    subcommands = re.search(r"\{([a-z,-]+)\}", top)
     assert subcommands, top
     names = subcommands.group(1).split(",")
     assert {"run", "agent", "crd", "gc"} <= set(names), names

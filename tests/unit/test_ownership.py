@@ -201,7 +201,8 @@ def test_its_own_names_are_read_once_then_never_in_a_steady_state(monkeypatch) -
     for manifest in api.applied:
         meta = {**manifest["metadata"], "generation": 1}
         handler = {"ConfigMap": drift.drift_configmaps, "Service": drift.drift_services, "Deployment": drift.drift_deployments,
-                   "StatefulSet": drift.drift_statefulsets, "NetworkPolicy": drift.drift_networkpolicies}[manifest["kind"]]
+                   "StatefulSet": drift.drift_statefulsets, "NetworkPolicy": drift.drift_networkpolicies,
+                   "PodDisruptionBudget": drift.drift_poddisruptionbudgets}[manifest["kind"]]
         asyncio.run(handler(event={"type": None}, body={"kind": manifest["kind"], "metadata": meta}))
     api.reads.clear()
     assert apply.apply_workloads(body, LOG)

@@ -28,7 +28,7 @@ from kvpersist.controller.policy import (
     secret_refusal,
 )
 from kvpersist.status.conditions import condition
-from tests.cases.invalid_manifests import sample
+from tests.cases.invalid_manifests import sample, upstream_images
 
 DIGEST = "@sha256:" + "a" * 64
 LAB = ("registry.example.com/lmcache",)
@@ -82,7 +82,7 @@ def test_canonical_image() -> None:
 
 
 def test_image_refusal_names_the_field_image_prefixes_and_fix() -> None:
-    spec = KVCacheNamespace.model_validate(sample()).spec
+    spec = KVCacheNamespace.model_validate(upstream_images()).spec
     assert image_refusal(spec, ()) is None
     assert image_refusal(spec, ("docker.io/vllm/", "docker.io/lmcache/")) is None
     reason, message = image_refusal(spec, ("docker.io/vllm/",))
@@ -132,6 +132,19 @@ def test_named_secrets_are_the_users_only() -> None:
     assert named_secrets(KVCacheNamespace.model_validate(off).spec) == []  # not mounted when L2 is plain
 
 
+
+def test_the_vllm_pods_secrets_are_named_secrets_too() -> None:
+    """secretLabel holds for every Secret a resource puts in a pod: the vLLM pod's tokens, its envFrom
+    Secrets (not its ConfigMaps) and the pull Secrets."""
+    obj = sample()
+    obj["spec"]["vllm"].update(hfTokenSecretRef={"name": "hf-reader"}, apiKeySecretRef={"name": "vllm-api"},
+                               envFrom=[{"configMapRef": {"name": "conf"}}, {"secretRef": {"name": "vllm-env"}}])
+    obj["spec"]["imagePullSecrets"] = [{"name": "regcred"}]
+    assert named_secrets(KVCacheNamespace.model_validate(obj).spec) == [
+        ("spec.vllm.hfTokenSecretRef", "hf-reader"), ("spec.vllm.apiKeySecretRef", "vllm-api"),
+        ("spec.vllm.envFrom[1].secretRef", "vllm-env"), ("spec.imagePullSecrets[0]", "regcred")]
+
+
 def test_secret_refusal() -> None:
     label = ("kvpersist.dev/usable-by", "kvpersist")
     field = "spec.l2.encryption.keySecretRef"
@@ -178,7 +191,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
     monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
     monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("registry.example.com/",)))
-    body = _body(sample())
+    body = _body(upstream_images())
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key)  # known, as after its first watch event
     apply_workloads(body, logging.getLogger("test"))

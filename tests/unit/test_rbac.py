@@ -17,14 +17,6 @@ SA, SA_NS = "kvpersist", "kvpersist-system"
 
 
 @pytest.fixture(scope="module")
-def helm() -> Path:
-    path = rb.helm_binary()
-    if path is None:
-        pytest.skip("helm not built: python3 hack/localcluster.py build")
-    return path
-
-
-@pytest.fixture(scope="module")
 def rendered(helm: Path) -> dict[str, list[dict[str, Any]]]:
     """The chart as `helm template` renders it, per mode."""
     return {mode: rb.render(helm, mode) for mode in rb.MODES}
@@ -202,7 +194,8 @@ def test_watch_namespaces_takes_exact_names_only(helm: Path, value: str, says: s
     """A pattern names no namespace to put a Role in: refused, by the values schema and (with
     --skip-schema-validation) by the template, saying what to do."""
     def template(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(helm), "template", "r", str(rb.CHART), "--set", f"watchNamespaces={value}", *extra],
+        return subprocess.run([str(helm), "template", "r", str(rb.CHART), "--kube-version", rb.HELM_KUBE_VERSION,
+                               "--set", f"watchNamespaces={value}", *extra],
                               capture_output=True, text=True, timeout=120)
 
     out = template()

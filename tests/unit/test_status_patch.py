@@ -244,7 +244,7 @@ def test_gc_results_fit(outcome: str) -> None:
 
 def test_a_builder_emitting_a_misspelled_key_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the tests above guard against: a builder's typo reaches the check and fails it."""
-    monkeypatch.setattr(conditions, "summarize", lambda reports, measured_at: {"l1UsedByte": 1, "measuredAt": measured_at})
+    monkeypatch.setattr(conditions, "summarize", lambda reports, measured_at, **_: {"l1UsedByte": 1, "measuredAt": measured_at})
     fields, conds = compute_status(_obs())
     patch = status_patch({}, fields, conds, [_report("s-0")], None)
     assert patch is not None and patch["usage"]["l1UsedByte"] == 1

@@ -80,3 +80,20 @@ def test_resolves_offline_with_huggingface_hub(generated: tuple[ModuleType, Path
     _, home, pins = generated
     path = hub.try_to_load_from_cache("kvpersist/tiny-llama", "config.json", cache_dir=home / "hub", revision=pins["modelRevision"])
     assert isinstance(path, str) and json.loads(Path(path).read_text())["model_type"] == "llama"
+
+
+def test_a_variant_is_another_revision_with_only_other_weights(generated: tuple[ModuleType, Path, dict]) -> None:
+    """What tests/e2e/test_canary.py plants: another identity under the same model id, whose prompt
+    tokens (and so lmcache's file names) are the same and whose KV is not."""
+    tm, home, pins = generated
+    repo = home / "hub" / "models--kvpersist--tiny-llama"
+    base = {p.name: p.read_bytes() for p in (repo / "snapshots" / pins["modelRevision"]).iterdir()}
+    variant = tm.ensure("tiny", home, variant=1)
+    assert variant == {**pins, "modelRevision": variant["modelRevision"], "tokenizerRevision": variant["modelRevision"]}
+    assert variant["modelRevision"] != pins["modelRevision"]
+    files = {p.name: p.read_bytes() for p in (repo / "snapshots" / variant["modelRevision"]).iterdir()}
+    assert tm.revision_of(files) == variant["modelRevision"]
+    assert {n for n in files if files[n] != base[n]} == {"model.safetensors"}
+    assert (repo / "refs" / "main").read_text() == pins["modelRevision"]  # the base entry is untouched
+    assert {p.name: p.read_bytes() for p in (repo / "snapshots" / pins["modelRevision"]).iterdir()} == base
+    assert tm.ensure("tiny", home, variant=1) == variant

@@ -71,6 +71,26 @@ def test_parse_metrics_and_failed_writes() -> None:
     assert with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, {}).l2_writes_failed is None
 
 
+# A real lmcache 0.5.6 server's L2 store counters after 8 chunks whose every upload the bucket refused
+# (tests/integration/test_hfbucket_datapath.py's stand-in, every addFile failed): the completed-objects
+# counter has no sample at all until a first chunk lands.
+METRICS_EVERY_WRITE_FAILED = """lmcache_mp_l2_store_submitted_requests_total 4.0
+lmcache_mp_l2_store_submitted_objects_chunks_total 8.0
+lmcache_mp_l2_store_completed_requests_total{l2_name="hfbucket"} 4.0
+lmcache_mp_l2_store_adapters{l1_tag="_default",state="active"} 1.0
+"""
+
+
+def test_every_write_failed_counts_as_failed_writes() -> None:
+    metrics = parse_metrics(METRICS_EVERY_WRITE_FAILED)
+    assert metrics == {"lmcache_mp_l2_store_submitted_objects_chunks_total": 8.0}
+    rep = with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, metrics)
+    assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (8, 8)
+    # A completed counter that is there but not a counter still leaves the report alone.
+    bad = {**metrics, "lmcache_mp_l2_store_completed_objects_chunks_total": -1.0}
+    assert with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, bad).l2_writes_failed is None
+
+
 def test_write_failure_tracker_flags_growth_then_forgets() -> None:
     t = WriteFailureTracker(hold_s=60)
     assert not t.failing("p", 0, now=0)

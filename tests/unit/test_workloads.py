@@ -11,11 +11,12 @@ POD = {
     "metadata": {"name": "a-lmcache-0", "namespace": "ns", "generation": 1, "uid": "u", "managedFields": [{"big": 1}],
                  "labels": {"app.kubernetes.io/instance": "a", "app.kubernetes.io/component": "lmcache-server",
                             "kvpersist.dev/namespace-id": "kvp-x", "controller-revision-hash": "h"}},
-    "spec": {"containers": [{"name": "lmcache", "args": ["--l1-size-gb", "1"] * 50}]},
+    "spec": {"nodeName": "gpu-0", "containers": [{"name": "lmcache", "args": ["--l1-size-gb", "1"] * 50}]},
     "status": {"phase": "Running", "podIP": "127.16.0.5", "hostIP": "10.0.0.1",
                "conditions": [{"type": "PodScheduled", "status": "True"},
                               {"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-30T00:00:00Z"}],
-               "containerStatuses": [{"name": "lmcache", "ready": True}]},
+               "containerStatuses": [{"name": "lmcache", "ready": True, "restartCount": 2},
+                                     {"name": "inventory-agent", "ready": True, "restartCount": 1}]},
 }
 STS = {"metadata": {"name": "a-lmcache", "namespace": "ns", "generation": 3, "labels": {"app.kubernetes.io/instance": "a"}},
        "spec": {"replicas": 1}, "status": {"observedGeneration": 3, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
@@ -24,7 +25,9 @@ STS = {"metadata": {"name": "a-lmcache", "namespace": "ns", "generation": 3, "la
 
 def test_slim_keeps_what_status_reads_and_drops_the_rest() -> None:
     pod = slim(POD)
-    assert "spec" not in pod and "managedFields" not in pod["metadata"] and "hostIP" not in pod["status"]
+    assert "managedFields" not in pod["metadata"] and "hostIP" not in pod["status"]
+    # Its node, uid and container starts, and nothing else of its spec (spec.prewarm's schedule).
+    assert pod["spec"] == {"nodeName": "gpu-0"} and pod["metadata"]["uid"] == "u" and pod["status"]["restarts"] == 3
     assert pod["status"]["conditions"] == [{"type": "Ready", "status": "True"}]
     assert _pod_ready(pod) and _pod_ready(POD)
     assert pod["status"]["podIP"] == "127.16.0.5" and pod["metadata"]["labels"]["app.kubernetes.io/component"] == "lmcache-server"

@@ -26,6 +26,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* The operator's image (also the inventory agent's): by digest when image.digest is set (a tag can
 move; a digest cannot), else repository:tag (the tag defaulting to the chart's appVersion). */}}
 {{- define "kvpersist.image" -}}
+{{- if and .Values.image.requireDigest (not .Values.image.digest) -}}
+{{- fail "image.digest: image.requireDigest is true and the operator image is named by tag alone; set image.digest=sha256:<64 hex> (what you pushed from operator/Dockerfile): the inventory agent beside every lmcache server runs from it, and a digest is what lets an upgrade roll the agents a few servers at a time (docs/upgrading.md)" -}}
+{{- end -}}
 {{- if .Values.image.digest -}}
 {{ .Values.image.repository }}@{{ .Values.image.digest }}
 {{- else -}}
@@ -48,5 +51,41 @@ and a pattern names no namespace to put a Role in), none twice. Renders nothing.
 {{- fail (printf "watchNamespaces[%d] %q is listed twice: list each namespace once" $i $ns) -}}
 {{- end -}}
 {{- $_ := set $seen $ns true -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The scraper of metrics.scraper as one NetworkPolicy peer (JSON), or nothing when unset: for
+the operator's policy here and, through KVPERSIST_METRICS_SCRAPER, the lmcache servers' policies
+the operator makes. A podSelector alone would select pods of each policy's own namespace. */}}
+{{- define "kvpersist.scraper" -}}
+{{- $s := .Values.metrics.scraper | default dict -}}
+{{- if and $s.podSelector (not $s.namespaceSelector) -}}
+{{- fail "metrics.scraper.podSelector needs metrics.scraper.namespaceSelector: alone it selects pods of each policy's own namespace; set namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: <the scraper's namespace>}}" -}}
+{{- end -}}
+{{- if $s.namespaceSelector -}}
+{{- $peer := dict "namespaceSelector" $s.namespaceSelector -}}
+{{- with $s.podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end -}}
+{{- toJson $peer -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The oldest Kubernetes the chart and the operator work on: 1.30 (ValidatingAdmissionPolicy v1 for
+creator rights and gc authorization; the CRD's CEL rules with reason and fieldPath). Checked here
+rather than by kubeVersion in Chart.yaml: helm compares kubeVersion as semver, and an API server
+built from source reports v0.0.0-master+$Format:%H$ (the local test cluster's), which no constraint
+admits. A server that reports no release (no major version) is let through; any release below
+1.30 (GKE's "30+" minors included) is refused, by `helm template` too at its default version.
+*/}}
+{{- define "kvpersist.minKubeMinor" -}}30{{- end -}}
+{{- define "kvpersist.checkKubeVersion" -}}
+{{- $v := .Capabilities.KubeVersion -}}
+{{- if $v.Major -}}
+{{- $major := regexReplaceAll "[^0-9].*$" $v.Major "" | int -}}
+{{- $minor := regexReplaceAll "[^0-9].*$" $v.Minor "" | int -}}
+{{- $min := include "kvpersist.minKubeMinor" . | int -}}
+{{- if or (lt $major 1) (and (eq $major 1) (lt $minor $min)) -}}
+{{- fail (printf "kvpersist needs Kubernetes 1.%d or later (ValidatingAdmissionPolicy v1, the CRD's validation rules); this cluster is %s. With helm template, pass --kube-version (your cluster's)" $min $v.Version) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

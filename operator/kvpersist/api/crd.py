@@ -146,17 +146,25 @@ def build_crd() -> dict[str, Any]:
             ),
         ],
     }
+    ready = '.status.conditions[?(@.type=="Ready")]'
     columns = [
         {"name": "Namespace-ID", "type": "string", "jsonPath": ".status.namespaceId"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        # The Ready condition itself, and why: "VLLM 1/1" alone reads as ready while the cache is off.
+        {"name": "Ready", "type": "string", "jsonPath": f"{ready}.status", "description": "The Ready condition"},
+        {"name": "Reason", "type": "string", "jsonPath": f"{ready}.reason", "description": "Why Ready is what it is"},
+        {"name": "VLLM", "type": "string", "jsonPath": ".status.replicas", "description": "vLLM pods ready/wanted"},
         {"name": "L2", "type": "string", "jsonPath": ".status.l2Kind"},
         {"name": "L1-Used", "type": "string", "jsonPath": ".status.usage.l1Used"},
         {"name": "L2-Used", "type": "string", "jsonPath": ".status.usage.l2Used"},
         {"name": "Hit", "type": "string", "jsonPath": ".status.hits.summary",
          "description": "Cache hit rate over the last 5 minutes, else in total"},
-        {"name": "Ready", "type": "string", "jsonPath": ".status.replicas"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    # kubectl scale and a HorizontalPodAutoscaler act on spec.vllm.replicas (the lmcache servers
+    # are sized by hand: each holds L1 that a scale-down would lose).
+    scale = {"specReplicasPath": ".spec.vllm.replicas", "statusReplicasPath": ".status.vllmReplicas",
+             "labelSelectorPath": ".status.vllmSelector"}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -180,7 +188,7 @@ def build_crd() -> dict[str, Any]:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": scale},
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": root},
                 }

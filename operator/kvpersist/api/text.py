@@ -86,6 +86,28 @@ def refuse_control(value: Any) -> Any:
     return value
 
 
+# A prompt (spec.prewarm) is text a model reads, so it keeps its line breaks and tabs: TAB, LF and
+# CR are allowed there, every other refused character stays refused. The prompt goes only to
+# vLLM's /tokenize, never into argv, a log line or a condition (which name it by its place).
+PROMPT_ALLOWED = "\t\n\r"
+PROMPT_FORBIDDEN: tuple[tuple[int, int], ...] = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F), *FORBIDDEN[1:])
+PROMPT_PATTERN = "^[^" + "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}"
+                                 for a, b in PROMPT_FORBIDDEN) + "]*$"
+PROMPT_RULE = ("control and format characters other than TAB, LF and CR are refused in a prompt (NUL, ESC, bidi "
+               "controls such as U+202E, zero-width characters such as U+200B): remove it, or put the prompt in the "
+               "ConfigMap of spec.prewarm.configMapRef")
+
+
+def refuse_control_in_prompt(value: Any) -> Any:
+    """refuse_control for a prompt: its line breaks and tabs are its own."""
+    if isinstance(value, str):
+        for index, char in enumerate(value):
+            if char not in PROMPT_ALLOWED and forbidden(char):
+                name = unicodedata.name(char, "") or CONTROL_NAMES.get(char, "a control character")
+                raise ValueError(f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {PROMPT_RULE}")
+    return value
+
+
 def printable(text: str) -> str:
     """text with every refused character written as a \\u (or \\U) escape of its code point: for
     messages that quote user input (a condition, an event, a log line), so they carry no bidi override or line break of their own."""

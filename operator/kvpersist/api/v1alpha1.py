@@ -10,6 +10,8 @@ checks that both agree.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -27,7 +29,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvpersist.api.text import NO_CONTROL_PATTERN, printable, refuse_control
+from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, printable, refuse_control, refuse_control_in_prompt
 
 GROUP = "kvpersist.dev"
 VERSION = "v1alpha1"
@@ -221,7 +223,7 @@ class Identity(_Model):
     )
     num_kv_heads: int | None = Field(
         None, ge=1, le=1024, alias="numKVHeads",
-        description="Number of KV heads of the model (its config's num_key_value_heads).",
+        description="Number of KV heads of the model (its config's num_key_value_heads; `kvpersist pins` prints it).",
     )
     head_size: int | None = Field(None, ge=1, le=4096, description="Attention head size of the model.")
     tensor_parallel_size: int | None = Field(
@@ -240,7 +242,8 @@ class Identity(_Model):
     )
     chat_template_digest: str | None = Field(
         None, pattern=SHA256_DIGEST,
-        description="sha256 of the rendered chat template, as sha256:<64 hex>; another template gives other tokens.",
+        description="sha256 of the chat template's text as the tokenizer's files at tokenizerRevision carry it, as "
+        "sha256:<64 hex> (`kvpersist pins` prints it); another template gives other tokens.",
     )
 
 
@@ -255,8 +258,17 @@ class L1(_Model):
     )
 
 
+# spec.l2.nvme.shared: one ReadWriteMany claim and one folder for all the servers (docs/design.md,
+# "Several writers on one folder"). Fixed once set: switching would strand the KV in the other claims.
+SHARED_FIXED = ("shared is fixed once set (switching would strand the stored KV in the other claims): create a new "
+                "KVCacheNamespace to change it")
+SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a temp file and a rename and its lookups "
+                     "find files other servers wrote (measured); the fs adapter is not checked for either")
+
+
 class NVMe(_Model):
-    """A local NVMe volume as L2: a PersistentVolumeClaim per lmcache server, or an existing claim."""
+    """A local NVMe volume as L2: a PersistentVolumeClaim per lmcache server, or an existing claim;
+    with shared, one ReadWriteMany claim all the servers use."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -282,6 +294,11 @@ class NVMe(_Model):
                     "budget must be at least 1Mi and at most maxCapacityGB", field_path=".budget"),
                 cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
                     "the fs adapter has no capacity to hold a budget to: use adapter nixl_store_dynamic", field_path=".budget"),
+                cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
+                cel("!self.shared || !has(self.size) || self.reclaimPolicy == oldSelf.reclaimPolicy",
+                    "with shared, reclaimPolicy is fixed once set: the one claim was made with it (owned by the resource "
+                    "for Delete, not for Retain); create a new KVCacheNamespace to change it", field_path=".reclaimPolicy"),
+                cel("!self.shared || self.adapter == 'nixl_store_dynamic'", SHARED_NEEDS_NIXL, field_path=".shared"),
             ]
         }
     )
@@ -322,6 +339,14 @@ class NVMe(_Model):
         "Retain",
         description="What happens to the KV data when the KVCacheNamespace is deleted: Retain keeps the claim and its "
         "data, Delete removes the claims the operator created.",
+    )
+    shared: bool = Field(
+        False,
+        description="One ReadWriteMany claim for all the lmcache servers (one per node), in one namespace folder, so a "
+        "vLLM pod on any node is served the KV another node stored: existingClaimName then names a shared filesystem's "
+        "claim (NFS, Lustre, EFS, CephFS) and lmcacheServer.replicas may be more than 1; with size the operator makes "
+        "one claim, l2-<name>-lmcache-shared, ReadWriteMany. maxCapacityGB and budget are the folder's, trimmed by one "
+        "server's agent (docs/design.md). Not part of the namespace id (the KV bytes are the same); fixed once set.",
     )
 
     @property
@@ -391,6 +416,17 @@ class L2Encryption(_Model):
     )
 
 
+class OrphanRetention(_Model):
+    """An opt-in age limit on the folders of OTHER namespaces on this resource's claims."""
+
+    max_age_days: int = Field(
+        alias="maxAgeDays", ge=1, le=36500,
+        description="Remove a folder of another namespace (one an identity change left behind) once its newest file is "
+        "older than this many days. Never the namespace this resource serves, never one any live KVCacheNamespace or "
+        "lmcache server uses; each removal is an Event (OrphanExpired) and counted in status.l2.",
+    )
+
+
 class L2(_Model):
     """The durable tier: exactly one of nvme or hfBucket."""
 
@@ -400,6 +436,9 @@ class L2(_Model):
                 cel("has(self.nvme) != has(self.hfBucket)", "set exactly one of nvme or hfBucket", reason="FieldValueInvalid"),
                 cel("has(self.nvme) == has(oldSelf.nvme)",
                     "the L2 kind is fixed once set (the cached data lives there): create a new KVCacheNamespace instead"),
+                cel("!has(self.orphanRetention) || has(self.nvme)",
+                    "orphanRetention applies to NVMe claims: a bucket's orphans are deleted with `kvpersist gc`",
+                    field_path=".orphanRetention"),
             ]
         }
     )
@@ -409,6 +448,11 @@ class L2(_Model):
     encryption: L2Encryption = Field(
         default_factory=L2Encryption, description="Authenticated encryption of L2 objects: corruption is a miss.",
         json_schema_extra={"default": defaults_of(L2Encryption)},
+    )
+    orphan_retention: OrphanRetention | None = Field(
+        None, alias="orphanRetention",
+        description="Off by default: other namespaces' folders on the claim are kept until `kvpersist gc` deletes them. "
+        "Set maxAgeDays to let the inventory agent remove those unwritten for that long. Not part of the namespace id.",
     )
 
     @property
@@ -521,8 +565,10 @@ class LMCacheServer(_Model):
 
     image: FreeText = Field(
         "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
-        description="Image with the lmcache 0.5.6 CLI. Name it by digest (<image>@sha256:<64 hex>): the digest is "
-        "part of the namespace id, and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
+        description="The image built from images/vllm-lmcache, the same as spec.vllm.image, by digest "
+        "(<image>@sha256:<64 hex>): the connector in vLLM and the server must be one lmcache build, and the digest is "
+        "part of the namespace id. The default is a tag (no image of kvpersist is published to pin it to): it leaves "
+        "the cache off (IdentityResolved False, reason ImageNotPinned) until both images are given by digest.",
     )
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
     port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
@@ -544,13 +590,232 @@ class LMCacheServer(_Model):
     )
 
 
+# ---------------------------------------------------------------- the vLLM pod's environment
+
+# spec.vllm.env and envFrom: names a C identifier (the container's start script reads them back).
+# Refused, at apply time and by the models, with what to set instead: names the operator sets or owns
+# through a field of its own, and names that change what vLLM computes, which model it loads or which
+# GPUs it sees, behind the pins' back (the same reasoning as EXTRA_ARGS). VLLM_* is an allow-list,
+# like extraArgs: logging, usage stats, HTTP keep-alive, compile caches; tests/contract checks each
+# is a variable vLLM reads. A refused name that arrives through envFrom (whose keys are not known at
+# apply time) is unset by the container's start script before vLLM starts (builders/vllm.py).
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_USE_MODEL_CACHE = "the model cache is spec.vllm.modelCache (the operator sets HF_HOME on it)"
+_OTHER_CODE = "it runs other code in vLLM than the image's, which may compute other KV"
+_GPUS = "the GPUs are the device plugin's (spec.vllm.gpusPerReplica); the lmcache server finds vLLM's by them"
+ENV_REFUSED: dict[str, str] = {
+    "PYTHONHASHSEED": "the operator fixes it: vLLM's prefix hashes, so the cache's chunk keys, follow it",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "the operator sets it: the KV must live in a child of PID 1 for CUDA IPC",
+    "HF_TOKEN": "set spec.vllm.hfTokenSecretRef (a Secret key), never a literal",
+    "HUGGING_FACE_HUB_TOKEN": "set spec.vllm.hfTokenSecretRef (a Secret key), never a literal",
+    "VLLM_API_KEY": "set spec.vllm.apiKeySecretRef (a Secret key), never a literal",
+    "HF_HOME": _USE_MODEL_CACHE, "HF_HUB_CACHE": _USE_MODEL_CACHE, "HUGGINGFACE_HUB_CACHE": _USE_MODEL_CACHE,
+    "TRANSFORMERS_CACHE": _USE_MODEL_CACHE,
+    "HF_ENDPOINT": "another endpoint may serve other files under the pinned revision",
+    "CUDA_VISIBLE_DEVICES": _GPUS, "NVIDIA_VISIBLE_DEVICES": _GPUS, "NVIDIA_DRIVER_CAPABILITIES": _GPUS,
+    "HIP_VISIBLE_DEVICES": _GPUS, "ROCR_VISIBLE_DEVICES": _GPUS,
+    "PYTHONPATH": _OTHER_CODE, "PYTHONHOME": _OTHER_CODE, "PYTHONSTARTUP": _OTHER_CODE, "LD_PRELOAD": _OTHER_CODE,
+    "LD_LIBRARY_PATH": _OTHER_CODE, "PATH": _OTHER_CODE,
+}
+ENV_REFUSED_PREFIXES: dict[str, str] = {
+    "LMCACHE_": "lmcache's configuration is the operator's (the connector's kv-transfer-config)",
+    "KVPERSIST_": "the operator's own variables",
+}
+VLLM_ENV_ALLOWED = (
+    "VLLM_CACHE_ROOT", "VLLM_CONFIGURE_LOGGING", "VLLM_DISABLE_COMPILE_CACHE", "VLLM_DO_NOT_TRACK",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_PREFIX", "VLLM_LOG_STATS_INTERVAL", "VLLM_NO_USAGE_STATS",
+)
+ENV_RULE = ("env names refused: " + ", ".join(sorted(ENV_REFUSED)) + ", any " + ", ".join(f"{p}*" for p in ENV_REFUSED_PREFIXES)
+            + ", and VLLM_* other than " + ", ".join(VLLM_ENV_ALLOWED) + " (they are the operator's, have a field of "
+            "their own, or change the KV or the model behind the identity pins)")
+
+
+def env_problem(name: str) -> str | None:
+    """Why an env name may not be set on the vLLM container, or None."""
+    if name in ENV_REFUSED:
+        return f"{name} is refused: {ENV_REFUSED[name]}"
+    for prefix, why in ENV_REFUSED_PREFIXES.items():
+        if name.startswith(prefix):
+            return f"{name} is refused: {why}"
+    if name.startswith("VLLM_") and name not in VLLM_ENV_ALLOWED:
+        return (f"{name} is refused: of vLLM's variables only {', '.join(VLLM_ENV_ALLOWED)} may be set (the others "
+                "may change the KV, the attention backend or the model behind the identity pins)")
+    return None
+
+
+def _env_name_rule() -> str:
+    names = ", ".join(f"'{n}'" for n in sorted(ENV_REFUSED))
+    allowed = ", ".join(f"'{n}'" for n in VLLM_ENV_ALLOWED)
+    prefixes = " && ".join(f"!self.startsWith('{p}')" for p in ENV_REFUSED_PREFIXES)
+    return f"!(self in [{names}]) && {prefixes} && (!self.startsWith('VLLM_') || self in [{allowed}])"
+
+
+def _refuse_env_name(name: str) -> str:
+    problem = env_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return name
+
+
+EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=ENV_NAME,
+                               json_schema_extra={"x-kubernetes-validations": [cel(_env_name_rule(), ENV_RULE)]}),
+                    AfterValidator(_refuse_env_name)]
+
+
+class EnvVar(_Model):
+    """A literal variable of the vLLM container. Secrets go through envFrom secretRef or the fields
+    of their own (hfTokenSecretRef, apiKeySecretRef), never a literal value in the spec."""
+
+    name: EnvName = Field(description="Variable name; see the refused names in docs/api.md.")
+    value: Annotated[FreeText, Field(max_length=4096)] = Field("", description="Its value.")
+
+
+class LocalObjectRef(_Model):
+    """An object of the resource's namespace, by name."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Its name.")
+
+
+class EnvFromSource(_Model):
+    """Every key of a Secret or ConfigMap as a variable of the vLLM container. Keys that are refused
+    names (ENV_REFUSED) are unset before vLLM starts, and the operator's own variables win."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("has(self.secretRef) != has(self.configMapRef)", "set exactly one of secretRef or configMapRef",
+                reason="FieldValueInvalid")]})
+
+    secret_ref: LocalObjectRef | None = Field(None, description="A Secret of the resource's namespace.")
+    config_map_ref: LocalObjectRef | None = Field(None, description="A ConfigMap of the resource's namespace.")
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvFromSource:
+        if (self.secret_ref is None) == (self.config_map_ref is None):
+            raise ValueError("set exactly one of secretRef or configMapRef")
+        return self
+
+
+class HFTokenSecretRef(_Model):
+    """A Secret key holding a Hugging Face token that may read the model (a gated one)."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
+    key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
+
+
+class APIKeySecretRef(_Model):
+    """A Secret key holding the API key vLLM requires of its clients (VLLM_API_KEY)."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
+    key: str = Field("api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key in the Secret.")
+
+
+MODEL_CACHE_PATH = "/var/lib/kvpersist/hf"
+
+
+MODEL_CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
+
+
+class ModelCache(_Model):
+    """A PersistentVolumeClaim the vLLM pods keep the model's weights on (HF_HOME), so a restarted
+    vLLM does not download them again: one of the user's (existingClaimName), or one the operator
+    makes, `<name>-model-cache` (size), owned by the resource: weights can be downloaded again, so
+    unlike L2's claims it goes with the resource."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.size) != has(self.existingClaimName)",
+                    "set exactly one of size (a claim the operator makes, <name>-model-cache) or existingClaimName "
+                    "(a claim of yours)", reason="FieldValueInvalid"),
+                cel("!has(self.storageClassName) || has(self.size)",
+                    "storageClassName applies to the claim the operator makes: set size with it, or drop it with "
+                    "existingClaimName", field_path=".storageClassName"),
+                cel("!has(self.accessModes) || has(self.size)",
+                    "accessModes applies to the claim the operator makes: set size with it, or drop it with "
+                    "existingClaimName", field_path=".accessModes"),
+            ]
+        }
+    )
+
+    existing_claim_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="An existing PersistentVolumeClaim in the resource's namespace, mounted read-write at HF_HOME "
+        f"({MODEL_CACHE_PATH}) in every vLLM pod. Never deleted by the operator. With replicas > 1 on several nodes it "
+        "must be ReadWriteMany (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending).",
+    )
+    size: Quantity | None = Field(
+        None, description="Instead of existingClaimName: the operator makes PersistentVolumeClaim <name>-model-cache of "
+        "this size (e.g. 100Gi), owned by this resource (deleted with it). Made once: a later change of size, "
+        "storageClassName or accessModes is not applied to the claim (a Warning event ModelCacheDiffers says so).",
+    )
+    storage_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="StorageClass of the claim the operator makes; the cluster default when unset.",
+    )
+    access_modes: list[Literal[MODEL_CACHE_ACCESS_MODES]] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1, max_length=3,
+        description="Access modes of the claim the operator makes; [ReadWriteOnce] when unset. ReadWriteMany when "
+        "vLLM replicas run on several nodes (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending).",
+    )
+
+
+class VLLMService(_Model):
+    """A Service in front of this resource's vLLM pods (the OpenAI-compatible API)."""
+
+    enabled: bool = Field(False, description="Make Service <name>-vllm.")
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
+    port: int = Field(8000, ge=1, le=65535, description="Service port; it forwards to spec.vllm.port.")
+
+
+KV_EVENTS_PORT = 5557  # vLLM's own default (KVEventsConfig.endpoint tcp://*:5557)
+
+
+class KVEvents(_Model):
+    """vLLM's KV cache events (--kv-events-config): a ZMQ PUB socket on each vLLM pod whose topic is
+    the namespace id, so a router knows which compatibility namespace a block belongs to."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.replayPort) || self.replayPort != self.port", "replayPort must differ from port",
+                    field_path=".replayPort"),
+            ]
+        }
+    )
+
+    enabled: bool = Field(
+        False, description="Publish KV events from every vLLM pod on port, topic the namespace id (docs/api.md, "
+        "\"KV events\"). Only while the resource has a namespace id. Not part of the namespace id.",
+    )
+    port: int = Field(KV_EVENTS_PORT, ge=1, le=65535,
+                      description="Port of the PUB socket (container port kv-events) a subscriber connects to.")
+    replay_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port of vLLM's replay socket (ROUTER, container port kv-replay): a subscriber that missed "
+        "sequence numbers asks it for the batches from one on. Unset: no replay socket.",
+    )
+
+
 class VLLM(_Model):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!self.kvEvents.enabled || (self.kvEvents.port != self.port && (!has(self.kvEvents.replayPort) || "
+                    "self.kvEvents.replayPort != self.port))", "kvEvents.port and kvEvents.replayPort must differ from port",
+                    field_path=".kvEvents.port"),
+            ]
+        }
+    )
+
     image: FreeText = Field(
         "vllm/vllm-openai:v0.33.0", min_length=1, max_length=512,
-        description="vLLM image. Name it by digest (<image>@sha256:<64 hex>): the digest is part of the namespace id, "
-        "and an image named by tag alone leaves the cache off (reason ImageNotPinned).",
+        description="The image built from images/vllm-lmcache, the same as spec.lmcacheServer.image, by digest "
+        "(<image>@sha256:<64 hex>): the digest is part of the namespace id. The default is a tag: vLLM runs, but "
+        "without the cache (IdentityResolved False, reason ImageNotPinned) until both images are given by digest.",
     )
     replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
     gpus_per_replica: int | None = Field(
@@ -583,6 +848,116 @@ class VLLM(_Model):
         description="RuntimeClass of the vLLM pods (the NVIDIA GPU Operator makes `nvidia`). \"\": the node's "
         "default runtime.",
     )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64,
+        description="Literal variables of the vLLM container. Names the operator owns, that have a field of their "
+        "own, or that would change the KV or the model behind the pins are refused (docs/api.md). Not part of the "
+        "namespace id.", json_schema_extra={"default": []},
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list, max_length=4,
+        description="Secrets or ConfigMaps whose keys become variables of the vLLM container; keys that are refused "
+        "names are unset before vLLM starts. Not part of the namespace id.", json_schema_extra={"default": []},
+    )
+    hf_token_secret_ref: HFTokenSecretRef | None = Field(
+        None, alias="hfTokenSecretRef",
+        description="A Secret key with a Hugging Face token that may read the model (a gated one): HF_TOKEN in the "
+        "vLLM container, from the Secret (never in args, the spec or a ConfigMap). Not part of the namespace id.",
+    )
+    api_key_secret_ref: APIKeySecretRef | None = Field(
+        None, description="A Secret key with the API key vLLM requires of its clients: VLLM_API_KEY in the vLLM "
+        "container, from the Secret (never in args). Not part of the namespace id.",
+    )
+    model_cache: ModelCache | None = Field(
+        None, description="A claim for the model's weights (HF_HOME), so a restarted vLLM does not download them "
+        "again. Not part of the namespace id: the pins name the weights by revision.",
+    )
+    service: VLLMService = Field(
+        default_factory=VLLMService, description="An optional Service in front of the vLLM pods.",
+        json_schema_extra={"default": defaults_of(VLLMService)},
+    )
+    kv_events: KVEvents = Field(
+        default_factory=KVEvents, description="KV cache events for a KV-aware router, topic the namespace id.",
+        json_schema_extra={"default": defaults_of(KVEvents)},
+    )
+
+
+_CANARY_COLOURS = ("amber", "cobalt", "crimson", "ivory", "jade", "onyx", "scarlet", "silver", "teal", "violet")
+_CANARY_ANIMALS = ("falcon", "otter", "heron", "lynx", "badger", "marten", "osprey", "bison", "crane", "wren")
+# spec.canary.prompt unset: a hundred records and a request to repeat them, so the answer depends on
+# the first chunk's KV (a wrong prefix would change it) and is a confident copy where the cache is
+# right (greedy decoding with clear winners). 4,700 characters: about 1,200 to 1,800 tokens with
+# common tokenizers (12 to 17 a record, by how they split numbers), five to seven lmcache chunks of
+# 256 tokens; a byte-level tokenizer trained on other text (hack/testmodel.py's) makes nearly a
+# token of each character. One line: the spec's free text refuses line breaks.
+DEFAULT_CANARY_PROMPT = (
+    "The following records give a code for each name. Read them carefully. "
+    + "".join(f"Record {i}: the code for {_CANARY_COLOURS[i % 10]} {_CANARY_ANIMALS[(i * 3 + i // 10) % 10]} is "
+              f"{(i * 7919) % 9000 + 1000}. " for i in range(1, 101))
+    + "Now repeat the records in order, starting from the first. Record 1: the code for")
+
+
+class Canary(_Model):
+    """The live correctness canary: a pinned greedy request whose answer without the cache is
+    recorded once per namespace id, then asked again with the cache after every vLLM or lmcache
+    server (re)start and every intervalSeconds. A different answer turns the cache off until a
+    person acknowledges it (docs/api.md#the-correctness-canary-hitcorrectness)."""
+
+    enabled: bool = Field(
+        False, description="Send the canary's requests to this resource's vLLM pods (off by default: it is traffic to "
+        "your vLLM; recommended on). Not part of the namespace id.",
+    )
+    prompt: FreeText | None = Field(
+        None, min_length=1, max_length=32768,
+        description="The prompt asked, as text, in one line. Unset: a built-in text of 4,700 characters (1,200 to 1,800 "
+        "tokens with common tokenizers: several lmcache chunks of 256 tokens) whose answer depends on its first chunk. "
+        "Its tokens and maxTokens must fit in maxModelLen.",
+    )
+    max_tokens: int = Field(16, ge=1, le=64, description="Greedy tokens generated and compared.")
+    interval_seconds: int = Field(
+        600, ge=60, le=86400, description="How often each vLLM pod is checked again when nothing restarted.",
+    )
+
+    @property
+    def effective_prompt(self) -> str:
+        return self.prompt if self.prompt is not None else DEFAULT_CANARY_PROMPT
+
+
+# spec.prewarm: prompts kept warm in every lmcache server's L1 (docs/api.md "Warm restarts").
+PREWARM_INLINE_MAX = 16  # prompts, and as many system prompts, in the spec itself
+PROMPT_MAX_CHARS = 32768  # one prompt in the spec (a ConfigMap holds longer ones: 1 MiB in all)
+PromptText = Annotated[str, BeforeValidator(refuse_control_in_prompt),
+                       Field(min_length=1, max_length=PROMPT_MAX_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN})]
+
+
+class Prewarm(_Model):
+    """Prompts the operator keeps warm: after every start of an lmcache server or of the vLLM pod
+    beside it, and whenever the list changes, their KV is loaded from L2 into the server's L1
+    (lmcache's warm prefetch), or computed once through vLLM when L2 does not hold it whole, so the
+    first request after a restart is an L1 hit. The Warm condition says how far it got. Not part of
+    the namespace id: what is warm changes no KV."""
+
+    prompts: list[PromptText] = Field(
+        default_factory=list, max_length=PREWARM_INLINE_MAX,
+        description="Raw prompts, tokenized as /v1/completions tokenizes them (special tokens added): each one's "
+        "whole-chunk prefix (256 tokens a chunk) is kept warm, so a request that starts with it hits.",
+        json_schema_extra={"default": []},
+    )
+    system_prompts: list[PromptText] = Field(
+        default_factory=list, max_length=PREWARM_INLINE_MAX,
+        description="System prompts, rendered through the model's chat template as the only message (no generation "
+        "prompt): the prefix every chat with that system prompt starts with.",
+        json_schema_extra={"default": []},
+    )
+    config_map_ref: LocalObjectRef | None = Field(
+        None, description="A ConfigMap of the resource's namespace with more of them: each data key prompt-* holds one "
+        "raw prompt, each key system-* one system prompt (other keys are ignored). Read again every minute; its "
+        "author must be allowed to get it (creator-rights policy).",
+    )
+
+    @property
+    def declared(self) -> bool:
+        return bool(self.prompts or self.system_prompts or self.config_map_ref)
 
 
 class KVCacheNamespaceSpec(_Model):
@@ -594,9 +969,10 @@ class KVCacheNamespaceSpec(_Model):
                 cel("!has(self.vllm.gpusPerReplica) || !has(self.identity.tensorParallelSize) || "
                     "self.vllm.gpusPerReplica >= self.identity.tensorParallelSize",
                     "vllm.gpusPerReplica must be at least identity.tensorParallelSize", field_path=".vllm.gpusPerReplica"),
-                cel("!has(self.l2.nvme) || !has(self.l2.nvme.existingClaimName) || self.lmcacheServer.replicas == 1",
-                    "an existing claim serves one lmcache server: set lmcacheServer.replicas to 1, or use size for a "
-                    "claim per server", field_path=".lmcacheServer.replicas"),
+                cel("!has(self.l2.nvme) || !has(self.l2.nvme.existingClaimName) || self.l2.nvme.shared || "
+                    "self.lmcacheServer.replicas == 1",
+                    "an existing claim serves one lmcache server: set lmcacheServer.replicas to 1, use size for a "
+                    "claim per server, or set l2.nvme.shared with a ReadWriteMany claim", field_path=".lmcacheServer.replicas"),
             ]
         }
     )
@@ -614,6 +990,20 @@ class KVCacheNamespaceSpec(_Model):
     )
     vllm: VLLM = Field(
         default_factory=VLLM, description="The vLLM pods.", json_schema_extra={"default": defaults_of(VLLM)},
+    )
+    image_pull_secrets: list[LocalObjectRef] = Field(
+        default_factory=list, max_length=4,
+        description="Secrets (docker-registry) of the resource's namespace that every pod the operator makes for it "
+        "pulls its images with: vLLM, and the lmcache server with its inventory agent (the operator's image). Not "
+        "part of the namespace id.", json_schema_extra={"default": []},
+    )
+    canary: Canary = Field(
+        default_factory=Canary, description="The live correctness canary: a cached answer checked against one computed "
+        "without the cache. Not part of the namespace id.", json_schema_extra={"default": defaults_of(Canary)},
+    )
+    prewarm: Prewarm | None = Field(
+        None, description="Prompts kept warm in every lmcache server's L1 after each server or vLLM (re)start, rollout "
+        "and change of the list (the Warm condition). Not part of the namespace id.",
     )
 
     def pins(self, key_fingerprint: str | None = None) -> dict[str, Any]:
@@ -637,6 +1027,9 @@ class KVCacheNamespaceSpec(_Model):
         n = self.l2.nvme
         if (self.l2.nvme is None) == (self.l2.hf_bucket is None):
             raise ValueError("spec.l2: set exactly one of nvme or hfBucket")
+        if self.l2.orphan_retention is not None and n is None:
+            raise ValueError("spec.l2.orphanRetention: applies to NVMe claims: a bucket's orphans are deleted with "
+                             "`kvpersist gc`")
         if n is not None:
             if (n.size is None) == (n.existing_claim_name is None):
                 raise ValueError("spec.l2.nvme: set exactly one of size (a new claim per lmcache server) or existingClaimName")
@@ -650,15 +1043,34 @@ class KVCacheNamespaceSpec(_Model):
                 raise ValueError("spec.l2.nvme.budget: the fs adapter has no capacity to hold a budget to")
             if n.existing_claim_name is not None and n.reclaim_policy != "Retain":
                 raise ValueError("spec.l2.nvme.reclaimPolicy: an existing claim is not the operator's to delete")
+        mc = self.vllm.model_cache
+        if mc is not None:
+            if (mc.size is None) == (mc.existing_claim_name is None):
+                raise ValueError("spec.vllm.modelCache: set exactly one of size (a claim the operator makes, "
+                                 "<name>-model-cache) or existingClaimName (a claim of yours)")
+            if mc.size is None and mc.storage_class_name is not None:
+                raise ValueError("spec.vllm.modelCache.storageClassName: applies to the claim the operator makes: "
+                                 "set size with it, or drop it with existingClaimName")
+            if mc.size is None and mc.access_modes is not None:
+                raise ValueError("spec.vllm.modelCache.accessModes: applies to the claim the operator makes: set "
+                                 "size with it, or drop it with existingClaimName")
         if self.lmcache_server.port == self.lmcache_server.http_port:
             raise ValueError("spec.lmcacheServer.httpPort: port and httpPort must differ")
         if self.lmcache_server.agent_port in (self.lmcache_server.port, self.lmcache_server.http_port):
             raise ValueError("spec.lmcacheServer.agentPort: agentPort must differ from port and httpPort")
+        events = self.vllm.kv_events
+        if events.replay_port is not None and events.replay_port == events.port:
+            raise ValueError("spec.vllm.kvEvents.replayPort: replayPort must differ from port")
+        if events.enabled and self.vllm.port in (events.port, events.replay_port):
+            raise ValueError("spec.vllm.kvEvents.port: kvEvents.port and kvEvents.replayPort must differ from port")
         problem = extra_args_problem(list(self.vllm.extra_args))
         if problem:
             raise ValueError(f"spec.vllm.extraArgs: {problem}; {EXTRA_ARGS_RULE}")
-        if n is not None and n.existing_claim_name is not None and self.lmcache_server.replicas != 1:
-            raise ValueError("spec.lmcacheServer.replicas: an existing claim serves one lmcache server: set it to 1")
+        if n is not None and n.existing_claim_name is not None and not n.shared and self.lmcache_server.replicas != 1:
+            raise ValueError("spec.lmcacheServer.replicas: an existing claim serves one lmcache server: set it to 1, or "
+                             "set spec.l2.nvme.shared with a ReadWriteMany claim")
+        if n is not None and n.shared and n.adapter != "nixl_store_dynamic":
+            raise ValueError(f"spec.l2.nvme.shared: {SHARED_NEEDS_NIXL}")
         tp = self.identity.tensor_parallel_size
         if self.vllm.gpus_per_replica is not None and tp is not None and self.vllm.gpus_per_replica < tp:
             raise ValueError("spec.vllm.gpusPerReplica: must be at least identity.tensorParallelSize")
@@ -680,6 +1092,51 @@ def l2_layout(spec: KVCacheNamespaceSpec) -> str:
             return f"nixl_store_dynamic/page={l1_page_bytes(spec)}"
         return spec.l2.nvme.adapter
     return "hfbucket"
+
+
+# ---------------------------------------------------------------- what reaches the namespace id
+
+
+@dataclass(frozen=True)
+class IdField:
+    """A spec field the namespace id depends on (through pins()), as the API spells it. kind:
+    `value`, the field itself; `digest`, only an image's @sha256:<64 hex> (another tag or registry
+    with the same digest keeps the id); `key`, it names the Secret whose key's fingerprint is a pin
+    (builders.target.Target.key_secret): another Secret is another id unless it holds the same bytes."""
+
+    path: str
+    kind: Literal["value", "digest", "key"] = "value"
+
+
+def id_fields() -> tuple[IdField, ...]:
+    """Every spec field that moves the namespace id: spec.identity whole, the two images' digests,
+    L2 encryption on or off and the Secret its key is read from, and the adapter (l2_layout; the L1
+    page it adds follows from fields already here). The L2 kind (nvme or hfBucket) reaches
+    l2_layout too, but the CRD refuses to change it. The one list the pin-change warning
+    (kvpersist.api.pinchange) and `kvpersist plan` compare; tests/unit/test_id_fields.py changes
+    each field of full samples and fails when one that moves the id is missing here."""
+    identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
+    return (*identity, IdField("spec.vllm.image", "digest"), IdField("spec.lmcacheServer.image", "digest"),
+            IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
+            IdField("spec.l2.encryption.keySecretRef.key", "key"), IdField("spec.l2.nvme.adapter"))
+
+
+def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
+    """The field's value as the id sees it, in a spec as the API stores it (camelCase, defaults
+    applied): None when unset, an image's digest alone (None without one)."""
+    from kvpersist.identity import image_digest
+
+    node: Any = spec
+    for part in field.path.split(".")[1:]:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if field.kind == "digest":
+        return image_digest(node) if isinstance(node, str) else None
+    return node
+
+
+def changed_id_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The id_fields paths whose value differs between two specs as stored."""
+    return [f.path for f in id_fields() if id_field_value(old, f) != id_field_value(new, f)]
 
 
 # lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered).
@@ -823,6 +1280,45 @@ class GCStatus(_Model):
     completed_at: datetime | None = Field(None, description="When it finished.")
 
 
+PERCENT = r"^[0-9]{1,3}\.[0-9]%$"
+
+
+class OtherNamespace(_Model):
+    """A folder of another namespace on the claim (status.l2.largestOtherNamespaces)."""
+
+    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="Its folder, kvp-<32 hex>.")
+    bytes: int = Field(ge=0, description="Bytes of its files.")
+    objects: int = Field(ge=0, description="Number of files.")
+    last_write: datetime | None = Field(None, description="When its newest file was written.")
+    age_days: int | None = Field(None, ge=0, description="Whole days since then.")
+    orphan: bool | None = Field(None, description="No KVCacheNamespace and no lmcache server uses it: `kvpersist gc` "
+                                "deletes it.")
+
+
+class L2SpaceStatus(_Model):
+    """The fullest claim's space, all namespaces counted (NVMe; from the inventory agents)."""
+
+    location: str = Field(max_length=1024, description="pvc/<claim name> of the fullest claim.")
+    claims: int | None = Field(None, ge=0, description="Distinct claims read.")
+    capacity_bytes: int | None = Field(None, ge=0, description="The claim's size (its filesystem's).")
+    used_bytes: int = Field(0, ge=0, description="Bytes used on it, every namespace and stray file counted.")
+    used_percent: str | None = Field(None, pattern=PERCENT, description="usedBytes / capacityBytes; L2SpaceAvailable "
+                                     "turns False at 90.0%.")
+    other_namespaces_bytes: int = Field(0, ge=0, description="Bytes in the folders of other namespaces, over all claims.")
+    other_namespaces: int = Field(0, ge=0, description="How many other namespace folders the fullest claim holds.")
+    largest_other_namespaces: list[OtherNamespace] = Field(default_factory=list, max_length=5,
+                                                           description="The largest few of them.")
+    effective_capacity_bytes: int | None = Field(None, ge=0, description="The served namespace's trim watermark: its "
+                                                 "capacity (budget, else maxCapacityGB) lowered to 95% of the claim less "
+                                                 "what everything else on it holds.")
+    scan_complete: bool | None = Field(None, description="False: the agent's bounded scan stopped early; other "
+                                       "folders' figures are a lower bound.")
+    orphans_removed: int = Field(0, ge=0, description="Folders removed under spec.l2.orphanRetention so far.")
+    orphans_removed_bytes: int = Field(0, ge=0, description="Bytes they held.")
+    last_orphan_removed: str | None = Field(None, max_length=64, description="The last one removed.")
+    measured_at: datetime | None = Field(None, description="When this was computed.")
+
+
 class BudgetStatus(_Model):
     """The namespace's L2 budget (spec.l2.nvme.budget) and how much of it is used."""
 
@@ -833,7 +1329,6 @@ class BudgetStatus(_Model):
     budget: str | None = Field(None, description="The budget for people, e.g. 2Mi/2Mi used.")
 
 
-PERCENT = r"^[0-9]{1,3}\.[0-9]%$"
 
 
 class HitFigures(_Model):
@@ -908,6 +1403,43 @@ class L2KeyStatus(_Model):
                                      "cannot be read.")
 
 
+CanaryTokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+
+
+class CanaryCheck(_Model):
+    """The canary's last check of a vLLM pod."""
+
+    at: datetime = Field(description="When it was answered.")
+    pod: str = Field(max_length=253, description="The vLLM pod asked.")
+    match: bool = Field(description="The answer served with the cache was the reference.")
+
+
+class CanaryMismatch(_Model):
+    """A cache hit that changed the answer: it stands (the cache off) until acknowledged with the
+    annotation kvpersist.dev/hit-correctness-ack=<id>, or the namespace id changes."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{12}$", description="What the acknowledgement names.")
+    at: datetime = Field(description="When it was found.")
+    pod: str = Field(max_length=253, description="The vLLM pod whose cached answer differed.")
+    expected: CanaryTokenIds = Field(max_length=64, description="The reference's token ids (computed without the cache).")
+    got: CanaryTokenIds = Field(max_length=64, description="The token ids served with the cache, twice.")
+
+
+class CanaryStatus(_Model):
+    """The canary's reference answer, computed without the cache, and its checks (spec.canary)."""
+
+    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace id the reference is for.")
+    prompt_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of what decides the answer "
+                               "besides the namespace id: the prompt, maxTokens, spec.vllm.extraArgs and env. "
+                               "Another digest records another reference.")
+    reference_token_ids: CanaryTokenIds = Field(max_length=64, description="The greedy token ids computed without "
+                                                "the cache (a fresh random cache_salt misses every cache).")
+    reference_at: datetime = Field(description="When the reference was computed.")
+    reference_pod: str = Field(max_length=253, description="The vLLM pod that computed it.")
+    last_check: CanaryCheck | None = Field(None, description="The last check of a vLLM pod that uses the cache.")
+    mismatch: CanaryMismatch | None = Field(None, description="A hit that changed the answer, while it stands.")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -922,6 +1454,10 @@ class KVCacheNamespaceStatus(_Model):
     ready_replicas: int | None = Field(None, description="vLLM pods ready.")
     desired_replicas: int | None = Field(None, description="vLLM pods wanted.")
     replicas: str | None = Field(None, description="ready/desired vLLM pods, for kubectl get.")
+    vllm_replicas: int | None = Field(None, alias="vllmReplicas", description="vLLM pods the Deployment has now: the "
+                                      "scale subresource's status.replicas (kubectl scale, a HorizontalPodAutoscaler).")
+    vllm_selector: str | None = Field(None, alias="vllmSelector", description="The label selector of the vLLM pods, "
+                                      "as a string: the scale subresource's status.selector, which an HPA needs.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Latest observations.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -933,8 +1469,12 @@ class KVCacheNamespaceStatus(_Model):
     hits: HitStatus | None = Field(None, description="Cache hit rate per tier and tokens served from cache, in total "
                                    "and over the last 5 minutes, from the lmcache servers' /metrics.")
     gc: GCStatus | None = Field(None, description="The last explicit cleanup of an orphaned namespace.")
+    l2: L2SpaceStatus | None = Field(None, description="The claims' space with every namespace counted, and what the "
+                                     "age limit (spec.l2.orphanRetention) removed.")
     l2_key: L2KeyStatus | None = Field(None, alias="l2Key", description="The L2 master key in use, by fingerprint, and "
                                        "the namespace stored under it (with spec.l2.encryption on).")
+    canary: CanaryStatus | None = Field(None, description="The correctness canary's reference and last check "
+                                        "(spec.canary).")
 
 
 class KVCacheNamespace(_Model):

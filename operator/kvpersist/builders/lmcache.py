@@ -11,6 +11,7 @@ from typing import Any
 from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
 from kvpersist.builders import buildcheck
+from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
@@ -166,7 +167,10 @@ def _adapter_config(target: Target) -> dict[str, Any]:
         "type": "hfbucket",
         "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
         "token_env": HF_TOKEN_ENV,
-        "create_bucket_if_missing": bucket.create_bucket_if_missing,
+        # Never lmcache: its create_bucket sets no visibility, so the bucket would be public unless the
+        # org defaults to private. The operator's preflight creates it private (createBucketIfMissing);
+        # a write before that is a failed store, counted in L2Ready, never a public bucket.
+        "create_bucket_if_missing": False,
         "num_workers": bucket.num_workers,
         "metadata_cache_ttl_secs": bucket.metadata_cache_ttl_seconds,
         "max_capacity_gb": bucket.max_capacity_gb,
@@ -186,10 +190,23 @@ def l1_eviction_policy(policy: str) -> str:
     return "LRU" if policy == "IsolatedLRU" else policy
 
 
+def worker_sourced_kv_events(target: Target) -> bool:
+    """Whether the servers keep no KV event log, so that the connector in vLLM announces its own
+    stores (spec.vllm.kvEvents on a build that moves KV engine-driven). lmcache 0.5.6's server log
+    announces a stored chunk only with its tokens, which only the lmcache-driven transfer reports
+    (lmcache/v1/multiprocess/modules/kv_events.py, lmcache_driven_transfer.py); vLLM's CPU build
+    moves KV engine-driven (lmcache's CPU device default), so with the log every store is
+    "unbound" and nothing reaches vLLM's stream. Without the log (--kv-event-log-size 0) the
+    connector falls back to its own store events: stores, no evictions. A CUDA vLLM moves KV
+    lmcache-driven, and the log announces stores and L1 evictions: kept (docs/datapath.md, "KV events")."""
+    return target.spec.vllm.kv_events.enabled and buildcheck.declared_vllm_variant(target.spec.identity.connector_build) == "cpu"
+
+
 def server_args(target: Target) -> list[str]:
     """`lmcache server` arguments. The ZMQ port binds all interfaces (vLLM pods on the node reach
     it); the admin API binds loopback only, and /run_script stays off."""
     spec = target.spec
+    events = ["--kv-event-log-size", "0"] if worker_sourced_kv_events(target) else []
     return [
         "server",
         "--host", "0.0.0.0",
@@ -221,6 +238,7 @@ def server_args(target: Target) -> list[str]:
         # timeline_semaphore_event_ipc.py) worked there in every pod layout. The connector sets
         # lmcache.mp.isolated_ipc to match (builders/connection.py).
         "--isolated-ipc",
+        *events,
     ]
 
 
@@ -315,6 +333,10 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         if nvme.adapter == "nixl_store_dynamic":
             capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
             args += ["--capacity-bytes", str(capacity)]
+        if nvme.shared:
+            # One folder, several servers: only ordinal 0's agent trims it, sparing what is younger
+            # than the grace (kvpersist.inventory.agent.trimmer_of; docs/design.md).
+            args += ["--shared-folder", "--trim-grace", str(SHARED_TRIM_GRACE_S)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
     mounts = [{"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}]
     # Non-root, no capability: it reads and deletes what the root server wrote through the pod's
@@ -322,8 +344,10 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     # On a user's claim (no fsGroup) only where its owner gave the volume's root that group, setgid.
     if nvme is not None:
         mounts.insert(0, {"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
+    env = [POD_NAME_ENV_VAR] if nvme is not None and nvme.shared else []
     return {
         "name": AGENT_CONTAINER,
+        **({"env": env} if env else {}),
         "image": image,
         "command": ["kvpersist"],
         "args": args,
@@ -334,6 +358,35 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": {**container_security_context(), "runAsUser": AGENT_USER, "runAsGroup": DATA_GROUP,
                             "runAsNonRoot": True},
+    }
+
+
+# With spec.l2.nvme.shared the agents learn their pod's name (its StatefulSet ordinal) from the
+# downward API: ordinal 0's agent is the folder's one trimmer (kvpersist.inventory.agent).
+POD_NAME_ENV = "KVPERSIST_POD_NAME"
+POD_NAME_ENV_VAR = {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+# A shared folder's trimmer never deletes a file younger than this: another server may have just
+# written it, or found it and be about to read it (docs/design.md, "Several writers on one folder").
+SHARED_TRIM_GRACE_S = 120
+
+
+def build_shared_claim(target: Target) -> dict[str, Any] | None:
+    """spec.l2.nvme.shared with size: the one ReadWriteMany claim all the servers mount,
+    `l2-<name>-lmcache-shared` (the StatefulSet then has no volumeClaimTemplate). Like the
+    StatefulSet's claims it outlives the resource unless reclaimPolicy is Delete (then the
+    controller gives it an owner reference), and carries no tracking label (builders.retained)."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or not nvme.shared or nvme.size is None or target.shared_claim is None:
+        return None
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": str(nvme.size)}}}
+    if nvme.storage_class_name:
+        spec["storageClassName"] = nvme.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": target.shared_claim, "namespace": target.namespace,
+                     "labels": retained_labels(target.name, SERVER), "annotations": retained_annotations()},
+        "spec": spec,
     }
 
 
@@ -349,11 +402,12 @@ def users_claim_name(target: Target) -> str | None:
 def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
     """One lmcache server per GPU node of this resource (required anti-affinity), on the same
     nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
-    (persistentVolumeClaimRetentionPolicy follows reclaimPolicy). Scaled to zero, never deleted,
+    (persistentVolumeClaimRetentionPolicy follows reclaimPolicy), or with shared all mount one
+    (build_shared_claim, or the user's). Scaled to zero, never deleted,
     while the cache is disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
-    containers = [server_container(target), agent_container(target, image_of_agent or agent_image())]
+    containers = [server_container(target), agent_container(target, image_of_agent or target.agent_image or agent_image())]
     users_claim = users_claim_name(target)
     pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
         "containers": containers,
@@ -363,6 +417,8 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}]}},
     })
+    if spec.image_pull_secrets:  # the server's image and the agent's (the operator's), in the user's namespace
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if spec.lmcache_server.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.lmcache_server.runtime_class_name
     if spec.vllm.node_selector:
@@ -371,7 +427,8 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
     sts_spec: dict[str, Any] = {
         "serviceName": target.metrics_service_name,
-        "replicas": spec.lmcache_server.replicas if target.cache_enabled else 0,
+        "replicas": min(spec.lmcache_server.replicas, target.max_servers if target.max_servers is not None
+                        else spec.lmcache_server.replicas) if target.cache_enabled else 0,
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
         "template": {"metadata": {"labels": target.labels(SERVER)}, "spec": pod_spec},
@@ -383,11 +440,12 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
                                                            "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
                                                            "defaultMode": 0o444 if users_claim else 0o440}})
-    if users_claim:
-        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": users_claim}})
+    one_claim = target.shared_claim or users_claim
+    if one_claim:
+        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": one_claim}})
     volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})
     pod_spec["volumes"] = volumes
-    if nvme is not None and not nvme.existing_claim_name:
+    if nvme is not None and not one_claim:
         claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(nvme.size)}}}
         if nvme.storage_class_name:
             claim_spec["storageClassName"] = nvme.storage_class_name

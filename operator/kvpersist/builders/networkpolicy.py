@@ -8,7 +8,9 @@ the second line where the CNI enforces it."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any
 
 from kvpersist.builders.target import SERVER, VLLM, Target
@@ -22,10 +24,69 @@ def operator_namespace() -> str | None:
     return os.environ.get(OPERATOR_NAMESPACE_ENV) or None
 
 
-def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, Any]:
+# A scraper (e.g. Prometheus) admitted to the agent's port, which serves the servers' /metrics:
+# {"namespaceSelector": <LabelSelector>, "podSelector": <LabelSelector>?} as JSON. Set by the Helm
+# chart from metrics.scraper.
+SCRAPER_ENV = "KVPERSIST_METRICS_SCRAPER"
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+_OPERATORS = {"In", "NotIn", "Exists", "DoesNotExist"}
+
+
+def _selector_problems(where: str, sel: Any) -> list[str]:
+    """What is wrong with a LabelSelector (matchLabels, matchExpressions), each naming its place."""
+    if not isinstance(sel, dict) or set(sel) - {"matchLabels", "matchExpressions"}:
+        return [f"{where}: a label selector has matchLabels and/or matchExpressions only"]
+    out = []
+    for k, v in (sel.get("matchLabels") or {}).items() if isinstance(sel.get("matchLabels") or {}, dict) else [(None, None)]:
+        if k is None or not _LABEL_KEY.fullmatch(str(k)) or len(str(k)) > 316 or not isinstance(v, str) \
+                or not _LABEL_VALUE.fullmatch(v) or len(v) > 63:
+            out.append(f"{where}.matchLabels: {k!r}: {v!r} is not a label key and value")
+    exprs = sel.get("matchExpressions") or []
+    for i, e in enumerate(exprs if isinstance(exprs, list) else [None]):
+        ok = (isinstance(e, dict) and set(e) <= {"key", "operator", "values"} and isinstance(e.get("key"), str)
+              and _LABEL_KEY.fullmatch(e["key"]) is not None and e.get("operator") in _OPERATORS
+              and isinstance(e.get("values", []), list) and all(isinstance(x, str) for x in e.get("values", [])))
+        if not ok:
+            out.append(f"{where}.matchExpressions[{i}]: write {{key, operator: In|NotIn|Exists|DoesNotExist, values}}")
+    return out
+
+
+def parse_scraper(raw: str) -> dict[str, Any] | None:
+    """The scraper's NetworkPolicy peer from SCRAPER_ENV's JSON; None when unset or empty.
+    ValueError naming the field and the fix: a wrong selector must stop the operator, never admit
+    more than was meant."""
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{SCRAPER_ENV}: not JSON; the chart writes it from metrics.scraper") from None
+    if not isinstance(value, dict) or set(value) - {"namespaceSelector", "podSelector"}:
+        raise ValueError(f"{SCRAPER_ENV}: an object of namespaceSelector and podSelector (metrics.scraper)")
+    if not value.get("namespaceSelector"):
+        if value.get("podSelector"):
+            raise ValueError("metrics.scraper.podSelector needs metrics.scraper.namespaceSelector: alone it selects pods "
+                             "of each policy's own namespace; set namespaceSelector: {matchLabels: "
+                             "{kubernetes.io/metadata.name: <the scraper's namespace>}}")
+        return None
+    problems = [p for k in ("namespaceSelector", "podSelector") if value.get(k)
+                for p in _selector_problems(f"metrics.scraper.{k}", value[k])]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return {k: value[k] for k in ("namespaceSelector", "podSelector") if value.get(k)}
+
+
+def metrics_scraper() -> dict[str, Any] | None:
+    return parse_scraper(os.environ.get(SCRAPER_ENV, ""))
+
+
+def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every server of the resource: the agent's port from the operator's pods only (when the operator's
     namespace is known; else from nowhere in the cluster, which kubelet probes from the node are
-    not subject to on common CNIs). No ZMQ here: see build_zmq_policy."""
+    not subject to on common CNIs), and from the scraper (metrics_scraper()) when one is named: the
+    agent's port is the servers' only metrics port (/server/metrics; its other paths need the
+    resource's token). No ZMQ here: see build_zmq_policy."""
     spec = target.spec
     rules: list[dict[str, Any]] = []
     if operator_ns:
@@ -34,6 +95,8 @@ def build_network_policy(target: Target, operator_ns: str | None) -> dict[str, A
                       "podSelector": {"matchLabels": OPERATOR_LABELS}}],
             "ports": [{"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
         })
+    if scraper:
+        rules.append({"from": [dict(scraper)], "ports": [{"protocol": "TCP", "port": spec.lmcache_server.agent_port}]})
     spec_out: dict[str, Any] = {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"]}
     if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
         spec_out["ingress"] = rules  # so every apply would count as a change and bump the generation

@@ -1,10 +1,10 @@
-"""The two Services in front of the lmcache servers."""
+"""The two Services in front of the lmcache servers, and the optional one in front of vLLM."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvpersist.builders.target import SERVER, Target
+from kvpersist.builders.target import SERVER, VLLM, Target
 
 
 def build_local_service(target: Target) -> dict[str, Any]:
@@ -38,5 +38,24 @@ def build_metrics_service(target: Target) -> dict[str, Any]:
             "selector": target.selector(SERVER),
             "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.agent_port, "targetPort": "agent",
                        "protocol": "TCP"}],
+        },
+    }
+
+
+def build_vllm_service(target: Target) -> dict[str, Any] | None:
+    """spec.vllm.service: the OpenAI-compatible API of this resource's vLLM pods, by the pods'
+    selector (name, instance, component): never another resource's pods, and every namespace id's,
+    so it keeps serving across a pin change. None unless enabled."""
+    svc = target.spec.vllm.service
+    if not svc.enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": target.metadata(target.vllm_name, VLLM),
+        "spec": {
+            "type": svc.type,
+            "selector": target.selector(VLLM),
+            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }

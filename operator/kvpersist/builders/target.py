@@ -20,8 +20,12 @@ AGENT_TOKEN_MOUNT_PATH = "/etc/kvpersist/agent-token"
 AGENT_TOKEN_KEY = "token"
 MANAGED_BY = "kvpersist"
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
+# On vLLM pods launched without the cache while it is on (Target.cache_bypassed), saying why.
+BYPASS_ANNOTATION = "kvpersist.dev/cache-bypassed"
 SERVER = "lmcache-server"
 VLLM = "vllm"
+SHARED_CLAIM_SUFFIX = "shared"  # l2-<name>-lmcache-shared: the one claim of spec.l2.nvme.shared with size
+MODEL_CACHE = "model-cache"  # the component of the weights claim the operator makes (spec.vllm.modelCache.size)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,12 @@ class Target:
     # hex of the id): no local Service or ZMQ policy is built, so none is re-pointed, and vLLM
     # goes without the cache meanwhile (kvpersist.controller.stale_routes.route_conflicts).
     routes: bool = True
+    # The inventory agent's image for the server pods; None: the wanted one (builders.lmcache
+    # .agent_image). An apply may keep an older one while other servers roll (controller.agentroll).
+    agent_image: str | None = None
+    # spec.l2.nvme.shared on a user's claim that is not ReadWriteMany: one server only, not one per
+    # node that could never mount it (status says ClaimNotShared); None: as many as the spec says.
+    max_servers: int | None = None
 
     @property
     def cache_enabled(self) -> bool:
@@ -98,6 +108,29 @@ class Target:
     @property
     def vllm_name(self) -> str:
         return f"{self.name}-vllm"
+
+    @property
+    def shared(self) -> bool:
+        """spec.l2.nvme.shared: every server on one ReadWriteMany claim, in one folder."""
+        return self.spec.l2.nvme is not None and self.spec.l2.nvme.shared
+
+    @property
+    def shared_claim(self) -> str | None:
+        """The one claim all servers mount with spec.l2.nvme.shared: the user's (existingClaimName),
+        or `l2-<name>-lmcache-shared`, which the operator makes (size); None when not shared."""
+        nvme = self.spec.l2.nvme
+        if nvme is None or not nvme.shared:
+            return None
+        return nvme.existing_claim_name or f"{L2_VOLUME}-{self.server_name}-{SHARED_CLAIM_SUFFIX}"
+
+    @property
+    def model_cache_claim(self) -> str | None:
+        """The claim the vLLM pods keep the weights on: the user's, or `<name>-model-cache` the
+        operator makes (spec.vllm.modelCache.size); None without a model cache."""
+        cache = self.spec.vllm.model_cache
+        if cache is None:
+            return None
+        return cache.existing_claim_name or f"{self.name}-model-cache"
 
     # ---- labels
     def selector(self, component: str) -> dict[str, str]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from kvpersist.api.v1alpha1 import ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, VLLM_ENV_ALLOWED
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import container_security_context, pod_security
-from kvpersist.builders.target import SERVER, VLLM, Target
+from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (
@@ -34,7 +36,48 @@ def vllm_args(target: Target) -> list[str]:
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
     if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]
+    events = kv_events_config(target)
+    if events is not None:
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
     return args + list(vllm.extra_args)
+
+
+KV_EVENTS_TOPIC_ANNOTATION = "kvpersist.dev/kv-events-topic"
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_REPLAY_PORT_NAME = "kv-replay"  # a port name has at most 15 characters
+
+
+def kv_events_config(target: Target) -> dict[str, Any] | None:
+    """vLLM's --kv-events-config: a ZMQ PUB socket bound on every interface of the pod, one topic,
+    the namespace id, on every message, so a subscriber (a KV-aware router) can tell the
+    compatibility namespace of each block; None while off, or while the resource has no namespace
+    id (no namespace to name). The id stays the topic while the cache is bypassed: vLLM's own
+    blocks are still computed under the same pins. Events change no KV and no namespace id."""
+    events = target.spec.vllm.kv_events
+    if not events.enabled or target.namespace_id is None:
+        return None
+    out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events.port}",
+                           "topic": target.namespace_id}
+    if events.replay_port is not None:
+        out["replay_endpoint"] = f"tcp://*:{events.replay_port}"
+    return out
+
+
+def kv_events_ports(target: Target) -> list[dict[str, Any]]:
+    """The named container ports a router finds the sockets by (none while events are off)."""
+    if kv_events_config(target) is None:
+        return []
+    events = target.spec.vllm.kv_events
+    ports = [{"name": KV_EVENTS_PORT_NAME, "containerPort": events.port, "protocol": "TCP"}]
+    if events.replay_port is not None:
+        ports.append({"name": KV_EVENTS_REPLAY_PORT_NAME, "containerPort": events.replay_port, "protocol": "TCP"})
+    return ports
+
+
+def image_pull_secrets(target: Target) -> dict[str, Any]:
+    """spec.imagePullSecrets for a pod spec: every pod the operator makes for the resource."""
+    secrets = target.spec.image_pull_secrets
+    return {"imagePullSecrets": [{"name": s.name} for s in secrets]} if secrets else {}
 
 
 def gpus(target: Target) -> int:
@@ -49,6 +92,56 @@ def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
     return {"requests": requests, "limits": limits}
 
 
+MODEL_CACHE_VOLUME = "model-cache"
+HF_TOKEN = "HF_TOKEN"  # huggingface_hub's token variable, which vLLM's downloads use
+API_KEY = "VLLM_API_KEY"  # vLLM's OpenAI server requires it as a bearer token when set (vllm.envs)
+
+
+def operator_env(target: Target) -> list[dict[str, Any]]:
+    """The vLLM container's variables the operator sets: fixed, or from the fields that own them.
+    Listed in `env`, they win over any envFrom key of the same name (Kubernetes' rule)."""
+    vllm = target.spec.vllm
+    # Python's hash seed feeds vLLM's prefix hashes; fixed, so chunk keys match across restarts.
+    # The KV lives in vLLM's engine process, a child of the container's PID 1 with V1
+    # multiprocessing on (vLLM's default, pinned here). The server is PID 1 in its own
+    # container, and CUDA IPC between two processes of the same PID fails even across PID
+    # namespaces (measured on an H200, both IPC modes: hack/gpu_ipc_check.py "both_pid_1";
+    # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
+    env: list[dict[str, Any]] = [{"name": "PYTHONHASHSEED", "value": "0"},
+                                 {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "1"}]
+    # Secrets only by reference: the kubelet reads them; they are in no arg, spec value or ConfigMap.
+    if vllm.hf_token_secret_ref is not None:
+        ref = vllm.hf_token_secret_ref
+        env.append({"name": HF_TOKEN, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if vllm.api_key_secret_ref is not None:
+        ref = vllm.api_key_secret_ref
+        env.append({"name": API_KEY, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if vllm.model_cache is not None:
+        env.append({"name": "HF_HOME", "value": MODEL_CACHE_PATH})
+    return env
+
+
+# Refused names the start script leaves alone when they come through envFrom: the image sets them
+# (PATH, the CUDA image's LD_LIBRARY_PATH and NVIDIA_*, a Python image's PYTHONPATH), so an unset
+# would break the image rather than keep a user's value out; or they change no KV (a token from a
+# Secret). Which value came from envFrom the script cannot tell: docs/api.md says to keep these out.
+ENV_FROM_KEPT = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
+                 "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", API_KEY)
+
+
+def env_filter(owned: list[str]) -> str:
+    """The start script's first part, with envFrom: unset every variable whose name the API refuses
+    (an envFrom key is not known at apply time), except the operator's own (`owned`, which win over
+    envFrom anyway) and ENV_FROM_KEPT, saying which on stderr. No `$(` (the kubelet would expand it):
+    backquotes. A value's own lines (`A=x` inside a value) may name a variable that is not set:
+    unsetting that is a no-op."""
+    keep = "|".join([*owned, *VLLM_ENV_ALLOWED, *ENV_FROM_KEPT])
+    refuse = "|".join([*sorted(set(ENV_REFUSED) - set(ENV_FROM_KEPT)), *(f"{p}*" for p in ENV_REFUSED_PREFIXES), "VLLM_*"])
+    return ("for kvp_n in `env | sed -n 's/^\\([A-Za-z_][A-Za-z0-9_]*\\)=.*/\\1/p'`; do case \"$kvp_n\" in "
+            f"{keep}) ;; {refuse}) echo \"kvpersist: $kvp_n from spec.vllm.envFrom is a refused name (docs/api.md): "
+            "unset\" >&2; unset \"$kvp_n\";; esac; done; ")
+
+
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
     """With the cache on, each pod must land on a node that runs one of this resource's lmcache
     servers of its own namespace id (required pod affinity); vLLM and the server stay separate
@@ -60,30 +153,34 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "image": spec.vllm.image,
         "command": ["vllm"],
         "args": vllm_args(target),
-        # Python's hash seed feeds vLLM's prefix hashes; fixed, so chunk keys match across restarts.
-        # The KV lives in vLLM's engine process, a child of the container's PID 1 with V1
-        # multiprocessing on (vLLM's default, pinned here). The server is PID 1 in its own
-        # container, and CUDA IPC between two processes of the same PID fails even across PID
-        # namespaces (measured on an H200, both IPC modes: hack/gpu_ipc_check.py "both_pid_1";
-        # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
-        "env": [{"name": "PYTHONHASHSEED", "value": "0"}, {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "1"}],
-        "ports": [{"name": "http", "containerPort": spec.vllm.port, "protocol": "TCP"}],
+        "env": [*operator_env(target), *({"name": e.name, "value": e.value} for e in spec.vllm.env)],
+        "ports": [{"name": "http", "containerPort": spec.vllm.port, "protocol": "TCP"}, *kv_events_ports(target)],
         "resources": vllm_resources(target),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         *([{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}] if spec.vllm.model_cache else [])],
         # No capabilities, no privilege escalation. The root filesystem stays writable: vLLM
         # downloads the model into its Hugging Face cache and compiles kernels (torch.compile,
         # Triton, FlashInfer) into caches under $HOME and /tmp, whose paths vary with the image and
         # the version; an image may also ship the model in that cache (docs/security.md).
         "securityContext": container_security_context(read_only_root=False),
     }
+    if spec.vllm.env_from:
+        container["envFrom"] = [{"secretRef": {"name": e.secret_ref.name}} if e.secret_ref else
+                                {"configMapRef": {"name": e.config_map_ref.name}}  # type: ignore[union-attr]
+                                for e in spec.vllm.env_from]
+        container["command"] = ["sh", "-c", env_filter([e["name"] for e in operator_env(target)]) + buildcheck.EXEC,
+                                "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
-    pod_spec: dict[str, Any] = pod_security({
-        "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-    })
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if target.model_cache_claim is not None:
+        # The user's claim (never made or deleted by the operator), or the one it makes
+        # (builders/modelcache.py).
+        volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": target.model_cache_claim}})
+    pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes})
+    pod_spec.update(image_pull_secrets(target))
     if spec.vllm.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.vllm.runtime_class_name
     if target.vllm_uses_cache:
@@ -97,9 +194,12 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
     annotations = {}
     if target.cache_bypassed and target.cache_enabled:  # on the pods too: `kubectl get pod -o yaml` says why
-        annotations["kvpersist.dev/cache-bypassed"] = f"{target.bypass_reason}; see the CacheBypassed condition"
+        annotations[BYPASS_ANNOTATION] = f"{target.bypass_reason}; see the CacheBypassed condition"
     if spec.identity.chat_template_digest:
         annotations["kvpersist.dev/chat-template-digest"] = spec.identity.chat_template_digest
+    events = kv_events_config(target)
+    if events is not None:  # the topic to subscribe to, for a router that watches pods
+        annotations[KV_EVENTS_TOPIC_ANNOTATION] = events["topic"]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

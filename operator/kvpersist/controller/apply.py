@@ -22,13 +22,15 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.builders import modelcache
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
+from kvpersist.builders.lmcache import build_shared_claim
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
+from kvpersist.controller import agentroll, fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
 from kvpersist.controller.drift import _note_own_write, child_key, own_apply
 from kvpersist.controller.policy import Refusal
-from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target
+from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target, claim_not_shareable
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, Seen
@@ -68,17 +70,30 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         target, _reason = _target(body, read.fingerprint if read is not None else None)
         key_id = target.namespace_id  # what the spec and the key resolve to (refresh_status compares it)
         build_refused = runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
-        target = dataclasses.replace(target, cache_bypassed=runtime.CONTROLLER.fallback.bypassed(key) or build_refused)
+        # A cache hit changed the canary's answer: no cache for this id until acknowledged (status.canary).
+        hit_mismatch = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
+        target = dataclasses.replace(target, cache_bypassed=runtime.CONTROLLER.fallback.bypassed(key) or build_refused
+                                     or hit_mismatch is not None)
         if build_refused:
             target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+        if hit_mismatch is not None:
+            target = dataclasses.replace(target, bypass_reason=f"a cache hit changed the canary's answer (HitMismatch "
+                                         f"{hit_mismatch['id']})")
         if lost is not None and read is not None and read.problem is not None:
             logger.warning("%s/%s: %s", target.namespace, target.name, read.problem[1])
-        if read is not None:
+        # The key as read stays cached (_read_key); only a key made here replaces it, so the next
+        # refresh names the new fingerprint before the Secret watch shows it. A read judged lost is
+        # never cached as such: with the Secret still absent, the cache would keep serving it, and
+        # the refresh would judge it lost again even once the user accepted the loss.
+        if read is not None and key_secret is not None:
             state.key_read = (time.monotonic(), read)
         target = _exclusive(target, body, logger)  # a store or route names another resource or id holds
+        target = _one_server_unless_shareable(target)
         token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
         token_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
         kopf.append_owner_reference(token_secret, owner=body)
+        if seen is not None:  # a new agent image rolls a few servers at a time (controller.agentroll)
+            target = dataclasses.replace(target, agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body))
         manifests = build_all(target)
         for manifest in manifests:
             kopf.append_owner_reference(manifest, owner=body)
@@ -126,9 +141,13 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             kube.post_event(body, "Normal", l2key.KEY_GENERATED, f"generated Secret {key_secret['metadata']['name']} with "
                             f"L2's master key (fingerprint {read.fingerprint if read else None}); it is kept when this "
                             "resource is deleted (the data needs it)")
+        _shared_claim(target, body, logger)  # before the StatefulSet whose pods mount it
         for manifest in manifests:
-            if manifest["kind"] != "NetworkPolicy":
+            if manifest["kind"] == "PersistentVolumeClaim":
+                _model_cache_claim(manifest, body, logger)
+            elif manifest["kind"] != "NetworkPolicy":
                 _apply_owned(manifest)
+        _drop_disabled_vllm_service(target, body, logger)
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -175,6 +194,76 @@ def _names_taken(body: Mapping[str, Any], token_secret: dict[str, Any], manifest
         else:
             taken.append((manifest["kind"], manifest["metadata"]["name"]))
     return taken
+
+
+def _drop_disabled_vllm_service(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """spec.vllm.service turned off: its Service goes, if it is this resource's own (known to be, from
+    the drift watch or an apply of this run: a user's Service under the name is never touched). No
+    read when off and never made, the steady state. Raises ApiException."""
+    if target.spec.vllm.service.enabled:
+        return
+    key = ("Service", target.namespace, target.vllm_name)
+    uid = body["metadata"].get("uid")
+    if uid is None or runtime.CONTROLLER.child_owners.get(key) != uid:
+        return
+    kube.delete("v1", "Service", target.vllm_name, target.namespace)
+    runtime.CONTROLLER.child_owners.pop(key, None)
+    logger.info("%s/%s: deleted Service %s: spec.vllm.service is off", target.namespace, target.name, target.vllm_name)
+
+
+def _one_server_unless_shareable(target: Target) -> Target:
+    """spec.l2.nvme.shared on the user's claim: one server while the claim is known not to be
+    ReadWriteMany (L2Ready says ClaimNotShared: reading.claim_not_shareable). Blocking."""
+    return dataclasses.replace(target, max_servers=1) if claim_not_shareable(target) else target
+
+
+def _shared_claim(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """spec.l2.nvme.shared with size: the one ReadWriteMany claim, created when absent and never
+    applied over (kvpersist.builders.lmcache.build_shared_claim). Owned by the resource only with
+    reclaimPolicy Delete, so the garbage collector removes it with the resource; with Retain it
+    outlives it, as a StatefulSet's claims do (the policy is fixed while shared: api NVMe).
+    Skipped with the cache off (its servers at zero, like a StatefulSet that makes no claim)."""
+    manifest = build_shared_claim(target)
+    if manifest is None or not target.cache_enabled:
+        return
+    assert target.spec.l2.nvme is not None
+    if target.spec.l2.nvme.reclaim_policy == "Delete":
+        kopf.append_owner_reference(manifest, owner=body)
+    if kube.create_if_absent(manifest):
+        logger.info("%s/%s: created the shared L2 claim %s (ReadWriteMany, %s)", target.namespace, target.name,
+                    manifest["metadata"]["name"], target.spec.l2.nvme.size)
+
+
+MODEL_CACHE_DIFFERS = "ModelCacheDiffers"  # the Warning event's reason: the claim is kept as it was made
+
+
+def _model_cache_claim(manifest: dict[str, Any], body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """spec.vllm.modelCache.size: its claim created when absent, never applied over (a claim's spec
+    is mostly immutable; a larger size only where the StorageClass expands: refused otherwise,
+    which would stop every apply). An existing one is this resource's own (_names_taken looked);
+    what the spec declares that it does not have is a Warning event, once per difference. Raises
+    (the apply is retried) when a claim appears between the look and the create. Blocking."""
+    meta, key, uid = manifest["metadata"], child_key(manifest), body["metadata"].get("uid")
+    state = runtime.CONTROLLER.held((meta["namespace"], body["metadata"]["name"]))
+    owners = runtime.CONTROLLER.child_owners
+    existing = kube.get("v1", "PersistentVolumeClaim", meta["name"], meta["namespace"]) if owners.get(key) == uid else None
+    if existing is None or not ownership.is_own_child(existing.get("metadata"), uid):
+        owners.pop(key, None)  # gone (or not its own after all): looked up again if the create finds one
+        if not kube.create_if_absent(manifest):
+            raise RuntimeError(f"PersistentVolumeClaim {meta['name']} appeared while applying; looking at it again")
+        owners[key] = uid
+        state.model_cache_differs = None
+        logger.info("%s/%s: created PersistentVolumeClaim %s for the model's weights", meta["namespace"],
+                    body["metadata"]["name"], meta["name"])
+        return
+    differs = "; ".join(modelcache.claim_differences(manifest, existing)) or None
+    if differs is not None and differs != state.model_cache_differs:
+        message = (f"PersistentVolumeClaim {meta['name']} is kept as it was made: {differs}. A claim's spec is not "
+                   "changed in place; to have it made anew (the weights are downloaded again): set spec.vllm.replicas to "
+                   "0, delete the claim, then set the replicas back")
+        logger.warning("%s/%s: %s", meta["namespace"], body["metadata"]["name"], message)
+        kube.post_event(body, "Warning", MODEL_CACHE_DIFFERS, message)
+    state.model_cache_differs = differs
 
 
 def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:

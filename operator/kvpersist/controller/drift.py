@@ -113,3 +113,8 @@ async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any
 @kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
 async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "Deployment")
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
+async def drift_poddisruptionbudgets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, "PodDisruptionBudget")

@@ -36,9 +36,10 @@ def bypassed_in(body: Mapping[str, Any]) -> bool:
     restarts keeps it so, rather than rolling vLLM back to a cache that is still away)."""
     conds = ((body.get("status") or {}).get("conditions")) or []
     # Not a bypass over a vLLM that refused its versions (kvpersist.controller.buildcheck keeps that
-    # one), nor over route names another id holds (decided again at every apply: stale_routes).
+    # one), over route names another id holds (decided again at every apply: stale_routes), nor over
+    # a hit that changed an answer (kvpersist.controller.canary keeps that one, from status.canary).
     return any(c.get("type") == CONDITION and c.get("status") == "True"
-               and c.get("reason") not in ("BuildMismatch", "RouteNameTaken") for c in conds)
+               and c.get("reason") not in ("BuildMismatch", "RouteNameTaken", "HitMismatch") for c in conds)
 
 
 class Fallback:

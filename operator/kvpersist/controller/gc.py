@@ -12,17 +12,17 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
-from kvpersist.controller import kube, l2key, metrics, runtime
+from kvpersist.builders.target import Target
+from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.indexes import _seen
+from kvpersist.controller.inuse import in_use_now
 from kvpersist.controller.reading import _known_fingerprint, _target
 from kvpersist.controller.refresh import _agent_token, _SecretOnce, _write_status
 from kvpersist.inventory.bucket import remove_bucket_namespace
-from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal, refusal_now
+from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal
 from kvpersist.inventory.cleanup import result as gc_result
 from kvpersist.status.conditions import now as condition_now
 from kvpersist.status.workloads import Seen
@@ -52,6 +52,8 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
             servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
                        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
                        and not p["metadata"].get("deletionTimestamp")]
+            # One folder for all the servers (spec.l2.nvme.shared): one agent deletes it.
+            servers = servers[:1] if target.shared else servers
             outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target), recheck)
         else:
             assert bucket is not None
@@ -74,46 +76,6 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     metrics.inc("kvpersist_gc_total")
     logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
     kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
-
-
-def in_use_now(namespace_id: str, current: str | None) -> str | None:
-    """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
-    carrying a namespace id in all namespaces (or, where the operator's rights end there, each
-    watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
-    before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
-    where, scope = "all namespaces", "cluster-wide"
-    try:
-        scopes = runtime.listing_scopes()
-        if scopes != runtime.ALL_NAMESPACES:
-            where, scope = "the watched namespaces " + ", ".join(map(str, scopes)), "in each of them"
-        resources = [r for ns in scopes for r in kube.list_all(api.API_VERSION, api.KIND, ns)]
-        pods = [p for ns in scopes for p in kube.list_all("v1", "Pod", ns, NAMESPACE_ID_LABEL)]
-    except ApiException as exc:
-        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in {where}, the "
-                f"API server answered {exc.status}); the operator needs list on both {scope}")
-    try:
-        return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
-    except ApiException as exc:
-        return (f"could not check again who uses {namespace_id}: an L2 key Secret could not be read (the API server "
-                f"answered {exc.status}), and a resource's namespace id needs its key")
-
-
-def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
-    """The fingerprint of the key a resource's servers would mount, read now from its Secret (for
-    one whose status records none: another namespace, not yet served). None when the Secret or
-    key is absent or short: then it can use no namespace. Raises ApiException when unreadable."""
-    meta = resource["metadata"]
-    try:
-        spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
-    except ValidationError:
-        return None
-    target = Target(meta["name"], meta["namespace"], spec, None)
-    if target.key_secret is None:
-        return None
-    name, item = target.key_secret
-    secret = kube.get("v1", "Secret", name, meta["namespace"])
-    return l2key.read(secret, name, item, meta["namespace"], target.key_secret_generated,
-                      kube.secret_value(secret, item)).fingerprint
 
 
 async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:

@@ -11,7 +11,8 @@ import kopf
 
 from kvpersist.controller import runtime
 from kvpersist.controller.runtime import _MANAGED
-from kvpersist.status.workloads import Seen, index_entry, live_ids, owner_key
+from kvpersist.status.agentroll import AgentSet
+from kvpersist.status.workloads import Seen, fleet, index_entry, live_ids, owner_key
 
 # kopf runs no handler until every index has its initial listing, so the first refresh after a
 # restart never sees a half-filled cache.
@@ -47,13 +48,15 @@ def _mark_dirty(body: Mapping[str, Any]) -> None:
         state.dirty = True
 
 
-def _seen(key: tuple[str, str], live: frozenset[str] | None = None) -> Seen:
+def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
+          agents: Mapping[tuple[str, str], AgentSet] | None = None) -> Seen:
     """Copies of one resource's objects from the indexes; call in the event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
         store = runtime.CONTROLLER.indices.get(name, {}).get(key)
         return list(store) if store is not None else []
     return Seen(statefulsets=values("kvp_statefulsets"), deployments=values("kvp_deployments"),
-                pods=values("kvp_pods"), claims=values("kvp_claims"), live_ids=_live() if live is None else live)
+                pods=values("kvp_pods"), claims=values("kvp_claims"), live_ids=_live() if live is None else live,
+                fleet=_fleet() if agents is None else agents)
 
 
 def _live() -> frozenset[str]:
@@ -61,3 +64,8 @@ def _live() -> frozenset[str]:
     pods = [p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store]
     known = runtime.CONTROLLER.known().values()
     return live_ids([st.body for st in known if st.body is not None], [st.namespace_id for st in known], pods)
+
+
+def _fleet() -> dict[tuple[str, str], AgentSet]:
+    """Every resource's lmcache StatefulSet as the agent roll sees it; call in the event loop only."""
+    return fleet(runtime.CONTROLLER.indices.get("kvp_statefulsets", {}))

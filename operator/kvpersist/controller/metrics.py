@@ -1,13 +1,20 @@
 """The operator's own Prometheus metrics, served as text on /metrics (standard library only).
 
 Counts what costs the API server something (applies, status writes, events) so a scrape shows
-whether an idle cluster really costs nothing, plus the resources per phase."""
+whether an idle cluster really costs nothing, plus the resources per phase; and, per resource,
+what alerts need (kube-state-metrics style): one series per condition, its usage, budget, hits and
+failed L2 writes, and when its status was last refreshed. One series set per existing resource:
+a resource's series go when it is deleted, a condition's when it changes."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 from kvpersist.httpserver import BoundedHTTPServer
 
@@ -23,7 +30,76 @@ HELP = {
     "kvpersist_status_refreshes_total": "Status computations (periodic and after reconciles).",
     "kvpersist_status_writes_total": "Status patches written (only when something changed).",
     "kvpersist_events_total": "Kubernetes Events posted.",
+    "kvpersist_gc_total": "Explicit gc requests (kvpersist gc) carried out, whatever their outcome.",
+    "kvpersist_resyncs_total": "Reads of a resource no watch event had shown for a while (a missed change heals).",
 }
+
+# Per resource, labelled {namespace, name}: (HELP, TYPE), and where each value comes from.
+RESOURCE_GAUGES = {
+    "kvpersist_resource_l1_used_bytes": "L1 (host RAM) bytes in use, summed over the servers (status.usage.l1UsedBytes).",
+    "kvpersist_resource_l1_capacity_bytes": "L1 capacity in bytes (status.usage.l1CapacityBytes).",
+    "kvpersist_resource_l2_used_bytes": "L2 bytes the servers hold for this namespace (status.usage.l2UsedBytes).",
+    "kvpersist_resource_l2_capacity_bytes": "L2 capacity in bytes the servers were given (status.usage.l2CapacityBytes).",
+    "kvpersist_resource_l2_budget_bytes": "The L2 budget in bytes (status.budget.bytes; absent without spec.l2.nvme.budget).",
+    "kvpersist_resource_l2_budget_used_bytes": "Bytes counted against the L2 budget (status.budget.usedBytes).",
+    "kvpersist_resource_last_refresh_timestamp_seconds": "When the resource's status was last refreshed in full (observed, "
+                                                         "judged, written or found current), in Unix seconds.",
+}
+RESOURCE_COUNTERS = {
+    "kvpersist_resource_lookup_tokens_total": "Tokens vLLM looked up in the cache (status.hits.lookupTokens).",
+    "kvpersist_resource_hit_tokens_total": "Tokens served from the cache, L1 and L2 (status.hits.hitTokens).",
+    "kvpersist_resource_hit_tokens_l1_total": "Of them, found in L1 (status.hits.hitTokensL1).",
+    "kvpersist_resource_hit_tokens_l2_total": "Of them, added by L2 (status.hits.hitTokensL2).",
+    "kvpersist_resource_l2_write_failures_total": "Objects whose L2 write failed (submitted, not completed, not pending) "
+                                                  "since the operator first read each server, summed over the servers.",
+    "kvpersist_resource_l2_writes_submitted_total": "Objects handed to the L2 store path, folded the same way.",
+}
+CONDITION = "kvpersist_resource_condition"
+_USAGE = {"kvpersist_resource_l1_used_bytes": ("usage", "l1UsedBytes"),
+          "kvpersist_resource_l1_capacity_bytes": ("usage", "l1CapacityBytes"),
+          "kvpersist_resource_l2_used_bytes": ("usage", "l2UsedBytes"),
+          "kvpersist_resource_l2_capacity_bytes": ("usage", "l2CapacityBytes"),
+          "kvpersist_resource_l2_budget_bytes": ("budget", "bytes"),
+          "kvpersist_resource_l2_budget_used_bytes": ("budget", "usedBytes")}
+_HITS = {"kvpersist_resource_lookup_tokens_total": "lookupTokens", "kvpersist_resource_hit_tokens_total": "hitTokens",
+         "kvpersist_resource_hit_tokens_l1_total": "hitTokensL1", "kvpersist_resource_hit_tokens_l2_total": "hitTokensL2"}
+
+
+def families() -> set[str]:
+    """Every metric name /metrics can show (what the alert rules may refer to)."""
+    return {*HELP, "kvpersist_resources", "kvpersist_resource_refreshes_total", CONDITION, *RESOURCE_GAUGES,
+            *RESOURCE_COUNTERS}
+
+
+@dataclass
+class _Fold:
+    """A counter kept from each server's own cumulative count: what a server counted since it was
+    last read is added, all of it after its restart (a lower count); a server not read this time
+    keeps its baseline (and so does one not running a while), so nothing is counted twice, and the total never goes down. A
+    server's first reading is only its baseline: counted, a restarted operator's first scrape would
+    show every failure the servers ever had as new (Prometheus reads the drop to 0 as a reset)."""
+
+    total: int = 0
+    last: dict[str, int] = field(default_factory=dict)
+
+    def add(self, counts: Mapping[str, int | None]) -> None:
+        known = {pod: v for pod, v in counts.items() if v is not None}
+        for pod, value in known.items():
+            before = self.last.get(pod)
+            if before is not None:
+                self.total += value if value < before else value - before
+        self.last.update(known)  # bounded: the StatefulSet's pod names, reused across restarts
+
+
+@dataclass
+class _Resource:
+    conditions: list[tuple[str, str, str]] = field(default_factory=list)  # (type, status, reason)
+    values: dict[str, float] = field(default_factory=dict)
+    failures: _Fold = field(default_factory=_Fold)
+    submitted: _Fold = field(default_factory=_Fold)
+
+
+_resources: dict[tuple[str, str], _Resource] = {}
 
 
 def inc(name: str, n: int = 1) -> None:
@@ -32,13 +108,21 @@ def inc(name: str, n: int = 1) -> None:
 
 
 def set_phase(namespace: str, name: str, phase: str | None) -> None:
-    """A resource's phase; None when it is gone (its series go too)."""
+    """A resource's phase; None when it is gone (all of its series go too)."""
     with _lock:
         if phase is None:
             _phases.pop((namespace, name), None)
             _refreshes.pop((namespace, name), None)
+            _resources.pop((namespace, name), None)
         else:
             _phases[(namespace, name)] = phase
+
+
+def standby(namespace: str, name: str) -> None:
+    """This replica no longer refreshes the resource (another is active): its per-resource series
+    go, so the active replica's are the only ones an alert reads."""
+    with _lock:
+        _resources.pop((namespace, name), None)
 
 
 def refreshed(namespace: str, name: str, phase: str | None) -> None:
@@ -51,6 +135,54 @@ def refreshed(namespace: str, name: str, phase: str | None) -> None:
     set_phase(namespace, name, phase)
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else None
+
+
+def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping[str, Any] | None = None,
+             reports: Iterable[Any] = (), at: float | None = None) -> None:
+    """A finished refresh: the resource's status as it now stands (conditions, usage, budget),
+    its hit totals (the tracker's, fresher than the written ones), and the servers' reports (their
+    failed and submitted L2 writes). Replaces the resource's series: a condition that changed, a
+    usage figure that went, is gone from the next scrape."""
+    conditions = sorted({(str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
+                         for c in status.get("conditions") or [] if isinstance(c, Mapping)})
+    values: dict[str, float] = {}
+    for metric, (part, key) in _USAGE.items():
+        v = _number((status.get(part) or {}).get(key))
+        if v is not None:
+            values[metric] = v
+    for metric, key in _HITS.items():
+        v = _number((hits or {}).get(key))
+        if v is not None:
+            values[metric] = v
+    values["kvpersist_resource_last_refresh_timestamp_seconds"] = time.time() if at is None else at
+    reports = list(reports)
+    with _lock:
+        res = _resources.setdefault((namespace, name), _Resource())
+        res.conditions, res.values = conditions, values
+        res.failures.add({r.pod: r.l2_writes_failed for r in reports})
+        res.submitted.add({r.pod: r.l2_writes_submitted for r in reports})
+
+
+def escape(value: str) -> str:
+    """A label value in the Prometheus text format: backslash, double quote and line feed escaped
+    (names and reasons come from users and their resources)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _labels(**labels: str) -> str:
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _number_text(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 2**63 else repr(float(v))
+
+
 def render() -> str:
     with _lock:
         lines = []
@@ -58,11 +190,25 @@ def render() -> str:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {_counters[name]}"]
         lines += ["# HELP kvpersist_resources KVCacheNamespaces by phase.", "# TYPE kvpersist_resources gauge"]
         for phase, count in sorted(Counter(_phases.values()).items()):
-            lines.append(f'kvpersist_resources{{phase="{phase}"}} {count}')
+            lines.append(f"kvpersist_resources{_labels(phase=phase)} {count}")
         lines += ["# HELP kvpersist_resource_refreshes_total Status refreshes of one KVCacheNamespace (dropped when it is deleted).",
                   "# TYPE kvpersist_resource_refreshes_total counter"]
         for (namespace, name), count in sorted(_refreshes.items()):
-            lines.append(f'kvpersist_resource_refreshes_total{{namespace="{namespace}",name="{name}"}} {count}')
+            lines.append(f"kvpersist_resource_refreshes_total{_labels(namespace=namespace, name=name)} {count}")
+        resources = sorted(_resources.items())
+        lines += [f"# HELP {CONDITION} A KVCacheNamespace's conditions as last refreshed: one series of value 1 per "
+                  "condition, with its status and reason.", f"# TYPE {CONDITION} gauge"]
+        for (namespace, name), res in resources:
+            for type_, status, reason in res.conditions:
+                lines.append(f"{CONDITION}{_labels(namespace=namespace, name=name, type=type_, status=status, reason=reason)} 1")
+        for kind, family in (("gauge", RESOURCE_GAUGES), ("counter", RESOURCE_COUNTERS)):
+            for metric, text in family.items():
+                lines += [f"# HELP {metric} {_help(text)}", f"# TYPE {metric} {kind}"]
+                for (namespace, name), res in resources:
+                    value = {"kvpersist_resource_l2_write_failures_total": res.failures.total,
+                             "kvpersist_resource_l2_writes_submitted_total": res.submitted.total}.get(metric, res.values.get(metric))
+                    if value is not None:
+                        lines.append(f"{metric}{_labels(namespace=namespace, name=name)} {_number_text(value)}")
     return "\n".join(lines) + "\n"
 
 

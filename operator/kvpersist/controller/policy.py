@@ -144,6 +144,14 @@ def named_secrets(spec: KVCacheNamespaceSpec) -> list[tuple[str, str]]:
     enc = spec.l2.encryption
     if enc.enabled and enc.key_secret_ref is not None:
         out.append(("spec.l2.encryption.keySecretRef", enc.key_secret_ref.name))
+    # The vLLM pod's: its tokens, its envFrom Secrets and the pull Secrets of every pod.
+    vllm = spec.vllm
+    if vllm.hf_token_secret_ref is not None:
+        out.append(("spec.vllm.hfTokenSecretRef", vllm.hf_token_secret_ref.name))
+    if vllm.api_key_secret_ref is not None:
+        out.append(("spec.vllm.apiKeySecretRef", vllm.api_key_secret_ref.name))
+    out += [(f"spec.vllm.envFrom[{i}].secretRef", e.secret_ref.name) for i, e in enumerate(vllm.env_from) if e.secret_ref]
+    out += [(f"spec.imagePullSecrets[{i}]", s.name) for i, s in enumerate(spec.image_pull_secrets)]
     return out
 
 

@@ -15,10 +15,11 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, l2key, ownership, runtime
+from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import Resolution, resolve
+from kvpersist.status.conditions import shareable
 
 
 def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Target, Resolution]:
@@ -29,6 +30,8 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
     meta = body["metadata"]
     obj = api.KVCacheNamespace.model_validate({"spec": body.get("spec"), "metadata": {"name": meta["name"]}})
     res = resolve(obj.spec.pins(fingerprint))
+    if pincheck.enabled():  # the model's files contradict a pin: the cache off (no I/O here)
+        res = pincheck.apply_mismatch(res, runtime.CONTROLLER.pin_files.mismatch(obj.spec.identity))
     return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
 
 
@@ -97,6 +100,17 @@ def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
         if synced:
             return found
     return kube.get("v1", "PersistentVolumeClaim", name, namespace)
+
+
+def claim_not_shareable(target: Target) -> bool:
+    """spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one
+    server only, since the others, on other nodes, could never mount it. A claim not found or not
+    read yet: False (the spec's count stands). Blocking (a GET when the claim cache has not listed)."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
+        return False
+    claim = named_claim(nvme.existing_claim_name, target.namespace)
+    return claim is not None and not shareable(claim)
 
 
 def _known_fingerprint(body: Mapping[str, Any]) -> str | None:

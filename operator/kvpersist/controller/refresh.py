@@ -18,27 +18,41 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
 from kvpersist.builders.retained import protect_patch
-from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_VOLUME, SERVER, Target
-from kvpersist.controller import fallback, kube, l2key, metrics, ownership, runtime, sharing
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_VOLUME, SERVER, VLLM, Target
+from kvpersist.controller import agentroll, fallback, inuse, kube, l2key, metrics, ownership, pincheck, prewarm, runtime, sharing
 from kvpersist.controller.apply import _exclusive_recheck, _taken_recheck, clean_stale_routes
 from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
-from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target, named_claim, secret_version
+from kvpersist.controller.reading import (
+    _judge_key,
+    _named_secret_refusal,
+    _read_key,
+    _refusal,
+    _target,
+    claim_not_shareable,
+    named_claim,
+    secret_version,
+)
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.httpclient import in_parallel
 from kvpersist.identity import Resolution
-from kvpersist.inventory.agentclient import fetch_inventory
+from kvpersist.inventory.agentclient import fetch_inventory, request_expire
 from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
 from kvpersist.inventory.hfbucket import preflight_bucket
-from kvpersist.inventory.volume import Inventory, iso, status_summary
+from kvpersist.inventory.space import claim_space_summary, judge_expiry
+from kvpersist.inventory.volume import Inventory, iso, one_per_location, status_summary
 from kvpersist.status import build as buildstatus
+from kvpersist.status import canary as judge_canary
 from kvpersist.status.conditions import (
+    SPACE_CONDITION,
+    WARM_CONDITION,
     Observation,
     compute_status,
     condition,
     failed_create,
     failed_status,
     pods_missing,
+    shareable,
     status_patch,
 )
 from kvpersist.status.conditions import now as condition_now
@@ -65,10 +79,13 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         claim = named_claim(spec.l2.nvme.existing_claim_name, ns)
         claims = [claim] if claim else []
     elif spec.l2.nvme is not None:
-        claims = seen.server_claims()
+        claims = [c for c in seen.server_claims() if target.shared_claim in (None, c["metadata"]["name"])]
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
+    if target.shared and spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name and claims \
+            and not shareable(claims[0]):
+        server_desired = min(server_desired, 1)  # as applied (apply._one_server_unless_shareable): ClaimNotShared
     token = _agent_token(target) if target.cache_enabled else None
     reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
@@ -77,7 +94,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
         state.drifted = True
     failing = [r.pod for r in reports if state.write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
-    inventory = None
+    inventory = space = None
     secret = _SecretOnce(target)  # the preflight and the bucket listing share one read
     if spec.l2.nvme is not None and target.cache_enabled:
         volumes = []
@@ -86,7 +103,14 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
             if inv is None:  # a partial inventory would make totals flap: keep the last whole one
                 volumes = []
                 break
-            volumes.append((f"pvc/{spec.l2.nvme.existing_claim_name or f'{L2_VOLUME}-{pod}'}", pod, inv))
+            volumes.append((f"pvc/{target.shared_claim or spec.l2.nvme.existing_claim_name or f'{L2_VOLUME}-{pod}'}", pod,
+                            inv))
+        volumes = one_per_location(volumes)  # a shared claim's folder counted once, not once per server
+        removed = (_expire_orphans(body, target, volumes, [a for a in agents if a[1]][:1] if target.shared else agents,
+                                   token, seen)
+                   if volumes and spec.l2.orphan_retention is not None else [])
+        space = claim_space_summary(volumes, target.namespace_id, seen.live_ids, time.time(),
+                                    (body.get("status") or {}).get("l2"), removed) if volumes else None
         inventory = status_summary(volumes, target.namespace_id, set(seen.live_ids)) if volumes else None
     elif spec.l2.hf_bucket is not None and target.cache_enabled and secrets_usable:
         inv = _bucket_inventory_of(target, secret)
@@ -117,17 +141,93 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         l2_kind=spec.l2.kind,
         server_desired=server_desired,
         vllm_desired=spec.vllm.replicas,
+        vllm_selector=",".join(f"{k}={v}" for k, v in target.selector(VLLM).items()),
         statefulset=statefulset,
         deployment=seen.deployment(target),
         server_create_failure=create_failure,
         server_pods=pods,
         claims=claims,
         existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
+        shared=target.shared,
         writes_failing=failing,
         reports=reports,
         inventory=inventory,
+        l2_space=space,
         budget_bytes=spec.l2.nvme.budget_bytes if spec.l2.nvme is not None else None,
     )
+
+
+def _mark_dirty(key: tuple[str, str]) -> None:
+    runtime.CONTROLLER.held(key).dirty = True
+
+
+def _warm(key: tuple[str, str], target: Target, seen: Seen, state: Any) -> tuple[bool | None, str, str] | None:
+    """spec.prewarm's Warm condition (kvpersist.controller.prewarm), starting the passes that are
+    due off the refresh path; None when nothing is declared. vLLM without the cache (the servers'
+    fallback, a refused build, a taken route) registers no layout: nothing is warmed meanwhile."""
+    if target.spec.prewarm is None:
+        runtime.CONTROLLER.prewarm.forget(key)
+        return None
+    bypassed = (runtime.CONTROLLER.fallback.bypassed(key) or state.route_taken is not None
+                or runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None)
+    token = _agent_token(target) if target.cache_enabled else None
+    return runtime.CONTROLLER.prewarm.observe(key, dataclasses.replace(target, cache_bypassed=bypassed), seen.pods, token,
+                                              lambda: prewarm.read_api_key(target, _named_secret_refusal),
+                                              lambda: _mark_dirty(key))
+
+
+EXPIRE_PERIOD_S = 600.0  # an age-limit pass at most this often per resource: it lists the cluster per candidate
+EXPIRE_MAX_PER_PASS = 16  # candidates judged (and listed for) in one pass; the rest wait for the next
+
+
+def _expire_orphans(body: Mapping[str, Any], target: Target, volumes: list[tuple[str, str | None, Inventory]],
+                    agents: list[tuple[str, str | None]], token: str | None, seen: Seen) -> list[dict[str, Any]]:
+    """spec.l2.orphanRetention: asks each agent to remove the folders of other namespaces unwritten
+    for maxAgeDays. Candidates come from the scans just read; each is checked against a fresh
+    listing of every resource and pod right before (kvpersist.controller.inuse.in_use_now: a failed
+    listing refuses), and the agent is sent every id in use (protected) and refuses without them.
+    Each removal: a Normal OrphanExpired Event; returned, to be counted in status.l2. Blocking; at
+    most every EXPIRE_PERIOD_S."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    now = time.monotonic()
+    if now - state.expired_at < EXPIRE_PERIOD_S or token is None or target.namespace_id is None:
+        return []
+    state.expired_at = now
+    retention = target.spec.l2.orphan_retention
+    assert retention is not None
+    protected = set(seen.live_ids) | {target.namespace_id}
+    namespaces = {n.namespace_id: n for _loc, _pod, inv in volumes for n in inv.namespaces}
+    verdicts = judge_expiry(namespaces.values(), target.namespace_id, frozenset(protected), retention.max_age_days,
+                            time.time())
+    candidates = [v.namespace.namespace_id for v in verdicts if v.removable][:EXPIRE_MAX_PER_PASS]
+    remove = []
+    for nsid in candidates:
+        if inuse.in_use_now(nsid, target.namespace_id) is None:
+            remove.append(nsid)
+        else:
+            protected.add(nsid)
+    if not remove:
+        return []
+    removed: list[dict[str, Any]] = []
+    for pod, ip in agents:
+        if not ip:
+            continue
+        code, answer = request_expire(ip, target.spec.lmcache_server.agent_port, retention.max_age_days, sorted(protected),
+                                      remove, token=token)
+        if code != 200:
+            logging.getLogger("kvpersist").warning("%s/%s: the agent of %s refused the age-limit pass (HTTP %s): %s",
+                                                   target.namespace, target.name, pod, code, answer.error)
+            continue
+        for n in answer.removed:
+            removed.append({"namespaceId": n.namespace_id, "bytes": n.bytes or 0, "objects": n.objects or 0})
+            kube.post_event(body, "Normal", "OrphanExpired",
+                            f"removed namespace folder {n.namespace_id} from the claim of {pod}: {n.bytes or 0} bytes in "
+                            f"{n.objects or 0} files, none written for over {retention.max_age_days} days "
+                            "(spec.l2.orphanRetention.maxAgeDays); no live resource or server used it")
+            metrics.inc("kvpersist_events_total")
+    if removed:
+        state.dirty = True  # the next refresh's scans show the freed space
+    return removed
 
 
 def _inventories(pods: list[tuple[str, str | None]], port: int, token: str | None) -> list[Inventory | None]:
@@ -311,10 +411,23 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
                          for c in old.get("conditions") or [])
         over_route = any(c.get("type") == fallback.CONDITION and c.get("reason") == ROUTE_TAKEN
                          for c in old.get("conditions") or [])
+        over_hit = any(c.get("type") == fallback.CONDITION and c.get("reason") == judge_canary.MISMATCH
+                       for c in old.get("conditions") or [])
         events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
                        "changed): vLLM runs with the cache again, checking its build" if over_build else
                        "the namespace id's route names are free again: vLLM runs with the cache" if over_route else
+                       "the hit that changed the canary's answer was acknowledged, or the namespace id changed: vLLM "
+                       "runs with the cache again, and the canary checks it" if over_hit else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
+    # The correctness canary (kvpersist.status.canary): a hit that changed an answer, once per
+    # mismatch; output found not deterministic, once on the way in.
+    old_hit = next((c for c in old.get("conditions") or [] if c.get("type") == judge_canary.CONDITION), {})
+    hit = next((c for c in conds if c["type"] == judge_canary.CONDITION), None)
+    if hit is not None and hit["reason"] == judge_canary.MISMATCH and (
+            (old_hit.get("reason"), old_hit.get("message")) != (hit["reason"], hit["message"])):
+        events.append(("Warning", judge_canary.MISMATCH, hit["message"]))
+    elif hit is not None and hit["reason"] == judge_canary.NONDETERMINISTIC and old_hit.get("reason") != hit["reason"]:
+        events.append(("Warning", judge_canary.NONDETERMINISTIC, hit["message"]))
     # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
     old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildstatus.CONDITION), {})
     build = next((c for c in conds if c["type"] == buildstatus.CONDITION), None)
@@ -344,6 +457,22 @@ def _events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, 
             events.append(("Warning", phase, detail))
         elif phase == "Ready":
             events.append(("Normal", "Ready", detail))
+    # The claim nearly full (kvpersist.inventory.space), and room again: once per transition.
+    old_space = next((c for c in old.get("conditions") or [] if c.get("type") == SPACE_CONDITION), {})
+    space = next((c for c in conds if c["type"] == SPACE_CONDITION), None)
+    if space is not None and space["status"] != old_space.get("status"):
+        if space["status"] == "False":
+            events.append(("Warning", space["reason"], space["message"]))
+        elif old_space.get("status") == "False":
+            events.append(("Normal", space["reason"], space["message"]))
+    # spec.prewarm (kvpersist.status.prewarm): warm again, and a prompt the operator cannot warm (once per message).
+    old_warm = next((c for c in old.get("conditions") or [] if c.get("type") == WARM_CONDITION), {})
+    warm = next((c for c in conds if c["type"] == WARM_CONDITION), None)
+    if warm is not None and warm["status"] == "True" and old_warm.get("status") != "True":
+        events.append(("Normal", "Warmed", warm["message"]))
+    elif warm is not None and warm["status"] == "False" and warm["reason"] != "Warming" and (
+            (old_warm.get("reason"), old_warm.get("message")) != (warm["reason"], warm["message"])):
+        events.append(("Warning", warm["reason"], warm["message"]))
     old_budget, new_budget = (old.get("budget") or {}).get("state"), (new.get("budget") or {}).get("state")
     if new_budget != old_budget and new_budget is not None:
         cond = next((c for c in conds if c["type"] == "WithinBudget"), None)
@@ -411,6 +540,27 @@ def _build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, 
             condition(fallback.CONDITION, True, buildstatus.MISMATCH, buildstatus.bypass_message(detail), generation)]
 
 
+def _canary_done(key: tuple[str, str], drift: bool) -> None:
+    """A canary job ended: refresh the resource (status.canary, HitCorrectness); on a HitMismatch
+    also apply it (vLLM without the cache)."""
+    state = runtime.CONTROLLER.held(key)
+    state.dirty = True
+    if drift:
+        state.drifted = True
+
+
+def _canary_bypassed(key: tuple[str, str], body: Mapping[str, Any], target: Target, conds: list[dict[str, Any]],
+                     generation: int | None) -> list[dict[str, Any]]:
+    """CacheBypassed (reason HitMismatch) while a hit that changed the canary's answer stands: it
+    says more than the others, and lasts until acknowledged or the namespace id changes."""
+    found = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
+    if found is None:
+        return conds
+    return [*(c for c in conds if c["type"] != fallback.CONDITION),
+            condition(fallback.CONDITION, True, judge_canary.MISMATCH,
+                      judge_canary.bypass_message(found, target.name, target.namespace), generation)]
+
+
 def _protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, logger: logging.Logger) -> None:
     """What outlives the resource, kept out of GitOps prunes (kvpersist.builders.retained): the
     generated key Secret (made before this version, or restored from a backup with its old labels)
@@ -432,6 +582,34 @@ def _protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, lo
             state.key_read = (state.key_read[0], dataclasses.replace(read, metadata=None))
     fingerprint = read.fingerprint if read is not None and target.namespace_id is not None else None
     _protect_claims([(c, target.name) for c in seen.server_claims()], fingerprint, logger)
+
+
+def _model_cache_missing(target: Target, seen: Seen) -> bool:
+    """Whether the claim the operator makes for the weights (spec.vllm.modelCache.size) is not in
+    the claims' watch cache: deleted (no drift watch on claims: L2's change status all the time)."""
+    cache = target.spec.vllm.model_cache
+    if cache is None or cache.size is None:
+        return False
+    return not any(c["metadata"]["name"] == target.model_cache_claim for c in seen.claims)
+
+
+def _servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
+    """spec.l2.nvme.shared on a user's claim found not ReadWriteMany after the StatefulSet was
+    applied with several servers: apply again, with one (apply._one_server_unless_shareable)."""
+    statefulset = seen.statefulset(target)
+    if statefulset is None or int((statefulset.get("spec") or {}).get("replicas") or 0) <= 1:
+        return False
+    return claim_not_shareable(target)
+
+
+def _shared_claim_missing(target: Target, seen: Seen) -> bool:
+    """Whether the one claim the operator makes for spec.l2.nvme.shared (with size) is not in the
+    claims' watch cache: deleted by hand, it is made again (empty) by the next apply, as a
+    StatefulSet makes a deleted claim of its own again."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or not nvme.shared or nvme.size is None or not target.cache_enabled:
+        return False
+    return not any(c["metadata"]["name"] == target.shared_claim for c in seen.claims)
 
 
 def _protect_claims(claims: list[tuple[Mapping[str, Any], str]], fingerprint: str | None, logger: logging.Logger) -> None:
@@ -488,6 +666,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         secrets_usable = refused is None or refused[0] != SECRET_NOT_ALLOWED
         read, _lost = _judge_key(body, _read_key(target) if secrets_usable else None, seen.server_claims())
         target, resolution = _target(body, read.fingerprint if read is not None else None)
+        pins_on = pincheck.enabled()
+        if pins_on:  # off the refresh path; its end refreshes this resource again (and the verdict applies)
+            runtime.CONTROLLER.pin_files.request(target.spec.identity, lambda: _mark_dirty(key))
         if read is not None and read.problem is not None and read.problem[0] == l2key.KEY_PENDING:
             state.drifted = True  # the generated key is to be made (or made again: nothing is sealed with the last one)
         if state.applied_id is not None and state.applied_id[0] != target.namespace_id:
@@ -495,6 +676,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             if refused is None and runtime.CONTROLLER.apply_backoff.pending(key) is None and state.apply_error is None:
                 return  # status follows the apply (next tick): never the new id beside the old id's servers
         _protect_retained(target, read, seen, logger)
+        if (_model_cache_missing(target, seen) or _shared_claim_missing(target, seen)
+                or _servers_on_unshared_claim(target, seen)) and state.name_taken is None:
+            state.drifted = True  # its weights claim, or its shared L2 claim, was deleted: made again by the next apply
         resolved_id = target.namespace_id
         target = _exclusive_recheck(target, body)  # as last applied: the cache off while its store is held
         if state.routes_pending and clean_stale_routes(target, seen, logger):
@@ -502,10 +686,22 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)
         if target.cache_enabled:
             observation.build = _build_check(key, body, target, seen, logger)
+        observation.pins = pincheck.condition_of(runtime.CONTROLLER.pin_files.verdict(target.spec.identity),
+                                                 target.spec.identity, pins_on)
+        if target.cache_enabled:  # the correctness canary: its jobs run off this path, its verdict is read here
+            observation.canary, released = runtime.CONTROLLER.canary.refresh(
+                key, body, target, seen.pods, lambda drift: _canary_done(key, drift),
+                allowed=refused is None and state.name_taken is None)
+            if released:
+                state.drifted = True  # acknowledged: vLLM is applied with the cache again
+        observation.warm = _warm(key, target, seen, state)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
         fields, conds = compute_status(observation)
+        canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
+        if canary_record is not None:
+            fields["canary"] = canary_record
         if target.key_secret is None:
             fields["l2Key"] = None  # not encrypted: no key (a record left from before goes)
         elif read is not None and read.fingerprint is not None and target.namespace_id is not None:
@@ -517,6 +713,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if target.cache_enabled:
             conds = _cache_fallback(key, body, conds, generation, logger)
             conds = _build_bypassed(key, target, conds, generation)
+            conds = _canary_bypassed(key, body, target, conds, generation)
         if state.storage_refused is not None and resolved_id:
             fields, conds = sharing.refused_status(fields, conds, resolved_id, state.storage_refused, generation)
         elif state.route_taken is not None and target.cache_enabled:
@@ -533,15 +730,19 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
         taken = _taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
+        if refused is None and taken is None and agentroll.ROLLER.may_go(key, seen.fleet):
+            state.drifted = True  # its turn for the new agent image (or scaled to zero): apply it
         shown = refused if refused is not None else taken
         if shown is not None:
             fields, conds = refused_status(fields, conds, shown, generation)
     metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
-    new_status = status_patch(old, fields, conds, reports, inventory, hits)
-    if new_status is None:
-        return
-    new_status = _write_status(meta, new_status, logger)
+    new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=target.shared)
+    if new_status is not None:
+        new_status = _write_status(meta, new_status, logger)  # raises when the API server refuses it
+    # Reached only when the status now stands in the API server: the resource's series, and its
+    # last-refresh time, which an alert watches for an operator that stopped refreshing it.
+    metrics.observed(meta["namespace"], meta["name"], {**old, **(new_status or {})}, hits, reports)
     if new_status is None:
         return
     metrics.inc("kvpersist_status_writes_total")

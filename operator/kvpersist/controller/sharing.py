@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
-from kvpersist.builders.target import L2_VOLUME, SERVER
+from kvpersist.builders.target import L2_VOLUME, SERVER, SHARED_CLAIM_SUFFIX
 from kvpersist.status.conditions import condition
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL
 
@@ -43,7 +43,7 @@ class User:
     name: str
     created: str  # metadata.creationTimestamp (RFC 3339 in UTC: sorts as text); "" when unknown
     claim: str | None = None  # spec.l2.nvme.existingClaimName
-    generated: bool = False  # spec.l2.nvme with size: its StatefulSet makes l2-<name>-lmcache-<n>
+    generated: bool = False  # spec.l2.nvme with size: l2-<name>-lmcache-<n> (or -shared) made for it
     bucket: str | None = None  # spec.l2.hfBucket.bucketHandle
     namespace_id: str | None = None  # the id it serves (its status, for others: their keys are theirs to read)
 
@@ -87,8 +87,10 @@ def user_of(body: Mapping[str, Any]) -> User | None:
 
 
 def generated_claim(name: str) -> re.Pattern[str]:
-    """The claims a resource's StatefulSet makes, one per ordinal: <volume>-<name>-lmcache-<n>."""
-    return re.compile(rf"{re.escape(L2_VOLUME)}-{re.escape(name)}-lmcache-(0|[1-9][0-9]*)")
+    """The claims a resource's StatefulSet makes, one per ordinal: <volume>-<name>-lmcache-<n>,
+    or with spec.l2.nvme.shared the one the operator makes for all its servers, ...-lmcache-shared.
+    Its own servers sharing that claim is the point; another resource naming it is refused."""
+    return re.compile(rf"{re.escape(L2_VOLUME)}-{re.escape(name)}-lmcache-(0|[1-9][0-9]*|{SHARED_CLAIM_SUFFIX})")
 
 
 def _bucket_path(u: User) -> tuple[str, ...] | None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpersist.controller import buildcheck, fallback, l2key, retry
+from kvpersist.controller import buildcheck, canary, fallback, l2key, retry
+from kvpersist.controller.pincheck import PinFiles
 from kvpersist.controller.policy import Policy, Refusal
+from kvpersist.controller.prewarm import Prewarmer
 from kvpersist.status.conditions import FailedCreateCheck
 from kvpersist.status.usage import HitTracker, WriteFailureTracker
 
@@ -48,11 +51,16 @@ class ResourceState:
     # so status is polled: watch events keep this snapshot and the status loop polls it (not a kopf
     # timer: timers put a finalizer on every object, and nothing could be deleted while the operator is down).
     body: dict[str, Any] | None = None
+    # When the body was last shown by a watch event or a resync read (monotonic): the status loop
+    # reads the resource again when no event came for RESYNC_S (a watch that missed a change).
+    body_at: float = field(default_factory=time.monotonic)
     namespace_id: str | None = None
     # Its workloads changed since its last refresh (a StatefulSet or Deployment event): refreshed on
     # the status loop's next tick, so phase follows pod readiness; and when it was last refreshed.
     dirty: bool = False
     last_refresh: float = float("-inf")
+    # The last age-limit pass over the claims' other namespaces (spec.l2.orphanRetention), monotonic.
+    expired_at: float = float("-inf")
     # An owned child was deleted or edited by someone else (or an apply is to be tried again, or
     # vLLM is to go without the cache or back): applied again on the loop's next tick.
     drifted: bool = False
@@ -75,6 +83,9 @@ class ResourceState:
     # (reason, message) while nothing is applied, and when the names are to be looked at again.
     name_taken: Refusal | None = None
     name_taken_retry_at: float = float("inf")
+    # What spec.vllm.modelCache declares that its existing claim does not have (made once, never
+    # patched: kvpersist.builders.modelcache), as last reported in a ModelCacheDiffers event.
+    model_cache_differs: str | None = None
     # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
     preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
     # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
@@ -118,6 +129,9 @@ class Controller:
         self.fallback = fallback.Fallback()  # vLLM without the cache while a resource's servers are away
         self.build_bypass = buildcheck.BuildBypass()  # vLLM refused its lmcache/vLLM versions: no cache for that id
         self.hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
+        # The correctness canary: its reference and checks, run in a pool of its own; a hit that changed
+        # an answer keeps vLLM without the cache for that id until acknowledged (kvpersist.controller.canary).
+        self.canary = canary.Canary()
         # Which images and Secrets a resource may use (the chart's allowedImages and secretLabel, set
         # by `kvpersist run` from its environment).
         self.policy = Policy()
@@ -160,6 +174,10 @@ class Controller:
         self.apply_pool = concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY, thread_name_prefix="kvp-apply")
         self.bucket_pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUCKET_WORKERS, thread_name_prefix="kvp-bucket")
         self.bucket_jobs_lock = threading.Lock()  # guards each ResourceState's bucket_jobs
+        # What each model's files at a commit say about its pins (kvpersist.controller.pincheck).
+        self.pin_files = PinFiles()
+        # spec.prewarm's passes and what they found, per resource and server (a pool of its own).
+        self.prewarm = Prewarmer()
         self.last_tick: float | None = None
         self.loop_task: asyncio.Task[None] | None = None
         # Watch caches of named Secrets (metadata only) and claims (kvpersist.controller.watchcache);

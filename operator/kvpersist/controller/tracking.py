@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ import kopf
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import metrics, runtime
+from kvpersist.controller import agentroll, metrics, runtime
 from kvpersist.controller.gc import _gc
 from kvpersist.controller.reading import _known_fingerprint, _target
 from kvpersist.inventory.cleanup import parse_request
@@ -23,6 +24,7 @@ def _forget(key: tuple[str, str]) -> None:
     """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
     event, or a 404 from the API server for one whose event a watch outage lost)."""
     runtime.CONTROLLER.forget(key)
+    agentroll.ROLLER.forget(key)
     metrics.set_phase(key[0], key[1], None)
 
 
@@ -40,18 +42,25 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
         _forget(key)
     else:
-        state = runtime.CONTROLLER.state(key)
-        state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
-                       "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
-                       "status": dict(body.get("status") or {})}
-        try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
-            state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
-        except ValidationError:
-            state.namespace_id = None
-        request = parse_request(body["metadata"].get("annotations"))
-        done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
-        if request and request["requestId"] != done and request["requestId"] not in runtime.CONTROLLER.gc_inflight:
-            runtime.CONTROLLER.gc_inflight.add(request["requestId"])
-            task = asyncio.create_task(_gc(key, request, logger))
-            runtime.CONTROLLER.gc_tasks.add(task)
-            task.add_done_callback(runtime.CONTROLLER.gc_tasks.discard)
+        remember(key, body, logger)
+
+
+def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logger) -> None:
+    """The resource as a watch event (or a resync read: kvpersist.controller.status_loop) shows it,
+    kept for the status loop; a new gc request in its annotations started. In the event loop."""
+    state = runtime.CONTROLLER.state(key)
+    state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
+                  "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+                  "status": dict(body.get("status") or {})}
+    state.body_at = time.monotonic()
+    try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
+        state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
+    except ValidationError:
+        state.namespace_id = None
+    request = parse_request(body["metadata"].get("annotations"))
+    done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
+    if request and request["requestId"] != done and request["requestId"] not in runtime.CONTROLLER.gc_inflight:
+        runtime.CONTROLLER.gc_inflight.add(request["requestId"])
+        task = asyncio.create_task(_gc(key, request, logger))
+        runtime.CONTROLLER.gc_tasks.add(task)
+        task.add_done_callback(runtime.CONTROLLER.gc_tasks.discard)

@@ -4,7 +4,10 @@ lmcache's HTTP admin API (/env with the whole environment, /cache/clear, DELETE 
 /quota, /reconfigure) listens on the pod's loopback only, so nothing outside the pod reaches it
 whatever the CNI does. The agent forwards the operator the two reads it needs: GET /server/status
 (with the resource's agent token) and GET /server/metrics (counters only, open so Prometheus can
-scrape it), each bounded in time and size; nothing else of lmcache's API is reachable through it.
+scrape it), each bounded in time and size; and one write, POST /server/prefetch (with the token):
+lmcache's warm prefetch of one prompt's token ids from L2 into L1, submitted and polled to its end
+within a bound (kvpersist.inventory.prefetch), for spec.prewarm. Nothing else of lmcache's API is
+reachable through it.
 
 The operator cannot mount a claim, and lmcache reports only the namespace it serves (and only
 what its lazy index has seen since a restart). The agent reads the volume itself: GET /inventory
@@ -23,7 +26,21 @@ before the restart are neither counted nor evicted by it and the folder grows pa
 (measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
 deletes that folder's oldest chunk files until they hold at most the capacity, counting only what it
 may delete (nixl's committed `*.bin` files), and first the temp files of writes that died
-(`*.bin.tmp.<hex>` untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S).
+(`*.bin.tmp.<hex>` untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S). The
+capacity is lowered to what the claim has left beside the other namespaces' folders (old identities'
+data, kvpersist.inventory.space.effective_capacity), which the trim never touches.
+
+With --shared-folder (spec.l2.nvme.shared: the servers of one resource, one per node, on one
+ReadWriteMany claim and one folder) only the agent of the StatefulSet's pod of ordinal 0 trims
+(trimmer_of, from its pod's name): two, each cutting the folder to the capacity from its own scan,
+would between them delete up to twice the excess. It never deletes a
+file younger than --trim-grace seconds (another server may have just written it, or just found it
+and be about to read it). The other agents report the folder's inventory only.
+
+Deletion of other namespaces stays explicit (/gc) unless the resource opts into an age limit
+(spec.l2.orphanRetention): POST /expire removes the named folders whose newest file is older than
+maxAgeDays, never the served one nor any id in the protected list the operator must send (every
+id in use); without that list the agent cannot be sure, and refuses.
 """
 
 from __future__ import annotations
@@ -32,6 +49,9 @@ import argparse
 import hmac
 import json
 import logging
+import os
+import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -42,8 +62,11 @@ from urllib.parse import parse_qs, urlparse
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
 from kvpersist.httpserver import BodyError, BoundedHTTPServer, read_body
+from kvpersist.inventory import prefetch
+from kvpersist.inventory.space import effective_capacity, judge_expiry, others_bytes
 from kvpersist.inventory.volume import (
     ABANDONED_TEMP_S,
+    MAX_SCAN_FILES,
     NAMESPACE_ID_RE,
     Inventory,
     NamespaceUsage,
@@ -69,6 +92,28 @@ PROXIED = {"/server/status": ("/status", 4 * 2**20, True), "/server/metrics": ("
 PROXY_TIMEOUT_S = 1.5
 NO_VOLUME = {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
 MAX_GC_BODY = 4096  # {"namespaceId": ..., "dryRun": ...}
+MAX_EXPIRE_BODY = 256 * 1024  # {"maxAgeDays", "protected": [ids], "remove": [ids]}: thousands of ids
+MAX_EXPIRE_IDS = 4096
+# What the other folders hold moves only when someone writes there (another resource sharing the
+# claim) or deletes them: the trim re-reads them at most this often, not on every pass.
+OTHERS_TTL_S = 300.0
+
+
+POD_NAME_ENV = "KVPERSIST_POD_NAME"  # the downward API's metadata.name (kvpersist.builders.lmcache)
+_ORDINAL = re.compile(r"-(0|[1-9][0-9]*)$")
+
+
+def pod_ordinal(pod_name: str | None) -> int | None:
+    """A StatefulSet pod's ordinal from its name (<set>-<n>); None when the name has none."""
+    m = _ORDINAL.search(pod_name or "")
+    return int(m.group(1)) if m else None
+
+
+def trimmer_of(pod_name: str | None) -> bool:
+    """Whether this pod's agent is its shared folder's one trimmer: the StatefulSet's ordinal 0,
+    which always exists while any server runs (scale-in removes the highest first). A name without
+    an ordinal never trims: none at all is safer than two."""
+    return pod_ordinal(pod_name) == 0
 
 
 class TokenFile:
@@ -104,9 +149,13 @@ class Agent:
 
     def __init__(self, root: Path | None, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
                  capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
-                 token: str | TokenFile | None = None, server: tuple[str, int] | None = None) -> None:
+                 token: str | TokenFile | None = None, server: tuple[str, int] | None = None,
+                 trims: bool = True, trim_grace_s: float = 0.0) -> None:
         self.root = root  # None: no volume here (a bucket's L2), only the forwarded reads
+        self.trims = trims  # False: a shared folder another pod's agent trims (trimmer_of)
+        self.trim_grace_s = trim_grace_s  # no chunk file younger than this is trimmed
         self.server = server  # (host, port) of lmcache's admin API inside the pod
+        self.prefetcher = prefetch.Prefetcher(server) if server is not None else None
         self.token = token
         self.serving = serving
         self.scan_ttl_s = scan_ttl_s
@@ -115,18 +164,65 @@ class Agent:
         self.trim_passes = 0  # completed passes, whether they deleted anything or not (tests wait on it)
         self.last_trim: dict[str, Any] | None = None  # the last pass that deleted something
         self.swept_temp_files = 0  # abandoned temp files deleted so far
+        self.effective_capacity: int | None = None  # the last trim's watermark (space.effective_capacity)
+        self.max_scan_files = MAX_SCAN_FILES
         self._lock = threading.Lock()
         self._scan: tuple[float, Inventory] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def inventory(self, fresh: bool = False) -> Inventory:
+    def inventory(self, fresh: bool = False, max_age_s: float | None = None) -> Inventory:
+        """The volume's scan (bounded: scan_volume's max_files), at most scan_ttl_s old (or max_age_s)."""
         assert self.root is not None
         with self._lock:
             now = time.monotonic()
-            if fresh or self._scan is None or now - self._scan[0] > self.scan_ttl_s:
-                self._scan = (now, scan_volume(self.root))
+            ttl = self.scan_ttl_s if max_age_s is None else max_age_s
+            if fresh or self._scan is None or now - self._scan[0] > ttl:
+                self._scan = (now, scan_volume(self.root, self.serving, self.max_scan_files))
             return self._scan[1]
+
+    def expire(self, max_age_days: Any, protected: Any, remove: Any, dry_run: bool,
+               now: float | None = None) -> tuple[int, dict[str, Any]]:
+        """(HTTP code, body) of an age-limit pass the operator asks for (spec.l2.orphanRetention):
+        removes those folders named in remove whose newest file is older than max_age_days, never
+        the served namespace nor any in protected (every id a live resource or server uses, which
+        the operator must send: without it, or without --serving, the agent cannot be sure and
+        refuses), each judged again from a walk of that folder alone right before it goes."""
+        if self.root is None:
+            return 404, NO_VOLUME
+        if not self.serving:
+            return 409, {"error": "this agent was started without --serving: it cannot be sure which namespace its "
+                         "server uses, so it removes nothing"}
+        if not isinstance(max_age_days, int) or isinstance(max_age_days, bool) or max_age_days < 1:
+            return 400, {"error": "maxAgeDays must be a whole number of days, at least 1"}
+        ids = {}
+        for name, value in (("protected", protected), ("remove", remove)):
+            if not isinstance(value, list) or len(value) > MAX_EXPIRE_IDS or not all(
+                    isinstance(i, str) and NAMESPACE_ID_RE.fullmatch(i) for i in value):
+                return 400, {"error": f"{name} must be a list of namespace ids (kvp-<32 hex>), at most {MAX_EXPIRE_IDS}: "
+                             "without the protected ids the agent cannot be sure what is in use, so it removes nothing"}
+            ids[name] = frozenset(value)
+        now = time.time() if now is None else now
+        asked = sorted(ids["remove"] - ids["protected"] - {self.serving})
+        removed, kept = [], []
+        for nsid in asked:
+            held = namespace_usage(self.root, nsid, self.max_scan_files)  # that folder only, bounded
+            if held is None:
+                continue
+            verdict = judge_expiry([held], self.serving, ids["protected"], max_age_days, now)[0]
+            if not verdict.removable:
+                kept.append({"namespaceId": nsid, "why": verdict.why})
+                continue
+            if not dry_run:
+                with self._lock:
+                    held = remove_namespace(self.root, nsid)
+                    self._scan = None
+                log.warning("removed namespace %s under the age limit of %d days: %d bytes in %d objects, newest "
+                            "written %s", nsid, max_age_days, held.bytes, held.objects, iso(held.last_write))
+            removed.append(held.to_json())
+        refused = sorted(ids["remove"] & (ids["protected"] | {self.serving}))
+        kept += [{"namespaceId": i, "why": "protected: in use" if i != self.serving else "served here"} for i in refused]
+        return 200, {"dryRun": dry_run, "removed": removed, "kept": kept}
 
     def gc(self, namespace_id: str, dry_run: bool) -> tuple[int, dict[str, Any]]:
         """(HTTP code, body). Never touches anything but <root>/<namespace_id>."""
@@ -168,39 +264,45 @@ class Agent:
         one, /gc and /server/status are off."""
         expected = self.token.value if isinstance(self.token, TokenFile) else self.token
         if not expected:
-            return (not deleting, "this agent was started without --token-file: /gc and /server/status are off")
+            return (not deleting, "this agent was started without --token-file: /gc, /server/status and /server/prefetch are off")
         given = (header or "").removeprefix("Bearer ").strip()
         ok = hmac.compare_digest(given.encode(), expected.encode())
         return ok, "" if ok else "missing or wrong bearer token"
 
     @property
     def trimming(self) -> bool:
-        return bool(self.root and self.serving and self.capacity_bytes)
+        return bool(self.root and self.serving and self.capacity_bytes and self.trims)
 
     def trim_once(self) -> NamespaceUsage | None:
         """One pass over the served folder; None when trimming is off."""
         if not self.trimming:
             return None
         assert self.root and self.serving and self.capacity_bytes
+        # What else is on the claim (old namespaces' folders, stray files) lowers the served folder's
+        # watermark: its capacity assumed the whole claim (kvpersist.inventory.space).
+        inv = self.inventory(max_age_s=OTHERS_TTL_S)
+        capacity = effective_capacity(self.capacity_bytes, inv.capacity_bytes, others_bytes(inv, self.serving))
         with self._lock:
             # Temp files of writes that died (a killed server) are never renamed: gone first. The
             # trim counts only the chunk files it may delete (kvpersist.inventory.volume).
             swept = sweep_abandoned(self.root, self.serving)
-            trimmed = trim_namespace(self.root, self.serving, self.capacity_bytes)
+            self.effective_capacity = capacity
+            trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s)
             if swept.objects:
                 self._scan = None
                 self.swept_temp_files += swept.objects
             if trimmed.objects:
                 self._scan = None
                 self.last_trim = {"bytes": trimmed.bytes, "objects": trimmed.objects, "at": iso(time.time()),
-                                  "newestTrimmed": iso(trimmed.last_write), "capacityBytes": self.capacity_bytes}
+                                  "newestTrimmed": iso(trimmed.last_write), "capacityBytes": capacity}
             self.trim_passes += 1
         if swept.objects:
             log.warning("deleted %d abandoned temp files (%d bytes) of %s: no write touched them for %.0f s",
                         swept.objects, swept.bytes, self.serving, ABANDONED_TEMP_S)
         if trimmed.objects:
-            log.warning("trimmed %s to its capacity of %d bytes: deleted %d bytes in %d oldest chunk files (newest written %s)",
-                        self.serving, self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
+            log.warning("trimmed %s to its capacity of %d bytes (%d configured, less what else the claim holds): deleted "
+                        "%d bytes in %d oldest chunk files (newest written %s)", self.serving, capacity,
+                        self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
         return trimmed
 
     def _trim_loop(self) -> None:
@@ -263,28 +365,53 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                     return
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
                 self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
-                                 "trimPasses": agent.trim_passes})
+                                 "trims": agent.trimming,
+                                 "trimPasses": agent.trim_passes, "effectiveCapacityBytes": agent.effective_capacity})
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:
-            if urlparse(self.path).path != "/gc":
+            path = urlparse(self.path).path
+            if path == prefetch.PATH:
+                self._prefetch()
+                return
+            if path not in ("/gc", "/expire"):
                 self._send(404, {"error": "not found"})
                 return
             ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True)
             if not ok:
-                log.warning("refused /gc from %s: %s", self.client_address[0], why)
+                log.warning("refused %s from %s: %s", path, self.client_address[0], why)
                 self._send(403 if "without --token-file" in why else 401, {"error": why})
                 return
             try:
-                body = json.loads(read_body(self, MAX_GC_BODY) or b"{}")
+                body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
                 if not isinstance(body, dict):
                     raise BodyError(400, "the body must be a JSON object")
-                code, out = agent.gc(str(body.get("namespaceId", "")), bool(body.get("dryRun", True)))
+                if path == "/gc":
+                    code, out = agent.gc(str(body.get("namespaceId", "")), bool(body.get("dryRun", True)))
+                else:
+                    code, out = agent.expire(body.get("maxAgeDays"), body.get("protected"), body.get("remove"),
+                                             body.get("dryRun", True) is not False)
             except BodyError as exc:
                 code, out = exc.code, {"error": str(exc)}
             except (ValueError, OSError) as exc:
                 code, out = 500, {"error": str(exc)}
+            self._send(code, out)
+
+        def _prefetch(self) -> None:
+            """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch): the token
+            required, as for /gc (it makes lmcache read L2 and fill L1)."""
+            ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True)
+            if not ok:
+                self._send(403 if "without --token-file" in why else 401, {"error": why})
+                return
+            if agent.prefetcher is None:
+                self._send(404, {"error": "this agent was started without --server-url"})
+                return
+            try:
+                code, out = agent.prefetcher.run(read_body(self, prefetch.MAX_BODY))
+            except BodyError as exc:
+                code, out = exc.code, {"error": str(exc)}
             self._send(code, out)
 
     return BoundedHTTPServer((host, port), Handler, name="agent", **bounds)
@@ -305,13 +432,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the --serving namespace's folder at most this big (oldest chunk files deleted first)")
     parser.add_argument("--trim-period", type=_period, default=TRIM_PERIOD_S, metavar="SECONDS",
                         help=f"seconds between two trims (default {TRIM_PERIOD_S:.0f}, at most {MAX_TRIM_PERIOD_S:.0f})")
+    parser.add_argument("--shared-folder", action="store_true",
+                        help="the servers of a StatefulSet share the folder: only the pod of ordinal 0 (its name in "
+                        f"${POD_NAME_ENV}, else the hostname) trims it")
+    parser.add_argument("--trim-grace", type=float, default=0.0, metavar="SECONDS",
+                        help="never trim a chunk file written less than this long ago")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     token = TokenFile(args.token_file) if args.token_file else None
     if token is not None and not token.value:
         parser.error(f"--token-file {args.token_file} is empty")
+    pod = os.environ.get(POD_NAME_ENV) or socket.gethostname()
+    trims = not args.shared_folder or trimmer_of(pod)
     agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period, token=token,
-                  server=_server(parser, args.server_url))
+                  server=_server(parser, args.server_url), trims=trims, trim_grace_s=max(0.0, args.trim_grace))
+    if args.shared_folder:
+        log.info("shared folder: pod %s %s", pod, "trims it (ordinal 0)" if trims else
+                 "reports only; the pod of ordinal 0 trims it")
     if args.capacity_bytes and not args.serving:
         log.warning("--capacity-bytes without --serving: nothing to trim")
     server = make_server(agent, args.host, args.port)

@@ -5,12 +5,13 @@ or hostile and one bad pod must not stall or crash a refresh."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
+from kvpersist.inventory import prefetch
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, parse_iso
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class NamespaceBody(BaseModel):
     objects: Count | None = None
     last_write: Annotated[float | None, BeforeValidator(_unix_time)] = Field(None, alias="lastWrite")
     orphan: StrictBool | None = None
+    complete: StrictBool = True
 
 
 class InventoryBody(BaseModel):
@@ -55,11 +57,14 @@ class InventoryBody(BaseModel):
     other_bytes: Count | None = Field(None, alias="otherBytes")
     capacity_bytes: Count | None = Field(None, alias="capacityBytes")
     free_bytes: Count | None = Field(None, alias="freeBytes")
+    truncated: StrictBool = False
+    effective_capacity_bytes: Count | None = Field(None, alias="effectiveCapacityBytes")
 
     def inventory(self) -> Inventory:
-        return Inventory(self.location, [NamespaceUsage(n.namespace_id, n.bytes or 0, n.objects or 0, n.last_write, n.orphan)
-                                         for n in self.namespaces or []],
-                         self.other_bytes or 0, self.capacity_bytes, self.free_bytes)
+        return Inventory(self.location, [NamespaceUsage(n.namespace_id, n.bytes or 0, n.objects or 0, n.last_write, n.orphan,
+                                                        n.complete) for n in self.namespaces or []],
+                         self.other_bytes or 0, self.capacity_bytes, self.free_bytes, self.truncated,
+                         self.effective_capacity_bytes)
 
 
 class GcBody(BaseModel):
@@ -90,16 +95,57 @@ def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S, token: str |
         return None
 
 
+class ExpireBody(BaseModel):
+    """An agent's /expire answer: the folders it removed under the age limit, and those it kept."""
+
+    model_config = ConfigDict(extra="ignore")
+    removed: list[NamespaceBody] = Field(default_factory=list, max_length=4096)
+    error: str | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _post(ip: str, port: int, path: str, body: dict[str, Any], model: type[M], timeout: float,
+          token: str | None) -> tuple[int, M | str]:
+    """(HTTP code, the checked answer, or why there is none) of one POST to the agent; code 0 when
+    it could not be reached. A body that is not a well-formed answer keeps the code."""
+    try:
+        reply = httpclient.post_json(ip, port, path, body, timeout=timeout, headers=auth(token))
+    except PeerError as exc:
+        return 0, f"agent at {ip}:{port} unreachable: {exc}"
+    try:
+        return reply.status, httpclient.parse(reply.body, model)
+    except PeerError as exc:
+        return reply.status, f"agent at {ip}:{port} answered HTTP {reply.status}, malformed: {exc}"
+
+
+def request_expire(ip: str, port: int, max_age_days: int, protected: list[str], remove: list[str],
+                   token: str | None = None, timeout: float = GC_TIMEOUT_S) -> tuple[int, ExpireBody]:
+    """(HTTP code, answer) of the agent's /expire (spec.l2.orphanRetention); code 0 when it could
+    not be reached; a malformed answer is an error with nothing removed as far as the caller knows."""
+    body = {"maxAgeDays": max_age_days, "protected": protected, "remove": remove, "dryRun": False}
+    code, answer = _post(ip, port, "/expire", body, ExpireBody, timeout, token)
+    return code, ExpireBody(error=answer) if isinstance(answer, str) else answer
+
+
 def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S,
                token: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached. A body that is
     not a well-formed answer becomes {"error": why}, keeping the code."""
-    try:
-        reply = httpclient.post_json(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, timeout=timeout,
-                                     headers=auth(token))
-    except PeerError as exc:
-        return 0, {"error": f"agent at {ip}:{port} unreachable: {exc}"}
-    try:
-        return reply.status, httpclient.parse(reply.body, GcBody).model_dump(exclude_unset=True)
-    except PeerError as exc:
-        return reply.status, {"error": f"agent at {ip}:{port} answered HTTP {reply.status}, malformed: {exc}"}
+    code, answer = _post(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, GcBody, timeout, token)
+    return code, {"error": answer} if isinstance(answer, str) else answer.model_dump(exclude_unset=True)
+
+
+PREFETCH_TIMEOUT_S = prefetch.WAIT_S + prefetch.CALL_TIMEOUT_S + 5.0  # the agent's own bounds, and the transfer
+
+
+def request_prefetch(ip: str, port: int, token_ids: list[int], token: str | None,
+                     timeout: float = PREFETCH_TIMEOUT_S) -> tuple[int, prefetch.Answer]:
+    """(HTTP code, answer) of the agent's POST /server/prefetch: lmcache's warm prefetch of these
+    token ids from L2 into the server's L1, under each KV layout a vLLM registered with it
+    (kvpersist.inventory.prefetch); code 0 when the agent could not be reached. 503: no vLLM has
+    registered yet; 404: an agent older than the route. A malformed answer is an error
+    (answer.error), keeping the code."""
+    code, answer = _post(ip, port, prefetch.PATH, {"tokenIds": token_ids}, prefetch.Answer, timeout, token)
+    return code, prefetch.Answer(error=answer) if isinstance(answer, str) else answer

@@ -31,6 +31,7 @@ class NamespaceUsage:
     objects: int = 0
     last_write: float | None = None  # unix seconds of the newest object
     orphan: bool | None = None  # None until compared with what is live
+    complete: bool = True  # False: the bounded scan stopped inside (or before) this folder
 
     def add(self, size: int, mtime: float | None) -> None:
         self.bytes += size
@@ -43,12 +44,14 @@ class NamespaceUsage:
                                "lastWrite": iso(self.last_write)}
         if self.orphan is not None:
             out["orphan"] = self.orphan
+        if not self.complete:
+            out["complete"] = False
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NamespaceUsage:
         return cls(data["namespaceId"], int(data.get("bytes") or 0), int(data.get("objects") or 0),
-                   parse_iso(data.get("lastWrite")), data.get("orphan"))
+                   parse_iso(data.get("lastWrite")), data.get("orphan"), data.get("complete") is not False)
 
 
 @dataclass
@@ -60,18 +63,22 @@ class Inventory:
     other_bytes: int = 0  # files outside any namespace folder (never touched by gc)
     capacity_bytes: int | None = None
     free_bytes: int | None = None
+    truncated: bool = False  # the scan stopped at its bound (MAX_SCAN_FILES): some folders are undercounted
+    effective_capacity_bytes: int | None = None  # the served folder's trim watermark, as the agent reports it
 
     def get(self, namespace_id: str) -> NamespaceUsage | None:
         return next((n for n in self.namespaces if n.namespace_id == namespace_id), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"location": self.location, "namespaces": [n.to_json() for n in self.namespaces], "otherBytes": self.other_bytes,
-                "capacityBytes": self.capacity_bytes, "freeBytes": self.free_bytes}
+        out = {"location": self.location, "namespaces": [n.to_json() for n in self.namespaces], "otherBytes": self.other_bytes,
+               "capacityBytes": self.capacity_bytes, "freeBytes": self.free_bytes}
+        return {**out, "truncated": True} if self.truncated else out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Inventory:
         return cls(data.get("location", ""), [NamespaceUsage.from_json(n) for n in data.get("namespaces") or []],
-                   int(data.get("otherBytes") or 0), data.get("capacityBytes"), data.get("freeBytes"))
+                   int(data.get("otherBytes") or 0), data.get("capacityBytes"), data.get("freeBytes"),
+                   bool(data.get("truncated")))
 
 
 def iso(ts: float | None) -> str | None:
@@ -96,11 +103,34 @@ def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> In
     return Inventory(location, sorted(by_id.values(), key=lambda n: n.namespace_id), other)
 
 
-def _files(root: Path, top: Path) -> Iterable[tuple[str, int, float | None]]:
+# A claim may hold millions of files: one scan lstat()s at most this many (about a second per
+# 100,000 on a local disk), served folder first, then the others in name order; folders it did
+# not finish are marked incomplete (their counts a lower bound), and never expire (space.py).
+MAX_SCAN_FILES = 1_000_000
+
+
+class _Budget:
+    """Files a walk may still lstat; shared by the folders of one scan."""
+
+    def __init__(self, files: int) -> None:
+        self.left = files
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
+
+def _files(root: Path, top: Path, budget: _Budget | None = None) -> Iterable[tuple[str, int, float | None]]:
     """(path relative to root, apparent size, mtime) of every file under top. Apparent sizes are
-    what `du -sb` counts; files vanishing mid-walk (an eviction, a temp file renamed) are skipped."""
+    what `du -sb` counts; files vanishing mid-walk (an eviction, a temp file renamed) are skipped.
+    Links are neither followed nor counted as directories (os.walk's followlinks=False); with a
+    budget, the walk stops once it is spent."""
     for dirpath, _dirs, files in os.walk(top):
         for name in files:
+            if budget is not None:
+                if budget.spent:
+                    return
+                budget.left -= 1
             full = os.path.join(dirpath, name)
             try:
                 st = os.lstat(full)
@@ -109,28 +139,66 @@ def _files(root: Path, top: Path) -> Iterable[tuple[str, int, float | None]]:
             yield os.path.relpath(full, root), st.st_size, st.st_mtime
 
 
-def scan_volume(root: Path) -> Inventory:
-    """Walk an L2 mount: every namespace folder, and what lies outside them."""
-    inv = group(_files(root, root), str(root))
+def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_FILES) -> Inventory:
+    """Walk an L2 mount, at most max_files files: every namespace folder (first, the served one,
+    walked before the others), and what lies outside them. A folder the bound cut short, or never
+    reached, is listed with complete False."""
+    budget = _Budget(max_files)
+    entries: list[tuple[str, int, float | None]] = []
+    folders: list[str] = []
+    try:
+        children = sorted(os.scandir(root), key=lambda e: (e.name != first, e.name)) if root.is_dir() else []
+    except OSError:
+        children = []
+    incomplete: set[str] = set()
+    for child in children:
+        try:
+            is_dir = child.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        if is_dir and NAMESPACE_ID_RE.fullmatch(child.name):
+            folders.append(child.name)
+            if budget.spent:
+                incomplete.add(child.name)
+                continue
+            entries.extend(_files(root, Path(child.path), budget))
+            if budget.spent:  # it may have ended exactly on its last file: not sure either way
+                incomplete.add(child.name)
+        elif is_dir:
+            entries.extend(_files(root, Path(child.path), budget))
+        else:
+            try:
+                st = os.lstat(child.path)
+            except FileNotFoundError:
+                continue
+            entries.append((child.name, st.st_size, st.st_mtime))
+    inv = group(entries, str(root))
     # Namespace folders with nothing in them yet still show (a server started, nothing stored).
-    for child in sorted(root.iterdir()) if root.is_dir() else []:
-        if child.is_dir() and NAMESPACE_ID_RE.fullmatch(child.name) and inv.get(child.name) is None:
-            inv.namespaces.append(NamespaceUsage(child.name))
+    for name in folders:
+        if inv.get(name) is None:
+            inv.namespaces.append(NamespaceUsage(name))
+    for n in inv.namespaces:
+        n.complete = n.namespace_id not in incomplete
     inv.namespaces.sort(key=lambda n: n.namespace_id)
+    inv.truncated = bool(incomplete) or budget.spent
     usage = shutil.disk_usage(root)
     inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
     return inv
 
 
-def namespace_usage(root: Path, namespace_id: str) -> NamespaceUsage | None:
+def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None) -> NamespaceUsage | None:
     """What one namespace folder holds (walking only that folder); None when there is no such
-    folder. Refuses anything that is not a namespace id, so no other path is ever walked."""
+    folder. Refuses anything that is not a namespace id, so no other path is ever walked. With
+    max_files, a folder holding more is returned with complete False."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
     folder = root / namespace_id
     if not folder.is_dir() or folder.is_symlink():
         return None
-    return group(_files(root, folder), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
+    budget = _Budget(max_files) if max_files is not None else None
+    held = group(_files(root, folder, budget), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
+    held.complete = budget is None or not budget.spent
+    return held
 
 
 def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
@@ -178,14 +246,17 @@ def is_abandoned_temp(name: str, st: os.stat_result, now: float, after_s: float 
     return bool(NIXL_TEMP_RE.fullmatch(name)) and now - st.st_mtime > after_s
 
 
-def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int) -> list[ChunkFile]:
+def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int,
+                  spare_after: float | None = None) -> list[ChunkFile]:
     """The oldest files (by mtime, then path, so the choice is deterministic) whose removal brings
     total_bytes down to target_bytes or below; nothing when already there. Deleting by write age is
-    the only order the agent can see: lmcache's index and LRU live in the server's memory."""
+    the only order the agent can see: lmcache's index and LRU live in the server's memory.
+    spare_after: never a file written at or after that time (a shared folder's grace: another
+    server may have just written it), even if the folder then stays above target_bytes."""
     chosen: list[ChunkFile] = []
     excess = total_bytes - target_bytes
     for f in sorted(files, key=lambda f: (f.mtime, f.path)):
-        if excess <= 0:
+        if excess <= 0 or (spare_after is not None and f.mtime >= spare_after):
             break
         chosen.append(f)
         excess -= f.size
@@ -241,18 +312,21 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
         return None
 
 
-def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int) -> NamespaceUsage:
+def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0,
+                   now: float | None = None) -> NamespaceUsage:
     """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
     capacity_bytes; returns what was deleted. Only committed chunk files directly owned by
     <root>/<namespace_id> (a real directory, not a link) are counted and deleted: a temp file or a
-    foreign file neither counts nor goes (abandoned temp files: sweep_abandoned)."""
+    foreign file neither counts nor goes (abandoned temp files: sweep_abandoned). grace_s: none
+    written less than that long ago goes (a shared folder: choose_oldest's spare_after)."""
     trimmed = NamespaceUsage(namespace_id)
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return trimmed
     chunks, _temps = folder_files(folder)
     total = sum(f.size for f in chunks)
-    for f in choose_oldest(chunks, total, capacity_bytes):
+    spare_after = (time.time() if now is None else now) - grace_s if grace_s > 0 else None
+    for f in choose_oldest(chunks, total, capacity_bytes, spare_after):
         if _unlink_if_unchanged(f):
             trimmed.add(f.size, f.mtime)
     return trimmed
@@ -281,6 +355,18 @@ def rank(namespaces: Iterable[NamespaceUsage]) -> list[NamespaceUsage]:
     """Orphans first, the one whose deletion frees most at the top; equal sizes, the longest
     unwritten first. Live namespaces last, largest first."""
     return sorted(namespaces, key=lambda n: (not n.orphan, -n.bytes, n.last_write if n.last_write is not None else 0.0))
+
+
+def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[tuple[str, str | None, Inventory]]:
+    """The first scan of each location (claim): the servers of spec.l2.nvme.shared all mount one
+    claim, and their agents' scans of it must count its bytes once, not once per server."""
+    seen: set[str] = set()
+    out = []
+    for volume in volumes:
+        if volume[0] not in seen:
+            seen.add(volume[0])
+            out.append(volume)
+    return out
 
 
 def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: str | None, live: set[str]) -> dict[str, Any]:

@@ -13,15 +13,22 @@ from kvpersist.inventory.volume import iso, parse_iso
 from kvpersist.status.build import CONDITION as BUILD_CONDITION
 from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
 from kvpersist.status.build import BuildVerdict, bypass_message
+from kvpersist.status.canary import CONDITION as CANARY_CONDITION
+from kvpersist.status.canary import MISMATCH as HIT_MISMATCH
 from kvpersist.status.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
 HITS_WRITE_INTERVAL_S = 60.0
 
-CONDITION_TYPES = ("IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", BUILD_CONDITION, "WithinBudget", "Ready")
-# Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job.
-INFORMATIONAL = ("WithinBudget",)
+SPACE_CONDITION = "L2SpaceAvailable"
+WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)
+CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady", "VLLMReady", BUILD_CONDITION,
+                   CANARY_CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, "Ready")
+# Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job,
+# a nearly full claim is a warning before it fills (writes still succeed), and a declared prompt
+# not warm yet is only slower (computed or read from L2 on its first request).
+INFORMATIONAL = ("WithinBudget", SPACE_CONDITION, "PinsVerified", WARM_CONDITION)  # PinsVerified False turns the cache off itself
 
 
 def now() -> str:
@@ -92,10 +99,12 @@ class Observation:
     server_pods: list[Mapping[str, Any]] = field(default_factory=list)
     claims: list[Mapping[str, Any]] = field(default_factory=list)
     existing_claim: str | None = None
+    shared: bool = False  # spec.l2.nvme.shared: one ReadWriteMany claim for all the servers
     writes_failing: list[str] = field(default_factory=list)  # pods whose L2 writes fail now
     bucket_check: tuple[bool, str, str] | None = None  # hfBucket preflight: (ok, reason, message)
     reports: list[ServerReport] = field(default_factory=list)
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
+    l2_space: dict[str, Any] | None = None  # status.l2 (kvpersist.inventory.space), when the claims were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
     budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
     budget_floor_exhausted: bool = False  # and whether that status said Exhausted
@@ -103,6 +112,10 @@ class Observation:
     key_problem: tuple[str, str] | None = None  # (reason, message): the L2 key cannot be used, so no namespace
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
     build: BuildVerdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
+    pins: tuple[bool | None, str, str] | None = None  # PinsVerified (kvpersist.controller.pincheck); None: none
+    warm: tuple[bool | None, str, str] | None = None  # Warm (kvpersist.status.prewarm); None: nothing declared
+    vllm_selector: str | None = None  # the vLLM pods' label selector (status.vllmSelector, for the scale subresource)
+    canary: tuple[bool | None, str, str] | None = None  # HitCorrectness (kvpersist.status.canary); None: none
 
 
 # Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
@@ -216,8 +229,12 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     from kvpersist.status.usage import human_bytes
 
     reported = [r for r in obs.reports if r.l2_used is not None]
-    used_servers = sum(r.l2_used or 0 for r in reported)
-    objects_servers = sum(r.l2_objects or 0 for r in reported)
+    # One folder (spec.l2.nvme.shared): each server counts what it found of the others' too, so the
+    # largest count, not the sum (usage.summarize does the same).
+    used = [r.l2_used or 0 for r in reported]
+    objects_of = [r.l2_objects or 0 for r in reported]
+    used_servers = max(used, default=0) if obs.shared else sum(used)
+    objects_servers = max(objects_of, default=0) if obs.shared else sum(objects_of)
     inv = obs.inventory or {}
     used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
     if not reported and not inv and not obs.budget_floor:  # nothing measured yet
@@ -244,6 +261,53 @@ def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict
     return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['budget']} used", gen)
 
 
+def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
+    """L2SpaceAvailable: False (ClaimNearlyFull) once the fullest claim is at NEARLY_FULL (90%) of
+    its size, every namespace counted, naming the other namespaces' folders and how to delete them
+    explicitly; True (ClaimHasRoom) otherwise; absent while no claim was read."""
+    from kvpersist.inventory.space import NEARLY_FULL, nearly_full
+    from kvpersist.status.usage import human_bytes
+
+    full = nearly_full(dict(l2) if l2 else None)
+    if l2 is None or full is None:
+        return None
+    where = f"{l2['location']} is {l2.get('usedPercent', '?')} full ({human_bytes(l2['usedBytes']) or '0B'} of " \
+            f"{human_bytes(l2.get('capacityBytes') or 0) or '?'})"
+    others = l2.get("largestOtherNamespaces") or []
+    held = f"; other namespaces' folders hold {human_bytes(l2.get('otherNamespacesBytes') or 0) or '0B'}" if others else ""
+    if not full:
+        return condition(SPACE_CONDITION, True, "ClaimHasRoom", where + held, gen)
+    if others:
+        names = ", ".join(f"{o['namespaceId']} ({human_bytes(o['bytes']) or '0B'}, "
+                          f"{'orphan' if o.get('orphan') else 'in use'}"
+                          + (f", unwritten {o['ageDays']} days" if o.get("ageDays") is not None else "") + ")"
+                          for o in others)
+        orphan = next((o for o in others if o.get("orphan")), None)
+        how = (f"`kvpersist report` lists them, `kvpersist gc {orphan['namespaceId']} --no-dry-run` deletes one; or let the "
+               "agent remove those unwritten for N days with spec.l2.orphanRetention.maxAgeDays") if orphan else (
+               "each is in use by a live resource or server, so none may be deleted: raise the claim or lower "
+               "spec.l2.nvme.maxCapacityGB")
+        fix = f"; folders of other namespaces: {names}. Deletion is explicit: {how}"
+    else:
+        fix = "; the served namespace alone fills it: lower spec.l2.nvme.maxCapacityGB (or budget) below the claim's size"
+    return condition(SPACE_CONDITION, False, "ClaimNearlyFull",
+                     f"{where}, at or past {NEARLY_FULL:.0%}: the served namespace is trimmed to make room and writes "
+                     f"fail once it is full{fix}", gen)
+
+
+CLAIM_NOT_SHARED = "ClaimNotShared"  # spec.l2.nvme.shared on a claim that is not ReadWriteMany
+
+
+def access_modes(claim: Mapping[str, Any]) -> list[str]:
+    """What a claim may do: its bound volume's modes (status), else what it asked for (spec)."""
+    return list((claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or [])
+
+
+def shareable(claim: Mapping[str, Any]) -> bool:
+    """Whether servers on several nodes may mount the claim at once."""
+    return "ReadWriteMany" in access_modes(claim)
+
+
 def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] | None) -> dict[str, Any]:
     """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
     L2 writes failing now, which lmcache's /status does not show."""
@@ -260,9 +324,19 @@ def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] |
         if obs.existing_claim and not obs.claims:
             return condition("L2Ready", False, "ClaimNotFound",
                              f"claim {obs.existing_claim} not found: create it, or fix spec.l2.nvme.existingClaimName", gen)
-        if len(obs.claims) < obs.server_desired:
-            return condition("L2Ready", False, "ClaimMissing",
-                             f"{len(obs.claims)}/{obs.server_desired} claims exist; the StatefulSet creates them", gen)
+        wanted = min(1, obs.server_desired) if obs.shared else obs.server_desired
+        if len(obs.claims) < wanted:
+            maker = "the operator creates it" if obs.shared else "the StatefulSet creates them"
+            return condition("L2Ready", False, "ClaimMissing", f"{len(obs.claims)}/{wanted} claims exist; {maker}", gen)
+        not_shared = [c for c in obs.claims if obs.shared and not shareable(c)]
+        if not_shared:
+            c = not_shared[0]
+            modes = ", ".join(access_modes(c)) or "of no access mode"
+            return condition("L2Ready", False, CLAIM_NOT_SHARED,
+                             f"spec.l2.nvme.shared: claim {c['metadata']['name']} is {modes}, not ReadWriteMany: the "
+                             "servers on other nodes cannot mount it, so they cannot start. Name a ReadWriteMany claim "
+                             "of a shared filesystem (NFS, Lustre, EFS, CephFS) in spec.l2.nvme.existingClaimName, or set "
+                             "spec.lmcacheServer.replicas to 1", gen)
         if pending:
             return condition("L2Ready", False, "ClaimPending", f"claims not bound: {', '.join(sorted(pending))}; check "
                              "spec.l2.nvme.storageClassName and that matching PersistentVolumes exist", gen)
@@ -330,14 +404,27 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     if obs.build is not None and cache_on:
         conds.append(build_condition(obs.build, gen))
 
+    if obs.pins is not None:
+        conds.append(condition("PinsVerified", *obs.pins, gen))
+
+    if obs.canary is not None and cache_on:
+        conds.append(condition(CANARY_CONDITION, *obs.canary, gen))
+
     budget_cond = _budget_condition(budget, gen)
     if budget_cond is not None:
         conds.append(budget_cond)
+    space_cond = space_condition(obs.l2_space, gen) if cache_on else None
+    if space_cond is not None:
+        conds.append(space_cond)
+    if obs.warm is not None:
+        conds.append(condition(WARM_CONDITION, *obs.warm, gen))
 
     by_type = {c["type"]: c for c in conds}
-    # A build that cannot be compared (connectorBuild names no versions) is only reported.
+    # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a
+    # canary without a verdict (vLLM unreachable, its output not deterministic): only a hit that
+    # changed an answer holds Ready back.
     not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL
-              and (c["type"], c["status"]) != (BUILD_CONDITION, "Unknown")]
+              and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"))]
     if not cache_on:
         phase = "CacheDisabled"
         conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
@@ -346,12 +433,16 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
     else:
         build_mismatch = by_type.get(BUILD_CONDITION, {}).get("reason") == BUILD_MISMATCH
-        degraded = bool(sick) or build_mismatch or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing")
+        hit_mismatch = by_type.get(CANARY_CONDITION, {}).get("reason") == HIT_MISMATCH
+        degraded = (bool(sick) or build_mismatch or hit_mismatch
+                    or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing"))
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
-        # Pods the API server refuses explain everything after them (claims wait for a pod): first.
-        # So does a build mismatch (a server that refuses to start is only "starting" to the others).
-        first = next((c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or next(
+        # A hit that changed an answer comes first: it is why vLLM runs without the cache. Pods the
+        # API server refuses explain everything after them (claims wait for a pod); so does a build
+        # mismatch (a server that refuses to start is only "starting" to the others).
+        first = next((c for c in not_ok if c["reason"] == HIT_MISMATCH), None) or next(
+            (c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or next(
             (c for c in not_ok if c["reason"] == BUILD_MISMATCH), not_ok[0])
         conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
 
@@ -363,10 +454,16 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         "readyReplicas": vllm_ready,
         "desiredReplicas": obs.vllm_desired,
         "replicas": f"{vllm_ready}/{obs.vllm_desired}",
+        # The scale subresource's status.replicas: the pods there are, ready or not (a Deployment's own).
+        "vllmReplicas": int(((obs.deployment or {}).get("status") or {}).get("replicas") or 0),
         "servers": [{"pod": r.pod, "healthy": r.healthy, "message": r.message} for r in obs.reports],
     }
+    if obs.vllm_selector is not None:
+        status["vllmSelector"] = obs.vllm_selector
     if budget is not None:
         status["budget"] = budget
+    if obs.l2_space is not None:
+        status["l2"] = obs.l2_space
     return status, conds
 
 
@@ -417,7 +514,8 @@ def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, ri
 
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
                  reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
-                 hits: Mapping[str, Any] | None = None, at: datetime | None = None) -> dict[str, Any] | None:
+                 hits: Mapping[str, Any] | None = None, at: datetime | None = None,
+                 shared: bool = False) -> dict[str, Any] | None:
     """The status patch to write, or None when nothing a user could see changed.
 
     Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
@@ -429,7 +527,7 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
         patch["budget"] = None  # the budget was taken off the spec
     if _strip(old.get("conditions") or []) != _strip(conds):
         patch["conditions"] = merge_conditions(old.get("conditions") or [], conds)
-    usage = summarize(reports, measured_at=now())
+    usage = summarize(reports, measured_at=now(), shared=shared)
     if usage and _without_stamp(usage) != _without_stamp(old.get("usage")):
         patch["usage"] = usage
     if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):

@@ -187,6 +187,10 @@ def _counter(metrics: Mapping[str, float], name: str) -> int | None:
 
 def _with_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
     submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED)
+    if submitted is not None and COMPLETED not in metrics:
+        # lmcache's OTel counter has no sample before its first chunk lands: a server whose every
+        # L2 write failed since it started (a Hub refusing every upload) shows only SUBMITTED.
+        completed = 0
     if submitted is None or completed is None:
         return report
     ctl = (status.storage_manager or StorageManager()).store_controller or StoreController()
@@ -461,6 +465,11 @@ def _sum(values: Iterable[Any]) -> int | None:
     return sum(nums) if nums else None
 
 
+def largest(values: Iterable[Any]) -> int | None:
+    nums = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return max(nums) if nums else None
+
+
 # lmcache's admin API listens on its pod's loopback only; the agent beside it forwards these two
 # reads (kvpersist.inventory.agent). DIRECT reads a server's own API (tests, or a process in its pod).
 THROUGH_AGENT = "/server"
@@ -539,13 +548,15 @@ def human_bytes(n: int | None) -> str | None:
     return f"{n}B"
 
 
-def summarize(reports: list[ServerReport], measured_at: str) -> dict[str, Any]:
-    """Usage summed over servers that answered, in the status's shape."""
+def summarize(reports: list[ServerReport], measured_at: str, shared: bool = False) -> dict[str, Any]:
+    """Usage summed over servers that answered, in the status's shape. shared (spec.l2.nvme.shared):
+    the servers' L2 is one folder, and each counts what it stored and what it found of the others':
+    L2 is then the largest count, never the sum (the same files counted once per server)."""
     answered = [r for r in reports if r.l1_capacity is not None]
     if not answered:
         return {}
-    total = {k: _sum(getattr(r, k) for r in answered) for k in ("l1_used", "l1_capacity", "l2_used", "l2_capacity",
-                                                                 "l2_objects")}
+    total = {k: (largest if shared and k.startswith("l2_") else _sum)(getattr(r, k) for r in answered)
+             for k in ("l1_used", "l1_capacity", "l2_used", "l2_capacity", "l2_objects")}
     usage: dict[str, Any] = {
         "l1UsedBytes": total["l1_used"],
         "l1CapacityBytes": total["l1_capacity"],

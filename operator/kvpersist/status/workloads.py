@@ -13,9 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.builders.lmcache import AGENT_CONTAINER
 from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
-from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.status.agentroll import AgentSet, agent_image_of, view
 from kvpersist.status.build import slim_statuses
 
 # Every object the builders make carries it (pods and claims included, through the templates'
@@ -25,7 +27,7 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "pods"),
            ("", "v1", "persistentvolumeclaims"), ("", "v1", "services"), ("", "v1", "configmaps"),
-           ("networking.k8s.io", "v1", "networkpolicies"))
+           ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"))
 
 OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
 
@@ -49,13 +51,36 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     out: dict[str, Any] = {
-        "metadata": {**_pick(meta, ("name", "namespace", "generation", "deletionTimestamp", "resourceVersion")),
+        "metadata": {**_pick(meta, ("name", "namespace", "uid", "generation", "deletionTimestamp", "resourceVersion")),
                      "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, RETAINED_INSTANCE_LABEL, COMPONENT_LABEL,
                                                           NAMESPACE_ID_LABEL))},
         "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas")),
     }
-    # What keeps a claim out of GitOps prunes, and the key its data needs (kvpersist.builders.retained).
-    protected = _pick(meta.get("annotations"), PROTECTED_ANNOTATIONS)
+    # An lmcache StatefulSet's size and agent image: what the agent roll plans from (status.agentroll).
+    agent = agent_image_of(body)
+    if agent is not None:
+        out["spec"] = {"replicas": (body.get("spec") or {}).get("replicas", 1),
+                       "template": {"spec": {"containers": [{"name": AGENT_CONTAINER, "image": agent}]}}}
+    # A pod's node and how often its containers started again: which vLLM pod warms which server,
+    # and when a server is due a warm pass (kvpersist.status.prewarm: a restart empties its L1).
+    if "containers" in (body.get("spec") or {}):  # a pod (a StatefulSet's are under spec.template)
+        out["spec"] = {"nodeName": (body.get("spec") or {}).get("nodeName")}
+        out["status"]["restarts"] = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+    # A claim's access modes: spec.l2.nvme.shared needs ReadWriteMany (status.conditions ClaimNotShared).
+    modes = (body.get("status") or {}).get("accessModes") or (body.get("spec") or {}).get("accessModes")
+    if modes:  # only claims have accessModes
+        out["status"]["accessModes"] = list(modes)
+    # A pod's node and its containers' restarts: the correctness canary checks a vLLM pod again after
+    # its own restart or one of the servers on its node (kvpersist.status.canary).
+    node = (body.get("spec") or {}).get("nodeName")
+    if node:
+        out["spec"] = {"nodeName": node}
+    statuses = status.get("containerStatuses")
+    if statuses:
+        out["status"]["restarts"] = sum(int(c.get("restartCount") or 0) for c in statuses)
+    # What keeps a claim out of GitOps prunes, and the key its data needs (kvpersist.builders.retained);
+    # a vLLM pod launched without the cache while it is on.
+    protected = _pick(meta.get("annotations"), (*PROTECTED_ANNOTATIONS, BYPASS_ANNOTATION))
     if protected:
         out["metadata"]["annotations"] = protected
     conditions = status.get("conditions") or []
@@ -89,6 +114,7 @@ class Seen:
     pods: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
+    fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet
 
     def statefulset(self, target: Target) -> dict[str, Any] | None:
         return _named(self.statefulsets, target.server_name)
@@ -119,3 +145,9 @@ def live_ids(resources: Iterable[Mapping[str, Any]], resolved: Iterable[str | No
     out |= set(resolved)
     out |= {(p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) for p in pods}
     return frozenset(i for i in out if i)
+
+
+def fleet(statefulsets: Mapping[OwnerKey, Iterable[Mapping[str, Any]]]) -> dict[OwnerKey, AgentSet]:
+    """Every resource's lmcache StatefulSet, for the agent roll (kvpersist.status.agentroll)."""
+    return {key: view(s) for key, store in statefulsets.items() for s in store
+            if (s["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER}

@@ -1,0 +1,197 @@
+"""The pin-change warning: a ValidatingAdmissionPolicy in Warn mode, generated from id_fields.
+
+A change of a field that moves the namespace id (kvpersist.api.v1alpha1.id_fields) makes the
+resource serve another namespace: the cached KV of the old one stops being served and stays in L2
+as an orphan until `kvpersist gc`. That should be seen when it is applied, not found later in
+`kvpersist report`: on every UPDATE of a KVCacheNamespace the API server compares those fields
+of oldObject and object (an image by its digest alone, as the id does) and, when one differs and
+the old object serves a namespace (oldObject.status.namespaceId), kubectl prints a Warning naming
+the fields, the id, what it holds by the last inventory (status.inventory.currentBytes and
+currentObjects, as `kvpersist report` counts them) and its hit rate (status.hits.summary). Never
+a refusal: Warn only, and failurePolicy Ignore, so an error in the policy admits the change. It
+cannot compute the new id (CEL has no sha256, and the L2 key is a Secret the API server does not
+read for admission): `kvpersist plan -f` does. A key rotated inside the same Secret changes no
+field and is not seen here (the operator's L2KeyChanged event says it afterwards).
+
+`kvpersist pin-change-policy --write` writes config/pin-change-warning/ and the chart's template
+(behind pinChangeWarning.enabled); tests/unit/test_pin_change_policy.py fails when either is stale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpersist.api.v1alpha1 import GROUP, PLURAL, IdField, id_fields
+
+POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
+PLAIN_NAME = f"kvpersist-{POLICY}"
+CHART_NAME = '{{ include "kvpersist.fullname" . }}-' + POLICY
+CONFIG_PATH = Path("config/pin-change-warning/pin-change-warning.yaml")
+TEMPLATE_PATH = Path("charts/kvpersist/templates/pin-change-warning.yaml")
+VALUE = "pinChangeWarning"
+KEY_PREFIX = "spec.l2.encryption.keySecretRef."
+# The image digest as identity.image_digest takes it: @sha256:<64 hex> at the end of the trimmed reference.
+DIGEST_RE = "@sha256:[0-9a-f]{64}$"
+UNITS = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))  # as status.usage.human_bytes
+
+
+def field_value(obj: str, field: IdField) -> str:
+    """CEL for the field's value as the id sees it, as a string ('' when unset or, for an image,
+    without a digest), on `object` or `oldObject`."""
+    parts = field.path.split(".")
+    guards = " && ".join(f"has({obj}.{'.'.join(parts[:i + 1])})" for i in range(1, len(parts)))
+    value = f"string({obj}.{field.path})"
+    if field.kind == "digest":
+        value += f".trim().find('{DIGEST_RE}')"
+    return f"({guards} ? {value} : '')"
+
+
+def changed_expression() -> str:
+    """CEL: the list of id_fields paths whose value differs between oldObject and object."""
+    items = ",\n".join(f"  {field_value('oldObject', f)}\n    != {field_value('object', f)} ? '{f.path}' : ''" for f in id_fields())
+    return f"[\n{items}\n].filter(p, p != '')"
+
+
+def _status(*path: str) -> str:
+    """CEL: every has() down oldObject.status.<path>."""
+    steps = ["status", *path]
+    return " && ".join(f"has(oldObject.{'.'.join(steps[:i + 1])})" for i in range(len(steps)))
+
+
+def _human_bytes() -> list[dict[str, str]]:
+    """Variables that write variables.bytes as status.usage.human_bytes does (12.3Gi, 512B): one
+    decimal rounded half to even, as Python formats the exact quotient, and a trailing .0 dropped."""
+    unit = " : ".join(f"variables.bytes >= {size} ? {size}" for _, size in UNITS) + " : 1"
+    names = ", ".join(f"{size}: '{name}'" for name, size in UNITS)
+    return [
+        {"name": "unit", "expression": unit},
+        {"name": "quotient", "expression": "variables.bytes * 10 / variables.unit"},
+        {"name": "remainder", "expression": "variables.bytes * 10 % variables.unit"},
+        {"name": "tenths", "expression": "variables.quotient + (2 * variables.remainder > variables.unit\n"
+                                         "  || (2 * variables.remainder == variables.unit && variables.quotient % 2 == 1) ? 1 : 0)"},
+        {"name": "size", "expression": "variables.unit == 1 ? string(variables.bytes) + 'B'\n"
+                                       "  : string(variables.tenths / 10) + (variables.tenths % 10 == 0 ? '' : '.' + "
+                                       "string(variables.tenths % 10))\n"
+                                       f"  + {{{names}}}[variables.unit]"},
+    ]
+
+
+MESSAGE = ("identity changes: this resource will serve another namespace id, and the cached KV of the one it serves now "
+           "will no longer be served; it stays in L2 as an orphan until `kvpersist gc`; `kubectl kvpersist plan -f FILE` "
+           "shows both ids and what each holds")
+
+
+def policy(name: str) -> dict[str, Any]:
+    measured = _status("inventory", "measuredAt")
+    variables = [
+        {"name": "served", "expression": f"{_status('namespaceId')} ? oldObject.status.namespaceId : ''"},
+        {"name": "changed", "expression": changed_expression()},
+        {"name": "keyOnly", "expression": f"variables.changed.all(p, p.startsWith('{KEY_PREFIX}'))"},
+        {"name": "measured", "expression": measured},
+        {"name": "bytes", "expression": f"variables.measured && {_status('inventory', 'currentBytes')}\n"
+                                        "  ? oldObject.status.inventory.currentBytes : 0"},
+        {"name": "objects", "expression": f"variables.measured && {_status('inventory', 'currentObjects')}\n"
+                                          "  ? oldObject.status.inventory.currentObjects : 0"},
+        *_human_bytes(),
+        {"name": "hits", "expression": f"{_status('hits', 'summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"},
+        {"name": "held", "expression": "(variables.measured ? variables.size + ' in ' + string(variables.objects) + ' objects'\n"
+                                       "  : 'its size not measured yet') + variables.hits"},
+    ]
+    message = ("'identity changes (' + variables.changed.join(', ') + '): ' + variables.served + ' (' + variables.held + ')'\n"
+               "+ (variables.keyOnly ? ' will no longer be served unless the new Secret holds the same key'"
+               " : ' will no longer be served')\n"
+               "+ '; it stays in L2 as an orphan until `kvpersist gc ' + variables.served + '`'\n"
+               "+ '; `kubectl kvpersist plan -f FILE` shows the new id and whether it already has data'")
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Ignore",
+            "matchConstraints": {"resourceRules": [{"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+                                                    "resources": [PLURAL]}]},
+            "variables": variables,
+            "validations": [{"expression": "size(variables.changed) == 0 || variables.served == ''",
+                             "message": MESSAGE, "messageExpression": message}],
+        },
+    }
+
+
+def binding(name: str) -> dict[str, Any]:
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name}, "spec": {"policyName": name, "validationActions": ["Warn"]}}
+
+
+class _Dumper(yaml.SafeDumper):
+    """CEL and messages as literal blocks (no quoting of their quotes), as a person would write
+    them; short lists in flow style; no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    block = "\n" in text or "'" in text or len(text) > 100
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if block else None)
+
+
+def _list(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.SequenceNode:
+    flow = all(isinstance(i, str | int) for i in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow)
+
+
+_Dumper.add_representer(str, _str)
+_Dumper.add_representer(list, _list)
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+HEADER = f"""\
+# Generated by `kvpersist pin-change-policy --write` from kvpersist.api.v1alpha1.id_fields. Do not edit.
+# A Warning at `kubectl apply` when a change moves the namespace id (docs/api.md, "Before a pin
+# change"): the fields that reach the id ({", ".join(f.path for f in id_fields())})
+# are compared between the stored object and the new one; when one differs and the resource serves
+# a namespace, kubectl prints the fields, the id, what it holds and its hit rate. Warn only (a
+# change is never refused here). `kubectl kvpersist plan -f FILE` computes the new id. The Helm
+# chart ships the same objects ({TEMPLATE_PATH.relative_to("charts/kvpersist")}, pinChangeWarning.enabled).
+# Needs Kubernetes >= 1.30 (ValidatingAdmissionPolicy v1).
+#   kubectl apply -f {CONFIG_PATH}
+"""
+
+CHART_HEADER = f"""\
+# Generated by `kvpersist pin-change-policy --write` from kvpersist.api.v1alpha1.id_fields. Do not edit.
+# A Warning at `kubectl apply` when a change moves a KVCacheNamespace's namespace id (docs/api.md,
+# "Before a pin change"): the same objects as {CONFIG_PATH} for kubectl users.
+"""
+
+
+def render_config() -> str:
+    return HEADER + _dump(policy(PLAIN_NAME)) + "---\n" + _dump(binding(PLAIN_NAME))
+
+
+def _chart_doc(doc: dict[str, Any]) -> str:
+    """A document under the release's name and with the chart's labels."""
+    text = _dump(doc).replace(f"name: {PLAIN_NAME}\n", f"name: {CHART_NAME}\n", 1)
+    text = text.replace(f"policyName: {PLAIN_NAME}\n", f"policyName: {CHART_NAME}\n")
+    labels = '  labels: {{- include "kvpersist.labels" . | nindent 4 }}\n'
+    return text.replace(f"name: {CHART_NAME}\n", f"name: {CHART_NAME}\n{labels}", 1)
+
+
+def render_template() -> str:
+    return (CHART_HEADER + f"{{{{- if .Values.{VALUE}.enabled }}}}\n" + _chart_doc(policy(PLAIN_NAME)) + "---\n"
+            + _chart_doc(binding(PLAIN_NAME)) + "{{- end }}\n")
+
+
+def write(root: Path) -> list[Path]:
+    """Writes the config/ file and the chart's template under root; returns the paths written."""
+    written = []
+    for rel, text in ((CONFIG_PATH, render_config()), (TEMPLATE_PATH, render_template())):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+        written.append(root / rel)
+    return written

@@ -1,0 +1,59 @@
+"""The claim the operator makes for the model's weights (spec.vllm.modelCache.size).
+
+Owned by the resource, so deleted with it: weights can be downloaded again, unlike L2's KV (whose
+claims outlive the resource). Made once and never patched (kvpersist.controller.apply): most of
+a claim's spec is immutable, and a size the StorageClass cannot expand would be refused, so a
+later change of size, class or access modes is reported, not applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpersist.api.v1alpha1 import parse_quantity
+from kvpersist.builders.target import MANAGED_BY, MODEL_CACHE, Target
+
+DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)
+
+
+def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
+    """PersistentVolumeClaim `<name>-model-cache`, or None when the user names their own claim
+    (or there is no model cache). No namespace id label: the weights serve every id."""
+    cache = target.spec.vllm.model_cache
+    if cache is None or cache.size is None:
+        return None
+    spec: dict[str, Any] = {"accessModes": list(cache.access_modes or DEFAULT_ACCESS_MODES),
+                            "resources": {"requests": {"storage": str(cache.size)}}}
+    if cache.storage_class_name is not None:
+        spec["storageClassName"] = cache.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": target.model_cache_claim, "namespace": target.namespace,
+                     "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}},
+        "spec": spec,
+    }
+
+
+def claim_differences(manifest: dict[str, Any], existing: dict[str, Any]) -> list[str]:
+    """What spec.vllm.modelCache declares that the existing claim does not have, by field name:
+    the claim is made once and kept as it is (its spec is mostly immutable)."""
+    want, have = manifest["spec"], existing.get("spec") or {}
+    out = []
+    wanted_size = want["resources"]["requests"]["storage"]
+    had_size = ((have.get("resources") or {}).get("requests") or {}).get("storage")
+    if _quantity(wanted_size) != _quantity(had_size):
+        out.append(f"spec.vllm.modelCache.size is {wanted_size}, the claim's {had_size}")
+    if "storageClassName" in want and want["storageClassName"] != have.get("storageClassName"):
+        out.append(f"spec.vllm.modelCache.storageClassName is {want['storageClassName']}, the claim's "
+                   f"{have.get('storageClassName')}")
+    if sorted(want["accessModes"]) != sorted(have.get("accessModes") or []):
+        out.append(f"spec.vllm.modelCache.accessModes is {want['accessModes']}, the claim's {have.get('accessModes')}")
+    return out
+
+
+def _quantity(value: Any) -> float | None:
+    try:
+        return parse_quantity(str(value)) if value is not None else None
+    except ValueError:
+        return None

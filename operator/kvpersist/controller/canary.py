@@ -1,0 +1,306 @@
+"""The correctness canary, run (kvpersist.status.canary judges): per resource, the reference and the
+checks as jobs in a pool of their own, never on the status refresh path (a CPU vLLM answers in
+seconds, a busy GPU one may take longer), one job per resource at a time, every call bounded
+(kvpersist.vllmclient). What the jobs found is kept here and written by the refresh into
+status.canary and the HitCorrectness condition; a HitMismatch keeps vLLM without the cache for that
+namespace id until the annotation kvpersist.dev/hit-correctness-ack names it. The record is seeded
+from status, so a restarted operator keeps the cache off over a mismatch it found before.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist import vllmclient
+from kvpersist.builders.target import Target
+from kvpersist.controller import kube
+from kvpersist.httpclient import PeerError
+from kvpersist.status import canary as judge
+from kvpersist.status.conditions import now as iso_now
+
+WORKERS = 4
+CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
+
+logger = logging.getLogger("kvpersist")
+
+Asker = Callable[..., vllmclient.Completion]  # vllmclient.complete's signature
+
+
+@dataclass
+class _Resource:
+    """What the canary holds for one resource."""
+
+    record: dict[str, Any] | None = None  # status.canary as it is to be
+    seeded: bool = False
+    pods: dict[str, judge.PodMemory] = field(default_factory=dict)
+    outcome: tuple[str, str, judge.Verdict] | None = None  # (namespace id, digest, verdict) of the last job, unless a match
+    reference_failed_at: float = float("-inf")
+    job: concurrent.futures.Future[None] | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One job: the reference to compute first (on reference_pod) when there is none, then the
+    pods due a check, with the keys they are checked at."""
+
+    key: Hashable
+    namespace_id: str
+    digest: str
+    model: str
+    port: int
+    prompt: str
+    max_tokens: int
+    api_key_ref: tuple[str, str, str] | None  # (namespace, Secret, key) of spec.vllm.apiKeySecretRef
+    reference_pod: judge.Pod | None
+    checks: tuple[tuple[judge.Pod, judge.CheckKey], ...]
+
+
+class Canary:
+    """Every resource's canary. Used from refresh threads and its own pool, hence the lock."""
+
+    def __init__(self, asker: Asker | None = None, read_api_key: Callable[[str, str, str], str | None] | None = None,
+                 workers: int = WORKERS) -> None:
+        self._ask = asker or vllmclient.complete
+        self._read_api_key = read_api_key or _api_key
+        self._lock = threading.Lock()
+        self._by: dict[Hashable, _Resource] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._workers = workers
+
+    def _held(self, key: Hashable, body: Mapping[str, Any]) -> _Resource:
+        """The resource's entry, seeded once from its stored status (an operator restart). Under the lock."""
+        found = self._by.setdefault(key, _Resource())
+        if not found.seeded:
+            found.seeded = True
+            stored = (body.get("status") or {}).get("canary")
+            found.record = dict(stored) if stored else None
+        return found
+
+    def standing(self, key: Hashable, body: Mapping[str, Any], namespace_id: str | None) -> dict[str, Any] | None:
+        """The mismatch that keeps vLLM without the cache for this namespace id, if one stands."""
+        with self._lock:
+            return judge.standing(self._held(key, body).record, namespace_id)
+
+    def record(self, key: Hashable) -> dict[str, Any] | None:
+        with self._lock:
+            found = self._by.get(key)
+            return dict(found.record) if found is not None and found.record else None
+
+    def forget(self, key: Hashable) -> None:
+        with self._lock:
+            self._by.pop(key, None)
+
+    def refresh(self, key: Hashable, body: Mapping[str, Any], target: Target, pods: list[dict[str, Any]],
+                on_done: Callable[[bool], None], allowed: bool = True) -> tuple[judge.Verdict | None, bool]:
+        """One status round: an acknowledgement taken, a job started when one is due (not while one
+        runs), and HitCorrectness as it stands now. Returns (the condition's verdict or None, whether
+        an acknowledgement released the cache: vLLM is to be applied with it again). allowed False:
+        the resource is refused (policy, names taken), so no job runs and no Secret is read. No I/O."""
+        spec, namespace_id = target.spec, target.namespace_id
+        digest = judge.digest(spec)
+        meta = body.get("metadata") or {}
+        released = False
+        now = time.monotonic()
+        with self._lock:
+            held = self._held(key, body)
+            acked = judge.acknowledged(held.record, namespace_id, meta.get("annotations"))
+            if acked is not None:
+                logger.warning("%s/%s: HitMismatch %s acknowledged (%s): vLLM gets the cache back", target.namespace,
+                               target.name, (held.record or {}).get("mismatch", {}).get("id"), judge.ACK_ANNOTATION)
+                held.record, held.outcome, held.pods, released = acked, None, {}, True
+            plan = None
+            if spec.canary.enabled and namespace_id is not None and allowed \
+                    and judge.standing(held.record, namespace_id) is None:
+                plan = self._plan(key, held, target, digest, pods, now)
+            if plan is not None and (held.job is None or held.job.done()):
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers,
+                                                                       thread_name_prefix="kvp-canary")
+                held.job = self._pool.submit(self._run, plan, on_done)
+            outcome = held.outcome[2] if held.outcome is not None and held.outcome[:2] == (namespace_id, digest) else None
+            verdict = judge.condition_of(held.record, namespace_id, digest, outcome, spec.canary.enabled,
+                                         spec.canary.max_tokens, target.name, target.namespace)
+        return verdict, released
+
+    def _plan(self, key: Hashable, held: _Resource, target: Target, digest: str, pods: list[dict[str, Any]],
+              now: float) -> Plan | None:
+        """What is due now, if anything. Under the lock."""
+        namespace_id = str(target.namespace_id)
+        views = judge.vllm_pods(pods, namespace_id)
+        held.pods = {v.name: held.pods.get(v.name) or judge.PodMemory() for v in views}
+        checks = []
+        for view in views:
+            servers = judge.servers_of(pods, namespace_id, view.node)
+            memory = held.pods[view.name]
+            judge.observe(memory, view, servers, now)
+            if judge.due(view, servers, memory, target.spec.canary.interval_seconds, now):
+                checks.append((view, judge.check_key(view, servers)))
+        reference_pod = None
+        if judge.reference_for(held.record, namespace_id, digest) is None:
+            if now - held.reference_failed_at < judge.RETRY_S:
+                return None
+            # Any Ready pod of the id serves the reference (salted, it misses every cache): one using
+            # the cache first, so its check can follow at once.
+            ready = sorted((v for v in views if v.ready and v.ip), key=lambda v: not v.uses_cache)
+            if not ready:
+                return None
+            reference_pod = ready[0]
+        elif not checks:
+            return None
+        spec = target.spec
+        ref = spec.vllm.api_key_secret_ref
+        return Plan(key, namespace_id, digest, spec.vllm.served_model_name or spec.identity.model_id, spec.vllm.port,
+                    spec.canary.effective_prompt, spec.canary.max_tokens,
+                    (target.namespace, ref.name, ref.key) if ref is not None else None, reference_pod, tuple(checks))
+
+    # ---- the job (the canary's pool)
+
+    def _run(self, plan: Plan, on_done: Callable[[bool], None]) -> None:
+        drift = False
+        try:
+            drift = self._job(plan)
+        except Exception:  # a failed job must not go unnoticed, nor kill the pool's thread
+            logger.exception("canary job of %s failed", plan.key)
+        finally:
+            on_done(drift)
+
+    def _set_outcome(self, plan: Plan, verdict: judge.Verdict | None) -> None:
+        with self._lock:
+            held = self._by.get(plan.key)
+            if held is not None:
+                held.outcome = (plan.namespace_id, plan.digest, verdict) if verdict is not None else None
+
+    def _job(self, plan: Plan) -> bool:
+        """The reference (if due) and the checks, in order; True when a mismatch was found (vLLM is
+        to be applied without the cache). Blocking."""
+        api_key = None
+        if plan.api_key_ref is not None:
+            namespace, secret, item = plan.api_key_ref
+            try:
+                api_key = self._read_api_key(namespace, secret, item)
+            except ApiException as exc:
+                api_key, why = None, f"could not be read (the API server answered {exc.status})"
+            else:
+                why = "does not exist or has no such key"
+            if api_key is None:
+                self._failed(plan, (None, judge.API_KEY_UNAVAILABLE, f"spec.vllm.apiKeySecretRef: Secret {secret} key {item} "
+                                    f"{why}; the canary cannot ask vLLM, which requires it; retrying in "
+                                    f"{judge.RETRY_S:.0f}s"))
+                return False
+        reference = self._reference(plan, api_key) if plan.reference_pod is not None else self._recorded(plan)
+        if reference is None:
+            return False
+        # In order, stopping at the first mismatch: the cache goes off for every pod of the id.
+        return any(self._check(plan, pod, key, reference, api_key) for pod, key in plan.checks)
+
+    def _recorded(self, plan: Plan) -> tuple[int, ...] | None:
+        with self._lock:
+            held = self._by.get(plan.key)
+            return judge.reference_for(held.record if held else None, plan.namespace_id, plan.digest)
+
+    def _salt(self) -> str:
+        # Hex: no '@', '/', '\\' (vLLM and lmcache refuse them). Short: lmcache puts the salt in a
+        # file name beside the model's name (a local snapshot path offline), under 255 bytes.
+        return "kvp-canary-" + secrets.token_hex(8)
+
+    def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> tuple[int, ...]:
+        # A salted answer's KV is never read again: LMCache is asked to store none of it.
+        answer = self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
+                           cache_salt=self._salt() if salted else None, store=not (salted and pod.uses_cache),
+                           api_key=api_key, timeout=CALL_TIMEOUT_S)
+        return tuple(answer.token_ids)
+
+    def _failed(self, plan: Plan, verdict: judge.Verdict, pod: str | None = None) -> None:
+        with self._lock:
+            held = self._by.get(plan.key)
+            if held is None:
+                return
+            if pod is None:
+                held.reference_failed_at = time.monotonic()
+                for memory in held.pods.values():
+                    memory.failed_at = time.monotonic()
+            elif pod in held.pods:
+                held.pods[pod].failed_at = time.monotonic()
+            held.outcome = (plan.namespace_id, plan.digest, verdict)
+
+    def _reference(self, plan: Plan, api_key: str | None) -> tuple[int, ...] | None:
+        pod = plan.reference_pod
+        assert pod is not None
+        try:
+            tokens = self._ask_pod(plan, pod, api_key, salted=True)
+        except PeerError as exc:
+            self._failed(plan, _unanswered(pod.name, exc))
+            logger.info("%s: the canary's reference on %s: %s", plan.key, pod.name, exc)
+            return None
+        with self._lock:
+            held = self._by.get(plan.key)
+            if held is None:
+                return None
+            held.record = judge.with_reference(held.record, plan.namespace_id, plan.digest, tokens, pod.name, iso_now())
+            held.outcome = None
+        logger.info("%s: the canary's reference for %s recorded on %s (computed without the cache): %s", plan.key,
+                    plan.namespace_id, pod.name, list(tokens))
+        return tokens
+
+    def _check(self, plan: Plan, pod: judge.Pod, key: judge.CheckKey, reference: tuple[int, ...],
+               api_key: str | None) -> bool:
+        """One pod's check; True on a HitMismatch."""
+        try:
+            answers = judge.Answers(self._ask_pod(plan, pod, api_key, salted=False))
+            verdict = judge.judge(reference, answers)
+            if verdict is None:  # it differs: once more without the cache, and once with it
+                answers = judge.Answers(answers.cached, self._ask_pod(plan, pod, api_key, salted=True),
+                                        self._ask_pod(plan, pod, api_key, salted=False))
+                verdict = judge.judge(reference, answers)
+        except PeerError as exc:
+            self._failed(plan, _unanswered(pod.name, exc), pod.name)
+            logger.info("%s: the canary's check of %s: %s", plan.key, pod.name, exc)
+            return False
+        at = iso_now()
+        with self._lock:
+            held = self._by.get(plan.key)
+            if held is None or judge.reference_for(held.record, plan.namespace_id, plan.digest) != reference:
+                return False  # acknowledged, or another reference meanwhile: this answer is for another round
+            memory = held.pods.get(pod.name)
+            if memory is not None:
+                memory.checked, memory.checked_at = key, time.monotonic()
+            held.record = judge.with_check(held.record or {}, pod.name, at, verdict == judge.MATCH)
+            held.outcome = None
+            if verdict == judge.NONDETERMINISTIC:
+                held.outcome = (plan.namespace_id, plan.digest,
+                                (None, judge.NONDETERMINISTIC, judge.nondeterministic_message(pod.name, reference, answers)))
+            elif verdict == judge.MISMATCH:
+                assert answers.cached_again is not None
+                held.record = judge.with_mismatch(held.record, secrets.token_hex(6), pod.name, at, reference,
+                                                  answers.cached_again)
+        if verdict == judge.MISMATCH:
+            logger.warning("%s: HitMismatch on %s: served with the cache %s, computed without it %s: vLLM goes without "
+                           "the cache", plan.key, pod.name, list(answers.cached_again or ()), list(reference))
+        elif verdict == judge.NONDETERMINISTIC:
+            logger.warning("%s: the canary's answers on %s are not deterministic: %s", plan.key, pod.name, answers)
+        return verdict == judge.MISMATCH
+
+
+def _unanswered(pod: str, exc: PeerError) -> judge.Verdict:
+    """HitCorrectness Unknown for a vLLM that did not answer (VLLMUnreachable) or answered an error
+    (VLLMError): nothing else changes."""
+    if isinstance(exc, vllmclient.VLLMAnswerError):
+        return (None, judge.VLLM_ERROR, f"vLLM pod {pod} answered the canary with an error: {exc}; retrying in "
+                f"{judge.RETRY_S:.0f}s (a prompt too long for maxModelLen: shorten spec.canary.prompt)")
+    return (None, judge.UNREACHABLE, f"the operator got no answer from vLLM pod {pod} for the canary: {exc}; retrying "
+            f"in {judge.RETRY_S:.0f}s")
+
+
+def _api_key(namespace: str, name: str, item: str) -> str | None:
+    """spec.vllm.apiKeySecretRef's key, read when a job needs it. Never logged. Blocking."""
+    raw = kube.secret_value(kube.get("v1", "Secret", name, namespace), item)
+    return raw.decode().strip() if raw else None

@@ -1,0 +1,56 @@
+"""Who uses a namespace id now, asked of the API server (never the watch caches): explicit gc
+(kvpersist.controller.gc) and the age limit on old namespaces' folders (kvpersist.controller.refresh,
+spec.l2.orphanRetention) both ask it right before deleting."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
+from kvpersist.controller import kube, l2key, runtime
+from kvpersist.inventory.cleanup import refusal_now
+
+
+def in_use_now(namespace_id: str, current: str | None) -> str | None:
+    """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
+    carrying a namespace id in all namespaces (or, where the operator's rights end there, each
+    watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
+    before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
+    where, scope = "all namespaces", "cluster-wide"
+    try:
+        scopes = runtime.listing_scopes()
+        if scopes != runtime.ALL_NAMESPACES:
+            where, scope = "the watched namespaces " + ", ".join(map(str, scopes)), "in each of them"
+        resources = [r for ns in scopes for r in kube.list_all(api.API_VERSION, api.KIND, ns)]
+        pods = [p for ns in scopes for p in kube.list_all("v1", "Pod", ns, NAMESPACE_ID_LABEL)]
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id} (listing KVCacheNamespaces and pods in {where}, the "
+                f"API server answered {exc.status}); the operator needs list on both {scope}")
+    try:
+        return refusal_now(namespace_id, current, resources, pods, fingerprint=_fingerprint_now)
+    except ApiException as exc:
+        return (f"could not check again who uses {namespace_id}: an L2 key Secret could not be read (the API server "
+                f"answered {exc.status}), and a resource's namespace id needs its key")
+
+
+def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
+    """The fingerprint of the key a resource's servers would mount, read now from its Secret (for
+    one whose status records none: another namespace, not yet served). None when the Secret or
+    key is absent or short: then it can use no namespace. Raises ApiException when unreadable."""
+    meta = resource["metadata"]
+    try:
+        spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
+    except ValidationError:
+        return None
+    target = Target(meta["name"], meta["namespace"], spec, None)
+    if target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    secret = kube.get("v1", "Secret", name, meta["namespace"])
+    return l2key.read(secret, name, item, meta["namespace"], target.key_secret_generated,
+                      kube.secret_value(secret, item)).fingerprint

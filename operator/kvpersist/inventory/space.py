@@ -1,0 +1,153 @@
+"""What a claim can hold once the folders of other namespaces are counted, and which of them an
+opted-in age limit may remove. Pure: the agent and the operator both judge with these.
+
+An identity change moves a resource to a new namespace folder and leaves the old one on the claim
+(deletion is explicit: `kvpersist gc`). The agent trims only the namespace it serves, so without
+this the served folder's trim assumed the whole claim while old folders filled it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, iso
+
+# The agent keeps the served folder within this share of the claim minus what everything else on
+# it holds (it can delete only the served folder's chunks); L2SpaceAvailable turns False earlier,
+# at NEARLY_FULL, so a person hears of it before the served namespace starts shrinking for others.
+TRIM_FILL = 0.95
+MIN_SHARE = 0.05  # the served folder's watermark never goes below this share of its capacity
+NEARLY_FULL = 0.9
+LARGEST_SHOWN = 5  # status.l2.largestOtherNamespaces
+DAY_S = 86400.0
+
+
+def effective_capacity(capacity_bytes: int, claim_bytes: int | None, others_bytes: int, fill: float = TRIM_FILL) -> int:
+    """The served namespace's trim watermark: its own capacity (budget or maxCapacityGB), lowered
+    to what the claim has left beside everything else on it (other namespaces' folders, files
+    outside any folder). Never below MIN_SHARE of the capacity: where old folders alone fill the
+    claim, deleting every served chunk would only trade its hits for writes that cannot stay
+    either (the claim is full: writes fail, L2Ready says so, serving goes on); the newest chunks
+    keep hitting. The claim's size unknown: the capacity alone."""
+    if claim_bytes is None or claim_bytes <= 0:
+        return capacity_bytes
+    return min(capacity_bytes, max(int(capacity_bytes * MIN_SHARE), int(claim_bytes * fill) - others_bytes))
+
+
+def others_bytes(inv: Inventory, serving: str | None) -> int:
+    """Bytes on the volume that are not the served namespace's: other folders and stray files."""
+    return inv.other_bytes + sum(n.bytes for n in inv.namespaces if n.namespace_id != serving)
+
+
+def used_bytes(inv: Inventory) -> int:
+    """The claim's fill: the larger of what the scan counted and what the filesystem says is used
+    (the scan may be cut short by its bound; the filesystem counts its own overhead too)."""
+    scanned = inv.other_bytes + sum(n.bytes for n in inv.namespaces)
+    fs_used = inv.capacity_bytes - inv.free_bytes if inv.capacity_bytes is not None and inv.free_bytes is not None else 0
+    return max(scanned, fs_used)
+
+
+@dataclass
+class Verdict:
+    """One folder judged for the age limit: removable, or why it stays."""
+
+    namespace: NamespaceUsage
+    removable: bool
+    why: str = ""
+
+
+def judge_expiry(namespaces: Iterable[NamespaceUsage], serving: str | None, protected: frozenset[str],
+                 max_age_days: int, now: float) -> list[Verdict]:
+    """Which folders of OTHER namespaces the age limit removes: those whose newest file is older
+    than max_age_days, never the served one, never one in protected (served by any live resource
+    or server), never one whose walk was cut short (its newest file unknown), never one with no
+    file (nothing to free, and no age to judge)."""
+    out = []
+    for n in namespaces:
+        nsid = n.namespace_id
+        if not NAMESPACE_ID_RE.fullmatch(nsid):
+            out.append(Verdict(n, False, "not a namespace id"))
+        elif nsid == serving:
+            out.append(Verdict(n, False, "the namespace this server serves"))
+        elif nsid in protected:
+            out.append(Verdict(n, False, "used by a live resource or server"))
+        elif not n.complete:
+            out.append(Verdict(n, False, "too many files to walk in one scan: its newest file is unknown"))
+        elif n.last_write is None:
+            out.append(Verdict(n, False, "no file in it"))
+        elif now - n.last_write <= max_age_days * DAY_S:
+            out.append(Verdict(n, False, f"written {int((now - n.last_write) // DAY_S)} day(s) ago, within {max_age_days}"))
+        else:
+            out.append(Verdict(n, True))
+    return out
+
+
+def claim_summary(location: str, inv: Inventory, serving: str | None, live: frozenset[str], now: float,
+                  effective: int | None = None) -> dict[str, Any]:
+    """One claim's space as status.l2 shows it: its size, its fill (all namespaces), what the other
+    namespaces' folders hold, the largest few of them, and the served namespace's watermark."""
+    others = sorted((n for n in inv.namespaces if n.namespace_id != serving), key=lambda n: (-n.bytes, n.namespace_id))
+    out: dict[str, Any] = {
+        "location": location,
+        "capacityBytes": inv.capacity_bytes,
+        "usedBytes": used_bytes(inv),
+        "otherNamespacesBytes": sum(n.bytes for n in others),
+        "otherNamespaces": len(others),
+        "largestOtherNamespaces": [
+            {"namespaceId": n.namespace_id, "bytes": n.bytes, "objects": n.objects, "lastWrite": iso(n.last_write),
+             **({"ageDays": int(max(0.0, now - n.last_write) // DAY_S)} if n.last_write is not None else {}),
+             "orphan": n.namespace_id not in live}
+            for n in others[:LARGEST_SHOWN]],
+    }
+    if effective is not None:
+        out["effectiveCapacityBytes"] = effective
+    if inv.truncated:
+        out["scanComplete"] = False
+    return out
+
+
+def space_status(claims: list[dict[str, Any]], removed: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """status.l2: the fullest claim's figures (each claim is its own disk: the fullest fills
+    first), the other namespaces' bytes over all distinct claims, and the age limit's removals so
+    far (removed: {"orphansRemoved": n, "orphansRemovedBytes": b, ...}, carried over)."""
+    if not claims:
+        return None
+    distinct = {c["location"]: c for c in claims}
+    fullest = max(distinct.values(), key=lambda c: (fraction(c) or 0.0, c["location"]))
+    out = {**fullest, "claims": len(distinct),
+           "otherNamespacesBytes": sum(c["otherNamespacesBytes"] for c in distinct.values())}
+    pct = fraction(fullest)
+    if pct is not None:
+        out["usedPercent"] = f"{min(pct, 9.999) * 100:.1f}%"
+    out.update(removed or {})
+    return out
+
+
+def fraction(claim: dict[str, Any]) -> float | None:
+    cap = claim.get("capacityBytes")
+    return claim["usedBytes"] / cap if cap else None
+
+
+def nearly_full(l2: dict[str, Any] | None, threshold: float = NEARLY_FULL) -> bool | None:
+    """Whether the fullest claim is at or past threshold of its size; None when unknown."""
+    pct = fraction(l2) if l2 else None
+    return None if pct is None else pct >= threshold
+
+
+def claim_space_summary(volumes: list[tuple[str, str | None, Inventory]], serving: str | None, live: frozenset[str],
+                        now: float, old: dict[str, Any] | None = None,
+                        removed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """status.l2 from the agents' scans, each (location, pod, inventory); the age limit's removals
+    so far carried over from the old status.l2, plus those of this pass (removed)."""
+    claims = [claim_summary(loc, inv, serving, live, now, inv.effective_capacity_bytes) for loc, _pod, inv in volumes]
+    old = old or {}
+    count = int(old.get("orphansRemoved") or 0) + len(removed or [])
+    carried: dict[str, Any] = {"orphansRemoved": count,
+                               "orphansRemovedBytes": int(old.get("orphansRemovedBytes") or 0)
+                               + sum(int(r.get("bytes") or 0) for r in removed or [])}
+    last = (removed or [])[-1]["namespaceId"] if removed else old.get("lastOrphanRemoved")
+    if last:
+        carried["lastOrphanRemoved"] = last
+    return space_status(claims, carried)

@@ -1,0 +1,302 @@
+"""spec.prewarm, judged: the declared list (the spec's prompts and a ConfigMap's), which lmcache
+server is warmed through which vLLM pod, when a server is due a pass, and the Warm condition.
+Pure functions; the passes themselves run in kvpersist.controller.prewarm.
+
+A server is warmed through a vLLM pod of its namespace id on its node: lmcache's warm prefetch
+needs the KV layout a vLLM registers with its server (lmcache 0.5.6 cache_control/prefetch_service.py:
+503 until one has), and a prompt L2 does not hold whole is computed through that pod once. A
+server no vLLM pod uses is not warmed: nothing would read its L1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpersist.api.text import printable
+from kvpersist.api.v1alpha1 import Prewarm
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+
+CONDITION = "Warm"
+MAX_PROMPTS = 64  # warmed per server and pass, the spec's and the ConfigMap's together (spec first)
+MAX_PROMPT_TOKENS = 262_144  # one prompt's token ids in one prefetch (the agent's body cap follows it)
+CHUNK_TOKENS = 256  # lmcache's chunk (its --chunk-size default, which the operator keeps): what can be warm
+# When a server is due again (monotonic seconds after its last pass with the same pods and list).
+REWARM_PERIOD_S = 900.0  # a warm prompt L1's LRU may have evicted since: loaded again, which touches it
+NOT_WARM_RETRY_S = 300.0  # a pass that left a prompt not warm (too long, vLLM refused it, L1 full)
+FAILED_RETRY_S = 15.0  # a pass that could not ask (the agent, vLLM or the layout not there yet)
+CONFIGMAP_PREFIXES = {"prompt": False, "system": True}  # a data key's prefix -> a system prompt?
+_KEY = re.compile(r"^(prompt|system)([-._a-zA-Z0-9]*)$")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One declared prompt: where it was declared (for messages; never its text), whether it is a
+    system prompt (rendered through the chat template), and its text."""
+
+    source: str
+    system: bool
+    text: str = field(repr=False)
+
+    @property
+    def digest(self) -> str:
+        """What identifies its token ids within a namespace id (which pins the tokenizer and template)."""
+        return hashlib.sha256(f"{'system' if self.system else 'prompt'}\0{self.text}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Declared:
+    """The list to keep warm, and why part of it could not be read (reason, message), if so."""
+
+    prompts: tuple[Prompt, ...] = ()
+    problem: tuple[str, str] | None = None
+    note: str = ""  # ConfigMap keys left out (neither prompt-* nor system-*)
+
+    @property
+    def digest(self) -> str:
+        """Changes whenever a prompt is added, removed, reordered or edited: a new pass is due."""
+        return hashlib.sha256("\n".join(p.digest for p in self.prompts).encode()).hexdigest()[:16]
+
+
+class Unread:
+    """The ConfigMap has not been read yet (or is being read again): its prompts are not known."""
+
+
+UNREAD = Unread()
+
+
+def declared(prewarm: Prewarm | None, namespace: str,
+             configmap: Mapping[str, Any] | Unread | str | None = UNREAD) -> Declared:
+    """The spec's prompts, then the ConfigMap's (its data keys in sorted order: prompt-* raw,
+    system-* system prompts), duplicates dropped, at most MAX_PROMPTS. configmap: the object as read,
+    None when it does not exist, UNREAD while it has not been read, or why it could not be read (its
+    prompts are then left out, with a problem that says so)."""
+    if prewarm is None:
+        return Declared()
+    out = [Prompt(f"spec.prewarm.prompts[{i}]", False, t) for i, t in enumerate(prewarm.prompts)]
+    out += [Prompt(f"spec.prewarm.systemPrompts[{i}]", True, t) for i, t in enumerate(prewarm.system_prompts)]
+    problem: tuple[str, str] | None = None
+    note = ""
+    ref = prewarm.config_map_ref
+    if ref is not None:
+        where = f"spec.prewarm.configMapRef: ConfigMap {ref.name}"
+        if isinstance(configmap, Unread):
+            problem = ("ConfigMapNotRead", f"{where} has not been read yet")
+        elif isinstance(configmap, str):
+            problem = ("ConfigMapUnreadable", f"{where} could not be read ({configmap}); its prompts are left out until "
+                       "it can be")
+        elif configmap is None:
+            problem = ("ConfigMapNotFound", f"{where} not found in namespace {namespace}: create it (a data key "
+                       "prompt-<name> per raw prompt, system-<name> per system prompt), or drop configMapRef")
+        else:
+            data = configmap.get("data") or {}
+            ignored = sorted(k for k in data if not _KEY.match(k) or not isinstance(data[k], str))
+            for k in sorted(data):
+                m = _KEY.match(k)
+                if m and isinstance(data[k], str) and data[k]:
+                    out.append(Prompt(f"ConfigMap {ref.name} key {k}", CONFIGMAP_PREFIXES[m.group(1)], data[k]))
+            if ignored:
+                shown = ", ".join(printable(k) for k in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
+                note = f"; ConfigMap {ref.name} keys ignored (not prompt-* or system-*): {shown}"
+            if not any(p.source.startswith(f"ConfigMap {ref.name} ") for p in out):
+                problem = ("ConfigMapEmpty", f"{where} holds no prompt: name each data key prompt-<name> (a raw prompt) "
+                           "or system-<name> (a system prompt)")
+    unique: dict[str, Prompt] = {}
+    for p in out:
+        unique.setdefault(p.digest, p)
+    prompts = tuple(unique.values())
+    if len(prompts) > MAX_PROMPTS:
+        problem = problem or ("TooManyPrompts", f"spec.prewarm declares {len(prompts)} prompts, over the {MAX_PROMPTS} the "
+                              f"operator keeps warm: the first {MAX_PROMPTS} (the spec's, then the ConfigMap's by key) are "
+                              "warmed, drop the others")
+        prompts = prompts[:MAX_PROMPTS]
+    return Declared(prompts, problem, note)
+
+
+# ---------------------------------------------------------------- which server through which vLLM pod
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What a pass and its schedule need of a pod (from the watch cache's slim copy)."""
+
+    name: str
+    uid: str
+    ip: str
+    node: str
+    restarts: int
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A Ready server of the namespace id and the Ready vLLM pod of that id on its node (None: none)."""
+
+    server: PodView
+    vllm: PodView | None
+
+    def fingerprint(self, declared: Declared) -> tuple[Any, ...]:
+        """What a pass was for: a restart (a new pod, or a container started again) of either pod
+        or another list makes it stale. vLLM's restart leaves L1 alone, but a rollout may bring one
+        pod where there was another; the pass is then cheap: L1 hits count as found."""
+        v = self.vllm
+        return (self.server.uid, self.server.restarts, v.uid if v else None, v.restarts if v else None, declared.digest)
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return (not (pod.get("metadata") or {}).get("deletionTimestamp") and bool(status.get("podIP"))
+            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
+
+
+def _view(pod: Mapping[str, Any]) -> PodView:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    return PodView(meta.get("name", ""), meta.get("uid", ""), status.get("podIP", ""), (pod.get("spec") or {}).get("nodeName", ""),
+                   int(status.get("restarts") or 0))
+
+
+def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
+    """Each Ready server pod of the namespace id, by name, with the first Ready vLLM pod of that
+    id on its node (by name). Pods of another id (mid-rollout) are never paired: their KV is
+    another namespace's."""
+    mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id
+            and _ready(p)]
+    component = "app.kubernetes.io/component"
+    servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(component) == SERVER), key=lambda v: v.name)
+    vllms = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(component) == VLLM), key=lambda v: v.name)
+    return [Pair(s, next((v for v in vllms if v.node and v.node == s.node), None)) for s in servers]
+
+
+# ---------------------------------------------------------------- a pass and its schedule
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    """One prompt on one server: warm or not (and why not), its chunks, and whether it had to be
+    computed through vLLM (L2 did not hold it whole)."""
+
+    source: str
+    warm: bool
+    chunks: int = 0
+    computed: bool = False
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One server's last pass: what it was for (Pair.fingerprint), when it ended (monotonic), each
+    prompt's result, and why it stopped when it could not ask (reason, message)."""
+
+    fingerprint: tuple[Any, ...]
+    ended: float
+    results: tuple[PromptResult, ...] = ()
+    failure: tuple[str, str] | None = None
+
+    @property
+    def warm(self) -> int:
+        return sum(1 for r in self.results if r.warm)
+
+    @property
+    def complete(self) -> bool:
+        return self.failure is None
+
+
+def due(fingerprint: tuple[Any, ...], last: Pass | None, now: float) -> bool:
+    """Whether a server needs a pass now: never warmed with these pods and this list; or after
+    FAILED_RETRY_S when its last could not ask, NOT_WARM_RETRY_S when it left a prompt cold,
+    REWARM_PERIOD_S otherwise (L1's LRU may have evicted a prompt since)."""
+    if last is None or last.fingerprint != fingerprint:
+        return True
+    if last.failure is not None:
+        return now - last.ended >= FAILED_RETRY_S
+    if last.warm < len(last.results):
+        return now - last.ended >= NOT_WARM_RETRY_S
+    return now - last.ended >= REWARM_PERIOD_S
+
+
+@dataclass(frozen=True)
+class ServerWarmth:
+    """One Ready server as the condition sees it: its pair, its last pass if it was for the current
+    pods and list (else None), and progress (done, of) while a pass runs."""
+
+    pair: Pair
+    current: Pass | None = None
+    running: tuple[int, int] | None = None
+
+
+# ---------------------------------------------------------------- the condition
+
+
+Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
+
+
+def _chunks(n: int) -> str:
+    return f"{n} chunk{'s' if n != 1 else ''}"
+
+
+def _not_warm(results: Iterable[PromptResult]) -> str:
+    cold = [r for r in results if not r.warm]
+    shown = "; ".join(f"{r.source}: {r.why}" for r in cold[:4])
+    return shown + (f"; and {len(cold) - 4} more" if len(cold) > 4 else "")
+
+
+def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[ServerWarmth], cache_on: bool,
+                   vllm_uses_cache: bool) -> Verdict | None:
+    """The Warm condition: None when nothing is declared. Informational: it never holds Ready back
+    (a cold cache serves, only slower)."""
+    if prewarm is None or not prewarm.declared:
+        return None
+    if not cache_on:
+        return (None, "CacheDisabled", "the cache is off (see IdentityResolved): nothing is kept warm")
+    if not vllm_uses_cache:
+        return (None, "CacheBypassed", "vLLM runs without the cache (see CacheBypassed): nothing is kept warm until it "
+                "has it again")
+    n = len(listed.prompts)
+    problem = listed.problem
+    if n == 0 and problem is not None:
+        return (None if problem[0] == "ConfigMapNotRead" else False, problem[0], problem[1] + listed.note)
+    if not servers:
+        return (None, "NoServerReady", f"no lmcache server of this namespace id is Ready: {n} prompt(s) are warmed once one is")
+    serving = [s for s in servers if s.pair.vllm is not None]
+    idle = [s.pair.server.name for s in servers if s.pair.vllm is None]
+    skipped = (f"; not warmed: {', '.join(idle)} (no Ready vLLM pod of this namespace id on its node uses it)"
+               if idle and serving else "")
+    if not serving:
+        return (None, "WaitingForVLLM", f"no Ready vLLM pod of this namespace id runs beside a Ready lmcache server "
+                f"({', '.join(idle)}): lmcache loads a prefix only once a vLLM has registered its KV layout with the "
+                "server; warming starts then")
+    failed = [s for s in serving if s.current is not None and s.current.failure is not None and s.running is None]
+    pending = [s for s in serving if s.current is None or s.running is not None]
+    done = [s for s in serving if s.current is not None and s.current.complete and s.running is None]
+    tail = listed.note + skipped
+    if problem is not None and problem[0] != "ConfigMapNotRead":
+        warm = sum(s.current.warm for s in done if s.current)
+        return (False, problem[0], f"{problem[1]}; {warm} of {n * len(done)} (prompt, server) pairs warm" + tail)
+    if failed:
+        s = failed[0]
+        assert s.current is not None and s.current.failure is not None
+        reason, message = s.current.failure
+        more = f" (and {len(failed) - 1} more server(s))" if len(failed) > 1 else ""
+        return (None, reason, f"{s.pair.server.name}: {message}{more}; trying again every {FAILED_RETRY_S:.0f} s" + tail)
+    if pending or (problem is not None and problem[0] == "ConfigMapNotRead"):
+        parts = []
+        for s in pending:
+            k, of = s.running or (0, n)
+            parts.append(f"{k} of {of} prompts on {s.pair.server.name}")
+        parts += [f"{s.current.warm} of {n} on {s.pair.server.name}" for s in done if s.current]
+        why = f"; {problem[1]}" if problem else ""
+        return (False, "Warming", "warming after a start of an lmcache server or its vLLM pod, or a change of the list: "
+                + ", ".join(parts) + why + tail)
+    cold = [s for s in done if s.current and s.current.warm < n]
+    if cold:
+        s = cold[0]
+        assert s.current is not None
+        return (False, "PromptsNotWarm", f"{s.current.warm} of {n} prompts warm on {s.pair.server.name}, not warm: "
+                f"{_not_warm(s.current.results)}; tried again every {NOT_WARM_RETRY_S:.0f} s" + tail)
+    chunks = sum(r.chunks for s in done if s.current for r in s.current.results)
+    computed = sum(1 for s in done if s.current for r in s.current.results if r.computed)
+    how = f"; {computed} computed through vLLM, L2 lacking them" if computed else ""
+    return (True, "Warm", f"{n} of {n} prompts warm on every server ({len(done)} server(s), {_chunks(chunks)} in L1){how}"
+            + tail)

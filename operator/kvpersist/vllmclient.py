@@ -1,0 +1,127 @@
+"""Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize a prompt, complete one greedily.
+
+The operator asks vLLM only for what its own features need (the warm list's token ids, the
+correctness canary's greedy answer). vLLM is a peer like any other: every call has one deadline
+and a body cap (kvpersist.httpclient), and its answer is validated before anything uses it, so a
+slow, huge or malformed answer is a PeerError naming what was wrong, never a hang or a wrong figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvpersist import httpclient
+from kvpersist.httpclient import PeerError
+
+TOKENIZE_TIMEOUT_S = 10.0
+COMPLETE_TIMEOUT_S = 120.0  # one short greedy answer; a CPU test model or a busy GPU takes seconds
+MAX_TOKENS_BYTES = 16 * 2**20  # token ids of a long prompt as JSON: ~8 bytes a token, 1M tokens at most
+MAX_COMPLETION_BYTES = 2**20
+MAX_PROMPT_TOKENS = 1_000_000  # lmcache's own cap on a prefetch (cache_control/key_resolver.py)
+
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TokenizeAnswer(_Lenient):
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
+
+
+class _Choice(_Lenient):
+    token_ids: list[TokenId] = Field(max_length=4096)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class CompletionAnswer(_Lenient):
+    choices: list[_Choice] = Field(min_length=1, max_length=1)
+
+
+class VLLMAnswerError(PeerError):
+    """vLLM answered, but not usably: an HTTP error status (a prompt too long for maxModelLen, a
+    wrong API key, an unknown model name) or a body that is not the answer asked for. A plain
+    PeerError is a vLLM that could not be reached or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A greedy answer: the generated token ids (what the canary compares) and its text."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    # The key only ever travels in this header, to the pod it protects; never logged.
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _checked(reply: httpclient.Reply, what: str) -> bytes:
+    if not reply.ok:
+        detail = reply.body[:200].decode("utf-8", "replace").replace("\n", " ")
+        raise VLLMAnswerError(f"{what} answered HTTP {reply.status}: {detail}")
+    return reply.body
+
+
+def _parsed(body: bytes, model: type[M], what: str) -> M:
+    try:
+        return httpclient.parse(body, model)
+    except PeerError as exc:
+        raise VLLMAnswerError(f"{what} answered what is not its answer: {exc}") from None
+
+
+def tokenize(host: str, port: int, *, prompt: str | None = None, messages: list[Mapping[str, str]] | None = None,
+             add_generation_prompt: bool = False, api_key: str | None = None,
+             timeout: float = TOKENIZE_TIMEOUT_S) -> list[int]:
+    """The token ids vLLM's own tokenizer gives a prompt, or the chat template rendered over
+    messages (POST /tokenize): exactly the ids a later request of that text prefills, with the
+    pinned tokenizer and template of the pod that serves it."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("tokenize takes a prompt or messages, not both")
+    payload: dict[str, Any] = ({"prompt": prompt, "add_special_tokens": True} if prompt is not None else
+                               {"messages": list(messages or []), "add_generation_prompt": add_generation_prompt,
+                                "add_special_tokens": False})
+    reply = httpclient.post_json(host, port, "/tokenize", payload, timeout=timeout, max_bytes=MAX_TOKENS_BYTES,
+                                 headers=_headers(api_key))
+    return list(_parsed(_checked(reply, "/tokenize"), TokenizeAnswer, "/tokenize").tokens)
+
+
+# Per-request settings LMCache's connector (lmcache.integration.vllm.lmcache_mp_connector, the one
+# the operator configures) reads from kv_transfer_params: none of its KV offloaded, so nothing of
+# the request is stored (lmcache_mp_metadata.py: max_offload_tokens caps what is stored). Not part
+# of any cache key (request_configs compare=False in the IPC key).
+NO_STORE = {"lmcache.max_offload_tokens": 0}
+
+
+def complete(host: str, port: int, model: str, prompt: str | list[int], *, max_tokens: int,
+             cache_salt: str | None = None, store: bool = True, api_key: str | None = None,
+             timeout: float = COMPLETE_TIMEOUT_S) -> Completion:
+    """One greedy completion (temperature 0, no sampling seed needed) of a prompt, text or token
+    ids, returning the generated token ids. A cache_salt makes every cache key of the request its
+    own (vLLM's prefix cache and lmcache's keys both take it), so a fresh salt is a request that
+    nothing cached can serve: computed from scratch. store False: LMCache keeps nothing of it (a
+    salted request's KV would never be read again); only for a pod with LMCache's connector, since
+    vLLM without one logs a warning for every request that carries kv_transfer_params."""
+    payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                               "return_token_ids": True, "ignore_eos": True, "stream": False}
+    if cache_salt is not None:
+        payload["cache_salt"] = cache_salt
+    if not store:
+        payload["kv_transfer_params"] = dict(NO_STORE)
+    reply = httpclient.post_json(host, port, "/v1/completions", payload, timeout=timeout,
+                                 max_bytes=MAX_COMPLETION_BYTES, headers=_headers(api_key))
+    choice = _parsed(_checked(reply, "/v1/completions"), CompletionAnswer, "/v1/completions").choices[0]
+    # Fewer is an answer (a stop token of the model's generation config ends it, ignore_eos aside);
+    # more is not what was asked.
+    if len(choice.token_ids) > max_tokens:
+        raise VLLMAnswerError(f"/v1/completions gave {len(choice.token_ids)} token ids for max_tokens {max_tokens} "
+                              f"(finish_reason {choice.finish_reason!r})")
+    return Completion(tuple(choice.token_ids), choice.text)

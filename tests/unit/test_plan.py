@@ -1,0 +1,200 @@
+"""`kvpersist plan`'s pure parts (kvpersist.plancmd): the new id computed with the operator's code
+and the fingerprint status records (or the key read from another Secret), the fields that moved
+it, what the old id holds by the inventory, whether the new one already has data, the text and
+the JSON, and the exit status. The command against the real API server:
+tests/e2e/test_pin_change_plan.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist import cli, plancmd
+from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.controller.l2key import read as read_key
+from kvpersist.controller.l2key import unreadable
+from kvpersist.identity import key_fingerprint, resolve
+from tests.cases.invalid_manifests import sample
+
+FP = "0123456789abcdef"
+OTHER_KEY = bytes(range(32))
+REVISION = "1" * 40
+
+
+def _live(obj: dict[str, Any], volumes: list[dict[str, Any]] | None = None, fingerprint: str = FP) -> dict[str, Any]:
+    """obj as the API server would return it once served: status.namespaceId the id its spec
+    resolves to with the recorded key, status.l2Key, an inventory of the volumes given."""
+    spec = KVCacheNamespaceSpec.model_validate(obj["spec"])
+    served = resolve(spec.pins(fingerprint)).namespace_id
+    live = copy.deepcopy(obj)
+    live["metadata"].update({"namespace": "ml", "generation": 3})
+    live["spec"] = spec.model_dump(by_alias=True, exclude_none=True, mode="json")  # defaults applied, as stored
+    live["status"] = {"observedGeneration": 3, "namespaceId": served,
+                      "l2Key": {"secret": f"{obj['metadata']['name']}-l2-key", "generated": True, "fingerprint": fingerprint,
+                                "namespaceId": served},
+                      "hits": {"summary": "64.0% (5m)"}}
+    if volumes is not None:
+        live["status"]["inventory"] = {"measuredAt": "2026-01-01T00:00:00Z", "volumes": volumes}
+    return live
+
+
+def _share(namespace_id: str, size: int, objects: int) -> dict[str, Any]:
+    return {"namespaceId": namespace_id, "bytes": size, "objects": objects}
+
+
+def _plan(obj: dict[str, Any], live: dict[str, Any] | None, key: Any = None) -> plancmd.Plan:
+    return plancmd.compute("ml", obj["metadata"]["name"], KVCacheNamespaceSpec.model_validate(obj["spec"]), live, key)
+
+
+def test_the_same_spec_keeps_the_id_with_the_recorded_fingerprint() -> None:
+    obj = sample()
+    live = _live(obj, [])
+    plan = _plan(obj, live)
+    assert (plan.old_id, plan.new_id, plan.changed_fields, plan.code) == (live["status"]["namespaceId"],) * 2 + ([], 0)
+    assert plan.old_held is None and "(unchanged)" in plancmd.format_plan(plan)
+
+
+def test_a_revision_change_names_the_new_id_and_the_data_left_behind() -> None:
+    obj = sample()
+    old = _live(obj)["status"]["namespaceId"]
+    live = _live(obj, [{"location": "pvc/l2-a-0", "namespaces": [_share(old, 2**30 * 12 + 2**29, 300)]},
+                       {"location": "pvc/l2-a-1", "namespaces": [_share(old, 2**29, 156), _share("kvp-" + "e" * 32, 9, 1)]}])
+    new = copy.deepcopy(obj)
+    new["spec"]["identity"]["modelRevision"] = REVISION
+    plan = _plan(new, live)
+    want = resolve(KVCacheNamespaceSpec.model_validate(new["spec"]).pins(FP)).namespace_id
+    assert plan.new_id == want != old
+    assert plan.changed_fields == ["spec.identity.modelRevision"]
+    assert plan.old_held == (2**30 * 13, 456)  # both volumes' shares of the old id
+    assert plan.new_held == (0, 0) and plan.code == plancmd.CHANGES
+    text = plancmd.format_plan(plan)
+    assert f"{old} -> {want}" in text
+    assert f"{old}: 13Gi ({2**30 * 13} bytes) in 456 objects, hit rate 64.0% (5m)" in text
+    assert f"`kvpersist gc {old}`" in text and "it starts cold" in text
+
+
+def test_a_rollback_finds_the_new_id_already_on_the_volumes() -> None:
+    obj = sample()
+    new = copy.deepcopy(obj)
+    new["spec"]["identity"]["modelRevision"] = REVISION
+    earlier = resolve(KVCacheNamespaceSpec.model_validate(new["spec"]).pins(FP)).namespace_id
+    served = _live(obj)["status"]["namespaceId"]
+    live = _live(obj, [{"location": "pvc/l2-a-0", "namespaces": [_share(earlier, 3 * 2**20, 12), _share(served, 10, 1)]}])
+    plan = _plan(new, live)
+    assert plan.new_id == earlier and plan.new_held == (3 * 2**20, 12)
+    assert "3Mi (3145728 bytes) in 12 objects already on this resource's L2: served at once (a rollback)" in (
+        plancmd.format_plan(plan))
+
+
+def test_no_inventory_says_so_rather_than_zero() -> None:
+    obj = sample()
+    new = copy.deepcopy(obj)
+    new["spec"]["identity"]["maxModelLen"] = 8192
+    plan = _plan(new, _live(obj))
+    assert plan.old_held is None and plan.new_held is None
+    text = plancmd.format_plan(plan)
+    assert "its size not measured yet" in text and "not known (no inventory yet)" in text
+
+
+def test_an_image_tag_alone_is_no_change_and_a_tag_without_digest_turns_the_cache_off() -> None:
+    obj = sample()
+    live = _live(obj, [])
+    retagged = copy.deepcopy(obj)
+    retagged["spec"]["vllm"]["image"] = "mirror.example.com/v:1@" + obj["spec"]["vllm"]["image"].split("@")[1]
+    assert _plan(retagged, live).code == plancmd.UNCHANGED
+    untagged = copy.deepcopy(obj)
+    untagged["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0"
+    plan = _plan(untagged, live)
+    assert plan.new_id is None and plan.code == plancmd.CHANGES and plan.changed_fields == ["spec.vllm.image"]
+    assert plan.new_id_reason is not None and plan.new_id_reason.startswith("the cache turns off: spec.vllm.image is not pinned")
+    assert " -> none" in plancmd.format_plan(plan)
+
+
+def test_another_secret_is_read_or_the_id_is_unknown() -> None:
+    obj = sample()
+    live = _live(obj, [])
+    new = copy.deepcopy(obj)
+    new["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "team-key"}}
+    unread = _plan(new, live)
+    assert unread.unknown and unread.new_id is None and unread.code == plancmd.UNKNOWN
+    assert unread.changed_fields == ["spec.l2.encryption.keySecretRef.name", "spec.l2.encryption.keySecretRef.key"]
+    assert "Secret team-key key master-key" in (unread.new_id_reason or "")
+    forbidden = _plan(new, live, unreadable("team-key", "master-key", False, 403))
+    assert forbidden.code == plancmd.UNKNOWN and "403" in (forbidden.new_id_reason or "")
+    secret = {"metadata": {"name": "team-key"}, "data": {}}
+    readable = _plan(new, live, read_key(secret, "team-key", "master-key", "ml", False, OTHER_KEY))
+    spec = KVCacheNamespaceSpec.model_validate(new["spec"])
+    assert readable.new_id == resolve(spec.pins(key_fingerprint(OTHER_KEY))).namespace_id
+    assert readable.code == plancmd.CHANGES
+    # The same key in the other Secret: the fields changed, the id did not.
+    relive = _live(obj, [], fingerprint=key_fingerprint(OTHER_KEY))
+    kept = _plan(new, relive, read_key(secret, "team-key", "master-key", "ml", False, OTHER_KEY))
+    assert kept.code == plancmd.UNCHANGED and kept.changed_fields
+
+
+def test_plain_l2_needs_no_key() -> None:
+    obj = sample()
+    new = copy.deepcopy(obj)
+    new["spec"]["l2"]["encryption"] = {"enabled": False}
+    plan = _plan(new, _live(obj, []))
+    assert not plan.unknown and plan.new_id == resolve(KVCacheNamespaceSpec.model_validate(new["spec"]).pins()).namespace_id
+    assert plan.changed_fields == ["spec.l2.encryption.enabled"]
+
+
+def test_a_resource_not_created_yet() -> None:
+    obj = sample()
+    obj["spec"]["l2"]["encryption"] = {"enabled": False}
+    plan = _plan(obj, None)
+    assert not plan.exists and plan.new_id and plan.code == plancmd.CHANGES
+    assert "not created yet" in plancmd.format_plan(plan)
+
+
+def test_another_resource_serving_the_old_id_keeps_it_from_being_an_orphan() -> None:
+    obj = sample()
+    new = copy.deepcopy(obj)
+    new["spec"]["identity"]["modelRevision"] = REVISION
+    plan = _plan(new, _live(obj, []))
+    plan.still_used_by = ["KVCacheNamespace ml/twin"]
+    text = plancmd.format_plan(plan)
+    assert "still served by KVCacheNamespace ml/twin" in text and "orphan" not in text
+
+
+def test_a_stale_status_is_said() -> None:
+    obj = sample()
+    live = _live(obj, [])
+    live["metadata"]["generation"] = 4
+    assert "has not caught up" in plancmd.format_plan(_plan(obj, live))
+
+
+def test_json() -> None:
+    obj = sample()
+    old = _live(obj)["status"]["namespaceId"]
+    new = copy.deepcopy(obj)
+    new["spec"]["identity"]["modelRevision"] = REVISION
+    out = plancmd.plan_json(_plan(new, _live(obj, [{"location": "pvc/x", "namespaces": [_share(old, 5, 2)]}])))
+    assert json.loads(json.dumps(out)) == out
+    assert out["oldId"] == old and out["oldHeld"] == {"bytes": 5, "objects": 2} and out["newHeld"] == {"bytes": 0, "objects": 0}
+    assert out["changedFields"] == ["spec.identity.modelRevision"] and out["moves"] is True and out["exitCode"] == 2
+    assert {"namespace", "name", "exists", "newId", "newIdReason", "unknown", "oldHits", "stillUsedBy", "staleStatus"} <= set(out)
+
+
+@pytest.mark.parametrize(("codes", "want"), [([], 0), ([0, 0], 0), ([0, 2], 2), ([2, 3, 0], 3), ([3, 1], 1)])
+def test_exit_code(codes: list[int], want: int) -> None:
+    assert plancmd.exit_code(codes) == want
+
+
+def test_a_file_without_a_kvcachenamespace_is_an_error_before_any_api_call(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "cm.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert cli.main(["plan", "-f", str(path)]) == 1
+    assert "no KVCacheNamespace" in capsys.readouterr().err
+    path.write_text("a: [")
+    assert cli.main(["plan", "-f", str(path)]) == 1
+    assert cli.main(["plan", "-f", str(tmp_path / "missing.yaml")]) == 1
+    path.write_text(json.dumps(sample()))
+    assert cli.main(["plan", "-f", str(path), "--kubeconfig", str(tmp_path / "no-kubeconfig")]) == 1
+    assert "no cluster to ask" in capsys.readouterr().err

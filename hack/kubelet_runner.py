@@ -431,8 +431,9 @@ class Runner:
         uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
         states = [self.containers[f"{uid}/{s['name']}"] for s in pod["spec"]["containers"]]
         simulated = "; ".join(sorted({c.simulated for c in states if c.simulated}))
-        if simulated and pod["metadata"].get("annotations", {}).get(SIMULATED) != simulated:
-            self._kubectl("annotate", "pod", name, "--overwrite", f"{SIMULATED}={simulated}")
+        if (simulated and pod["metadata"].get("annotations", {}).get(SIMULATED) != simulated
+                and not self._patch_pod(pod, {"metadata": {"annotations": {SIMULATED: simulated}}})):
+            return
         ready = tuple((c.name, c.ready, c.restarts, c.last_exit) for c in states)
         if self.reported.get(uid) == ready:
             return
@@ -447,10 +448,27 @@ class Runner:
                      **({"lastState": {"terminated": {"exitCode": last[0], "reason": "Error" if last[0] else "Completed",
                                                       "message": last[1], "finishedAt": stamp}}} if last else {})}
                     for n, r, restarts, last in ready]
-        patch = {"status": {"conditions": conditions, "containerStatuses": statuses}}
-        self._kubectl("patch", "pod", name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+        if not self._patch_pod(pod, {"status": {"conditions": conditions, "containerStatuses": statuses}}, "status"):
+            return
         self.reported[uid] = ready
         print(f"[runner] {self.namespace}/{name} ready={all_ready} {ready}", file=sys.stderr, flush=True)
+
+    def _patch_pod(self, pod: dict, patch: dict, subresource: str | None = None) -> bool:
+        """Patches this pod and no other: a kubelet writes by uid, while a name may already belong
+        to the pod that replaced it (a StatefulSet's pod deleted and made again between this round's
+        listing and its write). The uid in the patch is the precondition: the API server refuses
+        to change it (field is immutable), so a namesake is never given this pod's container
+        states (a refused build's lastState would then outlive the pod that refused)."""
+        meta = pod["metadata"]
+        body = {**patch, "metadata": {**patch.get("metadata", {}), "uid": meta["uid"]}}
+        try:
+            self._kubectl("patch", "pod", meta["name"], *([f"--subresource={subresource}"] if subresource else []),
+                          "--type=merge", "-p", json.dumps(body))
+        except subprocess.CalledProcessError as exc:  # gone, or another pod of its name now: the next sync sees
+            print(f"[runner] not patching {self.namespace}/{meta['name']} (uid {meta['uid']}): "
+                  f"{(exc.stderr or '').strip()[:300]}", file=sys.stderr, flush=True)
+            return False
+        return True
 
     def stop(self, key: str, sig: int = signal.SIGTERM) -> None:
         c = self.containers.pop(key, None)

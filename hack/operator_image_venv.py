@@ -15,6 +15,7 @@ reinstalled (--no-deps) on every call, so the venv always runs this tree's code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,7 +199,18 @@ def _pip(venv: Path, args: list[str], cwd: Path) -> None:
 
 
 def ensure(dockerfile: Path = DOCKERFILE) -> Path:
-    """The venv's path: built the first time for this dependency set, the project reinstalled each time."""
+    """The venv's path: built the first time for this dependency set, the project reinstalled each time.
+    Nothing holds it afterwards: a caller that runs things in it while another run may reinstall
+    (the unit tier beside the lowest-versions tier) uses `using`."""
+    with using(dockerfile) as venv:
+        return venv
+
+
+@contextlib.contextmanager
+def using(dockerfile: Path = DOCKERFILE) -> Iterator[Path]:
+    """ensure()'s venv, held with a shared lock until the block ends: another run's reinstall of the
+    project (a --force-reinstall removes the package's files before writing them again) waits
+    for it, so a command in the venv never finds the package half there."""
     image = parse(dockerfile.read_text())
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvpersist-image-ctx-") as tmp:
@@ -205,7 +218,8 @@ def ensure(dockerfile: Path = DOCKERFILE) -> Path:
         lay_out(image, context)
         key = hashlib.sha256(json.dumps(declared(image, context), sort_keys=True).encode()).hexdigest()[:12]
         venv = CACHE / f"image-{key}"
-        with (CACHE / f"image-{key}.lock").open("w") as lock:
+        lock = (CACHE / f"image-{key}.lock").open("w")
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two runs at once must not fill or reinstall one venv together
             if not (venv / ".complete").exists():
                 print(f"[image-venv] creating {venv}: what {dockerfile.relative_to(REPO)} installs", file=sys.stderr)
@@ -219,7 +233,16 @@ def ensure(dockerfile: Path = DOCKERFILE) -> Path:
                     local = [a for a in args if _local_project(a, context) is not None]
                     if local:
                         _pip(venv, ["--no-deps", "--force-reinstall", *local], context)
-    return venv
+        except BaseException:
+            lock.close()
+            raise
+    try:
+        # Not atomic (flock drops the exclusive lock first): a reinstall waiting for it may run now,
+        # and this call then waits for it to end; either way the block runs on a whole package.
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        yield venv
+    finally:
+        lock.close()
 
 
 def main() -> int:

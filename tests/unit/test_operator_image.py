@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,10 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 @pytest.fixture(scope="module")
-def venv() -> Path:
-    return operator_image_venv.ensure()
+def venv() -> Iterator[Path]:
+    """Held for the module: the lowest-versions tier, beside this one, reinstalls the project in it too."""
+    with operator_image_venv.using() as path:
+        yield path
 
 
 def in_image(venv: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -63,26 +64,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _render_or_write(args: argparse.Namespace, render: Callable[[], str], write: Callable[[Path], list[Path]]) -> int:
+    """`--write` writes the generated files under `--root` and names them; otherwise one rendering goes to stdout."""
+    if args.write:
+        for path in write(Path(args.root)):
+            print(f"wrote {path}")
+    else:
+        sys.stdout.write(render())
+    return 0
+
+
 def _crd(args: argparse.Namespace) -> int:
     from kvpersist.api.crd import render_crd, write_crds
 
-    if args.write:
-        for path in write_crds(Path(args.root)):
-            print(f"wrote {path}")
-    else:
-        sys.stdout.write(render_crd())
-    return 0
+    return _render_or_write(args, render_crd, write_crds)
 
 
 def _pin_change_policy(args: argparse.Namespace) -> int:
     from kvpersist.api.pinchange import render_config, write
 
-    if args.write:
-        for path in write(Path(args.root)):
-            print(f"wrote {path}")
-    else:
-        sys.stdout.write(render_config())
-    return 0
+    return _render_or_write(args, render_config, write)
 
 
 def _admin(args: argparse.Namespace) -> int:

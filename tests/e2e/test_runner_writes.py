@@ -51,3 +51,6 @@ def test_a_status_written_for_a_deleted_pod_never_lands_on_its_namesake(kubectl:
     assert runner._patch_pod(new, refused, "status") is True
     written = kubectl.get("pod", "server-0", namespace)["status"]["containerStatuses"][0]
     assert written["lastState"]["terminated"]["exitCode"] == EXIT_CODE
+    # No kubelet ends this pod's deletion: gone now, the namespace's teardown does not wait out its grace period.
+    kubectl.run("delete", "pod", "server-0", "-n", namespace, "--grace-period=0", "--force", "--wait=true",
+                "--timeout=30s")

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpersist import httpclient
-from kvpersist.httpclient import Count, PeerError
+from kvpersist.httpclient import Count, M, PeerError
 
 PATH = "/server/prefetch"  # the agent's route (kvpersist.inventory.agent), the resource's token required
 MAX_TOKENS = 262_144  # one prompt's token ids (kvpersist.status.prewarm.MAX_PROMPT_TOKENS)
@@ -133,6 +133,14 @@ class _Failed(Exception):
         self.code, self.message = code, message
 
 
+def _parse(reply: httpclient.Reply, model: type[M], what: str) -> M:
+    """lmcache's answer as `model`; one that is not is lmcache's failure (502), never ours."""
+    try:
+        return httpclient.parse(reply.body, model)
+    except PeerError as exc:
+        raise _Failed(502, f"{what}: {exc}") from None
+
+
 class Prefetcher:
     """Submits and polls lmcache's warm prefetch on the pod's loopback; at most AT_ONCE at a time."""
 
@@ -167,10 +175,7 @@ class Prefetcher:
             raise _Failed(_peer_code(exc), f"lmcache /status: {exc}") from None
         if not reply.ok:
             raise _Failed(502, f"lmcache /status answered HTTP {reply.status}: {_detail(reply)}")
-        try:
-            status = httpclient.parse(reply.body, _Status)
-        except PeerError as exc:
-            raise _Failed(502, f"lmcache /status: {exc}") from None
+        status = _parse(reply, _Status, "lmcache /status")
         found = {(r.model_name, r.world_size) for r in (*status.non_cuda_context_meta.values(),
                                                          *status.cache_context_meta.values())}
         return [Layout(model_name=m, world_size=w) for m, w in sorted(found)[:MAX_LAYOUTS]]
@@ -204,10 +209,7 @@ class Prefetcher:
             raise _Failed(reply.status, f"lmcache /cache/prefetches answered {reply.status}: {_detail(reply)}")
         if reply.status not in (200, 202):
             raise _Failed(502, f"lmcache /cache/prefetches answered HTTP {reply.status}: {_detail(reply)}")
-        try:
-            submitted = httpclient.parse(reply.body, _Submitted)
-        except PeerError as exc:
-            raise _Failed(502, f"lmcache /cache/prefetches: {exc}") from None
+        submitted = _parse(reply, _Submitted, "lmcache /cache/prefetches")
         if submitted.status == "noop":
             return None
         if submitted.request_id is None:
@@ -226,10 +228,7 @@ class Prefetcher:
                 raise _Failed(502, f"lmcache {path}: the job is gone before it was seen complete")
             if polled.status != 200:
                 raise _Failed(502, f"lmcache {path} answered HTTP {polled.status}: {_detail(polled)}")
-            try:
-                state = httpclient.parse(polled.body, _Polled)
-            except PeerError as exc:
-                raise _Failed(502, f"lmcache {path}: {exc}") from None
+            state = _parse(polled, _Polled, f"lmcache {path}")
             if state.status == "pending":
                 continue
             found, total = state.found_keys, state.total_keys

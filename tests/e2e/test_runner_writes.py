@@ -29,6 +29,11 @@ def _pod(kubectl: Kubectl, ns: str) -> dict:
     return kubectl.get("pod", "server-0", ns)
 
 
+def _force_delete(kubectl: Kubectl, ns: str) -> None:
+    """No kubelet ends this pod's graceful deletion: it would wait for good."""
+    kubectl.run("delete", "pod", "server-0", "-n", ns, "--grace-period=0", "--force", "--wait=true", "--timeout=30s")
+
+
 def test_a_status_written_for_a_deleted_pod_never_lands_on_its_namesake(kubectl: Kubectl, namespace: str,
                                                                          tmp_path: Path) -> None:
     runner = Runner(kubectl.kubeconfig, namespace, tmp_path, kubectl=str(bin_dir() / "kubectl"), lmcache="lmcache")
@@ -36,8 +41,7 @@ def test_a_status_written_for_a_deleted_pod_never_lands_on_its_namesake(kubectl:
         "name": "lmcache-server", "image": "x", "imageID": "", "ready": False, "restartCount": 3,
         "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": f"{MISMATCH_PREFIX} lmcache 0.5.6 is installed"}}}]}}
     old = _pod(kubectl, namespace)
-    kubectl.run("delete", "pod", "server-0", "-n", namespace, "--grace-period=0", "--force", "--wait=true",
-                "--timeout=30s")  # no kubelet to finish a graceful deletion
+    _force_delete(kubectl, namespace)
     new = _pod(kubectl, namespace)
     assert new["metadata"]["uid"] != old["metadata"]["uid"]
 
@@ -51,6 +55,4 @@ def test_a_status_written_for_a_deleted_pod_never_lands_on_its_namesake(kubectl:
     assert runner._patch_pod(new, refused, "status") is True
     written = kubectl.get("pod", "server-0", namespace)["status"]["containerStatuses"][0]
     assert written["lastState"]["terminated"]["exitCode"] == EXIT_CODE
-    # No kubelet ends this pod's deletion: gone now, the namespace's teardown does not wait out its grace period.
-    kubectl.run("delete", "pod", "server-0", "-n", namespace, "--grace-period=0", "--force", "--wait=true",
-                "--timeout=30s")
+    _force_delete(kubectl, namespace)  # gone now: the namespace's teardown does not wait on it

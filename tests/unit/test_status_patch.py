@@ -306,6 +306,25 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     assert second["budget"] is None and second["hits"]["window"] is not None
 
 
+def test_refresh_of_a_spec_the_models_refuse_writes_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the schema let in and the models refuse (a stale CRD, or the two disagreeing; CI's fuzz
+    found one) is written as Failed / InvalidSpec naming the field, through the whole refresh round.
+    It crashed the round once (a name bound only for a readable spec), so the resource never got a
+    status and kopf retried it forever."""
+    body = sample("nvme-minimal")
+    body["metadata"].update(namespace="ml", uid="u1", generation=3)
+    body["status"] = {"phase": "Ready", "observedGeneration": 2}  # the last spec was readable
+    body["spec"]["l2"]["nvme"]["maxCapacityGB"] = 0  # the models want more than 0
+    api = FakeApi(monkeypatch, [_report("s-0", 2048)])
+    refresh.refresh_status(body, Seen(), LOG)
+    assert len(api.patches) == 1
+    written = api.patches[0]
+    assert written["phase"] == "Failed" and written["observedGeneration"] == 3
+    ready = [c for c in written["conditions"] if c["type"] == "Ready"]
+    assert len(ready) == 1 and ready[0]["status"] == "False" and ready[0]["reason"] == "InvalidSpec"
+    assert "spec.l2.nvme.maxCapacityGB" in ready[0]["message"]
+
+
 # ---------------------------------------------------------------- production: never crash the loop
 
 

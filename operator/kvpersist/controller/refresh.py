@@ -656,9 +656,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     generation = meta.get("generation")
     try:
         target, resolution = _target(body)
-    except ValidationError as exc:
+    except ValidationError as exc:  # the models refuse what the schema let in: Failed, InvalidSpec
         fields, conds = failed_status(generation, api.validation_message(exc))
-        reports, inventory = [], None
+        reports, inventory, shared = [], None, False
     else:
         refused = _refusal(target)
         if refused is None and state.refused is not None:
@@ -710,6 +710,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         # Otherwise the last record stays as it is: the data stored under that key needs it back.
         reports = observation.reports
         inventory = observation.inventory
+        shared = target.shared
         if target.cache_enabled:
             conds = _cache_fallback(key, body, conds, generation, logger)
             conds = _build_bypassed(key, target, conds, generation)
@@ -737,7 +738,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields, conds = refused_status(fields, conds, shown, generation)
     metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
-    new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=target.shared)
+    new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=shared)
     if new_status is not None:
         new_status = _write_status(meta, new_status, logger)  # raises when the API server refuses it
     # Reached only when the status now stands in the API server: the resource's series, and its

@@ -118,6 +118,40 @@ def test_the_api_server_and_the_models_refuse_the_same_characters(kubectl: Kubec
     assert len(chars) >= 4 * len(FORBIDDEN)
 
 
+# (field, value, whether it is valid beside the sample's maxCapacityGB 450): a quantity in either of
+# the forms Kubernetes takes, a number or a string, within and outside the rules that compare it.
+QUANTITY_PROBES = [
+    ("size", 536870912000, True), ("size", "500Gi", True), ("size", 1000, False), ("size", "1000", False),
+    ("budget", 1073741824, True), ("budget", "1Gi", True), ("budget", 1000, False), ("budget", "1000", False),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), QUANTITY_PROBES, ids=[f"{f}={v!r}" for f, v, _ in QUANTITY_PROBES])
+def test_the_api_server_and_the_models_judge_a_quantity_alike_as_a_number_or_a_string(
+        kubectl: Kubectl, crd: None, namespace: str, field: str, value: int | str, valid: bool) -> None:
+    """spec.l2.nvme.size and budget are int-or-string, as every Kubernetes quantity: a rule that
+    reads them must take both. The rules once called quantity() on the number itself, so the API
+    server refused `size: 536870912000` with "no such overload" under a rule telling the user to
+    raise size, where the models accepted it."""
+    obj = sample()
+    obj["metadata"].update(name="quantity", namespace=namespace)
+    obj["spec"]["l2"]["nvme"][field] = value
+    out = kubectl.apply(obj, "--dry-run=server", check=False)
+    try:
+        KVCacheNamespace.model_validate(obj)
+        by_models = None
+    except ValidationError as exc:
+        by_models = validation_message(exc)
+    if valid:
+        assert out.returncode == 0, out.stderr
+        assert by_models is None, by_models
+    else:
+        assert out.returncode != 0 and "is invalid" in out.stderr, out.stderr
+        assert "no such overload" not in out.stderr, out.stderr
+        assert f"spec.l2.nvme.{field}" in out.stderr or "raise size" in out.stderr, out.stderr
+        assert by_models is not None and "spec.l2.nvme" in by_models, by_models
+
+
 def test_runtime_class_defaults_to_nvidia_and_an_empty_one_is_kept(kubectl: Kubectl, crd: None, namespace: str) -> None:
     """The NVIDIA GPU Operator's RuntimeClass by default; "" (the node's default runtime) must
     survive `kubectl apply` and the schema's defaulting (a null does not: kubectl drops it)."""

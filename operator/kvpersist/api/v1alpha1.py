@@ -278,7 +278,7 @@ class NVMe(_Model):
                 cel("!has(self.storageClassName) || has(self.size)",
                     "storageClassName applies to a new claim: set size with it, or drop it with existingClaimName",
                     field_path=".storageClassName"),
-                cel("!has(self.size) || quantity(self.size).asApproximateFloat() >= self.maxCapacityGB * 1073741824.0",
+                cel("!has(self.size) || quantity(string(self.size)).asApproximateFloat() >= self.maxCapacityGB * 1073741824.0",
                     "maxCapacityGB must fit in the claim: lower maxCapacityGB or raise size", field_path=".maxCapacityGB"),
                 cel("has(self.size) == has(oldSelf.size) && (!has(self.size) || self.size == oldSelf.size)",
                     "size is fixed once set (claims are made from it and keep their data): create a new KVCacheNamespace "
@@ -289,8 +289,8 @@ class NVMe(_Model):
                     field_path=".storageClassName"),
                 cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
                     "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
-                cel("!has(self.budget) || (quantity(self.budget).asApproximateFloat() >= 1048576.0 && "
-                    "quantity(self.budget).asApproximateFloat() <= self.maxCapacityGB * 1073741824.0)",
+                cel("!has(self.budget) || (quantity(string(self.budget)).asApproximateFloat() >= 1048576.0 && "
+                    "quantity(string(self.budget)).asApproximateFloat() <= self.maxCapacityGB * 1073741824.0)",
                     "budget must be at least 1Mi and at most maxCapacityGB", field_path=".budget"),
                 cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
                     "the fs adapter has no capacity to hold a budget to: use adapter nixl_store_dynamic", field_path=".budget"),

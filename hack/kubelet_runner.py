@@ -25,7 +25,7 @@ network would do, and nothing else, is mapped:
   - a container's termination message (kvpersist.builders.buildcheck's refusal) is a file of the pod's
     folder named by KVPERSIST_TERMINATION_LOG (the stand-in for /dev/termination-log), reported
     with the exit code as the container's lastState, as a kubelet does;
-  - env from Secrets is resolved with kubectl, and a Secret volume becomes files (its items, its
+  - env from Secrets is resolved by reading the Secret, and a Secret volume becomes files (its items, its
     mode) in a folder of the pod's; an image's own environment (the vLLM CPU build's
     settings) sits under the pod's, which wins, as in a container;
   - each pod gets its own /etc/hosts (a private mount namespace, as a kubelet manages a pod's
@@ -58,7 +58,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPException, HTTPSConnection
 from pathlib import Path
+from typing import Any
 
 REAL_NODE = "real-gpu-0"
 SECOND_NODE = "real-gpu-1"  # hack/localcluster.py's second real node (tests across nodes)
@@ -117,6 +119,114 @@ def flag_value(args: list[str], flag: str) -> str | None:
         if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+# kubectl's names for the kinds the runner and the e2e tests read -> (API path prefix, plural, namespaced).
+RESOURCES: dict[str, tuple[str, str, bool]] = {}
+for _names, _prefix, _plural, _namespaced in (
+        (("pod", "pods", "po"), "/api/v1", "pods", True),
+        (("service", "services", "svc"), "/api/v1", "services", True),
+        (("persistentvolumeclaim", "persistentvolumeclaims", "pvc"), "/api/v1", "persistentvolumeclaims", True),
+        (("secret", "secrets"), "/api/v1", "secrets", True),
+        (("configmap", "configmaps", "cm"), "/api/v1", "configmaps", True),
+        (("event", "events", "ev"), "/api/v1", "events", True),
+        (("serviceaccount", "serviceaccounts", "sa"), "/api/v1", "serviceaccounts", True),
+        (("node", "nodes", "no"), "/api/v1", "nodes", False),
+        (("persistentvolume", "persistentvolumes", "pv"), "/api/v1", "persistentvolumes", False),
+        (("namespace", "namespaces", "ns"), "/api/v1", "namespaces", False),
+        (("statefulset", "statefulsets", "sts"), "/apis/apps/v1", "statefulsets", True),
+        (("deployment", "deployments", "deploy"), "/apis/apps/v1", "deployments", True),
+        (("kvcachenamespace", "kvcachenamespaces", "kvns"), "/apis/kvpersist.dev/v1alpha1", "kvcachenamespaces", True)):
+    for _name in _names:
+        RESOURCES[_name] = (_prefix, _plural, _namespaced)
+
+
+class ApiError(Exception):
+    """The API server answered a read with an error status (the body's message in the text)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class ApiReader:
+    """Reads (GET) from the API server with a kubeconfig's own credentials over one kept-alive
+    connection per thread: what `kubectl get -o json` returns, without a process per call. Each
+    kubectl call costs about 0.1 s of CPU, and a runner reads pods and Services every second (a
+    kubelet watches instead), as the e2e tests' waits poll: on two cores that was a fifth of the
+    machine. Only JSON kubeconfigs with a client certificate and key, or a token (what
+    hack/localcluster.py and tests/e2e/kube.py write), are read; ValueError otherwise (the caller
+    keeps kubectl)."""
+
+    def __init__(self, kubeconfig: Path, timeout: float = 30.0) -> None:
+        import ssl
+        import threading
+        from urllib.parse import urlsplit
+
+        config = json.loads(Path(kubeconfig).read_text())
+        context = next(c["context"] for c in config["contexts"] if c["name"] == config["current-context"])
+        cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+        user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
+        url = urlsplit(cluster["server"])
+        if url.scheme != "https" or not cluster.get("certificate-authority"):
+            raise ValueError(f"{kubeconfig}: not an https server with a CA file")
+        self.default_namespace = context.get("namespace") or "default"
+        self._ssl = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self._headers = {"Accept": "application/json"}
+        if user.get("client-certificate") and user.get("client-key"):
+            self._ssl.load_cert_chain(user["client-certificate"], user["client-key"])
+        elif user.get("token"):
+            self._headers["Authorization"] = f"Bearer {user['token']}"
+        else:
+            raise ValueError(f"{kubeconfig}: neither a client certificate file nor a token")
+        self._host, self._port, self._timeout = url.hostname, url.port or 443, timeout
+        self._local = threading.local()
+
+    def _connection(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = HTTPSConnection(self._host, self._port, timeout=self._timeout,
+                                                                  context=self._ssl)
+        return conn
+
+    def get(self, path: str) -> dict:
+        """The object or list at path, as JSON; ApiError for an error status (404: not found)."""
+        for attempt in (0, 1):  # a kept-alive connection the server closed is opened again, once
+            conn = self._connection()
+            try:
+                conn.request("GET", path, headers=self._headers)
+                response = conn.getresponse()
+                body = response.read()
+                break
+            except (HTTPException, OSError):
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+        if response.status != 200:
+            try:
+                message = json.loads(body).get("message") or body[:300].decode(errors="replace")
+            except ValueError:
+                message = body[:300].decode(errors="replace")
+            raise ApiError(response.status, message)
+        return json.loads(body)
+
+    def path(self, kind: str, name: str | None = None, namespace: str | None = None) -> str:
+        """The API path of `kubectl get KIND [NAME] [-n NAMESPACE]`; KeyError for a kind not in RESOURCES."""
+        prefix, plural, namespaced = RESOURCES[kind.lower()]
+        where = f"/namespaces/{namespace or self.default_namespace}" if namespaced else ""
+        return f"{prefix}{where}/{plural}" + (f"/{name}" if name else "")
+
+    def kubectl_get(self, kind: str, name: str | None = None, namespace: str | None = None) -> dict:
+        """`kubectl get KIND [NAME] [-n NAMESPACE] -o json`: a list's items carry their apiVersion and
+        kind, as kubectl prints them."""
+        found = self.get(self.path(kind, name, namespace))
+        if name is None:
+            item_kind = str(found.get("kind", "")).removesuffix("List")
+            for item in found.get("items") or []:
+                item.setdefault("apiVersion", found.get("apiVersion"))
+                item.setdefault("kind", item_kind)
+        return found
 
 
 def is_ready(pod: dict) -> bool:
@@ -232,6 +342,7 @@ class Runner:
     containers: dict[str, Container] = field(default_factory=dict)  # "<pod uid>/<container>"
     names: dict[str, str] = field(default_factory=dict)  # "<pod uid>/<container>" -> pod name
     reported: dict[str, tuple] = field(default_factory=dict)  # pod uid -> readiness last patched
+    _reader: Any = None  # ApiReader once made; False where the kubeconfig needs kubectl
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -244,6 +355,21 @@ class Runner:
 
     def _kubectl_json(self, *args: str) -> dict:
         return json.loads(self._kubectl(*args, "-o", "json"))
+
+    def _read(self, kind: str, name: str | None = None) -> dict:
+        """`kubectl get KIND [NAME] -o json` in this namespace, by ApiReader when the kubeconfig
+        allows (a missing object: CalledProcessError, as kubectl's exit would be)."""
+        if self._reader is None:
+            try:
+                self._reader = ApiReader(self.kubeconfig)
+            except (ValueError, KeyError, OSError, StopIteration):
+                self._reader = False
+        if not self._reader:
+            return self._kubectl_json("get", kind, *([name] if name else []))
+        try:
+            return self._reader.kubectl_get(kind, name, self.namespace)
+        except (ApiError, OSError, ValueError, HTTPException) as exc:  # unreachable, refused, not found
+            raise subprocess.CalledProcessError(1, ["GET", kind, name or ""], stderr=str(exc)) from None
 
     def shared(self, claim: str) -> bool:
         """Whether a claim is a shared filesystem (a many-node access mode): one folder for every node."""
@@ -269,7 +395,7 @@ class Runner:
         path = self.workdir / "secrets" / self.namespace / pod["metadata"]["name"] / volume
         path.mkdir(parents=True, exist_ok=True)
         path.chmod(0o700)
-        data = self._kubectl_json("get", "secret", source["secretName"]).get("data") or {}
+        data = self._read("secret", source["secretName"]).get("data") or {}
         items = source.get("items") or [{"key": k, "path": k} for k in data]
         for item in items:
             target = path / item["path"]
@@ -292,7 +418,7 @@ class Runner:
                 env[item["name"]] = item["value"]
             elif "secretKeyRef" in item.get("valueFrom", {}):
                 ref = item["valueFrom"]["secretKeyRef"]
-                secret = self._kubectl_json("get", "secret", ref["name"])
+                secret = self._read("secret", ref["name"])
                 env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
             elif "fieldRef" in item.get("valueFrom", {}) and pod is not None:  # the downward API's few fields
                 path = item["valueFrom"]["fieldRef"]["fieldPath"]
@@ -360,7 +486,7 @@ class Runner:
         env = self._env(spec, pod)
         if any("persistentVolumeClaim" in v for v in pod["spec"].get("volumes", [])):  # which of its claims are shared
             self.claim_modes = {c["metadata"]["name"]: c["spec"].get("accessModes") or []
-                                for c in self._kubectl_json("get", "persistentvolumeclaims")["items"]}
+                                for c in self._read("persistentvolumeclaims")["items"]}
         termination = self.termination_file(key)
         termination.unlink(missing_ok=True)  # each run starts without a message, as under a kubelet
         env[TERMINATION_LOG_ENV] = str(termination)
@@ -376,8 +502,8 @@ class Runner:
 
     def sync(self) -> None:
         """One kubelet round: start what should run, stop what should not, probe, report."""
-        pods = self._kubectl_json("get", "pods")["items"]
-        services = self._kubectl_json("get", "services")["items"]
+        pods = self._read("pods")["items"]
+        services = self._read("services")["items"]
         mine = [p for p in pods if p["spec"].get("nodeName") == self.node]
         live = {p["metadata"]["uid"]: p for p in mine if p.get("status", {}).get("phase") == "Running"
                 and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")}

@@ -280,11 +280,15 @@ def start(comp: Component, pki: Path) -> None:
 
 # Requests of ServiceAccounts outside kube-system (an operator run with a chart's credentials),
 # at Metadata level: the user, verb, resource, status code and the authorizer's decision, no bodies.
+# Each request is logged when it completes (ResponseComplete); a watch also when it starts
+# (ResponseStarted), since it completes only when the server ends it, minutes later, and a count of
+# reads must see the watches a window opened (tests/e2e/test_idle_reads.py).
 AUDIT_POLICY = {
-    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived", "ResponseStarted"],
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
     "rules": [
         {"level": "None", "userGroups": ["system:serviceaccounts:kube-system"]},
-        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"], "verbs": ["watch"]},
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"], "omitStages": ["ResponseStarted"]},
         {"level": "None"},
     ],
 }

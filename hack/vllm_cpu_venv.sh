@@ -59,7 +59,7 @@ wheels="$CACHE/wheels/sha256-$TORCH_SHA256"
 if ! echo "$TORCH_SHA256  $wheels/$TORCH_WHEEL" | sha256sum -c --status 2>/dev/null; then
   log "downloading $TORCH_WHEEL from the package index"
   rm -rf "$wheels" && mkdir -p "$wheels"
-  PIP_FIND_LINKS= "$VENV/bin/pip" download -q --no-input --no-deps --only-binary=:all: \
+  PIP_FIND_LINKS='' "$VENV/bin/pip" download -q --no-input --no-deps --only-binary=:all: \
     --python-version 3.11 --platform manylinux_2_28_x86_64 "torch==$TORCH_VERSION" -d "$wheels" >&2
   echo "$TORCH_SHA256  $wheels/$TORCH_WHEEL" | sha256sum -c --status \
     || { log "$wheels/$TORCH_WHEEL does not have the declared sha256 $TORCH_SHA256; refusing it"; rm -rf "$wheels"; exit 1; }

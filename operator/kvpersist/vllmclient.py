@@ -1,9 +1,10 @@
 """Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize a prompt, complete one greedily.
 
 The operator asks vLLM only for what its own features need (the warm list's token ids, the
-correctness canary's greedy answer). vLLM is a peer like any other: every call has one deadline
-and a body cap (kvpersist.httpclient), and its answer is validated before anything uses it, so a
-slow, huge or malformed answer is a PeerError naming what was wrong, never a hang or a wrong figure.
+correctness canary's greedy answer and the /metrics counters around it). vLLM is a peer like any
+other: every call has one deadline and a body cap (kvpersist.httpclient), and its answer is
+validated before anything uses it, so a slow, huge or malformed answer is a PeerError naming what
+was wrong, never a hang or a wrong figure.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpersist import httpclient
-from kvpersist.httpclient import PeerError
+from kvpersist.httpclient import Count, PeerError
 
 TOKENIZE_TIMEOUT_S = 10.0
 COMPLETE_TIMEOUT_S = 120.0  # one short greedy answer; a CPU test model or a busy GPU takes seconds
@@ -41,8 +42,13 @@ class _Choice(_Lenient):
     finish_reason: str | None = None
 
 
+class _Usage(_Lenient):
+    prompt_tokens: Count | None = None
+
+
 class CompletionAnswer(_Lenient):
     choices: list[_Choice] = Field(min_length=1, max_length=1)
+    usage: _Usage | None = None
 
 
 class VLLMAnswerError(PeerError):
@@ -53,10 +59,12 @@ class VLLMAnswerError(PeerError):
 
 @dataclass(frozen=True)
 class Completion:
-    """A greedy answer: the generated token ids (what the canary compares) and its text."""
+    """A greedy answer: the generated token ids (what the canary compares), its text, and the
+    prompt's tokens as vLLM counted them (usage.prompt_tokens; None when it did not say)."""
 
     token_ids: tuple[int, ...]
     text: str
+    prompt_tokens: int | None = None
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -118,10 +126,23 @@ def complete(host: str, port: int, model: str, prompt: str | list[int], *, max_t
         payload["kv_transfer_params"] = dict(NO_STORE)
     reply = httpclient.post_json(host, port, "/v1/completions", payload, timeout=timeout,
                                  max_bytes=MAX_COMPLETION_BYTES, headers=_headers(api_key))
-    choice = _parsed(_checked(reply, "/v1/completions"), CompletionAnswer, "/v1/completions").choices[0]
+    answer = _parsed(_checked(reply, "/v1/completions"), CompletionAnswer, "/v1/completions")
+    choice = answer.choices[0]
     # Fewer is an answer (a stop token of the model's generation config ends it, ignore_eos aside);
     # more is not what was asked.
     if len(choice.token_ids) > max_tokens:
         raise VLLMAnswerError(f"/v1/completions gave {len(choice.token_ids)} token ids for max_tokens {max_tokens} "
                               f"(finish_reason {choice.finish_reason!r})")
-    return Completion(tuple(choice.token_ids), choice.text)
+    return Completion(tuple(choice.token_ids), choice.text, answer.usage.prompt_tokens if answer.usage else None)
+
+
+METRICS_TIMEOUT_S = 5.0
+MAX_METRICS_BYTES = 4 * 2**20  # vLLM 0.33.0's is some tens of KB (histograms per engine)
+
+
+def metrics(host: str, port: int, *, api_key: str | None = None, timeout: float = METRICS_TIMEOUT_S) -> str:
+    """The text of a vLLM pod's GET /metrics (Prometheus), bounded like every call; parsing it is
+    the reader's (kvpersist.status.canary reads its prompt-token counters)."""
+    reply = httpclient.get(host, port, "/metrics", timeout=timeout, max_bytes=MAX_METRICS_BYTES,
+                           headers=_headers(api_key))
+    return _checked(reply, "/metrics").decode("utf-8", "replace")

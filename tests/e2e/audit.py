@@ -16,8 +16,9 @@ PEERING = frozenset({"kopfpeerings", "clusterkopfpeerings"})
 POD_NAME = "authentication.kubernetes.io/pod-name"  # in user.extra for a token bound to a pod
 
 
-def events(audit_log: Path, user: str) -> Iterator[dict[str, Any]]:
-    """The completed requests of `user`, oldest first (the rotated file, if any, before the live one)."""
+def events(audit_log: Path, user: str, stages: tuple[str, ...] = ("ResponseComplete",)) -> Iterator[dict[str, Any]]:
+    """The completed requests of `user` (or those at the given stages: a watch's ResponseStarted),
+    oldest first (the rotated file, if any, before the live one)."""
     rotated = sorted(p for p in audit_log.parent.glob(audit_log.stem + "-*" + audit_log.suffix))
     for path in [*rotated, audit_log]:
         if not path.exists():
@@ -26,7 +27,7 @@ def events(audit_log: Path, user: str) -> Iterator[dict[str, Any]]:
             if f'"{user}"' not in line:
                 continue
             event = json.loads(line)
-            if event.get("user", {}).get("username") == user and event.get("stage") == "ResponseComplete":
+            if event.get("user", {}).get("username") == user and event.get("stage") in stages:
                 yield event
 
 

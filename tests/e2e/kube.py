@@ -15,6 +15,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 LOCALCLUSTER = [sys.executable, str(REPO / "hack" / "localcluster.py")]
+sys.path.insert(0, str(REPO / "hack"))
+from kubelet_runner import RESOURCES, ApiError, ApiReader  # noqa: E402
+
+_READERS: dict[Path, ApiReader | None] = {}
 
 
 def bin_dir() -> Path:
@@ -39,10 +43,29 @@ class Kubectl:
         return self.run("apply", *flags, "-f", "-", stdin=text, check=check)
 
     def get(self, kind: str, name: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+        """`kubectl get KIND [NAME] [-n NAMESPACE] -o json`. The kinds the waits poll are read straight
+        from the API server with the same credentials (hack/kubelet_runner.py ApiReader: no process
+        per call, and the waits poll every half second); any other through kubectl. An error is an
+        AssertionError naming the request, as a failed kubectl call is."""
+        reader = self._reader()
+        if reader is not None and kind.lower() in RESOURCES:
+            try:
+                return reader.kubectl_get(kind, name, namespace)
+            except ApiError as exc:
+                raise AssertionError(f"kubectl get {kind} {name or ''} -n {namespace} failed: {exc}") from None
         args = ["get", kind, *([name] if name else []), "-o", "json"]
         if namespace:
             args += ["-n", namespace]
         return json.loads(self.run(*args).stdout)
+
+    def _reader(self) -> ApiReader | None:
+        """One ApiReader per kubeconfig (None where only kubectl can read it)."""
+        if self.kubeconfig not in _READERS:
+            try:
+                _READERS[self.kubeconfig] = ApiReader(self.kubeconfig)
+            except (ValueError, KeyError, OSError, StopIteration):
+                _READERS[self.kubeconfig] = None
+        return _READERS[self.kubeconfig]
 
     def can_i_list(self, user: str, namespace: str) -> set[tuple[str, str]]:
         """(resource[.group][/subresource], verb) as `kubectl auth can-i --list --as=user -n

@@ -214,7 +214,8 @@ def target_of(obj: dict, kubectl: Kubectl | None = None) -> Target:
     spec = KVCacheNamespace.model_validate(obj).spec
     key = key_of(kubectl, obj) if kubectl is not None else None
     fingerprint = key_fingerprint(key) if key is not None else UNREAD_KEY_FINGERPRINT
-    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.pins(fingerprint)).namespace_id)
+    return Target(obj["metadata"]["name"], obj["metadata"]["namespace"], spec, resolve(spec.pins(fingerprint)).namespace_id,
+                  key_fingerprint=fingerprint if spec.l2.encryption.enabled else None)
 
 
 def lmcache() -> str:

@@ -7,11 +7,14 @@ is for what nothing else catches. vLLM's own prefix cache is off (as in tests/e2
 so every check reaches LMCache.
 
 Two steps of one scenario, in order:
-1. The reference is computed without the cache and the first check agrees (HitCorrectness True);
-   the lmcache server pod deleted, a check after its restart is served from L2 (vLLM's own counter
-   of tokens from the external cache, the server's L2 hits); the vLLM pod deleted, a check of the
-   new pod is served from the cache: HitCorrectness stays True. The reference's salted request
-   leaves no chunk file (LMCache is asked to store none of it).
+1. The reference is computed without the cache and the first check agrees, but nothing served it
+   from the cache (status.canary.lastCheck.tier computed: the salted reference stored nothing), so
+   HitCorrectness is Unknown LMCacheNotReached, not True; the lmcache server pod deleted, a check
+   after its restart is served from L2 (tier l2, as the operator attributed it from the pod's and
+   the server's counters; vLLM's own counter of tokens from the external cache and the server's L2
+   hits read here too): HitCorrectness True; the vLLM pod deleted, a check of the new pod is served
+   from the server's L1 (tier l1): HitCorrectness stays True. The reference's salted request leaves
+   no chunk file (LMCache is asked to store none of it).
 2. A planted wrong hit: the pin modelRevision changed to another revision of the same model id
    (hack/testmodel.py --variant 1: the same files but for other weights), so the prompt's tokens,
    and so lmcache's chunk hashes, are the same and its KV is not. Before the new namespace's pods
@@ -20,7 +23,9 @@ Two steps of one scenario, in order:
    the same for both revisions, and the names are the same; offline, as here, vLLM names the model
    by its local snapshot path, which carries the revision, so the copies are renamed to it.) The
    new identity's reference is computed without the cache (salted: it cannot read those files);
-   its first check is served from them: HitMismatch (HitCorrectness False, a Warning event,
+   its first check is served from them (status.canary.mismatch.tiers: the first differing answer
+   from L2, where only the planted files are, the second from L1, which kept them): HitMismatch
+   (HitCorrectness False, a Warning event,
    CacheBypassed, Ready False), vLLM rolled without --kv-transfer-config, and a request then served
    with no external hit gives the reference's tokens. The acknowledgement annotation takes the
    cache back (the Deployment with the connector again, CacheRestored).
@@ -63,7 +68,8 @@ from tests.e2e.test_real_vllm import (  # noqa: F401  (model: a fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
 
-CHUNKS = 15  # whole lmcache chunks of the built-in prompt in the test tokenizer (3,947 tokens)
+PROMPT_TOKENS = 3947  # the built-in prompt in the test tokenizer
+CHUNKS = 15  # its whole lmcache chunks (before its last token)
 MIN_HIT = 10 * CHUNK  # a check served from the cache hits (nearly) all of them
 
 
@@ -136,9 +142,13 @@ def test_the_canary_stays_true_over_vllm_and_server_restarts_served_from_the_cac
     record = status["canary"]
     assert record["namespaceId"] == status["namespaceId"] == nsid
     assert record["referencePod"] == vllm["metadata"]["name"] and len(record["referenceTokenIds"]) == 16
-    assert first["match"] is True
-    wait_for("HitCorrectness True", lambda: cond(status_of(kubectl, ns), "HitCorrectness").get("status") == "True", timeout=30)
-    assert cond(status_of(kubectl, ns), "HitCorrectness")["reason"] == "HitsMatch"
+    assert first["match"] is True and first["tier"] == "computed", first  # nothing was stored before it
+    assert record["promptTokens"] == PROMPT_TOKENS and "lastServedCheck" not in record, record
+    # A match that no cache served verifies nothing about the cache.
+    unverified = wait_for("HitCorrectness LMCacheNotReached", lambda: (lambda c: c if c.get("reason") == "LMCacheNotReached"
+                                                                        else None)(cond(status_of(kubectl, ns), "HitCorrectness")),
+                          timeout=30)
+    assert unverified["status"] == "Unknown" and "not verified" in unverified["message"], unverified
     reference = record["referenceTokenIds"]
 
     # The server restarts: the check after it is served from L2 (its L1 is new and empty), once the
@@ -154,18 +164,23 @@ def test_the_canary_stays_true_over_vllm_and_server_restarts_served_from_the_cac
     server = server_ip(kubectl, ns, exclude_uid=old_server)
     after_server = checked_after(kubectl, env, first["at"], vllm["metadata"]["name"], "a check after the server's restart")
     mark(scenario, "check after the server restart")
-    assert after_server["match"] is True
+    assert after_server["match"] is True and after_server["tier"] == "l2", after_server
     l1, l2 = lmcache_hits(metrics(f"{in_pod(server)}/metrics"))
     assert vllm_counter(ip) - before >= MIN_HIT and l2 >= MIN_HIT, (vllm_counter(ip) - before, l1, l2)
+    verified = wait_for("HitCorrectness True", lambda: (lambda c: c if c.get("status") == "True" else None)(
+        cond(status_of(kubectl, ns), "HitCorrectness")), timeout=30)
+    assert verified["reason"] == "HitsMatch" and "1 matching check(s) served by lmcache (L1 0, L2 1" in verified["message"]
 
     # The vLLM pod restarts: the check of the new pod is served from the server's cache.
     kubectl.run("delete", "pod", vllm["metadata"]["name"], "-n", ns, "--wait=false")
     new = vllm_pod(kubectl, ns, exclude={vllm["metadata"]["name"]})
     after_vllm = checked_after(kubectl, env, after_server["at"], new["metadata"]["name"], "a check of the new vLLM pod")
     mark(scenario, "check after the vLLM restart")
-    assert after_vllm["match"] is True and vllm_counter(new["status"]["podIP"]) >= MIN_HIT
+    assert after_vllm["match"] is True and after_vllm["tier"] == "l1" and vllm_counter(new["status"]["podIP"]) >= MIN_HIT
     status = status_of(kubectl, ns)
     assert cond(status, "HitCorrectness")["status"] == "True" and status["canary"]["referenceTokenIds"] == reference
+    assert status["canary"]["matches"] == {"gpu": 0, "l1": 1, "l2": 1, "lmcache": 0, "computed": 1, "unknown": 0}
+    assert status["canary"]["lastServedCheck"] == after_vllm
     assert not events(kubectl, ns, "HitMismatch")
     scenario["phase_a"] = True
 
@@ -198,6 +213,9 @@ def test_a_planted_wrong_hit_turns_the_cache_off_until_acknowledged(kubectl: Kub
     assert status["namespaceId"] == record["namespaceId"] == new_id and found["reason"] == "HitMismatch"
     mismatch = record["mismatch"]
     assert mismatch["expected"] == record["referenceTokenIds"] != mismatch["got"], record
+    # Served from the planted objects: the first differing answer from L2 (the new folder holds only
+    # them), the second from L1, which kept them (the pod's external hits, attributed by the operator).
+    assert mismatch["tiers"] == ["l2", "l1"], mismatch
     assert record["lastCheck"]["match"] is False
     ack = f"kubectl annotate kvcachenamespace {NAME} -n {ns} {ACK_ANNOTATION}={mismatch['id']} --overwrite"
     assert ack in found["message"] and new_id in found["message"], found["message"]

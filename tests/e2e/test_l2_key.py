@@ -3,7 +3,9 @@ with another key (issue 27, item 1). Real API server, real lmcache servers writi
 files (hack/kubelet_runner.py), the operator as a process.
 
 In order, on one resource: its Secret switched to another (keySecretRef), then the bytes in that
-Secret rotated: each time a new namespace id, the old folder left byte for byte as it was and
+Secret rotated (first with the operator down and the server container restarted before any
+rollout: the server refuses the new bytes and leaves every file as it was; later the old bytes
+back: the old namespace served again from its files): each time a new namespace id, the old folder left byte for byte as it was and
 listed as an orphan by `kvpersist report`, a Warning L2KeyChanged, and the same prompts stored
 anew in the new folder (misses, recomputed, never served from the other key's files). Then the
 generated key: deleted with data under it and the operator restarted, it is not made again (cache
@@ -28,7 +30,18 @@ import pytest
 
 from kvpersist.identity import key_fingerprint
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, bench_store, kvpersist_env, manifest, more_rounds, start_operator, stop, target_of
+from tests.e2e.operator_env import (
+    NAME,
+    bench_store,
+    in_pod,
+    kvpersist_env,
+    manifest,
+    more_rounds,
+    start_operator,
+    stop,
+    target_of,
+)
+from tests.e2e.test_real_vllm import lmcache_hits, metrics
 from tests.fsstate import files_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -36,6 +49,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 LMCACHE = shutil.which("lmcache")
 KEY_SECRET = f"{NAME}-l2-key"  # the generated one
 REPLACE_ANNOTATION = "kvpersist.dev/replace-l2-key"
+L2_LOADED = "lmcache_mp_l2_prefetch_load_completed_chunks_total"  # chunks lmcache loaded from L2 into L1 whole
+BENCH_TOKENS = 4 * 512  # bench_store(ip, 0, 4): four sequences of 512 tokens
 
 
 def status(k: Kubectl, ns: str) -> dict:
@@ -101,6 +116,27 @@ def settled(folder: Path) -> dict:
         return done
 
     return wait_for(f"the writes into {folder.name} to settle", same, timeout=60, interval=2)
+
+
+def served_from_l2(k: Kubectl, ns: str) -> tuple[float, float]:
+    """The bench's prompts asked again of the server (L1 empty after its restart): the chunks
+    lmcache loaded from L2 into L1 whole (an object that failed authentication is none) and its
+    L2 hit tokens, by its own counters."""
+    server = in_pod(server_ip(k, ns))
+    before = metrics(f"{server}/metrics")
+    bench_store(server_ip(k, ns), 0, 4)
+    after = metrics(f"{server}/metrics")
+    return after.get(L2_LOADED, 0.0) - before.get(L2_LOADED, 0.0), lmcache_hits(after)[1] - lmcache_hits(before)[1]
+
+
+def key_refusal(k: Kubectl, ns: str) -> str | None:
+    """The server container's termination message while it refuses its key file (lastState)."""
+    pod = k.get("pod", f"{NAME}-lmcache-0", ns)
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (status.get("lastState") or {}).get("terminated") or {}
+        if status.get("name") == "lmcache-server" and term.get("exitCode") == 78:
+            return str(term.get("message") or "")
+    return None
 
 
 def put_secret(k: Kubectl, ns: str, name: str, key: bytes) -> None:
@@ -185,11 +221,21 @@ def test_rotated_bytes_in_the_same_secret_are_another_namespace(kubectl: Kubectl
     """Other bytes under the same Secret and key: no spec change at all, and still a new namespace
     (read from the Secret the servers mount), within a status interval or two. The same prompts are
     then misses, stored anew in the new folder: recomputed, not read from files sealed otherwise."""
-    ns, volume, b = scenario["ns"], scenario["volume"], scenario["b"]
+    ns, volume, b, env = scenario["ns"], scenario["volume"], scenario["b"], scenario["env"]
     bench_store(server_ip(kubectl, ns), 0, 4)
     stored = settled(volume / b)
     three = secrets.token_bytes(32)
+    # Issue 39: the bytes rotated and the server container restarted (an OOM kill, a failed probe)
+    # before its pod is rolled to the new namespace (the operator is down meanwhile, so nothing
+    # rolls). The kubelet mounts the new bytes; the server refuses them and reads or removes nothing.
+    stop(env.operator)
     put_secret(kubectl, ns, "key-two", three)
+    env.runner.kill(f"{NAME}-lmcache-0")
+    message = wait_for("the restarted server to refuse the rotated key", lambda: key_refusal(kubectl, ns), timeout=120)
+    assert (f"key file fingerprint {key_fingerprint(three)}, namespace {b} expects {key_fingerprint(scenario['two'])}"
+            in message), message
+    assert files_state(volume / b) == stored  # on the previous main: every file read was deleted
+    env.operator = start_operator(kubectl.kubeconfig, ns, env.log)
     c = ready_elsewhere(kubectl, ns, b)["namespaceId"]
     assert c != scenario["a"] and c == target_of(with_key_secret(ns, "key-two"), kubectl).namespace_id
     scenario["c"] = c
@@ -201,6 +247,13 @@ def test_rotated_bytes_in_the_same_secret_are_another_namespace(kubectl: Kubectl
     assert set(again) == set(stored)  # the same chunks (same names), written again under the new key ...
     assert all(again[name][2] != stored[name][2] for name in stored)  # ... as other bytes
     orphan_in_report(kubectl, ns, b, stored)
+    # The old bytes back: the old namespace is served again, every chunk opened from its files.
+    put_secret(kubectl, ns, "key-two", scenario["two"])
+    ready_on(kubectl, ns, b)
+    loaded, l2_hits = served_from_l2(kubectl, ns)
+    assert (loaded, l2_hits) == (len(stored), BENCH_TOKENS), (loaded, l2_hits, len(stored))
+    assert files_state(volume / b) == stored
+    scenario["c"] = b  # what the resource serves now (the next test moves it elsewhere)
 
 
 def test_a_generated_key_deleted_over_data_is_never_made_again(kubectl: Kubectl, scenario: dict) -> None:
@@ -254,7 +307,11 @@ def test_the_key_restored_from_a_backup_brings_its_namespace_back(kubectl: Kubec
     kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": backup["data"]})
     ready_on(kubectl, ns, d)
     assert d == target_of(manifest(ns), kubectl).namespace_id  # the id follows the key back
-    bench_store(server_ip(kubectl, ns), 0, 4)  # the same prompts: found in L2, nothing written again
+    # The same prompts, on a server restarted with an empty L1: served from L2, every chunk opened
+    # with the restored key (lmcache's own counters: L2 hit tokens, and the chunks it loaded into L1
+    # whole; an object that failed authentication is no loaded chunk), and nothing written again.
+    loaded, l2_hits = served_from_l2(kubectl, ns)
+    assert (loaded, l2_hits) == (len(stored), BENCH_TOKENS), (loaded, l2_hits, len(stored))
     assert files_state(volume / d) == stored
 
 

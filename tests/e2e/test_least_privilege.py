@@ -22,6 +22,7 @@ import yaml
 
 from tests import rbac_needs
 from tests.cases.invalid_manifests import sample, upstream_images
+from tests.e2e.audit import events as audit_events
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import free_port, more_rounds, start_operator, stop
 from tests.e2e.test_exclusive_stores import cond, kvns, replicas, resource
@@ -287,8 +288,9 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
         pod = wait_for("the chart's operator pod", lambda: next((p for p in kubectl.get("pods", namespace=release_ns)["items"]
                                                                   if p["metadata"]["name"].startswith(fullname)), None),
                        timeout=60)
+        metrics_port = free_port()
         args = [f"--liveness=http://127.0.0.1:{free_port()}/healthz" if x.startswith("--liveness=")
-                else f"--metrics-port={free_port()}" if x.startswith("--metrics-port=") else x for x in container["args"]]
+                else f"--metrics-port={metrics_port}" if x.startswith("--metrics-port=") else x for x in container["args"]]
         env = {e["name"]: e["value"] if "value" in e else pod["metadata"][e["valueFrom"]["fieldRef"]["fieldPath"].split(".")[1]]
                for e in container.get("env", [])}
         own = kubectl.as_service_account(release_ns, fullname, tmp_path / "sa.kubeconfig", pod=pod).kubeconfig
@@ -296,6 +298,7 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
             proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", *args, "--metrics-host=127.0.0.1"],
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, **env, "KUBECONFIG": str(own), "PYTHONUNBUFFERED": "1"})
+        proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
         bucket = {"hfBucket": {"bucketHandle": f"hf://buckets/acme-ml/kv-cache/{suffix}", "tokenSecretRef": {"name": "hf"},
                                "maxCapacityGB": 1}}
         kubectl.apply(resource(a, "first", bucket))
@@ -308,9 +311,19 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
                           and cond(o, "Ready").get("reason") == "StorageInUse" and o, timeout=120,
                           explain=lambda: log.read_text()[-3000:])
         assert f"{a}/first" in cond(second, "Ready")["message"] and first in cond(second, "Ready")["message"]
+        # Not reconciled, shown by what the operator did after it: a resource in a watched namespace
+        # applied after the one outside gets its status, and two more status rounds of the first
+        # run, while the one outside has none and the API server saw no request of the operator's
+        # in its namespace (a sleep would only show that nothing happened yet).
         kubectl.apply(resource(outside, "third", bucket))
-        time.sleep(12)  # over a status interval: it would have a status by now, were it served
+        kubectl.apply(resource(a, "fourth", bucket))
+        wait_for("fourth (in a, applied after third) to get a status", lambda: (kvns(kubectl, a, "fourth").get("status")
+                                                                              or {}).get("conditions"), timeout=120,
+                 explain=lambda: log.read_text()[-3000:])
+        more_rounds(proc, a, "first")
         assert not (kvns(kubectl, outside, "third").get("status") or {}), "a namespace outside watchNamespaces was reconciled"
+        touched = [e["verb"] for e in audit_events(audit_log, sa) if (e.get("objectRef") or {}).get("namespace") == outside]
+        assert touched == [], f"the operator made requests in {outside}, which it does not watch: {touched}"
         assert proc.poll() is None, log.read_text()[-3000:]
         refused, allowed = rbac_decisions(audit_log, sa)
         assert allowed > 0, f"no request of {sa} in the audit log: the check would be vacuous"

@@ -37,9 +37,14 @@ from tests.e2e.test_real_vllm import (  # noqa: F401  (model: a fixture)
     server_ip,
     vllm_pod,
 )
+from tests.e2e.test_real_vllm import cacheable as whole_chunks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
 
+# vLLM's finished requests, and lmcache's chunks loaded from L2 into L1 whole and stored into L2.
+VLLM_REQUESTS = "vllm:request_success_total"
+L2_LOADED = "lmcache_mp_l2_prefetch_load_completed_chunks_total"
+L2_STORED = "lmcache_mp_l2_store_completed_objects_chunks_total"
 PROMPT = prompt(31, 700)  # about 900 tokens of the test tokenizer: three whole chunks
 SYSTEM = "You answer in the style of a ship's log. " + prompt(32, 300)  # a whole chunk and more, as a system message
 
@@ -65,6 +70,8 @@ def warmed(kubectl: Kubectl, crd: None, model: dict, tmp_path_factory: pytest.Te
     with kvpersist_env(kubectl, tmp_path_factory.mktemp("prewarm"), vllm=model["vllm"], hf_home=Path(model["hfHome"])) as env:
         obj = real_manifest(env.ns, model)
         obj["spec"]["prewarm"] = {"prompts": [PROMPT], "systemPrompts": [SYSTEM]}
+        # The canary's requests would move the counters this module reads; it is not under test here.
+        obj["spec"]["canary"] = {"enabled": False}
         kubectl.apply(obj)
         try:
             yield {"env": env, "model": model}
@@ -83,6 +90,17 @@ def test_declared_prompts_never_asked_are_computed_once_and_warm(kubectl: Kubect
     assert "2 computed through vLLM, L2 lacking them" in cond["message"], cond  # neither was ever asked
     ready = next(c for c in kubectl.get("kvns", NAME, ns)["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
+    # What the message says, by vLLM's and lmcache's own counters: two requests computed through
+    # vLLM (one per prompt: the only requests it served), none of their chunks loaded from L2 (it
+    # had none), and what they computed stored into L2.
+    ip = vllm_pod(kubectl, ns)["status"]["podIP"]
+    vllm = metrics(f"http://{ip}:8000/metrics")
+    lmcache = metrics(f"{in_pod(server_ip(kubectl, ns))}/metrics")
+    assert vllm.get(VLLM_REQUESTS) == 2 and external_hits(vllm) == 0, {k: vllm.get(k) for k in (VLLM_REQUESTS,)}
+    chunks = int(re.search(r"(\d+) chunks in L1", cond["message"]).group(1))  # type: ignore[union-attr]
+    assert lmcache.get(L2_LOADED, 0.0) == 0 and lmcache.get(L2_STORED, 0.0) >= chunks, (lmcache.get(L2_LOADED),
+                                                                                        lmcache.get(L2_STORED), chunks)
+    warmed["requests"] = vllm[VLLM_REQUESTS]
 
 
 def test_after_a_server_restart_they_are_warmed_again_from_l2_and_served_from_l1(kubectl: Kubectl, warmed: dict) -> None:
@@ -106,16 +124,21 @@ def test_after_a_server_restart_they_are_warmed_again_from_l2_and_served_from_l1
 
     cond = wait_for("Warm True again after the restart", warm_again, timeout=300, interval=2,
                     explain=lambda: f"Warm is {warm(kubectl, ns)}")
-    # Both from L2 this time: nothing computed (the message would count it).
+    # Both from L2 this time: nothing computed (the message would count it) ...
     assert "2 of 2 prompts warm on every server" in cond["message"] and "computed" not in cond["message"], cond
     ip = vllm_pod(kubectl, ns)["status"]["podIP"]
+    # ... and by the counters: vLLM (the same pod) served no request meanwhile, and the new server
+    # loaded every chunk of the pass from L2.
+    assert metrics(f"http://{ip}:8000/metrics").get(VLLM_REQUESTS) == warmed.get("requests", 2)
+    loaded = metrics(f"{server}/metrics").get(L2_LOADED, 0.0)
+    assert loaded >= chunks, (loaded, chunks)
     model_id = warmed["model"]["modelId"]
     l1_0, l2_0 = lmcache_hits(metrics(f"{server}/metrics"))
     hits_0 = external_hits(metrics(f"http://{ip}:8000/metrics"))
     tokens = ask(ip, {"model": model_id, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0}, "/v1/completions")["usage"]
     l1_1, l2_1 = lmcache_hits(metrics(f"{server}/metrics"))
     served = external_hits(metrics(f"http://{ip}:8000/metrics")) - hits_0
-    cacheable = tokens["prompt_tokens"] // CHUNK * CHUNK
+    cacheable = whole_chunks(tokens["prompt_tokens"])
     assert cacheable >= 3 * CHUNK and served == cacheable, (tokens, served)
     assert (l1_1 - l1_0, l2_1 - l2_0) == (cacheable, 0), (l1_1 - l1_0, l2_1 - l2_0)
     # A chat that starts with the system prompt: its whole chunks come from L1 too.

@@ -44,6 +44,7 @@ import demo_prompt  # hack/ is no package: the demo's own script, imported for i
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
 
 CHUNK = demo_prompt.CHUNK  # LMCache's chunk, in tokens: what a hit is counted in
+cacheable = demo_prompt.cacheable  # the tokens a hit of a prompt serves: the one formula (the demo's)
 SEED = 1  # the demo's prompt of this seed is LONG: about 2,400 tokens of the test tokenizer, nine whole chunks
 
 

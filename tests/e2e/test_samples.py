@@ -83,7 +83,8 @@ def _placed(kubectl: Kubectl, ns: str, name: str) -> set[str] | None:
 
 
 def test_every_sample_as_shipped_turns_the_cache_on(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> None:
-    assert len(SAMPLE_FILES) >= 3, SAMPLE_FILES
+    # The three the README lists (NVMe, bucket, tensor-parallel fp8), each one: a sample added or lost fails here.
+    assert [p.name for p in SAMPLE_FILES] == ["hf-bucket.yaml", "nvme-minimal.yaml", "tp2-fp8.yaml"], SAMPLE_FILES
     samples = {path: yaml.safe_load(path.read_text()) for path in SAMPLE_FILES}
     buckets = {m.group(1) for obj in samples.values() if obj["spec"]["l2"].get("hfBucket")
                for m in [re.match(r"hf://buckets/([^/]+/[^/]+)", obj["spec"]["l2"]["hfBucket"]["bucketHandle"])]}

@@ -32,6 +32,7 @@ from tests.e2e.test_real_vllm import (  # the real-vLLM module's model, manifest
     print_logs,
     real_manifest,
 )
+from tests.e2e.test_real_vllm import cacheable as whole_chunks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath, pytest.mark.vllm]
 
@@ -100,7 +101,7 @@ def test_a_prefix_computed_on_node_a_is_served_from_the_shared_l2_on_node_b_afte
     cold = greedy_long(ip_a)
     assert external_hits(metrics(f"http://{ip_a}:8000/metrics")) == before  # cold: nothing from outside
     tokens = complete(ip_a, LONG)["usage"]["prompt_tokens"]
-    cacheable = tokens // CHUNK * CHUNK
+    cacheable = whole_chunks(tokens)
     assert cacheable >= 6 * CHUNK
     runner_a = env.runner if node_a == env.runner.node else env.second
     folder = runner_a.volume_dir(SHARED_CLAIM) / nsid

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import re
@@ -22,9 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import AGENT_IMAGE_ENV
 from kvpersist.controller.agentroll import PENDING, UPDATING
+from kvpersist.identity import key_fingerprint, namespace_id
 from kvpersist.status.agentroll import agent_image_of, view
+from kvpersist.status.conditions import CONDITION_TYPES
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import manifest, more_rounds, start_operator, stop, storage
@@ -125,6 +129,11 @@ def _previous(work: Path) -> Path:
     return work / "previous"
 
 
+def _previous_serde(old: Path) -> str:
+    """The previous operator's L2 serde pin (api/v1alpha1.py's L2_SERDE), read from its source."""
+    return re.search(r'^L2_SERDE = "([^"]+)"', (old / "operator/kvpersist/api/v1alpha1.py").read_text(), re.M).group(1)
+
+
 def _helm(kubectl: Kubectl, *args: str) -> None:
     out = subprocess.run([str(bin_dir() / "helm"), *args, "--kubeconfig", str(kubectl.kubeconfig)],
                          capture_output=True, text=True, timeout=120)
@@ -194,9 +203,30 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
         stop(after)
         _helm(kubectl, "uninstall", release, "--namespace", release_ns)
         kubectl.run("delete", "namespace", release_ns, "--wait=false", check=False)
-    assert new_status["namespaceId"] == status["namespaceId"]
-    assert new_status["l2Key"] == status["l2Key"]
-    assert new_status["phase"] and new_status["conditions"]
+    # The same key and claim; the id is what this tree computes from the same pins and key: the
+    # previous one when the identity is unchanged, and across this release's L2 frame (version 3,
+    # in the L2 serde pin: the CHANGELOG's "new namespace ids") a new one, the old id's data kept
+    # as an orphan and said so in an event.
+    key = base64.b64decode(key_secret["data"]["master-key"])
+    spec = KVCacheNamespace.model_validate(kubectl.get("kvns", name, app)).spec
+    assert new_status["namespaceId"] == namespace_id(spec.pins(key_fingerprint(key)))
+    assert {k: v for k, v in new_status["l2Key"].items() if k != "namespaceId"} == {
+        k: v for k, v in status["l2Key"].items() if k != "namespaceId"}
+    assert new_status["l2Key"]["namespaceId"] == new_status["namespaceId"]
+    if new_status["namespaceId"] != status["namespaceId"]:
+        assert spec.pins()["l2_serde"] != _previous_serde(old), "the id moved without a pin of the release changing"
+        said = [e["message"] for e in kubectl.get("events", None, app)["items"] if e["reason"] == "NamespaceResolved"]
+        assert any(f"was {status['namespaceId']}; its data is kept" in m for m in said), said
+    # Served by this operator: its status is of this generation, with the conditions it writes, the
+    # identity resolved to that id, and the claim bound (no runner plays this node: the servers are
+    # scheduled, not Ready, so the phase is the one that says so).
+    stored = kubectl.get("kvns", name, app)
+    assert new_status["observedGeneration"] == stored["metadata"]["generation"]
+    conds = {c["type"]: c for c in new_status["conditions"]}
+    assert {"IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "Ready"} <= set(conds) <= set(CONDITION_TYPES), conds
+    assert (conds["IdentityResolved"]["status"], conds["IdentityResolved"]["reason"]) == ("True", "PinsComplete")
+    assert new_status["namespaceId"] in conds["IdentityResolved"]["message"]
+    assert conds["LMCacheReady"]["status"] == "False" and new_status["phase"] in ("Pending", "Progressing"), new_status
     kept = kubectl.get("secret", key_secret["metadata"]["name"], app)
     assert (kept["metadata"]["uid"], kept["metadata"]["resourceVersion"], kept["data"]) == (
         key_secret["metadata"]["uid"], key_secret["metadata"]["resourceVersion"], key_secret["data"])

@@ -4,6 +4,8 @@ sample KVCacheNamespace: the L2 mount mapped into a temp folder, loopback addres
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -34,7 +36,10 @@ from kubelet_runner import localize_args  # noqa: E402
 # This interpreter's own lmcache (its venv's bin need not be on PATH), else the one on PATH.
 LMCACHE = shutil.which("lmcache", path=str(Path(sys.executable).parent)) or shutil.which("lmcache")
 START_TIMEOUT_S = 120.0
-STAND_IN_FINGERPRINT = key_fingerprint(b"kvpersist integration tests: the folder's key")
+# The key the servers mount unless a test gives another (write_key), and so the fingerprint in the
+# targets' namespace ids: a server refuses to start on a key its target does not name.
+STAND_IN_KEY = hashlib.sha256(b"kvpersist integration tests: the folder's key").digest()
+STAND_IN_FINGERPRINT = key_fingerprint(STAND_IN_KEY)
 
 
 def free_port() -> int:
@@ -55,21 +60,35 @@ def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: fl
         obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb, **(nvme or {}))
     obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
     spec = KVCacheNamespace.model_validate(obj).spec
-    # The id names the folder; the servers here mount key files the tests write (write_key), so
-    # the key's fingerprint in it is a fixed stand-in (the operator reads the real one).
-    return Target(obj["metadata"]["name"], "test", spec, resolve(spec.pins(STAND_IN_FINGERPRINT)).namespace_id)
+    # The id names the folder; the servers here mount key files the tests write (write_key), by
+    # default the stand-in key, whose fingerprint the id carries (the operator reads the real one).
+    namespace_id = resolve(spec.pins(STAND_IN_FINGERPRINT)).namespace_id
+    return Target(obj["metadata"]["name"], "test", spec, namespace_id,
+                  key_fingerprint=STAND_IN_FINGERPRINT if spec.l2.encryption.enabled else None)
 
 
 def write_key(folder: Path, key: bytes | None = None) -> Path:
-    """A folder as the key Secret's volume looks in the pod: master.key, 32 random bytes, 0400."""
+    """A folder as the key Secret's volume looks in the pod: master.key, 0400; the stand-in key
+    (the one make_target's ids name) unless key is given."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / L2_KEY_FILE
     if not path.exists() or key is not None:
         if path.exists():
             path.chmod(0o600)
-        path.write_bytes(key if key is not None else os.urandom(L2_KEY_BYTES))
+        path.write_bytes(key if key is not None else STAND_IN_KEY)
         path.chmod(0o400)
     return folder
+
+
+def other_key(folder: Path) -> Path:
+    """A key folder with a new random key (another Secret's bytes)."""
+    return write_key(folder, os.urandom(L2_KEY_BYTES))
+
+
+def expecting(target: Target, key_dir: Path) -> Target:
+    """target as rendered for the key in key_dir, its namespace id (and so its folder) unchanged:
+    what a server meets when a folder is moved by hand under another key."""
+    return dataclasses.replace(target, key_fingerprint=key_fingerprint((key_dir / L2_KEY_FILE).read_bytes()))
 
 
 @dataclass
@@ -133,6 +152,23 @@ class LocalServer:
                 return time.monotonic() - t0
             time.sleep(0.25)
         raise AssertionError(f"lmcache server not healthy after {START_TIMEOUT_S}s: {self.log.read_text()[-3000:]}")
+
+    def start_to_exit(self, env: dict[str, str] | None = None) -> int | None:
+        """Starts the server expecting it to end before it is healthy: its exit code, or None
+        (stopped again) when it came up healthy instead."""
+        t0 = time.monotonic()
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **self.env, **(env or {})})
+        self.starts.append(t0)
+        while time.monotonic() - t0 < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                return self.proc.returncode
+            if self.healthy():
+                self.stop()
+                return None
+            time.sleep(0.25)
+        raise AssertionError(f"lmcache server neither exited nor became healthy in {START_TIMEOUT_S}s")
 
     def healthy(self) -> bool:
         try:

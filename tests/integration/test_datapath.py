@@ -17,7 +17,7 @@ import pytest
 
 from kvpersist.status.usage import DIRECT, fetch_status
 from tests.fsstate import files_state
-from tests.integration.conftest import LocalServer, drive, make_target, write_key
+from tests.integration.conftest import LocalServer, drive, expecting, make_target, other_key
 
 pytestmark = pytest.mark.datapath
 
@@ -142,15 +142,16 @@ def test_unencrypted_l2_serves_same_size_garbage(servers: Servers) -> None:
 def test_another_key_reads_as_misses(servers: Servers, tmp_path: Path) -> None:
     """A namespace's data under another master key (a Secret replaced, another cluster's) is a
     miss, never wrong bytes, and the server stays healthy. (Since the namespace id carries the
-    key's fingerprint, only a folder moved by hand meets another key; what then becomes of those
-    objects: tests/integration/test_l2_serde.py.)"""
+    key's fingerprint and a server refuses a key its id does not name, only a folder moved by hand
+    meets another key; those objects are left as they are: tests/integration/test_l2_serde.py.)"""
     target = make_target()
     own = servers(target)
     own.start()
     assert drive(own, "store", "0:4")["summary"]["stored_chunks"] == 8
     own.stop(signal.SIGKILL)
 
-    other = servers(target, key_dir=write_key(tmp_path / "other-key"))
+    key = other_key(tmp_path / "other-key")
+    other = servers(expecting(target, key), key_dir=key)
     other.start()
     wrong_key = drive(other, "verify", "0:4")["summary"]
     assert wrong_key["hit_chunks"] == 0 and wrong_key["wrong_bytes"] == 0 and wrong_key["lookup_errors"] == 0

@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,8 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
-from kvpersist.controller import inuse, kube, refresh
+from kvpersist.controller import inuse, kube, retention
+from kvpersist.inventory import agent as agent_module
 from kvpersist.inventory import volume
 from kvpersist.inventory.agent import Agent, make_server
 from kvpersist.inventory.agentclient import fetch_inventory, request_expire
@@ -130,8 +132,8 @@ def test_the_age_limit_removes_only_old_unprotected_folders(claim: Path, agent: 
     monkeypatch.setattr(inuse, "in_use_now", lambda nsid, _cur: listed.append(nsid) or (
         "now in use by ml/y" if nsid == OLDER else None))
     body = {"metadata": {"name": "x", "namespace": "ml"}}
-    removed = refresh._expire_orphans(body, target, [("pvc/l2-x-0", "x-0", inv)], [("x-0", "127.0.0.1")], TOKEN,
-                                      Seen(live_ids=frozenset({SHARED})))
+    removed = retention.expire_orphans(body, target, [("pvc/l2-x-0", "x-0", inv)], [("x-0", "127.0.0.1")], TOKEN,
+                                       Seen(live_ids=frozenset({SHARED})))
     assert [r["namespaceId"] for r in removed] == [OLD] and not (claim / OLD).exists()
     assert sorted(listed) == [OLD, OLDER]  # neither the served, the shared nor the recent one was a candidate
     assert all((claim / n).exists() for n in (SERVED, OLDER, SHARED, "kvp-" + "e" * 32))
@@ -139,3 +141,72 @@ def test_the_age_limit_removes_only_old_unprotected_folders(claim: Path, agent: 
     l2 = claim_space_summary([("pvc/l2-x-0", "x-0", inv)], SERVED, frozenset({SERVED}), now, None, removed)
     assert l2 is not None and (l2["orphansRemoved"], l2["orphansRemovedBytes"], l2["lastOrphanRemoved"]) == (
         1, 2 * CHUNK, OLD)
+
+
+def _agents_on_one_port(roots: list[Path], stack: ExitStack) -> tuple[list[str], int]:
+    """One real agent per claim, on 127.0.0.1, 127.0.0.2, ... and one port, as the servers of a
+    resource in a cluster (the operator asks every pod on spec.lmcacheServer.agentPort); retried
+    when that port is taken on some address."""
+    for _ in range(10):
+        servers: list[Any] = []
+        try:
+            for i, root in enumerate(roots):
+                port = servers[0].server_address[1] if servers else 0
+                servers.append(make_server(Agent(root, serving=SERVED, token=TOKEN, trim_period_s=3600),
+                                           f"127.0.0.{i + 1}", port))
+        except OSError:
+            for server in servers:
+                server.server_close()
+            continue
+        for server in servers:
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            stack.callback(thread.join, 10)
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+        return [f"127.0.0.{i + 1}" for i in range(len(roots))], servers[0].server_address[1]
+    raise AssertionError("no port free on all the loopback addresses")
+
+
+def test_each_folder_is_checked_for_use_again_right_before_it_goes(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: the pass listed who uses each candidate once, before every agent's removals. Two
+    servers, each with its own claim and agent, both holding the old folders OLD and OLDER: right
+    after the first folder goes (OLD from x-0's claim), resource ml/y switches back to OLD and a pod
+    starts on OLDER. Both then stay wherever they still are: OLDER on x-0's claim (later in the same
+    agent's pass) and both on x-1's (a later agent's pass). On the previous main all four went."""
+    now = time.time()
+    roots = [tmp_path / "l2-x-0", tmp_path / "l2-x-1"]
+    for root in roots:
+        for nsid in (SERVED, OLD, OLDER):
+            _chunks(root, nsid, 2, now - 60 * DAY_S)
+    in_use: dict[str, str] = {}
+    real_remove = agent_module.remove_namespace
+
+    def remove_then_switch(root: Path, nsid: str) -> Any:  # the world moves while the first folder goes
+        held = real_remove(root, nsid)
+        in_use.update({OLD: "the namespace id of ml/y (its pin changed back)", OLDER: "pod ml/y-lmcache-0 serves it"})
+        return held
+
+    monkeypatch.setattr(agent_module, "remove_namespace", remove_then_switch)
+    listed: list[str] = []
+    monkeypatch.setattr(inuse, "in_use_now", lambda nsid, _cur: listed.append(nsid) or in_use.get(nsid))
+    events: list[str] = []
+    monkeypatch.setattr(kube, "post_event", lambda _body, _type, reason, message: events.append(message))
+    with ExitStack() as stack:
+        ips, port = _agents_on_one_port(roots, stack)
+        manifest = sample("nvme-minimal")
+        manifest["spec"]["l2"]["orphanRetention"] = {"maxAgeDays": 30}
+        manifest["spec"].setdefault("lmcacheServer", {})["agentPort"] = port
+        target = Target("z", "ml", KVCacheNamespace.model_validate(manifest).spec, SERVED)
+        pods = [f"z-lmcache-{i}" for i in range(len(roots))]
+        scans = [fetch_inventory(ip, port, token=TOKEN) for ip in ips]
+        volumes = [(f"pvc/l2-{pod}", pod, inv) for pod, inv in zip(pods, scans, strict=True) if inv is not None]
+        assert [{n.namespace_id for n in inv.namespaces} for _loc, _pod, inv in volumes] == [{SERVED, OLD, OLDER}] * 2
+        second_before = files_state(roots[1])
+        removed = retention.expire_orphans({"metadata": {"name": "z", "namespace": "ml"}}, target, volumes,
+                                           list(zip(pods, ips, strict=True)), TOKEN, Seen())
+    assert [r["namespaceId"] for r in removed] == [OLD] and not (roots[0] / OLD).exists()
+    assert (roots[0] / OLDER).exists() and files_state(roots[1]) == second_before
+    assert listed == [OLD, OLDER, OLD]  # before each request; OLDER on x-1 was known in use by then
+    assert len(events) == 1 and OLD in events[0] and pods[0] in events[0]

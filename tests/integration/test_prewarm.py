@@ -1,7 +1,8 @@
 """spec.prewarm's data path on a real `lmcache server` (started with the args the operator renders)
 and the real inventory agent in front of it: after a server restart (L1 empty, the chunks in L2),
 POST /server/prefetch through the agent loads them into L1, which lmcache's own /status counts,
-and the next lookups of those prefixes are L1 hits by lmcache's own counters, none from L2.
+and the next lookups of those prefixes are L1 hits by lmcache's own counters, none from L2. The
+correctness canary reads those counters through the agent the same way (fetch_lookup_counters).
 
 lmcache's prefetch needs a KV layout registered by a worker (503 until then), under the worker's
 model name and world size, which the agent reads from lmcache's /status. vLLM registers one when
@@ -16,6 +17,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvpersist.inventory.agentclient import request_prefetch
+from kvpersist.status.usage import fetch_lookup_counters
 from tests.integration.conftest import REPO, LocalServer, drive, make_target
 from tests.integration.test_l2_serde import _tier_hits
 
@@ -85,6 +88,12 @@ def test_a_prefetch_through_the_agent_brings_l2_into_l1_and_the_next_lookups_hit
     assert again["hit_chunks"] == 8 and again["verified_chunks"] == 8 and again["wrong_bytes"] == 0
     l1, l2 = _tier_hits(srv)
     assert (l1 - before[0], l2 - before[1]) == (8 * CHUNK, 0)  # every hit from L1, none read from L2 on the request
+    # What the canary reads around a check (kvpersist.controller.canary): the same counters, through the agent.
+    through_agent = fetch_lookup_counters("127.0.0.1", agent.port, token=agent.token)
+    assert through_agent is not None and (through_agent.hit_l1, through_agent.hit_l2) == _tier_hits(srv) == (l1, l2)
+    with socket.socket() as closed:  # bound, never listening: no answer is unknown, never zeros
+        closed.bind(("127.0.0.1", 0))
+        assert fetch_lookup_counters("127.0.0.1", closed.getsockname()[1], timeout=1.0) is None
 
 
 def test_no_layout_registered_is_a_503_the_operator_waits_on(servers: Servers, agents: Any) -> None:

@@ -23,17 +23,23 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "kvpersist"
 
 
 def sts(image: str, replicas: int = 1, ready: int | None = None, updated: int | None = None,
-        generation: int = 2, observed: int = 2, name: str = "a") -> dict[str, Any]:
+        generation: int = 2, observed: int = 2, name: str = "a",
+        revisions: tuple[str, str] | None = None) -> dict[str, Any]:
+    """A StatefulSet as the API server serves it; revisions: its status's (currentRevision,
+    updateRevision), left out (unknown) by default."""
     ready = replicas if ready is None else ready
     updated = replicas if updated is None else updated
+    status: dict[str, Any] = {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
+                              "updatedReplicas": updated}
+    if revisions is not None:
+        status["currentRevision"], status["updateRevision"] = revisions
     return {"kind": "StatefulSet",
             "metadata": {"name": f"{name}-lmcache", "namespace": "ns", "generation": generation,
                          "labels": {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "lmcache-server"}},
             "spec": {"replicas": replicas, "template": {"spec": {"containers": [
                 {"name": "lmcache-server", "image": "lmcache@sha256:" + "c" * 64},
                 {"name": AGENT_CONTAINER, "image": image}]}}},
-            "status": {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
-                       "updatedReplicas": updated}}
+            "status": status}
 
 
 def test_view_reads_image_size_and_whether_the_rollout_is_done() -> None:
@@ -92,6 +98,47 @@ def test_an_old_image_server_that_is_down_does_not_hold_the_slot() -> None:
     fleet_ = {A: AgentSet(OLD, 1, False), B: AgentSet(OLD, 1, True)}
     assert plan.in_flight(NEW, fleet_, []) == set()
     assert plan.roll_now(NEW, fleet_, [], 1) == [A]
+
+
+# How kube-controller-manager's StatefulSet controller writes status (k8s.io/kubernetes v1.37.2,
+# pkg/controller/statefulset): a new set's first revision is both its current and its update
+# revision (getStatefulSetRevisions); a new template is a new updateRevision, and currentRevision
+# becomes it only once updated, ready and existing replicas all equal spec.replicas (completeUpdate,
+# completeRollingUpdate before).
+FIRST, SECOND = "a-lmcache-5d8f7b9c4", "a-lmcache-6f4c8d7b5"
+
+
+def test_a_new_statefulset_that_never_becomes_ready_does_not_hold_the_roll() -> None:
+    """Issue 39: a resource made directly on the wanted agent image whose server never becomes Ready
+    (its pod Pending, crash-looping) was counted as rolling forever, and with the limit at 1 no other
+    StatefulSet ever got the new agent. It has no rollout in progress: its revisions are equal."""
+    stuck = sts(NEW, ready=0, generation=1, observed=1, revisions=(FIRST, FIRST))
+    seen = fleet({A: [slim(stuck)], B: [slim(sts(OLD, name="b", revisions=(FIRST, FIRST)))]})
+    assert plan.in_flight(NEW, seen, []) == set()
+    assert seen[A].image == NEW and not seen[A].settled and not seen[A].rollout  # the watch cache keeps both revisions
+    assert plan.decide(B, NEW, seen, [], 1) == "roll"
+    assert plan.roll_now(NEW, seen, [], 1) == [B]
+    assert plan.decide(A, NEW, seen, [], 1) == "current"
+
+
+def test_a_statefulset_rolling_from_another_image_still_holds_its_slot() -> None:
+    """What the slot is for stays counted: a set handed the wanted image whose new template the
+    controller has not seen yet (generation ahead; its revisions still the old, equal ones), one
+    whose pods are being replaced (the revisions differ), and one whose new pod never becomes Ready
+    (the revisions stay different: the roll stops there, as docs/upgrading.md says)."""
+    unseen = sts(NEW, ready=1, updated=1, generation=3, observed=2, revisions=(FIRST, FIRST))
+    replacing = sts(NEW, replicas=2, ready=1, updated=1, revisions=(FIRST, SECOND))
+    never_ready = sts(NEW, ready=0, updated=1, revisions=(FIRST, SECOND))
+    done = sts(NEW, revisions=(SECOND, SECOND))
+    for rolling in (unseen, replacing, never_ready):
+        seen = fleet({A: [slim(rolling)], B: [slim(sts(OLD, name="b", revisions=(FIRST, FIRST)))]})
+        assert plan.in_flight(NEW, seen, []) == {A} and plan.decide(B, NEW, seen, [], 1) == "hold"
+        assert plan.in_flight(NEW, seen, [A]) == {A}  # claimed and not yet done: the claim changes nothing
+    seen = fleet({A: [slim(done)], B: [slim(sts(OLD, name="b"))]})
+    assert plan.in_flight(NEW, seen, [A]) == set() and plan.decide(B, NEW, seen, [A], 1) == "roll"
+    # Claimed and still on the old image in the watch cache (the apply's event not seen yet): counted.
+    old_seen = fleet({A: [slim(sts(OLD, revisions=(FIRST, FIRST)))], B: [slim(sts(OLD, name="b"))]})
+    assert plan.in_flight(NEW, old_seen, [A]) == {A}
 
 
 def test_a_claim_whose_statefulset_went_is_dropped() -> None:

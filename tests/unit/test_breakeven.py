@@ -60,7 +60,7 @@ def test_quick_cpu_run_measures_both_sides_and_checks_bytes(tmp_path: Path) -> N
     assert verify["files_verified"] == disk["write"]["files"] and verify["mismatched_files"] == 0
     assert verify["bytes_compared"] == verify["files_verified"] * disk["chunk_bytes"]
     assert verify["flipped_ciphertext_refused"] and verify["flipped_tag_refused"]
-    assert verify["other_key_refused"] and verify["other_version_refused"]
+    assert verify["other_key_refused"] and verify["other_version_refused"] and verify["other_name_refused"]
 
     rows = result["breakeven"]
     assert {r["shape"] for r in rows} == shapes

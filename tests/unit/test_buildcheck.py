@@ -26,7 +26,7 @@ from kvpersist.builders.buildcheck import (
 from kvpersist.builders.lmcache import SERVE_ENV, server_container
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
-from kvpersist.controller import refresh, runtime
+from kvpersist.controller import runtime, transitions
 from kvpersist.controller.buildcheck import BuildBypass
 from kvpersist.controller.fallback import bypassed_in
 from kvpersist.controller.state import Controller
@@ -325,11 +325,11 @@ def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: 
     key = (t.namespace, t.name)
     seen = Seen(pods=[slim(refused_pod("r-vllm-b", VLLM, "vllm"))])
     runtime.CONTROLLER.state(key)  # known, as after its first watch event
-    verdict = refresh._build_check(key, {"status": {}}, t, seen, logging.getLogger("test"))
+    verdict = transitions.build_check(key, {"status": {}}, t, seen, logging.getLogger("test"))
     assert runtime.CONTROLLER.state(key).drifted and verdict.vllm_bypass is not None
     assert runtime.CONTROLLER.build_bypass.detail(key, NID) is not None  # apply_workloads renders with cache_bypassed
-    conds = refresh._build_bypassed(key, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
-                                             "message": "x"}], 3)
+    conds = transitions.build_bypassed(key, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
+                                                "message": "x"}], 3)
     assert [(c["type"], c["reason"]) for c in conds] == [("CacheBypassed", "BuildMismatch")]
     assert "until spec.vllm.image or spec.identity.connectorBuild changes" in conds[0]["message"]
 
@@ -337,21 +337,21 @@ def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: 
     build = by_type["BuildVerified"]
     old = {"phase": "Ready", "namespaceId": NID, "conditions": []}
     new = {**old, "phase": "Degraded"}
-    events = refresh._events_for(old, new, [build, *conds])
+    events = transitions.events_for(old, new, [build, *conds])
     assert ("Warning", "BuildMismatch", build["message"]) in events
     assert ("Warning", "CacheBypassed", conds[0]["message"]) in events
     stored = {**new, "conditions": [build, *conds]}
-    assert not [e for e in refresh._events_for(stored, stored, [build, *conds]) if e[1] == "BuildMismatch"]  # once
+    assert not [e for e in transitions.events_for(stored, stored, [build, *conds]) if e[1] == "BuildMismatch"]  # once
     fixed = {**build, "status": "True", "reason": "BuildMatches", "message": "ok"}
-    assert ("Normal", "BuildMatches", "ok") in refresh._events_for(stored, stored, [fixed])
+    assert ("Normal", "BuildMatches", "ok") in transitions.events_for(stored, stored, [fixed])
 
 
 def test_the_cache_back_after_a_build_fix_says_why() -> None:
     bypassed = {"namespaceId": NID, "conditions": [{"type": "CacheBypassed", "status": "True", "reason": "BuildMismatch",
                                                     "message": "m"}]}
     fixed = {"namespaceId": "kvp-" + "4" * 32, "conditions": []}
-    restored = [e for e in refresh._events_for(bypassed, fixed, []) if e[1] == "CacheRestored"]
+    restored = [e for e in transitions.events_for(bypassed, fixed, []) if e[1] == "CacheRestored"]
     assert restored and "the image or connectorBuild changed" in restored[0][2]
     servers = {**bypassed, "conditions": [{**bypassed["conditions"][0], "reason": "ServersUnavailable"}]}
-    assert "healthy again" in next(e for e in refresh._events_for(servers, {**servers, "conditions": []}, [])
+    assert "healthy again" in next(e for e in transitions.events_for(servers, {**servers, "conditions": []}, [])
                                    if e[1] == "CacheRestored")[2]

@@ -42,7 +42,8 @@ def target(name: str = "nvme-minimal", mutate=None, namespace: str = "ml") -> Ta
     if mutate:
         mutate(obj)
     model = KVCacheNamespace.model_validate(obj)
-    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.pins(KEY_FINGERPRINT)).namespace_id)
+    return Target(obj["metadata"]["name"], namespace, model.spec, resolve(model.spec.pins(KEY_FINGERPRINT)).namespace_id,
+                  key_fingerprint=KEY_FINGERPRINT if model.spec.l2.encryption.enabled else None)
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -389,7 +390,8 @@ def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
     t = target(name)
     cfg = l2_adapter_config(t)
     assert cfg["serde"] == {"type": "kvpersist-aesgcm", "aes_bits": 256, "max_workers": SERDE_WORKERS,
-                            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
+                            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}",
+                            "key_fingerprint": KEY_FINGERPRINT, "namespace_id": t.namespace_id}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)
     assert key["secret"] == {"secretName": f"{t.name}-l2-key", "items": [{"key": "master-key", "path": L2_KEY_FILE}],
@@ -398,6 +400,31 @@ def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
     assert {"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True} in server["volumeMounts"]
     assert all(m["name"] != L2_KEY_VOLUME for c in pod["containers"][1:] for m in c.get("volumeMounts", []))
     assert not any("secretKeyRef" in json.dumps(e) and "l2-key" in json.dumps(e) for e in server["env"])
+
+
+def test_the_serde_names_the_key_the_id_was_computed_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the operator renders (controller.reading._target): the fingerprint the namespace id
+    was computed with (its canonical, lower-case form) and the id, never the key; the server
+    refuses to start on a key file of another fingerprint (tests/integration/test_l2_serde.py).
+    Without a fingerprint there is no id and no server runs (replicas 0)."""
+    from kvpersist.controller import reading, runtime
+    from kvpersist.controller.state import Controller
+
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    body = sample("nvme-minimal")
+    body["metadata"]["namespace"] = "ml"
+    t, _ = reading._target(body, KEY_FINGERPRINT.upper())
+    serde = l2_adapter_config(t)["serde"]
+    assert t.namespace_id == resolve(t.spec.pins(KEY_FINGERPRINT)).namespace_id is not None
+    assert (serde["key_fingerprint"], serde["namespace_id"]) == (KEY_FINGERPRINT, t.namespace_id)
+    rendered = json.dumps(build_all(t))
+    assert base64.b64encode(b"k" * 32).decode() not in rendered and ("k" * 32) not in rendered
+    unread, _ = reading._target(body, None)
+    assert unread.namespace_id is None and unread.key_fingerprint is None
+    assert build_lmcache_statefulset(unread)["spec"]["replicas"] == 0
+    plain, _ = reading._target({**body, "spec": {**body["spec"], "l2": {**body["spec"]["l2"], "encryption": {"enabled": False}}}},
+                               KEY_FINGERPRINT)
+    assert plain.namespace_id is not None and plain.key_fingerprint is None and "serde" not in l2_adapter_config(plain)
 
 
 def test_the_users_key_secret_is_mounted_and_none_generated() -> None:

@@ -63,6 +63,8 @@ def test_real_captures_give_exact_counters() -> None:
     # process_start_time_seconds 1.79602228205e+09, then 1.79602231424e+09 after the restart
     assert no_hits.started == l1.started == "2026-11-30T07:04:42Z"
     assert l2.started == "2026-11-30T07:05:14Z"
+    # The event bus that counts lookups: nothing queued or dropped (the canary's L1/L2 split needs that).
+    assert {(c.events_queued, c.events_dropped) for c in (fresh, no_hits, l1, l2)} == {(0, 0)}
 
 
 def test_labels_are_summed_and_quoted_values_parsed() -> None:

@@ -1,6 +1,7 @@
 """The operator's outbound calls against peers that misbehave: loopback servers standing in for
-an lmcache server or inventory agent that trickles its answer a byte at a time, hangs before its
-headers, answers garbage, or sends a body far larger than any real one. Each call must come back
+an lmcache server, inventory agent or vLLM pod (the canary's counter reads) that trickles its
+answer a byte at a time, hangs before its headers, answers garbage, or sends a body far larger than
+any real one. Each call must come back
 within its deadline (plus a little slack) with an unhealthy report or a reason, never raise, and
 never read a huge body whole."""
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist import httpclient
+from kvpersist.controller.canary import read_counters_of
 from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 from kvpersist.inventory.cleanup import gc_volumes
 from kvpersist.status.usage import collect_usage, fetch_status, parse_status
@@ -324,6 +326,39 @@ def test_a_huge_metrics_body_is_refused_and_the_status_stands() -> None:
         rep = fetch_status("s-0", "127.0.0.1", peer.port, timeout=5.0)
     assert rep.healthy and rep.l2_objects == 8 and rep.lookups is None
     assert peer.sent < 32 * 2**20
+
+
+# ---------------------------------------------------------------- the canary's counters around a check
+
+VLLM_METRICS = b"""vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 107.0
+vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 0.0
+vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 3840.0
+"""
+
+
+@pytest.mark.parametrize("behave", [trickle_body, hang, huge_streamed, not_http, answer(b'{"is_healthy": true}'),
+                                    answer(VLLM_METRICS.replace(b"3840.0", b"NaN"))],
+                         ids=["trickle", "hang", "huge", "not_http", "json", "nan"])
+def test_the_canarys_counter_reads_cost_one_deadline_and_are_unknown_when_hostile(behave: Behave) -> None:
+    """The vLLM pod and one of the servers on its node misbehave alike, the other server is well:
+    one deadline for all the reads together, the hostile ones unknown (the check's tier then is)."""
+    with ExitStack() as stack:
+        ips, agent_port = _peers_on_one_port([healthy, behave], stack)
+        vllm = stack.enter_context(serving(behave))
+        with timed(DEADLINE + SLACK):
+            got = read_counters_of("127.0.0.1", vllm.port, None, (("s-0", ips[0]), ("s-1", ips[1])), agent_port, None,
+                                   timeout=DEADLINE)
+    assert got.vllm is None and got.servers["s-1"] is None
+    assert got.servers["s-0"] is not None and got.servers["s-0"].requested == 1024
+
+
+def test_the_canarys_counter_reads_from_well_peers() -> None:
+    with serving(answer(VLLM_METRICS)) as vllm, serving(healthy) as agent:
+        got = read_counters_of("127.0.0.1", vllm.port, "sk-1", (("s-0", "127.0.0.1"),), agent.port, "t",
+                               timeout=DEADLINE)
+    assert got.vllm is not None and (got.vllm.computed, got.vllm.local_cache_hit, got.vllm.external) == (107, 0, 3840)
+    assert got.servers["s-0"] is not None and got.servers["s-0"].hit == 512
+    assert agent.paths == ["/server/metrics"] and vllm.paths == ["/metrics"]
 
 
 # ---------------------------------------------------------------- many servers at once

@@ -145,6 +145,24 @@ def test_users_of_names_resources_and_pods() -> None:
     assert users_of(B, res, pods) == []
 
 
+def test_an_earlier_namespace_sealed_with_a_lost_key_is_in_use_while_the_key_is_awaited() -> None:
+    """After a pin change the generated key was deleted: IdentityResolved L2KeyLost. The earlier
+    namespace sealed with that key (status.sealedNamespaces) is what a restored key would make
+    readable again, so gc and the age limit must not take it; another key's namespace is an orphan."""
+    fp, other = "a" * 16, "b" * 16
+    status = {"namespaceId": None, "l2Key": {"secret": "a-l2-key", "generated": True, "fingerprint": fp, "namespaceId": B},
+              "conditions": [{"type": "IdentityResolved", "status": "False", "reason": "L2KeyLost"}],
+              "sealedNamespaces": [{"namespaceId": A, "fingerprint": fp, "secret": "a-l2-key"},
+                                   {"namespaceId": C, "fingerprint": other, "secret": "mine"},
+                                   {"namespaceId": B, "fingerprint": fp, "secret": "a-l2-key"}]}
+    res = [{"metadata": {"namespace": "ml", "name": "a"}, "spec": {}, "status": status}]
+    waiting = ["KVCacheNamespace ml/a (waiting for the L2 key its data needs)"]
+    assert users_of(A, res, []) == waiting and users_of(B, res, []) == waiting
+    assert users_of(C, res, []) == []
+    status["conditions"] = [{"type": "IdentityResolved", "status": "True", "reason": "PinsComplete"}]  # key back
+    assert users_of(A, res, []) == []
+
+
 def test_gc_bucket_outcomes() -> None:
     from kvpersist.inventory.cleanup import gc_bucket
     from kvpersist.inventory.volume import NamespaceUsage

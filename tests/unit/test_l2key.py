@@ -27,10 +27,11 @@ from kvpersist.builders.retained import (
     retained_labels,
 )
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, l2key, reading, refresh, runtime
+from kvpersist.controller import agents, kube, l2key, reading, refresh, retention, runtime
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.state import Controller
 from kvpersist.identity import L2_KEY_PIN, key_fingerprint, resolve
+from kvpersist.inventory.volume import Inventory, NamespaceUsage
 from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.workloads import Seen, index_entry, live_ids, owner_key
 from tests.cases.invalid_manifests import sample
@@ -119,7 +120,7 @@ def _status(bytes_: int | None, objects: int = 3, fp: str = FP_A, secret: str = 
 
 def test_a_generated_key_gone_over_data_is_a_loss_never_a_new_key() -> None:
     found = l2key.loss(_status(5 * 2**20), GONE, {})
-    assert found == l2key.Loss("r-l2-key", FP_A, NID, (5 * 2**20, 3), "status.l2Key")
+    assert found == l2key.Loss("r-l2-key", FP_A, ((NID, (5 * 2**20, 3)),), "status.l2Key")
     message = l2key.loss_message(found, "r", "ml")
     for part in ("r-l2-key", FP_A, NID, "5Mi in 3 objects", "Restore the Secret",
                  f"kubectl annotate kvcachenamespace r -n ml {l2key.REPLACE_ANNOTATION}={FP_A}", "kvpersist gc"):
@@ -277,8 +278,8 @@ def test_the_generated_key_and_claims_are_patched_out_of_prunes_once(monkeypatch
                           "labels": {TRACKING_LABEL: name, "app.kubernetes.io/component": "lmcache-server"}}}
     seen = Seen(claims=[claim])
     read = reading._read_key(target)
-    refresh._protect_retained(reading._target(body, read.fingerprint)[0], read, seen, LOG)
-    refresh._protect_retained(reading._target(body, read.fingerprint)[0], reading._read_key(target), seen, LOG)
+    retention.protect_retained(reading._target(body, read.fingerprint)[0], read, seen, LOG)
+    retention.protect_retained(reading._target(body, read.fingerprint)[0], reading._read_key(target), seen, LOG)
     assert [(a[1], a[2]) for a in api.metadata] == [("Secret", f"{name}-l2-key"), ("PersistentVolumeClaim", claim["metadata"]["name"])]
     secret_patch, claim_patch = api.metadata[0][-1], api.metadata[1][-1]
     assert secret_patch["metadata"]["labels"] == {TRACKING_LABEL: None, INSTANCE_LABEL: name}
@@ -363,3 +364,131 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     assert api.patches[-1]["namespaceId"] == new_id != target.namespace_id
     assert api.patches[-1]["l2Key"] == {"secret": f"{key[1]}-l2-key", "generated": True, "fingerprint": FP_B,
                                         "namespaceId": new_id}
+
+
+# ---------------------------------------------------------------- a loss judged on every namespace the key sealed
+
+NEW = "kvp-" + "3" * 32  # where a pin change moved the resource: the same key, nothing written yet
+
+
+def _pin_changed(old_bytes: int = 7 * 2**20, new_objects: int = 0) -> dict[str, Any]:
+    """The status of a resource moved by a pin change from OLD (data) to NEW (empty), both on its
+    claim and sealed with the generated key FP_A; then the generated Secret was deleted."""
+    return {"l2Key": {"secret": "r-l2-key", "generated": True, "fingerprint": FP_A, "namespaceId": NEW},
+            "sealedNamespaces": [{"namespaceId": OLD, "fingerprint": FP_A, "secret": "r-l2-key"},
+                                 {"namespaceId": NEW, "fingerprint": FP_A, "secret": "r-l2-key"}],
+            "inventory": {"measuredAt": "2026-01-01T00:00:00Z", "volumes": [{"location": "pvc/l2", "namespaces": [
+                {"namespaceId": OLD, "bytes": old_bytes, "objects": 9 if old_bytes else 0, "orphan": True},
+                {"namespaceId": NEW, "bytes": 4096 * new_objects, "objects": new_objects}]}]}}
+
+
+def test_a_pin_change_to_an_empty_namespace_leaves_the_old_one_lost_with_the_key() -> None:
+    """Issue 39: the loss was judged on status.l2Key's namespace only, so with the resource moved to
+    an empty one the generated key was silently made anew (the event said 0B in 0 objects) and the
+    old namespace, sealed with the deleted key on the same claim, was unreadable for good."""
+    found = l2key.loss(_pin_changed(), GONE, {})
+    assert found is not None and found.fingerprint == FP_A
+    assert found.namespaces == ((OLD, (7 * 2**20, 9)),)  # the served one is empty: it does not count
+    message = l2key.loss_message(found, "r", "ml")
+    assert f"namespace {OLD} holds 7Mi in 9 objects" in message and NEW not in message and "0B" not in message
+    assert f"{l2key.REPLACE_ANNOTATION}={FP_A}" in message
+    # Both holding data: both named, with what each holds.
+    both = l2key.loss(_pin_changed(new_objects=2), GONE, {})
+    assert both is not None and both.namespaces == ((NEW, (8192, 2)), (OLD, (7 * 2**20, 9)))
+    assert f"{NEW} (8Ki in 2 objects), {OLD} (7Mi in 9 objects)" in l2key.loss_message(both, "r", "ml")
+    # The old namespace gone from the inventory (gc'd) and the new one empty: nothing to lose.
+    assert l2key.loss(_pin_changed(old_bytes=0), GONE, {}) is None
+    # Accepting exactly that key's loss covers them all.
+    assert l2key.loss(_pin_changed(), GONE, {l2key.REPLACE_ANNOTATION: FP_A}) is None
+
+
+def test_the_generated_key_left_for_another_secret_is_still_judged_by_what_it_sealed() -> None:
+    """keySecretRef named another Secret (status.l2Key records that one), the generated Secret was
+    deleted meanwhile, and the spec goes back to it: what the generated key sealed is lost."""
+    status = _pin_changed()
+    status["l2Key"] = {"secret": "mine", "generated": False, "fingerprint": FP_B, "namespaceId": NID}
+    status["sealedNamespaces"].append({"namespaceId": NID, "fingerprint": FP_B, "secret": "mine"})
+    found = l2key.loss(status, GONE, {})
+    assert found is not None and (found.fingerprint, found.namespaces) == (FP_A, ((OLD, (7 * 2**20, 9)),))
+    # A claim's annotation (the key in use last: the user's) is not taken for the generated key's.
+    claim = {"metadata": {"name": "l2-r-lmcache-0", "annotations": {KEY_FINGERPRINT_ANNOTATION: FP_B}}}
+    assert l2key.loss({"l2Key": status["l2Key"]}, GONE, {}, [claim]) is None
+
+
+def test_sealed_namespaces_are_recorded_newest_last_and_bounded() -> None:
+    a = {"secret": "r-l2-key", "fingerprint": FP_A, "namespaceId": OLD}
+    b = {"secret": "r-l2-key", "fingerprint": FP_A, "namespaceId": NEW}
+    # Seeded from the record a status held before the list existed, then the one served now.
+    assert l2key.sealed_after({"l2Key": a}, a, b) == [
+        {"namespaceId": OLD, "fingerprint": FP_A, "secret": "r-l2-key"},
+        {"namespaceId": NEW, "fingerprint": FP_A, "secret": "r-l2-key"}]
+    status = {"sealedNamespaces": l2key.sealed_after({}, a, b)}
+    assert l2key.sealed_after(status, b, b) == status["sealedNamespaces"]  # unchanged: nothing to write
+    assert [e["namespaceId"] for e in l2key.sealed_after(status, a)] == [NEW, OLD]  # served again: newest
+    many = [{"secret": "s", "fingerprint": FP_A, "namespaceId": f"kvp-{i:032x}"} for i in range(20)]
+    kept = l2key.sealed_after({}, *many)
+    assert len(kept) == l2key.SEALED_MAX and kept[0]["namespaceId"] == f"kvp-{4:032x}"  # the oldest dropped
+
+
+def test_the_refresh_round_records_every_namespace_and_judges_the_loss_on_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through whole refresh rounds (status written through the models): the resource serves OLD
+    under the generated key and stores data, a pin change moves it to NEW (empty), the generated
+    Secret is deleted. The next round says L2KeyLost naming OLD and its bytes, the apply makes no
+    key; on today's code it said nothing and the apply made a new key."""
+    from tests.unit.test_status_patch import FakeApi, _pod, _report, _rollout
+
+    api = FakeApi(monkeypatch, [_report("s-0", 2048)])
+    events: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(kube, "post_event", lambda body, t, reason, message: events.append((t, reason, message)))
+    monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
+    monkeypatch.setattr(kube, "apply", lambda m: m)
+    created: list[dict[str, Any]] = []
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or True)
+    body = copy.deepcopy(sample("nvme-minimal"))
+    body["metadata"].update(namespace="ml", uid="u1", generation=1, annotations={})
+    name = body["metadata"]["name"]
+    key = ("ml", name)
+    fp = key_fingerprint(b"k" * 32)  # FakeApi's generated key
+    scans: dict[str, tuple[int, int]] = {}
+    monkeypatch.setattr(agents, "inventories", lambda pods, port, token: [
+        Inventory("ignored", [NamespaceUsage(n, b, o, 1.7e9) for n, (b, o) in scans.items()], 0) for _ in pods])
+
+    def round_on(spec_body: dict[str, Any]) -> str:
+        target = reading._target(spec_body, fp)[0]
+        seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
+                    deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
+                    pods=[_pod(f"{target.server_name}-0")],
+                    claims=[{"metadata": {"name": "l2", "labels": {"app.kubernetes.io/component": "lmcache-server"}},
+                             "status": {"phase": "Bound"}}])
+        runtime.CONTROLLER.state(key)
+        assert apply_workloads(spec_body, LOG, seen)
+        refresh.refresh_status(spec_body, seen, LOG)
+        spec_body["status"] = {**spec_body.get("status", {}), **api.patches[-1]}
+        return target.namespace_id
+
+    old = round_on(body)
+    scans[old] = (6 * 2**20, 12)  # data stored under the generated key
+    round_on(body)
+    body["spec"]["identity"]["maxModelLen"] = int(body["spec"]["identity"].get("maxModelLen") or 4096) + 1  # a pin
+    new = round_on(body)
+    scans[new] = (0, 0)
+    round_on(body)
+    assert new != old and body["status"]["l2Key"]["namespaceId"] == new
+
+    monkeypatch.setattr(kube, "get", lambda v, kind, n, ns: None)  # the generated Secret deleted
+    state = runtime.CONTROLLER.state(key)
+    state.key_read, state.drifted = None, False  # read again
+    events.clear()
+    writes = len(api.patches)
+    refresh.refresh_status(body, Seen(), LOG)  # no key, no id: status follows the apply
+    assert state.drifted and len(api.patches) == writes
+    assert apply_workloads(body, LOG)
+    assert not [m for m in created if m["metadata"]["name"].endswith("-l2-key")]  # no key made over OLD's data
+    refresh.refresh_status(body, Seen(), LOG)
+    lost = next(c for c in api.patches[-1]["conditions"] if c["type"] == "IdentityResolved")
+    assert lost["reason"] == l2key.KEY_LOST, lost
+    assert f"namespace {old} holds 6Mi in 12 objects" in lost["message"] and fp in lost["message"]
+    assert new not in lost["message"]
+    assert [(t, r) for t, r, _ in events if r == l2key.KEY_LOST] == [("Warning", l2key.KEY_LOST)]
+    assert api.patches[-1]["phase"] == "CacheDisabled"
+    assert [e["namespaceId"] for e in body["status"]["sealedNamespaces"]] == [old, new]  # what it was judged on

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import Target
-from kvpersist.controller.refresh import _events_for
+from kvpersist.controller.transitions import events_for
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.agent import Agent
 from kvpersist.inventory.space import (
@@ -118,11 +118,11 @@ def test_an_event_on_each_transition_only() -> None:
     room = space_condition(_l2(100), 1)
     assert full is not None and room is not None
     was_ok = {"conditions": [room]}
-    assert ("Warning", "ClaimNearlyFull", full["message"]) in _events_for(was_ok, {}, [full])
-    assert not [e for e in _events_for({"conditions": [full]}, {}, [full]) if e[1] == "ClaimNearlyFull"]
-    assert [e[:2] for e in _events_for({"conditions": [full]}, {}, [room]) if e[1] == "ClaimHasRoom"] == [
+    assert ("Warning", "ClaimNearlyFull", full["message"]) in events_for(was_ok, {}, [full])
+    assert not [e for e in events_for({"conditions": [full]}, {}, [full]) if e[1] == "ClaimNearlyFull"]
+    assert [e[:2] for e in events_for({"conditions": [full]}, {}, [room]) if e[1] == "ClaimHasRoom"] == [
         ("Normal", "ClaimHasRoom")]
-    assert not [e for e in _events_for({}, {}, [room]) if e[1] == "ClaimHasRoom"]  # first sight with room: no news
+    assert not [e for e in events_for({}, {}, [room]) if e[1] == "ClaimHasRoom"]  # first sight with room: no news
 
 
 # ---- which folders the age limit removes

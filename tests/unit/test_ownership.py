@@ -18,7 +18,7 @@ import pytest
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import retained_labels
-from kvpersist.controller import apply, drift, kube, l2key, ownership, reading, refresh, runtime, status_loop
+from kvpersist.controller import agents, apply, drift, kube, l2key, ownership, reading, runtime, status_loop
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
@@ -241,7 +241,7 @@ def test_a_planted_key_secret_is_never_read_nor_patched(monkeypatch) -> None:
     read = reading._read_key(target, fresh=True)
     assert read is not None and read.fingerprint is None and not read.absent
     assert read.problem is not None and read.problem[0] == l2key.KEY_NOT_OWNED and "llama31-8b-l2-key" in read.problem[1]
-    assert read.metadata is None  # nothing for _protect_retained to patch onto it
+    assert read.metadata is None  # nothing for protect_retained to patch onto it
     # Not absent, so no key is generated over it either (kvpersist.controller.apply), and the cache is off.
     assert reading._judge_key(_body(), read, []) == (read, None)
     assert reading._target(_body(), read.fingerprint)[0].namespace_id is None
@@ -254,10 +254,10 @@ def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
     monkeypatch.setattr(kube, "get", lambda *a: token)
     runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
     target, _ = reading._target(body)
-    assert refresh._agent_token(target) is None
+    assert agents.agent_token(target) is None
     token["metadata"]["ownerReferences"] = [_ref()]
     runtime.CONTROLLER.state(("ml", "llama31-8b")).agent_token = None
-    assert refresh._agent_token(target) == "users-token"  # the operator's own (the reference it sets)
+    assert agents.agent_token(target) == "users-token"  # the operator's own (the reference it sets)
 
 
 def test_only_its_own_stale_routes_are_deleted(monkeypatch) -> None:

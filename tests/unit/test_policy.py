@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import kube, refresh, runtime
+from kvpersist.controller import kube, runtime, transitions
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.policy import (
     ALLOWED_IMAGES_ENV,
@@ -220,12 +220,12 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
 def test_refusal_event_is_posted_once_with_its_reason() -> None:
     ready = condition("Ready", False, IMAGE_NOT_ALLOWED, "spec.vllm.image: ...")
     new = {"phase": "Failed", "conditions": [ready]}
-    events = refresh._events_for({"phase": "Pending"}, new, [ready])
+    events = transitions.events_for({"phase": "Pending"}, new, [ready])
     assert events == [("Warning", IMAGE_NOT_ALLOWED, "spec.vllm.image: ...")]  # not also a generic Failed
-    assert refresh._events_for(new, new, [ready]) == []
+    assert transitions.events_for(new, new, [ready]) == []
     other = condition("Ready", False, SECRET_NOT_ALLOWED, "spec.l2...: ...")
-    assert refresh._events_for(new, {**new, "conditions": [other]}, [other]) == [("Warning", SECRET_NOT_ALLOWED,
-                                                                                  "spec.l2...: ...")]
+    assert transitions.events_for(new, {**new, "conditions": [other]}, [other]) == [("Warning", SECRET_NOT_ALLOWED,
+                                                                                     "spec.l2...: ...")]
 
 
 def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.MonkeyPatch,

@@ -35,11 +35,11 @@ def test_every_call_of_the_operator_is_understood() -> None:
     assert ("", "events", "list") in grants  # resources.get(kind="Event").get(field_selector=...): no name
     assert ("kvpersist.dev", "kvcachenamespaces/status", "patch") in grants  # request("patch", path + "/status")
     assert {("apps", "statefulsets", "patch"), ("apps", "statefulsets", "create")} <= grants  # server-side apply
-    assert ("", "secrets", "get") in grants  # kube.get("v1", "Secret") <- _agent_token
+    assert ("", "secrets", "get") in grants  # kube.get("v1", "Secret") <- agents.agent_token
     # Secrets are patched in one place only, their labels and annotations (kube.patch_metadata refuses
     # anything else): the generated L2 key kept out of GitOps prunes; never adopted, never its data.
     assert {u.where() for u in uses if u.grant == ("", "secrets", "patch")} == {
-        "controller.kube.patch_metadata ← controller.refresh._protect_retained"}
+        "controller.kube.patch_metadata ← controller.retention.protect_retained"}
     # kube.list_all over ROUTE_KINDS: pairs stay together (never NetworkPolicy of v1).
     assert {("", "services", "delete"), ("networking.k8s.io", "networkpolicies", "delete")} <= grants
 

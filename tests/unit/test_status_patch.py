@@ -20,7 +20,7 @@ from kvpersist.api.status import StatusPatchError, checked_patch, validate_patch
 from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
 from kvpersist.builders.retained import retained_labels
 from kvpersist.builders.target import SERVER
-from kvpersist.controller import gc, kube, reading, refresh, runtime
+from kvpersist.controller import agents, kube, reading, refresh, runtime
 from kvpersist.controller.policy import IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.state import Controller
 from kvpersist.identity import key_fingerprint, resolve
@@ -271,12 +271,11 @@ class FakeApi:
             (kind, name, patch)))
         monkeypatch.setattr(kube, "patch_status", lambda *a: self.patches.append(a[-1]))
         monkeypatch.setattr(kube, "post_event", lambda *a: None)
-        monkeypatch.setattr(refresh, "_agent_token", lambda target: "token")
-        monkeypatch.setattr(gc, "_agent_token", lambda target: "token")
+        monkeypatch.setattr(agents, "agent_token", lambda target: "token")  # refresh's and gc's
         monkeypatch.setattr(refresh, "collect_usage", lambda running, port, token=None: reports)
-        monkeypatch.setattr(refresh, "_inventories", lambda agents, port, token: [
+        monkeypatch.setattr(agents, "inventories", lambda pods, port, token: [
             Inventory("ignored", [NamespaceUsage(NID, 5 * 2**20, 7, 1.7e9), NamespaceUsage(ORPHAN, 2**20, 3)], 12)
-            for _ in agents])
+            for _ in pods])
         monkeypatch.setattr(runtime, "CONTROLLER", Controller())
 
 

@@ -5,7 +5,7 @@ shapes (entrypoints/openai/completion/protocol.py: choices[].token_ids with retu
 (greedy, token ids back, a cache_salt only when given, the API key only in its header) and that a
 vLLM that errs, answers garbage or too much, or does not answer in time is a PeerError naming why
 within its deadline: VLLMAnswerError when vLLM answered, a plain PeerError when it could not be
-reached."""
+reached. The prompt's token count comes with an answer; /metrics is read with the same bounds."""
 
 from __future__ import annotations
 
@@ -50,6 +50,15 @@ def vllm() -> Iterator[tuple[StandIn, int]]:
             code, out = stand_in.answer(self.path, body)
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def do_GET(self) -> None:
+            stand_in.asked.append((self.path, {}, self.headers.get("Authorization")))
+            code, out = stand_in.answer(self.path, {})
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
             self.wfile.write(out)
@@ -108,6 +117,33 @@ def test_a_body_over_the_cap_is_refused(vllm: tuple[StandIn, int], monkeypatch: 
     stand_in.answer = lambda path, body: (200, completion([1], text="x" * 4096))
     with pytest.raises(PeerError, match="over the 1024-byte limit"):
         vllmclient.complete("127.0.0.1", port, "m", "p", max_tokens=1)
+
+
+def test_the_prompts_token_count_comes_with_the_answer(vllm: tuple[StandIn, int]) -> None:
+    """usage.prompt_tokens: what the canary's counters are compared with (kvpersist.status.canary)."""
+    stand_in, port = vllm
+    assert vllmclient.complete("127.0.0.1", port, "m", "p", max_tokens=2).prompt_tokens == 3
+    stand_in.answer = lambda path, body: (200, json.dumps({"choices": [{"token_ids": [1]}]}).encode())
+    assert vllmclient.complete("127.0.0.1", port, "m", "p", max_tokens=2).prompt_tokens is None  # not said: unknown
+    for wrong in (-1, "3947", 2**60):
+        stand_in.answer = lambda path, body, w=wrong: (200, json.dumps({"choices": [{"token_ids": [1]}],
+                                                                        "usage": {"prompt_tokens": w}}).encode())
+        with pytest.raises(vllmclient.VLLMAnswerError, match=r"usage\.prompt_tokens"):
+            vllmclient.complete("127.0.0.1", port, "m", "p", max_tokens=2)
+
+
+def test_metrics_is_read_with_a_deadline_and_a_cap(vllm: tuple[StandIn, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in, port = vllm
+    stand_in.answer = lambda path, body: (200, b"vllm:prompt_tokens_total 7\n")
+    assert vllmclient.metrics("127.0.0.1", port, api_key="sk-1") == "vllm:prompt_tokens_total 7\n"
+    assert stand_in.asked[-1] == ("/metrics", {}, "Bearer sk-1")
+    stand_in.answer = lambda path, body: (404, b"not found")
+    with pytest.raises(vllmclient.VLLMAnswerError, match="answered HTTP 404"):
+        vllmclient.metrics("127.0.0.1", port)
+    monkeypatch.setattr(vllmclient, "MAX_METRICS_BYTES", 1024)
+    stand_in.answer = lambda path, body: (200, b"# x\n" * 1024)
+    with pytest.raises(PeerError, match="over the 1024-byte limit"):
+        vllmclient.metrics("127.0.0.1", port)
 
 
 def test_tokenize_returns_the_ids(vllm: tuple[StandIn, int]) -> None:

@@ -127,9 +127,10 @@ QUANTITY = r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][
 MAX_QUANTITY = 2**63 - 1  # Kubernetes keeps a quantity's value in an int64
 GIB = 1024**3
 # What spec.l2.encryption renders as the L2 adapter's serde, with the frame it writes
-# (kvpersist.inserver.serve: version 2, 2 MiB segments), which lmcache's own aesgcm cannot open;
-# part of the namespace id, so another frame format is another namespace.
-L2_SERDE = "kvpersist-aesgcm-256/v2"
+# (kvpersist.inserver.serve: version 3, 2 MiB segments bound to the object's name and namespace),
+# which opens no other version; part of the namespace id, so another frame format is another
+# namespace (and the old folder an orphan).
+L2_SERDE = "kvpersist-aesgcm-256/v3"
 
 def _bounded_quantity(value: str | int) -> str | int:
     """A quantity the operator can compute with: finite and at most MAX_QUANTITY (a ValueError,
@@ -1403,15 +1404,42 @@ class L2KeyStatus(_Model):
                                      "cannot be read.")
 
 
+class SealedNamespace(_Model):
+    """A namespace the resource served with L2 encrypted, and the key that sealed its objects."""
+
+    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace, kvp-<32 hex>.")
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{16}$", description="The fingerprint of the key its objects are "
+                             "sealed with (as in l2Key).")
+    secret: str | None = Field(None, max_length=253, description="The Secret that held that key.")
+
+
 CanaryTokenIds = list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+# What served a check's cached answer (kvpersist.status.canary.served_by).
+CanaryTier = Literal["gpu", "l1", "l2", "lmcache", "computed", "unknown"]
+_TIER_TEXT = ("gpu: vLLM's own prefix cache (no evidence about lmcache); l1, l2: lmcache, from that tier; lmcache: "
+              "lmcache, the tier not attributable; computed: neither cache held the prompt; unknown: not attributable "
+              "(counters unread, or other requests moved them).")
 
 
 class CanaryCheck(_Model):
-    """The canary's last check of a vLLM pod."""
+    """A check of a vLLM pod."""
 
     at: datetime = Field(description="When it was answered.")
     pod: str = Field(max_length=253, description="The vLLM pod asked.")
     match: bool = Field(description="The answer served with the cache was the reference.")
+    tier: CanaryTier | None = Field(None, description="What served the cached answer, from the pod's and the lmcache "
+                                    "servers' counters read around it. " + _TIER_TEXT)
+
+
+class CanaryMatches(_Model):
+    """Checks whose cached answer was the reference, by what served it."""
+
+    gpu: int = Field(0, ge=0, description="Answered from vLLM's own prefix cache: no evidence about lmcache.")
+    l1: int = Field(0, ge=0, description="Served by lmcache from L1.")
+    l2: int = Field(0, ge=0, description="Served by lmcache from L2.")
+    lmcache: int = Field(0, ge=0, description="Served by lmcache, the tier not attributable.")
+    computed: int = Field(0, ge=0, description="Computed: neither cache held the prompt.")
+    unknown: int = Field(0, ge=0, description="Not attributable.")
 
 
 class CanaryMismatch(_Model):
@@ -1423,6 +1451,8 @@ class CanaryMismatch(_Model):
     pod: str = Field(max_length=253, description="The vLLM pod whose cached answer differed.")
     expected: CanaryTokenIds = Field(max_length=64, description="The reference's token ids (computed without the cache).")
     got: CanaryTokenIds = Field(max_length=64, description="The token ids served with the cache, twice.")
+    tiers: list[CanaryTier] = Field(default_factory=list, max_length=2, description="What served the two cached "
+                                    "answers. " + _TIER_TEXT, json_schema_extra={"default": []})
 
 
 class CanaryStatus(_Model):
@@ -1436,7 +1466,16 @@ class CanaryStatus(_Model):
                                                 "the cache (a fresh random cache_salt misses every cache).")
     reference_at: datetime = Field(description="When the reference was computed.")
     reference_pod: str = Field(max_length=253, description="The vLLM pod that computed it.")
+    prompt_tokens: int | None = Field(None, ge=0, description="The prompt's tokens as vLLM counted them: lmcache can "
+                                      "serve its whole chunks of 256 tokens, the last token left out.")
+    reference_recomputes: int | None = Field(None, ge=0, le=16, description="How often the reference was computed "
+                                             "again because a second answer without the cache contradicted it (at "
+                                             "most 3 times per namespace id and promptDigest).")
     last_check: CanaryCheck | None = Field(None, description="The last check of a vLLM pod that uses the cache.")
+    matches: CanaryMatches | None = Field(None, description="Checks against this reference whose cached answer was "
+                                          "the reference, by what served them. Only those lmcache served (l1, l2, "
+                                          "lmcache) are evidence: HitCorrectness is True only with one.")
+    last_served_check: CanaryCheck | None = Field(None, description="The last matching check lmcache served.")
     mismatch: CanaryMismatch | None = Field(None, description="A hit that changed the answer, while it stands.")
 
 
@@ -1473,6 +1512,12 @@ class KVCacheNamespaceStatus(_Model):
                                      "age limit (spec.l2.orphanRetention) removed.")
     l2_key: L2KeyStatus | None = Field(None, alias="l2Key", description="The L2 master key in use, by fingerprint, and "
                                        "the namespace stored under it (with spec.l2.encryption on).")
+    sealed_namespaces: list[SealedNamespace] = Field(
+        default_factory=list, max_length=16, description="Each namespace served with L2 encrypted, with the key that "
+        "sealed it, newest last (the last 16): a pin change keeps the key but moves to another namespace, and the old "
+        "one's data stays on the same claims or bucket prefix. When the generated key Secret is gone, every one of "
+        "them sealed with its key that the inventory does not show empty counts as lost (L2KeyLost), not only the "
+        "namespace served now. Kept while encryption is off.")
     canary: CanaryStatus | None = Field(None, description="The correctness canary's reference and last check "
                                         "(spec.canary).")
 

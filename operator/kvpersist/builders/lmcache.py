@@ -116,13 +116,17 @@ SERDE_WORKERS = 4
 
 def l2_serde(target: Target) -> dict[str, Any] | None:
     """kvpersist's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
-    version, IV, ciphertext and a GCM tag, so a changed byte fails authentication and is a miss;
-    lmcache's own aesgcm frame and keys, without its copies (kvpersist.inserver.serve). The
-    master key is a file from a Secret volume, never an argument or a variable."""
+    version, key fingerprint, IV, then GCM-sealed segments bound to the object's name and the
+    namespace id, so a changed byte or another name fails authentication and is a miss; lmcache's
+    keys, without its copies (kvpersist.inserver.serve). The master key is a file from a Secret
+    volume, never an argument or a variable; the settings carry its expected fingerprint (the one
+    the id was computed with) and the id, and the server refuses to start on a key file of another
+    fingerprint, before it reads or removes anything."""
     if target.key_secret is None:
         return None
     return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": SERDE_WORKERS,
-            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}"}
+            "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}",
+            "key_fingerprint": target.key_fingerprint, "namespace_id": target.namespace_id}
 
 
 def l2_adapter_config(target: Target) -> dict[str, Any]:

@@ -14,7 +14,7 @@ annotations the tools honour: Argo CD's `sync-options: Prune=false,Delete=false`
 A StatefulSet's claims get its selector's labels whatever the template says (the StatefulSet
 controller copies them in), and a StatefulSet's selector and volumeClaimTemplates cannot change
 once created: so the claims are fixed where they are, by a metadata patch, for existing
-resources as for new ones (protect_patch; kvpersist.controller.refresh applies it)."""
+resources as for new ones (protect_patch; kvpersist.controller.retention applies it)."""
 
 from __future__ import annotations
 

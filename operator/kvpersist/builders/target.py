@@ -51,6 +51,10 @@ class Target:
     # spec.l2.nvme.shared on a user's claim that is not ReadWriteMany: one server only, not one per
     # node that could never mount it (status says ClaimNotShared); None: as many as the spec says.
     max_servers: int | None = None
+    # With L2 encrypted: the fingerprint of the key the namespace id was computed with (the pin
+    # l2_key_fingerprint, never the key). The servers refuse to start on a key file of another
+    # (kvpersist.inserver.serve check_key); None renders a serde no server starts with.
+    key_fingerprint: str | None = None
 
     @property
     def cache_enabled(self) -> bool:

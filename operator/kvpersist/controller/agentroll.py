@@ -3,7 +3,7 @@
 events that tell a user their server's agent update waits or rolls.
 
 Claims live in memory: after a restart the watch cache alone says what is rolling (a StatefulSet
-on the wanted image that is not settled yet), so a restarted operator never rolls more at once.
+on the wanted image whose rollout is not done yet), so a restarted operator never rolls more at once.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ seconds, a busy GPU one may take longer), one job per resource at a time, every 
 status.canary and the HitCorrectness condition; a HitMismatch keeps vLLM without the cache for that
 namespace id until the annotation kvpersist.dev/hit-correctness-ack names it. The record is seeded
 from status, so a restarted operator keeps the cache off over a mismatch it found before.
+Around each cached request the job reads the pod's prompt-token counters and the lookup counters
+of the lmcache servers on its node, so that status.canary says what served each check.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import secrets
 import threading
@@ -20,19 +23,25 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist import vllmclient
+from kvpersist import httpclient, vllmclient
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube
 from kvpersist.httpclient import PeerError
 from kvpersist.status import canary as judge
+from kvpersist.status import usage
 from kvpersist.status.conditions import now as iso_now
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
+# lmcache counts a lookup on its event bus's thread, which drains every 0.1 s: the servers' counters
+# are read this long after a cached answer, so that its lookup is in them.
+LOOKUP_SETTLE_S = 0.5
 
 logger = logging.getLogger("kvpersist")
 
 Asker = Callable[..., vllmclient.Completion]  # vllmclient.complete's signature
+# (vLLM pod IP, its port, its API key, the node's servers as (name, IP), the agents' port and token)
+CounterReader = Callable[[str, int, str | None, tuple[tuple[str, str], ...], int, str | None], judge.Counters]
 
 
 @dataclass
@@ -44,6 +53,7 @@ class _Resource:
     pods: dict[str, judge.PodMemory] = field(default_factory=dict)
     outcome: tuple[str, str, judge.Verdict] | None = None  # (namespace id, digest, verdict) of the last job, unless a match
     reference_failed_at: float = float("-inf")
+    recompute_at: float | None = None  # the recorded reference was contradicted: computed again from then on
     job: concurrent.futures.Future[None] | None = None
 
 
@@ -62,15 +72,21 @@ class Plan:
     api_key_ref: tuple[str, str, str] | None  # (namespace, Secret, key) of spec.vllm.apiKeySecretRef
     reference_pod: judge.Pod | None
     checks: tuple[tuple[judge.Pod, judge.CheckKey], ...]
+    servers: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # a checked pod's node's (name, IP)
+    agent_port: int = 0
+    agent_token: str | None = None
 
 
 class Canary:
     """Every resource's canary. Used from refresh threads and its own pool, hence the lock."""
 
     def __init__(self, asker: Asker | None = None, read_api_key: Callable[[str, str, str], str | None] | None = None,
-                 workers: int = WORKERS) -> None:
+                 workers: int = WORKERS, read_counters: CounterReader | None = None,
+                 settle_s: float = LOOKUP_SETTLE_S) -> None:
         self._ask = asker or vllmclient.complete
         self._read_api_key = read_api_key or _api_key
+        self._read_counters = read_counters or read_counters_of
+        self._settle_s = settle_s
         self._lock = threading.Lock()
         self._by: dict[Hashable, _Resource] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -100,11 +116,13 @@ class Canary:
             self._by.pop(key, None)
 
     def refresh(self, key: Hashable, body: Mapping[str, Any], target: Target, pods: list[dict[str, Any]],
-                on_done: Callable[[bool], None], allowed: bool = True) -> tuple[judge.Verdict | None, bool]:
+                on_done: Callable[[bool], None], allowed: bool = True,
+                agent_token: str | None = None) -> tuple[judge.Verdict | None, bool]:
         """One status round: an acknowledgement taken, a job started when one is due (not while one
         runs), and HitCorrectness as it stands now. Returns (the condition's verdict or None, whether
         an acknowledgement released the cache: vLLM is to be applied with it again). allowed False:
-        the resource is refused (policy, names taken), so no job runs and no Secret is read. No I/O."""
+        the resource is refused (policy, names taken), so no job runs and no Secret is read.
+        agent_token: the agents' (their servers' lookup counters tell L1 from L2). No I/O."""
         spec, namespace_id = target.spec, target.namespace_id
         digest = judge.digest(spec)
         meta = body.get("metadata") or {}
@@ -120,7 +138,7 @@ class Canary:
             plan = None
             if spec.canary.enabled and namespace_id is not None and allowed \
                     and judge.standing(held.record, namespace_id) is None:
-                plan = self._plan(key, held, target, digest, pods, now)
+                plan = self._plan(key, held, target, digest, pods, now, agent_token)
             if plan is not None and (held.job is None or held.job.done()):
                 if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers,
@@ -132,11 +150,19 @@ class Canary:
         return verdict, released
 
     def _plan(self, key: Hashable, held: _Resource, target: Target, digest: str, pods: list[dict[str, Any]],
-              now: float) -> Plan | None:
+              now: float, agent_token: str | None = None) -> Plan | None:
         """What is due now, if anything. Under the lock."""
         namespace_id = str(target.namespace_id)
         views = judge.vllm_pods(pods, namespace_id)
         held.pods = {v.name: held.pods.get(v.name) or judge.PodMemory() for v in views}
+        recorded = judge.reference_for(held.record, namespace_id, digest)
+        # A contradicted reference: no check against it; computed again at recompute_at, then every
+        # pod is checked against the new one at once.
+        recompute = recorded is not None and held.recompute_at is not None
+        recompute_now = recompute and now >= (held.recompute_at or 0.0) and now - held.reference_failed_at >= judge.RETRY_S
+        if recompute_now:
+            for memory in held.pods.values():
+                memory.checked = None
         checks = []
         for view in views:
             servers = judge.servers_of(pods, namespace_id, view.node)
@@ -145,7 +171,9 @@ class Canary:
             if judge.due(view, servers, memory, target.spec.canary.interval_seconds, now):
                 checks.append((view, judge.check_key(view, servers)))
         reference_pod = None
-        if judge.reference_for(held.record, namespace_id, digest) is None:
+        if recompute and not recompute_now:
+            return None
+        if recorded is None or recompute:
             if now - held.reference_failed_at < judge.RETRY_S:
                 return None
             # Any Ready pod of the id serves the reference (salted, it misses every cache): one using
@@ -160,7 +188,9 @@ class Canary:
         ref = spec.vllm.api_key_secret_ref
         return Plan(key, namespace_id, digest, spec.vllm.served_model_name or spec.identity.model_id, spec.vllm.port,
                     spec.canary.effective_prompt, spec.canary.max_tokens,
-                    (target.namespace, ref.name, ref.key) if ref is not None else None, reference_pod, tuple(checks))
+                    (target.namespace, ref.name, ref.key) if ref is not None else None, reference_pod, tuple(checks),
+                    {view.name: judge.server_addresses(pods, namespace_id, view.node) for view, _ in checks},
+                    spec.lmcache_server.agent_port, agent_token)
 
     # ---- the job (the canary's pool)
 
@@ -212,12 +242,29 @@ class Canary:
         # file name beside the model's name (a local snapshot path offline), under 255 bytes.
         return "kvp-canary-" + secrets.token_hex(8)
 
-    def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> tuple[int, ...]:
+    def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> vllmclient.Completion:
         # A salted answer's KV is never read again: LMCache is asked to store none of it.
-        answer = self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
-                           cache_salt=self._salt() if salted else None, store=not (salted and pod.uses_cache),
-                           api_key=api_key, timeout=CALL_TIMEOUT_S)
-        return tuple(answer.token_ids)
+        return self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
+                         cache_salt=self._salt() if salted else None, store=not (salted and pod.uses_cache),
+                         api_key=api_key, timeout=CALL_TIMEOUT_S)
+
+    def _counters(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> judge.Counters:
+        try:
+            return self._read_counters(str(pod.ip), plan.port, api_key, tuple(plan.servers.get(pod.name, ())),
+                                       plan.agent_port, plan.agent_token)
+        except Exception:  # what served a check is a detail: never the reason a check fails
+            logger.exception("%s: the canary could not read the counters around its check of %s", plan.key, pod.name)
+            return judge.Counters(None, {})
+
+    def _ask_cached(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> tuple[tuple[int, ...], str]:
+        """One cached answer and what served it (judge.served_by): the counters read before, and
+        after it (the servers' once lmcache has counted its lookup)."""
+        before = self._counters(plan, pod, api_key)
+        answer = self._ask_pod(plan, pod, api_key, salted=False)
+        if self._settle_s > 0:
+            time.sleep(self._settle_s)
+        after = self._counters(plan, pod, api_key)
+        return tuple(answer.token_ids), judge.served_by(answer.prompt_tokens, before, after)
 
     def _failed(self, plan: Plan, verdict: judge.Verdict, pod: str | None = None) -> None:
         with self._lock:
@@ -236,7 +283,7 @@ class Canary:
         pod = plan.reference_pod
         assert pod is not None
         try:
-            tokens = self._ask_pod(plan, pod, api_key, salted=True)
+            answer = self._ask_pod(plan, pod, api_key, salted=True)
         except PeerError as exc:
             self._failed(plan, _unanswered(pod.name, exc))
             logger.info("%s: the canary's reference on %s: %s", plan.key, pod.name, exc)
@@ -245,8 +292,11 @@ class Canary:
             held = self._by.get(plan.key)
             if held is None:
                 return None
-            held.record = judge.with_reference(held.record, plan.namespace_id, plan.digest, tokens, pod.name, iso_now())
+            tokens = tuple(answer.token_ids)
+            held.record = judge.with_reference(held.record, plan.namespace_id, plan.digest, tokens, pod.name, iso_now(),
+                                               answer.prompt_tokens)
             held.outcome = None
+            held.recompute_at = None
         logger.info("%s: the canary's reference for %s recorded on %s (computed without the cache): %s", plan.key,
                     plan.namespace_id, pod.name, list(tokens))
         return tokens
@@ -255,11 +305,13 @@ class Canary:
                api_key: str | None) -> bool:
         """One pod's check; True on a HitMismatch."""
         try:
-            answers = judge.Answers(self._ask_pod(plan, pod, api_key, salted=False))
+            cached, tier = self._ask_cached(plan, pod, api_key)
+            answers, tiers = judge.Answers(cached), (tier,)
             verdict = judge.judge(reference, answers)
             if verdict is None:  # it differs: once more without the cache, and once with it
-                answers = judge.Answers(answers.cached, self._ask_pod(plan, pod, api_key, salted=True),
-                                        self._ask_pod(plan, pod, api_key, salted=False))
+                cache_free = tuple(self._ask_pod(plan, pod, api_key, salted=True).token_ids)
+                cached_again, tier_again = self._ask_cached(plan, pod, api_key)
+                answers, tiers = judge.Answers(cached, cache_free, cached_again), (tier, tier_again)
                 verdict = judge.judge(reference, answers)
         except PeerError as exc:
             self._failed(plan, _unanswered(pod.name, exc), pod.name)
@@ -273,21 +325,48 @@ class Canary:
             memory = held.pods.get(pod.name)
             if memory is not None:
                 memory.checked, memory.checked_at = key, time.monotonic()
-            held.record = judge.with_check(held.record or {}, pod.name, at, verdict == judge.MATCH)
+            held.record = judge.with_check(held.record or {}, pod.name, at, verdict == judge.MATCH, tier)
             held.outcome = None
             if verdict == judge.NONDETERMINISTIC:
-                held.outcome = (plan.namespace_id, plan.digest,
-                                (None, judge.NONDETERMINISTIC, judge.nondeterministic_message(pod.name, reference, answers)))
+                recompute_in = None
+                if judge.reference_contradicted(reference, answers):
+                    recompute_in = judge.recompute_after(judge.recomputes(held.record))
+                    if recompute_in is not None:
+                        held.recompute_at = time.monotonic() + recompute_in
+                held.outcome = (plan.namespace_id, plan.digest, (None, judge.NONDETERMINISTIC,
+                                judge.nondeterministic_message(pod.name, reference, answers, recompute_in)))
             elif verdict == judge.MISMATCH:
                 assert answers.cached_again is not None
                 held.record = judge.with_mismatch(held.record, secrets.token_hex(6), pod.name, at, reference,
-                                                  answers.cached_again)
+                                                  answers.cached_again, tiers)
+        logger.info("%s: the canary's check of %s: %s, served by %s", plan.key, pod.name, verdict, "/".join(tiers))
         if verdict == judge.MISMATCH:
             logger.warning("%s: HitMismatch on %s: served with the cache %s, computed without it %s: vLLM goes without "
                            "the cache", plan.key, pod.name, list(answers.cached_again or ()), list(reference))
         elif verdict == judge.NONDETERMINISTIC:
             logger.warning("%s: the canary's answers on %s are not deterministic: %s", plan.key, pod.name, answers)
         return verdict == judge.MISMATCH
+
+
+COUNTERS_TIMEOUT_S = 2.0  # each /metrics read around a check, all of them at once
+
+
+def read_counters_of(ip: str, port: int, api_key: str | None, servers: tuple[tuple[str, str], ...], agent_port: int,
+                     agent_token: str | None, timeout: float = COUNTERS_TIMEOUT_S) -> judge.Counters:
+    """The pod's prompt-token counters and its node's servers' lookup counters (through their
+    agents), read at once, each bounded by timeout: what cannot be read (no answer in time, too
+    large, not Prometheus text) is None. Blocking."""
+    def vllm() -> judge.PromptTokenSources | None:
+        try:
+            return judge.prompt_token_sources(vllmclient.metrics(ip, port, api_key=api_key, timeout=timeout))
+        except PeerError:
+            return None
+
+    reads: list[Callable[[], Any]] = [vllm] + [
+        functools.partial(usage.fetch_lookup_counters, server_ip, agent_port, timeout, agent_token)
+        for _, server_ip in servers]
+    sources, *lookups = httpclient.in_parallel(lambda read: read(), reads)
+    return judge.Counters(sources, {name: c for (name, _), c in zip(servers, lookups, strict=True)})
 
 
 def _unanswered(pod: str, exc: PeerError) -> judge.Verdict:

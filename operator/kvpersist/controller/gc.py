@@ -16,11 +16,11 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, metrics, runtime
+from kvpersist.controller import agents, bucketcheck, kube, metrics, runtime
 from kvpersist.controller.indexes import _seen
 from kvpersist.controller.inuse import in_use_now
 from kvpersist.controller.reading import _known_fingerprint, _target
-from kvpersist.controller.refresh import _agent_token, _SecretOnce, _write_status
+from kvpersist.controller.refresh import _write_status
 from kvpersist.inventory.bucket import remove_bucket_namespace
 from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal
 from kvpersist.inventory.cleanup import result as gc_result
@@ -54,10 +54,10 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                        and not p["metadata"].get("deletionTimestamp")]
             # One folder for all the servers (spec.l2.nvme.shared): one agent deletes it.
             servers = servers[:1] if target.shared else servers
-            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, _agent_token(target), recheck)
+            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, agents.agent_token(target), recheck)
         else:
             assert bucket is not None
-            token_secret = _SecretOnce(target)  # refused unread without secretLabel, when that is set
+            token_secret = bucketcheck.SecretOnce(target)  # refused unread without secretLabel, when that is set
             token = token_secret.token()
             if token is None:
                 outcome = gc_result(request, "Failed", token_secret.problem or f"Secret {bucket.token_secret_ref.name} "

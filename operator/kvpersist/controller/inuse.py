@@ -1,5 +1,5 @@
 """Who uses a namespace id now, asked of the API server (never the watch caches): explicit gc
-(kvpersist.controller.gc) and the age limit on old namespaces' folders (kvpersist.controller.refresh,
+(kvpersist.controller.gc) and the age limit on old namespaces' folders (kvpersist.controller.retention,
 spec.l2.orphanRetention) both ask it right before deleting."""
 
 from __future__ import annotations

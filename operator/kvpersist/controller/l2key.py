@@ -24,7 +24,7 @@ from kvpersist.builders.retained import KEY_FINGERPRINT_ANNOTATION, PROTECTED_AN
 from kvpersist.builders.target import L2_KEY_BYTES
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.usage import human_bytes
-from kvpersist.status.users import fingerprint_in_status, recorded  # noqa: F401  (fingerprint_in_status: read as l2key's)
+from kvpersist.status.users import KEY_LOST, fingerprint_in_status, recorded  # noqa: F401  (fingerprint_in_status: read as l2key's)
 
 # Set by the user to accept that the data under the named key is lost: its value is that key's
 # fingerprint, so it never covers a later loss of another key.
@@ -36,7 +36,7 @@ KEY_MISSING = "KeySecretKeyMissing"
 KEY_TOO_SHORT = "KeyTooShort"
 KEY_UNREADABLE = "KeySecretUnreadable"
 KEY_PENDING = "L2KeyPending"  # the generated Secret does not exist yet: the next apply makes it
-KEY_LOST = "L2KeyLost"  # the generated Secret is gone and data sealed under it exists: not made again
+# KEY_LOST (L2KeyLost): the generated Secret is gone and data sealed under it exists: not made again
 # <name>-l2-key exists but is not the operator's (kvpersist.controller.ownership): never used, never replaced
 KEY_NOT_OWNED = "KeySecretNotOwned"
 KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "KeySecretUnreadable", "L2KeyPending",
@@ -112,36 +112,82 @@ def held(status: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[in
     return sum(int(n.get("bytes") or 0) for n in shares), sum(int(n.get("objects") or 0) for n in shares)
 
 
+# status.sealedNamespaces: the namespaces the resource served under each key, newest last, at most
+# this many (the oldest dropped): what a lost key makes unreadable, beyond the one served now.
+SEALED_MAX = 16
+
+
+def sealed(status: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """status.sealedNamespaces as stored: {namespaceId, fingerprint, secret}, newest last."""
+    return [dict(e) for e in (status or {}).get("sealedNamespaces") or [] if e.get("namespaceId") and e.get("fingerprint")]
+
+
+def sealed_after(status: Mapping[str, Any] | None, *records: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """status.sealedNamespaces with each record (status.l2Key's form: secret, fingerprint,
+    namespaceId) added or moved to the end, the oldest dropped past SEALED_MAX. The record status
+    held before (seeded from a status written before this list existed) goes in first."""
+    out = sealed(status)
+    for record in records:
+        if not record or not record.get("namespaceId") or not record.get("fingerprint"):
+            continue
+        entry = {"namespaceId": record["namespaceId"], "fingerprint": record["fingerprint"], "secret": record.get("secret")}
+        out = [e for e in out if (e["namespaceId"], e["fingerprint"]) != (entry["namespaceId"], entry["fingerprint"])]
+        out.append({k: v for k, v in entry.items() if v is not None})
+    return out[-SEALED_MAX:]
+
+
+Held = tuple[int, int] | None  # (bytes, objects) by the inventory; None: unknown
+
+
 @dataclass(frozen=True)
 class Loss:
     """The generated key is gone while data sealed under it may exist."""
 
     secret: str
     fingerprint: str
-    namespace_id: str | None
-    held: tuple[int, int] | None  # (bytes, objects); None: unknown
+    namespaces: tuple[tuple[str | None, Held], ...]  # each namespace sealed with it that may hold data (None: unnamed)
     evidence: str  # where the record comes from
+
+
+def _lost_key(status: Mapping[str, Any] | None, secret: str) -> tuple[str | None, list[str]]:
+    """The fingerprint of the key the Secret last held, by status, and the namespaces recorded as
+    sealed with it (the one served last, then the older ones, newest first)."""
+    record = recorded(status)
+    history = [e for e in sealed(status) if e.get("secret") == secret]
+    fingerprint = record.get("fingerprint") if record.get("secret") == secret else None
+    if fingerprint is None and history:  # another Secret (or none) since: the last key this Secret held
+        fingerprint = history[-1]["fingerprint"]
+    if fingerprint is None:
+        return None, []
+    ids = [record["namespaceId"]] if record.get("fingerprint") == fingerprint and record.get("namespaceId") else []
+    ids += [e["namespaceId"] for e in reversed(history) if e["fingerprint"] == fingerprint and e["namespaceId"] not in ids]
+    return fingerprint, ids
 
 
 def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[str, str] | None,
          claims: list[Mapping[str, Any]] | None = None) -> Loss | None:
     """Whether making a new key now would make stored data unreadable without the user asking:
-    the generated Secret is absent, status records the key it held (or a claim of the resource
-    records one), the inventory does not show that key's namespace empty, and the user has not
-    accepted the loss of exactly that key (REPLACE_ANNOTATION)."""
+    the generated Secret is absent, status records the key it held (status.l2Key, or
+    status.sealedNamespaces after a switch to another Secret), or a claim of the resource records
+    one; the inventory does not show every namespace sealed with that key empty (the one served
+    now, and those served before it under the same key: a pin change moves the resource to an
+    empty namespace and leaves the old one's data on its storage); and the user has not accepted
+    the loss of exactly that key (REPLACE_ANNOTATION)."""
     if not key.generated or not key.absent:
         return None
-    record = recorded(status)
+    fingerprint, ids = _lost_key(status, key.secret)
     found: Loss | None = None
-    if record.get("fingerprint") and record.get("secret") == key.secret:
-        amount = held(status, record.get("namespaceId"))
-        if amount is None or amount[1] > 0:
-            found = Loss(key.secret, record["fingerprint"], record.get("namespaceId"), amount, "status.l2Key")
-    if found is None and not record.get("fingerprint"):
+    if fingerprint is not None:
+        amounts = [(i, held(status, i)) for i in ids] or [(None, None)]
+        holding = tuple((i, a) for i, a in amounts if a is None or a[1] > 0)
+        if holding:
+            found = Loss(key.secret, fingerprint, holding, "status.l2Key" if recorded(status).get("fingerprint") ==
+                         fingerprint else "status.sealedNamespaces")
+    if found is None and fingerprint is None and not recorded(status).get("fingerprint"):
         for claim in claims or []:
             fp = ((claim.get("metadata") or {}).get("annotations") or {}).get(KEY_FINGERPRINT_ANNOTATION)
             if fp:
-                found = Loss(key.secret, fp, None, None, f"claim {claim['metadata'].get('name')}")
+                found = Loss(key.secret, fp, ((None, None),), f"claim {claim['metadata'].get('name')}")
                 break
     if found is None or (annotations or {}).get(REPLACE_ANNOTATION) == found.fingerprint:
         return None
@@ -154,11 +200,19 @@ def _amount(amount: tuple[int, int] | None) -> str:
     return f"{human_bytes(amount[0]) or '0B'} in {amount[1]} objects"
 
 
+def _where(found: Loss) -> str:
+    named = [(i, a) for i, a in found.namespaces if i]
+    if not named:
+        return f"the L2 data ({found.evidence}) holds {_amount(found.namespaces[0][1] if found.namespaces else None)}"
+    if len(named) == 1:
+        return f"namespace {named[0][0]} holds {_amount(named[0][1])}"
+    return "namespaces " + ", ".join(f"{i} ({_amount(a)})" for i, a in named) + " hold data"
+
+
 def loss_message(found: Loss, name: str, namespace: str) -> str:
     """What happened, what it costs and what the user can do: for the condition and the event."""
-    where = f"namespace {found.namespace_id}" if found.namespace_id else f"the L2 data ({found.evidence})"
-    return (f"Secret {found.secret} with L2's master key (fingerprint {found.fingerprint}) is gone, and {where} holds "
-            f"{_amount(found.held)} sealed with it: unreadable without that key. No new key is generated over it (that "
+    return (f"Secret {found.secret} with L2's master key (fingerprint {found.fingerprint}) is gone, and {_where(found)} "
+            "sealed with it: unreadable without that key. No new key is generated over it (that "
             "would turn it into misses for good), and the cache stays off meanwhile (vLLM runs without it). Restore "
             f"the Secret from a backup (the same bytes under key master-key, with its labels): the namespace comes back "
             "by itself. Or "

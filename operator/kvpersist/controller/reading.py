@@ -18,7 +18,7 @@ from kvpersist.builders.target import Target
 from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
-from kvpersist.identity import Resolution, resolve
+from kvpersist.identity import L2_KEY_PIN, Resolution, resolve
 from kvpersist.status.conditions import shareable
 
 
@@ -32,7 +32,8 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
     res = resolve(obj.spec.pins(fingerprint))
     if pincheck.enabled():  # the model's files contradict a pin: the cache off (no I/O here)
         res = pincheck.apply_mismatch(res, runtime.CONTROLLER.pin_files.mismatch(obj.spec.identity))
-    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id), res
+    fingerprint = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
+    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id, key_fingerprint=fingerprint), res
 
 
 KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)

@@ -18,7 +18,8 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import kube, metrics, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import _fleet, _live, _seen
-from kvpersist.controller.refresh import _orphan_claims, _protect_claims, refresh_status
+from kvpersist.controller.refresh import refresh_status
+from kvpersist.controller.retention import orphan_claims, protect_claims
 from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
 from kvpersist.controller.state import ResourceState
 from kvpersist.controller.tracking import _forget, _sweep_if_forgotten, remember
@@ -176,9 +177,9 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
     agents = _fleet() if keys else {}  # once a tick, as live: every refresh plans from the same view
     if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
         runtime.CONTROLLER.orphan_sweep_at = tick
-        orphans = _orphan_claims()
+        orphans = orphan_claims()
         if orphans:  # by the active replica only, as every other write
-            loop.run_in_executor(runtime.CONTROLLER.refresh_pool, lambda o=orphans: _protect_claims(
+            loop.run_in_executor(runtime.CONTROLLER.refresh_pool, lambda o=orphans: protect_claims(
                 [c for c in o if active(time.monotonic(), c[0]["metadata"].get("namespace"))], None, logger))
     for key in keys:
         state = runtime.CONTROLLER.get(key)

@@ -10,20 +10,31 @@ over a thread pool (cryptography releases the GIL), and the wrapper below loads 
 one by one, so each is opened while the next ones are still being read.
 
 The keys are lmcache's own (one AES key per cache_salt by HKDF-SHA256 from the master key file,
-lmcache's info prefix) and so is the header (`[1 version][12 IV]`). Version 2 frames (ours) are
-segmented; version 1 frames (lmcache's `[ciphertext][16 tag]` after the header) still open, so
-data lmcache's aesgcm wrote stays readable (tests/integration/test_l2_serde.py); lmcache's serde
-refuses ours (a miss, never wrong bytes). The namespace id moved anyway with this version
-(identity schema 3: the L1 page and the key's fingerprint), so no old object meets this serde
-through the operator.
+lmcache's info prefix). The frame is ours, version 3: `[3][8-byte key fingerprint][12 IV]`, then
+the chunk in segments, each `[ciphertext][16 tag]`. Each segment's associated data binds the
+object's name: a fixed label, the key's fingerprint, the namespace id and lmcache's whole
+ObjectKey (model name, kv rank, object group, chunk hash, cache salt), each length-prefixed, then
+the segment's index and the count. So an object read under any other name (a file copied or
+renamed over another chunk's, into another namespace's folder under the same key, a bucket path
+pointed at another object) fails authentication: a miss, never another chunk's bytes. Versions 1
+(lmcache's aesgcm) and 2 (ours before) bind no name and are refused (a miss); the frame version
+is in the namespace id (api.v1alpha1 L2_SERDE), so through the operator no server meets them.
+
+The key the server is given must be the one its namespace id was computed with: the settings
+carry the expected fingerprint (kvpersist.identity.key_fingerprint; never the key) and the id, and
+on any difference the server refuses to start before any object is read (KEY_MISMATCH_PREFIX in
+the container's termination message, exit KEY_MISMATCH_EXIT_CODE). Otherwise a Secret's bytes
+rotated under a running resource would make a restarted server read every object as unreadable.
 
 An object that fails authentication is removed from L2 (the adapter's own delete), so the prefix
-is stored again on its next computation. lmcache 0.5.6 otherwise keeps such an object: its index
-(or, for fs, the file itself) says the key is stored, so every store of it is skipped and the
-prefix stays a miss forever. In a namespace folder every object was written under the folder's
-key (the namespace id carries the key's fingerprint), so one that fails is damaged, never
-another key's data. The removal needs the adapter, which the serde is not given: the storage
-manager's SerdeL2AdapterWrapper is replaced by a subclass that only wires the two together.
+is stored again on its next computation, but only when it is a version 3 frame sealed under this
+server's key (its header says so): in this namespace's folder such an object can be read by no
+server under any name (damaged, or copied in under a wrong name). lmcache 0.5.6 otherwise keeps
+it: its index (or, for fs, the file itself) says the key is stored, so every store of it is
+skipped and the prefix stays a miss forever. A frame of another key or version, or one too short
+to tell, is a miss that is logged and left as it is. The removal needs the adapter, which the
+serde is not given: the storage manager's SerdeL2AdapterWrapper is replaced by a subclass that
+only wires the two together.
 
 lmcache offers `register_serde_factory`, but its `--server-module` hook loads after the storage
 manager (and so the L2 adapters and their serdes) is built: too late. Hence this launcher, run as
@@ -34,40 +45,75 @@ opening parenthesis (the kubelet would expand it in the variable's value).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import hashlib
+import hmac
 import os
+import re
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 SERDE_TYPE = "kvpersist-aesgcm"
-# lmcache 0.5.6's aesgcm frame (version 1) and key schedule (lmcache/v1/distributed/serde/aesgcm.py):
-# `[1][12 IV][ciphertext][16 tag]`, one AES key per cache_salt by HKDF-SHA256 with this info prefix.
-VERSION = 1
+# lmcache 0.5.6's aesgcm (lmcache/v1/distributed/serde/aesgcm.py): its frame `[1][12 IV]
+# [ciphertext][16 tag]` (version 1, refused here) and its key schedule (ours too): one AES key per
+# cache_salt by HKDF-SHA256 with this info prefix.
+LMCACHE_VERSION = 1
 IV_LEN = 12
 TAG_LEN = 16
-HEADER_LEN = 1 + IV_LEN
-FRAME_OVERHEAD = HEADER_LEN + TAG_LEN
 HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"
-# Ours (version 2): the same header and keys, the chunk sealed in segments of SEGMENT_BYTES, each
-# its own GCM message (`[ciphertext][16 tag]` per segment), so one chunk opens on several cores at
-# once: with one GCM message per chunk the last chunk of a read was opened on one core after the
-# reads were done (benchmarks/RESULTS.md). Segment i's nonce is the frame's random IV plus i in
-# its last 32 bits, and its associated data names i and the count, so segments cannot be
-# swapped, dropped or moved between frames. Version 1 frames (lmcache's) still open.
+# Ours before: lmcache's header and segments whose associated data named only their index (refused).
 VERSION_SEGMENTED = 2
+# Ours (version 3): the chunk sealed in segments of SEGMENT_BYTES, each its own GCM message
+# (`[ciphertext][16 tag]`), so one chunk opens on several cores at once. Segment i's nonce is the
+# frame's random IV plus i in its last 32 bits; its associated data is the object's binding
+# (object_binding: the key's fingerprint, the namespace and the object's name) then i and the
+# count, so segments cannot be swapped, dropped or moved between frames, nor frames between names.
+VERSION = 3
+FINGERPRINT_LEN = 8
+HEADER_LEN = 1 + FINGERPRINT_LEN + IV_LEN
+FRAME_OVERHEAD = HEADER_LEN + TAG_LEN  # a frame of one segment
 SEGMENT_BYTES = 2 * 2**20
-SEGMENT_AAD = b"kvpersist-aesgcm v2 segment"
+BINDING_LABEL = b"kvpersist-aesgcm v3 object"
 DEFAULT_WORKERS = 4
+# Derived AES keys kept, one per cache_salt, least recently used first out: salts may be per user.
+MAX_SALT_KEYS = 256
+# kvpersist.identity.key_fingerprint, which the namespace id was computed with: 16 hex of
+# HMAC-SHA256 keyed by the key file's bytes over this message (tests check the two agree).
+KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
+FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
+# A server whose key file is not the key its namespace id names refuses to start: this message in
+# the container's termination message (the operator reads it back), this exit code (EX_CONFIG, as
+# builders.buildcheck: restarting will not help). The file: TERMINATION_LOG_ENV, else the kubelet's.
+KEY_MISMATCH_PREFIX = "kvpersist-aesgcm key mismatch: "
+KEY_MISMATCH_FORMAT = (KEY_MISMATCH_PREFIX + "key file fingerprint {found}, namespace {namespace} expects {expected}: "
+                       "refusing to start (no object is read or removed)")
+KEY_MISMATCH_EXIT_CODE = 78
+SETTINGS_MISSING = ("kvpersist-aesgcm: the serde settings name no key fingerprint or namespace id to check the key "
+                    "file against (key_fingerprint, namespace_id): refusing to start (no object is read or removed)")
+TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"
 
 
 class FrameError(ValueError):
-    """A stored object that is not one of our frames (short, or another version): a miss."""
+    """A stored object that is not a frame this server can open (a miss). removable: it is a
+    version 3 frame of this server's key that cannot be this object (damaged or misplaced), so
+    the adapter may delete it; any other (another key or version, too short to tell) stays."""
+
+    def __init__(self, message: str, removable: bool = False) -> None:
+        super().__init__(message)
+        self.removable = removable
+
+
+def key_fingerprint(key: bytes) -> str:
+    """kvpersist.identity.key_fingerprint, here (the server's image has no kvpersist)."""
+    return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
 
 
 def _bytes_view(buffer: Any) -> memoryview:
@@ -89,61 +135,85 @@ def _nonce(iv: bytes, i: int) -> bytes:
     return iv[:8] + ((int.from_bytes(iv[8:], "big") + i) % 2**32).to_bytes(4, "big")
 
 
-def _aad(i: int, count: int) -> bytes:
-    return SEGMENT_AAD + struct.pack(">II", i, count)
+def _field(value: bytes) -> bytes:
+    return struct.pack(">I", len(value)) + value
 
 
-def seal_jobs(aead: Any, iv: bytes, plaintext: memoryview, out: memoryview) -> tuple[int, list[Callable[[], None]]]:
+def object_binding(fingerprint: bytes, namespace_id: str, key: Any) -> bytes:
+    """What every segment's associated data of key's frame starts with: the label, then the key's
+    fingerprint, the namespace id and each field of lmcache's ObjectKey (model_name, kv_rank,
+    object_group_id, chunk_hash, cache_salt), each length-prefixed (integers in decimal), so no
+    two names give the same bytes."""
+    fields = (fingerprint, namespace_id.encode("utf-8"), str(key.model_name).encode("utf-8"),
+              str(int(key.kv_rank)).encode("ascii"), str(int(key.object_group_id)).encode("ascii"),
+              bytes(key.chunk_hash), str(key.cache_salt).encode("utf-8"))
+    return BINDING_LABEL + b"".join(_field(f) for f in fields)
+
+
+def _aad(binding: bytes, i: int, count: int) -> bytes:
+    return binding + struct.pack(">II", i, count)
+
+
+def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview,
+              out: memoryview) -> tuple[int, list[Callable[[], None]]]:
     """Writes the header of plaintext's frame into out and returns the frame's length and one job
     per segment, each sealing its segment in place (no copy): they may run side by side."""
     n, count = len(plaintext), segment_count(len(plaintext))
-    if len(iv) != IV_LEN or len(out) < sealed_size(n):
-        raise ValueError("seal: the IV or the destination has the wrong size")
-    out[0] = VERSION_SEGMENTED
-    out[1:HEADER_LEN] = iv
+    if len(iv) != IV_LEN or len(fingerprint) != FINGERPRINT_LEN or len(out) < sealed_size(n):
+        raise ValueError("seal: the IV, the fingerprint or the destination has the wrong size")
+    out[0] = VERSION
+    out[1:1 + FINGERPRINT_LEN] = fingerprint
+    out[1 + FINGERPRINT_LEN:HEADER_LEN] = iv
 
     def job(i: int) -> Callable[[], None]:
         lo, hi = i * SEGMENT_BYTES, min(n, (i + 1) * SEGMENT_BYTES)
         at = HEADER_LEN + lo + i * TAG_LEN
-        return lambda: aead.encrypt_into(_nonce(iv, i), plaintext[lo:hi], _aad(i, count), out[at:at + hi - lo + TAG_LEN])
+        return lambda: aead.encrypt_into(_nonce(iv, i), plaintext[lo:hi], _aad(binding, i, count),
+                                         out[at:at + hi - lo + TAG_LEN])
 
     return sealed_size(n), [job(i) for i in range(count)]
 
 
-def open_jobs(aead: Any, frame: memoryview, out: memoryview) -> list[Callable[[], None]]:
+def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, out: memoryview) -> list[Callable[[], None]]:
     """The jobs that authenticate and decrypt a frame into out, whose length is the plaintext's
-    (the frame may be padded, as the adapters store whole pages): one per segment of ours, one for
-    lmcache's version 1. Raises FrameError now for a short frame or an unknown version; a job
-    raises cryptography's InvalidTag for any changed byte or another key, and the caller then
-    reports the object as not loaded, so nothing written into out is served."""
+    (the frame may be padded, as the adapters store whole pages), one per segment. Raises
+    FrameError now for anything but a version 3 frame of this key (fingerprint) of the right
+    length; a job raises cryptography's InvalidTag for any changed byte or another name
+    (binding), and the caller then reports the object as not loaded, so nothing written into out
+    is served."""
     n = len(out)
-    version = frame[0] if len(frame) else None
-    if version == VERSION and len(frame) >= HEADER_LEN + n + TAG_LEN:
-        iv = bytes(frame[1:HEADER_LEN])
-        return [lambda: aead.decrypt_into(iv, frame[HEADER_LEN:HEADER_LEN + n + TAG_LEN], None, out)]
-    if version != VERSION_SEGMENTED or len(frame) < sealed_size(n):
-        raise FrameError("kvpersist-aesgcm: malformed frame or unknown version")
-    iv, count = bytes(frame[1:HEADER_LEN]), segment_count(n)
+    if len(frame) == 0:
+        raise FrameError("kvpersist-aesgcm: an empty object")
+    if frame[0] != VERSION:
+        raise FrameError(f"kvpersist-aesgcm: a version {frame[0]} frame (this server opens version {VERSION} only)")
+    if len(frame) < HEADER_LEN:
+        raise FrameError(f"kvpersist-aesgcm: {len(frame)} bytes, too short to tell whose frame it is")
+    if bytes(frame[1:1 + FINGERPRINT_LEN]) != fingerprint:
+        raise FrameError(f"kvpersist-aesgcm: a frame of another key (fingerprint {bytes(frame[1:1 + FINGERPRINT_LEN]).hex()})")
+    if len(frame) < sealed_size(n):
+        raise FrameError(f"kvpersist-aesgcm: a frame of this key, {len(frame)} bytes for {sealed_size(n)}", removable=True)
+    iv, count = bytes(frame[1 + FINGERPRINT_LEN:HEADER_LEN]), segment_count(n)
 
     def job(i: int) -> Callable[[], None]:
         lo, hi = i * SEGMENT_BYTES, min(n, (i + 1) * SEGMENT_BYTES)
         at = HEADER_LEN + lo + i * TAG_LEN
-        return lambda: aead.decrypt_into(_nonce(iv, i), frame[at:at + hi - lo + TAG_LEN], _aad(i, count), out[lo:hi])
+        return lambda: aead.decrypt_into(_nonce(iv, i), frame[at:at + hi - lo + TAG_LEN], _aad(binding, i, count),
+                                         out[lo:hi])
 
     return [job(i) for i in range(count)]
 
 
-def seal(aead: Any, iv: bytes, plaintext: memoryview, out: memoryview) -> int:
+def seal(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview, out: memoryview) -> int:
     """seal_jobs, run here one after the other; the frame's length."""
-    n, jobs = seal_jobs(aead, iv, plaintext, out)
+    n, jobs = seal_jobs(aead, fingerprint, binding, iv, plaintext, out)
     for run in jobs:
         run()
     return n
 
 
-def open_frame(aead: Any, frame: memoryview, out: memoryview) -> None:
+def open_frame(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, out: memoryview) -> None:
     """open_jobs, run here one after the other."""
-    for run in open_jobs(aead, frame, out):
+    for run in open_jobs(aead, fingerprint, binding, frame, out):
         run()
 
 
@@ -164,15 +234,20 @@ def plaintext_bytes(shapes: Any, dtypes: Any) -> int:
 
 
 class AeadKeys:
-    """One AESGCM object per cache_salt, its key derived from the master key as lmcache does."""
+    """One AESGCM object per cache_salt, its key derived from the master key as lmcache does; the
+    max_salts most recently used kept (salts may be per user: a derivation is cheap, memory for
+    every salt ever seen is not)."""
 
-    def __init__(self, master_key: bytes, key_len: int) -> None:
+    def __init__(self, master_key: bytes, key_len: int, max_salts: int = MAX_SALT_KEYS) -> None:
         if len(master_key) == 0:
             raise ValueError("kvpersist-aesgcm: the master key file is empty")
         self._master_key = master_key
         self._key_len = key_len
-        self._aeads: dict[str, Any] = {}
+        self._max_salts = max(1, max_salts)
+        self._aeads: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # What every frame's header carries: the master key's fingerprint (identity's), as bytes.
+        self.fingerprint = bytes.fromhex(key_fingerprint(master_key))
 
     def derive(self, cache_salt: str) -> bytes:
         from cryptography.hazmat.primitives.hashes import SHA256
@@ -186,9 +261,21 @@ class AeadKeys:
 
         with self._lock:
             found = self._aeads.get(cache_salt)
-            if found is None:
-                found = self._aeads[cache_salt] = AESGCM(self.derive(cache_salt))
+            if found is not None:
+                self._aeads.move_to_end(cache_salt)
+                return found
+        made = AESGCM(self.derive(cache_salt))
+        with self._lock:
+            found = self._aeads.setdefault(cache_salt, made)
+            self._aeads.move_to_end(cache_salt)
+            while len(self._aeads) > self._max_salts:
+                self._aeads.popitem(last=False)
             return found
+
+    def cached_salts(self) -> list[str]:
+        """The salts whose key is kept, least recently used first."""
+        with self._lock:
+            return list(self._aeads)
 
 
 class ObjectBatches:
@@ -229,14 +316,60 @@ class ObjectBatches:
         self._pool.shutdown(wait=True)
 
 
+def removable(exc: BaseException) -> bool:
+    """Whether an object whose opening raised exc may be deleted: a version 3 frame of this
+    server's key that failed authentication (InvalidTag is raised only for those) or is short."""
+    if isinstance(exc, FrameError):
+        return exc.removable
+    try:
+        from cryptography.exceptions import InvalidTag
+    except ImportError:
+        return False
+    return isinstance(exc, InvalidTag)
+
+
 def _log_failure(task_id: int, sealing: bool, exc: BaseException) -> None:
-    _logger().warning("kvpersist-aesgcm: %s of an object in task %d failed (%s): the batch is a miss",
-                                  "sealing" if sealing else "opening", task_id, type(exc).__name__)
+    if sealing:
+        _logger().warning("kvpersist-aesgcm: sealing of an object in task %d failed (%s): the batch is a miss", task_id,
+                          type(exc).__name__)
+        return
+    why = f": {exc}" if isinstance(exc, FrameError) else ""
+    _logger().warning("kvpersist-aesgcm: opening of an object in task %d failed (%s)%s: the batch is a miss; the object "
+                      "is %s", task_id, type(exc).__name__, why,
+                      "removed (a frame of this key under another name, or damaged)" if removable(exc)
+                      else "left as it is")
+
+
+def refuse_to_start(message: str) -> NoReturn:
+    """Writes message to the container's termination message and stderr, then ends the process
+    with KEY_MISMATCH_EXIT_CODE at once: whatever lmcache would make of an exception from a serde
+    factory (a log line, a server without L2), this server must not run."""
+    with contextlib.suppress(OSError), open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as out:
+        out.write(message)
+    with contextlib.suppress(Exception):
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    os._exit(KEY_MISMATCH_EXIT_CODE)
+
+
+def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
+    """(the expected fingerprint, the namespace id) from the serde settings, once the key file's
+    fingerprint is the expected one; else the process ends (refuse_to_start), before any object is
+    read or removed."""
+    expected = str(kwargs.get("key_fingerprint") or "").strip().lower()
+    namespace = str(kwargs.get("namespace_id") or "").strip()
+    if not FINGERPRINT_RE.fullmatch(expected) or not namespace:
+        refuse_to_start(SETTINGS_MISSING)
+    found = key_fingerprint(master_key)
+    if not hmac.compare_digest(found, expected):
+        refuse_to_start(KEY_MISMATCH_FORMAT.format(found=found, namespace=namespace, expected=expected))
+    return expected, namespace
 
 
 def make_processor(kwargs: dict[str, object]) -> Any:
     """The serde factory lmcache calls with the adapter's `serde` settings: master_key_path,
-    aes_bits (128 or 256) and max_workers. Fails (and the server with it) without a key file."""
+    key_fingerprint and namespace_id (check_key), aes_bits (128 or 256) and max_workers. Fails
+    (and the server with it) without a key file; ends the process on another key (check_key)."""
     aes_bits = int(kwargs.get("aes_bits", 256))  # type: ignore[call-overload]
     if aes_bits not in (128, 256):
         raise ValueError(f"kvpersist-aesgcm: aes_bits must be 128 or 256, not {aes_bits}")
@@ -244,10 +377,13 @@ def make_processor(kwargs: dict[str, object]) -> Any:
     if not path:
         raise ValueError("kvpersist-aesgcm: master_key_path is required")
     with open(path, "rb") as f:
-        keys = AeadKeys(f.read(), aes_bits // 8)
+        master_key = f.read()
+    expected, namespace = check_key(master_key, kwargs)
+    keys = AeadKeys(master_key, aes_bits // 8)
     workers = int(kwargs.get("max_workers", DEFAULT_WORKERS))  # type: ignore[call-overload]
-    _logger().info("kvpersist-aesgcm: AES-%d-GCM, frames of 2 MiB segments (lmcache's open too), %d workers", aes_bits, workers)
-    return _processor_class()(keys, workers)
+    _logger().info("kvpersist-aesgcm: AES-%d-GCM, frames of 2 MiB segments bound to their names, key %s, namespace %s, "
+                   "%d workers", aes_bits, expected, namespace, workers)
+    return _processor_class()(keys, workers, namespace)
 
 
 _PROCESSOR: list[type] = []
@@ -265,8 +401,9 @@ def _processor_class() -> type:
         """lmcache's SerdeProcessor contract (submit, eventfd, each result queried once) over
         ObjectBatches: every chunk of a batch sealed or opened on its own worker."""
 
-        def __init__(self, keys: AeadKeys, workers: int) -> None:
+        def __init__(self, keys: AeadKeys, workers: int, namespace_id: str) -> None:
             self._keys = keys
+            self._namespace_id = namespace_id
             self._efds = {True: create_event_notifier(), False: create_event_notifier()}
             self._done: dict[bool, dict[int, bool]] = {True: {}, False: {}}
             self._lock = threading.Lock()
@@ -286,28 +423,30 @@ def _processor_class() -> type:
                 self._next += 1
                 return self._next
 
+        def _binding(self, key: Any) -> bytes:
+            return object_binding(self._keys.fingerprint, self._namespace_id, key)
+
         def _seal_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:
-            n, jobs = seal_jobs(self._keys.aead(key.cache_salt), os.urandom(IV_LEN), _bytes_view(src.byte_array),
-                                _bytes_view(dst.byte_array))
+            n, jobs = seal_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
+                                os.urandom(IV_LEN), _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
             if hasattr(dst, "set_used_size"):
                 dst.set_used_size(n)  # the adapter stores exactly the frame
             return jobs
 
         def _open_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:
-            from cryptography.exceptions import InvalidTag
-
             def unreadable(run: Callable[[], None]) -> Callable[[], None]:
                 def checked() -> None:
                     try:
                         run()
-                    except (InvalidTag, FrameError):
-                        if self.on_unreadable is not None:
+                    except Exception as exc:
+                        if removable(exc) and self.on_unreadable is not None:  # only a frame of this key
                             self.on_unreadable([key])
                         raise
                 return checked
 
             try:
-                jobs = open_jobs(self._keys.aead(key.cache_salt), _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
+                jobs = open_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
+                                 _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
             except FrameError as exc:
                 jobs = [functools.partial(_raise, exc)]
             return [unreadable(run) for run in jobs]
@@ -358,7 +497,8 @@ def _processor_class() -> type:
 
 
 class UnreadableObjects:
-    """Removes objects that failed authentication from their adapter, so they can be stored again.
+    """Removes objects that failed authentication from their adapter, so they can be stored again:
+    only version 3 frames of this server's key (removable), which no server can read under any name.
 
     The adapter skips a delete of a key that is still pinned (the prefetch that found it unlocks
     it right after the failed load), so each key is asked again every RETRY_S until the adapter
@@ -520,7 +660,8 @@ def install_unreadable_removal() -> bool:
                 serde.on_unreadable = unreadable.add
                 self.kvpersist_unreadable = unreadable
                 self.kvpersist_chunks = ChunkLoads(super().submit_load_task, super().query_load_result, Bitmap)
-                _logger().info("kvpersist-aesgcm: wired into the L2 wrapper: one load per chunk, unreadable objects removed")
+                _logger().info("kvpersist-aesgcm: wired into the L2 wrapper: one load per chunk, unreadable objects of "
+                               "this key removed")
 
         def submit_load_task(self, keys: list, objects: list) -> int:
             if self.kvpersist_chunks is None or len(keys) < 2:

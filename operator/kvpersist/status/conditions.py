@@ -15,6 +15,7 @@ from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
 from kvpersist.status.build import BuildVerdict, bypass_message
 from kvpersist.status.canary import CONDITION as CANARY_CONDITION
 from kvpersist.status.canary import MISMATCH as HIT_MISMATCH
+from kvpersist.status.keymismatch import KEY_MISMATCH
 from kvpersist.status.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
@@ -110,6 +111,7 @@ class Observation:
     budget_floor_exhausted: bool = False  # and whether that status said Exhausted
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
     key_problem: tuple[str, str] | None = None  # (reason, message): the L2 key cannot be used, so no namespace
+    key_mismatch: str | None = None  # servers refusing their mounted key (kvpersist.status.keymismatch): L2Ready's message
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
     build: BuildVerdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
     pins: tuple[bool | None, str, str] | None = None  # PinsVerified (kvpersist.controller.pincheck); None: none
@@ -315,6 +317,8 @@ def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] |
         return condition("L2Ready", False, obs.key_problem[0], obs.key_problem[1], gen)
     if obs.namespace_id is None:
         return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
+    if obs.key_mismatch is not None:  # servers that refuse to start on the key file they mount
+        return condition("L2Ready", False, KEY_MISMATCH, obs.key_mismatch, gen)
     bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
@@ -435,7 +439,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         build_mismatch = by_type.get(BUILD_CONDITION, {}).get("reason") == BUILD_MISMATCH
         hit_mismatch = by_type.get(CANARY_CONDITION, {}).get("reason") == HIT_MISMATCH
         degraded = (bool(sick) or build_mismatch or hit_mismatch
-                    or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing"))
+                    or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing", KEY_MISMATCH))
         started = servers_ready + vllm_ready > 0
         phase = "Degraded" if degraded else ("Progressing" if started else "Pending")
         # A hit that changed an answer comes first: it is why vLLM runs without the cache. Pods the

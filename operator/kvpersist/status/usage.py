@@ -163,6 +163,25 @@ def parse_exposition(text: str) -> dict[str, float] | None:
     return out
 
 
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
+
+
+def sum_by_label(text: str, name: str, label: str) -> dict[str, float] | None:
+    """The samples of one metric summed per value of one of its labels (samples without it are
+    left out); None when the body is not Prometheus text (as parse_exposition) or is too large."""
+    if parse_exposition(text) is None:
+        return None
+    out: dict[str, float] = {}
+    for line in text.split("\n"):
+        m = _SAMPLE.fullmatch(line.rstrip("\r"))
+        if m is None or m.group(1) != name:
+            continue
+        value = dict(_LABEL_PAIR.findall(m.group(2) or "")).get(label)
+        if value is not None:
+            out[value] = out.get(value, 0.0) + float(m.group(3))
+    return out
+
+
 def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> dict[str, float]:
     """Sums of the named Prometheus samples over all label sets; empty for a body that is not
     Prometheus text."""
@@ -217,6 +236,10 @@ RESTORE_L2 = "lmcache_mp_l2_load_throughput_GB_per_second"
 RESTORE_L1 = "lmcache_mp_l0_l1_load_throughput_GB_per_second"
 # prometheus_client's process collector: tells a restarted server from one whose counters grew.
 PROCESS_START = "process_start_time_seconds"
+# lmcache counts lookups on its event bus's drain thread (mp_observability/event_bus.py): events
+# still queued, and events dropped from a full queue, are lookups the counters above do not show.
+EVENTS_QUEUED = "lmcache_mp_event_bus_queue_depth"
+EVENTS_DROPPED = "lmcache_mp_event_bus_dropped_events_total"
 MAX_COUNTER = 2**53  # beyond this a float counter is no longer exact: treat it as garbage
 
 # The recent window of status.hits.window, and how often hit figures alone may cause a write.
@@ -238,6 +261,9 @@ class LookupCounters:
     l2_loads: int = 0
     l1_gbps_sum: float = 0.0
     l1_loads: int = 0
+    # The event bus's queued and dropped events (EVENTS_QUEUED, EVENTS_DROPPED); None: not exported.
+    events_queued: int | None = None
+    events_dropped: int | None = None
 
 
 def _stamp(seconds: float) -> str | None:
@@ -267,8 +293,9 @@ def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | Non
         total, loads = metrics.get(name + "_sum", 0.0), metrics.get(name + "_count", 0.0)
         ok = all(math.isfinite(v) and 0 <= v <= MAX_COUNTER for v in (total, loads))
         restores += [total, int(loads)] if ok else [0.0, 0]  # a garbled histogram: no rate, the rest stands
+    queued, dropped = (_counter(metrics, name) for name in (EVENTS_QUEUED, EVENTS_DROPPED))
     return LookupCounters(*values, started=started, l2_gbps_sum=restores[0], l2_loads=restores[1],
-                          l1_gbps_sum=restores[2], l1_loads=restores[3])
+                          l1_gbps_sum=restores[2], l1_loads=restores[3], events_queued=queued, events_dropped=dropped)
 
 
 @dataclass(frozen=True)
@@ -503,6 +530,14 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
     metrics = _fetch_metrics(ip, port, deadline - time.monotonic(), prefix, headers)
     report = _with_failures(report, status, metrics or {})
     return replace(report, lookups=lookup_counters(metrics))
+
+
+def fetch_lookup_counters(ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None,
+                          prefix: str = THROUGH_AGENT) -> LookupCounters | None:
+    """One server's lookup counters alone (its /metrics, through its agent), within timeout; None
+    when unknown (no answer, not Prometheus text, not lmcache's)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return lookup_counters(_fetch_metrics(ip, port, timeout, prefix, headers))
 
 
 def _error_of(body: bytes) -> str:

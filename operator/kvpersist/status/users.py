@@ -58,7 +58,7 @@ def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: It
         status = r.get("status") or {}
         if status.get("namespaceId") == namespace_id:
             out.append(f"KVCacheNamespace {ref(r)}")
-        elif (status.get("l2Key") or {}).get("namespaceId") == namespace_id:
+        elif (status.get("l2Key") or {}).get("namespaceId") == namespace_id or _awaits_lost_key(status, namespace_id):
             out.append(f"KVCacheNamespace {ref(r)} (waiting for the L2 key its data needs)")
         elif resolved_id(r, fingerprint) == namespace_id:
             out.append(f"KVCacheNamespace {ref(r)}")
@@ -66,3 +66,18 @@ def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: It
         if (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id:
             out.append(f"pod {ref(p)}")
     return out
+
+
+KEY_LOST = "L2KeyLost"  # IdentityResolved's reason while the generated key is gone over data (controller.l2key)
+
+
+def _awaits_lost_key(status: Mapping[str, Any], namespace_id: str) -> bool:
+    """Whether the resource waits for its lost key (IdentityResolved L2KeyLost) and namespace_id is
+    one it sealed with that key (status.sealedNamespaces): an earlier namespace than status.l2Key's
+    that a restored key would make readable again, which gc and the age limit must leave alone."""
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    if (conditions.get("IdentityResolved") or {}).get("reason") != KEY_LOST:
+        return False
+    lost = recorded(status).get("fingerprint")
+    return bool(lost) and any(n.get("namespaceId") == namespace_id and n.get("fingerprint") == lost
+                              for n in status.get("sealedNamespaces") or [])

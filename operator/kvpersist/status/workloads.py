@@ -19,6 +19,7 @@ from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.status.agentroll import AgentSet, agent_image_of, view
 from kvpersist.status.build import slim_statuses
+from kvpersist.status.keymismatch import slim_statuses as key_refusing_statuses
 
 # Every object the builders make carries it (pods and claims included, through the templates'
 # selector labels), so one server-side selector per kind keeps everything else off the wire.
@@ -54,7 +55,9 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
         "metadata": {**_pick(meta, ("name", "namespace", "uid", "generation", "deletionTimestamp", "resourceVersion")),
                      "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, RETAINED_INSTANCE_LABEL, COMPONENT_LABEL,
                                                           NAMESPACE_ID_LABEL))},
-        "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas")),
+        # A StatefulSet's two revisions: whether a rollout is in progress (status.agentroll).
+        "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas",
+                                 "currentRevision", "updateRevision")),
     }
     # An lmcache StatefulSet's size and agent image: what the agent roll plans from (status.agentroll).
     agent = agent_image_of(body)
@@ -91,9 +94,10 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"][:1]
     if ready or failure:
         out["status"]["conditions"] = ready + failure
-    # A container that refused to start over its lmcache/vLLM versions says so in its termination
-    # message (kvpersist.status.build): kept, and nothing else of the container statuses.
-    refused = slim_statuses(status.get("containerStatuses"))
+    # A container that refused to start over its lmcache/vLLM versions (kvpersist.status.build), or
+    # a server over the key file it mounts while it refuses (kvpersist.status.keymismatch), says so
+    # in its termination message: kept, and nothing else of the container statuses.
+    refused = slim_statuses(status.get("containerStatuses")) + key_refusing_statuses(status.get("containerStatuses"))
     if refused:
         out["status"]["containerStatuses"] = refused
     return out

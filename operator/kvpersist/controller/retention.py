@@ -1,0 +1,161 @@
+"""What outlives a resource, as each status refresh keeps it: its generated key Secret and its
+claims kept out of GitOps prunes, a claim it needs made again when deleted, and the age limit on
+other namespaces' folders on its claims (spec.l2.orphanRetention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist.builders.retained import protect_patch
+from kvpersist.builders.target import SERVER, Target
+from kvpersist.controller import inuse, kube, l2key, metrics, runtime
+from kvpersist.controller.reading import claim_not_shareable
+from kvpersist.inventory.agentclient import request_expire
+from kvpersist.inventory.space import judge_expiry
+from kvpersist.inventory.volume import Inventory
+from kvpersist.status.workloads import COMPONENT_LABEL, Seen
+
+EXPIRE_PERIOD_S = 600.0  # an age-limit pass at most this often per resource: it lists the cluster per removal
+EXPIRE_MAX_PER_PASS = 16  # folder removals asked (each listed for right before) in one pass; the rest wait for the next
+
+
+def expire_orphans(body: Mapping[str, Any], target: Target, volumes: list[tuple[str, str | None, Inventory]],
+                   agents: list[tuple[str, str | None]], token: str | None, seen: Seen) -> list[dict[str, Any]]:
+    """spec.l2.orphanRetention: asks the agents to remove the folders of other namespaces unwritten
+    for maxAgeDays, one folder per request, each to the agent whose scan (just read) holds it.
+    Right before each request, who uses that namespace is listed again (kvpersist.controller.inuse
+    .in_use_now: a failed listing refuses): one that a resource switched to, or a pod started on,
+    while an earlier folder went (this agent's or another's) is kept from then on. A single check
+    before all the agents' passes let a later agent remove a namespace in use by then (issue 39).
+    The agent is sent every id in use (protected) and refuses without them; it judges the folder's
+    age again from its own walk. Each removal: a Normal OrphanExpired Event; returned, to be counted
+    in status.l2. Blocking; at most every EXPIRE_PERIOD_S, at most EXPIRE_MAX_PER_PASS requests."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    now = time.monotonic()
+    if now - state.expired_at < EXPIRE_PERIOD_S or token is None or target.namespace_id is None:
+        return []
+    state.expired_at = now
+    retention = target.spec.l2.orphan_retention
+    assert retention is not None
+    protected = set(seen.live_ids) | {target.namespace_id}
+    ips = {pod: ip for pod, ip in agents if ip}
+    asks = [(pod, v.namespace.namespace_id) for _loc, pod, inv in volumes if pod in ips
+            for v in judge_expiry(sorted(inv.namespaces, key=lambda n: n.namespace_id), target.namespace_id,
+                                  frozenset(protected), retention.max_age_days, time.time()) if v.removable]
+    removed: list[dict[str, Any]] = []
+    failed: set[str] = set()  # an agent that refused or did not answer is not asked again this pass
+    for pod, nsid in asks[:EXPIRE_MAX_PER_PASS]:
+        if nsid in protected or pod in failed:
+            continue
+        if inuse.in_use_now(nsid, target.namespace_id) is not None:
+            protected.add(nsid)
+            continue
+        code, answer = request_expire(ips[pod], target.spec.lmcache_server.agent_port, retention.max_age_days,
+                                      sorted(protected), [nsid], token=token)
+        if code != 200:
+            failed.add(pod)
+            logging.getLogger("kvpersist").warning("%s/%s: the agent of %s refused the age-limit pass (HTTP %s): %s",
+                                                   target.namespace, target.name, pod, code, answer.error)
+            continue
+        for n in answer.removed:
+            removed.append({"namespaceId": n.namespace_id, "bytes": n.bytes or 0, "objects": n.objects or 0})
+            kube.post_event(body, "Normal", "OrphanExpired",
+                            f"removed namespace folder {n.namespace_id} from the claim of {pod}: {n.bytes or 0} bytes in "
+                            f"{n.objects or 0} files, none written for over {retention.max_age_days} days "
+                            "(spec.l2.orphanRetention.maxAgeDays); no live resource or server used it")
+            metrics.inc("kvpersist_events_total")
+    if removed:
+        state.dirty = True  # the next refresh's scans show the freed space
+    return removed
+
+
+
+def protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, logger: logging.Logger) -> None:
+    """What outlives the resource, kept out of GitOps prunes (kvpersist.builders.retained): the
+    generated key Secret (made before this version, or restored from a backup with its old labels)
+    and the claims the StatefulSet made (they get its selector's tracking label whatever the
+    template says), each patched once, metadata only; the claims also record the key fingerprint
+    their data needs. A failure is logged and tried again on a later refresh. Blocking."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    if read is not None and read.generated and read.metadata is not None:
+        patch = protect_patch(read.metadata, target.name)
+        if patch is not None:
+            try:
+                kube.patch_metadata("v1", "Secret", read.secret, target.namespace, patch)
+                logger.info("%s/%s: Secret %s kept out of GitOps prunes (labels and annotations)", target.namespace,
+                            target.name, read.secret)
+            except ApiException as exc:
+                logger.warning("%s/%s: Secret %s not protected from prunes (%s); retrying", target.namespace,
+                               target.name, read.secret, exc.status)
+        if state.key_read is not None and state.key_read[1] == read:  # judged: not again until the next read
+            state.key_read = (state.key_read[0], dataclasses.replace(read, metadata=None))
+    fingerprint = read.fingerprint if read is not None and target.namespace_id is not None else None
+    protect_claims([(c, target.name) for c in seen.server_claims()], fingerprint, logger)
+
+
+def model_cache_missing(target: Target, seen: Seen) -> bool:
+    """Whether the claim the operator makes for the weights (spec.vllm.modelCache.size) is not in
+    the claims' watch cache: deleted (no drift watch on claims: L2's change status all the time)."""
+    cache = target.spec.vllm.model_cache
+    if cache is None or cache.size is None:
+        return False
+    return not any(c["metadata"]["name"] == target.model_cache_claim for c in seen.claims)
+
+
+def servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
+    """spec.l2.nvme.shared on a user's claim found not ReadWriteMany after the StatefulSet was
+    applied with several servers: apply again, with one (apply._one_server_unless_shareable)."""
+    statefulset = seen.statefulset(target)
+    if statefulset is None or int((statefulset.get("spec") or {}).get("replicas") or 0) <= 1:
+        return False
+    return claim_not_shareable(target)
+
+
+def shared_claim_missing(target: Target, seen: Seen) -> bool:
+    """Whether the one claim the operator makes for spec.l2.nvme.shared (with size) is not in the
+    claims' watch cache: deleted by hand, it is made again (empty) by the next apply, as a
+    StatefulSet makes a deleted claim of its own again."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or not nvme.shared or nvme.size is None or not target.cache_enabled:
+        return False
+    return not any(c["metadata"]["name"] == target.shared_claim for c in seen.claims)
+
+
+def protect_claims(claims: list[tuple[Mapping[str, Any], str]], fingerprint: str | None, logger: logging.Logger) -> None:
+    """Patches each (claim, owner name) that needs it, at most once per resourceVersion. Blocking."""
+    for claim, owner in claims:
+        meta = claim.get("metadata") or {}
+        where = (meta.get("namespace", ""), meta.get("name", ""))
+        patch = protect_patch(meta, owner, fingerprint)
+        if patch is None or runtime.CONTROLLER.claims_protected.get(where) == (meta.get("resourceVersion"), fingerprint):
+            continue
+        try:
+            kube.patch_metadata("v1", "PersistentVolumeClaim", where[1], where[0], patch)
+        except ApiException as exc:
+            logger.warning("claim %s/%s not protected from prunes (%s); retrying", where[0], where[1], exc.status)
+            continue
+        runtime.CONTROLLER.claims_protected[where] = (meta.get("resourceVersion"), fingerprint)
+        logger.info("claim %s/%s kept out of GitOps prunes%s", where[0], where[1],
+                    f" (its data needs L2 key {fingerprint})" if fingerprint else "")
+
+
+def orphan_claims() -> list[tuple[Mapping[str, Any], str]]:
+    """Claims of the operator's StatefulSets whose resource is gone (or not seen yet) and that are
+    not protected from prunes yet: a claim retained from before this version. Event loop only."""
+    known = runtime.CONTROLLER.known()
+    out = []
+    for key, store in list(runtime.CONTROLLER.indices.get("kvp_claims", {}).items()):
+        if key in known:
+            continue
+        for claim in list(store):
+            if claim["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER and protect_patch(claim["metadata"], key[1]):
+                out.append((claim, key[1]))
+    return out
+

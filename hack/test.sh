@@ -46,10 +46,11 @@ took() { # step start-epoch result
 
 summary() {
   echo "=== wall time by step (total $(( $(date +%s) - START )) s) ==="
-  printf '  %-34s %6s  %s\n' step seconds result
-  for t in "${TIMES[@]}"; do
-    # shellcheck disable=SC2086  # three words
-    printf '  %-34s %6s  %s\n' $t
+  printf '  %-44s %6s  %s\n' step seconds result
+  local t name rest
+  for t in "${TIMES[@]}"; do  # "name (may hold spaces) seconds result": the last two words are the figures
+    name=${t% * *}; rest=${t#"$name "}
+    printf '  %-44s %6s  %s\n' "$name" "${rest% *}" "${rest#* }"
   done
 }
 

@@ -154,3 +154,20 @@ def test_a_watch_event_that_beats_the_operators_own_apply_is_not_drift(controlle
     assert controller.flagged("drifted") == set() and controller.child_applying == {}
     asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 2)))  # someone else
     assert controller.flagged("drifted") == {("ns", "a")}
+
+
+def test_a_child_without_a_generation_the_operator_created_is_not_drift(controller: Controller) -> None:
+    """A Service or ConfigMap has no generation: its ADDED event, arriving after the create
+    returned, was taken for someone's edit, so every new resource was applied a second time
+    (benchmarks/reconcile_bench.py scale: one extra apply per resource). The resourceVersion the
+    operator's own write left tells them apart; another client's edit is a new version."""
+    _known(controller, ("ns", "a"))
+    created = _child("a-connection")
+    created["kind"], created["metadata"]["resourceVersion"] = "ConfigMap", "354"
+    drift._note_own_write(created)
+    asyncio.run(drift.drift_configmaps(event={"type": "ADDED"}, body=created))
+    assert controller.flagged("drifted") == set()
+    edited = _child("a-connection")
+    edited["metadata"]["resourceVersion"] = "360"  # someone else's change
+    asyncio.run(drift.drift_configmaps(event={"type": "MODIFIED"}, body=edited))
+    assert controller.flagged("drifted") == {("ns", "a")}

@@ -45,10 +45,22 @@ def _note_own_write(obj: Mapping[str, Any]) -> None:
     """The generation the operator's own apply left a child at: its watch event is no drift. (If an
     apply changes something every time, e.g. a field the API server stores otherwise than sent,
     the child would otherwise look edited after every apply and be applied again each tick.)"""
-    generation = (obj.get("metadata") or {}).get("generation")
-    if generation is not None:
-        runtime.CONTROLLER.child_generations[child_key(obj)] = generation
+    mark = _mark(obj.get("metadata"))
+    if mark is not None:
+        runtime.CONTROLLER.child_generations[child_key(obj)] = mark
     _note_owner(child_key(obj), obj.get("metadata"))
+
+
+def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
+    """What an event of the child is compared with: its generation; for a kind without one (a
+    Service, a ConfigMap) the resourceVersion the operator's own write left, so the ADDED event of
+    a child the operator just created is no drift (it was: each new resource applied twice, and
+    at scale every create cost a second whole apply). Someone else's edit is a new version."""
+    meta = meta or {}
+    if meta.get("generation") is not None:
+        return meta["generation"]
+    version = meta.get("resourceVersion")
+    return ("resourceVersion", version) if version else None
 
 
 def _note_owner(child: tuple[str, str, str], meta: Mapping[str, Any] | None) -> None:
@@ -59,7 +71,7 @@ def _note_owner(child: tuple[str, str, str], meta: Mapping[str, Any] | None) -> 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
     """A child of a known resource was deleted, or changed (a new generation, or any change of a
-    kind without one): apply the resource again on the next tick. Status updates keep the
+    kind without one, by resourceVersion): apply the resource again on the next tick. Status updates keep the
     generation, so a StatefulSet's or Deployment's rollout is no drift; the operator's own writes
     are noted by _note_own_write. The initial listing (event type None) is not drift: resume
     applies everything then anyway."""
@@ -74,20 +86,20 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     else:
         _note_owner(child, meta)
     state = runtime.CONTROLLER.get(owner) if owner is not None else None
+    mark = _mark(meta)
     if state is None or not state.known or kind_of_event is None:
-        if kind_of_event is None and meta.get("generation") is not None:
-            generations[child] = meta["generation"]
+        if kind_of_event is None and mark is not None:
+            generations[child] = mark
         return
-    generation = meta.get("generation")
     if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
         state.drifted = True
         return
     if child in runtime.CONTROLLER.child_applying:
         pass  # the operator's own apply, still in flight: no drift
-    elif generation is None or generations.get(child) != generation:
+    elif mark is None or generations.get(child) != mark:
         state.drifted = True
-    if generation is not None:
-        generations[child] = generation
+    if mark is not None:
+        generations[child] = mark
 
 
 @kopf.on.event("", "v1", "services", labels=_MANAGED)

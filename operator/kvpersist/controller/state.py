@@ -135,9 +135,10 @@ class Controller:
         # Which images and Secrets a resource may use (the chart's allowedImages and secretLabel, set
         # by `kvpersist run` from its environment).
         self.policy = Policy()
-        # Owned children, by (kind, namespace, name): the last generation seen (not per resource:
-        # dropped on the child's own DELETED event).
-        self.child_generations: dict[tuple[str, str, str], int] = {}
+        # Owned children, by (kind, namespace, name): the last generation seen, or for a kind
+        # without one its resourceVersion (drift._mark; not per resource: dropped on the child's
+        # own DELETED event).
+        self.child_generations: dict[tuple[str, str, str], int | tuple[str, str]] = {}
         # Children known as a resource's own, by the same key: the uid of the KVCacheNamespace each
         # was last seen controlled by (drift watch events, the operator's own applies and creates), so
         # only names not known as its own are looked up before an apply (kvpersist.controller.ownership).

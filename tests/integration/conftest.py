@@ -27,6 +27,7 @@ from kvpersist.builders.lmcache import serve_source, server_args
 from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
+from tests.integration import kvdriver
 from tests.integration.kvdriver import SHAPE_PINS, drive_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,6 +178,20 @@ class LocalServer:
         except OSError:
             return False
 
+    def wait_l2_writes(self, timeout: float = 60.0) -> bool:
+        """True once lmcache's store controller holds no key for L2 and runs no write (its /status),
+        False when it still did after timeout (the test's own checks then say what is missing)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                stores = self.status()["storage_manager"]["store_controller"]
+                if stores["pending_keys_count"] == 0 and stores["in_flight_task_count"] == 0:
+                    return True
+            except (OSError, KeyError, ValueError):
+                pass
+            time.sleep(0.1)
+        return False
+
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.http_url + "/status", timeout=5) as r:
             return json.loads(r.read())
@@ -193,8 +208,26 @@ class LocalServer:
 
 
 def drive(server: LocalServer, mode: str, seqs: str) -> dict[str, Any]:
-    """Runs the KV driver (tests/integration/kvdriver.py) against server."""
-    return drive_subprocess(mode, server.rpc_url, server.http_url, seqs)
+    """Runs the KV driver (tests/integration/kvdriver.py) against server; after a store, waits
+    (bounded) for the server's L2 writes, which run after the store's answer, so the folder the test
+    reads next holds them."""
+    out = drive_subprocess(mode, server.rpc_url, server.http_url, seqs)
+    if mode == "store":
+        server.wait_l2_writes()
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kv_driver_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The session's driver runs forked from one process that imported torch once
+    (kvdriver.ForkServer; started at the first run), stopped at the end."""
+    server = kvdriver.ForkServer(tmp_path_factory.mktemp("kvdriver"))
+    kvdriver.FORK_SERVER = server
+    try:
+        yield
+    finally:
+        kvdriver.FORK_SERVER = None
+        server.stop()
 
 
 @pytest.fixture()

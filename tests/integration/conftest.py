@@ -178,17 +178,31 @@ class LocalServer:
         except OSError:
             return False
 
-    def wait_l2_writes(self, timeout: float = 60.0) -> bool:
-        """True once lmcache's store controller holds no key for L2 and runs no write (its /status),
-        False when it still did after timeout (the test's own checks then say what is missing)."""
+    def l2_objects(self) -> int:
+        """The objects lmcache's L2 adapters say they hold (/status), 0 when it cannot say."""
+        try:
+            return sum(int(a.get("stored_object_count", 0)) for a in self.status()["storage_manager"]["l2_adapters"])
+        except (OSError, KeyError, ValueError, TypeError):
+            return 0
+
+    def wait_l2_writes(self, objects: int, timeout: float = 60.0, quiet_s: float = 2.0) -> bool:
+        """True once lmcache's store controller holds no key for L2 and runs no write (its /status)
+        and its L2 holds `objects`, or it has stayed idle for quiet_s (an L2 that evicts, refuses or
+        fails a write never gets there); False after timeout, the test's own checks then saying
+        what is missing. (A store's answer comes before its L2 writes, which a driver process's
+        exit used to hide.)"""
         deadline = time.monotonic() + timeout
+        idle_since: float | None = None
         while time.monotonic() < deadline:
             try:
                 stores = self.status()["storage_manager"]["store_controller"]
-                if stores["pending_keys_count"] == 0 and stores["in_flight_task_count"] == 0:
-                    return True
+                idle = stores["pending_keys_count"] == 0 and stores["in_flight_task_count"] == 0
             except (OSError, KeyError, ValueError):
-                pass
+                idle = False
+            now = time.monotonic()
+            idle_since = (idle_since or now) if idle else None
+            if idle and (self.l2_objects() >= objects or now - idle_since >= quiet_s):
+                return True
             time.sleep(0.1)
         return False
 
@@ -211,9 +225,10 @@ def drive(server: LocalServer, mode: str, seqs: str) -> dict[str, Any]:
     """Runs the KV driver (tests/integration/kvdriver.py) against server; after a store, waits
     (bounded) for the server's L2 writes, which run after the store's answer, so the folder the test
     reads next holds them."""
+    before = server.l2_objects() if mode == "store" else None
     out = drive_subprocess(mode, server.rpc_url, server.http_url, seqs)
-    if mode == "store":
-        server.wait_l2_writes()
+    if before is not None:
+        server.wait_l2_writes(before + out["summary"]["stored_chunks"])
     return out
 
 

@@ -239,7 +239,8 @@ def _read_all(conn: socket.socket) -> bytes:
 def forkserver(path: str) -> None:
     """ForkServer's other end: imports what a run imports, then forks one child per connection
     (the request: main()'s arguments as JSON; the answer: the run's JSON or its traceback). The
-    parent only accepts and forks; the kernel reaps the children."""
+    parent only accepts and forks; the kernel reaps the children. It ends with the test session
+    that started it, even one killed before its fixtures could stop it."""
     from lmcache.cli.commands.bench.server_bench import client, config, helpers  # noqa: F401  what each run imports
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -247,8 +248,15 @@ def forkserver(path: str) -> None:
     listener.bind(path + ".new")
     listener.listen(64)
     os.rename(path + ".new", path)  # the caller waits for this name: bound and listening
+    parent = os.getppid()
+    listener.settimeout(1.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the test session died without stopping it: so does this
+                return
+            continue
         if os.fork() != 0:
             conn.close()
             continue

@@ -4,7 +4,8 @@
 and no round gets, lists or opens a watch of anything (but the resource itself, once a minute
 without an event: the resync read docs/design.md describes, counted and bounded). The API
 server's own audit log counts the operator's requests (it runs as a ServiceAccount of its own,
-which the local cluster audits), and the caches still follow changes: a rotated key Secret is a new namespace id, a deleted claim says so.
+which the local cluster audits), and the caches still follow changes: a rotated key Secret is a
+new namespace id, a deleted claim says so.
 Real API server; the server pods are the local cluster's kwok pods (no lmcache needed for this)."""
 
 from __future__ import annotations

@@ -178,10 +178,12 @@ class LocalServer:
         except OSError:
             return False
 
-    def l2_objects(self) -> int:
-        """The objects lmcache's L2 adapters say they hold (/status), 0 when it cannot say."""
+    def l2_objects(self, status: dict[str, Any] | None = None) -> int:
+        """The objects lmcache's L2 adapters say they hold (its /status, or the one given), 0 when
+        it cannot say."""
         try:
-            return sum(int(a.get("stored_object_count", 0)) for a in self.status()["storage_manager"]["l2_adapters"])
+            status = self.status() if status is None else status
+            return sum(int(a.get("stored_object_count", 0)) for a in status["storage_manager"]["l2_adapters"])
         except (OSError, KeyError, ValueError, TypeError):
             return 0
 
@@ -190,18 +192,19 @@ class LocalServer:
         and its L2 holds `objects`, or it has stayed idle for quiet_s (an L2 that evicts, refuses or
         fails a write never gets there); False after timeout, the test's own checks then saying
         what is missing. (A store's answer comes before its L2 writes, which a driver process's
-        exit used to hide.)"""
+        exit used to hide.) One /status read a poll."""
         deadline = time.monotonic() + timeout
         idle_since: float | None = None
         while time.monotonic() < deadline:
             try:
-                stores = self.status()["storage_manager"]["store_controller"]
+                status = self.status()
+                stores = status["storage_manager"]["store_controller"]
                 idle = stores["pending_keys_count"] == 0 and stores["in_flight_task_count"] == 0
             except (OSError, KeyError, ValueError):
-                idle = False
+                status, idle = None, False
             now = time.monotonic()
             idle_since = (idle_since or now) if idle else None
-            if idle and (self.l2_objects() >= objects or now - idle_since >= quiet_s):
+            if idle and (self.l2_objects(status) >= objects or now - idle_since >= quiet_s):
                 return True
             time.sleep(0.1)
         return False

@@ -291,9 +291,14 @@ def _parser() -> argparse.ArgumentParser:
 def _run_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode not in ("store", "verify", "lookup") or not (args.rpc_url and args.http_url):
         raise SystemExit(f"{args.mode}: store, verify or lookup with --rpc-url and --http-url")
-    start, end = (int(x) for x in args.seqs.split(":"))
-    return run(args.mode, args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks,
+    return run(args.mode, args.rpc_url, args.http_url, _seqs(args), args.num_tokens, args.shape, args.num_blocks,
                args.start_at)
+
+
+def _seqs(args: argparse.Namespace) -> range:
+    """--seqs start:end as a range."""
+    start, end = (int(x) for x in args.seqs.split(":"))
+    return range(start, end)
 
 
 def main() -> None:
@@ -304,8 +309,7 @@ def main() -> None:
     if args.mode == "hold":
         if not (args.rpc_url and args.http_url):
             raise SystemExit("hold: --rpc-url and --http-url")
-        start, end = (int(x) for x in args.seqs.split(":"))
-        hold(args.rpc_url, args.http_url, range(start, end), args.num_tokens, args.shape, args.num_blocks)
+        hold(args.rpc_url, args.http_url, _seqs(args), args.num_tokens, args.shape, args.num_blocks)
         return
     json.dump(_run_args(args), sys.stdout)
     sys.stdout.write("\n")

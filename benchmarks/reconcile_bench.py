@@ -6,13 +6,15 @@ reconcile, API writes per minute when nothing changes).
     .venv/bin/python benchmarks/reconcile_bench.py latency        # 1 and 50 resources (--faults: under them)
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 100 --with-named   # each naming its claim and a key Secret
+    .venv/bin/python benchmarks/reconcile_bench.py scale --count 500 --unschedulable  # servers Pending forever
 
 Brings the local cluster up when it is not running (and down again after), installs the CRD,
 runs `kvpersist run` as its own process. Pods are kwok's; the one phase-Ready measurement runs
 the real lmcache server for its pod (hack/kubelet_runner.py). Resources for the 50- and
 500-resource runs use a Hugging Face bucket L2 (no claim to bind) and no vLLM replicas (the
 GPU node has 8 GPUs), so "ready" there means the lmcache StatefulSet rolled out and the
-operator wrote a status for the current generation.
+operator wrote a status for the current generation. `scale` adds kwok nodes with room for every
+server pod (and deletes them after), or with --unschedulable measures servers that never run.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ from kubernetes import client as kclient  # noqa: E402
 from kubernetes import config as kconfig  # noqa: E402
 from kubernetes import watch as kwatch  # noqa: E402
 from tests.cases.invalid_manifests import sample  # noqa: E402
+from tests.e2e.audit import WRITE_VERBS, events  # noqa: E402
 from tests.e2e.kube import LOCALCLUSTER, Kubectl, bin_dir, wait_for  # noqa: E402
 from tests.e2e.operator_env import RunnerThread, in_pod, on_real_node  # noqa: E402
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub  # noqa: E402
@@ -65,6 +70,7 @@ class Cluster:
         self.started = not running
         status = subprocess.run([*LOCALCLUSTER, "status"], check=True, capture_output=True, text=True).stdout
         self.kubeconfig = Path(next(line.split()[-1] for line in status.splitlines() if line.startswith("kubeconfig")))
+        self.audit_log = Path(next(line.split()[-1] for line in status.splitlines() if line.startswith("audit log")))
         self.k = Kubectl(self.kubeconfig, bin_dir() / "kubectl")
         self.k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         self.k.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")
@@ -85,16 +91,11 @@ class Cluster:
         return out
 
 
-# Reads the operator's status refresh makes, as kube-apiserver counts them (GET of its own
-# workloads and Secrets, LIST of pods and claims). Other clients make some of these too (kubectl
-# in this benchmark, the controllers), so this is an upper bound; writes come from the
-# operator's own counters instead, which are exact.
+# Reads of the kinds a status refresh used to make, as kube-apiserver counts them from every client
+# (kube-controller-manager's garbage collector among them): printed beside the operator's own
+# requests, which the audit log gives exactly (AuditedRequests).
 OPERATOR_READS = {("GET", "statefulsets"), ("GET", "deployments"), ("GET", "secrets"), ("LIST", "pods"),
                   ("LIST", "persistentvolumeclaims"), ("GET", "persistentvolumeclaims")}
-
-
-def operator_reads(before: dict, after: dict) -> float:
-    return sum(v - before.get(k, 0.0) for k, v in after.items() if (k[0], k[1]) in OPERATOR_READS and k[2] == "")
 
 
 class Operator:
@@ -516,10 +517,88 @@ def phase_ready(cluster: Cluster, work: Path) -> None:
           f"{ready_s:.2f} s; the server answered /healthcheck at {healthy_s:.2f} s (phase Ready {ready_s - healthy_s:.2f} s later)")
 
 
-def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: bool = False) -> None:
+BENCH_NODE_LABEL = "kvpersist.dev/bench-node"
+PODS_PER_NODE = 110
+
+
+def bench_nodes(k: Kubectl, pods: int) -> list[str]:
+    """kwok nodes (like the local cluster's GPU node) with room for the pods a run makes: the
+    cluster's own two fit 220 pods, so 500 resources would otherwise leave most servers Pending."""
+    names = [f"bench-node-{i}" for i in range(-(-pods // PODS_PER_NODE))]
+    # Room by pod count, not by CPU or memory (a server asks for a few cores and its L1 in RAM).
+    capacity = {"cpu": "2000", "memory": "64Ti", "pods": str(PODS_PER_NODE), "ephemeral-storage": "64Ti", "nvidia.com/gpu": "8"}
+    for name in names:
+        k.apply({"apiVersion": "v1", "kind": "Node",
+                 "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                              "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "type": "kwok",
+                                         "nvidia.com/gpu.present": "true", BENCH_NODE_LABEL: "true"}},
+                 "status": {"capacity": capacity, "allocatable": capacity}})
+    return names
+
+
+def pod_phases(k: Kubectl, ns: str) -> dict[str, int]:
+    items = json.loads(k.run("get", "pods", "-n", ns, "-o", "json", timeout=120).stdout)["items"]
+    out: dict[str, int] = {}
+    for pod in items:
+        phase = (pod.get("status") or {}).get("phase", "?")
+        out[phase] = out.get(phase, 0) + 1
+    return out
+
+
+class AuditedRequests:
+    """The operator's own requests as the API server's audit log has them: it runs as a
+    ServiceAccount of its own (cluster-admin: what is measured is how much it asks, not RBAC), so
+    other clients (kube-controller-manager, this benchmark's kubectl) are not counted."""
+
+    def __init__(self, cluster: Cluster, ns: str, work: Path) -> None:
+        self.k, self.log, self.ns = cluster.k, cluster.audit_log, ns
+        self.user = f"system:serviceaccount:{ns}:kvpersist-bench"
+        self.k.run("create", "serviceaccount", "kvpersist-bench", "-n", ns)
+        self.binding = f"{ns}-kvpersist-bench"
+        self.k.run("create", "clusterrolebinding", self.binding, "--clusterrole=cluster-admin",
+                   f"--serviceaccount={ns}:kvpersist-bench")
+        self.as_operator = self.k.as_service_account(ns, "kvpersist-bench", work / "operator-sa.kubeconfig")
+
+    @staticmethod
+    def now() -> datetime:
+        return datetime.now(UTC)
+
+    def between(self, since: datetime, until: datetime) -> list[tuple[str, str]]:
+        """(verb, resource[/sub]) of every request received in the window (a watch when it started);
+        waits until a marker request of the same account is in the log, so the window is complete."""
+        marker = f"marker-{uuid.uuid4().hex[:8]}"
+        self.as_operator.run("get", "configmap", marker, "-n", self.ns, "--ignore-not-found")
+        wait_for("the marker in the audit log", lambda: any((e.get("objectRef") or {}).get("name") == marker
+                                                             for e in events(self.log, self.user)), 120, interval=1)
+        out = []
+        for e in events(self.log, self.user, stages=("ResponseStarted", "ResponseComplete")):
+            verb, ref = e.get("verb"), e.get("objectRef") or {}
+            if e.get("stage") != ("ResponseStarted" if verb == "watch" else "ResponseComplete") or ref.get("name") == marker:
+                continue
+            received = datetime.fromisoformat(e["requestReceivedTimestamp"].replace("Z", "+00:00"))
+            if since <= received <= until:
+                sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+                out.append((verb, f"{ref.get('resource')}{sub}"))
+        return out
+
+    def close(self) -> None:
+        self.k.run("delete", "clusterrolebinding", self.binding, "--ignore-not-found", check=False)
+
+
+def split(requests: list[tuple[str, str]]) -> tuple[int, int, int]:
+    """(writes, gets and lists, watches opened)."""
+    writes = sum(1 for verb, _ in requests if verb in WRITE_VERBS)
+    watches = sum(1 for verb, _ in requests if verb == "watch")
+    return writes, len(requests) - writes - watches, watches
+
+
+def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: bool = False,
+          unschedulable: bool = False, fallback_s: float = 30) -> None:
+    """Each phase prints as it completes (a failure late in a run keeps the figures before it)."""
     k = cluster.k
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     k.run("create", "namespace", ns)
+    nodes = [] if unschedulable else bench_nodes(k, count)
     if with_named:
         k.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "bench-key", "namespace": ns,
                  "labels": dict([NAMED_LABEL.split("=")])}, "stringData": {"master-key": uuid.uuid4().hex * 2}})
@@ -531,13 +610,23 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
     hub = HubStub(existing={"acme-ml/kv-cache"}).__enter__()
     k.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-kv-writer", "namespace": ns},
              "stringData": {"token": GOOD_TOKEN}})
-    env = {"HF_ENDPOINT": hub.url, **({"KVPERSIST_SECRET_LABEL": NAMED_LABEL} if with_named else {})}
-    op = Operator(cluster.kubeconfig, ns, work / "operator-scale.log", env=env)
+    env = {"HF_ENDPOINT": hub.url, **({"KVPERSIST_SECRET_LABEL": NAMED_LABEL} if with_named else {}),
+           **({"KVPERSIST_CACHE_FALLBACK_S": str(fallback_s)} if unschedulable else {})}
+    audited = AuditedRequests(cluster, ns, work)
+    op = Operator(audited.as_operator.kubeconfig, ns, work / "operator-scale.log", env=env)
+    kind = ("naming their own claim and a key Secret (secretLabel set)" if with_named else "on a Hugging Face bucket")
+    if unschedulable:
+        kind += f"; servers that can never be scheduled (a CPU request no node has), fallback after {fallback_s:.0f} s"
+    print(f"scale: {count} resources {kind}; {len(nodes)} bench nodes added ({PODS_PER_NODE} pods each); "
+          f"operator log {work / 'operator-scale.log'}", flush=True)
     try:
         time.sleep(3)
-        cpu0, req0, w0 = op.cpu_seconds(), cluster.requests(), op.writes()
-        t0 = time.monotonic()
+        cpu0, w0 = op.cpu_seconds(), op.writes()
+        t0, at0 = time.monotonic(), audited.now()
         objs = [(named if with_named else light)(ns, f"s{i:04d}") for i in range(count)]
+        if unschedulable:
+            for obj in objs:
+                obj["spec"]["lmcacheServer"] = {"resources": {"requests": {"cpu": "5000"}}}
         with ThreadPoolExecutor(max_workers=10) as pool:
             list(pool.map(lambda chunk: k.apply({"apiVersion": "v1", "kind": "List", "items": chunk}),
                           [objs[i:i + 25] for i in range(0, count, 25)]))
@@ -548,37 +637,61 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
                        == o["metadata"]["generation"]) == count
 
         wait_for(f"{count} resources reconciled", all_observed, 1800, interval=2)
-        converge_s = time.monotonic() - t0
-        cpu1, req1, w1 = op.cpu_seconds(), cluster.requests(), op.writes()
+        converge_s, at1 = time.monotonic() - t0, audited.now()
+        cpu1, w1 = op.cpu_seconds(), op.writes()
+        c_writes, c_reads, c_watches = split(audited.between(at0, at1))
+        writes_per_reconcile = c_writes / count
+        per_reconcile = (c_writes + c_reads) / count
+        print(f"converged: {count} reconciled in {converge_s:.1f} s, operator CPU {cpu1 - cpu0:.1f} s, peak RSS so far "
+              f"{op.peak_rss_kib / 1024:.0f} MiB, API requests / reconcile {per_reconcile:.1f} ({writes_per_reconcile:.1f} "
+              "writes)", flush=True)
         # Settle: first statuses are written at reconcile time, later ones as pods get scheduled and
-        # the loop comes round. Idle starts when the operator has written nothing for 30 s.
+        # the loop comes round (and, with unschedulable servers, the fallback rolls vLLM). Idle
+        # starts when the operator has written nothing for 30 s.
         settle_t0, last, quiet_since = time.monotonic(), op.writes(), time.monotonic()
-        while time.monotonic() - quiet_since < 30 and time.monotonic() - settle_t0 < 600:
+        settle_limit = 600 + (fallback_s if unschedulable else 0)
+        while time.monotonic() - quiet_since < 30 and time.monotonic() - settle_t0 < settle_limit:
             time.sleep(2)
             now_writes = op.writes()
             if now_writes != last:
                 last, quiet_since = now_writes, time.monotonic()
-        settle_s = time.monotonic() - settle_t0 - 30
-        req2, cpu2, w2 = cluster.requests(), op.cpu_seconds(), op.writes()
+        settled = time.monotonic() - quiet_since >= 30
+        settle_s = time.monotonic() - settle_t0 - (30 if settled else 0)
+        phases = pod_phases(k, ns)  # before the idle window: the benchmark's own LIST is no operator read
+        req2, cpu2, w2, at2 = cluster.requests(), op.cpu_seconds(), op.writes(), audited.now()
+        print(f"settled: {settle_s:.0f} s more{'' if settled else f' (NOT settled: still writing after {settle_limit:.0f} s)'}"
+              f", operator CPU {cpu2 - cpu1:.1f} s; pods by phase {phases}", flush=True)
         time.sleep(idle_s)
-        req3, cpu3, w3 = cluster.requests(), op.cpu_seconds(), op.writes()
+        req3, cpu3, w3, at3 = cluster.requests(), op.cpu_seconds(), op.writes(), audited.now()
+        idle_requests = audited.between(at2, at3)
     finally:
         op.stop()
+        audited.close()
         hub.__exit__(None, None, None)
         k.run("delete", "namespace", ns, "--wait=false", check=False)
-    writes_per_reconcile = (w1 - w0) / count
-    per_reconcile = writes_per_reconcile + operator_reads(req0, req1) / count
-    idle_writes = (w3 - w2) * 60 / idle_s
-    idle_reads = operator_reads(req2, req3) * 60 / idle_s
+        for node in nodes:
+            k.run("delete", "node", node, "--wait=false", check=False)
+    i_writes, i_reads, i_watches = split(idle_requests)
+    idle_writes = i_writes * 60 / idle_s
+    idle_reads = i_reads * 60 / idle_s
+    counted = {f"{verb} {what}": n for (verb, what), n in sorted(Counter(idle_requests).items())}
+    print(f"converge: the operator's requests (audit log) {c_writes} writes, {c_reads} gets and lists, {c_watches} watches "
+          f"opened; its own counters: {w1 - w0:.0f} writes (applies, status writes, events)", flush=True)
+    print(f"idle {idle_s:.0f} s: the operator's requests (audit log): {counted or 'none'} ({i_watches} watches opened: "
+          "kopf opens each kind's watch again every 300 s, not a read of a round); its counters: "
+          f"{w3 - w2:.0f} writes", flush=True)
     idle_named = sum(v - req2.get(key, 0.0) for key, v in req3.items() if (key[0], key[1]) in NAMED_READS and key[2] == "")
-    print(f"resources {'naming their own claim and a key Secret (secretLabel set)' if with_named else 'on a Hugging Face bucket'}; "
-          f"idle: one-by-one GETs of Secrets and claims (any client): {idle_named * 60 / idle_s:.1f} / min")
+    by_kind = {f"{k[0]} {k[1]}": v - req2.get(k, 0.0) for k, v in req3.items()
+               if (k[0], k[1]) in OPERATOR_READS and k[2] == "" and v > req2.get(k, 0.0)}
+    print(f"idle {idle_s:.0f} s: one-by-one GETs of Secrets and claims (any client): {idle_named * 60 / idle_s:.1f} / min; "
+          f"reads counted, by kind (any client): {by_kind or 'none'}", flush=True)
     print("| resources | all reconciled (s) | statuses settled (s more) | operator peak RSS (MiB) | operator CPU to converge (s) | "
-          "API requests / reconcile (writes) | idle: API writes / min | idle: API reads / min | idle: operator CPU / min (s) |")
+          "API requests / reconcile (writes) | idle: API writes / min | idle: API gets and lists / min | "
+          "idle: operator CPU / min (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {count} | {converge_s:.1f} | {settle_s:.0f} | {op.peak_rss_kib / 1024:.0f} | {cpu1 - cpu0:.1f} | "
           f"{per_reconcile:.1f} ({writes_per_reconcile:.1f}) | {idle_writes:.1f} | {idle_reads:.0f} | "
-          f"{(cpu3 - cpu2) * 60 / idle_s:.1f} |")
+          f"{(cpu3 - cpu2) * 60 / idle_s:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -594,6 +707,9 @@ def main() -> None:
     sc.add_argument("--count", type=int, default=500)
     sc.add_argument("--idle-seconds", type=float, default=60)
     sc.add_argument("--with-named", action="store_true", help="resources naming their own claim and a key Secret")
+    sc.add_argument("--unschedulable", action="store_true",
+                    help="servers that can never be scheduled: the idle after the fallback rolled vLLM")
+    sc.add_argument("--fallback-seconds", type=float, default=30, help="the fallback bound with --unschedulable")
     args = parser.parse_args()
     cluster = Cluster()
     work = Path(tempfile.mkdtemp(prefix="kvpersist-bench-"))
@@ -605,7 +721,7 @@ def main() -> None:
         elif args.what == "phase-ready":
             phase_ready(cluster, work)
         else:
-            scale(cluster, work, args.count, args.idle_seconds, args.with_named)
+            scale(cluster, work, args.count, args.idle_seconds, args.with_named, args.unschedulable, args.fallback_seconds)
     finally:
         cluster.close()
 

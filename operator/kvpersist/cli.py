@@ -31,6 +31,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2
     kopf.configure(verbose=args.verbose)
+    if not args.verbose:
+        runtime.quiet_event_handler_logs()
     from kvpersist.controller import agentroll
 
     agentroll.warn_if_unpinned()

@@ -252,5 +252,7 @@ def in_parallel(call: Callable[[Any], R], items: Sequence[Any], limit: int = MAX
     deadline, so a round over many peers costs one deadline, not one each."""
     if not items:
         return []
+    if len(items) == 1:  # one peer: its own deadline in this thread (a pool per call cost a thread start)
+        return [call(items[0])]
     with ThreadPoolExecutor(max_workers=min(limit, len(items))) as pool:
         return list(pool.map(call, items))

@@ -1,8 +1,8 @@
 """An idle resource costs the API server no reads (issue 29, item 8; every read verb since issue
 40): the Secrets a resource names and the claim it names are read from watch caches
 (kvpersist.controller.watchcache; Secrets as metadata only), not by request every status round,
-and no round gets, lists or opens a watch of anything (but the resource itself, once a minute
-without an event: the resync read docs/design.md describes, counted and bounded). The API
+and no round gets, lists or opens a watch of anything (the resource itself included: there is no
+resync read since issue 46; kopf's watch lists again whenever it cannot go on). The API
 server's own audit log counts the operator's requests (it runs as a ServiceAccount of its own,
 which the local cluster audits), and the caches still follow changes: a rotated key Secret is a
 new namespace id, a deleted claim says so.
@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller.status_loop import RESYNC_S
 from tests.cases.invalid_manifests import sample
 from tests.e2e.audit import events
 from tests.e2e.kube import Kubectl, wait_for
@@ -128,13 +127,7 @@ def test_an_idle_resource_reads_no_secret_or_claim_and_still_sees_changes(kubect
     wait_for("the marker request in the audit log", lambda: any((e.get("objectRef") or {}).get("name") == marker
                                                                  for e in events(audit_log, user)), timeout=30)
     seen = [r for r in reads(audit_log, user, since, until) if marker not in r]
-    # The one read a quiet resource still costs, by design (docs/design.md): the resource itself,
-    # once per RESYNC_S without a watch event. Counted, and bounded by the window; a window longer
-    # than RESYNC_S (a loaded machine) holds one. Anything else a round reads is per_round's.
-    resync = f"get kvcachenamespaces {ns}/{NAME}"
-    allowed = int((until - since).total_seconds() // RESYNC_S) + 1
-    assert seen.count(resync) <= allowed, f"{seen.count(resync)} resync reads in {until - since}: {seen}"
-    assert per_round([r for r in seen if r != resync]) == [], f"{rounds} idle status rounds read from the API server: {seen}"
+    assert per_round(seen) == [], f"{rounds} idle status rounds read from the API server: {seen}"
     assert (status(kubectl, ns).get("namespaceId")) == first
 
     # The caches follow changes: new key bytes are a new namespace id (its data read again, once) ...

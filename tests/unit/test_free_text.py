@@ -340,3 +340,15 @@ def test_any_value_of_any_string_or_quantity_field_is_refused_naming_it_or_recon
     assert refused > 0, "no value was refused: the strategy never left the valid set"
     if node.get("pattern") == NO_CONTROL_PATTERN:
         assert accepted > 0, "no value was accepted: the reconcile path was never reached"
+
+
+def test_the_compiled_class_refuses_exactly_what_forbidden_names() -> None:
+    """control_problem searches one compiled class (a resource's parse ran forbidden() per
+    character, every status round): the same set, code point by code point."""
+    from kvpersist.api import text
+
+    chars = "".join(chr(c) for c in range(0x110000))
+    found = {m.start() for m in text._REFUSED.finditer(chars)}
+    assert found == {c for c in range(0x110000) if text.forbidden(chr(c))}
+    assert text.control_problem("ok\u202eno") is not None and "position 3 of 5" in text.control_problem("ok\u202eno")
+    assert text.control_problem("plain text") is None

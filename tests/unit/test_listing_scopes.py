@@ -99,7 +99,7 @@ def test_the_account_is_asked_once_and_may_still_look_everywhere(monkeypatch: py
 def test_named_namespaces_are_listed_one_by_one_and_each_is_seen(listed: list[tuple[str, str | None]]) -> None:
     runtime.set_peering(None, "", 0, ("team-a", "team-b"))
     target, body = _bucket_target("team-a")
-    refusal = apply._storage_refusal(target, body)
+    refusal = apply._storage_refusal(target, body, None)  # no watch caches handed over: the API server
     # team-b's older resource on the same prefix is seen: not only the resource's own namespace.
     assert refusal is not None and "team-b/other" in refusal, refusal
     assert listed == [("KVCacheNamespace", "team-a"), ("KVCacheNamespace", "team-b")]
@@ -113,7 +113,7 @@ def test_named_namespaces_are_listed_one_by_one_and_each_is_seen(listed: list[tu
 def test_all_namespaces_is_one_cluster_wide_list(listed: list[tuple[str, str | None]]) -> None:
     runtime.set_peering(None, "", 0, ())
     target, body = _bucket_target("team-a")
-    assert apply._storage_refusal(target, body) is not None
+    assert apply._storage_refusal(target, body, None) is not None
     gc.in_use_now(NSID, None)
     assert {ns for _kind, ns in listed} == {None}
 

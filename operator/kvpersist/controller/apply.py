@@ -87,7 +87,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         # the refresh would judge it lost again even once the user accepted the loss.
         if read is not None and key_secret is not None:
             state.key_read = (time.monotonic(), read)
-        target = _exclusive(target, body, logger)  # a store or route names another resource or id holds
+        target = _exclusive(target, body, logger, seen)  # a store or route names another resource or id holds
         target = _one_server_unless_shareable(target)
         token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
         token_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
@@ -321,19 +321,26 @@ def _store_user(target: Target, body: Mapping[str, Any]) -> sharing.User:
                         target.namespace_id)
 
 
-def _storage_refusal(target: Target, body: Mapping[str, Any]) -> str | None:
+def _storage_refusal(target: Target, body: Mapping[str, Any], seen: Seen | None) -> str | None:
     """StorageInUse's message when another resource holds this one's claim or bucket prefix
-    (kvpersist.controller.sharing), else None. Read from the API server, never the watch caches: a
-    restarted operator may not have seen every resource yet. Raises ApiException. Blocking."""
+    (kvpersist.controller.sharing), else None. From the watch caches (seen.stores: the kvp_stores
+    index, complete before any handler runs); without them (seen None or not copied), from the
+    API server (raises ApiException). Blocking."""
     me = _store_user(target, body)
-    if target.spec.l2.nvme is not None:  # claims are namespaced: that namespace's resources and servers
+    nvme = target.spec.l2.nvme is not None
+    if not nvme and not target.namespace_id:
+        return None
+    if seen is not None and seen.stores is not None:
+        # claims are namespaced: that namespace's resources and servers; a bucket prefix is global
+        users = [u for u in seen.stores if not nvme or u.namespace == target.namespace]
+        pods = [p for p in seen.all_server_pods if p["metadata"].get("namespace") == target.namespace] if nvme else []
+        return sharing.refusal(me, users, pods)
+    if nvme:
         bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
         pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
-    elif target.namespace_id:  # a bucket prefix is global: every (watched) namespace's resources
+    else:
         bodies = [b for ns in runtime.listing_scopes() for b in kube.list_all(api.API_VERSION, api.KIND, ns)]
         pods = []
-    else:
-        return None
     return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)
 
 
@@ -347,13 +354,13 @@ def _route_conflicts(target: Target) -> list[str]:
     return route_conflicts(target, found)
 
 
-def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> Target:
+def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> Target:
     """Before an apply: the target as it may run alone. A claim or bucket prefix an older resource
     holds: the cache off (servers at zero, vLLM without it; StorageInUse). Route names another
     id's objects hold: no routes, vLLM without the cache (CacheBypassed, RouteNameTaken). Both
     recorded in the resource's state for status. Raises ApiException (the apply is retried)."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
-    storage = _storage_refusal(target, body) if target.cache_enabled else None
+    storage = _storage_refusal(target, body, seen) if target.cache_enabled else None
     if storage != state.storage_refused and (storage or state.storage_refused):
         logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
     state.storage_refused = storage
@@ -370,7 +377,7 @@ def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger) 
     return target
 
 
-def _exclusive_recheck(target: Target, body: Mapping[str, Any]) -> Target:
+def _exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:
     """In a status refresh: applies again when what _exclusive decided may have changed (the
     holder went, or an older resource now names the same store, or the route names are free),
     and returns the target as last applied. While refused, the API server is asked (a rare
@@ -380,11 +387,18 @@ def _exclusive_recheck(target: Target, body: Mapping[str, Any]) -> Target:
         return target
     try:
         if state.storage_refused is not None:
-            changed = _storage_refusal(target, body) != state.storage_refused
+            changed = _storage_refusal(target, body, seen) != state.storage_refused
         else:
-            known = [u for st in runtime.CONTROLLER.known().values() if st.body is not None and (u := sharing.user_of(st.body))]
-            changed = (sharing.holder(_store_user(target, body), known) is not None
-                       or (state.route_taken is not None and not _route_conflicts(target)))
+            me = _store_user(target, body)
+            mark = (seen.stores_version, me) if seen is not None and seen.stores is not None else None
+            if mark is not None and state.stores_checked == mark:
+                held = False  # neither its store nor any other changed since it was last looked at
+            else:
+                known = seen.stores if mark is not None else [
+                    u for st in runtime.CONTROLLER.known().values() if st.body is not None and (u := sharing.user_of(st.body))]
+                held = sharing.holder(me, known) is not None
+                state.stores_checked = None if held else mark
+            changed = held or (state.route_taken is not None and not _route_conflicts(target))
         if changed:
             state.drifted = True
     except ApiException:

@@ -1,6 +1,7 @@
 """The hfBucket's Hub calls of a status refresh, the preflight and the listing: they may take
 minutes for a slow Hub or a huge bucket, so they run in the controller's bucket pool, never on the
-refresh path, which reads their last result. The bucket token's Secret is read once per refresh.
+refresh path, which reads their last result. The bucket token's Secret is read once per refresh at
+most, and only when the Secret watch cache shows it changed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, runtime
-from kvpersist.controller.reading import _named_secret_refusal
+from kvpersist.controller.reading import _named_secret_refusal, secret_version
 from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
 from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory
@@ -42,13 +43,33 @@ class SecretOnce:
             if refused is not None:  # not read at all: neither the preflight nor a listing nor gc uses it
                 self.problem = refused[1]
             else:
-                self._secret = kube.get("v1", "Secret", ref.name, self.target.namespace)
+                self._secret = _token_secret(self.target, ref.name, ref.key)
         return self._secret
 
     def token(self) -> str | None:
         ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
         raw = kube.secret_value(self.get(), ref.key)
         return raw.decode().strip() if raw else None
+
+
+def _token_secret(target: Target, name: str, item: str) -> dict[str, Any] | None:
+    """The token's Secret (its metadata and that one key), read again only when the Secret watch
+    cache shows it changed (a new resourceVersion, or gone): a Hub that keeps failing, whose checks
+    come round every 30 s for every resource, no longer costs a Secret read each time (at 500
+    resources, about 600 reads a minute). Without the cache (a glob of namespaces), read each time."""
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    synced, version = secret_version(target.namespace, name)
+    if synced and version is None:
+        state.token_secret = None
+        return None  # the watch shows no such Secret
+    held = state.token_secret
+    if synced and held is not None and held[0] == (name, item, version):
+        return held[1]
+    secret = kube.get("v1", "Secret", name, target.namespace)
+    kept = None if secret is None else {"metadata": dict(secret.get("metadata") or {}),
+                                        "data": {k: v for k, v in (secret.get("data") or {}).items() if k == item}}
+    state.token_secret = ((name, item, (kept or {}).get("metadata", {}).get("resourceVersion")), kept) if synced else None
+    return kept
 
 
 def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:

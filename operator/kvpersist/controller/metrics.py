@@ -31,7 +31,6 @@ HELP = {
     "kvpersist_status_writes_total": "Status patches written (only when something changed).",
     "kvpersist_events_total": "Kubernetes Events posted.",
     "kvpersist_gc_total": "Explicit gc requests (kvpersist gc) carried out, whatever their outcome.",
-    "kvpersist_resyncs_total": "Reads of a resource no watch event had shown for a while (a missed change heals).",
 }
 
 # Per resource, labelled {namespace, name}: (HELP, TYPE), and where each value comes from.

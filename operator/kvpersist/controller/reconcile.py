@@ -13,7 +13,7 @@ import kopf
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import runtime
 from kvpersist.controller.apply import apply_workloads
-from kvpersist.controller.indexes import _seen
+from kvpersist.controller.indexes import _seen, _stores
 from kvpersist.controller.refresh import refresh_status
 from kvpersist.controller.tracking import _sweep_if_forgotten
 
@@ -30,7 +30,9 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     async with state.lock:
         state.drifted = False
         try:
-            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger, _seen(key))
-            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, _seen(key), logger)
+            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger,
+                                       _seen(key, stores=_stores()))
+            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, _seen(key, stores=_stores()),
+                                       logger)
         finally:
             _sweep_if_forgotten(key)

@@ -219,7 +219,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 or retention.servers_on_unshared_claim(target, seen)) and state.name_taken is None:
             state.drifted = True  # its weights claim, or its shared L2 claim, was deleted: made again by the next apply
         resolved_id = target.namespace_id
-        target = _exclusive_recheck(target, body)  # as last applied: the cache off while its store is held
+        target = _exclusive_recheck(target, body, seen)  # as last applied: the cache off while its store is held
         if state.routes_pending and clean_stale_routes(target, seen, logger):
             state.routes_pending = False
         observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)

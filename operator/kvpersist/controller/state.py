@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,10 +50,10 @@ class ResourceState:
     # so status is polled: watch events keep this snapshot and the status loop polls it (not a kopf
     # timer: timers put a finalizer on every object, and nothing could be deleted while the operator is down).
     body: dict[str, Any] | None = None
-    # When the body was last shown by a watch event or a resync read (monotonic): the status loop
-    # reads the resource again when no event came for RESYNC_S (a watch that missed a change).
-    body_at: float = field(default_factory=time.monotonic)
     namespace_id: str | None = None
+    # The last _target answer (kvpersist.controller.reading): (spec object, its model, (key
+    # fingerprint, pin check on, pin verdict), resolution).
+    target_memo: tuple[Any, Any, Any, Any] | None = None
     # Its workloads changed since its last refresh (a StatefulSet or Deployment event): refreshed on
     # the status loop's next tick, so phase follows pod readiness; and when it was last refreshed.
     dirty: bool = False
@@ -79,6 +78,9 @@ class ResourceState:
     # Its namespace id's route names are held by another id's objects (kvpersist.controller
     # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
     route_taken: str | None = None
+    # (Controller.stores_version, its own store) when a refresh last found no older resource on its
+    # store: looked at again only when one of them changed (kvpersist.controller.apply._exclusive_recheck).
+    stores_checked: tuple[int, Any] | None = None
     # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
     # (reason, message) while nothing is applied, and when the names are to be looked at again.
     name_taken: Refusal | None = None
@@ -92,6 +94,9 @@ class ResourceState:
     bucket_inventory: tuple[float, Inventory | None] | None = None
     bucket_inventory_failed: bool = False
     bucket_jobs: dict[str, concurrent.futures.Future[None]] = field(default_factory=dict)  # "preflight"/"listing"
+    # The bucket token's Secret as last read ((name, key, resourceVersion), its metadata and that
+    # key), kept while the Secret watch cache shows the same version (kvpersist.controller.bucketcheck).
+    token_secret: tuple[tuple[str, str, str | None], dict[str, Any] | None] | None = None
     # The L2 key Secret as last read (when, judged: its fingerprint or why none; never the key), and
     # the namespace id the last successful apply rendered, as (id,): another one (the key changed,
     # went or came back) is applied on the next tick.
@@ -185,6 +190,12 @@ class Controller:
         # None: not started (a glob among the watched namespaces, or a test), reads go by request.
         self.secret_cache: WatchCache | None = None
         self.claim_cache: WatchCache | None = None
+        # Every watched resource's L2 store (sharing.User), mirrored from the kvp_stores index
+        # (kvpersist.controller.indexes), and a counter moved by each change: StorageInUse is decided
+        # from these, and a resource whose store and others' have not changed is not looked at again.
+        self.store_users: dict[Key, Any] = {}
+        self.stores_version = 0
+        self._stores: tuple[int, tuple[Any, ...]] = (-1, ())
 
     def state(self, key: Key) -> ResourceState:
         """The resource's state, made empty when there is none. Only for the event loop's entry
@@ -214,9 +225,27 @@ class Controller:
     def lock(self, key: Key) -> asyncio.Lock:
         return self.held(key).lock
 
+    def note_store(self, key: Key, user: Any) -> None:
+        """A resource's L2 store as its watch event shows it (sharing.User; None: none, or being
+        deleted); another one moves stores_version on. In the event loop (the kvp_stores index)."""
+        if self.store_users.get(key) != user:
+            if user is None:
+                self.store_users.pop(key, None)
+            else:
+                self.store_users[key] = user
+            self.stores_version += 1
+
+    def stores(self) -> tuple[int, tuple[Any, ...]]:
+        """(stores_version, every resource's store): one tuple, made again only when a store changed,
+        so every refresh of a tick reads the same one. In the event loop."""
+        if self._stores[0] != self.stores_version:
+            self._stores = (self.stores_version, tuple(self.store_users.values()))
+        return self._stores
+
     def forget(self, key: Key) -> None:
         """Everything held about one resource, dropped in one step."""
         self.resources.pop(key, None)
+        self.note_store(key, None)
         for tracker in self._trackers():
             tracker.forget(key)
 

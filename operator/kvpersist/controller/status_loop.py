@@ -17,12 +17,12 @@ from kubernetes.client.exceptions import ApiException
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import kube, metrics, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
-from kvpersist.controller.indexes import _fleet, _live, _seen
+from kvpersist.controller.indexes import _fleet, _live, _seen, _stores
 from kvpersist.controller.refresh import refresh_status
 from kvpersist.controller.retention import orphan_claims, protect_claims
 from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
 from kvpersist.controller.state import ResourceState
-from kvpersist.controller.tracking import _forget, _sweep_if_forgotten, remember
+from kvpersist.controller.tracking import _forget, _sweep_if_forgotten
 from kvpersist.status.workloads import Seen
 
 TICK_S = 1.0
@@ -50,13 +50,10 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
     loop = asyncio.get_running_loop()
     async with runtime.CONTROLLER.lock(key):
         try:
-            body = await _resynced(key, body, logger)
-            if body is None:
-                return  # gone (forgotten), or deleted meanwhile
             if restore:
                 logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
                 await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger, seen)
-                seen = _seen(key, seen.live_ids)  # what the apply changed, as the watch caches have it now
+                seen = _seen(key, seen.live_ids, stores=_stores())  # what the apply changed, as the watch caches have it now
             await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, seen, logger)
         except Exception as exc:  # one object's failure must not stop the others' status
             logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
@@ -70,44 +67,6 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
     if gone and not await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _exists, key):
         logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
         _forget(key)
-
-
-# A resource no watch event has shown for this long is read again before its round: should a watch
-# ever miss a change (a spec edit, an annotation), it heals within it instead of never. One GET per
-# quiet resource per RESYNC_S; none while events come. (CI's L2-key failure that this was first
-# written for was not a missed event but a lost-key judgement cached across rounds: apply.py.)
-RESYNC_S = 6 * STATUS_INTERVAL_S
-
-
-async def _resynced(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logger) -> Mapping[str, Any] | None:
-    """The body to refresh from: the watch's, or (after RESYNC_S without an event) the API
-    server's, kept as the watch's would be when it differs. A failed read keeps the watch's body
-    (the round goes on); None when the API server says the resource is gone (it is forgotten)."""
-    state = runtime.CONTROLLER.get(key)
-    if state is None or time.monotonic() - state.body_at < RESYNC_S:
-        return body
-    loop = asyncio.get_running_loop()
-    try:
-        got = await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _read, key)
-    except Exception as exc:  # the round goes on from the watch's body; the next round asks again
-        logger.debug("resync read of %s/%s failed: %s", key[0], key[1], exc)
-        return body
-    metrics.inc("kvpersist_resyncs_total")
-    if got is None or (got.get("metadata") or {}).get("deletionTimestamp"):
-        logger.info("%s/%s no longer exists (a resync read); forgetting it", key[0], key[1])
-        _forget(key)
-        return None
-    if state.body is not body:
-        return state.body  # an event came while it was read: the watch's is as new or newer
-    seen_version = (body.get("metadata") or {}).get("resourceVersion")
-    version = got["metadata"].get("resourceVersion")
-    if version == seen_version:
-        state.body_at = time.monotonic()
-        return body
-    logger.warning("%s/%s: the watch had not shown its latest change (resourceVersion %s, the watch's %s); "
-                   "read it again", key[0], key[1], version, seen_version)
-    remember(key, got, logger)
-    return state.body
 
 
 def _read(key: tuple[str, str]) -> dict[str, Any] | None:
@@ -175,6 +134,9 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
     keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
     live = _live() if keys else frozenset()
     agents = _fleet() if keys else {}  # once a tick, as live: every refresh plans from the same view
+    # Every resource's store, for the rounds that decide StorageInUse (an apply, or a refused resource's recheck).
+    stores = _stores(pods=any(k in restore or ((st := runtime.CONTROLLER.get(k)) is not None and st.storage_refused)
+                              for k in keys)) if keys else None
     if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
         runtime.CONTROLLER.orphan_sweep_at = tick
         orphans = orphan_claims()
@@ -187,16 +149,17 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
             continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
         if key in restore:
             state.drifted = False
-        task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live, agents), key in restore, logger))
+        task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live, agents, stores), key in restore, logger))
         runtime.CONTROLLER.refresh_tasks.add(task)
         task.add_done_callback(runtime.CONTROLLER.refresh_tasks.discard)
 
 
 @kopf.on.startup()
 async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
-                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
+                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], kvp_stores: Mapping[Any, Any],
+                            **_: Any) -> None:
     runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
-                                      kvp_claims=kvp_claims)
+                                      kvp_claims=kvp_claims, kvp_stores=kvp_stores)
     start_watch_caches()
     runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,13 +45,14 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
 
 
 def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logger) -> None:
-    """The resource as a watch event (or a resync read: kvpersist.controller.status_loop) shows it,
+    """The resource as a watch event shows it,
     kept for the status loop; a new gc request in its annotations started. In the event loop."""
     state = runtime.CONTROLLER.state(key)
+    spec = dict(body.get("spec") or {})
+    if state.body is not None and state.body.get("spec") == spec:
+        spec = state.body["spec"]  # the same object while unchanged: one copy, and parsed once (reading._target)
     state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
-                  "metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
-                  "status": dict(body.get("status") or {})}
-    state.body_at = time.monotonic()
+                  "metadata": dict(body["metadata"]), "spec": spec, "status": dict(body.get("status") or {})}
     try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
         state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
     except ValidationError:

@@ -78,6 +78,12 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     node = (body.get("spec") or {}).get("nodeName")
     if node:
         out["spec"] = {"nodeName": node}
+    # A server pod's claims: which store it mounts, for kvpersist.controller.sharing (a claim is
+    # taken over only once no other resource's server mounts it).
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in (body.get("spec") or {}).get("volumes") or []
+              if (v.get("persistentVolumeClaim") or {}).get("claimName")]
+    if claims and "containers" in (body.get("spec") or {}):
+        out.setdefault("spec", {})["volumes"] = [{"persistentVolumeClaim": {"claimName": c}} for c in claims]
     statuses = status.get("containerStatuses")
     if statuses:
         out["status"]["restarts"] = sum(int(c.get("restartCount") or 0) for c in statuses)
@@ -119,6 +125,11 @@ class Seen:
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
     fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet
+    # Every watched resource's L2 store (kvpersist.controller.sharing.User) and every server pod, from
+    # the watch caches, for an apply's or a refused resource's StorageInUse decision; None: not copied.
+    stores: tuple[Any, ...] | None = None
+    stores_version: int = -1  # kvpersist.controller.state.Controller.stores_version of that copy
+    all_server_pods: tuple[dict[str, Any], ...] = ()
 
     def statefulset(self, target: Target) -> dict[str, Any] | None:
         return _named(self.statefulsets, target.server_name)

@@ -73,7 +73,10 @@ class Cluster:
         self.audit_log = Path(next(line.split()[-1] for line in status.splitlines() if line.startswith("audit log")))
         self.k = Kubectl(self.kubeconfig, bin_dir() / "kubectl")
         self.k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        self.k.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")
+        # (a CRD just created has no conditions yet, and `kubectl wait` then fails at once)
+        wait_for("the CRD established", lambda: self.k.run("wait", "--for", "condition=established", "--timeout=10s",
+                                                           "crd/kvcachenamespaces.kvpersist.dev", check=False).returncode == 0,
+                 90, interval=1)
 
     def close(self) -> None:
         if self.started:

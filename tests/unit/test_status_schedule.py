@@ -1,5 +1,5 @@
 """Which resources the status loop refreshes on a tick: the dirty ones at once, the rest every
-STATUS_INTERVAL_S."""
+STATUS_INTERVAL_S, or more slowly past MAX_ROUNDS_PER_S periodic rounds a second in all."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 import kopf
+import pytest
 
 from kvpersist.controller import drift, indexes, status_loop
 from kvpersist.controller.state import Controller
@@ -28,6 +29,20 @@ def test_due_dirty_now_others_by_interval(controller: Controller) -> None:
     now = 100.0 + status_loop.STATUS_INTERVAL_S / 2
     assert status_loop.due(now) == [("ns", "b"), ("ns", "c")]  # b: a workload changed; c: never refreshed
     assert status_loop.due(100.0 + status_loop.STATUS_INTERVAL_S) == [("ns", "a"), ("ns", "b"), ("ns", "c")]
+
+
+def test_past_the_rounds_a_second_the_periodic_rounds_slow_down_and_changes_do_not(controller: Controller,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status_loop, "MAX_ROUNDS_PER_S", 30.0)
+    assert status_loop.interval(1) == status_loop.interval(300) == status_loop.STATUS_INTERVAL_S
+    assert status_loop.interval(500) == 500 / 30 and status_loop.interval(1000) == 1000 / 30
+    keys = [("ns", f"r{i:03d}") for i in range(600)]  # 600 resources at 30 a second: every 20 s
+    _known(controller, *keys, last_refresh=100.0)
+    controller.state(keys[7]).dirty = True
+    assert status_loop.due(100.0 + status_loop.STATUS_INTERVAL_S) == [keys[7]]  # only the change, at once
+    assert len(status_loop.due(100.0 + 20.0)) == 600
+    monkeypatch.setattr(status_loop, "MAX_ROUNDS_PER_S", 0.0)  # 0: no cap, as before
+    assert len(status_loop.due(100.0 + status_loop.STATUS_INTERVAL_S)) == 600
 
 
 def test_workload_event_marks_its_owner_dirty(controller: Controller) -> None:

@@ -380,8 +380,9 @@ def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, 
 def _exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:
     """In a status refresh: applies again when what _exclusive decided may have changed (the
     holder went, or an older resource now names the same store, or the route names are free),
-    and returns the target as last applied. While refused, the API server is asked (a rare
-    state); otherwise only the watch caches are looked at, so an idle refresh makes no request."""
+    and returns the target as last applied. From the watch caches the status loop hands over
+    (seen.stores), looked at again only once a store changed, so an idle refresh makes no request
+    and no walk of the others."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     if not target.cache_enabled:
         return target

@@ -52,7 +52,9 @@ def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logg
     if state.body is not None and state.body.get("spec") == spec:
         spec = state.body["spec"]  # the same object while unchanged: one copy, and parsed once (reading._target)
     state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
-                  "metadata": dict(body["metadata"]), "spec": spec, "status": dict(body.get("status") or {})}
+                  # managedFields left out: nothing reads them, and they are most of a stored object's metadata
+                  "metadata": {k: v for k, v in body["metadata"].items() if k != "managedFields"}, "spec": spec,
+                  "status": dict(body.get("status") or {})}
     try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
         state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
     except ValidationError:

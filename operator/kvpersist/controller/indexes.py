@@ -45,16 +45,15 @@ async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
 
 @kopf.index(api.GROUP, api.VERSION, api.PLURAL)
 async def kvp_stores(body: kopf.Body, **_: Any) -> Any:
-    """Each resource's L2 store (sharing.User), by namespace: an apply decides StorageInUse from
+    """Each resource's L2 store (sharing.User), into Controller.store_users: an apply decides StorageInUse from
     here instead of listing every resource from the API server (a LIST of all of them per apply
     made converging quadratic: 500 resources, 250,000 bodies decoded). Being an index, kopf starts
     no handler before its initial listing is in, so a restarted operator never judges a store from
     a partial view; a resource created later came after the ones it could lose to (the older keeps
     the store), and their events came first."""
-    user = sharing.user_of(body)
     meta = body["metadata"]
-    runtime.CONTROLLER.note_store((meta["namespace"], meta["name"]), user)
-    return {meta["namespace"]: user} if user is not None else None
+    runtime.CONTROLLER.note_store((meta["namespace"], meta["name"]), sharing.user_of(body))
+    return None  # read from Controller.store_users (versioned); the index is here for kopf's start gate
 
 
 Stores = tuple[int, tuple[sharing.User, ...], tuple[dict[str, Any], ...]]

@@ -190,7 +190,7 @@ class Controller:
         # None: not started (a glob among the watched namespaces, or a test), reads go by request.
         self.secret_cache: WatchCache | None = None
         self.claim_cache: WatchCache | None = None
-        # Every watched resource's L2 store (sharing.User), mirrored from the kvp_stores index
+        # Every watched resource's L2 store (sharing.User), kept by the kvp_stores index handler
         # (kvpersist.controller.indexes), and a counter moved by each change: StorageInUse is decided
         # from these, and a resource whose store and others' have not changed is not looked at again.
         self.store_users: dict[Key, Any] = {}

@@ -174,10 +174,9 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
 
 @kopf.on.startup()
 async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
-                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], kvp_stores: Mapping[Any, Any],
-                            **_: Any) -> None:
+                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
     runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
-                                      kvp_claims=kvp_claims, kvp_stores=kvp_stores)
+                                      kvp_claims=kvp_claims)
     start_watch_caches()
     runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
 

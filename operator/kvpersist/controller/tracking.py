@@ -56,7 +56,8 @@ def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logg
                   "metadata": {k: v for k, v in body["metadata"].items() if k != "managedFields"}, "spec": spec,
                   "status": dict(body.get("status") or {})}
     try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
-        state.namespace_id = _target(body, _known_fingerprint(body))[0].namespace_id
+        # from the copy just kept: an unchanged spec is its last object, so _target answers from its memo
+        state.namespace_id = _target(state.body, _known_fingerprint(state.body))[0].namespace_id
     except ValidationError:
         state.namespace_id = None
     request = parse_request(body["metadata"].get("annotations"))

@@ -50,9 +50,10 @@ def free_port() -> int:
 
 
 def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, encrypted: bool = True,
-                nvme: dict[str, Any] | None = None, **pins: Any) -> Target:
-    """A sample's Target with these settings (nvme: more spec.l2.nvme fields, e.g. the adapter),
-    its KV geometry pins those of the KV the driver sends (kvdriver.SHAPE) unless pins say otherwise."""
+                nvme: dict[str, Any] | None = None, server_cpu: str | None = None, **pins: Any) -> Target:
+    """A sample's Target with these settings (nvme: more spec.l2.nvme fields, e.g. the adapter;
+    server_cpu: the server pod's CPU request, which the serde's workers follow), its KV geometry
+    pins those of the KV the driver sends (kvdriver.SHAPE) unless pins say otherwise."""
     obj = copy.deepcopy(sample(name))
     obj["spec"]["identity"].update({**SHAPE_PINS, **pins})
     obj["spec"]["l2"]["encryption"] = {"enabled": encrypted}
@@ -60,6 +61,8 @@ def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: fl
     if "nvme" in obj["spec"]["l2"]:
         obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb, **(nvme or {}))
     obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
+    if server_cpu is not None:
+        obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": server_cpu}}
     spec = KVCacheNamespace.model_validate(obj).spec
     # The id names the folder; the servers here mount key files the tests write (write_key), by
     # default the stand-in key, whose fingerprint the id carries (the operator reads the real one).
@@ -107,6 +110,7 @@ class LocalServer:
     serde_type: str | None = None
     extra_args: tuple[str, ...] = ()  # appended to the rendered args (benchmarks/datapath_bench.py --server-arg)
     env: dict[str, str] = field(default_factory=dict)  # more environment, as the pod's env (e.g. the Hub token)
+    cpus: str | None = None  # a taskset CPU list the process is held to (the pod's CPU request, in benchmarks)
 
     @property
     def argv(self) -> list[str]:
@@ -124,8 +128,9 @@ class LocalServer:
             adapter = json.loads(args[at])
             adapter["serde"]["type"] = self.serde_type
             args[at] = json.dumps(adapter, separators=(",", ":"), sort_keys=True)
-        return [str(Path(LMCACHE).parent / "python3"), "-c", serve_source(), *localize_args(args, mounts, "127.0.0.1"),
-                *self.extra_args]
+        pinned = ["taskset", "-c", self.cpus] if self.cpus else []
+        return [*pinned, str(Path(LMCACHE).parent / "python3"), "-c", serve_source(),
+                *localize_args(args, mounts, "127.0.0.1"), *self.extra_args]
 
     @property
     def rpc_url(self) -> str:

@@ -12,7 +12,6 @@ from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
-    SERDE_WORKERS,
     build_lmcache_statefulset,
     l2_adapter_config,
     serve_source,
@@ -385,11 +384,24 @@ def test_stale_routes_are_old_ids_no_pod_carries() -> None:
 # ---------------------------------------------------------------- L2 encryption (spec.l2.encryption)
 
 
+@pytest.mark.parametrize(("cpu", "workers"), [(None, 2), ("1", 1), ("500m", 1), ("1500m", 2), ("16", 16), ("1000", 64)])
+def test_serde_workers_follow_the_servers_cpu_request(cpu: str | None, workers: int) -> None:
+    """One serde thread per whole core the server pod requests (the default request is 2 cores)."""
+    def with_cpu(obj: dict) -> None:
+        if cpu is not None:
+            obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": cpu}}
+
+    t = target(mutate=with_cpu)
+    assert l2_adapter_config(t)["serde"]["max_workers"] == workers
+    requests = build_lmcache_statefulset(t)["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests["cpu"] == (cpu or "2")
+
+
 @pytest.mark.parametrize("name", ["nvme-minimal", "hf-bucket"])
 def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
     t = target(name)
     cfg = l2_adapter_config(t)
-    assert cfg["serde"] == {"type": "kvpersist-aesgcm", "aes_bits": 256, "max_workers": SERDE_WORKERS,
+    assert cfg["serde"] == {"type": "kvpersist-aesgcm", "aes_bits": 256, "max_workers": 2,
                             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}",
                             "key_fingerprint": KEY_FINGERPRINT, "namespace_id": t.namespace_id}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]

@@ -9,7 +9,7 @@ from importlib import resources
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
+from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
 from kvpersist.builders import buildcheck
 from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
@@ -110,8 +110,20 @@ def encrypted_disk_share(spec: KVCacheNamespaceSpec) -> float:
     return layer / (layer + page)
 
 
-# Threads that seal and open the chunks of a batch side by side (kvpersist.inserver.serve).
-SERDE_WORKERS = 4
+# Threads that seal and open the chunks of a batch side by side (kvpersist.inserver.serve): one per
+# core the server pod requests, within these bounds.
+MIN_SERDE_WORKERS, MAX_SERDE_WORKERS = 1, 64
+DEFAULT_SERVER_CPU = "2"
+
+
+def serde_workers(target: Target) -> int:
+    """The serde's threads, one per whole core of the server container's CPU request. Why: AES-GCM
+    runs at a few GB/s a core (benchmarks/RESULTS.md), so a GPU node's L2 reads outrun the serde
+    unless the work spreads over the cores the pod was given; more threads than cores only
+    contend for them. A request below one core still gets one worker."""
+    cpu = server_resources(target)["requests"].get("cpu", DEFAULT_SERVER_CPU)
+    cores = math.ceil(parse_quantity(str(cpu)) - 1e-9)
+    return max(MIN_SERDE_WORKERS, min(MAX_SERDE_WORKERS, cores))
 
 
 def l2_serde(target: Target) -> dict[str, Any] | None:
@@ -124,7 +136,7 @@ def l2_serde(target: Target) -> dict[str, Any] | None:
     fingerprint, before it reads or removes anything."""
     if target.key_secret is None:
         return None
-    return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": SERDE_WORKERS,
+    return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": serde_workers(target),
             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}",
             "key_fingerprint": target.key_fingerprint, "namespace_id": target.namespace_id}
 
@@ -250,7 +262,7 @@ def server_resources(target: Target) -> dict[str, dict[str, str]]:
     """Memory from L1 (L1 + 5Gi requested, 1.5x that as the limit) unless the spec overrides it."""
     request_mi = math.ceil((target.spec.l1.size_gb + MEMORY_OVERHEAD_GIB) * 1024)
     limit_mi = math.ceil(request_mi * MEMORY_LIMIT_FACTOR)
-    requests: dict[str, str] = {"memory": f"{request_mi}Mi", "cpu": "2"}
+    requests: dict[str, str] = {"memory": f"{request_mi}Mi", "cpu": DEFAULT_SERVER_CPU}
     limits: dict[str, str] = {"memory": f"{limit_mi}Mi"}
     override = target.spec.lmcache_server.resources
     if override is not None:

@@ -2,8 +2,8 @@
 """Break-even of an L2 hit: is bringing a prefix's KV back from L2 faster than the GPU recomputing it?
 
 A hit pays only when the restore runs faster than prefill "produces" KV. This script measures both
-sides on one machine (issue #26 item 4) and prints, per model shape and context length, the L2 read
-rate above which a hit beats recomputing, next to the restore rates it measured:
+sides on one machine (issues #26 item 4, #41 item 4) and prints, per model shape and context length,
+the restore rate above which a hit beats recomputing, next to the whole restore path's measured rate:
 
 (a) Prefill: a stack of a few random-weight decoder layers shaped like Llama-3.1-8B (hidden 4096,
     32 query / 8 KV heads of 128, SwiGLU MLP 14336) and Llama-3.1-70B (8192, 64 / 8, 28672) with
@@ -22,16 +22,27 @@ rate above which a hit beats recomputing, next to the restore rates it measured:
     authenticated and decrypted into a destination buffer, with 1, 4 and all-cores threads. An
     untimed pass then checks every decrypted byte against what was written, and that a flipped
     byte, another key and another frame version are refused. Also measured: AES-GCM open from
-    memory (the CPU's ceiling for (ii)) and, on a GPU, the pinned host-to-device copy rate.
+    memory (the CPU's ceiling for (ii)) and, on a GPU, the pinned host-to-device copy rate (H2D).
+(c) The verdict: a hit beats recomputing only if the whole restore path does, L2 -> L1 then L1 -> GPU,
+    composed serially: bytes / (bytes / L2->L1 + bytes / H2D), against recompute's KV rate. L2 -> L1
+    is the lmcache server's measured rate when --datapath-json gives one (benchmarks/datapath_bench.py
+    --json: the server's lookup of cold L2 chunks, its serde included), else this script's own best
+    file read from (b) (labelled "own": no server in it). H2D is the copy measured in (b); on a CPU
+    there is none, and the verdict is a CPU stand-in that composes the read alone. A pipelined
+    variant, min(L2 -> L1, H2D), is printed beside it as an estimate (it assumes full overlap).
 
 Every printed rate and time is measured on the run; estimates are labelled. Everything also goes
 to one JSON file (--json), rewritten after each phase so a killed run leaves what it had.
 
-On the GPU machine (one H200, torch with CUDA, `cryptography` >= 45 importable; at most about
-7 minutes: --budget-s 420 is split over the measurements, and the run stops early, printing what
-it has, rather than overrun; give the command a 600 s limit):
+On the GPU machine, run it through benchmarks/gpu_run.py, which runs the server's L2 path first and
+passes its JSON here, within one 10-minute command (give it a 600 s limit):
 
-    python benchmarks/breakeven.py --device cuda --json "$OUT/breakeven.json"
+    python3 benchmarks/gpu_run.py --out "$OUT"
+
+Alone (torch with CUDA, `cryptography` >= 45 importable; --budget-s 420 by default, split over the
+measurements, and the run stops early, printing what it has, rather than overrun):
+
+    python benchmarks/breakeven.py --device cuda --json "$OUT/breakeven.json" [--datapath-json datapath.json]
 
 (without cryptography only the plain reads run, and the JSON says so.)
 
@@ -46,13 +57,15 @@ What it cannot show:
   kernels (FlashAttention-3 on Hopper, fused norms/RoPE, CUDA graphs, chunked prefill, writing
   the paged KV cache, the LM head) make real prefill somewhat faster or slower; the embedding and
   LM head (logits for the last token only) are left out.
-- The restore is the serde and the file path alone, not the lmcache server (its L1 allocation,
-  nixl/fs adapter, scheduling) nor the L1 -> GPU copy of a hit (the H2D rate is printed beside).
-  32 MiB files are the 8B chunk size; a 70B 256-token chunk is 80 MiB.
+- Without --datapath-json the L2 -> L1 step is the serde and the file path alone, not the lmcache
+  server (its L1 allocation, nixl/fs adapter, scheduling). The H2D step is one 1 GiB pinned copy,
+  not lmcache's own copy of a hit into vLLM's paged KV cache. 32 MiB files (and datapath_bench's
+  32 MiB chunks) are the 8B chunk size; a 70B 256-token chunk is 80 MiB.
 - The disk is whatever holds --dir on the machine it runs on: a GPU test machine's disk is not
   necessarily a GPU node's NVMe array (its mount, file system and device are printed).
 - Restore and recompute are compared as rates; overlapping a restore with other work, or a
-  layer-wise pipelined load, moves the break-even in the restore's favour.
+  layer-wise pipelined load, moves the break-even in the restore's favour (the pipelined column
+  is an estimate of that bound, not a measurement).
 """
 
 from __future__ import annotations
@@ -163,6 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the budget split, run nothing big")
     p.add_argument("--budget-s", type=float, help="total wall time (default 420 on cuda, 40 quick, 300 cpu)")
     p.add_argument("--json", default="breakeven.json", help="where to write the results")
+    p.add_argument("--datapath-json", help="benchmarks/datapath_bench.py --json output: the lmcache server's measured L2 -> L1 "
+                   "rate, used in the verdict instead of this script's own file read")
     p.add_argument("--dir", help="folder for the chunk files (default: a temporary one under the current folder)")
     p.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--contexts", help="comma list of token counts")
@@ -1099,17 +1114,101 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def breakeven_rows(out: dict[str, Any]) -> list[dict[str, Any]]:
+DATAPATH_SCHEMA = "kvpersist-datapath/1"
+SERIAL = "bytes / (bytes / L2->L1 + bytes / H2D): the two steps one after the other"
+PIPELINED = "min(L2->L1, H2D): an estimate that assumes the two steps overlap fully (not measured)"
+
+
+def load_datapath(path: str) -> dict[str, Any]:
+    """The lmcache server's L2 -> L1 rates from a datapath_bench.py --json file, one per run and mode.
+    A mode that missed chunks or returned wrong bytes is kept but marked unusable: its rate is not a restore's."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != DATAPATH_SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {DATAPATH_SCHEMA!r}")
+    runs = data.get("runs") or []
+    sources = []
+    for run in runs:
+        for mode in run.get("modes", []):
+            label = f"server {mode['name']}" + (f" {run['size_gb']:g} GB" if len(runs) > 1 else "")
+            gbps = mode.get("l2_to_l1_gbps")
+            complete = mode.get("hit_chunks") == mode.get("chunks") and mode.get("wrong_bytes") == 0
+            usable = complete and isinstance(gbps, int | float) and gbps > 0
+            sources.append({"label": label, "kind": "server", "mode": mode["name"], "size_gb": run.get("size_gb"),
+                            "l2_to_l1_gbps": gbps, "end_to_end_gbps": mode.get("end_to_end_gbps"),
+                            "first_hit_ms": mode.get("first_hit_ms"), "chunks": mode.get("chunks"),
+                            "hit_chunks": mode.get("hit_chunks"), "wrong_bytes": mode.get("wrong_bytes"), "usable": usable,
+                            "note": "the lmcache server's L2 -> L1 (lookup of cold L2 chunks, a sealed mode's decryption "
+                            "included), benchmarks/datapath_bench.py"
+                            if usable else f"not used: {mode.get('hit_chunks')}/{mode.get('chunks')} chunks hit, "
+                            f"{mode.get('wrong_bytes')} wrong bytes, rate {gbps}"})
+    return {"file": str(Path(path).resolve()), "schema": DATAPATH_SCHEMA, "sources": sources}
+
+
+def restore_sources(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """The L2 -> L1 rates the verdict composes: the server's (--datapath-json) when given, else this
+    script's own best file reads (the serde's and the plain one), which leave out the server."""
+    if out.get("datapath"):
+        return [s for s in out["datapath"]["sources"] if s["usable"]]
     rates: dict[str, float] = out["disk"].get("rates_gbps", {})
+    sources = []
+    for kind, what in (("auth", "file read + serde open"), ("plain", "plain file read")):
+        got = {k: v for k, v in rates.items() if k.startswith(kind + " x")}
+        if got:
+            best = max(got, key=lambda k: got[k])
+            sources.append({"label": f"own {kind} {best.split(' ')[1]}", "kind": "own", "l2_to_l1_gbps": got[best], "usable": True,
+                            "note": f"this script's {what} ({best}, the fastest thread count), no lmcache server"})
+    return sources
+
+
+def compose(l2_gbps: float, h2d_gbps: float | None) -> dict[str, float]:
+    """The restore path's rate: L2 -> L1, then L1 -> GPU, serial (and the fully pipelined estimate).
+    Without an H2D rate (a CPU run) the path is the L2 -> L1 read alone."""
+    if h2d_gbps is None:
+        return {"serial_gbps": l2_gbps, "pipelined_gbps_est": l2_gbps}
+    return {"serial_gbps": 1.0 / (1.0 / l2_gbps + 1.0 / h2d_gbps), "pipelined_gbps_est": min(l2_gbps, h2d_gbps)}
+
+
+def h2d_part(out: dict[str, Any]) -> dict[str, Any]:
+    """The host -> GPU step of the verdict: its measured rate, or why there is none."""
+    h = out.get("h2d")
+    if out.get("plan", {}).get("device") != "cuda":
+        return {"gbps": None, "status": "not applicable", "cpu_stand_in": True,
+                "note": "no GPU: a CPU stand-in verdict, the restore path is the L2 -> L1 read alone"}
+    if h and h.get("status") == "ok":
+        return {"gbps": h["gbps"], "status": "ok", "cpu_stand_in": False, "note": "pinned host -> GPU copy, measured on this GPU"}
+    return {"gbps": None, "status": "missing", "cpu_stand_in": False,
+            "note": f"host -> GPU copy not measured ({(h or {}).get('reason', 'not run')}): no verdict"}
+
+
+def breakeven_rows(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per shape and context: recompute's KV rate (the break-even) against each composed restore path."""
+    sources = restore_sources(out)
+    h2d = h2d_part(out)
     rows = []
     for p in out["prefill"]:
         if p["status"] != "ok":
             continue
         need = p["recompute_kv_gbps"]
-        restore = {k: {"gbps": r, "ratio": r / need, "beats_recompute": r > need} for k, r in rates.items()}
-        rows.append({"shape": p["shape"], "tokens": p["tokens"], "tokens_per_s": p["tokens_per_s"],
-                     "breakeven_l2_gbps": need, "restore": restore})
+        restore = {}
+        for src in sources:
+            path = compose(src["l2_to_l1_gbps"], h2d["gbps"])
+            known = h2d["status"] != "missing"
+            restore[src["label"]] = {"l2_to_l1_gbps": src["l2_to_l1_gbps"], "h2d_gbps": h2d["gbps"], **path,
+                                     "ratio": path["serial_gbps"] / need,
+                                     "beats_recompute": path["serial_gbps"] > need if known else None,
+                                     "pipelined_beats_recompute_est": path["pipelined_gbps_est"] > need if known else None}
+        rows.append({"shape": p["shape"], "tokens": p["tokens"], "tokens_per_s": p["tokens_per_s"], "breakeven_gbps": need,
+                     "cpu_stand_in": h2d["cpu_stand_in"], "restore": restore})
     return rows
+
+
+def restore_path(out: dict[str, Any]) -> dict[str, Any]:
+    """What the verdict composed, for the JSON and the report."""
+    sources = restore_sources(out)
+    return {"l2_to_l1_from": "lmcache server (--datapath-json)" if out.get("datapath") else
+            "this script's own file reads (no lmcache server: no --datapath-json)",
+            "sources": sources, "h2d": h2d_part(out), "serial": SERIAL, "pipelined": PIPELINED,
+            "unused": [s for s in (out.get("datapath") or {}).get("sources", []) if not s["usable"]]}
 
 
 def sig(x: float) -> str:
@@ -1167,17 +1266,37 @@ def report(out: dict[str, Any]) -> None:
     if out.get("h2d"):
         h = out["h2d"]
         say(f"  pinned host -> GPU copy: {h['gbps']:.1f} GB/s" if h.get("status") == "ok" else f"  host -> GPU copy: {h}")
+    rp = out["restore_path"]
     rows_be = out["breakeven"]
     if rows_be:
+        h2d = rp["h2d"]
+        say("\n== break-even: a hit beats recomputing when the whole restore path (L2 -> L1, then host -> GPU) is faster")
+        say("   than recompute makes KV (the break-even rate)")
+        say(f"  L2 -> L1 from {rp['l2_to_l1_from']}:")
+        for src in rp["sources"]:
+            say(f"    {src['label']}: {sig(src['l2_to_l1_gbps'])} GB/s ({src['note']})")
+        for src in rp["unused"]:
+            say(f"    {src['label']}: {src['note']}")
+        say(f"  host -> GPU: {'none' if h2d['gbps'] is None else sig(h2d['gbps']) + ' GB/s'} ({h2d['note']})")
+        path = "the L2 -> L1 read alone (CPU stand-in: no host -> GPU step)" if h2d["cpu_stand_in"] else rp["serial"]
+        say(f"  restore = {path}; a cell: restore GB/s, its ratio to the break-even rate, whether the hit wins")
         keys = list(rows_be[0]["restore"])
-        say("\n== break-even: a hit beats recomputing when the L2 read rate exceeds recompute's KV rate")
-        say("   (each restore cell: measured GB/s, its ratio to the break-even rate, and whether the hit wins)")
+
+        def verdict(flag: bool | None) -> str:
+            return "unknown" if flag is None else "yes" if flag else "no"
+
         rows = []
         for r in rows_be:
-            cells = [f"{sig(c['gbps'])} {sig(c['ratio'])}x {'yes' if c['beats_recompute'] else 'no'}"
-                     for c in (r["restore"][k] for k in keys)]
-            rows.append([r["shape"], str(r["tokens"]), sig(r["breakeven_l2_gbps"]), *cells])
-        say(table(["shape", "tokens", "break-even GB/s", *keys], rows))
+            got = [r["restore"][k] for k in keys]
+            cells = [f"{sig(c['serial_gbps'])} {sig(c['ratio'])}x {verdict(c['beats_recompute'])}" for c in got]
+            if h2d["gbps"] is not None:
+                cells += [f"{sig(c['pipelined_gbps_est'])} {verdict(c['pipelined_beats_recompute_est'])}" for c in got]
+            rows.append([r["shape"], str(r["tokens"]), sig(r["breakeven_gbps"]), *cells])
+        heads = ["shape", "tokens", "break-even GB/s", *keys]
+        if h2d["gbps"] is not None:
+            heads += [f"{k} pipelined (est.)" for k in keys]
+            say(f"  pipelined (est.) = {rp['pipelined']}")
+        say(table(heads, rows))
     b = out["budget"]
     say(f"\n== budget: {b['used_s']:.1f} s used of {b['total_s']:.0f} s; stopped early: {b['stopped_early']}")
     for note in b["notes"]:
@@ -1248,7 +1367,14 @@ def main(argv: list[str] | None = None) -> int:
     parent = Path(args.dir) if args.dir else Path.cwd()
     parent.mkdir(parents=True, exist_ok=True)
     dtype_name, dtype_reason = pick_dtype(args)
-    out: dict[str, Any] = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    datapath = None
+    if args.datapath_json:
+        try:
+            datapath = load_datapath(args.datapath_json)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            say(f"breakeven: --datapath-json {args.datapath_json}: {exc}")
+            return 2
+    out: dict[str, Any] = {"schema": SCHEMA, "datapath": datapath, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "argv": sys.argv[1:] if argv is None else argv,
                            "dry_run": args.dry_run, "device": device_facts(args, parent), "prefill": [], "attention_probes": {},
                            "h2d": None, "disk": {"passes": []}, "breakeven": [], "budget": {}}
@@ -1261,6 +1387,7 @@ def main(argv: list[str] | None = None) -> int:
         view = {**out, "prefill": [asdict(r) for r in out["prefill"]],
                 "budget": {**budget.split(), "used_s": budget.elapsed(), "notes": budget.notes, "stopped_early": bool(budget.stops)}}
         view["breakeven"] = breakeven_rows(view)
+        view["restore_path"] = restore_path(view)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_path.with_name(json_path.name + ".tmp")
         tmp.write_text(json.dumps(view, indent=1, default=str))

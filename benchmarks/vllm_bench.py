@@ -1,29 +1,36 @@
 #!/usr/bin/env python3
 """Real vLLM with the persistent cache: time to first token (TTFT) and prefill tokens computed for a
-long prompt, cold and after each kind of restart, and end to end from `kubectl delete pod` of vLLM
-to the first answer served from cache. Each figure is also given as a ratio to cold.
+long prompt, cold and after each kind of restart, and end to end from `kubectl delete pod` to the
+first token of the first request after the restart. Figures are also given as a ratio to cold.
 
 Everything is real and as the operator renders it: the local cluster, the operator, the real
 `lmcache server` and vLLM's CPU build under hack/kubelet_runner.py, with the larger generated test
-model (hack/testmodel.py --size bench: 8 layers, hidden 512). Cases, in order:
-  cold                   first request: nothing cached
+model (hack/testmodel.py --size bench: 8 layers, hidden 512). vLLM's own prefix cache is off
+(--no-enable-prefix-caching), so every request asks LMCache. Cases, in order:
+  cold                   --cold-prompts distinct prompts of the same length (each its own prefix,
+                         so none is cached), each timed; TTFT is their median. The first of them is
+                         the measured prompt: its KV is what the restart cases find.
   vLLM restarted         the vLLM pod deleted; the new one is served from the server's L1
   server restarted       the server pod deleted; vLLM kept: served from L2 (L1 is gone)
   both restarted         both pods deleted: served from L2
-Between cases vLLM's own prefix cache is off (--no-enable-prefix-caching), so every request asks
-LMCache. Each case sends the prompt --repeats times after the first (cached) answer; TTFT is the
-median of those, the first answer's own TTFT is printed too, and every repeat with the tier
-lmcache served it from (its L1/L2 hit counters, read from the server around each request). The
-two restart cases run --cycles times each, so a slow case shows whether it recurs, and in the
-order --order says (server first, or both first), so a spread that follows run order rather than
-the case shows as such. Before each case's measured requests the bench waits (up to --settle
-seconds) for the machine to go quiet, and prints the CPU the rest of the machine used in the
-second before (background: starting pods, the inventory agent's scan, the cluster): on these
-2-core machines vLLM's CPU build computes the uncached tokens on the same cores.
+After a restart the bench sends nothing to vLLM until it is ready: the restarted pods Ready (vLLM's
+/health), a vLLM worker registered with the server that was not before (its /status; the same
+worker again after a server restart) and vLLM's LMCache connector out of degraded mode (its log).
+Then it waits (up to --settle seconds) for the machine to go quiet and times the first request of
+the prompt after the restart: no request of the prompt precedes it, so it is what a user's first
+request meets. --repeats more follow at once, their median a separate column. Every request's
+tier is the server's L1/L2 hit counters read around it. "delete -> ready" is `kubectl delete pod`
+to that readiness (pod restart, re-registration; no request, no settle wait); "delete -> 1st
+token" is `kubectl delete pod` to the first request's first token, so it includes the settle wait.
+The background CPU is what the rest of the machine used in the second before the first request
+(starting pods, the inventory agent's scan, the cluster): on these 2-core machines vLLM's CPU build
+computes the uncached tokens on the same cores. The two restart cases run --cycles times each, so
+a slow case shows whether it recurs, in the order --order says, so a spread that follows run
+order rather than the case shows as such.
 
-    python benchmarks/vllm_bench.py [--prompt-words 3400] [--repeats 3] [--cycles 1] [--order server-first|both-first]
-                                    [--settle 60]
-    python benchmarks/vllm_bench.py --summarize RUN.json   # the table of an earlier run, from its last line
+    python benchmarks/vllm_bench.py [--prompt-words 3400] [--cold-prompts 5] [--repeats 3] [--cycles 1]
+                                    [--order server-first|both-first] [--settle 60]
+    python benchmarks/vllm_bench.py --summarize RUN.json   # the tables of an earlier run, from its last line
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.kube import LOCALCLUSTER, REPO, Kubectl, bin_dir, wait_for
-from tests.e2e.operator_env import NAME, in_pod, kvpersist_env
+from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env
 from tests.e2e.test_real_vllm import (
     external_hits,
     lmcache_hits,
@@ -54,6 +63,14 @@ from tests.e2e.test_real_vllm import (
     vllm_build,
     vllm_pod,
 )
+
+FORMAT = 2  # the run JSON's shape; a file without "format" is the one before issue 41 (upgrade())
+SEED = 11  # the measured prompt's; the other cold prompts take the seeds after it
+# What vLLM logs when its LMCache connector's heartbeat to the server fails and when it comes back
+# (lmcache 0.5.6 integration/vllm/vllm_multi_process_adapter.py, HeartbeatThread): a lookup while
+# degraded is a miss, so the first request waits for every such period to have ended.
+CONNECTOR_DOWN = "entering degraded mode"
+CONNECTOR_UP = "resuming normal operation"
 
 
 def ttft(ip: str, text: str, model: str) -> tuple[float, int]:
@@ -110,17 +127,70 @@ def timed(ip: str, text: str, model: str, server: str | None) -> dict:
             "l2": int(s1[1] - s0[1])}
 
 
-def measure(ip: str, text: str, model: str, repeats: int, server: str | None = None, settle_s: float = 0.0) -> dict:
-    """The first answer's TTFT, the median of `repeats` more, tokens computed vs from cache, and
-    each request's own figures (server: the lmcache admin API, for the tier of each hit). The
-    repeats start once the machine is quiet (settle_s at most); its background CPU then is kept."""
-    first = timed(ip, text, model, server)
-    background = settle(settle_s) if repeats else None
+def quiet_then_timed(ip: str, text: str, model: str, server: str, settle_s: float) -> dict:
+    """timed() once the machine is quiet (settle_s at most), with its background CPU then and the
+    seconds the wait took."""
+    t0 = time.monotonic()
+    background = settle(settle_s)
+    waited = time.monotonic() - t0
+    return {**timed(ip, text, model, server), "background_cpu": background, "settle_s": round(waited, 2)}
+
+
+def cold(ip: str, texts: list[str], model: str, server: str, settle_s: float) -> dict:
+    """Each distinct prompt once, none cached, each after a quiet wait: the median TTFT and each."""
+    reqs = [quiet_then_timed(ip, text, model, server, settle_s) for text in texts]
+    first = reqs[0]
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in reqs), "prompt_tokens": first["tokens"],
+            "from_cache": first["from_cache"], "computed": first["tokens"] - first["from_cache"], "requests": reqs}
+
+
+def registrations(server: str) -> set[str]:
+    """The vLLM workers registered with an lmcache server: the instance ids its /status lists (both
+    transfer modules; kvpersist.inventory.prefetch reads the same keys)."""
+    with urllib.request.urlopen(server + "/status", timeout=10) as r:
+        status = json.loads(r.read())
+    return {*(status.get("non_cuda_context_meta") or {}), *(status.get("cache_context_meta") or {})}
+
+
+def connector_periods(log: str) -> tuple[int, int]:
+    """How often vLLM's LMCache connector went degraded, and came back, by its log."""
+    return log.count(CONNECTOR_DOWN), log.count(CONNECTOR_UP)
+
+
+def pod_log(env: Env, pod_name: str) -> str:
+    """A pod's log as the runner writes it (hack/kubelet_runner.py: logs/<ns>-<pod>-<container>.log)."""
+    return "".join(p.read_text(errors="replace") for p in sorted((env.work / "pods" / "logs").glob(f"{env.ns}-{pod_name}-*.log")))
+
+
+def wait_ready(server: str, seen: set[str], log: Callable[[], str], timeout: float = 300) -> dict:
+    """Waits, sending nothing to vLLM, until a worker not in `seen` is registered with the server
+    and vLLM's connector has come back from every degraded period: what a request of the prompt
+    would otherwise have raced (a miss, then its KV stored afresh)."""
+    def ready() -> dict | None:
+        try:
+            new = registrations(server) - seen
+        except OSError:
+            return None
+        down, up = connector_periods(log())
+        return {"registered": sorted(new), "degraded": down, "recovered": up} if new and up >= down else None
+    return wait_for("vLLM registered with the server and its connector healthy", ready, timeout=timeout, interval=0.5)
+
+
+def after_restart(ip: str, text: str, model: str, server: str, repeats: int, settle_s: float, deleted_at: float,
+                  ready: dict) -> dict:
+    """Called once the restart is ready (wait_ready): the first request of the prompt after it,
+    timed once the machine is quiet, then `repeats` more at once; and the restart's timeline."""
+    ready_at = time.monotonic()
+    first = quiet_then_timed(ip, text, model, server, settle_s)
     rest = [timed(ip, text, model, server) for _ in range(repeats)]
-    return {"ttft_first_s": first["ttft_s"], "ttft_s": statistics.median(r["ttft_s"] for r in rest) if rest else first["ttft_s"],
-            "background_cpu": background,
-            "prompt_tokens": first["tokens"], "from_cache": first["from_cache"], "computed": first["tokens"] - first["from_cache"],
-            "requests": [first, *rest]}
+    return {"first": first, "repeats": rest,
+            "ttft_first_s": first["ttft_s"],
+            "ttft_repeats_s": statistics.median(r["ttft_s"] for r in rest) if rest else None,
+            "background_cpu": first["background_cpu"], "prompt_tokens": first["tokens"], "from_cache": first["from_cache"],
+            "computed": first["tokens"] - first["from_cache"],
+            "delete_to_ready_s": round(ready_at - deleted_at, 2), "settle_s": first["settle_s"],
+            "delete_to_first_token_s": round(ready_at - deleted_at + first["settle_s"] + first["ttft_s"], 2),
+            "ready": ready}
 
 
 def bench_setup() -> tuple[Kubectl, dict, Path, bool]:
@@ -141,74 +211,74 @@ def bench_setup() -> tuple[Kubectl, dict, Path, bool]:
     return k, model, hf_home, running
 
 
+def run_cases(k: Kubectl, env: Env, model: dict, texts: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Cold, then each restart case, on a resource of its own in env's namespace."""
+    ns, mid, text = env.ns, model["modelId"], texts[0]
+    obj = real_manifest(ns, model, maxModelLen=8192)
+    obj["spec"]["l1"]["sizeGB"] = 1
+    k.apply(obj)
+    vllm = vllm_pod(k, ns, timeout=600)
+    server = in_pod(server_ip(k, ns))
+    cases: dict[str, dict] = {"cold": cold(vllm["status"]["podIP"], texts, mid, server, args.settle)}
+
+    def restart(label: str, delete_vllm: bool, delete_server: bool) -> None:
+        nonlocal vllm, server
+        old_server = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
+        # The old vLLM's worker stays listed until lmcache reaps it; a restarted server with vLLM kept
+        # gets that same worker (its instance id) again.
+        seen = set() if delete_server and not delete_vllm else registrations(server)
+        names = [*([f"{NAME}-lmcache-0"] if delete_server else []), *([vllm["metadata"]["name"]] if delete_vllm else [])]
+        deleted_at = time.monotonic()
+        k.run("delete", "pod", *names, "-n", ns, "--wait=false")
+        if delete_server:
+            server = in_pod(server_ip(k, ns, exclude_uid=old_server))
+        if delete_vllm:
+            vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
+        ready = wait_ready(server, seen, lambda: pod_log(env, vllm["metadata"]["name"]))
+        cases[label] = after_restart(vllm["status"]["podIP"], text, mid, server, args.repeats, args.settle, deleted_at, ready)
+
+    restart("vLLM restarted", True, False)
+    order = ("server", "both") if args.order == "server-first" else ("both", "server")
+    for cycle in range(1, args.cycles + 1):
+        suffix = f" #{cycle}" if args.cycles > 1 else ""
+        for which in order:
+            restart(f"{which} restarted{suffix}", which == "both", True)
+    assert pod(k, ns, f"{NAME}-vllm-") is not None
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-words", type=int, default=3400, help="pseudo-words in the prompt (3400: ~4.2k tokens)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cycles", type=int, default=1, help="how many times each restart case runs")
+    ap.add_argument("--prompt-words", type=int, default=3400, help="pseudo-words in each prompt (3400: ~6.2k tokens)")
+    ap.add_argument("--cold-prompts", type=int, default=5, help="distinct cold prompts timed; cold TTFT is their median")
+    ap.add_argument("--repeats", type=int, default=3, help="requests after the first one after each restart")
+    ap.add_argument("--cycles", type=int, default=1, help="how many times each server restart case runs")
     ap.add_argument("--order", choices=("server-first", "both-first"), default="server-first",
                     help="which restart case of each cycle runs first")
-    ap.add_argument("--settle", type=float, default=60.0, help="seconds to wait at most for a quiet machine before repeats")
+    ap.add_argument("--settle", type=float, default=60.0,
+                    help="seconds to wait at most for a quiet machine before each cold request and each first request")
     ap.add_argument("--summarize", type=Path, default=None,
-                    help="print the table of an earlier run from its JSON line (the last line it printed), and exit")
+                    help="print the tables of an earlier run from its JSON line (the last line it printed), and exit")
     args = ap.parse_args()
     if args.summarize is not None:
-        summarize(json.loads(args.summarize.read_text()), f"from {args.summarize.name}")
+        print("\n".join(summary(json.loads(args.summarize.read_text()), f"from {args.summarize.name}")))
         return
+    if args.cold_prompts < 1:
+        ap.error("--cold-prompts must be at least 1")
 
     k, model, hf_home, running = bench_setup()
-    text = prompt(11, args.prompt_words)
-    results: dict[str, dict] = {}
+    texts = [prompt(SEED + i, args.prompt_words) for i in range(args.cold_prompts)]
     try:
         with tempfile.TemporaryDirectory() as tmp, kvpersist_env(k, Path(tmp), vllm=model["vllm"], hf_home=hf_home) as env:
-            ns = env.ns
-            obj = real_manifest(ns, model, maxModelLen=8192)
-            obj["spec"]["l1"]["sizeGB"] = 1
-            k.apply(obj)
-            vllm = vllm_pod(k, ns, timeout=600)
-            results["cold"] = measure(vllm["status"]["podIP"], text, model["modelId"], 0)
-
-            t0 = time.monotonic()
-            k.run("delete", "pod", vllm["metadata"]["name"], "-n", ns, "--wait=false")
-            vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
-            results["vLLM restarted"] = measure(vllm["status"]["podIP"], text, model["modelId"], args.repeats,
-                                                in_pod(server_ip(k, ns)), args.settle)
-            results["vLLM restarted"]["delete_to_cached_answer_s"] = time.monotonic() - t0
-
-            def server_restarted(suffix: str) -> None:
-                old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
-                k.run("delete", "pod", f"{NAME}-lmcache-0", "-n", ns, "--wait=false")
-                server = in_pod(server_ip(k, ns, exclude_uid=old))
-                ip = vllm["status"]["podIP"]
-                t0 = time.monotonic()
-                wait_for("vLLM to hit the new server", lambda: timed(ip, text, model["modelId"], None)["from_cache"] > 0,
-                         timeout=180, interval=2)
-                results["server restarted" + suffix] = measure(ip, text, model["modelId"], args.repeats, server, args.settle)
-                results["server restarted" + suffix]["first_hit_after_s"] = time.monotonic() - t0
-
-            def both_restarted(suffix: str) -> None:
-                nonlocal vllm
-                old = k.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
-                k.run("delete", "pod", f"{NAME}-lmcache-0", vllm["metadata"]["name"], "-n", ns, "--wait=false")
-                server = in_pod(server_ip(k, ns, exclude_uid=old))
-                vllm = vllm_pod(k, ns, exclude={vllm["metadata"]["name"]}, timeout=600)
-                ip = vllm["status"]["podIP"]
-                t0 = time.monotonic()
-                wait_for("vLLM to hit", lambda: timed(ip, text, model["modelId"], None)["from_cache"] > 0, timeout=180,
-                         interval=2)
-                results["both restarted" + suffix] = measure(ip, text, model["modelId"], args.repeats, server, args.settle)
-                results["both restarted" + suffix]["first_hit_after_s"] = time.monotonic() - t0
-
-            cases = (server_restarted, both_restarted) if args.order == "server-first" else (both_restarted, server_restarted)
-            for cycle in range(1, args.cycles + 1):
-                for case in cases:
-                    case(f" #{cycle}" if args.cycles > 1 else "")
-            assert pod(k, ns, f"{NAME}-vllm-") is not None
+            cases = run_cases(k, env, model, texts, args)
     finally:
         if not running:
             subprocess.run([*LOCALCLUSTER, "down"], check=False, timeout=120)
-    summarize(results, f"{args.repeats} repeats (median), restart cases {args.order}")
-    print(json.dumps(results))
+    data = {"format": FORMAT, "run": {"prompt_words": args.prompt_words, "cold_prompts": args.cold_prompts,
+                                      "repeats": args.repeats, "cycles": args.cycles, "order": args.order,
+                                      "settle_s": args.settle}, "cases": cases}
+    print("\n".join(summary(data, f"restart cases {args.order}")))
+    print(json.dumps(data))
 
 
 def chi2_sf(x: float, k: int) -> float:
@@ -245,33 +315,109 @@ def kruskal_wallis(groups: dict[str, list[float]]) -> tuple[float, int, float]:
     return h, df, chi2_sf(h, df)
 
 
-def summarize(results: dict[str, dict], how: str) -> None:
-    """The table: per case its median TTFT (x cold, x the best case), the spread of its repeats,
-    and whether the restart cases differ at all (Kruskal-Wallis over their repeats)."""
-    cold = results["cold"]["ttft_s"]
-    best = min(r["ttft_s"] for case, r in results.items() if case != "cold")
-    print(f"model kvpersist/bench-llama, prompt {results['cold']['prompt_tokens']} tokens, {how}")
-    print(f"{'case':20s} {'TTFT s':>8s} {'x cold':>7s} {'x best':>7s} {'min':>6s} {'q1':>6s} {'q3':>6s} {'max':>6s} {'bg cpu':>7s} "
-          f"{'first s':>8s} {'computed':>9s} {'cached':>7s}  tiers")
-    repeats: dict[str, list[float]] = {}
-    for case, r in results.items():
-        rest = [q["ttft_s"] for q in r["requests"][1:]] or [r["ttft_s"]]
-        if case != "cold":
-            repeats[case] = rest
-        q1, _, q3 = statistics.quantiles(rest, n=4) if len(rest) > 1 else (rest[0], 0, rest[0])
+def upgrade(old: dict) -> dict:
+    """A run's JSON from before issue 41 in today's shape. Its cold was one request. Its server and
+    both restart cases resent the prompt, untimed, until one hit, so no recorded request is the
+    first after the restart (first: None); its vLLM restart's first request was. The repeats are
+    the requests after the first recorded one, as that run's medians were. Dropped: its background
+    CPU (read before the repeats, not the first request), `first_hit_after_s` and
+    `delete_to_cached_answer_s` (both ran past the settle wait and the repeats)."""
+    cases: dict[str, dict] = {}
+    for label, r in old.items():
+        reqs = r.get("requests") or [{"ttft_s": r["ttft_s"], "tokens": r["prompt_tokens"], "from_cache": r["from_cache"],
+                                      "l1": 0, "l2": 0}]
+        if label == "cold":
+            cases[label] = {**r, "ttft_s": reqs[0]["ttft_s"], "requests": reqs[:1]}
+            continue
+        first = reqs[0] if label.startswith("vLLM") else None
+        rest = reqs[1:]
+        cases[label] = {"first": first, "repeats": rest, "ttft_first_s": first["ttft_s"] if first else None,
+                        "ttft_repeats_s": statistics.median(q["ttft_s"] for q in rest) if rest else None,
+                        "background_cpu": None, "prompt_tokens": r["prompt_tokens"],
+                        "from_cache": r["from_cache"], "computed": r["computed"], "delete_to_ready_s": None,
+                        "settle_s": None, "delete_to_first_token_s": None}
+    return {"format": 1, "run": {}, "cases": cases}
+
+
+def tier(req: dict) -> str:
+    """Where lmcache served a request from: its L1 and L2 hit tokens, or that nothing was."""
+    return f"L1 {req['l1']}, L2 {req['l2']}" if req["l1"] or req["l2"] else "none (computed)"
+
+
+def tiers(reqs: list[dict]) -> str:
+    """Each distinct tier of the requests, with how many had it."""
+    counts: dict[str, int] = {}
+    for q in reqs:
+        counts[tier(q)] = counts.get(tier(q), 0) + 1
+    return "; ".join(f"{t} x{n}" for t, n in sorted(counts.items()))
+
+
+def spread(xs: list[float]) -> tuple[float, float, float, float]:
+    """min, first quartile, third quartile, max."""
+    q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0], 0.0, xs[0])
+    return min(xs), q1, q3, max(xs)
+
+
+def num(x: float | None, fmt: str, width: int) -> str:
+    """A figure in a column, or '-' where the run has none."""
+    return format(x, fmt).rjust(width) if x is not None else "-".rjust(width)
+
+
+def summary(data: dict, how: str) -> list[str]:
+    """The tables of a run (this format or upgrade()'s): cold, each restart's first request, the
+    repeats after it, and whether the restart cases' repeats differ at all (Kruskal-Wallis)."""
+    if "format" not in data:
+        data = upgrade(data)
+    cases = data["cases"]
+    c = cases["cold"]
+    cold_s = c["ttft_s"]
+    restarts = {label: r for label, r in cases.items() if label != "cold"}
+    out = [f"model kvpersist/bench-llama, prompt {c['prompt_tokens']} tokens, {how}"]
+    each, n = ", ".join(f"{q['ttft_s']:.3f}" for q in c["requests"]), len(c["requests"])
+    out.append(f"cold: {n} distinct prompt{'s' if n > 1 else ''}, none cached; TTFT median {cold_s:.3f} s (each: {each}; "
+               f"tokens {', '.join(str(q['tokens']) for q in c['requests'])}); 'x cold' below is against this median")
+    if data["format"] < FORMAT:
+        out.append("(a run from before issue 41: cold is one request; the server and both restart cases have no first "
+                   "request after the restart, as the prompt was resent untimed until it hit; no restart timings)")
+    out += ["", "first request of the prompt after the restart (none of the prompt before it):",
+            f"{'case':20s} {'TTFT s':>7s} {'x cold':>6s} {'x rep med':>9s} {'bg cpu':>6s} {'computed':>8s} {'cached':>6s} "
+            f"{'delete->ready s':>15s} {'settle s':>8s} {'delete->1st token s':>19s}  tier"]
+    for label, r in restarts.items():
+        first, rep = r["first"], r["ttft_repeats_s"]
         bg = f"{r['background_cpu']:.0%}" if r.get("background_cpu") is not None else "-"
-        tiers = sorted({f"L1 {q['l1']}, L2 {q['l2']}" for q in r["requests"]})
-        print(f"{case:20s} {r['ttft_s']:8.3f} {r['ttft_s'] / cold:7.2f} {r['ttft_s'] / best:7.2f} {min(rest):6.2f} {q1:6.2f} "
-              f"{q3:6.2f} {max(rest):6.2f} {bg:>7s} {r['ttft_first_s']:8.3f} {r['computed']:9d} {r['from_cache']:7d}  "
-              f"{'; '.join(tiers)}")
-    worst = max(statistics.median(x) for x in repeats.values()) / min(statistics.median(x) for x in repeats.values())
-    print(f"steady cached TTFT, worst restart case / best: {worst:.2f} (target <= 1.2)")
+        ratio = first["ttft_s"] / rep if first and rep else None
+        out.append(f"{label:20s} {num(r['ttft_first_s'], '.3f', 7)} "
+                   f"{num(r['ttft_first_s'] / cold_s if first else None, '.2f', 6)} {num(ratio, '.2f', 9)} {bg:>6s} "
+                   f"{num(r['computed'] if first else None, 'd', 8)} {num(r['from_cache'] if first else None, 'd', 6)} "
+                   f"{num(r['delete_to_ready_s'], '.1f', 15)} {num(r['settle_s'], '.1f', 8)} "
+                   f"{num(r['delete_to_first_token_s'], '.1f', 19)}  {tier(first) if first else '-'}")
+    out += ["  TTFT s: that request's time to first token; x rep med: against the median of the repeats after it.",
+            "  delete->ready s: `kubectl delete pod` to the restarted pods Ready, vLLM registered with the server and its",
+            "  connector healthy (pod restart; no request sent). settle s: the wait for a quiet machine after that.",
+            "  delete->1st token s: delete->ready + settle + TTFT. tier: the server's hit tokens for that request.",
+            "", "repeats after it (sent at once, same prompt):",
+            f"{'case':20s} {'n':>3s} {'median s':>8s} {'x cold':>6s} {'x best':>6s} "
+            f"{'min':>6s} {'q1':>6s} {'q3':>6s} {'max':>6s}  tiers"]
+    repeats = {label: [q["ttft_s"] for q in r["repeats"]] for label, r in restarts.items() if r["repeats"]}
+    best = min((statistics.median(x) for x in repeats.values()), default=None)
+    for label, r in restarts.items():
+        xs = repeats.get(label)
+        if not xs:
+            out.append(f"{label:20s} {0:3d}")
+            continue
+        med = statistics.median(xs)
+        lo, q1, q3, hi = spread(xs)
+        out.append(f"{label:20s} {len(xs):3d} {med:8.3f} {med / cold_s:6.2f} {med / best:6.2f} {lo:6.2f} {q1:6.2f} {q3:6.2f} "
+                   f"{hi:6.2f}  {tiers(r['repeats'])}")
+    if len(repeats) > 1:
+        worst = max(statistics.median(x) for x in repeats.values())
+        out.append(f"repeats' median TTFT, worst restart case / best: {worst / best:.2f} (target <= 1.2)")
     if len(repeats) > 1 and all(len(x) > 1 for x in repeats.values()):
         h, df, p = kruskal_wallis(repeats)
-        print(f"do the restart cases differ? Kruskal-Wallis over their repeats: H {h:.2f}, df {df}, p {p:.2f} "
-              f"({'yes' if p < 0.05 else 'no'} at 5%)")
-    if "delete_to_cached_answer_s" in results.get("vLLM restarted", {}):
-        print(f"kubectl delete pod (vLLM) -> first answer from cache: {results['vLLM restarted']['delete_to_cached_answer_s']:.1f} s")
+        out.append(f"do the restart cases differ? Kruskal-Wallis over their repeats: H {h:.2f}, df {df}, p {p:.2f} "
+                   f"({'yes' if p < 0.05 else 'no'} at 5%)")
+    return out
+
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
 reconcile, API writes per minute when nothing changes).
 
     .venv/bin/python benchmarks/reconcile_bench.py latency        # 1 and 50 resources (--faults: under them)
+    .venv/bin/python benchmarks/reconcile_bench.py latency --trials 7 --trials-50 2 --no-phase-ready
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 100 --with-named   # each naming its claim and a key Secret
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500 --unschedulable  # servers Pending forever
@@ -14,7 +15,11 @@ the real lmcache server for its pod (hack/kubelet_runner.py). Resources for the 
 500-resource runs use a Hugging Face bucket L2 (no claim to bind) and no vLLM replicas (the
 GPU node has 8 GPUs), so "ready" there means the lmcache StatefulSet rolled out and the
 operator wrote a status for the current generation. `scale` adds kwok nodes with room for every
-server pod (and deletes them after), or with --unschedulable measures servers that never run.
+server pod (and deletes them after), or with --unschedulable measures servers that never run;
+`latency` adds them too (50 of each kind at once do not fit the cluster's GPU node), prints each
+trial's phases as they end, where one resource's time goes (watch events and the operator's own
+requests from the audit log), and, when objects never get Ready, which and why, after the
+figures measured before.
 """
 
 from __future__ import annotations
@@ -223,9 +228,12 @@ class Watches:
         self.lock = threading.Lock()
         self.watches: list[kwatch.Watch] = []
         self.threads: list[threading.Thread] = []
+        # Pods too: when each workload's pod was created, bound to a node and Ready (the timeline of
+        # apply → Ready), and what a pod that never got Ready shows.
         for kind, fn, kw in (("Deployment", apps.list_namespaced_deployment, {}),
                              ("StatefulSet", apps.list_namespaced_stateful_set, {}),
-                             ("KVCacheNamespace", custom.list_namespaced_custom_object, crd)):
+                             ("KVCacheNamespace", custom.list_namespaced_custom_object, crd),
+                             ("Pod", kclient.CoreV1Api(self.api).list_namespaced_pod, {})):
             listed = fn(namespace=ns, _request_timeout=30, **kw)
             rv = listed["metadata"]["resourceVersion"] if isinstance(listed, dict) else listed.metadata.resource_version
             w = kwatch.Watch()
@@ -252,6 +260,20 @@ class Watches:
                     found[name] = at
         return found
 
+    def latest(self, kind: str, key: Callable[[dict], str | None]) -> dict[str, list[dict]]:
+        """Per key(object): the last state of each object of kind seen (none once DELETED)."""
+        last: dict[tuple[str, str], dict | None] = {}
+        with self.lock:
+            for _at, k, type_, obj in self.events:
+                name = key(obj) if k == kind else None
+                if name is not None:
+                    last[name, obj["metadata"]["name"]] = None if type_ == "DELETED" else obj
+        out: dict[str, list[dict]] = {}
+        for (name, _), obj in last.items():
+            if obj is not None:
+                out.setdefault(name, []).append(obj)
+        return out
+
     def close(self) -> None:
         for w in self.watches:
             w.stop()
@@ -260,12 +282,18 @@ class Watches:
             thread.join(timeout=5)
 
 
+class NotReady(Exception):
+    """Objects not Ready in time; the message says which and why (their pods, conditions, events)."""
+
+
 def create_and_time(api: kclient.ApiClient, watches: Watches, objs: list[dict], kind: str,
                     key: Callable[[dict], str | None], ready: Callable[[dict], bool], timeout: float,
-                    created: dict[str, float] | None = None) -> list[float]:
+                    created: dict[str, float] | None = None, returned: dict[str, float] | None = None) -> list[float]:
     """Creates objs, 10 at a time; per object, seconds from just before its create call (kept in
-    created) to the arrival of the first watch event of kind (keyed by key) for which ready holds."""
+    created; the call's return in returned) to the arrival of the first watch event of kind (keyed
+    by key) for which ready holds. Raises NotReady naming the objects that were not, and why."""
     created = {} if created is None else created
+    returned = {} if returned is None else returned
 
     def one(obj: dict) -> None:
         created[obj["metadata"]["name"]] = time.monotonic()
@@ -276,6 +304,7 @@ def create_and_time(api: kclient.ApiClient, watches: Watches, objs: list[dict], 
         else:
             kclient.CustomObjectsApi(api).create_namespaced_custom_object(
                 "kvpersist.dev", "v1alpha1", obj["metadata"]["namespace"], "kvcachenamespaces", obj, _request_timeout=60)
+        returned[obj["metadata"]["name"]] = time.monotonic()
 
     with ThreadPoolExecutor(max_workers=10) as pool:
         list(pool.map(one, objs))
@@ -285,7 +314,72 @@ def create_and_time(api: kclient.ApiClient, watches: Watches, objs: list[dict], 
         if len(done.keys() & created.keys()) == len(objs):
             return [done[name] - at for name, at in created.items()]
         time.sleep(0.05)
-    raise SystemExit(f"only {len(watches.first(kind, key, ready))}/{len(objs)} {kind}s ready after {timeout:.0f}s")
+    # Only this call's objects count (the watch has every earlier phase's objects of the kind too).
+    late = sorted(created.keys() - watches.first(kind, key, ready).keys())
+    raise NotReady(f"only {len(objs) - len(late)}/{len(objs)} {kind}s ready after {timeout:.0f}s; not ready:\n"
+                   + why_not_ready(api, watches, objs[0]["metadata"]["namespace"], kind, key, late))
+
+
+def pod_key(o: dict) -> str | None:
+    """The workload a bench pod belongs to: its instance label (lmcache servers), else its app label (the bare ones)."""
+    labels = o["metadata"].get("labels") or {}
+    return labels.get("app.kubernetes.io/instance") or labels.get("app")
+
+
+def _conditions(o: dict, *false_only: str) -> str:
+    out = []
+    for c in (o.get("status") or {}).get("conditions") or []:
+        if false_only and (c.get("type") not in false_only or c.get("status") == "True"):
+            continue
+        out.append(f"{c.get('type')}={c.get('status')}" + (f" {c.get('reason')}" if c.get("reason") else "")
+                   + (f": {c.get('message')}" if c.get("message") else ""))
+    return "; ".join(out)
+
+
+def why_not_ready(api: kclient.ApiClient, watches: Watches, ns: str, kind: str, key: Callable[[dict], str | None],
+                  late: list[str]) -> str:
+    """For each object not Ready: its workload's replicas, its pods' phase and failing conditions, the
+    Warning events about them (and, for a KVCacheNamespace, its own conditions), grouped by that
+    reason, so fifty objects stuck on one cause read as one line."""
+    workloads, kvns = watches.latest(kind, key), watches.latest("KVCacheNamespace", by_name)
+    every_pod = [objs[0] for objs in watches.latest("Pod", by_name).values()]
+    # A workload's pods: its key's (a resource's instance label, a bare one's app label) or named after it.
+    pods = {name: [p for p in every_pod if pod_key(p) == name or p["metadata"]["name"].startswith(f"{name}-")] for name in late}
+    unread = ""
+    try:
+        listed = kclient.CoreV1Api(api).list_namespaced_event(ns, _request_timeout=30)
+        warnings = [api.sanitize_for_serialization(e) for e in listed.items if e.type == "Warning"]
+    except Exception as exc:  # a diagnosis: say what could not be read, and go on
+        warnings, unread = [], f"\n  (the namespace's events could not be read: {exc})"
+    by_reason: dict[str, list[str]] = {}
+    for name in late:
+        parts = []
+        if kind == "StatefulSet" and name in kvns and name not in workloads:
+            conditions = _conditions(kvns[name][0], "Ready", "Progressing", "Degraded") or "no status yet"
+            parts.append(f"no StatefulSet made by the operator; the resource: {conditions}")
+        for w in workloads.get(name, []):
+            st = w.get("status") or {}
+            parts.append(f"{kind} replicas {st.get('replicas', 0)}, ready {st.get('readyReplicas', 0)}")
+        if name in workloads and not pods.get(name):
+            parts.append("no pod")
+        for pod in pods.get(name, []):
+            st = pod.get("status") or {}
+            parts.append(f"pod {st.get('phase', '?')}" + (f" on {pod['spec']['nodeName']}" if pod["spec"].get("nodeName") else "")
+                         + (f" ({_conditions(pod, 'PodScheduled', 'Ready')})" if _conditions(pod, "PodScheduled", "Ready") else ""))
+        seen = set()
+        for e in warnings:  # the latest few, one per reason
+            involved = (e.get("involvedObject") or {}).get("name", "")
+            if involved.startswith(name) and e.get("reason") not in seen:
+                seen.add(e.get("reason"))
+                parts.append(f"event {e.get('reason')}: {e.get('message')}")
+        # Names stripped from the reason so that objects stuck alike group together.
+        reason = re.sub(rf"\b{re.escape(name)}\b", "<name>", "; ".join(parts) or "nothing seen of it (no workload, no pod)")
+        by_reason.setdefault(reason, []).append(name)
+    lines = []
+    for reason, names in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        lines.append(f"  {len(names)} ({shown}): {reason}")
+    return "\n".join(lines) + unread
 
 
 def observed(o: dict) -> bool:
@@ -407,34 +501,130 @@ def bare_sts(o: dict) -> str | None:
     return None if sts_instance(o) else o["metadata"]["name"]  # the operator's carry its instance label
 
 
+def pod_bound(o: dict) -> bool:
+    return bool(o["spec"].get("nodeName"))
+
+
+def pod_ready(o: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (o.get("status") or {}).get("conditions") or [])
+
+
+def anything(_o: dict) -> bool:
+    return True
+
+
+def timeline(watches: Watches, kind: str, key: Callable[[dict], str | None], name: str, created: float,
+             returned: float, operator: list[tuple[float, float, str]] | None = None,
+             clock: float = 0.0, pod_of: str | None = None) -> dict[str, float]:
+    """One object's way from its create call to Ready, as seconds from just before the call: the
+    call's return, the watch events' arrivals here (its ADDED, its workload's, its pod's ADDED, bound
+    and Ready, the workload's readyReplicas 1) and, for a KVCacheNamespace, every request the operator
+    made in the namespace until then (received → completed, from the audit log; clock = time.time()
+    - time.monotonic()). pod_of: its pods' key (pod_key), when not name."""
+    out = {"create call returned": returned - created}
+    if kind == "KVCacheNamespace":
+        out["KVCacheNamespace ADDED"] = watches.first("KVCacheNamespace", by_name, anything)[name] - created
+        wkind, wkey = "StatefulSet", sts_instance
+    else:
+        wkind, wkey = kind, key
+    out[f"{wkind} ADDED"] = watches.first(wkind, wkey, anything)[name] - created
+    for label, pred in (("pod ADDED", anything), ("pod bound to a node", pod_bound), ("pod Ready", pod_ready)):
+        at = watches.first("Pod", pod_key, pred).get(pod_of or name)
+        if at is not None:
+            out[label] = at - created
+    ready_at = watches.first(wkind, wkey, one_ready)[name]
+    out[f"{wkind} readyReplicas 1"] = ready_at - created
+    seen: Counter[str] = Counter()
+    for received, completed, what in operator or []:
+        received, completed = received - clock, completed - clock
+        if received < created - 0.5 or received > ready_at:
+            continue
+        what = re.sub(r"-[0-9a-f]{8}\b", "-<id>", what)  # the per-id names: a new key, so a new id, each trial
+        seen[what] += 1
+        label = f"operator: {what}" + (f" #{seen[what]}" if seen[what] > 1 else "")
+        out[label + " (received)"] = received - created
+        out[label + " (completed)"] = completed - created
+    return out
+
+
+def print_timelines(title: str, lines: list[dict[str, float]]) -> None:
+    """The median of each step over the trials, in order of time; an operator request as received → completed."""
+    steps: dict[str, list[float]] = {}
+    for line in lines:
+        for label, at in line.items():
+            steps.setdefault(label, []).append(at)
+    med = {label: statistics.median(v) for label, v in steps.items()}
+    print(f"  {title} (median of {len(lines)}):", flush=True)
+    for label in sorted(med, key=lambda lab: med[lab]):
+        if label.endswith(" (completed)"):
+            continue
+        if label.endswith(" (received)"):
+            base = label.removesuffix(" (received)")
+            seen = f" (in {len(steps[label])} of {len(lines)})" if len(steps[label]) != len(lines) else ""
+            print(f"    {med[label]:7.3f} → {med[base + ' (completed)']:.3f}  {base}{seen}", flush=True)
+        else:
+            print(f"    {med[label]:7.3f}  {label}", flush=True)
+
+
 def latency(cluster: Cluster, work: Path, trials: dict[int, int], faults: bool) -> None:
     """Per trial, a fresh namespace: n bare Deployments created, then n bare StatefulSets, then n
     KVCacheNamespaces; each object's apply to its first workload Ready, timed from watch events.
-    One operator process for all trials (cluster-wide), its memory read between them."""
+    One operator process for all trials (cluster-wide), its memory read between them. Each phase
+    prints as it completes; a phase whose objects never get Ready says which and why, and the
+    figures measured before it still print."""
     k = cluster.k
+    # Room for every pod of a trial (the bare Deployments', the bare StatefulSets' and the rendered
+    # ones' at once): the cluster's GPU node fits 110 pods and 48 servers (2 CPUs each of 96), and
+    # the bare pods, which ask for nothing, land mostly there; with 50 of each, 15 of the 50
+    # hand-made servers stayed Pending ("Too many pods").
+    nodes = bench_nodes(k, 3 * max((n for n, c in trials.items() if c), default=1))
     hub = HubStub(existing={"acme-ml/kv-cache"}).__enter__()
     scene: FaultScene | None = None
-    op = Operator(cluster.kubeconfig, None, work / "operator-latency.log", env={"HF_ENDPOINT": hub.url})
+    # The operator as a ServiceAccount of its own, so that the audit log has its requests (the timeline).
+    op_ns = f"bench-op-{uuid.uuid4().hex[:6]}"
+    k.run("create", "namespace", op_ns)
+    audited = AuditedRequests(cluster, op_ns, work)
+    op = Operator(audited.as_operator.kubeconfig, None, work / "operator-latency.log", env={"HF_ENDPOINT": hub.url})
+    print(f"latency: trials {trials}; {len(nodes)} bench nodes added; operator log {work / 'operator-latency.log'}", flush=True)
     rss = {"idle": op.rss_kib()}
     rows: list[tuple[int, dict[str, list[list[float]]]]] = []
+    lines: dict[str, list[dict[str, float]]] = {"deploy": [], "rendered": [], "kv": []}
+    failed: Exception | None = None
+
+    def phase(label: str, run_list: list[list[float]]) -> None:
+        print(f" {label} {statistics.median(run_list[-1]):.3f}", end="", flush=True)
+
     try:
         if faults:
             scene = FaultScene(k, hub)
             rss["with the faults"] = op.rss_kib()
         for n, count in trials.items():
+            if not count:
+                continue
             runs: dict[str, list[list[float]]] = {"deploy": [], "sts": [], "rendered": [], "kv": [], "hop": [], "status": []}
-            for _ in range(count):
+            rows.append((n, runs))
+            for trial in range(count):
                 ns = f"bench-{uuid.uuid4().hex[:6]}"
                 k.run("create", "namespace", ns)
                 k.apply(bucket_secret(ns))
                 watches = Watches(cluster.kubeconfig, ns)
+                print(f"{n} at once, trial {trial + 1}/{count} ({ns}), p50 s from the create call:", end="", flush=True)
                 try:
-                    runs["deploy"].append(create_and_time(watches.api, watches, [deployment(ns, f"d{i}") for i in range(n)],
-                                                          "Deployment", by_name, one_ready, 300))
+                    d_created: dict[str, float] = {}
+                    d_returned: dict[str, float] = {}
+                    deploy = create_and_time(watches.api, watches, [deployment(ns, f"d{i}") for i in range(n)],
+                                             "Deployment", by_name, one_ready, 300, d_created, d_returned)
+                    runs["deploy"].append(deploy)
+                    phase("bare Deployment", runs["deploy"])
                     runs["sts"].append(create_and_time(watches.api, watches, [statefulset(ns, f"s{i}") for i in range(n)],
                                                        "StatefulSet", bare_sts, one_ready, 300))
+                    phase("| bare StatefulSet", runs["sts"])
                     by_hand = [rendered(ns, f"r{i}") for i in range(n)]
-                    runs["rendered"].append(create_and_time(watches.api, watches, by_hand, "StatefulSet", by_name, one_ready, 300))
+                    r_created: dict[str, float] = {}
+                    r_returned: dict[str, float] = {}
+                    runs["rendered"].append(create_and_time(watches.api, watches, by_hand, "StatefulSet", by_name, one_ready, 300,
+                                                            r_created, r_returned))
+                    phase("| rendered lmcache StatefulSet by hand", runs["rendered"])
                     # Gone before the resources come: their pods take the same room on the nodes.
                     k.run("delete", "statefulset", *[o["metadata"]["name"] for o in by_hand], "-n", ns, "--wait=true",
                           "--cascade=foreground", timeout=300)
@@ -442,51 +632,99 @@ def latency(cluster: Cluster, work: Path, trials: dict[int, int], faults: bool) 
                         p for p in k.get("pods", namespace=ns)["items"] if p["metadata"]["name"].startswith("r")], 300)
                     # Ready for a KVCacheNamespace: its lmcache StatefulSet rolled out (kwok pod Ready),
                     # the same bar as the bare ones'; then the operator's status at that generation.
-                    objs, created = [light(ns, f"k{i}") for i in range(n)], {}
-                    runs["kv"].append(create_and_time(watches.api, watches, objs, "StatefulSet", sts_instance, one_ready, 300,
-                                                      created))
-                    made = watches.first("StatefulSet", sts_instance, lambda o: True)  # its ADDED event
+                    objs, created, returned = [light(ns, f"k{i}") for i in range(n)], {}, {}
+                    clock = time.time() - time.monotonic()
+                    kv = create_and_time(watches.api, watches, objs, "StatefulSet", sts_instance, one_ready, 300, created, returned)
+                    runs["kv"].append(kv)
+                    made = watches.first("StatefulSet", sts_instance, anything)  # its ADDED event
                     runs["hop"].append([made[name] - created[name] for name in created])
-                    wait_for("every status observed", lambda n=n, w=watches: len(w.first(
-                        "KVCacheNamespace", by_name, observed)) == n, 120, interval=0.1)
+                    phase("| KVCacheNamespace → its StatefulSet Ready", runs["kv"])
+                    phase("(its StatefulSet created at", runs["hop"])
+                    print(f"; {statistics.median(kv) / statistics.median(deploy):.2f}x the Deployment)", end="", flush=True)
+                    try:
+                        wait_for("every status observed", lambda n=n, w=watches: len(w.first(
+                            "KVCacheNamespace", by_name, observed)) == n, 120, interval=0.1)
+                    except AssertionError as exc:  # wait_for's timeout: say which, keep the figures
+                        late = sorted(set(created) - watches.first("KVCacheNamespace", by_name, observed).keys())
+                        raise NotReady(f"{exc}: no status at its generation from {len(late)} of {n}:\n" + why_not_ready(
+                            watches.api, watches, ns, "StatefulSet", sts_instance, late)) from exc
                     seen = watches.first("KVCacheNamespace", by_name, observed)
                     runs["status"].append([seen[name] - created[name] for name in seen])
+                    phase("| first status at its generation", runs["status"])
+                    print(flush=True)
+                    if n == 1:
+                        lines["deploy"].append(timeline(watches, "Deployment", by_name, "d0", d_created["d0"], d_returned["d0"]))
+                        lines["rendered"].append(timeline(watches, "StatefulSet", by_name, "r0-lmcache", r_created["r0-lmcache"],
+                                                          r_returned["r0-lmcache"], pod_of="r0"))
+                        lines["kv"].append(timeline(watches, "KVCacheNamespace", sts_instance, "k0", created["k0"],
+                                                    returned["k0"], audited.in_namespace(ns), clock))
+                except Exception as exc:  # the figures measured so far still print (below), then the failure
+                    what = "NOT READY" if isinstance(exc, NotReady) else f"FAILED ({type(exc).__name__})"
+                    print(f"\n{what} ({n} at once, trial {trial + 1}): {exc}", flush=True)
+                    failed = exc
                 finally:
                     watches.close()
                     # Gone before the next trial: a namespace still being emptied costs the next one time.
                     k.run("delete", "namespace", ns, "--wait=true", timeout=300, check=False)
-            rows.append((n, runs))
+                if failed is not None:
+                    break
             rss[f"after the {n}-resource trials"] = op.rss_kib()
+            if n == 1 and lines["kv"]:
+                print("Where one resource's time goes, seconds from just before its create call (watch events as they "
+                      "arrived here; the operator's requests in its namespace, received → completed, from the audit log):",
+                      flush=True)
+                print_timelines("bare Deployment", lines["deploy"])
+                print_timelines("the rendered lmcache StatefulSet, created by hand", lines["rendered"])
+                print_timelines("KVCacheNamespace", lines["kv"])
+            print_table(rows, trials, faults)
+            if failed is not None:
+                break
     finally:
         op.stop()
+        audited.close()
+        k.run("delete", "namespace", op_ns, "--wait=false", check=False)
         if scene is not None:
             scene.close()
         hub.__exit__(None, None, None)
+        for node in nodes:
+            k.run("delete", "node", node, "--wait=false", check=False)
+    print("\nOperator RSS (MiB): " + ", ".join(f"{what} {kib / 1024:.0f}" for what, kib in rss.items())
+          + f"; peak {op.peak_rss_kib / 1024:.0f}", flush=True)
+    if failed is not None:
+        raise SystemExit(f"latency: stopped at the failure above; the figures measured before it are printed. "
+                         f"{type(failed).__name__}: {str(failed).splitlines()[0]}")
 
-    def p50(run_list: list[list[float]]) -> float:
-        return statistics.median(x for run in run_list for x in run)
+
+def print_table(rows: list[tuple[int, dict[str, list[list[float]]]]], trials: dict[int, int], faults: bool) -> None:
+    """The table of every trial completed so far (a trial cut short counts in none of its columns)."""
+    def p50(run_list: list[list[float]]) -> str:
+        values = [x for run in run_list for x in run]
+        return f"{statistics.median(values):.3f}" if values else "—"
 
     def ratios(run_list: list[list[float]], base: list[list[float]]) -> str:
         """The per-trial ratios' median, and their middle half (p25 to p75): one slow trial on two
         shared cores (a namespace still being deleted) should not set the range."""
-        each = [statistics.median(a) / statistics.median(b) for a, b in zip(run_list, base, strict=True)]
+        each = [statistics.median(a) / statistics.median(b) for a, b in zip(run_list, base, strict=False)]
+        if not each:
+            return "—"
         return f"{statistics.median(each):.2f} ({percentile(each, 0.25):.2f} to {percentile(each, 0.75):.2f})"
 
     under = " (under the faults: one server trickles, one answers garbage, one sends 100 MB, the Hub's listing hangs)"
-    print(f"Apply → first workload Ready, timed from watch events, trials per row {trials}{under if faults else ''}; "
+    print(f"\nApply → first workload Ready, timed from watch events, trials per row {trials}{under if faults else ''}; "
           "ratios: the per-trial ratios' median (p25 to p75):\n")
-    print("| resources at once | bare Deployment → Ready p50 (s) | bare StatefulSet → Ready p50 (s) | the rendered lmcache "
-          "StatefulSet, created by hand → Ready p50 (s) | KVCacheNamespace → its lmcache StatefulSet Ready p50 (s) | of which "
-          "the operator: apply → its StatefulSet created, p50 (s) | ratio to the bare Deployment, per trial | ratio to the "
-          "bare StatefulSet, per trial | ratio to the rendered one by hand, per trial | apply → first status at its "
-          "generation, p50 (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| resources at once | trials done | bare Deployment → Ready p50 (s) | bare StatefulSet → Ready p50 (s) | the "
+          "rendered lmcache StatefulSet, created by hand → Ready p50 (s) | KVCacheNamespace → its lmcache StatefulSet Ready "
+          "p50 (s) | of which the operator: apply → its StatefulSet created, p50 (s) | ratio to the bare Deployment, per "
+          "trial | ratio to the bare StatefulSet, per trial | ratio to the rendered one by hand, per trial | apply → first "
+          "status at its generation, p50 (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, runs in rows:
-        print(f"| {n} | {p50(runs['deploy']):.3f} | {p50(runs['sts']):.3f} | {p50(runs['rendered']):.3f} | {p50(runs['kv']):.3f} "
-              f"| {p50(runs['hop']):.3f} | {ratios(runs['kv'], runs['deploy'])} | {ratios(runs['kv'], runs['sts'])} | "
-              f"{ratios(runs['kv'], runs['rendered'])} | {p50(runs['status']):.2f} |")
-    print("\nOperator RSS (MiB): " + ", ".join(f"{what} {kib / 1024:.0f}" for what, kib in rss.items())
-          + f"; peak {op.peak_rss_kib / 1024:.0f}")
+        done = len(runs["status"])
+        print(f"| {n} | {done} | {p50(runs['deploy'][:done])} | {p50(runs['sts'][:done])} | {p50(runs['rendered'][:done])} | "
+              f"{p50(runs['kv'][:done])} | {p50(runs['hop'][:done])} | {ratios(runs['kv'][:done], runs['deploy'][:done])} | "
+              f"{ratios(runs['kv'][:done], runs['sts'][:done])} | {ratios(runs['kv'][:done], runs['rendered'][:done])} | "
+              f"{p50(runs['status'][:done])} |", flush=True)
+    print(flush=True)
 
 
 def phase_ready(cluster: Cluster, work: Path) -> None:
@@ -566,13 +804,18 @@ class AuditedRequests:
     def now() -> datetime:
         return datetime.now(UTC)
 
-    def between(self, since: datetime, until: datetime) -> list[tuple[str, str]]:
-        """(verb, resource[/sub]) of every request received in the window (a watch when it started);
-        waits until a marker request of the same account is in the log, so the window is complete."""
+    def _marker(self) -> str:
+        """Waits until a marker request of the same account is in the log, so what came before is complete."""
         marker = f"marker-{uuid.uuid4().hex[:8]}"
         self.as_operator.run("get", "configmap", marker, "-n", self.ns, "--ignore-not-found")
         wait_for("the marker in the audit log", lambda: any((e.get("objectRef") or {}).get("name") == marker
                                                              for e in events(self.log, self.user)), 120, interval=1)
+        return marker
+
+    def between(self, since: datetime, until: datetime) -> list[tuple[str, str]]:
+        """(verb, resource[/sub]) of every request received in the window (a watch when it started);
+        waits until a marker request of the same account is in the log, so the window is complete."""
+        marker = self._marker()
         out = []
         for e in events(self.log, self.user, stages=("ResponseStarted", "ResponseComplete")):
             verb, ref = e.get("verb"), e.get("objectRef") or {}
@@ -583,6 +826,21 @@ class AuditedRequests:
                 sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
                 out.append((verb, f"{ref.get('resource')}{sub}"))
         return out
+
+    def in_namespace(self, ns: str) -> list[tuple[float, float, str]]:
+        """(received, completed, "verb resource[/sub] name") of each completed request in namespace
+        ns, times as time.time() (the API server's clock is this machine's), oldest first."""
+        self._marker()
+        out = []
+        for e in events(self.log, self.user):
+            ref = e.get("objectRef") or {}
+            if ref.get("namespace") != ns or e.get("verb") == "watch":
+                continue
+            sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+            out.append((datetime.fromisoformat(e["requestReceivedTimestamp"].replace("Z", "+00:00")).timestamp(),
+                        datetime.fromisoformat(e["stageTimestamp"].replace("Z", "+00:00")).timestamp(),
+                        f"{e.get('verb')} {ref.get('resource')}{sub} {ref.get('name', '')}".rstrip()))
+        return sorted(out)
 
     def close(self) -> None:
         self.k.run("delete", "clusterrolebinding", self.binding, "--ignore-not-found", check=False)

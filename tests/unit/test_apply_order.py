@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller import kube, runtime
+from kvpersist.controller import kube, l2key, runtime
 from kvpersist.controller.apply import apply_workloads
+from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
 
 CALL_S = 0.2  # each fake API call takes this long
@@ -56,3 +57,53 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
     assert max(end for *_, end in first) - min(start for _, start, _ in first) < 2 * CALL_S, first
     assert kinds[-1] == "Deployment" and kinds.count("StatefulSet") == 1
     runtime.CONTROLLER.forget(key)
+
+
+def test_a_new_resource_reaches_its_statefulset_in_four_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calls between a new resource's create and its StatefulSet (the operator's part of apply
+    → first workload Ready; benchmarks/reconcile_bench.py latency prints them from the audit log):
+    the key Secret read, the id's route names looked up (Service and NetworkPolicy side by side),
+    every other name looked up side by side (not the route names again), the Secrets and policies
+    side by side, then the StatefulSet: four rounds before it. The route lookups one after the
+    other, or the generated key's Event posted before the StatefulSet, make it five or six."""
+    spans: list[tuple[tuple[str, ...], float, float]] = []
+    lock = threading.Lock()
+
+    def timed(what: tuple[str, ...], result: Any = None) -> Any:
+        start = time.monotonic()
+        time.sleep(CALL_S)
+        with lock:
+            spans.append((what, start, time.monotonic()))
+        return result
+
+    monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: timed(("get", kind, name)))  # no key Secret yet
+    monkeypatch.setattr(kube, "list_all", lambda v, kind, ns=None, label_selector=None, field_selector=None: timed(
+        ("list", kind, (field_selector or "").removeprefix("metadata.name=")), []))
+    monkeypatch.setattr(kube, "named_metadata", lambda v, kind, name, ns: timed(("lookup", kind, name)))
+    monkeypatch.setattr(kube, "get_metadata", lambda v, kind, name, ns: timed(("lookup", kind, name)))
+    monkeypatch.setattr(kube, "apply", lambda m: timed(("apply", m["kind"], m["metadata"]["name"]), m))
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: timed(("create", m["kind"], m["metadata"]["name"]), True))
+    monkeypatch.setattr(kube, "post_event", lambda owner, type_, reason, message: timed(("event", reason)))
+    body = copy.deepcopy(sample("hf-bucket"))
+    body["metadata"].update(namespace="ml", uid="u-rounds", generation=1)
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.forget(key)
+    runtime.CONTROLLER.state(key)
+    try:
+        assert apply_workloads(body, logging.getLogger("test"), Seen(stores=()))  # stores from the watch caches, as in the operator
+        assert runtime.CONTROLLER.state(key).apply_error is None
+    finally:
+        runtime.CONTROLLER.forget(key)
+
+    [sts] = [s for s in spans if s[0][:2] == ("apply", "StatefulSet")]
+    before = [s for s in spans if s[2] <= sts[1]]
+    first = min(start for _, start, _ in spans)
+    # Four rounds of CALL_S before the StatefulSet's apply starts (five would be 5 * CALL_S).
+    assert sts[1] - first < 4.5 * CALL_S, sorted((s[1] - first, s[0]) for s in before)
+    routes = [s for s in spans if s[0][0] == "list"]
+    assert sorted(s[0][1] for s in routes) == ["NetworkPolicy", "Service"], routes
+    assert abs(routes[0][1] - routes[1][1]) < CALL_S / 2, "the route lookups ran one after the other"
+    route_name = routes[0][0][2]
+    assert not [s for s in spans if s[0][0] == "lookup" and s[0][2] == route_name], "a route name looked up again"
+    [event] = [s for s in spans if s[0][0] == "event"]
+    assert event[0][1] == l2key.KEY_GENERATED and event[1] >= sts[2], "an Event posted before the StatefulSet"

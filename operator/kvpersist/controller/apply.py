@@ -87,7 +87,9 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         # the refresh would judge it lost again even once the user accepted the loss.
         if read is not None and key_secret is not None:
             state.key_read = (time.monotonic(), read)
-        target = _exclusive(target, body, logger, seen)  # a store or route names another resource or id holds
+        # What the route lookups found under the id's route names: _names_taken does not ask again.
+        looked: dict[tuple[str, str, str], dict[str, Any] | None] = {}
+        target = _exclusive(target, body, logger, seen, looked)  # a store or route names another resource or id holds
         target = _one_server_unless_shareable(target)
         token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
         token_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
@@ -99,7 +101,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             kopf.append_owner_reference(manifest, owner=body)
         # An object the operator did not make under any of these names: nothing at all is applied
         # (kvpersist.controller.ownership), and Ready says which (NameTaken).
-        taken = _names_taken(body, token_secret, manifests)
+        taken = _names_taken(body, token_secret, manifests, looked)
         if taken:
             refusal = (ownership.NAME_TAKEN, ownership.taken_message(target.name, target.namespace, taken))
             if state.name_taken != refusal:
@@ -135,19 +137,25 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             # not hold. Nothing server-side was applied yet; read it and apply again.
             state.key_read = None
             raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
+        key_event = None
         if key_job is not None:
             logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
                         key_secret["metadata"]["name"], read.fingerprint if read else None)
-            kube.post_event(body, "Normal", l2key.KEY_GENERATED, f"generated Secret {key_secret['metadata']['name']} with "
-                            f"L2's master key (fingerprint {read.fingerprint if read else None}); it is kept when this "
-                            "resource is deleted (the data needs it)")
-        _shared_claim(target, body, logger)  # before the StatefulSet whose pods mount it
-        for manifest in manifests:
-            if manifest["kind"] == "PersistentVolumeClaim":
-                _model_cache_claim(manifest, body, logger)
-            elif manifest["kind"] != "NetworkPolicy":
-                _apply_owned(manifest)
-        _drop_disabled_vllm_service(target, body, logger)
+            key_event = (f"generated Secret {key_secret['metadata']['name']} with L2's master key (fingerprint "
+                         f"{read.fingerprint if read else None}); it is kept when this resource is deleted (the data needs it)")
+        try:
+            _shared_claim(target, body, logger)  # before the StatefulSet whose pods mount it
+            for manifest in manifests:
+                if manifest["kind"] == "PersistentVolumeClaim":
+                    _model_cache_claim(manifest, body, logger)
+                elif manifest["kind"] != "NetworkPolicy":
+                    _apply_owned(manifest)
+            _drop_disabled_vllm_service(target, body, logger)
+        finally:
+            # Once the workloads are applied (or failed): posted before them, it was one more round
+            # trip between apply and the StatefulSet (benchmarks/reconcile_bench.py latency).
+            if key_event is not None:
+                kube.post_event(body, "Normal", l2key.KEY_GENERATED, key_event)
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -170,21 +178,25 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     return True
 
 
-def _names_taken(body: Mapping[str, Any], token_secret: dict[str, Any], manifests: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _names_taken(body: Mapping[str, Any], token_secret: dict[str, Any], manifests: list[dict[str, Any]],
+                 looked: Mapping[tuple[str, str, str], dict[str, Any] | None] | None = None) -> list[tuple[str, str]]:
     """(kind, name) of each object under the names of this apply (the agent token Secret and the
     manifests) that is not this resource's own (kvpersist.controller.ownership.is_own_child). Names
     known as its own (drift watch events, its own applies and creates) are not looked up again, so
-    a steady state reads nothing; the others are, side by side, metadata only. Raises ApiException.
-    Blocking."""
+    a steady state reads nothing; the others are, side by side, metadata only, except those this
+    apply's route lookups just found (looked, by drift.child_key: metadata or None). Raises
+    ApiException. Blocking."""
     uid = body["metadata"].get("uid")
     owners = runtime.CONTROLLER.child_owners
+    looked = looked or {}
     unknown = [m for m in manifests if uid is None or owners.get(child_key(m)) != uid]
     if uid is None or owners.get(child_key(token_secret)) != uid:
         unknown.append(token_secret)
     lookups = []
     for manifest in unknown:  # side by side
-        lookups.append(runtime.CONTROLLER.apply_pool.submit(lambda m=manifest: _existing_metadata(m)))
-    found = [job.result() for job in lookups]
+        lookups.append(None if child_key(manifest) in looked
+                       else runtime.CONTROLLER.apply_pool.submit(lambda m=manifest: _existing_metadata(m)))
+    found = [looked[child_key(obj)] if job is None else job.result() for obj, job in zip(unknown, lookups, strict=True)]
     taken = []
     for manifest, meta in zip(unknown, found, strict=True):
         if meta is None:
@@ -344,21 +356,32 @@ def _storage_refusal(target: Target, body: Mapping[str, Any], seen: Seen | None)
     return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)
 
 
-def _route_conflicts(target: Target) -> list[str]:
+def _route_conflicts(target: Target, looked: dict[tuple[str, str, str], dict[str, Any] | None] | None = None) -> list[str]:
     """The objects already under this id's route names that route elsewhere (stale_routes
-    .route_conflicts): a LIST by name of each kind (list is what the operator may do on them).
-    Raises ApiException. Blocking."""
+    .route_conflicts): a LIST by name of each kind (list is what the operator may do on them),
+    side by side (one after the other, they were two round trips before the StatefulSet).
+    looked: what each found, recorded by drift.child_key (its metadata, or None), for
+    _names_taken. Not from an apply_pool job (it waits on that pool). Raises ApiException. Blocking."""
     name = target.per_id_name(target.namespace_id)
-    found = [(kind, obj) for api_version, kind in ROUTE_KINDS
-             for obj in kube.list_all(api_version, kind, target.namespace, field_selector=f"metadata.name={name}")]
+    jobs = [(kind, runtime.CONTROLLER.apply_pool.submit(
+        lambda api_version=api_version, kind=kind: kube.list_all(api_version, kind, target.namespace,
+                                                                 field_selector=f"metadata.name={name}")))
+        for api_version, kind in ROUTE_KINDS]
+    found = [(listed, obj) for listed, job in jobs for obj in job.result()]
+    if looked is not None:
+        for listed, _job in jobs:
+            same = [obj for k, obj in found if k == listed and (obj.get("metadata") or {}).get("name") == name]
+            looked[listed, target.namespace, name] = dict(same[0].get("metadata") or {}) if same else None
     return route_conflicts(target, found)
 
 
-def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> Target:
+def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None,
+               looked: dict[tuple[str, str, str], dict[str, Any] | None] | None = None) -> Target:
     """Before an apply: the target as it may run alone. A claim or bucket prefix an older resource
     holds: the cache off (servers at zero, vLLM without it; StorageInUse). Route names another
     id's objects hold: no routes, vLLM without the cache (CacheBypassed, RouteNameTaken). Both
-    recorded in the resource's state for status. Raises ApiException (the apply is retried)."""
+    recorded in the resource's state for status; what the route lookups found into looked
+    (_route_conflicts). Raises ApiException (the apply is retried)."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     storage = _storage_refusal(target, body, seen) if target.cache_enabled else None
     if storage != state.storage_refused and (storage or state.storage_refused):
@@ -366,7 +389,7 @@ def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, 
     state.storage_refused = storage
     if storage is not None:
         return dataclasses.replace(target, namespace_id=None)
-    conflicts = _route_conflicts(target) if target.cache_enabled else []
+    conflicts = _route_conflicts(target, looked) if target.cache_enabled else []
     taken = route_taken_message(target, conflicts) if conflicts else None
     if taken != state.route_taken and taken:
         logger.warning("%s/%s: %s", target.namespace, target.name, taken)

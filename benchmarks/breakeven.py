@@ -1345,11 +1345,11 @@ def print_plan(plan: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def data_folder(args: argparse.Namespace) -> Iterator[Path]:
-    """A fresh folder for the chunk files, removed afterwards."""
-    parent = Path(args.dir) if args.dir else Path.cwd()
+def temp_folder(parent: Path | None, prefix: str) -> Iterator[Path]:
+    """A fresh folder under parent (the working directory when None), removed afterwards."""
+    parent = parent or Path.cwd()
     parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="breakeven-chunks-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
         yield folder
     finally:
@@ -1416,7 +1416,7 @@ def main(argv: list[str] | None = None) -> int:
         out["h2d"] = measure_h2d(budget)
     save()
     say(f"\n== (b) restore (budget {budget.left():.0f} s)")
-    with data_folder(args) as folder:
+    with temp_folder(Path(args.dir) if args.dir else None, "breakeven-chunks-") as folder:
         try:
             run_disk(args, budget, serve, folder, out, save)
         except OSError as exc:

@@ -46,11 +46,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from breakeven import temp_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 DATAPATH = ROOT / "benchmarks" / "datapath_bench.py"
@@ -518,18 +519,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-@contextlib.contextmanager
-def work_folder(args: argparse.Namespace) -> Iterator[Path]:
-    """The steps' data files: outside --out (they would come back with it), removed at the end."""
-    parent = args.work or Path.cwd()
-    parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="gpu-run-", dir=parent))
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tables is not None:
@@ -566,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     cuda_vllm = bool(m["packages"]["vllm"] and m["torch"].get("cuda_available"))
     reserve = END_RESERVE_S + (TTFT_RESERVE_S if cuda_vllm else 0.0)
-    with work_folder(args) as work:
+    # The steps' data files: outside --out (they would come back with it), removed at the end.
+    with temp_folder(args.work, "gpu-run-") as work:
         run["steps"]["datapath"] = datapath_step(args, m, DATAPATH_SHARE * (clock.left() - reserve), work)
         save()
         run["steps"]["breakeven"] = breakeven_step(args, m, clock.left() - reserve, work, run["steps"]["datapath"])

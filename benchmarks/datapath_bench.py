@@ -17,7 +17,7 @@ turn (the order rotates) and reads everything back cold, and measures the ceilin
   settings of the server (O_DIRECT with libaio when direct I/O is on, buffered otherwise) over a
   small sweep of block sizes and queue depths at the start; each trial then reads at the best
   point just before and just after each server read, the faster of the two being that moment's
-  ceiling (a cloud disk drifts, and sags under a long read). fio is a Debian
+  ceiling (this virtual disk drifts by the minute). fio is a Debian
   package (`apt-get install fio`); without it the column says so and no fio ratio is printed.
 - a threaded read of each mode's own files with as many threads as the server has cores (the
   same O_DIRECT or buffered opening), twice: into fresh memory, as this CPU build's L1 is after a
@@ -184,6 +184,8 @@ class Fio:
             self.note = self.note or "fio failed to lay out its files"
             return False
         self.sweep()
+        if self.best is None:
+            self.note = self.note or "fio's reads failed"
         return self.best is not None
 
     def _run(self, rw: str, bs: str, depth: int, direct: bool) -> float | None:
@@ -341,9 +343,10 @@ def prepare(mode: str, size_gb: float, setup: Setup) -> Mode:
 
 def read_back(m: Mode, direct: bool, threads: int, fio: Fio | None) -> tuple[dict[str, Any], float, float, float | None]:
     """One cold restart of m's server and a read of everything it stored, then threaded reads of
-    the same files into fresh and into touched memory (each cold); fio reads its own files before and after, and the faster of the two
-    is the device's ceiling at that moment. Why both: a cloud disk's rate drifts and sags under a
-    long read (burst credits), so whichever reads first would look faster."""
+    the same files into fresh and into touched memory (each cold); fio reads its own files before
+    and after, and the faster of the two is the device's ceiling at that moment. Why both: this
+    virtual disk's rate drifts by the minute (0.33 to 2.57 GB/s in one session), so whichever read
+    came at a slow minute alone would misstate the ceiling."""
     fio_before = fio.read() if fio else None
     drop_caches()
     healthy_s = m.server.start()
@@ -356,7 +359,6 @@ def read_back(m: Mode, direct: bool, threads: int, fio: Fio | None) -> tuple[dic
         warm = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
     finally:
         m.server.stop(signal.SIGKILL)
-    drop_caches()
     files = chunk_files(m.server.l2_dir)
     rates = []
     for touched in (False, True):

@@ -443,10 +443,7 @@ def report(size_gb: float, modes: list[Mode], setup: Setup, fio: Fio | None) -> 
     print(f"\n### {size_gb} GiB stored, {len(t0)} trials (medians; ratios per trial, each trial in brackets)\n")
     print(f"Server: {threads} CPU requested ({serde_workers_of(setup)} serde workers), held to cores "
           f"{setup.cpu_list or 'all (this machine has fewer)'}; direct I/O {'on' if direct else 'off'}; "
-          f"fio {median(fio_gbps):.2f} GB/s at " + (f"{fio.best[0]}/qd{fio.best[1]}, the best of its sweep "
-                                                    f"{fio.points}" if fio and fio.best else "-")
-          + f" {fio.note if fio else ''}; "
-          f"AES-GCM open {median(aes):.2f} GB/s a core.\n")
+          f"{fio_line(fio, fio_gbps)}; AES-GCM open {median(aes):.2f} GB/s a core.\n")
     print(f"| L2 | stored | chunks hit | wrong bytes | restart → healthy (s) | first L2 hit after restart (ms) | "
           f"L2 → L1 (GB/s) | L1 → engine alone (GB/s) | L2 → L1 → engine (GB/s) | read, {threads} threads, fresh / "
           f"touched memory (GB/s) | fio (GB/s) | L2 → L1 / fio | L2 → L1 / read, fresh | L2 → L1 / read, touched | "
@@ -495,6 +492,16 @@ def report(size_gb: float, modes: list[Mode], setup: Setup, fio: Fio | None) -> 
                          "threaded_read_touched_gbps": median([r["threaded_read_touched_gbps"] for r in rows]),
                          "read_threads": threads},
             "aesgcm_gbps_per_core": median(aes) if aes else None, "modes": rows}
+
+
+def fio_line(fio: Fio | None, gbps: list[float]) -> str:
+    """What fio measured, or why it did not."""
+    if fio is None:
+        return "fio not run (--no-fio)"
+    if not gbps or fio.best is None:
+        return f"fio: no figure ({fio.note or 'no read succeeded'})"
+    return (f"fio {median(gbps):.2f} GB/s at {fio.best[0]}/qd{fio.best[1]}, the best of its sweep {fio.points}"
+            + (f" ({fio.note})" if fio.note else ""))
 
 
 def serde_workers_of(setup: Setup) -> int:

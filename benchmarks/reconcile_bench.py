@@ -78,10 +78,7 @@ class Cluster:
         self.audit_log = Path(next(line.split()[-1] for line in status.splitlines() if line.startswith("audit log")))
         self.k = Kubectl(self.kubeconfig, bin_dir() / "kubectl")
         self.k.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        # (a CRD just created has no conditions yet, and `kubectl wait` then fails at once)
-        wait_for("the CRD established", lambda: self.k.run("wait", "--for", "condition=established", "--timeout=10s",
-                                                           "crd/kvcachenamespaces.kvpersist.dev", check=False).returncode == 0,
-                 90, interval=1)
+        self.k.wait_established("kvcachenamespaces.kvpersist.dev")
 
     def close(self) -> None:
         if self.started:

@@ -34,7 +34,12 @@ KUBECONFIG="$(python3 hack/localcluster.py up)"  # assigned apart from export: a
 export KUBECONFIG
 
 kubectl apply --server-side -f crds/
-kubectl wait --for condition=established --timeout=60s crd/kvcachenamespaces.kvpersist.dev
+# (a CRD just created has no conditions yet and `kubectl wait` then fails at once: retry, bounded)
+for _ in $(seq 1 60); do
+  kubectl wait --for condition=established --timeout=10s crd/kvcachenamespaces.kvpersist.dev 2>/dev/null && break
+  sleep 1
+done
+kubectl wait --for condition=established --timeout=10s crd/kvcachenamespaces.kvpersist.dev
 kubectl apply -f hack/dev/local-nvme.yaml
 
 # A small Llama with random weights and a locally trained tokenizer, as a pinned HF cache entry.

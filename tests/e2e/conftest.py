@@ -64,7 +64,7 @@ def audit_log(cluster: Path) -> Path:
 @pytest.fixture(scope="session")
 def crd(kubectl: Kubectl) -> None:
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kvcachenamespaces.kvpersist.dev")
+    kubectl.wait_established("kvcachenamespaces.kvpersist.dev")
 
 
 GC_POLICY = REPO / "config" / "gc" / "gc-authorization.yaml"

@@ -38,6 +38,21 @@ class Kubectl:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
+    def wait_established(self, *crds: str, timeout: float = 90) -> None:
+        """`kubectl wait --for condition=established` on each CRD, retried: a CRD just created has no
+        `status.conditions` yet, and kubectl then fails at once ("accessor error: <nil>") instead of
+        waiting, which ended a CI shard at setup."""
+        deadline = time.monotonic() + timeout
+        for crd in crds:
+            while True:
+                proc = self.run("wait", "--for", "condition=established", "--timeout=10s", f"crd/{crd}", check=False,
+                                timeout=30)
+                if proc.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"crd/{crd} not established after {timeout:.0f}s: {proc.stderr.strip()}")
+                time.sleep(0.5)
+
     def apply(self, obj: dict[str, Any] | str, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
         text = obj if isinstance(obj, str) else json.dumps(obj)
         return self.run("apply", *flags, "-f", "-", stdin=text, check=check)

@@ -156,7 +156,7 @@ def test_a_minute_without_the_api_server_does_not_stop_the_status_loop(kubectl: 
     ns = env["ns"]
     peering = f"kvpersist-outage-{uuid.uuid4().hex[:6]}"
     kubectl.run("apply", "--server-side", "-f", str(PEERING_CRD))
-    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/kopfpeerings.kopf.dev")
+    kubectl.wait_established("kopfpeerings.kopf.dev")
     kubectl.apply({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": peering, "namespace": ns}})
     port, live_port = free_port(), free_port()
     live = f"http://127.0.0.1:{live_port}/healthz"

@@ -78,7 +78,7 @@ def test_a_replica_that_hands_over_writes_nothing_until_the_active_one_dies(kube
     nothing while B works. B is SIGKILLed; A reconciles the next change."""
     ns, peering = f"e2e-{uuid.uuid4().hex[:8]}", f"kvpersist-ha-{uuid.uuid4().hex[:6]}"
     kubectl.run("apply", "--server-side", "-f", str(PEERING_CRD))
-    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/clusterkopfpeerings.kopf.dev")
+    kubectl.wait_established("clusterkopfpeerings.kopf.dev")
     kubectl.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}})
     kubectl.run("create", "namespace", ns)
     kubectl.apply(storage(ns))

@@ -58,7 +58,7 @@ def test_template_accepted_by_server_side_dry_run(kubectl: Kubectl, crd: None) -
     # CRDs first (a real apply), then everything else as a server-side dry run that the API server validates.
     crds = "---\n".join(yaml.safe_dump(d) for d in yaml.safe_load_all(rendered) if d and d["kind"] == "CustomResourceDefinition")
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=crds)
-    kubectl.run("wait", "--for", "condition=established", "--timeout=60s", "crd/clusterkopfpeerings.kopf.dev")
+    kubectl.wait_established("clusterkopfpeerings.kopf.dev")
     rest = "---\n".join(yaml.safe_dump(d) for d in yaml.safe_load_all(rendered) if d and d["kind"] != "CustomResourceDefinition")
     out = kubectl.run("apply", "--server-side", "--dry-run=server", "-f", "-", stdin=rest)
     assert "serverside-applied (server dry run)" in out.stdout

@@ -30,11 +30,18 @@ def _f(name: str, size: int, mtime: float) -> ChunkFile:
     return ChunkFile(name, size, mtime, 0)
 
 
-def _chunk(folder: Path, i: int, size: int, mtime: float, suffix: str = "") -> Path:
+def _chunk(folder: Path, i: int, size: int, mtime: float, suffix: str = "", stage: Path | None = None) -> Path:
+    """A chunk file of that size and time. stage: a folder on the same filesystem outside the
+    agent's root, where it is written and given its time before it is moved in whole, so that a
+    trimming thread never sees it with the time of its writing (the oldest file there, and so the
+    first deleted: a CI flake)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"m_00000000_0_{i:064x}.bin{suffix}"
-    path.write_bytes(b"\0" * size)
-    os.utime(path, (mtime, mtime))
+    staged = path if stage is None else stage / path.name
+    staged.write_bytes(b"\0" * size)
+    os.utime(staged, (mtime, mtime))
+    if stage is not None:
+        os.replace(staged, path)
     return path
 
 
@@ -222,8 +229,10 @@ def test_agent_thread_keeps_the_folder_within_capacity_and_reports_the_last_trim
         agent.start_trimming()
         with urllib.request.urlopen(url, timeout=5) as r:
             assert json.loads(r.read())["trimmed"] is None  # nothing trimmed yet
+        stage = tmp_path.parent / f"{tmp_path.name}-stage"
+        stage.mkdir(exist_ok=True)
         for i in range(8):  # a writer, newer files each time
-            _chunk(tmp_path / A, i, 100 * KIB, time.time() + i)
+            _chunk(tmp_path / A, i, 100 * KIB, time.time() + i, stage=stage)
         passes = agent.trim_passes
         deadline = time.monotonic() + 10
         while (agent.trim_passes < passes + 2 or _sizes(tmp_path / A) > 300 * KIB) and time.monotonic() < deadline:

@@ -61,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
 
         metrics.serve(args.metrics_host, args.metrics_port)
     liveness = None
-    if args.liveness:  # kopf's endpoint on the loopback, a bounded front on the address asked for
+    if args.liveness:  # kopf's endpoint on the loopback, read by a thread; a bounded front answers from it
         from kvpersist.controller import health
 
         try:
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the controller against the current kubeconfig or in-cluster config")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
     run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz "
-                     "(kopf's own endpoint on the loopback, behind a bounded server)")
+                     "(kopf's own endpoint on the loopback, read every few seconds; a bounded server answers the "
+                     "probe from the last reading, never behind its workers)")
     run.add_argument("--standalone", action="store_true", help="no peering: for one replica only")
     run.add_argument("--peering", default=None, help="KopfPeering name shared by replicas that must not both run")
     run.add_argument("--priority", type=int, default=None,

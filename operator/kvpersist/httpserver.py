@@ -12,6 +12,13 @@ a fixed pool of worker threads (a bounded queue before them: 503 when full), whi
 ordinary BaseHTTPRequestHandler with every socket read bounded by IO_TIMEOUT_S and all of a
 request's reads by REQUEST_TIMEOUT_S. One request per connection (HTTP/1.0, as both handlers speak).
 
+Probes: a GET of a path in `probes` never reaches the workers. The selector thread answers it
+itself, at once, from the probe's callable (in-memory state, never a blocking call), so a pool
+held by slow requests and a full queue (503 to everyone else) do not fail the kubelet's liveness
+probe and get a cluster-wide process restarted by whoever fills them. What the callable says is
+the process's own liveness (kopf's last answer for the operator, the agent's threads and its pool's
+progress: stalled()), not a constant 200.
+
 Bodies: read_body() takes a Content-Length that is a plain non-negative integer within the
 caller's cap (400, 411 or 413 otherwise, before reading anything), never a read to EOF.
 """
@@ -29,8 +36,11 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,11 @@ WORKERS = 8
 QUEUE = 32  # complete heads waiting for a worker; 503 beyond
 _DIGITS = re.compile(r"[0-9]{1,19}")
 _HEAD_END = (b"\r\n\r\n", b"\n\n")
+# A probe's answer: (HTTP code, content type, body). Sent with one non-blocking write on the
+# selector thread, so the body must be small (a few KiB: it fits a fresh socket's send buffer).
+ProbeAnswer = tuple[int, str, bytes]
+Probe = Callable[[], ProbeAnswer]
+MAX_PROBE_BODY = 8 * 1024
 
 
 class BodyError(Exception):
@@ -119,6 +134,7 @@ class _Accepted:
 
     def __init__(self, sock: socket.socket, address: Any, head: bytes) -> None:
         self.sock, self.address, self.head = sock, address, head
+        self.queued_at = time.monotonic()  # stalled(): how long it has waited for a worker
 
 
 class _Pending:
@@ -138,8 +154,9 @@ class BoundedHTTPServer(HTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, workers: int = WORKERS,
                  max_pending: int = MAX_PENDING, queue_size: int = QUEUE, head_timeout: float = HEAD_TIMEOUT_S,
                  io_timeout: float = IO_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S,
-                 max_head: int = MAX_HEAD_BYTES, name: str = "http") -> None:
+                 max_head: int = MAX_HEAD_BYTES, name: str = "http", probes: Mapping[str, Probe] | None = None) -> None:
         self.workers, self.max_pending, self.head_timeout = workers, max_pending, head_timeout
+        self.probes = dict(probes or {})  # path -> answered on the selector thread (the module's docstring)
         self.io_timeout, self.request_timeout, self.max_head, self.name = io_timeout, request_timeout, max_head, name
         self._work: queue.Queue[_Accepted | None] = queue.Queue(queue_size)
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # by fd, oldest first
@@ -149,6 +166,7 @@ class BoundedHTTPServer(HTTPServer):
         self._wake_r, self._wake_w = socket.socketpair()
         self._threads: list[threading.Thread] = []
         self.refused = 0  # 503s: every worker busy and the queue full
+        self.probed = 0  # probes answered on the selector thread
         self._warned = -1e9
         super().__init__(address, _bounded(handler))
 
@@ -205,6 +223,21 @@ class BoundedHTTPServer(HTTPServer):
         self._wake_r.close()
         self._wake_w.close()
 
+    def stalled(self, after_s: float) -> str | None:
+        """Why the worker pool makes no progress, or None: a worker thread that ended, or a request
+        that has waited over after_s for a worker (every worker stuck in one request). A pool that
+        is only busy (workers finishing requests, the queue full, 503s) is not stalled. Cheap and
+        non-blocking: a probe may call it."""
+        ended = sum(not t.is_alive() for t in self._threads)
+        if ended and not self._stop.is_set():
+            return f"{ended} of the {self.workers} worker threads ended"
+        with self._work.mutex:
+            oldest = self._work.queue[0] if self._work.queue else None
+        if isinstance(oldest, _Accepted) and (waited := time.monotonic() - oldest.queued_at) > after_s:
+            return (f"a request has waited {waited:.0f} s for one of the {self.workers} workers (the limit is "
+                    f"{after_s:.0f} s): every worker is stuck in one request")
+        return None
+
     def _accept(self, sel: selectors.BaseSelector) -> None:
         for _ in range(64):  # a burst per wake-up, without starving the reads
             try:
@@ -242,6 +275,10 @@ class BoundedHTTPServer(HTTPServer):
         pending.head += data
         if any(end in pending.head for end in _HEAD_END):
             self._forget(sel, pending)
+            probe = self._probe_of(pending.head)
+            if probe is not None:
+                self._answer_probe(pending, probe)
+                return
             try:
                 self._work.put_nowait(_Accepted(pending.sock, pending.address, bytes(pending.head)))
             except queue.Full:
@@ -250,10 +287,34 @@ class BoundedHTTPServer(HTTPServer):
                     self._warned = time.monotonic()
                     log.warning("%s: all %d workers busy and %d requests queued: 503 to %s (%d refused so far)",
                                 self.name, self.workers, self._work.maxsize, pending.address[0], self.refused)
-                _refuse(pending.sock, 503, "Service Unavailable")
+                _reply(pending.sock, 503, "Service Unavailable")
         elif len(pending.head) > self.max_head:
             self._forget(sel, pending)
-            _refuse(pending.sock, 431, "Request Header Fields Too Large")
+            _reply(pending.sock, 431, "Request Header Fields Too Large")
+
+    def _probe_of(self, head: bytes | bytearray) -> Probe | None:
+        """The probe a complete head asks for (`GET <a probe's path> HTTP/1.x`), or None."""
+        if not self.probes:
+            return None
+        parts = bytes(head[:head.find(b"\n")]).split()
+        if len(parts) != 3 or parts[0] != b"GET" or not parts[2].startswith(b"HTTP/1."):
+            return None
+        return self.probes.get(urlsplit(parts[1].decode("latin-1")).path)
+
+    def _answer_probe(self, pending: _Pending, probe: Probe) -> None:
+        """The probe's answer, on this thread: a probe that raises is a failed probe (500, why)."""
+        try:
+            code, kind, body = probe()
+        except Exception as exc:
+            code, kind, body = 500, "text/plain", f"the probe raised {type(exc).__name__}: {exc}".encode()
+        if len(body) > MAX_PROBE_BODY:
+            body = body[:MAX_PROBE_BODY]
+        self.probed += 1
+        try:
+            reason = HTTPStatus(code).phrase
+        except ValueError:
+            reason = "Unknown"
+        _reply(pending.sock, code, reason, kind, body)
 
     def _expire(self, sel: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -262,7 +323,7 @@ class BoundedHTTPServer(HTTPServer):
             if oldest.deadline > now:
                 return
             self._forget(sel, oldest)
-            _refuse(oldest.sock, 408, "Request Timeout")
+            _reply(oldest.sock, 408, "Request Timeout")
 
     def _forget(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
         self._pending.pop(pending.sock.fileno(), None)
@@ -305,12 +366,14 @@ def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandl
     return Bounded
 
 
-def _refuse(sock: socket.socket, code: int, reason: str) -> None:
-    """A one-line answer, best effort (the socket is non-blocking: never waits), then closed. What
-    the peer already sent is read first (at most 64 KiB), or the close resets the connection and
-    the peer may never see the answer."""
+def _reply(sock: socket.socket, code: int, reason: str, kind: str = "", body: bytes = b"") -> None:
+    """A short answer, best effort (the socket is non-blocking: one write, never a wait), then
+    closed. What the peer already sent is read first (at most 64 KiB), or the close resets the
+    connection and the peer may never see the answer."""
+    content_type = f"Content-Type: {kind}\r\n" if kind else ""
+    head = f"HTTP/1.0 {code} {reason}\r\n{content_type}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     with contextlib.suppress(OSError):
-        sock.send(f"HTTP/1.0 {code} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        sock.send(head.encode() + body)
         for _ in range(16):
             if not sock.recv(4096):
                 break

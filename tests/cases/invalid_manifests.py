@@ -151,6 +151,10 @@ CASES = [
          _set("spec.vllm.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                                         {"key": "", "operator": "Exists", "effect": "NoExecute"}])),
     Case("name-too-long", "metadata.name", _long_name),
+    # Issue 42 item 6: names the API server would take for the resource but refuse, later, for an
+    # object derived from it (a Service's name is an RFC 1035 label: no '.', a letter first).
+    Case("name-dotted", "metadata.name", _set("metadata.name", "bad.dotted")),
+    Case("name-leading-digit", "metadata.name", _set("metadata.name", "1bad")),
     # Control and format characters in free strings (issue 29): a bidi override that makes the
     # served name read backwards, a NUL and a line break that cut argv and log lines, a zero-width
     # space that makes two images look alike, a tab in a node label, a bidi mark in a map key.
@@ -187,6 +191,10 @@ CASES = [
     Case("env-literal-hf-token", "spec.vllm.env", _set("spec.vllm.env", [{"name": "HF_TOKEN", "value": "hf_x"}])),
     Case("env-literal-api-key", "spec.vllm.env", _set("spec.vllm.env", [{"name": "VLLM_API_KEY", "value": "k"}])),
     Case("env-hf-home", "spec.vllm.env", _set("spec.vllm.env", [{"name": "HF_HOME", "value": "/x"}])),
+    # Issue 42 item 5: variables that load other code while the pins stay the same.
+    Case("env-ld-audit", "spec.vllm.env", _set("spec.vllm.env", [{"name": "LD_AUDIT", "value": "/x/audit.so"}])),
+    Case("env-python-warnings", "spec.vllm.env",
+         _set("spec.vllm.env", [{"name": "PYTHONWARNINGS", "value": "error::evil.Warning"}])),
     Case("env-name-not-identifier", "spec.vllm.env", _set("spec.vllm.env", [{"name": "A-B", "value": "1"}])),
     Case("env-value-from", "spec.vllm.env",
          _set("spec.vllm.env", [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}])),

@@ -24,7 +24,7 @@ from tests import rbac_needs
 from tests.cases.invalid_manifests import sample, upstream_images
 from tests.e2e.audit import events as audit_events
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
-from tests.e2e.operator_env import free_port, more_rounds, start_operator, stop
+from tests.e2e.operator_env import free_port, more_rounds, operator_metrics, start_operator, stop
 from tests.e2e.test_exclusive_stores import cond, kvns, replicas, resource
 from tests.e2e.test_helm import CHART, helm, rbac_decisions
 from tests.integration.hub_stub import HubStub
@@ -235,7 +235,11 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, crd: None, 
 # watched namespace; the operator's own cross-resource LISTs go to each watched namespace by name
 # (runtime.listing_scopes, once a SelfSubjectAccessReview, which every user may ask, says it may not
 # list them cluster-wide). tests/rbac_needs.py derives the same from the code (checked below).
-CLUSTER_WIDE_WITH_WATCH_NAMESPACES: set[tuple[str, str]] = set()
+# The one cluster-wide right with watchNamespaces: list and watch of the creator-rights policy and
+# its binding, by name (kvpersist.controller.admissioncheck says whether they exist).
+CLUSTER_WIDE_WITH_WATCH_NAMESPACES: set[tuple[str, str]] = rbac_needs.can_i_pairs(
+    {("admissionregistration.k8s.io", r, v) for r in ("validatingadmissionpolicies", "validatingadmissionpolicybindings")
+     for v in ("list", "watch")})
 
 
 def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, tmp_path: Path, audit_log: Path) -> None:
@@ -336,3 +340,51 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
         helm("uninstall", release, "--namespace", release_ns, "--kubeconfig", str(kubectl.kubeconfig), check=False)
         for ns in (a, b, outside, release_ns):
             kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_missing_creator_rights_policy_is_said_everywhere(kubectl: Kubectl, namespace: str, start) -> None:
+    """Issue 42 item 9: without the creator-rights policy (chart value off, a kubectl install that
+    skipped it) or its Deny binding, any creator of a KVCacheNamespace gets its pods, and before
+    nothing said so. Now: CreatorRightsEnforced False on each resource (Ready untouched), the gauge
+    kvpersist_creator_rights_enforced 0, and a Warning Event on the operator's pod; the policy
+    applied, all three follow; its binding deleted, they say so again. A policy name of this test's
+    own (KVPERSIST_CREATOR_RIGHTS_POLICY), so no other module's policy answers for it."""
+    name = f"kvp-cr-{uuid.uuid4().hex[:6]}"
+    pod = "kvpersist-operator-test"
+    proc, log = start({"KVPERSIST_CREATOR_RIGHTS_POLICY": name, "POD_ID": pod, "KVPERSIST_OPERATOR_NAMESPACE": namespace})
+    obj = _named(sample(), "guarded", namespace)
+    kubectl.apply(obj)
+
+    def condition() -> dict[str, Any]:
+        status = kubectl.get("kvns", "guarded", namespace).get("status") or {}
+        return next((c for c in status.get("conditions") or [] if c["type"] == "CreatorRightsEnforced"), {})
+
+    def gauge() -> float | None:
+        return operator_metrics(proc).get("kvpersist_creator_rights_enforced")
+
+    missing = wait_for("CreatorRightsEnforced False", lambda: condition().get("reason") == "PolicyMissing" and condition(),
+                       timeout=90, explain=lambda: log.read_text()[-3000:])
+    assert missing["status"] == "False" and f"ValidatingAdmissionPolicy {name} does not exist" in missing["message"]
+    assert "config/creator-rights/creator-rights.yaml" in missing["message"]
+    assert gauge() == 0
+    [event] = wait_for("the Warning Event on the operator's pod", lambda: _events(kubectl, namespace, "PolicyMissing"), timeout=30)
+    assert (event["type"], event["involvedObject"]["kind"], event["involvedObject"]["name"]) == ("Warning", "Pod", pod)
+    docs = list(yaml.safe_load_all((REPO / "config" / "creator-rights" / "creator-rights.yaml").read_text()))
+    for doc in docs:
+        doc["metadata"]["name"] = name
+    docs[1]["spec"]["policyName"] = name
+    try:
+        for doc in docs:
+            kubectl.apply(doc)
+        wait_for("CreatorRightsEnforced True", lambda: condition().get("reason") == "PolicyBound", timeout=60,
+                 explain=lambda: str(condition()))
+        assert condition()["status"] == "True" and gauge() == 1
+        wait_for("the Normal Event", lambda: _events(kubectl, namespace, "PolicyBound"), timeout=30)
+        kubectl.run("delete", "validatingadmissionpolicybinding", name)
+        unbound = wait_for("CreatorRightsEnforced False, unbound", lambda: condition().get("reason") == "PolicyNotBound"
+                           and condition(), timeout=60)
+        assert f"ValidatingAdmissionPolicyBinding {name} does not exist" in unbound["message"] and gauge() == 0
+        assert _ready(kubectl, "guarded", namespace).get("reason") != "PolicyNotBound"  # informational: Ready is not it
+    finally:
+        kubectl.run("delete", "validatingadmissionpolicybinding", name, "--ignore-not-found", check=False)
+        kubectl.run("delete", "validatingadmissionpolicy", name, "--ignore-not-found", check=False)

@@ -182,3 +182,47 @@ def test_a_planted_l2_key_is_never_used(kubectl: Kubectl, namespace: str, start)
     st = wait_for("status on the generated key", lambda: (lambda s: s if (s.get("l2Key") or {}).get("fingerprint") == own_fp
                                                             else None)(_status(kubectl, ns)), timeout=120, interval=1)
     assert st.get("namespaceId") and _condition(kubectl, ns, "IdentityResolved")["status"] == "True"
+
+
+# Issue 42, item 2: the L2 claims the servers would mount under derived names.
+PLANTED_CLAIMS = {"per-server": f"l2-{NAME}-lmcache-0", "shared": f"l2-{NAME}-lmcache-shared"}
+
+
+@pytest.mark.parametrize("which", sorted(PLANTED_CLAIMS))
+def test_a_planted_l2_claim_is_never_mounted(kubectl: Kubectl, namespace: str, start, which: str) -> None:
+    """A claim under an L2 claim's derived name that lacks the operator's labels (made beforehand by
+    someone who may create claims) would receive this resource's KV: the StatefulSet controller
+    adopts `l2-<name>-lmcache-<i>`, the operator mounts an existing `l2-<name>-lmcache-shared`. So
+    nothing is applied, Ready says ClaimNotOwned naming it and what to do, with one Warning event,
+    and the claim is left as it was; labelled as the message says (it is the operator's after all),
+    the resource is applied within the retry period."""
+    ns = namespace
+    claim = PLANTED_CLAIMS[which]
+    kubectl.run("create", "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "none", "resources": {"requests": {"storage": "1Gi"}}}}))
+    before = _kept(_get(kubectl, "pvc", claim, ns))  # type: ignore[arg-type]
+    obj = _resource(ns)
+    if which == "shared":
+        obj["spec"]["l2"]["nvme"]["shared"] = True
+    operator, _log = start()
+    kubectl.apply(obj)
+    uid = kubectl.get("kvns", NAME, ns)["metadata"]["uid"]
+
+    ready = wait_for("a Ready condition", lambda: _condition(kubectl, ns, "Ready") or None, timeout=120)
+    assert ready["status"] == "False" and ready["reason"] == "ClaimNotOwned", ready
+    assert f"PersistentVolumeClaim {claim} " in ready["message"] and f"kubectl delete pvc {claim} -n {ns}" in ready["message"]
+    event = wait_for("a ClaimNotOwned event", lambda: _events(kubectl, ns, "ClaimNotOwned"), timeout=60)[0]
+    assert event["type"] == "Warning" and event["involvedObject"]["uid"] == uid and claim in event["message"]
+    more_rounds(operator, ns, NAME)
+    assert _get(kubectl, "statefulset", f"{NAME}-lmcache", ns) is None, "the servers' StatefulSet applied beside the claim"
+    assert _kept(_get(kubectl, "pvc", claim, ns)) == before  # type: ignore[arg-type]
+    assert len(_events(kubectl, ns, "ClaimNotOwned")) == 1  # once, not every round
+
+    # Labelled as the message says: the operator's own claim after all, applied within its retry period.
+    label = ready["message"].split("label it: ")[1].split(". The operator")[0]
+    assert label.startswith(f"kubectl label pvc {claim} -n {ns} "), label
+    kubectl.run(*label.split()[1:])
+    wait_for("the StatefulSet", lambda: _get(kubectl, "statefulset", f"{NAME}-lmcache", ns), timeout=RETRY_S + 90, interval=1)
+    wait_for("Ready no longer ClaimNotOwned", lambda: _condition(kubectl, ns, "Ready").get("reason") != "ClaimNotOwned",
+             timeout=60)

@@ -123,3 +123,42 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
               f"0 hits for the token or its base64 in {len(resources)} listable resource types across all namespaces "
               f"(Secrets aside) and in the operator's verbose log; the Hub got it; /run_script answered {run_script}; "
               f"{admin}; the inventory agent's port admits only the operator's namespace and pods")
+
+
+def _condition(kubectl: Kubectl, namespace: str, name: str, type_: str) -> dict | None:
+    status = kubectl.get("kvcachenamespaces", name, namespace).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def test_a_missing_secret_or_configmap_is_named_in_a_condition(kubectl: Kubectl, operator: Path, namespace: str) -> None:
+    """Issue 42 item 7: an envFrom ConfigMap, an API-key Secret and a pull Secret that do not exist
+    leave pods that never start and, before, a status that said only "0/1 pods ready". Now
+    ReferencesFound names each one, Ready's reason points at it, a Warning Event says so once, and
+    creating them turns the condition True (the caches see them within a round)."""
+    obj = sample()
+    obj["metadata"]["namespace"] = namespace
+    obj["spec"]["vllm"]["envFrom"] = [{"configMapRef": {"name": "vllm-env"}}]
+    obj["spec"]["vllm"]["apiKeySecretRef"] = {"name": "vllm-api-key"}
+    obj["spec"]["imagePullSecrets"] = [{"name": "registry-creds"}]
+    kubectl.apply(obj)
+    name = obj["metadata"]["name"]
+    missing = wait_for("ReferencesFound False", lambda: (c := _condition(kubectl, namespace, name, "ReferencesFound"))
+                       and c["status"] == "False" and c, 90,
+                       explain=lambda: str(kubectl.get("kvcachenamespaces", name, namespace).get("status")))
+    assert missing["reason"] == "ReferenceMissing"
+    for field, kind, ref in (("spec.vllm.envFrom[0].configMapRef", "ConfigMap", "vllm-env"),
+                             ("spec.vllm.apiKeySecretRef", "Secret", "vllm-api-key"),
+                             ("spec.imagePullSecrets[0]", "Secret", "registry-creds")):
+        assert f"{field} names {kind} {ref}, which does not exist in {namespace}" in missing["message"], missing
+    ready = _condition(kubectl, namespace, name, "Ready")
+    assert ready is not None and ready["reason"] == "ReferenceMissing", ready
+    events = kubectl.get("events", namespace=namespace)["items"]
+    assert [e for e in events if e.get("reason") == "ReferenceMissing" and "vllm-api-key" in e.get("message", "")], events
+    # The objects appear: the condition follows (the watch caches, no read per round).
+    kubectl.run("create", "configmap", "vllm-env", "--from-literal=VLLM_LOGGING_LEVEL=INFO", "-n", namespace)
+    kubectl.run("create", "secret", "generic", "vllm-api-key", "--from-literal=api-key=k", "-n", namespace)
+    kubectl.run("create", "secret", "docker-registry", "registry-creds", "--docker-server=registry.example.com",
+                "--docker-username=u", "--docker-password=p", "-n", namespace)
+    found = wait_for("ReferencesFound True", lambda: (c := _condition(kubectl, namespace, name, "ReferencesFound"))
+                     and c["status"] == "True" and c, 90)
+    assert found["reason"] == "AllFound"

@@ -58,7 +58,8 @@ def test_a_resource_with_every_pod_field_becomes_pods_and_a_service(kubectl: Kub
         assert env["VLLM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "vllm-api", "key": "api-key"}}
         assert env["HF_HOME"]["value"] == MODEL_CACHE_PATH
         assert not any("valueFrom" not in e and e["name"] in ("HF_TOKEN", "VLLM_API_KEY") for e in container["env"])
-        assert container["envFrom"] == [{"secretRef": {"name": "vllm-env"}}, {"configMapRef": {"name": "vllm-conf"}}]
+        assert container["envFrom"] == [{"prefix": "KVPERSIST_ENVFROM_", "secretRef": {"name": "vllm-env"}},
+                                        {"prefix": "KVPERSIST_ENVFROM_", "configMapRef": {"name": "vllm-conf"}}]
         assert not any(a.startswith("--api-key") for a in container.get("args", []))
         [cache] = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
         assert cache["persistentVolumeClaim"]["claimName"] == "weights"

@@ -16,6 +16,11 @@ Half of the connections send nothing, half the start of a request head and then 
 loris that has stopped trickling). The fd limit of this process, and so of the servers it starts,
 is raised above the number of connections, as in a container (1048576 under containerd): what
 bounds the servers must be their own cap, not EMFILE.
+
+Complete requests are the other flood: the agent's /server/metrics needs no token, and with an
+lmcache that does not answer each holds a worker for the forward's whole deadline. They fill the
+workers and the queue (503 to every other request), and the kubelet's /healthz must still be
+answered 200, or the probe fails and the pod restarts (and, as readiness, leaves its Service).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,9 +48,10 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import AGENT_TOKEN_KEY, AGENT_TOKEN_MOUNT_PATH, L2_MOUNT_PATH
-from kvpersist.httpserver import HEAD_TIMEOUT_S
+from kvpersist.httpserver import HEAD_TIMEOUT_S, QUEUE, WORKERS
 from kvpersist.inventory.agentclient import TIMEOUT_S, fetch_inventory
 from tests.integration.conftest import REPO, free_port, localize_args, make_target
+from tests.unit.test_bounded_http import status_of
 
 CONNECTIONS = 10000
 THREADS_OVER_IDLE = 2  # what the thread count may grow by under the flood (none expected)
@@ -122,8 +128,9 @@ def _wait_up(served: Served, url: str) -> None:
             time.sleep(0.1)
 
 
-def start_agent(tmp: Path) -> Served:
-    """`kvpersist agent` with the args the operator renders for a sample nvme KVCacheNamespace."""
+def start_agent(tmp: Path, lmcache_port: int | None = None) -> Served:
+    """`kvpersist agent` with the args the operator renders for a sample nvme KVCacheNamespace;
+    its --server-url at lmcache_port when given."""
     target = make_target()
     container = agent_container(target, "unused")
     volume, token_dir = tmp / "volume", tmp / "agent-token"
@@ -134,6 +141,8 @@ def start_agent(tmp: Path) -> Served:
     args = localize_args(container["args"], {L2_MOUNT_PATH: volume, AGENT_TOKEN_MOUNT_PATH: token_dir}, "127.0.0.1")
     port = free_port()
     args[args.index("--port") + 1] = str(port)
+    if lmcache_port is not None:
+        args[args.index("--server-url") + 1] = f"http://127.0.0.1:{lmcache_port}"
     log = tmp / "agent.log"
     with log.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvpersist.cli", *args], stdout=out, stderr=subprocess.STDOUT,
@@ -285,3 +294,60 @@ def test_thousands_of_idle_connections(tmp_path: Path, start) -> None:  # type: 
         assert served.proc.poll() is None, served.log.read_text()[-3000:]
     finally:
         served.stop()
+
+
+def answer_of(port: int, raw: bytes, timeout: float) -> tuple[int, bytes]:
+    """One request on a fresh connection: (status code, body)."""
+    return status_of(port, raw, timeout)
+
+
+def test_the_agents_probe_is_answered_while_complete_requests_hold_every_worker(tmp_path: Path) -> None:
+    """Token-free /server/metrics requests, sent without pause while lmcache never answers: every
+    worker waits out the forward's deadline and the queue stays full (other requests read 503);
+    the kubelet's /healthz is answered 200, from the agent's own state, within the probe's timeout."""
+    silent = socket.socket()  # an lmcache that takes connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1024)
+    served = start_agent(tmp_path, silent.getsockname()[1])
+    probe_timeout = agent_container(make_target(), "unused")["livenessProbe"]["timeoutSeconds"]
+    stop = threading.Event()
+    request = b"GET /server/metrics HTTP/1.0\r\n\r\n"
+    try:
+        with ExitStack() as stack:
+            def flood_complete() -> None:
+                while not stop.is_set():
+                    try:
+                        s = stack.enter_context(socket.create_connection(("127.0.0.1", served.port), timeout=10))
+                        s.sendall(request)
+                    except OSError:
+                        pass
+                    stop.wait(0.005)
+
+            flooder = threading.Thread(target=flood_complete, daemon=True)
+            for _ in range(WORKERS + QUEUE):  # the pool and the queue, filled before the flood goes on
+                stack.enter_context(socket.create_connection(("127.0.0.1", served.port), timeout=10)).sendall(request)
+            flooder.start()
+            try:
+                def wait_full() -> None:
+                    """Until a flood request reads 503; one that finds a slot (as 8 workers free at
+                    once) waits its turn instead (504 from the forward) and is tried again."""
+                    deadline = time.monotonic() + 60
+                    while (code := answer_of(served.port, request, 30)[0]) != 503:
+                        assert time.monotonic() < deadline, f"the queue never filled: {code}"
+
+                wait_full()
+                probes = []
+                for _ in range(5):  # over 2 s: across the moments the workers' forwards end
+                    probes.append(answer_of(served.port, b"GET /healthz HTTP/1.1\r\nHost: agent\r\n\r\n", probe_timeout))
+                    time.sleep(0.4)
+                wait_full()
+                print(f"/healthz with every worker held and the queue full: {probes}")
+                assert all(code == 200 and json.loads(body) == {"status": "ok"} for code, body in probes), probes
+            finally:
+                stop.set()
+                flooder.join(10)
+        assert served.proc.poll() is None, served.log.read_text()[-3000:]
+    finally:
+        served.stop()
+        silent.close()
+

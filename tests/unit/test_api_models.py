@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import KVCacheNamespace, parse_quantity, validation_message
+from kvpersist.api.v1alpha1 import MAX_NAME_LENGTH, KVCacheNamespace, parse_quantity, validation_message
 from kvpersist.identity import image_digest, key_fingerprint, resolve
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 
@@ -109,3 +109,62 @@ def test_isolated_lru_is_refused_saying_why_and_the_fix() -> None:
     message = validation_message(info.value)
     assert "spec.eviction.policy" in message and "quota" in message and "use policy LRU" in message
 
+
+
+# What Kubernetes takes as the name of each kind the builders make (and of the values derived from it).
+RFC_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # a Service's name
+RFC_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a pod's hostname (a StatefulSet's pods)
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+REVISION_HASH = "x" * 10  # controller-revision-hash: <StatefulSet>-<hash of up to 10 characters>, a label value
+
+
+def _derived_name_problems(name: str) -> list[str]:
+    """Every name and label value the builders derive from metadata.name, with every optional object on,
+    that Kubernetes would refuse for its kind."""
+    from kvpersist.builders.all import build_all
+    from kvpersist.builders.target import Target
+
+    obj = sample()
+    obj["spec"]["vllm"].update(service={"enabled": True}, modelCache={"size": "100Gi"})
+    obj["spec"]["lmcacheServer"]["replicas"] = 256
+    spec = KVCacheNamespace.model_validate(obj).spec
+    target = Target(name, "ml", spec, resolve(spec.pins(key_fingerprint(b"k" * 32))).namespace_id)
+    problems = []
+    for m in build_all(target):
+        n, kind = m["metadata"]["name"], m["kind"]
+        subdomain = len(n) <= 253 and all(RFC_1123_LABEL.fullmatch(part) for part in n.split("."))
+        if not (RFC_1035_LABEL.fullmatch(n) if kind == "Service" else subdomain):
+            problems.append(f"{kind} {n}")
+        if kind == "StatefulSet":
+            last_pod = f"{n}-{m['spec']['replicas'] - 1}"
+            if not RFC_1123_LABEL.fullmatch(last_pod):
+                problems.append(f"pod {last_pod}")
+            if not LABEL_VALUE.fullmatch(f"{n}-{REVISION_HASH}"):
+                problems.append(f"controller-revision-hash {n}-{REVISION_HASH}")
+        for key, value in {**m["metadata"].get("labels", {}),
+                           **m.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})}.items():
+            if not LABEL_VALUE.fullmatch(value):
+                problems.append(f"{kind} {n} label {key}={value}")
+    return problems
+
+
+def test_every_name_allowed_makes_only_names_kubernetes_accepts() -> None:
+    """Issue 42 item 6: the longest name metadata.name may have, and one of each shape it allows,
+    derive only names and label values Kubernetes accepts for their kinds: no resource is accepted
+    at apply and refused later (Failed / ApplyFailed) for its name."""
+    longest = "a" + "-9z" * 13
+    assert len(longest) == MAX_NAME_LENGTH
+    for name in (longest, "a", "a-1", "q", *SAMPLE_NAMES):
+        KVCacheNamespace.model_validate({**sample(), "metadata": {"name": name}})
+        assert _derived_name_problems(name) == [], name
+
+
+@pytest.mark.parametrize("name", ["bad.dotted", "1bad", "a" * (MAX_NAME_LENGTH + 5)])
+def test_a_name_refused_would_make_a_name_kubernetes_refuses(name: str) -> None:
+    """Each rule of metadata.name stands for an object Kubernetes would refuse: the refusal at apply
+    time says so, naming metadata.name and the limit."""
+    assert _derived_name_problems(name)
+    with pytest.raises(ValidationError) as info:
+        KVCacheNamespace.model_validate({**sample(), "metadata": {"name": name}})
+    message = validation_message(info.value)
+    assert message.startswith("metadata.name: ") and f"at most {MAX_NAME_LENGTH}" in message and "RFC 1035" in message

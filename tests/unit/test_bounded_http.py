@@ -1,7 +1,9 @@
 """The agent's and the metrics' HTTP servers are bounded (kvpersist.httpserver): a body's
 Content-Length is checked before anything is read (never a read to EOF), a connection that sends
 no complete head in time is closed, idle connections cost no thread, and a fresh request is still
-answered among them. Every wait here has a bound: a server that blocks fails the test, never hangs it."""
+answered among them; the liveness probes (the agent's /healthz, the operator's liveness front) are
+answered without the workers, from the process's own state. Every wait here has a bound: a server
+that blocks fails the test, never hangs it."""
 
 from __future__ import annotations
 
@@ -203,45 +205,177 @@ def test_the_metrics_server_holds_no_thread_per_idle_connection() -> None:
         server.server_close()
 
 
-def test_the_liveness_front_passes_kopfs_answer_through_and_refuses_the_rest() -> None:
-    """kvpersist.controller.health before a STAND-IN for kopf's endpoint (a plain handler answering
-    what kopf answers: 200 and the probes' JSON, or 500 when a probe raised)."""
-    from kvpersist.controller import health
+def wait_until(what: str, check: Any, bound: float = 10.0) -> Any:
+    """check()'s first truthy value, polled; fails naming `what` after bound seconds."""
+    deadline = time.monotonic() + bound
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {bound} s"
+        time.sleep(0.02)
+    return value
+
+
+class StandInKopf(BaseHTTPRequestHandler):
+    """A STAND-IN for kopf's endpoint, answering what kopf answers (200 and the probes' JSON, or 500
+    when a probe raised); while `stall` is set each request waits for it to clear (a slow kopf)."""
+
+    code = 200
+    stall = threading.Event()
+
+    def do_GET(self) -> None:
+        deadline = time.monotonic() + 10
+        while self.stall.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        body = b'{"statusLoopSecondsSinceTick": 1.5}' if self.code == 200 else b"500 Internal Server Error"
+        self.send_response(self.code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        return
+
+
+@pytest.fixture
+def kopf() -> Iterator[tuple[type[StandInKopf], int]]:
     from kvpersist.httpserver import BoundedHTTPServer
 
-    answer = {"code": 200}
+    class Kopf(StandInKopf):
+        stall = threading.Event()
 
-    class Kopf(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"statusLoopSecondsSinceTick": 1.5}' if answer["code"] == 200 else b"500 Internal Server Error"
-            self.send_response(answer["code"])
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    with in_thread(BoundedHTTPServer(("127.0.0.1", 0), Kopf, workers=16, queue_size=64)) as port:
+        try:
+            yield Kopf, port
+        finally:
+            Kopf.stall.clear()
 
-        def log_message(self, *_: object) -> None:
-            return
 
+def test_the_liveness_front_passes_kopfs_answer_through_and_refuses_the_rest(kopf: tuple[type[StandInKopf], int]) -> None:
+    """The front answers from its reader's last reading of kopf's endpoint: kopf's code and body,
+    503 before the first reading, when kopf does not answer, or when the reading is stale."""
+    from kvpersist.controller import health
+
+    stand_in, upstream = kopf
     assert health.split_endpoint("http://0.0.0.0:8080/healthz") == ("0.0.0.0", 8080, "/healthz")
     for bad in ("https://0.0.0.0:8080/healthz", "http://0.0.0.0/healthz", "0.0.0.0:8080"):
         with pytest.raises(ValueError, match="--liveness"):
             health.split_endpoint(bad)
-    with in_thread(BoundedHTTPServer(("127.0.0.1", 0), Kopf)) as upstream:
-        front = health.serve("127.0.0.1", 0, "/healthz", upstream)
-        port = front.server_address[1]
-        try:
-            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (200, b'{"statusLoopSecondsSinceTick": 1.5}')
-            answer["code"] = 500
-            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500
-            assert status_of(port, b"GET /env HTTP/1.0\r\n\r\n")[0] == 404
-        finally:
-            front.shutdown()
-            front.server_close()
-    _, down = health.kopf_endpoint("/healthz")  # nothing listens there
-    front = health.serve("127.0.0.1", 0, "/healthz", down)
+    reader = health.KopfLiveness(upstream, "/healthz", poll_s=3600)  # read by this test only
+    front = health.serve("127.0.0.1", 0, "/healthz", upstream, liveness=reader)
+    port = front.server_address[1]
     try:
-        code, body = status_of(front.server_address[1], b"GET /healthz HTTP/1.0\r\n\r\n")
-        assert code == 503 and "kopf's liveness endpoint" in json.loads(body)["error"]
+        code, body = status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert code == 503 and "not read yet" in json.loads(body)["error"]
+        reader.read_once()
+        assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (200, b'{"statusLoopSecondsSinceTick": 1.5}')
+        stand_in.code = 500
+        reader.read_once()
+        assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500
+        assert status_of(port, b"GET /env HTTP/1.0\r\n\r\n")[0] == 404
     finally:
         front.shutdown()
         front.server_close()
+    _, down = health.kopf_endpoint("/healthz")  # nothing listens there
+    for reader, says in ((health.KopfLiveness(down, "/healthz", poll_s=3600), "kopf's liveness endpoint"),
+                         (health.KopfLiveness(upstream, "/healthz", poll_s=3600, stale_s=-1.0), "last read")):
+        reader.read_once()
+        code, _, body = reader.answer()
+        assert code == 503 and says in json.loads(body)["error"]
+
+
+def test_a_probe_is_answered_with_every_worker_busy_and_the_queue_full() -> None:
+    """A probe path never waits on the workers: with the only worker held and the queue full
+    (503 to any other request) the probe still gets its callable's answer, good or bad."""
+    from kvpersist.httpserver import BoundedHTTPServer
+
+    release, entered = threading.Event(), threading.Event()
+    state: dict[str, Any] = {"answer": (200, "application/json", b'{"status": "ok"}')}
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            entered.set()
+            release.wait(10)
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    server = BoundedHTTPServer(("127.0.0.1", 0), Slow, workers=1, queue_size=1, probes={"/healthz": lambda: state["answer"]})
+    with in_thread(server) as port, ExitStack() as stack:
+        try:
+            held = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S))
+            held.sendall(b"GET /slow HTTP/1.0\r\n\r\n")
+            assert entered.wait(ANSWER_S)
+            queued = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S))
+            queued.sendall(b"GET /slow HTTP/1.0\r\n\r\n")
+            wait_until("the queue full", lambda: status_of(port, b"GET /other HTTP/1.0\r\n\r\n")[0] == 503)
+            assert status_of(port, b"GET /healthz?verbose=1 HTTP/1.1\r\nHost: x\r\n\r\n") == (200, b'{"status": "ok"}')
+            state["answer"] = (503, "application/json", b'{"error": "stuck"}')
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (503, b'{"error": "stuck"}')
+            state["answer"] = None  # a probe that raises is a failed probe, not a dead server
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500
+            assert server.refused >= 1 and server.probed == 3
+        finally:
+            release.set()
+
+
+def test_the_liveness_front_answers_while_its_workers_wait_on_a_slow_kopf(kopf: tuple[type[StandInKopf], int],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probes from anyone that reaches the port, while kopf is slow: once they held the front's
+    two workers (each waiting on kopf) and filled its queue, and the kubelet's probe read 503 (the
+    operator restarted for every namespace). Now the probe is answered from the last reading; and
+    a kopf that turns bad still fails it."""
+    from kvpersist.controller import health
+
+    stand_in, upstream = kopf
+    monkeypatch.setattr(health, "POLL_S", 0.2, raising=False)
+    front = health.serve("127.0.0.1", 0, "/healthz", upstream)
+    port = front.server_address[1]
+    try:
+        wait_until("the first reading", lambda: status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 200)
+        with ExitStack() as stack:
+            stand_in.stall.set()  # a reading begun now waits for kopf; the last one (200) stands meanwhile
+            for n in (2, 12):  # the front's two workers, then its queue of eight and more, had they been used
+                for _ in range(n):
+                    s = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S))
+                    s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                time.sleep(0.3)
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (200, b'{"statusLoopSecondsSinceTick": 1.5}')
+            stand_in.code = 500
+            stand_in.stall.clear()
+            wait_until("kopf's 500 through the front", lambda: status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500)
+    finally:
+        front.shutdown()
+        front.server_close()
+
+
+def test_the_agents_probe_is_answered_while_requests_hold_its_workers(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """/gc requests whose bodies never come hold the agent's worker and fill its queue (503 to
+    everything else); /healthz still answers 200 from the agent's own state, and 503 naming why
+    once a request has waited too long for a worker (every worker stuck) or the trim thread ended."""
+    from kvpersist.inventory import agent as agent_module
+
+    with agent(tmp_path, workers=1, queue_size=1, request_timeout=10.0) as port, ExitStack() as stack:
+        for _ in range(2):  # one in the worker, one queued
+            s = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S))
+            s.sendall(gc_request("100"))
+            time.sleep(0.3)  # taken (or queued) before the next
+        assert status_of(port, b"GET /inventory HTTP/1.0\r\n\r\n")[0] == 503
+        code, body = status_of(port, b"GET /healthz HTTP/1.1\r\nHost: agent\r\n\r\n")
+        assert code == 200 and json.loads(body) == {"status": "ok"}, (code, body)
+        monkeypatch.setattr(agent_module, "STUCK_S", 0.2)
+        code, body = wait_until("a stuck pool", lambda: (lambda a: a if a[0] == 503 else None)(
+            status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")))
+        assert "waited" in json.loads(body)["error"]
+
+    trimmer = Agent(tmp_path, serving=A, token=TOKEN, capacity_bytes=2**20, trim_period_s=3600)
+    with in_thread(make_server(trimmer, "127.0.0.1", 0)) as port:
+        trimmer.start_trimming()
+        assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 200
+        trimmer._stop.set()  # the thread ends as if it had died: not stopped by stop()
+        assert trimmer._thread is not None
+        trimmer._thread.join(ANSWER_S)
+        trimmer._stop.clear()
+        code, body = status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert code == 503 and "trim thread" in json.loads(body)["error"]

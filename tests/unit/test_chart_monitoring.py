@@ -77,12 +77,12 @@ def test_chart_lints(helm: Path, sets: tuple[str, ...]) -> None:
 def test_scraper_reaches_the_operators_metrics_port_only(helm: Path) -> None:
     default = _template(helm)
     [policy] = _kind(default, "NetworkPolicy")
-    assert len(policy["spec"]["ingress"]) == 1 and SCRAPER_ENV not in _env(default)
+    assert "ingress" not in policy["spec"] and SCRAPER_ENV not in _env(default)  # none named: none admitted
 
     docs = _template(helm, "json:metrics.scraper=" + json.dumps(SCRAPER), "networkPolicy.metricsFromNamespaces={ops}")
     [policy] = _kind(docs, "NetworkPolicy")
     first, scraper = policy["spec"]["ingress"]
-    assert [p["port"] for p in first["ports"]] == [8081, 8080]  # as before: metricsFromNamespaces
+    assert [p["port"] for p in first["ports"]] == [8081]  # metricsFromNamespaces: the metrics port, not liveness
     assert scraper == {"ports": [{"protocol": "TCP", "port": 8081}], "from": [SCRAPER]}  # the metrics port, nothing else
     assert json.loads(_env(docs)[SCRAPER_ENV]) == SCRAPER  # and the same peer to the operator, for the servers
 

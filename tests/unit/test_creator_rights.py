@@ -19,9 +19,13 @@ from kvpersist.api.v1alpha1 import (
     HFTokenSecretRef,
     KeySecretRef,
     KVCacheNamespaceSpec,
+    LMCacheServer,
     LocalObjectRef,
     SecretKeyRef,
+    VLLMService,
 )
+from kvpersist.builders.target import Target
+from kvpersist.controller.ownership import l2_claim_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config/creator-rights/creator-rights.yaml"
@@ -37,7 +41,7 @@ def test_chart_ships_the_same_creator_rights_policy_as_config() -> None:
     tests/e2e/test_helm.py), equals the plain manifest apart from the chart's labels; on by default."""
     template = TEMPLATE.read_text()
     assert "{{- if .Values.creatorRights.enabled }}" in template
-    assert yaml.safe_load((ROOT / "charts/kvpersist/values.yaml").read_text())["creatorRights"] == {"enabled": True}
+    assert yaml.safe_load((ROOT / "charts/kvpersist/values.yaml").read_text())["creatorRights"]["enabled"] is True
     rendered = re.sub(r"\{\{-? (if|end)[^}]*\}\}\n?", "", template)
     rendered = re.sub(r"\n *labels: \{\{-[^}]*\}\}", "", rendered)
     rendered = rendered.replace('{{ include "kvpersist.fullname" . }}', "kvpersist")
@@ -129,7 +133,9 @@ def test_every_secret_and_claim_a_spec_can_name_is_checked_by_name() -> None:
     assert checks == ["variables.tokenSecretAllowed", "variables.keySecretAllowed", "variables.claimAllowed",
                       "variables.hfTokenSecretAllowed", "variables.apiKeySecretAllowed", "variables.modelClaimAllowed",
                       "variables.modelClaimMadeAllowed", "size(variables.envFromDenied) == 0",
-                      "size(variables.pullSecretsDenied) == 0", "variables.prewarmConfigMapAllowed", "variables.podsAllowed"]
+                      "size(variables.pullSecretsDenied) == 0", "variables.prewarmConfigMapAllowed",
+                      "variables.generatedKeyAllowed", "variables.sharedClaimAllowed", "variables.serverClaimsAllowed",
+                      "variables.l2ClaimsMadeAllowed", "variables.externalServiceAllowed", "variables.podsAllowed"]
     assert all("variables.user" in m and "kubectl create rolebinding" in m for m in messages)
 
 
@@ -151,3 +157,38 @@ def test_a_claim_the_operator_makes_needs_its_author_to_be_allowed_to_create_cla
     assert refusal["reason"] == "Forbidden" and refusal["message"].startswith("spec.vllm.modelCache.size ")
     assert "--verb=create --resource=persistentvolumeclaims" in refusal["messageExpression"]
     assert "'create on persistentvolumeclaims'" in variables["needs"]
+
+
+def test_what_the_operator_makes_or_finds_for_a_spec_is_checked() -> None:
+    """Issue 42: the names the policy computes are the operator's (a deleted namesake's key Secret
+    and L2 claims are used by whoever re-creates the name: get on each), the per-server claims are
+    checked by name up to the bound and by get on every claim above it (replicas allows more than
+    one expression's checks fit), and an external Service or L2 claims made need create."""
+    policy = _docs(CONFIG.read_text())[0]["spec"]
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    obj = yaml.safe_load((ROOT / "config/samples/nvme-minimal.yaml").read_text())
+    obj["spec"]["vllm"].pop("hfTokenSecretRef", None)
+    obj["spec"]["lmcacheServer"]["replicas"] = 3
+    target = Target("res", "ns", KVCacheNamespaceSpec.model_validate(obj["spec"]), None)
+    assert target.key_secret == ("res-l2-key", "master-key") and "variables.name + '-l2-key'" in variables["generatedKey"]
+    assert l2_claim_names(target) == ["l2-res-lmcache-0", "l2-res-lmcache-1", "l2-res-lmcache-2"]
+    assert "'l2-' + variables.name + '-lmcache-' + string(i)" in variables["serverClaimNames"]
+    shared = Target("res", "ns", target.spec.model_copy(update={"l2": target.spec.l2.model_copy(update={
+        "nvme": target.spec.l2.nvme.model_copy(update={"shared": True})})}), None)
+    assert l2_claim_names(shared) == ["l2-res-lmcache-shared"] and "'l2-' + variables.name + '-lmcache-shared'" in variables[
+        "sharedClaim"]
+    bound = 8
+    replicas = next(m.le for m in LMCacheServer.model_fields["replicas"].metadata if hasattr(m, "le"))
+    assert replicas > bound and f"[{', '.join(map(str, range(bound)))}]" in variables["serverClaimNames"]
+    for i in range(bound):
+        check = variables[f"serverClaim{i}Allowed"]
+        assert f"variables.serverClaims < {i + 1} || variables.serverClaims > {bound}" in check
+        assert f".name(variables.serverClaimNames[{i}]).check('get')" in check and check.startswith("!variables.changed ||")
+        assert f"variables.serverClaim{i}Allowed" in variables["serverClaimsAllowed"]
+    above = variables["serverClaimsAnyAllowed"]
+    assert f"variables.serverClaims <= {bound}" in above and ".namespace(variables.ns).check('get')" in above
+    assert "variables.serverClaimsAnyAllowed" in variables["serverClaimsAllowed"]
+    assert "resource('persistentvolumeclaims').namespace(variables.ns).check('create')" in variables["l2ClaimsMadeAllowed"]
+    assert typing.get_args(VLLMService.model_fields["type"].annotation) == ("ClusterIP", "NodePort", "LoadBalancer")
+    assert "object.spec.vllm.service.type != 'ClusterIP'" in variables["externalService"]
+    assert "resource('services').namespace(variables.ns).check('create')" in variables["externalServiceAllowed"]

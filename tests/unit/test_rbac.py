@@ -147,15 +147,25 @@ def test_each_grant_holds_where_it_is_needed_and_nowhere_else(mode: str, rendere
     assert problems == [], "\n".join(problems)
 
 
+ADMISSION_CHECK = {("admissionregistration.k8s.io", r, v) for r in ("validatingadmissionpolicies",
+                   "validatingadmissionpolicybindings") for v in ("list", "watch")}
+
+
 def test_namespaced_mode_needs_nothing_cluster_wide(rendered: dict) -> None:
     """With exact namespace names kopf scans neither namespaces nor CRDs and peers per namespace,
     and the operator lists the watched namespaces one by one: no cluster-scoped resource is
-    needed, so the chart renders no ClusterRole or ClusterRoleBinding for the operator."""
-    assert rb.cluster_scoped(rb.needs("namespaced")) == set()
+    needed but the creator-rights policy and its binding, watched by name to say whether they exist
+    (kvpersist.controller.admissioncheck), so the chart renders no ClusterRole for the operator
+    but one that lists and watches those two objects by name."""
+    assert rb.cluster_scoped(rb.needs("namespaced")) == ADMISSION_CHECK
+    [check] = [d for d in rendered["namespaced"] if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-admission-check")]
+    assert [(r["resources"], r["resourceNames"], r["verbs"]) for r in check["rules"]] == [
+        (["validatingadmissionpolicies", "validatingadmissionpolicybindings"], [f"{SA}-creator-rights"], ["list", "watch"])]
     assert {("apiextensions.k8s.io", "customresourcedefinitions", "list"),
             ("kopf.dev", "clusterkopfpeerings", "patch")} <= rb.cluster_scoped(rb.needs("clusterwide"))  # not vacuous
     docs = rendered["namespaced"]
-    assert rb.scoped_grants(docs, SA, SA_NS).keys() == set(rb.WATCHED)
+    scoped = rb.scoped_grants(docs, SA, SA_NS)
+    assert scoped.keys() == {*rb.WATCHED, None} and set(scoped[None]) == ADMISSION_CHECK
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding") and d["metadata"]["name"] == SA]
 
 

@@ -55,10 +55,15 @@ def test_workload_event_marks_its_owner_dirty(controller: Controller) -> None:
 
 
 def test_seen_reads_the_indexes(controller: Controller) -> None:
-    pod = {"metadata": {"name": "a-lmcache-0", "labels": {"app.kubernetes.io/component": "lmcache-server"}}}
+    sts = {"metadata": {"name": "a-lmcache", "uid": "s1", "labels": {},
+                        "ownerReferences": [{"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace",
+                                             "uid": "r1", "controller": True}]}}
+    pod = {"metadata": {"name": "a-lmcache-0", "labels": {"app.kubernetes.io/component": "lmcache-server"},
+                        "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]}}
     controller.indices["kvp_pods"] = {("ns", "a"): [pod]}
-    seen = indexes._seen(("ns", "a"))
-    assert seen.pods == [pod] and seen.statefulsets == [] and indexes._seen(("ns", "b")).pods == []
+    controller.indices["kvp_statefulsets"] = {("ns", "a"): [sts]}
+    seen = indexes._seen(("ns", "a"), owner_uid="r1")  # only pods of its own workloads (kvpersist.controller.podtrust)
+    assert seen.pods == [pod] and seen.statefulsets == [sts] and indexes._seen(("ns", "b")).pods == []
 
 
 def _child(kind_name: str, generation: int | None = None) -> dict:

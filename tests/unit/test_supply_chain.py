@@ -2,7 +2,10 @@
 digest, every Python package it installs comes from a hashed lock that still satisfies
 pyproject.toml, and nothing is fetched unhashed (the project installs without dependencies or
 build isolation). test_operator_image.py builds the image's venv from the same Dockerfile lines, so
-a lock that misses a dependency fails there too (pip --require-hashes refuses an unpinned one)."""
+a lock that misses a dependency fails there too (pip --require-hashes refuses an unpinned one).
+The images under images/ (vllm-lmcache runs beside every GPU and holds the L2 key and the bucket
+token) are held to the same: every pip install there takes a hashed lock with --require-hashes, and
+vllm-lmcache's lock pins the lmcache and nixl the rest of the project runs."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ DOCKERFILE = REPO / "operator" / "Dockerfile"
 LOCK = REPO / "operator" / "requirements.lock"
 BUILD_LOCK = REPO / "operator" / "build-requirements.lock"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+IMAGE_DOCKERFILES = sorted((REPO / "images").glob("*/Dockerfile"))
+VLLM_LMCACHE = REPO / "images" / "vllm-lmcache"
 
 
 def locked(path: Path) -> dict[str, tuple[Version, list[str]]]:
@@ -64,8 +69,10 @@ def by_digest(ref: str, text: str) -> bool:
     return bool(arg) and re.search(rf"^ARG {arg.group(1)}\s*$", text, re.M) is not None
 
 
-@pytest.mark.parametrize("lock", [LOCK, BUILD_LOCK], ids=lambda p: p.name)
+@pytest.mark.parametrize("lock", [LOCK, BUILD_LOCK, VLLM_LMCACHE / "requirements.lock"],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_locked_package_is_pinned_with_hashes(lock: Path) -> None:
+    assert lock.is_file(), f"{lock.relative_to(REPO)} is missing: run bash hack/lock.sh"
     entries = locked(lock)
     assert entries, f"{lock.name} pins nothing"
     unhashed = sorted(name for name, (_, hashes) in entries.items() if not hashes)
@@ -111,6 +118,81 @@ def test_every_base_image_is_named_by_digest() -> None:
     assert all(by_digest(ref, text) for ref in refs), f"operator/Dockerfile: a base not by digest: {refs}"
 
 
+def unhashed_installs(dockerfile: Path) -> list[str]:
+    """Each `pip install` in the Dockerfile's RUN lines that could fetch a file no hash checks: one
+    without --require-hashes, or one that names a package rather than only `-r LOCK`, where LOCK is
+    a file beside the Dockerfile that a COPY puts where -r reads it."""
+    steps = operator_image_venv.instructions(dockerfile.read_text())
+    copied = {Path(dest).name: src for word, rest in steps if word == "COPY"
+              for *sources, dest in [rest.split()] for src in sources if not src.startswith("--")}
+    problems = []
+    for word, rest in steps:
+        if word != "RUN":
+            continue
+        for args in operator_image_venv.pip_installs(rest):
+            said = "pip install " + " ".join(args)
+            if "--require-hashes" not in args:
+                problems.append(f"{said}: no --require-hashes")
+                continue
+            named = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in ("-r", "-c"))]
+            locks = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-r"]
+            source = copied.get(Path(locks[0]).name) if locks else None
+            if named or not locks or source is None or not (dockerfile.parent / source).is_file():
+                problems.append(f"{said}: must install only -r a lock file that is COPYied from {dockerfile.parent.name}/")
+    return problems
+
+
+@pytest.mark.parametrize("dockerfile", IMAGE_DOCKERFILES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_image_installs_python_packages_only_from_a_hashed_lock(dockerfile: Path) -> None:
+    """Not only the operator's: the data-plane image holds the L2 key and the bucket token."""
+    problems = unhashed_installs(dockerfile)
+    assert not problems, f"{dockerfile.relative_to(REPO)}: {problems}; install a hashed lock (bash hack/lock.sh) with --require-hashes"
+
+
+def test_the_images_are_the_ones_checked() -> None:
+    assert VLLM_LMCACHE / "Dockerfile" in IMAGE_DOCKERFILES, IMAGE_DOCKERFILES
+
+
+def shell_default(path: Path, name: str) -> str:
+    match = re.search(rf"^{name}=(\S+)$", path.read_text(), re.M)
+    assert match, f"{path.relative_to(REPO)} sets no {name}"
+    return match.group(1)
+
+
+def test_the_vllm_lmcache_lock_pins_the_lmcache_and_nixl_the_project_runs() -> None:
+    """The connector inside vLLM and the lmcache server share one build (no protocol handshake): the
+    lock must pin the lmcache the Dockerfile declares, the samples' connectorBuild names (test_dockerfiles)
+    and the tests run (pyproject's extras, hack/vllm_cpu_venv.sh), and the nixl beside it; and it
+    must not move vLLM's own stack, which the base image provides (it installs with --no-deps)."""
+    lock = VLLM_LMCACHE / "requirements.lock"
+    assert lock.is_file(), "images/vllm-lmcache/requirements.lock is missing: run bash hack/lock.sh vllm-lmcache"
+    entries = locked(lock)
+    dockerfile = (VLLM_LMCACHE / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", dockerfile, re.M))
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    pins = {Requirement(r).name: Requirement(r) for r in extras["datapath"] + extras["contract"]}
+    lmcache = Version(args["LMCACHE_VERSION"])
+    assert "lmcache" in entries, "images/vllm-lmcache/requirements.lock does not pin lmcache: run bash hack/lock.sh vllm-lmcache"
+    assert entries["lmcache"][0] == lmcache, (
+        f"images/vllm-lmcache/requirements.lock pins lmcache=={entries['lmcache'][0]}, the Dockerfile declares "
+        f"LMCACHE_VERSION={lmcache}: run bash hack/lock.sh vllm-lmcache")
+    assert str(pins["lmcache"].specifier) == f"=={lmcache}", pins["lmcache"]
+    assert Version(shell_default(REPO / "hack" / "vllm_cpu_venv.sh", "LMCACHE_VERSION")) == lmcache
+    nixl = Version(args["NIXL_VERSION"])
+    assert Version(shell_default(REPO / "hack" / "vllm_cpu_venv.sh", "NIXL_VERSION")) == nixl
+    for name in ("nixl", "nixl-cu12", "nixl-cu13"):
+        assert name in entries and entries[name][0] == nixl, (
+            f"images/vllm-lmcache/requirements.lock: {name} is not pinned at NIXL_VERSION={nixl}: run bash hack/lock.sh vllm-lmcache")
+    moved = sorted({"vllm", "torch"} & entries.keys())
+    assert not moved, f"images/vllm-lmcache/requirements.lock pins {moved}, which the base image provides"
+    assert f"vllm=={args['VLLM_VERSION']}" in lock.read_text(), "the lock does not say which vllm it was resolved with"
+    install = next(a for w, r in operator_image_venv.instructions(dockerfile) if w == "RUN"
+                   for a in operator_image_venv.pip_installs(r))
+    # Exactly the locked lines, and no sdist built: its build backend would be fetched unhashed.
+    assert {"--no-deps", "--only-binary=:all:"} <= set(install), (
+        f"images/vllm-lmcache/Dockerfile: pip install {' '.join(install)} needs --no-deps --only-binary=:all:")
+
+
 def test_the_checks_above_can_fail(tmp_path: Path) -> None:
     """A tag, an ARG with a default tag, an unhashed or unpinned line and a lock that misses a
     dependency are all caught."""
@@ -123,6 +205,19 @@ def test_the_checks_above_can_fail(tmp_path: Path) -> None:
     bad.write_text("kopf>=1.45\n")
     with pytest.raises(AssertionError, match="not pinned"):
         locked(bad)
+    image = tmp_path / "image"
+    image.mkdir()
+    dockerfile = image / "Dockerfile"
+    for text in ('RUN pip install --no-cache-dir "lmcache==0.5.6"\n',
+                 "COPY requirements.lock /r.lock\nRUN python3 -m pip install --no-deps -r /r.lock\n",
+                 "COPY requirements.lock /r.lock\nRUN python3 -m pip install --require-hashes -r /r.lock nixl\n",
+                 "RUN python3 -m pip install --require-hashes -r /r.lock\n"):
+        (image / "requirements.lock").unlink(missing_ok=True)
+        dockerfile.write_text(text)
+        assert unhashed_installs(dockerfile), text
+    (image / "requirements.lock").write_text("")
+    dockerfile.write_text("COPY requirements.lock /r.lock\nRUN python3 -m pip install --require-hashes --no-deps -r /r.lock\n")
+    assert unhashed_installs(dockerfile) == []
     entries = locked(LOCK)
     assert Requirement("httpx2>=2.0").specifier.contains(entries["httpx2"][0])
     assert canonicalize_name("no-such-dependency") not in entries

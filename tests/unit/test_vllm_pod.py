@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from kvpersist.api.v1alpha1 import (
     ENV_REFUSED,
     MODEL_CACHE_PATH,
+    PYTHON_ENV_ALLOWED,
     VLLM_ENV_ALLOWED,
     KVCacheNamespace,
     env_problem,
@@ -27,7 +29,7 @@ from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.services import build_vllm_service
 from kvpersist.builders.target import Target
-from kvpersist.builders.vllm import ENV_FROM_KEPT, build_vllm_deployment
+from kvpersist.builders.vllm import ENV_FROM_ALLOWED, ENV_FROM_PREFIX, build_vllm_deployment
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
 
@@ -89,7 +91,9 @@ def test_env_and_env_from_reach_the_vllm_container_after_the_operators_own() -> 
     assert names[:2] == ["PYTHONHASHSEED", "VLLM_ENABLE_V1_MULTIPROCESSING"]
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in container["env"]
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
-    assert container["envFrom"] == [{"secretRef": {"name": "vllm-secrets"}}, {"configMapRef": {"name": "vllm-conf"}}]
+    # Under a prefix the loader, Python and the runtime never read: the start script sets the allowed keys.
+    assert container["envFrom"] == [{"prefix": ENV_FROM_PREFIX, "secretRef": {"name": "vllm-secrets"}},
+                                    {"prefix": ENV_FROM_PREFIX, "configMapRef": {"name": "vllm-conf"}}]
     # Without envFrom the container's command is vLLM's own, as before.
     assert "envFrom" not in _container(_target(FIELDS["env"]))
     assert _container(_target(FIELDS["env"], lambda o: o["spec"]["identity"].pop("connectorBuild")))["command"] == ["vllm"]
@@ -228,7 +232,8 @@ def test_the_vllm_service_selects_only_this_resources_vllm_pods() -> None:
 @pytest.mark.parametrize("name", ["PYTHONHASHSEED", "VLLM_ENABLE_V1_MULTIPROCESSING", "LMCACHE_CHUNK_SIZE",
                                   "KVPERSIST_BUILD_CHECK", "VLLM_ATTENTION_BACKEND", "VLLM_USE_MODELSCOPE",
                                   "CUDA_VISIBLE_DEVICES", "HF_TOKEN", "VLLM_API_KEY", "HF_HOME", "HF_ENDPOINT",
-                                  "PYTHONPATH", "LD_PRELOAD"])
+                                  "PYTHONPATH", "LD_PRELOAD", "LD_AUDIT", "LD_BIND_NOT", "PYTHONWARNINGS",
+                                  "PYTHONBREAKPOINT", "PYTHONUSERBASE", "PYTHON_GIL", "PYTHONUTF8", "GCONV_PATH"])
 def test_refused_env_names_are_refused_naming_the_field(name: str) -> None:
     obj = sample()
     obj["spec"]["vllm"]["env"] = [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}, {"name": name, "value": "1"}]
@@ -247,34 +252,74 @@ def test_the_operators_own_env_names_are_all_refused() -> None:
     assert {"PYTHONHASHSEED", "HF_TOKEN", "VLLM_API_KEY", "HF_HOME", "KVPERSIST_BUILD_CHECK"} <= set(owned)
     for name in owned:
         assert env_problem(name) is not None, name
-    for name in VLLM_ENV_ALLOWED:
-        assert env_problem(name) is None
+    for name in (*VLLM_ENV_ALLOWED, *PYTHON_ENV_ALLOWED, "HF_HUB_OFFLINE", "MY_SETTING", "LDAP_URI", "PYTHO"):
+        assert env_problem(name) is None, name
 
 
-def test_refused_names_that_come_through_env_from_are_unset_before_vllm_starts(tmp_path) -> None:
-    """envFrom's keys are not known at apply time: the container's start script (run here by sh,
-    with `env` as the program instead of vllm) unsets each refused name, says so on stderr, and
-    leaves the operator's own variables (which win over envFrom) and the allowed ones as they are."""
-    t = _target(FIELDS["envFrom"], FIELDS["hfTokenSecretRef"], FIELDS["modelCache"])
-    container = _container(t)
+# What an image sets itself (a CUDA image: its libraries, every GPU for the runtime; a Python image's path).
+IMAGE_ENV = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "NVIDIA_VISIBLE_DEVICES": "all",
+             "PYTHONPATH": "/image/lib"}
+# Shows the environment it got, as JSON: the stand-in for vLLM, a Python program like it.
+SHOW_ENV = "import json, os; print(json.dumps(dict(os.environ)))"
+
+
+def _kubelet_env(container: dict[str, Any], sources: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: the image's, then each envFrom source's
+    keys under the entry's own prefix, then `env` (a valueFrom read as "from-secret")."""
+    env = dict(IMAGE_ENV)
+    for entry in container.get("envFrom", []):
+        ref = entry.get("secretRef") or entry["configMapRef"]
+        env.update({entry.get("prefix", "") + k: v for k, v in sources[ref["name"]].items()})
+    env.update({e["name"]: e.get("value", "from-secret") for e in container["env"]})
+    return env
+
+
+def _start(container: dict[str, Any], env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """Runs the container's start script with sh, Python printing its environment in vLLM's place;
+    the build check is left out (its own tests). Returns that environment and the stderr."""
     command = container["command"]
-    assert command[:2] == ["sh", "-c"] and "$(" not in command[2]
-    script = command[2].replace('python3 -c "$KVPERSIST_BUILD_CHECK" && ', "")  # the build check: its own tests
-    arriving = {"LMCACHE_CHUNK_SIZE": "16", "VLLM_ATTENTION_BACKEND": "TRITON_ATTN", "CUDA_VISIBLE_DEVICES": "3",
-                "HF_ENDPOINT": "https://mirror.example", "KVPERSIST_X": "1", "PYTHONPATH": "/image/lib",
-                "VLLM_LOGGING_LEVEL": "DEBUG", "MY_SETTING": "a\nLMCACHE_Y=2"}
-    operator = {e["name"]: e.get("value", "from-secret") for e in container["env"] if not e["name"].startswith("KVPERSIST_")}
-    env = {"PATH": os.environ["PATH"], **arriving, **operator}
-    out = subprocess.run(["sh", "-c", script, "env", "-0"], env=env, capture_output=True, timeout=30, check=True)
-    seen = dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if item)
-    for gone in ("LMCACHE_CHUNK_SIZE", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES", "HF_ENDPOINT", "KVPERSIST_X"):
-        assert gone not in seen and f"kvpersist: {gone} from spec.vllm.envFrom is a refused name" in out.stderr.decode()
-    assert seen["VLLM_LOGGING_LEVEL"] == "DEBUG" and seen["MY_SETTING"] == "a\nLMCACHE_Y=2"
-    for name, value in operator.items():
+    assert command[:2] == ["sh", "-c"] and "$(" not in command[2]  # the kubelet would expand $(...)
+    script = command[2].replace('python3 -c "$KVPERSIST_BUILD_CHECK" && ', "")
+    out = subprocess.run(["/bin/sh", "-c", script, sys.executable, "-c", SHOW_ENV], env=env, capture_output=True,
+                         timeout=60, check=True, text=True)
+    return json.loads(out.stdout), out.stderr
+
+
+def test_refused_names_that_come_through_env_from_never_reach_vllm_nor_the_loader_nor_python() -> None:
+    """envFrom's keys are not known at apply time. A library LD_AUDIT or LD_PRELOAD names would be
+    loaded by the loader into the start script's own shell, and a module a PYTHONWARNINGS category
+    names imported by Python, before any unset could run: so each key comes in under a prefix and the
+    start script sets only the names the API allows, saying on stderr which it left out. The loader
+    and Python say when they see them (a missing library, an unknown module): neither does here.
+    The image's own variables, the container's env (which wins) and the allowed keys are as they were."""
+    t = _target(FIELDS["env"], FIELDS["envFrom"], FIELDS["hfTokenSecretRef"], FIELDS["modelCache"])
+    container = _container(t)
+    refused = {"LD_AUDIT": "/nonexistent/audit.so", "LD_PRELOAD": "/nonexistent/preload.so",
+               "LD_LIBRARY_PATH": "/attacker/lib", "PYTHONWARNINGS": "error::nonexistent_module.Warning",
+               "PYTHONPATH": "/attacker/py", "PYTHONSTARTUP": "/attacker/startup.py", "PYTHONBREAKPOINT": "evil.hook",
+               "GCONV_PATH": "/attacker/gconv", "NVIDIA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/attacker/bin",
+               "LMCACHE_CHUNK_SIZE": "16", "VLLM_ATTENTION_BACKEND": "TRITON_ATTN", "CUDA_VISIBLE_DEVICES": "3",
+               "HF_ENDPOINT": "https://mirror.example", "KVPERSIST_X": "1"}
+    kept = {"VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", "HUGGING_FACE_HUB_TOKEN": "hf_x",
+            "MY_SETTING": "a\nKVPERSIST_ENVFROM_LD_AUDIT=/x\nLD_AUDIT=/y"}
+    overridden = {"VLLM_LOGGING_LEVEL": "INFO", "HF_TOKEN": "hf_literal", "PYTHONHASHSEED": "7", "HF_HUB_OFFLINE": "0"}
+    env = _kubelet_env(container, {"vllm-secrets": {**refused, **overridden}, "vllm-conf": kept})
+    seen, stderr = _start(container, env)
+    assert "ld.so" not in stderr and "nonexistent_module" not in stderr, stderr
+    for name in refused:
+        assert f"kvpersist: {name} from spec.vllm.envFrom is a refused name" in stderr, name
+        assert seen.get(name) == IMAGE_ENV.get(name), name
+    for name, value in kept.items():
         assert seen[name] == value, name
-    # What the image itself sets is left (refused in env, kept in envFrom: ENV_FROM_KEPT).
-    assert seen["PATH"] == os.environ["PATH"] and seen["PYTHONPATH"] == "/image/lib"
-    assert set(ENV_FROM_KEPT) <= set(ENV_REFUSED)
+    for e in container["env"]:
+        assert seen[e["name"]] == e.get("value", "from-secret"), e["name"]
+    assert not [n for n in seen if n.startswith(ENV_FROM_PREFIX)]
+    assert set(ENV_FROM_ALLOWED) <= set(ENV_REFUSED)
+    # The same keys with the envFrom entries as they were before (no prefix): the loader and Python see them.
+    bare = {**container, "envFrom": [{k: v for k, v in e.items() if k != "prefix"} for e in container["envFrom"]]}
+    out = subprocess.run([sys.executable, "-c", SHOW_ENV], capture_output=True, text=True, timeout=60,
+                         env=_kubelet_env(bare, {"vllm-secrets": refused, "vllm-conf": {}}))
+    assert "ld.so" in out.stderr and "nonexistent_module" in out.stderr, out.stderr
 
 
 def test_a_deleted_model_cache_claim_is_applied_again() -> None:

@@ -139,9 +139,8 @@ def build_crd() -> dict[str, Any]:
         },
         "x-kubernetes-validations": [
             api.cel(
-                f"self.metadata.name.size() <= {api.MAX_NAME_LENGTH}",
-                f"metadata.name: at most {api.MAX_NAME_LENGTH} characters (it prefixes the names of the pods, "
-                "Services and ConfigMaps made for it)",
+                f"self.metadata.name.size() <= {api.MAX_NAME_LENGTH} && self.metadata.name.matches('{api.NAME_PATTERN}')",
+                api.NAME_RULE,
                 reason="FieldValueInvalid",
             ),
         ],

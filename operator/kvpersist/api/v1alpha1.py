@@ -10,6 +10,7 @@ checks that both agree.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,9 +40,17 @@ SINGULAR = "kvcachenamespace"
 SHORT_NAMES = ["kvns"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# metadata.name prefixes the StatefulSet, its pods, Services and ConfigMaps; pod names carry a
-# controller-revision-hash label of name + 11 characters, which must stay within 63.
+# metadata.name prefixes every object the operator derives from it (builders/target.py), so it must
+# be valid wherever those names go. The strictest kinds: a Service's name is an RFC 1035 label (a
+# lowercase letter first, then letters, digits and '-', no '.', at most 63), and the longest derived
+# values are the per-id Service `NAME-lmcache-<8 hex>` (+17) and the StatefulSet's
+# controller-revision-hash label `NAME-lmcache-<hash of up to 10>` (+19, a label value of at most 63),
+# so 44 at most; 40 keeps room for a longer suffix.
 MAX_NAME_LENGTH = 40
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = (f"metadata.name: at most {MAX_NAME_LENGTH} characters, a lowercase letter first, then lowercase letters, "
+             "digits and '-' (no '.'), ending with a letter or digit: it prefixes the names of the Services (RFC 1035 "
+             "labels), pods, StatefulSet revision labels and ConfigMaps made for it, which Kubernetes would refuse later")
 
 # KV cache dtypes vLLM 0.33.0 accepts for --kv-cache-dtype, less the two that are not resolved
 # (UNRESOLVED_KV_CACHE_DTYPES). tests/contract checks this list against vLLM's own, so the two
@@ -595,11 +604,13 @@ class LMCacheServer(_Model):
 
 # spec.vllm.env and envFrom: names a C identifier (the container's start script reads them back).
 # Refused, at apply time and by the models, with what to set instead: names the operator sets or owns
-# through a field of its own, and names that change what vLLM computes, which model it loads or which
-# GPUs it sees, behind the pins' back (the same reasoning as EXTRA_ARGS). VLLM_* is an allow-list,
-# like extraArgs: logging, usage stats, HTTP keep-alive, compile caches; tests/contract checks each
-# is a variable vLLM reads. A refused name that arrives through envFrom (whose keys are not known at
-# apply time) is unset by the container's start script before vLLM starts (builders/vllm.py).
+# through a field of its own, and names that change what vLLM computes, which model it loads, which
+# GPUs it sees or which code runs in it, behind the pins' back (the same reasoning as EXTRA_ARGS).
+# Three families are allow-lists: VLLM_* (logging, usage stats, HTTP keep-alive, compile caches;
+# tests/contract checks each is a variable vLLM reads) and PYTHON* (output only), like extraArgs;
+# LD_* is refused whole: every one of them is the dynamic loader's. A refused name that arrives
+# through envFrom (whose keys are not known at apply time) never reaches vLLM: the keys come in
+# under a prefix and the container's start script sets only the allowed ones (builders/vllm.py).
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _USE_MODEL_CACHE = "the model cache is spec.vllm.modelCache (the operator sets HF_HOME on it)"
 _OTHER_CODE = "it runs other code in vLLM than the image's, which may compute other KV"
@@ -615,21 +626,38 @@ ENV_REFUSED: dict[str, str] = {
     "HF_ENDPOINT": "another endpoint may serve other files under the pinned revision",
     "CUDA_VISIBLE_DEVICES": _GPUS, "NVIDIA_VISIBLE_DEVICES": _GPUS, "NVIDIA_DRIVER_CAPABILITIES": _GPUS,
     "HIP_VISIBLE_DEVICES": _GPUS, "ROCR_VISIBLE_DEVICES": _GPUS,
-    "PYTHONPATH": _OTHER_CODE, "PYTHONHOME": _OTHER_CODE, "PYTHONSTARTUP": _OTHER_CODE, "LD_PRELOAD": _OTHER_CODE,
-    "LD_LIBRARY_PATH": _OTHER_CODE, "PATH": _OTHER_CODE,
+    "PATH": _OTHER_CODE,
+    "GCONV_PATH": _OTHER_CODE + " (glibc's iconv loads the shared objects it names)",
 }
 ENV_REFUSED_PREFIXES: dict[str, str] = {
     "LMCACHE_": "lmcache's configuration is the operator's (the connector's kv-transfer-config)",
     "KVPERSIST_": "the operator's own variables",
+    # LD_PRELOAD, LD_AUDIT (its audit library sees, and may redirect, every symbol binding),
+    # LD_LIBRARY_PATH, ... : the loader's, in every process of the container, before any code of ours.
+    "LD_": "every LD_* variable is the dynamic loader's (LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH, ...): "
+           + _OTHER_CODE,
 }
+# The VLLM_* and PYTHON* names that may be set; the rest of each family is refused.
 VLLM_ENV_ALLOWED = (
     "VLLM_CACHE_ROOT", "VLLM_CONFIGURE_LOGGING", "VLLM_DISABLE_COMPILE_CACHE", "VLLM_DO_NOT_TRACK",
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL",
     "VLLM_LOGGING_PREFIX", "VLLM_LOG_STATS_INTERVAL", "VLLM_NO_USAGE_STATS",
 )
+# Python's own variables that change only its output or its crash report, never which code runs
+# nor what it computes. The rest of PYTHON* chooses the code (PYTHONPATH, PYTHONHOME, PYTHONUSERBASE,
+# PYTHONPYCACHEPREFIX, PYTHONSTARTUP), imports a module it names (PYTHONWARNINGS' category,
+# PYTHONBREAKPOINT) or changes what the same code does (PYTHONHASHSEED, PYTHONOPTIMIZE, PYTHONUTF8).
+PYTHON_ENV_ALLOWED = ("PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "PYTHONIOENCODING", "PYTHONUNBUFFERED")
+ENV_ALLOW_LISTED: dict[str, tuple[tuple[str, ...], str]] = {
+    "VLLM_": (VLLM_ENV_ALLOWED, "the others may change the KV, the attention backend or the model behind the identity "
+              "pins"),
+    "PYTHON": (PYTHON_ENV_ALLOWED, "the others load other code than the image's (PYTHONPATH, a PYTHONWARNINGS "
+               "category, PYTHONBREAKPOINT, ...) or change what it computes"),
+}
 ENV_RULE = ("env names refused: " + ", ".join(sorted(ENV_REFUSED)) + ", any " + ", ".join(f"{p}*" for p in ENV_REFUSED_PREFIXES)
-            + ", and VLLM_* other than " + ", ".join(VLLM_ENV_ALLOWED) + " (they are the operator's, have a field of "
-            "their own, or change the KV or the model behind the identity pins)")
+            + "; " + "; ".join(f"{p}* other than " + ", ".join(allowed) for p, (allowed, _) in ENV_ALLOW_LISTED.items())
+            + " (they are the operator's, have a field of their own, change the KV or the model behind the identity "
+            "pins, or load other code than the image's)")
 
 
 def env_problem(name: str) -> str | None:
@@ -639,17 +667,18 @@ def env_problem(name: str) -> str | None:
     for prefix, why in ENV_REFUSED_PREFIXES.items():
         if name.startswith(prefix):
             return f"{name} is refused: {why}"
-    if name.startswith("VLLM_") and name not in VLLM_ENV_ALLOWED:
-        return (f"{name} is refused: of vLLM's variables only {', '.join(VLLM_ENV_ALLOWED)} may be set (the others "
-                "may change the KV, the attention backend or the model behind the identity pins)")
+    for prefix, (allowed, why) in ENV_ALLOW_LISTED.items():
+        if name.startswith(prefix) and name not in allowed:
+            return f"{name} is refused: of {prefix}* only {', '.join(allowed)} may be set ({why})"
     return None
 
 
 def _env_name_rule() -> str:
     names = ", ".join(f"'{n}'" for n in sorted(ENV_REFUSED))
-    allowed = ", ".join(f"'{n}'" for n in VLLM_ENV_ALLOWED)
     prefixes = " && ".join(f"!self.startsWith('{p}')" for p in ENV_REFUSED_PREFIXES)
-    return f"!(self in [{names}]) && {prefixes} && (!self.startsWith('VLLM_') || self in [{allowed}])"
+    families = " && ".join(f"(!self.startsWith('{p}') || self in [{', '.join(repr(n) for n in allowed)}])"
+                           for p, (allowed, _) in ENV_ALLOW_LISTED.items())
+    return f"!(self in [{names}]) && {prefixes} && {families}"
 
 
 def _refuse_env_name(name: str) -> str:
@@ -679,8 +708,8 @@ class LocalObjectRef(_Model):
 
 
 class EnvFromSource(_Model):
-    """Every key of a Secret or ConfigMap as a variable of the vLLM container. Keys that are refused
-    names (ENV_REFUSED) are unset before vLLM starts, and the operator's own variables win."""
+    """Every key of a Secret or ConfigMap as a variable of the vLLM container. A key that is a refused
+    name (env_problem) never reaches vLLM, nor the loader or Python before it, and `env` wins."""
 
     model_config = ConfigDict(
         json_schema_extra={"x-kubernetes-validations": [
@@ -852,13 +881,14 @@ class VLLM(_Model):
     env: list[EnvVar] = Field(
         default_factory=list, max_length=64,
         description="Literal variables of the vLLM container. Names the operator owns, that have a field of their "
-        "own, or that would change the KV or the model behind the pins are refused (docs/api.md). Not part of the "
-        "namespace id.", json_schema_extra={"default": []},
+        "own, that would change the KV or the model behind the pins, or that load other code (every LD_*, PYTHON* but "
+        "a few) are refused (docs/api.md). Not part of the namespace id.", json_schema_extra={"default": []},
     )
     env_from: list[EnvFromSource] = Field(
         default_factory=list, max_length=4,
-        description="Secrets or ConfigMaps whose keys become variables of the vLLM container; keys that are refused "
-        "names are unset before vLLM starts. Not part of the namespace id.", json_schema_extra={"default": []},
+        description="Secrets or ConfigMaps whose keys become variables of the vLLM container; a key that is a refused "
+        "name is never set (the start script says so on stderr), and a name in env wins. Not part of the namespace id.",
+        json_schema_extra={"default": []},
     )
     hf_token_secret_ref: HFTokenSecretRef | None = Field(
         None, alias="hfTokenSecretRef",
@@ -1182,8 +1212,6 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
 
 def parse_quantity(q: str) -> float:
     """A Kubernetes quantity in bytes (or units), enough for comparing sizes."""
-    import re
-
     m = re.fullmatch(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?", q)
     if not m:
         raise ValueError(f"not a quantity: {q!r}")
@@ -1534,10 +1562,10 @@ class KVCacheNamespace(_Model):
     status: KVCacheNamespaceStatus | None = None
 
     @model_validator(mode="after")
-    def _name_length(self) -> KVCacheNamespace:
+    def _name_fits_every_derived_name(self) -> KVCacheNamespace:
         name = self.metadata.get("name", "")
-        if len(name) > MAX_NAME_LENGTH:
-            raise ValueError(f"metadata.name: at most {MAX_NAME_LENGTH} characters, got {len(name)}")
+        if name and (len(name) > MAX_NAME_LENGTH or not re.fullmatch(NAME_PATTERN, name)):
+            raise ValueError(f"{NAME_RULE}; got {name!r} ({len(name)} characters)")
         return self
 
 

@@ -83,10 +83,11 @@ def metrics_scraper() -> dict[str, Any] | None:
 
 def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every server of the resource: the agent's port from the operator's pods only (when the operator's
-    namespace is known; else from nowhere in the cluster, which kubelet probes from the node are
-    not subject to on common CNIs), and from the scraper (metrics_scraper()) when one is named: the
-    agent's port is the servers' only metrics port (/server/metrics; its other paths need the
-    resource's token). No ZMQ here: see build_zmq_policy."""
+    namespace is known; else from nowhere in the cluster), and from the scraper (metrics_scraper())
+    when one is named: the agent's port is the servers' only metrics port (/server/metrics; its
+    other paths need the resource's token). Never a rule without peers: the kubelet's probes of the
+    agent's /healthz come from the pod's own node, which Kubernetes always admits whatever a
+    NetworkPolicy says. No ZMQ here: see build_zmq_policy."""
     spec = target.spec
     rules: list[dict[str, Any]] = []
     if operator_ns:

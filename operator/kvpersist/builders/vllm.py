@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpersist.api.v1alpha1 import ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, VLLM_ENV_ALLOWED
+from kvpersist.api.v1alpha1 import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import container_security_context, pod_security
@@ -121,25 +121,32 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
     return env
 
 
-# Refused names the start script leaves alone when they come through envFrom: the image sets them
-# (PATH, the CUDA image's LD_LIBRARY_PATH and NVIDIA_*, a Python image's PYTHONPATH), so an unset
-# would break the image rather than keep a user's value out; or they change no KV (a token from a
-# Secret). Which value came from envFrom the script cannot tell: docs/api.md says to keep these out.
-ENV_FROM_KEPT = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
-                 "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", API_KEY)
+# envFrom's keys are not known at apply time, so they never go into the container's environment as
+# they are: the kubelet sets each under ENV_FROM_PREFIX, where neither the dynamic loader (LD_AUDIT,
+# LD_PRELOAD in the start script's own shell), Python, nor the container runtime (NVIDIA_VISIBLE_DEVICES)
+# reads it, and the start script copies back only the names env_problem allows. The image's own
+# variables (PATH, the CUDA image's LD_LIBRARY_PATH, NVIDIA_*) are left as the image set them.
+ENV_FROM_PREFIX = "KVPERSIST_ENVFROM_"  # KVPERSIST_* is refused in env, so no user's name is mistaken for one
+# Refused in env only because a literal would put a secret in the spec: from a Secret they are fine.
+ENV_FROM_ALLOWED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", API_KEY)
 
 
-def env_filter(owned: list[str]) -> str:
-    """The start script's first part, with envFrom: unset every variable whose name the API refuses
-    (an envFrom key is not known at apply time), except the operator's own (`owned`, which win over
-    envFrom anyway) and ENV_FROM_KEPT, saying which on stderr. No `$(` (the kubelet would expand it):
-    backquotes. A value's own lines (`A=x` inside a value) may name a variable that is not set:
-    unsetting that is a no-op."""
-    keep = "|".join([*owned, *VLLM_ENV_ALLOWED, *ENV_FROM_KEPT])
-    refuse = "|".join([*sorted(set(ENV_REFUSED) - set(ENV_FROM_KEPT)), *(f"{p}*" for p in ENV_REFUSED_PREFIXES), "VLLM_*"])
-    return ("for kvp_n in `env | sed -n 's/^\\([A-Za-z_][A-Za-z0-9_]*\\)=.*/\\1/p'`; do case \"$kvp_n\" in "
-            f"{keep}) ;; {refuse}) echo \"kvpersist: $kvp_n from spec.vllm.envFrom is a refused name (docs/api.md): "
-            "unset\" >&2; unset \"$kvp_n\";; esac; done; ")
+def env_filter(set_in_env: list[str]) -> str:
+    """The start script's first part, with envFrom: for each `ENV_FROM_PREFIX<key>` the kubelet set,
+    export `<key>` unless it is refused (said on stderr) or named in the container's `env` (which
+    wins, Kubernetes' rule for env over envFrom), then unset the prefixed copy. No `$(` (the kubelet
+    would expand it): backquotes. A value's own lines (`X=y` inside a value) may name a prefixed
+    variable that is not set: skipped. `eval` sees only a C identifier, never a value."""
+    refused = [*sorted(set(ENV_REFUSED) - set(ENV_FROM_ALLOWED)), *(f"{p}*" for p in [*ENV_REFUSED_PREFIXES, *ENV_ALLOW_LISTED])]
+    allowed = [*(n for names, _ in ENV_ALLOW_LISTED.values() for n in names), *ENV_FROM_ALLOWED]
+    prefix = ENV_FROM_PREFIX
+    export = rf'eval "export $kvp_n=\"\${prefix}$kvp_n\""'
+    return (rf"for kvp_n in `env | sed -n 's/^{prefix}\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p'`; do "
+            rf'eval "kvp_set=\${{{prefix}$kvp_n+1}}"; [ "$kvp_set" = 1 ] || continue; case "$kvp_n" in '
+            + (f"{'|'.join(set_in_env)}) ;; " if set_in_env else "")
+            + f"{'|'.join(allowed)}) {export};; {'|'.join(refused)}) "
+            + 'echo "kvpersist: $kvp_n from spec.vllm.envFrom is a refused name (docs/api.md): not set" >&2;; '
+            + f'*) {export};; esac; unset "{prefix}$kvp_n"; done; ')
 
 
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
@@ -167,11 +174,11 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "securityContext": container_security_context(read_only_root=False),
     }
     if spec.vllm.env_from:
-        container["envFrom"] = [{"secretRef": {"name": e.secret_ref.name}} if e.secret_ref else
-                                {"configMapRef": {"name": e.config_map_ref.name}}  # type: ignore[union-attr]
+        container["envFrom"] = [{"prefix": ENV_FROM_PREFIX, **({"secretRef": {"name": e.secret_ref.name}} if e.secret_ref
+                                 else {"configMapRef": {"name": e.config_map_ref.name}})}  # type: ignore[union-attr]
                                 for e in spec.vllm.env_from]
-        container["command"] = ["sh", "-c", env_filter([e["name"] for e in operator_env(target)]) + buildcheck.EXEC,
-                                "vllm"]
+        set_in_env = [e["name"] for e in container["env"]]
+        container["command"] = ["sh", "-c", env_filter(set_in_env) + buildcheck.EXEC, "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]

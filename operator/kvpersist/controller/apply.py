@@ -30,7 +30,7 @@ from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import agentroll, fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
 from kvpersist.controller.drift import _note_own_write, child_key, own_apply
 from kvpersist.controller.policy import Refusal
-from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target, claim_not_shareable
+from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target, claim_not_shareable, l2_claims
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, Seen
@@ -58,6 +58,14 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         return True
     state.refused = None
     try:
+        # An L2 claim the servers would mount that the operator did not make (ownership.claim_refusal):
+        # nothing applied, as for NameTaken, and before a key is generated (no key made for nothing).
+        claim_refused = ownership.claim_refusal(target, l2_claims(target))
+        if claim_refused is not None:
+            if state.name_taken != claim_refused:
+                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, claim_refused[1])
+            state.name_taken, state.name_taken_retry_at = claim_refused, time.monotonic() + ownership.RETRY_S
+            return True
         read, lost = _judge_key(body, _read_key(target, fresh=True), seen.server_claims() if seen is not None else None)
         key_secret = None
         if read is not None and read.absent and read.generated and lost is None:

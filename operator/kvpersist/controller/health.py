@@ -3,10 +3,16 @@ answers) on the pod's loopback, behind a bounded server on the address `--livene
 
 kopf serves /healthz with aiohttp, which holds an idle connection, or one whose request head never
 ends, for aiohttp's keep-alive timeout (3630 s in aiohttp 3.14), some 6 KB of the operator's memory
-each (measured: +58 MiB for 10000), and the port is open to every namespace by default. In front
-of it kvpersist.httpserver bounds connections, time and threads as for the agent and the metrics;
-each probe is one bounded GET to kopf's endpoint on 127.0.0.1, whose answer (code and body)
-passes through, so the probe means what kopf's means.
+each (measured: +58 MiB for 10000). In front of it kvpersist.httpserver bounds connections, time
+and threads as for the agent and the metrics.
+
+The probe never waits on a worker: one thread of its own (KopfLiveness) reads kopf's endpoint on
+127.0.0.1 every POLL_S, and the front's selector thread answers each GET of the path at once from
+that thread's last reading (kvpersist.httpserver's probes). So whoever fills the front's workers
+and queue (once any pod could: 503 to the kubelet, and the cluster-wide operator restarted) no
+longer fails the probe, and the probe still means what kopf's means: kopf's code and body pass
+through, a kopf that did not answer within UPSTREAM_TIMEOUT_S is a 503, and so is a reading older
+than STALE_S (the reading thread stuck or gone).
 """
 
 from __future__ import annotations
@@ -14,15 +20,19 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from kvpersist import httpclient
-from kvpersist.httpserver import BoundedHTTPServer
+from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, ProbeAnswer
 
 # Under the chart's probe timeoutSeconds (5): a kopf that does not answer in time is a failed probe.
 UPSTREAM_TIMEOUT_S = 4.0
 MAX_BODY = 2**20
+# kopf's endpoint is read this often (kopf itself reruns its probe handlers at most every 10 s),
+# well under the chart's probe period (20 s): each probe sees a reading at most this old.
+POLL_S = 5.0
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int, str]:
@@ -41,25 +51,74 @@ def kopf_endpoint(path: str) -> tuple[str, int]:
     return f"http://127.0.0.1:{port}{path}", port
 
 
-def serve(host: str, port: int, path: str, upstream_port: int) -> BoundedHTTPServer:
-    """The front on a daemon thread: GET `path` is kopf's answer, anything else 404."""
+def _json(code: int, body: dict) -> ProbeAnswer:
+    return code, "application/json", json.dumps(body).encode()
+
+
+class KopfLiveness:
+    """kopf's liveness as last read, by a thread of its own: the probe's answer without a wait."""
+
+    def __init__(self, upstream_port: int, path: str, poll_s: float | None = None, stale_s: float | None = None) -> None:
+        self.upstream_port, self.path = upstream_port, path
+        self.poll_s = POLL_S if poll_s is None else poll_s
+        # A reading thread that stopped (or a read stuck past its own deadline) is a failed probe.
+        self.stale_s = 3 * self.poll_s + UPSTREAM_TIMEOUT_S if stale_s is None else stale_s
+        self._last: tuple[float, ProbeAnswer] | None = None  # (monotonic time, answer); replaced whole
+        self._stop = threading.Event()
+
+    def read_once(self) -> ProbeAnswer:
+        """One bounded GET of kopf's endpoint, kept as the answer: kopf's code and body, or 503 and why."""
+        try:
+            reply = httpclient.get("127.0.0.1", self.upstream_port, self.path, timeout=UPSTREAM_TIMEOUT_S,
+                                   max_bytes=MAX_BODY)
+            kind = "application/json" if reply.ok else "text/plain"
+            body = reply.body if len(reply.body) <= MAX_PROBE_BODY else json.dumps(
+                {"note": f"kopf answered {len(reply.body)} bytes, not shown"}).encode()
+            answer: ProbeAnswer = (reply.status, kind, body)
+        except httpclient.PeerError as exc:
+            answer = _json(503, {"error": f"kopf's liveness endpoint: {exc}"})
+        self._last = (time.monotonic(), answer)
+        return answer
+
+    def answer(self) -> ProbeAnswer:
+        """The last reading, or 503 naming why there is none that is fresh. Never blocks."""
+        last = self._last
+        if last is None:
+            return _json(503, {"error": "kopf's liveness endpoint not read yet"})
+        age = time.monotonic() - last[0]
+        if age > self.stale_s:
+            return _json(503, {"error": f"kopf's liveness endpoint last read {age:.0f} s ago (over {self.stale_s:.0f} s): "
+                               "the thread reading it is stuck or gone"})
+        return last[1]
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.read_once()
+            except Exception as exc:  # the reader must outlive any one read; its answer says what failed
+                self._last = (time.monotonic(), _json(503, {"error": f"reading kopf's liveness endpoint: {exc}"}))
+            self._stop.wait(self.poll_s)
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="liveness-reader", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiveness | None = None) -> BoundedHTTPServer:
+    """The front on a daemon thread: GET `path` is kopf's last answer (answered on the selector
+    thread, never queued), anything else 404 from a one-worker pool. `liveness`: a reader the
+    caller made (tests); else one of POLL_S, started here."""
+    if liveness is None:
+        liveness = KopfLiveness(upstream_port, path)
+        liveness.start()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if urlsplit(self.path).path != path:
-                self._send(404, {"error": "not found"})
-                return
-            try:
-                reply = httpclient.get("127.0.0.1", upstream_port, path, timeout=UPSTREAM_TIMEOUT_S, max_bytes=MAX_BODY)
-            except httpclient.PeerError as exc:
-                self._send(503, {"error": f"kopf's liveness endpoint: {exc}"})
-                return
-            self._send(reply.status, reply.body, "application/json" if reply.ok else "text/plain")
-
-        def _send(self, code: int, body: dict | bytes, kind: str = "application/json") -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
+            data = json.dumps({"error": f"not found: the liveness endpoint is {path}"}).encode()
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -67,6 +126,7 @@ def serve(host: str, port: int, path: str, upstream_port: int) -> BoundedHTTPSer
         def log_message(self, *_: object) -> None:
             return
 
-    server = BoundedHTTPServer((host, port), Handler, workers=2, queue_size=8, name="liveness")
+    server = BoundedHTTPServer((host, port), Handler, workers=1, queue_size=4, name="liveness",
+                               probes={path: liveness.answer})
     threading.Thread(target=server.serve_forever, name="liveness", daemon=True).start()
     return server

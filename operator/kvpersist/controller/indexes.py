@@ -4,6 +4,7 @@ of them (Seen); a workload that changes marks its owner for a status refresh.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ import kopf
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import SERVER
-from kvpersist.controller import runtime, sharing
+from kvpersist.controller import podtrust, runtime, sharing
 from kvpersist.controller.runtime import _MANAGED
 from kvpersist.status.agentroll import AgentSet
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen, fleet, index_entry, live_ids, owner_key
@@ -35,6 +36,13 @@ async def kvp_deployments(body: kopf.Body, **_: Any) -> Any:
 
 @kopf.index("", "v1", "pods", labels=_MANAGED)
 async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
+    return index_entry(body)
+
+
+@kopf.index("apps", "v1", "replicasets", labels=_MANAGED)
+async def kvp_replicasets(body: kopf.Body, **_: Any) -> Any:
+    """A Deployment's ReplicaSets (they carry its pod template's labels): the middle link of a vLLM
+    pod's ownerReference chain, which decides whether it gets credentials (kvpersist.controller.podtrust)."""
     return index_entry(body)
 
 
@@ -78,16 +86,43 @@ def _mark_dirty(body: Mapping[str, Any]) -> None:
 
 def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
           agents: Mapping[tuple[str, str], AgentSet] | None = None,
-          stores: Stores | None = None) -> Seen:
+          stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
     """Copies of one resource's objects from the indexes (and, when given, every store: _stores);
-    call in the event loop only."""
+    owner_uid: the resource's uid when its body is at hand (else the one last tracked). Call in the
+    event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
         store = runtime.CONTROLLER.indices.get(name, {}).get(key)
         return list(store) if store is not None else []
-    return Seen(statefulsets=values("kvp_statefulsets"), deployments=values("kvp_deployments"),
-                pods=values("kvp_pods"), claims=values("kvp_claims"), live_ids=_live() if live is None else live,
+    statefulsets, deployments = values("kvp_statefulsets"), values("kvp_deployments")
+    if owner_uid is None:
+        state = runtime.CONTROLLER.get(key)
+        owner_uid = (((state.body if state is not None else None) or {}).get("metadata") or {}).get("uid")
+    # Only pods its own workloads made: labels are anyone's to copy, and these pods get the credentials.
+    pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), values("kvp_replicasets"), statefulsets, deployments,
+                                            owner_uid)
+    _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + values("kvp_replicasets")})
+    return Seen(statefulsets=statefulsets, deployments=deployments,
+                pods=pods, claims=values("kvp_claims"), live_ids=_live() if live is None else live,
                 fleet=_fleet() if agents is None else agents, stores=stores[1] if stores is not None else None,
                 stores_version=stores[0] if stores is not None else -1, all_server_pods=stores[2] if stores is not None else ())
+
+
+# Pods already logged as untrusted (by uid), so each is named once, not every status round.
+_UNTRUSTED_LOGGED: set[str] = set()
+
+
+def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set[str]) -> None:
+    """One warning per pod left out of a resource's view (kvpersist.controller.podtrust). A pod whose
+    controller the caches have not delivered yet (a new ReplicaSet's pod may come first) is left out
+    without a word until they have: it may be the operator's own."""
+    for pod in pods:
+        uid = str(pod["metadata"].get("uid"))
+        ref = podtrust.controller_of(pod["metadata"])
+        if uid not in _UNTRUSTED_LOGGED and (ref is None or ref[1] in known):
+            if len(_UNTRUSTED_LOGGED) >= 10_000:
+                _UNTRUSTED_LOGGED.clear()
+            _UNTRUSTED_LOGGED.add(uid)
+            logging.getLogger("kvpersist").warning("%s", podtrust.untrusted_message(pod, f"{key[0]}/{key[1]}"))
 
 
 def _live() -> frozenset[str]:

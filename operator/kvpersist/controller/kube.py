@@ -111,17 +111,20 @@ METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v
 LIST_PAGE = 500
 
 
-def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool) -> tuple[list[dict[str, Any]], str]:
+def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool,
+              field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """Every object of a kind (in one namespace, or None: all), in pages of LIST_PAGE, and the
     list's resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata,
-    so a Secret's data never reaches the operator (kvpersist.controller.watchcache)."""
+    so a Secret's data never reaches the operator (kvpersist.controller.watchcache). field_selector
+    `metadata.name=X`: one object, which RBAC may grant by resourceNames."""
     res = _resource(api_version, kind)
     headers = {"Accept": METADATA_LIST} if metadata_only else {}
     items: list[dict[str, Any]] = []
     token: str | None = None
     while True:
         out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=LIST_PAGE,
-                               _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S)
+                               _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S,
+                               **({"field_selector": field_selector} if field_selector else {}))
         page = json.loads(out.data)
         items += page.get("items") or []
         token = (page.get("metadata") or {}).get("continue")
@@ -130,7 +133,7 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
 
 
 def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,
-               metadata_only: bool, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+               metadata_only: bool, stop: threading.Event, field_selector: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """(type, object) of each event of one watch from resource_version, until the API server ends
     it after timeout_s (or stop is set: checked at each event). Raises ApiException on an ERROR
     event (410: the version expired, list again)."""
@@ -138,7 +141,8 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
     headers = {"Accept": METADATA_ONLY} if metadata_only else {}
     resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
                             resource_version=resource_version, timeout_seconds=timeout_s, serialize=False,
-                            _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S))
+                            _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S),
+                            **({"field_selector": field_selector} if field_selector else {}))
     try:
         for line in iter_resp_lines(resp):
             if stop.is_set():
@@ -234,7 +238,7 @@ def post_event(owner: Mapping[str, Any], type_: str, reason: str, message: str) 
         "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta["uid"]},
+                           "namespace": meta["namespace"], **({"uid": meta["uid"]} if meta.get("uid") else {})},
         "type": type_,
         "reason": reason,
         "message": message[:1024],

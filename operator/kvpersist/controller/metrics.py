@@ -64,10 +64,21 @@ _HITS = {"kvpersist_resource_lookup_tokens_total": "lookupTokens", "kvpersist_re
          "kvpersist_resource_hit_tokens_l1_total": "hitTokensL1", "kvpersist_resource_hit_tokens_l2_total": "hitTokensL2"}
 
 
+CREATOR_RIGHTS = "kvpersist_creator_rights_enforced"
+_creator_rights: list[float] = []  # the gauge's value, when the check has an answer
+
+
+def creator_rights(ok: bool | None) -> None:
+    """1 while the creator-rights policy and its Deny binding exist, 0 while either is missing;
+    absent while the operator cannot tell (it may not read them) or the check is off."""
+    with _lock:
+        _creator_rights[:] = [] if ok is None else [1.0 if ok else 0.0]
+
+
 def families() -> set[str]:
     """Every metric name /metrics can show (what the alert rules may refer to)."""
     return {*HELP, "kvpersist_resources", "kvpersist_resource_refreshes_total", CONDITION, *RESOURCE_GAUGES,
-            *RESOURCE_COUNTERS}
+            *RESOURCE_COUNTERS, CREATOR_RIGHTS}
 
 
 @dataclass
@@ -187,6 +198,10 @@ def render() -> str:
         lines = []
         for name, text in HELP.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {_counters[name]}"]
+        if _creator_rights:
+            lines += [f"# HELP {CREATOR_RIGHTS} 1 while the creator-rights ValidatingAdmissionPolicy and its Deny binding "
+                      "exist, 0 while not (then any creator of a KVCacheNamespace gets its pods).",
+                      f"# TYPE {CREATOR_RIGHTS} gauge", f"{CREATOR_RIGHTS} {_number_text(_creator_rights[0])}"]
         lines += ["# HELP kvpersist_resources KVCacheNamespaces by phase.", "# TYPE kvpersist_resources gauge"]
         for phase, count in sorted(Counter(_phases.values()).items()):
             lines.append(f"kvpersist_resources{_labels(phase=phase)} {count}")

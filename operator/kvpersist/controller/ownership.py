@@ -8,12 +8,21 @@ own is looked up (kvpersist.controller.apply), and an object there that is not i
 whole apply: nothing is applied over it, nor any other child (vLLM would mount that ConfigMap,
 the servers that token), and Ready says NameTaken, naming it. The L2 key is judged where it is
 read (kvpersist.controller.reading): not its own, it is never used (the cache off, KeySecretNotOwned).
+The L2 claims the servers would mount under derived names (`l2-<name>-lmcache-shared`, which the
+operator makes with spec.l2.nvme.shared and size, and the StatefulSet's `l2-<name>-lmcache-<i>`,
+which its controller adopts whatever holds them) are looked up the same way before an apply (from
+the claim watch cache): one without the labels the operator's claims carry stops the apply, Ready
+ClaimNotOwned naming it (a pre-made claim would otherwise receive this resource's KV).
 
 What counts as the operator's own, and why that is enough:
 - What it applies (workloads, Services, policies, the connection ConfigMap) and the agent token
   Secret: an ownerReference with controller true to this very KVCacheNamespace, by uid (the API
   server assigns it: a namesake deleted and made again has another one). Every version of the
   operator has set that reference on them (kopf.append_owner_reference).
+- The L2 claims, which have no owner on purpose either (kvpersist.builders.retained): the labels
+  component lmcache-server and the resource's name (under kvpersist.dev/instance, or
+  app.kubernetes.io/instance as the StatefulSet controller copies its selector in). What a
+  deleted namesake left carries them too: the creator-rights policy asks for `get` on each.
 - The generated L2 key, which has no owner on purpose (kvpersist.builders.keysecret): the labels
   every version gave it, managed-by kvpersist, component l2-key and the resource's name (under
   kvpersist.dev/instance, or app.kubernetes.io/instance before kvpersist.builders.retained). A
@@ -36,9 +45,10 @@ from typing import Any
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.keysecret import L2_KEY_COMPONENT
 from kvpersist.builders.retained import INSTANCE_LABEL, TRACKING_LABEL
-from kvpersist.builders.target import MANAGED_BY
+from kvpersist.builders.target import L2_VOLUME, MANAGED_BY, SERVER, Target
 
 NAME_TAKEN = "NameTaken"  # Ready's reason while an object the operator did not make holds a derived name
+CLAIM_NOT_OWNED = "ClaimNotOwned"  # Ready's reason while a claim the servers would mount is not the operator's
 RETRY_S = 30.0  # how often a taken name is looked at again (its holder has none of the watched labels)
 
 
@@ -84,3 +94,44 @@ def key_not_owned_message(secret: str, name: str) -> str:
             f"{INSTANCE_LABEL}={name}): its key is not used, and the cache stays off. Delete or rename that Secret "
             f"(the operator then generates the key), or name it in spec.l2.encryption.keySecretRef if it is meant "
             "as this resource's key; a key restored from a backup keeps its labels")
+
+
+def l2_claim_names(target: Target) -> list[str]:
+    """The claims under derived names the lmcache servers would mount: `l2-<name>-lmcache-shared`
+    (spec.l2.nvme.shared with size), or one per server ordinal up to spec.lmcacheServer.replicas
+    (size, not shared); none with the user's own claim (existingClaimName) or a bucket."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or nvme.size is None:
+        return []
+    if nvme.shared:
+        return [target.shared_claim] if target.shared_claim else []
+    return [f"{L2_VOLUME}-{target.server_name}-{i}" for i in range(target.spec.lmcache_server.replicas)]
+
+
+def is_own_l2_claim(meta: Mapping[str, Any] | None, name: str) -> bool:
+    """Whether an existing L2 claim carries the labels every L2 claim the operator makes for the
+    resource `name` carries (the shared one, and a StatefulSet's before or after retention moved
+    its name from app.kubernetes.io/instance to kvpersist.dev/instance): component lmcache-server
+    and that name (what the claim watch cache keeps of its labels)."""
+    labels = (meta or {}).get("labels") or {}
+    return labels.get("app.kubernetes.io/component") == SERVER and name in (labels.get(INSTANCE_LABEL),
+                                                                             labels.get(TRACKING_LABEL))
+
+
+def claim_refusal(target: Target, existing: Mapping[str, Mapping[str, Any] | None]) -> tuple[str, str] | None:
+    """ClaimNotOwned's (reason, message) when an L2 claim the servers would mount (existing: by
+    name, None for absent) is not the operator's, else None."""
+    foreign = sorted(n for n, claim in existing.items() if claim is not None
+                     and not is_own_l2_claim(claim.get("metadata"), target.name))
+    if not foreign:
+        return None
+    ns, first = target.namespace, foreign[0]
+    return CLAIM_NOT_OWNED, (
+        f"PersistentVolumeClaim {', '.join(foreign)} already exists in namespace {ns} without the labels the operator "
+        f"puts on the L2 claims it makes (app.kubernetes.io/component={SERVER}, {INSTANCE_LABEL}={target.name}): the "
+        "lmcache servers would mount it and write this resource's KV to it, so "
+        f"nothing of this resource is applied. Delete it if it is not needed (kubectl delete pvc {first} -n {ns}), or "
+        f"give the KVCacheNamespace another name; if it truly is this resource's own L2 claim (made by the operator for "
+        f"a deleted KVCacheNamespace {target.name}), label it: kubectl label pvc {first} -n {ns} "
+        f"app.kubernetes.io/component={SERVER} {INSTANCE_LABEL}={target.name}. The "
+        f"operator looks again every {RETRY_S:.0f} s")

@@ -138,6 +138,22 @@ def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
     return kube.get("v1", "PersistentVolumeClaim", name, namespace)
 
 
+def l2_claims(target: Target) -> dict[str, dict[str, Any] | None]:
+    """The L2 claims under derived names the servers would mount (ownership.l2_claim_names), each
+    as it exists or None: from the claim watch cache when it has listed (no request), else one LIST
+    of the namespace's claims. Blocking."""
+    names = ownership.l2_claim_names(target)
+    if not names:
+        return {}
+    cache = runtime.CONTROLLER.claim_cache
+    if cache is not None:
+        found = {n: cache.lookup(target.namespace, n) for n in names}
+        if all(synced for synced, _ in found.values()):
+            return {n: claim for n, (_, claim) in found.items()}
+    listed = {(c.get("metadata") or {}).get("name"): c for c in kube.list_all("v1", "PersistentVolumeClaim", target.namespace)}
+    return {n: listed.get(n) for n in names}
+
+
 def claim_not_shareable(target: Target) -> bool:
     """spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one
     server only, since the others, on other nodes, could never mount it. A claim not found or not

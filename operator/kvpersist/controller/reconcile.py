@@ -31,8 +31,9 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         state.drifted = False
         try:
             await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger,
-                                       _seen(key, stores=_stores()))
-            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, _seen(key, stores=_stores()),
+                                       _seen(key, stores=_stores(), owner_uid=body["metadata"].get("uid")))
+            await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body,
+                                       _seen(key, stores=_stores(), owner_uid=body["metadata"].get("uid")),
                                        logger)
         finally:
             _sweep_if_forgotten(key)

@@ -29,6 +29,7 @@ from kvpersist.controller import (
     metrics,
     pincheck,
     prewarm,
+    references,
     retention,
     runtime,
     sharing,
@@ -234,6 +235,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             if released:
                 state.drifted = True  # acknowledged: vLLM is applied with the cache again
         observation.warm = _warm(key, target, seen, state)
+        observation.references = references.condition_of(target)  # ReferencesFound: the named objects exist
+        observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
         if old.get("namespaceId") == target.namespace_id:
             observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"

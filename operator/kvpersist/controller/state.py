@@ -190,6 +190,11 @@ class Controller:
         # None: not started (a glob among the watched namespaces, or a test), reads go by request.
         self.secret_cache: WatchCache | None = None
         self.claim_cache: WatchCache | None = None
+        self.configmap_cache: WatchCache | None = None  # metadata only: ReferencesFound
+        # The creator-rights policy as last read (kvpersist.controller.admissioncheck): (ok, reason,
+        # message); None: not read yet, or the check is off.
+        self.creator_rights: tuple[bool | None, str, str] | None = None
+        self.creator_rights_stop: threading.Event | None = None
         # Every watched resource's L2 store (sharing.User), kept by the kvp_stores index handler
         # (kvpersist.controller.indexes), and a counter moved by each change: StorageInUse is decided
         # from these, and a resource whose store and others' have not changed is not looked at again.

@@ -16,7 +16,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import kube, metrics, runtime, watchcache
+from kvpersist.controller import admissioncheck, kube, metrics, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import _fleet, _live, _seen, _stores
 from kvpersist.controller.refresh import refresh_status
@@ -174,21 +174,24 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
 
 @kopf.on.startup()
 async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[Any, Any], kvp_deployments: Mapping[Any, Any],
-                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any], **_: Any) -> None:
+                            kvp_pods: Mapping[Any, Any], kvp_claims: Mapping[Any, Any],
+                            kvp_replicasets: Mapping[Any, Any], **_: Any) -> None:
     runtime.CONTROLLER.indices.update(kvp_statefulsets=kvp_statefulsets, kvp_deployments=kvp_deployments, kvp_pods=kvp_pods,
-                                      kvp_claims=kvp_claims)
+                                      kvp_claims=kvp_claims, kvp_replicasets=kvp_replicasets)
     start_watch_caches()
+    runtime.CONTROLLER.creator_rights_stop = admissioncheck.start(os.environ)
     runtime.CONTROLLER.loop_task = asyncio.create_task(_status_loop(logger))
 
 
 def start_watch_caches() -> None:
-    """The named Secrets' and claims' watch caches, in the namespaces kopf watches (none with a
+    """The named Secrets', ConfigMaps' and claims' watch caches, in the namespaces kopf watches (none with a
     glob among them: there is no list per namespace to make, so reads go by request)."""
     scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
     if scope is False:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
         return
-    for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims)):
+    for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims),
+                       ("configmap_cache", watchcache.configmaps)):
         cache = make(scope)  # type: ignore[arg-type]
         setattr(runtime.CONTROLLER, name, cache)
         cache.start()
@@ -196,8 +199,10 @@ def start_watch_caches() -> None:
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
-    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache):
+    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache, runtime.CONTROLLER.configmap_cache):
         if cache is not None:
             cache.stop()
+    if runtime.CONTROLLER.creator_rights_stop is not None:
+        runtime.CONTROLLER.creator_rights_stop.set()
     if runtime.CONTROLLER.loop_task is not None:
         runtime.CONTROLLER.loop_task.cancel()

@@ -16,7 +16,7 @@ from kvpersist.controller.policy import REASONS as REFUSAL_REASONS
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.status import build as buildstatus
 from kvpersist.status import canary as judge_canary
-from kvpersist.status import keymismatch
+from kvpersist.status import keymismatch, references
 from kvpersist.status.conditions import SPACE_CONDITION, WARM_CONDITION, condition
 from kvpersist.status.workloads import Seen
 
@@ -85,7 +85,8 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     ready = next((c for c in conds if c["type"] == "Ready"), None)
     old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
     # So is a store another resource holds (StorageInUse: kvpersist.controller.sharing), and its end.
-    refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE, ownership.NAME_TAKEN)
+    refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE, ownership.NAME_TAKEN,
+                                                        ownership.CLAIM_NOT_OWNED)
     if refused and (old_ready.get("reason"), old_ready.get("message")) != (ready["reason"], ready["message"]):
         events.append(("Warning", ready["reason"], ready["message"]))
     elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None:
@@ -116,6 +117,15 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     elif warm is not None and warm["status"] == "False" and warm["reason"] != "Warming" and (
             (old_warm.get("reason"), old_warm.get("message")) != (warm["reason"], warm["message"])):
         events.append(("Warning", warm["reason"], warm["message"]))
+    # A Secret or ConfigMap the spec names that does not exist (kvpersist.status.references): once per
+    # message, and once when all exist again.
+    old_refs = next((c for c in old.get("conditions") or [] if c.get("type") == references.CONDITION), {})
+    refs = next((c for c in conds if c["type"] == references.CONDITION), None)
+    if refs is not None and refs["status"] == "False" and (
+            (old_refs.get("reason"), old_refs.get("message")) != (refs["reason"], refs["message"])):
+        events.append(("Warning", refs["reason"], refs["message"]))
+    elif refs is not None and refs["status"] == "True" and old_refs.get("status") == "False":
+        events.append(("Normal", refs["reason"], refs["message"]))
     old_budget, new_budget = (old.get("budget") or {}).get("state"), (new.get("budget") or {}).get("state")
     if new_budget != old_budget and new_budget is not None:
         cond = next((c for c in conds if c["type"] == "WithinBudget"), None)

@@ -1,6 +1,7 @@
 """Watch caches of what the status refresh used to read by request every round: the Secrets a
 resource names (metadata only: their labels for secretLabel, and the resourceVersion that says
-whether a key or token must be read again) and the claims users name (existingClaimName, which
+whether a key or token must be read again), the ConfigMaps (metadata only: whether each one a spec
+names exists) and the claims users name (existingClaimName, which
 carry none of the operator's labels, so the kopf index of claims never sees them).
 
 One list, then one watch from its resourceVersion, per watched namespace (or one cluster-wide),
@@ -131,12 +132,25 @@ def _watch_claims(scope: str | None, version: str, stop: threading.Event) -> Ite
     return kube.watch_page("v1", "PersistentVolumeClaim", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop)
 
 
+def _list_configmaps(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "ConfigMap", scope, metadata_only=True)
+
+
+def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    return kube.watch_page("v1", "ConfigMap", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
+
+
 def secrets(namespaces: tuple[str, ...] | None) -> WatchCache:
     return WatchCache("Secret", namespaces, _list_secrets, _watch_secrets, keep=_metadata)
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
     return WatchCache("PersistentVolumeClaim", namespaces, _list_claims, _watch_claims, keep=slim)
+
+
+def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
+    """Metadata only: whether a ConfigMap a spec names exists (ReferencesFound), never its data."""
+    return WatchCache("ConfigMap", namespaces, _list_configmaps, _watch_configmaps, keep=_metadata)
 
 
 def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:

@@ -19,6 +19,9 @@ the resource's agent token (a bearer token from an owned Secret, mounted as a fi
 policy is not enforced, nobody else can delete or list. Whoever reaches the port still costs
 the agent no thread per connection and no unbounded read (kvpersist.httpserver: idle connections
 wait on one selector and are closed after 10 s, a /gc body's Content-Length is checked first).
+Its /healthz (the pod's liveness and readiness probe) is answered on that selector thread, never
+behind the workers: requests that fill them (/server/metrics needs no token) cannot fail the probe.
+It answers from the agent's own state (Agent.alive, and the pool's progress: STUCK_S).
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
 0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
@@ -61,7 +64,7 @@ from urllib.parse import parse_qs, urlparse
 
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
-from kvpersist.httpserver import BodyError, BoundedHTTPServer, read_body
+from kvpersist.httpserver import BodyError, BoundedHTTPServer, ProbeAnswer, read_body
 from kvpersist.inventory import prefetch
 from kvpersist.inventory.space import effective_capacity, judge_expiry, others_bytes
 from kvpersist.inventory.volume import (
@@ -97,6 +100,11 @@ MAX_EXPIRE_IDS = 4096
 # What the other folders hold moves only when someone writes there (another resource sharing the
 # claim) or deletes them: the trim re-reads them at most this often, not on every pass.
 OTHERS_TTL_S = 300.0
+# /healthz fails when a request has waited this long for a worker: all of them stuck (a hung
+# volume, a lock never released), which a restart clears. Every request's own reads are bounded to
+# seconds (kvpersist.httpserver, PROXY_TIMEOUT_S); only a /gc or /expire of a huge folder holds the
+# lock, and the reads behind it, longer, and it must run that long with every worker waiting too.
+STUCK_S = 300.0
 
 
 POD_NAME_ENV = "KVPERSIST_POD_NAME"  # the downward API's metadata.name (kvpersist.builders.lmcache)
@@ -319,6 +327,13 @@ class Agent:
             self._thread = threading.Thread(target=self._trim_loop, name="kvpersist-trim", daemon=True)
             self._thread.start()
 
+    def alive(self) -> str | None:
+        """Why the agent is not alive, or None: its trim thread ended (the folder would grow
+        past its capacity unseen). Never blocks: /healthz calls it on the server's selector thread."""
+        if self.trimming and self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            return f"the trim thread of {self.serving} ended: the folder is no longer held to its capacity"
+        return None
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -327,7 +342,13 @@ class Agent:
 
 def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTTPServer:
     """The agent's HTTP server: bounded in connections, threads, time and body size
-    (kvpersist.httpserver; `bounds` override its limits, for tests)."""
+    (kvpersist.httpserver; `bounds` override its limits, for tests). /healthz is a probe of the
+    server's: answered on its selector thread, from the agent's own state."""
+
+    def healthz() -> ProbeAnswer:
+        why = agent.alive() or server.stalled(STUCK_S)
+        body = {"status": "ok"} if why is None else {"error": why}
+        return 200 if why is None else 503, "application/json", json.dumps(body).encode()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:
@@ -343,9 +364,7 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
 
         def do_GET(self) -> None:
             url = urlparse(self.path)
-            if url.path == "/healthz":
-                self._send(200, {"status": "ok"})
-            elif url.path in PROXIED:
+            if url.path in PROXIED:
                 ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True) if PROXIED[url.path][2] else (True, "")
                 if not ok:
                     self._send(403 if "without --token-file" in why else 401, {"error": why})
@@ -414,7 +433,8 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                 code, out = exc.code, {"error": str(exc)}
             self._send(code, out)
 
-    return BoundedHTTPServer((host, port), Handler, name="agent", **bounds)
+    server = BoundedHTTPServer((host, port), Handler, name="agent", probes={"/healthz": healthz}, **bounds)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:

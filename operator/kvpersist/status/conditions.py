@@ -15,7 +15,10 @@ from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
 from kvpersist.status.build import BuildVerdict, bypass_message
 from kvpersist.status.canary import CONDITION as CANARY_CONDITION
 from kvpersist.status.canary import MISMATCH as HIT_MISMATCH
+from kvpersist.status.creatorrights import CONDITION as CREATOR_RIGHTS_CONDITION
 from kvpersist.status.keymismatch import KEY_MISMATCH
+from kvpersist.status.references import CONDITION as REFERENCES_CONDITION
+from kvpersist.status.references import MISSING as REFERENCE_MISSING
 from kvpersist.status.usage import ServerReport, summarize
 
 # Hit figures move with every request: alone they cause at most one status write per this many
@@ -25,11 +28,17 @@ HITS_WRITE_INTERVAL_S = 60.0
 SPACE_CONDITION = "L2SpaceAvailable"
 WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)
 CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady", "VLLMReady", BUILD_CONDITION,
-                   CANARY_CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, "Ready")
+                   CANARY_CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, REFERENCES_CONDITION,
+                   CREATOR_RIGHTS_CONDITION, "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job,
 # a nearly full claim is a warning before it fills (writes still succeed), and a declared prompt
 # not warm yet is only slower (computed or read from L2 on its first request).
-INFORMATIONAL = ("WithinBudget", SPACE_CONDITION, "PinsVerified", WARM_CONDITION)  # PinsVerified False turns the cache off itself
+# CreatorRightsEnforced False is the cluster's exposure, not this resource's health.
+INFORMATIONAL = ("WithinBudget", SPACE_CONDITION, "PinsVerified", WARM_CONDITION,  # PinsVerified False turns the cache off itself
+                 CREATOR_RIGHTS_CONDITION)
+# ReferencesFound False holds Ready back only through what it stops (pods that never start are not
+# ready; a missing pull Secret of a public image stops nothing), but while Ready is False for any
+# reason a missing object is named first: it is why the pods wait.
 
 
 def now() -> str:
@@ -118,6 +127,8 @@ class Observation:
     warm: tuple[bool | None, str, str] | None = None  # Warm (kvpersist.status.prewarm); None: nothing declared
     vllm_selector: str | None = None  # the vLLM pods' label selector (status.vllmSelector, for the scale subresource)
     canary: tuple[bool | None, str, str] | None = None  # HitCorrectness (kvpersist.status.canary); None: none
+    references: tuple[bool | None, str, str] | None = None  # ReferencesFound (kvpersist.status.references); None: none named
+    creator_rights: tuple[bool | None, str, str] | None = None  # CreatorRightsEnforced (kvpersist.status.creatorrights)
 
 
 # Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
@@ -422,12 +433,16 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         conds.append(space_cond)
     if obs.warm is not None:
         conds.append(condition(WARM_CONDITION, *obs.warm, gen))
+    if obs.references is not None:
+        conds.append(condition(REFERENCES_CONDITION, *obs.references, gen))
+    if obs.creator_rights is not None:
+        conds.append(condition(CREATOR_RIGHTS_CONDITION, *obs.creator_rights, gen))
 
     by_type = {c["type"]: c for c in conds}
     # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a
     # canary without a verdict (vLLM unreachable, its output not deterministic): only a hit that
     # changed an answer holds Ready back.
-    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in INFORMATIONAL
+    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, REFERENCES_CONDITION)
               and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"))]
     if not cache_on:
         phase = "CacheDisabled"
@@ -445,8 +460,10 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         # A hit that changed an answer comes first: it is why vLLM runs without the cache. Pods the
         # API server refuses explain everything after them (claims wait for a pod); so does a build
         # mismatch (a server that refuses to start is only "starting" to the others).
+        missing = by_type.get(REFERENCES_CONDITION)
         first = next((c for c in not_ok if c["reason"] == HIT_MISMATCH), None) or next(
-            (c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or next(
+            (c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or (
+            missing if missing is not None and missing["reason"] == REFERENCE_MISSING else None) or next(
             (c for c in not_ok if c["reason"] == BUILD_MISMATCH), not_ok[0])
         conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
 

@@ -26,7 +26,7 @@ from kvpersist.status.keymismatch import slim_statuses as key_refusing_statuses
 WATCH_SELECTOR = "app.kubernetes.io/name=kvpersist"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "pods"),
+WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("apps", "v1", "replicasets"), ("", "v1", "pods"),
            ("", "v1", "persistentvolumeclaims"), ("", "v1", "services"), ("", "v1", "configmaps"),
            ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"))
 
@@ -59,6 +59,12 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
         "status": _pick(status, ("phase", "podIP", "observedGeneration", "replicas", "readyReplicas", "updatedReplicas",
                                  "currentRevision", "updateRevision")),
     }
+    # Its controller reference, by uid: credentials go only to pods whose chain of them ends at the
+    # resource's own workload (kvpersist.controller.podtrust); labels are anyone's to copy.
+    controller = [_pick(r, ("apiVersion", "kind", "name", "uid", "controller")) for r in meta.get("ownerReferences") or []
+                  if r.get("controller") is True][:1]
+    if controller:
+        out["metadata"]["ownerReferences"] = controller
     # An lmcache StatefulSet's size and agent image: what the agent roll plans from (status.agentroll).
     agent = agent_image_of(body)
     if agent is not None:

@@ -1,0 +1,148 @@
+"""Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges).
+The two objects, by the name the install gives (KVPERSIST_CREATOR_RIGHTS_POLICY: the chart's
+`<release>-creator-rights`, config/'s `kvpersist-creator-rights`; `off`: no check), are kept by a
+list and watch each, field-selected to that one name (RBAC grants them by resourceNames): no
+request while nothing changes. A change of verdict is logged, posted as an Event on the
+operator's own pod, shown as the gauge kvpersist_creator_rights_enforced, and marks every
+resource for a refresh so its CreatorRightsEnforced condition follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from kvpersist.controller import kube, metrics, runtime
+from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, WatchCache
+from kvpersist.status import creatorrights
+
+POLICY_ENV = "KVPERSIST_CREATOR_RIGHTS_POLICY"
+DEFAULT_POLICY = "kvpersist-creator-rights"
+API = "admissionregistration.k8s.io/v1"
+POLL_S = 2.0  # how often the caches are judged again (no request: they are in memory)
+Verdict = tuple[bool | None, str, str]
+
+
+def policy_name(environ: Mapping[str, str]) -> str | None:
+    """The policy's name to check, None when the check is off."""
+    name = (environ.get(POLICY_ENV) or DEFAULT_POLICY).strip()
+    return None if name.lower() == "off" else name
+
+
+def _by_name(kind: str, name: str) -> WatchCache:
+    """One object of a cluster-scoped kind, by name: a list and a watch field-selected to it."""
+    selector = f"metadata.name={name}"
+
+    def lister(_scope: str | None) -> tuple[list[dict[str, Any]], str]:
+        return kube.list_page(API, kind, None, False, field_selector=selector)
+
+    def watcher(_scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+        return kube.watch_page(API, kind, None, version, WATCH_TIMEOUT_S, False, stop, field_selector=selector)
+
+    return WatchCache(kind, None, lister, watcher, keep=dict)
+
+
+def served() -> bool:
+    """Whether the API server serves ValidatingAdmissionPolicy (discovery, which every user may read)."""
+    try:
+        kube.client().resources.get(api_version=API, kind="ValidatingAdmissionPolicy")
+    except ResourceNotFoundError:
+        return False
+    return True
+
+
+def verdict_of(name: str, policies: WatchCache, bindings: WatchCache, failing: str | None) -> Verdict | None:
+    """The verdict from the caches; None while they have not listed (and nothing failed)."""
+    synced_p, policy = policies.lookup("", name)
+    synced_b, binding = bindings.lookup("", name)
+    if synced_p and synced_b:
+        return creatorrights.judge(name, True, policy, binding)
+    if failing is not None:
+        return creatorrights.judge(name, True, None, None, refused=failing)
+    return None
+
+
+def _post_operator_event(verdict: Verdict) -> None:
+    """A Warning (or Normal, once enforced) Event on the operator's own pod, where it may post one."""
+    pod, namespace = os.environ.get("POD_ID"), os.environ.get("KVPERSIST_OPERATOR_NAMESPACE")
+    if not pod or not namespace or verdict[0] is None:
+        return
+    watched = runtime.CONTROLLER.peering["namespaces"]
+    if watched and namespace not in watched:  # watchNamespaces without its own: no right there (the log and gauge say it)
+        return
+    owner = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": pod, "namespace": namespace, "uid": os.environ.get("POD_UID", "")}}
+    try:
+        kube.post_event(owner, "Normal" if verdict[0] else "Warning", verdict[1], verdict[2])
+    except ApiException as exc:  # namespaced mode without its own namespace watched: the log and the gauge say it
+        logging.getLogger("kvpersist").info("no Event on the operator's pod (%s): %s", exc.status, verdict[1])
+
+
+def observe(verdict: Verdict) -> bool:
+    """Keeps a new verdict; True when it changed (logged, posted, every resource marked)."""
+    old = runtime.CONTROLLER.creator_rights
+    if old is not None and old == verdict:
+        return False
+    runtime.CONTROLLER.creator_rights = verdict
+    metrics.creator_rights(verdict[0])
+    if old is not None and old[:2] == verdict[:2]:
+        return True  # the message only: the conditions follow at their next round
+    log = logging.getLogger("kvpersist")
+    (log.info if verdict[0] else log.warning)("creator-rights policy: %s: %s", verdict[1], verdict[2])
+    _post_operator_event(verdict)
+    for state in runtime.CONTROLLER.known().values():
+        state.dirty = True
+    return True
+
+
+def start(environ: Mapping[str, str]) -> threading.Event | None:
+    """The check's caches and thread (daemons); the Event that stops them, None when the check is off."""
+    name = policy_name(environ)
+    log = logging.getLogger("kvpersist")
+    if name is None:
+        log.info("%s=off: the creator-rights policy is not checked", POLICY_ENV)
+        return None
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            is_served = served()
+        except Exception as exc:  # the API server unreachable at start: tried again
+            log.debug("creator-rights check: discovery failed: %s", exc)
+            is_served = None
+        while is_served is None and not stop.wait(POLL_S * 5):
+            try:
+                is_served = served()
+            except Exception:
+                continue
+        if stop.is_set():
+            return
+        if not is_served:
+            observe(creatorrights.judge(name, False, None, None))
+            return
+        policies = _by_name("ValidatingAdmissionPolicy", name)
+        bindings = _by_name("ValidatingAdmissionPolicyBinding", name)
+        policies.start()
+        bindings.start()
+        waited = 0.0
+        while not stop.wait(POLL_S):
+            waited += POLL_S
+            # Not listed after a minute: the operator may not read them (or the API server fails).
+            verdict = verdict_of(name, policies, bindings, "not listed within a minute: may the operator list and watch "
+                                 "them by name?" if waited >= 60 else None)
+            try:
+                if verdict is not None:
+                    observe(verdict)
+            except Exception as exc:  # an Event or a log that failed: the next round tries no less
+                log.warning("creator-rights check: %s", exc)
+        policies.stop()
+        bindings.stop()
+
+    threading.Thread(target=run, name="kvpersist-creator-rights-check", daemon=True).start()
+    return stop

@@ -1,0 +1,68 @@
+"""Which pods get the operator's credentials: the agent token (status, gc, orphan expiry, prewarm)
+and the vLLM API key (the canary, prewarm) go to pods picked from the watch caches, and those are
+picked by labels, which anyone who may create a pod can copy. So a pod is trusted only when its
+controller ownerReference chain ends, by uid, at the resource's own workload: pod -> StatefulSet,
+or pod -> ReplicaSet -> Deployment, that StatefulSet or Deployment itself controlled by this very
+KVCacheNamespace (its uid, which the API server assigns). A pod with the servers' labels made by
+anyone else, or by a look-alike StatefulSet of another uid, is left out of the resource's view:
+it is sent nothing and counts for nothing in its status.
+
+As for the names the operator derives (kvpersist.controller.ownership), an ownerReference is
+written by whoever creates the object, so forging the whole chain takes the right to create pods
+(and ReplicaSets) in the namespace, and that right already mounts the token's Secret. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvpersist.controller.ownership import is_own_child
+
+STATEFULSET, DEPLOYMENT, REPLICASET = "StatefulSet", "Deployment", "ReplicaSet"
+
+
+def controller_of(meta: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(kind, uid) of an object's controller ownerReference (apps/v1 kinds and the like), or None."""
+    for ref in (meta or {}).get("ownerReferences") or []:
+        if ref.get("controller") is True and ref.get("uid"):
+            return str(ref.get("kind")), str(ref["uid"])
+    return None
+
+
+def _uids(objs: Iterable[Mapping[str, Any]], kind: str, owner_uid: str | None) -> set[str]:
+    """The uids of the objects of this kind that the resource (owner_uid) controls."""
+    return {str(o["metadata"]["uid"]) for o in objs
+            if o.get("kind", kind) == kind and (o.get("metadata") or {}).get("uid")
+            and is_own_child(o.get("metadata"), owner_uid)}
+
+
+def trusted_pods(pods: Iterable[dict[str, Any]], replicasets: Iterable[Mapping[str, Any]],
+                 statefulsets: Iterable[Mapping[str, Any]], deployments: Iterable[Mapping[str, Any]],
+                 owner_uid: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(trusted, untrusted) pods: trusted when controlled by one of the resource's own
+    StatefulSets, or by a ReplicaSet controlled by one of its own Deployments (an old ReplicaSet
+    mid-rollout included). owner_uid: the KVCacheNamespace's uid; None trusts nothing."""
+    own_sets = _uids(statefulsets, STATEFULSET, owner_uid)
+    own_deployments = _uids(deployments, DEPLOYMENT, owner_uid)
+    own_replicasets = {str(r["metadata"]["uid"]) for r in replicasets
+                       if (r.get("metadata") or {}).get("uid")
+                       and controller_of(r.get("metadata")) in {(DEPLOYMENT, u) for u in own_deployments}}
+    trusted: list[dict[str, Any]] = []
+    untrusted: list[dict[str, Any]] = []
+    for pod in pods:
+        ref = controller_of(pod.get("metadata"))
+        ok = ref is not None and ((ref[0] == STATEFULSET and ref[1] in own_sets)
+                                  or (ref[0] == REPLICASET and ref[1] in own_replicasets))
+        (trusted if ok else untrusted).append(pod)
+    return trusted, untrusted
+
+
+def untrusted_message(pod: Mapping[str, Any], resource: str) -> str:
+    """The log line for a pod left out: which pod, what controls it, and why nothing is sent to it."""
+    meta = pod.get("metadata") or {}
+    ref = controller_of(meta)
+    held = f"{ref[0]} uid {ref[1]}" if ref else "none (no controller ownerReference)"
+    return (f"pod {meta.get('namespace')}/{meta.get('name')} carries the labels of KVCacheNamespace {resource}'s pods, "
+            f"but its controller is {held}, not that resource's own StatefulSet or Deployment: it is sent no agent token "
+            "or API key and counts for nothing in its status. Remove those labels from it if it is not the operator's")

@@ -55,7 +55,7 @@ def _as_the_pod_runs(container: dict[str, Any], pod: dict[str, Any]) -> tuple[li
             env[item["name"]] = item["value"]
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
-            assert path in ("metadata.name", "metadata.namespace"), f"unresolved fieldRef {path}"
+            assert path in ("metadata.name", "metadata.namespace", "metadata.uid"), f"unresolved fieldRef {path}"
             env[item["name"]] = pod["metadata"][path.split(".")[1]]
     return args, env, metrics_port
 

@@ -317,7 +317,7 @@ def _apply_owned(manifest: dict[str, Any]) -> None:
 def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
     """Deletes the per-id Services and ZMQ policies of ids no pod of the resource carries any
     more; True once no pod of another id is left to wait for. Blocking: a worker thread."""
-    in_use = ids_in_use(seen.pods)
+    in_use = ids_in_use([*seen.pods, *seen.untrusted_pods])  # a route outlives every pod that may use it
     selector = f"{INSTANCE_LABEL}={target.name},{COMPONENT_LABEL}={SERVER}"
     uid = ((runtime.CONTROLLER.held((target.namespace, target.name)).body or {}).get("metadata") or {}).get("uid")
     try:

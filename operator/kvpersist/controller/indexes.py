@@ -102,7 +102,7 @@ def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
                                             owner_uid)
     _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + values("kvp_replicasets")})
     return Seen(statefulsets=statefulsets, deployments=deployments,
-                pods=pods, claims=values("kvp_claims"), live_ids=_live() if live is None else live,
+                pods=pods, untrusted_pods=untrusted, claims=values("kvp_claims"), live_ids=_live() if live is None else live,
                 fleet=_fleet() if agents is None else agents, stores=stores[1] if stores is not None else None,
                 stores_version=stores[0] if stores is not None else -1, all_server_pods=stores[2] if stores is not None else ())
 

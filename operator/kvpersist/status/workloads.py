@@ -128,6 +128,10 @@ class Seen:
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
     deployments: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)
+    # Pods with the resource's labels that its own workloads did not make (kvpersist.controller
+    # .podtrust): never sent a credential nor counted in status, but a route of their namespace id
+    # is kept while one runs (its controller may only not be in the caches yet).
+    untrusted_pods: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
     fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet

@@ -52,9 +52,11 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
                       timeout=180)
     assert status["namespaceId"] == t.namespace_id and status["replicas"] == "1/1"
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    # Informational ones apart: PinsVerified is Unknown (no Hub is reachable here), and
-    # L2SpaceAvailable follows the real disk the claim lies on (True or False, never missing).
+    # Informational ones apart: PinsVerified is Unknown (no Hub is reachable here), L2SpaceAvailable
+    # follows the real disk the claim lies on (True or False, never missing), and
+    # CreatorRightsEnforced whether another module left config/creator-rights installed (never missing).
     assert conditions.pop("PinsVerified") == "Unknown" and conditions.pop("L2SpaceAvailable") in ("True", "False")
+    assert conditions.pop("CreatorRightsEnforced") in ("True", "False")
     assert conditions == {
         "IdentityResolved": "True", "L2Ready": "True", "LMCacheReady": "True", "VLLMReady": "True", "BuildVerified": "True",
         "Ready": "True"}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.status import references
 from kvpersist.status.conditions import condition
 
 ALLOWED_IMAGES_ENV = "KVPERSIST_ALLOWED_IMAGES"
@@ -137,22 +138,9 @@ def image_refusal(spec: KVCacheNamespaceSpec, prefixes: tuple[str, ...]) -> Refu
 
 def named_secrets(spec: KVCacheNamespaceSpec) -> list[tuple[str, str]]:
     """The Secrets a user named, as (field, Secret name): what the label rule applies to. The
-    operator's own (<name>-l2-key, <name>-agent-token) are not named by the user."""
-    out = []
-    if spec.l2.hf_bucket is not None:
-        out.append(("spec.l2.hfBucket.tokenSecretRef", spec.l2.hf_bucket.token_secret_ref.name))
-    enc = spec.l2.encryption
-    if enc.enabled and enc.key_secret_ref is not None:
-        out.append(("spec.l2.encryption.keySecretRef", enc.key_secret_ref.name))
-    # The vLLM pod's: its tokens, its envFrom Secrets and the pull Secrets of every pod.
-    vllm = spec.vllm
-    if vllm.hf_token_secret_ref is not None:
-        out.append(("spec.vllm.hfTokenSecretRef", vllm.hf_token_secret_ref.name))
-    if vllm.api_key_secret_ref is not None:
-        out.append(("spec.vllm.apiKeySecretRef", vllm.api_key_secret_ref.name))
-    out += [(f"spec.vllm.envFrom[{i}].secretRef", e.secret_ref.name) for i, e in enumerate(vllm.env_from) if e.secret_ref]
-    out += [(f"spec.imagePullSecrets[{i}]", s.name) for i, s in enumerate(spec.image_pull_secrets)]
-    return out
+    operator's own (<name>-l2-key, <name>-agent-token) are not named by the user. One list with
+    the ConfigMaps ReferencesFound checks (kvpersist.status.references.named)."""
+    return [(ref.field, ref.name) for ref in references.named(spec) if ref.kind == references.SECRET]
 
 
 def secret_refusal(field: str, name: str, namespace: str, metadata: Mapping[str, Any] | None,

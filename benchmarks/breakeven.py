@@ -154,8 +154,30 @@ def say(*parts: object) -> None:
 # ---------------------------------------------------------------- setup
 
 
+def _load_internals() -> None:
+    """kvpersist.inserver.lmcache_internals, which serve.py imports: the installed one, else by path
+    under that name inside stand-in packages (the GPU machine has no kvpersist), as the server's
+    program does (kvpersist.inserver.program_source)."""
+    try:
+        importlib.import_module("kvpersist.inserver.lmcache_internals")
+        return
+    except ImportError:
+        pass
+    for name in ("kvpersist", "kvpersist.inserver"):
+        package = sys.modules.setdefault(name, ModuleType(name))
+        package.__path__ = []  # type: ignore[attr-defined]
+    name = "kvpersist.inserver.lmcache_internals"
+    spec = importlib.util.spec_from_file_location(name, SERVE_PY.with_name("lmcache_internals.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
 def load_serve() -> ModuleType:
     """kvpersist.inserver.serve by path: the GPU machine has no kvpersist installed."""
+    _load_internals()
     spec = importlib.util.spec_from_file_location("kvpersist_inserver_serve", SERVE_PY)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {SERVE_PY}")

@@ -88,6 +88,27 @@ build_go_install() { # name module-path version
   GOBIN="$BIN" go install "$2@$3"
 }
 
+build_helm() {
+  # With the ldflags of helm's own Makefile: its version (`helm version`, .Capabilities.HelmVersion)
+  # and the Kubernetes version of its client-go (.Capabilities.KubeVersion, which `helm template`
+  # and `helm lint` assume: 1.20 without them, below the chart's minimum). A helm in the folder
+  # that reports another version (one built before these flags) is built again.
+  if [ -x "$BIN/helm" ] && [ "$("$BIN/helm" version --template '{{.Version}}' 2>/dev/null)" = "$HELM_VERSION" ]; then
+    return 0
+  fi
+  local pkg=helm.sh/helm/v3 hdir minor tmp
+  hdir="$(cd "$CACHE" && go mod download -json "$pkg@$HELM_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')"
+  minor="$(sed -n 's#^[[:space:]]*k8s.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$hdir/go.mod")"
+  [ -n "$minor" ] || { echo "error: no k8s.io/client-go version in $hdir/go.mod" >&2; exit 1; }
+  log "building helm $HELM_VERSION (Kubernetes 1.$minor)"
+  tmp="$(mktemp -d "$BIN/.helm-build.XXXXXX")"
+  GOBIN="$tmp" go install -ldflags "-X $pkg/internal/version.version=$HELM_VERSION \
+    -X $pkg/pkg/chartutil.k8sVersionMajor=1 -X $pkg/pkg/chartutil.k8sVersionMinor=$minor \
+    -X $pkg/pkg/lint/rules.k8sVersionMajor=1 -X $pkg/pkg/lint/rules.k8sVersionMinor=$minor" "$pkg/cmd/helm@$HELM_VERSION"
+  mv "$tmp/helm" "$BIN/helm"  # a rename: a helm running from the folder meanwhile keeps its file
+  rmdir "$tmp"
+}
+
 kwok_stages() {
   # kwok ships no built-in stages; take the "fast" node, lease heartbeat and pod stages from
   # the same kwok module version that built the binary.
@@ -103,7 +124,7 @@ kwok_stages() {
 
 build_etcd
 build_go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
-build_go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION"
+build_helm
 kwok_stages
 build_k8s
 echo "$BIN"

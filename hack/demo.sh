@@ -48,7 +48,7 @@ MODEL_JSON="$("$VENV/bin/python" hack/testmodel.py --size tiny --hf-home "$CACHE
 stop_pidfile operator
 stop_pidfile runner
 mkdir -p "$STATE/logs"
-setsid kvpersist run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
+setsid kvpersist-operator run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
 echo $! > "$STATE/operator.pid"
 echo "operator running (pid $(cat "$STATE/operator.pid"), log $STATE/logs/operator.log)"
 # kwok runs no containers: this plays kubelet for the real node, running the real lmcache server

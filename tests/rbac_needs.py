@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -144,7 +145,10 @@ def kinds() -> dict[tuple[str, str, str], str]:
 
 @functools.cache
 def _chart_crds() -> tuple[dict[str, Any], ...]:
-    return tuple(d for p in sorted((CHART / "crds").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d)
+    """The chart's CRDs: the kopf peering ones in crds/, the KVCacheNamespace one that
+    templates/crd.yaml renders from files/."""
+    paths = sorted((CHART / "crds").glob("*.yaml")) + sorted((CHART / "files").glob("*.kvpersist.dev.yaml"))
+    return tuple(d for p in paths for d in yaml.safe_load_all(p.read_text()) if d)
 
 
 def has_status_subresource(group: str, plural: str) -> bool:
@@ -431,6 +435,16 @@ class DynamicClientValue:
     """kubernetes.dynamic.DynamicClient(...)."""
 
 
+@dataclass(frozen=True)
+class Instance:
+    """A kvpersist dataclass as constructed (e.g. kvpersist.controller.decision.Decision(...)): its
+    fields are the arguments of that call, or the class's defaults."""
+
+    cls: type
+    call: ast.Call
+    ctx: Ctx
+
+
 @dataclass(eq=False)
 class Ctx:
     """One function as evaluated: bound to one call (args) or to any of its callers (args None)."""
@@ -504,6 +518,9 @@ class Resolver:
         if isinstance(expr, ast.Attribute):
             out = []
             for base in self.resolve(expr.value, ctx):
+                if isinstance(base.value, Instance):
+                    out.extend(Val(v.value, v.assumes | base.assumes) for v in self._field(base.value, expr.attr))
+                    continue
                 if isinstance(base.value, Ref | Handle | DynamicClientValue) or base.value is None:
                     raise _Unresolved(f"attribute {expr.attr} at {ctx.mod.rel}:{expr.lineno}")
                 try:
@@ -635,8 +652,44 @@ class Resolver:
                 raise _Unresolved(f"subscript at {ctx.mod.rel}:{expr.lineno}")
         return out
 
+    def _field(self, inst: Instance, attr: str) -> list[Val]:
+        """One field of a constructed dataclass: its keyword, a key of a **literal dict, its
+        position, or the class's default."""
+        for kw in inst.call.keywords:
+            if kw.arg == attr:
+                return self.resolve(kw.value, inst.ctx)
+        for kw in inst.call.keywords:
+            if kw.arg is None:
+                for mapping in self.resolve(kw.value, inst.ctx):
+                    node = mapping.value.node if isinstance(mapping.value, Ref) else None
+                    if not isinstance(node, ast.Dict):
+                        raise _Unresolved(f"**{type(mapping.value).__name__} at {inst.ctx.mod.rel}:{inst.call.lineno}")
+                    for k, v in zip(node.keys, node.values, strict=True):
+                        if isinstance(k, ast.Constant) and k.value == attr:
+                            return [Val(r.value, r.assumes | mapping.assumes) for r in self.resolve(v, mapping.value.ctx)]
+        fields = dataclasses.fields(inst.cls)
+        names = [f.name for f in fields]
+        if attr not in names:
+            raise _Unresolved(f"{inst.cls.__name__}.{attr} at {inst.ctx.mod.rel}:{inst.call.lineno}")
+        i = names.index(attr)
+        if i < len(inst.call.args):
+            if any(isinstance(a, ast.Starred) for a in inst.call.args[:i + 1]):
+                raise _Unresolved(f"starred argument at {inst.ctx.mod.rel}:{inst.call.lineno}")
+            return self.resolve(inst.call.args[i], inst.ctx)
+        f = fields[i]
+        if f.default is not dataclasses.MISSING:
+            return [Val(f.default)]
+        if f.default_factory is not dataclasses.MISSING:
+            return [Val(f.default_factory())]
+        raise _Unresolved(f"{inst.cls.__name__}.{attr} not given at {inst.ctx.mod.rel}:{inst.call.lineno}")
+
     def _call(self, call: ast.Call, ctx: Ctx) -> list[Val]:
         func = call.func
+        cls = _dataclass_called(ctx.mod, func)
+        if cls is not None:
+            return [Val(Instance(cls, call, ctx))]
+        if isinstance(func, ast.Name) and func.id in ("tuple", "list") and len(call.args) == 1 and not call.keywords:
+            return self.resolve(call.args[0], ctx)  # a copy of a sequence: the same elements
         if isinstance(func, ast.Attribute) and func.attr == "get" and isinstance(func.value, ast.Attribute) \
                 and func.value.attr == "resources":
             kw = {k.arg: k.value for k in call.keywords}
@@ -656,6 +709,21 @@ class Resolver:
             tag = ((id(bound), "return"), i)
             out.extend(Val(v.value, v.assumes | {tag}) for v in self.resolve(ret, bound))
         return out
+
+
+def _dataclass_called(mod: Module, func: ast.expr) -> type | None:
+    """The kvpersist dataclass a call constructs, or None."""
+    if isinstance(func, ast.Name):
+        local = any(isinstance(n, ast.ClassDef) and n.name == func.id for n in mod.tree.body)
+        owner, _, name = f"{mod.name}.{func.id}".rpartition(".") if local else mod.imports.get(func.id, "").rpartition(".")
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        owner, name = mod.imports.get(func.value.id, ""), func.attr
+    else:
+        return None
+    if not owner or not _is_kvpersist_module(owner):
+        return None
+    cls = getattr(importlib.import_module(owner), name, None)
+    return cls if isinstance(cls, type) and dataclasses.is_dataclass(cls) else None
 
 
 def _is_dynamic_client_constructor(mod: Module, func: ast.expr) -> bool:
@@ -1221,13 +1289,8 @@ def helm_binary() -> Path | None:
     return path if out.returncode == 0 and path.exists() else None
 
 
-# `helm template` checks the chart's kubeVersion (>= 1.30) against --kube-version, which a helm
-# built from source without its Kubernetes version (the local cluster's) takes as 1.20.
-HELM_KUBE_VERSION = "1.30.0"
-
-
 def render(helm: Path, mode: str, release: str = "kvpersist", namespace: str = "kvpersist-system") -> list[dict[str, Any]]:
-    args = [str(helm), "template", release, str(CHART), "--namespace", namespace, "--kube-version", HELM_KUBE_VERSION]
+    args = [str(helm), "template", release, str(CHART), "--namespace", namespace]
     if mode == "namespaced":
         args += ["--set", "watchNamespaces={" + ",".join(WATCHED) + "}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)

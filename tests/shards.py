@@ -22,7 +22,7 @@ WEIGHTS = {
     "test_hfbucket_status.py": 55, "test_hostile_peers_e2e.py": 124, "test_idle_reads.py": 79, "test_l2_full.py": 70,
     "test_l2_key.py": 324, "test_least_privilege.py": 87, "test_no_adoption.py": 122, "test_orphan_status.py": 8,
     "test_operator_bounds.py": 34,
-    "test_pin_change_plan.py": 34, "test_pin_check.py": 19, "test_pod_security.py": 40, "test_pod_trust.py": 60,
+    "test_pin_change_plan.py": 50, "test_pin_check.py": 19, "test_pod_security.py": 40, "test_pod_trust.py": 60,
     "test_prewarm.py": 138,
     "test_quiet.py": 140,
     "test_real_vllm.py": 404, "test_reconcile.py": 108, "test_rollout_pairing.py": 67, "test_runner_writes.py": 8,

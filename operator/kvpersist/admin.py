@@ -1,4 +1,5 @@
-"""`kvpersist status | report | gc`: what an admin runs (also as `kubectl kvpersist ...`).
+"""`kvpersist status | report | gc`: what an admin runs (also as `kubectl kvpersist ...`), with kubectl's
+-n, -A and -o (kvpersist.cliflags).
 
 Everything comes from the API server: the resources' status, which the operator fills from the
 servers and from the inventory agents' reading of the data itself. `gc` never deletes by itself:
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpersist import cliflags
 from kvpersist.api import v1alpha1 as api
 from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, parse_iso
@@ -88,26 +90,38 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in lines)
 
 
-def format_report(rows: list[Row], now: float) -> str:
+def format_report(rows: list[Row], now: float, wide: bool = False) -> str:
+    """The report's table; wide adds each last write's own time stamp."""
     header = ["LOCATION", "NAMESPACE-ID", "BYTES", "SIZE", "OBJECTS", "LAST-WRITE", "STATE", "BUDGET", "RESOURCE"]
+    header += ["LAST-WRITE-AT"] if wide else []
     body = [[r.location, r.namespace_id, str(r.bytes), human_bytes(r.bytes) or "0B", str(r.objects), _ago(r.last_write, now),
              "orphan" if r.orphan else ("current" if r.current else "in use"),
-             human_bytes(r.budget_bytes) if r.budget_bytes else "-", r.resource] for r in rows]
+             human_bytes(r.budget_bytes) if r.budget_bytes else "-", r.resource]
+            + ([r.last_write or "-"] if wide else []) for r in rows]
     return table(header, body)
 
 
-def format_status(resources: Iterable[Mapping[str, Any]]) -> str:
+def _ready(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    return next((c for c in status.get("conditions") or [] if isinstance(c, Mapping) and c.get("type") == "Ready"), {})
+
+
+def format_status(resources: Iterable[Mapping[str, Any]], wide: bool = False) -> str:
+    """The status table; wide adds Ready's reason, the vLLM replicas and the hit rate."""
     header = ["NAMESPACE", "NAME", "PHASE", "NAMESPACE-ID", "L1", "L2", "SERVERS", "ORPHANED", "BUDGET"]
+    header += ["REASON", "VLLM", "HIT"] if wide else []
     body = []
     for r in sorted(resources, key=_ref):
         st = r.get("status") or {}
         usage, inv, budget = st.get("usage") or {}, st.get("inventory") or {}, st.get("budget") or {}
         servers = st.get("servers") or []
-        body.append([r["metadata"]["namespace"], r["metadata"]["name"], st.get("phase") or "-", st.get("namespaceId") or "-",
-                     usage.get("l1Used") or "-", usage.get("l2Used") or "-",
-                     f"{sum(1 for s in servers if s.get('healthy'))}/{len(servers)} healthy",
-                     f"{inv.get('orphanedNamespaces', 0)} ({human_bytes(inv.get('orphanedBytes', 0)) or '0B'})" if inv else "-",
-                     budget.get("state") or "-"])
+        row = [r["metadata"]["namespace"], r["metadata"]["name"], st.get("phase") or "-", st.get("namespaceId") or "-",
+               usage.get("l1Used") or "-", usage.get("l2Used") or "-",
+               f"{sum(1 for s in servers if s.get('healthy'))}/{len(servers)} healthy",
+               f"{inv.get('orphanedNamespaces', 0)} ({human_bytes(inv.get('orphanedBytes', 0)) or '0B'})" if inv else "-",
+               budget.get("state") or "-"]
+        if wide:
+            row += [_ready(st).get("reason") or "-", str(st.get("replicas") or "-"), (st.get("hits") or {}).get("summary") or "-"]
+        body.append(row)
     return table(header, body)
 
 
@@ -136,25 +150,28 @@ def _live(resources: list[dict[str, Any]], namespace: str | None
 
 
 def cmd_status(namespace: str | None, output: str) -> int:
+    """-o table|wide: format_status; json|yaml: each resource's namespace, name and status."""
     resources = _resources(namespace)
-    if output == "json":
-        print(json.dumps([{"namespace": r["metadata"]["namespace"], "name": r["metadata"]["name"], **(r.get("status") or {})}
-                          for r in resources], indent=2))
-    else:
-        print(format_status(resources) if resources else "No KVCacheNamespaces found.")
+    data = [{"namespace": r["metadata"]["namespace"], "name": r["metadata"]["name"], **(r.get("status") or {})}
+            for r in resources]
+    if output in ("table", "wide") and not resources:
+        print("No KVCacheNamespaces found.")
+        return 0
+    print(cliflags.emit(output, data, lambda wide: format_status(resources, wide)))
     return 0
 
 
 def cmd_report(namespace: str | None, output: str) -> int:
+    """-o table|wide: format_report and the first orphan to reclaim; json|yaml: the rows."""
     resources = _resources(namespace)
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
-    if output == "json":
-        print(json.dumps([r.__dict__ for r in rows], indent=2))
+    if output in ("json", "yaml"):
+        print(cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: ""))
     elif not rows:
         print("No inventory yet: the operator reports one within a minute of a server starting.")
     else:
-        print(format_report(rows, time.time()))
+        print(format_report(rows, time.time(), wide=output == "wide"))
         orphans = [r for r in rows if r.orphan]
         if orphans:
             total = sum(r.bytes for r in orphans)

@@ -1,8 +1,9 @@
-"""The `kvpersist` command: `run` starts the controller; `status`, `report` and `gc` are the admin's
-view and explicit cleanup, `plan -f FILE` what an apply would do to the namespace id (also
-`kubectl kvpersist ...`); `agent` is the inventory sidecar; `pins`
-prints a model's identity pins from its Hub files; `crd` prints or writes the generated CRD;
-`pin-change-policy` the generated pin-change warning."""
+"""The `kvpersist` command (also `kubectl kvpersist ...`): `status`, `report` and `gc` are the admin's
+view and explicit cleanup, `plan -f FILE` what an apply would do, `pins` a model's identity pins
+from its Hub files, `version` and `completion`. The operator's own entry points are
+`kvpersist-operator`'s: `run` starts the controller, `agent` is the inventory sidecar, `crd` and
+`pin-change-policy` and `api-reference` print or write the generated CRD, pin-change warning and
+API reference."""
 
 from __future__ import annotations
 
@@ -108,11 +109,11 @@ def _pin_change_policy(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     from kubernetes.client.exceptions import ApiException
 
-    from kvpersist import admin
+    from kvpersist import admin, cliflags
     from kvpersist.controller import kube
 
     kube.load_config(args.kubeconfig, args.context)
-    namespace = None if args.all_namespaces else args.namespace
+    namespace = cliflags.namespace_of(args)
     try:
         if args.command == "status":
             return admin.cmd_status(namespace, args.output)
@@ -124,15 +125,30 @@ def _admin(args: argparse.Namespace) -> int:
         return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["agent"]:
-        from kvpersist.inventory import agent
+def _version(args: argparse.Namespace) -> int:
+    from kvpersist import __version__, cliflags
+    from kvpersist.api import v1alpha1 as api
+    from kvpersist.inserver.lmcache_internals import TESTED_LMCACHE
 
-        return agent.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
+    data = {"kvpersist": __version__, "api": api.API_VERSION, "lmcacheTested": list(TESTED_LMCACHE)}
+    print(cliflags.emit(args.output, data, lambda _wide: (
+        f"kvpersist {__version__} (API {api.API_VERSION}; lmcache {', '.join(TESTED_LMCACHE)})")))
+    return 0
+
+
+def _api_reference(args: argparse.Namespace) -> int:
+    from kvpersist.api.reference import render_reference, write_reference
+
+    return _render_or_write(args, render_reference, write_reference)
+
+
+OPERATOR_COMMANDS = ("run", "agent", "crd", "pin-change-policy", "api-reference")  # the operator image's own: `kvpersist-operator`
+
+
+def _operator_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpersist-operator", description="The operator's own entry points (the "
+                                     "image runs them; users run `kvpersist`).")
     sub = parser.add_subparsers(dest="command", required=True)
-
     run = sub.add_parser("run", help="run the controller against the current kubeconfig or in-cluster config")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable)")
     run.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz "
@@ -147,31 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)
 
-    for name, help_ in (("status", "a table of KVCacheNamespaces: phase, namespace id, L1/L2 usage, health, orphans"),
-                        ("report", "per volume or bucket: namespaces, bytes, objects, last write, orphan or not; "
-                         "orphans first, the best to reclaim at the top"),
-                        ("gc", "delete ONE orphaned namespace's data, named explicitly (dry run unless --no-dry-run)")):
-        cmd = sub.add_parser(name, help=help_, description=help_)
-        if name == "gc":
-            cmd.add_argument("namespace_id", metavar="NAMESPACE_ID", help="kvp-<32 hex>, as `kvpersist report` lists it")
-            cmd.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
-                             help="only say what would be deleted (default); --no-dry-run deletes")
-            cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the operator's answer")
-        else:
-            cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
-        cmd.add_argument("-n", "--namespace", help="only this Kubernetes namespace (default: all)")
-        cmd.add_argument("-A", "--all-namespaces", action="store_true", help="all namespaces (the default)")
-        cmd.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-        cmd.add_argument("--context", default=None, help="kubeconfig context")
-        cmd.set_defaults(fn=_admin)
-
-    # Parsed by kvpersist.inventory.agent itself (main() hands it the rest of the line).
-    sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist agent --help)")
-
-    from kvpersist import pinscmd, plancmd
-
-    pinscmd.add_parser(sub)
-    plancmd.add_parser(sub)
+    # Parsed by kvpersist.inventory.agent itself (operator_main() hands it the rest of the line).
+    sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist-operator agent --help)")
 
     crd = sub.add_parser("crd", help="print the CRD generated from the API models")
     crd.add_argument("--write", action="store_true", help="write every committed copy instead of printing")
@@ -184,7 +177,72 @@ def main(argv: list[str] | None = None) -> int:
     policy.add_argument("--root", default=".", help="repository root for --write")
     policy.set_defaults(fn=_pin_change_policy)
 
-    args = parser.parse_args(argv)
+    reference = sub.add_parser("api-reference", help="print docs/api-reference.md, generated from the API models")
+    reference.add_argument("--write", action="store_true", help="write docs/api-reference.md instead of printing")
+    reference.add_argument("--root", default=".", help="repository root for --write")
+    reference.set_defaults(fn=_api_reference)
+    return parser
+
+
+def user_parser() -> argparse.ArgumentParser:
+    """`kvpersist`: what users and admins run (also as `kubectl kvpersist`), with kubectl's flags
+    (kvpersist.cliflags); the operator's entry points are `kvpersist-operator`'s."""
+    from kvpersist import cliflags, pinscmd, plancmd
+
+    parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("status", "a table of KVCacheNamespaces: phase, namespace id, L1/L2 usage, health, orphans"),
+                        ("report", "per volume or bucket: namespaces, bytes, objects, last write, orphan or not; "
+                         "orphans first, the best to reclaim at the top"),
+                        ("gc", "delete ONE orphaned namespace's data, named explicitly (dry run unless --no-dry-run)")):
+        cmd = sub.add_parser(name, help=help_, description=help_)
+        if name == "gc":
+            cmd.add_argument("namespace_id", metavar="NAMESPACE_ID", help="kvp-<32 hex>, as `kvpersist report` lists it")
+            cmd.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
+                             help="only say what would be deleted (default); --no-dry-run deletes")
+            cmd.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the operator's answer")
+        else:
+            cliflags.add_output_flag(cmd)
+        cliflags.add_cluster_flags(cmd)
+        cmd.set_defaults(fn=_admin)
+    plancmd.add_parser(sub)
+    pinscmd.add_parser(sub)
+    version = sub.add_parser("version", help="the kvpersist version, its API version and the lmcache it was tested with")
+    cliflags.add_output_flag(version, ("table", "json", "yaml"))
+    version.set_defaults(fn=_version)
+    completion = sub.add_parser("completion", help="print a shell completion script: "
+                                "`source <(kvpersist completion bash)`, or zsh")
+    completion.add_argument("shell", choices=("bash", "zsh"))
+    completion.set_defaults(fn=lambda args: _completion(args, parser))
+    return parser
+
+
+def _completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvpersist import completion
+
+    sys.stdout.write(completion.script(parser, args.shell))
+    return 0
+
+
+def operator_main(argv: list[str] | None = None) -> int:
+    """`kvpersist-operator run | agent | crd | pin-change-policy`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["agent"]:
+        from kvpersist.inventory import agent
+
+        return agent.main(argv[1:])
+    args = _operator_parser().parse_args(argv)
+    return args.fn(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvpersist COMMAND`. The operator's commands still answer here (`kvpersist run`, `kvpersist
+    agent`: the image's entrypoint and every server pod's sidecar as rendered before), without
+    being listed."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in OPERATOR_COMMANDS:
+        return operator_main(argv)
+    args = user_parser().parse_args(argv)
     return args.fn(args)
 
 

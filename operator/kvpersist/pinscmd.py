@@ -7,6 +7,7 @@ a token comes from HF_TOKEN (or `hf auth login`) and is never printed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ def add_parser(sub: Any) -> None:
                      help="vLLM's --max-model-len (default: the config's max_position_embeddings)")
     cmd.add_argument("--connector-build", default=None, help="the connector and vLLM build, e.g. vllm-0.33.0+lmcache-0.5.6")
     cmd.add_argument("--cache-dir", default=None, help="huggingface_hub cache (default: HF_HUB_CACHE / HF_HOME)")
+    cmd.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml",
+                     help="yaml (default): the block to paste, with a comment on each pin it cannot tell; json: "
+                          "{identity, unknown, notes} for scripts")
     cmd.set_defaults(fn=run)
 
 
@@ -83,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"kvpersist pins: {api.validation_message(exc)}", file=sys.stderr)
         return 2
-    sys.stdout.write(render(identity, derived))
+    if getattr(args, "output", "yaml") == "json":
+        unknown = {k: UNKNOWN[k] for k, v in identity.items() if v is None}
+        print(json.dumps({"identity": {k: v for k, v in identity.items() if v is not None}, "unknown": unknown,
+                          "notes": list(derived.notes)}, indent=2))
+    else:
+        sys.stdout.write(render(identity, derived))
     return 0
 
 

@@ -13,28 +13,41 @@ stops being served and stays in L2 as an orphan until `kvpersist gc`, unless ano
 serves the same id) and whether the new id already has data on this resource's L2 (a rollback:
 served at once). Nothing is changed.
 
+It also says what the operator would decide on applying it, by the operator's own decision
+(kvpersist.controller.decision.decide) on what this command can read with your credentials: the
+policy's refusals (allowedImages and secretLabel as KVPERSIST_ALLOWED_IMAGES and
+KVPERSIST_SECRET_LABEL in your environment say them, none by default), an L2 claim under a derived
+name it did not make (ClaimNotOwned), a claim or bucket prefix an older resource holds
+(StorageInUse: the cache off), a route name another id holds (RouteNameTaken), an object it did not
+make under one of its names (NameTaken), with the conditions the operator would write. What it
+could not read (no right to) it names, unchecked.
+
 Exit status: 0 the id stays, 2 it changes (to another id, or the cache turns on or off), 3 the
-new id depends on a key this command cannot read, 1 an error (the file, an invalid spec, the API).
+new id depends on a key this command cannot read, 4 the operator would refuse it (nothing
+applied) or keep its cache off (StorageInUse), 1 an error (the file, an invalid spec, the API).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpersist import cliflags
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
+from kvpersist.controller.decision import Decision, decide
 from kvpersist.controller.l2key import KeyRead, held
+from kvpersist.controller.sharing import STORAGE_IN_USE
+from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import resolve
 from kvpersist.status.usage import human_bytes
 from kvpersist.status.users import recorded
 
-UNCHANGED, CHANGES, UNKNOWN, ERROR = 0, 2, 3, 1
+UNCHANGED, CHANGES, UNKNOWN, ERROR, REFUSED = 0, 2, 3, 1, 4
 
 
 @dataclass
@@ -55,13 +68,27 @@ class Plan:
     still_used_by: list[str] = field(default_factory=list)  # other resources that serve old_id
     new_held: tuple[int, int] | None = None  # of new_id on this resource's L2; None: not measured or no new id
     stale_status: bool = False  # status describes an older generation than the live spec
+    # What the operator would decide (decide): the reason and message of a refusal (nothing applied),
+    # of StorageInUse (the cache off) or RouteNameTaken (vLLM without it); whether it applies at all.
+    verdict: str | None = None
+    verdict_message: str | None = None
+    applied: bool = True
+    phase: str | None = None  # status.phase it would write for the verdict
+    conditions: list[dict[str, Any]] = field(default_factory=list)  # the conditions it would write for it
+    unchecked: list[str] = field(default_factory=list)  # what could not be read with these credentials
 
     @property
     def moves(self) -> bool:
         return self.unknown or self.old_id != self.new_id
 
     @property
+    def refused(self) -> bool:
+        return not self.applied or self.verdict == STORAGE_IN_USE
+
+    @property
     def code(self) -> int:
+        if self.refused:
+            return REFUSED
         return UNKNOWN if self.unknown else CHANGES if self.moves else UNCHANGED
 
 
@@ -131,7 +158,8 @@ def _amount(amount: tuple[int, int]) -> str:
     return f"{human_bytes(amount[0]) or '0B'} ({amount[0]} bytes) in {amount[1]} objects"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, wide: bool = False) -> str:
+    """The plan in words; wide adds each condition's message."""
     lines = [f"KVCacheNamespace {plan.namespace}/{plan.name}"]
 
     def say(label: str, text: str) -> None:
@@ -152,6 +180,19 @@ def format_plan(plan: Plan) -> str:
     if plan.stale_status:
         say("note", "status describes an older generation of the spec: the operator has not caught up; the id it "
                     "serves may move before this is applied")
+    if plan.verdict is not None:
+        how = ("refused, nothing applied" if not plan.applied else "applied with the cache off"
+               if plan.verdict == STORAGE_IN_USE else "applied, vLLM without the cache")
+        say("operator", f"{how} ({plan.verdict}): {plan.verdict_message}")
+        shown = ", ".join(f"{c['type']}={c['status']} {c['reason']}" for c in plan.conditions)
+        say("conditions", shown + (f"; phase {plan.phase}" if plan.phase else ""))
+        if wide:
+            for c in plan.conditions:
+                say(f"  {c['type']}", str(c.get("message") or ""))
+    else:
+        say("operator", "applies it")
+    if plan.unchecked:
+        say("unchecked", "not readable with these credentials, so not checked: " + ", ".join(plan.unchecked))
     if not plan.exists or not plan.moves:
         return "\n".join(lines)
     if plan.old_id:
@@ -177,7 +218,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     out = asdict(plan)
     for key in ("old_held", "new_held"):
         out[key] = {"bytes": out[key][0], "objects": out[key][1]} if out[key] is not None else None
-    out.update({"moves": plan.moves, "exitCode": plan.code})
+    out.update({"moves": plan.moves, "refused": plan.refused, "exitCode": plan.code})
     return {_camel(k): v for k, v in out.items()}
 
 
@@ -187,10 +228,27 @@ def _camel(name: str) -> str:
 
 
 def exit_code(codes: list[int]) -> int:
-    """An error over all; else the id unknown over an id that moves over one that stays."""
+    """An error over all; else a refusal over the id unknown over an id that moves over one that stays."""
     if ERROR in codes:
         return ERROR
     return max(codes, default=UNCHANGED)
+
+
+def with_decision(plan: Plan, decision: Decision, unchecked: list[str]) -> Plan:
+    """The plan with what the operator would decide: the refusal (nothing applied), else StorageInUse
+    or RouteNameTaken (applied with the cache off, or vLLM without it), with their conditions."""
+    if decision.refusal is not None:
+        plan.verdict, plan.verdict_message = decision.refusal
+        plan.applied = False
+    elif decision.storage_refused is not None:
+        plan.verdict, plan.verdict_message = STORAGE_IN_USE, decision.storage_refused
+    elif decision.route_taken is not None:
+        plan.verdict, plan.verdict_message = decision.conditions[0]["reason"], decision.route_taken
+    if plan.verdict is not None:
+        plan.phase = decision.phase
+        plan.conditions = [{k: c[k] for k in ("type", "status", "reason", "message")} for c in decision.conditions]
+    plan.unchecked = sorted(set(unchecked) | {"/".join(k) for k in decision.unchecked})
+    return plan
 
 
 # ------------------------------------------------------------------ the command (talks to the API)
@@ -201,10 +259,9 @@ def add_parser(sub: Any) -> None:
                          "the fields that move it, the data that becomes an orphan, whether the new id has data",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd.add_argument("-f", "--filename", required=True, help="the manifest to be applied (YAML or JSON; - for stdin)")
-    cmd.add_argument("-n", "--namespace", help="namespace of objects whose manifest names none (default: the context's)")
-    cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    cmd.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-    cmd.add_argument("--context", default=None, help="kubeconfig context")
+    cliflags.add_output_flag(cmd)
+    # -n: for objects whose manifest names no namespace (one file: no -A).
+    cliflags.add_cluster_flags(cmd, all_namespaces=False)
     cmd.set_defaults(fn=run)
 
 
@@ -219,17 +276,6 @@ def _documents(path: str) -> list[dict[str, Any]]:
         items = d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d]
         out += [i for i in items or [] if isinstance(i, dict)]
     return out
-
-
-def _context_namespace(kubeconfig: str | None, context: str | None) -> str:
-    import kubernetes
-
-    try:
-        contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
-    except (kubernetes.config.ConfigException, OSError):
-        return "default"
-    chosen = next((c for c in contexts if c.get("name") == context), None) if context else active
-    return ((chosen or {}).get("context") or {}).get("namespace") or "default"
 
 
 def _read_key(source: tuple[str, str], namespace: str, generated: bool) -> KeyRead:
@@ -262,6 +308,99 @@ def _others_serving(namespace_id: str, namespace: str, name: str) -> list[str]:
     return users_of(namespace_id, others, [])
 
 
+def _readable(unchecked: list[str], what: str, read: Any, default: Any = None) -> Any:
+    """read(), or default when these credentials may not (401/403: what is then said unchecked)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return read()
+    except ApiException as exc:
+        if exc.status not in (401, 403):
+            raise
+        unchecked.append(what)
+        return default
+
+
+def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
+                  key: KeyRead | None) -> tuple[Any, list[str]]:
+    """What the operator's decide looks at, read with the user's credentials, in the order the
+    operator reads it (kvpersist.controller.snapshot): the new spec on the live object's metadata and
+    status. A generated key not made yet is offered a random one, as the operator makes it (the id
+    it names is no one's: only what decide concludes of it is shown). Raises ApiException, and
+    ValueError for a malformed KVPERSIST_ALLOWED_IMAGES or KVPERSIST_SECRET_LABEL."""
+    import dataclasses
+    import os
+    import secrets
+
+    from kvpersist.builders.target import L2_KEY_BYTES, SERVER
+    from kvpersist.controller import decision as dec
+    from kvpersist.controller import kube, ownership, sharing
+    from kvpersist.controller.policy import Policy, named_secrets
+    from kvpersist.identity import key_fingerprint
+    from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR
+
+    unchecked: list[str] = []
+    meta = (live or {}).get("metadata") or {}
+    name = (doc.get("metadata") or {}).get("name") or ""
+    body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "spec": doc.get("spec") or {}, "status": (live or {}).get("status"),
+            "metadata": {"name": name, "namespace": namespace, "uid": meta.get("uid"), "generation": meta.get("generation"),
+                         "creationTimestamp": meta.get("creationTimestamp"),
+                         "annotations": (doc.get("metadata") or {}).get("annotations") or meta.get("annotations")}}
+    snap = dec.Snapshot(body=body, spec=spec, policy=Policy.from_env(os.environ))
+    if snap.policy.secret_label is not None:
+        labels = {n: _readable(unchecked, f"Secret {n}", lambda n=n: kube.get_metadata("v1", "Secret", n, namespace))
+                  for _field, n in named_secrets(spec)}
+        snap = dataclasses.replace(snap, named_secrets=labels)
+    if dec.policy_refusal(snap) is not None:
+        return snap, unchecked
+    base = Target(name, namespace, spec, None)
+    claims = {n: _readable(unchecked, f"PersistentVolumeClaim {n}", lambda n=n: kube.get("v1", "PersistentVolumeClaim", n, namespace))
+              for n in ownership.l2_claim_names(base)}
+    snap = dataclasses.replace(snap, l2_claims=claims)
+    if ownership.claim_refusal(base, claims) is not None:
+        return snap, unchecked
+    offered = key_fingerprint(secrets.token_bytes(L2_KEY_BYTES)) if key is not None and key.absent and key.generated else None
+    snap = dataclasses.replace(snap, key=key, proposed_key=offered)
+    target = dec.key_target(snap)
+    if target.cache_enabled:
+        nvme = spec.l2.nvme is not None
+        if nvme:
+            bodies = _readable(unchecked, f"KVCacheNamespaces in {namespace}",
+                               lambda: kube.list_all(api.API_VERSION, api.KIND, namespace), [])
+            pods = _readable(unchecked, f"lmcache server pods in {namespace}", lambda: kube.list_all(
+                "v1", "Pod", namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}"), [])
+        else:
+            bodies = _readable([], "", lambda: kube.list_all(api.API_VERSION, api.KIND), None)
+            if bodies is None:
+                bodies = _readable(unchecked, "KVCacheNamespaces of other namespaces", lambda: kube.list_all(
+                    api.API_VERSION, api.KIND, namespace), [])
+            pods = []
+        users = tuple(u for b in bodies if (u := sharing.user_of(b)) is not None)
+        snap = dataclasses.replace(snap, stores=users, server_pods=tuple(pods))
+    manifests, token = dec.names_to_read(snap)
+    written = dec.written_target(snap)
+    wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]}
+    wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(written), ROUTE_KINDS, strict=False)})
+    names: dict[Any, Any] = {}
+    whole = None
+    for (kind, ns, obj_name), api_version in wanted.items():
+        if kind == "PersistentVolumeClaim":  # the weights claim: whole (its spec is compared)
+            whole = _readable(unchecked, f"{kind} {obj_name}",
+                              lambda k=kind, n=obj_name, v=api_version: kube.get(v, k, n, namespace), False)
+            if whole is not False:
+                names[kind, ns, obj_name] = dict(whole.get("metadata") or {}) if whole is not None else None
+            continue
+        found = _readable(unchecked, f"{kind} {obj_name}",
+                          lambda k=kind, n=obj_name, v=api_version: kube.get_metadata(v, k, n, namespace), False)
+        if found is not False:
+            names[kind, ns, obj_name] = found
+    shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
+    claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", lambda: kube.get("v1", "PersistentVolumeClaim", shared,
+                                                                                       namespace)) if shared else None
+    return dataclasses.replace(snap, names=names, model_cache_claim=whole if whole is not False else None,
+                               named_claim=claim), unchecked
+
+
 def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     """Reads what the plan needs from the API server; raises ValueError for an invalid spec."""
     from pydantic import ValidationError
@@ -285,7 +424,13 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     plan = compute(namespace, name, spec, live, key)
     if old_id and plan.moves:
         plan.still_used_by = _others_serving(old_id, namespace, name)
-    return plan
+    # What the operator would decide, by its own decide on what these credentials can read: the key
+    # as status records it where the new spec reads the same Secret (the servers use it now).
+    recorded_fp = recorded_fingerprint(live, source)
+    if source is not None and recorded_fp is not None:
+        key = KeyRead(source[0], source[1], Target(name, namespace, spec, None).key_secret_generated, fingerprint=recorded_fp)
+    snap, unchecked = read_snapshot(doc, spec, live, namespace, key)
+    return with_decision(plan, decide(snap), unchecked)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
     except (kubernetes.config.ConfigException, OSError) as exc:
         print(f"error: no cluster to ask: {exc}", file=sys.stderr)
         return ERROR
-    default_namespace = args.namespace or _context_namespace(args.kubeconfig, args.context)
+    default_namespace = cliflags.namespace_of(args) or "default"
     plans, codes = [], []
     for doc in ours:
         where = f"{(doc.get('metadata') or {}).get('namespace') or default_namespace}/{(doc.get('metadata') or {}).get('name')}"
@@ -325,8 +470,6 @@ def run(args: argparse.Namespace) -> int:
             continue
         plans.append(plan)
         codes.append(plan.code)
-    if args.output == "json":
-        print(json.dumps([plan_json(p) for p in plans], indent=2))
-    else:
-        print("\n\n".join(format_plan(p) for p in plans))
+    print(cliflags.emit(args.output, [plan_json(p) for p in plans],
+                        lambda wide: "\n\n".join(format_plan(p, wide) for p in plans)))
     return exit_code(codes)

@@ -64,19 +64,32 @@ def start_operator(kubeconfig: Path, namespace: str, log: Path, extra_env: dict[
     return proc
 
 
-def operator_metrics(proc: subprocess.Popen) -> dict[str, float]:
-    """The operator's /metrics, by series (name with its labels); empty while it is not serving."""
+def operator_series(proc: subprocess.Popen) -> list[tuple[str, dict[str, str], float]]:
+    """The operator's /metrics parsed (prometheus_client's parser): (name, labels, value) of each
+    sample; empty while it is not serving."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(proc.metrics_url, timeout=5) as r:  # type: ignore[attr-defined]
             text = r.read().decode()
     except OSError:
-        return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+        return []
+    return [(s.name, dict(s.labels), float(s.value)) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def operator_metrics(proc: subprocess.Popen) -> dict[str, float]:
+    """The operator's unlabelled series by name (counters and gauges of the whole operator)."""
+    return {name: value for name, labels, value in operator_series(proc) if not labels}
+
+
+def resource_series(proc: subprocess.Popen, namespace: str, name: str) -> list[tuple[str, dict[str, str], float]]:
+    """One resource's series: those labelled with its namespace and name."""
+    return [s for s in operator_series(proc) if s[1].get("namespace") == namespace and s[1].get("name") == name]
 
 
 def refreshes(proc: subprocess.Popen, namespace: str, name: str) -> int:
     """How many status rounds the operator has run for one resource (each after its applies)."""
-    return int(operator_metrics(proc).get(f'kvpersist_resource_refreshes_total{{namespace="{namespace}",name="{name}"}}', 0))
+    return int(next((v for n, _, v in resource_series(proc, namespace, name) if n == "kvpersist_resource_refreshes_total"), 0))
 
 
 def more_rounds(proc: subprocess.Popen, namespace: str, *names: str, rounds: int = 2) -> None:

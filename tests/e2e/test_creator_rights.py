@@ -320,7 +320,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
 def _service_types_policy(allowed: str) -> list[dict]:
     """The chart's vllm-service-types policy and binding, rendered by helm for release `svctypes`."""
     out = subprocess.run([str(bin_dir() / "helm"), "template", "svctypes", str(REPO / "charts" / "kvpersist"),
-                          "--namespace", "kvpersist-system", "--kube-version", "1.33.0",
+                          "--namespace", "kvpersist-system",
                           "--show-only", "templates/vllm-service-types.yaml", "--set", f"vllmService.allowedTypes={{{allowed}}}"],
                          capture_output=True, text=True, timeout=120, check=True)
     return [d for d in yaml.safe_load_all(out.stdout) if d]

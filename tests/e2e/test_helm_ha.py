@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,6 +36,16 @@ from tests.e2e.test_ha import assert_only_the_active_one_wrote, kill_and_take_ov
 from tests.e2e.test_helm import CHART, helm
 
 pytestmark = pytest.mark.e2e
+
+
+def _http_code(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
 
 
 def _as_the_pod_runs(container: dict[str, Any], pod: dict[str, Any]) -> tuple[list[str], dict[str, str], int]:
@@ -66,19 +78,22 @@ def test_helm_two_replicas_watching_one_namespace_reconcile_and_fail_over(kubect
     release, release_ns, app_ns, other_ns = f"ha-{suffix}", f"ha-sys-{suffix}", f"ha-w-{suffix}", f"ha-o-{suffix}"
     fullname = f"{release}-kvpersist"
     procs: dict[str, subprocess.Popen] = {}
+    ready_urls: dict[str, str] = {}
     logs: dict[str, Path] = {}
     for ns in (app_ns, other_ns):
         kubectl.run("create", "namespace", ns)
     try:
         helm("install", release, str(CHART), "--namespace", release_ns, "--create-namespace", "--kubeconfig",
              str(kubectl.kubeconfig), "--set", "replicaCount=2", "--set", f"watchNamespaces={{{app_ns}}}",
-             "--set", "peering.name=kvpersist")
+             "--set", "peering.name=kvpersist", "--set", "crds.enabled=false")  # the session's CRD
         deployment = kubectl.get("deployment", fullname, release_ns)
         assert deployment["spec"]["replicas"] == 2
         [container] = deployment["spec"]["template"]["spec"]["containers"]
         assert f"--namespace={app_ns}" in container["args"]
-        # The chart's namespaced peering object, where kopf peers with watchNamespaces.
+        # The chart's namespaced peering object, where kopf peers with watchNamespaces; and with two
+        # replicas its PodDisruptionBudget (a drain takes one at a time).
         kubectl.get("kopfpeering", "kvpersist", app_ns)
+        assert kubectl.get("poddisruptionbudget", fullname, release_ns)["spec"]["maxUnavailable"] == 1
 
         def pods() -> list[dict]:
             items = kubectl.get("pods", namespace=release_ns)["items"]
@@ -97,6 +112,8 @@ def test_helm_two_replicas_watching_one_namespace_reconcile_and_fail_over(kubect
                     start_new_session=True,
                     env={**os.environ, **env, "KUBECONFIG": str(own), "PYTHONUNBUFFERED": "1"})
             procs[name].metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
+            ready_urls[name] = next(a for a in args if a.startswith("--liveness=")).removeprefix("--liveness=").replace(
+                "/healthz", "/readyz")
 
         # Peered and each knowing its part before the resource exists (until a replica has seen
         # its peer it is rightly the only one).
@@ -107,6 +124,9 @@ def test_helm_two_replicas_watching_one_namespace_reconcile_and_fail_over(kubect
         standby = next(r for r in procs if r != active)
         wait_for("the standby to say so", lambda: "standing by" in logs[standby].read_text(), timeout=30)
         wait_for("the active one to say so", lambda: "this replica is active" in logs[active].read_text(), timeout=30)
+        # The chart's readinessProbe: each replica ready once kopf runs and its watch caches listed, the standby too.
+        for name, url in ready_urls.items():
+            wait_for(f"{name} ready at {url}", lambda u=url: _http_code(u) == 200, timeout=60)
         kubectl.apply(storage(app_ns))
         applied_at = datetime.now(UTC)
         obj = manifest(app_ns)

@@ -25,7 +25,7 @@ import pytest
 from tests.cases.invalid_manifests import sample
 from tests.e2e.audit import events
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import more_rounds, operator_metrics, refreshes, start_operator, stop
+from tests.e2e.operator_env import more_rounds, refreshes, resource_series, start_operator, stop
 
 pytestmark = pytest.mark.e2e
 NAME = "idle"
@@ -146,9 +146,8 @@ def test_an_idle_resource_reads_no_secret_or_claim_and_still_sees_changes(kubect
     # The operator's /metrics shows the same conditions, one series each, with the reason that
     # changed (docs/runbooks.md); a deleted resource's series go.
     def shown() -> set[tuple[str, str, str]]:
-        prefix = f'kvpersist_resource_condition{{namespace="{ns}",name="{NAME}",'
-        return {tuple(part.split("=", 1)[1].strip('"') for part in k[len(prefix):-1].split(","))  # type: ignore[misc]
-                for k in operator_metrics(proc) if k.startswith(prefix)}
+        return {(labels["type"], labels["status"], labels["reason"]) for metric, labels, _ in resource_series(proc, ns, NAME)
+                if metric == "kvpersist_resource_condition"}
 
     def stored() -> set[tuple[str, str, str]]:
         return {(c["type"], c["status"], c["reason"]) for c in status(kubectl, ns).get("conditions") or []}
@@ -156,5 +155,4 @@ def test_an_idle_resource_reads_no_secret_or_claim_and_still_sees_changes(kubect
     wait_for("the condition series to be the stored conditions", lambda: shown() == stored() != set(), timeout=60)
     assert ("L2Ready", "False", "ClaimNotFound") in shown()
     kubectl.run("delete", "kvns", NAME, "-n", ns, "--wait=false")
-    wait_for("the deleted resource's series to go", lambda: not shown() and not any(
-        f'namespace="{ns}",name="{NAME}"' in k for k in operator_metrics(proc)), timeout=60)
+    wait_for("the deleted resource's series to go", lambda: not shown() and not resource_series(proc, ns, NAME), timeout=60)

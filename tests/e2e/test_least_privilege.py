@@ -191,8 +191,7 @@ def test_watch_namespaces_grant_secrets_only_there(kubectl: Kubectl, crd: None, 
     suffix = uuid.uuid4().hex[:6]
     release, release_ns, watched, other = f"lp-{suffix}", f"lp-sys-{suffix}", f"lp-w-{suffix}", f"lp-o-{suffix}"
     rendered = subprocess.run([str(bin_dir() / "helm"), "template", release, str(REPO / "charts" / "kvpersist"),
-                               "--namespace", release_ns, "--set", f"watchNamespaces={{{watched}}}",
-                               "--kube-version", rbac_needs.HELM_KUBE_VERSION],
+                               "--namespace", release_ns, "--set", f"watchNamespaces={{{watched}}}"],
                               check=True, capture_output=True, text=True, timeout=120).stdout
     fullname = f"{release}-kvpersist"
     docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (
@@ -261,7 +260,8 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
         kubectl.run("create", "namespace", ns)
     try:
         helm("install", release, str(CHART), "--namespace", release_ns, "--create-namespace", "--kubeconfig",
-             str(kubectl.kubeconfig), "--set", f"watchNamespaces={{{a},{b}}}", "--set", "peering.name=kvpersist")
+             str(kubectl.kubeconfig), "--set", f"watchNamespaces={{{a},{b}}}", "--set", "peering.name=kvpersist",
+             "--set", "crds.enabled=false")  # the session's CRD
         kubectl.run("create", "serviceaccount", "fresh", "-n", release_ns)  # no binding: the defaults only
         wait_for("the Roles to take effect", lambda: kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", a)
                  and kubectl.can_i(sa, "watch", "kvcachenamespaces.kvpersist.dev", "-n", b), timeout=30)

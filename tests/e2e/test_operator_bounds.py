@@ -25,7 +25,6 @@ import yaml
 
 from kvpersist.builders.all import build_all
 from kvpersist.controller.policy import image_allowed
-from tests import rbac_needs
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import target_of
@@ -59,7 +58,7 @@ def bounded(kubectl: Kubectl, crd: None) -> Iterator[dict[str, Any]]:
     release_ns, ns = f"kvp-sys-{uuid.uuid4().hex[:6]}", f"e2e-{uuid.uuid4().hex[:8]}"
     account = f"system:serviceaccount:{release_ns}:{RELEASE}"
     out = subprocess.run([str(bin_dir() / "helm"), "template", RELEASE, str(REPO / "charts" / "kvpersist"), "--namespace", release_ns,
-                          "--kube-version", rbac_needs.HELM_KUBE_VERSION, "--show-only", "templates/operator-bounds.yaml",
+                          "--show-only", "templates/operator-bounds.yaml",
                           "--set", "allowedImages={" + ",".join(PREFIXES) + "}"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     policy = out.stdout

@@ -169,3 +169,33 @@ def test_the_warning_writes_sizes_as_status_does_and_names_key_changes(
     [plan] = json.loads(_plan(kubectl, keyed, tmp_path, "-o", "json").stdout)
     assert plan["newId"] == _id(keyed, key_fingerprint(TEAM_KEY)) and plan["exitCode"] == 2
     assert base64.b64encode(TEAM_KEY).decode() not in json.dumps(plan)
+
+
+def test_plan_says_the_operator_would_refuse_a_claim_another_resource_holds(
+        kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> None:
+    """`kvpersist plan` runs the operator's own decision (kvpersist.controller.decision.decide) on
+    what it reads with the user's credentials: a resource naming the claim an older one holds is
+    said to be kept off its store (StorageInUse), with the conditions the operator would write,
+    before it is applied; the same resource on a claim of its own applies."""
+    ns = namespace
+    holder = sample("nvme-minimal")
+    holder["metadata"] = {"name": "holder", "namespace": ns}
+    holder["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-shared", "maxCapacityGB": 100}
+    kubectl.apply(holder)
+    second = copy.deepcopy(holder)
+    second["metadata"]["name"] = "second"
+
+    table = _plan(kubectl, second, tmp_path)
+    assert table.returncode == 4, table.stdout + table.stderr
+    assert "applied with the cache off (StorageInUse)" in table.stdout, table.stdout
+    assert f"claim kv-shared is already used by KVCacheNamespace {ns}/holder" in table.stdout, table.stdout
+    assert "L2Ready=False StorageInUse" in table.stdout and "Ready=False StorageInUse" in table.stdout, table.stdout
+    [plan] = json.loads(_plan(kubectl, second, tmp_path, "-o", "json").stdout)
+    assert (plan["verdict"], plan["refused"], plan["exitCode"], plan["phase"]) == ("StorageInUse", True, 4, "CacheDisabled")
+    assert {(c["type"], c["status"], c["reason"]) for c in plan["conditions"]} >= {
+        ("L2Ready", "False", "StorageInUse"), ("Ready", "False", "StorageInUse")}, plan["conditions"]
+
+    own = copy.deepcopy(second)
+    own["spec"]["l2"]["nvme"]["existingClaimName"] = "kv-second"
+    [free] = json.loads(_plan(kubectl, own, tmp_path, "-o", "json").stdout)
+    assert free["verdict"] is None and free["refused"] is False and free["exitCode"] != 4, free

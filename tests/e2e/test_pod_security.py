@@ -19,7 +19,6 @@ import yaml
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import NAME, stop
-from tests.rbac_needs import HELM_KUBE_VERSION
 
 pytestmark = pytest.mark.e2e
 ENFORCE = "pod-security.kubernetes.io/enforce"
@@ -129,8 +128,7 @@ def test_pods_are_admitted_at_baseline_and_refused_at_restricted_with_a_conditio
 def test_the_operators_own_pod_meets_restricted(kubectl: Kubectl) -> None:
     """The chart's operator pod, as a Pod, through the API server's admission in a namespace that
     enforces restricted (server-side dry run: nothing runs)."""
-    rendered = subprocess.run([str(bin_dir() / "helm"), "template", "kvp", str(REPO / "charts" / "kvpersist"),
-                               "--kube-version", HELM_KUBE_VERSION],
+    rendered = subprocess.run([str(bin_dir() / "helm"), "template", "kvp", str(REPO / "charts" / "kvpersist")],
                               capture_output=True, text=True, timeout=120, check=True).stdout
     deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
     template = deployment["spec"]["template"]

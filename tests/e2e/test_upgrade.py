@@ -4,8 +4,10 @@
   StatefulSet at a time, the next once the last one's server is Ready again (kwok's fake GPU
   node makes the pods Ready; no lmcache runs: what is checked is what the operator applies).
 - The chart upgrade: the previous chart (from git) and its operator, a resource with its
-  namespace id, key Secret and claim; then the documented CRD step, `helm upgrade` to this chart
-  and this operator: the same id, the same Secret and claim, no new claim, status still served.
+  namespace id, key Secret and claim; then the documented steps (the release takes over the CRD
+  the previous chart made from crds/, `helm upgrade` to this chart upgrades it) and this operator:
+  the same id, the same Secret and claim, no new claim, status still served; and after `helm
+  uninstall` the CRD and the resource are still there.
 """
 
 from __future__ import annotations
@@ -192,6 +194,9 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _refuses_control_characters(kubectl, app), "the CRD is still the previous chart's"
+    owned = kubectl.get("customresourcedefinitions", CRD)["metadata"]
+    assert owned["annotations"]["meta.helm.sh/release-name"] == release, owned  # the release's now
+    assert owned["annotations"]["helm.sh/resource-policy"] == "keep", owned  # and upgraded by it
     deployed = kubectl.get("deployment", None, release_ns)["items"]
     assert any("KVPERSIST_AGENT_ROLL_MAX" in str(d["spec"]["template"]) for d in deployed), "the chart was not upgraded"
 
@@ -220,7 +225,8 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
     # Served by this operator: its status is of this generation, with the conditions it writes, the
     # identity resolved to that id, and the claim bound (no runner plays this node: the servers are
     # scheduled, not Ready, so the phase is the one that says so).
-    stored = kubectl.get("kvns", name, app)
+    stored = kubectl.get("kvns", name, app)  # after `helm uninstall`: the kept CRD kept the resource
+    assert kubectl.get("customresourcedefinitions", CRD)["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert new_status["observedGeneration"] == stored["metadata"]["generation"]
     conds = {c["type"]: c for c in new_status["conditions"]}
     assert {"IdentityResolved", "L2Ready", "LMCacheReady", "VLLMReady", "Ready"} <= set(conds) <= set(CONDITION_TYPES), conds

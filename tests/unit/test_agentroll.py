@@ -203,7 +203,7 @@ def _helm_template(*values: str) -> subprocess.CompletedProcess:
     helm = rbac_needs.helm_binary()
     if helm is None:
         pytest.skip("helm not built: python3 hack/localcluster.py build")
-    return subprocess.run([str(helm), "template", "x", str(CHART), "--kube-version", rbac_needs.HELM_KUBE_VERSION, *values],
+    return subprocess.run([str(helm), "template", "x", str(CHART), *values],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -62,10 +62,11 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
 def test_a_new_resource_reaches_its_statefulset_in_four_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The calls between a new resource's create and its StatefulSet (the operator's part of apply
     → first workload Ready; benchmarks/reconcile_bench.py latency prints them from the audit log):
-    the key Secret read, the id's route names looked up (Service and NetworkPolicy side by side),
-    every other name looked up side by side (not the route names again), the Secrets and policies
-    side by side, then the StatefulSet: four rounds before it. The route lookups one after the
-    other, or the generated key's Event posted before the StatefulSet, make it five or six."""
+    the key Secret read, then the id's route names (Service and NetworkPolicy side by side) and
+    every other name looked up in one batch on the apply pool (the snapshot, read before anything
+    is decided: kvpersist.controller.snapshot; not the route names again), the Secrets and
+    policies side by side, then the StatefulSet: four rounds before it at most. The route lookups
+    one after the other, or the generated key's Event posted before the StatefulSet, make it more."""
     spans: list[tuple[tuple[str, ...], float, float]] = []
     lock = threading.Lock()
 

@@ -330,9 +330,9 @@ def test_operator_metrics_text() -> None:
     assert after["kvpersist_status_refreshes_total"] == before["kvpersist_status_refreshes_total"] + 4
     ready, degraded = 'kvpersist_resources{phase="Ready"}', 'kvpersist_resources{phase="Degraded"}'
     assert after[ready] == before.get(ready, 0) + 2 and after.get(degraded, 0) == before.get(degraded, 0)
-    assert after[f'kvpersist_resource_refreshes_total{{namespace="{ns}",name="a"}}'] == 2
-    assert after[f'kvpersist_resource_refreshes_total{{namespace="{ns}",name="b"}}'] == 1
-    assert not any(f'namespace="{ns}",name="c"' in key for key in after)
+    assert after[f'kvpersist_resource_refreshes_total{{name="a",namespace="{ns}"}}'] == 2  # labels sorted by name
+    assert after[f'kvpersist_resource_refreshes_total{{name="b",namespace="{ns}"}}'] == 1
+    assert not any(f'name="c",namespace="{ns}"' in key for key in after)
 
 
 def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:

@@ -40,6 +40,18 @@ def test_every_value_is_a_row_with_its_default_and_a_description() -> None:
     assert table != chart_readme.table(values)
 
 
+def test_each_value_is_described_by_its_own_comment_not_its_sections() -> None:
+    values = chart_readme.VALUES.read_text()
+    comments = chart_readme._comments(values)
+    for key, _, desc in chart_readme.rows(values):
+        assert desc == comments[key], key
+        if "." in key:
+            assert desc != comments.get(key.rsplit(".", 1)[0]), f"{key}: its section's comment, not its own"
+    # A leaf without a comment of its own gets none from its section: the empty row fails the test above.
+    bare = values.replace("  # When the kubelet pulls the operator image.\n", "")
+    assert dict((k, d) for k, _, d in chart_readme.rows(bare))["image.pullPolicy"] == ""
+
+
 def test_kube_version_refuses_clusters_without_validating_admission_policy_v1(helm: Path) -> None:
     """Below 1.30 (a GKE-style "29+" minor included) the chart refuses to render, naming the
     minimum; 1.30 and a provider's suffixed release pass. (A kubeVersion in Chart.yaml would also
@@ -60,7 +72,8 @@ def test_kube_version_refuses_clusters_without_validating_admission_policy_v1(he
 
 def test_both_commands_are_installed_and_kubectl_runs_the_plugin(tmp_path: Path) -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"kvpersist": "kvpersist.cli:main", "kubectl-kvpersist": "kvpersist.cli:kubectl_plugin"}
+    assert scripts == {"kvpersist": "kvpersist.cli:main", "kvpersist-operator": "kvpersist.cli:operator_main",
+                       "kubectl-kvpersist": "kvpersist.cli:kubectl_plugin"}
     readme = (REPO / "charts" / "kvpersist" / "README.md").read_text()
     assert "pipx install ." in readme and "kubectl kvpersist" in readme
     kubectl = rb.helm_binary()

@@ -23,8 +23,8 @@ def _walk(node: dict[str, Any], path: str):
 
 
 def test_committed_crd_is_generated() -> None:
-    copies = [ROOT / p for p in CRD_PATHS] + list((ROOT / "charts").glob(f"*/crds/{CRD_PATHS[0].name}"))
-    assert len(copies) == 2  # crds/ and the chart's copy
+    copies = [ROOT / p for p in CRD_PATHS] + list((ROOT / "charts").glob(f"*/files/{CRD_PATHS[0].name}"))
+    assert len(copies) == 2  # crds/ and the chart's copy (files/: templates/crd.yaml renders it)
     assert copies
     for path in copies:
         assert path.read_text() == render_crd(), f"{path} is stale: run `kvpersist crd --write`"
@@ -58,7 +58,10 @@ def test_crd_names_and_printer_columns() -> None:
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
     cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(cols) == ["Namespace-ID", "Phase", "Ready", "Reason", "VLLM", "L2", "L1-Used", "L2-Used", "Hit", "Age"]
+    assert list(cols) == ["Phase", "Reason", "VLLM", "L2-Used", "Hit", "Age", "Ready", "Namespace-ID", "L2", "L1-Used"]
+    # At most seven columns with NAME by default (issue 43); the rest at -o wide.
+    default = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
+    assert len(default) + 1 <= 7 and default[-1] == "Age", default
     # READY is the Ready condition, never a pod count (which reads "1/1" while the cache is off).
     assert cols["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert cols["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'

@@ -45,6 +45,7 @@ def test_chart_ships_the_same_creator_rights_policy_as_config() -> None:
     rendered = re.sub(r"\{\{-? (if|end)[^}]*\}\}\n?", "", template)
     rendered = re.sub(r"\n *labels: \{\{-[^}]*\}\}", "", rendered)
     rendered = rendered.replace('{{ include "kvpersist.fullname" . }}', "kvpersist")
+    rendered = rendered.replace('{{- include "kvpersist.bindingScope" . }}\n', "")  # empty without watchNamespaces
     assert "{{" not in rendered
     plain = _docs(CONFIG.read_text())
     assert _docs(rendered) == plain

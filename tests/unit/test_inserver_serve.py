@@ -11,7 +11,6 @@ test_datapath.py.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import os
 import subprocess
@@ -463,20 +462,14 @@ def test_chunk_loads_answer_once_when_every_chunk_has() -> None:
 
 
 def test_the_shipped_source_runs_in_an_image_without_kvpersist() -> None:
-    """What the server container runs: the module's own source (SERVE_ENV), standard library,
-    cryptography and lmcache only, nothing the kubelet would expand, and lmcache's own CLI."""
+    """What the server container runs: the module's own source (SERVE_ENV) with the one it imports
+    (kvpersist.inserver.program_source; each module's imports: test_lmcache_internals), nothing
+    the kubelet would expand, and lmcache's own CLI, in a python where kvpersist is not importable."""
     source = serve_source()
-    assert source == Path(serve.__file__).read_text()
+    assert repr(Path(serve.__file__).read_text()) in source
     env = {e["name"]: e.get("value") for e in server_container(target())["env"]}
     assert env[SERVE_ENV] == source
     assert "$(" not in source  # the kubelet expands $(VAR) in env values
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert imported - set(sys.stdlib_module_names) - {"__future__"} == {"cryptography", "lmcache"}, imported
     pytest.importorskip("lmcache")
     done = subprocess.run([sys.executable, "-I", "-c", source, "server", "--help"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})

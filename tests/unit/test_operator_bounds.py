@@ -44,7 +44,7 @@ def _docs(text: str) -> list[dict[str, Any]]:
 
 def render(helm: Path, *sets: str, release: str = "kvpersist", namespace: str = "kvpersist-system",
            show_only: str | None = TEMPLATE) -> list[dict[str, Any]]:
-    args = [str(helm), "template", release, str(rb.CHART), "--namespace", namespace, "--kube-version", rb.HELM_KUBE_VERSION]
+    args = [str(helm), "template", release, str(rb.CHART), "--namespace", namespace]
     args += [a for s in sets for a in ("--set", s)]
     if show_only:
         args += ["--show-only", show_only]

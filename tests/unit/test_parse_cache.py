@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import reading, runtime, tracking
+from kvpersist.controller import decision, reading, runtime, tracking
 from tests.cases.invalid_manifests import sample
 
 
@@ -51,8 +51,8 @@ def test_an_unchanged_resource_is_neither_parsed_nor_hashed_again(monkeypatch: p
     key = ("ml", "r")
     reading._PARSED.clear()
     resolved: list[int] = []
-    resolve = reading.resolve
-    monkeypatch.setattr(reading, "resolve", lambda pins: resolved.append(1) or resolve(pins))
+    resolve = decision.resolve  # reading._target's (kvpersist.controller.decision.target_for)
+    monkeypatch.setattr(decision, "resolve", lambda pins: resolved.append(1) or resolve(pins))
     try:
         tracking.remember(key, body(), logging.getLogger("test"))
         first = runtime.CONTROLLER.get(key).body

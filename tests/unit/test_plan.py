@@ -182,7 +182,8 @@ def test_json() -> None:
     assert {"namespace", "name", "exists", "newId", "newIdReason", "unknown", "oldHits", "stillUsedBy", "staleStatus"} <= set(out)
 
 
-@pytest.mark.parametrize(("codes", "want"), [([], 0), ([0, 0], 0), ([0, 2], 2), ([2, 3, 0], 3), ([3, 1], 1)])
+@pytest.mark.parametrize(("codes", "want"), [([], 0), ([0, 0], 0), ([0, 2], 2), ([2, 3, 0], 3), ([3, 1], 1), ([2, 4, 3], 4),
+                                            ([4, 1], 1)])
 def test_exit_code(codes: list[int], want: int) -> None:
     assert plancmd.exit_code(codes) == want
 
@@ -198,3 +199,53 @@ def test_a_file_without_a_kvcachenamespace_is_an_error_before_any_api_call(tmp_p
     path.write_text(json.dumps(sample()))
     assert cli.main(["plan", "-f", str(path), "--kubeconfig", str(tmp_path / "no-kubeconfig")]) == 1
     assert "no cluster to ask" in capsys.readouterr().err
+
+
+class _Cluster:
+    """What plan_one reads, in memory: objects by (kind, name); a kind listed by kind."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, objects: list[dict[str, Any]]) -> None:
+        from kvpersist.controller import kube
+
+        self.objects = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+        monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: copy.deepcopy(self.objects.get((kind, name))))
+        monkeypatch.setattr(kube, "get_metadata", lambda v, kind, name, ns: (self.objects.get((kind, name)) or {}).get("metadata"))
+        monkeypatch.setattr(kube, "list_all", lambda v, kind, ns=None, label_selector=None, field_selector=None: [
+            copy.deepcopy(o) for (k, _), o in self.objects.items() if k == kind])
+        for name in ("apply", "create_if_absent", "delete", "patch_status", "post_event"):
+            monkeypatch.setattr(kube, name, lambda *a, _n=name, **k: pytest.fail(f"plan wrote: kube.{_n}"))
+
+
+def _claiming(name: str, created: str | None) -> dict[str, Any]:
+    obj = sample()
+    obj["metadata"] = {"name": name, "namespace": "ml", **({"uid": f"u-{name}", "creationTimestamp": created} if created else {})}
+    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-data", "maxCapacityGB": 100}
+    return obj
+
+
+def test_the_plan_says_the_operator_would_refuse_a_claim_another_resource_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's own decide on what the plan reads: B names the claim A (older) holds, so the
+    operator would keep B's cache off (StorageInUse) and write L2Ready and Ready False."""
+    _Cluster(monkeypatch, [_claiming("a", "2026-12-01T00:00:00Z")])
+    plan = plancmd.plan_one(_claiming("b", None), "ml")
+    assert plan.verdict == "StorageInUse" and plan.refused and plan.code == plancmd.REFUSED, plan
+    assert plan.verdict_message is not None and "KVCacheNamespace ml/a" in plan.verdict_message
+    assert {(c["type"], c["status"], c["reason"]) for c in plan.conditions} >= {("L2Ready", "False", "StorageInUse"),
+                                                                                ("Ready", "False", "StorageInUse")}
+    text = plancmd.format_plan(plan)
+    assert "applied with the cache off (StorageInUse)" in text and "Ready=False StorageInUse" in text, text
+    out = plancmd.plan_json(plan)
+    assert out["verdict"] == "StorageInUse" and out["refused"] is True and out["exitCode"] == 4
+
+
+def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    users = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "b-connection", "namespace": "ml"}}
+    _Cluster(monkeypatch, [users])
+    plan = plancmd.plan_one(_claiming("b", None), "ml")
+    assert plan.verdict == "NameTaken" and not plan.applied and plan.code == plancmd.REFUSED
+    assert "ConfigMap b-connection" in (plan.verdict_message or "")
+    assert "refused, nothing applied (NameTaken)" in plancmd.format_plan(plan)
+    _Cluster(monkeypatch, [])
+    free = plancmd.plan_one(_claiming("b", None), "ml")
+    line = next(x for x in plancmd.format_plan(free).splitlines() if x.strip().startswith("operator:"))
+    assert free.verdict is None and free.applied and line.endswith(" applies it") and free.code == plancmd.UNKNOWN

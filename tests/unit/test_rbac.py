@@ -204,7 +204,7 @@ def test_watch_namespaces_takes_exact_names_only(helm: Path, value: str, says: s
     """A pattern names no namespace to put a Role in: refused, by the values schema and (with
     --skip-schema-validation) by the template, saying what to do."""
     def template(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(helm), "template", "r", str(rb.CHART), "--kube-version", rb.HELM_KUBE_VERSION,
+        return subprocess.run([str(helm), "template", "r", str(rb.CHART),
                                "--set", f"watchNamespaces={value}", *extra],
                               capture_output=True, text=True, timeout=120)
 

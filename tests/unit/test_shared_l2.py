@@ -263,26 +263,29 @@ def test_choose_oldest_spares_what_was_written_after_the_grace_began() -> None:
     assert choose_oldest(files, 30, 30, spare_after=0) == []
 
 
-def test_a_users_claim_not_readwritemany_runs_one_server_not_one_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_users_claim_not_readwritemany_runs_one_server_not_one_per_node() -> None:
     """The servers on other nodes could never mount a ReadWriteOnce claim: one runs (L2Ready says
-    ClaimNotShared), as many as the spec says once the claim can be shared."""
-    import dataclasses
+    ClaimNotShared), as many as the spec says once the claim can be shared (decided from the claim
+    as the snapshot read it: kvpersist.controller.decision)."""
+    from kvpersist.controller import l2key
+    from kvpersist.controller.decision import Snapshot, decide
 
-    from kvpersist.controller import apply, reading
+    def replicas(obj: dict[str, Any], claim: dict[str, Any] | None) -> int:
+        body = {**obj, "metadata": {**obj["metadata"], "namespace": "ml", "uid": "u-1"}}
+        spec = KVCacheNamespace.model_validate(obj).spec
+        key = l2key.KeyRead(f"{obj['metadata']['name']}-l2-key", "master-key", True, fingerprint=FP)
+        decision = decide(Snapshot(body=body, spec=spec, key=key, l2_claims={}, stores=(), named_claim=claim))
+        assert decision.applies and decision.target.cache_enabled, decision.refusal
+        return next(m for m in decision.manifests if m["kind"] == "StatefulSet")["spec"]["replicas"]
 
     obj = shared_obj({"existingClaimName": "kv-data"})
     for key in ("size", "storageClassName"):
         obj["spec"]["l2"]["nvme"].pop(key)
-    t = target_of(obj)
     claims = {"rwo": _claim("kv-data", ["ReadWriteOnce"]), "rwx": _claim("kv-data", ["ReadWriteMany"]), "none": None}
     for kind, want in (("rwo", 1), ("rwx", 2), ("none", 2)):
-        monkeypatch.setattr(reading, "named_claim", lambda name, ns, c=claims[kind]: c)
-        capped = apply._one_server_unless_shareable(t)
-        assert build_lmcache_statefulset(capped, "img:1")["spec"]["replicas"] == want, kind
-    made = target_of(shared_obj())  # the operator's own claim is ReadWriteMany: never capped, never read
-    monkeypatch.setattr(reading, "named_claim", lambda *_: pytest.fail("read a claim the operator made"))
-    assert apply._one_server_unless_shareable(made) is made
-    assert build_lmcache_statefulset(dataclasses.replace(made, max_servers=1), "img:1")["spec"]["replicas"] == 1
+        assert replicas(obj, claims[kind]) == want, kind
+    # The operator's own claim is ReadWriteMany: never capped, whatever a claim of that name says.
+    assert replicas(shared_obj(), claims["rwo"]) == 2
 
 
 def test_usage_and_budget_count_a_shared_folder_once() -> None:

@@ -1,8 +1,19 @@
+{{/* The chart's name, or nameOverride: what object names are made of (a parent chart may rename it). */}}
+{{- define "kvpersist.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Object names: fullnameOverride, else <release>-<name> (the release alone when it holds the name). */}}
 {{- define "kvpersist.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "kvpersist.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -16,11 +27,65 @@ app.kubernetes.io/name: kvpersist-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "kvpersist.labels" -}}
+{{/* The chart's own labels on every object. */}}
+{{- define "kvpersist.chartLabels" -}}
 {{ include "kvpersist.selectorLabels" . }}
+app.kubernetes.io/part-of: {{ include "kvpersist.name" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* global.commonLabels (a parent chart's labels for all it installs), each value a string. */}}
+{{- define "kvpersist.commonLabels" -}}
+{{- $out := dict -}}
+{{- range $k, $v := (.Values.global | default dict).commonLabels | default dict -}}
+{{- $_ := set $out $k (toString $v) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* Every object's labels: global.commonLabels, then the chart's own (never replaced by them). */}}
+{{- define "kvpersist.labels" -}}
+{{- toYaml (mergeOverwrite (include "kvpersist.commonLabels" . | fromYaml) (include "kvpersist.chartLabels" . | fromYaml)) -}}
+{{- end -}}
+
+{{/* The operator pod's labels: podLabels and global.commonLabels, then the selector's (never replaced:
+the Deployment and the lmcache servers' NetworkPolicies find the operator by them). */}}
+{{- define "kvpersist.podLabels" -}}
+{{- $labels := include "kvpersist.commonLabels" . | fromYaml -}}
+{{- range $k, $v := .Values.podLabels | default dict }}{{ $_ := set $labels $k (toString $v) }}{{ end -}}
+{{- toYaml (mergeOverwrite $labels (include "kvpersist.selectorLabels" . | fromYaml)) -}}
+{{- end -}}
+
+{{/* imagePullSecrets and global.imagePullSecrets, each secret once (names or {name: ...}). */}}
+{{- define "kvpersist.imagePullSecrets" -}}
+{{- $names := list -}}
+{{- range concat ((.Values.global | default dict).imagePullSecrets | default list) (.Values.imagePullSecrets | default list) -}}
+{{- $name := . -}}
+{{- if kindIs "map" . }}{{ $name = get . "name" }}{{ end -}}
+{{- if not (has $name $names) }}{{ $names = append $names $name }}{{ end -}}
+{{- end -}}
+{{- range $names }}
+- name: {{ . }}
+{{- end -}}
+{{- end -}}
+
+{{/* With watchNamespaces, a binding's matchResources: the watched namespaces only (another
+release, watching others, has its own policies there). Empty: every namespace. */}}
+{{- define "kvpersist.bindingScope" -}}
+{{- with .Values.watchNamespaces }}
+  matchResources:
+    namespaceSelector:
+      matchExpressions:
+        - {key: kubernetes.io/metadata.name, operator: In, values: {{ toJson . }}}
+{{- end }}
+{{- end -}}
+
+{{/* Whether the Prometheus Operator's kind (its argument) is served: `helm template` knows it
+from --api-versions, install and upgrade from the cluster. */}}
+{{- define "kvpersist.monitoringServes" -}}
+{{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind) }}true{{ end -}}
 {{- end -}}
 
 {{/* The operator's image (also the inventory agent's): by digest when image.digest is set (a tag can
@@ -85,7 +150,7 @@ admits. A server that reports no release (no major version) is let through; any 
 {{- $minor := regexReplaceAll "[^0-9].*$" $v.Minor "" | int -}}
 {{- $min := include "kvpersist.minKubeMinor" . | int -}}
 {{- if or (lt $major 1) (and (eq $major 1) (lt $minor $min)) -}}
-{{- fail (printf "kvpersist needs Kubernetes 1.%d or later (ValidatingAdmissionPolicy v1, the CRD's validation rules); this cluster is %s. With helm template, pass --kube-version (your cluster's)" $min $v.Version) -}}
+{{- fail (printf "kvpersist needs Kubernetes 1.%d or later (ValidatingAdmissionPolicy v1, the CRD's validation rules); this cluster is %s. With helm template, pass --kube-version (your cluster's) where your helm assumes another" $min $v.Version) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -1,23 +1,22 @@
 """The KVCacheNamespace API, version v1alpha1: the one definition of the spec and status.
 
 The CRD in crds/ is generated from these models (kvpersist.api.crd), so every field's
-description, default, range and pattern lives here once. Cross-field rules are written twice on
-purpose: as CEL (x-kubernetes-validations) so `kubectl apply` refuses bad input, and as pydantic
-validators so the operator refuses the same input when it reads an object; a table-driven test
-checks that both agree.
+description, default, range and pattern lives here once. So does every cross-field rule: written
+once, as CEL (`cel(...)`, x-kubernetes-validations) so `kubectl apply` refuses bad input, and the
+models evaluate that same CEL on the object as stored (kvpersist.api.celrules), so the operator
+refuses exactly what the API server refuses, with the same message (tests/e2e/test_fuzz.py checks
+that the two never disagree).
 """
 
 from __future__ import annotations
 
-import math
-import re
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -25,11 +24,14 @@ from pydantic import (
     Strict,
     ValidationError,
     WithJsonSchema,
-    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
 
+from kvpersist.api import celrules
+from kvpersist.api.celrules import cel
+from kvpersist.api.quantity import MAX_INT64, parse_quantity
+from kvpersist.api.structural import LABEL_NAME, QUALIFIED_NAME, schema_of
 from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, printable, refuse_control, refuse_control_in_prompt
 
 GROUP = "kvpersist.dev"
@@ -98,13 +100,21 @@ EXTRA_ARGS: dict[str, bool] = {
     "--return-tokens-as-token-ids": False, "--enable-prompt-tokens-details": False,
 }
 EXTRA_ARG_REGEX = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"  # flags are [a-z-]: nothing to escape
+# The flags that take a value as the next item (else written --flag=value): a bare word anywhere else
+# would reach vLLM as a positional argument (the model, say).
+EXTRA_ARG_VALUE_FLAGS = "[" + ", ".join(f"'{f}'" for f in sorted(f for f, takes in EXTRA_ARGS.items() if takes)) + "]"
+EXTRA_ARGS_VALUES_RULE = ("extraArgs: a value is the item right after a flag that takes one (or written --flag=value), "
+                          "and such a flag is followed by its value: any other word would reach vLLM as a positional "
+                          "argument")
 EXTRA_ARGS_RULE = ("extraArgs may set only these vLLM flags, spelled in full: " + ", ".join(sorted(EXTRA_ARGS))
                    + "; identity pins are set in spec.identity, and flags that change the KV are refused")
 
 
 def extra_args_problem(args: list[str]) -> str | None:
-    """Why extraArgs would let vLLM run with other KV than the pins say, or None. Each token is an
-    allowed flag, or the value right after an allowed flag that takes one."""
+    """Why extraArgs would let vLLM run with other KV than the pins say, or None, in words for one
+    list: each token is an allowed flag, or the value right after an allowed flag that takes one.
+    The models enforce the CRD's two extraArgs rules (the same allow-list, as CEL), not this; the
+    contract test checks that the two say the same."""
     wants_value = ""
     for arg in args:
         if wants_value and not arg.startswith("-"):
@@ -131,9 +141,9 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # A Kubernetes quantity that is a size: no sign (every quantity here is a size or a resource
 # amount), an exponent of at most two digits (1e309 overflows a float: refused at apply time, not
-# an exception in the operator). The models also bound the value (MAX_QUANTITY).
+# an exception in the operator). A CEL rule bounds the value (QUANTITY_RULE).
 QUANTITY = r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$"
-MAX_QUANTITY = 2**63 - 1  # Kubernetes keeps a quantity's value in an int64
+MAX_QUANTITY = MAX_INT64  # Kubernetes keeps a quantity's value in an int64
 GIB = 1024**3
 # What spec.l2.encryption renders as the L2 adapter's serde, with the frame it writes
 # (kvpersist.inserver.serve: version 3, 2 MiB segments bound to the object's name and namespace),
@@ -141,21 +151,20 @@ GIB = 1024**3
 # namespace (and the old folder an orphan).
 L2_SERDE = "kvpersist-aesgcm-256/v3"
 
-def _bounded_quantity(value: str | int) -> str | int:
-    """A quantity the operator can compute with: finite and at most MAX_QUANTITY (a ValueError,
-    which pydantic reports naming the field, rather than an OverflowError out of a handler)."""
-    if parse_quantity(str(value)) > MAX_QUANTITY:
-        raise ValueError(f"{value!r} is larger than a Kubernetes quantity can be ({MAX_QUANTITY} = 8Ei - 1)")
-    return value
+# What a quantity the operator computes with may be: less than 2^63 (an int64 holds it). The API
+# server parses "99999Ei" as 2^63 - 1 (it caps a binary suffix silently) and a decimal past 2^63 as
+# itself; as a float either is 2^63 or more, so one comparison refuses both.
+QUANTITY_RULE = ("quantity(string(self)).asApproximateFloat() < 9223372036854775808.0",
+                 "a quantity must be less than 8Ei (2^63): Kubernetes keeps one in an int64")
 
 
 Quantity = Annotated[
     # Strict int: a string is never turned into one (pydantic's lax int strips whitespace, U+2028
     # included, and takes True as 1), so the models refuse what the API server's pattern refuses.
     Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_QUANTITY)],
-    AfterValidator(_bounded_quantity),
-    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY,
-                    "x-kubernetes-int-or-string": True}),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY, "maxLength": 64,
+                    "x-kubernetes-int-or-string": True,
+                    "x-kubernetes-validations": [{"rule": QUANTITY_RULE[0], "message": QUANTITY_RULE[1]}]}),
 ]
 
 
@@ -170,27 +179,27 @@ FreeText = Annotated[str, BeforeValidator(refuse_control), Field(json_schema_ext
 # Refused here, at apply time and naming the field, rather than later as a Deployment the API
 # server refuses. The control check runs first, to name the character (Field before the
 # validator: pydantic keeps the pattern in the schema only in that order).
-_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?" + _LABEL_NAME + "$"
-LABEL_VALUE = "^(" + _LABEL_NAME + ")?$"
+LABEL_VALUE = "^(" + LABEL_NAME + ")?$"  # QUALIFIED_NAME: kvpersist.api.structural
 QualifiedName = Annotated[str, Field(min_length=1, max_length=317, pattern=QUALIFIED_NAME), BeforeValidator(refuse_control)]
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE), BeforeValidator(refuse_control)]
 
 
-def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
-    """One x-kubernetes-validations entry."""
-    out = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    if reason:
-        out["reason"] = reason
-    return out
+# The object's one rule above spec (the CRD's root, kvpersist.api.crd).
+NAME_CEL = cel(f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')", NAME_RULE,
+               reason="FieldValueInvalid")
 
 
 class _Model(BaseModel):
     # protected_namespaces: identity.modelId is a field, not pydantic's (older pydantic warns on "model_").
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
                               protected_namespaces=())
+
+
+class _Spec(_Model):
+    """A part of spec: JSON's types as the API server's schema checks them, no coercion (pydantic's
+    lax mode would take "5" or True for an integer, 1 for a boolean, which the API server refuses)."""
+
+    model_config = ConfigDict(strict=True)
 
 
 def defaults_of(model: type[_Model]) -> dict[str, Any]:
@@ -203,7 +212,7 @@ def defaults_of(model: type[_Model]) -> dict[str, Any]:
 # ---------------------------------------------------------------- identity
 
 
-class Identity(_Model):
+class Identity(_Spec):
     """The pins that decide whether a stored KV block may be reused. Their canonical hash is the
     compatibility namespace kvp-<32 hex>. Any pin left out disables the cache for this resource
     (vLLM still runs) rather than risk a hit computed under other settings."""
@@ -260,7 +269,7 @@ class Identity(_Model):
 # ---------------------------------------------------------------- tiers
 
 
-class L1(_Model):
+class L1(_Spec):
     """The lmcache server's host-RAM tier."""
 
     size_gb: float = Field(
@@ -276,7 +285,7 @@ SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a 
                      "find files other servers wrote (measured); the fs adapter is not checked for either")
 
 
-class NVMe(_Model):
+class NVMe(_Spec):
     """A local NVMe volume as L2: a PersistentVolumeClaim per lmcache server, or an existing claim;
     with shared, one ReadWriteMany claim all the servers use."""
 
@@ -361,17 +370,17 @@ class NVMe(_Model):
 
     @property
     def budget_bytes(self) -> int | None:
-        return int(parse_quantity(str(self.budget))) if self.budget is not None else None
+        return int(parse_quantity(self.budget)) if self.budget is not None else None
 
 
-class SecretKeyRef(_Model):
+class SecretKeyRef(_Spec):
     """A key of a Secret in the resource's namespace."""
 
     name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
     key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
 
 
-class HFBucket(_Model):
+class HFBucket(_Spec):
     """A Hugging Face bucket as L2 (LMCache's hfbucket adapter): remote, durable, shareable."""
 
     bucket_handle: str = Field(
@@ -399,7 +408,7 @@ class HFBucket(_Model):
     )
 
 
-class KeySecretRef(_Model):
+class KeySecretRef(_Spec):
     """A Secret key holding L2's master key (its raw bytes, at least 32)."""
 
     name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
@@ -407,7 +416,7 @@ class KeySecretRef(_Model):
                      description="Key in the Secret.")
 
 
-class L2Encryption(_Model):
+class L2Encryption(_Spec):
     """Authenticated encryption of L2 (lmcache's aesgcm serde, AES-256-GCM, a key per cache salt
     derived from a master key). Why on by default: lmcache keeps no checksum, so a file of the
     right size with other bytes (bit rot, a bad disk, tampering) would be served as a hit; with
@@ -426,7 +435,7 @@ class L2Encryption(_Model):
     )
 
 
-class OrphanRetention(_Model):
+class OrphanRetention(_Spec):
     """An opt-in age limit on the folders of OTHER namespaces on this resource's claims."""
 
     max_age_days: int = Field(
@@ -437,7 +446,7 @@ class OrphanRetention(_Model):
     )
 
 
-class L2(_Model):
+class L2(_Spec):
     """The durable tier: exactly one of nvme or hfBucket."""
 
     model_config = ConfigDict(
@@ -470,7 +479,7 @@ class L2(_Model):
         return "nvme" if self.nvme is not None else "hfBucket"
 
 
-class Eviction(_Model):
+class Eviction(_Spec):
     """How LMCache makes room, in L1 and in the L2 adapter."""
 
     policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
@@ -485,18 +494,11 @@ class Eviction(_Model):
     )
     eviction_ratio: float = Field(0.1, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
 
-    @field_validator("policy")
-    @classmethod
-    def _not_isolated_lru(cls, policy: str) -> str:
-        if policy == "IsolatedLRU":
-            raise ValueError("IsolatedLRU is refused: " + ISOLATED_LRU_REFUSED)
-        return policy
-
 
 # ---------------------------------------------------------------- workloads
 
 
-class Resources(_Model):
+class Resources(_Spec):
     """Container resource requests and limits."""
 
     requests: dict[QualifiedName, Quantity] | None = Field(None, max_length=32,
@@ -514,7 +516,7 @@ EXISTS_TAKES_NO_VALUE = "operator Exists matches every value of the key: drop va
 SECONDS_NEED_NO_EXECUTE = "applies to NoExecute taints only: set effect NoExecute, or drop tolerationSeconds"
 
 
-class Toleration(_Model):
+class Toleration(_Spec):
     """A pod toleration. One naming no key is refused: it would put these GPU-seeing pods on any node."""
 
     model_config = ConfigDict(
@@ -540,18 +542,6 @@ class Toleration(_Model):
     )
     toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
 
-    @model_validator(mode="after")
-    def _not_catch_all(self) -> Toleration:
-        if self.operator == "Exists" and not self.key:
-            raise ValueError(f"key: {CATCH_ALL_TOLERATION}")
-        if self.operator == "Equal" and self.key is None:
-            raise ValueError(f"key: {EQUAL_NEEDS_KEY}")
-        if self.operator == "Exists" and self.value:
-            raise ValueError(f"value: {EXISTS_TAKES_NO_VALUE}")
-        if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise ValueError(f"tolerationSeconds: {SECONDS_NEED_NO_EXECUTE}")
-        return self
-
 
 # The RuntimeClass the NVIDIA GPU Operator creates; a DNS subdomain, as Kubernetes names it, or ""
 # for none (as storageClassName: "" means no class): a null would not survive `kubectl apply`,
@@ -560,7 +550,7 @@ DEFAULT_RUNTIME_CLASS = "nvidia"
 RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
-class LMCacheServer(_Model):
+class LMCacheServer(_Spec):
     """The lmcache server pods (a StatefulSet, one PersistentVolumeClaim per replica for NVMe)."""
 
     model_config = ConfigDict(
@@ -681,19 +671,11 @@ def _env_name_rule() -> str:
     return f"!(self in [{names}]) && {prefixes} && {families}"
 
 
-def _refuse_env_name(name: str) -> str:
-    problem = env_problem(name)
-    if problem:
-        raise ValueError(problem)
-    return name
-
-
 EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=ENV_NAME,
-                               json_schema_extra={"x-kubernetes-validations": [cel(_env_name_rule(), ENV_RULE)]}),
-                    AfterValidator(_refuse_env_name)]
+                               json_schema_extra={"x-kubernetes-validations": [cel(_env_name_rule(), ENV_RULE)]})]
 
 
-class EnvVar(_Model):
+class EnvVar(_Spec):
     """A literal variable of the vLLM container. Secrets go through envFrom secretRef or the fields
     of their own (hfTokenSecretRef, apiKeySecretRef), never a literal value in the spec."""
 
@@ -701,13 +683,13 @@ class EnvVar(_Model):
     value: Annotated[FreeText, Field(max_length=4096)] = Field("", description="Its value.")
 
 
-class LocalObjectRef(_Model):
+class LocalObjectRef(_Spec):
     """An object of the resource's namespace, by name."""
 
     name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Its name.")
 
 
-class EnvFromSource(_Model):
+class EnvFromSource(_Spec):
     """Every key of a Secret or ConfigMap as a variable of the vLLM container. A key that is a refused
     name (env_problem) never reaches vLLM, nor the loader or Python before it, and `env` wins."""
 
@@ -719,21 +701,15 @@ class EnvFromSource(_Model):
     secret_ref: LocalObjectRef | None = Field(None, description="A Secret of the resource's namespace.")
     config_map_ref: LocalObjectRef | None = Field(None, description="A ConfigMap of the resource's namespace.")
 
-    @model_validator(mode="after")
-    def _one(self) -> EnvFromSource:
-        if (self.secret_ref is None) == (self.config_map_ref is None):
-            raise ValueError("set exactly one of secretRef or configMapRef")
-        return self
 
-
-class HFTokenSecretRef(_Model):
+class HFTokenSecretRef(_Spec):
     """A Secret key holding a Hugging Face token that may read the model (a gated one)."""
 
     name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
     key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
 
 
-class APIKeySecretRef(_Model):
+class APIKeySecretRef(_Spec):
     """A Secret key holding the API key vLLM requires of its clients (VLLM_API_KEY)."""
 
     name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
@@ -747,7 +723,7 @@ MODEL_CACHE_PATH = "/var/lib/kvpersist/hf"
 MODEL_CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 
 
-class ModelCache(_Model):
+class ModelCache(_Spec):
     """A PersistentVolumeClaim the vLLM pods keep the model's weights on (HF_HOME), so a restarted
     vLLM does not download them again: one of the user's (existingClaimName), or one the operator
     makes, `<name>-model-cache` (size), owned by the resource: weights can be downloaded again, so
@@ -791,7 +767,7 @@ class ModelCache(_Model):
     )
 
 
-class VLLMService(_Model):
+class VLLMService(_Spec):
     """A Service in front of this resource's vLLM pods (the OpenAI-compatible API)."""
 
     enabled: bool = Field(False, description="Make Service <name>-vllm.")
@@ -802,7 +778,7 @@ class VLLMService(_Model):
 KV_EVENTS_PORT = 5557  # vLLM's own default (KVEventsConfig.endpoint tcp://*:5557)
 
 
-class KVEvents(_Model):
+class KVEvents(_Spec):
     """vLLM's KV cache events (--kv-events-config): a ZMQ PUB socket on each vLLM pod whose topic is
     the namespace id, so a router knows which compatibility namespace a block belongs to."""
 
@@ -828,7 +804,7 @@ class KVEvents(_Model):
     )
 
 
-class VLLM(_Model):
+class VLLM(_Spec):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
     model_config = ConfigDict(
@@ -865,6 +841,10 @@ class VLLM(_Model):
             "default": [],
             "x-kubernetes-validations": [
                 cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))", EXTRA_ARGS_RULE),
+                # By index (CEL has no pairwise walk): maxItems is 64, the list below as long.
+                cel(f"[{', '.join(map(str, range(64)))}].all(i, i >= self.size() || (self[i].startsWith('-') ? "
+                    f"(!(self[i] in {EXTRA_ARG_VALUE_FLAGS}) || (i + 1 < self.size() && !self[i + 1].startsWith('-'))) "
+                    f": (i > 0 && self[i - 1] in {EXTRA_ARG_VALUE_FLAGS})))", EXTRA_ARGS_VALUES_RULE),
             ],
         },
     )
@@ -928,7 +908,7 @@ DEFAULT_CANARY_PROMPT = (
     + "Now repeat the records in order, starting from the first. Record 1: the code for")
 
 
-class Canary(_Model):
+class Canary(_Spec):
     """The live correctness canary: a pinned greedy request whose answer without the cache is
     recorded once per namespace id, then asked again with the cache after every vLLM or lmcache
     server (re)start and every intervalSeconds. A different answer turns the cache off until a
@@ -961,7 +941,7 @@ PromptText = Annotated[str, BeforeValidator(refuse_control_in_prompt),
                        Field(min_length=1, max_length=PROMPT_MAX_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN})]
 
 
-class Prewarm(_Model):
+class Prewarm(_Spec):
     """Prompts the operator keeps warm: after every start of an lmcache server or of the vLLM pod
     beside it, and whenever the list changes, their KV is loaded from L2 into the server's L1
     (lmcache's warm prefetch), or computed once through vLLM when L2 does not hold it whole, so the
@@ -991,7 +971,7 @@ class Prewarm(_Model):
         return bool(self.prompts or self.system_prompts or self.config_map_ref)
 
 
-class KVCacheNamespaceSpec(_Model):
+class KVCacheNamespaceSpec(_Spec):
     """What the user wants: the pins, the tiers, eviction, and the two workloads."""
 
     model_config = ConfigDict(
@@ -1051,61 +1031,28 @@ class KVCacheNamespaceSpec(_Model):
                 "l2_layout": l2_layout(self),
                 "l2_key_fingerprint": key_fingerprint if self.l2.encryption.enabled else None}
 
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> KVCacheNamespaceSpec:
-        """The CEL rules again, for objects read by the operator and for unit tests."""
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: Any) -> Any:
+        """Numbers as the API server reads them (celrules.json_numbers): 2.0 is the integer 2, true
+        no number; the models are strict otherwise (_Spec)."""
+        return celrules.json_numbers(spec_schema(), data, "spec") if isinstance(data, dict) else data
 
-        n = self.l2.nvme
-        if (self.l2.nvme is None) == (self.l2.hf_bucket is None):
-            raise ValueError("spec.l2: set exactly one of nvme or hfBucket")
-        if self.l2.orphan_retention is not None and n is None:
-            raise ValueError("spec.l2.orphanRetention: applies to NVMe claims: a bucket's orphans are deleted with "
-                             "`kvpersist gc`")
-        if n is not None:
-            if (n.size is None) == (n.existing_claim_name is None):
-                raise ValueError("spec.l2.nvme: set exactly one of size (a new claim per lmcache server) or existingClaimName")
-            if n.storage_class_name is not None and n.size is None:
-                raise ValueError("spec.l2.nvme.storageClassName: applies to a new claim: set size with it")
-            if n.size is not None and parse_quantity(str(n.size)) < n.max_capacity_gb * GIB:
-                raise ValueError("spec.l2.nvme.maxCapacityGB: must fit in the claim: lower maxCapacityGB or raise size")
-            if n.budget_bytes is not None and not 2**20 <= n.budget_bytes <= n.max_capacity_gb * GIB:
-                raise ValueError("spec.l2.nvme.budget: must be at least 1Mi and at most maxCapacityGB")
-            if n.budget is not None and n.adapter != "nixl_store_dynamic":
-                raise ValueError("spec.l2.nvme.budget: the fs adapter has no capacity to hold a budget to")
-            if n.existing_claim_name is not None and n.reclaim_policy != "Retain":
-                raise ValueError("spec.l2.nvme.reclaimPolicy: an existing claim is not the operator's to delete")
-        mc = self.vllm.model_cache
-        if mc is not None:
-            if (mc.size is None) == (mc.existing_claim_name is None):
-                raise ValueError("spec.vllm.modelCache: set exactly one of size (a claim the operator makes, "
-                                 "<name>-model-cache) or existingClaimName (a claim of yours)")
-            if mc.size is None and mc.storage_class_name is not None:
-                raise ValueError("spec.vllm.modelCache.storageClassName: applies to the claim the operator makes: "
-                                 "set size with it, or drop it with existingClaimName")
-            if mc.size is None and mc.access_modes is not None:
-                raise ValueError("spec.vllm.modelCache.accessModes: applies to the claim the operator makes: set "
-                                 "size with it, or drop it with existingClaimName")
-        if self.lmcache_server.port == self.lmcache_server.http_port:
-            raise ValueError("spec.lmcacheServer.httpPort: port and httpPort must differ")
-        if self.lmcache_server.agent_port in (self.lmcache_server.port, self.lmcache_server.http_port):
-            raise ValueError("spec.lmcacheServer.agentPort: agentPort must differ from port and httpPort")
-        events = self.vllm.kv_events
-        if events.replay_port is not None and events.replay_port == events.port:
-            raise ValueError("spec.vllm.kvEvents.replayPort: replayPort must differ from port")
-        if events.enabled and self.vllm.port in (events.port, events.replay_port):
-            raise ValueError("spec.vllm.kvEvents.port: kvEvents.port and kvEvents.replayPort must differ from port")
-        problem = extra_args_problem(list(self.vllm.extra_args))
-        if problem:
-            raise ValueError(f"spec.vllm.extraArgs: {problem}; {EXTRA_ARGS_RULE}")
-        if n is not None and n.existing_claim_name is not None and not n.shared and self.lmcache_server.replicas != 1:
-            raise ValueError("spec.lmcacheServer.replicas: an existing claim serves one lmcache server: set it to 1, or "
-                             "set spec.l2.nvme.shared with a ReadWriteMany claim")
-        if n is not None and n.shared and n.adapter != "nixl_store_dynamic":
-            raise ValueError(f"spec.l2.nvme.shared: {SHARED_NEEDS_NIXL}")
-        tp = self.identity.tensor_parallel_size
-        if self.vllm.gpus_per_replica is not None and tp is not None and self.vllm.gpus_per_replica < tp:
-            raise ValueError("spec.vllm.gpusPerReplica: must be at least identity.tensorParallelSize")
+    @model_validator(mode="after")
+    def _cel_rules(self) -> KVCacheNamespaceSpec:
+        """The CRD's CEL rules, every one under spec, on this spec as the API server would store it
+        (kvpersist.api.celrules; transition rules, which need the old object, are left to it)."""
+        stored = self.model_dump(by_alias=True, exclude_none=True, mode="json")
+        problems = celrules.violations(spec_schema(), stored, "spec")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+
+@functools.cache
+def spec_schema() -> dict[str, Any]:
+    """The CRD's schema of spec, CEL rules included (built once, at the first validation)."""
+    return schema_of(KVCacheNamespaceSpec)
 
 
 def l2_layout(spec: KVCacheNamespaceSpec) -> str:
@@ -1208,28 +1155,6 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
     if spec.l2.encryption.enabled and layer >= ENCRYPTED_PAGES_PER_LAYER:
         page = min(page, 1 << ((layer // ENCRYPTED_PAGES_PER_LAYER).bit_length() - 1))
     return max(DEFAULT_L1_PAGE, page)
-
-
-def parse_quantity(q: str) -> float:
-    """A Kubernetes quantity in bytes (or units), enough for comparing sizes."""
-    m = re.fullmatch(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?", q)
-    if not m:
-        raise ValueError(f"not a quantity: {q!r}")
-    number, suffix = float(m.group(1)), m.group(2) or ""
-    binary = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-    decimal = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-    try:
-        if suffix in binary:
-            out = number * binary[suffix]
-        elif suffix in decimal:
-            out = number * decimal[suffix]
-        else:
-            out = number * 10.0 ** int(suffix[1:])
-    except OverflowError:
-        out = math.inf
-    if not math.isfinite(out):
-        raise ValueError(f"not a finite quantity: {q!r}")
-    return out
 
 
 # ---------------------------------------------------------------- status
@@ -1563,9 +1488,10 @@ class KVCacheNamespace(_Model):
 
     @model_validator(mode="after")
     def _name_fits_every_derived_name(self) -> KVCacheNamespace:
+        """The CRD's rule on metadata.name (NAME_CEL), where the object has a name to judge."""
         name = self.metadata.get("name", "")
-        if name and (len(name) > MAX_NAME_LENGTH or not re.fullmatch(NAME_PATTERN, name)):
-            raise ValueError(f"{NAME_RULE}; got {name!r} ({len(name)} characters)")
+        if name and not celrules.holds(NAME_CEL["rule"], {"metadata": {"name": name}}):
+            raise ValueError(f"{NAME_CEL['message']}; got {name!r} ({len(name)} characters)")
         return self
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from importlib import resources
 from typing import Any
 
 from kvpersist import __version__
@@ -26,6 +25,7 @@ from kvpersist.builders.target import (
     SERVER,
     Target,
 )
+from kvpersist.inserver import program_source
 from kvpersist.inserver.serve import SERDE_TYPE
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
@@ -60,8 +60,9 @@ SERVER_COMMAND = ["sh", "-c", f'umask 0002 && exec "$0" -c "${SERVE_ENV}" "$@"',
 
 
 def serve_source() -> str:
-    """kvpersist.inserver.serve as the server container runs it (python3 -c)."""
-    return (resources.files("kvpersist.inserver") / "serve.py").read_text(encoding="utf-8")
+    """kvpersist.inserver.serve as the server container runs it (python3 -c), with the module
+    beside it that it imports (kvpersist.inserver.program_source)."""
+    return program_source()
 
 
 # The server requests no GPU (that would take one from vLLM) yet opens vLLM's KV on the node's
@@ -122,7 +123,7 @@ def serde_workers(target: Target) -> int:
     unless the work spreads over the cores the pod was given; more threads than cores only
     contend for them. A request below one core still gets one worker."""
     cpu = server_resources(target)["requests"].get("cpu", DEFAULT_SERVER_CPU)
-    cores = math.ceil(parse_quantity(str(cpu)) - 1e-9)
+    cores = math.ceil(parse_quantity(cpu))  # exact (a Decimal): 2 is 2, not 2.0000000001
     return max(MIN_SERDE_WORKERS, min(MAX_SERDE_WORKERS, cores))
 
 

@@ -8,6 +8,7 @@ later change of size, class or access modes is reported, not applied.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from kvpersist.api.v1alpha1 import parse_quantity
@@ -52,8 +53,8 @@ def claim_differences(manifest: dict[str, Any], existing: dict[str, Any]) -> lis
     return out
 
 
-def _quantity(value: Any) -> float | None:
+def _quantity(value: Any) -> Decimal | None:
     try:
-        return parse_quantity(str(value)) if value is not None else None
+        return parse_quantity(value) if value is not None else None
     except ValueError:
         return None

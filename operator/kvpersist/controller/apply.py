@@ -1,9 +1,11 @@
-"""Applying what a KVCacheNamespace becomes: the L2 key and agent token Secrets and the network
-policies first, then the workloads (server-side apply, idempotent). Before an apply, a claim,
-bucket prefix or route name another resource holds keeps the cache off (_exclusive), and an
-object the operator did not make under one of its names keeps everything from being applied
-(_names_taken; kvpersist.controller.ownership); after one, an old namespace id's Services and
-policies go once no pod carries that id (clean_stale_routes).
+"""Acting on what one apply decided (kvpersist.controller.decision): the snapshot is read first
+(kvpersist.controller.snapshot), decided on, then applied here: the L2 key and agent token Secrets
+and the network policies first, then the workloads (server-side apply, idempotent). A refusal
+applies nothing (the policy, ClaimNotOwned, NameTaken: kvpersist.controller.ownership); a store
+or route names another resource or id holds apply with the cache off or without the routes.
+After an apply, an old namespace id's Services and policies go once no pod carries that id
+(clean_stale_routes). The status refresh looks again at what keeps a store or a name
+(_exclusive_recheck, _taken_recheck) and applies when it changed.
 """
 
 from __future__ import annotations
@@ -12,35 +14,30 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist.api import v1alpha1 as api
-from kvpersist.builders import modelcache
-from kvpersist.builders.all import build_all
-from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
-from kvpersist.builders.lmcache import build_shared_claim
-from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import agentroll, fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
+from kvpersist.builders.keysecret import build_key_secret
+from kvpersist.builders.target import SERVER, Target
+from kvpersist.controller import fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
+from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide, storage_refusal
 from kvpersist.controller.drift import _note_own_write, child_key, own_apply
 from kvpersist.controller.policy import Refusal
-from kvpersist.controller.reading import _judge_key, _read_key, _refusal, _target, claim_not_shareable, l2_claims
-from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, route_taken_message, stale
-from kvpersist.identity import key_fingerprint
-from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, WATCH_SELECTOR, Seen
+from kvpersist.controller.reading import _target
+from kvpersist.controller.snapshot import read_snapshot, stores_from_api
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, stale
+from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, Seen
 
 
 def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> bool:
-    """Apply every object this resource becomes (server-side, idempotent). False when the spec
-    cannot be read (status says why). The L2 key is read first (its fingerprint is in the
-    namespace id, so in every per-id name); a generated one is made when absent, unless data
-    sealed with the last one exists (_judge_key). Blocking: runs in a worker thread."""
+    """Read, decide, act: everything the apply looks at is read into one snapshot first
+    (kvpersist.controller.snapshot), decided on by one pure function (kvpersist.controller.decision),
+    and only then applied; no request between the decisions. False when the spec cannot be read
+    (status says why). Blocking: runs in a worker thread."""
     try:
         target, _reason = _target(body)
     except ValidationError:
@@ -50,120 +47,18 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     metrics.inc("kvpersist_reconciles_total")
     runtime.CONTROLLER.fallback.seed(key, fallback.bypassed_in(body))
     runtime.CONTROLLER.build_bypass.seed(key, body)
-    refused = _refusal(target)
-    if refused is not None:  # nothing rendered and nothing deleted: the children stay as they are
-        if state.refused != refused:
-            logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refused[1])
-        state.refused = refused
-        return True
-    state.refused = None
     try:
-        # An L2 claim the servers would mount that the operator did not make (ownership.claim_refusal):
-        # nothing applied, as for NameTaken, and before a key is generated (no key made for nothing).
-        claim_refused = ownership.claim_refusal(target, l2_claims(target))
-        if claim_refused is not None:
-            if state.name_taken != claim_refused:
-                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, claim_refused[1])
-            state.name_taken, state.name_taken_retry_at = claim_refused, time.monotonic() + ownership.RETRY_S
+        snap, raw_key = read_snapshot(body, seen)
+        decision = decide(snap)
+        if decision.stage == POLICY:  # nothing rendered and nothing deleted: the children stay as they are
+            assert decision.refusal is not None
+            if state.refused != decision.refusal:
+                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
+            state.refused = decision.refusal
             return True
-        read, lost = _judge_key(body, _read_key(target, fresh=True), seen.server_claims() if seen is not None else None)
-        key_secret = None
-        if read is not None and read.absent and read.generated and lost is None:
-            raw = secrets.token_bytes(L2_KEY_BYTES)  # its fingerprint names the namespace before the Secret exists
-            key_secret = build_key_secret(target, key=raw)
-            read = dataclasses.replace(read, fingerprint=key_fingerprint(raw), problem=None, absent=False)
-            del raw
-        if key_secret is not None:  # the operator's own Secrets carry secretLabel: usable under that rule
-            key_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
-        target, _reason = _target(body, read.fingerprint if read is not None else None)
-        key_id = target.namespace_id  # what the spec and the key resolve to (refresh_status compares it)
-        build_refused = runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None
-        # A cache hit changed the canary's answer: no cache for this id until acknowledged (status.canary).
-        hit_mismatch = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
-        target = dataclasses.replace(target, cache_bypassed=runtime.CONTROLLER.fallback.bypassed(key) or build_refused
-                                     or hit_mismatch is not None)
-        if build_refused:
-            target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
-        if hit_mismatch is not None:
-            target = dataclasses.replace(target, bypass_reason=f"a cache hit changed the canary's answer (HitMismatch "
-                                         f"{hit_mismatch['id']})")
-        if lost is not None and read is not None and read.problem is not None:
-            logger.warning("%s/%s: %s", target.namespace, target.name, read.problem[1])
-        # The key as read stays cached (_read_key); only a key made here replaces it, so the next
-        # refresh names the new fingerprint before the Secret watch shows it. A read judged lost is
-        # never cached as such: with the Secret still absent, the cache would keep serving it, and
-        # the refresh would judge it lost again even once the user accepted the loss.
-        if read is not None and key_secret is not None:
-            state.key_read = (time.monotonic(), read)
-        # What the route lookups found under the id's route names: _names_taken does not ask again.
-        looked: dict[tuple[str, str, str], dict[str, Any] | None] = {}
-        target = _exclusive(target, body, logger, seen, looked)  # a store or route names another resource or id holds
-        target = _one_server_unless_shareable(target)
-        token_secret = build_agent_token_secret(target)  # before the agents, which read it at start
-        token_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
-        kopf.append_owner_reference(token_secret, owner=body)
-        if seen is not None:  # a new agent image rolls a few servers at a time (controller.agentroll)
-            target = dataclasses.replace(target, agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body))
-        manifests = build_all(target)
-        for manifest in manifests:
-            kopf.append_owner_reference(manifest, owner=body)
-        # An object the operator did not make under any of these names: nothing at all is applied
-        # (kvpersist.controller.ownership), and Ready says which (NameTaken).
-        taken = _names_taken(body, token_secret, manifests, looked)
-        if taken:
-            refusal = (ownership.NAME_TAKEN, ownership.taken_message(target.name, target.namespace, taken))
-            if state.name_taken != refusal:
-                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, refusal[1])
-            state.name_taken = refusal
-            state.name_taken_retry_at = time.monotonic() + ownership.RETRY_S
-            return True
-        state.name_taken, state.name_taken_retry_at = None, float("inf")
-        token_key = child_key(token_secret)
-        token_known = runtime.CONTROLLER.child_owners.get(token_key) == body["metadata"].get("uid")
-        # What the server pods need before they exist: the L2 key (created once and never owned, see
-        # keysecret), the agent token, and the policies that close their ports. Side by side, one
-        # round trip instead of four: the StatefulSet, next, is what a user waits for.
-        policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
-        jobs = [runtime.CONTROLLER.apply_pool.submit(_apply_owned, m) for m in policies]
-        # The token Secret is never applied over, never adopted: one a deleted namesake owned is the
-        # garbage collector's, and once it is gone the next refresh finds no token and creates it
-        # again. Adopting it would need `patch` on every Secret the operator can see.
-        token_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret))
-        jobs.append(token_job)
-        key_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(key_secret)) if key_secret is not None else None
-        if key_job is not None:
-            jobs.append(key_job)
-        concurrent.futures.wait(jobs)
-        for job in jobs:
-            job.result()  # the first failure, raised here (every job has ended)
-        if token_job.result():
-            runtime.CONTROLLER.child_owners[token_key] = body["metadata"].get("uid")
-        elif not token_known:  # absent when looked up, someone else's now: judged on the next try
-            raise RuntimeError(f"Secret {target.agent_token_secret} appeared while applying; looking at it again")
-        if key_job is not None and not key_job.result():
-            # Made by someone else between the read and the create: the manifests name a key it does
-            # not hold. Nothing server-side was applied yet; read it and apply again.
-            state.key_read = None
-            raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
-        key_event = None
-        if key_job is not None:
-            logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
-                        key_secret["metadata"]["name"], read.fingerprint if read else None)
-            key_event = (f"generated Secret {key_secret['metadata']['name']} with L2's master key (fingerprint "
-                         f"{read.fingerprint if read else None}); it is kept when this resource is deleted (the data needs it)")
-        try:
-            _shared_claim(target, body, logger)  # before the StatefulSet whose pods mount it
-            for manifest in manifests:
-                if manifest["kind"] == "PersistentVolumeClaim":
-                    _model_cache_claim(manifest, body, logger)
-                elif manifest["kind"] != "NetworkPolicy":
-                    _apply_owned(manifest)
-            _drop_disabled_vllm_service(target, body, logger)
-        finally:
-            # Once the workloads are applied (or failed): posted before them, it was one more round
-            # trip between apply and the StatefulSet (benchmarks/reconcile_bench.py latency).
-            if key_event is not None:
-                kube.post_event(body, "Normal", l2key.KEY_GENERATED, key_event)
+        state.refused = None
+        target = decision.target
+        _act(decision, raw_key, body, state, logger)
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -179,76 +74,128 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             logger.warning("%s/%s: applying the workloads failed (attempt %d: %s); trying again in %.0f s",
                            target.namespace, target.name, pending.attempts, why, retry.delay(pending.attempts))
     else:
-        state.apply_error = None
-        runtime.CONTROLLER.apply_backoff.succeeded(key)
-        state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
-        state.applied_id = (key_id,)
+        if decision.applies:
+            state.apply_error = None
+            runtime.CONTROLLER.apply_backoff.succeeded(key)
+            state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
+            state.applied_id = (decision.key_id,)
     return True
 
 
-def _names_taken(body: Mapping[str, Any], token_secret: dict[str, Any], manifests: list[dict[str, Any]],
-                 looked: Mapping[tuple[str, str, str], dict[str, Any] | None] | None = None) -> list[tuple[str, str]]:
-    """(kind, name) of each object under the names of this apply (the agent token Secret and the
-    manifests) that is not this resource's own (kvpersist.controller.ownership.is_own_child). Names
-    known as its own (drift watch events, its own applies and creates) are not looked up again, so
-    a steady state reads nothing; the others are, side by side, metadata only, except those this
-    apply's route lookups just found (looked, by drift.child_key: metadata or None). Raises
-    ApiException. Blocking."""
+def _refused_names(decision: Decision, state: Any, logger: logging.Logger) -> None:
+    """ClaimNotOwned or NameTaken: nothing applied, looked at again after ownership.RETRY_S."""
+    assert decision.refusal is not None
+    target = decision.target
+    if state.name_taken != decision.refusal:
+        logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
+    state.name_taken, state.name_taken_retry_at = decision.refusal, time.monotonic() + ownership.RETRY_S
+
+
+def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], state: Any, logger: logging.Logger) -> None:
+    """Applies a decision: the L2 key and agent token Secrets and the network policies side by side,
+    then the claims and workloads in build_all's order. Raises (the apply is retried) on a failure,
+    and when an object appeared under a name between the read and the create."""
+    target = decision.target
+    if decision.stage == CLAIMS:
+        _refused_names(decision, state, logger)
+        return
+    if decision.unchecked:  # read_snapshot reads every name decide judges: a bug, never applied over
+        raise RuntimeError(f"not read before the decision: {', '.join('/'.join(k) for k in decision.unchecked)}")
+    read = decision.key
+    if decision.key_lost is not None and read is not None and read.problem is not None:
+        logger.warning("%s/%s: %s", target.namespace, target.name, read.problem[1])
+    key_secret = None
+    if decision.generated_key is not None and read is not None:
+        assert raw_key is not None
+        key_secret = build_key_secret(target, key=raw_key)
+        assert key_secret is not None
+        # The operator's own Secrets carry secretLabel: usable under that rule.
+        key_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
+        # The key as read stays cached (_read_key); only a key made here replaces it, so the next
+        # refresh names the new fingerprint before the Secret watch shows it. A read judged lost is
+        # never cached as such: with the Secret still absent, the cache would keep serving it, and
+        # the refresh would judge it lost again even once the user accepted the loss.
+        state.key_read = (time.monotonic(), read)
+    storage = decision.storage_refused
+    if storage != state.storage_refused and (storage or state.storage_refused):
+        logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
+    state.storage_refused = storage
+    if decision.route_taken != state.route_taken and decision.route_taken:
+        logger.warning("%s/%s: %s", target.namespace, target.name, decision.route_taken)
+    state.route_taken = decision.route_taken
     uid = body["metadata"].get("uid")
     owners = runtime.CONTROLLER.child_owners
-    looked = looked or {}
-    unknown = [m for m in manifests if uid is None or owners.get(child_key(m)) != uid]
-    if uid is None or owners.get(child_key(token_secret)) != uid:
-        unknown.append(token_secret)
-    lookups = []
-    for manifest in unknown:  # side by side
-        lookups.append(None if child_key(manifest) in looked
-                       else runtime.CONTROLLER.apply_pool.submit(lambda m=manifest: _existing_metadata(m)))
-    found = [looked[child_key(obj)] if job is None else job.result() for obj, job in zip(unknown, lookups, strict=True)]
-    taken = []
-    for manifest, meta in zip(unknown, found, strict=True):
-        if meta is None:
-            continue  # free: the apply creates it
-        if ownership.is_own_child(meta, uid):
-            owners[child_key(manifest)] = uid
-        else:
-            taken.append((manifest["kind"], manifest["metadata"]["name"]))
-    return taken
-
-
-def _drop_disabled_vllm_service(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> None:
-    """spec.vllm.service turned off: its Service goes, if it is this resource's own (known to be, from
-    the drift watch or an apply of this run: a user's Service under the name is never touched). No
-    read when off and never made, the steady state. Raises ApiException."""
-    if target.spec.vllm.service.enabled:
+    for found in decision.owned:
+        owners[found] = uid
+    if decision.stage == NAMES:  # an object the operator did not make under one of its names (ownership)
+        _refused_names(decision, state, logger)
         return
-    key = ("Service", target.namespace, target.vllm_name)
-    uid = body["metadata"].get("uid")
-    if uid is None or runtime.CONTROLLER.child_owners.get(key) != uid:
-        return
-    kube.delete("v1", "Service", target.vllm_name, target.namespace)
-    runtime.CONTROLLER.child_owners.pop(key, None)
-    logger.info("%s/%s: deleted Service %s: spec.vllm.service is off", target.namespace, target.name, target.vllm_name)
+    state.name_taken, state.name_taken_retry_at = None, float("inf")
+    token_secret = decision.token_secret
+    assert token_secret is not None
+    token_key = child_key(token_secret)
+    token_known = owners.get(token_key) == uid
+    # What the server pods need before they exist: the L2 key (created once and never owned, see
+    # keysecret), the agent token, and the policies that close their ports. Side by side, one
+    # round trip instead of four: the StatefulSet, next, is what a user waits for.
+    policies = [m for m in decision.manifests if m["kind"] == "NetworkPolicy"]
+    jobs = [runtime.CONTROLLER.apply_pool.submit(_apply_owned, m) for m in policies]
+    # The token Secret is never applied over, never adopted: one a deleted namesake owned is the
+    # garbage collector's, and once it is gone the next refresh finds no token and creates it
+    # again. Adopting it would need `patch` on every Secret the operator can see.
+    token_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(token_secret))
+    jobs.append(token_job)
+    key_job = runtime.CONTROLLER.apply_pool.submit(lambda: kube.create_if_absent(key_secret)) if key_secret is not None else None
+    if key_job is not None:
+        jobs.append(key_job)
+    concurrent.futures.wait(jobs)
+    for job in jobs:
+        job.result()  # the first failure, raised here (every job has ended)
+    if token_job.result():
+        owners[token_key] = uid
+    elif not token_known:  # absent when looked up, someone else's now: judged on the next try
+        raise RuntimeError(f"Secret {target.agent_token_secret} appeared while applying; looking at it again")
+    if key_job is not None and not key_job.result():
+        # Made by someone else between the read and the create: the manifests name a key it does
+        # not hold. Nothing server-side was applied yet; read it and apply again.
+        state.key_read = None
+        raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
+    key_event = None
+    if key_job is not None:
+        logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
+                    key_secret["metadata"]["name"], decision.generated_key)
+        key_event = (f"generated Secret {key_secret['metadata']['name']} with L2's master key (fingerprint "
+                     f"{decision.generated_key}); it is kept when this resource is deleted (the data needs it)")
+    try:
+        _shared_claim(decision, logger)  # before the StatefulSet whose pods mount it
+        for manifest in decision.manifests:
+            if manifest["kind"] == "PersistentVolumeClaim":
+                _model_cache_claim(manifest, decision, body, state, logger)
+            elif manifest["kind"] != "NetworkPolicy":
+                _apply_owned(manifest)
+        if decision.drop_vllm_service:  # spec.vllm.service turned off: its own Service goes
+            kube.delete("v1", "Service", target.vllm_name, target.namespace)
+            owners.pop(("Service", target.namespace, target.vllm_name), None)
+            logger.info("%s/%s: deleted Service %s: spec.vllm.service is off", target.namespace, target.name,
+                        target.vllm_name)
+    finally:
+        # Once the workloads are applied (or failed): posted before them, it was one more round
+        # trip between apply and the StatefulSet (benchmarks/reconcile_bench.py latency).
+        if key_event is not None:
+            kube.post_event(body, "Normal", l2key.KEY_GENERATED, key_event)
 
 
-def _one_server_unless_shareable(target: Target) -> Target:
-    """spec.l2.nvme.shared on the user's claim: one server while the claim is known not to be
-    ReadWriteMany (L2Ready says ClaimNotShared: reading.claim_not_shareable). Blocking."""
-    return dataclasses.replace(target, max_servers=1) if claim_not_shareable(target) else target
-
-
-def _shared_claim(target: Target, body: Mapping[str, Any], logger: logging.Logger) -> None:
+def _shared_claim(decision: Decision, logger: logging.Logger) -> None:
     """spec.l2.nvme.shared with size: the one ReadWriteMany claim, created when absent and never
     applied over (kvpersist.builders.lmcache.build_shared_claim). Owned by the resource only with
     reclaimPolicy Delete, so the garbage collector removes it with the resource; with Retain it
     outlives it, as a StatefulSet's claims do (the policy is fixed while shared: api NVMe).
-    Skipped with the cache off (its servers at zero, like a StatefulSet that makes no claim)."""
-    manifest = build_shared_claim(target)
-    if manifest is None or not target.cache_enabled:
+    None with the cache off (its servers at zero, like a StatefulSet that makes no claim)."""
+    manifest = decision.shared_claim
+    target = decision.target
+    if manifest is None:
         return
     assert target.spec.l2.nvme is not None
-    if target.spec.l2.nvme.reclaim_policy == "Delete":
-        kopf.append_owner_reference(manifest, owner=body)
     if kube.create_if_absent(manifest):
         logger.info("%s/%s: created the shared L2 claim %s (ReadWriteMany, %s)", target.namespace, target.name,
                     manifest["metadata"]["name"], target.spec.l2.nvme.size)
@@ -257,17 +204,16 @@ def _shared_claim(target: Target, body: Mapping[str, Any], logger: logging.Logge
 MODEL_CACHE_DIFFERS = "ModelCacheDiffers"  # the Warning event's reason: the claim is kept as it was made
 
 
-def _model_cache_claim(manifest: dict[str, Any], body: Mapping[str, Any], logger: logging.Logger) -> None:
+def _model_cache_claim(manifest: dict[str, Any], decision: Decision, body: Mapping[str, Any], state: Any,
+                      logger: logging.Logger) -> None:
     """spec.vllm.modelCache.size: its claim created when absent, never applied over (a claim's spec
     is mostly immutable; a larger size only where the StorageClass expands: refused otherwise,
-    which would stop every apply). An existing one is this resource's own (_names_taken looked);
-    what the spec declares that it does not have is a Warning event, once per difference. Raises
-    (the apply is retried) when a claim appears between the look and the create. Blocking."""
+    which would stop every apply). What the spec declares that an existing one does not have
+    (decision.model_cache_differs) is a Warning event, once per difference. Raises (the apply is
+    retried) when a claim appears between the read and the create. Blocking."""
     meta, key, uid = manifest["metadata"], child_key(manifest), body["metadata"].get("uid")
-    state = runtime.CONTROLLER.held((meta["namespace"], body["metadata"]["name"]))
     owners = runtime.CONTROLLER.child_owners
-    existing = kube.get("v1", "PersistentVolumeClaim", meta["name"], meta["namespace"]) if owners.get(key) == uid else None
-    if existing is None or not ownership.is_own_child(existing.get("metadata"), uid):
+    if decision.model_cache_create:
         owners.pop(key, None)  # gone (or not its own after all): looked up again if the create finds one
         if not kube.create_if_absent(manifest):
             raise RuntimeError(f"PersistentVolumeClaim {meta['name']} appeared while applying; looking at it again")
@@ -276,7 +222,7 @@ def _model_cache_claim(manifest: dict[str, Any], body: Mapping[str, Any], logger
         logger.info("%s/%s: created PersistentVolumeClaim %s for the model's weights", meta["namespace"],
                     body["metadata"]["name"], meta["name"])
         return
-    differs = "; ".join(modelcache.claim_differences(manifest, existing)) or None
+    differs = decision.model_cache_differs
     if differs is not None and differs != state.model_cache_differs:
         message = (f"PersistentVolumeClaim {meta['name']} is kept as it was made: {differs}. A claim's spec is not "
                    "changed in place; to have it made anew (the weights are downloaded again): set spec.vllm.replicas to "
@@ -284,15 +230,6 @@ def _model_cache_claim(manifest: dict[str, Any], body: Mapping[str, Any], logger
         logger.warning("%s/%s: %s", meta["namespace"], body["metadata"]["name"], message)
         kube.post_event(body, "Warning", MODEL_CACHE_DIFFERS, message)
     state.model_cache_differs = differs
-
-
-def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The metadata of what holds a manifest's name now, or None: a Secret by GET (metadata only,
-    never its data), any other kind by a LIST of that name (what the operator may do on them)."""
-    meta = manifest["metadata"]
-    if manifest["kind"] == "Secret":
-        return kube.get_metadata("v1", "Secret", meta["name"], meta["namespace"])
-    return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
 
 
 def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
@@ -343,69 +280,28 @@ def _store_user(target: Target, body: Mapping[str, Any]) -> sharing.User:
 
 def _storage_refusal(target: Target, body: Mapping[str, Any], seen: Seen | None) -> str | None:
     """StorageInUse's message when another resource holds this one's claim or bucket prefix
-    (kvpersist.controller.sharing), else None. From the watch caches (seen.stores: the kvp_stores
+    (decision.storage_refusal), else None. From the watch caches (seen.stores: the kvp_stores
     index, complete before any handler runs); without them (seen None or not copied), from the
     API server (raises ApiException). Blocking."""
-    me = _store_user(target, body)
-    nvme = target.spec.l2.nvme is not None
-    if not nvme and not target.namespace_id:
+    if target.spec.l2.nvme is None and not target.namespace_id:
         return None
     if seen is not None and seen.stores is not None:
-        # claims are namespaced: that namespace's resources and servers; a bucket prefix is global
-        users = [u for u in seen.stores if not nvme or u.namespace == target.namespace]
-        pods = [p for p in seen.all_server_pods if p["metadata"].get("namespace") == target.namespace] if nvme else []
-        return sharing.refusal(me, users, pods)
-    if nvme:
-        bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
-        pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
+        users, pods = tuple(seen.stores), tuple(seen.all_server_pods)
     else:
-        bodies = [b for ns in runtime.listing_scopes() for b in kube.list_all(api.API_VERSION, api.KIND, ns)]
-        pods = []
-    return sharing.refusal(me, [u for b in bodies if (u := sharing.user_of(b)) is not None], pods)
+        users, pods = stores_from_api(target)
+    return storage_refusal(target, str(body["metadata"].get("creationTimestamp") or ""), users, pods)
 
 
-def _route_conflicts(target: Target, looked: dict[tuple[str, str, str], dict[str, Any] | None] | None = None) -> list[str]:
+def _route_conflicts(target: Target) -> list[str]:
     """The objects already under this id's route names that route elsewhere (stale_routes
     .route_conflicts): a LIST by name of each kind (list is what the operator may do on them),
-    side by side (one after the other, they were two round trips before the StatefulSet).
-    looked: what each found, recorded by drift.child_key (its metadata, or None), for
-    _names_taken. Not from an apply_pool job (it waits on that pool). Raises ApiException. Blocking."""
+    side by side. Not from an apply_pool job (it waits on that pool). Raises ApiException. Blocking."""
     name = target.per_id_name(target.namespace_id)
     jobs = [(kind, runtime.CONTROLLER.apply_pool.submit(
         lambda api_version=api_version, kind=kind: kube.list_all(api_version, kind, target.namespace,
                                                                  field_selector=f"metadata.name={name}")))
         for api_version, kind in ROUTE_KINDS]
-    found = [(listed, obj) for listed, job in jobs for obj in job.result()]
-    if looked is not None:
-        for listed, _job in jobs:
-            same = [obj for k, obj in found if k == listed and (obj.get("metadata") or {}).get("name") == name]
-            looked[listed, target.namespace, name] = dict(same[0].get("metadata") or {}) if same else None
-    return route_conflicts(target, found)
-
-
-def _exclusive(target: Target, body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None,
-               looked: dict[tuple[str, str, str], dict[str, Any] | None] | None = None) -> Target:
-    """Before an apply: the target as it may run alone. A claim or bucket prefix an older resource
-    holds: the cache off (servers at zero, vLLM without it; StorageInUse). Route names another
-    id's objects hold: no routes, vLLM without the cache (CacheBypassed, RouteNameTaken). Both
-    recorded in the resource's state for status; what the route lookups found into looked
-    (_route_conflicts). Raises ApiException (the apply is retried)."""
-    state = runtime.CONTROLLER.held((target.namespace, target.name))
-    storage = _storage_refusal(target, body, seen) if target.cache_enabled else None
-    if storage != state.storage_refused and (storage or state.storage_refused):
-        logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
-    state.storage_refused = storage
-    if storage is not None:
-        return dataclasses.replace(target, namespace_id=None)
-    conflicts = _route_conflicts(target, looked) if target.cache_enabled else []
-    taken = route_taken_message(target, conflicts) if conflicts else None
-    if taken != state.route_taken and taken:
-        logger.warning("%s/%s: %s", target.namespace, target.name, taken)
-    state.route_taken = taken
-    if taken is not None:
-        return dataclasses.replace(target, routes=False, cache_bypassed=True,
-                                   bypass_reason=f"route name {target.per_id_name(target.namespace_id)} is taken")
-    return target
+    return route_conflicts(target, [(listed, obj) for listed, job in jobs for obj in job.result()])
 
 
 def _exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:

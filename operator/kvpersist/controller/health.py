@@ -13,6 +13,10 @@ and queue (once any pod could: 503 to the kubelet, and the cluster-wide operator
 longer fails the probe, and the probe still means what kopf's means: kopf's code and body pass
 through, a kopf that did not answer within UPSTREAM_TIMEOUT_S is a 503, and so is a reading older
 than STALE_S (the reading thread stuck or gone).
+
+The same front answers the readiness probe at READY_PATH, from the same reading: ready once kopf
+answers its liveness (it does only after the startup handlers ran) and the watch caches have each
+listed once. A standby replica is ready as well: it takes over within the peering lifetime.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from kvpersist import httpclient
-from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, ProbeAnswer
+from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, Probe, ProbeAnswer
 
 # Under the chart's probe timeoutSeconds (5): a kopf that does not answer in time is a failed probe.
 UPSTREAM_TIMEOUT_S = 4.0
@@ -33,6 +38,7 @@ MAX_BODY = 2**20
 # kopf's endpoint is read this often (kopf itself reruns its probe handlers at most every 10 s),
 # well under the chart's probe period (20 s): each probe sees a reading at most this old.
 POLL_S = 5.0
+READY_PATH = "/readyz"  # the chart's readinessProbe
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int, str]:
@@ -106,17 +112,41 @@ class KopfLiveness:
         self._stop.set()
 
 
+def unlisted_caches() -> list[str]:
+    """The kinds of the operator's watch caches that have not listed yet (none made: none)."""
+    from kvpersist.controller import runtime
+
+    c = runtime.CONTROLLER
+    return [cache.kind for cache in (c.secret_cache, c.claim_cache, c.configmap_cache)
+            if cache is not None and not cache.listed_once]
+
+
+def readiness(liveness: KopfLiveness, unlisted: Callable[[], list[str]] = unlisted_caches) -> Probe:
+    """The readiness probe's answer: 200 once kopf's liveness answers 200 and no cache is unlisted;
+    else 503 and why. In memory only, as the liveness answer: never blocks."""
+    def answer() -> ProbeAnswer:
+        code, _, body = liveness.answer()
+        if code != 200:
+            return _json(503, {"ready": False, "why": f"kopf's liveness answered {code}",
+                               "liveness": body.decode("utf-8", "replace")[:MAX_PROBE_BODY // 2]})
+        waiting = unlisted()
+        if waiting:
+            return _json(503, {"ready": False, "why": "watch caches not listed yet: " + ", ".join(waiting)})
+        return _json(200, {"ready": True})
+    return answer
+
+
 def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiveness | None = None) -> BoundedHTTPServer:
-    """The front on a daemon thread: GET `path` is kopf's last answer (answered on the selector
-    thread, never queued), anything else 404 from a one-worker pool. `liveness`: a reader the
-    caller made (tests); else one of POLL_S, started here."""
+    """The front on a daemon thread: GET `path` is kopf's last answer and GET READY_PATH readiness
+    (both answered on the selector thread, never queued), anything else 404 from a one-worker pool.
+    `liveness`: a reader the caller made (tests); else one of POLL_S, started here."""
     if liveness is None:
         liveness = KopfLiveness(upstream_port, path)
         liveness.start()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            data = json.dumps({"error": f"not found: the liveness endpoint is {path}"}).encode()
+            data = json.dumps({"error": f"not found: the liveness endpoint is {path}, readiness {READY_PATH}"}).encode()
             self.send_response(404)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -127,6 +157,6 @@ def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiv
             return
 
     server = BoundedHTTPServer((host, port), Handler, workers=1, queue_size=4, name="liveness",
-                               probes={path: liveness.answer})
+                               probes={READY_PATH: readiness(liveness), path: liveness.answer})
     threading.Thread(target=server.serve_forever, name="liveness", daemon=True).start()
     return server

@@ -1,4 +1,4 @@
-"""The operator's own Prometheus metrics, served as text on /metrics (standard library only).
+"""The operator's own Prometheus metrics, served as text on /metrics (written by prometheus_client).
 
 Counts what costs the API server something (applies, status writes, events) so a scrape shows
 whether an idle cluster really costs nothing, plus the resources per phase; and, per resource,
@@ -11,10 +11,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kvpersist.httpserver import BoundedHTTPServer
 
@@ -175,55 +181,63 @@ def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping
         res.submitted.add({r.pod: r.l2_writes_submitted for r in reports})
 
 
-def escape(value: str) -> str:
-    """A label value in the Prometheus text format: backslash, double quote and line feed escaped
-    (names and reasons come from users and their resources)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _family(kind: str, name: str, text: str, labels: Iterable[str] = ()) -> CounterMetricFamily | GaugeMetricFamily:
+    """One family; prometheus_client writes the text format (HELP, TYPE, escaped label values:
+    names and reasons come from users and their resources)."""
+    return (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=list(labels))
 
 
-def _help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+class _Collector(Collector):
+    """What render() shows: the counters, the phases, and each resource's series, read under the
+    lock at each scrape (nothing is kept in prometheus_client's own metric objects)."""
+
+    def collect(self) -> Iterator[Metric]:
+        with _lock:
+            families: list[Metric] = []
+            for name, text in HELP.items():
+                counter = _family("counter", name, text)
+                counter.add_metric([], _counters[name])
+                families.append(counter)
+            if _creator_rights:
+                gauge = _family("gauge", CREATOR_RIGHTS, "1 while the creator-rights ValidatingAdmissionPolicy and its Deny "
+                                "binding exist, 0 while not (then any creator of a KVCacheNamespace gets its pods).")
+                gauge.add_metric([], _creator_rights[0])
+                families.append(gauge)
+            phases = _family("gauge", "kvpersist_resources", "KVCacheNamespaces by phase.", ["phase"])
+            for phase, count in sorted(Counter(_phases.values()).items()):
+                phases.add_metric([phase], count)
+            refreshes = _family("counter", "kvpersist_resource_refreshes_total",
+                                "Status refreshes of one KVCacheNamespace (dropped when it is deleted).", ["namespace", "name"])
+            for (namespace, name), count in sorted(_refreshes.items()):
+                refreshes.add_metric([namespace, name], count)
+            families += [phases, refreshes]
+            resources = sorted(_resources.items())
+            condition = _family("gauge", CONDITION, "A KVCacheNamespace's conditions as last refreshed: one series of value 1 "
+                                "per condition, with its status and reason.", ["namespace", "name", "type", "status", "reason"])
+            for (namespace, name), res in resources:
+                for type_, status, reason in res.conditions:
+                    condition.add_metric([namespace, name, type_, status, reason], 1)
+            families.append(condition)
+            for kind, texts in (("gauge", RESOURCE_GAUGES), ("counter", RESOURCE_COUNTERS)):
+                for metric, text in texts.items():
+                    family = _family(kind, metric, text, ["namespace", "name"])
+                    for (namespace, name), res in resources:
+                        value = {"kvpersist_resource_l2_write_failures_total": res.failures.total,
+                                 "kvpersist_resource_l2_writes_submitted_total": res.submitted.total}.get(metric,
+                                                                                                        res.values.get(metric))
+                        if value is not None:
+                            family.add_metric([namespace, name], value)
+                    families.append(family)
+        yield from families
 
 
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _number_text(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() and abs(v) < 2**63 else repr(float(v))
+_REGISTRY = CollectorRegistry(auto_describe=False)
+_REGISTRY.register(_Collector())
 
 
 def render() -> str:
-    with _lock:
-        lines = []
-        for name, text in HELP.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {_counters[name]}"]
-        if _creator_rights:
-            lines += [f"# HELP {CREATOR_RIGHTS} 1 while the creator-rights ValidatingAdmissionPolicy and its Deny binding "
-                      "exist, 0 while not (then any creator of a KVCacheNamespace gets its pods).",
-                      f"# TYPE {CREATOR_RIGHTS} gauge", f"{CREATOR_RIGHTS} {_number_text(_creator_rights[0])}"]
-        lines += ["# HELP kvpersist_resources KVCacheNamespaces by phase.", "# TYPE kvpersist_resources gauge"]
-        for phase, count in sorted(Counter(_phases.values()).items()):
-            lines.append(f"kvpersist_resources{_labels(phase=phase)} {count}")
-        lines += ["# HELP kvpersist_resource_refreshes_total Status refreshes of one KVCacheNamespace (dropped when it is deleted).",
-                  "# TYPE kvpersist_resource_refreshes_total counter"]
-        for (namespace, name), count in sorted(_refreshes.items()):
-            lines.append(f"kvpersist_resource_refreshes_total{_labels(namespace=namespace, name=name)} {count}")
-        resources = sorted(_resources.items())
-        lines += [f"# HELP {CONDITION} A KVCacheNamespace's conditions as last refreshed: one series of value 1 per "
-                  "condition, with its status and reason.", f"# TYPE {CONDITION} gauge"]
-        for (namespace, name), res in resources:
-            for type_, status, reason in res.conditions:
-                lines.append(f"{CONDITION}{_labels(namespace=namespace, name=name, type=type_, status=status, reason=reason)} 1")
-        for kind, family in (("gauge", RESOURCE_GAUGES), ("counter", RESOURCE_COUNTERS)):
-            for metric, text in family.items():
-                lines += [f"# HELP {metric} {_help(text)}", f"# TYPE {metric} {kind}"]
-                for (namespace, name), res in resources:
-                    value = {"kvpersist_resource_l2_write_failures_total": res.failures.total,
-                             "kvpersist_resource_l2_writes_submitted_total": res.submitted.total}.get(metric, res.values.get(metric))
-                    if value is not None:
-                        lines.append(f"{metric}{_labels(namespace=namespace, name=name)} {_number_text(value)}")
-    return "\n".join(lines) + "\n"
+    """The Prometheus text format (0.0.4) of every series, as prometheus_client writes it."""
+    return generate_latest(_REGISTRY).decode()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -233,7 +247,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = render().encode()
         self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

@@ -5,7 +5,6 @@ operator's policy refuses it. Shared by apply, the status refresh, gc and tracki
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -17,10 +16,12 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
-from kvpersist.controller.policy import SECRET_NOT_ALLOWED, Refusal, image_refusal, named_secrets, secret_refusal
+from kvpersist.controller.decision import claim_not_shareable as _not_shareable
+from kvpersist.controller.decision import judge_key as _judge_key  # noqa: F401  (read as reading's by refresh)
+from kvpersist.controller.decision import target_for, unreadable_secret
+from kvpersist.controller.policy import Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
-from kvpersist.identity import L2_KEY_PIN, Resolution, resolve
-from kvpersist.status.conditions import shareable
+from kvpersist.identity import L2_KEY_PIN, Resolution
 
 # Parsed specs by (name, the spec as canonical JSON): the models are frozen and parsing is pure, so
 # the status rounds of an unchanged resource parse it once, not every round (parsing was a fifth
@@ -61,14 +62,13 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
     mismatch = runtime.CONTROLLER.pin_files.mismatch(obj.spec.identity) if checked else None
     if memo is not None and memo[1] is obj and memo[2] == (fingerprint, checked, mismatch):
         res = memo[3]
-    else:
-        res = resolve(obj.spec.pins(fingerprint))
-        if checked:  # the model's files contradict a pin: the cache off (no I/O here)
-            res = pincheck.apply_mismatch(res, mismatch)
+        used = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
+        found = Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id, key_fingerprint=used)
+    else:  # the model's files contradicting a pin turn the cache off (no I/O here)
+        found, res = target_for(meta["name"], meta.get("namespace", ""), obj.spec, fingerprint, mismatch, checked)
     if state is not None and state.body is not None and spec is state.body.get("spec"):  # its own copy, never edited
         state.target_memo = (spec, obj, (fingerprint, checked, mismatch), res)
-    fingerprint = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
-    return Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id, key_fingerprint=fingerprint), res
+    return found, res
 
 
 KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)
@@ -161,8 +161,7 @@ def claim_not_shareable(target: Target) -> bool:
     nvme = target.spec.l2.nvme
     if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
         return False
-    claim = named_claim(nvme.existing_claim_name, target.namespace)
-    return claim is not None and not shareable(claim)
+    return _not_shareable(target, named_claim(nvme.existing_claim_name, target.namespace))
 
 
 def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
@@ -200,19 +199,5 @@ def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | No
     try:
         metadata = secret_metadata(name, namespace)
     except ApiException as exc:
-        return SECRET_NOT_ALLOWED, (f"{field}: Secret {name}: its labels could not be read (the API server answered "
-                                    f"{exc.status}), so it is not used; retrying")
+        return unreadable_secret(field, name, exc.status)
     return secret_refusal(field, name, namespace, metadata, policy.secret_label)
-
-
-def _judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
-               claims: list[dict[str, Any]] | None) -> tuple[l2key.KeyRead | None, l2key.Loss | None]:
-    """The key as read, with L2KeyLost in place of L2KeyPending when the generated Secret is gone
-    over data sealed with it (kvpersist.controller.l2key.loss): then it is not made again."""
-    if key is None or not key.absent or not key.generated:
-        return key, None
-    meta = body["metadata"]
-    found = l2key.loss(body.get("status"), key, meta.get("annotations"), claims)
-    if found is None:
-        return key, None
-    return dataclasses.replace(key, problem=(l2key.KEY_LOST, l2key.loss_message(found, meta["name"], meta["namespace"]))), found

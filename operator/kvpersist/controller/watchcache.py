@@ -43,6 +43,7 @@ class WatchCache:
         self.scopes: tuple[str | None, ...] = namespaces if namespaces else (None,)
         self._objects: dict[tuple[str, str], dict[str, Any]] = {}
         self._synced: dict[str | None, bool] = dict.fromkeys(self.scopes, False)
+        self._listed: set[str | None] = set()  # scopes that have listed at least once
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -57,6 +58,13 @@ class WatchCache:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def listed_once(self) -> bool:
+        """Whether every scope has listed at least once: the operator's readiness. A scope unsynced
+        later by a failed watch stays listed once, so an API server outage does not flap readiness."""
+        with self._lock:
+            return self._listed >= set(self.scopes)
 
     def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
         """(synced, the object or None when there is none). Not synced: the cache cannot say."""
@@ -95,6 +103,7 @@ class WatchCache:
                 meta = item.get("metadata") or {}
                 self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = self.keep(item)
             self._synced[scope] = True
+            self._listed.add(scope)
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:

@@ -1,5 +1,55 @@
 """Code that runs inside the lmcache server's container, not in the operator.
 
 The server image has lmcache and its dependencies but not kvpersist, so each module here is
-standalone (standard library, lmcache, cryptography) and is rendered into the pod as source.
+standalone (standard library, lmcache, cryptography, and the modules here before it) and is
+rendered into the pod as source: program_source, one `python3 -c` program.
 """
+
+from __future__ import annotations
+
+from importlib import resources
+
+# The modules the server's program is made of, in order: each may import the ones before it (as
+# kvpersist.inserver.<name>); the last runs as the program (its `__name__ == "__main__"`).
+PROGRAM_MODULES = ("lmcache_internals", "serve")
+
+# Puts each module but the last in sys.modules under its own name, inside stand-ins for the
+# kvpersist and kvpersist.inserver packages (the image has neither), then runs the last as
+# __main__. The sources follow as string literals; nothing here may hold a dollar sign.
+_LOADER = '''\
+"""kvpersist's lmcache server program (kvpersist.inserver.program_source): its modules, then serve."""
+import sys
+import types
+
+
+def _package(name):
+    if name not in sys.modules:
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__path__ = []
+    return sys.modules[name]
+
+
+def _run(name, source, main=False):
+    module = types.ModuleType("__main__" if main else "kvpersist.inserver." + name)
+    module.__file__ = "kvpersist/inserver/" + name + ".py"
+    if not main:
+        sys.modules[module.__name__] = module
+        setattr(_package("kvpersist.inserver"), name, module)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+
+
+_package("kvpersist")
+'''
+
+
+def module_source(name: str) -> str:
+    return (resources.files(__name__) / f"{name}.py").read_text(encoding="utf-8")
+
+
+def program_source() -> str:
+    """The server container's program (python3 -c): every module of PROGRAM_MODULES as source,
+    the last run as the program, so serve.py imports its siblings as it does in the operator."""
+    *modules, main = PROGRAM_MODULES
+    runs = [f"_run({name!r}, {module_source(name)!r})" for name in modules]
+    runs.append(f"_run({main!r}, {module_source(main)!r}, main=True)")
+    return _LOADER + "\n".join(runs) + "\n"

@@ -38,9 +38,13 @@ only wires the two together.
 
 lmcache offers `register_serde_factory`, but its `--server-module` hook loads after the storage
 manager (and so the L2 adapters and their serdes) is built: too late. Hence this launcher, run as
-`python3 -c "$KVPERSIST_LMCACHE_SERVE" server ...`. Standard library, lmcache and cryptography
-only: the server image has no kvpersist. Nothing here may contain a dollar sign followed by an
-opening parenthesis (the kubelet would expand it in the variable's value).
+`python3 -c "$KVPERSIST_LMCACHE_SERVE" server ...` (kvpersist.inserver.program_source: this module
+with kvpersist.inserver.lmcache_internals). Every name of lmcache used here is reached through
+lmcache_internals, which main checks against the installed lmcache first: on any difference, or an
+lmcache release not tested, the server refuses to start as the build check does (BuildVerified
+False). Standard library, lmcache and cryptography only: the server image has no kvpersist. Nothing
+here may contain a dollar sign followed by an opening parenthesis (the kubelet would expand it in
+the variable's value).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
+
+from kvpersist.inserver import lmcache_internals
 
 SERDE_TYPE = "kvpersist-aesgcm"
 # lmcache 0.5.6's aesgcm (lmcache/v1/distributed/serde/aesgcm.py): its frame `[1][12 IV]
@@ -340,16 +346,16 @@ def _log_failure(task_id: int, sealing: bool, exc: BaseException) -> None:
                       else "left as it is")
 
 
-def refuse_to_start(message: str) -> NoReturn:
+def refuse_to_start(message: str, code: int = KEY_MISMATCH_EXIT_CODE) -> NoReturn:
     """Writes message to the container's termination message and stderr, then ends the process
-    with KEY_MISMATCH_EXIT_CODE at once: whatever lmcache would make of an exception from a serde
-    factory (a log line, a server without L2), this server must not run."""
+    with code at once: whatever lmcache would make of an exception from a serde factory (a log
+    line, a server without L2), this server must not run."""
     with contextlib.suppress(OSError), open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as out:
         out.write(message)
     with contextlib.suppress(Exception):
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-    os._exit(KEY_MISMATCH_EXIT_CODE)
+    os._exit(code)
 
 
 def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
@@ -394,17 +400,14 @@ def _processor_class() -> type:
     this module for SERDE_TYPE) does not have."""
     if _PROCESSOR:
         return _PROCESSOR[0]
-    from lmcache.v1.distributed.serde.base import SerdeProcessor
-    from lmcache.v1.platform import create_event_notifier
-
-    class ParallelAesGcm(SerdeProcessor):
+    class ParallelAesGcm(lmcache_internals.serde_processor()):  # type: ignore[misc]
         """lmcache's SerdeProcessor contract (submit, eventfd, each result queried once) over
         ObjectBatches: every chunk of a batch sealed or opened on its own worker."""
 
         def __init__(self, keys: AeadKeys, workers: int, namespace_id: str) -> None:
             self._keys = keys
             self._namespace_id = namespace_id
-            self._efds = {True: create_event_notifier(), False: create_event_notifier()}
+            self._efds = {True: lmcache_internals.event_notifier(), False: lmcache_internals.event_notifier()}
             self._done: dict[bool, dict[int, bool]] = {True: {}, False: {}}
             self._lock = threading.Lock()
             self._next = 0
@@ -603,32 +606,21 @@ _LOGGER: list[Any] = []
 def _logger() -> Any:
     """lmcache's logger (its format, level and handler), made once: init_logger resets handlers."""
     if not _LOGGER:
-        try:
-            from lmcache.logging import init_logger
-        except ImportError:  # outside a server (the unit tests' lowest versions): the standard logger
-            import logging
-
-            _LOGGER.append(logging.getLogger("kvpersist.inserver.serve"))
-        else:
-            _LOGGER.append(init_logger("kvpersist.inserver.serve"))
+        _LOGGER.append(lmcache_internals.logger("kvpersist.inserver.serve"))
     return _LOGGER[0]
 
 
-def install_unreadable_removal() -> bool:
+def install_unreadable_removal() -> None:
     """Replaces the storage manager's SerdeL2AdapterWrapper by a subclass that hands our serde
-    the inner adapter's delete (UnreadableObjects); other serdes are left alone. False, and
-    unreadable objects stay misses as in lmcache, where lmcache no longer has that name."""
-    from lmcache.lmcache_native import Bitmap
-    from lmcache.v1.distributed import storage_manager
-    from lmcache.v1.distributed.internal_api import L2AdapterListener
+    the inner adapter's delete (UnreadableObjects) and loads one chunk per load (ChunkLoads);
+    other serdes are left alone. main has checked that lmcache has these names as used here
+    (lmcache_internals)."""
+    base = lmcache_internals.serde_wrapper()
+    if getattr(base, "kvpersist_wired", False):
+        return
+    bitmap = lmcache_internals.bitmap_class()
 
-    base = getattr(storage_manager, "SerdeL2AdapterWrapper", None)
-    if base is None or getattr(base, "kvpersist_wired", False):
-        if base is None:
-            _logger().warning("kvpersist-aesgcm: lmcache has no SerdeL2AdapterWrapper; unreadable L2 objects are not removed")
-        return base is not None
-
-    class Deletions(L2AdapterListener):
+    class Deletions(lmcache_internals.adapter_listener()):  # type: ignore[misc]
         """The adapter's word that keys are gone (evicted, or removed by us)."""
 
         def __init__(self, unreadable: UnreadableObjects) -> None:
@@ -659,7 +651,7 @@ def install_unreadable_removal() -> bool:
                 inner.register_listener(Deletions(unreadable))
                 serde.on_unreadable = unreadable.add
                 self.kvpersist_unreadable = unreadable
-                self.kvpersist_chunks = ChunkLoads(super().submit_load_task, super().query_load_result, Bitmap)
+                self.kvpersist_chunks = ChunkLoads(super().submit_load_task, super().query_load_result, bitmap)
                 _logger().info("kvpersist-aesgcm: wired into the L2 wrapper: one load per chunk, unreadable objects of "
                                "this key removed")
 
@@ -673,26 +665,28 @@ def install_unreadable_removal() -> bool:
                 return super().query_load_result(task_id)
             return self.kvpersist_chunks.query(task_id)
 
-    storage_manager.SerdeL2AdapterWrapper = WiredSerdeL2AdapterWrapper
-    return True
+    lmcache_internals.replace_serde_wrapper(WiredSerdeL2AdapterWrapper)
 
 
 def register() -> None:
     """Makes `"serde": {"type": "kvpersist-aesgcm", ...}` known to lmcache, once per process, and
     wires unreadable objects' removal."""
-    from lmcache.v1.distributed.serde import get_registered_serde_types, register_serde_factory
-
-    if SERDE_TYPE not in get_registered_serde_types():
-        register_serde_factory(SERDE_TYPE, make_processor)
+    lmcache_internals.register_serde(SERDE_TYPE, make_processor)
     install_unreadable_removal()
 
 
 def main(argv: list[str]) -> int:
+    """lmcache's server with our serde, once the installed lmcache has every internal used here
+    as used here, and is a release tested with them; else it refuses to start (the build check's
+    termination message and exit code), before anything is registered or read."""
+    found = lmcache_internals.check()
+    if found:
+        refuse_to_start(lmcache_internals.refusal_message(found), lmcache_internals.EXIT_CODE)
+    _logger().info("kvpersist: lmcache %s has the %d internals kvpersist's server uses, as it uses them "
+                   "(kvpersist.inserver.lmcache_internals)", lmcache_internals.installed_version(),
+                   len(lmcache_internals.INTERNALS))
     register()
-    from lmcache.cli.main import main as lmcache_main
-
-    sys.argv = ["lmcache", *argv]
-    return int(lmcache_main() or 0)
+    return lmcache_internals.run_lmcache(argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ hit figures (per tier, in total and over a recent window) folded from its lookup
 from __future__ import annotations
 
 import math
-import re
 import threading
 import time
 from collections import deque
@@ -12,6 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field, replace
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from pydantic import BaseModel, StrictBool, ValidationError
 
 from kvpersist import httpclient
@@ -135,50 +136,41 @@ SUBMITTED = "lmcache_mp_l2_store_submitted_objects_chunks_total"
 COMPLETED = "lmcache_mp_l2_store_completed_objects_chunks_total"
 
 
-# One sample line of the Prometheus text format, as prometheus_client writes it: a name, optional
-# labels (quoted values with backslash escapes), a value and an optional timestamp. Unambiguous
-# alternations only, so a hostile line costs linear time.
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:" + _LABEL + r"(?:," + _LABEL + r")*,?)?\})?[ \t]+"
-                     r"([-+]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|Inf|NaN))"
-                     r"(?:[ \t]+-?[0-9]+)?[ \t]*")
+def _samples(text: str) -> list[Sample] | None:
+    """Every sample of a Prometheus text body, parsed by prometheus_client; None when the body is
+    not that format (a line that is neither a comment nor a sample) or is larger than
+    MAX_METRICS_BYTES. Never raises: a peer's body is whatever it sent."""
+    if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
+        return None
+    try:
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except Exception:  # the parser raises ValueError, and others on odd input
+        return None
 
 
 def parse_exposition(text: str) -> dict[str, float] | None:
-    """Every sample of a Prometheus text body, summed per metric name over its label sets; None
-    when the body is not that format (any line that is neither a comment nor a sample) or is
-    larger than MAX_METRICS_BYTES. Never raises."""
-    if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
+    """Every sample of a Prometheus text body, summed per sample name over its label sets; None
+    when the body is not that format or is too large (_samples)."""
+    samples = _samples(text)
+    if samples is None:
         return None
     out: dict[str, float] = {}
-    for line in text.split("\n"):
-        line = line.rstrip("\r")
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = _SAMPLE.fullmatch(line)
-        if m is None:
-            return None
-        name, value = m.group(1), float(m.group(3))
-        out[name] = out.get(name, 0.0) + value
+    for sample in samples:
+        out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
-
-
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
 
 
 def sum_by_label(text: str, name: str, label: str) -> dict[str, float] | None:
     """The samples of one metric summed per value of one of its labels (samples without it are
     left out); None when the body is not Prometheus text (as parse_exposition) or is too large."""
-    if parse_exposition(text) is None:
+    samples = _samples(text)
+    if samples is None:
         return None
     out: dict[str, float] = {}
-    for line in text.split("\n"):
-        m = _SAMPLE.fullmatch(line.rstrip("\r"))
-        if m is None or m.group(1) != name:
-            continue
-        value = dict(_LABEL_PAIR.findall(m.group(2) or "")).get(label)
+    for sample in samples:
+        value = sample.labels.get(label) if sample.name == name else None
         if value is not None:
-            out[value] = out.get(value, 0.0) + float(m.group(3))
+            out[value] = out.get(value, 0.0) + float(sample.value)
     return out
 
 

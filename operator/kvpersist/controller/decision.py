@@ -1,0 +1,391 @@
+"""What one apply of a KVCacheNamespace decides, as one pure function of what it looks at.
+
+An apply used to read the API server between its decisions (the key, the claims, the other
+resources' stores, the route names, who holds each name), in six modules. Now everything it looks
+at is read first into one value, a Snapshot (kvpersist.controller.snapshot, from the watch caches
+where they have it), and decide() turns that into the whole verdict: the refusal, with the
+conditions status then shows, or the objects to create, apply and delete. No I/O here, nor any
+state of the running operator: the operator acts on the Decision (kvpersist.controller.apply), and
+`kvpersist plan` prints the same Decision, from a snapshot read with the user's credentials.
+
+The order of the rules is the order a user would fix them in, and each stops what follows:
+1. the operator's policy (ImageNotAllowed, SecretNotAllowed: kvpersist.controller.policy): nothing
+   else is even read, the key's data included;
+2. an L2 claim under a derived name that is not the operator's (ClaimNotOwned: ownership): nothing
+   applied, no key made for nothing;
+3. the L2 key (kvpersist.controller.l2key): a generated one is made when absent unless data sealed
+   with the last one exists (L2KeyLost); its fingerprint is in the namespace id, so in every per-id
+   name; a fresh key's bytes never enter the snapshot, only its fingerprint;
+4. the L2 store another, older resource holds (StorageInUse: sharing): applied with the cache off;
+   else the id's route names held by another id's objects (RouteNameTaken: stale_routes): applied
+   without those routes, vLLM without the cache;
+5. any name of the objects to apply held by an object the operator did not make (NameTaken:
+   ownership): nothing applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders import modelcache
+from kvpersist.builders.all import build_all
+from kvpersist.builders.keysecret import build_agent_token_secret
+from kvpersist.builders.lmcache import build_shared_claim
+from kvpersist.builders.target import Target
+from kvpersist.controller import fallback, l2key, ownership, pincheck, sharing
+from kvpersist.controller.policy import (
+    SECRET_NOT_ALLOWED,
+    Policy,
+    Refusal,
+    image_refusal,
+    named_secrets,
+    refused_status,
+    secret_refusal,
+)
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_TAKEN, route_conflicts, route_taken_message
+from kvpersist.identity import L2_KEY_PIN, Resolution, resolve
+from kvpersist.status.conditions import condition, shareable
+
+ChildKey = tuple[str, str, str]  # (kind, namespace, name), as kvpersist.controller.drift.child_key
+Meta = Mapping[str, Any]
+
+# Decision.stage when refused: what was decided before the refusal.
+POLICY, CLAIMS, NAMES = "policy", "claims", "names"
+
+
+def child_key(obj: Mapping[str, Any]) -> ChildKey:
+    meta = obj.get("metadata") or {}
+    return obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one apply looks at, read before anything is decided. A field left None was not
+    read: the rules before it refused (nothing past the policy is read for a refused resource)."""
+
+    body: Mapping[str, Any]  # the KVCacheNamespace as stored (metadata.uid, creationTimestamp, status)
+    spec: api.KVCacheNamespaceSpec  # its spec, parsed
+    policy: Policy = field(default_factory=Policy)
+    pin_mismatch: str | None = None  # PinMismatch's message when the model's files contradict a pin (pincheck)
+    # The Secrets the spec names (policy.named_secrets), read only with a secretLabel: each one's
+    # metadata or None (absent); the API server's status code for one that could not be read.
+    named_secrets: Mapping[str, Meta | None] = field(default_factory=dict)
+    unreadable_secrets: Mapping[str, int | None] = field(default_factory=dict)
+    l2_claims: Mapping[str, Meta | None] | None = None  # ownership.l2_claim_names, each as it exists or None
+    key: l2key.KeyRead | None = None  # the L2 key Secret as read (None: not encrypted, or not read)
+    proposed_key: str | None = None  # the fingerprint of a fresh key, offered when the generated Secret is absent
+    server_claims: tuple[Meta, ...] | None = None  # the resource's own L2 claims (a lost key's evidence); None: unknown
+    named_claim: Meta | None = None  # spec.l2.nvme.existingClaimName's claim with shared (one server unless RWX)
+    stores: tuple[sharing.User, ...] | None = None  # every other resource's L2 store; None: not read
+    server_pods: tuple[Meta, ...] = ()  # lmcache server pods (any resource's): who still mounts a claim
+    names: Mapping[ChildKey, Meta | None] = field(default_factory=dict)  # what holds each name looked up (None: free)
+    own: frozenset[ChildKey] = frozenset()  # names known to hold this resource's own objects: not looked up
+    model_cache_claim: Meta | None = None  # the existing weights claim, whole (its spec is compared)
+    fallback_bypassed: bool = False  # vLLM runs without the cache: its servers are away (controller.fallback)
+    build_refused: Mapping[str, str] = field(default_factory=dict)  # namespace id -> what a refusing vLLM said
+    hit_mismatch: Mapping[str, str] = field(default_factory=dict)  # namespace id -> the canary's HitMismatch id
+    agent_image: str | None = None  # the agent image the roll allows this apply (controller.agentroll)
+
+    @property
+    def name(self) -> str:
+        return str(self.body["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.body["metadata"]["namespace"])
+
+    @property
+    def uid(self) -> str | None:
+        return self.body["metadata"].get("uid")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict on one snapshot. refusal set: nothing is applied (stage says at which rule);
+    else the objects, in order, and what the apply records."""
+
+    target: Target  # as applied (the cache off for StorageInUse, no routes for RouteNameTaken)
+    refusal: Refusal | None = None
+    stage: str = ""
+    phase: str | None = None  # status.phase a refusal or StorageInUse writes
+    conditions: tuple[dict[str, Any], ...] = ()  # what status shows for a refusal or a store/route held
+    key: l2key.KeyRead | None = None  # the key as judged (L2KeyLost in place of L2KeyPending)
+    key_lost: l2key.Loss | None = None
+    generated_key: str | None = None  # the fresh key's fingerprint: its Secret is created by this apply
+    key_id: str | None = None  # what the spec and the key resolve to (before StorageInUse turns it off)
+    storage_refused: str | None = None  # StorageInUse's message
+    route_taken: str | None = None  # RouteNameTaken's message
+    token_secret: dict[str, Any] | None = None  # created when absent, never applied over
+    manifests: tuple[dict[str, Any], ...] = ()  # build_all's order: policies, StatefulSet, ..., vLLM
+    shared_claim: dict[str, Any] | None = None  # created when absent (spec.l2.nvme.shared with size)
+    model_cache_create: bool = False  # the weights claim is absent: created (a manifest of its own kind in manifests)
+    model_cache_differs: str | None = None  # what its spec declares that the existing claim lacks
+    drop_vllm_service: bool = False  # spec.vllm.service turned off: its own Service is deleted
+    owned: tuple[ChildKey, ...] = ()  # names looked up and found its own: not looked up again
+    taken: tuple[tuple[str, str], ...] = ()  # (kind, name) held by objects it did not make
+    unchecked: tuple[ChildKey, ...] = ()  # names the snapshot lacks: judged free, said by the plan
+
+    @property
+    def applies(self) -> bool:
+        return self.refusal is None
+
+
+def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, fingerprint: str | None,
+               pin_mismatch: str | None = None, pins_checked: bool = False) -> tuple[Target, Resolution]:
+    """The builders' view and the reason its identity is incomplete (if it is), with the key's
+    fingerprint (without it an encrypted resource has no namespace id) and the pin check's verdict."""
+    res = resolve(spec.pins(fingerprint))
+    if pins_checked:
+        res = pincheck.apply_mismatch(res, pin_mismatch)
+    fingerprint = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
+    return Target(name, namespace, spec, res.namespace_id, key_fingerprint=fingerprint), res
+
+
+def _target(snap: Snapshot, fingerprint: str | None) -> Target:
+    return target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pin_mismatch, snap.pin_mismatch is not None)[0]
+
+
+def judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
+              claims: list[Meta] | tuple[Meta, ...] | None) -> tuple[l2key.KeyRead | None, l2key.Loss | None]:
+    """The key as read, with L2KeyLost in place of L2KeyPending when the generated Secret is gone
+    over data sealed with it (kvpersist.controller.l2key.loss): then it is not made again."""
+    if key is None or not key.absent or not key.generated:
+        return key, None
+    meta = body["metadata"]
+    found = l2key.loss(body.get("status"), key, meta.get("annotations"), list(claims) if claims is not None else None)
+    if found is None:
+        return key, None
+    return dataclasses.replace(key, problem=(l2key.KEY_LOST, l2key.loss_message(found, meta["name"], meta["namespace"]))), found
+
+
+def unreadable_secret(field_: str, name: str, status: int | None) -> Refusal:
+    """SecretNotAllowed while a named Secret's labels cannot be read: it is not used meanwhile."""
+    return SECRET_NOT_ALLOWED, (f"{field_}: Secret {name}: its labels could not be read (the API server answered "
+                                f"{status}), so it is not used; retrying")
+
+
+def policy_refusal(snap: Snapshot) -> Refusal | None:
+    """ImageNotAllowed or SecretNotAllowed (kvpersist.controller.policy), or None."""
+    refused = image_refusal(snap.spec, snap.policy.allowed_images)
+    if refused is not None or snap.policy.secret_label is None:
+        return refused
+    for field_, name in named_secrets(snap.spec):
+        if name in snap.unreadable_secrets:
+            return unreadable_secret(field_, name, snap.unreadable_secrets[name])
+        refused = secret_refusal(field_, name, snap.namespace, snap.named_secrets.get(name), snap.policy.secret_label)
+        if refused is not None:
+            return refused
+    return None
+
+
+def used_key(snap: Snapshot) -> tuple[l2key.KeyRead | None, l2key.Loss | None, str | None]:
+    """The key the apply would use, judged; the loss that keeps a fresh one from being made; the
+    fresh key's fingerprint when one is made (the generated Secret absent, nothing sealed with it)."""
+    key, lost = judge_key(snap.body, snap.key, snap.server_claims)
+    if key is not None and key.absent and key.generated and lost is None and snap.proposed_key is not None:
+        return dataclasses.replace(key, fingerprint=snap.proposed_key, problem=None, absent=False), None, snap.proposed_key
+    return key, lost, None
+
+
+def storage_refusal(target: Target, created: str, stores: tuple[sharing.User, ...],
+                    pods: tuple[Meta, ...] | list[Meta]) -> str | None:
+    """StorageInUse's message when another resource holds this one's claim or bucket prefix
+    (kvpersist.controller.sharing), else None. stores: every resource's store; pods: server pods.
+    Claims are namespaced (that namespace's resources and servers); a bucket prefix is global."""
+    me = sharing.user(target.namespace, target.name, created, target.spec, target.namespace_id)
+    nvme = target.spec.l2.nvme is not None
+    if not nvme and not target.namespace_id:
+        return None
+    users = [u for u in stores if not nvme or u.namespace == target.namespace]
+    mounted = [p for p in pods if (p.get("metadata") or {}).get("namespace") == target.namespace] if nvme else []
+    return sharing.refusal(me, users, mounted)
+
+
+def claim_not_shareable(target: Target, claim: Meta | None) -> bool:
+    """spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one
+    server only, since the others, on other nodes, could never mount it. Not found: the spec stands."""
+    nvme = target.spec.l2.nvme
+    if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
+        return False
+    return claim is not None and not shareable(claim)
+
+
+def route_keys(target: Target) -> list[ChildKey]:
+    """The id's route names (a Service and a NetworkPolicy), looked up at every apply, own or not:
+    an object of another id of this very resource may hold one (8 hex of the id)."""
+    if not target.cache_enabled:
+        return []
+    name = target.per_id_name(target.namespace_id)
+    return [(kind, target.namespace, name) for _, kind in ROUTE_KINDS]
+
+
+def _token_secret(target: Target, snap: Snapshot) -> dict[str, Any]:
+    secret = build_agent_token_secret(target)  # before the agents, which read it at start
+    secret["metadata"]["labels"].update(snap.policy.generated_secret_labels())
+    kopf.append_owner_reference(secret, owner=dict(snap.body))
+    return secret
+
+
+def key_target(snap: Snapshot) -> Target:
+    """The target with the key the apply would use (its fingerprint names the id)."""
+    key, _lost, _made = used_key(snap)
+    return _target(snap, key.fingerprint if key is not None else None)
+
+
+def written_target(snap: Snapshot) -> Target:
+    """The target whose names the apply writes, once the key and the stores are read: with the id
+    the key names, or with the cache off when another resource holds the store."""
+    target = key_target(snap)
+    created = str(snap.body["metadata"].get("creationTimestamp") or "")
+    if target.cache_enabled and storage_refusal(target, created, snap.stores or (), snap.server_pods) is not None:
+        return dataclasses.replace(target, namespace_id=None)
+    return target
+
+
+def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The manifests and the agent token Secret whose names the snapshot must hold (written_target's).
+    Every name among them not known as its own is read by its metadata; the id's route names
+    (route_keys), own or not, by a LIST of the name (their labels say which id they route to); the
+    weights claim whole (its spec is compared)."""
+    target = written_target(snap)
+    manifests = build_all(target, operator_ns="")
+    return manifests, _token_secret(target, snap)
+
+
+def _exclusive(target: Target, snap: Snapshot, unchecked: list[ChildKey]) -> tuple[Target, str | None, str | None]:
+    """The target as it may run alone: a store an older resource holds turns the cache off
+    (StorageInUse); route names another id's objects hold leave the routes out (RouteNameTaken)."""
+    if not target.cache_enabled:
+        return target, None, None
+    created = str(snap.body["metadata"].get("creationTimestamp") or "")
+    storage = storage_refusal(target, created, snap.stores or (), snap.server_pods)
+    if snap.stores is None:
+        unchecked.append(("KVCacheNamespace", target.namespace, "*"))
+    if storage is not None:
+        return dataclasses.replace(target, namespace_id=None), storage, None
+    found = []
+    for kind, ns, name in route_keys(target):
+        if (kind, ns, name) not in snap.names:
+            unchecked.append((kind, ns, name))
+        elif (meta := snap.names[kind, ns, name]) is not None:
+            found.append((kind, {"metadata": dict(meta)}))
+    conflicts = route_conflicts(target, found)
+    if not conflicts:
+        return target, None, None
+    taken = route_taken_message(target, conflicts)
+    return dataclasses.replace(target, routes=False, cache_bypassed=True,
+                               bypass_reason=f"route name {target.per_id_name(target.namespace_id)} is taken"), None, taken
+
+
+def _bypassed(target: Target, snap: Snapshot) -> Target:
+    """vLLM without the cache: its servers away, a vLLM pod that refused its build for this id, or a
+    cache hit that changed the canary's answer (status.canary) until acknowledged."""
+    nid = target.namespace_id
+    build = snap.build_refused.get(nid) if nid else None
+    hit = snap.hit_mismatch.get(nid) if nid else None
+    target = dataclasses.replace(target, cache_bypassed=snap.fallback_bypassed or build is not None or hit is not None)
+    if build is not None:
+        target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+    if hit is not None:
+        target = dataclasses.replace(target, bypass_reason=f"a cache hit changed the canary's answer (HitMismatch {hit})")
+    return target
+
+
+def _names(manifests: list[dict[str, Any]], snap: Snapshot) -> tuple[list[tuple[str, str]], list[ChildKey], list[ChildKey]]:
+    """(kind, name) of each object under the apply's names that is not this resource's own; the
+    names found its own; the names the snapshot lacks."""
+    taken, owned, unchecked = [], [], []
+    for manifest in manifests:
+        key = child_key(manifest)
+        if snap.uid is not None and key in snap.own:
+            continue
+        if key not in snap.names:
+            unchecked.append(key)
+            continue
+        meta = snap.names[key]
+        if meta is None:
+            continue  # free: the apply creates it
+        if ownership.is_own_child(meta, snap.uid):
+            owned.append(key)
+        else:
+            taken.append((manifest["kind"], manifest["metadata"]["name"]))
+    return taken, owned, unchecked
+
+
+def refusal_conditions(refusal: Refusal, namespace_id: str | None, generation: int | None,
+                       storage: bool = False) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """(phase, conditions) status writes for a refusal, by the same functions the status refresh
+    uses (policy.refused_status, sharing.refused_status): what `kvpersist plan` shows."""
+    placeholders = [condition(t, None, "") for t in ("L2Ready", "Ready", "LMCacheReady")]
+    if storage:
+        fields, conds = sharing.refused_status({}, placeholders, namespace_id, refusal[1], generation)
+    else:
+        fields, conds = refused_status({}, placeholders, refusal, generation)
+    return str(fields.get("phase")), tuple(c for c in conds if c.get("reason") == refusal[0])
+
+
+def decide(snap: Snapshot) -> Decision:
+    """The whole verdict on one snapshot (see the module's docstring for the order of the rules)."""
+    generation = snap.body["metadata"].get("generation")
+    base = _target(snap, None)
+    refused = policy_refusal(snap)
+    if refused is not None:
+        phase, conds = refusal_conditions(refused, None, generation)
+        return Decision(base, refused, POLICY, phase, conds)
+    refused = ownership.claim_refusal(base, snap.l2_claims or {})
+    if refused is not None:
+        phase, conds = refusal_conditions(refused, None, generation)
+        return Decision(base, refused, CLAIMS, phase, conds)
+    unchecked: list[ChildKey] = [("PersistentVolumeClaim", snap.namespace, n) for n in ownership.l2_claim_names(base)
+                                 if snap.l2_claims is None]
+    key, lost, made = used_key(snap)
+    target = _bypassed(_target(snap, key.fingerprint if key is not None else None), snap)
+    key_id = target.namespace_id
+    target, storage, route = _exclusive(target, snap, unchecked)
+    conds: tuple[dict[str, Any], ...] = ()
+    phase = None
+    if storage is not None:
+        phase, conds = refusal_conditions((sharing.STORAGE_IN_USE, storage), key_id, generation, storage=True)
+    elif route is not None:
+        conds = (condition(fallback.CONDITION, True, ROUTE_TAKEN, route, generation),)
+    elif key is not None and key.problem is not None and key.fingerprint is None:
+        conds = (condition("L2Ready", False, key.problem[0], key.problem[1], generation),)
+    if claim_not_shareable(target, snap.named_claim):
+        target = dataclasses.replace(target, max_servers=1)
+    token_secret = _token_secret(target, snap)
+    if snap.agent_image is not None:
+        target = dataclasses.replace(target, agent_image=snap.agent_image)
+    manifests = build_all(target)
+    for manifest in manifests:
+        kopf.append_owner_reference(manifest, owner=dict(snap.body))
+    taken, owned, missing = _names([*manifests, token_secret], snap)
+    unchecked += missing
+    common = {"key": key, "key_lost": lost, "generated_key": made, "key_id": key_id, "storage_refused": storage,
+              "route_taken": route, "owned": tuple(owned), "unchecked": tuple(unchecked)}
+    if taken:
+        refusal = (ownership.NAME_TAKEN, ownership.taken_message(target.name, target.namespace, taken))
+        phase, conds = refusal_conditions(refusal, None, generation)
+        return Decision(target, refusal, NAMES, phase, conds, taken=tuple(sorted(taken)), **common)
+    shared = build_shared_claim(target) if target.cache_enabled else None
+    if shared is not None and target.spec.l2.nvme is not None and target.spec.l2.nvme.reclaim_policy == "Delete":
+        kopf.append_owner_reference(shared, owner=dict(snap.body))
+    create_cache, differs = False, None
+    cache_manifest = next((m for m in manifests if m["kind"] == "PersistentVolumeClaim"), None)
+    if cache_manifest is not None:
+        existing = snap.model_cache_claim
+        if existing is None or not ownership.is_own_child(existing.get("metadata"), snap.uid):
+            create_cache = True
+        else:
+            differs = "; ".join(modelcache.claim_differences(cache_manifest, dict(existing))) or None
+    # A user's Service under the name is never touched: only one known as its own (watch events, an apply).
+    drop = not target.spec.vllm.service.enabled and ("Service", target.namespace, target.vllm_name) in snap.own
+    return Decision(target, None, "", phase, conds, token_secret=token_secret, manifests=tuple(manifests),
+                    shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs, drop_vllm_service=drop,
+                    **common)
+

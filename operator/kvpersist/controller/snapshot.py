@@ -1,0 +1,164 @@
+"""The running operator's reads for one apply, into a Snapshot (kvpersist.controller.decision),
+before anything is decided: the watch caches first, the API server where they have not listed.
+
+Three steps, each only as far as the rules let it (decision's docstring): the named Secrets'
+labels (a policy refusal stops here: the key's data is never read for it); the L2 claims under
+derived names (ClaimNotOwned stops here); then the key, the other resources' stores (from the
+watch caches), and, once the key's fingerprint names the id, every name the apply writes, the
+route names, the weights claim and a user's shared claim, side by side in one round trip.
+`kvpersist plan` reads the same steps with the user's credentials (kvpersist.plancmd). Direct
+calls only, no reader object: tests/rbac_needs.py follows each call to the kinds it reaches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
+from kvpersist.controller import agentroll, kube, ownership, pincheck, runtime, sharing
+from kvpersist.controller.decision import (
+    Meta,
+    Snapshot,
+    child_key,
+    key_target,
+    names_to_read,
+    policy_refusal,
+    route_keys,
+    written_target,
+)
+from kvpersist.controller.policy import named_secrets
+from kvpersist.controller.reading import _parsed, _read_key, l2_claims, named_claim, secret_metadata
+from kvpersist.controller.stale_routes import ROUTE_KINDS
+from kvpersist.identity import key_fingerprint
+from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen
+
+
+def parsed(body: Mapping[str, Any]) -> api.KVCacheNamespaceSpec:
+    """The spec of a stored object (raises pydantic.ValidationError)."""
+    return _parsed(body["metadata"]["name"], body.get("spec")).spec
+
+
+def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
+    """Every resource's L2 store and the server pods, by LIST: a claim's namespace, or for a bucket
+    every namespace the operator lists (runtime.listing_scopes). Raises ApiException."""
+    if target.spec.l2.nvme is not None:
+        bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
+        pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
+    else:
+        bodies = [b for ns in runtime.listing_scopes() for b in kube.list_all(api.API_VERSION, api.KIND, ns)]
+        pods = []
+    return tuple(u for b in bodies if (u := sharing.user_of(b)) is not None), tuple(pods)
+
+
+def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata of what holds a manifest's name now, or None: a Secret by GET (metadata only,
+    never its data), any other kind by a LIST of that name (what the operator may do on them)."""
+    meta = manifest["metadata"]
+    if manifest["kind"] == "Secret":
+        return kube.get_metadata("v1", "Secret", meta["name"], meta["namespace"])
+    return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
+
+
+def _route(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """The metadata of the object under a route name, or None: a LIST by name (the operator may
+    list, not get, every kind it routes with)."""
+    same = [o for o in kube.list_all(api_version, kind, namespace, field_selector=f"metadata.name={name}")
+            if (o.get("metadata") or {}).get("name") == name]
+    return dict(same[0].get("metadata") or {}) if same else None
+
+
+def _names(snap: Snapshot) -> Snapshot:
+    """Every name the apply writes that is not known as its own, the id's route names and the
+    weights claim, and a user's shared claim: side by side on the apply pool (one after the other,
+    they were a round trip each). Raises ApiException."""
+    target = written_target(snap)
+    manifests, token_secret = names_to_read(snap)
+    pool = runtime.CONTROLLER.apply_pool
+    known = snap.own | set(route_keys(target))  # the route names are listed below, own or not
+    unknown = [m for m in manifests if child_key(m) not in known]
+    if child_key(token_secret) not in known:
+        unknown.append(token_secret)
+    routes = []  # first: with more lookups than the pool has threads, the routes are not the ones to wait
+    if target.cache_enabled:
+        name = target.per_id_name(target.namespace_id)
+        for api_version, kind in ROUTE_KINDS:
+            routes.append(pool.submit(lambda api_version=api_version, kind=kind: _route(api_version, kind, name,
+                                                                                        target.namespace)))
+    lookups = []
+    for manifest in unknown:
+        lookups.append(pool.submit(lambda m=manifest: _existing_metadata(m)))
+    cache_claim = target.model_cache_claim if any(m["kind"] == "PersistentVolumeClaim" for m in manifests) else None
+    weights = pool.submit(lambda: kube.get("v1", "PersistentVolumeClaim", cache_claim, target.namespace)) if cache_claim else None
+    nvme = target.spec.l2.nvme
+    shared = nvme.existing_claim_name if nvme is not None and nvme.shared else None
+    user_claim = pool.submit(lambda: named_claim(shared, target.namespace)) if shared else None
+    concurrent.futures.wait([*lookups, *routes, *(j for j in (weights, user_claim) if j is not None)])
+    found: dict[tuple[str, str, str], Meta | None] = {}
+    for obj, job in zip(unknown, lookups, strict=True):
+        found[child_key(obj)] = job.result()
+    for key, job in zip(route_keys(target), routes, strict=True):
+        found[key] = job.result()
+    whole = weights.result() if weights is not None else None
+    if cache_claim:
+        found["PersistentVolumeClaim", target.namespace, cache_claim] = dict((whole or {}).get("metadata") or {}) \
+            if whole is not None else None
+    return dataclasses.replace(snap, names=found, model_cache_claim=whole,
+                               named_claim=user_claim.result() if user_claim is not None else None)
+
+
+def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot, bytes | None]:
+    """The snapshot one apply of the running operator decides on, and a fresh key's bytes when the
+    generated Secret is absent (the snapshot holds only their fingerprint; the apply creates the
+    Secret from them, if decide makes it). Raises pydantic.ValidationError for a spec it cannot
+    read, ApiException from a read. Blocking."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    spec = parsed(body)
+    uid = meta.get("uid")
+    own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
+    snap = Snapshot(body=body, spec=spec, policy=runtime.CONTROLLER.policy, own=own,
+                    pin_mismatch=runtime.CONTROLLER.pin_files.mismatch(spec.identity) if pincheck.enabled() else None,
+                    server_claims=tuple(seen.server_claims()) if seen is not None else None,
+                    fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key))
+    if snap.policy.secret_label is not None:
+        labels: dict[str, Meta | None] = {}
+        failed: dict[str, int | None] = {}
+        for _field, name in named_secrets(spec):
+            try:
+                labels[name] = secret_metadata(name, key[0])
+            except ApiException as exc:
+                failed[name] = exc.status
+        snap = dataclasses.replace(snap, named_secrets=labels, unreadable_secrets=failed)
+    if policy_refusal(snap) is not None:
+        return snap, None
+    base = Target(key[1], key[0], spec, None)
+    snap = dataclasses.replace(snap, l2_claims=dict(l2_claims(base)))
+    if ownership.claim_refusal(base, snap.l2_claims or {}) is not None:
+        return snap, None
+    read = _read_key(base, fresh=True)
+    raw = secrets.token_bytes(L2_KEY_BYTES) if read is not None and read.absent and read.generated else None
+    snap = dataclasses.replace(snap, key=read, proposed_key=key_fingerprint(raw) if raw is not None else None)
+    target = key_target(snap)
+    if target.cache_enabled:  # who else uses its store: from the watch caches (seen.stores), else the API server
+        if seen is not None and seen.stores is not None:
+            snap = dataclasses.replace(snap, stores=tuple(seen.stores), server_pods=tuple(seen.all_server_pods))
+        else:
+            users, pods = stores_from_api(target)
+            snap = dataclasses.replace(snap, stores=users, server_pods=pods)
+    snap = _names(snap)
+    # What the running operator holds for the id the key names: a vLLM pod that refused its build
+    # (buildcheck), a cache hit that changed the canary's answer, the agent image the roll allows.
+    nid = target.namespace_id
+    build = runtime.CONTROLLER.build_bypass.detail(key, nid) if nid else None
+    hit = runtime.CONTROLLER.canary.standing(key, body, nid) if nid else None
+    snap = dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
+                               hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {},
+                               agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None else None)
+    return snap, raw

@@ -1,0 +1,429 @@
+"""Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, in one
+place, checked against the installed lmcache before the server starts.
+
+Why: serve.py replaces a class inside lmcache's storage manager (SerdeL2AdapterWrapper), subclasses
+lmcache's serde contract and reads fields of objects lmcache hands it. None of that is a versioned
+API: a new lmcache may rename, move or re-sign any of it, and the result would not be an error at
+start but a server that silently stops removing unreadable objects, or a frame whose binding leaves
+out a new field of the object's name. So each dependency is a record here (what, where in lmcache,
+why kvpersist needs it, the upstream change that would make it unnecessary: docs/datapath.md
+"lmcache internals"), serve.py reaches lmcache only through the accessors below, and serve.main
+runs check() first: on any mismatch, or on an lmcache version outside TESTED_LMCACHE (the build
+identity pins lmcache, so a new lmcache is a new image and a new kvpersist anyway), the server
+refuses to start the way the build check refuses (kvpersist.builders.buildcheck: MISMATCH_PREFIX
+in the container's termination message, exit EXIT_CODE), and the operator shows it as
+BuildVerified False (kvpersist.status.build) naming what is missing.
+
+Shipped with serve.py into the server's container (kvpersist.inserver.program_source): standard
+library only at import, lmcache imported inside the checks and accessors, and nothing that the
+kubelet would expand in an environment variable's value (a dollar sign before an opening
+parenthesis or another dollar sign).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import importlib
+import inspect
+import logging
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# The lmcache releases kvpersist's server was tested with (their public versions: a local label
+# such as +cu128 is a build of the same release). Another one refuses to start even when every
+# check passes: these records say what kvpersist uses, not what else changed in between.
+TESTED_LMCACHE = ("0.5.6",)
+# kvpersist.builders.buildcheck's MISMATCH_PREFIX and EXIT_CODE, here (the server's image has no
+# kvpersist; tests/unit/test_lmcache_internals.py checks the two agree), so the operator's
+# kvpersist.status.build reads this refusal as it reads the build check's.
+MISMATCH_PREFIX = "kvpersist-build mismatch: "
+EXIT_CODE = 78  # EX_CONFIG: restarting the same image will not help
+MESSAGE_MAX = 1000  # the operator keeps 1024 characters of a termination message
+VERSION = "lmcache version"  # the Mismatch of a release not in TESTED_LMCACHE (or none installed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Internal:
+    """One thing of lmcache's that kvpersist's server relies on; verify returns what differs from
+    lmcache 0.5.6 (nothing when it is as kvpersist uses it)."""
+
+    name: str
+    where: str  # its place in lmcache
+    why: str  # what kvpersist needs it for
+    upstream: str  # the lmcache change that would make it unnecessary
+    verify: Callable[[], list[str]] = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """An internal that is not as kvpersist uses it (or an lmcache version not tested)."""
+
+    name: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.problem}"
+
+
+class Missing(Exception):
+    """A name that lmcache does not have (or not as expected); its message says what."""
+
+
+def _get(module: str, path: str = "") -> Any:
+    """lmcache's module, or a name inside it (dotted: a class's attribute)."""
+    try:
+        found: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise Missing(f"module {module} cannot be imported ({exc})") from None
+    walked = module
+    for part in path.split(".") if path else ():
+        if not hasattr(found, part):
+            raise Missing(f"{walked} has no {part}")
+        found = getattr(found, part)
+        walked = f"{walked}.{part}"
+    return found
+
+
+def _params(func: Any, what: str, expected: tuple[str, ...]) -> list[str]:
+    """The parameters func is called with (after self), in this order; any more must have defaults."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return [f"{what}'s signature cannot be read"]
+    names = [p.name for p in sig.parameters.values() if p.name != "self"
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = [p.name for p in sig.parameters.values() if p.name not in ("self", *expected)
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty]
+    if tuple(names[:len(expected)]) != expected or extra:
+        return [f"{what} takes ({', '.join(names)}), kvpersist calls it with ({', '.join(expected)})"]
+    return []
+
+
+def _method(cls: Any, name: str, expected: tuple[str, ...]) -> list[str]:
+    where = f"{cls.__qualname__}.{name}"
+    if not callable(getattr(cls, name, None)):
+        return [f"{where} is missing"]
+    return _params(getattr(cls, name), where, expected)
+
+
+def _abstract(cls: Any, expected: dict[str, tuple[str, ...]]) -> list[str]:
+    """cls's abstract methods are exactly those kvpersist implements, with its parameters: one
+    more and kvpersist's subclass cannot be made."""
+    found = set(getattr(cls, "__abstractmethods__", ()))
+    problems = []
+    if found != set(expected):
+        more, fewer = sorted(found - set(expected)), sorted(set(expected) - found)
+        problems.append(f"{cls.__qualname__}'s abstract methods differ (kvpersist does not implement: "
+                        f"{', '.join(more) or 'none'}; no longer abstract: {', '.join(fewer) or 'none'})")
+    for name, params in expected.items():
+        problems += _method(cls, name, params)
+    return problems
+
+
+def _fields(cls: Any, expected: tuple[str, ...], exact: bool) -> list[str]:
+    if not dataclasses.is_dataclass(cls):
+        return [f"{cls.__qualname__} is no longer a dataclass"]
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if (set(names) != set(expected)) if exact else not set(expected) <= set(names):
+        return [f"{cls.__qualname__} has fields ({', '.join(names)}), kvpersist expects ({', '.join(expected)})"]
+    return []
+
+
+def _guarded(check: Callable[[], list[str]]) -> Callable[[], list[str]]:
+    """A check that reports a Missing name, or any error of its own, as a problem: a check that
+    cannot tell is no proof that the internal is there."""
+    def run() -> list[str]:
+        try:
+            return check()
+        except Missing as exc:
+            return [str(exc)]
+        except Exception as exc:
+            return [f"could not be checked ({type(exc).__name__}: {exc})"]
+    return run
+
+
+# The checks, one per record below.
+
+def _check_serde_registry() -> list[str]:
+    serde = _get("lmcache.v1.distributed.serde")
+    problems = _params(_get("lmcache.v1.distributed.serde", "register_serde_factory"), "register_serde_factory",
+                       ("name", "factory"))
+    problems += _params(_get("lmcache.v1.distributed.serde", "get_registered_serde_types"),
+                        "get_registered_serde_types", ())
+    problems += _fields(_get("lmcache.v1.distributed.serde", "SerdeConfig"), ("type", "kwargs"), exact=False)
+    if not isinstance(serde.get_registered_serde_types(), list):
+        problems.append("get_registered_serde_types() no longer returns a list")
+    return problems
+
+
+SERDE_METHODS: dict[str, tuple[str, ...]] = {
+    "get_serialize_event_fd": (), "get_deserialize_event_fd": (),
+    "submit_serialize": ("src_objs", "dst_objs", "keys"), "submit_deserialize": ("src_objs", "dst_objs", "keys"),
+    "query_serialize_result": ("task_id",), "query_deserialize_result": ("task_id",),
+    "estimate_serialized_size": ("layout_desc",), "close": (),
+}
+
+
+def _check_serde_processor() -> list[str]:
+    return _abstract(_get("lmcache.v1.distributed.serde.base", "SerdeProcessor"), SERDE_METHODS)
+
+
+def _check_event_notifier() -> list[str]:
+    notifier = _get("lmcache.v1.platform", "create_event_notifier")()
+    try:
+        problems = [f"create_event_notifier()'s notifier has no {m}" for m in ("notify", "fileno", "close")
+                    if not callable(getattr(notifier, m, None))]
+        if not problems and not isinstance(notifier.fileno(), int):
+            problems.append("create_event_notifier()'s fileno() is no file descriptor")
+        return problems
+    finally:
+        if callable(getattr(notifier, "close", None)):
+            notifier.close()
+
+
+# Every field of lmcache 0.5.6's ObjectKey: the frame binds all of them (serve.object_binding). A
+# field lmcache adds would be left out of the binding, so this list must be exactly lmcache's.
+OBJECT_KEY_FIELDS = ("chunk_hash", "model_name", "kv_rank", "object_group_id", "cache_salt")
+
+
+def _check_object_key() -> list[str]:
+    return _fields(_get("lmcache.v1.distributed.api", "ObjectKey"), OBJECT_KEY_FIELDS, exact=True)
+
+
+def _check_layout_desc() -> list[str]:
+    return _fields(_get("lmcache.v1.distributed.api", "MemoryLayoutDesc"), ("shapes", "dtypes"), exact=False)
+
+
+def _check_memory_obj() -> list[str]:
+    cls = _get("lmcache.v1.memory_management", "MemoryObj")
+    problems = [] if isinstance(inspect.getattr_static(cls, "byte_array", None), property) else [
+        "MemoryObj.byte_array is no longer a property"]
+    return problems + _method(cls, "set_used_size", ("n",))
+
+
+def _check_serde_wrapper() -> list[str]:
+    cls = _get("lmcache.v1.distributed.storage_manager", "SerdeL2AdapterWrapper")
+    problems = _method(cls, "__init__", ("inner", "serde", "l1_manager"))
+    problems += _method(cls, "submit_load_task", ("keys", "objects"))
+    problems += _method(cls, "query_load_result", ("task_id",))
+    # The storage manager must build the wrapper by that module-level name, or replacing it
+    # there does nothing: the name in _build_l2_adapter's globals, not an attribute of another module.
+    build = _get("lmcache.v1.distributed.storage_manager", "StorageManager._build_l2_adapter")
+    if not any(op.opname == "LOAD_GLOBAL" and op.argval == "SerdeL2AdapterWrapper" for op in dis.get_instructions(build)):
+        problems.append("StorageManager._build_l2_adapter no longer builds the wrapper by the storage manager's "
+                        "name SerdeL2AdapterWrapper, so replacing it would not take effect")
+    return problems
+
+
+def _check_wrapper_task_ids() -> list[str]:
+    # lmcache's own class (the storage manager's name may be serve's subclass by now).
+    init = _get("lmcache.v1.distributed.l2_adapters.serde_wrapper", "SerdeL2AdapterWrapper.__init__")
+    if not re.search(r"self\._next_task_id\b[^=\n]*=\s*0\b", inspect.getsource(init)):
+        return ["SerdeL2AdapterWrapper.__init__ no longer counts its task ids from 0 (self._next_task_id = 0), so "
+                "kvpersist's own load ids (from 2**48) may collide with them"]
+    return []
+
+
+LISTENER_METHODS: dict[str, tuple[str, ...]] = {
+    "on_l2_keys_stored": ("keys", "sizes"), "on_l2_keys_accessed": ("keys",), "on_l2_keys_deleted": ("keys",),
+}
+
+
+def _check_adapter_listener() -> list[str]:
+    problems = _abstract(_get("lmcache.v1.distributed.internal_api", "L2AdapterListener"), LISTENER_METHODS)
+    adapter = _get("lmcache.v1.distributed.l2_adapters.base", "L2AdapterInterface")
+    return problems + _method(adapter, "register_listener", ("listener",)) + _method(adapter, "delete", ("keys",))
+
+
+def _check_bitmap() -> list[str]:
+    bitmap = _get("lmcache.lmcache_native", "Bitmap")(3)
+    bitmap.set(1)
+    if [bool(bitmap.test(i)) for i in range(3)] != [False, True, False]:
+        return ["Bitmap(n).set(i) / test(i) no longer mark and read one key's bit"]
+    return []
+
+
+def _check_logger() -> list[str]:
+    return _params(_get("lmcache.logging", "init_logger"), "init_logger", ("name",))
+
+
+def _check_cli() -> list[str]:
+    return _params(_get("lmcache.cli.main", "main"), "lmcache.cli.main.main", ())
+
+
+SERDE_UPSTREAM = ("an AsyncSerdeProcessor that runs each object of a batch (and each part of one) on its pool, and a "
+                  "Serializer/Deserializer contract writing straight into the destination buffer: kvpersist would "
+                  "implement the public sync interface instead of the processor's eventfds")
+UNREADABLE_UPSTREAM = ("the serde able to answer 'unreadable, delete it' for an object (the wrapper then deleting it "
+                       "through the inner adapter), or the serde factory given the inner adapter")
+PER_CHUNK_UPSTREAM = ("SerdeL2AdapterWrapper deserializing each object as soon as the inner adapter has read it "
+                      "(per-key load completion), instead of after the whole batch's read")
+PLUGIN_UPSTREAM = ("serde factories loaded before the storage manager is built (a `lmcache.serdes` entry-point group, "
+                   "or --server-module loaded before the L2 adapters): the image's own `lmcache server` would run, "
+                   "with no launcher")
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal("serde registry", "lmcache.v1.distributed.serde: register_serde_factory(name, factory), "
+             "get_registered_serde_types(), SerdeConfig(type, kwargs)",
+             "registers `kvpersist-aesgcm`, whose factory lmcache calls with the adapter's `serde` settings",
+             PLUGIN_UPSTREAM, _guarded(_check_serde_registry)),
+    Internal("SerdeProcessor", "lmcache.v1.distributed.serde.base.SerdeProcessor (abstract methods "
+             + ", ".join(SERDE_METHODS) + ")",
+             "subclassed by serve's ParallelAesGcm: lmcache's AsyncSerdeProcessor seals a batch one chunk after "
+             "another, on one thread, with copies", SERDE_UPSTREAM, _guarded(_check_serde_processor)),
+    Internal("create_event_notifier", "lmcache.v1.platform.create_event_notifier() (notify, fileno, close)",
+             "the serialize and deserialize completion fds SerdeProcessor's contract asks for", SERDE_UPSTREAM,
+             _guarded(_check_event_notifier)),
+    Internal("ObjectKey", "lmcache.v1.distributed.api.ObjectKey (fields " + ", ".join(OBJECT_KEY_FIELDS) + ")",
+             "every segment's associated data binds the object's whole name (serve.object_binding): a field lmcache "
+             "adds would be left out, so the fields must be exactly these",
+             "a canonical byte encoding of ObjectKey handed to the serde (e.g. the adapter's own object name), so the "
+             "binding need not know the fields", _guarded(_check_object_key)),
+    Internal("MemoryLayoutDesc", "lmcache.v1.distributed.api.MemoryLayoutDesc (shapes, dtypes)",
+             "estimate_serialized_size: a frame's size from the chunk's tensors",
+             "the plaintext's byte size handed to estimate_serialized_size", _guarded(_check_layout_desc)),
+    Internal("MemoryObj", "lmcache.v1.memory_management.MemoryObj (byte_array property, set_used_size(n))",
+             "seals and opens straight between the two buffers lmcache hands the serde (no copy), and narrows the "
+             "destination to the frame so the adapter stores only it", SERDE_UPSTREAM, _guarded(_check_memory_obj)),
+    Internal("SerdeL2AdapterWrapper", "lmcache.v1.distributed.storage_manager.SerdeL2AdapterWrapper "
+             "(__init__(inner, serde, l1_manager), submit_load_task(keys, objects), query_load_result(task_id)), "
+             "built by name in StorageManager._build_l2_adapter",
+             "replaced by serve's WiredSerdeL2AdapterWrapper: hands the serde the inner adapter's delete (an object "
+             "of this key that fails authentication is removed, else lmcache skips its stores forever) and loads a "
+             "batch one chunk per load, so decryption overlaps the reads",
+             f"{UNREADABLE_UPSTREAM}; and {PER_CHUNK_UPSTREAM}", _guarded(_check_serde_wrapper)),
+    Internal("wrapper task ids", "lmcache.v1.distributed.l2_adapters.serde_wrapper: SerdeL2AdapterWrapper.__init__ "
+             "sets self._next_task_id = 0 and counts up",
+             "serve's ChunkLoads answers its own load ids from 2**48 beside the wrapper's, which never reach them",
+             PER_CHUNK_UPSTREAM, _guarded(_check_wrapper_task_ids)),
+    Internal("L2AdapterListener", "lmcache.v1.distributed.internal_api.L2AdapterListener (on_l2_keys_stored, "
+             "on_l2_keys_accessed, on_l2_keys_deleted) and L2AdapterInterface.register_listener(listener), "
+             "delete(keys) in lmcache.v1.distributed.l2_adapters.base",
+             "removes unreadable objects through the inner adapter and learns when they are gone (a pinned key's "
+             "delete is skipped, so it is asked again until then)", UNREADABLE_UPSTREAM,
+             _guarded(_check_adapter_listener)),
+    Internal("Bitmap", "lmcache.lmcache_native.Bitmap (Bitmap(n), set(i), test(i))",
+             "the answer of a load of n chunks made of n one-chunk loads", PER_CHUNK_UPSTREAM, _guarded(_check_bitmap)),
+    Internal("init_logger", "lmcache.logging.init_logger(name)",
+             "the server's log lines in lmcache's format and level",
+             "lmcache's handler on its parent `lmcache` logger, so a child logger of the standard library logs "
+             "alike", _guarded(_check_logger)),
+    Internal("lmcache CLI", "lmcache.cli.main.main(argv=None)",
+             "the `lmcache` entry point, run in the launcher's process once the serde is registered",
+             PLUGIN_UPSTREAM, _guarded(_check_cli)),
+)
+
+
+def public_version(version: str) -> str:
+    """The release a version names: the local label (+cu128, +cpu: a build of it) left out."""
+    return version.strip().split("+", 1)[0]
+
+
+def installed_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("lmcache")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = None) -> list[Mismatch]:
+    """What differs in the installed lmcache from what kvpersist's server uses: its version when
+    not one of TESTED_LMCACHE, then every record's problems. Empty: the server may start."""
+    import importlib.util
+
+    version = installed_version() if version is None else version
+    if version is None and importlib.util.find_spec("lmcache") is None:
+        return [Mismatch(VERSION, "lmcache is not installed")]
+    found = []
+    if version is None:
+        found.append(Mismatch(VERSION, "no installed lmcache distribution says its version"))
+    elif public_version(version) not in TESTED_LMCACHE:
+        found.append(Mismatch(VERSION, f"{version} is not one kvpersist's server was tested with "
+                                       f"({', '.join(TESTED_LMCACHE)})"))
+    for internal in internals:
+        found += [Mismatch(internal.name, problem) for problem in internal.verify()]
+    return found
+
+
+def refusal_message(found: list[Mismatch], version: str | None = None) -> str:
+    """The termination message of a server that refuses to start over found, in the build
+    check's form (MISMATCH_PREFIX ...), within MESSAGE_MAX characters: the names of what differs
+    first, then what each is."""
+    version = installed_version() if version is None else version
+    tested = ", ".join(TESTED_LMCACHE)
+    head = f"{MISMATCH_PREFIX}lmcache {version or '(its version unknown)'} in this container"
+    tail = (f"; kvpersist's server relies on these lmcache internals (kvpersist.inserver.lmcache_internals, "
+            f"docs/datapath.md), so it does not start. Use an image with lmcache {tested} (images/vllm-lmcache) "
+            "declared in spec.identity.connectorBuild, or a kvpersist release tested with this lmcache")
+    structural = [m for m in found if m.name != VERSION]
+    names = list(dict.fromkeys(m.name for m in structural))
+    if not structural:
+        head = (f"{head} is not a release kvpersist's server was tested with ({tested}), though the internals it "
+                "uses check out" if version else f"{MISMATCH_PREFIX}{'; '.join(m.problem for m in found)} in this container")
+    else:
+        head += (f" differs from what kvpersist's server uses in {len(names)} internal(s) ({', '.join(names)}): "
+                 + "; ".join(str(m) for m in structural))
+    room = MESSAGE_MAX - len(tail)
+    if len(head) > room:
+        head = head[:room - 4] + " ..."
+    return head + tail
+
+
+def missing_names(message: str) -> list[str]:
+    """The internals a refusal_message names (for tests and tooling reading it back)."""
+    return [name for name in (i.name for i in INTERNALS) if f"{name}: " in message]
+
+
+# The accessors: serve.py reaches lmcache through these only (tests check it imports no lmcache).
+
+def serde_processor() -> type:
+    return _get("lmcache.v1.distributed.serde.base", "SerdeProcessor")
+
+
+def event_notifier() -> Any:
+    return _get("lmcache.v1.platform", "create_event_notifier")()
+
+
+def register_serde(name: str, factory: Callable[[dict[str, object]], Any]) -> None:
+    """Makes `"serde": {"type": name, ...}` known to lmcache, once per process."""
+    if name not in _get("lmcache.v1.distributed.serde", "get_registered_serde_types")():
+        _get("lmcache.v1.distributed.serde", "register_serde_factory")(name, factory)
+
+
+def serde_wrapper() -> type:
+    """The storage manager's SerdeL2AdapterWrapper now (lmcache's, or one that replaced it)."""
+    return _get("lmcache.v1.distributed.storage_manager", "SerdeL2AdapterWrapper")
+
+
+def replace_serde_wrapper(cls: type) -> None:
+    """What the storage manager wraps an adapter with a serde in from now on."""
+    _get("lmcache.v1.distributed.storage_manager").SerdeL2AdapterWrapper = cls
+
+
+def adapter_listener() -> type:
+    return _get("lmcache.v1.distributed.internal_api", "L2AdapterListener")
+
+
+def bitmap_class() -> type:
+    return _get("lmcache.lmcache_native", "Bitmap")
+
+
+def logger(name: str) -> Any:
+    """lmcache's logger (its format, level and handler); the standard library's where there is no
+    lmcache (the operator's unit tests)."""
+    try:
+        init_logger = _get("lmcache.logging", "init_logger")
+    except Missing:
+        return logging.getLogger(name)
+    return init_logger(name)
+
+
+def run_lmcache(argv: list[str]) -> int:
+    """lmcache's own `lmcache` entry point, in this process, with argv after the program's name."""
+    sys.argv = ["lmcache", *argv]
+    return int(_get("lmcache.cli.main", "main")() or 0)

@@ -1,0 +1,136 @@
+"""The command line's conventions (issue 43): users' commands apart from the operator's, kubectl's
+-n (the context's namespace), -A and -o table|wide|json|yaml, `version`, and a completion script
+that bash itself runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpersist import admin, cli, cliflags, completion
+
+
+def _subcommands(parser: object) -> set[str]:
+    return set(completion.commands(parser))  # type: ignore[arg-type]
+
+
+def test_users_commands_and_the_operators_are_apart() -> None:
+    assert _subcommands(cli.user_parser()) == {"status", "report", "gc", "plan", "pins", "version", "completion"}
+    assert _subcommands(cli._operator_parser()) == set(cli.OPERATOR_COMMANDS)
+    # Still answered by `kvpersist` (the image's entrypoint before, and every server's agent sidecar).
+    assert cli.main(["crd"]) == 0
+
+
+def _kubeconfig(tmp_path: Path, namespace: str | None) -> str:
+    context = {"cluster": "c", "user": "u", **({"namespace": namespace} if namespace else {})}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "mine",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "mine", "context": context}, {"name": "other", "context": {**context, "namespace": "ops"}}]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["status", "report", "gc", "plan"])
+def test_namespace_is_the_contexts_unless_given_and_A_is_all(tmp_path: Path, command: str) -> None:
+    parser = cli.user_parser()
+    extra = {"gc": ["kvp-" + "0" * 32], "plan": ["-f", "x.yaml"]}.get(command, [])
+    config = _kubeconfig(tmp_path, "team-a")
+    assert cliflags.namespace_of(parser.parse_args([command, *extra, "--kubeconfig", config])) == "team-a"
+    assert cliflags.namespace_of(parser.parse_args([command, *extra, "--kubeconfig", config, "--context", "other"])) == "ops"
+    assert cliflags.namespace_of(parser.parse_args([command, *extra, "--kubeconfig", config, "-n", "b"])) == "b"
+    if command != "plan":  # plan reads one file: -n is the namespace of objects that name none
+        assert cliflags.namespace_of(parser.parse_args([command, *extra, "--kubeconfig", config, "-A"])) is None
+    plain = _kubeconfig(tmp_path, None)
+    assert cliflags.namespace_of(parser.parse_args([command, *extra, "--kubeconfig", plain])) == "default"
+
+
+def test_every_output_format_is_accepted_and_others_refused() -> None:
+    parser = cli.user_parser()
+    for output in cliflags.OUTPUTS:
+        assert parser.parse_args(["status", "-o", output]).output == output
+        assert parser.parse_args(["report", "-o", output]).output == output
+        assert parser.parse_args(["plan", "-f", "x.yaml", "-o", output]).output == output
+    with pytest.raises(SystemExit):
+        parser.parse_args(["status", "-o", "xml"])
+
+
+RESOURCE = {"metadata": {"namespace": "team-a", "name": "llama"},
+            "status": {"phase": "Ready", "namespaceId": "kvp-" + "a" * 32, "usage": {"l1Used": "1Mi", "l2Used": "2Gi"},
+                       "servers": [{"healthy": True}], "replicas": 2, "hits": {"summary": "50.0% (85s)"},
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "AllReady"}]}}
+
+
+def test_status_table_wide_json_and_yaml() -> None:
+    data = [{"namespace": "team-a", "name": "llama", **RESOURCE["status"]}]
+    table = cliflags.emit("table", data, lambda wide: admin.format_status([RESOURCE], wide))
+    wide = cliflags.emit("wide", data, lambda wide: admin.format_status([RESOURCE], wide))
+    assert "REASON" not in table and "AllReady" not in table
+    header, row = wide.splitlines()
+    assert header.split()[-3:] == ["REASON", "VLLM", "HIT"] and "AllReady" in row and "50.0%" in row
+    assert json.loads(cliflags.emit("json", data, lambda _: "")) == data
+    assert yaml.safe_load(cliflags.emit("yaml", data, lambda _: "")) == data
+
+
+def test_report_wide_adds_the_last_write_stamp() -> None:
+    row = admin.Row("pvc/l2", "team-a/llama", "kvp-" + "b" * 32, 2048, 3, "2026-12-01T00:00:00Z", True, False)
+    assert "LAST-WRITE-AT" not in admin.format_report([row], 0.0)
+    assert admin.format_report([row], 0.0, wide=True).splitlines()[1].endswith("2026-12-01T00:00:00Z")
+
+
+def test_version_prints_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpersist import __version__
+
+    assert cli.main(["version"]) == 0
+    assert capsys.readouterr().out.startswith(f"kvpersist {__version__} ")
+    assert cli.main(["version", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kvpersist"] == __version__
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize(("words", "expected"), [
+    (["kvpersist", "st"], {"status"}),
+    (["kvpersist", "status", "--all"], {"--all-namespaces"}),
+    (["kvpersist", "-h", "rep"], {"report"}),
+    (["kvpersist", "plan", "--ki"], set()),  # plan has no such flag: nothing offered
+])
+def test_the_bash_completion_script_completes(words: list[str], expected: set[str]) -> None:
+    """bash itself sources the script and runs its function on a command line, as it would on TAB."""
+    script = completion.script(cli.user_parser(), "bash")
+    words_text = " ".join(f"'{w}'" for w in words)
+    program = (f"{script}\nCOMP_WORDS=({words_text}); COMP_CWORD={len(words) - 1}\n"
+               "_kvpersist_complete; printf '%s\\n' \"${COMPREPLY[@]}\"")
+    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert {w for w in done.stdout.split() if w} == expected
+
+
+def test_zsh_script_loads_bashcompinit_first() -> None:
+    script = completion.script(cli.user_parser(), "zsh")
+    assert script.startswith("autoload -U +X bashcompinit && bashcompinit\n") and "complete -o default" in script
+
+
+def test_the_api_reference_is_current_and_covers_every_field() -> None:
+    """docs/api-reference.md is what the models generate (`kvpersist-operator api-reference --write`),
+    and it names every leaf of the CRD's spec."""
+    from kvpersist.api.crd import build_crd
+    from kvpersist.api.reference import REFERENCE_PATH, render_reference
+
+    root = Path(__file__).resolve().parents[2]
+    text = render_reference()
+    assert (root / REFERENCE_PATH).read_text() == text, "stale: run `kvpersist-operator api-reference --write`"
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+    def leaves(node: dict, path: str) -> list[str]:
+        kids = node.get("properties") or (node.get("items") or {}).get("properties") or {}
+        sep = "[]." if "items" in node and "properties" not in node else "."
+        return [p for k, v in kids.items() for p in leaves(v, f"{path}{sep}{k}")] if kids else [path]
+
+    missing = [p for p in leaves(spec, "spec") if f"| `{p}` |" not in text]
+    assert not missing, missing

@@ -19,8 +19,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,20 +30,11 @@ from kvpersist.controller.leadership import PEERING_LIFETIME_S
 from tests.e2e.audit import writes
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, free_port, manifest, more_rounds, refreshes, stop, storage
+from tests.e2e.test_faults import healthz
 from tests.e2e.test_ha import assert_only_the_active_one_wrote, kill_and_take_over, observed
 from tests.e2e.test_helm import CHART, helm
 
 pytestmark = pytest.mark.e2e
-
-
-def _http_code(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def _as_the_pod_runs(container: dict[str, Any], pod: dict[str, Any]) -> tuple[list[str], dict[str, str], int]:
@@ -126,7 +115,7 @@ def test_helm_two_replicas_watching_one_namespace_reconcile_and_fail_over(kubect
         wait_for("the active one to say so", lambda: "this replica is active" in logs[active].read_text(), timeout=30)
         # The chart's readinessProbe: each replica ready once kopf runs and its watch caches listed, the standby too.
         for name, url in ready_urls.items():
-            wait_for(f"{name} ready at {url}", lambda u=url: _http_code(u) == 200, timeout=60)
+            wait_for(f"{name} ready at {url}", lambda u=url: healthz(u) == 200, timeout=60)
         kubectl.apply(storage(app_ns))
         applied_at = datetime.now(UTC)
         obj = manifest(app_ns)

@@ -155,8 +155,12 @@ def test_the_two_ipc_ends_never_share_a_pid(name: str, monkeypatch: pytest.Monke
     server = _container(server_pod, "lmcache-server")
     assert server["command"][:2] == ["sh", "-c"] and server["command"][2].endswith('exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"')
     # exec'd by the container's PID 1, and lmcache's entry point runs in that python3 itself
-    # (kvpersist.inserver.serve calls it, no child process): the server is PID 1
-    assert server["command"][3] == "python3" and "lmcache_main()" in _env(server)["KVPERSIST_LMCACHE_SERVE"]
+    # (kvpersist.inserver.serve calls it through lmcache_internals.run_lmcache, which calls
+    # lmcache.cli.main's main in this process, no child process): the server is PID 1
+    program = _env(server)["KVPERSIST_LMCACHE_SERVE"]
+    assert server["command"][3] == "python3" and "lmcache_internals.run_lmcache(argv)" in program
+    assert '_get("lmcache.cli.main", "main")()' in program
+    assert "subprocess" not in program and "os.exec" not in program and "Popen" not in program
     value = _env(_container(vllm_pod, "vllm"))["VLLM_ENABLE_V1_MULTIPROCESSING"]
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
     assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True  # as vLLM reads it: the engine is a child process

@@ -78,7 +78,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp, kvpersist_env(k, Path(tmp), vllm=model["vllm"], hf_home=hf_home) as env:
             ns = env.ns
             obj = real_manifest(ns, model, maxModelLen=8192)
-            obj["spec"]["l1"]["sizeGB"] = 1
+            obj["spec"]["l1"]["size"] = "1Gi"
             obj["spec"]["prewarm"] = {"prompts": [warmed_text]}
             k.apply(obj)
             vllm = vllm_pod(k, ns, timeout=900)

@@ -173,7 +173,7 @@ class Operator:
 def light(ns: str, name: str) -> dict:
     obj = sample("hf-bucket")
     obj["metadata"] = {"name": name, "namespace": ns}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l1"]["size"] = "256Mi"
     obj["spec"]["vllm"]["replicas"] = 0
     return obj
 
@@ -186,8 +186,8 @@ def named(ns: str, name: str) -> dict:
     claim (existingClaimName) and a labelled key Secret (keySecretRef; the operator runs with secretLabel)."""
     obj = sample("nvme-minimal")
     obj["metadata"] = {"name": name, "namespace": ns}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacityGB": 1},
+    obj["spec"]["l1"]["size"] = "256Mi"
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacity": "1Gi"},
                          "encryption": {"keySecretRef": {"name": "bench-key"}}}
     obj["spec"]["vllm"]["replicas"] = 0
     return obj
@@ -731,8 +731,8 @@ def phase_ready(cluster: Cluster, work: Path) -> None:
     k.run("create", "namespace", ns)
     obj = sample("nvme-minimal")
     obj["metadata"]["namespace"] = ns
-    obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["l2"] = {"nvme": {"existingClaimName": "bench-data", "maxCapacityGB": 1}}
+    obj["spec"]["l1"]["size"] = "256Mi"
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": "bench-data", "maxCapacity": "1Gi"}}
     on_real_node(obj)  # the runner is the kubelet there: the pod turns Ready when its probes pass
     k.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "bench-data", "namespace": ns},
              "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},

@@ -60,7 +60,7 @@ def main() -> None:
             ns = env.ns
             obj = shared_manifest(ns, model)
             obj["spec"]["identity"]["maxModelLen"] = 8192
-            obj["spec"]["l1"]["sizeGB"] = 1
+            obj["spec"]["l1"]["size"] = "1Gi"
             k.apply(obj)
             vllm_a = wait_for("a Ready vLLM pod", lambda: ready_pod(k, ns, f"{NAME}-vllm-"), timeout=900, interval=2)
             server_a = wait_for("a Ready server", lambda: ready_pod(k, ns, f"{NAME}-lmcache-"), timeout=300, interval=2)

@@ -215,7 +215,7 @@ def run_cases(k: Kubectl, env: Env, model: dict, texts: list[str], args: argpars
     """Cold, then each restart case, on a resource of its own in env's namespace."""
     ns, mid, text = env.ns, model["modelId"], texts[0]
     obj = real_manifest(ns, model, maxModelLen=8192)
-    obj["spec"]["l1"]["sizeGB"] = 1
+    obj["spec"]["l1"]["size"] = "1Gi"
     k.apply(obj)
     vllm = vllm_pod(k, ns, timeout=600)
     server = in_pod(server_ip(k, ns))

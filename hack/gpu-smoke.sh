@@ -176,7 +176,6 @@ elif cmd == "ask":
 KVNS="$(k get kvcachenamespaces "$NAME" -o json 2>&1)" || { echo "gpu-smoke: $KVNS" >&2; exit 2; }
 PHASE="$(pyj 'd.get("status", {}).get("phase", "")' <<<"$KVNS")"
 NSID="$(pyj 'd.get("status", {}).get("namespaceId") or ""' <<<"$KVNS")"
-HTTP_PORT="$(pyj 'd["spec"].get("lmcacheServer", {}).get("httpPort", 8080)' <<<"$KVNS")"
 VLLM_PORT="$(pyj 'd["spec"].get("vllm", {}).get("port", 8000)' <<<"$KVNS")"
 say "KVCacheNamespace $NS/$NAME: phase ${PHASE:-none}, namespace id ${NSID:-none}"
 if [ "$PHASE" != "Ready" ]; then
@@ -213,6 +212,8 @@ read -r VLLM_POD _ VLLM_IP NODE < <(ready_pod vllm || true) || true
 read -r SRV_POD SRV_UID SRV_IP _ < <(NODE_FILTER="$NODE" ready_pod lmcache-server || true) || true
 [ -n "${SRV_POD:-}" ] || fail "no Ready lmcache server of $NAME on $NODE (the vLLM pod's node) within ${WAIT_S}s"
 say "vLLM pod $VLLM_POD and lmcache server $SRV_POD on node $NODE"
+# lmcache's admin port, on the pod's loopback: as the operator rendered it (--http-port), not a field.
+HTTP_PORT="$(k get pod "$SRV_POD" -o json | pyj '(a := next(c for c in d["spec"]["containers"] if c["name"] == "lmcache-server")["args"])[a.index("--http-port") + 1]')"
 
 STANDIN=0
 if [ -n "$("$KUBECTL" --request-timeout=30s get node "$NODE" -o jsonpath='{.metadata.annotations.kwok\.x-k8s\.io/node}')" ]; then

@@ -187,7 +187,7 @@ def _operator_parser() -> argparse.ArgumentParser:
 def user_parser() -> argparse.ArgumentParser:
     """`kvpersist`: what users and admins run (also as `kubectl kvpersist`), with kubectl's flags
     (kvpersist.cliflags); the operator's entry points are `kvpersist-operator`'s."""
-    from kvpersist import cliflags, pinscmd, plancmd
+    from kvpersist import cliflags, convertcmd, pinscmd, plancmd
 
     parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +207,7 @@ def user_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(fn=_admin)
     plancmd.add_parser(sub)
     pinscmd.add_parser(sub)
+    convertcmd.add_parser(sub)
     version = sub.add_parser("version", help="the kvpersist version, its API version and the lmcache it was tested with")
     cliflags.add_output_flag(version, ("table", "json", "yaml"))
     version.set_defaults(fn=_version)

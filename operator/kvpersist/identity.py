@@ -3,9 +3,9 @@
 A KV block computed under one model revision, tokenizer, dtype, geometry, parallelism, connector
 build, length limit or chat template must never be served to a server running under another.
 So the id is a hash over all of them, and a missing pin yields no id at all: a cache that is
-off is slower, a guessed namespace is wrong. What runs is part of it too: the digests of the vLLM
-and lmcache server images (a tag can move to another build under the same name), so an image
-named by tag alone leaves the cache off. And with L2 encrypted, the key: objects sealed under
+off is slower, a guessed namespace is wrong. What runs is part of it too: the digest of the image
+vLLM and the lmcache server run (a tag can move to another build under the same name), so an
+image named by tag alone leaves the cache off. And with L2 encrypted, the key: objects sealed under
 one key are misses under another, forever, so another key is another namespace (a fingerprint of
 the key is the pin, never the key), and a key that cannot be read leaves the cache off.
 """
@@ -52,17 +52,17 @@ L2_KEY_PIN = "l2_key_fingerprint"
 KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
 KEY_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 # Pins taken from what runs rather than from spec.identity: where each comes from, and the fix.
+# Two pins, one field: spec.image names the one image of both containers (the connector in vLLM
+# and the lmcache server must be one lmcache build); the two pin names are kept from when each
+# container named its own image, so an id hashed then is the same id now.
 IMAGE_PINS = {
-    "vllm_image_digest": "spec.vllm.image",
-    "lmcache_server_image_digest": "spec.lmcacheServer.image",
+    "vllm_image_digest": "spec.image",
+    "lmcache_server_image_digest": "spec.image",
 }
-# The fix for an image named by tag alone (the CRD's defaults are tags: no image of this project is
-# published to pin them to). Both fields name the one image built from images/vllm-lmcache: the
-# connector in vLLM and the lmcache server must be one lmcache build.
-IMAGE_FIX = ("{fields} {verb} not pinned by digest: build images/vllm-lmcache, push it and name that one image by "
-             "digest in both spec.vllm.image and spec.lmcacheServer.image, as <image>@sha256:<64 hex> (`docker buildx "
-             "imagetools inspect <image>` prints the digest; docs/gpu-cluster.md); a tag can move to another build "
-             "under the same namespace")
+# The fix for an image named by tag alone (no image of this project is published to pin it to).
+IMAGE_FIX = ("{fields} {verb} not pinned by digest: build images/vllm-lmcache, push it and name that image by "
+             "digest, as <image>@sha256:<64 hex> (`docker buildx imagetools inspect <image>` prints the digest; "
+             "docs/gpu-cluster.md); a tag can move to another build under the same namespace")
 IMAGE_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
 INT_PINS = {"block_size", "num_kv_heads", "head_size", "tensor_parallel_size", "max_model_len"}
 # Hex digests compare case-insensitively; ids and names are case-sensitive.
@@ -138,7 +138,7 @@ class Resolution:
             parts.append("missing pins: " + ", ".join(map(field_path, missing)) + " (set them)")
         if invalid:
             parts.append("malformed pins: " + ", ".join(map(field_path, invalid)) + " (fix them)")
-        unpinned = [where for pin, where in IMAGE_PINS.items() if pin in self.missing or pin in self.invalid]
+        unpinned = sorted({where for pin, where in IMAGE_PINS.items() if pin in self.missing or pin in self.invalid})
         if unpinned:
             parts.append(IMAGE_FIX.format(fields=" and ".join(unpinned), verb="is" if len(unpinned) == 1 else "are"))
         if L2_KEY_PIN in self.missing or L2_KEY_PIN in self.invalid:

@@ -15,8 +15,6 @@ from typing import Any
 
 from kvpersist import hubpins
 
-CONNECTOR = "LMCacheMPConnector"
-
 
 def add_parser(sub: Any) -> None:
     cmd = sub.add_parser("pins", help="print the spec.identity block for MODEL@REVISION, derived from its Hub files",
@@ -76,10 +74,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     dtype = args.kv_cache_dtype or derived.dtype
     identity: dict[str, Any] = {
-        "modelId": model, "modelRevision": revision, "tokenizer": tokenizer, "tokenizerRevision": tokenizer_revision,
+        "modelId": model, "modelRevision": revision,
+        # The model's own tokenizer at its revision is the default: written only when it is another.
+        **({"tokenizer": tokenizer, "tokenizerRevision": tokenizer_revision}
+           if (tokenizer, tokenizer_revision) != (model, revision) else {}),
         "numKVHeads": derived.num_kv_heads, "headSize": derived.head_size,
         "maxModelLen": args.max_model_len or derived.max_model_len, "kvCacheDtype": dtype,
-        "blockSize": args.block_size, "tensorParallelSize": args.tensor_parallel_size, "connector": CONNECTOR,
+        "blockSize": args.block_size, "tensorParallelSize": args.tensor_parallel_size,
         "connectorBuild": args.connector_build, "chatTemplateDigest": derived.chat_template_digest,
     }
     try:
@@ -120,7 +121,8 @@ def render(identity: dict[str, Any], derived: hubpins.Derived) -> str:
     import yaml
 
     lines = [f"# kvpersist pins: from {hubpins.CONFIG} at {identity['modelId']}@{identity['modelRevision']}"
-             + (f" and {derived.template_source} at {identity['tokenizer']}@{identity['tokenizerRevision']}"
+             + (f" and {derived.template_source} at {identity.get('tokenizer', identity['modelId'])}"
+                f"@{identity.get('tokenizerRevision', identity['modelRevision'])}"
                 if derived.template_source else ""),
              "# numKVHeads, headSize and chatTemplateDigest come from those files (the operator checks them);",
              "# maxModelLen and kvCacheDtype are defaults from the config: change them to what vLLM runs with.",

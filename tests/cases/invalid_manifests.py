@@ -28,11 +28,10 @@ def sample(name: str = "nvme-minimal", as_shipped: bool = False) -> dict[str, An
 
 
 def upstream_images(name: str = "nvme-minimal") -> dict[str, Any]:
-    """A sample with vLLM's and lmcache's upstream images by digest: two repositories an image
-    allow-list can tell apart (the samples run the one images/vllm-lmcache image in both fields)."""
+    """A sample running an upstream image by digest (vLLM's), a repository an image allow-list can
+    tell from the samples' placeholder registry."""
     obj = sample(name)
-    obj["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0@sha256:" + "d7" * 32
-    obj["spec"]["lmcacheServer"]["image"] = "lmcache/vllm-openai:v0.5.6@sha256:" + "a7" * 32
+    obj["spec"]["image"] = "vllm/vllm-openai:v0.33.0@sha256:" + "d7" * 32
     return obj
 
 
@@ -94,9 +93,9 @@ CASES = [
          _set("spec.identity.chatTemplateDigest", "5b2f3ccbd3a4f1b0c2a7e7c0a0c14ec8")),
     Case("model-id-missing", "spec.identity.modelId", _delete("spec.identity.modelId")),
     Case("unknown-pin", "spec.identity.modelRev", _set("spec.identity.modelRev", "x")),
-    Case("l1-zero", "spec.l1.sizeGB", _set("spec.l1.sizeGB", 0)),
+    Case("l1-zero", "spec.l1.size", _set("spec.l1.size", "0")),
     Case("l2-both", "spec.l2", _set("spec.l2.hfBucket", {
-        "bucketHandle": "hf://buckets/acme/kv", "tokenSecretRef": {"name": "hf"}, "maxCapacityGB": 10})),
+        "bucketHandle": "hf://buckets/acme/kv", "tokenSecretRef": {"name": "hf"}, "maxCapacity": "10Gi"})),
     Case("l2-none", "spec.l2", _set("spec.l2", {})),
     Case("nvme-size-and-claim", "spec.l2.nvme", _set("spec.l2.nvme.existingClaimName", "kv-data")),
     Case("nvme-size-garbage", "spec.l2.nvme.size", _set("spec.l2.nvme.size", "lots")),
@@ -106,7 +105,7 @@ CASES = [
     Case("budget-negative", "spec.l2.nvme.budget", _set("spec.l2.nvme.budget", "-1Gi")),
     Case("memory-request-negative", "spec.lmcacheServer.resources.requests.memory",
          _set("spec.lmcacheServer.resources", {"requests": {"memory": "-8Gi"}})),
-    Case("nvme-capacity-over-size", "spec.l2.nvme.maxCapacityGB", _set("spec.l2.nvme.maxCapacityGB", 600)),
+    Case("nvme-capacity-over-size", "spec.l2.nvme.maxCapacity", _set("spec.l2.nvme.maxCapacity", "600Gi")),
     Case("budget-over-capacity", "spec.l2.nvme.budget", _set("spec.l2.nvme.budget", "600Gi")),
     Case("budget-below-1Mi", "spec.l2.nvme.budget", _set("spec.l2.nvme.budget", "4Ki")),
     Case("orphan-retention-on-a-bucket", "spec.l2.orphanRetention",
@@ -119,9 +118,9 @@ CASES = [
     Case("nvme-storage-class-with-claim", "spec.l2.nvme.storageClassName",
          _both(_delete("spec.l2.nvme.size"), _set("spec.l2.nvme.existingClaimName", "kv-data"))),
     Case("nvme-delete-existing-claim", "spec.l2.nvme.reclaimPolicy", _set("spec.l2.nvme", {
-        "existingClaimName": "kv-data", "maxCapacityGB": 100, "reclaimPolicy": "Delete"})),
+        "existingClaimName": "kv-data", "maxCapacity": "100Gi", "reclaimPolicy": "Delete"})),
     Case("existing-claim-two-servers", "spec.lmcacheServer.replicas", _both(
-        _set("spec.l2.nvme", {"existingClaimName": "kv-data", "maxCapacityGB": 100}), _set("spec.lmcacheServer.replicas", 2))),
+        _set("spec.l2.nvme", {"existingClaimName": "kv-data", "maxCapacity": "100Gi"}), _set("spec.lmcacheServer.replicas", 2))),
     Case("shared-with-fs", "spec.l2.nvme.shared", _both(_set("spec.l2.nvme.shared", True), _set("spec.l2.nvme.adapter", "fs"))),
     Case("bucket-handle-s3", "spec.l2.hfBucket.bucketHandle",
          _set("spec.l2.hfBucket.bucketHandle", "s3://acme/kv"), base="hf-bucket"),
@@ -132,7 +131,7 @@ CASES = [
     Case("bucket-token-missing", "spec.l2.hfBucket.tokenSecretRef",
          _delete("spec.l2.hfBucket.tokenSecretRef"), base="hf-bucket"),
     Case("eviction-policy-fifo", "spec.eviction.policy", _set("spec.eviction.policy", "FIFO")),
-    # lmcache 0.5.6 wipes every salt without a quota within a second: refused, saying why.
+    # Not a policy any more (lmcache 0.5.6 wipes every salt without a quota within a second).
     Case("eviction-isolated-lru", "spec.eviction.policy", _set("spec.eviction.policy", "IsolatedLRU")),
     Case("eviction-watermark-over-1", "spec.eviction.triggerWatermark", _set("spec.eviction.triggerWatermark", 1.5)),
     Case("eviction-ratio-zero", "spec.eviction.evictionRatio", _set("spec.eviction.evictionRatio", 0)),
@@ -144,7 +143,7 @@ CASES = [
     Case("extra-args-short-option", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["-O3"])),
     Case("extra-args-kv-changing", "spec.vllm.extraArgs", _set("spec.vllm.extraArgs", ["--trust-remote-code"])),
     Case("gpus-below-tp", "spec.vllm.gpusPerReplica", _set("spec.vllm.gpusPerReplica", 1), base="tp2-fp8"),
-    Case("ports-clash", "spec.lmcacheServer.httpPort", _set("spec.lmcacheServer", {"port": 8080, "httpPort": 8080})),
+    Case("ports-clash", "spec.lmcacheServer.agentPort", _set("spec.lmcacheServer", {"port": 8090})),
     # operator Exists without a key tolerates every taint: control-plane, reserved GPU nodes, NoExecute.
     Case("toleration-catch-all", "spec.vllm.tolerations", _set("spec.vllm.tolerations", [{"operator": "Exists"}])),
     Case("toleration-catch-all-empty-key", "spec.vllm.tolerations",
@@ -159,10 +158,10 @@ CASES = [
     # served name read backwards, a NUL and a line break that cut argv and log lines, a zero-width
     # space that makes two images look alike, a tab in a node label, a bidi mark in a map key.
     Case("served-name-bidi-override", "spec.vllm.servedModelName", _set("spec.vllm.servedModelName", "qwen\u202egnp.exe")),
-    Case("vllm-image-nul", "spec.vllm.image", _set("spec.vllm.image", "vllm/vllm-openai:v0.33.0\x00evil")),
+    Case("image-nul", "spec.image", _set("spec.image", "vllm/vllm-openai:v0.33.0\x00evil")),
     Case("extra-args-newline", "spec.vllm.extraArgs",
          _set("spec.vllm.extraArgs", ["--root-path", "/v1\nINFO: all requests authorised"])),
-    Case("server-image-zero-width", "spec.lmcacheServer.image", _set("spec.lmcacheServer.image", "lmcache/vllm\u200b-openai:v0.5.6")),
+    Case("image-zero-width", "spec.image", _set("spec.image", "lmcache/vllm\u200b-openai:v0.5.6")),
     Case("node-selector-tab", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool": "gpu\tcpu"})),
     Case("node-selector-key-bidi", "spec.vllm.nodeSelector", _set("spec.vllm.nodeSelector", {"pool\u2067": "gpu"})),
     Case("toleration-value-bom", "spec.vllm.tolerations",

@@ -176,8 +176,8 @@ def manifest(ns: str, **identity_changes: object) -> dict:
     obj = sample()
     obj["metadata"]["namespace"] = ns
     obj["spec"]["identity"].update({**SHAPE_PINS, **identity_changes})
-    obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacityGB=1)
+    obj["spec"]["l1"]["size"] = "256Mi"
+    obj["spec"]["l2"]["nvme"].update(storageClassName=f"{ns}-nvme", size="10Gi", maxCapacity="1Gi")
     return on_real_node(obj)
 
 

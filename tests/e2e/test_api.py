@@ -33,7 +33,7 @@ def test_sample_applies(kubectl: Kubectl, crd: None, namespace: str, name: str) 
     model = KVCacheNamespace.model_validate(obj)
     assert stored["spec"]["eviction"]["policy"] == model.spec.eviction.policy
     assert stored["spec"]["lmcacheServer"]["port"] == model.spec.lmcache_server.port
-    assert stored["spec"]["vllm"]["image"] == model.spec.vllm.image
+    assert stored["spec"]["image"] == model.spec.image
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -53,12 +53,12 @@ def test_shared_serves_several_servers_on_one_claim_and_is_fixed_once_set(kubect
     of the one claim the operator made."""
     obj = sample()
     obj["metadata"].update(name="shared-l2", namespace=namespace)
-    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "lustre-kv", "maxCapacityGB": 100, "shared": True}
-    obj["spec"]["lmcacheServer"]["replicas"] = 3
+    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "lustre-kv", "maxCapacity": "100Gi", "shared": True}
+    obj["spec"].setdefault("lmcacheServer", {})["replicas"] = 3
     kubectl.apply(obj)
     assert kubectl.get("kvns", "shared-l2", namespace)["spec"]["l2"]["nvme"]["shared"] is True
     obj["spec"]["l2"]["nvme"]["shared"] = False
-    obj["spec"]["lmcacheServer"]["replicas"] = 1
+    obj["spec"].setdefault("lmcacheServer", {})["replicas"] = 1
     out = kubectl.apply(obj, check=False)
     assert out.returncode != 0 and "spec.l2.nvme.shared" in out.stderr and "new KVCacheNamespace" in out.stderr, out.stderr
     made = sample()
@@ -118,7 +118,7 @@ def test_the_api_server_and_the_models_refuse_the_same_characters(kubectl: Kubec
     assert len(chars) >= 4 * len(FORBIDDEN)
 
 
-# (field, value, whether it is valid beside the sample's maxCapacityGB 450): a quantity in either of
+# (field, value, whether it is valid: at least 1Mi, a budget within maxCapacity (90% of 500Gi)): a quantity in either of
 # the forms Kubernetes takes, a number or a string, within and outside the rules that compare it.
 QUANTITY_PROBES = [
     ("size", 536870912000, True), ("size", "500Gi", True), ("size", 1000, False), ("size", "1000", False),
@@ -222,8 +222,8 @@ def test_image_by_tag_disables_cache_and_a_new_digest_is_a_new_namespace(kubectl
     """What runs is part of the identity: a tag alone leaves the cache off with the fix named; a
     digest turns it on; another digest of the same image is another namespace."""
     obj = sample()
-    pinned = obj["spec"]["vllm"]["image"]
-    obj["spec"]["vllm"]["image"] = pinned.split("@")[0]  # vllm/vllm-openai:v0.33.0
+    pinned = obj["spec"]["image"]
+    obj["spec"]["image"] = pinned.split("@")[0]  # the tag alone
     obj["metadata"]["namespace"] = namespace
     kubectl.apply(obj)
 
@@ -232,18 +232,18 @@ def test_image_by_tag_disables_cache_and_a_new_digest_is_a_new_namespace(kubectl
 
     status = wait_for("phase CacheDisabled", status_with(lambda s: s.get("phase") == "CacheDisabled"), timeout=60)
     cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
-    assert cond["reason"] == "ImageNotPinned" and "spec.vllm.image" in cond["message"] and "@sha256:" in cond["message"]
+    assert cond["reason"] == "ImageNotPinned" and "spec.image" in cond["message"] and "@sha256:" in cond["message"]
     assert "namespaceId" not in status
     wait_for("an ImageNotPinned event", lambda: kubectl.run(
         "get", "events", "-n", namespace, "--field-selector", "reason=ImageNotPinned", "-o", "name").stdout.strip())
 
-    obj["spec"]["vllm"]["image"] = pinned
+    obj["spec"]["image"] = pinned
     kubectl.apply(obj)
     first = wait_for("a namespace id", status_with(lambda s: s.get("namespaceId")), timeout=60)["namespaceId"]
     fingerprint = key_fingerprint(base64.b64decode(kubectl.get("secret", "llama31-8b-l2-key", namespace)["data"]["master-key"]))
     assert first == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint))
 
-    obj["spec"]["vllm"]["image"] = pinned.split("@")[0] + "@sha256:" + "0" * 64  # another build, same tag
+    obj["spec"]["image"] = pinned.split("@")[0] + "@sha256:" + "0" * 64  # another build, same tag
     kubectl.apply(obj)
     second = wait_for("another namespace id", status_with(lambda s: s.get("namespaceId") not in (None, first)),
                       timeout=60)["namespaceId"]

@@ -30,7 +30,7 @@ def test_vllm_serves_without_the_cache_while_its_servers_cannot_run_and_gets_it_
     with kvpersist_env(kubectl, tmp_path, operator_env=env_vars) as env:
         ns = env.ns
         obj = manifest(ns)
-        obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": "5000"}}  # no node has it: Pending
+        obj["spec"].setdefault("lmcacheServer", {})["resources"] = {"requests": {"cpu": "5000"}}  # no node has it: Pending
         kubectl.apply(obj)
         applied = time.monotonic()
 

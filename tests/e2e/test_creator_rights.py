@@ -287,7 +287,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
     pooled["metadata"].update(name="pooled", namespace=ns)
     pooled["spec"]["l2"]["encryption"] = {"enabled": False}
     pooled["spec"]["l2"]["nvme"]["shared"] = True
-    pooled["spec"]["lmcacheServer"]["replicas"] = 2
+    pooled["spec"].setdefault("lmcacheServer", {})["replicas"] = 2
     err = create_as(kubectl, CAROL, pooled).stderr
     assert "spec.l2.nvme.shared with size makes the operator mount PersistentVolumeClaim l2-pooled-lmcache-shared" in err, err
     assert "--resource-name=l2-pooled-lmcache-shared" in err, err
@@ -295,10 +295,10 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
     many = sample()
     many["metadata"].update(name="many", namespace=ns)
     many["spec"]["l2"]["encryption"] = {"enabled": False}
-    many["spec"]["lmcacheServer"]["replicas"] = 3
+    many["spec"].setdefault("lmcacheServer", {})["replicas"] = 3
     err = create_as(kubectl, CAROL, many).stderr
     assert "--resource-name=l2-many-lmcache-0,l2-many-lmcache-1,l2-many-lmcache-2 " in err, err
-    many["spec"]["lmcacheServer"]["replicas"] = 9
+    many["spec"].setdefault("lmcacheServer", {})["replicas"] = 9
     err = create_as(kubectl, CAROL, many).stderr
     assert f"may not get every PersistentVolumeClaim in {ns} (asked above 8 servers)" in err, err
     assert "--verb=get --resource=persistentvolumeclaims -n" in err, err
@@ -307,7 +307,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
     full = sample()
     full["metadata"].update(name="full", namespace=ns)
     full["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": KEY_SECRET}}
-    full["spec"]["lmcacheServer"]["replicas"] = 8
+    full["spec"].setdefault("lmcacheServer", {})["replicas"] = 8
     full["spec"]["imagePullSecrets"] = [{"name": f"{PULL}{i}"} for i in range(4)]
     full["spec"]["vllm"].update(hfTokenSecretRef={"name": HF_READER}, apiKeySecretRef={"name": API_KEY},
                                 modelCache={"existingClaimName": WEIGHTS}, service={"enabled": True, "type": "NodePort"},

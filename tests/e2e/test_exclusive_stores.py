@@ -64,7 +64,7 @@ def resource(ns: str, name: str, l2: dict[str, Any] | None = None, **identity: A
     """The sample, plain L2 (no key Secret to make or read), no vLLM replica unless asked."""
     obj = copy.deepcopy(sample("hf-bucket" if l2 and "hfBucket" in l2 else "nvme-minimal"))
     obj["metadata"] = {"name": name, "namespace": ns}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l1"]["size"] = "256Mi"
     if l2 is not None:
         obj["spec"]["l2"] = l2
     obj["spec"]["l2"]["encryption"] = {"enabled": False}
@@ -105,7 +105,7 @@ def refused_steadily(kubectl: Kubectl, ns: str, name: str, holder: str) -> None:
 def test_two_resources_on_one_claim_the_second_waits_for_the_first(kubectl: Kubectl,
                                                                     namespaces: tuple[str, str, Path]) -> None:
     ns, _other, log = namespaces
-    claim = {"nvme": {"existingClaimName": "shared-data", "maxCapacityGB": 1}}
+    claim = {"nvme": {"existingClaimName": "shared-data", "maxCapacity": "1Gi"}}
     kubectl.apply(resource(ns, "first", claim))
     wait_for("first to serve its claim", lambda: replicas(kubectl, ns, "first") == 1
              and (kvns(kubectl, ns, "first").get("status") or {}).get("namespaceId"), timeout=90)
@@ -135,7 +135,7 @@ def test_one_bucket_prefix_and_id_in_two_namespaces_is_one_store(kubectl: Kubect
                                                                   namespaces: tuple[str, str, Path]) -> None:
     ns_a, ns_b, log = namespaces
     bucket = {"hfBucket": {"bucketHandle": "hf://buckets/acme-ml/kv-cache/shared", "tokenSecretRef": {"name": "hf"},
-                           "maxCapacityGB": 1}}
+                           "maxCapacity": "1Gi"}}
     kubectl.apply(resource(ns_a, "team-a", bucket))
     first = wait_for("team-a's namespace id", lambda: (kvns(kubectl, ns_a, "team-a").get("status") or {}).get(
         "namespaceId"), timeout=90)
@@ -173,7 +173,7 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
     # what an earlier id left can carry its owner reference, as everything the operator made does
     # (an object under its names without one is not its own: kvpersist.controller.ownership).
     unpinned = copy.deepcopy(obj)
-    unpinned["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0"
+    unpinned["spec"]["image"] = "vllm/vllm-openai:v0.33.0"
     kubectl.apply(unpinned)
     wait_for("the cache-off apply", lambda: kubectl.run("get", "configmap", "routed-connection", "-n", ns,
                                                          check=False).returncode == 0, timeout=60)

@@ -66,7 +66,7 @@ def light(ns: str, name: str, **spec_changes: object) -> dict:
     """A resource that needs no volume and no GPU: an existing claim and no vLLM replicas."""
     obj = manifest(ns)
     obj["metadata"]["name"] = name
-    obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacityGB": 1}}
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"{name}-data", "maxCapacity": "1Gi"}}
     obj["spec"]["vllm"]["replicas"] = 0
     obj["spec"].update(spec_changes)
     return obj
@@ -122,7 +122,7 @@ def test_apiserver_restart_operator_reconnects(kubectl: Kubectl, env: dict, faul
     assert restart.returncode == 0, restart.stderr
     down = time.monotonic() - t0
     t1 = time.monotonic()
-    kubectl.apply(light(ns, "steady", l1={"sizeGB": 0.5}))
+    kubectl.apply(light(ns, "steady", l1={"size": "512Mi"}))
     wait_for("the spec change after the restart to be applied", lambda: "0.5" in kubectl.get(
         "statefulset", "steady-lmcache", ns)["spec"]["template"]["spec"]["containers"][0]["args"], timeout=120)
     wait_for("converged", converged(kubectl, ns, ["steady"]), timeout=120)
@@ -228,9 +228,9 @@ def test_fifty_resources_churned_concurrently(kubectl: Kubectl, env: dict, fault
     def churn(name: str) -> None:
         obj = light(ns, name)
         if int(name[1:]) % 2:  # half with a claim per server, kept by design when deleted
-            obj["spec"]["l2"] = {"nvme": {"size": "1Gi", "maxCapacityGB": 1}}
+            obj["spec"]["l2"] = {"nvme": {"size": "1Gi", "maxCapacity": "1Gi"}}
         kubectl.apply(obj)
-        obj["spec"]["l1"] = {"sizeGB": 0.5}
+        obj["spec"]["l1"] = {"size": "512Mi"}
         kubectl.apply(obj)
 
     t0 = time.monotonic()
@@ -349,7 +349,7 @@ def test_an_object_the_api_server_refuses_as_invalid_fails_until_the_spec_change
         kubectl.run("delete", "validatingadmissionpolicybinding", policy)
         wait_for("the policy out of force", lambda: refused_by not in kubectl.apply(probe, "--dry-run=server", check=False).stderr,
                  timeout=60, interval=1)
-        kubectl.apply(light(ns, name, l1={"sizeGB": 0.5}))
+        kubectl.apply(light(ns, name, l1={"size": "512Mi"}))
         wait_for("the StatefulSet applied for the new generation", lambda: kubectl.run(
             "get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=60)
         after = wait_for("Ready no longer ApplyFailed", lambda: (lambda c: c if c.get("observedGeneration") == 2 and c.get(

@@ -88,7 +88,7 @@ REFUSED_CHARS = st.sampled_from(["\u202e", "\u2067", "\x00", "\n", "\r", "\t", "
 
 @st.composite
 def specs(draw: st.DrawFn) -> tuple[dict, list[str]]:
-    """A sample with a few fields changed, and those fields' paths ("spec.l1.sizeGB")."""
+    """A sample with a few fields changed, and those fields' paths ("spec.l1.size")."""
     base = draw(st.sampled_from(sorted(BASE)))
     obj = copy.deepcopy(BASE[base])
     changed = []
@@ -124,7 +124,7 @@ def named_fields(text: str) -> set[str]:
 def names_a_changed_field(text: str, changed: list[str]) -> bool:
     """Whether a refusal names what the example changed: the field itself, a field inside it, the
     object holding it (a rule over its members, such as "set exactly one of nvme or hfBucket"),
-    a sibling whose rule's message names it too ("spec.l2.nvme.maxCapacityGB: ... or raise size"),
+    a sibling whose rule's message names it too ("spec.l2.nvme.maxCapacity: ... or raise size"),
     or, in a rule's own words, the field as the rule writes it ("identity.tensorParallelSize": two
     parts at least, a bare "vllm" would match any message)."""
     named = {n for n in named_fields(text) if n != "spec"}

@@ -148,7 +148,7 @@ def test_the_statefulset_as_it_was_keeps_applying_and_the_claims_stay_protected(
     ns = scenario["ns"]
     before = kubectl.get("statefulset", f"{NAME}-lmcache", ns)
     changed = app_manifest(ns)
-    changed["spec"]["l1"]["sizeGB"] = 0.5
+    changed["spec"]["l1"]["size"] = "512Mi"
     kubectl.run("apply", "-f", "-", stdin=json.dumps(changed))
     wait_for("the servers rolled with 0.5 GiB of L1", lambda: (lambda s: s.get("phase") == "Ready" and (s.get("usage") or {}).get(
         "l1CapacityBytes") == 2**29)(kubectl.get("kvns", NAME, ns).get("status") or {}), timeout=300, interval=1)

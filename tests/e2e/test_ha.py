@@ -42,7 +42,7 @@ def kill_and_take_over(kubectl: Kubectl, ns: str, obj: dict, generation: int, ac
     os.killpg(active.pid, signal.SIGKILL)
     active.wait(timeout=10)
     killed = time.monotonic()
-    obj["spec"]["l1"]["sizeGB"] = 0.5
+    obj["spec"]["l1"]["size"] = "512Mi"
     kubectl.apply(obj)
     new_generation = kubectl.get("kvns", NAME, ns)["metadata"]["generation"]
     assert new_generation > generation

@@ -184,7 +184,7 @@ def test_capture_other_phases(kubectl: Kubectl, installed: dict) -> None:
     disabled = manifest(ns)
     disabled["metadata"]["name"] = "no-digest"
     del disabled["spec"]["identity"]["chatTemplateDigest"]
-    disabled["spec"]["l2"]["nvme"] = {"existingClaimName": "unused", "maxCapacityGB": 1}
+    disabled["spec"]["l2"]["nvme"] = {"existingClaimName": "unused", "maxCapacity": "1Gi"}
     disabled["spec"]["vllm"]["replicas"] = 0
     kubectl.apply(disabled)
     installed["statuses"]["CacheDisabled"] = wait_for("CacheDisabled", lambda: (lambda o: o if o.get("status", {}).get(

@@ -296,7 +296,7 @@ def _simulated(obj: dict) -> dict:
 def _bucket_resource(ns: str) -> dict:
     obj = sample("hf-bucket")
     obj["metadata"].update(name=BUCKET, namespace=ns)
-    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l1"]["size"] = "256Mi"
     obj["spec"]["l2"]["hfBucket"]["createBucketIfMissing"] = False
     obj["spec"]["vllm"]["replicas"] = 0
     return obj

@@ -61,8 +61,8 @@ def put_key(kubectl: Kubectl, ns: str, key: bytes) -> None:
 def resource(ns: str) -> dict[str, Any]:
     obj = copy.deepcopy(sample("nvme-minimal"))
     obj["metadata"] = {"name": NAME, "namespace": ns}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["l2"] = {"nvme": {"existingClaimName": "user-data", "maxCapacityGB": 1},
+    obj["spec"]["l1"]["size"] = "256Mi"
+    obj["spec"]["l2"] = {"nvme": {"existingClaimName": "user-data", "maxCapacity": "1Gi"},
                          "encryption": {"keySecretRef": {"name": "user-key"}}}
     obj["spec"]["vllm"]["replicas"] = 0
     return obj

@@ -82,7 +82,7 @@ def _workloads(kubectl: Kubectl, name: str, ns: str) -> list[str]:
 
 
 def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespace: str, start) -> None:
-    """allowedImages docker.io/vllm/ and lmcache/vllm-openai: vLLM's and lmcache's upstream images reconcile;
+    """allowedImages docker.io/vllm/ and lmcache/vllm-openai: vLLM's upstream image reconciles;
     lmcache/vllm-openai-evil (the same characters, another repository) is refused with the field,
     the image, the prefixes and the fix named, a Warning event and no workload; an allowed resource
     edited to a refused image keeps its workloads exactly as they were."""
@@ -90,20 +90,20 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     ns = namespace
     kubectl.apply(_named(upstream_images(), "allowed", ns))
     evil = _named(upstream_images(), "refused", ns)
-    evil["spec"]["lmcacheServer"]["image"] = "lmcache/vllm-openai-evil:v0.5.6" + EVIL_DIGEST
+    evil["spec"]["image"] = "lmcache/vllm-openai-evil:v0.5.6" + EVIL_DIGEST
     kubectl.apply(evil)
 
     wait_for("the allowed resource's StatefulSet and Deployment", lambda: _exists(
         kubectl, "statefulset", "allowed-lmcache", ns) and _exists(kubectl, "deployment", "allowed-vllm", ns), timeout=60)
     cond = _refused(kubectl, "refused", ns, "ImageNotAllowed")
     assert cond["status"] == "False"
-    for words in ("spec.lmcacheServer.image", evil["spec"]["lmcacheServer"]["image"], "docker.io/vllm/",
+    for words in ("spec.image", evil["spec"]["image"], "docker.io/vllm/",
                   "lmcache/vllm-openai", "allowedImages"):
         assert words in cond["message"], (words, cond["message"])
     assert kubectl.get("kvns", "refused", ns)["status"]["phase"] == "Failed"
     event = wait_for("an ImageNotAllowed event", lambda: _events(kubectl, ns, "ImageNotAllowed"))[0]
     assert event["type"] == "Warning" and event["involvedObject"]["name"] == "refused"
-    assert "spec.lmcacheServer.image" in event["message"]
+    assert "spec.image" in event["message"]
     more_rounds(operator, ns, "refused", rounds=1)  # a status round after the reconcile that refused it (its applies first)
     assert _workloads(kubectl, "refused", ns) == []
     assert _ready(kubectl, "allowed", ns).get("reason") not in ("ImageNotAllowed", "SecretNotAllowed")
@@ -112,10 +112,10 @@ def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespa
     before = {kind: kubectl.get(kind, f"allowed-{suffix}", ns) for kind, suffix in (("statefulset", "lmcache"),
                                                                                      ("deployment", "vllm"))}
     edited = _named(upstream_images(), "allowed", ns)
-    edited["spec"]["vllm"]["image"] = "registry.evil.example/vllm/vllm-openai" + EVIL_DIGEST
+    edited["spec"]["image"] = "registry.evil.example/vllm/vllm-openai" + EVIL_DIGEST
     kubectl.apply(edited)
     cond = _refused(kubectl, "allowed", ns, "ImageNotAllowed", generation=2)
-    assert "spec.vllm.image" in cond["message"] and "registry.evil.example/vllm/vllm-openai" in cond["message"]
+    assert "spec.image" in cond["message"] and "registry.evil.example/vllm/vllm-openai" in cond["message"]
     more_rounds(operator, ns, "allowed", rounds=1)
     for kind, old in before.items():
         now = kubectl.get(kind, old["metadata"]["name"], ns)
@@ -304,7 +304,7 @@ def test_watch_namespaces_grant_nothing_elsewhere(kubectl: Kubectl, crd: None, t
                                     env={**os.environ, **env, "KUBECONFIG": str(own), "PYTHONUNBUFFERED": "1"})
         proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
         bucket = {"hfBucket": {"bucketHandle": f"hf://buckets/acme-ml/kv-cache/{suffix}", "tokenSecretRef": {"name": "hf"},
-                               "maxCapacityGB": 1}}
+                               "maxCapacity": "1Gi"}}
         kubectl.apply(resource(a, "first", bucket))
         first = wait_for("first (in a) to serve", lambda: replicas(kubectl, a, "first") == 1
                          and (kvns(kubectl, a, "first").get("status") or {}).get("namespaceId"), timeout=120,

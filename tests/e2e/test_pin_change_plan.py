@@ -124,7 +124,7 @@ def test_a_pin_change_warns_and_plan_tells_the_ids_and_the_inventorys_numbers(
     scaled["spec"]["vllm"]["replicas"] = 2
     assert _warning(_apply(kubectl, scaled)) == ""
     retagged = copy.deepcopy(scaled)
-    retagged["spec"]["vllm"]["image"] = "mirror.example.com/other:v9@" + obj["spec"]["vllm"]["image"].split("@")[1]
+    retagged["spec"]["image"] = "mirror.example.com/other:v9@" + obj["spec"]["image"].split("@")[1]
     assert _warning(_apply(kubectl, retagged, "--dry-run=server")) == ""
 
     # The pin change itself: kubectl prints the warning, and the change is applied (Warn only).
@@ -180,7 +180,7 @@ def test_plan_says_the_operator_would_refuse_a_claim_another_resource_holds(
     ns = namespace
     holder = sample("nvme-minimal")
     holder["metadata"] = {"name": "holder", "namespace": ns}
-    holder["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-shared", "maxCapacityGB": 100}
+    holder["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-shared", "maxCapacity": "100Gi"}
     kubectl.apply(holder)
     second = copy.deepcopy(holder)
     second["metadata"]["name"] = "second"

@@ -54,7 +54,7 @@ def resource(ns: str, name: str) -> dict[str, Any]:
     obj["metadata"]["name"] = name
     for pinned in ("nodeSelector", "tolerations"):
         obj["spec"]["vllm"].pop(pinned, None)
-    obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": "5000"}}  # no node has it: Pending forever
+    obj["spec"].setdefault("lmcacheServer", {})["resources"] = {"requests": {"cpu": "5000"}}  # no node has it: Pending forever
     obj["spec"]["vllm"]["replicas"] = 1
     return obj
 

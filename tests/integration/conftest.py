@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import serve_source, server_args
 from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
@@ -49,6 +50,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free loopback port whose next one is free too: a server's ZMQ port, and its admin port
+    the operator puts next to it (LMCacheServer.http_port)."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two free loopback ports side by side")
+
+
 def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: float = 1, encrypted: bool = True,
                 nvme: dict[str, Any] | None = None, server_cpu: str | None = None, **pins: Any) -> Target:
     """A sample's Target with these settings (nvme: more spec.l2.nvme fields, e.g. the adapter;
@@ -57,12 +73,12 @@ def make_target(name: str = "nvme-minimal", l1_gb: float = 0.25, capacity_gb: fl
     obj = copy.deepcopy(sample(name))
     obj["spec"]["identity"].update({**SHAPE_PINS, **pins})
     obj["spec"]["l2"]["encryption"] = {"enabled": encrypted}
-    obj["spec"]["l1"]["sizeGB"] = l1_gb
+    obj["spec"]["l1"]["size"] = gib_quantity(l1_gb, "l1_gb")
     if "nvme" in obj["spec"]["l2"]:
-        obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=capacity_gb, **(nvme or {}))
-    obj["spec"]["lmcacheServer"].update(port=free_port(), httpPort=free_port())
+        obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacity=gib_quantity(capacity_gb, "capacity_gb"), **(nvme or {}))
+    obj["spec"].setdefault("lmcacheServer", {})["port"] = free_port_pair()
     if server_cpu is not None:
-        obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": server_cpu}}
+        obj["spec"].setdefault("lmcacheServer", {})["resources"] = {"requests": {"cpu": server_cpu}}
     spec = KVCacheNamespace.model_validate(obj).spec
     # The id names the folder; the servers here mount key files the tests write (write_key), by
     # default the stand-in key, whose fingerprint the id carries (the operator reads the real one).

@@ -3,7 +3,7 @@ the real lmcache server (0.5.6, CPU) and the inventory agent run from the args t
 
 lmcache 0.5.6's nixl_store_dynamic index starts empty after a restart and counts L2 bytes from
 zero: files from before the restart are neither counted nor evicted, so the folder grows past
-maxCapacityGB. The same steps run twice: lmcache alone (the baseline: the folder does exceed the
+maxCapacity. The same steps run twice: lmcache alone (the baseline: the folder does exceed the
 capacity) and with the agent trimming (it does not, the newest KV still reads back right).
 """
 
@@ -161,7 +161,7 @@ def test_folder_stays_within_capacity_across_restarts(servers: Servers, agents: 
                                                      trim: bool) -> None:
     srv = servers(make_target(capacity_gb=CAPACITY / GIB))
     agent = agents(srv) if trim else None
-    assert agent is None or agent.capacity == CAPACITY  # maxCapacityGB * GiB, as rendered
+    assert agent is None or agent.capacity == CAPACITY  # maxCapacity * GiB, as rendered
     srv.start()
 
     # Without a restart lmcache's own eviction holds its folder within capacity: 24 chunks into 16,

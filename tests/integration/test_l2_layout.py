@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.v1alpha1 import GIB, KVCacheNamespace
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.identity import resolve
 from kvpersist.inventory.volume import ABANDONED_TEMP_S
@@ -39,9 +39,9 @@ def target(adapter: str, ports: tuple[int, int]) -> Target:
     """The sample with one adapter, L2 plain (the layout is what is under test, not the key)."""
     obj = copy.deepcopy(sample())
     obj["spec"]["l2"]["encryption"] = {"enabled": False}
-    obj["spec"]["l1"]["sizeGB"] = 0.25
-    obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacityGB=CAPACITY / GIB, adapter=adapter)
-    obj["spec"]["lmcacheServer"].update(port=ports[0], httpPort=ports[1])
+    obj["spec"]["l1"]["size"] = "256Mi"
+    obj["spec"]["l2"]["nvme"].update(size="10Gi", maxCapacity=str(CAPACITY), adapter=adapter)
+    obj["spec"].setdefault("lmcacheServer", {})["port"] = ports[0]
     # The KV the driver sends (kvdriver.SHAPE: 2 KV heads of 64, float16): 512 KiB chunks, and the
     # L1 page (and so nixl's file size) the operator derives from these pins fits them.
     obj["spec"]["identity"].update(numKVHeads=2, headSize=64, kvCacheDtype="float16")

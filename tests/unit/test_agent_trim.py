@@ -277,8 +277,8 @@ def _capacity_arg(t: Target) -> str | None:
 
 
 def test_builder_renders_the_adapter_capacity_for_nixl_only() -> None:
-    assert _capacity_arg(_target()) == str(450 * GIB)  # maxCapacityGB 450
-    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(maxCapacityGB=0.5))) == str(GIB // 2)
+    assert _capacity_arg(_target()) == str(450 * GIB)  # 90% of the 500Gi claim
+    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(maxCapacity="512Mi"))) == str(GIB // 2)
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(budget="200Gi"))) == str(200 * GIB)
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs"))) is None
     assert _capacity_arg(_target(enabled=False)) is None  # no namespace served, nothing to hold to a capacity

@@ -331,7 +331,7 @@ def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: 
     conds = transitions.build_bypassed(key, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
                                                 "message": "x"}], 3)
     assert [(c["type"], c["reason"]) for c in conds] == [("CacheBypassed", "BuildMismatch")]
-    assert "until spec.vllm.image or spec.identity.connectorBuild changes" in conds[0]["message"]
+    assert "until spec.image or spec.identity.connectorBuild changes" in conds[0]["message"]
 
     _, by_type = build_conds(verdict)
     build = by_type["BuildVerified"]

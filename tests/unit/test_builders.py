@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
@@ -55,7 +56,7 @@ def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
     assert args[0] == "server"
     # ZMQ on every interface (vLLM pods reach it); the admin API (/env, /cache/clear) on loopback only.
     assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--http-host") == "127.0.0.1"
-    assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "8080"
+    assert _flag(args, "--port") == "5555" and _flag(args, "--http-port") == "5556"
     assert _flag(args, "--l1-size-gb") == "64"
     assert _flag(args, "--eviction-policy") == "LRU"
     assert json.loads(_flag(args, "--l2-adapter"))["eviction"]["eviction_policy"] == "LRU"
@@ -107,7 +108,7 @@ def test_two_resources_on_one_volume_get_disjoint_paths() -> None:
 
 @pytest.mark.parametrize(("l1", "request_mi", "limit_mi"), [(32, 37 * 1024, 56832), (0.25, 5376, 8064)])
 def test_server_memory_from_l1(l1: float, request_mi: int, limit_mi: int) -> None:
-    t = target(mutate=lambda o: o["spec"]["l1"].update(sizeGB=l1))
+    t = target(mutate=lambda o: o["spec"]["l1"].update(size=gib_quantity(l1, "l1")))
     res = server_resources(t)
     assert res["requests"]["memory"] == f"{request_mi}Mi" and res["limits"]["memory"] == f"{limit_mi}Mi"
 
@@ -140,13 +141,13 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "httpGet" not in container[probe]
         assert container[probe]["exec"]["command"][:2] == ["python3", "-c"]
-        assert container[probe]["exec"]["command"][-1] == "http://127.0.0.1:8080/healthcheck"
+        assert container[probe]["exec"]["command"][-1] == "http://127.0.0.1:5556/healthcheck"
     deleting = build_lmcache_statefulset(target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(reclaimPolicy="Delete")))
     assert deleting["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
 
 
 def test_existing_claim_is_mounted_not_templated() -> None:
-    t = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "kv-data", "maxCapacityGB": 100}))
+    t = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "kv-data", "maxCapacity": "100Gi"}))
     sts = build_lmcache_statefulset(t)
     assert "volumeClaimTemplates" not in sts["spec"]
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
@@ -231,8 +232,8 @@ def test_vllm_launch_has_exactly_the_pins() -> None:
     ident = t.spec.identity
     assert args[:2] == ["serve", ident.model_id]
     assert _flag(args, "--revision") == ident.model_revision
-    assert _flag(args, "--tokenizer") == ident.tokenizer
-    assert _flag(args, "--tokenizer-revision") == ident.tokenizer_revision
+    assert _flag(args, "--tokenizer") == ident.resolved()["tokenizer"] == ident.model_id  # the default: the model's
+    assert _flag(args, "--tokenizer-revision") == ident.resolved()["tokenizer_revision"] == ident.model_revision
     assert _flag(args, "--kv-cache-dtype") == "fp8_e4m3"
     assert _flag(args, "--block-size") == "16"
     assert _flag(args, "--tensor-parallel-size") == "2"
@@ -357,11 +358,11 @@ def test_an_agent_beside_every_server_and_the_volume_only_with_nvme() -> None:
     assert _flag(agent["args"], "--root") == L2_MOUNT_PATH and agent["volumeMounts"][0] == server["volumeMounts"][0]
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     # It forwards the operator's reads of lmcache's loopback-only admin API.
-    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:8080"
+    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:5556"
     bucket = build_lmcache_statefulset(target("hf-bucket"), "img:1")["spec"]["template"]["spec"]
     server, agent = bucket["containers"]
     assert agent["name"] == "inventory-agent" and "--root" not in agent["args"] and "--serving" not in agent["args"]
-    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:8080"
+    assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:5556"
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # no volume: no capability
     assert [m["name"] for m in agent["volumeMounts"]] == ["agent-token"]
 
@@ -389,7 +390,7 @@ def test_serde_workers_follow_the_servers_cpu_request(cpu: str | None, workers: 
     """One serde thread per whole core the server pod requests (the default request is 2 cores)."""
     def with_cpu(obj: dict) -> None:
         if cpu is not None:
-            obj["spec"]["lmcacheServer"]["resources"] = {"requests": {"cpu": cpu}}
+            obj["spec"].setdefault("lmcacheServer", {})["resources"] = {"requests": {"cpu": cpu}}
 
     t = target(mutate=with_cpu)
     assert l2_adapter_config(t)["serde"]["max_workers"] == workers
@@ -473,7 +474,7 @@ def _variants() -> list[Target]:
     """Every sample, with the cache off, with an existing claim, and unencrypted: each shape of pod."""
     return [target("nvme-minimal"), target("tp2-fp8"), target("hf-bucket"),
             target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest")),
-            target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "mine", "maxCapacityGB": 100})),
+            target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "mine", "maxCapacity": "100Gi"})),
             target(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False}))]
 
 
@@ -546,7 +547,7 @@ def test_a_users_claim_is_never_re_owned_by_the_pods_fs_group() -> None:
     user's files (Postgres and others refuse group-writable data). The agent's token file, then
     root's, is readable by the agent's container alone (only it mounts it). The operator's own
     claims (volumeClaimTemplates) keep the data group."""
-    users = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "pg-data", "maxCapacityGB": 100}))
+    users = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "pg-data", "maxCapacity": "100Gi"}))
     pod = build_lmcache_statefulset(users, "img:1")["spec"]["template"]["spec"]
     assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     assert {"name": "l2", "persistentVolumeClaim": {"claimName": "pg-data"}} in pod["volumes"]

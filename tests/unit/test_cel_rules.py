@@ -64,17 +64,21 @@ CASES: list[tuple[str, str, Edit]] = [
     ("spec.l2.nvme", "set exactly one of size (a new claim", _drop_size),
     ("spec.l2.nvme.storageClassName", "storageClassName applies to a new claim",
      lambda spec: (_drop_size(spec), spec["l2"]["nvme"].update(existingClaimName="mine", storageClassName="x"))),
-    ("spec.l2.nvme.maxCapacityGB", "maxCapacityGB must fit in the claim", _nvme(size="400Gi")),
+    ("spec.l2.nvme.maxCapacity", "maxCapacity must be at least 1Mi and fit in the claim", _nvme(size="400Gi", maxCapacity="450Gi")),
     ("spec.l2.nvme.reclaimPolicy", "an existing claim is not the operator's to delete",
      lambda spec: (_drop_size(spec), spec["l2"]["nvme"].update(existingClaimName="mine", reclaimPolicy="Delete"))),
     ("spec.l2.nvme.budget", "budget must be at least 1Mi", _nvme(budget="1023Ki")),
     ("spec.l2.nvme.budget", "the fs adapter has no capacity", _nvme(budget="1Gi", adapter="fs")),
     ("spec.l2.nvme.shared", "shared needs adapter nixl_store_dynamic", _nvme(shared=True, adapter="fs")),
     ("spec.l2.nvme.size", "a quantity must be less than 8Ei", _nvme(size="8Ei")),
-    ("spec.eviction.policy", "IsolatedLRU is refused", lambda spec: spec.update(eviction={"policy": "IsolatedLRU"})),
-    ("spec.lmcacheServer.httpPort", "port and httpPort must differ",
-     lambda spec: spec["lmcacheServer"].update(httpPort=5555)),
-    ("spec.lmcacheServer.agentPort", "agentPort must differ", lambda spec: spec["lmcacheServer"].update(agentPort=8080)),
+    ("spec.lmcacheServer.agentPort", "agentPort must differ from port",
+     lambda spec: spec.setdefault("lmcacheServer", {}).update(agentPort=5555)),
+    ("spec.l1.size", "size must be at least 1Mi and at most 4Ti", lambda spec: spec["l1"].update(size="1023Ki")),
+    ("spec.l2.nvme.size", "size must be at least 1Mi", _nvme(size="1000")),
+    ("spec.l1.size", "size must be at least 1Mi and at most 4Ti", lambda spec: spec["l1"].update(size="5Ti")),
+    ("spec.l2.nvme.maxCapacity", "maxCapacity is required with existingClaimName",
+     lambda spec: spec["l2"].update(nvme={"existingClaimName": "kv-data"})),
+    ("spec.l2.nvme.budget", "at most maxCapacity (90% of size when unset)", _nvme(budget="460Gi")),
     ("spec.vllm.kvEvents.port", "kvEvents.port and kvEvents.replayPort must differ from port",
      _vllm(kvEvents={"enabled": True, "port": 8000})),
     ("spec.vllm.kvEvents.replayPort", "replayPort must differ from port", _vllm(kvEvents={"port": 6000, "replayPort": 6000})),
@@ -232,7 +236,7 @@ def test_an_integral_float_is_the_integer_the_api_server_stores(path: str, value
 
 
 @pytest.mark.parametrize(("path", "value"), [
-    ("identity.blockSize", True), ("vllm.replicas", True), ("vllm.replicas", "2"), ("l1.sizeGB", "32"), ("l1.sizeGB", False),
+    ("identity.blockSize", True), ("vllm.replicas", True), ("vllm.replicas", "2"), ("l1.size", 32.5), ("l1.size", False),
     ("vllm.service.enabled", 1), ("vllm.replicas", 2.5),
 ])
 def test_what_the_api_server_refuses_for_its_json_type_the_models_refuse(path: str, value: Any) -> None:

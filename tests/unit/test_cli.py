@@ -20,7 +20,7 @@ def _subcommands(parser: object) -> set[str]:
 
 
 def test_users_commands_and_the_operators_are_apart() -> None:
-    assert _subcommands(cli.user_parser()) == {"status", "report", "gc", "plan", "pins", "version", "completion"}
+    assert _subcommands(cli.user_parser()) == {"status", "report", "gc", "plan", "pins", "convert", "version", "completion"}
     assert _subcommands(cli._operator_parser()) == set(cli.OPERATOR_COMMANDS)
     # Still answered by `kvpersist` (the image's entrypoint before, and every server's agent sidecar).
     assert cli.main(["crd"]) == 0

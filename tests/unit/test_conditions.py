@@ -83,12 +83,12 @@ def test_missing_pin_is_cache_disabled() -> None:
 
 def test_unpinned_image_is_cache_disabled_with_its_own_reason() -> None:
     fields, conds = compute_status(obs(namespace_id=None, identity_code="ImageNotPinned",
-                                       identity_reason="spec.vllm.image is not pinned by digest", server_desired=0,
+                                       identity_reason="spec.image is not pinned by digest", server_desired=0,
                                        statefulset=rollout(0, 0), server_pods=[], claims=[], reports=[]))
     by_type = {c["type"]: c for c in conds}
     assert fields["phase"] == "CacheDisabled"
     assert by_type["IdentityResolved"]["reason"] == "ImageNotPinned"
-    assert "spec.vllm.image" in by_type["Ready"]["message"]
+    assert "spec.image" in by_type["Ready"]["message"]
 
 
 def test_status_written_only_on_change() -> None:

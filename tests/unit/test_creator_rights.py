@@ -169,7 +169,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_is_checked() -> None:
     variables = {v["name"]: v["expression"] for v in policy["variables"]}
     obj = yaml.safe_load((ROOT / "config/samples/nvme-minimal.yaml").read_text())
     obj["spec"]["vllm"].pop("hfTokenSecretRef", None)
-    obj["spec"]["lmcacheServer"]["replicas"] = 3
+    obj["spec"].setdefault("lmcacheServer", {})["replicas"] = 3
     target = Target("res", "ns", KVCacheNamespaceSpec.model_validate(obj["spec"]), None)
     assert target.key_secret == ("res-l2-key", "master-key") and "variables.name + '-l2-key'" in variables["generatedKey"]
     assert l2_claim_names(target) == ["l2-res-lmcache-0", "l2-res-lmcache-1", "l2-res-lmcache-2"]

@@ -39,7 +39,7 @@ def body(claim: str | None = "kv-data", name: str = "b", created: str = "2026-12
     obj = copy.deepcopy(sample())
     obj["metadata"] = {"name": name, "namespace": NS, "uid": UID, "generation": 3, "creationTimestamp": created}
     if claim is not None:
-        obj["spec"]["l2"]["nvme"] = {"existingClaimName": claim, "maxCapacityGB": 100}
+        obj["spec"]["l2"]["nvme"] = {"existingClaimName": claim, "maxCapacity": "100Gi"}
     return obj
 
 

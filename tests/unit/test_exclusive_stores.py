@@ -29,9 +29,9 @@ def body(name: str, created: str, namespace: str = "ml", claim: str | None = "sh
     if bucket:
         obj["spec"]["l2"]["hfBucket"]["bucketHandle"] = bucket
     elif claim:
-        obj["spec"]["l2"]["nvme"] = {"existingClaimName": claim, "maxCapacityGB": 1}
+        obj["spec"]["l2"]["nvme"] = {"existingClaimName": claim, "maxCapacity": "1Gi"}
     else:
-        obj["spec"]["l2"]["nvme"] = {"size": "10Gi", "maxCapacityGB": 1}
+        obj["spec"]["l2"]["nvme"] = {"size": "10Gi", "maxCapacity": "1Gi"}
     if namespace_id:
         obj["status"] = {"namespaceId": namespace_id}
     return obj

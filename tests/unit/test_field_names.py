@@ -47,7 +47,7 @@ SNAKE = re.compile(r"(?<![-\w])(" + "|".join(map(re.escape, SNAKE_FIELDS)) + r")
 
 def test_the_scan_knows_the_names_it_looks_for() -> None:
     assert {"model_revision", "kv_cache_dtype", "existing_claim_name", "chat_template_digest",
-            "token_secret_ref", "max_capacity_gb"} <= set(SNAKE_FIELDS)
+            "token_secret_ref", "metadata_cache_ttl_seconds"} <= set(SNAKE_FIELDS)
     assert SNAKE.search("missing pins: model_revision") and not SNAKE.search("spec.identity.modelRevision")
 
 

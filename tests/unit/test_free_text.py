@@ -117,7 +117,7 @@ def loose(pattern: str) -> bool:
 
 def test_the_fuzz_sees_the_fields_it_must() -> None:
     ids = set(FIELD_IDS)
-    assert {"vllm.servedModelName", "vllm.image", "lmcacheServer.image", "vllm.extraArgs.[]", "vllm.nodeSelector.{}",
+    assert {"vllm.servedModelName", "image", "vllm.extraArgs.[]", "vllm.nodeSelector.{}",
             "vllm.nodeSelector.{key}", "vllm.tolerations.[].key", "vllm.tolerations.[].value", "l2.nvme.size",
             "lmcacheServer.resources.requests.{}", "lmcacheServer.resources.requests.{key}", "identity.modelId",
             "l2.hfBucket.bucketHandle"} <= ids
@@ -149,8 +149,7 @@ def test_every_free_string_refuses_control_characters_at_apply_time(path: tuple[
 
 REFUSING = [
     ("vllm.servedModelName", "spec.vllm.servedModelName"),
-    ("vllm.image", "spec.vllm.image"),
-    ("lmcacheServer.image", "spec.lmcacheServer.image"),
+    ("image", "spec.image"),
     ("vllm.extraArgs.[]", "spec.vllm.extraArgs.1"),
     ("vllm.nodeSelector.{}", "spec.vllm.nodeSelector.pool"),
     ("vllm.nodeSelector.{key}", "spec.vllm.nodeSelector"),

@@ -53,7 +53,7 @@ def judged(obj: dict) -> str | None:
 
 def names(error: str, path: tuple[str, ...]) -> bool:
     """The error names the field, or is a rule of the object holding it that names it too
-    ("spec.l2.nvme.maxCapacityGB: must fit in the claim: ... or raise size")."""
+    ("spec.l2.nvme.maxCapacity: must fit in the claim: ... or raise size")."""
     field = "spec." + ".".join(path)
     return field in error or ("spec." + ".".join(path[:-1]) in error and re.search(rf"\b{path[-1]}\b", error) is not None)
 

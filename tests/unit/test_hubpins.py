@@ -133,10 +133,10 @@ def test_the_cli_prints_an_identity_block_that_validates(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert secret not in done.stdout + done.stderr
     identity = yaml.safe_load(done.stdout)["identity"]
-    assert identity == {"modelId": "Qwen/Qwen3-8B", "modelRevision": QWEN_REV, "tokenizer": "Qwen/Qwen3-8B",
-                        "tokenizerRevision": QWEN_REV, "numKVHeads": 8, "headSize": 128, "maxModelLen": 40960,
+    # The model's own tokenizer at its revision is the default: not written.
+    assert identity == {"modelId": "Qwen/Qwen3-8B", "modelRevision": QWEN_REV, "numKVHeads": 8, "headSize": 128, "maxModelLen": 40960,
                         "kvCacheDtype": "bfloat16", "blockSize": 16, "tensorParallelSize": 1,
-                        "connector": "LMCacheMPConnector", "connectorBuild": "vllm-0.33.0+lmcache-0.5.6",
+                        "connectorBuild": "vllm-0.33.0+lmcache-0.5.6",
                         "chatTemplateDigest": digest(TEMPLATE)}
     api.Identity.model_validate(identity)  # what it prints is a valid spec.identity
 

@@ -34,7 +34,7 @@ def _full_nvme() -> dict[str, Any]:
                                "reclaimPolicy": "Delete"})
     spec["l2"]["orphanRetention"] = {"maxAgeDays": 30}
     spec["eviction"] = {"policy": "LRU", "triggerWatermark": 0.9, "evictionRatio": 0.1}
-    spec["lmcacheServer"].update({"replicas": 2, "port": 5555, "httpPort": 8080, "agentPort": 8090,
+    spec.setdefault("lmcacheServer", {}).update({"replicas": 2, "port": 5555, "agentPort": 8090,
                                   "resources": {"requests": {"cpu": "2"}, "limits": {"memory": "40Gi"}},
                                   "runtimeClassName": "nvidia"})
     spec["vllm"].update({"replicas": 2, "gpusPerReplica": 1, "servedModelName": "llama", "port": 8000,
@@ -59,7 +59,7 @@ def _full_nvme() -> dict[str, Any]:
 def _existing_claim() -> dict[str, Any]:
     """The user's claims (L2 and the model cache), shared by the servers, encryption off."""
     spec = _full_nvme()
-    spec["l2"]["nvme"] = {"existingClaimName": "l2-claim", "maxCapacityGB": 450, "shared": True, "adapter": "nixl_store_dynamic"}
+    spec["l2"]["nvme"] = {"existingClaimName": "l2-claim", "maxCapacity": "450Gi", "shared": True, "adapter": "nixl_store_dynamic"}
     spec["l2"]["encryption"] = {"enabled": False}
     spec["vllm"]["modelCache"] = {"existingClaimName": "weights"}
     spec["vllm"]["envFrom"].reverse()  # the first entry is the one changed
@@ -76,7 +76,7 @@ def _bucket() -> dict[str, Any]:
 def _fs() -> dict[str, Any]:
     """The fs adapter with a claim of the operator's and its storage class."""
     spec = _full_nvme()
-    spec["l2"]["nvme"] = {"size": "500Gi", "storageClassName": "local-nvme", "maxCapacityGB": 450, "adapter": "fs"}
+    spec["l2"]["nvme"] = {"size": "500Gi", "storageClassName": "local-nvme", "maxCapacity": "450Gi", "adapter": "fs"}
     return spec
 
 
@@ -232,11 +232,11 @@ def test_changed_id_fields_names_a_change_exactly_when_the_id_can_move(label: st
 def test_an_image_tag_alone_keeps_the_id_and_is_not_named() -> None:
     spec = _full_nvme()
     before = KVCacheNamespaceSpec.model_validate(spec)
-    spec["vllm"]["image"] = "mirror.example.com/other/name:v9" + DIGEST
+    spec["image"] = "mirror.example.com/other/name:v9" + DIGEST
     after = KVCacheNamespaceSpec.model_validate(spec)
     assert _outcome(before) == _outcome(after)
     assert changed_id_fields(_stored(before), _stored(after)) == []
-    field = next(f for f in id_fields() if f.path == "spec.vllm.image")
+    field = next(f for f in id_fields() if f.path == "spec.image")
     assert id_field_value(_stored(after), field) == DIGEST[1:]
 
 

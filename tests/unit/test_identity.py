@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvpersist.identity import (
+    DERIVED_PINS,
     IMAGE_PINS,
     L2_KEY_PIN,
     PIN_FIELDS,
@@ -143,13 +144,12 @@ def test_image_digest(reference: str | None, digest: str | None) -> None:
     assert image_digest(reference) == digest
 
 
-def _spec(**images: str):
+def _spec(image: str | None = None):
     from kvpersist.api.v1alpha1 import KVCacheNamespace
     from tests.cases.invalid_manifests import sample
 
     obj = sample()
-    obj["spec"]["vllm"]["image"] = images.get("vllm", obj["spec"]["vllm"]["image"])
-    obj["spec"]["lmcacheServer"]["image"] = images.get("server", obj["spec"]["lmcacheServer"]["image"])
+    obj["spec"]["image"] = image or obj["spec"]["image"]
     return KVCacheNamespace.model_validate(obj).spec
 
 
@@ -159,16 +159,15 @@ FP = key_fingerprint(b"k" * 32)  # the L2 key's pin (spec.l2.encryption is on in
 def test_sample_images_are_pinned_and_in_the_id() -> None:
     spec = _spec()
     pins = spec.pins(FP)
-    assert pins["vllm_image_digest"] == image_digest(spec.vllm.image) is not None
-    assert pins["lmcache_server_image_digest"] == image_digest(spec.lmcache_server.image) is not None
+    # One image, under both pins it had when each container named its own (ids stay the same).
+    assert pins["vllm_image_digest"] == pins["lmcache_server_image_digest"] == image_digest(spec.image) is not None
     assert resolve(pins).namespace_id is not None
 
 
-@pytest.mark.parametrize("which", ["vllm", "server"])
-def test_a_changed_image_is_a_new_namespace(which: str) -> None:
-    """The same pins with another build of either image never share stored KV."""
+def test_a_changed_image_is_a_new_namespace() -> None:
+    """The same pins with another build never share stored KV."""
     base = resolve(_spec().pins(FP)).namespace_id
-    other = resolve(_spec(**{which: "example.org/other@" + DIGEST}).pins(FP)).namespace_id
+    other = resolve(_spec("example.org/other@" + DIGEST).pins(FP)).namespace_id
     assert other is not None and other != base
 
 
@@ -197,41 +196,38 @@ def test_switching_the_l2_adapter_is_a_new_namespace_and_folder() -> None:
     assert l2_path(a) != l2_path(b)
     # Nothing else of the NVMe settings that keeps the files readable moves the id.
     direct = sample()
-    direct["spec"]["l2"]["nvme"].update(directIO=False, maxCapacityGB=100)  # (true is the default)
+    direct["spec"]["l2"]["nvme"].update(directIO=False, maxCapacity="100Gi")  # (true is the default)
     assert target(direct).namespace_id == a.namespace_id
 
 
 def test_the_same_bytes_under_another_name_keep_the_namespace() -> None:
     """A mirror serving the same digest runs the same build: the id follows the bytes, not the name."""
     spec = _spec()
-    mirrored = _spec(vllm="mirror.local/vllm@" + image_digest(spec.vllm.image),
-                     server="mirror.local/lmcache@" + image_digest(spec.lmcache_server.image))
+    mirrored = _spec("mirror.local/vllm@" + image_digest(spec.image))
     assert resolve(mirrored.pins(FP)).namespace_id == resolve(spec.pins(FP)).namespace_id
 
 
-@pytest.mark.parametrize(("which", "field"), [("vllm", "spec.vllm.image"), ("server", "spec.lmcacheServer.image")])
-def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin(which: str, field: str) -> None:
-    res = resolve(_spec(**{which: "vllm/vllm-openai:v0.33.0"}).pins(FP))
+def test_a_tag_alone_turns_the_cache_off_and_says_how_to_pin() -> None:
+    res = resolve(_spec("vllm/vllm-openai:v0.33.0").pins(FP))
     assert res.namespace_id is None and res.code == "ImageNotPinned"
-    assert field in res.reason and "@sha256:" in res.reason
+    assert res.reason.startswith("spec.image is not pinned by digest"), res.reason
+    assert "@sha256:" in res.reason and "images/vllm-lmcache" in res.reason
     assert "spec.identity" not in res.reason  # the identity pins are all there; only the image is the fix
 
 
-def test_a_minimal_manifest_says_the_images_are_the_fix() -> None:
-    """The CRD's default images are tags (no image of kvpersist is published to pin them to): a
-    manifest without spec.vllm and spec.lmcacheServer resolves every identity pin but no id, and the
-    message names both fields as the API spells them and the one fix, the images/vllm-lmcache image
-    by digest in both."""
-    from kvpersist.api.v1alpha1 import KVCacheNamespace
+def test_a_manifest_without_an_image_is_refused_naming_spec_image() -> None:
+    """No default image (no image of kvpersist is published to default to): spec.image is required,
+    and the message names it and the fix."""
+    from pydantic import ValidationError
+
+    from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
     from tests.cases.invalid_manifests import sample
 
     obj = sample()
-    del obj["spec"]["vllm"], obj["spec"]["lmcacheServer"]
-    res = resolve(KVCacheNamespace.model_validate(obj).spec.pins(FP))
-    assert res.namespace_id is None and res.code == "ImageNotPinned"
-    assert res.reason.startswith("spec.vllm.image and spec.lmcacheServer.image are not pinned by digest"), res.reason
-    assert "images/vllm-lmcache" in res.reason and "one image by digest in both" in res.reason, res.reason
-    assert "spec.identity" not in res.reason and "lmcache_server" not in res.reason
+    del obj["spec"]["image"]
+    with pytest.raises(ValidationError) as err:
+        KVCacheNamespace.model_validate(obj)
+    assert "spec.image is required" in validation_message(err.value) and "@sha256:" in validation_message(err.value)
 
 
 def test_every_identity_field_is_hashed_and_launched_or_says_why_not() -> None:
@@ -242,10 +238,11 @@ def test_every_identity_field_is_hashed_and_launched_or_says_why_not() -> None:
 
     fields = set(Identity.model_fields)
     assert fields <= set(PIN_FIELDS), f"not hashed: {fields - set(PIN_FIELDS)}"
+    assert set(PIN_FIELDS) - fields == {"connector", *DERIVED_PINS}  # the connector: one value, not a field
     # Pins vLLM takes no flag for: checked against the model (geometry), carried by the
     # connector config, or only describing what the user renders (the chat template).
     not_flags = {"model_id": "the positional model argument", "num_kv_heads": "the model's config",
-                 "head_size": "the model's config", "connector": "--kv-transfer-config",
+                 "head_size": "the model's config",
                  "connector_build": "the image (its digest is hashed too)",
                  "chat_template_digest": "the client renders the template"}
     flagged = {attr for attr, _flag in PIN_FLAGS}

@@ -19,7 +19,7 @@ LAYERS = {
     "kvpersist": 0, "kvpersist.identity": 0, "kvpersist.httpclient": 0, "kvpersist.httpserver": 0, "kvpersist.inserver": 0,
     "kvpersist.api": 1, "kvpersist.builders": 2, "kvpersist.status": 3, "kvpersist.inventory": 3,
     "kvpersist.controller": 4, "kvpersist.admin": 5, "kvpersist.cli": 6,
-    "kvpersist.hubpins": 0, "kvpersist.pinscmd": 5, "kvpersist.plancmd": 5, "kvpersist.vllmclient": 0,
+    "kvpersist.hubpins": 0, "kvpersist.pinscmd": 5, "kvpersist.plancmd": 5, "kvpersist.convertcmd": 5, "kvpersist.vllmclient": 0,
 }
 
 

@@ -115,7 +115,7 @@ def test_every_entry_point_and_subcommand_answers_help(venv: Path) -> None:
         done = in_image(venv, script, "--help")
         assert done.returncode == 0, f"{script} --help: {done.stderr}"
     # Users' commands and the operator's own apart (kvpersist.cli), each answering --help.
-    for script, expected in (("kvpersist", {"status", "report", "gc", "plan", "pins", "version", "completion"}),
+    for script, expected in (("kvpersist", {"status", "report", "gc", "plan", "pins", "convert", "version", "completion"}),
                              ("kvpersist-operator", {"run", "agent", "crd", "pin-change-policy", "api-reference"})):
         top = in_image(venv, script, "--help").stdout
         subcommands = re.search(r"\{([a-z,-]+)\}", top)

@@ -44,7 +44,7 @@ def _files(root: Path, nsid: str, n: int, size: int, mtime: float) -> None:
 # ---- capacity arithmetic
 
 def test_effective_capacity_counts_what_else_the_claim_holds() -> None:
-    # 100 GB claim, maxCapacityGB 90: alone, the capacity stands (95 GB of room is more).
+    # 100 GB claim, maxCapacity 90: alone, the capacity stands (95 GB of room is more).
     assert effective_capacity(90 * GB, 100 * GB, 0) == 90 * GB
     # An old namespace holds 30 GB: the served folder may keep 95 - 30 = 65 GB, not 90.
     assert effective_capacity(90 * GB, 100 * GB, 30 * GB) == 65 * GB
@@ -106,7 +106,7 @@ def test_space_condition_turns_false_at_ninety_percent_and_names_the_fix() -> No
     cond = space_condition(in_use, 3)
     assert cond is not None and "kvpersist gc" not in cond["message"] and "in use" in cond["message"]
     alone = space_condition(_l2(950, others=False), 3)
-    assert alone is not None and alone["status"] == "False" and "maxCapacityGB" in alone["message"]
+    assert alone is not None and alone["status"] == "False" and "maxCapacity" in alone["message"]
     assert space_condition(None, 3) is None
     unknown = _l2(500)
     unknown["capacityBytes"] = None

@@ -32,13 +32,13 @@ def test_the_same_spec_is_parsed_once_and_an_edit_parses_again(monkeypatch: pyte
     again = reading._target(copy.deepcopy(body()))[0]  # an equal spec in another dict (the next watch event)
     assert len(parsed) == 1 and again.spec is first.spec
     edited = body()
-    edited["spec"]["l1"] = {**edited["spec"]["l1"], "sizeGB": 3}
+    edited["spec"]["l1"] = {**edited["spec"]["l1"], "size": "3Gi"}
     assert reading._target(edited)[0].spec.l1.size_gb == 3 and len(parsed) == 2  # same uid and generation, new spec
     renamed = body()
     renamed["metadata"]["name"] = "other"
     assert reading._target(renamed)[0].name == "other" and len(parsed) == 3
     broken = body()
-    broken["spec"]["l1"] = {"sizeGB": -1}
+    broken["spec"]["l1"] = {"size": "-1Gi"}
     for _ in range(2):
         with pytest.raises(ValidationError):
             reading._target(broken)
@@ -66,7 +66,7 @@ def test_an_unchanged_resource_is_neither_parsed_nor_hashed_again(monkeypatch: p
         assert len(resolved) == n + 1 and all(a[1] is answers[0][1] for a in answers)
         assert reading._target(stored, "f2")[1] is not answers[0][1] and len(resolved) == n + 2
         edited = body()
-        edited["spec"]["l1"] = {**edited["spec"]["l1"], "sizeGB": 3}
+        edited["spec"]["l1"] = {**edited["spec"]["l1"], "size": "3Gi"}
         tracking.remember(key, edited, logging.getLogger("test"))
         assert reading._target(runtime.CONTROLLER.get(key).body, "f2")[0].spec.l1.size_gb == 3
     finally:

@@ -104,13 +104,13 @@ def test_an_image_tag_alone_is_no_change_and_a_tag_without_digest_turns_the_cach
     obj = sample()
     live = _live(obj, [])
     retagged = copy.deepcopy(obj)
-    retagged["spec"]["vllm"]["image"] = "mirror.example.com/v:1@" + obj["spec"]["vllm"]["image"].split("@")[1]
+    retagged["spec"]["image"] = "mirror.example.com/v:1@" + obj["spec"]["image"].split("@")[1]
     assert _plan(retagged, live).code == plancmd.UNCHANGED
     untagged = copy.deepcopy(obj)
-    untagged["spec"]["vllm"]["image"] = "vllm/vllm-openai:v0.33.0"
+    untagged["spec"]["image"] = "vllm/vllm-openai:v0.33.0"
     plan = _plan(untagged, live)
-    assert plan.new_id is None and plan.code == plancmd.CHANGES and plan.changed_fields == ["spec.vllm.image"]
-    assert plan.new_id_reason is not None and plan.new_id_reason.startswith("the cache turns off: spec.vllm.image is not pinned")
+    assert plan.new_id is None and plan.code == plancmd.CHANGES and plan.changed_fields == ["spec.image"]
+    assert plan.new_id_reason is not None and plan.new_id_reason.startswith("the cache turns off: spec.image is not pinned")
     assert " -> none" in plancmd.format_plan(plan)
 
 
@@ -219,7 +219,7 @@ class _Cluster:
 def _claiming(name: str, created: str | None) -> dict[str, Any]:
     obj = sample()
     obj["metadata"] = {"name": name, "namespace": "ml", **({"uid": f"u-{name}", "creationTimestamp": created} if created else {})}
-    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-data", "maxCapacityGB": 100}
+    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "kv-data", "maxCapacity": "100Gi"}
     return obj
 
 

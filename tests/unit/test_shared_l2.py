@@ -38,9 +38,9 @@ NSID = "kvp-" + "a" * 32
 
 def shared_obj(nvme: dict[str, Any] | None = None, replicas: int = 2) -> dict[str, Any]:
     obj = copy.deepcopy(sample())
-    obj["spec"]["l2"]["nvme"] = {"size": "2Ti", "maxCapacityGB": 1000, "shared": True,
+    obj["spec"]["l2"]["nvme"] = {"size": "2Ti", "maxCapacity": "1000Gi", "shared": True,
                                  "storageClassName": "nfs", **(nvme or {})}
-    obj["spec"]["lmcacheServer"]["replicas"] = replicas
+    obj["spec"].setdefault("lmcacheServer", {})["replicas"] = replicas
     return obj
 
 
@@ -63,7 +63,7 @@ def test_shared_is_off_by_default_and_not_a_pin() -> None:
 
 
 def test_an_existing_claim_serves_several_servers_only_when_shared() -> None:
-    users = {"existingClaimName": "lustre-kv", "maxCapacityGB": 1000}
+    users = {"existingClaimName": "lustre-kv", "maxCapacity": "1000Gi"}
     refused = shared_obj({**users, "shared": False, "size": None, "storageClassName": None})
     for key in ("size", "storageClassName"):
         refused["spec"]["l2"]["nvme"].pop(key)

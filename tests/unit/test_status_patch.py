@@ -217,7 +217,7 @@ def test_a_budget_taken_off_the_spec_is_removed_with_none() -> None:
     validate_patch(patch)
 
 
-@pytest.mark.parametrize("refusal", [(IMAGE_NOT_ALLOWED, "spec.vllm.image: not allowed"),
+@pytest.mark.parametrize("refusal", [(IMAGE_NOT_ALLOWED, "spec.image: not allowed"),
                                      (SECRET_NOT_ALLOWED, "spec.l2.hfBucket.tokenSecretRef: not labelled")])
 def test_refused_and_failed_status_fit(refusal: tuple[str, str]) -> None:
     """The patches themselves, not `patch or {}`: an empty patch would fit whatever the builders did."""
@@ -313,7 +313,7 @@ def test_refresh_of_a_spec_the_models_refuse_writes_failed(monkeypatch: pytest.M
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u1", generation=3)
     body["status"] = {"phase": "Ready", "observedGeneration": 2}  # the last spec was readable
-    body["spec"]["l2"]["nvme"]["maxCapacityGB"] = 0  # the models want more than 0
+    body["spec"]["l2"]["nvme"]["maxCapacity"] = "0"  # the models want at least 1Mi
     api = FakeApi(monkeypatch, [_report("s-0", 2048)])
     refresh.refresh_status(body, Seen(), LOG)
     assert len(api.patches) == 1
@@ -321,7 +321,7 @@ def test_refresh_of_a_spec_the_models_refuse_writes_failed(monkeypatch: pytest.M
     assert written["phase"] == "Failed" and written["observedGeneration"] == 3
     ready = [c for c in written["conditions"] if c["type"] == "Ready"]
     assert len(ready) == 1 and ready[0]["status"] == "False" and ready[0]["reason"] == "InvalidSpec"
-    assert "spec.l2.nvme.maxCapacityGB" in ready[0]["message"]
+    assert "spec.l2.nvme.maxCapacity" in ready[0]["message"]
 
 
 # ---------------------------------------------------------------- production: never crash the loop

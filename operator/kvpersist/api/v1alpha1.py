@@ -68,12 +68,10 @@ KV_CACHE_DTYPES = (
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-CONNECTORS = ("LMCacheMPConnector",)
-EVICTION_POLICIES = ("LRU", "IsolatedLRU", "noop")
-# Kept in the enum so that an old object still parses and is told why, not just "unsupported".
-ISOLATED_LRU_REFUSED = ("lmcache 0.5.6 evicts every object of a cache salt that has no quota within a second, and its "
-                        "quotas are lost at every restart (docs/admin.md); each KVCacheNamespace has its own servers "
-                        "already, so use policy LRU")
+# The one vLLM connector the operator wires (builders.connection): a pin of every namespace id, not a
+# field (a field of one possible value would be one more thing to type).
+CONNECTOR = "LMCacheMPConnector"
+EVICTION_POLICIES = ("LRU", "noop")
 
 # The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value).
 # An allow-list: each one sizes memory or batches, schedules, logs or shapes the HTTP API, and
@@ -227,10 +225,11 @@ class Identity(_Spec):
     )
     tokenizer: str | None = Field(
         None, min_length=1, max_length=256, pattern=HF_REPO_ID,
-        description="Hugging Face id of the tokenizer repository (often the model id).",
+        description="Hugging Face id of the tokenizer repository. Unset: the model's own (modelId), as vLLM does.",
     )
     tokenizer_revision: str | None = Field(
-        None, pattern=HEX40, description="Full 40-character commit SHA of the tokenizer repository.",
+        None, pattern=HEX40, description="Full 40-character commit SHA of the tokenizer repository. Unset: "
+        "modelRevision when the tokenizer is the model's own; another tokenizer needs its own revision (else no cache).",
     )
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
         None,
@@ -248,9 +247,6 @@ class Identity(_Spec):
     tensor_parallel_size: int | None = Field(
         None, ge=1, le=64, description="vLLM tensor-parallel size (--tensor-parallel-size); KV is sharded by it.",
     )
-    connector: Literal[CONNECTORS] | None = Field(  # type: ignore[valid-type]
-        None, description="vLLM KV connector that moves KV between vLLM and the lmcache server.",
-    )
     connector_build: str | None = Field(
         None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:@/=-]*$",
         description="Pinned identity of the connector and vLLM build, e.g. vllm-0.33.0+lmcache-0.5.6 or an image "
@@ -265,16 +261,47 @@ class Identity(_Spec):
         "sha256:<64 hex> (`kvpersist pins` prints it); another template gives other tokens.",
     )
 
+    def resolved(self) -> dict[str, Any]:
+        """The pins as they reach vLLM and the namespace id: the fields, with the tokenizer the model's
+        own and at the model's revision where unset (what vLLM loads without --tokenizer), and the one
+        connector the operator wires."""
+        pins = self.model_dump()
+        if pins["tokenizer"] is None:
+            pins["tokenizer"] = self.model_id
+        if pins["tokenizer_revision"] is None and pins["tokenizer"] == self.model_id:
+            pins["tokenizer_revision"] = self.model_revision
+        pins["connector"] = CONNECTOR
+        return pins
+
 
 # ---------------------------------------------------------------- tiers
+
+
+def _bytes(field: str) -> str:
+    """CEL for a quantity field's bytes, as the API server reads them."""
+    return f"quantity(string(self.{field})).asApproximateFloat()"
+
+
+def _gib(value: Any) -> float:
+    """A quantity in GiB, as lmcache's flags and configuration take sizes."""
+    return float(parse_quantity(value)) / GIB
 
 
 class L1(_Spec):
     """The lmcache server's host-RAM tier."""
 
-    size_gb: float = Field(
-        alias="sizeGB", gt=0, le=4096, description="Host RAM for the lmcache server's L1 buffer, in GiB (--l1-size-gb).",
-    )
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            # has(): a resource stored before l1.size existed has none, and a rule that cannot be
+            # evaluated would refuse even its status writes (measured on the API server).
+            cel(f"!has(self.size) || ({_bytes('size')} >= 1048576.0 && {_bytes('size')} <= 4398046511104.0)",
+                "size must be at least 1Mi and at most 4Ti", field_path=".size")]})
+
+    size: Quantity = Field(description="Host RAM for the lmcache server's L1 buffer, e.g. 32Gi (--l1-size-gb).")
+
+    @property
+    def size_gb(self) -> float:
+        return _gib(self.size)
 
 
 # spec.l2.nvme.shared: one ReadWriteMany claim and one folder for all the servers (docs/design.md,
@@ -283,6 +310,10 @@ SHARED_FIXED = ("shared is fixed once set (switching would strand the stored KV 
                 "KVCacheNamespace to change it")
 SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a temp file and a rename and its lookups "
                      "find files other servers wrote (measured); the fs adapter is not checked for either")
+
+
+# maxCapacity unset: the share of a new claim's size lmcache may fill (the rest is the filesystem's).
+NVME_CAPACITY_SHARE = 0.9
 
 
 class NVMe(_Spec):
@@ -297,8 +328,14 @@ class NVMe(_Spec):
                 cel("!has(self.storageClassName) || has(self.size)",
                     "storageClassName applies to a new claim: set size with it, or drop it with existingClaimName",
                     field_path=".storageClassName"),
-                cel("!has(self.size) || quantity(string(self.size)).asApproximateFloat() >= self.maxCapacityGB * 1073741824.0",
-                    "maxCapacityGB must fit in the claim: lower maxCapacityGB or raise size", field_path=".maxCapacityGB"),
+                cel(f"!has(self.size) || {_bytes('size')} >= 1048576.0", "size must be at least 1Mi", field_path=".size"),
+                cel("has(self.size) || has(self.maxCapacity)",
+                    "maxCapacity is required with existingClaimName (with size it defaults to 90% of size)",
+                    field_path=".maxCapacity"),
+                cel(f"!has(self.maxCapacity) || ({_bytes('maxCapacity')} >= 1048576.0 && (!has(self.size) || "
+                    f"{_bytes('size')} >= {_bytes('maxCapacity')}))",
+                    "maxCapacity must be at least 1Mi and fit in the claim: lower maxCapacity or raise size",
+                    field_path=".maxCapacity"),
                 cel("has(self.size) == has(oldSelf.size) && (!has(self.size) || self.size == oldSelf.size)",
                     "size is fixed once set (claims are made from it and keep their data): create a new KVCacheNamespace "
                     "for another size", field_path=".size"),
@@ -308,9 +345,10 @@ class NVMe(_Spec):
                     field_path=".storageClassName"),
                 cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
                     "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
-                cel("!has(self.budget) || (quantity(string(self.budget)).asApproximateFloat() >= 1048576.0 && "
-                    "quantity(string(self.budget)).asApproximateFloat() <= self.maxCapacityGB * 1073741824.0)",
-                    "budget must be at least 1Mi and at most maxCapacityGB", field_path=".budget"),
+                cel(f"!has(self.budget) || ({_bytes('budget')} >= 1048576.0 && ((has(self.maxCapacity) && "
+                    f"{_bytes('budget')} <= {_bytes('maxCapacity')}) || (!has(self.maxCapacity) && has(self.size) && "
+                    f"{_bytes('budget')} <= {_bytes('size')} * {NVME_CAPACITY_SHARE})))",
+                    "budget must be at least 1Mi and at most maxCapacity (90% of size when unset)", field_path=".budget"),
                 cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
                     "the fs adapter has no capacity to hold a budget to: use adapter nixl_store_dynamic", field_path=".budget"),
                 cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
@@ -337,10 +375,11 @@ class NVMe(_Spec):
         "old folder's KV stays there as an orphan (`kvpersist report`, `kvpersist gc`).",
     )
     backend: Literal["POSIX"] = Field("POSIX", description="NIXL backend of nixl_store_dynamic.")
-    max_capacity_gb: float = Field(
-        alias="maxCapacityGB", gt=0, le=1_048_576,
-        description="Capacity LMCache may fill, in GiB; nixl_store_dynamic's L2 eviction keeps usage below it "
-        "(the fs adapter declares no capacity: there the claim's size is the bound).",
+    max_capacity: Quantity | None = Field(
+        None,
+        description="Capacity LMCache may fill, e.g. 450Gi; nixl_store_dynamic's L2 eviction keeps usage below it "
+        "(the fs adapter declares no capacity: there the claim's size is the bound). Unset: 90% of size (the rest is "
+        "the filesystem's); required with existingClaimName.",
     )
     budget: Quantity | None = Field(
         None,
@@ -348,7 +387,7 @@ class NVMe(_Spec):
         "is evicted to make room) while lookups of stored KV go on hitting; status shows it (condition WithinBudget). "
         "After a server restart lmcache counts from zero and accepts writes again; the inventory agent then deletes "
         "the oldest files to keep the folder within the budget. "
-        "Unset: maxCapacityGB with the eviction policy keeps usage under capacity by evicting.",
+        "Unset: maxCapacity with the eviction policy keeps usage under capacity by evicting.",
     )
     direct_io: bool = Field(True, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect): "
                             "nixl_store_dynamic then reads a file straight into L1, past the page cache, at the disk's speed "
@@ -364,13 +403,20 @@ class NVMe(_Spec):
         description="One ReadWriteMany claim for all the lmcache servers (one per node), in one namespace folder, so a "
         "vLLM pod on any node is served the KV another node stored: existingClaimName then names a shared filesystem's "
         "claim (NFS, Lustre, EFS, CephFS) and lmcacheServer.replicas may be more than 1; with size the operator makes "
-        "one claim, l2-<name>-lmcache-shared, ReadWriteMany. maxCapacityGB and budget are the folder's, trimmed by one "
+        "one claim, l2-<name>-lmcache-shared, ReadWriteMany. maxCapacity and budget are the folder's, trimmed by one "
         "server's agent (docs/design.md). Not part of the namespace id (the KV bytes are the same); fixed once set.",
     )
 
     @property
     def budget_bytes(self) -> int | None:
         return int(parse_quantity(self.budget)) if self.budget is not None else None
+
+    @property
+    def max_capacity_gb(self) -> float:
+        """maxCapacity in GiB, or 90% of size: what lmcache may fill."""
+        if self.max_capacity is not None:
+            return _gib(self.max_capacity)
+        return _gib(self.size) * NVME_CAPACITY_SHARE
 
 
 class SecretKeyRef(_Spec):
@@ -402,10 +448,13 @@ class HFBucket(_Spec):
         30, ge=0, le=86_400, alias="metadataCacheTTLSeconds",
         description="How long the adapter trusts its cached listing of the bucket, in seconds.",
     )
-    max_capacity_gb: float = Field(
-        alias="maxCapacityGB", ge=0, le=1_048_576,
-        description="Capacity LMCache may fill in the bucket, in GiB; 0 disables capacity-driven eviction.",
+    max_capacity: Quantity = Field(
+        description="Capacity LMCache may fill in the bucket, e.g. 2Ti; 0 disables capacity-driven eviction.",
     )
+
+    @property
+    def max_capacity_gb(self) -> float:
+        return _gib(self.max_capacity)
 
 
 class KeySecretRef(_Spec):
@@ -483,9 +532,7 @@ class Eviction(_Spec):
     """How LMCache makes room, in L1 and in the L2 adapter."""
 
     policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "LRU", description="LRU or noop (stores fail when full). IsolatedLRU is refused: " + ISOLATED_LRU_REFUSED,
-        json_schema_extra={"x-kubernetes-validations": [cel("self != 'IsolatedLRU'", "IsolatedLRU is refused: "
-                                                            + ISOLATED_LRU_REFUSED)]},
+        "LRU", description="LRU or noop (stores fail when full).",
     )
     # The source setup's values: evict at 90 % of capacity, a tenth at a time. A round frees less
     # than the 0.2 lmcache would pick and starts later, so more of the disk serves hits.
@@ -556,29 +603,25 @@ class LMCacheServer(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.port != self.httpPort", "port and httpPort must differ", field_path=".httpPort"),
-                cel("self.agentPort != self.port && self.agentPort != self.httpPort",
-                    "agentPort must differ from port and httpPort", field_path=".agentPort"),
+                cel("self.agentPort != self.port", "agentPort must differ from port", field_path=".agentPort"),
             ]
         }
     )
 
-    image: FreeText = Field(
-        "lmcache/vllm-openai:v0.5.6", min_length=1, max_length=512,
-        description="The image built from images/vllm-lmcache, the same as spec.vllm.image, by digest "
-        "(<image>@sha256:<64 hex>): the connector in vLLM and the server must be one lmcache build, and the digest is "
-        "part of the namespace id. The default is a tag (no image of kvpersist is published to pin it to): it leaves "
-        "the cache off (IdentityResolved False, reason ImageNotPinned) until both images are given by digest.",
-    )
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
     port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
-    http_port: int = Field(8080, ge=1, le=65535, description="lmcache's HTTP admin port (/healthcheck, /status, "
-                           "/metrics), on the pod's loopback only; the agent forwards /status and /metrics.")
     agent_port: int = Field(
         8090, ge=1, le=65535,
         description="Port of the agent beside each server: the operator's door to lmcache's /status and /metrics, and "
         "with NVMe L2 per-namespace usage of the volume and deletion of an orphaned namespace on an admin's request.",
     )
+
+    @property
+    def http_port(self) -> int:
+        """lmcache's HTTP admin port (/healthcheck, /status, /metrics): on the pod's loopback only, so
+        not a field; next to port (5556 by default), on whichever side agentPort leaves free."""
+        return next(p for p in (self.port + 1, self.port + 2, self.port - 1, self.port - 2)
+                    if 1 <= p <= 65535 and p != self.agent_port)
     resources: Resources | None = Field(
         None, description="Overrides; memory is otherwise requested as L1 + 5Gi and limited to 1.5x that.",
     )
@@ -817,12 +860,6 @@ class VLLM(_Spec):
         }
     )
 
-    image: FreeText = Field(
-        "vllm/vllm-openai:v0.33.0", min_length=1, max_length=512,
-        description="The image built from images/vllm-lmcache, the same as spec.lmcacheServer.image, by digest "
-        "(<image>@sha256:<64 hex>): the digest is part of the namespace id. The default is a tag: vLLM runs, but "
-        "without the cache (IdentityResolved False, reason ImageNotPinned) until both images are given by digest.",
-    )
     replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
     gpus_per_replica: int | None = Field(
         None, ge=1, le=64, alias="gpusPerReplica",
@@ -971,6 +1008,11 @@ class Prewarm(_Spec):
         return bool(self.prompts or self.system_prompts or self.config_map_ref)
 
 
+IMAGE_REQUIRED = ("spec.image is required: the one image of vLLM and the lmcache server, by digest "
+                  "(<image>@sha256:<64 hex>); it replaces spec.vllm.image and spec.lmcacheServer.image, which must "
+                  "have named the same image (docs/upgrading.md)")
+
+
 class KVCacheNamespaceSpec(_Spec):
     """What the user wants: the pins, the tiers, eviction, and the two workloads."""
 
@@ -988,6 +1030,13 @@ class KVCacheNamespaceSpec(_Spec):
         }
     )
 
+    image: FreeText = Field(
+        min_length=1, max_length=512,
+        description="The one image of the vLLM and lmcache server containers, built from images/vllm-lmcache (the "
+        "connector in vLLM and the server must be one lmcache build), by digest: <image>@sha256:<64 hex>. The digest "
+        "is part of the namespace id; an image named by tag alone runs, without the cache (IdentityResolved False, "
+        "reason ImageNotPinned).",
+    )
     identity: Identity = Field(description="Identity pins; their hash is the compatibility namespace.")
     l1: L1 = Field(description="Host-RAM tier of the lmcache server.")
     l2: L2 = Field(description="Durable tier: an NVMe claim or a Hugging Face bucket.")
@@ -1018,18 +1067,29 @@ class KVCacheNamespaceSpec(_Spec):
     )
 
     def pins(self, key_fingerprint: str | None = None) -> dict[str, Any]:
-        """Everything the namespace id hashes: spec.identity, the digests of the two images, the
+        """Everything the namespace id hashes: spec.identity (Identity.resolved), the image's digest (under
+        both pins it had when vLLM and the server named their images apart, so an id stays the same), the
         L2 serde (an encrypted object read as plain bytes would be wrong bytes) and the L2 layout
         (l2_layout: another adapter names its files otherwise, so a switch is a new folder). With
         encryption on, also the fingerprint of the key the servers mount (kvpersist.identity
         key_fingerprint), read from its Secret by the caller: None leaves the id unresolved."""
         from kvpersist.identity import image_digest
 
-        return {**self.identity.model_dump(), "vllm_image_digest": image_digest(self.vllm.image),
-                "lmcache_server_image_digest": image_digest(self.lmcache_server.image),
+        digest = image_digest(self.image)
+        return {**self.identity.resolved(), "vllm_image_digest": digest, "lmcache_server_image_digest": digest,
                 "l2_serde": L2_SERDE if self.l2.encryption.enabled else "none",
                 "l2_layout": l2_layout(self),
                 "l2_key_fingerprint": key_fingerprint if self.l2.encryption.enabled else None}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _image_named(cls, data: Any) -> Any:
+        """spec.image's absence with the fix: an object stored before spec.image existed comes back
+        without its two image fields (the API server prunes them), and its workloads are left as they
+        are until the spec names the image again (docs/upgrading.md)."""
+        if isinstance(data, dict) and "image" not in data:
+            raise ValueError(IMAGE_REQUIRED)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -1087,14 +1147,14 @@ class IdField:
 
 
 def id_fields() -> tuple[IdField, ...]:
-    """Every spec field that moves the namespace id: spec.identity whole, the two images' digests,
+    """Every spec field that moves the namespace id: spec.identity whole, the image's digest,
     L2 encryption on or off and the Secret its key is read from, and the adapter (l2_layout; the L1
     page it adds follows from fields already here). The L2 kind (nvme or hfBucket) reaches
     l2_layout too, but the CRD refuses to change it. The one list the pin-change warning
     (kvpersist.api.pinchange) and `kvpersist plan` compare; tests/unit/test_id_fields.py changes
     each field of full samples and fails when one that moves the id is missing here."""
     identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
-    return (*identity, IdField("spec.vllm.image", "digest"), IdField("spec.lmcacheServer.image", "digest"),
+    return (*identity, IdField("spec.image", "digest"),
             IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
             IdField("spec.l2.encryption.keySecretRef.key", "key"), IdField("spec.l2.nvme.adapter"))
 
@@ -1263,7 +1323,7 @@ class L2SpaceStatus(_Model):
     largest_other_namespaces: list[OtherNamespace] = Field(default_factory=list, max_length=5,
                                                            description="The largest few of them.")
     effective_capacity_bytes: int | None = Field(None, ge=0, description="The served namespace's trim watermark: its "
-                                                 "capacity (budget, else maxCapacityGB) lowered to 95% of the claim less "
+                                                 "capacity (budget, else maxCapacity) lowered to 95% of the claim less "
                                                  "what everything else on it holds.")
     scan_complete: bool | None = Field(None, description="False: the agent's bounded scan stopped early; other "
                                        "folders' figures are a lower bound.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpersist.api.v1alpha1 import CONNECTOR
 from kvpersist.builders.target import SERVER, Target
 
 HEARTBEAT_INTERVAL_S = 2.0
@@ -14,7 +15,7 @@ CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_
 
 def kv_transfer_config(target: Target) -> dict[str, Any]:
     """The connector is pinned by module path, so vLLM cannot pick up another implementation."""
-    connector = target.spec.identity.connector or "LMCacheMPConnector"
+    connector = CONNECTOR
     return {
         "kv_connector": connector,
         "kv_connector_module_path": CONNECTOR_MODULES[connector],

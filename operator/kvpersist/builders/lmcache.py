@@ -294,7 +294,7 @@ def server_container(target: Target) -> dict[str, Any]:
             "name": bucket.token_secret_ref.name, "key": bucket.token_secret_ref.key}}})
     container: dict[str, Any] = {
         "name": "lmcache-server",
-        "image": srv.image,
+        "image": target.spec.image,
         "command": SERVER_COMMAND,
         "args": server_args(target),
         "env": env,

@@ -27,10 +27,11 @@ def vllm_args(target: Target) -> list[str]:
     """`vllm serve` arguments: the model, every pin that is set, the connector when the cache is
     on, then the user's extra arguments (which the API refuses when they touch a pinned flag)."""
     ident = target.spec.identity
+    pins = ident.resolved()
     vllm = target.spec.vllm
     args = ["serve", ident.model_id]
     for attr, flag in PIN_FLAGS:
-        value = getattr(ident, attr)
+        value = pins[attr]
         if value is not None:
             args += [flag, str(value)]
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
@@ -157,7 +158,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     spec = target.spec
     container: dict[str, Any] = {
         "name": "vllm",
-        "image": spec.vllm.image,
+        "image": spec.image,
         "command": ["vllm"],
         "args": vllm_args(target),
         "env": [*operator_env(target), *({"name": e.name, "value": e.value} for e in spec.vllm.env)],

@@ -123,8 +123,8 @@ def image_allowed(reference: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def image_refusal(spec: KVCacheNamespaceSpec, prefixes: tuple[str, ...]) -> Refusal | None:
-    """ImageNotAllowed for the first image of the spec that no prefix admits, else None."""
-    for field, image in (("spec.vllm.image", spec.vllm.image), ("spec.lmcacheServer.image", spec.lmcache_server.image)):
+    """ImageNotAllowed for spec.image when no prefix admits it, else None."""
+    for field, image in (("spec.image", spec.image),):
         if not image_allowed(image, prefixes):
             shown = ", ".join(prefixes)
             if len(shown) > 1500:

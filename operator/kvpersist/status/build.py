@@ -68,7 +68,7 @@ def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> lis
 
 
 BYPASS_PREFIX = "vLLM refused to start with the cache, "
-BYPASS_SUFFIX = (": it runs without the cache (no --kv-transfer-config) until spec.vllm.image or "
+BYPASS_SUFFIX = (": it runs without the cache (no --kv-transfer-config) until spec.image or "
                  "spec.identity.connectorBuild changes")
 
 

@@ -1,17 +1,16 @@
-"""Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents).
+"""Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents,
+vLLM pods): a status code and a whole body, or a PeerError with a short reason.
 
-urllib's timeout bounds each socket read, not the call: a peer that sends one byte a second
-holds it forever, and its body is read whole. Here every call has one deadline for everything
-(name lookup, connect, request, status line and headers, body), checked before each socket read,
-and a body cap checked against Content-Length first and then while reading. http.client still
-parses the response (status line, header and chunk limits); it reads through a file whose every
-read is bounded by the time left.
+Every call goes through the operator's one HTTP stack (kvpersist.httptransport on httpx2), which
+gives it one deadline for everything (name lookup, connect, request, status line and headers,
+body), checked before each socket read, and a body cap checked against Content-Length first and
+then while reading. The calls are plain http to pod and loopback addresses: no proxy from the
+environment, no cookies, no redirects, one connection per call (Connection: close), and the body
+as it came (never decoded, so the cap bounds what is held).
 """
 
 from __future__ import annotations
 
-import http.client
-import io
 import json
 import socket
 import threading
@@ -21,11 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
+import httpx2
 from pydantic import BaseModel, Field, ValidationError
 
+from kvpersist import httptransport
+
 MAX_JSON_BYTES = 4 * 2**20  # /status, /inventory, /gc answers are a few KB
-_READ_SIZE = 65536
 _MAX_REASON = 300  # a reason lands in a status message or a log line: keep a hostile one short
+_DEFAULT_DEADLINE_S = 30.0  # the transport's default; every call here passes its own timeout as the deadline
 
 # A count or byte figure a peer reports: a JSON integer, never negative, and exact as a float
 # (a larger one would be garbage, and sums of them must still fit the API server's int64).
@@ -50,127 +52,68 @@ class Reply:
         return 200 <= self.status < 300
 
 
-def _remaining(deadline: float) -> float:
-    """Seconds left before deadline (monotonic); TimeoutError once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
+_transport_lock = threading.Lock()
+_shared: httptransport.BoundedTransport | None = None
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket as a raw stream whose every read waits at most until the deadline, so a peer
-    trickling bytes (into the headers or the body) is cut there rather than served forever."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock, self._deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        self._sock.settimeout(_remaining(self._deadline))
-        return self._sock.recv_into(b, min(len(b), _READ_SIZE))
+def _transport() -> httptransport.BoundedTransport:
+    """One transport for every peer (thread-safe; it keeps no connection between calls), built on
+    first use. It is no httpx Client: nothing is read from the environment (proxies, .netrc) and no
+    cookie a peer sets is kept."""
+    global _shared
+    with _transport_lock:
+        if _shared is None:
+            _shared = httptransport.BoundedTransport("the peer", lambda: _DEFAULT_DEADLINE_S, lambda: MAX_JSON_BYTES)
+        return _shared
 
 
-class _Wire:
-    """What http.client.HTTPResponse needs of a socket: makefile("rb")."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
-
-
-def _resolve(host: str, port: int, deadline: float) -> list[Any]:
-    """Addresses of host. getaddrinfo has no timeout, so a name (not an IP) is looked up on a
-    daemon thread that is abandoned at the deadline."""
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass
-    found: list[Any] = []
-
-    def lookup() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as exc:
-            found.append(exc)
-
-    worker = threading.Thread(target=lookup, name=f"resolve-{host}"[:60], daemon=True)
-    worker.start()
-    worker.join(_remaining(deadline))
-    if not found:
-        raise TimeoutError(f"resolving {host} timed out")
-    if isinstance(found[0], OSError):
-        raise found[0]
-    return found[0]
-
-
-def _connect(host: str, port: int, deadline: float) -> socket.socket:
-    """A connected socket to the first address of host that accepts before the deadline."""
-    last: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, addr in _resolve(host, port, deadline):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(_remaining(deadline))
-            sock.connect(addr)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    raise last
-
-
-def _head(method: str, host: str, port: int, path: str, body: bytes | None, content_type: str | None,
-          headers: Mapping[str, str] | None = None) -> bytes:
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {authority}", "User-Agent: kvpersist", "Connection: close"]
+def _headers(body: bytes | None, content_type: str | None, headers: Mapping[str, str] | None) -> dict[str, str]:
+    out = {"User-Agent": "kvpersist", "Connection": "close", "Accept-Encoding": "identity"}
     for name, value in (headers or {}).items():
         if any(c in name + value for c in "\r\n"):
             raise ValueError(f"header {name!r} holds a line break")
-        lines.append(f"{name}: {value}")
+        out[name] = value
     if body is not None:
-        lines += [f"Content-Type: {content_type or 'application/octet-stream'}", f"Content-Length: {len(body)}"]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
+        out["Content-Type"] = content_type or "application/octet-stream"
+    return out
 
 
-def _read_body(resp: http.client.HTTPResponse, max_bytes: int) -> bytes:
-    """The body, refused as soon as it is known to exceed max_bytes: by its Content-Length
-    before any of it is read, else once one byte more than the cap has arrived."""
-    declared = resp.length  # None: chunked, or delimited by the peer closing
-    if declared is not None and declared > max_bytes:
-        raise PeerError(f"body of {declared} bytes is over the {max_bytes}-byte limit")
-    chunks, size = [], 0
-    while chunk := resp.read(min(_READ_SIZE, max_bytes + 1 - size)):
-        size += len(chunk)
-        if size > max_bytes:
-            raise PeerError(f"body is over the {max_bytes}-byte limit")
-        chunks.append(chunk)
-    if declared is not None and size < declared:
-        raise PeerError(f"body truncated: {size} of {declared} bytes")
-    return b"".join(chunks)
+def _root(exc: BaseException) -> BaseException:
+    """The first OSError under exc (httpx wraps httpcore's error, which wraps the socket's)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
 
 
 def _reason(exc: BaseException, timeout: float) -> str:
     """Words for a failed call."""
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, httptransport.AnswerTooLarge):
+        if exc.declared is not None:
+            return f"body of {exc.declared} bytes is over the {exc.limit}-byte limit"
+        return f"body is over the {exc.limit}-byte limit"
+    if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return f"timed out: no complete answer within {timeout:g}s"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, socket.gaierror):
-        return f"name lookup failed: {exc.strerror or exc}"
-    if isinstance(exc, http.client.RemoteDisconnected):
+    if isinstance(exc, httptransport.AnswerTruncated):
+        return f"body truncated: {exc.received} bytes, then the connection ended"
+    if isinstance(exc, httptransport.NotHTTP):
+        return f"not an HTTP response ({exc.__cause__ or exc})"
+    if isinstance(exc, httpx2.RemoteProtocolError):
         return "closed the connection without answering"
-    if isinstance(exc, http.client.IncompleteRead):
-        return f"body truncated: {len(exc.partial)} bytes, then the connection ended"
-    if isinstance(exc, http.client.HTTPException):
-        return f"not an HTTP response ({type(exc).__name__}: {exc})"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
+    root = _root(exc)
+    if isinstance(root, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(root, socket.gaierror):
+        return f"name lookup failed: {root.strerror or root}"
+    if isinstance(root, OSError) and root.strerror:
+        return root.strerror
     return str(exc) or type(exc).__name__
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in text)[:_MAX_REASON]
 
 
 def request(method: str, host: str, port: int, path: str, *, timeout: float, max_bytes: int,
@@ -179,23 +122,18 @@ def request(method: str, host: str, port: int, path: str, *, timeout: float, max
     Any status code is a Reply; everything else (refused, unresolvable, too slow, too large,
     truncated, not HTTP) is a PeerError with the reason."""
     deadline = time.monotonic() + timeout
-    sock = resp = None
+    response = None
     try:
-        sock = _connect(host, port, deadline)
-        sock.settimeout(_remaining(deadline))
-        sock.sendall(_head(method, host, port, path, body, content_type, headers) + (body or b""))
-        resp = http.client.HTTPResponse(_Wire(sock, deadline), method=method)  # type: ignore[arg-type]
-        resp.begin()
-        return Reply(resp.status, _read_body(resp, max_bytes))
-    except PeerError:
-        raise
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        raise PeerError(_reason(exc, timeout)[:_MAX_REASON]) from exc
+        url = httpx2.URL(scheme="http", host=host, port=port, raw_path=path.encode("ascii"))
+        call = httpx2.Request(method, url, headers=_headers(body, content_type, headers), content=body,
+                              extensions={httptransport.DEADLINE: deadline, httptransport.MAX_BYTES: max_bytes})
+        response = _transport().handle_request(call)
+        return Reply(response.status_code, b"".join(response.stream))  # type: ignore[arg-type]
+    except (httpx2.HTTPError, httpx2.InvalidURL, OSError, ValueError) as exc:
+        raise PeerError(_printable(_reason(exc, timeout))) from exc
     finally:
-        if resp is not None:
-            resp.close()
-        if sock is not None:
-            sock.close()
+        if response is not None:
+            response.close()
 
 
 def get(host: str, port: int, path: str, *, timeout: float, max_bytes: int = MAX_JSON_BYTES,

@@ -8,8 +8,8 @@ status.l2Key records (what the servers use now); from another Secret, that Secre
 user may (the key itself is never printed or kept: only its fingerprint); otherwise the new id
 cannot be named and the plan says on which key it depends. It prints the old id -> the new one
 (or unchanged), the fields that moved it (id_fields, the list the pin-change warning compares),
-what the old id holds by the last inventory (status.inventory: bytes and objects, the data that
-stops being served and stays in L2 as an orphan until `kvpersist gc`, unless another resource
+what the old id holds (status.usage.l2UsedBytes and l2Objects, the figure the pin-change warning
+prints: the data that stops being served and stays in L2 as an orphan until `kvpersist gc`, unless another resource
 serves the same id) and whether the new id already has data on this resource's L2 (a rollback:
 served at once). Nothing is changed.
 
@@ -63,7 +63,7 @@ class Plan:
     # Why the new spec names no id: the cache turns off (a missing pin), or the key cannot be read.
     new_id_reason: str | None = None
     unknown: bool = False  # the new id depends on a key this command could not read
-    old_held: tuple[int, int] | None = None  # (bytes, objects) of old_id by the last inventory; None: not measured
+    old_held: tuple[int, int] | None = None  # (bytes, objects) of old_id (status.usage); None: not measured
     old_hits: str | None = None  # status.hits.summary
     still_used_by: list[str] = field(default_factory=list)  # other resources that serve old_id
     new_held: tuple[int, int] | None = None  # of new_id on this resource's L2; None: not measured or no new id
@@ -148,10 +148,19 @@ def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live:
                 old_hits=(status.get("hits") or {}).get("summary"),
                 stale_status=status.get("observedGeneration") not in (None, meta.get("generation")))
     if old_id and plan.moves:
-        plan.old_held = held(status, old_id)
+        plan.old_held = served_held(status)
     if new_id and plan.moves:
         plan.new_held = held(status, new_id)
     return plan
+
+
+def served_held(status: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(bytes, objects) of the namespace served now, as status.usage shows them (the pin-change
+    warning reads the same), or None before they were measured."""
+    usage = status.get("usage") or {}
+    if not usage.get("measuredAt") or usage.get("l2UsedBytes") is None:
+        return None
+    return int(usage["l2UsedBytes"]), int(usage.get("l2Objects") or 0)
 
 
 def _amount(amount: tuple[int, int]) -> str:
@@ -197,7 +206,7 @@ def format_plan(plan: Plan, wide: bool = False) -> str:
         return "\n".join(lines)
     if plan.old_id:
         hits = f", hit rate {plan.old_hits}" if plan.old_hits else ""
-        size = _amount(plan.old_held) if plan.old_held is not None else "its size not measured yet (no inventory)"
+        size = _amount(plan.old_held) if plan.old_held is not None else "its size not measured yet"
         if plan.still_used_by:
             say("stays served", f"{plan.old_id}: {size}{hits}; still served by {', '.join(plan.still_used_by)}")
         else:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.api.v1alpha1 import KVCacheNamespace, LMCacheServer
 from kvpersist.builders.target import L2_KEY_BYTES, Target
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import key_fingerprint, resolve
@@ -29,10 +29,13 @@ from tests.integration.kvdriver import SHAPE_PINS
 sys.path.insert(0, str(REPO / "hack"))
 from kubelet_runner import REAL_NODE, SECOND_NODE, Runner, pod_loopback
 
+# lmcache's admin port as the operator renders it for the default spec.lmcacheServer.port.
+ADMIN_PORT = LMCacheServer().http_port
 
-def in_pod(pod_ip: str, port: int = 8080) -> str:
+
+def in_pod(pod_ip: str, port: int = ADMIN_PORT) -> str:
     """lmcache's admin API as a process inside the server pod sees it (`kubectl exec ... curl
-    127.0.0.1:8080`): it listens on the pod's loopback only. Here that is the runner's stand-in
+    127.0.0.1:5556`): it listens on the pod's loopback only. Here that is the runner's stand-in
     for the pod's loopback (hack/kubelet_runner.py, pod_loopback), not the pod IP."""
     return f"http://{pod_loopback(pod_ip)}:{port}"
 

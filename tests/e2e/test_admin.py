@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.inventory.volume import served_of
 from kvpersist.status.usage import human_bytes
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, bench_store, key_of, kvpersist_env, manifest, target_of
@@ -90,18 +91,21 @@ def test_pin_change_leaves_an_orphan_that_report_counts_like_du(kubectl: Kubectl
     # Before the change (issue 32, item 2), with what the operator measured on the real volume:
     # `kvpersist plan` names both ids and what becomes an orphan; kubectl apply prints the
     # pin-change policy's Warning with the same numbers.
-    a_held = wait_for("the inventory to count what was stored", lambda: (lambda i: i if i.get("currentBytes") == du_files(
-        volume / a) else None)(kvns_status(kubectl, ns).get("inventory") or {}), timeout=120, interval=1)
+    # status.usage: the larger of the servers' count and the volume's; the plan and the warning read it.
+    a_held = wait_for("the inventory to count what was stored", lambda: (lambda s: s["usage"] if (served_of(
+        s.get("inventory"), a) or (None,))[0] == du_files(volume / a) and s.get("usage") else None)(kvns_status(kubectl, ns)),
+        timeout=120, interval=1)
+    assert a_held["l2UsedBytes"] >= du_files(volume / a)
     before = _plan(kubectl, new, scenario["tmp"])
     assert before.returncode == 2, before.stdout + before.stderr
     [plan] = json.loads(_plan(kubectl, new, scenario["tmp"], "-o", "json").stdout)
     assert (plan["oldId"], plan["newId"], plan["changedFields"]) == (a, b, ["spec.identity.maxModelLen"])
-    assert plan["oldHeld"] == {"bytes": a_held["currentBytes"], "objects": a_held["currentObjects"]}
+    assert plan["oldHeld"] == {"bytes": a_held["l2UsedBytes"], "objects": a_held["l2Objects"]}
     assert not (plan["newHeld"] or {}).get("bytes"), plan  # nothing of b yet: it starts cold
     applied = kubectl.apply(new)
     warning = [line for line in applied.stderr.splitlines() if line.startswith("Warning:")]
     assert warning and a in warning[0] and "spec.identity.maxModelLen" in warning[0], applied.stderr
-    assert human_bytes(a_held["currentBytes"]) in warning[0] and "kvpersist gc" in warning[0], warning
+    assert human_bytes(a_held["l2UsedBytes"]) in warning[0] and "kvpersist gc" in warning[0], warning
     _ready_with(kubectl, ns, b)
     bench_store(kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"], 0, 2)
     scenario.update(a=a, b=b)

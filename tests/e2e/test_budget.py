@@ -62,7 +62,7 @@ def test_budget_refuses_new_writes_and_keeps_serving(kubectl: Kubectl, crd: None
         assert len(sizes) == 1, sizes
         size, stored = sizes.pop(), len(list(folder.iterdir()))
         assert size == 2**19 + page and stored * size <= BUDGET < (stored + 1) * size and stored >= 3
-        assert status["budget"]["bytes"] == BUDGET and stored * 2**19 < status["budget"]["usedBytes"] <= stored * size
+        assert status["budget"]["bytes"] == BUDGET and stored * 2**19 < status["usage"]["l2UsedBytes"] <= stored * size
         cond = next(c for c in status["conditions"] if c["type"] == "WithinBudget")
         assert (cond["status"], cond["reason"]) == ("False", "BudgetExhausted") and "/2Mi of this namespace" in cond["message"]
         assert status["phase"] == "Ready"  # serving goes on: the cap is doing its job

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.identity import key_fingerprint
+from kvpersist.inventory.volume import served_of
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import (
     NAME,
@@ -271,8 +272,8 @@ def test_a_generated_key_deleted_over_data_is_never_made_again(kubectl: Kubectl,
     bench_store(server_ip(kubectl, ns), 0, 4)
     stored = settled(volume / d)
     held = sum(v[0] for v in stored.values())
-    wait_for("the inventory to count the stored data", lambda: (status(kubectl, ns).get("inventory") or {}).get(
-        "currentBytes") == held, timeout=120, interval=1)
+    wait_for("the inventory to count the stored data", lambda: (served_of(status(kubectl, ns).get("inventory"), d)
+                                                                 or (None,))[0] == held, timeout=120, interval=1)
     backup = kubectl.get("secret", KEY_SECRET, ns)
     fingerprint = key_fingerprint(base64.b64decode(backup["data"]["master-key"]))
 

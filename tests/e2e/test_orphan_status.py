@@ -37,6 +37,6 @@ def test_status_l2_and_the_condition_are_stored_as_written(kubectl: Kubectl, crd
                 json.dumps({"status": patch}))
     stored = kubectl.get("kvns", name, namespace)
     assert stored["spec"]["l2"]["orphanRetention"] == {"maxAgeDays": 30}
-    assert stored["status"]["l2"] == l2  # every field kept: usedPercent, largestOtherNamespaces, orphansRemoved, ...
+    assert stored["status"]["l2"] == l2  # every field kept: largestOtherNamespaces, orphansRemoved, ...
     got = next(c for c in stored["status"]["conditions"] if c["type"] == "L2SpaceAvailable")
     assert (got["status"], got["reason"], got["message"]) == ("False", "ClaimNearlyFull", cond["message"])

@@ -50,17 +50,18 @@ def _plant(kubectl: Kubectl, ns: str, served: str, volumes: list[tuple[str, list
     status: dict[str, Any] = {
         "observedGeneration": generation, "phase": "Ready", "namespaceId": served,
         "l2Key": {"secret": f"{NAME}-l2-key", "generated": True, "fingerprint": FP, "namespaceId": served},
-        "hits": {"lookupTokens": 1000, "hitTokens": 640, "hitRate": "64.0%", "summary": "64.0% (5m)"},
+        "hits": {"lookupTokens": 1000, "hitTokens": 640, "hitRate": 0.64, "summary": "64.0% (5m)"},
     }
     if volumes is not None:
         current = [(b, o) for _, shares in volumes for nsid, b, o in shares if nsid == served]
+        status["usage"] = {"l2UsedBytes": sum(b for b, _ in current), "l2Objects": sum(o for _, o in current),
+                           "measuredAt": "2026-01-01T00:00:00Z"}
         status["inventory"] = {
-            "currentBytes": sum(b for b, _ in current), "currentObjects": sum(o for _, o in current),
             "measuredAt": "2026-01-01T00:00:00Z",
             "volumes": [{"location": loc, "namespaces": [{"namespaceId": nsid, "bytes": b, "objects": o, "orphan": nsid != served}
                                                          for nsid, b, o in shares]} for loc, shares in volumes]}
     else:
-        status["inventory"] = None
+        status["inventory"] = status["usage"] = None
     patch = checked_patch(status, None, "test")
     assert patch is not None
     kubectl.run("patch", "kvns", NAME, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps({"status": patch}))
@@ -113,8 +114,8 @@ def test_a_pin_change_warns_and_plan_tells_the_ids_and_the_inventorys_numbers(
     assert f"{rollback}: 3Mi (3145728 bytes) in 12 objects already on this resource's L2: served at once" in table.stdout
     [plan] = json.loads(_plan(kubectl, pinned, tmp_path, "-o", "json").stdout)
     assert (plan["oldId"], plan["newId"], plan["changedFields"]) == (served, rollback, ["spec.identity.modelRevision"])
-    inventory = kubectl.get("kvns", NAME, ns)["status"]["inventory"]
-    assert plan["oldHeld"] == {"bytes": inventory["currentBytes"], "objects": inventory["currentObjects"]}
+    usage = kubectl.get("kvns", NAME, ns)["status"]["usage"]
+    assert plan["oldHeld"] == {"bytes": usage["l2UsedBytes"], "objects": usage["l2Objects"]}
     assert plan["newHeld"] == {"bytes": 3 * 2**20, "objects": 12}
     same = _plan(kubectl, obj, tmp_path)
     assert same.returncode == 0 and f"{served} (unchanged)" in same.stdout, same.stdout + same.stderr

@@ -20,7 +20,7 @@ import pytest
 
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import Kubectl, wait_for
-from tests.e2e.operator_env import NAME, Runner, RunnerThread, in_pod, manifest, stop, storage
+from tests.e2e.operator_env import ADMIN_PORT, NAME, Runner, RunnerThread, in_pod, manifest, stop, storage
 from tests.integration.hub_stub import HubStub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
@@ -36,7 +36,7 @@ def lmcache_admin_is_closed(kubectl: Kubectl, namespace: str, server_ip: str) ->
     assert others, "no other pod IP in the namespace to try from"
     source = others[0]
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((server_ip, 8080), timeout=5, source_address=(source, 0)).close()
+        socket.create_connection((server_ip, ADMIN_PORT), timeout=5, source_address=(source, 0)).close()
     with socket.create_connection((server_ip, 8090), timeout=5, source_address=(source, 0)):
         pass  # the agent's port is open to that pod (no CNI here): it must refuse the rest itself
     refused = {}
@@ -49,7 +49,7 @@ def lmcache_admin_is_closed(kubectl: Kubectl, namespace: str, server_ip: str) ->
     assert set(refused.values()) == {404}, refused
     with urllib.request.urlopen(f"{in_pod(server_ip)}/env", timeout=10) as resp:  # control: inside the pod it answers
         assert resp.status == 200 and b"NUMBA_CACHE_DIR" in resp.read()
-    return (f"lmcache's admin port {server_ip}:8080 refused a connection from pod IP {source}; the agent's port "
+    return (f"lmcache's admin port {server_ip}:{ADMIN_PORT} refused a connection from pod IP {source}; the agent's port "
             f"answered 404 to {', '.join(refused)}; inside the pod /env answered 200")
 
 

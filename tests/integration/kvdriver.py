@@ -7,7 +7,7 @@ the destination before a retrieve, so a checksum would match even if nothing was
 driver uses the same client classes but clears the destination blocks itself before every
 retrieve and checksums the local buffer the server wrote into.
 
-    python -m tests.integration.kvdriver store  --rpc-url tcp://127.0.0.1:5555 --http-url http://127.0.0.1:8080 --seqs 0:8
+    python -m tests.integration.kvdriver store  --rpc-url tcp://127.0.0.1:5555 --http-url http://127.0.0.1:5556 --seqs 0:8
     python -m tests.integration.kvdriver verify --rpc-url ... --http-url ... --seqs 0:8
     python -m tests.integration.kvdriver lookup ...   (lookups only, back to back: a read rate, no bytes checked)
     python -m tests.integration.kvdriver hold ...     (registers its KV layout, as a vLLM worker does, until stdin closes)

@@ -72,7 +72,7 @@ def test_crd_names_and_printer_columns() -> None:
     hits = status["hits"]["properties"]
     assert {"lookupTokens", "hitTokens", "hitTokensL1", "hitTokensL2", "hitRate", "hitRateL1", "hitRateL2", "window",
             "summary", "servers", "since", "measuredAt"} <= set(hits)
-    assert hits["hitTokensL1"]["type"] == "integer" and hits["hitRate"]["type"] == "string"
+    assert hits["hitTokensL1"]["type"] == "integer" and hits["hitRate"]["type"] == "number"
     assert {"seconds", "hitRate", "hitTokensPerSecond"} <= set(hits["window"]["properties"])
 
 

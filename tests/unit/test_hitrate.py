@@ -186,13 +186,13 @@ def test_window_from_samples() -> None:
     w = window_figures(t, now=200.0)
     assert w is not None
     assert (w["seconds"], w["lookupTokens"], w["hitTokens"], w["hitTokensL1"], w["hitTokensL2"]) == (200, 3000, 2000, 1500, 500)
-    assert (w["hitRate"], w["hitRateL1"], w["hitRateL2"]) == ("66.7%", "50.0%", "16.7%")
+    assert (w["hitRate"], w["hitRateL1"], w["hitRateL2"]) == (0.6667, 0.5, 0.1667)
     assert (w["lookupTokensPerSecond"], w["hitTokensPerSecond"]) == (15, 10)
     # later: the window starts at the newest sample at least HIT_WINDOW_S old
     later = [*t, (400.0, HitTotals(3600, 2000, 1500, 500))]
     w = window_figures(later, now=400.0)
     assert w is not None and w["seconds"] == int(HIT_WINDOW_S)
-    assert (w["lookupTokens"], w["hitTokens"], w["hitRate"]) == (2600, 1500, "57.7%")  # from t=100
+    assert (w["lookupTokens"], w["hitTokens"], w["hitRate"]) == (2600, 1500, 0.5769)  # from t=100
     # nothing answered for longer than the window: unknown
     assert window_figures(later, now=400.0 + HIT_WINDOW_S + 1) is None
 
@@ -228,12 +228,12 @@ def test_tracker_totals_window_and_operator_restart() -> None:
     first = tr.observe(key, uid, None, [_report("s-0", counters_of(1))], 10.0, "2026-01-01T00:00:10Z")
     assert first is not None
     assert first["window"] is None  # right after start: unknown, not zero
-    assert (first["lookupTokens"], first["hitTokens"], first["hitRate"]) == (2048, 0, "0.0%")
+    assert (first["lookupTokens"], first["hitTokens"], first["hitRate"]) == (2048, 0, 0.0)
     assert first["summary"] == "0.0% (total)" and first["since"] == "2026-01-01T00:00:10Z"
     second = tr.observe(key, uid, first, [_report("s-0", counters_of(2))], 20.0, "2026-01-01T00:00:20Z")
     assert second is not None and second["window"] is not None
     assert (second["window"]["seconds"], second["window"]["lookupTokens"], second["window"]["hitTokensL1"]) == (10, 3072, 2048)
-    assert second["window"]["hitRate"] == "66.7%" and second["summary"] == "66.7% (10s)"
+    assert second["window"]["hitRate"] == 0.6667 and second["summary"] == "66.7% (10s)"
     assert (second["lookupTokens"], second["hitTokens"], second["hitTokensL1"]) == (5120, 2048, 2048)
     assert second["servers"] == [{"pod": "s-0", "startedAt": "2026-11-30T07:04:42Z", "lookupTokens": 5120, "hitTokens": 2048,
                                   "hitTokensL1": 2048, "hitTokensL2": 0}]
@@ -250,7 +250,7 @@ def test_tracker_totals_window_and_operator_restart() -> None:
     after = tr2.observe(key, uid, stored, [_report("s-0", counters_of(3))], 15.0, "2026-01-01T01:00:10Z")
     assert after is not None
     assert (after["lookupTokens"], after["hitTokens"], after["hitTokensL1"], after["hitTokensL2"]) == (8192, 4096, 2048, 2048)
-    assert (after["hitRateL1"], after["hitRateL2"]) == ("25.0%", "25.0%")
+    assert (after["hitRateL1"], after["hitRateL2"]) == (0.25, 0.25)
     assert after["window"]["hitTokensL2"] == 2048 and after["since"] == "2026-01-01T00:00:10Z"
     # A resource deleted and created again under the same name starts from its own (empty) status.
     fresh = tr2.observe(key, "uid-2", None, [_report("s-0", counters_of(1))], 20.0, "2026-01-01T02:00:00Z")

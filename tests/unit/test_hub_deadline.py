@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvpersist import httptransport
 from kvpersist.inventory import bucket, hfbucket
 from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
 from kvpersist.inventory.hfbucket import preflight_bucket
@@ -146,7 +147,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[dict[
 
 def watchdogs() -> list[str]:
     return [t.name for t in threading.enumerate()
-            if t.is_alive() and (t.name == hfbucket._TIMER_NAME or isinstance(t, threading.Timer))]
+            if t.is_alive() and (t.name.startswith(httptransport.RESOLVER_THREAD) or isinstance(t, threading.Timer))]
 
 
 @pytest.mark.parametrize("answer", [body_trickled, head_trickled], ids=["body", "headers"])

@@ -30,7 +30,7 @@ def _full_nvme() -> dict[str, Any]:
     by a Secret of the user's, a budget, orphanRetention, the vLLM pod's extras."""
     spec = sample("nvme-minimal")["spec"]
     spec["l2"]["encryption"] = {"enabled": True, "keySecretRef": {"name": "l2-key", "key": "master-key"}}
-    spec["l2"]["nvme"].update({"budget": "100Gi", "adapter": "nixl_store_dynamic", "backend": "POSIX", "directIO": True,
+    spec["l2"]["nvme"].update({"budget": "100Gi", "adapter": "nixl_store_dynamic", "directIO": True,
                                "reclaimPolicy": "Delete"})
     spec["l2"]["orphanRetention"] = {"maxAgeDays": 30}
     spec["eviction"] = {"policy": "LRU", "triggerWatermark": 0.9, "evictionRatio": 0.1}
@@ -208,7 +208,7 @@ def test_the_samples_are_whole() -> None:
         assert _outcome(spec)[0] is not None
     changed = {path for _, path, _, _ in MUTATIONS}
     fixed = {path for path, schema in LEAVES.items() if len(schema.get("enum") or ()) == 1 and "default" in schema}
-    assert fixed == {"spec.l2.nvme.backend"}  # one value allowed, and the default: nothing to change
+    assert fixed == set()  # a field of one allowed value is no field (the API has none)
     assert set(LEAVES) - changed == fixed, "no accepted change found for these fields: add a sample or a candidate value"
 
 

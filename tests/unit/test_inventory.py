@@ -16,7 +16,7 @@ from kvpersist.admin import Row, format_report, rank_rows, report_rows, users_of
 from kvpersist.inventory.agent import Agent, make_server
 from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 from kvpersist.inventory.cleanup import parse_request, refusal
-from kvpersist.inventory.volume import group, mark_orphans, rank, remove_namespace, scan_volume, status_summary
+from kvpersist.inventory.volume import group, mark_orphans, rank, remove_namespace, scan_volume, served_of, status_summary
 from tests.fsstate import files_state
 
 A, B, C = "kvp-" + "a" * 32, "kvp-" + "b" * 32, "kvp-" + "c" * 32
@@ -57,7 +57,8 @@ def test_orphans_rank_biggest_then_oldest_first() -> None:
     mark_orphans(inv, {A})
     assert [n.namespace_id for n in rank(inv.namespaces)] == [C, B, A]
     summary = status_summary([("pvc/l2-x", "x-0", inv)], A, {A})
-    assert (summary["currentBytes"], summary["orphanedNamespaces"], summary["orphanedBytes"]) == (100, 2, 1000)
+    assert (summary["orphanedNamespaces"], summary["orphanedBytes"]) == (2, 1000) and "currentBytes" not in summary
+    assert served_of(summary, A) == (100, summary["volumes"][0]["namespaces"][-1]["objects"])
     assert [n["namespaceId"] for n in summary["volumes"][0]["namespaces"]] == [C, B, A]
 
 

@@ -69,8 +69,8 @@ def test_it_warns_on_spec_updates_and_never_refuses() -> None:
     for part in ("variables.changed.join(', ')", "variables.served", "variables.held", "`kvpersist gc '",
                  "kubectl kvpersist plan -f FILE"):
         assert part in message, part
-    assert "oldObject.status.inventory.currentBytes" in variables["bytes"]
-    assert "oldObject.status.inventory.currentObjects" in variables["objects"]
+    assert "oldObject.status.usage.l2UsedBytes" in variables["bytes"]
+    assert "oldObject.status.usage.l2Objects" in variables["objects"]
     assert "oldObject.status.hits.summary" in variables["hits"]
 
 

@@ -1,6 +1,6 @@
 """`kvpersist plan`'s pure parts (kvpersist.plancmd): the new id computed with the operator's code
 and the fingerprint status records (or the key read from another Secret), the fields that moved
-it, what the old id holds by the inventory, whether the new one already has data, the text and
+it, what the old id holds (status.usage), whether the new one already has data, the text and
 the JSON, and the exit status. The command against the real API server:
 tests/e2e/test_pin_change_plan.py."""
 
@@ -18,6 +18,7 @@ from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
 from kvpersist.controller.l2key import read as read_key
 from kvpersist.controller.l2key import unreadable
 from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.inventory.volume import served_of
 from tests.cases.invalid_manifests import sample
 
 FP = "0123456789abcdef"
@@ -39,6 +40,9 @@ def _live(obj: dict[str, Any], volumes: list[dict[str, Any]] | None = None, fing
                       "hits": {"summary": "64.0% (5m)"}}
     if volumes is not None:
         live["status"]["inventory"] = {"measuredAt": "2026-01-01T00:00:00Z", "volumes": volumes}
+        # status.usage as the operator writes it: the served id's bytes, the volume's count folded in.
+        used, objects = served_of(live["status"]["inventory"], served) or (0, 0)
+        live["status"]["usage"] = {"l2UsedBytes": used, "l2Objects": objects, "measuredAt": "2026-01-01T00:00:00Z"}
     return live
 
 

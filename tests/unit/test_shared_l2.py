@@ -27,7 +27,7 @@ from kvpersist.builders.target import Target
 from kvpersist.controller import sharing
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.agent import Agent, pod_ordinal, trimmer_of
-from kvpersist.inventory.volume import Inventory, NamespaceUsage, choose_oldest, one_per_location, status_summary
+from kvpersist.inventory.volume import Inventory, NamespaceUsage, choose_oldest, one_per_location, served_of, status_summary
 from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.workloads import slim
 from tests.cases.invalid_manifests import sample
@@ -215,10 +215,10 @@ def test_a_shared_folder_is_counted_once_in_status() -> None:
 
     volumes = [("pvc/l2-x-lmcache-shared", "x-lmcache-0", scan()), ("pvc/l2-x-lmcache-shared", "x-lmcache-1", scan())]
     out = status_summary(one_per_location(volumes), NSID, {NSID})
-    assert (out["currentBytes"], out["currentObjects"], out["orphanedBytes"]) == (300, 3, 50)
+    assert (served_of(out, NSID), out["orphanedBytes"]) == ((300, 3), 50)
     assert [v["pod"] for v in out["volumes"]] == ["x-lmcache-0"]
     own = [("pvc/l2-x-lmcache-0", "x-lmcache-0", scan()), ("pvc/l2-x-lmcache-1", "x-lmcache-1", scan())]
-    assert status_summary(one_per_location(own), NSID, {NSID})["currentBytes"] == 600  # two claims: both count
+    assert served_of(status_summary(one_per_location(own), NSID, {NSID}), NSID) == (600, 6)  # two claims: both count
 
 
 # ---- one trimmer per folder, and its grace
@@ -302,5 +302,5 @@ def test_usage_and_budget_count_a_shared_folder_once() -> None:
     own = summarize(reports, "t")
     assert (own["l2UsedBytes"], own["l2CapacityBytes"], own["l2Objects"]) == (1000, 2000, 10)
     budget = budget_status(_obs([], reports=reports, budget_bytes=900))
-    assert budget is not None and (budget["usedBytes"], budget["state"]) == (600, "Available")
+    assert budget is not None and budget["state"] == "Available" and budget["_shown"].startswith("600B/")
     assert budget_status(_obs([], shared=False, reports=reports, budget_bytes=900))["state"] == "Exhausted"

@@ -109,9 +109,11 @@ def test_what_went_is_converted_and_said() -> None:
     old = _doc(BEFORE / "tp2-fp8.yaml")["spec"]
     old["lmcacheServer"]["httpPort"] = 9000
     old["eviction"]["policy"] = "IsolatedLRU"
+    old["l2"]["nvme"]["backend"] = "POSIX"
     new, notes = convert_spec(old)
     assert new["l1"] == {"size": "64Gi"} and new["l2"]["nvme"]["maxCapacity"] == "900Gi"
     assert new["eviction"]["policy"] == "LRU" and "lmcacheServer" not in new
     assert "connector" not in new["identity"]
     assert any("httpPort 9000" in n for n in notes) and any("IsolatedLRU" in n for n in notes)
+    assert "backend" not in new["l2"]["nvme"] and any("backend POSIX" in n for n in notes)
     api.KVCacheNamespaceSpec.model_validate(new)

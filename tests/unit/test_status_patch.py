@@ -74,7 +74,8 @@ def test_a_key_the_model_lacks_fails_and_is_named(patch: dict[str, Any], named: 
     ({"usage": {"l1UsedBytes": 1.5}}, "status.usage.l1UsedBytes"),
     ({"usage": {"measuredAt": "yesterday"}}, "status.usage.measuredAt"),
     ({"namespaceId": "kvp-nothex"}, "status.namespaceId"),
-    ({"hits": {"hitRate": "62.5"}}, "status.hits.hitRate"),
+    ({"hits": {"hitRate": "62.5%"}}, "status.hits.hitRate"),  # a number now, never a string
+    ({"hits": {"hitRate": 1.5}}, "status.hits.hitRate"),  # a share: at most 1
     ({"conditions": [_condition(status="Yes")]}, "status.conditions[0].status"),
     ({"conditions": [{"type": "Ready", "status": "True"}]}, "status.conditions[0].reason"),  # a list item is whole
     ({"budget": {"bytes": 10, "state": None}}, "status.budget.state"),  # required: cannot be removed
@@ -117,7 +118,7 @@ def test_none_removes_an_optional_field() -> None:
     validate_patch({"budget": None, "usage": None, "inventory": None, "gc": None, "hits": None, "namespaceId": None,
                     "observedGeneration": None, "conditions": None})
     validate_patch({"hits": {"window": None, "hitRate": None, "hitRateL1": None, "hitRateL2": None, "summary": None},
-                    "usage": {"l2UsedBytes": None, "l2Used": None}, "budget": {"usedBytes": None, "budget": None}})
+                    "usage": {"l2UsedBytes": None, "l2Used": None}})
     validate_patch({"inventory": {"volumes": [{"location": "pvc/x", "pod": None, "otherBytes": None,
                                                "namespaces": [{"namespaceId": NID, "bytes": 0, "objects": 0,
                                                                "lastWrite": None, "orphan": None}]}]}})

@@ -2,7 +2,7 @@
 
 The fields that went (docs/upgrading.md, "One image, fewer fields"): spec.vllm.image and
 spec.lmcacheServer.image became spec.image (they had to name one build); identity.connector (one
-possible value) and lmcacheServer.httpPort (loopback only) went; sizes became quantities
+possible value), l2.nvme.backend (likewise) and lmcacheServer.httpPort (loopback only) went; sizes became quantities
 (l1.sizeGB -> l1.size, maxCapacityGB -> maxCapacity); IsolatedLRU (always refused) left the
 eviction enum. The API server prunes the removed fields from a stored object, so a manifest is
 converted where its author keeps it (git, a chart), not in the cluster: `kvpersist convert`.
@@ -66,6 +66,8 @@ def convert_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         l1["size"] = gib_quantity(l1.pop("sizeGB"), "spec.l1.sizeGB")
         notes.append(f"l1.sizeGB -> l1.size {l1['size']}")
     l2 = out.get("l2") or {}
+    if "backend" in (l2.get("nvme") or {}):
+        notes.append(f"dropped l2.nvme.backend {l2['nvme'].pop('backend')} (POSIX, the one there is)")
     for kind in ("nvme", "hfBucket"):
         tier = l2.get(kind) or {}
         if "maxCapacityGB" in tier:

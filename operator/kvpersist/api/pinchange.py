@@ -6,8 +6,8 @@ as an orphan until `kvpersist gc`. That should be seen when it is applied, not f
 `kvpersist report`: on every UPDATE of a KVCacheNamespace the API server compares those fields
 of oldObject and object (an image by its digest alone, as the id does) and, when one differs and
 the old object serves a namespace (oldObject.status.namespaceId), kubectl prints a Warning naming
-the fields, the id, what it holds by the last inventory (status.inventory.currentBytes and
-currentObjects, as `kvpersist report` counts them) and its hit rate (status.hits.summary). Never
+the fields, the id, what it holds (status.usage.l2UsedBytes and l2Objects: the larger of the
+servers' and the volume's count) and its hit rate (status.hits.summary). Never
 a refusal: Warn only, and failurePolicy Ignore, so an error in the policy admits the change. It
 cannot compute the new id (CEL has no sha256, and the L2 key is a Secret the API server does not
 read for admission): `kvpersist plan -f` does. A key rotated inside the same Secret changes no
@@ -85,16 +85,16 @@ MESSAGE = ("identity changes: this resource will serve another namespace id, and
 
 
 def policy(name: str) -> dict[str, Any]:
-    measured = _status("inventory", "measuredAt")
+    measured = _status("usage", "measuredAt")
     variables = [
         {"name": "served", "expression": f"{_status('namespaceId')} ? oldObject.status.namespaceId : ''"},
         {"name": "changed", "expression": changed_expression()},
         {"name": "keyOnly", "expression": f"variables.changed.all(p, p.startsWith('{KEY_PREFIX}'))"},
         {"name": "measured", "expression": measured},
-        {"name": "bytes", "expression": f"variables.measured && {_status('inventory', 'currentBytes')}\n"
-                                        "  ? oldObject.status.inventory.currentBytes : 0"},
-        {"name": "objects", "expression": f"variables.measured && {_status('inventory', 'currentObjects')}\n"
-                                          "  ? oldObject.status.inventory.currentObjects : 0"},
+        {"name": "bytes", "expression": f"variables.measured && {_status('usage', 'l2UsedBytes')}\n"
+                                        "  ? oldObject.status.usage.l2UsedBytes : 0"},
+        {"name": "objects", "expression": f"variables.measured && {_status('usage', 'l2Objects')}\n"
+                                          "  ? oldObject.status.usage.l2Objects : 0"},
         *_human_bytes(),
         {"name": "hits", "expression": f"{_status('hits', 'summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"},
         {"name": "held", "expression": "(variables.measured ? variables.size + ' in ' + string(variables.objects) + ' objects'\n"

@@ -374,7 +374,6 @@ class NVMe(_Spec):
         "of the namespace id (the two name their files otherwise): a change moves to a new namespace and folder, and the "
         "old folder's KV stays there as an orphan (`kvpersist report`, `kvpersist gc`).",
     )
-    backend: Literal["POSIX"] = Field("POSIX", description="NIXL backend of nixl_store_dynamic.")
     max_capacity: Quantity | None = Field(
         None,
         description="Capacity LMCache may fill, e.g. 450Gi; nixl_store_dynamic's L2 eviction keeps usage below it "
@@ -1236,11 +1235,17 @@ class Usage(_Model):
 
     l1_used_bytes: int | None = Field(None, alias="l1UsedBytes", description="L1 bytes in use.")
     l1_capacity_bytes: int | None = Field(None, alias="l1CapacityBytes", description="L1 capacity in bytes.")
-    l2_used_bytes: int | None = Field(None, alias="l2UsedBytes", description="L2 bytes in use by this namespace.")
+    l2_used_bytes: int | None = Field(None, alias="l2UsedBytes", description="This namespace's bytes on L2: the larger of "
+                                      "the servers' count and the volume's (the inventory), and with a budget never less "
+                                      "than last written. The one figure the budget, the pin-change warning and "
+                                      "`kvpersist status` read.")
     l2_capacity_bytes: int | None = Field(None, alias="l2CapacityBytes", description="L2 capacity in bytes.")
-    l2_objects: int | None = Field(None, alias="l2Objects", description="L2 objects known to the servers' indexes.")
-    l1_used: str | None = Field(None, alias="l1Used", description="L1 usage for people, e.g. 1.5Gi/8Gi.")
-    l2_used: str | None = Field(None, alias="l2Used", description="L2 usage for people, e.g. 120Gi/500Gi.")
+    l2_objects: int | None = Field(None, alias="l2Objects", description="This namespace's objects on L2, counted as "
+                                   "l2UsedBytes is.")
+    l1_used: str | None = Field(None, alias="l1Used", description="l1UsedBytes/l1CapacityBytes as kubectl get prints "
+                                "them (L1-USED), e.g. 1.5Gi/8Gi: kubectl cannot format a number of bytes.")
+    l2_used: str | None = Field(None, alias="l2Used", description="l2UsedBytes/l2CapacityBytes as kubectl get prints "
+                                "them (L2-USED), e.g. 120Gi/500Gi.")
     measured_at: datetime | None = Field(None, description="When the servers were last asked.")
 
 
@@ -1274,8 +1279,6 @@ class VolumeInventory(_Model):
 class InventoryStatus(_Model):
     """Per-namespace L2 usage of this resource's volumes or bucket."""
 
-    current_bytes: int = Field(0, ge=0, description="Bytes of the namespace this resource serves.")
-    current_objects: int = Field(0, ge=0, description="Objects of the namespace this resource serves.")
     orphaned_namespaces: int = Field(0, ge=0, description="Namespaces with data that nothing uses any more.")
     orphaned_bytes: int = Field(0, ge=0, description="Bytes they hold: reclaimable with `kvpersist gc`.")
     volumes: list[VolumeInventory] = Field(default_factory=list, description="Each volume or bucket prefix.")
@@ -1294,7 +1297,7 @@ class GCStatus(_Model):
     completed_at: datetime | None = Field(None, description="When it finished.")
 
 
-PERCENT = r"^[0-9]{1,3}\.[0-9]%$"
+Ratio = Annotated[float, Field(ge=0, le=1)]
 
 
 class OtherNamespace(_Model):
@@ -1316,8 +1319,6 @@ class L2SpaceStatus(_Model):
     claims: int | None = Field(None, ge=0, description="Distinct claims read.")
     capacity_bytes: int | None = Field(None, ge=0, description="The claim's size (its filesystem's).")
     used_bytes: int = Field(0, ge=0, description="Bytes used on it, every namespace and stray file counted.")
-    used_percent: str | None = Field(None, pattern=PERCENT, description="usedBytes / capacityBytes; L2SpaceAvailable "
-                                     "turns False at 90.0%.")
     other_namespaces_bytes: int = Field(0, ge=0, description="Bytes in the folders of other namespaces, over all claims.")
     other_namespaces: int = Field(0, ge=0, description="How many other namespace folders the fullest claim holds.")
     largest_other_namespaces: list[OtherNamespace] = Field(default_factory=list, max_length=5,
@@ -1336,11 +1337,8 @@ class L2SpaceStatus(_Model):
 class BudgetStatus(_Model):
     """The namespace's L2 budget (spec.l2.nvme.budget) and how much of it is used."""
 
-    bytes: int = Field(ge=0, description="The budget in bytes.")
-    used_bytes: int | None = Field(None, ge=0, description="Bytes the namespace holds on L2 (the larger of the servers' count "
-                                   "and the volume's).")
+    bytes: int = Field(ge=0, description="The budget in bytes; what it counts is status.usage.l2UsedBytes.")
     state: Literal["Available", "Exhausted"] = Field(description="Available, or Exhausted: new L2 writes are refused.")
-    budget: str | None = Field(None, description="The budget for people, e.g. 2Mi/2Mi used.")
 
 
 
@@ -1354,11 +1352,11 @@ class HitFigures(_Model):
                             "(hitTokensL1 + hitTokensL2), which vLLM loads instead of recomputing.")
     hit_tokens_l1: int = Field(0, ge=0, description="Of hitTokens: tokens L1 (host RAM) already held.")
     hit_tokens_l2: int = Field(0, ge=0, description="Of hitTokens: tokens L2 (NVMe or bucket) added beyond what L1 held.")
-    hit_rate: str | None = Field(None, pattern=PERCENT, description="hitTokens / lookupTokens, e.g. 62.5%; absent "
-                                 "without lookups.")
-    hit_rate_l1: str | None = Field(None, pattern=PERCENT, description="hitTokensL1 / lookupTokens.")
-    hit_rate_l2: str | None = Field(None, pattern=PERCENT, description="hitTokensL2 / lookupTokens; hitRateL1 + hitRateL2 "
-                                    "= hitRate.")
+    hit_rate: Ratio | None = Field(None, description="hitTokens / lookupTokens as a number, e.g. 0.625; absent "
+                                   "without lookups.")
+    hit_rate_l1: Ratio | None = Field(None, description="hitTokensL1 / lookupTokens.")
+    hit_rate_l2: Ratio | None = Field(None, description="hitTokensL2 / lookupTokens; hitRateL1 + hitRateL2 = hitRate "
+                                      "(to rounding).")
 
 
 class HitWindow(HitFigures):

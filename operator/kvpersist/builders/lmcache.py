@@ -37,6 +37,8 @@ AGENT_CONTAINER = "inventory-agent"
 # caches lmcache's kernels at import next to their source or in ~/.cache, both read-only then:
 # without a writable NUMBA_CACHE_DIR lmcache 0.5.6 falls back to its CLI-only mode and
 # `lmcache server` exits ("unrecognized arguments"; measured with a read-only root).
+# nixl_store_dynamic's one NIXL backend the operator runs (files on the mounted claim): not a field.
+NIXL_BACKEND = "POSIX"
 TMP_VOLUME = "tmp"
 TMP_PATH = "/tmp"
 NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
@@ -168,7 +170,7 @@ def _adapter_config(target: Target) -> dict[str, Any]:
                     "persist_enabled": True, "eviction": eviction}
         return {
             "type": "nixl_store_dynamic",
-            "backend": nvme.backend,
+            "backend": NIXL_BACKEND,
             # nixl_store_dynamic takes string values in backend_params.
             "backend_params": {
                 "file_path": l2_path(target),

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from kvpersist.builders.retained import KEY_FINGERPRINT_ANNOTATION, PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import L2_KEY_BYTES
 from kvpersist.identity import key_fingerprint
+from kvpersist.inventory.volume import served_of
 from kvpersist.status.usage import human_bytes
 from kvpersist.status.users import KEY_LOST, fingerprint_in_status, recorded  # noqa: F401  (fingerprint_in_status: read as l2key's)
 
@@ -108,8 +109,7 @@ def held(status: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[in
     inventory = (status or {}).get("inventory")
     if not inventory or not inventory.get("measuredAt"):
         return None
-    shares = [n for v in inventory.get("volumes") or [] for n in v.get("namespaces") or [] if n.get("namespaceId") == namespace_id]
-    return sum(int(n.get("bytes") or 0) for n in shares), sum(int(n.get("objects") or 0) for n in shares)
+    return served_of(inventory, namespace_id)
 
 
 # status.sealedNamespaces: the namespaces the resource served under each key, newest last, at most

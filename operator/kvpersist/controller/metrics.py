@@ -43,10 +43,9 @@ HELP = {
 RESOURCE_GAUGES = {
     "kvpersist_resource_l1_used_bytes": "L1 (host RAM) bytes in use, summed over the servers (status.usage.l1UsedBytes).",
     "kvpersist_resource_l1_capacity_bytes": "L1 capacity in bytes (status.usage.l1CapacityBytes).",
-    "kvpersist_resource_l2_used_bytes": "L2 bytes the servers hold for this namespace (status.usage.l2UsedBytes).",
+    "kvpersist_resource_l2_used_bytes": "L2 bytes of this namespace, what a budget counts (status.usage.l2UsedBytes).",
     "kvpersist_resource_l2_capacity_bytes": "L2 capacity in bytes the servers were given (status.usage.l2CapacityBytes).",
     "kvpersist_resource_l2_budget_bytes": "The L2 budget in bytes (status.budget.bytes; absent without spec.l2.nvme.budget).",
-    "kvpersist_resource_l2_budget_used_bytes": "Bytes counted against the L2 budget (status.budget.usedBytes).",
     "kvpersist_resource_last_refresh_timestamp_seconds": "When the resource's status was last refreshed in full (observed, "
                                                          "judged, written or found current), in Unix seconds.",
 }
@@ -64,8 +63,7 @@ _USAGE = {"kvpersist_resource_l1_used_bytes": ("usage", "l1UsedBytes"),
           "kvpersist_resource_l1_capacity_bytes": ("usage", "l1CapacityBytes"),
           "kvpersist_resource_l2_used_bytes": ("usage", "l2UsedBytes"),
           "kvpersist_resource_l2_capacity_bytes": ("usage", "l2CapacityBytes"),
-          "kvpersist_resource_l2_budget_bytes": ("budget", "bytes"),
-          "kvpersist_resource_l2_budget_used_bytes": ("budget", "usedBytes")}
+          "kvpersist_resource_l2_budget_bytes": ("budget", "bytes")}
 _HITS = {"kvpersist_resource_lookup_tokens_total": "lookupTokens", "kvpersist_resource_hit_tokens_total": "hitTokens",
          "kvpersist_resource_hit_tokens_l1_total": "hitTokensL1", "kvpersist_resource_hit_tokens_l2_total": "hitTokensL2"}
 

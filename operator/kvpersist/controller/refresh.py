@@ -41,11 +41,12 @@ from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _rea
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
-from kvpersist.inventory.volume import iso, one_per_location, status_summary
+from kvpersist.inventory.volume import iso, one_per_location, served_of, status_summary
 from kvpersist.status import canary as judge_canary
 from kvpersist.status import keymismatch
 from kvpersist.status.conditions import (
     Observation,
+    budget_floor,
     compute_status,
     condition,
     failed_create,
@@ -198,7 +199,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         target, resolution = _target(body)
     except ValidationError as exc:  # the models refuse what the schema let in: Failed, InvalidSpec
         fields, conds = failed_status(generation, api.validation_message(exc))
-        reports, inventory, shared = [], None, False
+        reports, inventory, shared, volume, floor = [], None, False, None, 0
     else:
         refused = _refusal(target)
         if refused is None and state.refused is not None:
@@ -237,8 +238,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         observation.warm = _warm(key, target, seen, state)
         observation.references = references.condition_of(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
-        if old.get("namespaceId") == target.namespace_id:
-            observation.budget_floor = int((old.get("budget") or {}).get("usedBytes") or 0)
+        if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:
+            observation.budget_floor = int((old.get("usage") or {}).get("l2UsedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
         fields, conds = compute_status(observation)
         canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
@@ -255,6 +256,10 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         reports = observation.reports
         inventory = observation.inventory
         shared = target.shared
+        # The served namespace on the volume: this round's inventory, else the last one written.
+        volume = served_of(inventory if inventory is not None else (
+            old.get("inventory") if old.get("namespaceId") == target.namespace_id else None), target.namespace_id)
+        floor = budget_floor(observation)
         if target.cache_enabled:
             conds = transitions.cache_fallback(key, body, conds, generation, logger)
             conds = transitions.build_bypassed(key, target, conds, generation)
@@ -282,7 +287,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields, conds = refused_status(fields, conds, shown, generation)
     metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
-    new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=shared)
+    new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=shared, volume=volume, floor=floor)
     if new_status is not None:
         new_status = _write_status(meta, new_status, logger)  # raises when the API server refuses it
     # Reached only when the status now stands in the API server: the resource's series, and its

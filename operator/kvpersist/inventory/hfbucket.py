@@ -3,10 +3,10 @@ it), and does the token work? Checked with huggingface_hub before the lmcache se
 the hard way, and reported as L2Ready with a reason that names the fix.
 
 Every Hub call the operator makes (this preflight, the bucket listing and deletion in
-kvpersist.inventory.bucket) goes through one shared client built here. httpx's timeout bounds
-each socket read, not a call: a Hub trickling a byte every few seconds would hold a worker
-thread for as long as it likes. So each request here has one total deadline, connect to last
-body byte, enforced by shutting its socket down from a timer, and a cap on the answer's size.
+kvpersist.inventory.bucket, the pin check's file reads) goes through one shared client built here,
+on the operator's one HTTP stack (kvpersist.httptransport): each request has one total deadline,
+connect to last body byte, however slowly the Hub trickles its answer, and a cap on the answer's
+size.
 
 The token is read from the Secret by the caller and passed in; it is never logged, and no
 message built here contains it.
@@ -15,36 +15,27 @@ message built here contains it.
 from __future__ import annotations
 
 import os
-import socket
 import threading
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
 import httpx2
+
+from kvpersist import httptransport
 
 PREFLIGHT_TIMEOUT_S = 10.0  # each connect, socket read or write
 HUB_CALL_DEADLINE_S = 30.0  # one whole request: connect, send, headers, body
 HUB_MAX_BODY_BYTES = 32 * 1024 * 1024  # one answer; a listing page of 1000 entries is about 200 KB
-DEADLINE_EXTENSION = "kvpersist_deadline"  # request extension: a time.monotonic() the request must end by
-_TIMER_NAME = "kvp-hub-deadline"
-_caller_deadline: ContextVar[float | None] = ContextVar("kvpersist_hub_deadline", default=None)
+DEADLINE_EXTENSION = httptransport.DEADLINE  # request extension: a time.monotonic() the request must end by
 _client_lock = threading.Lock()
 _client_bounded = False
 
-
-class HubDeadlineExceeded(httpx2.ReadTimeout):
-    """A Hub request that did not end within its deadline; a ReadTimeout, so the callers'
-    transport-error handling (and huggingface_hub's retries) treat it as one."""
-
-
-class HubAnswerTooLarge(httpx2.ReadError):
-    """A Hub answer longer than HUB_MAX_BODY_BYTES; the connection was dropped unread."""
+HubDeadlineExceeded = httptransport.DeadlineExceeded  # a Hub request that did not end within its deadline
+HubAnswerTooLarge = httptransport.AnswerTooLarge  # a Hub answer longer than HUB_MAX_BODY_BYTES, dropped unread
+# Hub requests this thread makes inside `with hub_deadline(t):` end by t (a time.monotonic()), as if
+# each carried DEADLINE_EXTENSION: for calls made through HfApi, which passes no extensions.
+hub_deadline = httptransport.ending_by
 
 
 @dataclass(frozen=True)
@@ -63,181 +54,6 @@ def bucket_id(handle: str) -> str:
     return f"{parts[0]}/{parts[1]}"
 
 
-@contextmanager
-def hub_deadline(deadline: float) -> Iterator[None]:
-    """Hub requests this thread makes inside the block end by `deadline` (a time.monotonic()), as
-    if each carried the DEADLINE_EXTENSION: for calls made through HfApi, which passes no extensions."""
-    token = _caller_deadline.set(deadline)
-    try:
-        yield
-    finally:
-        _caller_deadline.reset(token)
-
-
-class _Watchdog:
-    """One request's deadline. httpcore reports each socket it connects through the `trace`
-    extension; a daemon timer shuts those sockets down at the deadline, which wakes a recv or send
-    blocked in the request's thread (close alone would not). It holds a dup of each socket: the
-    same kernel socket across the TLS wrap (which detaches the original object), and never a
-    descriptor number that a closed socket may have handed on to another."""
-
-    def __init__(self, deadline: float, seconds: float) -> None:
-        self.deadline = deadline
-        self.seconds = seconds
-        self.fired = False
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._done = False
-        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
-        self._timer.name = _TIMER_NAME
-        self._timer.daemon = True
-        self._timer.start()
-
-    def watch(self, stream: Any) -> None:
-        """A network stream httpcore connected (the trace's return_value): shut down with the rest."""
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if not isinstance(sock, socket.socket):
-            return
-        try:
-            dup = sock.dup()
-        except OSError:
-            return
-        with self._lock:
-            if self._done:
-                dup.close()
-                return
-            self._socks.append(dup)
-            if self.fired:  # connected after the deadline: hang up at once
-                _shutdown(dup)
-
-    def expired(self) -> bool:
-        return self.fired or time.monotonic() >= self.deadline
-
-    def abort(self) -> None:
-        """Hang up now (an answer refused midway): the server sees it, the reader wakes."""
-        with self._lock:
-            for sock in self._socks:
-                _shutdown(sock)
-
-    def finish(self) -> None:
-        """Stops the timer and lets the sockets go; idempotent, and the timer thread is gone on return."""
-        self._timer.cancel()
-        with self._lock:
-            self._done = True
-            socks, self._socks = self._socks, []
-        for sock in socks:
-            sock.close()
-        if self._timer is not threading.current_thread():
-            self._timer.join(1.0)
-
-    def error(self, request: httpx2.Request) -> HubDeadlineExceeded:
-        return HubDeadlineExceeded(f"the Hub did not answer within {self.seconds:.3g}s", request=request)
-
-    def _fire(self) -> None:
-        with self._lock:  # shut down under the lock: finish() never closes a socket mid-shutdown
-            if self._done:
-                return
-            self.fired = True
-            for sock in self._socks:
-                _shutdown(sock)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with suppress(OSError):  # already closed or reset: nothing left to wake
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-class _GuardedStream(httpx2.SyncByteStream):
-    """A response body read under its request's deadline and HUB_MAX_BODY_BYTES. An answer cut
-    short by the deadline is an error, never a short body (a body sent until EOF would look whole)."""
-
-    def __init__(self, inner: httpx2.SyncByteStream, watchdog: _Watchdog, request: httpx2.Request) -> None:
-        self._inner = inner
-        self._watchdog = watchdog
-        self._request = request
-
-    def __iter__(self) -> Iterator[bytes]:
-        cap, seen = HUB_MAX_BODY_BYTES, 0
-        try:
-            for chunk in self._inner:
-                seen += len(chunk)
-                if seen > cap:
-                    self._watchdog.abort()
-                    raise HubAnswerTooLarge(f"the Hub's answer was larger than {cap} bytes", request=self._request)
-                yield chunk
-            if self._watchdog.fired:
-                raise self._watchdog.error(self._request)
-        except (HubAnswerTooLarge, HubDeadlineExceeded):
-            self._watchdog.finish()
-            raise
-        except Exception as exc:
-            expired = self._watchdog.expired()
-            self._watchdog.finish()
-            if expired:
-                raise self._watchdog.error(self._request) from exc
-            raise
-        self._watchdog.finish()
-
-    def close(self) -> None:
-        try:
-            self._inner.close()
-        finally:
-            self._watchdog.finish()
-
-
-class _DeadlineTransport(httpx2.HTTPTransport):
-    """httpx's transport, giving each request one deadline for the whole exchange:
-    HUB_CALL_DEADLINE_S, or earlier when the request carries DEADLINE_EXTENSION or runs inside
-    hub_deadline(). Connect, read and write timeouts are clamped to it too (no socket to shut
-    down while connecting), and a request whose deadline has passed is not sent."""
-
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        now = time.monotonic()
-        deadline = now + HUB_CALL_DEADLINE_S
-        for cap in (request.extensions.get(DEADLINE_EXTENSION), _caller_deadline.get()):
-            if cap is not None:
-                deadline = min(deadline, float(cap))
-        seconds = deadline - now
-        if seconds <= 0:
-            raise HubDeadlineExceeded("the Hub call's deadline passed before this request was sent", request=request)
-        watchdog = _Watchdog(deadline, seconds)
-        original = request.extensions
-        timeouts = original.get("timeout") or {}
-        request.extensions = {  # a copy: a redirect reuses request.extensions, and gets its own watchdog
-            **original,
-            "timeout": {k: seconds if timeouts.get(k) is None else min(timeouts[k], seconds)
-                        for k in ("connect", "read", "write", "pool")},
-            "trace": _traced(watchdog, original.get("trace")),
-        }
-        try:
-            response = super().handle_request(request)
-        except Exception as exc:
-            expired = watchdog.expired()
-            watchdog.finish()
-            if expired:
-                raise watchdog.error(request) from exc
-            raise
-        except BaseException:
-            watchdog.finish()
-            raise
-        finally:
-            request.extensions = original
-        response.stream = _GuardedStream(response.stream, watchdog, request)
-        return response
-
-
-def _traced(watchdog: _Watchdog, prior: Callable[[str, dict[str, Any]], Any] | None) -> Callable[[str, dict[str, Any]], Any]:
-    """httpcore's trace callback: hands each newly connected stream to the watchdog, then calls any
-    callback the request already had."""
-
-    def trace(name: str, info: dict[str, Any]) -> Any:
-        if name.endswith(".connect_tcp.complete"):  # "connection.connect_tcp.complete" (httpcore2/_sync/connection.py)
-            watchdog.watch(info.get("return_value"))
-        return prior(name, info) if prior is not None else None
-
-    return trace
-
-
 def hub_proxy(endpoint: str | None = None) -> str | None:
     """The proxy for the Hub endpoint (HF_ENDPOINT, else huggingface.co) from HTTPS_PROXY /
     HTTP_PROXY, unless NO_PROXY names its host: httpx reads these only for a client without an
@@ -249,12 +65,13 @@ def hub_proxy(endpoint: str | None = None) -> str | None:
 
 
 def _hub_client() -> httpx2.Client:
-    """The operator's Hub client. Keep-alive off: each request opens its own connection, which its
-    watchdog may shut down without touching another request's. Accept-Encoding identity: the body
-    cap then bounds what is decoded, not just what crosses the wire."""
+    """The operator's Hub client: HUB_CALL_DEADLINE_S and HUB_MAX_BODY_BYTES per request (read on
+    each), no keep-alive (the transport's). Accept-Encoding identity: the body cap then bounds what
+    is decoded, not just what crosses the wire."""
+    transport = httptransport.BoundedTransport("the Hub", lambda: HUB_CALL_DEADLINE_S, lambda: HUB_MAX_BODY_BYTES,
+                                               proxy=hub_proxy())
     return httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(PREFLIGHT_TIMEOUT_S),
-                         limits=httpx2.Limits(max_keepalive_connections=0), headers={"Accept-Encoding": "identity"},
-                         transport=_DeadlineTransport(proxy=hub_proxy()))
+                         headers={"Accept-Encoding": "identity"}, transport=transport)
 
 
 def _bound_hub_client() -> None:
@@ -314,10 +131,10 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
 
 
 def transport_error_text(exc: BaseException) -> str:
-    """What a message may say about a failed Hub request: the exception type only, except for this
-    module's own errors, whose text is ours (the deadline or the size cap) and never holds a URL
-    or the token."""
-    return str(exc) if isinstance(exc, HubDeadlineExceeded | HubAnswerTooLarge) else type(exc).__name__
+    """What a message may say about a failed Hub request: the exception type only, except for the
+    transport's own refusals, whose text is ours (the deadline, the size cap, not HTTP, cut short)
+    and never holds a URL or the token."""
+    return str(exc) if isinstance(exc, httptransport.Refused) else type(exc).__name__
 
 
 def _unreachable(bid: str, exc: BaseException) -> Preflight:

@@ -118,9 +118,6 @@ def space_status(claims: list[dict[str, Any]], removed: dict[str, Any] | None = 
     fullest = max(distinct.values(), key=lambda c: (fraction(c) or 0.0, c["location"]))
     out = {**fullest, "claims": len(distinct),
            "otherNamespacesBytes": sum(c["otherNamespacesBytes"] for c in distinct.values())}
-    pct = fraction(fullest)
-    if pct is not None:
-        out["usedPercent"] = f"{min(pct, 9.999) * 100:.1f}%"
     out.update(removed or {})
     return out
 

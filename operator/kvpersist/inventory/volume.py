@@ -370,18 +370,15 @@ def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[t
 
 
 def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: str | None, live: set[str]) -> dict[str, Any]:
-    """status.inventory: each (location, pod, inventory) with orphans marked, and the totals a user
-    reads first: this resource's namespace's share, and what orphans hold."""
+    """status.inventory: each (location, pod, inventory) with orphans marked, and what orphans hold.
+    The served namespace's own share is status.usage's (served_of), not repeated here."""
     out_volumes = []
-    current_bytes = current_objects = orphaned_bytes = 0
+    orphaned_bytes = 0
     orphaned: set[str] = set()
     for location, pod, inv in volumes:
         mark_orphans(inv, live)
         for n in inv.namespaces:
-            if n.namespace_id == current:
-                current_bytes += n.bytes
-                current_objects += n.objects
-            elif n.orphan:
+            if n.namespace_id != current and n.orphan:
                 orphaned.add(n.namespace_id)
                 orphaned_bytes += n.bytes
         vol: dict[str, Any] = {"location": location, "namespaces": [n.to_json() for n in rank(inv.namespaces)]}
@@ -389,5 +386,14 @@ def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: st
         # is written only when something changed.
         vol.update({k: v for k, v in (("pod", pod), ("otherBytes", inv.other_bytes or None)) if v is not None})
         out_volumes.append(vol)
-    return {"currentBytes": current_bytes, "currentObjects": current_objects, "orphanedNamespaces": len(orphaned),
-            "orphanedBytes": orphaned_bytes, "volumes": out_volumes}
+    return {"orphanedNamespaces": len(orphaned), "orphanedBytes": orphaned_bytes, "volumes": out_volumes}
+
+
+def served_of(inventory: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[int, int] | None:
+    """(bytes, objects) of namespace_id over a status.inventory's volumes (each location once), or
+    None without an inventory: the volume's count of the namespace a resource serves."""
+    if not inventory or namespace_id is None:
+        return None
+    shares = [n for v in inventory.get("volumes") or [] for n in v.get("namespaces") or []
+              if n.get("namespaceId") == namespace_id]
+    return sum(int(n.get("bytes") or 0) for n in shares), sum(int(n.get("objects") or 0) for n in shares)

@@ -116,7 +116,7 @@ class Observation:
     inventory: dict[str, Any] | None = None  # status.inventory, when the volumes or bucket were read
     l2_space: dict[str, Any] | None = None  # status.l2 (kvpersist.inventory.space), when the claims were read
     budget_bytes: int | None = None  # spec.l2.nvme.budget
-    budget_floor: int = 0  # status.budget.usedBytes as last written for this namespace id (see budget_status)
+    budget_floor: int = 0  # status.usage.l2UsedBytes as last written for this namespace id (see budget_status)
     budget_floor_exhausted: bool = False  # and whether that status said Exhausted
     identity_code: str = "IdentityIncomplete"  # the condition reason when namespace_id is None (Resolution.code)
     key_problem: tuple[str, str] | None = None  # (reason, message): the L2 key cannot be used, so no namespace
@@ -239,29 +239,30 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
     lmcache refuses it."""
     if obs.budget_bytes is None or obs.namespace_id is None:
         return None
-    from kvpersist.status.usage import human_bytes
+    from kvpersist.inventory.volume import served_of
+    from kvpersist.status.usage import human_bytes, namespace_l2
 
     reported = [r for r in obs.reports if r.l2_used is not None]
-    # One folder (spec.l2.nvme.shared): each server counts what it found of the others' too, so the
-    # largest count, not the sum (usage.summarize does the same).
-    used = [r.l2_used or 0 for r in reported]
-    objects_of = [r.l2_objects or 0 for r in reported]
-    used_servers = max(used, default=0) if obs.shared else sum(used)
-    objects_servers = max(objects_of, default=0) if obs.shared else sum(objects_of)
-    inv = obs.inventory or {}
-    used_volume, objects_volume = int(inv.get("currentBytes") or 0), int(inv.get("currentObjects") or 0)
-    if not reported and not inv and not obs.budget_floor:  # nothing measured yet
-        return {"bytes": obs.budget_bytes, "state": "Available", "budget": f"?/{human_bytes(obs.budget_bytes)}"}
-    # The floor never above the budget: past it (lmcache restarted, counting from zero) the inventory
-    # agent trims the folder back to the budget, and the scans show it.
-    floor = min(obs.budget_floor, obs.budget_bytes)
-    used, objects = max(used_servers, used_volume, floor), max(objects_servers, objects_volume)
+    volume = served_of(obs.inventory, obs.namespace_id)
+    if not reported and volume is None and not obs.budget_floor:  # nothing measured yet
+        return {"bytes": obs.budget_bytes, "state": "Available", "_shown": f"?/{human_bytes(obs.budget_bytes)}"}
+    # status.usage.l2UsedBytes is the same figure (refresh passes it the same floor).
+    floor = budget_floor(obs)
+    used, objects = namespace_l2(reported, obs.shared, volume, floor)
     # With no object count to judge by (a restarted server and no scan this round), the floor's
     # own verdict stands: files padded on disk (encrypted) leave a full budget below its bytes.
     floor_only = objects == 0 and used == floor > 0 and obs.budget_floor_exhausted
     exhausted = used >= obs.budget_bytes or (objects > 0 and used + used / objects > obs.budget_bytes) or floor_only
-    return {"bytes": obs.budget_bytes, "usedBytes": used, "state": "Exhausted" if exhausted else "Available",
-            "budget": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}
+    # "_shown" is for the WithinBudget message only; compute_status leaves it out of status.budget.
+    return {"bytes": obs.budget_bytes, "state": "Exhausted" if exhausted else "Available",
+            "_shown": f"{human_bytes(used) or '0B'}/{human_bytes(obs.budget_bytes)}"}
+
+
+def budget_floor(obs: Observation) -> int:
+    """The least a budgeted namespace's L2 bytes may read: the last written, never above the budget
+    (past it, lmcache restarted counting from zero, the agent trims the folder back to the budget);
+    0 without a budget."""
+    return min(obs.budget_floor, obs.budget_bytes) if obs.budget_bytes is not None else 0
 
 
 def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
@@ -269,9 +270,9 @@ def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict
         return None
     if budget["state"] == "Exhausted":
         return condition("WithinBudget", False, "BudgetExhausted",
-                         f"L2 holds {budget['budget']} of this namespace's budget: new KV is not persisted (served from L1 "
+                         f"L2 holds {budget['_shown']} of this namespace's budget: new KV is not persisted (served from L1 "
                          "and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room", gen)
-    return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['budget']} used", gen)
+    return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['_shown']} used", gen)
 
 
 def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
@@ -284,7 +285,11 @@ def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, 
     full = nearly_full(dict(l2) if l2 else None)
     if l2 is None or full is None:
         return None
-    where = f"{l2['location']} is {l2.get('usedPercent', '?')} full ({human_bytes(l2['usedBytes']) or '0B'} of " \
+    from kvpersist.inventory.space import fraction
+
+    share = fraction(dict(l2))
+    where = f"{l2['location']} is {'?' if share is None else f'{min(share, 9.999) * 100:.1f}%'} full " \
+            f"({human_bytes(l2['usedBytes']) or '0B'} of " \
             f"{human_bytes(l2.get('capacityBytes') or 0) or '?'})"
     others = l2.get("largestOtherNamespaces") or []
     held = f"; other namespaces' folders hold {human_bytes(l2.get('otherNamespacesBytes') or 0) or '0B'}" if others else ""
@@ -302,7 +307,7 @@ def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, 
                "spec.l2.nvme.maxCapacityGB")
         fix = f"; folders of other namespaces: {names}. Deletion is explicit: {how}"
     else:
-        fix = "; the served namespace alone fills it: lower spec.l2.nvme.maxCapacityGB (or budget) below the claim's size"
+        fix = "; the served namespace alone fills it: lower spec.l2.nvme.maxCapacity (or budget) below the claim's size"
     return condition(SPACE_CONDITION, False, "ClaimNearlyFull",
                      f"{where}, at or past {NEARLY_FULL:.0%}: the served namespace is trimmed to make room and writes "
                      f"fail once it is full{fix}", gen)
@@ -482,7 +487,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     if obs.vllm_selector is not None:
         status["vllmSelector"] = obs.vllm_selector
     if budget is not None:
-        status["budget"] = budget
+        status["budget"] = {k: v for k, v in budget.items() if not k.startswith("_")}
     if obs.l2_space is not None:
         status["l2"] = obs.l2_space
     return status, conds
@@ -536,19 +541,20 @@ def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, ri
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
                  reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
                  hits: Mapping[str, Any] | None = None, at: datetime | None = None,
-                 shared: bool = False) -> dict[str, Any] | None:
+                 shared: bool = False, volume: tuple[int, int] | None = None, floor: int = 0) -> dict[str, Any] | None:
     """The status patch to write, or None when nothing a user could see changed.
 
     Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
     that could not be measured this time keeps its last known value; so do the hit figures
     (status.hits, from kvpersist.status.usage.HitTracker), which alone write at most once per
-    HITS_WRITE_INTERVAL_S."""
+    HITS_WRITE_INTERVAL_S. volume and floor: the served namespace's own count on the volume and the
+    budget's floor, which usage.l2UsedBytes folds in (kvpersist.status.usage.namespace_l2)."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
     if old.get("budget") is not None and "budget" not in fields:
         patch["budget"] = None  # the budget was taken off the spec
     if _strip(old.get("conditions") or []) != _strip(conds):
         patch["conditions"] = merge_conditions(old.get("conditions") or [], conds)
-    usage = summarize(reports, measured_at=now(), shared=shared)
+    usage = summarize(reports, measured_at=now(), shared=shared, volume=volume, floor=floor)
     if usage and _without_stamp(usage) != _without_stamp(old.get("usage")):
         patch["usage"] = usage
     if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):

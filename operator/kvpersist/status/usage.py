@@ -350,9 +350,14 @@ def percent(part: int, whole: int) -> str | None:
     return f"{100.0 * part / whole:.1f}%"
 
 
+def ratio(part: int, whole: int) -> float | None:
+    """A share as a number, to 4 decimals (0.625 for 62.5%); None without a whole."""
+    return round(part / whole, 4) if whole > 0 else None
+
+
 def _figures(t: HitTotals) -> dict[str, Any]:
     return {"lookupTokens": t.lookup, "hitTokens": t.hit, "hitTokensL1": t.l1, "hitTokensL2": t.l2,
-            "hitRate": percent(t.hit, t.lookup), "hitRateL1": percent(t.l1, t.lookup), "hitRateL2": percent(t.l2, t.lookup)}
+            "hitRate": ratio(t.hit, t.lookup), "hitRateL1": ratio(t.l1, t.lookup), "hitRateL2": ratio(t.l2, t.lookup)}
 
 
 def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> dict[str, Any] | None:
@@ -398,7 +403,7 @@ def hits_status(totals: HitTotals, baselines: Mapping[str, LookupCounters], wind
     None so that a merge patch removes them."""
     summary = None
     if window is not None and window.get("hitRate") is not None:
-        summary = f"{window['hitRate']} ({_duration(window['seconds'])})"
+        summary = f"{percent(window['hitTokens'], window['lookupTokens'])} ({_duration(window['seconds'])})"
     elif totals.lookup > 0:
         summary = f"{percent(totals.hit, totals.lookup)} (total)"
     servers = [{"pod": pod, "startedAt": c.started, "lookupTokens": c.requested, "hitTokens": c.hit,
@@ -575,15 +580,38 @@ def human_bytes(n: int | None) -> str | None:
     return f"{n}B"
 
 
-def summarize(reports: list[ServerReport], measured_at: str, shared: bool = False) -> dict[str, Any]:
-    """Usage summed over servers that answered, in the status's shape. shared (spec.l2.nvme.shared):
-    the servers' L2 is one folder, and each counts what it stored and what it found of the others':
-    L2 is then the largest count, never the sum (the same files counted once per server)."""
+def servers_l2(reports: list[ServerReport], shared: bool) -> tuple[int, int]:
+    """(bytes, objects) the servers that answered count on L2: summed, or with spec.l2.nvme.shared
+    (one folder, each server counting the others' files too) the largest count."""
+    counted = [r for r in reports if r.l2_used is not None]
+    used, objects = [r.l2_used or 0 for r in counted], [r.l2_objects or 0 for r in counted]
+    if shared:
+        return max(used, default=0), max(objects, default=0)
+    return sum(used), sum(objects)
+
+
+def namespace_l2(reports: list[ServerReport], shared: bool, volume: tuple[int, int] | None,
+                 floor: int = 0) -> tuple[int, int]:
+    """The namespace's (bytes, objects) on L2, the one figure status shows (usage.l2UsedBytes) and
+    the budget counts: the larger of the servers' count (a restarted server counts from zero) and
+    the volume's (read every few rounds), and never below floor (with a budget: the last written)."""
+    servers_bytes, servers_objects = servers_l2(reports, shared)
+    volume_bytes, volume_objects = volume or (0, 0)
+    return max(servers_bytes, volume_bytes, floor), max(servers_objects, volume_objects)
+
+
+def summarize(reports: list[ServerReport], measured_at: str, shared: bool = False,
+              volume: tuple[int, int] | None = None, floor: int = 0) -> dict[str, Any]:
+    """Usage summed over servers that answered, in the status's shape, L2 as namespace_l2 counts it.
+    shared (spec.l2.nvme.shared): the servers' L2 is one folder, and each counts what it stored and
+    what it found of the others': L2 is then the largest count, never the sum."""
     answered = [r for r in reports if r.l1_capacity is not None]
     if not answered:
         return {}
     total = {k: (largest if shared and k.startswith("l2_") else _sum)(getattr(r, k) for r in answered)
              for k in ("l1_used", "l1_capacity", "l2_used", "l2_capacity", "l2_objects")}
+    if total["l2_used"] is not None or volume is not None:
+        total["l2_used"], total["l2_objects"] = namespace_l2(answered, shared, volume, floor)
     usage: dict[str, Any] = {
         "l1UsedBytes": total["l1_used"],
         "l1CapacityBytes": total["l1_capacity"],

@@ -145,7 +145,7 @@ def l2_serde(target: Target) -> dict[str, Any] | None:
 
 
 def l2_adapter_config(target: Target) -> dict[str, Any]:
-    """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacityGB,
+    """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacity,
     or under the budget (a hard cap, no eviction) when one is set, and the serde when encrypted."""
     config = _adapter_config(target)
     serde = l2_serde(target)
@@ -202,13 +202,6 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def l1_eviction_policy(policy: str) -> str:
-    """The server-wide flag is L1's policy. Never IsolatedLRU, even if an old object slipped
-    through: it needs a cache_salt that L1's eviction loop never passes, and lmcache 0.5.6's L1
-    eviction thread dies at the first watermark (ValueError "requires cache_salt")."""
-    return "LRU" if policy == "IsolatedLRU" else policy
-
-
 def worker_sourced_kv_events(target: Target) -> bool:
     """Whether the servers keep no KV event log, so that the connector in vLLM announces its own
     stores (spec.vllm.kvEvents on a build that moves KV engine-driven). lmcache 0.5.6's server log
@@ -235,7 +228,7 @@ def server_args(target: Target) -> list[str]:
         "--l1-size-gb", _number(spec.l1.size_gb),
         # L1's page, which nixl_store_dynamic also moves and sizes files in (api l1_page_bytes).
         "--l1-align-bytes", str(l1_page_bytes(spec)),
-        "--eviction-policy", l1_eviction_policy(spec.eviction.policy),
+        "--eviction-policy", spec.eviction.policy,
         "--eviction-trigger-watermark", _number(spec.eviction.trigger_watermark),
         "--eviction-ratio", _number(spec.eviction.eviction_ratio),
         "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
@@ -342,7 +335,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     the resource's token, /metrics). With NVMe it is also the only thing that can read the volume
     for per-namespace reports and delete an orphaned namespace when an admin asks, and with
     nixl_store_dynamic it holds the served folder to the adapter's capacity (the budget, else
-    maxCapacityGB), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
+    maxCapacity), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
     port = target.spec.lmcache_server.agent_port
     nvme = target.spec.l2.nvme
     args = ["agent", *(["--root", L2_MOUNT_PATH] if nvme is not None else []), "--host", "0.0.0.0", "--port", str(port),

@@ -25,7 +25,7 @@ DAY_S = 86400.0
 
 
 def effective_capacity(capacity_bytes: int, claim_bytes: int | None, others_bytes: int, fill: float = TRIM_FILL) -> int:
-    """The served namespace's trim watermark: its own capacity (budget or maxCapacityGB), lowered
+    """The served namespace's trim watermark: its own capacity (budget or maxCapacity), lowered
     to what the claim has left beside everything else on it (other namespaces' folders, files
     outside any folder). Never below MIN_SHARE of the capacity: where old folders alone fill the
     claim, deleting every served chunk would only trade its hits for writes that cannot stay

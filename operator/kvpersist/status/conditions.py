@@ -304,7 +304,7 @@ def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, 
         how = (f"`kvpersist report` lists them, `kvpersist gc {orphan['namespaceId']} --no-dry-run` deletes one; or let the "
                "agent remove those unwritten for N days with spec.l2.orphanRetention.maxAgeDays") if orphan else (
                "each is in use by a live resource or server, so none may be deleted: raise the claim or lower "
-               "spec.l2.nvme.maxCapacityGB")
+               "spec.l2.nvme.maxCapacity")
         fix = f"; folders of other namespaces: {names}. Deletion is explicit: {how}"
     else:
         fix = "; the served namespace alone fills it: lower spec.l2.nvme.maxCapacity (or budget) below the claim's size"
@@ -369,7 +369,7 @@ def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] |
         detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
         return condition("L2Ready", False, "L2WritesFailing",
                          f"L2 writes failing on {detail}: the volume is full or failing; serving continues from L1 "
-                         "and recompute. Free space or raise the claim, and keep maxCapacityGB below the free space", gen)
+                         "and recompute. Free space or raise the claim, and keep maxCapacity below the free space", gen)
     if obs.l2_kind == "nvme":
         return condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen)
     check = f"; {obs.bucket_check[2]}" if obs.bucket_check else ""

@@ -62,15 +62,16 @@ def _check(target: Target) -> None:
     ns, engine = _parse(vllm_args(target))
     _validate(engine)
     ident = target.spec.identity
+    pins = ident.resolved()  # the tokenizer defaults to the model's own, at its revision
     assert ns.subparser == "serve"
     assert engine.model == ident.model_id and engine.revision == ident.model_revision
-    assert engine.tokenizer == ident.tokenizer and engine.tokenizer_revision == ident.tokenizer_revision
+    assert engine.tokenizer == pins["tokenizer"] and engine.tokenizer_revision == pins["tokenizer_revision"]
     assert engine.kv_cache_dtype == ident.kv_cache_dtype and engine.block_size == ident.block_size
     assert engine.tensor_parallel_size == ident.tensor_parallel_size and engine.max_model_len == ident.max_model_len
     kv = engine.kv_transfer_config
     if target.cache_enabled:
         assert type(kv).__name__ == "KVTransferConfig"
-        assert kv.kv_connector == ident.connector == "LMCacheMPConnector"
+        assert kv.kv_connector == pins["connector"] == "LMCacheMPConnector"
         assert kv.kv_connector_module_path == CONNECTOR_MODULES["LMCacheMPConnector"] and kv.kv_role == "kv_both"
     else:
         assert kv is None

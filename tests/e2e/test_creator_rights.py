@@ -59,6 +59,7 @@ def manifests(ns: str) -> dict[str, tuple[str | None, dict]]:
     nvme.pop("size")
     nvme.pop("storageClassName")
     nvme["existingClaimName"] = CLAIM
+    nvme["maxCapacity"] = "100Gi"  # required with an existing claim (no size to take 90% of)
     def vllm(name: str, **fields: object) -> dict:
         obj = at(sample(), name)
         obj["spec"]["vllm"].update(fields)

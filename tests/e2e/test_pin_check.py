@@ -48,7 +48,8 @@ def test_a_pin_the_files_contradict_turns_the_cache_off_naming_the_field(kubectl
             digest = "sha256:" + hashlib.sha256(TEMPLATE.encode()).hexdigest()
             assert cond["status"] == "False"
             assert f"spec.identity.chatTemplateDigest is {ident['chatTemplateDigest']}" in cond["message"]
-            assert f"tokenizer_config.json at {ident['tokenizer']}@{ident['tokenizerRevision']} gives {digest}" in cond["message"]
+            tokenizer = f"{ident.get('tokenizer', ident['modelId'])}@{ident.get('tokenizerRevision', ident['modelRevision'])}"
+            assert f"tokenizer_config.json at {tokenizer} gives {digest}" in cond["message"]
             assert "kvpersist pins" in cond["message"]
             status = wait_for("the cache off", lambda: (lambda s: s if s.get("phase") == "CacheDisabled" else None)(
                 kubectl.get("kvns", name, ns).get("status") or {}), timeout=120)

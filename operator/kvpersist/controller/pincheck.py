@@ -57,9 +57,8 @@ def key_of(identity: api.Identity) -> Key | None:
     """What to read for these pins, or None when there is nothing to check against (no revision)."""
     if not identity.model_revision:
         return None
-    tokenizer = identity.tokenizer or identity.model_id
-    tok_rev = identity.tokenizer_revision or (identity.model_revision if tokenizer == identity.model_id else "")
-    return identity.model_id, identity.model_revision.lower(), tokenizer, tok_rev.lower()
+    pins = identity.resolved()  # the tokenizer vLLM loads: the model's own unless set
+    return identity.model_id, identity.model_revision.lower(), pins["tokenizer"], (pins["tokenizer_revision"] or "").lower()
 
 
 def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdict:

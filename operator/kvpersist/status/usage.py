@@ -609,8 +609,9 @@ def summarize(reports: list[ServerReport], measured_at: str, shared: bool = Fals
     if not answered:
         return {}
     total = {k: (largest if shared and k.startswith("l2_") else _sum)(getattr(r, k) for r in answered)
-             for k in ("l1_used", "l1_capacity", "l2_used", "l2_capacity", "l2_objects")}
-    if total["l2_used"] is not None or volume is not None:
+             for k in ("l1_used", "l1_capacity", "l2_capacity", "l2_objects")}
+    total["l2_used"] = None
+    if volume is not None or any(r.l2_used is not None for r in answered):  # L2's figure as the budget counts it
         total["l2_used"], total["l2_objects"] = namespace_l2(answered, shared, volume, floor)
     usage: dict[str, Any] = {
         "l1UsedBytes": total["l1_used"],

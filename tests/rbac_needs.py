@@ -47,6 +47,8 @@ KUBE = "kvpersist.controller.kube"  # the operator's wrappers of the API server'
 # Modules that call the API server but never as the operator's ServiceAccount.
 OTHER_IDENTITIES = {"kvpersist.admin": "`kvpersist status/report/gc`: run by a person with their own kubeconfig",
                     "kvpersist.plancmd": "`kvpersist plan`: run by a person with their own kubeconfig"}
+# Other projects' APIs the operator uses where installed (spec.vllm.inferencePool): their kinds' plurals.
+FOREIGN_CRDS = (REPO / "tests" / "e2e" / "data" / "inferencepools.inference.networking.k8s.io.yaml",)
 MODES = ("clusterwide", "namespaced")  # the chart: watchNamespaces empty, or set
 WATCHED = ("team-a", "team-b")  # watchNamespaces when the chart is rendered in namespaced mode
 # What Kubernetes grants every authenticated user (the ClusterRole system:basic-user): the chart
@@ -146,8 +148,10 @@ def kinds() -> dict[tuple[str, str, str], str]:
 @functools.cache
 def _chart_crds() -> tuple[dict[str, Any], ...]:
     """The chart's CRDs: the kopf peering ones in crds/, the KVCacheNamespace one that
-    templates/crd.yaml renders from files/."""
+    templates/crd.yaml renders from files/; and the APIs of others the operator writes where they
+    are installed (FOREIGN_CRDS: InferencePool), by the stand-ins the e2e tests install."""
     paths = sorted((CHART / "crds").glob("*.yaml")) + sorted((CHART / "files").glob("*.kvpersist.dev.yaml"))
+    paths += list(FOREIGN_CRDS)
     return tuple(d for p in paths for d in yaml.safe_load_all(p.read_text()) if d)
 
 

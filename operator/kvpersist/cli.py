@@ -1,9 +1,9 @@
 """The `kvpersist` command (also `kubectl kvpersist ...`): `status`, `report` and `gc` are the admin's
 view and explicit cleanup, `plan -f FILE` what an apply would do, `pins` a model's identity pins
 from its Hub files, `version` and `completion`. The operator's own entry points are
-`kvpersist-operator`'s: `run` starts the controller, `agent` is the inventory sidecar, `crd` and
-`pin-change-policy` and `api-reference` print or write the generated CRD, pin-change warning and
-API reference."""
+`kvpersist-operator`'s: `run` starts the controller, `agent` is the inventory sidecar, `crd`,
+`pin-change-policy`, `attach-policy` and `api-reference` print or write the generated CRD, pin-change
+warning, attach policies and API reference."""
 
 from __future__ import annotations
 
@@ -106,6 +106,12 @@ def _pin_change_policy(args: argparse.Namespace) -> int:
     return _render_or_write(args, render_config, write)
 
 
+def _attach_policy(args: argparse.Namespace) -> int:
+    from kvpersist.api.attachpolicy import render_config, write
+
+    return _render_or_write(args, render_config, write)
+
+
 def _admin(args: argparse.Namespace) -> int:
     from kubernetes.client.exceptions import ApiException
 
@@ -142,7 +148,8 @@ def _api_reference(args: argparse.Namespace) -> int:
     return _render_or_write(args, render_reference, write_reference)
 
 
-OPERATOR_COMMANDS = ("run", "agent", "crd", "pin-change-policy", "api-reference")  # the operator image's own: `kvpersist-operator`
+# The operator image's own: `kvpersist-operator`.
+OPERATOR_COMMANDS = ("run", "agent", "crd", "pin-change-policy", "attach-policy", "api-reference")
 
 
 def _operator_parser() -> argparse.ArgumentParser:
@@ -176,6 +183,11 @@ def _operator_parser() -> argparse.ArgumentParser:
     policy.add_argument("--write", action="store_true", help="write config/pin-change-warning/ and the chart's template")
     policy.add_argument("--root", default=".", help="repository root for --write")
     policy.set_defaults(fn=_pin_change_policy)
+    attach = sub.add_parser("attach-policy", help="print the admission policies that attach users' own vLLM pods to a "
+                            "KVCacheNamespace with spec.vllm.mode Attached (docs/attach.md)")
+    attach.add_argument("--write", action="store_true", help="write config/attach/ and the chart's template")
+    attach.add_argument("--root", default=".", help="repository root for --write")
+    attach.set_defaults(fn=_attach_policy)
 
     reference = sub.add_parser("api-reference", help="print docs/api-reference.md, generated from the API models")
     reference.add_argument("--write", action="store_true", help="write docs/api-reference.md instead of printing")
@@ -226,7 +238,7 @@ def _completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def operator_main(argv: list[str] | None = None) -> int:
-    """`kvpersist-operator run | agent | crd | pin-change-policy`."""
+    """`kvpersist-operator run | agent | crd | pin-change-policy | attach-policy | api-reference`."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["agent"]:
         from kvpersist.inventory import agent

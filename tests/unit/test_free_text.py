@@ -188,7 +188,8 @@ def test_ordinary_free_strings_are_kept() -> None:
 
 # Objects a sample lacks, made with their required members, so a value under them can validate.
 MADE = {("l2", "encryption", "keySecretRef"): {"name": "kv-master-key"}, ("vllm", "hfTokenSecretRef"): {"name": "hf-reader"},
-        ("vllm", "apiKeySecretRef"): {"name": "vllm-api"}}
+        ("vllm", "apiKeySecretRef"): {"name": "vllm-api"},
+        ("vllm", "inferencePool", "endpointPicker"): {"name": "kv-router-epp"}}
 
 
 def _claim_instead_of_size(spec: dict[str, Any]) -> None:

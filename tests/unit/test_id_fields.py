@@ -48,7 +48,9 @@ def _full_nvme() -> dict[str, Any]:
                          "apiKeySecretRef": {"name": "vllm-api", "key": "api-key"},
                          "modelCache": {"size": "100Gi", "storageClassName": "fast", "accessModes": ["ReadWriteOnce"]},
                          "service": {"enabled": True, "type": "ClusterIP", "port": 8000},
-                         "kvEvents": {"enabled": True, "port": 5557, "replayPort": 5558}})
+                         "kvEvents": {"enabled": True, "port": 5557, "replayPort": 5558},
+                         "inferencePool": {"endpointPicker": {"name": "kv-router-epp", "port": 9002,
+                                                              "failureMode": "FailClose"}}})
     spec["imagePullSecrets"] = [{"name": "pull"}]
     spec["canary"] = {"enabled": True, "prompt": "a prompt of its own", "maxTokens": 16, "intervalSeconds": 600}
     spec["prewarm"] = {"prompts": ["a prompt kept warm"], "systemPrompts": ["You are terse."],

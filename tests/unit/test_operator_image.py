@@ -116,7 +116,7 @@ def test_every_entry_point_and_subcommand_answers_help(venv: Path) -> None:
         assert done.returncode == 0, f"{script} --help: {done.stderr}"
     # Users' commands and the operator's own apart (kvpersist.cli), each answering --help.
     for script, expected in (("kvpersist", {"status", "report", "gc", "plan", "pins", "convert", "version", "completion"}),
-                             ("kvpersist-operator", {"run", "agent", "crd", "pin-change-policy", "api-reference"})):
+                             ("kvpersist-operator", {"run", "agent", "crd", "pin-change-policy", "attach-policy", "api-reference"})):
         top = in_image(venv, script, "--help").stdout
         subcommands = re.search(r"\{([a-z,-]+)\}", top)
         assert subcommands, top

@@ -104,6 +104,11 @@ EXTRA_ARG_VALUE_FLAGS = "[" + ", ".join(f"'{f}'" for f in sorted(f for f, takes 
 EXTRA_ARGS_VALUES_RULE = ("extraArgs: a value is the item right after a flag that takes one (or written --flag=value), "
                           "and such a flag is followed by its value: any other word would reach vLLM as a positional "
                           "argument")
+VLLM_MODE_FIXED = ("vllm.mode is fixed at creation: to move between Managed and Attached, delete this resource and "
+                   "create it again with the same pins (the namespace id, and so the cached KV, is the same)")
+ATTACHED_OWN_FIELDS = ("with vllm.mode Attached your own pods carry their arguments, environment, weights and Service: "
+                       "remove spec.vllm.extraArgs, env, envFrom, modelCache, hfTokenSecretRef and set service.enabled "
+                       "false (docs/attach.md)")
 EXTRA_ARGS_RULE = ("extraArgs may set only these vLLM flags, spelled in full: " + ", ".join(sorted(EXTRA_ARGS))
                    + "; identity pins are set in spec.identity, and flags that change the KV are refused")
 
@@ -705,16 +710,18 @@ def env_problem(name: str) -> str | None:
     return None
 
 
-def _env_name_rule() -> str:
-    names = ", ".join(f"'{n}'" for n in sorted(ENV_REFUSED))
-    prefixes = " && ".join(f"!self.startsWith('{p}')" for p in ENV_REFUSED_PREFIXES)
-    families = " && ".join(f"(!self.startsWith('{p}') || self in [{', '.join(repr(n) for n in allowed)}])"
+def env_name_rule(name: str = "self", exempt: tuple[str, ...] = ()) -> str:
+    """CEL: whether the variable `name` may be set in a vLLM container (spec.vllm.env's rule; the
+    attach policy's with `exempt`, the names an attached pod may set itself)."""
+    names = ", ".join(f"'{n}'" for n in sorted(set(ENV_REFUSED) - set(exempt)))
+    prefixes = " && ".join(f"!{name}.startsWith('{p}')" for p in ENV_REFUSED_PREFIXES)
+    families = " && ".join(f"(!{name}.startsWith('{p}') || {name} in [{', '.join(repr(n) for n in allowed)}])"
                            for p, (allowed, _) in ENV_ALLOW_LISTED.items())
-    return f"!(self in [{names}]) && {prefixes} && {families}"
+    return f"!({name} in [{names}]) && {prefixes} && {families}"
 
 
 EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=ENV_NAME,
-                               json_schema_extra={"x-kubernetes-validations": [cel(_env_name_rule(), ENV_RULE)]})]
+                               json_schema_extra={"x-kubernetes-validations": [cel(env_name_rule(), ENV_RULE)]})]
 
 
 class EnvVar(_Spec):
@@ -846,6 +853,30 @@ class KVEvents(_Spec):
     )
 
 
+INFERENCE_POOL_PICKER_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (EPP) gRPC port
+ATTACHED_NO_POOL = ("with vllm.mode Attached your own pods are not the operator's to pool: remove "
+                    "spec.vllm.inferencePool (your KServe or llm-d makes its own InferencePool)")
+
+
+class EndpointPicker(_Spec):
+    """The endpoint picker (EPP) a gateway asks which pod of the pool takes a request: a KV-aware one
+    reads the pods' KV events (spec.vllm.kvEvents, topic the namespace id)."""
+
+    name: str = Field(max_length=63, pattern=DNS_LABEL, description="Name of the picker's Service, in this namespace.")
+    port: int = Field(INFERENCE_POOL_PICKER_PORT, ge=1, le=65535, description="Port of the picker's Service.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose", description="What a gateway does when the picker does not answer: FailClose refuses the request, "
+        "FailOpen sends it to any pod of the pool.",
+    )
+
+
+class InferencePool(_Spec):
+    """An InferencePool (Gateway API Inference Extension) over this resource's vLLM pods, so a gateway
+    routes through a KV-aware endpoint picker. Made only where the API server serves it."""
+
+    endpoint_picker: EndpointPicker = Field(description="The endpoint picker the pool names (endpointPickerRef).")
+
+
 class VLLM(_Spec):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
@@ -855,10 +886,26 @@ class VLLM(_Spec):
                 cel("!self.kvEvents.enabled || (self.kvEvents.port != self.port && (!has(self.kvEvents.replayPort) || "
                     "self.kvEvents.replayPort != self.port))", "kvEvents.port and kvEvents.replayPort must differ from port",
                     field_path=".kvEvents.port"),
+                # Guarded with has(): a stored object from before the field holds no key of it.
+                cel("(has(self.mode) ? self.mode : 'Managed') == (has(oldSelf.mode) ? oldSelf.mode : 'Managed')",
+                    VLLM_MODE_FIXED, field_path=".mode"),
+                cel("!has(self.mode) || self.mode != 'Attached' || ((!has(self.extraArgs) || size(self.extraArgs) == 0) "
+                    "&& (!has(self.env) || size(self.env) == 0) && (!has(self.envFrom) || size(self.envFrom) == 0) "
+                    "&& !has(self.modelCache) && !has(self.hfTokenSecretRef) && (!has(self.service) || "
+                    "!has(self.service.enabled) || !self.service.enabled))", ATTACHED_OWN_FIELDS, field_path=".mode"),
+                cel("!has(self.mode) || self.mode != 'Attached' || !has(self.inferencePool)", ATTACHED_NO_POOL,
+                    field_path=".inferencePool"),
             ]
         }
     )
 
+    mode: Literal["Managed", "Attached"] = Field(
+        "Managed",
+        description="Managed: the operator runs the vLLM Deployment. Attached: your own vLLM pods (a Deployment, "
+        "KServe, llm-d) opt in with the label kvpersist.dev/attach=<this resource's name>; the API server adds the "
+        "connection settings and admits a pod only when its image and arguments carry exactly these pins "
+        "(docs/attach.md). Fixed at creation.",
+    )
     replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
     gpus_per_replica: int | None = Field(
         None, ge=1, le=64, alias="gpusPerReplica",
@@ -926,6 +973,11 @@ class VLLM(_Spec):
     kv_events: KVEvents = Field(
         default_factory=KVEvents, description="KV cache events for a KV-aware router, topic the namespace id.",
         json_schema_extra={"default": defaults_of(KVEvents)},
+    )
+    inference_pool: InferencePool | None = Field(
+        None, description="An InferencePool <name>-vllm (inference.networking.k8s.io/v1) over the vLLM pods of every "
+        "namespace id, where the API server serves that API (else a Warning event InferencePoolAPIMissing). Not with "
+        "mode Attached. Not part of the namespace id.",
     )
 
 
@@ -1490,6 +1542,50 @@ class CanaryStatus(_Model):
     mismatch: CanaryMismatch | None = Field(None, description="A hit that changed the answer, while it stands.")
 
 
+class AttachPin(_Model):
+    """One pin as a vLLM argument an attached pod must carry: `flag value`, exactly once."""
+
+    flag: str = Field(max_length=64, description="The vLLM flag.")
+    value: str = Field(max_length=256, description="Its value, as the operator's own vLLM pods get it.")
+    field: str = Field(max_length=64, description="The spec field it comes from, for refusals.")
+
+
+class AttachEnv(_Model):
+    """A variable the admission policy adds to an attached vLLM container, or requires at this value."""
+
+    name: str = Field(max_length=128, description="Its name.")
+    value: str = Field(max_length=64, description="Its value.")
+
+
+class AttachStatus(_Model):
+    """What the admission policies (kvpersist-attach, docs/attach.md) read, with spec.vllm.mode Attached: the
+    operator writes it from the pins, the one place they are turned into vLLM arguments, and the API server
+    checks and completes each pod labelled kvpersist.dev/attach=<name> against it. Absent while the resource has
+    no namespace id: such pods are refused."""
+
+    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace id admitted pods write "
+                              "into (their label kvpersist.dev/namespace-id).")
+    model: str = Field(max_length=256, description="The model, the argument after `serve`.")
+    image_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="The digest the container image must "
+                              "end with (@sha256:...).")
+    pins: list[AttachPin] = Field(default_factory=list, max_length=16, description="Arguments the pod must carry, "
+                                  "each exactly once with exactly this value.", json_schema_extra={"default": []})
+    args: list[Annotated[str, Field(max_length=8192)]] = Field(
+        default_factory=list, max_length=8, description="Flag and value pairs the policy adds where the flag is "
+        "absent, and requires exactly once at exactly this value (--kv-transfer-config, --kv-events-config).",
+        json_schema_extra={"default": []})
+    env: list[AttachEnv] = Field(default_factory=list, max_length=8, description="Variables added where absent, "
+                                 "required at this value.", json_schema_extra={"default": []})
+    server_selector: dict[str, str] = Field(default_factory=dict, description="Labels of this namespace id's "
+                                            "lmcache servers: the pod's required podAffinity (same node).",
+                                            json_schema_extra={"default": {}})
+    bypassed: str | None = Field(None, max_length=512, description="Set while the cache is off for vLLM (a hit that "
+                                 "changed the canary's answer, the servers away too long): new pods are admitted "
+                                 "without the connection (args and env), their pins still checked.")
+    pods: int | None = Field(None, ge=0, description="Attached pods seen of this namespace id.")
+    ready_pods: int | None = Field(None, ge=0, description="Those Ready.")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -1531,6 +1627,9 @@ class KVCacheNamespaceStatus(_Model):
         "namespace served now. Kept while encryption is off.")
     canary: CanaryStatus | None = Field(None, description="The correctness canary's reference and last check "
                                         "(spec.canary).")
+    attach: AttachStatus | None = Field(None, description="With spec.vllm.mode Attached: what the admission "
+                                        "policies check attached vLLM pods against and add to them, and how many "
+                                        "there are.")
 
 
 class KVCacheNamespace(_Model):

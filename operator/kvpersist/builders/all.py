@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpersist.builders.attach import attached
 from kvpersist.builders.connection import build_connection_configmap
 from kvpersist.builders.disruption import build_server_pdb
+from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.modelcache import build_model_cache_claim
 from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy, metrics_scraper, operator_namespace
@@ -18,7 +20,8 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     """Policies first (no window where the admin port is open), then the lmcache StatefulSet (the
     workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
     its Services (the governing one is only needed for pod DNS), its PodDisruptionBudget and the
-    ConfigMap, the weights claim vLLM mounts, vLLM last. The
+    ConfigMap, the weights claim vLLM mounts, vLLM and its Service, and the InferencePool over its
+    pods (only where the API server serves that API: target.inference_pool_served). The
     ZMQ policy and the local Service are per namespace id: after a pin change the old id's stay
     until no pod of it is left (kvpersist.controller.apply removes them then). With the cache
     off there is no ZMQ policy (no server runs; the admin-port policy, which selects every server
@@ -26,7 +29,9 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     another id's objects (target.routes False), neither the ZMQ policy nor the local Service."""
     zmq, local = build_zmq_policy(target), build_local_service(target)
     vllm_service = build_vllm_service(target)
+    pool = build_inference_pool(target)
     model_cache = build_model_cache_claim(target)
+    vllm = build_vllm_deployment(target)
     manifests = [
         build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace(), metrics_scraper()),
         zmq,
@@ -36,8 +41,9 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
         build_server_pdb(target),
         build_connection_configmap(target),
         model_cache,  # spec.vllm.modelCache.size: created once, never applied over (controller.apply)
-        build_vllm_deployment(target),
+        vllm,
         vllm_service,  # spec.vllm.service, when enabled
+        pool,  # spec.vllm.inferencePool, where the API server serves InferencePool
     ]
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
     # list to its builders to derive the operator's grants.
@@ -47,6 +53,10 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
         manifests.remove(local)
     if vllm_service is None:
         manifests.remove(vllm_service)
+    if pool is None or not target.inference_pool_served:
+        manifests.remove(pool)
     if model_cache is None:
         manifests.remove(model_cache)
+    if attached(target):  # the user's own vLLM pods (builders.attach): no Deployment of the operator's
+        manifests.remove(vllm)
     return manifests  # type: ignore[return-value]

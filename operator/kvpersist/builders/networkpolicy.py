@@ -13,6 +13,7 @@ import os
 import re
 from typing import Any
 
+from kvpersist.builders.attach import attached, attached_peer
 from kvpersist.builders.target import SERVER, VLLM, Target
 
 # Where the operator runs, so the policy can admit it. Set by the Helm chart.
@@ -112,13 +113,15 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[
 def build_zmq_policy(target: Target) -> dict[str, Any]:
     """ZMQ to the servers of one namespace id from the vLLM pods of the same id only: during a pin
     change old vLLM pods may still run beside new servers, and must not store into them (one
-    policy per id, named like the id's Service)."""
+    policy per id, named like the id's Service). In attach mode, the user's pods the attach policies
+    admitted for this resource and id too (builders.attach.attached_peer)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": target.metadata(target.local_service_name, SERVER),
         "spec": {"podSelector": {"matchLabels": target.id_selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": [{
-            "from": [{"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
+            "from": [{"podSelector": {"matchLabels": target.id_selector(VLLM)}},
+                     *([attached_peer(target)] if attached(target) else [])],
             "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
         }]},
     }

@@ -55,6 +55,9 @@ class Target:
     # l2_key_fingerprint, never the key). The servers refuse to start on a key file of another
     # (kvpersist.inserver.serve check_key); None renders a serde no server starts with.
     key_fingerprint: str | None = None
+    # The API server serves InferencePool (inference.networking.k8s.io/v1): spec.vllm.inferencePool
+    # is made only then (kvpersist.controller.inferencepool asks discovery); a pure build says False.
+    inference_pool_served: bool = False
 
     @property
     def cache_enabled(self) -> bool:

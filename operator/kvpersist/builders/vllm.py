@@ -98,6 +98,10 @@ HF_TOKEN = "HF_TOKEN"  # huggingface_hub's token variable, which vLLM's download
 API_KEY = "VLLM_API_KEY"  # vLLM's OpenAI server requires it as a bearer token when set (vllm.envs)
 
 
+# Fixed for every vLLM container of a namespace, the operator's and attached ones (builders.attach).
+FIXED_ENV = (("PYTHONHASHSEED", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+
+
 def operator_env(target: Target) -> list[dict[str, Any]]:
     """The vLLM container's variables the operator sets: fixed, or from the fields that own them.
     Listed in `env`, they win over any envFrom key of the same name (Kubernetes' rule)."""
@@ -108,8 +112,7 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
     # container, and CUDA IPC between two processes of the same PID fails even across PID
     # namespaces (measured on an H200, both IPC modes: hack/gpu_ipc_check.py "both_pid_1";
     # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
-    env: list[dict[str, Any]] = [{"name": "PYTHONHASHSEED", "value": "0"},
-                                 {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "1"}]
+    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in FIXED_ENV]
     # Secrets only by reference: the kubelet reads them; they are in no arg, spec value or ConfigMap.
     if vllm.hf_token_secret_ref is not None:
         ref = vllm.hf_token_secret_ref

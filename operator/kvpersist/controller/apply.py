@@ -21,9 +21,11 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kvpersist.builders.inferencepool import API_VERSION as POOL_API_VERSION
+from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
-from kvpersist.controller import fallback, kube, l2key, metrics, ownership, retry, runtime, sharing
+from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime, sharing
 from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide, storage_refusal
 from kvpersist.controller.drift import _note_own_write, child_key, own_apply
 from kvpersist.controller.policy import Refusal
@@ -178,11 +180,33 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
             owners.pop(("Service", target.namespace, target.vllm_name), None)
             logger.info("%s/%s: deleted Service %s: spec.vllm.service is off", target.namespace, target.name,
                         target.vllm_name)
+        if decision.drop_inference_pool:  # spec.vllm.inferencePool turned off: its own pool goes
+            kube.delete(POOL_API_VERSION, POOL_KIND, target.vllm_name, target.namespace)
+            owners.pop((POOL_KIND, target.namespace, target.vllm_name), None)
+            logger.info("%s/%s: deleted InferencePool %s: spec.vllm.inferencePool is off", target.namespace,
+                        target.name, target.vllm_name)
+        _pool_api_missing(decision, body, state, logger)
     finally:
         # Once the workloads are applied (or failed): posted before them, it was one more round
         # trip between apply and the StatefulSet (benchmarks/reconcile_bench.py latency).
         if key_event is not None:
             kube.post_event(body, "Normal", l2key.KEY_GENERATED, key_event)
+
+
+def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, logger: logging.Logger) -> None:
+    """spec.vllm.inferencePool where the API server does not serve InferencePool: nothing else changes,
+    and a Warning event says why there is no pool, once per generation."""
+    generation = body["metadata"].get("generation")
+    if not decision.pool_api_missing:
+        state.pool_api_missing_warned = None  # served now (or no pool asked): _pool_recheck has nothing to wait for
+        return
+    if state.pool_api_missing_warned == generation:
+        return
+    target = decision.target
+    message = inferencepool.missing_message(target.vllm_name)
+    logger.warning("%s/%s: %s", target.namespace, target.name, message)
+    kube.post_event(body, "Warning", inferencepool.API_MISSING, message)
+    state.pool_api_missing_warned = generation
 
 
 def _shared_claim(decision: Decision, logger: logging.Logger) -> None:
@@ -242,6 +266,20 @@ def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
     if state.name_taken is not None and time.monotonic() >= state.name_taken_retry_at:
         state.drifted = True
     return state.name_taken
+
+
+def _pool_recheck(key: tuple[str, str]) -> None:
+    """In a status refresh: applies again once the InferencePool API a resource waits for is served
+    (discovery, cached: inferencepool.CACHE_S), so installing the extension makes the pool with no
+    change to the resource. Nothing is asked while no resource waits for it."""
+    state = runtime.CONTROLLER.held(key)
+    if state.pool_api_missing_warned is None:
+        return
+    try:
+        if inferencepool.served():
+            state.drifted = True
+    except Exception:  # refused, or no answer (urllib3's errors are no ApiException): asked again next refresh
+        pass
 
 
 def _apply_owned(manifest: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import kopf
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders import modelcache
+from kvpersist.builders import inferencepool, modelcache
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret
 from kvpersist.builders.lmcache import build_shared_claim
@@ -91,6 +91,7 @@ class Snapshot:
     build_refused: Mapping[str, str] = field(default_factory=dict)  # namespace id -> what a refusing vLLM said
     hit_mismatch: Mapping[str, str] = field(default_factory=dict)  # namespace id -> the canary's HitMismatch id
     agent_image: str | None = None  # the agent image the roll allows this apply (controller.agentroll)
+    inference_pool_served: bool = False  # the API server serves InferencePool (controller.inferencepool)
 
     @property
     def name(self) -> str:
@@ -127,6 +128,8 @@ class Decision:
     model_cache_create: bool = False  # the weights claim is absent: created (a manifest of its own kind in manifests)
     model_cache_differs: str | None = None  # what its spec declares that the existing claim lacks
     drop_vllm_service: bool = False  # spec.vllm.service turned off: its own Service is deleted
+    drop_inference_pool: bool = False  # spec.vllm.inferencePool turned off (API served): its own pool is deleted
+    pool_api_missing: bool = False  # spec.vllm.inferencePool set, the API not served: a Warning event says so
     owned: tuple[ChildKey, ...] = ()  # names looked up and found its own: not looked up again
     taken: tuple[tuple[str, str], ...] = ()  # (kind, name) held by objects it did not make
     unchecked: tuple[ChildKey, ...] = ()  # names the snapshot lacks: judged free, said by the plan
@@ -148,7 +151,8 @@ def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, finger
 
 
 def _target(snap: Snapshot, fingerprint: str | None) -> Target:
-    return target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pin_mismatch, snap.pin_mismatch is not None)[0]
+    target = target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pin_mismatch, snap.pin_mismatch is not None)[0]
+    return dataclasses.replace(target, inference_pool_served=snap.inference_pool_served)
 
 
 def judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
@@ -385,7 +389,11 @@ def decide(snap: Snapshot) -> Decision:
             differs = "; ".join(modelcache.claim_differences(cache_manifest, dict(existing))) or None
     # A user's Service under the name is never touched: only one known as its own (watch events, an apply).
     drop = not target.spec.vllm.service.enabled and ("Service", target.namespace, target.vllm_name) in snap.own
+    wants_pool = inferencepool.build_inference_pool(target) is not None
+    drop_pool = (snap.inference_pool_served and not wants_pool
+                 and (inferencepool.KIND, target.namespace, target.vllm_name) in snap.own)
     return Decision(target, None, "", phase, conds, token_secret=token_secret, manifests=tuple(manifests),
                     shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs, drop_vllm_service=drop,
+                    drop_inference_pool=drop_pool, pool_api_missing=wants_pool and not snap.inference_pool_served,
                     **common)
 

@@ -11,7 +11,8 @@ from typing import Any
 import kopf
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.target import SERVER
+from kvpersist.builders.attach import ATTACH_LABEL
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
 from kvpersist.controller import podtrust, runtime, sharing
 from kvpersist.controller.runtime import _MANAGED
 from kvpersist.status.agentroll import AgentSet
@@ -101,8 +102,16 @@ def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
     pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), values("kvp_replicasets"), statefulsets, deployments,
                                             owner_uid)
     _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + values("kvp_replicasets")})
+    # Users' own vLLM pods attached to it (spec.vllm.mode Attached): the attach policies admitted each
+    # with its namespace id label; counted and checked by the canary like its own.
+    labelled = [p for p in _attached(key[0]) if p["metadata"]["labels"].get(ATTACH_LABEL) == key[1]]
+    pods += [p for p in labelled if p["metadata"]["labels"].get(NAMESPACE_ID_LABEL)]
+    # Labelled, yet no id label: admitted while the attach policies were not installed (they refuse that).
+    unadmitted = sorted(p["metadata"]["name"] for p in labelled
+                        if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
     return Seen(statefulsets=statefulsets, deployments=deployments,
-                pods=pods, untrusted_pods=untrusted, claims=values("kvp_claims"), live_ids=_live() if live is None else live,
+                pods=pods, untrusted_pods=untrusted, unadmitted_pods=unadmitted, claims=values("kvp_claims"),
+                live_ids=_live() if live is None else live,
                 fleet=_fleet() if agents is None else agents, stores=stores[1] if stores is not None else None,
                 stores_version=stores[0] if stores is not None else -1, all_server_pods=stores[2] if stores is not None else ())
 
@@ -125,9 +134,19 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
             logging.getLogger("kvpersist").warning("%s", podtrust.untrusted_message(pod, f"{key[0]}/{key[1]}"))
 
 
+def _attached(namespace: str | None) -> list[dict[str, Any]]:
+    """Attached pods (watchcache.attached_pods) of one namespace, or of all (None); none while unsynced."""
+    cache = runtime.CONTROLLER.attached_cache
+    if cache is None:
+        return []
+    if namespace is None:
+        return cache.everything()
+    return cache.in_namespace(namespace)[1]
+
+
 def _live() -> frozenset[str]:
-    """Every namespace id in use, from the caches; call in the event loop only."""
-    pods = [p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store]
+    """Every namespace id in use, from the caches (attached pods' too); call in the event loop only."""
+    pods = [p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store] + _attached(None)
     known = runtime.CONTROLLER.known().values()
     return live_ids([st.body for st in known if st.body is not None], [st.namespace_id for st in known], pods)
 

@@ -112,7 +112,7 @@ LIST_PAGE = 500
 
 
 def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool,
-              field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
+              field_selector: str | None = None, label_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """Every object of a kind (in one namespace, or None: all), in pages of LIST_PAGE, and the
     list's resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata,
     so a Secret's data never reaches the operator (kvpersist.controller.watchcache). field_selector
@@ -124,7 +124,8 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
     while True:
         out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=LIST_PAGE,
                                _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S,
-                               **({"field_selector": field_selector} if field_selector else {}))
+                               **({"field_selector": field_selector} if field_selector else {}),
+                               **({"label_selector": label_selector} if label_selector else {}))
         page = json.loads(out.data)
         items += page.get("items") or []
         token = (page.get("metadata") or {}).get("continue")
@@ -133,7 +134,8 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
 
 
 def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,
-               metadata_only: bool, stop: threading.Event, field_selector: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+               metadata_only: bool, stop: threading.Event, field_selector: str | None = None,
+               label_selector: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """(type, object) of each event of one watch from resource_version, until the API server ends
     it after timeout_s (or stop is set: checked at each event). Raises ApiException on an ERROR
     event (410: the version expired, list again)."""
@@ -142,7 +144,8 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
     resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
                             resource_version=resource_version, timeout_seconds=timeout_s, serialize=False,
                             _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S),
-                            **({"field_selector": field_selector} if field_selector else {}))
+                            **({"field_selector": field_selector} if field_selector else {}),
+                            **({"label_selector": label_selector} if label_selector else {}))
     try:
         for line in iter_resp_lines(resp):
             if stop.is_set():

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch
+from kvpersist.builders.attach import attach_status, attached
 from kvpersist.builders.target import L2_VOLUME, VLLM, Target
 from kvpersist.controller import (
     agentroll,
@@ -35,7 +36,7 @@ from kvpersist.controller import (
     sharing,
     transitions,
 )
-from kvpersist.controller.apply import _exclusive_recheck, _taken_recheck, clean_stale_routes
+from kvpersist.controller.apply import _exclusive_recheck, _pool_recheck, _taken_recheck, clean_stale_routes
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target, named_claim
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
@@ -57,7 +58,7 @@ from kvpersist.status.conditions import (
 )
 from kvpersist.status.conditions import now as condition_now
 from kvpersist.status.usage import collect_usage
-from kvpersist.status.workloads import Seen
+from kvpersist.status.workloads import Seen, attached_counts
 
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
@@ -174,6 +175,17 @@ def _warm(key: tuple[str, str], target: Target, seen: Seen, state: Any) -> tuple
 
 
 
+def _attach_bypass(key: tuple[str, str], body: Mapping[str, Any], target: Target) -> str | None:
+    """Why new attached pods go without the cache now, as the operator's own vLLM would (decision._bypassed):
+    a hit that changed the canary's answer, until acknowledged; the servers away too long."""
+    hit = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
+    if hit is not None:
+        return f"a cache hit changed the canary's answer (HitMismatch {hit.get('id')}); see the HitCorrectness condition"
+    if runtime.CONTROLLER.fallback.bypassed(key):
+        return "the lmcache servers are unavailable; see the CacheBypassed condition"
+    return None
+
+
 def _write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
     """Every status write of the operator: checked against the status models first, since the API
     server would prune a key the CRD lacks without a word (kvpersist.api.status: in tests a bad
@@ -241,7 +253,18 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:
             observation.budget_floor = int((old.get("usage") or {}).get("l2UsedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
+        attach = attach_status(target, _attach_bypass(key, body, target)) if attached(target) else None
+        if attached(target):
+            count, ready = attached_counts(seen.pods, target.namespace_id)
+            observation.attached, observation.unadmitted = (count, ready, target.name), seen.unadmitted_pods
+            if attach is not None:
+                attach.update(pods=count, readyPods=ready)
+                # A merge patch keeps what it does not name: a key gone (bypassed, once the cache is
+                # back) is sent as null.
+                for gone in set(old.get("attach") or {}) - set(attach):
+                    attach[gone] = None
         fields, conds = compute_status(observation)
+        fields["attach"] = attach  # None removes it: pods labelled for this resource are then refused
         canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
         if canary_record is not None:
             fields["canary"] = canary_record
@@ -280,6 +303,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
         taken = _taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
+        _pool_recheck(key)  # spec.vllm.inferencePool waiting for its API: applied once it is served
         if refused is None and taken is None and agentroll.ROLLER.may_go(key, seen.fleet):
             state.drifted = True  # its turn for the new agent image (or scaled to zero): apply it
         shown = refused if refused is not None else taken

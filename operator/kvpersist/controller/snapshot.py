@@ -21,8 +21,9 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import agentroll, kube, ownership, pincheck, runtime, sharing
+from kvpersist.controller import agentroll, inferencepool, kube, ownership, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
     Meta,
     Snapshot,
@@ -113,6 +114,14 @@ def _names(snap: Snapshot) -> Snapshot:
                                named_claim=user_claim.result() if user_claim is not None else None)
 
 
+def _pool_served(spec: api.KVCacheNamespaceSpec, own: frozenset[tuple[str, str, str]], namespace: str, name: str) -> bool:
+    """Whether InferencePool is served (cached discovery), asked only for a resource that wants a pool
+    or whose pool is known (to delete it once turned off): the others never pay a discovery."""
+    if spec.vllm.inference_pool is None and (POOL_KIND, namespace, f"{name}-vllm") not in own:
+        return False
+    return inferencepool.served()
+
+
 def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot, bytes | None]:
     """The snapshot one apply of the running operator decides on, and a fresh key's bytes when the
     generated Secret is absent (the snapshot holds only their fingerprint; the apply creates the
@@ -126,7 +135,8 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     snap = Snapshot(body=body, spec=spec, policy=runtime.CONTROLLER.policy, own=own,
                     pin_mismatch=runtime.CONTROLLER.pin_files.mismatch(spec.identity) if pincheck.enabled() else None,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
-                    fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key))
+                    fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
+                    inference_pool_served=_pool_served(spec, own, key[0], key[1]))
     if snap.policy.secret_label is not None:
         labels: dict[str, Meta | None] = {}
         failed: dict[str, int | None] = {}

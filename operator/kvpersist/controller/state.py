@@ -88,6 +88,8 @@ class ResourceState:
     # What spec.vllm.modelCache declares that its existing claim does not have (made once, never
     # patched: kvpersist.builders.modelcache), as last reported in a ModelCacheDiffers event.
     model_cache_differs: str | None = None
+    # The generation an InferencePoolAPIMissing Warning was posted for: one event per generation.
+    pool_api_missing_warned: int | None = None
     # The hfBucket preflight: (settings and the Secret's resourceVersion, when, (ok, reason, message)).
     preflight: tuple[tuple[Any, ...], float, tuple[bool, str, str]] | None = None
     # The bucket prefix's listing: (when, last good listing), and whether the last try failed.
@@ -190,6 +192,7 @@ class Controller:
         # None: not started (a glob among the watched namespaces, or a test), reads go by request.
         self.secret_cache: WatchCache | None = None
         self.claim_cache: WatchCache | None = None
+        self.attached_cache: WatchCache | None = None  # users' vLLM pods labelled kvpersist.dev/attach
         self.configmap_cache: WatchCache | None = None  # metadata only: ReferencesFound
         # The creator-rights policy as last read (kvpersist.controller.admissioncheck): (ok, reason,
         # message); None: not read yet, or the check is off.

@@ -191,7 +191,7 @@ def start_watch_caches() -> None:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
         return
     for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims),
-                       ("configmap_cache", watchcache.configmaps)):
+                       ("configmap_cache", watchcache.configmaps), ("attached_cache", watchcache.attached_pods)):
         cache = make(scope)  # type: ignore[arg-type]
         setattr(runtime.CONTROLLER, name, cache)
         cache.start()
@@ -199,7 +199,8 @@ def start_watch_caches() -> None:
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
-    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache, runtime.CONTROLLER.configmap_cache):
+    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache, runtime.CONTROLLER.configmap_cache,
+                  runtime.CONTROLLER.attached_cache):
         if cache is not None:
             cache.stop()
     if runtime.CONTROLLER.creator_rights_stop is not None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvpersist.controller import kube
-from kvpersist.status.workloads import slim
+from kvpersist.status.workloads import attached_view, slim
 
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the next starts from the last resourceVersion
 BACKOFFS_S = (1, 2, 5, 10)  # after a failed list or watch (the API server down, a 410), then every 10 s
@@ -74,6 +74,19 @@ class WatchCache:
                 return False, None
             found = self._objects.get((namespace, name))
             return True, (dict(found) if found is not None else None)
+
+    def in_namespace(self, namespace: str) -> tuple[bool, list[dict[str, Any]]]:
+        """(synced, copies of every object of one namespace), by name."""
+        with self._lock:
+            scope = namespace if namespace in self._synced else None
+            if not self._synced.get(scope, False):
+                return False, []
+            return True, [dict(o) for (ns, _), o in sorted(self._objects.items()) if ns == namespace]
+
+    def everything(self) -> list[dict[str, Any]]:
+        """Copies of every object held (of the scopes that have listed)."""
+        with self._lock:
+            return [dict(o) for o in self._objects.values()]
 
     def _run(self, scope: str | None) -> None:
         log = logging.getLogger("kvpersist")
@@ -147,6 +160,25 @@ def _list_configmaps(scope: str | None) -> tuple[list[dict[str, Any]], str]:
 
 def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
     return kube.watch_page("v1", "ConfigMap", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
+
+
+# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached): they carry none of the
+# operator's labels, so kopf's pod index never sees them; the label the attach policies judge them by.
+ATTACH_SELECTOR = "kvpersist.dev/attach"
+
+
+def _list_attached_pods(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_SELECTOR)
+
+
+def _watch_attached_pods(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    return kube.watch_page("v1", "Pod", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop,
+                           label_selector=ATTACH_SELECTOR)
+
+
+def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
+    """Attached vLLM pods, as kvpersist.status.workloads.attached_view keeps them (a pod's spec is kilobytes)."""
+    return WatchCache("Pod", namespaces, _list_attached_pods, _watch_attached_pods, keep=attached_view)
 
 
 def secrets(namespaces: tuple[str, ...] | None) -> WatchCache:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpersist.builders import buildcheck
+from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
 from kvpersist.inventory.volume import iso, parse_iso
 from kvpersist.status.build import CONDITION as BUILD_CONDITION
@@ -129,6 +130,9 @@ class Observation:
     canary: tuple[bool | None, str, str] | None = None  # HitCorrectness (kvpersist.status.canary); None: none
     references: tuple[bool | None, str, str] | None = None  # ReferencesFound (kvpersist.status.references); None: none named
     creator_rights: tuple[bool | None, str, str] | None = None  # CreatorRightsEnforced (kvpersist.status.creatorrights)
+    # spec.vllm.mode Attached: (attached pods of the namespace id, those Ready, the resource's name); None: Managed.
+    attached: tuple[int, int, str] | None = None
+    unadmitted: list[str] = field(default_factory=list)  # labelled pods the attach policies never saw (Seen)
 
 
 # Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
@@ -414,7 +418,23 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
 
     # vLLM
     vllm_failure = replica_failure(obs.deployment)
-    if vllm_failure is not None and not vllm_done:
+    if obs.attached is not None:
+        # The user's own pods: how many there are is theirs to say; none yet holds nothing back.
+        count, vllm_ready, name = obs.attached
+        if obs.unadmitted:
+            shown = ", ".join(obs.unadmitted[:5]) + (f" and {len(obs.unadmitted) - 5} more" if len(obs.unadmitted) > 5 else "")
+            conds.append(condition("VLLMReady", False, "AttachPoliciesMissing",
+                                   f"pods labelled {ATTACH_LABEL}={name} run without the cache ({shown}): the API server "
+                                   "admitted them without the attach policies, which add the connection; install them "
+                                   "(the chart's attach.enabled, Kubernetes 1.36 or later, or config/attach/attach.yaml) "
+                                   f"and restart those pods; {vllm_ready}/{count} attached vLLM pods ready", gen))
+        elif count == 0:
+            conds.append(condition("VLLMReady", None, "NoAttachedPods", f"no vLLM pod is attached yet: label your vLLM "
+                                   f"pods {ATTACH_LABEL}={name} (docs/attach.md)", gen))
+        else:
+            conds.append(condition("VLLMReady", vllm_ready > 0, "AttachedPodsReady" if vllm_ready else "AttachedPodsNotReady",
+                                   f"{vllm_ready}/{count} attached vLLM pods ready", gen))
+    elif vllm_failure is not None and not vllm_done:
         conds.append(condition("VLLMReady", False, *not_created("vLLM", vllm_failure), gen))
     elif vllm_done:
         conds.append(condition("VLLMReady", True, "PodsReady", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
@@ -448,7 +468,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     # canary without a verdict (vLLM unreachable, its output not deterministic): only a hit that
     # changed an answer holds Ready back.
     not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, REFERENCES_CONDITION)
-              and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"))]
+              and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"),
+                                                   ("VLLMReady", "Unknown"))]
     if not cache_on:
         phase = "CacheDisabled"
         conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
@@ -478,8 +499,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         "namespaceId": obs.namespace_id,
         "l2Kind": obs.l2_kind,
         "readyReplicas": vllm_ready,
-        "desiredReplicas": obs.vllm_desired,
-        "replicas": f"{vllm_ready}/{obs.vllm_desired}",
+        "desiredReplicas": obs.vllm_desired if obs.attached is None else obs.attached[0],
+        "replicas": f"{vllm_ready}/{obs.vllm_desired if obs.attached is None else obs.attached[0]}",
         # The scale subresource's status.replicas: the pods there are, ready or not (a Deployment's own).
         "vllmReplicas": int(((obs.deployment or {}).get("status") or {}).get("replicas") or 0),
         "servers": [{"pod": r.pod, "healthy": r.healthy, "message": r.message} for r in obs.reports],

@@ -13,10 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.lmcache import AGENT_CONTAINER
 from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
-from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM, Target
 from kvpersist.status.agentroll import AgentSet, agent_image_of, view
 from kvpersist.status.build import slim_statuses
 from kvpersist.status.keymismatch import slim_statuses as key_refusing_statuses
@@ -115,6 +116,31 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def attached_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A user's vLLM pod attached to a resource (its label kvpersist.dev/attach, which the attach
+    policies admitted with that resource's namespace id label) as the status and the canary read the
+    operator's own vLLM pods: slim, with the resource's instance and the vLLM component as labels,
+    whatever labels of those names the pod carries itself, and its attach label kept."""
+    out = slim(body)
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    view = {ATTACH_LABEL: str(labels.get(ATTACH_LABEL) or ""), INSTANCE_LABEL: str(labels.get(ATTACH_LABEL) or ""),
+            COMPONENT_LABEL: VLLM}
+    if labels.get(NAMESPACE_ID_LABEL):
+        view[NAMESPACE_ID_LABEL] = str(labels[NAMESPACE_ID_LABEL])
+    out["metadata"]["labels"] = view
+    out["metadata"].pop("ownerReferences", None)  # the user's controller: nothing podtrust follows
+    return out
+
+
+def attached_counts(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> tuple[int, int]:
+    """(attached pods of the namespace id, those Ready), none being deleted."""
+    mine = [p for p in pods if ATTACH_LABEL in (p["metadata"].get("labels") or {})
+            and p["metadata"]["labels"].get(NAMESPACE_ID_LABEL) == namespace_id and not p["metadata"].get("deletionTimestamp")]
+    ready = [p for p in mine if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                    for c in (p.get("status") or {}).get("conditions") or [])]
+    return len(mine), len(ready)
+
+
 def index_entry(body: Mapping[str, Any]) -> dict[OwnerKey, dict[str, Any]] | None:
     """What a kopf index handler returns: the slim object under its owner's key."""
     key = owner_key(body)
@@ -132,6 +158,9 @@ class Seen:
     # .podtrust): never sent a credential nor counted in status, but a route of their namespace id
     # is kept while one runs (its controller may only not be in the caches yet).
     untrusted_pods: list[dict[str, Any]] = field(default_factory=list)
+    # Pods labelled kvpersist.dev/attach for it without a namespace id label: the attach policies were
+    # not installed when they were created (spec.vllm.mode Attached), so they run without the cache.
+    unadmitted_pods: list[str] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
     fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet

@@ -1,0 +1,339 @@
+"""Attach mode's admission policies (docs/attach.md): a MutatingAdmissionPolicy that completes a user's
+own vLLM pod labelled kvpersist.dev/attach=<KVCacheNamespace>, and a ValidatingAdmissionPolicy that
+admits it only when it carries exactly that resource's pins. Both run in the API server (no webhook,
+nothing to serve, judged while the operator is down), and both read the resource the label names
+as their param: its status.attach, which the operator writes from the pins
+(kvpersist.builders.attach), so the policies themselves are static and the operator holds no right
+on admission objects.
+
+The mutation only adds what is absent; the validation, which runs after every mutation, requires
+the exact values, so a value the user wrote that differs is refused naming the field, never
+overwritten. Flags are judged with the extraArgs allow-list (v1alpha1.EXTRA_ARGS and its two rules)
+widened by the pins and the connection flags the resource's status lists (each exactly once at
+its value) and by the flags a pod of its own sets (ATTACH_OWN_FLAGS); variable names with
+spec.vllm.env's rule, less the names that only had a field of their own there (ATTACH_OWN_ENV).
+
+`kvpersist-operator attach-policy --write` writes config/attach/ and the chart's template (behind
+attach.enabled); tests/unit/test_attach_policy.py fails when either is stale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvpersist.api import policyfiles
+from kvpersist.api.policyfiles import chart_doc, dump
+from kvpersist.api.v1alpha1 import EXTRA_ARGS, GROUP, PLURAL, VERSION, env_name_rule
+
+POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
+PLAIN_NAME = f"kvpersist-{POLICY}"
+CHART_NAME = '{{ include "kvpersist.fullname" . }}-' + POLICY
+CONFIG_PATH = Path("config/attach/attach.yaml")
+TEMPLATE_PATH = Path("charts/kvpersist/templates/attach.yaml")
+VALUE = "attach"
+LABEL = "kvpersist.dev/attach"
+NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
+CONTAINER_ANNOTATION = "kvpersist.dev/attach-container"
+DEFAULT_CONTAINER = "vllm"
+SHM_VOLUME = "kvpersist-dshm"
+MAX_ARGS = 128  # CEL walks a list by index: an attached container's args are at most this long
+# Flags an attached pod sets for itself (the operator sets them on its own pods): where it listens,
+# the name clients use, its API key. None changes the KV.
+ATTACH_OWN_FLAGS = ("--api-key", "--host", "--port", "--served-model-name")
+# Refused in spec.vllm.env only because they have a field of their own there (a Secret reference,
+# the model cache): an attached pod's own business.
+ATTACH_OWN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "HF_HOME", "HF_HUB_CACHE",
+                  "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
+
+
+def _escaped(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _indexes() -> str:
+    return "[" + ", ".join(map(str, range(MAX_ARGS))) + "]"
+
+
+def _var(name: str, *lines: str) -> dict[str, str]:
+    """A CEL variable, its lines joined as the policy's YAML shows them."""
+    return {"name": name, "expression": "\n  ".join(lines)}
+
+
+def _common_variables() -> list[dict[str, str]]:
+    """What both policies read: whether the param is the resource the pod's label names, whether it
+    takes attached pods (mode Attached, status.attach written), and the vLLM container's name."""
+    annotations = "object.metadata.annotations"
+    return [
+        _var("mine", f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels",
+             f"&& object.metadata.labels['{LABEL}'] == params.metadata.name"),
+        _var("attached", "has(params.spec.vllm) && has(params.spec.vllm.mode) && params.spec.vllm.mode == 'Attached'"),
+        _var("ready", "variables.attached && has(params.status) && has(params.status.attach)"),
+        # The cache off for vLLM (status.attach.bypassed): no connection added, none required.
+        _var("bypassed", "variables.ready && has(params.status.attach.bypassed)"),
+        _var("cname", f"has({annotations}) && '{CONTAINER_ANNOTATION}' in {annotations}",
+             f"? {annotations}['{CONTAINER_ANNOTATION}'] : '{DEFAULT_CONTAINER}'"),
+    ]
+
+
+def _validating_variables() -> list[dict[str, str]]:
+    extra = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"
+    extra_values = ", ".join(f"'{f}'" for f in sorted(f for f, takes in EXTRA_ARGS.items() if takes))
+    own = ", ".join(f"'{f}'" for f in ATTACH_OWN_FLAGS)
+    args, count, attach = "variables.args", "variables.count", "params.status.attach"
+    return [
+        *_common_variables(),
+        _var("judged", "variables.mine && variables.ready"),
+        _var("cs", "object.spec.containers.filter(c, c.name == variables.cname)"),
+        _var("found", "size(variables.cs) == 1"),
+        _var("args", "variables.found && has(variables.cs[0].args) ? variables.cs[0].args : []"),
+        _var("count", "size(variables.args)"),
+        _var("idx", _indexes()),
+        # The pins and the connection flags: each exactly once, `flag value`, at the status' value.
+        _var("wanted", f"!variables.ready ? [] : {attach}.pins.map(p, [string(p.flag), string(p.value), string(p.field)])",
+             f"+ [0, 2, 4, 6].filter(k, !variables.bypassed && k + 1 < size({attach}.args))",
+             f"  .map(k, [string({attach}.args[k]), string({attach}.args[k + 1]), 'status.attach.args'])"),
+        _var("wrongPins", "variables.wanted.filter(w,",
+             f"variables.idx.filter(i, i < {count} && ({args}[i] == w[0] || {args}[i].startsWith(w[0] + '='))).size() != 1",
+             f"|| !variables.idx.exists(i, i + 1 < {count} && {args}[i] == w[0] && {args}[i + 1] == w[1]))"),
+        _var("known", f"variables.wanted.map(w, w[0]) + [{own}]"),
+        _var("valueFlags", f"variables.known + [{extra_values}]"),
+        # extraArgs' allow-list rule, over the arguments after `serve MODEL`, with the known flags.
+        _var("refusedFlags", f"variables.idx.filter(i, i >= 2 && i < {count} && {args}[i].startsWith('-')",
+             f"&& !{args}[i].matches('{extra}')",
+             f"&& !({args}[i] in variables.known))",
+             f".map(i, {args}[i])"),
+        # extraArgs' values rule: a word is the value of the flag before it, and such a flag has one.
+        _var("strayWords", f"variables.idx.filter(i, i >= 2 && i < {count} && ({args}[i].startsWith('-')",
+             f"? ({args}[i] in variables.valueFlags && !(i + 1 < {count} && !{args}[i + 1].startsWith('-')))",
+             f": !(i > 2 && {args}[i - 1] in variables.valueFlags)))",
+             f".map(i, {args}[i])"),
+        {"name": "env", "expression": "variables.found && has(variables.cs[0].env) ? variables.cs[0].env : []"},
+        {"name": "wrongEnv", "expression": "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,\n"
+                                           "  variables.env.filter(x, x.name == e.name).size() != 1\n"
+                                           "  || !variables.env.exists(x, x.name == e.name && has(x.value) && x.value == e.value))\n"
+                                           "  .map(e, e.name + '=' + e.value)"},
+        {"name": "refusedEnv", "expression": "!variables.ready ? [] : variables.env.filter(x,\n"
+                                             "  !params.status.attach.env.exists(e, e.name == x.name)\n"
+                                             f"  && !({env_name_rule('x.name', ATTACH_OWN_ENV)}))\n"
+                                             "  .map(x, x.name)"},
+    ]
+
+
+def _check(expression: str, message: str) -> dict[str, str]:
+    """A validation of the pod for the resource its label names; other params pass it."""
+    return {"expression": f"!variables.judged || ({expression})", "messageExpression": message}
+
+
+def _container(field: str) -> str:
+    return f"'spec.containers[' + variables.cname + '].{field}"
+
+
+def _validations() -> list[dict[str, str]]:
+    who = "'KVCacheNamespace ' + params.metadata.name"
+    return [
+        {"expression": "!variables.mine || variables.attached", "messageExpression":
+         f"{who} + ' runs its own vLLM (spec.vllm.mode Managed): label kvpersist.dev/attach only pods for a "
+         "resource with spec.vllm.mode Attached'"},
+        {"expression": "!variables.mine || !variables.attached || variables.ready", "messageExpression":
+         f"{who} + ' has no namespace id to attach to (status.attach is empty): a pin is missing or refused, its "
+         "image has no digest, or the operator has not reconciled it yet; kubectl describe kvcachenamespace ' "
+         "+ params.metadata.name + ' says which'"},
+        _check("variables.found", f"'no container named ' + variables.cname + ' (annotate the pod with "
+               f"{CONTAINER_ANNOTATION}=<the vLLM container> when it has another name)'"),
+        _check("!variables.found || (has(variables.cs[0].command) && variables.cs[0].command == ['vllm'])",
+               _container("command") + " must be [\"vllm\"], with args [\"serve\", MODEL, ...]: a shell or "
+               "another launcher would run arguments the API server cannot check against ' + " + who + " + '\\'s pins'"),
+        _check(f"variables.count <= {MAX_ARGS}", _container("args") + f": at most {MAX_ARGS} items'"),
+        _check("variables.count >= 2 && variables.args[0] == 'serve' && variables.args[1] == params.status.attach.model",
+               _container("args") + " must start with serve ' + params.status.attach.model + ' (spec.identity.modelId of ' "
+               f"+ {who} + '), a model id, never a path'"),
+        _check("!variables.found || variables.cs[0].image.trim().endsWith('@' + params.status.attach.imageDigest)",
+               _container("image") + " must be pinned by digest to ' + params.status.attach.imageDigest + ', the "
+               f"digest of spec.image of ' + {who}"),
+        _check("size(variables.wrongPins) == 0",
+               _container("args") + " must carry each pin once as `flag value`: ' + variables.wrongPins.map(w, w[0] + ' ' "
+               f"+ w[1] + ' (' + w[2] + ')').join(', ') + ' of ' + {who}"),
+        _check("size(variables.refusedFlags) == 0",
+               _container("args") + ": ' + variables.refusedFlags.join(', ') + ' refused: besides the pins, only the "
+               "flags spec.vllm.extraArgs allows (docs/api.md), ' + variables.known.join(', ') + ', spelled in full'"),
+        _check("size(variables.strayWords) == 0",
+               _container("args") + ": ' + variables.strayWords.join(', ') + ': a word must be the value of the flag "
+               "before it, and a flag that takes a value must have one; another word would reach vLLM as a positional "
+               "argument'"),
+        _check("size(variables.wrongEnv) == 0",
+               _container("env") + " must set ' + variables.wrongEnv.join(', ') + ' exactly once, by value (the prefix "
+               "hashes and the KV process ' + " + who + " + ' serves need them; the policy adds them when absent)'"),
+        _check("size(variables.refusedEnv) == 0",
+               _container("env") + ": ' + variables.refusedEnv.join(', ') + ' refused: they change the KV, the model "
+               "behind the pins or the code that runs (docs/api.md, env)'"),
+        _check("!variables.found || !has(variables.cs[0].envFrom) || size(variables.cs[0].envFrom) == 0",
+               _container("envFrom") + " is refused: its keys are unknown at admission; list the variables in env "
+               "(valueFrom for a Secret)'"),
+        _check(f"'{NAMESPACE_ID_LABEL}' in object.metadata.labels && object.metadata.labels['{NAMESPACE_ID_LABEL}'] "
+               "== params.status.attach.namespaceId",
+               f"'metadata.labels[{NAMESPACE_ID_LABEL}] must be ' + params.status.attach.namespaceId + ', the namespace id "
+               f"of ' + {who} + ' (the policy adds it when absent)'"),
+        # Judged for every param, last (the API server names the first refusal): a label that names no
+        # resource of the namespace gets nothing added.
+        {"expression": f"'{NAMESPACE_ID_LABEL}' in object.metadata.labels", "messageExpression":
+         f"'no KVCacheNamespace named ' + object.metadata.labels['{LABEL}'] + ' with spec.vllm.mode Attached "
+         f"and a namespace id in namespace ' + object.metadata.namespace + ' (label {LABEL})'"},
+    ]
+
+
+def _policy(kind: str, name: str, operations: list[str], **spec: Any) -> dict[str, Any]:
+    """An admission policy on pods whose param is the KVCacheNamespace; an error refuses (Fail):
+    never a pod attached unchecked."""
+    rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": ["pods"]}]
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": name},
+            "spec": {"failurePolicy": "Fail", "paramKind": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCacheNamespace"},
+                     "matchConstraints": {"resourceRules": rules}, **spec}}
+
+
+def validating_policy(name: str) -> dict[str, Any]:
+    # An UPDATE is judged when it changes the labels of a labelled pod (moving it to another
+    # resource or id): the rest of a pod's spec is fixed once it exists.
+    conditions = [
+        {"name": "labelled", "expression": f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels"},
+        {"name": "labels-set", "expression": "request.operation == 'CREATE' || !has(oldObject.metadata.labels) "
+                                             "|| oldObject.metadata.labels != object.metadata.labels"},
+    ]
+    return _policy("ValidatingAdmissionPolicy", name, ["CREATE", "UPDATE"], matchConditions=conditions,
+                   variables=_validating_variables(), validations=_validations())
+
+
+def _mutating_variables() -> list[dict[str, str]]:
+    term = ("{'labelSelector': dyn({'matchLabels': params.status.attach.serverSelector}), "
+            "'topologyKey': dyn('kubernetes.io/hostname')}")
+    return [
+        *_common_variables(),
+        {"name": "i", "expression": "object.spec.containers.map(c, c.name).indexOf(variables.cname)"},
+        {"name": "labels", "expression": "variables.mine && variables.ready && variables.i >= 0"},
+        {"name": "go", "expression": "variables.labels && !variables.bypassed"},
+        {"name": "c", "expression": "variables.go ? object.spec.containers[variables.i] : object.spec.containers[0]"},
+        {"name": "path", "expression": "'/spec/containers/' + string(variables.i)"},
+        {"name": "term", "expression": term},
+    ]
+
+
+def _mutation() -> str:
+    """One JSONPatch: each addition only where the pod has nothing of its own."""
+    label = (f"!has(object.metadata.labels) ? [JSONPatch{{op: 'add', path: '/metadata/labels', value: "
+             f"{{'{NAMESPACE_ID_LABEL}': params.status.attach.namespaceId}}}}]\n"
+             f"  : '{NAMESPACE_ID_LABEL}' in object.metadata.labels ? []\n"
+             f"  : [JSONPatch{{op: 'add', path: '/metadata/labels/{_escaped(NAMESPACE_ID_LABEL)}', "
+             "value: params.status.attach.namespaceId}]")
+    # The flag and value pairs whose flag the args lack, appended (a container without args is
+    # refused by the validation: nothing to add to).
+    args = ("!has(variables.c.args) ? [] : [0, 1, 2, 3, 4, 5, 6, 7].filter(k, k < size(params.status.attach.args)\n"
+            "    && !(params.status.attach.args[k - k % 2] in variables.c.args)\n"
+            "    && !variables.c.args.exists(a, a.startsWith(params.status.attach.args[k - k % 2] + '=')))\n"
+            "  .map(k, JSONPatch{op: 'add', path: variables.path + '/args/-', value: params.status.attach.args[k]})")
+    env = ("!has(variables.c.env) ? [JSONPatch{op: 'add', path: variables.path + '/env', value: params.status.attach.env}]\n"
+           "  : params.status.attach.env.filter(e, !variables.c.env.exists(x, x.name == e.name))\n"
+           "    .map(e, JSONPatch{op: 'add', path: variables.path + '/env/-', value: e})")
+    shm = (f"has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '/dev/shm') ? []\n"
+           f"  : (has(object.spec.volumes) ? [JSONPatch{{op: 'add', path: '/spec/volumes/-', value: "
+           f"{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': dyn({{'medium': 'Memory'}})}}}}]\n"
+           f"    : [JSONPatch{{op: 'add', path: '/spec/volumes', value: [{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': "
+           f"dyn({{'medium': 'Memory'}})}}]}}])\n"
+           f"  + (has(variables.c.volumeMounts) ? [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts/-', "
+           f"value: {{'name': '{SHM_VOLUME}', 'mountPath': '/dev/shm'}}}}]\n"
+           f"    : [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts', value: [{{'name': '{SHM_VOLUME}', "
+           f"'mountPath': '/dev/shm'}}]}}])")
+    required = "requiredDuringSchedulingIgnoredDuringExecution"
+    affinity = ("!has(object.spec.affinity) ? [JSONPatch{op: 'add', path: '/spec/affinity', value: "
+                f"{{'podAffinity': {{'{required}': [variables.term]}}}}}}]\n"
+                "  : !has(object.spec.affinity.podAffinity) ? [JSONPatch{op: 'add', path: '/spec/affinity/podAffinity', "
+                f"value: {{'{required}': [variables.term]}}}}]\n"
+                f"  : !has(object.spec.affinity.podAffinity.{required}) ? [JSONPatch{{op: 'add', "
+                f"path: '/spec/affinity/podAffinity/{required}', value: [variables.term]}}]\n"
+                f"  : object.spec.affinity.podAffinity.{required}.exists(t, t == variables.term) ? []\n"
+                f"  : [JSONPatch{{op: 'add', path: '/spec/affinity/podAffinity/{required}/-', value: variables.term}}]")
+    connection = [args, env, shm, affinity]
+    return (f"(!variables.labels ? [] : ({label}))\n+ (!variables.go ? [] :\n"
+            + "\n+ ".join(f"({p})" for p in connection) + ")")
+
+
+def mutating_policy(name: str) -> dict[str, Any]:
+    return _policy("MutatingAdmissionPolicy", name, ["CREATE"], reinvocationPolicy="Never", variables=_mutating_variables(),
+                   mutations=[{"patchType": "JSONPatch", "jsonPatch": {"expression": _mutation()}}])
+
+
+def _param_ref() -> dict[str, Any]:
+    """Every KVCacheNamespace of the pod's own namespace (each judges only pods its name labels);
+    none there: the labelled pod is refused."""
+    return {"selector": {}, "parameterNotFoundAction": "Deny"}
+
+
+def _match() -> dict[str, Any]:
+    return {"objectSelector": {"matchExpressions": [{"key": LABEL, "operator": "Exists"}]}}
+
+
+def bindings(name: str) -> list[dict[str, Any]]:
+    return [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicyBinding",
+         "metadata": {"name": name}, "spec": {"policyName": name, "paramRef": _param_ref(), "matchResources": _match()}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": name}, "spec": {"policyName": name, "paramRef": _param_ref(), "matchResources": _match(),
+                                              "validationActions": ["Deny"]}},
+    ]
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return [mutating_policy(name), validating_policy(name), *bindings(name)]
+
+
+HEADER = f"""\
+# Generated by `kvpersist-operator attach-policy --write` from kvpersist.api.attachpolicy. Do not edit.
+# Attach mode (docs/attach.md): a pod labelled {LABEL}=<KVCacheNamespace> (spec.vllm.mode Attached)
+# gets the connection settings the resource's status.attach lists, where it has none of its own, and is
+# admitted only when its vLLM container carries exactly the resource's pins. Needs Kubernetes >= 1.36
+# (MutatingAdmissionPolicy v1). The Helm chart ships the same objects
+# ({TEMPLATE_PATH.relative_to("charts/kvpersist")}, attach.enabled).
+#   kubectl apply -f {CONFIG_PATH}
+"""
+
+CHART_HEADER = f"""\
+# Generated by `kvpersist-operator attach-policy --write` from kvpersist.api.attachpolicy. Do not edit.
+# Attach mode (docs/attach.md): the same objects as {CONFIG_PATH} for kubectl users.
+"""
+
+
+def render_config() -> str:
+    return HEADER + "---\n".join(dump(d) for d in documents(PLAIN_NAME))
+
+
+def _chart_doc(doc: dict[str, Any]) -> str:
+    return chart_doc(doc, PLAIN_NAME, CHART_NAME)
+
+
+# Only where the API server serves MutatingAdmissionPolicy v1 (Kubernetes >= 1.36): elsewhere the
+# chart installs without attach mode, and a resource with spec.vllm.mode Attached says so (docs/attach.md).
+SERVED = '(.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")'
+
+
+# In namespaced mode (watchNamespaces) the bindings match pods of those namespaces only, where the
+# operator writes status.attach (beside the label selector: one matchResources).
+NAMESPACE_SCOPE = ("{{- with .Values.watchNamespaces }}\n"
+                   "    namespaceSelector:\n      matchExpressions:\n"
+                   "        - {key: kubernetes.io/metadata.name, operator: In, values: {{ toJson . }}}\n"
+                   "{{- end }}\n")
+OBJECT_SELECTOR = "        operator: Exists\n"
+
+
+def render_template() -> str:
+    docs = [_chart_doc(d) for d in documents(PLAIN_NAME)]
+    docs = [d.replace(OBJECT_SELECTOR, OBJECT_SELECTOR + NAMESPACE_SCOPE, 1) if "Binding" in d.split("\n", 2)[1] else d
+            for d in docs]
+    return (CHART_HEADER + f"{{{{- if and .Values.{VALUE}.enabled {SERVED} }}}}\n" + "---\n".join(docs)
+            + "{{- end }}\n")
+
+
+def write(root: Path) -> list[Path]:
+    """Writes the config/ file and the chart's template under root; returns the paths written."""
+    return policyfiles.write(root, ((CONFIG_PATH, render_config()), (TEMPLATE_PATH, render_template())))
+
+
+__all__ = ["PLURAL", "documents", "render_config", "render_template", "write"]

@@ -1,0 +1,54 @@
+"""What the generated admission policies share (kvpersist.api.pinchange, kvpersist.api.attachpolicy):
+YAML as a person would write it, the chart's copy of a plain manifest under the release's name and
+labels, and writing both committed copies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class _Dumper(yaml.SafeDumper):
+    """CEL and messages as literal blocks (no quoting of their quotes), as a person would write
+    them; short lists in flow style; no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    block = "\n" in text or "'" in text or len(text) > 100
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if block else None)
+
+
+def _list(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.SequenceNode:
+    flow = all(isinstance(i, str | int) for i in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow)
+
+
+_Dumper.add_representer(str, _str)
+_Dumper.add_representer(list, _list)
+
+
+def dump(doc: dict[str, Any]) -> str:
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+def chart_doc(doc: dict[str, Any], plain_name: str, chart_name: str) -> str:
+    """A document under the release's name (its policyName too) and with the chart's labels."""
+    text = dump(doc).replace(f"name: {plain_name}\n", f"name: {chart_name}\n", 1)
+    text = text.replace(f"policyName: {plain_name}\n", f"policyName: {chart_name}\n")
+    labels = '  labels: {{- include "kvpersist.labels" . | nindent 4 }}\n'
+    return text.replace(f"name: {chart_name}\n", f"name: {chart_name}\n{labels}", 1)
+
+
+def write(root: Path, files: tuple[tuple[Path, str], ...]) -> list[Path]:
+    """Writes each (path under root, text); returns the paths written."""
+    written = []
+    for rel, text in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+        written.append(root / rel)
+    return written

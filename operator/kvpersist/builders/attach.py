@@ -1,0 +1,70 @@
+"""Attach mode (spec.vllm.mode Attached): what the admission policies kvpersist-attach check a user's
+own vLLM pod against and add to it, as status.attach, from the same functions that launch the
+operator's own vLLM pods (vllm_args' pins, the connector's kv-transfer-config, the fixed variables),
+so an attached pod and a managed one of the same resource run with the same flags. Pure.
+
+The policies themselves are static (kvpersist.api.attachpolicy): the API server reads this status of
+the resource a pod's label names (paramKind KVCacheNamespace), so the operator needs no right on
+admission objects and a pod is judged even while the operator is down.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvpersist.builders.connection import kv_transfer_config_json
+from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
+from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config
+from kvpersist.identity import image_digest
+
+ATTACH_LABEL = "kvpersist.dev/attach"  # on a user's pod: the KVCacheNamespace (same namespace) it attaches to
+CONTAINER_ANNOTATION = "kvpersist.dev/attach-container"  # the vLLM container's name, when not `vllm`
+DEFAULT_CONTAINER = "vllm"
+ATTACHED = "Attached"
+PIN_FIELDS = {
+    "model_revision": "spec.identity.modelRevision", "tokenizer": "spec.identity.tokenizer",
+    "tokenizer_revision": "spec.identity.tokenizerRevision", "kv_cache_dtype": "spec.identity.kvCacheDtype",
+    "block_size": "spec.identity.blockSize", "tensor_parallel_size": "spec.identity.tensorParallelSize",
+    "max_model_len": "spec.identity.maxModelLen",
+}
+
+
+def attached(target: Target) -> bool:
+    return target.spec.vllm.mode == ATTACHED
+
+
+def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any] | None:
+    """status.attach (camelCase, as stored), or None when there is nothing to attach to: not in
+    Attached mode, no namespace id (a pin missing or refused), an unpinned image, or the id's route
+    names held by another id (target.routes). A pod labelled for a resource without it is refused.
+    bypassed: why the cache is off for vLLM now (a HitMismatch, the servers away too long): the
+    policies then admit new pods without the connection, as the operator rolls its own vLLM
+    without it; pods already running are the user's to restart (the CacheBypassed condition says)."""
+    digest = image_digest(target.spec.image)
+    if not attached(target) or target.namespace_id is None or digest is None or not target.routes:
+        return None
+    pins = target.spec.identity.resolved()
+    args = ["--kv-transfer-config", kv_transfer_config_json(target)]
+    events = kv_events_config(target)
+    if events is not None:
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
+    out: dict[str, Any] = {
+        "namespaceId": target.namespace_id,
+        "model": target.spec.identity.model_id,
+        "imageDigest": digest,
+        "pins": [{"flag": flag, "value": str(pins[attr]), "field": PIN_FIELDS[attr]}
+                 for attr, flag in PIN_FLAGS if pins[attr] is not None],
+        "args": args,
+        "env": [{"name": name, "value": value} for name, value in FIXED_ENV],
+        "serverSelector": target.id_selector(SERVER),
+    }
+    if bypassed is not None:
+        out["bypassed"] = bypassed
+    return out
+
+
+def attached_peer(target: Target) -> dict[str, Any]:
+    """The ZMQ policy's peer for attached pods: only a pod the policies admitted for this resource and
+    this namespace id carries both labels (the validating policy checks them on every change)."""
+    return {"podSelector": {"matchLabels": {ATTACH_LABEL: target.name, NAMESPACE_ID_LABEL: str(target.namespace_id)}}}

@@ -1,0 +1,56 @@
+"""Whether the API server serves InferencePool (Gateway API Inference Extension): spec.vllm
+.inferencePool is made only then. Discovery (which every user may read), asked afresh at most once
+a CACHE_S per answer (the dynamic client's own discovery cache outlives a deleted CRD), so a
+cluster without the extension does not pay a discovery at every apply of every resource that
+asks for a pool.
+Installing the extension is seen within CACHE_S; a Warning event says why no pool was made
+meanwhile (kvpersist.controller.apply)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from kvpersist.builders.inferencepool import API_GROUP, API_VERSION, KIND
+from kvpersist.controller import kube
+
+CACHE_S = 60.0
+API_MISSING = "InferencePoolAPIMissing"  # the Warning event's reason
+_lock = threading.Lock()
+_answer: tuple[float, bool] | None = None  # (when asked, served)
+
+
+def served(now: float | None = None) -> bool:
+    """Whether inference.networking.k8s.io/v1 InferencePool is served, as last asked (CACHE_S)."""
+    global _answer
+    now = time.monotonic() if now is None else now
+    with _lock:
+        if _answer is not None and now - _answer[0] < CACHE_S:
+            return _answer[1]
+    resources = kube.client().resources
+    # The dynamic client keeps discovery in a file every process shares (tempdir, osrcp-*.json): it
+    # may still list a CRD deleted since. Asked afresh: the server's groups and this one group.
+    resources.invalidate_cache()
+    try:
+        resources.get(api_version=API_VERSION, kind=KIND)
+        found = True
+    except ResourceNotFoundError:
+        found = False
+    with _lock:
+        _answer = (now, found)
+    return found
+
+
+def forget() -> None:
+    """Asks discovery again at the next served(): an apply of a pool answered 404 (the CRD went)."""
+    global _answer
+    with _lock:
+        _answer = None
+
+
+def missing_message(name: str) -> str:
+    return (f"spec.vllm.inferencePool is set but the InferencePool API (Gateway API Inference Extension, {API_GROUP}/v1) "
+            f"is not installed in this cluster: no InferencePool {name} was made. Install the extension's CRDs; the "
+            f"operator makes the pool within {CACHE_S:.0f} s")

@@ -1,0 +1,243 @@
+"""Attach mode on the real API server (docs/attach.md): a KVCacheNamespace with spec.vllm.mode Attached,
+the operator running it (real lmcache server under hack/kubelet_runner.py), config/attach's policies
+installed. The API server itself completes a pod labelled kvpersist.dev/attach (MutatingAdmissionPolicy)
+and refuses one whose vLLM would compute other KV (ValidatingAdmissionPolicy), from the resource's
+status.attach, which the operator writes.
+
+The vLLM containers here are SIMULATED by the runner (no model of these pins on this machine: it
+reports them Ready and runs nothing); the real vLLM attached, served from cache after its pod is
+deleted: tests/e2e/test_attach_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpersist.builders.target import NAMESPACE_ID_LABEL
+from tests.e2e.kube import REPO, Kubectl, wait_for
+from tests.e2e.operator_env import NAME, REAL_NODE, REAL_NODE_TAINT, kvpersist_env, manifest, target_of
+
+pytestmark = pytest.mark.e2e
+
+ATTACH_POLICY = REPO / "config" / "attach" / "attach.yaml"
+LABEL = "kvpersist.dev/attach"
+
+
+@pytest.fixture(scope="module")
+def attach_policy(kubectl: Kubectl, crd: None) -> Iterator[None]:
+    """config/attach's two policies and bindings, removed afterwards (the chart installs the same names).
+    Waits until the API server has type-checked the validating one against the CRD, warning-free."""
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(ATTACH_POLICY))
+
+    def checked() -> dict | None:
+        policy = kubectl.get("validatingadmissionpolicy", "kvpersist-attach")
+        return policy if (policy.get("status") or {}).get("observedGeneration") == policy["metadata"]["generation"] else None
+
+    policy = wait_for("the API server to type-check kvpersist-attach", checked, timeout=60)
+    assert not (policy["status"].get("typeChecking") or {}).get("expressionWarnings"), policy["status"]
+    assert kubectl.get("mutatingadmissionpolicy", "kvpersist-attach")["spec"]["paramKind"]["kind"] == "KVCacheNamespace"
+    yield
+    kubectl.run("delete", "-f", str(ATTACH_POLICY), "--ignore-not-found", check=False)
+
+
+def attached_manifest(ns: str) -> dict[str, Any]:
+    obj = manifest(ns)
+    obj["spec"]["vllm"].pop("hfTokenSecretRef", None)
+    obj["spec"]["vllm"]["mode"] = "Attached"
+    return obj
+
+
+@pytest.fixture(scope="module")
+def env(kubectl: Kubectl, crd: None, attach_policy: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    with kvpersist_env(kubectl, tmp_path_factory.mktemp("attach")) as e:
+        obj = attached_manifest(e.ns)
+        kubectl.apply(obj)
+        nsid = target_of(obj, kubectl).namespace_id
+        attach = wait_for("status.attach", lambda: ((kubectl.get("kvns", NAME, e.ns).get("status") or {}).get("attach")),
+                          timeout=120)
+        yield {"env": e, "obj": obj, "nsid": nsid, "attach": attach}
+
+
+def vllm_container(attach: dict[str, Any], image: str, *extra: str) -> dict[str, Any]:
+    """A vLLM container as a user writes it for this resource: `vllm serve MODEL`, every pin, their own flags."""
+    pins = [x for p in attach["pins"] for x in (p["flag"], p["value"])]
+    return {"name": "vllm", "image": image, "command": ["vllm"],
+            "args": ["serve", attach["model"], *pins, "--host", "0.0.0.0", "--port", "8000", "--enforce-eager", *extra]}
+
+
+def user_pod(ns: str, name: str, container: dict[str, Any], labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod the operator did not make, on the real node beside the server (the runner simulates its vLLM)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": {LABEL: NAME} if labels is None else labels},
+            "spec": {"containers": [container], "nodeSelector": {"kubernetes.io/hostname": REAL_NODE},
+                     "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}]}}
+
+
+def dry_run(kubectl: Kubectl, pod: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The pod as the API server would store it (every admission run, nothing stored), or its refusal."""
+    out = kubectl.run("create", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(pod), check=False)
+    return (json.loads(out.stdout), "") if out.returncode == 0 else (None, out.stderr)
+
+
+def test_the_operator_runs_the_servers_publishes_the_contract_and_no_vllm(kubectl: Kubectl, env: dict) -> None:
+    ns, attach = env["env"].ns, env["attach"]
+    assert attach["namespaceId"] == env["nsid"]
+    assert attach["args"][0] == "--kv-transfer-config" and f"{NAME}-lmcache-{env['nsid'][4:12]}" in attach["args"][1]
+    wait_for("the lmcache StatefulSet", lambda: kubectl.run("get", "statefulset", f"{NAME}-lmcache", "-n", ns,
+                                                            check=False).returncode == 0, timeout=60)
+    assert not kubectl.get("deployments", namespace=ns)["items"]  # the user's vLLM: none of the operator's
+    zmq = kubectl.get("networkpolicy", f"{NAME}-lmcache-{env['nsid'][4:12]}", ns)
+    assert {"podSelector": {"matchLabels": {LABEL: NAME, NAMESPACE_ID_LABEL: env["nsid"]}}} in zmq["spec"]["ingress"][0]["from"]
+
+
+def test_a_labelled_pod_gets_the_connection_and_is_counted(kubectl: Kubectl, env: dict) -> None:
+    """Only additions, where the pod has none of its own: the kv-transfer-config, the fixed variables,
+    /dev/shm, the namespace id label, and required affinity to this id's servers; then status counts it."""
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    container = vllm_container(attach, image)
+    container["env"] = [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}]
+    pod = user_pod(ns, "mine-0", container, labels={LABEL: NAME, "app": "their-own"})
+    pod["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [REAL_NODE]}]}]}}}
+    kubectl.apply(pod)
+    stored = kubectl.get("pod", "mine-0", ns)
+    c = stored["spec"]["containers"][0]
+    assert c["args"] == [*container["args"], *attach["args"]]  # the user's, in order, then the connection
+    assert c["env"] == [*container["env"], *attach["env"]]
+    assert {"name": "kvpersist-dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert {"name": "kvpersist-dshm", "emptyDir": {"medium": "Memory"}} in stored["spec"]["volumes"]
+    assert stored["metadata"]["labels"] == {LABEL: NAME, "app": "their-own", NAMESPACE_ID_LABEL: env["nsid"]}
+    assert stored["spec"]["affinity"]["nodeAffinity"] == pod["spec"]["affinity"]["nodeAffinity"]  # kept
+    assert stored["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"labelSelector": {"matchLabels": attach["serverSelector"]}, "topologyKey": "kubernetes.io/hostname"}]
+
+    def counted() -> dict | None:
+        st = kubectl.get("kvns", NAME, ns).get("status") or {}
+        return st if (st.get("attach") or {}).get("readyPods") == 1 else None
+
+    st = wait_for("status to count the attached pod Ready", counted, timeout=120)
+    assert st["attach"]["pods"] == 1 and st["replicas"] == "1/1"
+    vllm = next(c for c in st["conditions"] if c["type"] == "VLLMReady")
+    assert (vllm["status"], vllm["reason"]) == ("True", "AttachedPodsReady")
+    # A pod of the same spec without the label is none of the policies' business: stored as written.
+    plain, _ = dry_run(kubectl, user_pod(ns, "plain-0", vllm_container(attach, image), labels={"app": "x"}))
+    assert plain is not None and plain["spec"]["containers"][0]["args"] == vllm_container(attach, image)["args"]
+    assert "affinity" not in plain["spec"]
+
+
+def _refusal(kubectl: Kubectl, pod: dict[str, Any]) -> str:
+    stored, error = dry_run(kubectl, pod)
+    assert stored is None, f"admitted: {json.dumps(stored)[:400]}"
+    assert "kvpersist-attach" in error, error
+    return error
+
+
+def test_what_would_compute_other_kv_is_refused_naming_the_field_and_the_pin(kubectl: Kubectl, env: dict) -> None:
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    revision = next(p for p in attach["pins"] if p["flag"] == "--revision")["value"]
+
+    def pod(container: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return user_pod(ns, "refused-0", container, **kw)
+
+    other = vllm_container(attach, image)
+    other["args"][other["args"].index(revision)] = "f" * 40
+    error = _refusal(kubectl, pod(other))
+    assert f"--revision {revision} (spec.identity.modelRevision)" in error and f"KVCacheNamespace {NAME}" in error
+    error = _refusal(kubectl, pod(vllm_container(attach, image, "--quantization", "fp8")))
+    assert "--quantization refused" in error
+    error = _refusal(kubectl, pod(vllm_container(attach, image, "--kv-transfer-config", '{"kv_connector":"Other"}')))
+    assert "status.attach.args" in error  # the user's own connector: refused, never overwritten
+    shell = vllm_container(attach, image)
+    shell["command"], shell["args"] = ["sh", "-c", "vllm " + " ".join(shell["args"])], []
+    assert 'command must be ["vllm"]' in _refusal(kubectl, pod(shell))
+    assert "must be pinned by digest to sha256:" in _refusal(kubectl, pod(vllm_container(attach, "vllm/vllm-openai:latest")))
+    hashed = vllm_container(attach, image)
+    hashed["env"] = [{"name": "PYTHONHASHSEED", "value": "random"}]
+    assert "PYTHONHASHSEED=0 exactly once" in _refusal(kubectl, pod(hashed))
+    backend = vllm_container(attach, image)
+    backend["env"] = [{"name": "VLLM_ATTENTION_BACKEND", "value": "FLASHINFER"}]
+    assert "VLLM_ATTENTION_BACKEND refused" in _refusal(kubectl, pod(backend))
+    local = vllm_container(attach, image)
+    local["args"][1] = "/models/llama"
+    assert "must start with serve " + attach["model"] in _refusal(kubectl, pod(local))
+    stray = vllm_container(attach, image, "--seed")
+    assert "--seed" in _refusal(kubectl, pod(stray))
+    forged = pod(vllm_container(attach, image), labels={LABEL: NAME, NAMESPACE_ID_LABEL: "kvp-" + "0" * 32})
+    assert f"must be {env['nsid']}" in _refusal(kubectl, forged)
+    assert "no KVCacheNamespace named nobody" in _refusal(kubectl, pod(vllm_container(attach, image), labels={LABEL: "nobody"}))
+    # The container named by the annotation, when it is not `vllm`.
+    named = pod({**vllm_container(attach, image), "name": "main"})
+    assert "no container named vllm" in _refusal(kubectl, named)
+    named["metadata"]["annotations"] = {"kvpersist.dev/attach-container": "main"}
+    stored, error = dry_run(kubectl, named)
+    assert stored is not None, error
+    assert stored["spec"]["containers"][0]["args"][-2:] == attach["args"]
+
+
+def test_a_managed_resource_takes_no_attached_pod(kubectl: Kubectl, env: dict) -> None:
+    ns = env["env"].ns
+    managed = manifest(ns)
+    managed["metadata"]["name"] = "managed"
+    kubectl.apply(managed)
+    pod = user_pod(ns, "to-managed-0", vllm_container(env["attach"], env["obj"]["spec"]["image"]), labels={LABEL: "managed"})
+    error = _refusal(kubectl, pod)
+    # The API server names the first refusal of the params it judged, in its order: either says why.
+    assert "runs its own vLLM (spec.vllm.mode Managed)" in error or "named managed with spec.vllm.mode Attached" in error
+    error = kubectl.run("patch", "kvns", "managed", "-n", ns, "--type=merge", "-p", '{"spec":{"vllm":{"mode":"Attached"}}}',
+                        check=False).stderr
+    assert "vllm.mode is fixed at creation" in error
+    kubectl.run("delete", "kvns", "managed", "-n", ns, "--wait=false")
+
+
+def test_with_the_cache_bypassed_new_pods_are_admitted_without_the_connection(kubectl: Kubectl, env: dict,
+                                                                            namespace: str) -> None:
+    """status.attach.bypassed (the operator sets it while a HitMismatch stands or its servers are away
+    too long: tests/unit/test_attach.py): no connection added or required, the pins still checked. In
+    a namespace no operator watches, the status is written here, a STAND-IN for the operator's write,
+    so that nothing rewrites it during the check."""
+    obj = attached_manifest(namespace)
+    kubectl.apply(obj)
+    attach = {**env["attach"], "bypassed": "a cache hit changed the canary's answer (HitMismatch 0123456789ab)"}
+    kubectl.run("patch", "kvns", NAME, "-n", namespace, "--subresource=status", "--type=merge",
+                "-p", json.dumps({"status": {"attach": attach}}))
+    container = vllm_container(attach, obj["spec"]["image"])
+    stored, error = dry_run(kubectl, user_pod(namespace, "bypassed-0", container))
+    assert stored is not None, error
+    c = stored["spec"]["containers"][0]
+    assert c["args"] == container["args"] and "env" not in c and "affinity" not in stored["spec"]
+    assert stored["metadata"]["labels"][NAMESPACE_ID_LABEL] == attach["namespaceId"]
+    other = vllm_container(attach, obj["spec"]["image"])
+    other["args"][other["args"].index("--revision") + 1] = "f" * 40
+    assert "(spec.identity.modelRevision)" in _refusal(kubectl, user_pod(namespace, "bypassed-1", other))
+    # Its own connection to the servers, while the cache is off: refused like any unknown flag.
+    own = vllm_container(attach, obj["spec"]["image"], *env["attach"]["args"])
+    assert "--kv-transfer-config refused" in _refusal(kubectl, user_pod(namespace, "bypassed-2", own))
+
+
+def test_pods_labelled_while_the_policies_are_missing_are_named_in_status(kubectl: Kubectl, env: dict) -> None:
+    """Without the policies (the chart's attach.enabled false, a cluster before 1.36) the API server
+    admits a labelled pod as written: no connection, no cache. Status names it."""
+    ns, attach = env["env"].ns, env["attach"]
+    kubectl.run("delete", "mutatingadmissionpolicybinding,validatingadmissionpolicybinding", "kvpersist-attach")
+    try:
+        def admitted_as_written() -> bool:
+            stored, _ = dry_run(kubectl, user_pod(ns, "unpoliced-0", vllm_container(attach, env["obj"]["spec"]["image"])))
+            return stored is not None and NAMESPACE_ID_LABEL not in stored["metadata"]["labels"]
+
+        wait_for("the API server to drop the bindings", admitted_as_written, timeout=60, interval=1)
+        kubectl.apply(user_pod(ns, "unpoliced-0", vllm_container(attach, env["obj"]["spec"]["image"])))
+
+        def named() -> dict | None:
+            st = kubectl.get("kvns", NAME, ns).get("status") or {}
+            vllm = next((c for c in st.get("conditions") or [] if c["type"] == "VLLMReady"), {})
+            return vllm if vllm.get("reason") == "AttachPoliciesMissing" else None
+
+        vllm = wait_for("VLLMReady AttachPoliciesMissing", named, timeout=120)
+        assert vllm["status"] == "False" and "unpoliced-0" in vllm["message"]
+    finally:
+        kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(ATTACH_POLICY))
+        kubectl.run("delete", "pod", "unpoliced-0", "-n", ns, "--wait=false", check=False)

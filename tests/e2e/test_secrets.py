@@ -152,8 +152,11 @@ def test_a_missing_secret_or_configmap_is_named_in_a_condition(kubectl: Kubectl,
         assert f"{field} names {kind} {ref}, which does not exist in {namespace}" in missing["message"], missing
     ready = _condition(kubectl, namespace, name, "Ready")
     assert ready is not None and ready["reason"] == "ReferenceMissing", ready
-    events = kubectl.get("events", namespace=namespace)["items"]
-    assert [e for e in events if e.get("reason") == "ReferenceMissing" and "vllm-api-key" in e.get("message", "")], events
+    # Posted right after the status write that carries the condition: a moment later, not with it.
+    wait_for("the ReferenceMissing Warning event", lambda: [
+        e for e in kubectl.get("events", namespace=namespace)["items"]
+        if e.get("reason") == "ReferenceMissing" and "vllm-api-key" in e.get("message", "")], 30,
+        explain=lambda: str(kubectl.get("events", namespace=namespace)["items"])[-2000:])
     # The objects appear: the condition follows (the watch caches, no read per round).
     kubectl.run("create", "configmap", "vllm-env", "--from-literal=VLLM_LOGGING_LEVEL=INFO", "-n", namespace)
     kubectl.run("create", "secret", "generic", "vllm-api-key", "--from-literal=api-key=k", "-n", namespace)

@@ -104,7 +104,8 @@ def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
     _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + values("kvp_replicasets")})
     # Users' own vLLM pods attached to it (spec.vllm.mode Attached): the attach policies admitted each
     # with its namespace id label; counted and checked by the canary like its own.
-    labelled = [p for p in _attached(key[0]) if p["metadata"]["labels"].get(ATTACH_LABEL) == key[1]]
+    labelled = [p for p in _attached(key[0]) if p["metadata"]["labels"].get(ATTACH_LABEL) == key[1]] \
+        if _attach_mode(key) else []
     pods += [p for p in labelled if p["metadata"]["labels"].get(NAMESPACE_ID_LABEL)]
     # Labelled, yet no id label: admitted while the attach policies were not installed (they refuse that).
     unadmitted = sorted(p["metadata"]["name"] for p in labelled
@@ -132,6 +133,14 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
                 _UNTRUSTED_LOGGED.clear()
             _UNTRUSTED_LOGGED.add(uid)
             logging.getLogger("kvpersist").warning("%s", podtrust.untrusted_message(pod, f"{key[0]}/{key[1]}"))
+
+
+def _attach_mode(key: tuple[str, str]) -> bool:
+    """Whether the resource's spec, as last seen, says spec.vllm.mode Attached: only such a resource
+    looks through the attached pods (a namespace's many resources need not, every tick)."""
+    state = runtime.CONTROLLER.get(key)
+    body = (state.body if state is not None else None) or {}
+    return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == "Attached"
 
 
 def _attached(namespace: str | None) -> list[dict[str, Any]]:

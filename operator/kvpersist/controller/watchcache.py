@@ -76,12 +76,12 @@ class WatchCache:
             return True, (dict(found) if found is not None else None)
 
     def in_namespace(self, namespace: str) -> tuple[bool, list[dict[str, Any]]]:
-        """(synced, copies of every object of one namespace), by name."""
+        """(synced, copies of every object of one namespace)."""
         with self._lock:
             scope = namespace if namespace in self._synced else None
             if not self._synced.get(scope, False):
                 return False, []
-            return True, [dict(o) for (ns, _), o in sorted(self._objects.items()) if ns == namespace]
+            return True, [dict(o) for (ns, _), o in self._objects.items() if ns == namespace]
 
     def everything(self) -> list[dict[str, Any]]:
         """Copies of every object held (of the scopes that have listed)."""

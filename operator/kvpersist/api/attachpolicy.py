@@ -14,7 +14,7 @@ its value) and by the flags a pod of its own sets (ATTACH_OWN_FLAGS); variable n
 spec.vllm.env's rule, less the names that only had a field of their own there (ATTACH_OWN_ENV).
 
 `kvpersist-operator attach-policy --write` writes config/attach/ and the chart's template (behind
-attach.enabled); tests/unit/test_attach_policy.py fails when either is stale.
+attach.enabled); tests/unit/test_attach.py fails when either is stale.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from kvpersist.api import policyfiles
 from kvpersist.api.policyfiles import chart_doc, dump
-from kvpersist.api.v1alpha1 import EXTRA_ARGS, GROUP, PLURAL, VERSION, env_name_rule
+from kvpersist.api.v1alpha1 import EXTRA_ARGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
 PLAIN_NAME = f"kvpersist-{POLICY}"
@@ -32,8 +32,7 @@ CHART_NAME = '{{ include "kvpersist.fullname" . }}-' + POLICY
 CONFIG_PATH = Path("config/attach/attach.yaml")
 TEMPLATE_PATH = Path("charts/kvpersist/templates/attach.yaml")
 VALUE = "attach"
-LABEL = "kvpersist.dev/attach"
-NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
+LABEL = "kvpersist.dev/attach"  # on a user's pod: the KVCacheNamespace (same namespace) it attaches to
 CONTAINER_ANNOTATION = "kvpersist.dev/attach-container"
 DEFAULT_CONTAINER = "vllm"
 SHM_VOLUME = "kvpersist-dshm"
@@ -335,5 +334,3 @@ def write(root: Path) -> list[Path]:
     """Writes the config/ file and the chart's template under root; returns the paths written."""
     return policyfiles.write(root, ((CONFIG_PATH, render_config()), (TEMPLATE_PATH, render_template())))
 
-
-__all__ = ["PLURAL", "documents", "render_config", "render_template", "write"]

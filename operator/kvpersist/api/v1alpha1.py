@@ -71,6 +71,9 @@ BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 # The one vLLM connector the operator wires (builders.connection): a pin of every namespace id, not a
 # field (a field of one possible value would be one more thing to type).
 CONNECTOR = "LMCacheMPConnector"
+# The label every pod of a namespace id carries: the operator's own, and attached ones (the attach
+# policies add it, kvpersist.api.attachpolicy); what routes and NetworkPolicies select by.
+NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 EVICTION_POLICIES = ("LRU", "noop")
 
 # The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value).

@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config
 from kvpersist.identity import image_digest
 
-ATTACH_LABEL = "kvpersist.dev/attach"  # on a user's pod: the KVCacheNamespace (same namespace) it attaches to
-CONTAINER_ANNOTATION = "kvpersist.dev/attach-container"  # the vLLM container's name, when not `vllm`
-DEFAULT_CONTAINER = "vllm"
 ATTACHED = "Attached"
 PIN_FIELDS = {
     "model_revision": "spec.identity.modelRevision", "tokenizer": "spec.identity.tokenizer",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.v1alpha1 import NAMESPACE_ID_LABEL, KVCacheNamespaceSpec
 
 L2_MOUNT_PATH = "/var/lib/kvpersist/l2"
 L2_VOLUME = "l2"
@@ -19,7 +19,6 @@ AGENT_TOKEN_VOLUME = "agent-token"
 AGENT_TOKEN_MOUNT_PATH = "/etc/kvpersist/agent-token"
 AGENT_TOKEN_KEY = "token"
 MANAGED_BY = "kvpersist"
-NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 # On vLLM pods launched without the cache while it is on (Target.cache_bypassed), saying why.
 BYPASS_ANNOTATION = "kvpersist.dev/cache-bypassed"
 SERVER = "lmcache-server"

@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.attach import ATTACH_LABEL
+from kvpersist.builders.attach import ATTACH_LABEL, ATTACHED
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
 from kvpersist.controller import podtrust, runtime, sharing
 from kvpersist.controller.runtime import _MANAGED
@@ -140,7 +140,7 @@ def _attach_mode(key: tuple[str, str]) -> bool:
     looks through the attached pods (a namespace's many resources need not, every tick)."""
     state = runtime.CONTROLLER.get(key)
     body = (state.body if state is not None else None) or {}
-    return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == "Attached"
+    return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == ATTACHED
 
 
 def _attached(namespace: str | None) -> list[dict[str, Any]]:

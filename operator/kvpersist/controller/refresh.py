@@ -253,8 +253,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:
             observation.budget_floor = int((old.get("usage") or {}).get("l2UsedBytes") or 0)
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
-        attach = attach_status(target, _attach_bypass(key, body, target)) if attached(target) else None
+        attach = None  # None removes it: pods labelled for this resource are then refused
         if attached(target):
+            attach = attach_status(target, _attach_bypass(key, body, target))
             count, ready = attached_counts(seen.pods, target.namespace_id)
             observation.attached, observation.unadmitted = (count, ready, target.name), seen.unadmitted_pods
             if attach is not None:
@@ -264,7 +265,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 for gone in set(old.get("attach") or {}) - set(attach):
                     attach[gone] = None
         fields, conds = compute_status(observation)
-        fields["attach"] = attach  # None removes it: pods labelled for this resource are then refused
+        fields["attach"] = attach
         canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
         if canary_record is not None:
             fields["canary"] = canary_record

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.controller import kube
 from kvpersist.status.workloads import attached_view, slim
 
@@ -162,18 +163,17 @@ def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) ->
     return kube.watch_page("v1", "ConfigMap", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
 
 
-# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached): they carry none of the
-# operator's labels, so kopf's pod index never sees them; the label the attach policies judge them by.
-ATTACH_SELECTOR = "kvpersist.dev/attach"
+# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached) carry none of the operator's
+# labels, so kopf's pod index never sees them: selected by the label the attach policies judge them by.
 
 
 def _list_attached_pods(scope: str | None) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_SELECTOR)
+    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_LABEL)
 
 
 def _watch_attached_pods(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
     return kube.watch_page("v1", "Pod", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop,
-                           label_selector=ATTACH_SELECTOR)
+                           label_selector=ATTACH_LABEL)
 
 
 def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:

@@ -418,6 +418,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
 
     # vLLM
     vllm_failure = replica_failure(obs.deployment)
+    vllm_desired = obs.vllm_desired if obs.attached is None else obs.attached[0]  # attached: the pods there are
     if obs.attached is not None:
         # The user's own pods: how many there are is theirs to say; none yet holds nothing back.
         count, vllm_ready, name = obs.attached
@@ -499,8 +500,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         "namespaceId": obs.namespace_id,
         "l2Kind": obs.l2_kind,
         "readyReplicas": vllm_ready,
-        "desiredReplicas": obs.vllm_desired if obs.attached is None else obs.attached[0],
-        "replicas": f"{vllm_ready}/{obs.vllm_desired if obs.attached is None else obs.attached[0]}",
+        "desiredReplicas": vllm_desired,
+        "replicas": f"{vllm_ready}/{vllm_desired}",
         # The scale subresource's status.replicas: the pods there are, ready or not (a Deployment's own).
         "vllmReplicas": int(((obs.deployment or {}).get("status") or {}).get("replicas") or 0),
         "servers": [{"pod": r.pod, "healthy": r.healthy, "message": r.message} for r in obs.reports],

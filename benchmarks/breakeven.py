@@ -1136,7 +1136,7 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-DATAPATH_SCHEMA = "kvpersist-datapath/1"
+DATAPATH_SCHEMA = "kvpersist-datapath/2"
 SERIAL = "bytes / (bytes / L2->L1 + bytes / H2D): the two steps one after the other"
 PIPELINED = "min(L2->L1, H2D): an estimate that assumes the two steps overlap fully (not measured)"
 

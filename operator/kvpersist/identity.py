@@ -45,7 +45,7 @@ PIN_FIELDS = (
     "l2_layout",
     "l2_key_fingerprint",
 )
-# The L2 master key's fingerprint: a pin only while L2 is encrypted (l2_serde other than "none").
+# The L2 master key's fingerprint: a pin only while L2 is encrypted (l2_serde not in KEYLESS_SERDES).
 # The first 16 hex of HMAC-SHA256 keyed by the key over a fixed message: it names the key without
 # revealing anything of it, so it may be in status, events and logs (the key never is).
 L2_KEY_PIN = "l2_key_fingerprint"
@@ -75,10 +75,15 @@ def key_fingerprint(key: bytes) -> str:
     return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
 
 
+# L2 serde pins that take no key: none (before every object was framed) and the checksum frames
+# of encryption off (api.v1alpha1.L2_CHECKED).
+KEYLESS_SERDES = ("none", "kvpersist-checked/v3")
+
+
 def encrypted(pins: Mapping[str, Any]) -> bool:
     """Whether these pins name an encrypting serde, and so need the key's fingerprint."""
     serde = _normalize("l2_serde", pins.get("l2_serde"))
-    return serde is not None and serde != "none"
+    return serde is not None and serde not in KEYLESS_SERDES
 
 
 def image_digest(reference: str | None) -> str | None:

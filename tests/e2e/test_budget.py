@@ -44,7 +44,7 @@ def test_budget_refuses_new_writes_and_keeps_serving(kubectl: Kubectl, crd: None
     with kvpersist_env(kubectl, tmp_path) as env:
         ns, runner = env.ns, env.runner
         obj = manifest(ns)
-        obj["spec"]["l2"]["nvme"]["budget"] = "2Mi"
+        obj["spec"]["l2"]["nvme"].update(budget="2Mi", adapter="nixl_store_dynamic")
         get_status = lambda: kubectl.get("kvns", NAME, ns).get("status") or {}  # noqa: E731
         kubectl.apply(obj)
         folder = env.volume() / str(target_of(obj, kubectl).namespace_id)  # the id follows the generated key

@@ -49,6 +49,7 @@ import pytest
 
 from kvpersist import vllmclient
 from kvpersist.api.v1alpha1 import DEFAULT_CANARY_PROMPT
+from kvpersist.inventory.volume import TRIMMED_ADAPTERS, is_chunk_name
 from kvpersist.status.canary import ACK_ANNOTATION
 from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.e2e.operator_env import NAME, Env, in_pod, kvpersist_env, target_of
@@ -91,8 +92,10 @@ def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def chunk_files(folder: Path) -> list[Path]:
-    """The namespace folder's committed chunk files (a salted one's name ends `@<salt>.bin`)."""
-    return sorted(p for p in folder.iterdir() if p.suffix == ".bin") if folder.is_dir() else []
+    """The namespace folder's committed chunk files, whatever the adapter (a salted one's name ends
+    `@<salt>.data`, or `.bin` with nixl_store_dynamic)."""
+    return sorted(p for p in folder.iterdir() if any(is_chunk_name(p.name, a) for a in TRIMMED_ADAPTERS)
+                  ) if folder.is_dir() else []
 
 
 def vllm_counter(ip: str) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.lmcache import encrypted_disk_share, server_args
+from kvpersist.builders.lmcache import framed_disk_share, server_args
 from kvpersist.builders.vllm import vllm_args
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, in_pod, kvpersist_env, manifest, start_operator, stop, target_of
@@ -79,7 +79,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
     # L2's capacity as lmcache enforces it: the share of maxCapacity an encrypted file's extra page leaves.
-    share = encrypted_disk_share(t.spec)
+    share = framed_disk_share(t.spec)
     assert 16 / 17 <= share < 1
     assert status["usage"]["l1CapacityBytes"] == 2**28 and abs(status["usage"]["l2CapacityBytes"] - 2**30 * share) < 2
     assert status["servers"] == [{"pod": f"{NAME}-lmcache-0", "healthy": True, "message": ""}]

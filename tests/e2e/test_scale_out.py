@@ -44,7 +44,7 @@ SHARED_CLAIM = f"l2-{NAME}-lmcache-shared"
 def shared_manifest(ns: str, model: dict) -> dict:
     """The real-vLLM resource on both real nodes, one replica of each, L2 on one shared claim."""
     obj = on_real_nodes(real_manifest(ns, model))
-    obj["spec"]["l2"]["nvme"].update(shared=True, storageClassName=f"{ns}-shared")
+    obj["spec"]["l2"]["nvme"].update(shared=True, adapter="nixl_store_dynamic", storageClassName=f"{ns}-shared")
     obj["spec"]["lmcacheServer"] = {**obj["spec"].get("lmcacheServer", {}), "replicas": 1}
     obj["spec"]["vllm"]["replicas"] = 1
     return obj

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 def _shared(ns: str, name: str, nvme: dict, replicas: int = 2) -> dict:
     obj = sample()
     obj["metadata"].update(name=name, namespace=ns)
-    obj["spec"]["l2"]["nvme"] = {"maxCapacity": "1Gi", "shared": True, **nvme}
+    obj["spec"]["l2"]["nvme"] = {"maxCapacity": "1Gi", "shared": True, "adapter": "nixl_store_dynamic", **nvme}
     obj["spec"].setdefault("lmcacheServer", {})["replicas"] = replicas
     return obj
 

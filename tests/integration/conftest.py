@@ -24,9 +24,10 @@ import pytest
 
 from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.lmcache import serve_source, server_args
+from kvpersist.builders.lmcache import TELEMETRY_OFF_ENV, serve_source, server_args
 from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
 from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.inventory.volume import TRIMMED_ADAPTERS, is_chunk_name
 from tests.cases.invalid_manifests import sample
 from tests.integration import kvdriver
 from tests.integration.kvdriver import SHAPE_PINS, drive_subprocess
@@ -42,6 +43,16 @@ START_TIMEOUT_S = 120.0
 # targets' namespace ids: a server refuses to start on a key its target does not name.
 STAND_IN_KEY = hashlib.sha256(b"kvpersist integration tests: the folder's key").digest()
 STAND_IN_FINGERPRINT = key_fingerprint(STAND_IN_KEY)
+NO_SERDE = "none"
+# The rendered container's fixed variables that change what the server does here (no banner, no telemetry).
+RENDERED_ENV = {"LMCACHE_DISABLE_BANNER": "1", **{e["name"]: e["value"] for e in TELEMETRY_OFF_ENV}}
+
+
+def chunk_files(folder: Path) -> list[Path]:
+    """A namespace folder's committed chunk files, in name order, whatever the adapter's layout
+    (fs_native `*.data`, nixl_store_dynamic `*.bin`): what the inventory agent counts."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and any(is_chunk_name(p.name, a) for a in TRIMMED_ADAPTERS)
+                  ) if folder.is_dir() else []
 
 
 def free_port() -> int:
@@ -122,7 +133,8 @@ class LocalServer:
     proc: subprocess.Popen | None = None
     starts: list[float] = field(default_factory=list)
     # Another serde than the rendered one, e.g. lmcache's own "aesgcm" (its frames are ours): the
-    # interoperability tests and the benchmark's comparison. The rest of the args stay rendered.
+    # interoperability tests and the benchmark's comparison; NO_SERDE: lmcache's bare read, what
+    # encryption off rendered before every object was checked. The rest of the args stay rendered.
     serde_type: str | None = None
     extra_args: tuple[str, ...] = ()  # appended to the rendered args (benchmarks/datapath_bench.py --server-arg)
     env: dict[str, str] = field(default_factory=dict)  # more environment, as the pod's env (e.g. the Hub token)
@@ -142,7 +154,10 @@ class LocalServer:
         if self.serde_type is not None:
             at = args.index("--l2-adapter") + 1
             adapter = json.loads(args[at])
-            adapter["serde"]["type"] = self.serde_type
+            if self.serde_type == NO_SERDE:
+                del adapter["serde"]
+            else:
+                adapter["serde"]["type"] = self.serde_type
             args[at] = json.dumps(adapter, separators=(",", ":"), sort_keys=True)
         pinned = ["taskset", "-c", self.cpus] if self.cpus else []
         return [*pinned, str(Path(LMCACHE).parent / "python3"), "-c", serve_source(),
@@ -165,7 +180,7 @@ class LocalServer:
         t0 = time.monotonic()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **self.env})
+                                         env={**os.environ, **RENDERED_ENV, **self.env})
         self.starts.append(t0)
         while time.monotonic() - t0 < START_TIMEOUT_S:
             if self.proc.poll() is not None:
@@ -181,7 +196,7 @@ class LocalServer:
         t0 = time.monotonic()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **self.env, **(env or {})})
+                                         env={**os.environ, **RENDERED_ENV, **self.env, **(env or {})})
         self.starts.append(t0)
         while time.monotonic() - t0 < START_TIMEOUT_S:
             if self.proc.poll() is not None:

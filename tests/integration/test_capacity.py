@@ -49,7 +49,7 @@ def settle(folder: Path, quiet_s: float = 1.5) -> int:
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
         now = folder_bytes(folder)
-        busy = any(".tmp." in p.name for p in folder.iterdir())
+        busy = any(".tmp." in p.name or p.name.endswith(".tmp") for p in folder.iterdir())
         if now != last or busy:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:

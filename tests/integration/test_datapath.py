@@ -17,7 +17,7 @@ import pytest
 
 from kvpersist.status.usage import DIRECT, fetch_status
 from tests.fsstate import files_state
-from tests.integration.conftest import LocalServer, drive, expecting, make_target, other_key
+from tests.integration.conftest import NO_SERDE, LocalServer, chunk_files, drive, expecting, make_target, other_key
 
 pytestmark = pytest.mark.datapath
 
@@ -36,7 +36,7 @@ def test_restart_hits_everything_from_l2(servers: Servers, stop_signal: int) -> 
     srv.stop(stop_signal)
     restart_s = srv.start()
     # The index starts empty: nothing is known until looked up, yet everything is on disk.
-    assert srv.status()["storage_manager"]["l2_adapters"][0]["stored_object_count"] == 0
+    assert srv.l2_objects() == 0
     again = drive(srv, "store", "0:8")
     summary = again["summary"]
     assert summary["hit_chunks"] == 16 and summary["stored_chunks"] == 0  # all hit, nothing stored again
@@ -74,7 +74,7 @@ def test_two_namespaces_on_one_volume_never_share(servers: Servers) -> None:
 
 
 def _corrupt(folder: Path, how: str, count: int) -> list[str]:
-    names = sorted(p.name for p in folder.glob("*.bin"))[:count]
+    names = [p.name for p in chunk_files(folder)][:count]
     for name in names:
         path = folder / name
         if how == "truncate":
@@ -109,10 +109,11 @@ def test_damaged_files_miss_and_recompute(servers: Servers, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["garble", "flip"])
-def test_same_size_corruption_is_a_miss(servers: Servers, how: str) -> None:
-    """lmcache keeps no checksum: only the aesgcm serde (spec.l2.encryption, on by default) makes a
-    file of the right size with other bytes fail, as a miss. Without it this served wrong bytes."""
-    srv = servers(make_target())
+@pytest.mark.parametrize("encrypted", [True, False], ids=["aesgcm", "checked"])
+def test_same_size_corruption_is_a_miss(servers: Servers, how: str, encrypted: bool) -> None:
+    """lmcache keeps no checksum: only kvpersist's serde (encrypted, or checked with encryption off)
+    makes a file of the right size with other bytes fail, as a miss. Without it this served wrong bytes."""
+    srv = servers(make_target(encrypted=encrypted))
     srv.start()
     assert drive(srv, "store", "0:4")["summary"]["stored_chunks"] == 8
     srv.stop(signal.SIGKILL)
@@ -127,10 +128,11 @@ def test_same_size_corruption_is_a_miss(servers: Servers, how: str) -> None:
     assert again["wrong_bytes"] == 0 and again["hit_chunks"] <= 8 - len(damaged)
 
 
-def test_unencrypted_l2_serves_same_size_garbage(servers: Servers) -> None:
-    """The control for the test above, and the documented risk of spec.l2.encryption.enabled
-    false: lmcache 0.5.6 then serves a same-size file with other bytes as a hit."""
+def test_lmcaches_bare_read_serves_same_size_garbage(servers: Servers) -> None:
+    """The control for the test above: lmcache 0.5.6's own read, with no serde (what encryption off
+    rendered before every object was checked), serves a same-size file with other bytes as a hit."""
     srv = servers(make_target(encrypted=False))
+    srv.serde_type = NO_SERDE
     srv.start()
     drive(srv, "store", "0:4")
     srv.stop(signal.SIGKILL)
@@ -177,7 +179,7 @@ def test_disk_full_fails_stores_keeps_serving_and_is_reported(servers: Servers, 
     srv.start()
     first = drive(srv, "store", "0:16")["summary"]  # 32 chunks, 16 MiB, into 4 MiB
     assert first["lookup_errors"] == 0
-    assert len(list(srv.l2_dir.glob("*.bin"))) < 32
+    assert len(chunk_files(srv.l2_dir)) < 32
     assert srv.healthy()
     served = drive(srv, "verify", "0:16")["summary"]  # L1 still serves what L2 could not take
     assert served["hit_chunks"] == 32 and served["wrong_bytes"] == 0

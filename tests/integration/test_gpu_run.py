@@ -49,7 +49,7 @@ def test_dry_run_measures_every_step_and_prints_the_tables(tmp_path: Path) -> No
     # (a) The real server stored, was killed, restarted and read everything back, with the right bytes.
     dp = steps["datapath"]
     assert dp["status"] == "ok", dp
-    assert dp["result"]["schema"] == "kvpersist-datapath/1" and (out / dp["json"]).exists()
+    assert dp["result"]["schema"] == "kvpersist-datapath/2" and (out / dp["json"]).exists()
     modes = [m for r in dp["result"]["runs"] for m in r["modes"]]
     assert [m["name"] for m in modes] == ["aesgcm"]
     for m in modes:

@@ -34,7 +34,7 @@ GRACE_S = 15.0  # the trimmer's grace, shorter than the rendered one (builders.l
 
 def shared_target(**kw: Any) -> Any:
     """A resource's target with spec.l2.nvme.shared: every server renders the same args."""
-    return make_target(nvme={"shared": True}, **kw)
+    return make_target(nvme={"shared": True, "adapter": "nixl_store_dynamic"}, **kw)
 
 
 def test_a_server_reads_what_another_wrote_after_it_started(servers: Servers) -> None:

@@ -123,6 +123,52 @@ def test_another_adapters_files_never_make_the_trim_delete_every_chunk(tmp_path:
     assert all(p.exists() for p in fs_files + chunks)
 
 
+def test_the_fs_native_trim_counts_only_its_own_files(tmp_path: Path) -> None:
+    """The same for an agent trimming fs_native's folder (*.data): nixl's *.bin neither count nor go,
+    fs_native's own oldest chunks go first until the folder is within the capacity."""
+    served = tmp_path / A
+    served.mkdir()
+    nixl = [_chunk(served, i, 256 * KIB, 10.0 + i) for i in range(8)]
+    own = [_fs_file(served, i, 100 * KIB, 1000.0 + i) for i in range(4)]
+    assert trim_namespace(tmp_path, A, 1024 * KIB, adapter="fs_native").objects == 0
+    assert trim_namespace(tmp_path, A, 250 * KIB, adapter="fs_native").objects == 2
+    assert all(p.exists() for p in nixl) and [p.exists() for p in own] == [False, False, True, True]
+
+
+def test_abandoned_fs_native_temp_files_are_swept(tmp_path: Path) -> None:
+    """fs_native writes `<stem>.tmp` and renames it to `<stem>.data`; one untouched for an hour
+    is a write that died with its server."""
+    from kvpersist.inventory.volume import ABANDONED_TEMP_S, sweep_abandoned
+
+    served = tmp_path / A
+    served.mkdir()
+    now = time.time()
+    dead = _fs_file(served, 1, 300 * KIB, now - ABANDONED_TEMP_S - 60, suffix=".tmp")
+    live = _fs_file(served, 2, 300 * KIB, now - 5, suffix=".tmp")
+    chunk = _fs_file(served, 3, 10, now - ABANDONED_TEMP_S - 60)
+    assert sweep_abandoned(tmp_path, A, now=now, adapter="fs_native").objects == 1
+    assert not dead.exists() and live.exists() and chunk.exists()
+
+
+def test_an_excess_is_trimmed_only_once_it_has_lasted(tmp_path: Path) -> None:
+    """A burst of writes overshoots the capacity until lmcache's own eviction catches up (fs_native
+    evicts after writing, a few rounds a second apart): the agent trims only an excess that has
+    lasted settle_s, so the two never delete twice what must go; one that lasts (lmcache counting
+    from zero after a restart) is trimmed."""
+    (tmp_path / A).mkdir()
+    chunks = [_fs_file(tmp_path / A, i, 100 * KIB, 100.0 + i) for i in range(4)]
+    agent = Agent(tmp_path, A, capacity_bytes=250 * KIB, adapter="fs_native", settle_s=0.3)
+    assert agent.trim_once().objects == 0 and all(p.exists() for p in chunks)  # seen over: the clock starts
+    chunks[0].unlink()
+    chunks[1].unlink()  # lmcache evicted meanwhile: under again, the clock stops
+    assert agent.trim_once().objects == 0
+    more = [_fs_file(tmp_path / A, i, 100 * KIB, 200.0 + i) for i in range(4, 6)]
+    assert agent.trim_once().objects == 0  # over again: a new excess, not yet lasted
+    time.sleep(0.35)
+    assert agent.trim_once().objects == 2  # it lasted: the oldest two go
+    assert [p.exists() for p in chunks[2:] + more] == [False, False, True, True]
+
+
 def test_abandoned_nixl_temp_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
     from kvpersist.inventory.volume import ABANDONED_TEMP_S, sweep_abandoned
 
@@ -276,10 +322,15 @@ def _capacity_arg(t: Target) -> str | None:
     return args[args.index("--capacity-bytes") + 1] if "--capacity-bytes" in args else None
 
 
-def test_builder_renders_the_adapter_capacity_for_nixl_only() -> None:
+def test_builder_renders_the_adapter_capacity_for_fs_native_and_nixl() -> None:
     assert _capacity_arg(_target()) == str(450 * GIB)  # 90% of the 500Gi claim
+    args = agent_container(_target(), "img:1")["args"]
+    assert args[args.index("--adapter") + 1] == "fs_native"  # its *.data files are what the trim counts
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(maxCapacity="512Mi"))) == str(GIB // 2)
-    assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(budget="200Gi"))) == str(200 * GIB)
+    budget = _target(lambda o: o["spec"]["l2"]["nvme"].update(budget="200Gi", adapter="nixl_store_dynamic"))
+    assert _capacity_arg(budget) == str(200 * GIB)
+    args = agent_container(budget, "img:1")["args"]
+    assert args[args.index("--adapter") + 1] == "nixl_store_dynamic"
     assert _capacity_arg(_target(lambda o: o["spec"]["l2"]["nvme"].update(adapter="fs"))) is None
     assert _capacity_arg(_target(enabled=False)) is None  # no namespace served, nothing to hold to a capacity
 

@@ -81,7 +81,7 @@ def test_defaults_are_the_source_setups() -> None:
     spec = KVCacheNamespace.model_validate(sample()).spec
     assert (spec.eviction.policy, spec.eviction.trigger_watermark, spec.eviction.eviction_ratio) == ("LRU", 0.9, 0.1)
     assert spec.l2.nvme is not None
-    assert (spec.l2.nvme.adapter, spec.l2.nvme.reclaim_policy) == ("nixl_store_dynamic", "Retain")
+    assert (spec.l2.nvme.adapter, spec.l2.nvme.reclaim_policy) == ("fs_native", "Retain")
     assert (spec.lmcache_server.port, spec.lmcache_server.http_port) == (5555, 5556)
 
 

@@ -37,7 +37,7 @@ def _module(script: Path = SCRIPT) -> ModuleType:
     return module
 
 
-def _datapath_json(path: Path, modes: list[dict[str, Any]], schema: str = "kvpersist-datapath/1") -> Path:
+def _datapath_json(path: Path, modes: list[dict[str, Any]], schema: str = "kvpersist-datapath/2") -> Path:
     """A file of datapath_bench.py --json's shape (its fields that the verdict reads)."""
     path.write_text(json.dumps({"schema": schema, "runs": [{
         "size_gb": 1.0, "dir": "/x", "direct_io": True, "workers": 2,

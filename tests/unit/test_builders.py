@@ -8,13 +8,14 @@ import json
 import pytest
 
 from kvpersist.api.convert import gib_quantity
-from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.api.v1alpha1 import L2_CHECKED, KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     build_lmcache_statefulset,
     l2_adapter_config,
+    l2_serde,
     serve_source,
     server_args,
     server_resources,
@@ -32,6 +33,7 @@ from kvpersist.builders.target import (
 )
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
 from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.inserver.serve import CHECKED_TYPE
 from tests.cases.invalid_manifests import sample
 
 KEY_FINGERPRINT = key_fingerprint(b"k" * 32)  # the L2 key's pin, as the operator reads it from the Secret
@@ -65,8 +67,32 @@ def test_server_args_carry_l1_eviction_and_safety_flags() -> None:
     assert json.loads(_flag(args, "--l2-adapter")) == l2_adapter_config(t)
 
 
-def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
+def test_fs_native_is_the_default_with_io_threads_from_the_cpu_request() -> None:
+    """fs_native (lmcache's C++ adapter): a whole chunk file per read, one per I/O thread, so the
+    threads are the reads in flight: 4 per core of the server's CPU request (bounded), as the
+    serde's workers follow it."""
     t = target()
+    cfg = l2_adapter_config(t)
+    assert cfg["type"] == "fs_native" and cfg["base_path"] == f"{L2_MOUNT_PATH}/{t.namespace_id}"
+    assert (cfg["use_odirect"], cfg["persist_enabled"], cfg["num_workers"]) == (True, True, 8)  # 2 cores by default
+    # the capacity less the 1/64 a frame's 4 KiB page can take on disk (chunks of 252 KiB or more)
+    assert cfg["max_capacity_gb"] == pytest.approx(450 * 63 / 64)
+    assert cfg["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
+    assert (l2_serde(t) or {}).get("max_workers") == 2
+    for cpu, workers in (("500m", 4), ("16", 64), ("64", 128)):
+        big = target(mutate=lambda o, c=cpu: o["spec"].setdefault("lmcacheServer", {}).update(
+            resources={"requests": {"cpu": c}}))
+        assert l2_adapter_config(big)["num_workers"] == workers
+
+
+def test_the_server_sends_lmcache_no_usage_telemetry() -> None:
+    container = build_lmcache_statefulset(target())["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["LMCACHE_TRACK_USAGE"] == "false" and env["DO_NOT_TRACK"] == "1"
+
+
+def test_nixl_adapter_is_persistent_capped_and_namespaced() -> None:
+    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(adapter="nixl_store_dynamic"))
     cfg = l2_adapter_config(t)
     assert cfg["type"] == "nixl_store_dynamic" and cfg["backend"] == "POSIX" and cfg["persist_enabled"] is True
     assert cfg["backend_params"] == {"file_path": f"{L2_MOUNT_PATH}/{t.namespace_id}", "use_direct_io": "true",
@@ -101,8 +127,8 @@ def test_two_resources_on_one_volume_get_disjoint_paths() -> None:
     a = target()
     b = target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=16384))
     assert a.namespace_id != b.namespace_id
-    pa = l2_adapter_config(a)["backend_params"]["file_path"]
-    pb = l2_adapter_config(b)["backend_params"]["file_path"]
+    pa = l2_adapter_config(a)["base_path"]
+    pb = l2_adapter_config(b)["base_path"]
     assert pa != pb and not pa.startswith(pb) and not pb.startswith(pa)
 
 
@@ -337,13 +363,13 @@ def test_operator_metrics_text() -> None:
 
 
 def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
-    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(budget="2Mi"))
+    t = target(mutate=lambda o: o["spec"]["l2"]["nvme"].update(budget="2Mi", adapter="nixl_store_dynamic"))
     cfg = l2_adapter_config(t)
     # 2 MiB, as lmcache parses float(GB) * 2**30, less the 1/17 an encrypted object's page takes on disk
     assert float(cfg["backend_params"]["max_capacity_gb"]) * 2**30 == pytest.approx(2 * 2**20 * 16 / 17)
     plain = l2_adapter_config(target(mutate=lambda o: o["spec"]["l2"].update(
-        nvme={**o["spec"]["l2"]["nvme"], "budget": "2Mi"}, encryption={"enabled": False})))
-    assert plain["backend_params"]["max_capacity_gb"] == "0.001953125"
+        nvme={**o["spec"]["l2"]["nvme"], "budget": "2Mi", "adapter": "nixl_store_dynamic"}, encryption={"enabled": False})))
+    assert plain["backend_params"]["max_capacity_gb"] == cfg["backend_params"]["max_capacity_gb"]  # checked: framed too
     assert cfg["eviction"]["eviction_policy"] == "noop"
     assert "--eviction-policy" in server_args(t)  # L1 keeps the spec's policy
     assert server_args(t)[server_args(t).index("--eviction-policy") + 1] == t.spec.eviction.policy
@@ -437,7 +463,8 @@ def test_the_serde_names_the_key_the_id_was_computed_with(monkeypatch: pytest.Mo
     assert build_lmcache_statefulset(unread)["spec"]["replicas"] == 0
     plain, _ = reading._target({**body, "spec": {**body["spec"], "l2": {**body["spec"]["l2"], "encryption": {"enabled": False}}}},
                                KEY_FINGERPRINT)
-    assert plain.namespace_id is not None and plain.key_fingerprint is None and "serde" not in l2_adapter_config(plain)
+    assert plain.namespace_id is not None and plain.key_fingerprint is None
+    assert l2_adapter_config(plain)["serde"] == {"type": CHECKED_TYPE, "max_workers": 2, "namespace_id": plain.namespace_id}
 
 
 def test_the_users_key_secret_is_mounted_and_none_generated() -> None:
@@ -460,9 +487,13 @@ def test_generated_key_secret_is_random_unowned_and_kept() -> None:
     assert all(m["kind"] != "Secret" for m in build_all(t))
 
 
-def test_unencrypted_l2_has_no_serde_no_key_and_another_namespace() -> None:
+def test_unencrypted_l2_is_checked_with_no_key_and_another_namespace() -> None:
+    """Encryption off is no longer lmcache's bare read (which served damaged files as hits): the
+    same frames under a public key, bound to each object's name, with no key file or Secret."""
     plain = target(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False}))
-    assert "serde" not in l2_adapter_config(plain) and build_key_secret(plain) is None
+    serde = l2_adapter_config(plain)["serde"]
+    assert serde["type"] == CHECKED_TYPE and "master_key_path" not in serde and "key_fingerprint" not in serde
+    assert build_key_secret(plain) is None and plain.spec.pins()["l2_serde"] == L2_CHECKED
     pod = build_lmcache_statefulset(plain)["spec"]["template"]["spec"]
     assert all(v["name"] != L2_KEY_VOLUME for v in pod.get("volumes", []))
     # Plain and encrypted objects never share a folder: the serde is in the id.

@@ -68,7 +68,9 @@ CASES: list[tuple[str, str, Edit]] = [
     ("spec.l2.nvme.reclaimPolicy", "an existing claim is not the operator's to delete",
      lambda spec: (_drop_size(spec), spec["l2"]["nvme"].update(existingClaimName="mine", reclaimPolicy="Delete"))),
     ("spec.l2.nvme.budget", "budget must be at least 1Mi", _nvme(budget="1023Ki")),
-    ("spec.l2.nvme.budget", "the fs adapter has no capacity", _nvme(budget="1Gi", adapter="fs")),
+    ("spec.l2.nvme.budget", "budget needs adapter nixl_store_dynamic", _nvme(budget="1Gi", adapter="fs")),
+    ("spec.l2.nvme.budget", "budget needs adapter nixl_store_dynamic", _nvme(budget="1Gi")),  # fs_native, the default
+    ("spec.l2.nvme.shared", "shared needs adapter nixl_store_dynamic", _nvme(shared=True)),
     ("spec.l2.nvme.shared", "shared needs adapter nixl_store_dynamic", _nvme(shared=True, adapter="fs")),
     ("spec.l2.nvme.size", "a quantity must be less than 8Ei", _nvme(size="8Ei")),
     ("spec.lmcacheServer.agentPort", "agentPort must differ from port",

@@ -175,7 +175,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_is_checked() -> None:
     assert l2_claim_names(target) == ["l2-res-lmcache-0", "l2-res-lmcache-1", "l2-res-lmcache-2"]
     assert "'l2-' + variables.name + '-lmcache-' + string(i)" in variables["serverClaimNames"]
     shared = Target("res", "ns", target.spec.model_copy(update={"l2": target.spec.l2.model_copy(update={
-        "nvme": target.spec.l2.nvme.model_copy(update={"shared": True})})}), None)
+        "nvme": target.spec.l2.nvme.model_copy(update={"shared": True, "adapter": "nixl_store_dynamic"})})}), None)
     assert l2_claim_names(shared) == ["l2-res-lmcache-shared"] and "'l2-' + variables.name + '-lmcache-shared'" in variables[
         "sharedClaim"]
     bound = 8

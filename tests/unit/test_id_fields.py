@@ -82,7 +82,15 @@ def _fs() -> dict[str, Any]:
     return spec
 
 
-SAMPLES = {"nvme": _full_nvme, "existing-claim": _existing_claim, "bucket": _bucket, "fs": _fs}
+def _fs_native() -> dict[str, Any]:
+    """fs_native, the default adapter (no budget: it counts writes but does not refuse them)."""
+    spec = _full_nvme()
+    del spec["l2"]["nvme"]["budget"]
+    spec["l2"]["nvme"]["adapter"] = "fs_native"
+    return spec
+
+
+SAMPLES = {"nvme": _full_nvme, "existing-claim": _existing_claim, "bucket": _bucket, "fs": _fs, "fs-native": _fs_native}
 
 
 def _leaves(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -186,18 +187,23 @@ def test_switching_the_l2_adapter_is_a_new_namespace_and_folder() -> None:
         return Target("r", "ns", spec, resolve(spec.pins()).namespace_id)
 
     nixl = sample()
+    nixl["spec"]["l2"]["nvme"]["adapter"] = "nixl_store_dynamic"
     fs = sample()
     fs["spec"]["l2"]["nvme"]["adapter"] = "fs"
-    bucket = sample("hf-bucket")
-    layouts = [l2_layout(KVCacheNamespace.model_validate(o).spec) for o in (nixl, fs, bucket)]
-    assert layouts[0].startswith("nixl_store_dynamic") and layouts[1:] == ["fs", "hfbucket"]
+    layouts = [l2_layout(KVCacheNamespace.model_validate(o).spec) for o in (nixl, fs, sample(), sample("hf-bucket"))]
+    assert layouts[0].startswith("nixl_store_dynamic") and layouts[1:] == ["fs", "fs_native/direct_io=true", "hfbucket"]
     a, b = target(nixl), target(fs)
     assert a.namespace_id and b.namespace_id and a.namespace_id != b.namespace_id
     assert l2_path(a) != l2_path(b)
     # Nothing else of the NVMe settings that keeps the files readable moves the id.
-    direct = sample()
+    direct = copy.deepcopy(nixl)
     direct["spec"]["l2"]["nvme"].update(directIO=False, maxCapacity="100Gi")  # (true is the default)
     assert target(direct).namespace_id == a.namespace_id
+    # fs_native's files are whole 4 KiB pages with direct I/O: a file written without it is shorter
+    # than such a read (a miss), so there directIO is the layout too.
+    native, buffered = sample(), sample()
+    buffered["spec"]["l2"]["nvme"]["directIO"] = False
+    assert target(native).namespace_id != target(buffered).namespace_id
 
 
 def test_the_same_bytes_under_another_name_keep_the_namespace() -> None:

@@ -185,7 +185,7 @@ def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monk
     key_file = Path(adapter["serde"]["master_key_path"])
     assert key_file.name == L2_KEY_FILE and key_file.is_relative_to(tmp_path) and key_file.read_bytes() == key
     assert key_file.stat().st_mode & 0o777 == 0o400
-    assert adapter["backend_params"]["file_path"].startswith(str(tmp_path))
+    assert adapter["base_path"].startswith(str(tmp_path))  # fs_native's folder
 
 
 def test_wrapped_programs_are_still_this_machines_builds(tmp_path: Path) -> None:
@@ -277,7 +277,8 @@ def test_each_runner_runs_only_its_nodes_pods_and_a_shared_claim_is_one_folder(t
 
     def l2_path(node: str, ip: str) -> str:
         argv = next(a for i, a in started[node] if i == ip and "--l2-adapter" in a)
-        return json.loads(argv[argv.index("--l2-adapter") + 1])["backend_params"]["file_path"]
+        adapter = json.loads(argv[argv.index("--l2-adapter") + 1])
+        return adapter.get("base_path") or adapter["backend_params"]["file_path"]  # fs_native's, or nixl's
 
     a, b = runners[REAL_NODE], runners[SECOND_NODE]
     assert a.volume_dir("shared-l2") == b.volume_dir("shared-l2") == shared / "volumes" / "ns" / "shared-l2"

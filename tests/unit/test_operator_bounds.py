@@ -213,7 +213,7 @@ def variants() -> list[Target]:
     return [*(t(s) for s in SAMPLES),
             t(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest")),
             t(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "mine", "maxCapacity": "100Gi"})),
-            t(mutate=lambda o: o["spec"]["l2"]["nvme"].update(shared=True)),
+            t(mutate=lambda o: o["spec"]["l2"]["nvme"].update(shared=True, adapter="nixl_store_dynamic")),
             t(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False})),
             t(mutate=lambda o: o["spec"]["vllm"].update(modelCache={"size": "50Gi"}, service={"enabled": True},
                                                         kvEvents={"enabled": True}, envFrom=[{"secretRef": {"name": "x"}}])),

@@ -39,7 +39,7 @@ NSID = "kvp-" + "a" * 32
 def shared_obj(nvme: dict[str, Any] | None = None, replicas: int = 2) -> dict[str, Any]:
     obj = copy.deepcopy(sample())
     obj["spec"]["l2"]["nvme"] = {"size": "2Ti", "maxCapacity": "1000Gi", "shared": True,
-                                 "storageClassName": "nfs", **(nvme or {})}
+                                 "adapter": "nixl_store_dynamic", "storageClassName": "nfs", **(nvme or {})}
     obj["spec"].setdefault("lmcacheServer", {})["replicas"] = replicas
     return obj
 
@@ -53,9 +53,11 @@ def target_of(obj: dict[str, Any]) -> Target:
 
 def test_shared_is_off_by_default_and_not_a_pin() -> None:
     """The KV bytes are the same on one claim or many: the namespace id must not move."""
-    plain = KVCacheNamespace.model_validate(sample()).spec
+    off = sample()
+    off["spec"]["l2"]["nvme"]["adapter"] = "nixl_store_dynamic"  # the one shared takes
+    plain = KVCacheNamespace.model_validate(off).spec
     assert plain.l2.nvme is not None and plain.l2.nvme.shared is False
-    on = sample()
+    on = copy.deepcopy(off)
     on["spec"]["l2"]["nvme"]["shared"] = True
     shared = KVCacheNamespace.model_validate(on).spec
     assert shared.pins(FP) == plain.pins(FP)

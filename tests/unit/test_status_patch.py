@@ -284,7 +284,7 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     """A whole refresh round with the real observation, judgement and patch: every write checked."""
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
-    body["spec"]["l2"]["nvme"]["budget"] = "64Mi"
+    body["spec"]["l2"]["nvme"].update(budget="64Mi", adapter="nixl_store_dynamic")
     api = FakeApi(monkeypatch, [_report("s-0", 2048)])
     target, _resolution = reading._target(body, key_fingerprint(KEY))
     assert target.namespace_id == resolve(target.spec.pins(key_fingerprint(KEY))).namespace_id is not None

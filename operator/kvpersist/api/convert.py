@@ -34,6 +34,10 @@ def gib_quantity(value: Any, field: str) -> str:
     return f"{int((exact * 1024**3).to_integral_value())}"  # bytes, to the nearest
 
 
+# spec.l2.nvme.adapter's default before fs_native: an old manifest names it to keep its id.
+OLD_DEFAULT_ADAPTER = "nixl_store_dynamic"
+
+
 def convert_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(the spec in today's form, what changed in words). Raises ConvertError where the old spec
     named two images (no one image keeps its id) or a connector other than the one there is."""
@@ -68,6 +72,10 @@ def convert_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     l2 = out.get("l2") or {}
     if "backend" in (l2.get("nvme") or {}):
         notes.append(f"dropped l2.nvme.backend {l2['nvme'].pop('backend')} (POSIX, the one there is)")
+    if "nvme" in l2 and "adapter" not in l2["nvme"]:
+        l2["nvme"]["adapter"] = OLD_DEFAULT_ADAPTER
+        notes.append(f"l2.nvme.adapter {OLD_DEFAULT_ADAPTER} (the default then, and so in its namespace id; today's is "
+                     "fs_native, a new namespace)")
     for kind in ("nvme", "hfBucket"):
         tier = l2.get(kind) or {}
         if "maxCapacityGB" in tier:

@@ -35,6 +35,7 @@ VALUE = "pinChangeWarning"
 KEY_PREFIX = "spec.l2.encryption.keySecretRef."
 # The image digest as identity.image_digest takes it: @sha256:<64 hex> at the end of the trimmed reference.
 DIGEST_RE = "@sha256:[0-9a-f]{64}$"
+ADAPTER = IdField("spec.l2.nvme.adapter")  # an fs_native-only field is named only when the adapter stayed
 UNITS = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))  # as status.usage.human_bytes
 
 
@@ -44,6 +45,8 @@ def field_value(obj: str, field: IdField) -> str:
     parts = field.path.split(".")
     guards = " && ".join(f"has({obj}.{'.'.join(parts[:i + 1])})" for i in range(1, len(parts)))
     value = f"string({obj}.{field.path})"
+    if field.kind == "fs_native":
+        guards += f" && {obj}.spec.l2.nvme.adapter == 'fs_native'"
     if field.kind == "digest":
         value += f".trim().find('{DIGEST_RE}')"
     return f"({guards} ? {value} : '')"
@@ -51,7 +54,9 @@ def field_value(obj: str, field: IdField) -> str:
 
 def changed_expression() -> str:
     """CEL: the list of id_fields paths whose value differs between oldObject and object."""
-    items = ",\n".join(f"  {field_value('oldObject', f)}\n    != {field_value('object', f)} ? '{f.path}' : ''" for f in id_fields())
+    same_adapter = f"{field_value('oldObject', ADAPTER)} == {field_value('object', ADAPTER)}"
+    items = ",\n".join(f"  {field_value('oldObject', f)}\n    != {field_value('object', f)}"
+                       + (f" && {same_adapter}" if f.kind == "fs_native" else "") + f" ? '{f.path}' : ''" for f in id_fields())
     return f"[\n{items}\n].filter(p, p != '')"
 
 

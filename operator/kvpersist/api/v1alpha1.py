@@ -156,6 +156,10 @@ GIB = 1024**3
 # which opens no other version; part of the namespace id, so another frame format is another
 # namespace (and the old folder an orphan).
 L2_SERDE = "kvpersist-aesgcm-256/v3"
+# The same with encryption off: kvpersist-checked, the same frames under a public key (a checksum
+# bound to the object's name and namespace, not a secret): a damaged or misplaced object is a
+# miss, never wrong bytes, in every mode.
+L2_CHECKED = "kvpersist-checked/v3"  # one of identity.KEYLESS_SERDES: no key fingerprint in the id
 
 # What a quantity the operator computes with may be: less than 2^63 (an int64 holds it). The API
 # server parses "99999Ei" as 2^63 - 1 (it caps a binary suffix silently) and a decimal past 2^63 as
@@ -316,8 +320,11 @@ class L1(_Spec):
 # "Several writers on one folder"). Fixed once set: switching would strand the KV in the other claims.
 SHARED_FIXED = ("shared is fixed once set (switching would strand the stored KV in the other claims): create a new "
                 "KVCacheNamespace to change it")
-SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a temp file and a rename and its lookups "
-                     "find files other servers wrote (measured); the fs adapter is not checked for either")
+SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a temp file of a name of their own and a "
+                     "rename, and its lookups find files other servers wrote (measured); fs_native and fs write one temp "
+                     "name per chunk, which two servers storing the same chunk at once would share")
+BUDGET_NEEDS_NIXL = ("budget needs adapter nixl_store_dynamic: it refuses writes past its capacity; fs_native only counts "
+                     "them (its eviction makes room instead) and fs declares no capacity")
 
 
 # maxCapacity unset: the share of a new claim's size lmcache may fill (the rest is the filesystem's).
@@ -357,8 +364,7 @@ class NVMe(_Spec):
                     f"{_bytes('budget')} <= {_bytes('maxCapacity')}) || (!has(self.maxCapacity) && has(self.size) && "
                     f"{_bytes('budget')} <= {_bytes('size')} * {NVME_CAPACITY_SHARE})))",
                     "budget must be at least 1Mi and at most maxCapacity (90% of size when unset)", field_path=".budget"),
-                cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
-                    "the fs adapter has no capacity to hold a budget to: use adapter nixl_store_dynamic", field_path=".budget"),
+                cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'", BUDGET_NEEDS_NIXL, field_path=".budget"),
                 cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
                 cel("!self.shared || !has(self.size) || self.reclaimPolicy == oldSelf.reclaimPolicy",
                     "with shared, reclaimPolicy is fixed once set: the one claim was made with it (owned by the resource "
@@ -376,16 +382,19 @@ class NVMe(_Spec):
         None, max_length=253, pattern=DNS_SUBDOMAIN,
         description="Use this existing PersistentVolumeClaim instead of creating one (one lmcache server replica).",
     )
-    adapter: Literal["nixl_store_dynamic", "fs"] = Field(
-        "nixl_store_dynamic",
-        description="LMCache L2 adapter: nixl_store_dynamic (persist/recover semantics, one file per chunk) or fs. Part "
-        "of the namespace id (the two name their files otherwise): a change moves to a new namespace and folder, and the "
-        "old folder's KV stays there as an orphan (`kvpersist report`, `kvpersist gc`).",
+    adapter: Literal["fs_native", "nixl_store_dynamic", "fs"] = Field(
+        "fs_native",
+        description="LMCache L2 adapter, one file per chunk: fs_native (LMCache's C++ adapter: I/O threads following the "
+        "server's CPU request, each reading a whole chunk file, the fastest read), nixl_store_dynamic (one event-loop "
+        "thread; needed for budget and shared) or fs (Python). Part of the namespace id (each names and sizes its "
+        "files otherwise): a change moves to a new namespace and folder, and the old folder's KV stays there as an "
+        "orphan (`kvpersist report`, `kvpersist gc`). A resource created before fs_native was the default keeps the "
+        "nixl_store_dynamic the API stored then.",
     )
     max_capacity: Quantity | None = Field(
         None,
-        description="Capacity LMCache may fill, e.g. 450Gi; nixl_store_dynamic's L2 eviction keeps usage below it "
-        "(the fs adapter declares no capacity: there the claim's size is the bound). Unset: 90% of size (the rest is "
+        description="Capacity LMCache may fill, e.g. 450Gi; the L2 eviction of fs_native and nixl_store_dynamic keeps "
+        "usage below it (the fs adapter declares no capacity: there the claim's size is the bound). Unset: 90% of size (the rest is "
         "the filesystem's); required with existingClaimName.",
     )
     budget: Quantity | None = Field(
@@ -396,9 +405,9 @@ class NVMe(_Spec):
         "the oldest files to keep the folder within the budget. "
         "Unset: maxCapacity with the eviction policy keeps usage under capacity by evicting.",
     )
-    direct_io: bool = Field(True, alias="directIO", description="Open L2 files with O_DIRECT (use_direct_io / use_odirect): "
-                            "nixl_store_dynamic then reads a file straight into L1, past the page cache, at the disk's speed "
-                            "(benchmarks/RESULTS.md: 1.02x a plain sequential read of the same files, against 0.87x without). "
+    direct_io: bool = Field(True, alias="directIO", description="Open L2 files with O_DIRECT (use_odirect / use_direct_io): "
+                            "a file is read straight into L1, past the page cache, at the disk's speed "
+                            "(benchmarks/RESULTS.md). "
                             "Set false on a filesystem without O_DIRECT (stores then fail, and L2Ready says L2WritesFailing).")
     reclaim_policy: Literal["Retain", "Delete"] = Field(
         "Retain",
@@ -518,7 +527,7 @@ class L2(_Spec):
         }
     )
 
-    nvme: NVMe | None = Field(None, description="NVMe PersistentVolumeClaim as L2 (nixl_store_dynamic POSIX or fs).")
+    nvme: NVMe | None = Field(None, description="NVMe PersistentVolumeClaim as L2 (fs_native, nixl_store_dynamic or fs).")
     hf_bucket: HFBucket | None = Field(None, description="Hugging Face bucket as L2 (hfbucket adapter).")
     encryption: L2Encryption = Field(
         default_factory=L2Encryption, description="Authenticated encryption of L2 objects: corruption is a miss.",
@@ -1131,7 +1140,7 @@ class KVCacheNamespaceSpec(_Spec):
 
         digest = image_digest(self.image)
         return {**self.identity.resolved(), "vllm_image_digest": digest, "lmcache_server_image_digest": digest,
-                "l2_serde": L2_SERDE if self.l2.encryption.enabled else "none",
+                "l2_serde": L2_SERDE if self.l2.encryption.enabled else L2_CHECKED,
                 "l2_layout": l2_layout(self),
                 "l2_key_fingerprint": key_fingerprint if self.l2.encryption.enabled else None}
 
@@ -1171,17 +1180,22 @@ def spec_schema() -> dict[str, Any]:
 
 def l2_layout(spec: KVCacheNamespaceSpec) -> str:
     """The L2 adapter's layout on disk or in the bucket, a pin: lmcache 0.5.6's nixl_store_dynamic
-    writes `<model>_<rank>_<group>_<hash>.bin`, fs `<model>@0x<rank>@<group>@<hash>.data`, hfbucket
-    URL-encoded `<model>@<rank>@<hash>` objects. Two adapters in one folder cannot read each
-    other's files, and the inventory agent trims only nixl's (kvpersist.inventory.volume): so a
-    switch of adapter is a new namespace id, a new folder, the old one an orphan for `kvpersist gc`.
+    writes `<model>_<rank>_<group>_<hash>.bin`, fs and fs_native `<model>@0x<rank>@<group>@<hash>.data`
+    (fs_native padded to 4 KiB with direct I/O), hfbucket URL-encoded `<model>@<rank>@<hash>`
+    objects. Two adapters in one folder cannot read each other's files, and the inventory agent
+    trims what it can tell is the served adapter's: so a switch of adapter is a new namespace id, a
+    new folder, the old one an orphan for `kvpersist gc`.
     The one place this is decided (anything else that changes the files, e.g. their page size,
     belongs here too)."""
     if spec.l2.nvme is not None:
         if spec.l2.nvme.adapter == "nixl_store_dynamic":
             # nixl moves and sizes each file in L1 pages: another page size is another file size
-            # (an encrypted frame takes one page more than its chunk), unreadable by the other.
+            # (a frame takes one page more than its chunk), unreadable by the other.
             return f"nixl_store_dynamic/page={l1_page_bytes(spec)}"
+        if spec.l2.nvme.adapter == "fs_native":
+            # With direct I/O fs_native writes and reads whole 4 KiB pages (the L1 slot): a file
+            # written without it is shorter than such a read, so a switch would strand every file.
+            return f"fs_native/direct_io={str(spec.l2.nvme.direct_io).lower()}"
         return spec.l2.nvme.adapter
     return "hfbucket"
 
@@ -1194,10 +1208,12 @@ class IdField:
     """A spec field the namespace id depends on (through pins()), as the API spells it. kind:
     `value`, the field itself; `digest`, only an image's @sha256:<64 hex> (another tag or registry
     with the same digest keeps the id); `key`, it names the Secret whose key's fingerprint is a pin
-    (builders.target.Target.key_secret): another Secret is another id unless it holds the same bytes."""
+    (builders.target.Target.key_secret): another Secret is another id unless it holds the same bytes;
+    `fs_native`, the field only while spec.l2.nvme.adapter is fs_native (it changes that adapter's
+    files, no other's: l2_layout)."""
 
     path: str
-    kind: Literal["value", "digest", "key"] = "value"
+    kind: Literal["value", "digest", "key", "fs_native"] = "value"
 
 
 def id_fields() -> tuple[IdField, ...]:
@@ -1210,7 +1226,8 @@ def id_fields() -> tuple[IdField, ...]:
     identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
     return (*identity, IdField("spec.image", "digest"),
             IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
-            IdField("spec.l2.encryption.keySecretRef.key", "key"), IdField("spec.l2.nvme.adapter"))
+            IdField("spec.l2.encryption.keySecretRef.key", "key"), IdField("spec.l2.nvme.adapter"),
+            IdField("spec.l2.nvme.directIO", "fs_native"))
 
 
 def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
@@ -1223,12 +1240,18 @@ def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
         node = node.get(part) if isinstance(node, Mapping) else None
     if field.kind == "digest":
         return image_digest(node) if isinstance(node, str) else None
+    if field.kind == "fs_native" and ((spec.get("l2") or {}).get("nvme") or {}).get("adapter") != "fs_native":
+        return None
     return node
 
 
 def changed_id_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """The id_fields paths whose value differs between two specs as stored."""
-    return [f.path for f in id_fields() if id_field_value(old, f) != id_field_value(new, f)]
+    """The id_fields paths whose value differs between two specs as stored (an fs_native-only field
+    not when the adapter itself changed: that is the adapter's change)."""
+    adapter = IdField("spec.l2.nvme.adapter")
+    moved = id_field_value(old, adapter) != id_field_value(new, adapter)
+    return [f.path for f in id_fields()
+            if id_field_value(old, f) != id_field_value(new, f) and not (f.kind == "fs_native" and moved)]
 
 
 # lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered).
@@ -1260,13 +1283,14 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
     chunk, a third of an L2 read's time (benchmarks/RESULTS.md). Encrypted, the page is at most a
     sixteenth of a layer: an encrypted object is its chunk and a frame of a few bytes, so its file
     takes one page more than the chunk, and that page must stay small beside even a one-layer chunk
+    (with encryption off too: a checked object is framed the same way)
     (the disk share lmcache is given, builders.lmcache.encrypted_disk_share, follows from it)."""
     nvme = spec.l2.nvme
     layer = chunk_layer_bytes(spec)
     if nvme is None or nvme.adapter != "nixl_store_dynamic" or layer is None:
         return DEFAULT_L1_PAGE
     page = min(MAX_L1_PAGE, layer & -layer)  # its largest power-of-two divisor
-    if spec.l2.encryption.enabled and layer >= ENCRYPTED_PAGES_PER_LAYER:
+    if layer >= ENCRYPTED_PAGES_PER_LAYER:  # every object is framed (encrypted or checked)
         page = min(page, 1 << ((layer // ENCRYPTED_PAGES_PER_LAYER).bit_length() - 1))
     return max(DEFAULT_L1_PAGE, page)
 

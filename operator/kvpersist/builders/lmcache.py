@@ -26,7 +26,7 @@ from kvpersist.builders.target import (
     Target,
 )
 from kvpersist.inserver import program_source
-from kvpersist.inserver.serve import SERDE_TYPE
+from kvpersist.inserver.serve import CHECKED_TYPE, SERDE_TYPE
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
 AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
@@ -75,6 +75,12 @@ GPU_VISIBILITY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                       {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"})
 
 
+# lmcache 0.5.6 sends anonymous usage telemetry to its stats server unless told not to
+# (lmcache/usage_telemetry/identity.py), and at start probes the CPU in a subprocess (py-cpuinfo):
+# measured here at about 2 CPU-seconds during the first L2 reads after a restart. Off in every server.
+TELEMETRY_OFF_ENV = ({"name": "LMCACHE_TRACK_USAGE", "value": "false"}, {"name": "DO_NOT_TRACK", "value": "1"})
+
+
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
 MEMORY_OVERHEAD_GIB = 5
 MEMORY_LIMIT_FACTOR = 1.5
@@ -94,7 +100,7 @@ def l2_path(target: Target) -> str:
     return f"{L2_MOUNT_PATH}/{target.namespace_id}"
 
 
-# lmcache counts an encrypted object at its framed size (its chunk and a frame of a few bytes),
+# lmcache counts an object at its framed size (encrypted or checked) (its chunk and a frame of a few bytes),
 # while a file takes whole pages on disk (fs: the filesystem's 4 KiB; nixl_store_dynamic: L1's page,
 # so one page more than the chunk). The adapter is given that share of the declared capacity, so
 # the disk stays within what was declared (the agent trims to it) without trimming what lmcache
@@ -102,8 +108,9 @@ def l2_path(target: Target) -> str:
 FOUR_KIB_DISK_SHARE = 63 / 64
 
 
-def encrypted_disk_share(spec: KVCacheNamespaceSpec) -> float:
-    """The share of the capacity lmcache may count, encrypted: a chunk over its file. For
+def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
+    """The share of the capacity lmcache may count, every object being framed (encrypted or
+    checked): a chunk over its file. For
     nixl_store_dynamic the smallest chunk (one layer) over one layer and a page: at most a
     seventeenth lost, since the page is at most a sixteenth of a layer (api l1_page_bytes)."""
     layer = chunk_layer_bytes(spec)
@@ -124,21 +131,41 @@ def serde_workers(target: Target) -> int:
     runs at a few GB/s a core (benchmarks/RESULTS.md), so a GPU node's L2 reads outrun the serde
     unless the work spreads over the cores the pod was given; more threads than cores only
     contend for them. A request below one core still gets one worker."""
+    return max(MIN_SERDE_WORKERS, min(MAX_SERDE_WORKERS, server_cores(target)))
+
+
+def server_cores(target: Target) -> int:
+    """Whole cores of the server container's CPU request (at least 1)."""
     cpu = server_resources(target)["requests"].get("cpu", DEFAULT_SERVER_CPU)
-    cores = math.ceil(parse_quantity(cpu))  # exact (a Decimal): 2 is 2, not 2.0000000001
-    return max(MIN_SERDE_WORKERS, min(MAX_SERDE_WORKERS, cores))
+    return max(1, math.ceil(parse_quantity(cpu)))  # exact (a Decimal): 2 is 2, not 2.0000000001
 
 
-def l2_serde(target: Target) -> dict[str, Any] | None:
-    """kvpersist's aesgcm serde around the adapter (spec.l2.encryption): each object framed as
-    version, key fingerprint, IV, then GCM-sealed segments bound to the object's name and the
-    namespace id, so a changed byte or another name fails authentication and is a miss; lmcache's
-    keys, without its copies (kvpersist.inserver.serve). The master key is a file from a Secret
-    volume, never an argument or a variable; the settings carry its expected fingerprint (the one
-    the id was computed with) and the id, and the server refuses to start on a key file of another
-    fingerprint, before it reads or removes anything."""
+# fs_native's C++ I/O threads: each reads or writes one whole chunk file at a time (a blocking
+# read() of megabytes, which the kernel splits into many device requests), so they are the reads in
+# flight and cost no CPU while they wait. IO_WORKERS_PER_CORE per core of the server's CPU request.
+IO_WORKERS_PER_CORE, MIN_IO_WORKERS, MAX_IO_WORKERS = 4, 4, 128
+
+
+def io_workers(target: Target) -> int:
+    """fs_native's I/O threads (num_workers), following the server pod's CPU request as the serde's
+    workers do. Why: a GPU node's L2 must keep many reads in flight to reach its drives' rate
+    (LMCache's own note: 48-50 GB/s from 8 NVMe drives once enough reads were in flight); each
+    thread holds one. On this project's RAM-backed bench the count did not matter (one loop device
+    thread was the limit: benchmarks/RESULTS.md)."""
+    return max(MIN_IO_WORKERS, min(MAX_IO_WORKERS, IO_WORKERS_PER_CORE * server_cores(target)))
+
+
+def l2_serde(target: Target) -> dict[str, Any]:
+    """kvpersist's serde around the adapter, in every mode: each object framed as version, key
+    fingerprint, IV, then segments bound to the object's name and the namespace id, so a changed
+    byte or another name is a miss, never wrong bytes (kvpersist.inserver.serve). Encrypted
+    (spec.l2.encryption, the default): AES-GCM under lmcache's keys, the master key a file from a
+    Secret volume, never an argument or a variable; the settings carry its expected fingerprint
+    (the one the id was computed with) and the server refuses to start on a key file of another,
+    before it reads or removes anything. Off: kvpersist-checked, the plaintext with a GMAC under a
+    public key (a checksum: lmcache keeps none, and served damaged files as hits)."""
     if target.key_secret is None:
-        return None
+        return {"type": CHECKED_TYPE, "max_workers": serde_workers(target), "namespace_id": target.namespace_id}
     return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": serde_workers(target),
             "master_key_path": f"{L2_KEY_MOUNT_PATH}/{L2_KEY_FILE}",
             "key_fingerprint": target.key_fingerprint, "namespace_id": target.namespace_id}
@@ -146,10 +173,8 @@ def l2_serde(target: Target) -> dict[str, Any] | None:
 
 def l2_adapter_config(target: Target) -> dict[str, Any]:
     """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacity,
-    or under the budget (a hard cap, no eviction) when one is set, and the serde when encrypted."""
-    config = _adapter_config(target)
-    serde = l2_serde(target)
-    return {**config, "serde": serde} if serde else config
+    or under the budget (a hard cap, no eviction) when one is set, and the serde."""
+    return {**_adapter_config(target), "serde": l2_serde(target)}
 
 
 def _adapter_config(target: Target) -> dict[str, Any]:
@@ -163,8 +188,11 @@ def _adapter_config(target: Target) -> dict[str, Any]:
             # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
             capacity_gb = nvme.budget_bytes / GIB
             eviction = {**eviction, "eviction_policy": "noop"}
-        if target.key_secret is not None:
-            capacity_gb *= encrypted_disk_share(spec)
+        capacity_gb *= framed_disk_share(spec)
+        if nvme.adapter == "fs_native":
+            return {"type": "fs_native", "base_path": l2_path(target), "num_workers": io_workers(target),
+                    "use_odirect": nvme.direct_io, "max_capacity_gb": capacity_gb, "persist_enabled": True,
+                    "eviction": eviction}
         if nvme.adapter == "fs":
             return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
                     "persist_enabled": True, "eviction": eviction}
@@ -281,7 +309,8 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 def server_container(target: Target) -> dict[str, Any]:
     srv = target.spec.lmcache_server
     env: list[dict[str, Any]] = [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
-                                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV]
+                                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV,
+                                 *TELEMETRY_OFF_ENV]
     bucket = target.spec.l2.hf_bucket
     if bucket is not None:
         # The token reaches the server only through the environment, from the Secret.
@@ -334,17 +363,18 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     into it. It forwards the operator's reads of lmcache's loopback-only admin API (/status with
     the resource's token, /metrics). With NVMe it is also the only thing that can read the volume
     for per-namespace reports and delete an orphaned namespace when an admin asks, and with
-    nixl_store_dynamic it holds the served folder to the adapter's capacity (the budget, else
-    maxCapacity), which lmcache 0.5.6 loses track of after a restart; fs declares no capacity."""
+    fs_native or nixl_store_dynamic it holds the served folder to the adapter's capacity (the
+    budget, else maxCapacity), which lmcache 0.5.6 loses track of after a restart; fs declares no
+    capacity."""
     port = target.spec.lmcache_server.agent_port
     nvme = target.spec.l2.nvme
     args = ["agent", *(["--root", L2_MOUNT_PATH] if nvme is not None else []), "--host", "0.0.0.0", "--port", str(port),
             "--server-url", admin_url(target), "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
     if target.namespace_id and nvme is not None:
         args += ["--serving", target.namespace_id]
-        if nvme.adapter == "nixl_store_dynamic":
+        if nvme.adapter in ("nixl_store_dynamic", "fs_native"):
             capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
-            args += ["--capacity-bytes", str(capacity)]
+            args += ["--capacity-bytes", str(capacity), "--adapter", nvme.adapter]
         if nvme.shared:
             # One folder, several servers: only ordinal 0's agent trims it, sparing what is younger
             # than the grace (kvpersist.inventory.agent.trimmer_of; docs/design.md).

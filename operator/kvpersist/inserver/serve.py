@@ -36,6 +36,12 @@ to tell, is a miss that is logged and left as it is. The removal needs the adapt
 serde is not given: the storage manager's SerdeL2AdapterWrapper is replaced by a subclass that
 only wires the two together.
 
+With encryption off the server runs the same frames as kvpersist-checked, sealed under a public
+key (CHECKED_KEY): not a secret, but every object is still bound to its name and checked before it
+is served, so a copied, zeroed or damaged object is a miss in every mode (lmcache keeps no
+checksum: it served them as hits with wrong bytes). An object that is all zeros (a crash after the
+rename, before the data reached the disk: writes are not synced) is removed in either mode.
+
 lmcache offers `register_serde_factory`, but its `--server-module` hook loads after the storage
 manager (and so the L2 adapters and their serdes) is built: too late. Hence this launcher, run as
 `python3 -c "$KVPERSIST_LMCACHE_SERVE" server ...` (kvpersist.inserver.program_source: this module
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import hashlib
 import hmac
@@ -87,6 +94,14 @@ HEADER_LEN = 1 + FINGERPRINT_LEN + IV_LEN
 FRAME_OVERHEAD = HEADER_LEN + TAG_LEN  # a frame of one segment
 SEGMENT_BYTES = 2 * 2**20
 BINDING_LABEL = b"kvpersist-aesgcm v3 object"
+# With encryption off (spec.l2.encryption.enabled false): kvpersist-checked, the same version 3
+# frames sealed under CHECKED_KEY, a public key: a checksum bound to the object's name, not a
+# secret. A copy under another name, a zeroed, flipped or short object is a miss as when
+# encrypted; anyone who may write the folder can forge one (use encryption against that). Why
+# AES-GCM and not a GMAC over plaintext: opening is one pass (read, write), where checking and
+# copying plaintext out of lmcache's temp buffer are two reads and a write (measured slower here).
+CHECKED_TYPE = "kvpersist-checked"
+CHECKED_KEY = hashlib.sha256(b"kvpersist-checked: a public key, for a checksum and not a secret").digest()
 DEFAULT_WORKERS = 4
 # Derived AES keys kept, one per cache_salt, least recently used first out: salts may be per user.
 MAX_SALT_KEYS = 256
@@ -101,6 +116,8 @@ KEY_MISMATCH_PREFIX = "kvpersist-aesgcm key mismatch: "
 KEY_MISMATCH_FORMAT = (KEY_MISMATCH_PREFIX + "key file fingerprint {found}, namespace {namespace} expects {expected}: "
                        "refusing to start (no object is read or removed)")
 KEY_MISMATCH_EXIT_CODE = 78
+CHECKED_SETTINGS_MISSING = ("kvpersist-checked: the serde settings name no namespace id (namespace_id) to bind the "
+                            "frames to: refusing to start (no object is read or removed)")
 SETTINGS_MISSING = ("kvpersist-aesgcm: the serde settings name no key fingerprint or namespace id to check the key "
                     "file against (key_fingerprint, namespace_id): refusing to start (no object is read or removed)")
 TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"
@@ -160,6 +177,24 @@ def _aad(binding: bytes, i: int, count: int) -> bytes:
     return binding + struct.pack(">II", i, count)
 
 
+def _zero(view: memoryview) -> None:
+    """Zeroes view with the GIL released where it can (a ctypes call), else under it."""
+    with contextlib.suppress(TypeError):
+        ctypes.memset(ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view)), 0, len(view))
+        return
+    view[:] = bytes(len(view))
+
+
+def _open_segment(aead: Any, nonce: bytes, sealed: memoryview, aad: bytes, out: memoryview) -> None:
+    """One segment out of a frame into out. On a failed tag out holds no byte of it: AES-GCM
+    decrypts before it checks the tag (cryptography 51 clears it itself; older ones need not)."""
+    try:
+        aead.decrypt_into(nonce, sealed, aad, out)
+    except BaseException:
+        _zero(out)
+        raise
+
+
 def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview,
               out: memoryview) -> tuple[int, list[Callable[[], None]]]:
     """Writes the header of plaintext's frame into out and returns the frame's length and one job
@@ -184,14 +219,16 @@ def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, 
     """The jobs that authenticate and decrypt a frame into out, whose length is the plaintext's
     (the frame may be padded, as the adapters store whole pages), one per segment. Raises
     FrameError now for anything but a version 3 frame of this key (fingerprint) of the right
-    length; a job raises cryptography's InvalidTag for any changed byte or another name
-    (binding), and the caller then reports the object as not loaded, so nothing written into out
-    is served."""
+    length, removable when it is all zeros (nothing's data: a crash after the rename); a job raises
+    cryptography's InvalidTag for any changed byte or another name (binding), leaving none of its
+    segment in out, and the caller then reports the object as not loaded."""
     n = len(out)
     if len(frame) == 0:
         raise FrameError("kvpersist-aesgcm: an empty object")
     if frame[0] != VERSION:
-        raise FrameError(f"kvpersist-aesgcm: a version {frame[0]} frame (this server opens version {VERSION} only)")
+        zeros = frame[0] == 0 and not frame.tobytes().strip(b"\0")
+        raise FrameError(f"kvpersist-aesgcm: a version {frame[0]} frame (this server opens version {VERSION} only)"
+                         + (", all zeros" if zeros else ""), removable=zeros)
     if len(frame) < HEADER_LEN:
         raise FrameError(f"kvpersist-aesgcm: {len(frame)} bytes, too short to tell whose frame it is")
     if bytes(frame[1:1 + FINGERPRINT_LEN]) != fingerprint:
@@ -203,8 +240,8 @@ def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, 
     def job(i: int) -> Callable[[], None]:
         lo, hi = i * SEGMENT_BYTES, min(n, (i + 1) * SEGMENT_BYTES)
         at = HEADER_LEN + lo + i * TAG_LEN
-        return lambda: aead.decrypt_into(_nonce(iv, i), frame[at:at + hi - lo + TAG_LEN], _aad(binding, i, count),
-                                         out[lo:hi])
+        return functools.partial(_open_segment, aead, _nonce(iv, i), frame[at:at + hi - lo + TAG_LEN],
+                                 _aad(binding, i, count), out[lo:hi])
 
     return [job(i) for i in range(count)]
 
@@ -282,6 +319,20 @@ class AeadKeys:
         """The salts whose key is kept, least recently used first."""
         with self._lock:
             return list(self._aeads)
+
+
+class PublicKey:
+    """AeadKeys' interface over CHECKED_KEY: one key for every salt (the salt is in each object's
+    binding)."""
+
+    def __init__(self) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aead = AESGCM(CHECKED_KEY)
+        self.fingerprint = bytes.fromhex(key_fingerprint(CHECKED_KEY))
+
+    def aead(self, cache_salt: str) -> Any:
+        return self._aead
 
 
 class ObjectBatches:
@@ -392,6 +443,19 @@ def make_processor(kwargs: dict[str, object]) -> Any:
     return _processor_class()(keys, workers, namespace)
 
 
+def make_checked_processor(kwargs: dict[str, object]) -> Any:
+    """The factory of kvpersist-checked (encryption off: the frames sealed under CHECKED_KEY):
+    namespace_id and max_workers; no key file. Refuses to start without the namespace id the
+    frames are bound to."""
+    namespace = str(kwargs.get("namespace_id") or "").strip()
+    if not namespace:
+        refuse_to_start(CHECKED_SETTINGS_MISSING)
+    workers = int(kwargs.get("max_workers", DEFAULT_WORKERS))  # type: ignore[call-overload]
+    _logger().info("kvpersist-checked: frames of 2 MiB segments bound to their names under a public key (a checksum, "
+                   "not a secret), namespace %s, %d workers", namespace, workers)
+    return _processor_class()(PublicKey(), workers, namespace)
+
+
 _PROCESSOR: list[type] = []
 
 
@@ -404,7 +468,7 @@ def _processor_class() -> type:
         """lmcache's SerdeProcessor contract (submit, eventfd, each result queried once) over
         ObjectBatches: every chunk of a batch sealed or opened on its own worker."""
 
-        def __init__(self, keys: AeadKeys, workers: int, namespace_id: str) -> None:
+        def __init__(self, keys: AeadKeys | PublicKey, workers: int, namespace_id: str) -> None:
             self._keys = keys
             self._namespace_id = namespace_id
             self._efds = {True: lmcache_internals.event_notifier(), False: lmcache_internals.event_notifier()}
@@ -501,11 +565,14 @@ def _processor_class() -> type:
 
 class UnreadableObjects:
     """Removes objects that failed authentication from their adapter, so they can be stored again:
-    only version 3 frames of this server's key (removable), which no server can read under any name.
+    only frames of this server's key and version (removable), which no server can read under any
+    name, and all-zero objects.
 
-    The adapter skips a delete of a key that is still pinned (the prefetch that found it unlocks
-    it right after the failed load), so each key is asked again every RETRY_S until the adapter
-    reports it deleted (through its listener), for at most GIVE_UP_S."""
+    nixl_store_dynamic skips a delete of a key that is still pinned (the prefetch that found it
+    unlocks it right after the failed load), so each key is asked again every RETRY_S until the
+    adapter reports it deleted (through its listener), for at most GIVE_UP_S. fs_native deletes
+    at once but reports only what this process stored, so a key is also done once a new object is
+    stored under its name (asking again then would delete the new one)."""
 
     RETRY_S = 0.2
     GIVE_UP_S = 30.0
@@ -526,6 +593,7 @@ class UnreadableObjects:
         self._wake.set()
 
     def deleted(self, keys: list) -> None:
+        """The adapter's word that keys are gone, or that new objects were stored under them."""
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
@@ -546,8 +614,9 @@ class UnreadableObjects:
                     del self._pending[key]
                 keys = list(self._pending)
             for key in expired:
-                log.warning("kvpersist-aesgcm: could not remove an unreadable object in %.0f s (still in use); it stays a "
-                            "miss: %s", self.GIVE_UP_S, key)
+                log.info("kvpersist-aesgcm: no word from the adapter in %.0f s that an unreadable object is removed "
+                         "(fs_native says so only of what this process stored); if it is still there it stays a miss: %s",
+                         self.GIVE_UP_S, key)
             if keys:
                 try:
                     self._adapter.delete(keys)
@@ -621,13 +690,13 @@ def install_unreadable_removal() -> None:
     bitmap = lmcache_internals.bitmap_class()
 
     class Deletions(lmcache_internals.adapter_listener()):  # type: ignore[misc]
-        """The adapter's word that keys are gone (evicted, or removed by us)."""
+        """The adapter's word that keys are gone (evicted, or removed by us), or stored anew."""
 
         def __init__(self, unreadable: UnreadableObjects) -> None:
             self._unreadable = unreadable
 
         def on_l2_keys_stored(self, keys: list, sizes: list) -> None:
-            pass
+            self._unreadable.deleted(keys)  # a new object under the name: not to be removed
 
         def on_l2_keys_accessed(self, keys: list) -> None:
             pass
@@ -669,19 +738,57 @@ def install_unreadable_removal() -> None:
 
 
 def register() -> None:
-    """Makes `"serde": {"type": "kvpersist-aesgcm", ...}` known to lmcache, once per process, and
-    wires unreadable objects' removal."""
+    """Makes `"serde": {"type": "kvpersist-aesgcm", ...}` and kvpersist-checked known to lmcache,
+    once per process, and wires unreadable objects' removal."""
     lmcache_internals.register_serde(SERDE_TYPE, make_processor)
+    lmcache_internals.register_serde(CHECKED_TYPE, make_checked_processor)
     install_unreadable_removal()
+
+
+def cryptography_problem() -> str | None:
+    """What is wrong with the installed cryptography for the serde, or None: a frame under a random
+    key and one under CHECKED_KEY seal and open a few bytes, and a changed byte fails its tag and
+    leaves nothing in the destination (AESGCM's encrypt_into and decrypt_into came in cryptography
+    43)."""
+    try:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        for key in (AESGCM.generate_key(256), CHECKED_KEY):
+            aead, fingerprint, plaintext = AESGCM(key), bytes(FINGERPRINT_LEN), b"kvpersist"
+            frame = bytearray(sealed_size(len(plaintext)))
+            seal(aead, fingerprint, b"self-test", os.urandom(IV_LEN), memoryview(plaintext), memoryview(frame))
+            out = bytearray(len(plaintext))
+            open_frame(aead, fingerprint, b"self-test", memoryview(frame), memoryview(out))
+            if bytes(out) != plaintext:
+                return "a frame opened to other bytes"
+            frame[HEADER_LEN] ^= 1
+            out = bytearray(len(plaintext))
+            try:
+                open_frame(aead, fingerprint, b"self-test", memoryview(frame), memoryview(out))
+            except InvalidTag:
+                if any(out):
+                    return "a failed tag left bytes in the destination"
+                continue
+            return "a changed byte of a frame passed its tag"
+    except Exception as exc:  # anything it raises is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def main(argv: list[str]) -> int:
     """lmcache's server with our serde, once the installed lmcache has every internal used here
-    as used here, and is a release tested with them; else it refuses to start (the build check's
-    termination message and exit code), before anything is registered or read."""
+    as used here, and is a release tested with them, and cryptography does what the serde calls;
+    else it refuses to start (the build check's termination message and exit code), before
+    anything is registered or read."""
     found = lmcache_internals.check()
     if found:
         refuse_to_start(lmcache_internals.refusal_message(found), lmcache_internals.EXIT_CODE)
+    problem = cryptography_problem()
+    if problem:
+        refuse_to_start(f"{lmcache_internals.MISMATCH_PREFIX}cryptography in this container cannot do what kvpersist's "
+                        f"L2 serde calls ({problem}): use an image with cryptography 43 or later (images/vllm-lmcache)",
+                        lmcache_internals.EXIT_CODE)
     _logger().info("kvpersist: lmcache %s has the %d internals kvpersist's server uses, as it uses them "
                    "(kvpersist.inserver.lmcache_internals)", lmcache_internals.installed_version(),
                    len(lmcache_internals.INTERNALS))

@@ -24,12 +24,12 @@ behind the workers: requests that fill them (/server/metrics needs no token) can
 It answers from the agent's own state (Agent.alive, and the pool's progress: STUCK_S).
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
-0.5.6's nixl_store_dynamic index starts empty after a restart and counts from zero, so files from
-before the restart are neither counted nor evicted by it and the folder grows past its capacity
+0.5.6's fs_native and nixl_store_dynamic count L2 from zero after a restart, so files from
+before the restart are neither counted nor evicted by them and the folder grows past its capacity
 (measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
 deletes that folder's oldest chunk files until they hold at most the capacity, counting only what it
-may delete (nixl's committed `*.bin` files), and first the temp files of writes that died
-(`*.bin.tmp.<hex>` untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S). The
+may delete (committed `*.data` or `*.bin` chunk files), and first the temp files of writes that died
+(untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S). The
 capacity is lowered to what the claim has left beside the other namespaces' folders (old identities'
 data, kvpersist.inventory.space.effective_capacity), which the trim never touches.
 
@@ -69,10 +69,13 @@ from kvpersist.inventory import prefetch
 from kvpersist.inventory.space import effective_capacity, judge_expiry, others_bytes
 from kvpersist.inventory.volume import (
     ABANDONED_TEMP_S,
+    DEFAULT_TRIMMED,
     MAX_SCAN_FILES,
     NAMESPACE_ID_RE,
+    TRIMMED_ADAPTERS,
     Inventory,
     NamespaceUsage,
+    folder_files,
     iso,
     namespace_usage,
     remove_namespace,
@@ -87,6 +90,10 @@ SCAN_TTL_S = 30.0  # a walk of a big volume is not free: answer from a recent sc
 # Between two trims the folder can exceed its capacity by what lmcache writes in one period; a
 # trim walks only the served folder, so a short period is cheap.
 TRIM_PERIOD_S = 30.0
+# An excess the trim waits out first: lmcache's L2 eviction runs every second once usage passes its
+# watermark (storage_controllers/eviction_controller.py) and takes a few rounds to undo a burst that
+# overshot the capacity (measured with fs_native: 128% of an 8 MiB capacity back under it in 5 s).
+EXCESS_SETTLE_S = 15.0
 MAX_TRIM_PERIOD_S = 3600.0
 # lmcache's admin API, forwarded: what may pass, each read bounded (the server runs a tenant's
 # image; a stalled or flooding one must not hold the agent's threads or memory). Under the
@@ -158,8 +165,12 @@ class Agent:
     def __init__(self, root: Path | None, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
                  capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
                  token: str | TokenFile | None = None, server: tuple[str, int] | None = None,
-                 trims: bool = True, trim_grace_s: float = 0.0) -> None:
+                 trims: bool = True, trim_grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
+                 settle_s: float = 0.0) -> None:
         self.root = root  # None: no volume here (a bucket's L2), only the forwarded reads
+        self.adapter = adapter  # whose chunk and temp files the trim counts and deletes (volume.TRIMMED_ADAPTERS)
+        self.settle_s = settle_s  # an excess is trimmed once it has lasted this long (EXCESS_SETTLE_S)
+        self._over_since: float | None = None  # when the served folder was first seen over its capacity
         self.trims = trims  # False: a shared folder another pod's agent trims (trimmer_of)
         self.trim_grace_s = trim_grace_s  # no chunk file younger than this is trimmed
         self.server = server  # (host, port) of lmcache's admin API inside the pod
@@ -293,9 +304,10 @@ class Agent:
         with self._lock:
             # Temp files of writes that died (a killed server) are never renamed: gone first. The
             # trim counts only the chunk files it may delete (kvpersist.inventory.volume).
-            swept = sweep_abandoned(self.root, self.serving)
+            swept = sweep_abandoned(self.root, self.serving, adapter=self.adapter)
             self.effective_capacity = capacity
-            trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s)
+            trimmed = (trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter)
+                       if self._settled(capacity) else NamespaceUsage(self.serving))
             if swept.objects:
                 self._scan = None
                 self.swept_temp_files += swept.objects
@@ -312,6 +324,22 @@ class Agent:
                         "%d bytes in %d oldest chunk files (newest written %s)", self.serving, capacity,
                         self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
         return trimmed
+
+    def _settled(self, capacity: int) -> bool:
+        """Whether the served folder has been over capacity for settle_s: a burst of writes overshoots
+        it until lmcache's own eviction catches up (fs_native evicts after the write, once a second),
+        and trimming that too would delete twice what must go. An excess that lasts is one lmcache
+        does not count (after a restart)."""
+        if self.settle_s <= 0:
+            return True
+        assert self.root and self.serving
+        chunks, _ = folder_files(self.root / self.serving, adapter=self.adapter)
+        now = time.monotonic()
+        if sum(f.size for f in chunks) <= capacity:
+            self._over_since = None
+            return False
+        self._over_since = self._over_since if self._over_since is not None else now
+        return now - self._over_since >= self.settle_s
 
     def _trim_loop(self) -> None:
         while not self._stop.is_set():
@@ -450,11 +478,16 @@ def main(argv: list[str] | None = None) -> int:
                         "Secret); without it /gc is off")
     parser.add_argument("--capacity-bytes", type=_positive_int,
                         help="keep the --serving namespace's folder at most this big (oldest chunk files deleted first)")
+    parser.add_argument("--adapter", choices=sorted(TRIMMED_ADAPTERS), default=DEFAULT_TRIMMED,
+                        help="the L2 adapter whose chunk files the trim counts and deletes")
     parser.add_argument("--trim-period", type=_period, default=TRIM_PERIOD_S, metavar="SECONDS",
                         help=f"seconds between two trims (default {TRIM_PERIOD_S:.0f}, at most {MAX_TRIM_PERIOD_S:.0f})")
     parser.add_argument("--shared-folder", action="store_true",
                         help="the servers of a StatefulSet share the folder: only the pod of ordinal 0 (its name in "
                         f"${POD_NAME_ENV}, else the hostname) trims it")
+    parser.add_argument("--trim-settle", type=float, default=EXCESS_SETTLE_S, metavar="SECONDS",
+                        help=f"trim an excess only once it has lasted this long (default {EXCESS_SETTLE_S:.0f}: lmcache's "
+                        "own eviction catches up with a burst of writes within a few seconds)")
     parser.add_argument("--trim-grace", type=float, default=0.0, metavar="SECONDS",
                         help="never trim a chunk file written less than this long ago")
     args = parser.parse_args(argv)
@@ -465,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     pod = os.environ.get(POD_NAME_ENV) or socket.gethostname()
     trims = not args.shared_folder or trimmer_of(pod)
     agent = Agent(args.root, args.serving, capacity_bytes=args.capacity_bytes, trim_period_s=args.trim_period, token=token,
-                  server=_server(parser, args.server_url), trims=trims, trim_grace_s=max(0.0, args.trim_grace))
+                  server=_server(parser, args.server_url), trims=trims, trim_grace_s=max(0.0, args.trim_grace),
+                  adapter=args.adapter, settle_s=max(0.0, args.trim_settle))
     if args.shared_folder:
         log.info("shared folder: pod %s %s", pod, "trims it (ordinal 0)" if trims else
                  "reports only; the pod of ordinal 0 trims it")

@@ -223,10 +223,19 @@ class ChunkFile(NamedTuple):
 # lmcache 0.5.6's nixl_store_dynamic (nixl_store_agents/file_dynamic_nixl_store_agent.py, dynamic_store)
 # opens `<final>.bin.tmp.<uuid4 hex>`, writes the chunk into it and renames it to `<final>.bin`; a
 # crash in between leaves the temp file, which nixl removes only at a clean shutdown (cleanup()).
-# (Its fs adapter writes `<stem>.tmp` beside `<stem>.data` and reuses it for the next store of that
-# key; the agent trims only nixl folders: an adapter switch is a new folder, api.v1alpha1.l2_layout.)
+# fs_native (its C++ FSConnector, as lmcache's Python fs adapter) writes `<stem>.tmp` beside
+# `<stem>.data` (`<model>@0x<rank>@<group>@<hash>[@<salt>]`), one temp name per chunk, and renames
+# it. One folder holds one adapter's files (the layout is a pin, api.v1alpha1.l2_layout), so a chunk
+# file is either adapter's committed name.
 TEMP_MARK = ".tmp."
 NIXL_TEMP_RE = re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")
+FS_TEMP_RE = re.compile(r".+@0x[0-9a-f]+@[0-9a-f]+@[0-9a-f]+(@.*)?\.tmp")
+# Per adapter the agent trims for: its committed chunk files' suffix and its temp files' names, the
+# only files it counts and deletes. Anything else in the folder (another adapter's files, if one
+# ever got there) neither counts nor goes: counted, bytes it may not delete would make it delete
+# live chunks in their place, down to all.
+TRIMMED_ADAPTERS = {"nixl_store_dynamic": (".bin", NIXL_TEMP_RE), "fs_native": (".data", FS_TEMP_RE)}
+DEFAULT_TRIMMED = "nixl_store_dynamic"  # an agent rendered before fs_native names none
 # A temp file untouched this long is abandoned: lmcache opens, writes and renames one chunk file in
 # one go (a chunk is megabytes; every write moves its mtime), so a live one is seconds old. Deleting
 # one still being written would only fail that store (its rename finds no file), never lose a
@@ -234,16 +243,18 @@ NIXL_TEMP_RE = re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")
 ABANDONED_TEMP_S = 3600.0
 
 
-def is_chunk_name(name: str) -> bool:
-    """A committed chunk file: never an in-flight temp file, never anything lmcache did not name."""
-    return name.endswith(".bin") and TEMP_MARK not in name
+def is_chunk_name(name: str, adapter: str = DEFAULT_TRIMMED) -> bool:
+    """A committed chunk file of adapter's: never an in-flight temp file, never anything lmcache did not name."""
+    return name.endswith(TRIMMED_ADAPTERS[adapter][0]) and TEMP_MARK not in name
 
 
-def is_abandoned_temp(name: str, st: os.stat_result, now: float, after_s: float = ABANDONED_TEMP_S) -> bool:
-    """A nixl temp file (by its exact name) that nothing has written for after_s: its writer is gone
-    (a crash, a killed server), so no rename will ever commit it. lmcache creates it with O_TRUNC
-    and writes it at once, so its mtime is when its writer last did anything with it."""
-    return bool(NIXL_TEMP_RE.fullmatch(name)) and now - st.st_mtime > after_s
+def is_abandoned_temp(name: str, st: os.stat_result, now: float, after_s: float = ABANDONED_TEMP_S,
+                      adapter: str = DEFAULT_TRIMMED) -> bool:
+    """A temp file of nixl's or fs_native's (by its exact name) that nothing has written for
+    after_s: its writer is gone (a crash, a killed server), so no rename will ever commit it.
+    lmcache creates it with O_TRUNC and writes it at once, so its mtime is when its writer last did
+    anything with it."""
+    return bool(TRIMMED_ADAPTERS[adapter][1].fullmatch(name)) and now - st.st_mtime > after_s
 
 
 def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int,
@@ -263,8 +274,8 @@ def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: in
     return chosen
 
 
-def folder_files(folder: Path, now: float | None = None,
-                 abandoned_after_s: float = ABANDONED_TEMP_S) -> tuple[list[ChunkFile], list[ChunkFile]]:
+def folder_files(folder: Path, now: float | None = None, abandoned_after_s: float = ABANDONED_TEMP_S,
+                 adapter: str = DEFAULT_TRIMMED) -> tuple[list[ChunkFile], list[ChunkFile]]:
     """(committed chunk files, abandoned temp files) under folder, which must be a real directory:
     all the agent may ever delete there. Anything else (another adapter's files, a temp file still
     being written, what lmcache did not name, links) is neither deleted nor counted by the trim:
@@ -281,9 +292,9 @@ def folder_files(folder: Path, now: float | None = None,
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if is_chunk_name(name):
+            if is_chunk_name(name, adapter):
                 chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
-            elif is_abandoned_temp(name, st, now, abandoned_after_s):
+            elif is_abandoned_temp(name, st, now, abandoned_after_s, adapter):
                 temps.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
     return chunks, temps
 
@@ -313,7 +324,7 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
 
 
 def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0,
-                   now: float | None = None) -> NamespaceUsage:
+                   now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
     """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
     capacity_bytes; returns what was deleted. Only committed chunk files directly owned by
     <root>/<namespace_id> (a real directory, not a link) are counted and deleted: a temp file or a
@@ -323,7 +334,7 @@ def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: 
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return trimmed
-    chunks, _temps = folder_files(folder)
+    chunks, _temps = folder_files(folder, adapter=adapter)
     total = sum(f.size for f in chunks)
     spare_after = (time.time() if now is None else now) - grace_s if grace_s > 0 else None
     for f in choose_oldest(chunks, total, capacity_bytes, spare_after):
@@ -333,13 +344,13 @@ def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: 
 
 
 def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None,
-                    abandoned_after_s: float = ABANDONED_TEMP_S) -> NamespaceUsage:
+                    abandoned_after_s: float = ABANDONED_TEMP_S, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
     """Deletes the abandoned temp files (is_abandoned_temp) of one namespace folder; returns them."""
     swept = NamespaceUsage(namespace_id)
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return swept
-    for f in folder_files(folder, now, abandoned_after_s)[1]:
+    for f in folder_files(folder, now, abandoned_after_s, adapter)[1]:
         if _unlink_if_unchanged(f):
             swept.add(f.size, f.mtime)
     return swept

@@ -53,7 +53,8 @@ def test_shared_serves_several_servers_on_one_claim_and_is_fixed_once_set(kubect
     of the one claim the operator made."""
     obj = sample()
     obj["metadata"].update(name="shared-l2", namespace=namespace)
-    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "lustre-kv", "maxCapacity": "100Gi", "shared": True}
+    obj["spec"]["l2"]["nvme"] = {"existingClaimName": "lustre-kv", "maxCapacity": "100Gi", "shared": True,
+                                 "adapter": "nixl_store_dynamic"}
     obj["spec"].setdefault("lmcacheServer", {})["replicas"] = 3
     kubectl.apply(obj)
     assert kubectl.get("kvns", "shared-l2", namespace)["spec"]["l2"]["nvme"]["shared"] is True
@@ -63,13 +64,14 @@ def test_shared_serves_several_servers_on_one_claim_and_is_fixed_once_set(kubect
     assert out.returncode != 0 and "spec.l2.nvme.shared" in out.stderr and "new KVCacheNamespace" in out.stderr, out.stderr
     made = sample()
     made["metadata"].update(name="shared-made", namespace=namespace)
-    made["spec"]["l2"]["nvme"].update(shared=True, reclaimPolicy="Delete")
+    made["spec"]["l2"]["nvme"].update(shared=True, reclaimPolicy="Delete", adapter="nixl_store_dynamic")
     kubectl.apply(made)
     made["spec"]["l2"]["nvme"]["reclaimPolicy"] = "Retain"
     out = kubectl.apply(made, check=False)
     assert out.returncode != 0 and "spec.l2.nvme.reclaimPolicy" in out.stderr, out.stderr
     plain = sample()
     plain["metadata"].update(name="not-shared", namespace=namespace)
+    plain["spec"]["l2"]["nvme"]["adapter"] = "nixl_store_dynamic"  # shared's adapter: refused for the switch alone
     kubectl.apply(plain)
     plain["spec"]["l2"]["nvme"]["shared"] = True
     out = kubectl.apply(plain, check=False)
@@ -135,7 +137,7 @@ def test_the_api_server_and_the_models_judge_a_quantity_alike_as_a_number_or_a_s
     raise size, where the models accepted it."""
     obj = sample()
     obj["metadata"].update(name="quantity", namespace=namespace)
-    obj["spec"]["l2"]["nvme"][field] = value
+    obj["spec"]["l2"]["nvme"].update({field: value, "adapter": "nixl_store_dynamic"})  # the adapter a budget takes
     out = kubectl.apply(obj, "--dry-run=server", check=False)
     try:
         KVCacheNamespace.model_validate(obj)

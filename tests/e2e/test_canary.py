@@ -1,9 +1,10 @@
 """The correctness canary (kvpersist.controller.canary) with real parts: real vLLM (its CPU build)
 with LMCache's connector, the real `lmcache server` and the operator on the local cluster, the tiny
 test model (hack/testmodel.py) and the canary's built-in prompt (spec.canary.prompt unset: nearly
-4,000 tokens of the test tokenizer, 15 whole lmcache chunks). L2 encryption is off: with it on,
-objects of another identity, or any other bytes, fail authentication and are misses; the canary
-is for what nothing else catches. vLLM's own prefix cache is off (as in tests/e2e/test_real_vllm.py),
+4,000 tokens of the test tokenizer, 15 whole lmcache chunks). L2 encryption is off, so the objects
+are checked frames under a public key: a copy under another name is a miss (issue 56), but whoever
+may write the folder can forge one, as step 2 does; with encryption on not even that (only the key
+seals). The canary is for what nothing else catches. vLLM's own prefix cache is off (as in tests/e2e/test_real_vllm.py),
 so every check reaches LMCache.
 
 Two steps of one scenario, in order:
@@ -18,8 +19,10 @@ Two steps of one scenario, in order:
 2. A planted wrong hit: the pin modelRevision changed to another revision of the same model id
    (hack/testmodel.py --variant 1: the same files but for other weights), so the prompt's tokens,
    and so lmcache's chunk hashes, are the same and its KV is not. Before the new namespace's pods
-   start, the old namespace's chunk files of the prompt are copied into the new namespace's folder
-   under the names the new identity looks up. (With a Hub model id lmcache's model name is the id,
+   start, the old namespace's chunk objects of the prompt are forged into the new namespace's folder
+   under the names the new identity looks up: opened under their own name and sealed again under
+   the new one (reseal), as anyone who may write the folder can with encryption off (a plain copy
+   is a miss since every object is bound to its name). (With a Hub model id lmcache's model name is the id,
    the same for both revisions, and the names are the same; offline, as here, vLLM names the model
    by its local snapshot path, which carries the revision, so the copies are renamed to it.) The
    new identity's reference is computed without the cache (salted: it cannot read those files);
@@ -38,7 +41,6 @@ third token on), so the canary could not see it: a real model's answer depends o
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -89,6 +91,50 @@ def status_of(kubectl: Kubectl, ns: str) -> dict[str, Any]:
 
 def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def salted(name: str) -> bool:
+    """A chunk file of a salted request: `@<salt>` after the hash (fs_native's names hold three `@`
+    without one, nixl_store_dynamic's none)."""
+    return name.count("@") > (3 if name.endswith(".data") else 0)
+
+
+def object_key(name: str) -> Any:
+    """lmcache's ObjectKey of an unsalted fs_native chunk file `<model>@0x<rank>@<group>@<hash>.data`
+    (its C++ connector writes a model's `/` as `-SEP-`)."""
+    from types import SimpleNamespace
+
+    served, rank, group, chunk = name.removesuffix(".data").split("@")
+    return SimpleNamespace(model_name=served.replace("-SEP-", "/"), kv_rank=int(rank, 16), object_group_id=int(group, 16),
+                           chunk_hash=bytes.fromhex(chunk), cache_salt="")
+
+
+def reseal(src: Path, old_ns: str, dst: Path, new_ns: str) -> None:
+    """A forged object: src's chunk opened under its own name and namespace and sealed under dst's,
+    with the public key of encryption off (kvpersist.inserver.serve.CHECKED_KEY). The plaintext's
+    length is not in the frame: the multiple of 256 bytes that opens is it."""
+    import os
+
+    from kvpersist.inserver import serve
+
+    key = serve.PublicKey()
+    frame = bytearray(src.read_bytes())
+    old = serve.object_binding(key.fingerprint, old_ns, object_key(src.name))
+    top = (len(frame) - serve.HEADER_LEN) // 256 * 256
+    for n in range(top, max(0, top - 8192), -256):  # the file is the frame padded to 4 KiB pages
+        if serve.sealed_size(n) > len(frame):
+            continue
+        out = bytearray(n)
+        try:
+            serve.open_frame(key.aead(""), key.fingerprint, old, memoryview(frame), memoryview(out))
+        except Exception:
+            continue
+        sealed = bytearray(len(frame))  # the same padded size
+        new = serve.object_binding(key.fingerprint, new_ns, object_key(dst.name))
+        serve.seal(key.aead(""), key.fingerprint, new, os.urandom(serve.IV_LEN), memoryview(out), memoryview(sealed))
+        dst.write_bytes(bytes(sealed))
+        return
+    raise AssertionError(f"{src.name}: no plaintext length opens it")
 
 
 def chunk_files(folder: Path) -> list[Path]:
@@ -159,7 +205,7 @@ def test_the_canary_stays_true_over_vllm_and_server_restarts_served_from_the_cac
     # salted request stored none (no file name with '@').
     folder = env.volume() / nsid
     wait_for("the prompt's chunks in L2", lambda: len(chunk_files(folder)) >= CHUNKS, timeout=60)
-    assert not [p.name for p in chunk_files(folder) if "@" in p.name]
+    assert not [p.name for p in chunk_files(folder) if salted(p.name)]
     ip = vllm["status"]["podIP"]
     before = vllm_counter(ip)
     old_server = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["metadata"]["uid"]
@@ -199,13 +245,13 @@ def test_a_planted_wrong_hit_turns_the_cache_off_until_acknowledged(kubectl: Kub
     new_id = target_of(changed, kubectl).namespace_id
     assert new_id != nsid
     old_folder, new_folder = env.volume() / nsid, env.volume() / new_id
-    chunks = [p for p in chunk_files(old_folder) if "@" not in p.name]
+    chunks = [p for p in chunk_files(old_folder) if not salted(p.name)]
     assert len(chunks) >= CHUNKS, [p.name for p in chunk_files(old_folder)]
     new_folder.mkdir()
-    for chunk in chunks:  # the names the new identity looks up (module docstring)
+    for chunk in chunks:  # the names the new identity looks up (module docstring), forged under them
         planted = chunk.name.replace(model["modelRevision"], variant["modelRevision"])
         assert planted != chunk.name, chunk.name
-        shutil.copy2(chunk, new_folder / planted)
+        reseal(chunk, nsid, new_folder / planted, new_id)
     kubectl.apply(changed)
     found = wait_for("HitCorrectness False", lambda: (lambda c: c if c.get("status") == "False" else None)(
         cond(status_of(kubectl, ns), "HitCorrectness")), timeout=360, interval=1,

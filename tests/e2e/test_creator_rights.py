@@ -287,7 +287,7 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
     pooled = sample()
     pooled["metadata"].update(name="pooled", namespace=ns)
     pooled["spec"]["l2"]["encryption"] = {"enabled": False}
-    pooled["spec"]["l2"]["nvme"]["shared"] = True
+    pooled["spec"]["l2"]["nvme"].update(shared=True, adapter="nixl_store_dynamic")
     pooled["spec"].setdefault("lmcacheServer", {})["replicas"] = 2
     err = create_as(kubectl, CAROL, pooled).stderr
     assert "spec.l2.nvme.shared with size makes the operator mount PersistentVolumeClaim l2-pooled-lmcache-shared" in err, err

@@ -204,7 +204,7 @@ def test_a_planted_l2_claim_is_never_mounted(kubectl: Kubectl, namespace: str, s
     before = _kept(_get(kubectl, "pvc", claim, ns))  # type: ignore[arg-type]
     obj = _resource(ns)
     if which == "shared":
-        obj["spec"]["l2"]["nvme"]["shared"] = True
+        obj["spec"]["l2"]["nvme"].update(shared=True, adapter="nixl_store_dynamic")
     operator, _log = start()
     kubectl.apply(obj)
     uid = kubectl.get("kvns", NAME, ns)["metadata"]["uid"]

@@ -21,6 +21,7 @@ import pytest
 
 from kvpersist.builders.lmcache import framed_disk_share, server_args
 from kvpersist.builders.vllm import vllm_args
+from kvpersist.inventory.volume import is_chunk_name
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, in_pod, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state
@@ -78,7 +79,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}  # no kv-transfer-config for others
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
-    # L2's capacity as lmcache enforces it: the share of maxCapacity an encrypted file's extra page leaves.
+    # L2's capacity as lmcache enforces it: the share of maxCapacity a framed file's padding leaves.
     share = framed_disk_share(t.spec)
     assert 16 / 17 <= share < 1
     assert status["usage"]["l1CapacityBytes"] == 2**28 and abs(status["usage"]["l2CapacityBytes"] - 2**30 * share) < 2
@@ -106,15 +107,19 @@ def test_usage_matches_server_and_grows(kubectl: Kubectl, scenario: dict) -> Non
     ip = kubectl.get("pod", f"{NAME}-lmcache-0", ns)["status"]["podIP"]
     before = kvns_status(kubectl, ns)["usage"]
     bench_store(ip, 0, 4)
+    folder = _l2_dir(scenario, target_of(manifest(ns), kubectl).namespace_id)
+    files = wait_for("the 8 chunks in L2", lambda: (lambda f: f if len(f) == 8 else None)(
+        [p for p in folder.iterdir() if is_chunk_name(p.name, "fs_native")] if folder.is_dir() else []), timeout=60)
     server = _server_status(ip)["storage_manager"]
-    want_objects = server["l2_adapters"][0]["stored_object_count"]
-    want_l2 = server["l2_eviction_controller"]["adapters"][0]["total_bytes_used"]
-    assert want_objects > 0 and want_l2 > 0
-    usage = wait_for("status usage to match the server", lambda: (lambda u: u if u.get("l2Objects") == want_objects else None)(
-        kvns_status(kubectl, ns).get("usage") or {}), timeout=60)
+    # fs_native keeps no object count: the objects are the volume's (the agent's count of the folder),
+    # the bytes lmcache's own and the volume's alike (both the padded files).
+    want_objects, want_l2 = len(files), server["l2_eviction_controller"]["adapters"][0]["total_bytes_used"]
+    assert want_l2 == sum(p.stat().st_size for p in files) > 0
+    usage = wait_for("status usage to match the server and the volume", lambda: (lambda u: u if u.get(
+        "l2Objects") == want_objects else None)(kvns_status(kubectl, ns).get("usage") or {}), timeout=120)
     assert usage["l2UsedBytes"] == want_l2 > before.get("l2UsedBytes", 0)
     assert usage["l1UsedBytes"] == server["l1_manager"]["memory_used_bytes"] > 0
-    scenario["stored_files"] = files_state(_l2_dir(scenario, target_of(manifest(ns), kubectl).namespace_id))
+    scenario["stored_files"] = files_state(folder)
     assert len(scenario["stored_files"]) == want_objects
 
 

@@ -842,6 +842,18 @@ def make_cold(paths: list[str], method: str) -> dict[str, Any]:
     return out
 
 
+COLD_RESIDENT_MAX = 0.02  # of the files' pages still in memory before a read that counts as cold
+
+
+def cold_read(read_pass: dict[str, Any]) -> bool:
+    """Whether a read pass came from the device: the drop left at most COLD_RESIDENT_MAX of the files
+    resident or, where residency cannot be measured, a drop worked. Other passes are unusable for the verdict."""
+    cold = read_pass["cold"]
+    if cold["resident_fraction"] is not None:
+        return cold["resident_fraction"] <= COLD_RESIDENT_MAX
+    return "ok" in (cold["drop_caches"], cold["fadvise"])
+
+
 def _run_threads(workers: list[threading.Thread]) -> float:
     """Starts every worker, waits for all, and returns the wall seconds from first start to last join."""
     t = time.monotonic()
@@ -1102,10 +1114,14 @@ def run_disk(args: argparse.Namespace, budget: Budget, serve: ModuleType | None,
     rates: dict[str, float] = {}
     for kind in kinds:
         for threads in args.thread_list:
-            got = [p["gbps"] for p in disk["passes"] if p["kind"] == kind and p["threads"] == threads and p["gbps"]]
+            got = [p["gbps"] for p in disk["passes"] if p["kind"] == kind and p["threads"] == threads and p["gbps"] and cold_read(p)]
             if got:
                 rates[f"{kind} x{threads}"] = statistics.median(got)
     disk["rates_gbps"] = rates
+    disk["warm_passes"] = sum(not cold_read(p) for p in disk["passes"])
+    if disk["warm_passes"]:
+        budget.notes.append(f"{disk['warm_passes']} of {len(disk['passes'])} read passes left out of the verdict: the page cache "
+                            "could not be dropped before them (their reads may have come from memory)")
     residents = [p["cold"]["resident_fraction"] for p in disk["passes"] if p["cold"]["resident_fraction"] is not None]
     disk["max_resident_fraction_before_reads"] = max(residents) if residents else None
     disk["drop_caches_worked"] = any(p["cold"]["drop_caches"] == "ok" for p in disk["passes"])
@@ -1161,7 +1177,9 @@ def load_datapath(path: str) -> dict[str, Any]:
                             "hit_chunks": mode.get("hit_chunks"), "wrong_bytes": mode.get("wrong_bytes"), "usable": usable,
                             "note": "the lmcache server's L2 -> L1 (lookup of cold L2 chunks, a sealed mode's decryption "
                             "included), benchmarks/datapath_bench.py"
-                            if usable else f"not used: {mode.get('hit_chunks')}/{mode.get('chunks')} chunks hit, "
+                            if usable else "not used: no valid trial (every trial's page cache drop failed: its reads may "
+                            "have come from memory)" if mode.get("valid_trials") == 0 else
+                            f"not used: {mode.get('hit_chunks')}/{mode.get('chunks')} chunks hit, "
                             f"{mode.get('wrong_bytes')} wrong bytes, rate {gbps}"})
     return {"file": str(Path(path).resolve()), "schema": DATAPATH_SCHEMA, "sources": sources}
 
@@ -1230,7 +1248,9 @@ def restore_path(out: dict[str, Any]) -> dict[str, Any]:
     return {"l2_to_l1_from": "lmcache server (--datapath-json)" if out.get("datapath") else
             "this script's own file reads (no lmcache server: no --datapath-json)",
             "sources": sources, "h2d": h2d_part(out), "serial": SERIAL, "pipelined": PIPELINED,
-            "unused": [s for s in (out.get("datapath") or {}).get("sources", []) if not s["usable"]]}
+            "unused": [s for s in (out.get("datapath") or {}).get("sources", []) if not s["usable"]]
+            + ([{"label": "own reads", "usable": False, "note": f"{warm} read passes after a failed page cache drop"}]
+               if (warm := out.get("disk", {}).get("warm_passes")) and not out.get("datapath") else [])}
 
 
 def sig(x: float) -> str:

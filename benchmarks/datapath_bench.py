@@ -64,6 +64,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -465,6 +466,31 @@ def _cold_read(files: list[Path], threads: int, direct: bool, touched: bool, col
     return raw_bytes / raw_s / 1e9
 
 
+PROFILE: list[Path] = []  # --profile: the folder for perf's records of each cold L2 -> L1 read
+
+
+@contextlib.contextmanager
+def profiled(label: str) -> Iterator[None]:
+    """With --profile, `perf record -a -g` (cpu-clock: every process and kernel thread, the loop
+    device's included) around the block, and the top of its report by thread name, library and symbol."""
+    perf = shutil.which("perf")
+    if not PROFILE or perf is None:
+        yield
+        return
+    data = PROFILE[0] / (re.sub(r"\W+", "-", label) + ".data")
+    rec = subprocess.Popen([perf, "record", "-q", "-e", "cpu-clock", "-a", "-g", "-o", str(data)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # perf's own start
+    try:
+        yield
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.wait(timeout=60)
+        report = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "comm,dso,sym", "--stdio",
+                                 "-g", "none", "--percent-limit", "0.5"], capture_output=True, text=True, timeout=300)
+        data.with_suffix(".txt").write_text(report.stdout)
+
+
 def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio: Fio | None,
               cold: Cold) -> tuple[dict[str, Any], Ceilings]:
     """One cold restart of m's server and a read of everything it stored, then threaded reads of
@@ -477,7 +503,8 @@ def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio
     cold.drop(f"{m.name} L2 → L1")
     healthy_s = m.server.start()
     try:
-        read = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
+        with profiled(f"{m.name} L2 to L1"):
+            read = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
         # Again into L1 memory the first read faulted in: L1 emptied (lmcache's POST /cache/clear,
         # L1 only), the page cache dropped, everything read from L2 once more.
         clear_l1(m.server.http_url)
@@ -885,6 +912,9 @@ def parse_args() -> argparse.Namespace:
                         help="an extra nixl_store_dynamic backend_params entry (repeat it), e.g. use_posix_aio=true")
     parser.add_argument("--no-fio", action="store_true", help="skip fio's ceiling")
     parser.add_argument("--json", default=None, help=f"also write the figures here (schema {SCHEMA})")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="perf record (whole machine, cpu-clock) each cold L2 -> L1 read into DIR, with its report by "
+                        "thread, library and symbol (DIR/<mode>-L2-to-L1.txt)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra `lmcache server` argument after the rendered ones (repeat it), to try a setting")
     args = parser.parse_args()
@@ -941,6 +971,9 @@ def bench(args: argparse.Namespace, root: Path, ram: RamDevice | None) -> list[f
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, _terminated)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        PROFILE.append(args.profile)
     if args.ram_device is not None:
         with ram_device(args.ram_device) as ram:
             print(f"RAM device: {ram.device}, ext4 on {ram.image} ({ram.size_gb} GiB), mounted at {ram.mount}", flush=True)

@@ -24,9 +24,15 @@ On the GPU machine (one H200, where python3 is the interpreter with torch; give 
     python3 benchmarks/gpu_run.py --out "$OUT"
 
 Steps whose packages are missing there (lmcache for (a), cryptography for (b)'s sealed reads) are
-skipped or cut down and say so; carry them as wheels to run them. On a CPU, the whole orchestration
-runs at tiny sizes (breakeven --device cpu --quick, one 0.25 GiB datapath trial), as CI does
-(tests/integration/test_gpu_run.py):
+skipped or cut down and say so; carry them as wheels to run them (benchmarks/gpu_wheels.py: 23
+wheels, 29.5 MiB, beside what the machines' image has):
+
+    python3 benchmarks/gpu_wheels.py fetch build/gpu-wheels --skip-present-in benchmarks/gpu-image-packages.txt
+    # on the machine, with build/gpu-wheels carried:
+    python3 benchmarks/gpu_run.py --wheels build/gpu-wheels --out "$OUT"
+
+On a CPU, the whole orchestration runs at tiny sizes (breakeven --device cpu --quick, one 0.25 GiB
+datapath trial), as CI does (tests/integration/test_gpu_run.py):
 
     python3 benchmarks/gpu_run.py --dry --out /tmp/gpu-run
     python3 benchmarks/gpu_run.py --tables /tmp/gpu-run/gpu_run.json
@@ -505,6 +511,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--datapath-sizes-gb", help="datapath_bench --sizes-gb (default 1; --dry 0.25)")
     p.add_argument("--datapath-trials", type=int, help="datapath_bench --trials (default 2; --dry 1)")
     p.add_argument("--datapath-modes", help="datapath_bench --modes (default aesgcm,plain; --dry aesgcm)")
+    p.add_argument("--wheels", type=Path, action="append", metavar="DIR",
+                   help="folder of wheels from benchmarks/gpu_wheels.py fetch: what the lock pins and this Python lacks is "
+                   "installed from it (offline, hash-checked) into a folder on PYTHONPATH, and the run goes on with it")
     p.add_argument("--datapath-script", type=Path, default=DATAPATH, help=argparse.SUPPRESS)  # a stand-in, for trying this script
     a = p.parse_args(argv)
     if a.tables is None and a.out is None:
@@ -519,8 +528,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+WHEELS_ENV = "KVPERSIST_GPU_WHEELS"  # set in the run with --wheels installed: what gpu_wheels.install did, as JSON
+
+
+def run_with_wheels(args: argparse.Namespace, argv: list[str]) -> None:
+    """--wheels: install what is missing into a folder (in the temporary folder: not under --out, which
+    comes back from the machine), then this script again with it on PYTHONPATH (never returns)."""
+    import tempfile
+
+    from gpu_wheels import install, with_target
+
+    target = Path(tempfile.gettempdir()) / "kvpersist-gpu-wheels"
+    facts = install(args.wheels, target)
+    unmet = len(str(facts["pip_check"]).splitlines())
+    say(f"== wheels: installed {len(facts['installed'])} packages into {target}; already here: {len(facts['present'])}; "
+        f"pip check: {unmet} requirements unmet (the lock holds what this run imports, not lmcache's whole closure)")
+    rest = [a for i, a in enumerate(argv) if a != "--wheels" and (i == 0 or argv[i - 1] != "--wheels")
+            and not a.startswith("--wheels=")]
+    env = {**with_target(target), WHEELS_ENV: json.dumps(facts)}
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *rest], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.wheels and WHEELS_ENV not in os.environ:
+        run_with_wheels(args, argv)
     if args.tables is not None:
         run = json.loads(args.tables.read_text())
         if run.get("schema") != SCHEMA:
@@ -535,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     # unwinds through run_command, which stops the step's tree, instead of leaving it running.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run: dict[str, Any] = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "argv": sys.argv[1:] if argv is None else argv, "dry": args.dry, "budget_s": args.budget_s,
+                           "argv": argv, "dry": args.dry, "budget_s": args.budget_s,
                            "used_s": 0.0, "stopped_early": False, "machine": {}, "steps": {}}
     json_path = args.out / "gpu_run.json"
 
@@ -548,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(json_path)
 
     run["machine"] = machine_facts()
+    run["machine"]["wheels"] = json.loads(os.environ[WHEELS_ENV]) if WHEELS_ENV in os.environ else None
     m = run["machine"]
     say(f"== machine: GPU {', '.join(g['name'] for g in m['nvidia_smi']['gpus']) or m['nvidia_smi']['note']}; "
         f"{m['cpu_usable']} cores; torch {m['torch'].get('torch')} (CUDA available: {m['torch'].get('cuda_available')}); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -148,8 +149,9 @@ class LocalServer:
             if self.key_dir is None:
                 self.key_dir = write_key(self.log.parent / f"{self.log.stem}-l2-key")
             mounts[L2_KEY_MOUNT_PATH] = self.key_dir
-        # The program the pod runs (builders/lmcache.py SERVER_COMMAND): this venv's python3
-        # with kvpersist.inserver.serve, which registers kvpersist's serde and runs lmcache.
+        # The program the pod runs (builders/lmcache.py SERVER_COMMAND): this Python (lmcache's,
+        # or one with lmcache on PYTHONPATH: gpu_run.py --wheels) with kvpersist.inserver.serve,
+        # which registers kvpersist's serde and runs lmcache.
         args = server_args(self.target)
         if self.serde_type is not None:
             at = args.index("--l2-adapter") + 1
@@ -160,7 +162,7 @@ class LocalServer:
                 adapter["serde"]["type"] = self.serde_type
             args[at] = json.dumps(adapter, separators=(",", ":"), sort_keys=True)
         pinned = ["taskset", "-c", self.cpus] if self.cpus else []
-        return [*pinned, str(Path(LMCACHE).parent / "python3"), "-c", serve_source(),
+        return [*pinned, sys.executable, "-c", serve_source(),
                 *localize_args(args, mounts, "127.0.0.1"), *self.extra_args]
 
     @property
@@ -211,7 +213,7 @@ class LocalServer:
         try:
             with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=2) as r:
                 return r.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not (yet) our server on that port: not healthy
             return False
 
     def l2_objects(self, status: dict[str, Any] | None = None) -> int:

@@ -194,7 +194,7 @@ class ForkServer:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration.kvdriver", "forkserver", "--socket",
                                           str(self.socket_path)], stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, cwd=Path(__file__).resolve().parents[2],
-                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **CLIENT_THREADS})
         deadline = time.monotonic() + self.start_timeout
         while not self.socket_path.exists():  # bound after its imports, just before it accepts
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -239,6 +239,11 @@ class ForkServer:
 FORK_SERVER: ForkServer | None = None  # set for a test session (tests/integration/conftest.py); else a process per run
 
 
+# The driver stands in for vLLM, which has cores of its own: torch's OpenMP pool here would spin on
+# the server's cores while it waits (a quarter of a 2-core machine in a perf profile of a cold read).
+CLIENT_THREADS = {"OMP_NUM_THREADS": "1"}
+
+
 def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout: float = 300,
                      extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Runs this driver in its own process (torch and ZMQ state stay out of the caller): forked
@@ -248,7 +253,7 @@ def drive_subprocess(mode: str, rpc_url: str, http_url: str, seqs: str, timeout:
         return FORK_SERVER.run(argv, timeout)
     out = subprocess.run([sys.executable, "-m", "tests.integration.kvdriver", *argv], capture_output=True, text=True,
                          timeout=timeout, cwd=Path(__file__).resolve().parents[2],
-                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", **CLIENT_THREADS})
     if out.returncode != 0:
         raise AssertionError(f"kvdriver {mode} failed: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -161,6 +161,24 @@ def test_verdict_composes_server_rate_and_h2d(tmp_path: Path) -> None:
     assert "time budget" in be.h2d_part({**out, "h2d": {"status": "skipped", "reason": "time budget"}})["note"]
 
 
+def test_a_read_after_a_failed_cache_drop_is_unusable_for_the_verdict(tmp_path: Path) -> None:
+    """A pass whose files were still in memory (or whose drop failed where residency is unknown) is
+    no read from the device: it is left out of the rates; a server mode with no valid trial is unusable."""
+    be = _module()
+    cold = {"resident_fraction": 0.0, "drop_caches": "failed: EPERM", "fadvise": "ok"}
+    assert be.cold_read({"cold": cold})
+    assert not be.cold_read({"cold": {**cold, "resident_fraction": 0.9}})
+    assert not be.cold_read({"cold": {"resident_fraction": None, "drop_caches": "failed: EPERM", "fadvise": "failed: x"}})
+    assert be.cold_read({"cold": {"resident_fraction": None, "drop_caches": "ok", "fadvise": None}})
+    invalid = {**_mode("plain", 9.0), "valid_trials": 0}
+    del invalid["l2_to_l1_gbps"]
+    datapath = be.load_datapath(str(_datapath_json(tmp_path / "dp.json", [_mode("aesgcm", 1.0), invalid])))
+    unusable = [s for s in datapath["sources"] if not s["usable"]]
+    assert [s["mode"] for s in unusable] == ["plain"] and "page cache drop failed" in unusable[0]["note"]
+    own = {"plan": {"device": "cpu"}, "disk": {"rates_gbps": {}, "warm_passes": 2}, "prefill": []}
+    assert be.restore_path(own)["sources"] == [] and "failed page cache drop" in be.restore_path(own)["unused"][0]["note"]
+
+
 def _gpu_shaped_out(tmp_path: Path, be: ModuleType) -> dict[str, Any]:
     """breakeven's JSON as a GPU run with the server's rates would write it (fixed numbers)."""
     datapath = be.load_datapath(str(_datapath_json(tmp_path / "dp.json", [_mode("aesgcm", 1.0), _mode("plain", 4.0)])))

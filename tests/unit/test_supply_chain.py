@@ -69,7 +69,7 @@ def by_digest(ref: str, text: str) -> bool:
     return bool(arg) and re.search(rf"^ARG {arg.group(1)}\s*$", text, re.M) is not None
 
 
-@pytest.mark.parametrize("lock", [LOCK, BUILD_LOCK, VLLM_LMCACHE / "requirements.lock"],
+@pytest.mark.parametrize("lock", [LOCK, BUILD_LOCK, VLLM_LMCACHE / "requirements.lock", REPO / "benchmarks" / "gpu-wheels.lock"],
                          ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_locked_package_is_pinned_with_hashes(lock: Path) -> None:
     assert lock.is_file(), f"{lock.relative_to(REPO)} is missing: run bash hack/lock.sh"

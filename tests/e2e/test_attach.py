@@ -91,7 +91,9 @@ def test_the_operator_runs_the_servers_publishes_the_contract_and_no_vllm(kubect
                                                             check=False).returncode == 0, timeout=60)
     assert not kubectl.get("deployments", namespace=ns)["items"]  # the user's vLLM: none of the operator's
     zmq = kubectl.get("networkpolicy", f"{NAME}-lmcache-{env['nsid'][4:12]}", ns)
-    assert {"podSelector": {"matchLabels": {LABEL: NAME, NAMESPACE_ID_LABEL: env["nsid"]}}} in zmq["spec"]["ingress"][0]["from"]
+    # The attached pods of this id only: no selector of the managed vLLM pods (there are none; a pod
+    # wearing their labels would be a peer admitted by no policy).
+    assert zmq["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {LABEL: NAME, NAMESPACE_ID_LABEL: env["nsid"]}}}]
 
 
 def test_a_labelled_pod_gets_the_connection_and_is_counted(kubectl: Kubectl, env: dict) -> None:
@@ -176,6 +178,76 @@ def test_what_would_compute_other_kv_is_refused_naming_the_field_and_the_pin(kub
     stored, error = dry_run(kubectl, named)
     assert stored is not None, error
     assert stored["spec"]["containers"][0]["args"][-2:] == attach["args"]
+
+
+def test_what_an_attached_pod_runs_is_judged_for_its_whole_life(kubectl: Kubectl, env: dict) -> None:
+    """Issue 57: after admission, an image set on the live pod and an ephemeral container (kubectl
+    debug) are refused; an annotation (metadata alone, the controllers' business) is not."""
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    kubectl.apply(user_pod(ns, "live-0", vllm_container(attach, image)))
+    other = "docker.io/library/busybox@sha256:" + "ab" * 32
+    out = kubectl.run("set", "image", "pod/live-0", f"vllm={other}", "-n", ns, check=False)
+    assert out.returncode != 0 and "must be pinned by digest to" in out.stderr, out.stdout + out.stderr
+    assert kubectl.get("pod", "live-0", ns)["spec"]["containers"][0]["image"] == image
+    debug = {"spec": {"ephemeralContainers": [{"name": "debugger", "image": other, "command": ["sh"]}]}}
+    out = kubectl.run("patch", "pod", "live-0", "-n", ns, "--subresource=ephemeralcontainers", "--type=strategic",
+                      "-p", json.dumps(debug), check=False)
+    assert out.returncode != 0 and "ephemeral containers are refused" in out.stderr, out.stdout + out.stderr
+    assert not kubectl.get("pod", "live-0", ns)["spec"].get("ephemeralContainers")
+    kubectl.run("annotate", "pod", "live-0", "-n", ns, "example.com/note=kept")
+    kubectl.run("delete", "pod", "live-0", "-n", ns, "--wait=false")
+
+
+def test_look_alikes_and_code_behind_the_pins_are_refused(kubectl: Kubectl, env: dict) -> None:
+    """Issue 57: a pod that wears this resource's namespace id under another attach label; variables
+    that load code or weights behind the pins (a logging config's callables, a seeded model cache)."""
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    look_alike = user_pod(ns, "look-alike-0", {"name": "vllm", "image": "busybox", "command": ["sh"]},
+                          labels={LABEL: "nobody", NAMESPACE_ID_LABEL: env["nsid"]})
+    assert f"is the namespace id of KVCacheNamespace {NAME}, but label {LABEL} names nobody" in _refusal(kubectl, look_alike)
+    for name, value in (("VLLM_LOGGING_CONFIG_PATH", "/tmp/logging.json"), ("HF_HUB_CACHE", "/seeded"), ("HF_HOME", "/seeded")):
+        c = vllm_container(attach, image)
+        c["env"] = [{"name": name, "value": value}]
+        assert f"{name} refused" in _refusal(kubectl, user_pod(ns, "behind-0", c))
+    # Other containers share the pod's network (a peer of the servers): only images the resource lists.
+    sidecar = {"name": "proxy", "image": "docker.io/library/busybox@sha256:" + "cd" * 32, "command": ["sleep", "inf"]}
+    meshed = user_pod(ns, "meshed-0", vllm_container(attach, image))
+    meshed["spec"]["containers"].append(sidecar)
+    assert f"containers other than vllm: proxy ({sidecar['image']}) refused" in _refusal(kubectl, meshed)
+    init = user_pod(ns, "init-0", vllm_container(attach, image))
+    init["spec"]["initContainers"] = [{**sidecar, "name": "seed", "restartPolicy": "Always"}]  # a native sidecar
+    assert "seed (" in _refusal(kubectl, init)
+    hooked = vllm_container(attach, image)
+    hooked["lifecycle"] = {"postStart": {"exec": {"command": ["sh", "-c", "true"]}}}
+    assert "lifecycle is refused" in _refusal(kubectl, user_pod(ns, "hooked-0", hooked))
+    kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=merge", "-p",
+                json.dumps({"spec": {"vllm": {"attachedContainers": [sidecar["image"]]}}}))
+    try:
+        wait_for("the pod with the listed sidecar admitted", lambda: dry_run(kubectl, meshed)[0], timeout=30, interval=1,
+                 explain=lambda: dry_run(kubectl, meshed)[1])
+    finally:
+        kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/vllm/attachedContainers"}]))
+    # A pin given twice (the second value would win in vLLM's parser) or a pin pair removed.
+    revision = next(p for p in attach["pins"] if p["flag"] == "--revision")["value"]
+    twice = vllm_container(attach, image, "--revision", "f" * 40)
+    assert "must carry each pin once" in _refusal(kubectl, user_pod(ns, "twice-0", twice))
+    removed = vllm_container(attach, image)
+    at = removed["args"].index(revision)
+    del removed["args"][at - 1:at + 1]
+    assert f"--revision {revision} (spec.identity.modelRevision)" in _refusal(kubectl, user_pod(ns, "removed-0", removed))
+
+
+def test_vllm_serve_as_the_command_is_attached_as_llm_d_writes_it(kubectl: Kubectl, env: dict) -> None:
+    """llm-d's modelservice chart writes command ["vllm", "serve"] and the model first in args."""
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    c = vllm_container(attach, image)
+    c["command"], c["args"] = ["vllm", "serve"], c["args"][1:]
+    stored, error = dry_run(kubectl, user_pod(ns, "llm-d-0", c))
+    assert stored is not None, error
+    assert stored["spec"]["containers"][0]["args"] == [*c["args"], *attach["args"]]
+    other = {**c, "args": ["other/model", *c["args"][1:]]}
+    assert "must start with serve " + attach["model"] in _refusal(kubectl, user_pod(ns, "llm-d-1", other))
 
 
 def test_a_managed_resource_takes_no_attached_pod(kubectl: Kubectl, env: dict) -> None:

@@ -88,7 +88,7 @@ def test_attached_mode_makes_no_vllm_deployment_and_admits_attached_pods_of_its_
     assert "Deployment" not in kinds and "StatefulSet" in kinds
     assert build_vllm_deployment(_target(mode="Managed")) in build_all(_target(mode="Managed"), "kvpersist-system")
     peers = build_zmq_policy(t)["spec"]["ingress"][0]["from"]
-    assert attached_peer(t) in peers
+    assert peers == [attached_peer(t)]  # no selector of managed vLLM pods: none exist, a look-alike would be a peer
     assert attached_peer(t)["podSelector"]["matchLabels"] == {ATTACH_LABEL: t.name, NAMESPACE_ID_LABEL: t.namespace_id}
     assert all(attached_peer(t) != p for p in build_zmq_policy(_target(mode="Managed"))["spec"]["ingress"][0]["from"])
 

@@ -133,7 +133,8 @@ def _values(value: Any, schema: dict[str, Any]) -> list[Any]:
         base = [value / 2, value * 2, value + 1] if value is not None else []
         return [*base, 0.5, 1.0, 10.0]
     if kind == "array":
-        return [[*(value or []), "--enforce-eager"], [*(value or []), "ReadWriteMany"]]
+        return [[*(value or []), "--enforce-eager"], [*(value or []), "ReadWriteMany"],
+                [*(value or []), "registry.example/proxy@sha256:" + "e" * 64]]
     if kind == "object":
         return [{**(value or {}), "cpu": "3"}, {**(value or {}), "kubernetes.io/os": "linux"}]
     out = []

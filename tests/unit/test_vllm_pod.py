@@ -234,7 +234,8 @@ def test_the_vllm_service_selects_only_this_resources_vllm_pods() -> None:
                                   "KVPERSIST_BUILD_CHECK", "VLLM_ATTENTION_BACKEND", "VLLM_USE_MODELSCOPE",
                                   "CUDA_VISIBLE_DEVICES", "HF_TOKEN", "VLLM_API_KEY", "HF_HOME", "HF_ENDPOINT",
                                   "PYTHONPATH", "LD_PRELOAD", "LD_AUDIT", "LD_BIND_NOT", "PYTHONWARNINGS",
-                                  "PYTHONBREAKPOINT", "PYTHONUSERBASE", "PYTHON_GIL", "PYTHONUTF8", "GCONV_PATH"])
+                                  "PYTHONBREAKPOINT", "PYTHONUSERBASE", "PYTHON_GIL", "PYTHONUTF8", "GCONV_PATH",
+                                  "VLLM_LOGGING_CONFIG_PATH"])
 def test_refused_env_names_are_refused_naming_the_field(name: str) -> None:
     obj = sample()
     obj["spec"]["vllm"]["env"] = [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}, {"name": name, "value": "1"}]

@@ -40,10 +40,11 @@ MAX_ARGS = 128  # CEL walks a list by index: an attached container's args are at
 # Flags an attached pod sets for itself (the operator sets them on its own pods): where it listens,
 # the name clients use, its API key. None changes the KV.
 ATTACH_OWN_FLAGS = ("--api-key", "--host", "--port", "--served-model-name")
-# Refused in spec.vllm.env only because they have a field of their own there (a Secret reference,
-# the model cache): an attached pod's own business.
-ATTACH_OWN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "HF_HOME", "HF_HUB_CACHE",
-                  "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
+# Refused in spec.vllm.env only because they have a field of their own there (a Secret reference):
+# an attached pod's own business. Not the cache locations (HF_HOME, HF_HUB_CACHE, ...): huggingface_hub
+# serves a 40-hex revision from its cache without checking the files, so a seeded cache is other weights.
+ATTACH_OWN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+EPHEMERAL = "ephemeralcontainers"  # pods/ephemeralcontainers (kubectl debug): refused on attached pods
 
 
 def _escaped(key: str) -> str:
@@ -85,7 +86,10 @@ def _validating_variables() -> list[dict[str, str]]:
         _var("judged", "variables.mine && variables.ready"),
         _var("cs", "object.spec.containers.filter(c, c.name == variables.cname)"),
         _var("found", "size(variables.cs) == 1"),
-        _var("args", "variables.found && has(variables.cs[0].args) ? variables.cs[0].args : []"),
+        _var("command", "variables.found && has(variables.cs[0].command) ? variables.cs[0].command : []"),
+        # `vllm serve` as the command (llm-d's modelservice writes it so) reads as `vllm` with serve first.
+        _var("args", "(variables.command == ['vllm', 'serve'] ? ['serve'] : [])",
+             "+ (variables.found && has(variables.cs[0].args) ? variables.cs[0].args : [])"),
         _var("count", "size(variables.args)"),
         _var("idx", _indexes()),
         # The pins and the connection flags: each exactly once, `flag value`, at the status' value.
@@ -107,6 +111,12 @@ def _validating_variables() -> list[dict[str, str]]:
              f"? ({args}[i] in variables.valueFlags && !(i + 1 < {count} && !{args}[i + 1].startsWith('-')))",
              f": !(i > 2 && {args}[i - 1] in variables.valueFlags)))",
              f".map(i, {args}[i])"),
+        # The pod's other containers, init containers (native sidecars among them) included: each runs
+        # an image the resource lists in spec.vllm.attachedContainers.
+        _var("others", "object.spec.containers.filter(c, c.name != variables.cname)",
+             "+ (has(object.spec.initContainers) ? object.spec.initContainers : [])"),
+        _var("refusedContainers", "variables.others.filter(c, !(has(params.spec.vllm.attachedContainers)",
+             "&& c.image in params.spec.vllm.attachedContainers)).map(c, c.name + ' (' + c.image + ')')"),
         {"name": "env", "expression": "variables.found && has(variables.cs[0].env) ? variables.cs[0].env : []"},
         {"name": "wrongEnv", "expression": "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,\n"
                                            "  variables.env.filter(x, x.name == e.name).size() != 1\n"
@@ -130,7 +140,19 @@ def _container(field: str) -> str:
 
 def _validations() -> list[dict[str, str]]:
     who = "'KVCacheNamespace ' + params.metadata.name"
+    labels = "object.metadata.labels"
     return [
+        # Judged for every param, first: a debug container shares the pod's network (a peer of the
+        # servers) and runs what no pin covers.
+        {"expression": f"!has(request.subResource) || request.subResource != '{EPHEMERAL}'", "messageExpression":
+         f"'ephemeral containers are refused on a pod labelled {LABEL}: they share its network, a peer of the lmcache "
+         "servers, and run what no pin covers; debug a copy of the pod without the label (kubectl debug --copy-to)'"},
+        # The id label is the policy's: a pod that wears this resource's id names this resource.
+        {"expression": f"variables.mine || !variables.ready || !('{NAMESPACE_ID_LABEL}' in {labels}) "
+                       f"|| {labels}['{NAMESPACE_ID_LABEL}'] != params.status.attach.namespaceId",
+         "messageExpression": f"'metadata.labels[{NAMESPACE_ID_LABEL}] ' + params.status.attach.namespaceId + ' is the "
+         f"namespace id of ' + {who} + ', but label {LABEL} names ' + {labels}['{LABEL}'] + ': the id label is the "
+         "policy\\'s to set; remove it'"},
         {"expression": "!variables.mine || variables.attached", "messageExpression":
          f"{who} + ' runs its own vLLM (spec.vllm.mode Managed): label kvpersist.dev/attach only pods for a "
          "resource with spec.vllm.mode Attached'"},
@@ -140,9 +162,16 @@ def _validations() -> list[dict[str, str]]:
          "+ params.metadata.name + ' says which'"},
         _check("variables.found", f"'no container named ' + variables.cname + ' (annotate the pod with "
                f"{CONTAINER_ANNOTATION}=<the vLLM container> when it has another name)'"),
-        _check("!variables.found || (has(variables.cs[0].command) && variables.cs[0].command == ['vllm'])",
-               _container("command") + " must be [\"vllm\"], with args [\"serve\", MODEL, ...]: a shell or "
-               "another launcher would run arguments the API server cannot check against ' + " + who + " + '\\'s pins'"),
+        _check("!variables.found || variables.command in [['vllm'], ['vllm', 'serve']]",
+               _container("command") + " must be [\"vllm\"], with args [\"serve\", MODEL, ...], or [\"vllm\", \"serve\"] "
+               "with args [MODEL, ...]: a shell or another launcher would run arguments the API server cannot check "
+               "against ' + " + who + " + '\\'s pins'"),
+        _check("!variables.found || !has(variables.cs[0].lifecycle)",
+               _container("lifecycle") + " is refused: its hooks run commands in the vLLM container that no pin covers'"),
+        _check("size(variables.refusedContainers) == 0",
+               "'containers other than ' + variables.cname + ': ' + variables.refusedContainers.join(', ') + ' refused: "
+               f"they share the pod\\'s network, a peer of the lmcache servers; list their images, by digest, in "
+               f"spec.vllm.attachedContainers of ' + {who}"),
         _check(f"variables.count <= {MAX_ARGS}", _container("args") + f": at most {MAX_ARGS} items'"),
         _check("variables.count >= 2 && variables.args[0] == 'serve' && variables.args[1] == params.status.attach.model",
                _container("args") + " must start with serve ' + params.status.attach.model + ' (spec.identity.modelId of ' "
@@ -181,25 +210,26 @@ def _validations() -> list[dict[str, str]]:
     ]
 
 
-def _policy(kind: str, name: str, operations: list[str], **spec: Any) -> dict[str, Any]:
+def _policy(kind: str, name: str, operations: list[str], resources: tuple[str, ...] = ("pods",), **spec: Any) -> dict[str, Any]:
     """An admission policy on pods whose param is the KVCacheNamespace; an error refuses (Fail):
     never a pod attached unchecked."""
-    rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": ["pods"]}]
+    rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": list(resources)}]
     return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": name},
             "spec": {"failurePolicy": "Fail", "paramKind": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCacheNamespace"},
                      "matchConstraints": {"resourceRules": rules}, **spec}}
 
 
 def validating_policy(name: str) -> dict[str, Any]:
-    # An UPDATE is judged when it changes the labels of a labelled pod (moving it to another
-    # resource or id): the rest of a pod's spec is fixed once it exists.
+    # An UPDATE is judged when it changes a labelled pod's labels or spec (an image set on a live pod,
+    # its ephemeral containers): what it runs is judged for its whole life. Metadata alone
+    # (annotations, owners, finalizers) is left to the controllers that write it.
     conditions = [
         {"name": "labelled", "expression": f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels"},
-        {"name": "labels-set", "expression": "request.operation == 'CREATE' || !has(oldObject.metadata.labels) "
-                                             "|| oldObject.metadata.labels != object.metadata.labels"},
+        {"name": "changed", "expression": "request.operation == 'CREATE' || !has(oldObject.metadata.labels) "
+                                          "|| oldObject.metadata.labels != object.metadata.labels || oldObject.spec != object.spec"},
     ]
-    return _policy("ValidatingAdmissionPolicy", name, ["CREATE", "UPDATE"], matchConditions=conditions,
-                   variables=_validating_variables(), validations=_validations())
+    return _policy("ValidatingAdmissionPolicy", name, ["CREATE", "UPDATE"], ("pods", f"pods/{EPHEMERAL}"),
+                   matchConditions=conditions, variables=_validating_variables(), validations=_validations())
 
 
 def _mutating_variables() -> list[dict[str, str]]:

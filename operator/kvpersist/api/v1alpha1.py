@@ -689,9 +689,9 @@ ENV_REFUSED_PREFIXES: dict[str, str] = {
 # The VLLM_* and PYTHON* names that may be set; the rest of each family is refused.
 VLLM_ENV_ALLOWED = (
     "VLLM_CACHE_ROOT", "VLLM_CONFIGURE_LOGGING", "VLLM_DISABLE_COMPILE_CACHE", "VLLM_DO_NOT_TRACK",
-    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_LOGGING_LEVEL",
     "VLLM_LOGGING_PREFIX", "VLLM_LOG_STATS_INTERVAL", "VLLM_NO_USAGE_STATS",
-)
+)  # not VLLM_LOGGING_CONFIG_PATH: logging.config.dictConfig runs any callable its file names ("()")
 # Python's own variables that change only its output or its crash report, never which code runs
 # nor what it computes. The rest of PYTHON* chooses the code (PYTHONPATH, PYTHONHOME, PYTHONUSERBASE,
 # PYTHONPYCACHEPREFIX, PYTHONSTARTUP), imports a module it names (PYTHONWARNINGS' category,
@@ -985,6 +985,13 @@ class VLLM(_Spec):
     kv_events: KVEvents = Field(
         default_factory=KVEvents, description="KV cache events for a KV-aware router, topic the namespace id.",
         json_schema_extra={"default": defaults_of(KVEvents)},
+    )
+    attached_containers: list[Annotated[str, Field(max_length=512, pattern=r"^[a-z0-9][a-z0-9._:/-]*@sha256:[0-9a-f]{64}$")]] = Field(
+        default_factory=list, max_length=16, alias="attachedContainers",
+        description="Attached mode: the images, by digest, that an attached pod's other containers (init containers and "
+        "native sidecars included: a service mesh proxy, a log shipper, llm-d's routing sidecar) may run. They share "
+        "the pod's network, a peer of the lmcache servers, so any other is refused (docs/attach.md). Not part of the "
+        "namespace id.",
     )
     inference_pool: InferencePool | None = Field(
         None, description="An InferencePool <name>-vllm (inference.networking.k8s.io/v1) over the vLLM pods of every "

@@ -113,15 +113,15 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[
 def build_zmq_policy(target: Target) -> dict[str, Any]:
     """ZMQ to the servers of one namespace id from the vLLM pods of the same id only: during a pin
     change old vLLM pods may still run beside new servers, and must not store into them (one
-    policy per id, named like the id's Service). In attach mode, the user's pods the attach policies
-    admitted for this resource and id too (builders.attach.attached_peer)."""
+    policy per id, named like the id's Service). In attach mode only the user's pods the attach
+    policies admitted for this resource and id (builders.attach.attached_peer): there are no managed
+    vLLM pods then, and a pod wearing their labels would be admitted unchecked."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": target.metadata(target.local_service_name, SERVER),
         "spec": {"podSelector": {"matchLabels": target.id_selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": [{
-            "from": [{"podSelector": {"matchLabels": target.id_selector(VLLM)}},
-                     *([attached_peer(target)] if attached(target) else [])],
+            "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
             "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
         }]},
     }

@@ -73,7 +73,8 @@ def fetch(folder: Path, skip: set[str], limit: int | None = CARRY_LIMIT_BYTES) -
                "-d", str(folder), "-r", req.name]
         if subprocess.run(cmd).returncode:
             return 1
-    wheels = sorted(folder.glob("*.whl"))
+    # Only the wheels asked for now: a folder reused from a fetch with another skip list holds others.
+    wheels = sorted(w for w in folder.glob("*.whl") if norm(w.name.split("-", 1)[0]) in entries)
     total = sum(w.stat().st_size for w in wheels)
     print(f"{len(wheels)} wheels ({len(entries)} locked, {len(skip & set(lock_entries()))} left out as present), "
           f"{total / 2**20:.1f} MiB in {folder}")

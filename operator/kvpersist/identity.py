@@ -77,7 +77,8 @@ def key_fingerprint(key: bytes) -> str:
 
 # L2 serde pins that take no key: none (before every object was framed) and the checksum frames
 # of encryption off (api.v1alpha1.L2_CHECKED).
-KEYLESS_SERDES = ("none", "kvpersist-checked/v3")
+CHECKED_SERDE = "kvpersist-checked/v3"  # api.v1alpha1.L2_CHECKED
+KEYLESS_SERDES = ("none", CHECKED_SERDE)
 
 
 def encrypted(pins: Mapping[str, Any]) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvpersist.api import policyfiles
 from kvpersist.api.policyfiles import chart_doc, dump
-from kvpersist.api.v1alpha1 import GROUP, PLURAL, IdField, id_fields
+from kvpersist.api.v1alpha1 import ADAPTER_FIELD, GROUP, PLURAL, IdField, id_fields
 
 POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
 PLAIN_NAME = f"kvpersist-{POLICY}"
@@ -35,7 +35,6 @@ VALUE = "pinChangeWarning"
 KEY_PREFIX = "spec.l2.encryption.keySecretRef."
 # The image digest as identity.image_digest takes it: @sha256:<64 hex> at the end of the trimmed reference.
 DIGEST_RE = "@sha256:[0-9a-f]{64}$"
-ADAPTER = IdField("spec.l2.nvme.adapter")  # an fs_native-only field is named only when the adapter stayed
 UNITS = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))  # as status.usage.human_bytes
 
 
@@ -54,7 +53,7 @@ def field_value(obj: str, field: IdField) -> str:
 
 def changed_expression() -> str:
     """CEL: the list of id_fields paths whose value differs between oldObject and object."""
-    same_adapter = f"{field_value('oldObject', ADAPTER)} == {field_value('object', ADAPTER)}"
+    same_adapter = f"{field_value('oldObject', ADAPTER_FIELD)} == {field_value('object', ADAPTER_FIELD)}"
     items = ",\n".join(f"  {field_value('oldObject', f)}\n    != {field_value('object', f)}"
                        + (f" && {same_adapter}" if f.kind == "fs_native" else "") + f" ? '{f.path}' : ''" for f in id_fields())
     return f"[\n{items}\n].filter(p, p != '')"

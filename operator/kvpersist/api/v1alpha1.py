@@ -33,6 +33,7 @@ from kvpersist.api.celrules import cel
 from kvpersist.api.quantity import MAX_INT64, parse_quantity
 from kvpersist.api.structural import LABEL_NAME, QUALIFIED_NAME, schema_of
 from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, printable, refuse_control, refuse_control_in_prompt
+from kvpersist.identity import CHECKED_SERDE
 
 GROUP = "kvpersist.dev"
 VERSION = "v1alpha1"
@@ -159,7 +160,7 @@ L2_SERDE = "kvpersist-aesgcm-256/v3"
 # The same with encryption off: kvpersist-checked, the same frames under a public key (a checksum
 # bound to the object's name and namespace, not a secret): a damaged or misplaced object is a
 # miss, never wrong bytes, in every mode.
-L2_CHECKED = "kvpersist-checked/v3"  # one of identity.KEYLESS_SERDES: no key fingerprint in the id
+L2_CHECKED = CHECKED_SERDE  # one of identity.KEYLESS_SERDES: no key fingerprint in the id
 
 # What a quantity the operator computes with may be: less than 2^63 (an int64 holds it). The API
 # server parses "99999Ei" as 2^63 - 1 (it caps a binary suffix silently) and a decimal past 2^63 as
@@ -1223,6 +1224,10 @@ class IdField:
     kind: Literal["value", "digest", "key", "fs_native"] = "value"
 
 
+# The adapter: an fs_native-only field is a change of its own only while the adapter stayed.
+ADAPTER_FIELD = IdField("spec.l2.nvme.adapter")
+
+
 def id_fields() -> tuple[IdField, ...]:
     """Every spec field that moves the namespace id: spec.identity whole, the image's digest,
     L2 encryption on or off and the Secret its key is read from, and the adapter (l2_layout; the L1
@@ -1233,7 +1238,7 @@ def id_fields() -> tuple[IdField, ...]:
     identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
     return (*identity, IdField("spec.image", "digest"),
             IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
-            IdField("spec.l2.encryption.keySecretRef.key", "key"), IdField("spec.l2.nvme.adapter"),
+            IdField("spec.l2.encryption.keySecretRef.key", "key"), ADAPTER_FIELD,
             IdField("spec.l2.nvme.directIO", "fs_native"))
 
 
@@ -1255,8 +1260,7 @@ def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
 def changed_id_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """The id_fields paths whose value differs between two specs as stored (an fs_native-only field
     not when the adapter itself changed: that is the adapter's change)."""
-    adapter = IdField("spec.l2.nvme.adapter")
-    moved = id_field_value(old, adapter) != id_field_value(new, adapter)
+    moved = id_field_value(old, ADAPTER_FIELD) != id_field_value(new, ADAPTER_FIELD)
     return [f.path for f in id_fields()
             if id_field_value(old, f) != id_field_value(new, f) and not (f.kind == "fs_native" and moved)]
 

@@ -162,8 +162,8 @@ def l2_serde(target: Target) -> dict[str, Any]:
     (spec.l2.encryption, the default): AES-GCM under lmcache's keys, the master key a file from a
     Secret volume, never an argument or a variable; the settings carry its expected fingerprint
     (the one the id was computed with) and the server refuses to start on a key file of another,
-    before it reads or removes anything. Off: kvpersist-checked, the plaintext with a GMAC under a
-    public key (a checksum: lmcache keeps none, and served damaged files as hits)."""
+    before it reads or removes anything. Off: kvpersist-checked, the same frames sealed under a
+    public key (a checksum, not a secret: lmcache keeps none, and served damaged files as hits)."""
     if target.key_secret is None:
         return {"type": CHECKED_TYPE, "max_workers": serde_workers(target), "namespace_id": target.namespace_id}
     return {"type": SERDE_TYPE, "aes_bits": 256, "max_workers": serde_workers(target),
@@ -372,7 +372,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
             "--server-url", admin_url(target), "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
     if target.namespace_id and nvme is not None:
         args += ["--serving", target.namespace_id]
-        if nvme.adapter in ("nixl_store_dynamic", "fs_native"):
+        if nvme.adapter in ("nixl_store_dynamic", "fs_native"):  # the agent's (inventory.volume.TRIMMED_ADAPTERS)
             capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
             args += ["--capacity-bytes", str(capacity), "--adapter", nvme.adapter]
         if nvme.shared:

@@ -75,7 +75,6 @@ from kvpersist.inventory.volume import (
     TRIMMED_ADAPTERS,
     Inventory,
     NamespaceUsage,
-    folder_files,
     iso,
     namespace_usage,
     remove_namespace,
@@ -306,8 +305,8 @@ class Agent:
             # trim counts only the chunk files it may delete (kvpersist.inventory.volume).
             swept = sweep_abandoned(self.root, self.serving, adapter=self.adapter)
             self.effective_capacity = capacity
-            trimmed = (trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter)
-                       if self._settled(capacity) else NamespaceUsage(self.serving))
+            trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
+                                     settled=lambda total: self._settled(total, capacity))
             if swept.objects:
                 self._scan = None
                 self.swept_temp_files += swept.objects
@@ -325,17 +324,15 @@ class Agent:
                         self.capacity_bytes, trimmed.bytes, trimmed.objects, iso(trimmed.last_write))
         return trimmed
 
-    def _settled(self, capacity: int) -> bool:
-        """Whether the served folder has been over capacity for settle_s: a burst of writes overshoots
-        it until lmcache's own eviction catches up (fs_native evicts after the write, once a second),
-        and trimming that too would delete twice what must go. An excess that lasts is one lmcache
-        does not count (after a restart)."""
+    def _settled(self, total: int, capacity: int) -> bool:
+        """Whether the served folder's chunk files (total bytes) have been over capacity for settle_s:
+        a burst of writes overshoots it until lmcache's own eviction catches up (fs_native evicts
+        after the write, once a second), and trimming that too would delete twice what must go. An
+        excess that lasts is one lmcache does not count (after a restart)."""
         if self.settle_s <= 0:
             return True
-        assert self.root and self.serving
-        chunks, _ = folder_files(self.root / self.serving, adapter=self.adapter)
         now = time.monotonic()
-        if sum(f.size for f in chunks) <= capacity:
+        if total <= capacity:
             self._over_since = None
             return False
         self._over_since = self._over_since if self._over_since is not None else now

@@ -13,7 +13,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -324,18 +324,22 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
 
 
 def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0,
-                   now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
+                   now: float | None = None, adapter: str = DEFAULT_TRIMMED,
+                   settled: Callable[[int], bool] | None = None) -> NamespaceUsage:
     """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
     capacity_bytes; returns what was deleted. Only committed chunk files directly owned by
     <root>/<namespace_id> (a real directory, not a link) are counted and deleted: a temp file or a
     foreign file neither counts nor goes (abandoned temp files: sweep_abandoned). grace_s: none
-    written less than that long ago goes (a shared folder: choose_oldest's spare_after)."""
+    written less than that long ago goes (a shared folder: choose_oldest's spare_after). settled:
+    asked with the chunk files' total, whether an excess may go now (the agent's settle time)."""
     trimmed = NamespaceUsage(namespace_id)
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return trimmed
     chunks, _temps = folder_files(folder, adapter=adapter)
     total = sum(f.size for f in chunks)
+    if settled is not None and not settled(total):
+        return trimmed
     spare_after = (time.time() if now is None else now) - grace_s if grace_s > 0 else None
     for f in choose_oldest(chunks, total, capacity_bytes, spare_after):
         if _unlink_if_unchanged(f):

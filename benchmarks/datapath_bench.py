@@ -89,10 +89,23 @@ SCHEMA = "kvpersist-datapath/2"
 SHAPE = "(2,64,16,8,128):float16:32"  # 128 KiB per token, 32 MiB per 256-token chunk
 SHAPE_PINS = {"numKVHeads": 8, "headSize": 128, "kvCacheDtype": "float16"}  # the same geometry as pins
 CHUNK_BYTES = 32 * 2**20
-TOKENS_PER_SEQ = 1024  # 4 chunks per request
+TOKENS_PER_SEQ = 1024  # 4 chunks per request (--request-tokens)
 CHUNKS_PER_SEQ = TOKENS_PER_SEQ // 256
-BATCH_SEQS = 2  # 8 chunks, 256 MiB: with their serde copies, within the free room of a 3 GiB L1
+BATCH_CHUNKS = 8  # stored at once, 256 MiB: with their serde copies, within the free room of a 3 GiB L1
+BATCH_SEQS = max(1, BATCH_CHUNKS // CHUNKS_PER_SEQ)
 EXTRA = ("--shape", SHAPE, "--num-blocks", "64", "--num-tokens", str(TOKENS_PER_SEQ))
+
+
+def request_tokens(tokens: int) -> None:
+    """Each request (the driver's sequence) this long: a longer prompt is more chunks per lookup,
+    whose reads and opens overlap (the server loads one chunk per load) where 4 chunks finish together."""
+    global TOKENS_PER_SEQ, CHUNKS_PER_SEQ, BATCH_SEQS, EXTRA
+    TOKENS_PER_SEQ, CHUNKS_PER_SEQ = tokens, tokens // 256
+    BATCH_SEQS = max(1, BATCH_CHUNKS // CHUNKS_PER_SEQ)
+    shape = SHAPE.replace("(2,64,", f"(2,{tokens // 16},")  # the driver's paged buffer holds one request
+    EXTRA = ("--shape", shape, "--num-blocks", str(tokens // 16), "--num-tokens", str(tokens))
+
+
 MODES = ("aesgcm", "lmcache-aesgcm", "plain", "unchecked")
 BASELINES = ("unchecked", "plain")  # what the other modes' rates are divided by: the first that runs
 SEGMENT_BYTES = 2 * 2**20  # the serde's unit of work (kvpersist.inserver.serve.SEGMENT_BYTES)
@@ -890,6 +903,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-gb", default="1")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--request-tokens", type=int, default=TOKENS_PER_SEQ,
+                        help="tokens per request, a multiple of 256 (a chunk); default %(default)s")
     parser.add_argument("--dir", default=None, help="where the L2 folders go (default: a temp dir on /var/tmp)")
     parser.add_argument("--ram-device", type=int, default=None, metavar="SIZE_GB",
                         help="put the L2 folders on an ext4 on a loop device over a SIZE_GB GiB file in /dev/shm, set "
@@ -970,6 +985,7 @@ def bench(args: argparse.Namespace, root: Path, ram: RamDevice | None) -> list[f
 
 def main() -> None:
     args = parse_args()
+    request_tokens(args.request_tokens)
     signal.signal(signal.SIGTERM, _terminated)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ reconcile, API writes per minute when nothing changes).
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 100 --with-named   # each naming its claim and a key Secret
     .venv/bin/python benchmarks/reconcile_bench.py scale --count 500 --unschedulable  # servers Pending forever
+    .venv/bin/python benchmarks/reconcile_bench.py hostile --count 1000  # RSS under others' huge ConfigMaps and Secrets
 
 Brings the local cluster up when it is not running (and down again after), installs the CRD,
 runs `kvpersist run` as its own process. Pods are kwok's; the one phase-Ready measurement runs
@@ -114,7 +115,8 @@ class Operator:
             args += ["--namespace", namespace]
         with log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "KUBECONFIG": str(kubeconfig), **(env or {})})
+                                         env={**os.environ, "KUBECONFIG": str(kubeconfig),
+                                              "KVPERSIST_CLUSTER_DOMAIN": "cluster.local", **(env or {})})
         self.peak_rss_kib = 0
         self._halt = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
@@ -952,6 +954,53 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
           f"{(cpu3 - cpu2) * 60 / idle_s:.1f} |", flush=True)
 
 
+def hostile_object(kind: str, ns: str, name: str) -> dict:
+    """A ConfigMap or Secret as large as its metadata may be: 1,500 labels and a 250 KiB annotation
+    (the API's annotation limit is 256 KiB), no data."""
+    labels = {f"k{i:04d}-{'x' * 50}": "v" * 63 for i in range(1500)}
+    return {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": ns, "labels": labels,
+                                                           "annotations": {"bulk": "a" * 250 * 1024}}}
+
+
+def hostile(cluster: Cluster, work: Path, count: int) -> None:
+    """Issue 58 item 1: the operator's RSS with `count` ConfigMaps and as many Secrets of hostile
+    metadata in its watched namespace, created while it runs, then across a restart (its caches
+    list them all again). No KVCacheNamespace is involved: anyone who may create ConfigMaps there
+    can do this."""
+    k = cluster.k
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    k.run("create", "namespace", ns)
+    log = work / "operator-hostile.log"
+    op = Operator(cluster.kubeconfig, ns, log)
+    rows: list[tuple[str, float, float]] = []
+    try:
+        time.sleep(5)
+        rows.append(("started, namespace empty", op.rss_kib() / 1024, op.peak_rss_kib / 1024))
+        size = len(json.dumps(hostile_object("ConfigMap", ns, "x")))
+        print(f"hostile: {count} ConfigMaps and {count} Secrets of {size / 2**20:.2f} MiB of metadata each into {ns}; "
+              f"operator log {log}", flush=True)
+        objs = [hostile_object(kind, ns, f"h{i:05d}") for kind in ("ConfigMap", "Secret") for i in range(count)]
+        def create(chunk: list[dict]) -> None:  # create, not apply: a last-applied annotation would pass the limit
+            k.run("create", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": chunk}), timeout=300)
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(create, [objs[i:i + 10] for i in range(0, len(objs), 10)]))
+        del objs
+        time.sleep(20)  # the watch events delivered
+        rows.append((f"{count} + {count} created while it ran", op.rss_kib() / 1024, op.peak_rss_kib / 1024))
+        op.stop()
+        op = Operator(cluster.kubeconfig, ns, log)  # its caches list every one of them again
+        time.sleep(20)
+        rows.append(("restarted: listed them all", op.rss_kib() / 1024, op.peak_rss_kib / 1024))
+    finally:
+        op.stop()
+        k.run("delete", "namespace", ns, "--wait=false", check=False)
+    print("| operator | RSS (MiB) | peak RSS of this process (MiB) |")
+    print("| --- | --- | --- |")
+    for what, rss, peak in rows:
+        print(f"| {what} | {rss:.0f} | {peak:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -968,6 +1017,8 @@ def main() -> None:
     sc.add_argument("--unschedulable", action="store_true",
                     help="servers that can never be scheduled: the idle after the fallback rolled vLLM")
     sc.add_argument("--fallback-seconds", type=float, default=30, help="the fallback bound with --unschedulable")
+    ho = sub.add_parser("hostile", help="the operator's RSS under ConfigMaps and Secrets of hostile metadata")
+    ho.add_argument("--count", type=int, default=1000, help="ConfigMaps, and as many Secrets")
     args = parser.parse_args()
     cluster = Cluster()
     work = Path(tempfile.mkdtemp(prefix="kvpersist-bench-"))
@@ -978,6 +1029,8 @@ def main() -> None:
                 phase_ready(cluster, work)
         elif args.what == "phase-ready":
             phase_ready(cluster, work)
+        elif args.what == "hostile":
+            hostile(cluster, work, args.count)
         else:
             scale(cluster, work, args.count, args.idle_seconds, args.with_named, args.unschedulable, args.fallback_seconds)
     finally:

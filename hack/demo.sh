@@ -48,7 +48,9 @@ MODEL_JSON="$("$VENV/bin/python" hack/testmodel.py --size tiny --hf-home "$CACHE
 stop_pidfile operator
 stop_pidfile runner
 mkdir -p "$STATE/logs"
-setsid kvpersist-operator run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
+# The local cluster has no cluster DNS (the runner writes each pod's hosts file, names under
+# cluster.local), so the operator is told the domain instead of reading its resolver's.
+KVPERSIST_CLUSTER_DOMAIN=cluster.local setsid kvpersist-operator run --standalone --namespace default >"$STATE/logs/operator.log" 2>&1 < /dev/null &
 echo $! > "$STATE/operator.pid"
 echo "operator running (pid $(cat "$STATE/operator.pid"), log $STATE/logs/operator.log)"
 # kwok runs no containers: this plays kubelet for the real node, running the real lmcache server

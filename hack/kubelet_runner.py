@@ -233,6 +233,9 @@ def is_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
 
 
+CLUSTER_DOMAIN = "cluster.local"  # what the operator must be told (KVPERSIST_CLUSTER_DOMAIN): no pod here has cluster DNS
+
+
 def hosts_file(pods: list[dict], services: list[dict], node: str) -> str:
     """/etc/hosts for a pod on `node`: each Service name to the first Ready endpoint it selects."""
     lines = ["127.0.0.1\tlocalhost"]
@@ -247,7 +250,9 @@ def hosts_file(pods: list[dict], services: list[dict], node: str) -> str:
                        and (not local or p["spec"].get("nodeName") == node))
         if ready:
             name, ns = svc["metadata"]["name"], svc["metadata"]["namespace"]
-            lines.append(f"{ready[0]}\t{name}.{ns}.svc.cluster.local {name}.{ns}.svc {name}.{ns} {name}")
+            # The absolute name too (trailing dot), as cluster DNS answers it: the operator's connection uses it.
+            lines.append(f"{ready[0]}\t{name}.{ns}.svc.{CLUSTER_DOMAIN}. {name}.{ns}.svc.{CLUSTER_DOMAIN} {name}.{ns}.svc "
+                         f"{name}.{ns} {name}")
     return "\n".join(lines) + "\n"
 
 

@@ -43,8 +43,13 @@ def _run(args: argparse.Namespace) -> int:
     from kvpersist.controller.policy import Policy
 
     try:  # the chart's allowedImages, secretLabel and metrics.scraper: a typo must stop the operator, not admit everything
-        runtime.set_policy(Policy.from_env(os.environ))
+        policy = Policy.from_env(os.environ)
+        if policy.cluster_domain is None:
+            raise ValueError("the cluster's DNS domain is unknown: /etc/resolv.conf has no svc.<domain> search entry "
+                             "(not in a pod with cluster DNS?); set KVPERSIST_CLUSTER_DOMAIN (chart value clusterDomain), "
+                             "the kubelet's --cluster-domain, e.g. cluster.local")
         metrics_scraper()
+        runtime.set_policy(policy)  # only once every value is good
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.e2e
 # the test names a stand-in (tests/integration/hub_stub.py) as HF_ENDPOINT: never the real Hub, whose
 # answers for the samples' public models would make a test depend on the network.
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+# No pod here has cluster DNS (the runner writes hosts files under cluster.local), so the operators
+# are told the cluster's domain instead of reading their resolver's (kvpersist.controller.policy).
+os.environ.setdefault("KVPERSIST_CLUSTER_DOMAIN", "cluster.local")
 
 
 @pytest.fixture(scope="session")

@@ -108,6 +108,7 @@ def users(kubectl: Kubectl, crd: None, creator_rights_policy: None, namespace: s
                "verbs": ["create", "get", "list", "watch", "patch", "update"]}]
     objects = [*role(ns, "kvns-author", author, (ALICE, BOB)),
                *role(ns, "alice-pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]},
+                                        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create"]},
                                         {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]}],
                      (ALICE,)),
                *role(ns, "alice-named", [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
@@ -219,7 +220,8 @@ def test_a_claim_the_operator_makes_needs_create_on_claims(kubectl: Kubectl, use
     assert "spec.vllm.modelCache.size makes the operator create a PersistentVolumeClaim madecache-model-cache" in err, err
     assert f"{BOB} may not create PersistentVolumeClaims in {ns}" in err, err
     assert "kubectl create role kvpersist-claims --verb=create --resource=persistentvolumeclaims" in err, err
-    assert "this spec needs create on pods, create on persistentvolumeclaims, get on Secret madecache-l2-key" in err, err
+    assert ("this spec needs create on pods, create on poddisruptionbudgets, create on persistentvolumeclaims, get on "
+            "Secret madecache-l2-key") in err, err
     out = create_as(kubectl, ALICE, obj)
     assert out.returncode == 0, out.stderr
 
@@ -228,12 +230,13 @@ GRANT = re.compile(r"kubectl create role .*? && kubectl create rolebinding \S+ -
 
 
 def test_the_lines_the_refusals_name_grant_what_was_missing(kubectl: Kubectl, users: str) -> None:
-    """bob runs (through an admin) what each refusal says, one right at a time: the Secret, then
-    pods; then his bucket resource is admitted. The fixes are commands that work, not prose."""
+    """bob runs (through an admin) what each refusal says, one right at a time: the Secrets, the
+    servers' PodDisruptionBudget, then pods; then his bucket resource is admitted. The fixes are
+    commands that work, not prose."""
     ns = users
     obj = manifests(ns)["bucket"][1]
     seen = []
-    for _ in range(4):
+    for _ in range(5):
         out = create_as(kubectl, BOB, obj)
         if out.returncode == 0:
             break
@@ -241,7 +244,8 @@ def test_the_lines_the_refusals_name_grant_what_was_missing(kubectl: Kubectl, us
         seen.append(line)
         _grant(kubectl, BOB, line, ns)
     assert out.returncode == 0, out.stderr
-    assert [re.search(r"--resource=(\S+)", s)[1] for s in seen] == ["secrets", "secrets", "pods"], seen
+    assert [re.search(r"--resource=(\S+)", s)[1] for s in seen] == ["secrets", "secrets", "poddisruptionbudgets.policy",
+                                                                   "pods"], seen
     assert kubectl.get("kvns", "bucket", ns)["spec"]["l2"]["hfBucket"]["tokenSecretRef"]["name"] == TOKEN_SECRET
 
 
@@ -249,14 +253,15 @@ CAROL = "carol@example.com"
 
 
 def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kubectl: Kubectl, users: str) -> None:
-    """Issue 42, items 1 and 2: carol may create KVCacheNamespaces and pods, nothing else. A spec
-    with L2 on NVMe and a LoadBalancer Service is refused once per right the operator would use for
-    her, each naming the field and a line that grants it: get on `NAME-l2-key` and on
-    `l2-NAME-lmcache-0` (what a deleted namesake may have left, used by whoever re-creates the
-    name), create on claims (made of any size and class) and on Services (reachable from outside,
-    here with no API key); with those granted it is admitted. Shared L2 asks for its one claim by
-    name, more than 8 servers for get on every claim (one check per name would not fit the budget),
-    and a spec with every check at once still fits the policy's cost budget."""
+    """Issue 42, items 1 and 2, and issue 58 item 4: carol may create KVCacheNamespaces and pods,
+    nothing else. A spec with L2 on NVMe, a LoadBalancer Service and an InferencePool is refused
+    once per right the operator would use for her, each naming the field and a line that grants
+    it: get on `NAME-l2-key` and on `l2-NAME-lmcache-0` (what a deleted namesake may have left,
+    used by whoever re-creates the name), create on claims (made of any size and class), on Services (reachable from outside,
+    here with no API key), on InferencePools and on PodDisruptionBudgets; with those granted it
+    is admitted. Shared L2 asks for its one claim by name, more than 8 servers for get on every
+    claim (one check per name would not fit the budget), and a spec with every check at once still
+    fits the policy's cost budget."""
     ns = users
     kubectl.apply({"apiVersion": "v1", "kind": "List", "items": [
         *role(ns, "carol", [{"apiGroups": ["kvpersist.dev"], "resources": ["kvcachenamespaces"], "verbs": ["create", "get"]},
@@ -266,8 +271,9 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
     obj = sample()
     obj["metadata"].update(name="ext", namespace=ns)
     obj["spec"]["vllm"]["service"] = {"enabled": True, "type": "LoadBalancer"}
+    obj["spec"]["vllm"]["inferencePool"] = {"endpointPicker": {"name": "picker"}}
     fields = []
-    for _ in range(6):
+    for _ in range(8):
         out = create_as(kubectl, CAROL, obj)
         if out.returncode == 0:
             break
@@ -275,13 +281,25 @@ def test_what_the_operator_makes_or_finds_for_a_spec_needs_its_authors_right(kub
         assert "ValidatingAdmissionPolicy 'kvpersist-creator-rights'" in err and f"{CAROL} may not" in err, err
         fields.append(re.search(r"KVCacheNamespace \S+: (spec\.\S+)", err)[1])
         [line] = GRANT.findall(err)
-        _grant(kubectl, CAROL, line, ns)
+        if fields[-1] == "spec.vllm.inferencePool":  # kubectl create role needs the type served; RBAC does not
+            assert "--verb=create --resource=inferencepools.inference.networking.k8s.io -n" in line, line
+            kubectl.apply({"apiVersion": "v1", "kind": "List", "items": role(ns, "carol-pools", [
+                {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["create"]}], (CAROL,))})
+            wait_for("carol's pools", lambda: "spec.vllm.inferencePool" not in as_user(  # can-i needs the type served
+                kubectl, CAROL, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(obj)).stderr, timeout=60)
+        else:
+            _grant(kubectl, CAROL, line, ns)
         if fields[-1] == "spec.vllm.service.type":
             assert "Service ext-vllm reachable from outside the cluster (the vLLM API, with no API key" in err, err
+        if fields[-1] == "spec.lmcacheServer":  # issue 58 item 4: a budget that cannot be met blocks drains
+            assert "under PodDisruptionBudget ext-lmcache (node drains evict them one at a time)" in err, err
+        if fields[-1] == "spec.vllm.inferencePool":
+            assert "create InferencePool ext-vllm, which a Gateway routes requests through" in err, err
         if fields[-1] == "spec.l2.nvme.size" and "--verb=get" in line:
             assert "--resource-name=l2-ext-lmcache-0 " in line, line
     assert out.returncode == 0, out.stderr
-    assert fields == ["spec.l2.encryption", "spec.l2.nvme.size", "spec.l2.nvme.size", "spec.vllm.service.type"], fields
+    assert fields == ["spec.l2.encryption", "spec.l2.nvme.size", "spec.l2.nvme.size", "spec.vllm.service.type",
+                      "spec.vllm.inferencePool", "spec.lmcacheServer"], fields
 
     # Shared L2 (encryption off: one right asked): its one claim, by name.
     pooled = sample()

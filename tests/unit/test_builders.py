@@ -207,7 +207,7 @@ def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
         vllm_pod = build_vllm_deployment(t)["spec"]["template"]
         host = json.loads(_flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))[
             "kv_connector_extra_config"]["lmcache.mp.host"]
-        assert host == f"tcp://{build_local_service(t)['metadata']['name']}.ml.svc"
+        assert host == f"tcp://{build_local_service(t)['metadata']['name']}.ml.svc.cluster.local."
         assert build_connection_configmap(t)["data"]["namespace-id"] == t.namespace_id
         affinity = vllm_pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
         zmq = build_zmq_policy(t)
@@ -246,7 +246,7 @@ def test_vllm_kv_transfer_config_pins_the_connector_module() -> None:
     assert cfg["kv_connector"] == "LMCacheMPConnector"
     assert cfg["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
     assert cfg["kv_role"] == "kv_both"
-    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": f"tcp://llama31-8b-lmcache-{t.namespace_id[4:12]}.ml.svc",
+    assert cfg["kv_connector_extra_config"] == {"lmcache.mp.host": f"tcp://llama31-8b-lmcache-{t.namespace_id[4:12]}.ml.svc.cluster.local.",
                                                 "lmcache.mp.port": 5555,
                                                 "lmcache.mp.heartbeat_interval": 2.0,
                                                 "lmcache.mp.isolated_ipc": True}
@@ -633,3 +633,38 @@ def test_a_policy_without_rules_renders_no_ingress_key() -> None:
     t = target()
     assert "ingress" not in build_network_policy(t, None)["spec"]
     assert build_network_policy(t, "kvpersist-system")["spec"]["ingress"]
+
+
+def test_a_server_no_node_can_take_stops_counting_against_the_disruption_budget() -> None:
+    """Issue 58 item 3: with more servers than eligible nodes one stays Pending for good, and with
+    maxUnavailable 1 it uses up the budget: every drain of a node with a Ready server hangs. Once
+    the scheduler has found no node for it for UNPLACED_AFTER_S it is not counted: the budget
+    allows 1 + that many. A server Pending a shorter while (a drained node's replacement) still
+    counts, and so do vLLM pods never."""
+    import dataclasses
+    import datetime
+
+    from kvpersist.builders.disruption import build_server_pdb
+    from kvpersist.builders.target import SERVER, VLLM
+    from kvpersist.status.workloads import UNPLACED_AFTER_S, slim, unplaced_servers
+
+    now = datetime.datetime(2026, 12, 6, 12, 0, tzinfo=datetime.UTC)
+
+    def pod(name: str, component: str, pending_s: float | None) -> dict:
+        conditions = [] if pending_s is None else [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available",
+             "lastTransitionTime": (now - datetime.timedelta(seconds=pending_s)).strftime("%Y-%m-%dT%H:%M:%SZ")}]
+        return slim({"metadata": {"name": name, "namespace": "ml", "labels": {"app.kubernetes.io/component": component}},
+                     "spec": {"containers": [{"name": component}]},
+                     "status": {"phase": "Pending" if pending_s is not None else "Running", "conditions": conditions}})
+
+    kept = pod("r-lmcache-2", SERVER, UNPLACED_AFTER_S + 60)
+    assert kept["status"]["conditions"] == [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                             "lastTransitionTime": "2026-12-06T11:49:00Z"}]
+    pods = [pod("r-lmcache-0", SERVER, None), pod("r-lmcache-1", SERVER, 30), kept,
+            pod("r-vllm-a", VLLM, UNPLACED_AFTER_S * 2)]
+    assert unplaced_servers(pods, now) == 1
+    assert unplaced_servers(pods, now + datetime.timedelta(seconds=UNPLACED_AFTER_S)) == 2
+    t = target()
+    assert build_server_pdb(t)["spec"]["maxUnavailable"] == 1
+    assert build_server_pdb(dataclasses.replace(t, unplaced_servers=1))["spec"]["maxUnavailable"] == 2

@@ -667,3 +667,44 @@ def test_a_reference_on_a_pod_without_the_cache_sends_no_store_setting() -> None
                 a_pod("r-lmcache-0", SERVER, "s1", namespace_id=t.namespace_id)]
     verdict, _, _ = run_round(can, t, body_of(t), bypassed)
     assert seen == [(True, True)] and verdict[:2] == (None, c.CHECKING)  # a reference, no check: no pod uses the cache
+
+
+def test_one_resources_hanging_pods_hold_the_shared_pool_for_one_budget_not_one_call_each() -> None:
+    """Issue 58 item 2: resource A's 50 vLLM pods accept the canary's call and never answer (each
+    costs the call's whole bound), resource B's answer. With one worker for both (the pool is
+    shared), A's job starts no check past its budget, so B's verdict comes after at most two of A's
+    hanging calls, not fifty; and A's next job asks other pods than the ones that just hung."""
+    call_s = 0.05
+    hung: list[str] = []
+
+    def asker(host: str, port: int, model: str, prompt: str, *, max_tokens: int, cache_salt: str | None,
+              store: bool, api_key: str | None, timeout: float) -> vllmclient.Completion:
+        if port == 8000 and cache_salt is None:  # A's checks (its reference, salted, answers)
+            hung.append(host)
+            threading.Event().wait(call_s)  # the call's bound, reached
+            raise PeerError("timed out")
+        return vllmclient.Completion(REF, "", P)
+
+    def port(n: int) -> Callable[[dict], None]:
+        def on(obj: dict) -> None:
+            obj["spec"]["canary"] = {"enabled": True}
+            obj["spec"]["vllm"]["port"] = n
+        return on
+
+    a, b = target(mutate=port(8000)), target(mutate=port(8001))
+    server = a_pod("r-lmcache-0", SERVER, "s1", namespace_id=a.namespace_id)
+    pods_a = [{**p, "status": {**p["status"], "podIP": f"10.0.1.{i}"}}
+              for i, p in enumerate(a_pod(f"r-vllm-{i:02d}", VLLM, f"u{i}", namespace_id=a.namespace_id) for i in range(50))]
+    can = runner.Canary(asker=asker, read_counters=no_counters, settle_s=0, workers=1, job_budget_s=1.5 * call_s)
+    a_done, b_done = threading.Event(), threading.Event()
+    can.refresh(("ml", "a"), body_of(a), a, [*pods_a, server], lambda _d: a_done.set())
+    can.refresh(("ml", "b"), body_of(b), b, pods_of(b), lambda _d: b_done.set())  # queued behind A's job
+    assert b_done.wait(30) and a_done.is_set()
+    first = list(hung)
+    assert 1 <= len(first) <= 2, first  # A's job stopped at its budget: 48 or more of its pods wait
+    assert can.record(("ml", "b"))["lastCheck"]["match"] is True  # B's pod was checked, and matched
+    # A's next round: the pods that just hung are not due (RETRY_S); the ones never asked go first.
+    a_done.clear()
+    can.refresh(("ml", "a"), body_of(a), a, [*pods_a, server], lambda _d: a_done.set())
+    assert a_done.wait(30)
+    assert hung[len(first):] and not set(hung[len(first):]) & set(first), hung

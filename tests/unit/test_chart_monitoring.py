@@ -146,5 +146,6 @@ def test_cli_run_refuses_a_wrong_scraper(monkeypatch: pytest.MonkeyPatch, capsys
     from kvpersist import cli
 
     monkeypatch.setenv(SCRAPER_ENV, '{"podSelector": {"matchLabels": {"a": "b"}}}')
+    monkeypatch.setenv("KVPERSIST_CLUSTER_DOMAIN", "cluster.local")
     assert cli.main(["run", "--standalone"]) == 2
     assert "metrics.scraper.podSelector" in capsys.readouterr().err

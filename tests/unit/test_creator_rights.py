@@ -4,6 +4,7 @@ API server's side (two users) is tests/e2e/test_creator_rights.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import typing
 from pathlib import Path
@@ -136,8 +137,37 @@ def test_every_secret_and_claim_a_spec_can_name_is_checked_by_name() -> None:
                       "variables.modelClaimMadeAllowed", "size(variables.envFromDenied) == 0",
                       "size(variables.pullSecretsDenied) == 0", "variables.prewarmConfigMapAllowed",
                       "variables.generatedKeyAllowed", "variables.sharedClaimAllowed", "variables.serverClaimsAllowed",
-                      "variables.l2ClaimsMadeAllowed", "variables.externalServiceAllowed", "variables.podsAllowed"]
+                      "variables.l2ClaimsMadeAllowed", "variables.externalServiceAllowed", "variables.inferencePoolAllowed",
+                      "variables.pdbAllowed", "variables.podsAllowed"]
     assert all("variables.user" in m and "kubectl create rolebinding" in m for m in messages)
+
+
+def test_what_the_operator_makes_for_every_spec_needs_its_authors_right() -> None:
+    """Issue 58 item 4: every object kind the builders make for a resource is one its author must
+    be allowed to create: pods (the servers' and vLLM's), the servers' PodDisruptionBudget (one that
+    cannot be met blocks every drain of their nodes) and, with spec.vllm.inferencePool, the
+    InferencePool a Gateway routes through; each with its own refusal and the line that grants it."""
+    policy = _docs(CONFIG.read_text())[0]["spec"]
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    asked = {"pods": ("''", "podsAllowed"), "poddisruptionbudgets": ("'policy'", "pdbAllowed"),
+             "inferencepools": ("'inference.networking.k8s.io'", "inferencePoolAllowed")}
+    for resource, (group, var) in asked.items():
+        check = variables[var]
+        assert f"authorizer.group({group}).resource('{resource}')" in check and "check('create')" in check, check
+        assert f"create on {resource}" in variables["needs"], resource
+    assert "!variables.inferencePool" in variables["inferencePoolAllowed"]
+    assert variables["inferencePool"] == "has(object.spec.vllm) && has(object.spec.vllm.inferencePool)"
+    messages = {v["expression"]: v["messageExpression"] for v in policy["validations"]}
+    assert "--resource=poddisruptionbudgets.policy" in messages["variables.pdbAllowed"]
+    assert "--resource=inferencepools.inference.networking.k8s.io" in messages["variables.inferencePoolAllowed"]
+    # And what the builders make is exactly what the policy asks for (a new kind must be asked for too).
+    from kvpersist.builders.all import build_all
+    from tests.unit.test_builders import target
+
+    made = {m["kind"] for m in build_all(dataclasses.replace(target(), inference_pool_served=True))}
+    asked_kinds = {"Pod", "PodDisruptionBudget", "InferencePool", "StatefulSet", "Deployment", "Service", "NetworkPolicy",
+                   "ConfigMap", "PersistentVolumeClaim", "Secret"}
+    assert made <= asked_kinds, made - asked_kinds
 
 
 def test_a_claim_the_operator_makes_needs_its_author_to_be_allowed_to_create_claims() -> None:

@@ -50,7 +50,7 @@ def test_the_condition_is_informational_never_holding_ready_back() -> None:
 
 def _cache(objects: list[dict[str, Any]] | None) -> WatchCache:
     """A cache that has listed these objects (None: not listed yet)."""
-    cache = WatchCache("X", None, lambda _s: (objects or [], "1"), lambda *_a: iter(()), keep=dict)
+    cache = WatchCache("X", None, lambda _s, _keep: (objects or [], "1"), lambda *_a: iter(()), keep=dict)
     if objects is not None:
         cache._relist(None)
     return cache

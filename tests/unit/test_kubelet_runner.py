@@ -48,7 +48,7 @@ def test_hosts_resolve_services_to_ready_selected_endpoints() -> None:
     assert lines[0] == "127.0.0.1\tlocalhost"
     # Local: the only Ready srv pod is on n2, so nothing on n1 resolves the name (as kube-proxy drops it).
     assert not any("local.ns.svc" in line for line in lines)
-    assert "127.16.0.9\tany.ns.svc.cluster.local any.ns.svc any.ns any" in lines
+    assert "127.16.0.9\tany.ns.svc.cluster.local. any.ns.svc.cluster.local any.ns.svc any.ns any" in lines
     assert len(lines) == 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +15,18 @@ from kvpersist.controller import kube, runtime, transitions
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.policy import (
     ALLOWED_IMAGES_ENV,
+    CLUSTER_DOMAIN_ENV,
     IMAGE_NOT_ALLOWED,
     SECRET_LABEL_ENV,
     SECRET_NOT_ALLOWED,
     Policy,
     canonical_image,
+    domain_in_resolv_conf,
     image_allowed,
     image_refusal,
     named_secrets,
     parse_allowed_images,
+    parse_cluster_domain,
     parse_secret_label,
     refused_status,
     secret_refusal,
@@ -108,11 +112,47 @@ def test_parse_secret_label() -> None:
             parse_secret_label(bad)
 
 
-def test_policy_from_env() -> None:
-    policy = Policy.from_env({ALLOWED_IMAGES_ENV: "r.io/a/", SECRET_LABEL_ENV: "k=v"})
+def test_policy_from_env(tmp_path: Path) -> None:
+    none = tmp_path / "absent"
+    policy = Policy.from_env({ALLOWED_IMAGES_ENV: "r.io/a/", SECRET_LABEL_ENV: "k=v"}, none)
     assert policy == Policy(("r.io/a/",), ("k", "v"))
     assert policy.generated_secret_labels() == {"k": "v"} and policy.label_text == "k=v"
-    assert Policy.from_env({}) == Policy() and Policy().generated_secret_labels() == {}
+    assert Policy.from_env({}, none) == Policy() and Policy().generated_secret_labels() == {}
+
+
+# What a kubelet writes into a pod of namespace ml with --cluster-domain=corp.example.
+POD_RESOLV_CONF = "nameserver 10.96.0.10\nsearch ml.svc.corp.example svc.corp.example corp.example\noptions ndots:5\n"
+
+
+def test_the_cluster_domain_is_read_from_the_pods_resolver_or_the_chart(tmp_path: Path) -> None:
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(POD_RESOLV_CONF)
+    assert Policy.from_env({}, resolv).cluster_domain == "corp.example"
+    assert Policy.from_env({CLUSTER_DOMAIN_ENV: "Cluster.Local."}, resolv).cluster_domain == "cluster.local"
+    assert domain_in_resolv_conf("nameserver 1.1.1.1\nsearch example.com\n") is None  # no cluster DNS: unknown
+    assert Policy.from_env({}, tmp_path / "absent").cluster_domain is None
+    for bad in ("cluster local", "-x.local", "a..b", "x" * 64 + ".local"):
+        with pytest.raises(ValueError, match=CLUSTER_DOMAIN_ENV):
+            parse_cluster_domain(bad)
+
+
+def test_vllm_names_its_server_absolutely_in_the_clusters_domain(tmp_path: Path) -> None:
+    """A relative <route>.<ns>.svc (two dots, under ndots 5) is tried against the search list
+    first, where <route>.<ns>.svc.svc.<domain> is the Service <route>.<ns> of a namespace named
+    svc: whoever owns it would receive every vLLM's KV connection. The absolute name is never
+    searched."""
+    from kvpersist.builders.connection import server_host
+    from kvpersist.controller import decision
+
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(POD_RESOLV_CONF)
+    obj = sample("nvme-minimal")
+    obj["metadata"]["namespace"] = "ml"
+    snap = decision.Snapshot(body=obj, spec=KVCacheNamespace.model_validate(obj).spec, policy=Policy.from_env({}, resolv))
+    target = decision._target(snap, None)
+    host = server_host(target)
+    assert host == f"{target.local_service_name}.{target.namespace}.svc.corp.example."
+    assert host.endswith(".") and ".svc.svc." not in host
 
 
 def _bucket_spec(key_ref: bool = True) -> Any:
@@ -238,3 +278,15 @@ def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.Monke
     monkeypatch.setenv(SECRET_LABEL_ENV, "kvpersist.dev/usable-by")
     assert cli.main(["run", "--standalone"]) == 2
     assert SECRET_LABEL_ENV in capsys.readouterr().err and runtime.CONTROLLER.policy == Policy()
+
+
+def test_the_operator_refuses_to_start_when_it_cannot_tell_the_cluster_domain(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from kvpersist import cli
+    from kvpersist.controller import policy
+
+    monkeypatch.delenv(CLUSTER_DOMAIN_ENV, raising=False)
+    monkeypatch.setattr(policy, "RESOLV_CONF", tmp_path / "absent")
+    assert cli.main(["run", "--standalone"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster's DNS domain is unknown" in err and "clusterDomain" in err

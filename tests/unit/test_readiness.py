@@ -75,7 +75,7 @@ def test_the_liveness_front_answers_readyz_beside_healthz() -> None:
 def test_a_cache_is_listed_once_per_scope_and_stays_so() -> None:
     failing = {"b"}
 
-    def lister(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    def lister(scope: str | None, keep: Any) -> tuple[list[dict[str, Any]], str]:
         if scope in failing:
             raise ConnectionError("the API server is down")
         return [], "1"

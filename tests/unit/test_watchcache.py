@@ -5,6 +5,7 @@ Secret cache keeps metadata only, never data."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -29,12 +30,12 @@ class Script:
         self.events: queue.Queue[tuple[str, dict[str, Any]] | Exception | None] = queue.Queue()
         self.lists = 0
 
-    def lister(self, scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    def lister(self, scope: str | None, keep: watchcache.Keep) -> tuple[list[dict[str, Any]], str]:
         answer = self.listings[min(self.lists, len(self.listings) - 1)]
         self.lists += 1
         if isinstance(answer, Exception):
             raise answer
-        return answer, "1"
+        return [keep(o) for o in answer], "1"
 
     def watcher(self, scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
         while not stop.is_set():
@@ -64,7 +65,7 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make(script: Script) -> watchcache.WatchCache:
-    return watchcache.WatchCache("Secret", ("ns",), script.lister, script.watcher, keep=watchcache._metadata)
+    return watchcache.WatchCache("Secret", ("ns",), script.lister, script.watcher, keep=watchcache.secret_view(("a",)))
 
 
 def test_nothing_is_answered_before_the_first_listing(fast: None) -> None:
@@ -74,7 +75,8 @@ def test_nothing_is_answered_before_the_first_listing(fast: None) -> None:
     cache.start()
     try:
         _, found = until(lambda: (r := cache.lookup("ns", "k"))[0] and r)
-        assert found == {"metadata": {"name": "k", "namespace": "ns", "resourceVersion": "5", "labels": {"a": "b"}}}
+        assert found == {"metadata": {"name": "k", "namespace": "ns", "resourceVersion": "5", "labels": {"a": "b"},
+                                      "annotations": {}}}
         assert "data" not in found and script.lists == 2
     finally:
         cache.stop()
@@ -85,13 +87,13 @@ def test_changes_and_deletes_land_and_a_failed_watch_unsyncs_until_the_next_list
     script = Script([[secret("k", "5")]])
     relisted: list[list[dict[str, Any]] | Exception] = [[secret("k", "9"), secret("other", "10")]]
 
-    def lister(scope: str | None) -> tuple[list[dict[str, Any]], str]:
+    def lister(scope: str | None, keep: watchcache.Keep) -> tuple[list[dict[str, Any]], str]:
         if script.lists >= 1:
             gate.wait(5)  # hold the second listing until the test has looked
             script.listings = relisted
-        return Script.lister(script, scope)
+        return Script.lister(script, scope, keep)
 
-    cache = watchcache.WatchCache("Secret", ("ns",), lister, script.watcher, keep=watchcache._metadata)
+    cache = watchcache.WatchCache("Secret", ("ns",), lister, script.watcher, keep=watchcache.secret_view())
     cache.start()
     try:
         until(lambda: cache.lookup("ns", "k")[0])
@@ -111,7 +113,7 @@ def test_changes_and_deletes_land_and_a_failed_watch_unsyncs_until_the_next_list
 
 
 def test_a_namespace_outside_the_scopes_is_never_answered() -> None:
-    cache = watchcache.WatchCache("Secret", ("ns",), Script([[]]).lister, Script([[]]).watcher, keep=watchcache._metadata)
+    cache = watchcache.WatchCache("Secret", ("ns",), Script([[]]).lister, Script([[]]).watcher, keep=watchcache.secret_view())
     assert cache.lookup("elsewhere", "k") == (False, None)
 
 
@@ -119,3 +121,61 @@ def test_the_scope_follows_the_watched_namespaces() -> None:
     assert watchcache.scope_of(()) is None
     assert watchcache.scope_of(("a", "b")) == ("a", "b")
     assert watchcache.scope_of(("a", "team-*")) is False
+
+
+def test_only_what_is_read_of_a_secret_or_configmap_is_kept() -> None:
+    """Issue 58 item 1: anyone who may create a Secret or ConfigMap in a watched namespace decides
+    its size; the caches keep its identity, the labels the operator reads (its own, and the
+    chart's secretLabel key) and the annotations it protects, never the rest."""
+    from kvpersist.builders.retained import ARGOCD_SYNC_OPTIONS
+
+    hostile = {"metadata": {"name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3",
+                            "labels": {**{f"l{i}": "v" * 60 for i in range(1500)}, "usable": "yes",
+                                       "app.kubernetes.io/managed-by": "kvpersist"},
+                            "annotations": {"big": "a" * 256 * 1024, ARGOCD_SYNC_OPTIONS: "Prune=false"},
+                            "ownerReferences": [{"kind": "X", "name": "y", "uid": "z"}] * 100,
+                            "managedFields": [{"manager": "m"}] * 100}}
+    assert watchcache.secret_view(("usable",))(hostile) == {"metadata": {
+        "name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3",
+        "labels": {"usable": "yes", "app.kubernetes.io/managed-by": "kvpersist"},
+        "annotations": {ARGOCD_SYNC_OPTIONS: "Prune=false"}}}
+    assert watchcache.names_view(hostile) == {"metadata": {"name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3"}}
+    assert watchcache.configmaps(("ns",)).keep is watchcache.names_view
+    assert watchcache.secrets(("ns",), ("usable",)).keep(hostile)["metadata"]["labels"]["usable"] == "yes"
+
+
+def test_each_page_of_a_list_is_cut_down_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relist holds one raw page at a time: kube.list_page keeps each page's objects as it reads
+    them, in small pages for Secrets and ConfigMaps (SMALL_PAGE), before asking for the next."""
+    from kvpersist.controller import kube
+
+    held: list[int] = []
+    pages = [[{"metadata": {"name": f"o{p}-{i}", "namespace": "ns", "labels": {"l": "v" * 1000}}} for i in range(3)]
+             for p in range(3)]
+    kept: list[dict[str, Any]] = []
+
+    class Response:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+    class Client:
+        def request(self, method: str, path: str, **kwargs: Any) -> Response:
+            n = int(kwargs["_continue"] or 0)
+            held.append(len(kept))  # objects kept before this page was asked for
+            assert kwargs["limit"] == watchcache.SMALL_PAGE
+            meta = {"resourceVersion": "7", **({"continue": str(n + 1)} if n + 1 < len(pages) else {})}
+            return Response(json.dumps({"items": pages[n], "metadata": meta}).encode())
+
+    def keep(obj: Any) -> dict[str, Any]:
+        kept.append(watchcache.names_view(obj))
+        return kept[-1]
+
+    class Resource:
+        def path(self, namespace: str | None = None) -> str:
+            return f"/api/v1/namespaces/{namespace}/configmaps"
+
+    monkeypatch.setattr(kube, "client", Client)
+    monkeypatch.setattr(kube, "_resource", lambda *_a: Resource())
+    items, version = watchcache._list_configmaps("ns", keep)
+    assert version == "7" and held == [0, 3, 6] and items == kept and len(items) == 9
+    assert all("labels" not in i["metadata"] for i in items)

@@ -13,6 +13,11 @@ HEARTBEAT_INTERVAL_S = 2.0
 CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_connector"}
 
 
+def server_host(target: Target) -> str:
+    """The node-local Service's absolute DNS name, which no search list can capture."""
+    return f"{target.local_service_name}.{target.namespace}.svc.{target.cluster_domain}."
+
+
 def kv_transfer_config(target: Target) -> dict[str, Any]:
     """The connector is pinned by module path, so vLLM cannot pick up another implementation."""
     connector = CONNECTOR
@@ -21,7 +26,10 @@ def kv_transfer_config(target: Target) -> dict[str, Any]:
         "kv_connector_module_path": CONNECTOR_MODULES[connector],
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "lmcache.mp.host": f"tcp://{target.local_service_name}.{target.namespace}.svc",
+            # Absolute (the trailing dot): a relative name with fewer than ndots (5) dots is tried
+            # against the pod's search list first, where <route>.<ns>.svc.svc.<domain> belongs to
+            # whoever owns a namespace named svc, and would receive every vLLM's KV connection.
+            "lmcache.mp.host": f"tcp://{server_host(target)}",
             "lmcache.mp.port": target.spec.lmcache_server.port,
             # vLLM notices a restarted server only by a failed heartbeat; a restart shorter than
             # the interval (10 s by default) goes unseen, and vLLM's next cached request then

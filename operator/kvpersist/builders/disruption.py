@@ -21,13 +21,18 @@ def build_server_pdb(target: Target) -> dict[str, Any]:
     without a rewrite, and with the cache off (no server pods) it blocks nothing. A server that is
     not Ready (crash-looping, refusing its build) serves nothing: AlwaysAllow lets a drain evict it
     instead of waiting for a readiness that may never come (unhealthyPodEvictionPolicy, GA in 1.31).
+    A server that cannot be placed at all (more replicas than eligible nodes: required
+    anti-affinity) would use up the one disruption for good and block every drain of the others'
+    nodes; once the scheduler has found no node for it for UNPLACED_AFTER_S it is not counted
+    (target.unplaced_servers: maxUnavailable 1 + that many). A replacement waiting for a drained
+    node to come back is not such a server until then.
     """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": target.metadata(target.server_name, SERVER),
         "spec": {
-            "maxUnavailable": 1,
+            "maxUnavailable": 1 + target.unplaced_servers,
             "selector": {"matchLabels": target.selector(SERVER)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },

@@ -57,6 +57,12 @@ class Target:
     # The API server serves InferencePool (inference.networking.k8s.io/v1): spec.vllm.inferencePool
     # is made only then (kvpersist.controller.inferencepool asks discovery); a pure build says False.
     inference_pool_served: bool = False
+    # The cluster's DNS domain (the operator reads it: controller.policy.read_cluster_domain); the
+    # connection names the server absolutely, <service>.<namespace>.svc.<domain>. (connection.py).
+    cluster_domain: str = "cluster.local"
+    # Server pods that have found no node for long (status.workloads.unplaced_servers): more
+    # servers than eligible nodes. The PodDisruptionBudget does not count them (disruption.py).
+    unplaced_servers: int = 0
 
     @property
     def cache_enabled(self) -> bool:

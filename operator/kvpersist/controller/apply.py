@@ -80,7 +80,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             state.apply_error = None
             runtime.CONTROLLER.apply_backoff.succeeded(key)
             state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
-            state.applied_id = (decision.key_id,)
+            state.applied_id = (decision.key_id, decision.target.unplaced_servers)
     return True
 
 

@@ -1,8 +1,9 @@
 """The correctness canary, run (kvpersist.status.canary judges): per resource, the reference and the
 checks as jobs in a pool of their own, never on the status refresh path (a CPU vLLM answers in
 seconds, a busy GPU one may take longer), one job per resource at a time, every call bounded
-(kvpersist.vllmclient). What the jobs found is kept here and written by the refresh into
-status.canary and the HitCorrectness condition; a HitMismatch keeps vLLM without the cache for that
+(kvpersist.vllmclient) and every job too (JOB_BUDGET_S): the pool is shared by every resource.
+What the jobs found is kept here and written by the refresh into status.canary and the
+HitCorrectness condition; a HitMismatch keeps vLLM without the cache for that
 namespace id until the annotation kvpersist.dev/hit-correctness-ack names it. The record is seeded
 from status, so a restarted operator keeps the cache off over a mismatch it found before.
 Around each cached request the job reads the pod's prompt-token counters and the lookup counters
@@ -33,6 +34,11 @@ from kvpersist.status.conditions import now as iso_now
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
+# A job starts no check after this long: the rest stay due for its next round, so one resource's
+# pods that answer nothing (each costs a whole call) hold a shared worker for about this plus one
+# check, never one call per pod (50 such pods were 50 minutes of the pool). The pods that failed
+# least recently go first, so the ones that did answer are not starved behind the ones that hang.
+JOB_BUDGET_S = CALL_TIMEOUT_S
 # lmcache counts a lookup on its event bus's thread, which drains every 0.1 s: the servers' counters
 # are read this long after a cached answer, so that its lookup is in them.
 LOOKUP_SETTLE_S = 0.5
@@ -82,11 +88,12 @@ class Canary:
 
     def __init__(self, asker: Asker | None = None, read_api_key: Callable[[str, str, str], str | None] | None = None,
                  workers: int = WORKERS, read_counters: CounterReader | None = None,
-                 settle_s: float = LOOKUP_SETTLE_S) -> None:
+                 settle_s: float = LOOKUP_SETTLE_S, job_budget_s: float = JOB_BUDGET_S) -> None:
         self._ask = asker or vllmclient.complete
         self._read_api_key = read_api_key or _api_key
         self._read_counters = read_counters or read_counters_of
         self._settle_s = settle_s
+        self._budget_s = job_budget_s
         self._lock = threading.Lock()
         self._by: dict[Hashable, _Resource] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -170,6 +177,7 @@ class Canary:
             judge.observe(memory, view, servers, now)
             if judge.due(view, servers, memory, target.spec.canary.interval_seconds, now):
                 checks.append((view, judge.check_key(view, servers)))
+        checks.sort(key=lambda check: held.pods[check[0].name].failed_at)  # never failed, then failed longest ago
         reference_pod = None
         if recompute and not recompute_now:
             return None
@@ -226,11 +234,20 @@ class Canary:
                                     f"{why}; the canary cannot ask vLLM, which requires it; retrying in "
                                     f"{judge.RETRY_S:.0f}s"))
                 return False
+        started = time.monotonic()
         reference = self._reference(plan, api_key) if plan.reference_pod is not None else self._recorded(plan)
         if reference is None:
             return False
-        # In order, stopping at the first mismatch: the cache goes off for every pod of the id.
-        return any(self._check(plan, pod, key, reference, api_key) for pod, key in plan.checks)
+        # In order, stopping at the first mismatch (the cache goes off for every pod of the id), and
+        # at the job's budget: the checks not started stay due for the next round.
+        for i, (pod, key) in enumerate(plan.checks):
+            if time.monotonic() - started >= self._budget_s:
+                logger.info("%s: the canary's job reached its %.0f s budget; %d of its pods wait for the next round",
+                            plan.key, self._budget_s, len(plan.checks) - i)
+                return False
+            if self._check(plan, pod, key, reference, api_key):
+                return True
+        return False
 
     def _recorded(self, plan: Plan) -> tuple[int, ...] | None:
         with self._lock:

@@ -92,6 +92,7 @@ class Snapshot:
     hit_mismatch: Mapping[str, str] = field(default_factory=dict)  # namespace id -> the canary's HitMismatch id
     agent_image: str | None = None  # the agent image the roll allows this apply (controller.agentroll)
     inference_pool_served: bool = False  # the API server serves InferencePool (controller.inferencepool)
+    unplaced_servers: int = 0  # its server pods no node can take (status.workloads.unplaced_servers)
 
     @property
     def name(self) -> str:
@@ -152,7 +153,8 @@ def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, finger
 
 def _target(snap: Snapshot, fingerprint: str | None) -> Target:
     target = target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pin_mismatch, snap.pin_mismatch is not None)[0]
-    return dataclasses.replace(target, inference_pool_served=snap.inference_pool_served)
+    return dataclasses.replace(target, inference_pool_served=snap.inference_pool_served, unplaced_servers=snap.unplaced_servers,
+                               cluster_domain=snap.policy.cluster_domain or target.cluster_domain)
 
 
 def judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,

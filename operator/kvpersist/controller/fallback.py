@@ -17,6 +17,8 @@ import threading
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from kvpersist.status.workloads import UNPLACED_AFTER_S
+
 FALLBACK_AFTER_ENV = "KVPERSIST_CACHE_FALLBACK_S"
 RECOVER_AFTER_ENV = "KVPERSIST_CACHE_RECOVER_S"
 FALLBACK_AFTER_S = 300.0  # a first start (image pull, torch, L1) or a restart fits within it
@@ -29,6 +31,14 @@ def _seconds(env: str, default: float) -> float:
     if value < 0:
         raise ValueError(f"{env}={value}: must be 0 or more seconds")
     return value
+
+
+UNPLACED_AFTER_ENV = "KVPERSIST_UNPLACED_AFTER_S"  # tests shorten it; status.workloads.UNPLACED_AFTER_S
+
+
+def unplaced_after_s() -> float:
+    """How long a server the scheduler finds no node for counts against its PodDisruptionBudget."""
+    return _seconds(UNPLACED_AFTER_ENV, UNPLACED_AFTER_S)
 
 
 def bypassed_in(body: Mapping[str, Any]) -> bool:

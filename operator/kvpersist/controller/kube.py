@@ -8,7 +8,7 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,25 +112,31 @@ LIST_PAGE = 500
 
 
 def list_page(api_version: str, kind: str, namespace: str | None, metadata_only: bool,
-              field_selector: str | None = None, label_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
-    """Every object of a kind (in one namespace, or None: all), in pages of LIST_PAGE, and the
-    list's resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata,
-    so a Secret's data never reaches the operator (kvpersist.controller.watchcache). field_selector
+              field_selector: str | None = None, label_selector: str | None = None,
+              keep: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
+              page: int = LIST_PAGE) -> tuple[list[dict[str, Any]], str]:
+    """Every object of a kind (in one namespace, or None: all), in pages of `page` objects, each
+    object cut down by keep as its page arrives (one raw page held at a time), and the list's
+    resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata, so a
+    Secret's data never reaches the operator (kvpersist.controller.watchcache). field_selector
     `metadata.name=X`: one object, which RBAC may grant by resourceNames."""
     res = _resource(api_version, kind)
     headers = {"Accept": METADATA_LIST} if metadata_only else {}
     items: list[dict[str, Any]] = []
     token: str | None = None
     while True:
-        out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=LIST_PAGE,
+        out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=page,
                                _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S,
                                **({"field_selector": field_selector} if field_selector else {}),
                                **({"label_selector": label_selector} if label_selector else {}))
-        page = json.loads(out.data)
-        items += page.get("items") or []
-        token = (page.get("metadata") or {}).get("continue")
+        body = json.loads(out.data)
+        del out  # the raw page, before the next is read
+        items += [keep(i) for i in body.get("items") or []] if keep else body.get("items") or []
+        meta = body.get("metadata") or {}
+        del body
+        token = meta.get("continue")
         if not token:
-            return items, (page.get("metadata") or {}).get("resourceVersion", "")
+            return items, meta.get("resourceVersion", "")
 
 
 def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,

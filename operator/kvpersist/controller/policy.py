@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
@@ -22,6 +23,8 @@ from kvpersist.status.conditions import condition
 
 ALLOWED_IMAGES_ENV = "KVPERSIST_ALLOWED_IMAGES"
 SECRET_LABEL_ENV = "KVPERSIST_SECRET_LABEL"
+CLUSTER_DOMAIN_ENV = "KVPERSIST_CLUSTER_DOMAIN"
+RESOLV_CONF = Path("/etc/resolv.conf")
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 SECRET_NOT_ALLOWED = "SecretNotAllowed"
 REASONS = (IMAGE_NOT_ALLOWED, SECRET_NOT_ALLOWED)
@@ -62,18 +65,52 @@ def parse_secret_label(raw: str) -> tuple[str, str] | None:
     return key, value
 
 
+def parse_cluster_domain(raw: str) -> str:
+    """KVPERSIST_CLUSTER_DOMAIN (the chart's clusterDomain): a DNS name, a trailing dot allowed."""
+    domain = raw.strip().lower().removesuffix(".")
+    if not re.fullmatch(_DNS_SUBDOMAIN, domain) or len(domain) > 253 or any(len(p) > 63 for p in domain.split(".")):
+        raise ValueError(f"{CLUSTER_DOMAIN_ENV}: {raw!r} is not a DNS domain: write the cluster's domain, the kubelet's "
+                         "--cluster-domain, e.g. cluster.local (chart value clusterDomain)")
+    return domain
+
+
+def domain_in_resolv_conf(text: str) -> str | None:
+    """The cluster domain as the kubelet wrote it into this pod's search list (<ns>.svc.<domain>
+    svc.<domain> <domain>), or None outside a pod with cluster DNS."""
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["search"]:
+            for entry in words[1:]:
+                if entry.startswith("svc.") and len(entry) > 4:
+                    return parse_cluster_domain(entry[4:])
+    return None
+
+
+def read_cluster_domain(environ: Mapping[str, str], resolv_conf: Path | None = None) -> str | None:
+    """The chart's clusterDomain, else the one this pod's resolver was given, else None (unknown)."""
+    if environ.get(CLUSTER_DOMAIN_ENV, "").strip():
+        return parse_cluster_domain(environ[CLUSTER_DOMAIN_ENV])
+    try:
+        return domain_in_resolv_conf((resolv_conf or RESOLV_CONF).read_text(errors="replace")[:65536])
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class Policy:
     """The operator's admission policy for KVCacheNamespaces, from its environment (the chart)."""
 
     allowed_images: tuple[str, ...] = ()  # empty: any image
     secret_label: tuple[str, str] | None = None  # None: any Secret the resource names
+    # The DNS domain of the cluster's Services: vLLM reaches its server at an absolute name
+    # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.connection).
+    cluster_domain: str | None = None  # None: unknown (`kvpersist run` refuses to start)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> Policy:
+    def from_env(cls, environ: Mapping[str, str], resolv_conf: Path | None = None) -> Policy:
         """Raises ValueError naming the variable and the fix when one is malformed."""
         return cls(parse_allowed_images(environ.get(ALLOWED_IMAGES_ENV, "")),
-                   parse_secret_label(environ.get(SECRET_LABEL_ENV, "")))
+                   parse_secret_label(environ.get(SECRET_LABEL_ENV, "")), read_cluster_domain(environ, resolv_conf))
 
     @property
     def label_text(self) -> str:

@@ -5,6 +5,7 @@ operator's policy refuses it. Shared by apply, the status refresh, gc and tracki
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -68,7 +69,8 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
         found, res = target_for(meta["name"], meta.get("namespace", ""), obj.spec, fingerprint, mismatch, checked)
     if state is not None and state.body is not None and spec is state.body.get("spec"):  # its own copy, never edited
         state.target_memo = (spec, obj, (fingerprint, checked, mismatch), res)
-    return found, res
+    domain = runtime.CONTROLLER.policy.cluster_domain
+    return (dataclasses.replace(found, cluster_domain=domain) if domain else found), res
 
 
 KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)

@@ -58,7 +58,7 @@ from kvpersist.status.conditions import (
 )
 from kvpersist.status.conditions import now as condition_now
 from kvpersist.status.usage import collect_usage
-from kvpersist.status.workloads import Seen, attached_counts
+from kvpersist.status.workloads import Seen, attached_counts, unplaced_servers
 
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
@@ -228,6 +228,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             state.drifted = True  # the key changed, went or came back: another namespace id to apply
             if refused is None and runtime.CONTROLLER.apply_backoff.pending(key) is None and state.apply_error is None:
                 return  # status follows the apply (next tick): never the new id beside the old id's servers
+        if state.applied_id is not None and state.applied_id[1] != unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()):
+            state.drifted = True  # a server became unplaceable, or placed: its PodDisruptionBudget follows
         retention.protect_retained(target, read, seen, logger)
         if (retention.model_cache_missing(target, seen) or retention.shared_claim_missing(target, seen)
                 or retention.servers_on_unshared_claim(target, seen)) and state.name_taken is None:

@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import agentroll, inferencepool, kube, ownership, pincheck, runtime, sharing
+from kvpersist.controller import agentroll, fallback, inferencepool, kube, ownership, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
     Meta,
     Snapshot,
@@ -38,7 +38,7 @@ from kvpersist.controller.policy import named_secrets
 from kvpersist.controller.reading import _parsed, _read_key, l2_claims, named_claim, secret_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
-from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen
+from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
 
 
 def parsed(body: Mapping[str, Any]) -> api.KVCacheNamespaceSpec:
@@ -136,7 +136,8 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
                     pin_mismatch=runtime.CONTROLLER.pin_files.mismatch(spec.identity) if pincheck.enabled() else None,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
                     fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
-                    inference_pool_served=_pool_served(spec, own, key[0], key[1]))
+                    inference_pool_served=_pool_served(spec, own, key[0], key[1]),
+                    unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0)
     if snap.policy.secret_label is not None:
         labels: dict[str, Meta | None] = {}
         failed: dict[str, int | None] = {}

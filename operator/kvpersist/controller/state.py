@@ -106,7 +106,9 @@ class ResourceState:
     # The resourceVersion of the key Secret that read saw (None: it had none): while the Secret
     # watch cache shows the same, the read stands without another request (kvpersist.controller.watchcache).
     key_read_version: str | None = None
-    applied_id: tuple[str | None] | None = None
+    # What the last apply rendered from the resource's pods' state: (its namespace id, the servers it
+    # found unplaceable: status.workloads.unplaced_servers); another now is applied on the next tick.
+    applied_id: tuple[str | None, int] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.
     agent_token: tuple[float, str | None] | None = None
     agent_token_version: str | None = None  # its Secret's resourceVersion at that read, as key_read_version

@@ -6,6 +6,7 @@ probe, and its start and stop with the operator.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -190,9 +191,11 @@ def start_watch_caches() -> None:
     if scope is False:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
         return
-    for name, make in (("secret_cache", watchcache.secrets), ("claim_cache", watchcache.claims),
+    label = runtime.CONTROLLER.policy.secret_label
+    secrets = functools.partial(watchcache.secrets, label_keys=(label[0],) if label else ())
+    for name, make in (("secret_cache", secrets), ("claim_cache", watchcache.claims),
                        ("configmap_cache", watchcache.configmaps), ("attached_cache", watchcache.attached_pods)):
-        cache = make(scope)  # type: ignore[arg-type]
+        cache = make(scope)  # type: ignore[operator]
         setattr(runtime.CONTROLLER, name, cache)
         cache.start()
 

@@ -4,6 +4,13 @@ whether a key or token must be read again), the ConfigMaps (metadata only: wheth
 names exists) and the claims users name (existingClaimName, which
 carry none of the operator's labels, so the kopf index of claims never sees them).
 
+Each object is cut down to what is read of it as its page arrives (secret_view, names_view): every
+Secret and ConfigMap of a watched namespace is cached, and whoever may create one there decides
+its size (400 ConfigMaps of 1,500 labels and a 250 KiB annotation each took the operator from 110
+to 330 MiB when their labels and annotations were kept; issue 58). Lists of those two kinds come
+in small pages (SMALL_PAGE), so a relist never holds more than one page of such objects whole,
+and the freed pages go back to the system after it.
+
 One list, then one watch from its resourceVersion, per watched namespace (or one cluster-wide),
 in a thread of its own: at 500 resources the refresh made 100+ reads a second; from here it makes
 none while nothing changes. Secret data never reaches the cache: the API server answers
@@ -20,19 +27,51 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvpersist.builders.attach import ATTACH_LABEL
+from kvpersist.builders.retained import INSTANCE_LABEL, PROTECTED_ANNOTATIONS, TRACKING_LABEL
 from kvpersist.controller import kube
-from kvpersist.status.workloads import attached_view, slim
+from kvpersist.status.workloads import COMPONENT_LABEL, attached_view, slim
 
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the next starts from the last resourceVersion
 BACKOFFS_S = (1, 2, 5, 10)  # after a failed list or watch (the API server down, a 410), then every 10 s
-Lister = Callable[[str | None], tuple[list[dict[str, Any]], str]]
+SMALL_PAGE = 10  # objects per page of a Secret or ConfigMap list: a page is held whole until it is cut down
+Keep = Callable[[Mapping[str, Any]], dict[str, Any]]
+Lister = Callable[[str | None, Keep], tuple[list[dict[str, Any]], str]]  # each item already kept
 Watcher = Callable[[str | None, str, threading.Event], Iterator[tuple[str, dict[str, Any]]]]
+# The labels the operator reads on a Secret: its own key's (controller.ownership.is_own_key_secret).
+OWN_LABELS = ("app.kubernetes.io/managed-by", COMPONENT_LABEL, INSTANCE_LABEL, TRACKING_LABEL)
+_IDENTITY = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
 
 
-def _metadata(obj: Mapping[str, Any]) -> dict[str, Any]:
+def names_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether it exists, and its version: all that is read of a ConfigMap (ReferencesFound)."""
     meta = obj.get("metadata") or {}
-    keep = ("name", "namespace", "uid", "resourceVersion", "labels", "annotations", "ownerReferences", "deletionTimestamp")
-    return {"metadata": {k: meta[k] for k in keep if k in meta}}
+    return {"metadata": {k: meta[k] for k in _IDENTITY if k in meta}}
+
+
+def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:
+    """A Secret's identity, the labels read of it (the operator's own, and secretLabel's key among
+    label_keys) and the annotations it protects, never the rest of its metadata."""
+    wanted = OWN_LABELS + label_keys
+
+    def keep(obj: Mapping[str, Any]) -> dict[str, Any]:
+        out = names_view(obj)
+        meta = obj.get("metadata") or {}
+        labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+        out["metadata"]["labels"] = {k: labels[k] for k in wanted if k in labels}
+        out["metadata"]["annotations"] = {k: annotations[k] for k in PROTECTED_ANNOTATIONS if k in annotations}
+        return out
+    return keep
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap for reuse: after a listing of large objects, cut down to a few
+    fields, the process would stay at its peak. malloc_trim hands the free pages back."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
 
 
 class WatchCache:
@@ -109,15 +148,16 @@ class WatchCache:
 
     def _relist(self, scope: str | None) -> str:
         self.reads += 1
-        items, version = self.lister(scope)
+        items, version = self.lister(scope, self.keep)  # each page cut down as it arrives
         with self._lock:
             for key in [k for k in self._objects if scope is None or k[0] == scope]:
                 del self._objects[key]
             for item in items:
                 meta = item.get("metadata") or {}
-                self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = self.keep(item)
+                self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = item
             self._synced[scope] = True
             self._listed.add(scope)
+        _return_freed_memory()  # the pages' memory, freed but kept by malloc, back to the system
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:
@@ -139,24 +179,24 @@ class WatchCache:
 
 # The kinds are spelled out per call (not passed along) so tests/rbac_needs.py can tell which
 # resource each reaches.
-def _list_secrets(scope: str | None) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "Secret", scope, metadata_only=True)
+def _list_secrets(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "Secret", scope, metadata_only=True, keep=keep, page=SMALL_PAGE)
 
 
 def _watch_secrets(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
     return kube.watch_page("v1", "Secret", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
 
 
-def _list_claims(scope: str | None) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "PersistentVolumeClaim", scope, metadata_only=False)
+def _list_claims(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "PersistentVolumeClaim", scope, metadata_only=False, keep=keep)
 
 
 def _watch_claims(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
     return kube.watch_page("v1", "PersistentVolumeClaim", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop)
 
 
-def _list_configmaps(scope: str | None) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "ConfigMap", scope, metadata_only=True)
+def _list_configmaps(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "ConfigMap", scope, metadata_only=True, keep=keep, page=SMALL_PAGE)
 
 
 def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -167,8 +207,8 @@ def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) ->
 # labels, so kopf's pod index never sees them: selected by the label the attach policies judge them by.
 
 
-def _list_attached_pods(scope: str | None) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_LABEL)
+def _list_attached_pods(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_LABEL, keep=keep)
 
 
 def _watch_attached_pods(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -181,8 +221,9 @@ def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
     return WatchCache("Pod", namespaces, _list_attached_pods, _watch_attached_pods, keep=attached_view)
 
 
-def secrets(namespaces: tuple[str, ...] | None) -> WatchCache:
-    return WatchCache("Secret", namespaces, _list_secrets, _watch_secrets, keep=_metadata)
+def secrets(namespaces: tuple[str, ...] | None, label_keys: tuple[str, ...] = ()) -> WatchCache:
+    """label_keys: the labels read besides the operator's own (the chart's secretLabel key)."""
+    return WatchCache("Secret", namespaces, _list_secrets, _watch_secrets, keep=secret_view(label_keys))
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
@@ -191,7 +232,7 @@ def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
 
 def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Metadata only: whether a ConfigMap a spec names exists (ReferencesFound), never its data."""
-    return WatchCache("ConfigMap", namespaces, _list_configmaps, _watch_configmaps, keep=_metadata)
+    return WatchCache("ConfigMap", namespaces, _list_configmaps, _watch_configmaps, keep=names_view)
 
 
 def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:

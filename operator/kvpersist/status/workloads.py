@@ -9,6 +9,7 @@ small. Pure functions here; the kopf wiring is in kvpersist.controller.indexes.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,8 +106,12 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     # API server's words: kept so status can name it without another request.
     failure = [_pick(c, ("type", "status", "reason", "message")) for c in conditions
                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"][:1]
-    if ready or failure:
-        out["status"]["conditions"] = ready + failure
+    # A pod the scheduler found no node for, and since when: a server that cannot be placed holds no
+    # L1 and stops counting against its PodDisruptionBudget (unplaced_servers).
+    unplaced = [_pick(c, ("type", "status", "reason", "lastTransitionTime")) for c in conditions
+                if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"][:1]
+    if ready or failure or unplaced:
+        out["status"]["conditions"] = ready + failure + unplaced
     # A container that refused to start over its lmcache/vLLM versions (kvpersist.status.build), or
     # a server over the key file it mounts while it refuses (kvpersist.status.keymismatch), says so
     # in its termination message: kept, and nothing else of the container statuses.
@@ -183,6 +188,26 @@ class Seen:
     def server_claims(self) -> list[dict[str, Any]]:
         return sorted((c for c in self.claims if c["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER),
                       key=lambda c: c["metadata"]["name"])
+
+
+UNPLACED_AFTER_S = 600.0  # a server the scheduler has found no node for this long is taken as one that will not run
+
+
+def unplaced_servers(pods: Iterable[Mapping[str, Any]], now: datetime.datetime | None = None,
+                     after_s: float = UNPLACED_AFTER_S) -> int:
+    """Server pods the scheduler has found no node for since at least after_s (by now, default the
+    clock's): more servers than eligible nodes (required anti-affinity), which no wait will place."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    count = 0
+    for pod in pods:
+        if (pod["metadata"].get("labels") or {}).get(COMPONENT_LABEL) != SERVER:
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            since = c.get("lastTransitionTime")
+            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable" and since:
+                at = datetime.datetime.fromisoformat(since.replace("Z", "+00:00"))
+                count += (now - at).total_seconds() >= after_s
+    return count
 
 
 def _named(objs: Iterable[dict[str, Any]], name: str) -> dict[str, Any] | None:

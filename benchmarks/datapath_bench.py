@@ -483,15 +483,17 @@ PROFILE: list[Path] = []  # --profile: the folder for perf's records of each col
 
 
 @contextlib.contextmanager
-def profiled(label: str) -> Iterator[None]:
+def profiled(label: str, server_pid: int | None = None) -> Iterator[None]:
     """With --profile, `perf record -a -g` (cpu-clock: every process and kernel thread, the loop
-    device's included) around the block, and the top of its report by thread name, library and symbol."""
+    device's included) around the block, and the top of its report by thread name, library and
+    symbol: the whole machine's, and the lmcache server's alone (`.server.txt`), whose share the
+    client's own work would otherwise drown."""
     perf = shutil.which("perf")
     if not PROFILE or perf is None:
         yield
         return
     data = PROFILE[0] / (re.sub(r"\W+", "-", label) + ".data")
-    rec = subprocess.Popen([perf, "record", "-q", "-e", "cpu-clock", "-a", "-g", "-o", str(data)],
+    rec = subprocess.Popen([perf, "record", "-q", "-e", "cpu-clock", "-F", "10000", "-a", "-g", "-o", str(data)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # perf's own start
     try:
@@ -499,9 +501,14 @@ def profiled(label: str) -> Iterator[None]:
     finally:
         rec.send_signal(signal.SIGINT)
         rec.wait(timeout=60)
-        report = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "comm,dso,sym", "--stdio",
-                                 "-g", "none", "--percent-limit", "0.5"], capture_output=True, text=True, timeout=300)
-        data.with_suffix(".txt").write_text(report.stdout)
+        views = {".txt": [], ".server.txt": ["--pid", str(server_pid)] if server_pid else None}
+        for suffix, only in views.items():
+            if only is None:
+                continue
+            report = subprocess.run([perf, "report", "-i", str(data), "--no-children", "--sort", "comm,dso,sym", "--stdio",
+                                     "-g", "none", "--percent-limit", "0.5", *only], capture_output=True, text=True,
+                                    timeout=300)
+            data.with_suffix(suffix).write_text(report.stdout)
 
 
 def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio: Fio | None,
@@ -516,7 +523,7 @@ def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio
     cold.drop(f"{m.name} L2 → L1")
     healthy_s = m.server.start()
     try:
-        with profiled(f"{m.name} L2 to L1"):
+        with profiled(f"{m.name} L2 to L1", m.server.proc.pid if m.server.proc else None):
             read = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
         # Again into L1 memory the first read faulted in: L1 emptied (lmcache's POST /cache/clear,
         # L1 only), the page cache dropped, everything read from L2 once more.

@@ -179,3 +179,17 @@ def test_each_page_of_a_list_is_cut_down_as_it_arrives(monkeypatch: pytest.Monke
     items, version = watchcache._list_configmaps("ns", keep)
     assert version == "7" and held == [0, 3, 6] and items == kept and len(items) == 9
     assert all("labels" not in i["metadata"] for i in items)
+
+
+def test_every_cache_the_operator_makes_lists_through_its_keep() -> None:
+    """Each lister takes the cache's keep and cuts each page with it (the relist calls
+    lister(scope, keep)): one that took the scope alone failed every listing, and its cache never
+    synced (the creator-rights policy's caches, found by the e2e suite)."""
+    import inspect
+
+    from kvpersist.controller import admissioncheck
+
+    caches = [watchcache.secrets(("ns",)), watchcache.claims(("ns",)), watchcache.configmaps(("ns",)),
+              watchcache.attached_pods(("ns",)), admissioncheck._by_name("ValidatingAdmissionPolicy", "p")]
+    for cache in caches:
+        assert list(inspect.signature(cache.lister).parameters)[1:] == ["keep"], cache.kind

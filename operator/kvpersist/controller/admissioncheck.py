@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kvpersist.controller import kube, metrics, runtime
-from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, WatchCache
+from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, Keep, WatchCache
 from kvpersist.status import creatorrights
 
 POLICY_ENV = "KVPERSIST_CREATOR_RIGHTS_POLICY"
@@ -39,8 +39,8 @@ def _by_name(kind: str, name: str) -> WatchCache:
     """One object of a cluster-scoped kind, by name: a list and a watch field-selected to it."""
     selector = f"metadata.name={name}"
 
-    def lister(_scope: str | None) -> tuple[list[dict[str, Any]], str]:
-        return kube.list_page(API, kind, None, False, field_selector=selector)
+    def lister(_scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+        return kube.list_page(API, kind, None, False, field_selector=selector, keep=keep)
 
     def watcher(_scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
         return kube.watch_page(API, kind, None, version, WATCH_TIMEOUT_S, False, stop, field_selector=selector)

@@ -9,6 +9,7 @@ import hashlib
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,10 +57,23 @@ def chunk_files(folder: Path) -> list[Path]:
                   ) if folder.is_dir() else []
 
 
+# Below the kernel's ephemeral range (32768-60999 here: /proc/sys/net/ipv4/ip_local_port_range),
+# whose ports every outgoing connection takes as its source: one chosen there was taken by such a
+# connection between the choice and the server's bind ("address already in use", seen once in CI).
+# Below the local clusters' ports too (hack/localcluster.py: 26400 and 28400 on).
+LISTEN_PORTS = range(12000, 26000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(500):
+        port = random.randrange(LISTEN_PORTS.start, LISTEN_PORTS.stop)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {LISTEN_PORTS}")
 
 
 def free_port_pair() -> int:

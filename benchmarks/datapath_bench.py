@@ -89,11 +89,9 @@ SCHEMA = "kvpersist-datapath/2"
 SHAPE = "(2,64,16,8,128):float16:32"  # 128 KiB per token, 32 MiB per 256-token chunk
 SHAPE_PINS = {"numKVHeads": 8, "headSize": 128, "kvCacheDtype": "float16"}  # the same geometry as pins
 CHUNK_BYTES = 32 * 2**20
-TOKENS_PER_SEQ = 1024  # 4 chunks per request (--request-tokens)
-CHUNKS_PER_SEQ = TOKENS_PER_SEQ // 256
 BATCH_CHUNKS = 8  # stored at once, 256 MiB: with their serde copies, within the free room of a 3 GiB L1
-BATCH_SEQS = max(1, BATCH_CHUNKS // CHUNKS_PER_SEQ)
-EXTRA = ("--shape", SHAPE, "--num-blocks", "64", "--num-tokens", str(TOKENS_PER_SEQ))
+TOKENS_PER_SEQ = CHUNKS_PER_SEQ = BATCH_SEQS = 0  # set by request_tokens, below
+EXTRA: tuple[str, ...] = ()
 
 
 def request_tokens(tokens: int) -> None:
@@ -104,6 +102,9 @@ def request_tokens(tokens: int) -> None:
     BATCH_SEQS = max(1, BATCH_CHUNKS // CHUNKS_PER_SEQ)
     shape = SHAPE.replace("(2,64,", f"(2,{tokens // 16},")  # the driver's paged buffer holds one request
     EXTRA = ("--shape", shape, "--num-blocks", str(tokens // 16), "--num-tokens", str(tokens))
+
+
+request_tokens(1024)  # 4 chunks per request, unless --request-tokens says otherwise
 
 
 MODES = ("aesgcm", "lmcache-aesgcm", "plain", "unchecked")

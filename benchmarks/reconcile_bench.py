@@ -60,7 +60,7 @@ from tests.e2e.kube import LOCALCLUSTER, Kubectl, bin_dir, wait_for  # noqa: E40
 from tests.e2e.operator_env import RunnerThread, in_pod, on_real_node  # noqa: E402
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub  # noqa: E402
 
-from kubelet_runner import Runner  # noqa: E402
+from kubelet_runner import CLUSTER_DOMAIN, Runner  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -116,7 +116,7 @@ class Operator:
         with log.open("ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, "KUBECONFIG": str(kubeconfig),
-                                              "KVPERSIST_CLUSTER_DOMAIN": "cluster.local", **(env or {})})
+                                              "KVPERSIST_CLUSTER_DOMAIN": CLUSTER_DOMAIN, **(env or {})})
         self.peak_rss_kib = 0
         self._halt = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()

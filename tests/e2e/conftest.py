@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.kube import CLUSTER_KINDS, LOCALCLUSTER, REPO, Kubectl, bin_dir, delete_and_wait_gone, names_of, wait_for
-from tests.e2e.operator_env import start_operator, stop
+from tests.e2e.operator_env import CLUSTER_DOMAIN, start_operator, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 # No pod here has cluster DNS (the runner writes hosts files under cluster.local), so the operators
 # are told the cluster's domain instead of reading their resolver's (kvpersist.controller.policy).
-os.environ.setdefault("KVPERSIST_CLUSTER_DOMAIN", "cluster.local")
+os.environ.setdefault("KVPERSIST_CLUSTER_DOMAIN", CLUSTER_DOMAIN)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from tests.e2e.kube import REPO, Kubectl, wait_for
 from tests.integration.kvdriver import SHAPE_PINS
 
 sys.path.insert(0, str(REPO / "hack"))
-from kubelet_runner import REAL_NODE, SECOND_NODE, Runner, pod_loopback
+from kubelet_runner import CLUSTER_DOMAIN, REAL_NODE, SECOND_NODE, Runner, pod_loopback  # noqa: F401  (CLUSTER_DOMAIN: for conftest)
 
 # lmcache's admin port as the operator renders it for the default spec.lmcacheServer.port.
 ADMIN_PORT = LMCacheServer().http_port

@@ -35,9 +35,16 @@ network would do, and nothing else, is mapped:
   - a container that exits is restarted (restartPolicy Always) and counted in restartCount.
 Containers whose command is `vllm` run the real vLLM (CPU build, --vllm) when the pod's model
 and revision are in --hf-home; otherwise they are SIMULATED: no process, Ready at once, and the
-pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not run. Nor is a
-container's securityContext applied (user, capabilities, read-only root): processes run as the
-runner's user.
+pod is annotated `kvpersist.dev/simulated` saying why. Liveness probes are not run.
+Of a container's securityContext only readOnlyRootFilesystem is applied: in the container's mount
+namespace `/` is remounted read-only, its emptyDir volumes are folders of the pod's bound at their
+mountPaths (the mount point made on this machine where it is missing, as a runtime makes it in the
+image's root), and the runner's own folders (claims, Secrets, termination messages), the shared
+folder and the model cache stay writable, as the volumes they stand for. A memory emptyDir at
+/dev/shm keeps this machine's /dev/shm. A STAND-IN for the Hub (none here): an emptyDir that the
+vLLM container's HF_HOME, HF_HUB_CACHE or HUGGINGFACE_HUB_CACHE names is this machine's model
+cache (--hf-home, or its hub folder), as if vLLM had downloaded the model into it. The user,
+group and capabilities are not applied: processes run as the runner's user.
 
     python3 hack/kubelet_runner.py --namespace default [--node real-gpu-1] [--shared-dir DIR]
                                    [--vllm PATH --hf-home DIR] [--once]
@@ -49,6 +56,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +80,27 @@ RESTART_BACKOFF_S = 2.0
 # What the vLLM CPU image would set in its own environment (see ../shared/context/real-vllm-cpu.md).
 VLLM_IMAGE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                   "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+# Run by `unshare -m` before the container's program (Runner.mounts gives its settings as argv[1]):
+# the pod's /etc/hosts; each emptyDir and kept folder opened first and bound from its descriptor
+# (an emptyDir at /tmp would hide a folder under /tmp before it is bound); then `/` read-only.
+MOUNTS_SCRIPT = """
+import json, os, subprocess, sys
+spec, argv = json.loads(sys.argv[1]), sys.argv[2:]
+def mount(*args, fds=()):
+    subprocess.run(["mount", *args], check=True, pass_fds=fds)
+mount("--bind", spec["hosts"], "/etc/hosts")
+fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in [*spec["keep"], *(s for s, _ in spec["binds"])]}
+for source, target in [*spec["binds"], *((k, k) for k in spec["keep"])]:
+    os.makedirs(target, exist_ok=True)
+    mount("--no-canonicalize", "--bind", "/proc/self/fd/%d" % fds[source], target, fds=(fds[source],))
+if spec["readOnly"]:
+    mount("-o", "remount,ro,bind", "/")
+for fd in fds.values():
+    os.close(fd)
+os.execvpe(argv[0], argv, os.environ)
+"""
 
 
 def program(container: dict) -> str:
@@ -110,6 +139,13 @@ def localize_args(args: list[str], mounts: dict[str, Path], host: str, max_l1_gb
             arg = str(max_l1_gb)
         out.append(host if arg == "0.0.0.0" else arg)
     return out
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of an argument: `$(NAME)` becomes the variable's value where the
+    container defines it (else stays as written), `$$` a `$`."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -388,6 +424,30 @@ class Runner:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def empty_dir(self, pod: dict, volume: str) -> Path:
+        """An emptyDir's folder: the pod's, kept across its containers' restarts like a kubelet's."""
+        path = self.workdir / "emptydirs" / pod["metadata"]["uid"] / volume
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def mounts(self, pod: dict, container: dict, hosts: Path, env: dict[str, str]) -> dict[str, object]:
+        """What MOUNTS_SCRIPT sets up in the container's mount namespace (the class docstring)."""
+        empty = {v["name"]: v["emptyDir"] for v in pod["spec"].get("volumes", []) if "emptyDir" in v}
+        caches = {}
+        if program(container) == "vllm" and self.hf_home:  # the Hub's stand-in: this machine's model cache
+            caches = {env.get("HF_HOME"): self.hf_home, env.get("HF_HUB_CACHE"): self.hf_home / "hub",
+                      env.get("HUGGINGFACE_HUB_CACHE"): self.hf_home / "hub"}
+        binds = []
+        for m in container.get("volumeMounts", []):
+            source = empty.get(m["name"])
+            if source is None or (m["mountPath"] == "/dev/shm" and source.get("medium") == "Memory"):
+                continue
+            folder = caches.get(m["mountPath"]) or self.empty_dir(pod, m["name"])
+            binds.append([str(folder), m["mountPath"]])
+        keep = [str(p) for p in (self.workdir, self.shared_dir, self.hf_home) if p is not None]
+        read_only = bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))
+        return {"hosts": str(hosts), "binds": binds, "keep": keep, "readOnly": read_only}
+
     def termination_file(self, key: str) -> Path:
         """Where a container's run leaves its termination message (key: "<pod uid>/<container>")."""
         path = self.workdir / "termination" / key
@@ -451,9 +511,13 @@ class Runner:
         command = localize_args(spec["exec"]["command"], {}, pod["status"]["podIP"], loopback=pod_loopback(pod["status"]["podIP"]))
         return Probe(spec, exec_argv=[self.local(command[0]), *command[1:]], env=env)
 
-    def argv(self, pod: dict, container: dict | None = None) -> list[str]:
-        """A container's command line as a kubelet would run it, with its L2 mount mapped."""
+    def argv(self, pod: dict, container: dict | None = None, env: dict[str, str] | None = None) -> list[str]:
+        """A container's command line as a kubelet would run it: `$(VAR)` of its env expanded, its
+        L2 mount mapped."""
         container = container or pod["spec"]["containers"][0]
+        if env is not None:  # only what the container itself defines, as a kubelet does
+            own = {k: v for k, v in env.items() if any(e["name"] == k for e in container.get("env", []))}
+            container = {**container, "args": [expand(a, own) for a in container.get("args", [])]}
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
                   for v in pod["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: self.volume_dir(claims[m["name"]]) for m in container.get("volumeMounts", [])
@@ -477,6 +541,8 @@ class Runner:
         if not self.vllm:
             return "vLLM: no vLLM build given to this runner"
         args = container.get("args", [])
+        if container.get("command") == ["vllm", "serve"]:  # llm-d's chart: the model first in args
+            args = ["serve", *args]
         model = args[1] if len(args) > 1 and args[0] == "serve" else ""
         revision = flag_value(args, "--revision") or "main"
         snapshot = (self.hf_home or Path("/nonexistent")) / "hub" / f"models--{model.replace('/', '--')}" / "snapshots" / revision
@@ -486,9 +552,11 @@ class Runner:
         name = pod["metadata"]["name"]
         log = self.workdir / "logs" / f"{self.namespace}-{name}-{spec['name']}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        # The pod's own /etc/hosts, in a private mount namespace, like a kubelet's per-pod file.
-        wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+        # The pod's own /etc/hosts, and its volumes under a read-only root, in a private mount
+        # namespace, like a kubelet's per-pod file and a runtime's container root.
         env = self._env(spec, pod)
+        wrap = ["unshare", "-m", "--propagation", "private", sys.executable, "-c", MOUNTS_SCRIPT,
+                json.dumps(self.mounts(pod, spec, hosts, env))]
         if any("persistentVolumeClaim" in v for v in pod["spec"].get("volumes", [])):  # which of its claims are shared
             self.claim_modes = {c["metadata"]["name"]: c["spec"].get("accessModes") or []
                                 for c in self._read("persistentvolumeclaims")["items"]}
@@ -496,7 +564,7 @@ class Runner:
         termination.unlink(missing_ok=True)  # each run starts without a message, as under a kubelet
         env[TERMINATION_LOG_ENV] = str(termination)
         with log.open("ab") as out:
-            proc = subprocess.Popen([*wrap, *self.argv(pod, spec)], env=env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*wrap, *self.argv(pod, spec, env)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         c = self.containers[key]
         c.proc, c.started, c.startup_done = proc, time.monotonic(), "startupProbe" not in spec
@@ -514,6 +582,9 @@ class Runner:
                 and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")}
         for key in [k for k in self.containers if k.split("/")[0] not in live]:
             self.stop(key)
+        for folder in (self.workdir / "emptydirs").glob("*"):  # a pod's emptyDirs go with it
+            if folder.name not in live and not any(k.startswith(folder.name + "/") for k in self.containers):
+                shutil.rmtree(folder, ignore_errors=True)
         for uid in [u for u in self.reported if u not in live]:
             self.reported.pop(uid)
         hosts_text = hosts_file(pods, services, self.node)

@@ -11,11 +11,13 @@ deleted: tests/e2e/test_attach_vllm.py.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 from kvpersist.builders.target import NAMESPACE_ID_LABEL
 from tests.e2e.kube import REPO, Kubectl, wait_for
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.e2e
 
 ATTACH_POLICY = REPO / "config" / "attach" / "attach.yaml"
 LABEL = "kvpersist.dev/attach"
+DATA = REPO / "tests" / "e2e" / "data"
+KSERVE_POD = DATA / "kserve-0.18-llminferenceservice-pod.yaml"  # constructed from KServe's template and merge
+LLM_D_POD = DATA / "llm-d-modelservice-decode-pod.yaml"  # rendered by helm from llm-d's chart
+ROUTING_SIDECAR = "ghcr.io/llm-d/llm-d-routing-sidecar@sha256:" + "5e" * 32
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,23 @@ def user_pod(ns: str, name: str, container: dict[str, Any], labels: dict[str, st
             "metadata": {"name": name, "namespace": ns, "labels": {LABEL: NAME} if labels is None else labels},
             "spec": {"containers": [container], "nodeSelector": {"kubernetes.io/hostname": REAL_NODE},
                      "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}]}}
+
+
+def stack_pod(path: Any, ns: str, name: str, attach: dict[str, Any], image: str, *extra: str) -> dict[str, Any]:
+    """A pod as KServe or llm-d makes it (tests/e2e/data), with this resource's name, image and pins:
+    llm-d's chart writes `vllm serve` and the model first, KServe's merge takes the user's args."""
+    pod = yaml.safe_load(path.read_text())
+    pod["metadata"].update(name=name, namespace=ns)
+    pod["metadata"]["labels"][LABEL] = NAME
+    c = pod["spec"]["containers"][0]
+    pins = [x for p in attach["pins"] for x in (p["flag"], p["value"])]
+    c["image"] = image
+    c["args"] = [*(["serve"] if c["command"] == ["vllm"] else []), attach["model"], *pins, *extra]
+    for init in pod["spec"].get("initContainers", []):
+        init["image"] = ROUTING_SIDECAR
+    pod["spec"].update(nodeSelector={"kubernetes.io/hostname": REAL_NODE},
+                       tolerations=[{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}])
+    return pod
 
 
 def dry_run(kubectl: Kubectl, pod: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -248,6 +271,46 @@ def test_vllm_serve_as_the_command_is_attached_as_llm_d_writes_it(kubectl: Kubec
     assert stored["spec"]["containers"][0]["args"] == [*c["args"], *attach["args"]]
     other = {**c, "args": ["other/model", *c["args"][1:]]}
     assert "must start with serve " + attach["model"] in _refusal(kubectl, user_pod(ns, "llm-d-1", other))
+
+
+def test_pods_as_kserve_and_llm_d_make_them_are_attached(kubectl: Kubectl, env: dict) -> None:
+    """Issue 57: KServe 0.18's pod (main container, its HOME, HF_HUB_CACHE on an emptyDir of its own,
+    /dev/shm) and llm-d's decode pod (`vllm serve`, HF_HOME on an emptyDir, the routing proxy as a
+    native sidecar, listed by digest) get the connection and nothing of theirs changes."""
+    ns, attach, image = env["env"].ns, env["attach"], env["obj"]["spec"]["image"]
+    kserve = stack_pod(KSERVE_POD, ns, "kserve-0", attach, image, "--port", "8000")
+    stored, error = dry_run(kubectl, kserve)
+    assert stored is not None, error
+    c = stored["spec"]["containers"][0]
+    assert c["args"] == [*kserve["spec"]["containers"][0]["args"], *attach["args"]]
+    assert c["env"] == [*kserve["spec"]["containers"][0]["env"], *attach["env"]]
+    assert c["securityContext"] == kserve["spec"]["containers"][0]["securityContext"]
+    assert not any(v["name"] == "kvpersist-dshm" for v in stored["spec"]["volumes"])  # KServe mounts its own
+    llm_d = stack_pod(LLM_D_POD, ns, "llm-d-decode-0", attach, image, "--port", "8200",
+                      "--served-model-name", attach["model"])
+    assert "routing-proxy (" in _refusal(kubectl, llm_d)  # until the resource lists its image
+    kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=merge", "-p",
+                json.dumps({"spec": {"vllm": {"attachedContainers": [ROUTING_SIDECAR]}}}))
+    try:
+        stored = wait_for("llm-d's decode pod admitted", lambda: dry_run(kubectl, llm_d)[0], timeout=30, interval=1,
+                          explain=lambda: dry_run(kubectl, llm_d)[1])
+        c = stored["spec"]["containers"][0]
+        assert c["command"] == ["vllm", "serve"] and c["args"] == [*llm_d["spec"]["containers"][0]["args"], *attach["args"]]
+        assert stored["spec"]["initContainers"][0]["image"] == ROUTING_SIDECAR
+        assert {"name": "kvpersist-dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]  # the chart mounts none
+        # The model cache where another container can write it (the proxy mounting it too), or on a
+        # claim (not empty at start), or beside the volume's path, is a seeded cache: refused.
+        shared = copy.deepcopy(llm_d)
+        shared["spec"]["initContainers"][0]["volumeMounts"] = [{"name": "model-storage", "mountPath": "/seed"}]
+        claim = copy.deepcopy(llm_d)
+        claim["spec"]["volumes"][1] = {"name": "model-storage", "persistentVolumeClaim": {"claimName": "weights"}}
+        elsewhere = copy.deepcopy(llm_d)
+        elsewhere["spec"]["containers"][0]["env"][3]["value"] = "/model-cache/sub"
+        for pod in (shared, claim, elsewhere):
+            assert "HF_HOME refused" in _refusal(kubectl, pod)
+    finally:
+        kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/vllm/attachedContainers"}]))
 
 
 def test_a_managed_resource_takes_no_attached_pod(kubectl: Kubectl, env: dict) -> None:

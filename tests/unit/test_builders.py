@@ -433,8 +433,9 @@ def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
                             "key_fingerprint": KEY_FINGERPRINT, "namespace_id": t.namespace_id}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)
+    # 0440: the non-root server reads it through the pod's fsGroup (data_plane_security_context).
     assert key["secret"] == {"secretName": f"{t.name}-l2-key", "items": [{"key": "master-key", "path": L2_KEY_FILE}],
-                             "defaultMode": 0o400}
+                             "defaultMode": 0o440}
     server = pod["containers"][0]
     assert {"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True} in server["volumeMounts"]
     assert all(m["name"] != L2_KEY_VOLUME for c in pod["containers"][1:] for m in c.get("volumeMounts", []))
@@ -534,15 +535,16 @@ def test_every_container_of_every_pod_is_least_privileged(t: Target) -> None:
             assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
             assert "add" not in sc["capabilities"], c["name"]
             assert "privileged" not in sc, c["name"]
-            # Read-only root everywhere but vLLM (its caches and model download; docs/security.md).
-            assert sc["readOnlyRootFilesystem"] is (c["name"] != "vllm"), c["name"]
+            # Read-only root and non-root everywhere: vLLM's caches and model download go to emptyDirs.
+            assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True, c["name"]
             assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes) | claims, c["name"]
 
 
 def test_lmcache_server_writes_only_to_its_volumes() -> None:
     """Read-only root: /tmp is an emptyDir and numba's kernel cache goes there (without it
     lmcache 0.5.6 falls back to CLI-only mode and `lmcache server` exits)."""
-    from kvpersist.builders.lmcache import NUMBA_CACHE_DIR, TMP_PATH, TMP_VOLUME
+    from kvpersist.builders.lmcache import NUMBA_CACHE_DIR
+    from kvpersist.builders.security import TMP_PATH, TMP_VOLUME
 
     pod = build_lmcache_statefulset(target(), "img:1")["spec"]["template"]["spec"]
     server = pod["containers"][0]
@@ -556,10 +558,12 @@ def test_lmcache_server_writes_only_to_its_volumes() -> None:
 
 
 @pytest.mark.parametrize("name", ["nvme-minimal", "hf-bucket"])
-def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_their_image(name: str) -> None:
-    """The agent reads and deletes what the root lmcache server wrote through the pod's fsGroup
-    (measured: docs/security.md): non-root, no capability. lmcache and vLLM set no user: the
-    images' own (root) applies (vLLM's shared-memory KV is 0600 of its uid)."""
+def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_vllms_uid(name: str) -> None:
+    """The agent reads and deletes what the lmcache server wrote through the pod's fsGroup
+    (measured: docs/security.md): non-root, no capability. lmcache and vLLM run as one non-root uid
+    (vLLM's shared-memory KV is 0600 of its uid), the server in the data group, each with HOME and
+    /tmp as emptyDirs under a read-only root."""
+    from kvpersist.builders.security import DATA_PLANE_HOME, DATA_PLANE_USER
     pod = build_lmcache_statefulset(target(name), "img:1")["spec"]["template"]["spec"]
     server, agent = pod["containers"]
     sc = agent["securityContext"]
@@ -567,9 +571,15 @@ def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_the
     assert pod["securityContext"]["fsGroup"] == 2000 and pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     token = next(v for v in pod["volumes"] if v["name"] == "agent-token")["secret"]
     assert token["defaultMode"] == 0o440  # the agent reads it as a member of the pod's group
-    assert "runAsUser" not in server["securityContext"] and "runAsUser" not in pod["securityContext"]
     vllm = build_vllm_deployment(target())["spec"]["template"]["spec"]
-    assert "runAsUser" not in vllm["containers"][0]["securityContext"] and "fsGroup" not in vllm["securityContext"]
+    assert (server["securityContext"]["runAsUser"], server["securityContext"]["runAsGroup"]) == (DATA_PLANE_USER, 2000)
+    assert vllm["containers"][0]["securityContext"]["runAsUser"] == DATA_PLANE_USER and "fsGroup" not in vllm["securityContext"]
+    for spec in (pod, vllm):
+        c = spec["containers"][0]
+        assert {"name": "HOME", "value": DATA_PLANE_HOME} in c["env"]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert all("emptyDir" in volumes[mounts[path]] for path in (DATA_PLANE_HOME, "/tmp")), mounts
 
 
 def test_a_users_claim_is_never_re_owned_by_the_pods_fs_group() -> None:

@@ -275,7 +275,7 @@ def test_pods_refused_by_pod_security_say_so_with_the_fix() -> None:
         c = by_type[type_]
         assert (c["status"], c["reason"]) == ("False", "PodsForbidden"), c
         assert 'violates PodSecurity "restricted:latest"' in c["message"] and "runAsNonRoot" in c["message"]
-        assert "pod-security.kubernetes.io/enforce=baseline" in c["message"] and "docs/security.md" in c["message"]
+        assert "meet the restricted Pod Security level" in c["message"] and "docs/security.md" in c["message"]
         assert "privileged" not in c["message"] and "hostIPC" not in c["message"]
     # The root cause leads Ready, not the claim that waits for a pod to be scheduled.
     assert by_type["L2Ready"]["reason"] == "ClaimPending"

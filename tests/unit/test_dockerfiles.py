@@ -74,3 +74,15 @@ def test_the_recipe_builds_what_the_samples_declare() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {f"vllm=={vllm}", f"lmcache=={lmcache}"} <= set(extras["contract"])
     assert f"lmcache=={lmcache}" in extras["datapath"]
+
+
+def test_the_image_runs_as_the_uid_and_home_the_pods_give_it() -> None:
+    """The recipe's numeric non-root USER (KServe's runAsNonRoot checks a number) and HOME are the
+    operator's DATA_PLANE_USER and DATA_PLANE_HOME (its emptyDir), and USER comes last."""
+    from kvpersist.builders.security import DATA_PLANE_HOME, DATA_PLANE_USER
+
+    text = RECIPE.read_text()
+    assert build_args(text)["KVPERSIST_UID"] == str(DATA_PLANE_USER)
+    assert f"--home-dir {DATA_PLANE_HOME} " in text and f"ENV HOME={DATA_PLANE_HOME}\n" in text
+    instructions = [line.split()[0] for line in text.splitlines() if line and not line.startswith(("#", " "))]
+    assert instructions[-1] == "USER" and "USER ${KVPERSIST_UID}:${KVPERSIST_UID}" in text

@@ -154,6 +154,7 @@ def test_vllm_is_real_only_with_build_and_cached_model(tmp_path: Path) -> None:
     assert "not in this machine's cache" in runner.why_simulated(container)
     (tmp_path / "hf" / "hub" / "models--org--m" / "snapshots" / ("a" * 40)).mkdir(parents=True)
     assert runner.why_simulated(container) == ""
+    assert runner.why_simulated({"command": ["vllm", "serve"], "args": args[1:]}) == ""  # as llm-d writes it
     assert runner.why_simulated({"command": ["lmcache"], "args": []}) == ""
     assert flag_value(["--revision=abc"], "--revision") == "abc" and flag_value(args, "--port") == "8000"
 
@@ -184,7 +185,7 @@ def test_secret_volume_becomes_files_and_its_path_is_mapped(tmp_path: Path, monk
     adapter = json.loads(argv[argv.index("--l2-adapter") + 1])
     key_file = Path(adapter["serde"]["master_key_path"])
     assert key_file.name == L2_KEY_FILE and key_file.is_relative_to(tmp_path) and key_file.read_bytes() == key
-    assert key_file.stat().st_mode & 0o777 == 0o400
+    assert key_file.stat().st_mode & 0o777 == 0o440
     assert adapter["base_path"].startswith(str(tmp_path))  # fs_native's folder
 
 
@@ -310,3 +311,30 @@ def test_node_local_service_resolves_to_the_server_on_the_pods_own_node() -> Non
         assert entry and entry[0].startswith(f"{ip}\t"), (node, entry)
     servers[1]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
     assert name not in hosts_file(servers, [local], SECOND_NODE)
+
+
+def test_emptydirs_are_bound_under_a_read_only_root_and_the_hub_cache_is_the_machines(tmp_path: Path) -> None:
+    """readOnlyRootFilesystem: `/` read-only, each emptyDir a folder of the pod's at its mountPath
+    (not a memory /dev/shm: this machine's stays), the runner's folders and the model cache kept
+    writable; the vLLM container's HF_HUB_CACHE emptyDir is the machine's hub folder (no Hub here)."""
+    hf = tmp_path / "hf"
+    runner = Runner(tmp_path / "kc", "ns", tmp_path / "work", vllm="/opt/vllm", hf_home=hf)
+    spec = {"volumes": [{"name": "home", "emptyDir": {}}, {"name": "models", "emptyDir": {}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "key", "secret": {"secretName": "s"}}],
+            "containers": [{"name": "main", "command": ["vllm"], "securityContext": {"readOnlyRootFilesystem": True},
+                            "volumeMounts": [{"name": "home", "mountPath": "/home"}, {"name": "models", "mountPath": "/models"},
+                                             {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "key", "mountPath": "/k"}]}]}
+    p = {"metadata": {"name": "p", "uid": "u1"}, "spec": spec}
+    got = runner.mounts(p, spec["containers"][0], tmp_path / "hosts", {"HF_HUB_CACHE": "/models"})
+    assert got["readOnly"] is True and got["hosts"] == str(tmp_path / "hosts")
+    assert got["binds"] == [[str(tmp_path / "work" / "emptydirs" / "u1" / "home"), "/home"], [str(hf / "hub"), "/models"]]
+    assert got["keep"] == [str(tmp_path / "work"), str(hf)]
+    plain = {**spec["containers"][0], "command": ["lmcache"], "securityContext": {}}
+    got = runner.mounts(p, plain, tmp_path / "hosts", {"HF_HUB_CACHE": "/models"})
+    assert got["readOnly"] is False and got["binds"][1] == [str(tmp_path / "work" / "emptydirs" / "u1" / "models"), "/models"]
+
+
+def test_args_expand_the_containers_own_variables_as_a_kubelet_does() -> None:
+    env = {"KVPERSIST_POD_IP": "127.16.0.9", "PATH": "/bin"}
+    assert kubelet_runner.expand('{"topic":"kv@$(KVPERSIST_POD_IP):8000@m"}', env) == '{"topic":"kv@127.16.0.9:8000@m"}'
+    assert kubelet_runner.expand("$(UNSET) $$(KVPERSIST_POD_IP) $(PATH)", env) == "$(UNSET) $(KVPERSIST_POD_IP) /bin"

@@ -160,3 +160,31 @@ def test_the_servers_keep_their_event_log_unless_the_build_moves_kv_engine_drive
     assert worker_sourced_kv_events(t) is log_off
     assert (args[args.index("--kv-event-log-size") + 1] == "0") if log_off else "--kv-event-log-size" not in args
     assert _target(_build(build), _events(enabled=events)).namespace_id == _target(_build(build)).namespace_id
+
+
+def test_the_llm_d_topic_names_the_pod_as_its_scorer_reads_it() -> None:
+    """topicFormat LLMD: `kv@<pod IP>:<port>@<served model>`, which llm-d's scorer splits on `@` into
+    the pod (IP:port, as its endpoint picker keys pods) and the model (llm-d-kv-cache,
+    pkg/kvevents/engineadapter parseTopic); the IP from the downward API, expanded by the kubelet;
+    no topic annotation (it differs per pod); the namespace id unchanged; attach mode adds the same."""
+    from kvpersist.builders.attach import attach_status
+
+    plain = _target(_events(enabled=True))
+    t = _target(_events(enabled=True, topicFormat="LLMD"),
+                lambda o: o["spec"]["vllm"].update(port=8200, servedModelName="llama"))
+    assert t.namespace_id == plain.namespace_id
+    topic = _flag(vllm_args(t))["topic"]
+    assert topic == "kv@$(KVPERSIST_POD_IP):8200@llama"
+    kind, pod_id, model = topic.replace("$(KVPERSIST_POD_IP)", "10.1.2.3").split("@")
+    assert (kind, pod_id, model) == ("kv", "10.1.2.3:8200", "llama")
+    pod = _pod(t)
+    env = pod["spec"]["containers"][0]["env"]
+    assert {"name": "KVPERSIST_POD_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}} in env
+    assert KV_EVENTS_TOPIC_ANNOTATION not in pod["metadata"]["annotations"]
+    assert not any(e["name"] == "KVPERSIST_POD_IP" for e in _pod(plain)["spec"]["containers"][0]["env"])
+    attached = _target(_events(enabled=True, topicFormat="LLMD"), lambda o: o["spec"]["vllm"].update(mode="Attached"),
+                       lambda o: o["spec"].update(image=o["spec"]["image"].split("@")[0] + "@sha256:" + "a" * 64))
+    status = attach_status(dataclasses.replace(attached, routes=True))
+    assert status is not None and {"name": "KVPERSIST_POD_IP", "fieldPath": "status.podIP"} in status["env"]
+    assert json.loads(status["args"][status["args"].index("--kv-events-config") + 1])["topic"].startswith(
+        "kv@$(KVPERSIST_POD_IP):8000@")

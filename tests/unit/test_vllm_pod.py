@@ -89,7 +89,7 @@ def test_env_and_env_from_reach_the_vllm_container_after_the_operators_own() -> 
     t = _target(FIELDS["env"], FIELDS["envFrom"])
     container = _container(t)
     names = [e["name"] for e in container["env"]]
-    assert names[:2] == ["PYTHONHASHSEED", "VLLM_ENABLE_V1_MULTIPROCESSING"]
+    assert names[:3] == ["HOME", "PYTHONHASHSEED", "VLLM_ENABLE_V1_MULTIPROCESSING"]
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in container["env"]
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
     # Under a prefix the loader, Python and the runtime never read: the start script sets the allowed keys.
@@ -127,7 +127,12 @@ def test_model_cache_mounts_the_users_claim_at_hf_home() -> None:
     assert _env(t)["HF_HOME"] == {"name": "HF_HOME", "value": MODEL_CACHE_PATH}
     # The operator makes no claim for it, so it can never delete one: no PersistentVolumeClaim among its manifests.
     assert not [m for m in build_all(t) if m["kind"] == "PersistentVolumeClaim"]
-    assert "HF_HOME" not in _env(_target())
+    # Without one, the same path on an emptyDir: with HF_HUB_OFFLINE lmcache keys chunks by the model's
+    # local path, so turning modelCache on or off must not move it (every stored chunk would miss).
+    plain = build_vllm_deployment(_target())["spec"]["template"]["spec"]
+    assert _env(_target())["HF_HOME"] == {"name": "HF_HOME", "value": MODEL_CACHE_PATH}
+    assert {"name": "model-cache", "emptyDir": {}} in plain["volumes"]
+    assert {"name": "model-cache", "mountPath": MODEL_CACHE_PATH} in plain["containers"][0]["volumeMounts"]
 
 
 def test_model_cache_size_makes_an_owned_claim_the_vllm_pods_mount() -> None:
@@ -154,8 +159,15 @@ def test_model_cache_size_makes_an_owned_claim_the_vllm_pods_mount() -> None:
     # The defaults: ReadWriteOnce, the cluster's default class (no storageClassName).
     [plain_claim] = [m for m in build_all(_target(_vllm(modelCache={"size": 100}))) if m["kind"] == "PersistentVolumeClaim"]
     assert plain_claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100"}}}
-    # The other manifests are those of the same resource with the user's claim instead.
+    # The other manifests are those of the same resource with the user's claim instead, but for the
+    # pod's fsGroup: the non-root vLLM writes the claim the operator made through its group, and a
+    # user's claim is never re-owned.
     users = build_all(_target(_vllm(modelCache={"existingClaimName": name})))
+    assert pod["securityContext"]["fsGroup"] == 2000
+    for m in manifests:
+        if m["kind"] == "Deployment":
+            m["spec"]["template"]["spec"]["securityContext"].pop("fsGroup")
+            m["spec"]["template"]["spec"]["securityContext"].pop("fsGroupChangePolicy")
     assert [m for m in manifests if m is not claim] == users
 
 

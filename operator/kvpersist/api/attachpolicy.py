@@ -40,10 +40,14 @@ MAX_ARGS = 128  # CEL walks a list by index: an attached container's args are at
 # Flags an attached pod sets for itself (the operator sets them on its own pods): where it listens,
 # the name clients use, its API key. None changes the KV.
 ATTACH_OWN_FLAGS = ("--api-key", "--host", "--port", "--served-model-name")
-# Refused in spec.vllm.env only because they have a field of their own there (a Secret reference):
-# an attached pod's own business. Not the cache locations (HF_HOME, HF_HUB_CACHE, ...): huggingface_hub
-# serves a 40-hex revision from its cache without checking the files, so a seeded cache is other weights.
-ATTACH_OWN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+# Refused in spec.vllm.env only because they have a field of their own there (a Secret reference)
+# or the operator sets them on its own pods (HOME: KServe sets its own): an attached pod's own business.
+ATTACH_OWN_ENV = ("HF_TOKEN", "HOME", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+# The model cache's locations: huggingface_hub serves a 40-hex revision from its cache without
+# checking the files, so a seeded cache is other weights under the pin. Allowed only at the
+# mountPath of an emptyDir that no other container mounts (KServe's HF_HUB_CACHE=/models, llm-d's
+# HF_HOME=/model-cache): empty when the pod starts, written by vLLM alone, from the Hub.
+CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 EPHEMERAL = "ephemeralcontainers"  # pods/ephemeralcontainers (kubectl debug): refused on attached pods
 
 
@@ -117,14 +121,24 @@ def _validating_variables() -> list[dict[str, str]]:
              "+ (has(object.spec.initContainers) ? object.spec.initContainers : [])"),
         _var("refusedContainers", "variables.others.filter(c, !(has(params.spec.vllm.attachedContainers)",
              "&& c.image in params.spec.vllm.attachedContainers)).map(c, c.name + ' (' + c.image + ')')"),
+        _var("freshDirs", "!variables.found || !has(variables.cs[0].volumeMounts) || !has(object.spec.volumes) ? []",
+             ": variables.cs[0].volumeMounts.filter(m, (!has(m.subPath) || m.subPath == '')",
+             "  && object.spec.volumes.exists(v, v.name == m.name && has(v.emptyDir))",
+             "  && !variables.others.exists(c, has(c.volumeMounts) && c.volumeMounts.exists(o, o.name == m.name)))",
+             "  .map(m, m.mountPath)"),
         {"name": "env", "expression": "variables.found && has(variables.cs[0].env) ? variables.cs[0].env : []"},
-        {"name": "wrongEnv", "expression": "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,\n"
-                                           "  variables.env.filter(x, x.name == e.name).size() != 1\n"
-                                           "  || !variables.env.exists(x, x.name == e.name && has(x.value) && x.value == e.value))\n"
-                                           "  .map(e, e.name + '=' + e.value)"},
+        # Each at its value, or from its downward API field (the pod IP of llm-d's event topic).
+        _var("wrongEnv", "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,",
+             "variables.env.filter(x, x.name == e.name).size() != 1",
+             "|| !variables.env.exists(x, x.name == e.name && (has(e.fieldPath)",
+             "  ? has(x.valueFrom) && has(x.valueFrom.fieldRef) && x.valueFrom.fieldRef.fieldPath == e.fieldPath",
+             "  : has(x.value) && x.value == e.value)))",
+             ".map(e, e.name + (has(e.fieldPath) ? ' from ' + e.fieldPath : '=' + e.value))"),
         {"name": "refusedEnv", "expression": "!variables.ready ? [] : variables.env.filter(x,\n"
                                              "  !params.status.attach.env.exists(e, e.name == x.name)\n"
-                                             f"  && !({env_name_rule('x.name', ATTACH_OWN_ENV)}))\n"
+                                             f"  && !({env_name_rule('x.name', ATTACH_OWN_ENV)})\n"
+                                             f"  && !(x.name in [{', '.join(repr(n) for n in CACHE_ENV)}] && has(x.value)"
+                                             " && x.value in variables.freshDirs))\n"
                                              "  .map(x, x.name)"},
     ]
 
@@ -259,9 +273,13 @@ def _mutation() -> str:
             "    && !(params.status.attach.args[k - k % 2] in variables.c.args)\n"
             "    && !variables.c.args.exists(a, a.startsWith(params.status.attach.args[k - k % 2] + '=')))\n"
             "  .map(k, JSONPatch{op: 'add', path: variables.path + '/args/-', value: params.status.attach.args[k]})")
-    env = ("!has(variables.c.env) ? [JSONPatch{op: 'add', path: variables.path + '/env', value: params.status.attach.env}]\n"
+    # A status.attach.env entry as a container's variable: its value, or its downward API field.
+    var = ("(has(e.fieldPath) ? {'name': dyn(e.name), 'valueFrom': dyn({'fieldRef': {'apiVersion': dyn('v1'), "
+           "'fieldPath': dyn(e.fieldPath)}})} : {'name': dyn(e.name), 'value': dyn(e.value)})")
+    env = ("!has(variables.c.env) ? [JSONPatch{op: 'add', path: variables.path + '/env', "
+           f"value: params.status.attach.env.map(e, {var})}}]\n"
            "  : params.status.attach.env.filter(e, !variables.c.env.exists(x, x.name == e.name))\n"
-           "    .map(e, JSONPatch{op: 'add', path: variables.path + '/env/-', value: e})")
+           f"    .map(e, JSONPatch{{op: 'add', path: variables.path + '/env/-', value: {var}}})")
     shm = (f"has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '/dev/shm') ? []\n"
            f"  : (has(object.spec.volumes) ? [JSONPatch{{op: 'add', path: '/spec/volumes/-', value: "
            f"{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': dyn({{'medium': 'Memory'}})}}}}]\n"

@@ -677,6 +677,7 @@ ENV_REFUSED: dict[str, str] = {
     "CUDA_VISIBLE_DEVICES": _GPUS, "NVIDIA_VISIBLE_DEVICES": _GPUS, "NVIDIA_DRIVER_CAPABILITIES": _GPUS,
     "HIP_VISIBLE_DEVICES": _GPUS, "ROCR_VISIBLE_DEVICES": _GPUS,
     "PATH": _OTHER_CODE,
+    "HOME": "the operator sets it: an emptyDir, where vLLM writes its caches under a read-only root",
     "GCONV_PATH": _OTHER_CODE + " (glibc's iconv loads the shared objects it names)",
 }
 ENV_REFUSED_PREFIXES: dict[str, str] = {
@@ -811,7 +812,8 @@ class ModelCache(_Spec):
         None, max_length=253, pattern=DNS_SUBDOMAIN,
         description="An existing PersistentVolumeClaim in the resource's namespace, mounted read-write at HF_HOME "
         f"({MODEL_CACHE_PATH}) in every vLLM pod. Never deleted by the operator. With replicas > 1 on several nodes it "
-        "must be ReadWriteMany (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending).",
+        "must be ReadWriteMany (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending). vLLM runs as uid "
+        "10001 and the pod sets no fsGroup (your claim is never re-owned): its root must be writable by that uid.",
     )
     size: Quantity | None = Field(
         None, description="Instead of existingClaimName: the operator makes PersistentVolumeClaim <name>-model-cache of "
@@ -856,6 +858,11 @@ class KVEvents(_Spec):
     enabled: bool = Field(
         False, description="Publish KV events from every vLLM pod on port, topic the namespace id (docs/api.md, "
         "\"KV events\"). Only while the resource has a namespace id. Not part of the namespace id.",
+    )
+    topic_format: Literal["NamespaceId", "LLMD"] = Field(
+        "NamespaceId", description="The topic of every message: NamespaceId, the resource's namespace id; LLMD, "
+        "kv@<pod IP>:<spec.vllm.port>@<served model name>, the topic llm-d's precise prefix-cache scorer parses "
+        "(subscribed to `kv@`; the pod IP from the downward API, KVPERSIST_POD_IP).",
     )
     port: int = Field(KV_EVENTS_PORT, ge=1, le=65535,
                       description="Port of the PUB socket (container port kv-events) a subscriber connects to.")
@@ -1589,10 +1596,13 @@ class AttachPin(_Model):
 
 
 class AttachEnv(_Model):
-    """A variable the admission policy adds to an attached vLLM container, or requires at this value."""
+    """A variable the admission policy adds to an attached vLLM container, or requires at this value
+    (or from this downward API field)."""
 
     name: str = Field(max_length=128, description="Its name.")
-    value: str = Field(max_length=64, description="Its value.")
+    value: str = Field("", max_length=64, description="Its value.")
+    field_path: str | None = Field(None, max_length=64, description="Instead of value: the pod's field it comes "
+                                   "from (valueFrom.fieldRef.fieldPath, e.g. status.podIP).")
 
 
 class AttachStatus(_Model):

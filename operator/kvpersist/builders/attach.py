@@ -16,7 +16,7 @@ from typing import Any
 from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config
+from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config, kv_events_env
 from kvpersist.identity import image_digest
 
 ATTACHED = "Attached"
@@ -54,7 +54,8 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
         "pins": [{"flag": flag, "value": str(pins[attr]), "field": PIN_FIELDS[attr]}
                  for attr, flag in PIN_FLAGS if pins[attr] is not None],
         "args": args,
-        "env": [{"name": name, "value": value} for name, value in FIXED_ENV],
+        "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),
+                *({"name": name, "fieldPath": path} for name, path in kv_events_env(target))],
         "serverSelector": target.id_selector(SERVER),
     }
     if bypassed is not None:

@@ -11,7 +11,16 @@ from kvpersist import __version__
 from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
 from kvpersist.builders import buildcheck
 from kvpersist.builders.retained import retained_annotations, retained_labels
-from kvpersist.builders.security import AGENT_USER, DATA_GROUP, container_security_context, pod_security
+from kvpersist.builders.security import (
+    AGENT_USER,
+    DATA_GROUP,
+    HOME_ENV,
+    TMP_PATH,
+    container_security_context,
+    data_plane_security_context,
+    data_plane_volumes,
+    pod_security,
+)
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
     AGENT_TOKEN_MOUNT_PATH,
@@ -33,14 +42,12 @@ AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
 DEFAULT_AGENT_IMAGE = f"ghcr.io/kvpersist/kvpersist-operator:{__version__}"
 AGENT_CONTAINER = "inventory-agent"
 
-# The lmcache server's root filesystem is read-only; /tmp is its scratch (an emptyDir). numba
-# caches lmcache's kernels at import next to their source or in ~/.cache, both read-only then:
+# The lmcache server's root filesystem is read-only; /tmp and HOME are emptyDirs
+# (security.data_plane_volumes). numba caches lmcache's kernels at import next to their source or in ~/.cache:
 # without a writable NUMBA_CACHE_DIR lmcache 0.5.6 falls back to its CLI-only mode and
 # `lmcache server` exits ("unrecognized arguments"; measured with a read-only root).
 # nixl_store_dynamic's one NIXL backend the operator runs (files on the mounted claim): not a field.
 NIXL_BACKEND = "POSIX"
-TMP_VOLUME = "tmp"
-TMP_PATH = "/tmp"
 NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
 TMP_SIZE_LIMIT = "1Gi"  # measured: a few hundred KB of numba cache
 
@@ -309,6 +316,7 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 def server_container(target: Target) -> dict[str, Any]:
     srv = target.spec.lmcache_server
     env: list[dict[str, Any]] = [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
+                                 HOME_ENV,
                                  {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV,
                                  *TELEMETRY_OFF_ENV]
     bucket = target.spec.l2.hf_bucket
@@ -329,29 +337,29 @@ def server_container(target: Target) -> dict[str, Any]:
         "startupProbe": _probe(target, 1, 600),
         "readinessProbe": _probe(target, 5, 3),
         "livenessProbe": _probe(target, 10, 6),
-        # Runs as its image's user (root), without any capability: what it writes (L2 folder, /tmp)
-        # it creates and owns itself. Not non-root: vLLM's connector registers its KV in shared
-        # memory segments of mode 0600 (its own uid, root in vLLM's image); a server of another uid
-        # cannot open them (measured with lmcache 0.5.6: REGISTER_KV_CACHE, EACCES).
-        "securityContext": container_security_context(),
+        # vLLM's uid (security.DATA_PLANE_USER: it must open vLLM's 0600 shared-memory KV), in the
+        # pod's data group, which owns the L2 folder (fsGroup, or the owner of a user's claim gave it).
+        "securityContext": data_plane_security_context(DATA_GROUP),
     }
     mounts = []
     if target.spec.l2.nvme is not None:
         mounts.append({"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
     if target.key_secret is not None:
         mounts.append({"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True})
-    container["volumeMounts"] = [*mounts, {"name": TMP_VOLUME, "mountPath": TMP_PATH}]
+    container["volumeMounts"] = [*mounts, *data_plane_volumes()[1]]
     # Its lmcache must be the declared build: checked before `lmcache server` starts.
     return buildcheck.wrap(container, target, SERVER)
 
 
 def key_volume(target: Target) -> dict[str, Any] | None:
-    """The master key as one read-only file; the server fails to start (and says so) without it."""
+    """The master key as one read-only file; the server fails to start (and says so) without it.
+    The non-root server reads it as a member of the pod's fsGroup, or, on a user's claim (no
+    fsGroup: the file stays root's), as anyone in the one container that mounts it."""
     if target.key_secret is None:
         return None
     name, key = target.key_secret
     return {"name": L2_KEY_VOLUME, "secret": {"secretName": name, "items": [{"key": key, "path": L2_KEY_FILE}],
-                                              "defaultMode": 0o400}}
+                                              "defaultMode": 0o444 if users_claim_name(target) else 0o440}}
 
 
 def agent_image() -> str:
@@ -485,7 +493,7 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     one_claim = target.shared_claim or users_claim
     if one_claim:
         volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": one_claim}})
-    volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}})
+    volumes += data_plane_volumes(TMP_SIZE_LIMIT)[0]
     pod_spec["volumes"] = volumes
     if nvme is not None and not one_claim:
         claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(nvme.size)}}}

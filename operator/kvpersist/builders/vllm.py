@@ -8,7 +8,7 @@ from typing import Any
 from kvpersist.api.v1alpha1 import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
-from kvpersist.builders.security import container_security_context, pod_security
+from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security
 from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
@@ -57,11 +57,27 @@ def kv_events_config(target: Target) -> dict[str, Any] | None:
     events = target.spec.vllm.kv_events
     if not events.enabled or target.namespace_id is None:
         return None
+    topic = target.namespace_id
+    if events.topic_format == "LLMD":  # the kubelet expands the pod's IP (kv_events_env) in the argument
+        vllm = target.spec.vllm
+        topic = f"kv@$({POD_IP_ENV}):{vllm.port}@{vllm.served_model_name or target.spec.identity.model_id}"
     out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events.port}",
-                           "topic": target.namespace_id}
+                           "topic": topic}
     if events.replay_port is not None:
         out["replay_endpoint"] = f"tcp://*:{events.replay_port}"
     return out
+
+
+# llm-d's scorer knows a pod as `IP:port` and reads it from the topic (kv@<pod>@<model>): the pod's
+# IP from the downward API, which the kubelet expands where the argument names it.
+POD_IP_ENV = "KVPERSIST_POD_IP"
+POD_IP_FIELD = "status.podIP"
+
+
+def kv_events_env(target: Target) -> list[tuple[str, str]]:
+    """(name, downward API field) of the variables the events' topic names: the pod IP for LLMD."""
+    events = kv_events_config(target)
+    return [(POD_IP_ENV, POD_IP_FIELD)] if events is not None and f"$({POD_IP_ENV})" in events["topic"] else []
 
 
 def kv_events_ports(target: Target) -> list[dict[str, Any]]:
@@ -120,8 +136,12 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
     if vllm.api_key_secret_ref is not None:
         ref = vllm.api_key_secret_ref
         env.append({"name": API_KEY, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    if vllm.model_cache is not None:
-        env.append({"name": "HF_HOME", "value": MODEL_CACHE_PATH})
+    # Always the same place, the claim's (spec.vllm.modelCache) or an emptyDir: with HF_HUB_OFFLINE
+    # vLLM names the model by its local snapshot path, and lmcache keys every chunk by that name, so
+    # a cache that moved (modelCache turned on, another HOME) would leave every stored chunk a miss.
+    env.append({"name": "HF_HOME", "value": MODEL_CACHE_PATH})
+    env += [{"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+            for name, path in kv_events_env(target)]
     return env
 
 
@@ -164,18 +184,18 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "image": spec.image,
         "command": ["vllm"],
         "args": vllm_args(target),
-        "env": [*operator_env(target), *({"name": e.name, "value": e.value} for e in spec.vllm.env)],
+        "env": [HOME_ENV, *operator_env(target), *({"name": e.name, "value": e.value} for e in spec.vllm.env)],
         "ports": [{"name": "http", "containerPort": spec.vllm.port, "protocol": "TCP"}, *kv_events_ports(target)],
         "resources": vllm_resources(target),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
-                         *([{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}] if spec.vllm.model_cache else [])],
-        # No capabilities, no privilege escalation. The root filesystem stays writable: vLLM
-        # downloads the model into its Hugging Face cache and compiles kernels (torch.compile,
-        # Triton, FlashInfer) into caches under $HOME and /tmp, whose paths vary with the image and
-        # the version; an image may also ship the model in that cache (docs/security.md).
-        "securityContext": container_security_context(read_only_root=False),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *data_plane_volumes()[1],
+                         {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}],
+        # Non-root (the lmcache server's uid), no capabilities, a read-only root: vLLM downloads the
+        # model into its Hugging Face cache (HF_HOME: spec.vllm.modelCache's claim or an emptyDir) and compiles
+        # kernels (torch.compile, Triton, FlashInfer) into caches under HOME and /tmp, all emptyDirs
+        # (docs/security.md).
+        "securityContext": data_plane_security_context(),
     }
     if spec.vllm.env_from:
         container["envFrom"] = [{"prefix": ENV_FROM_PREFIX, **({"secretRef": {"name": e.secret_ref.name}} if e.secret_ref
@@ -185,12 +205,18 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         container["command"] = ["sh", "-c", env_filter(set_in_env) + buildcheck.EXEC, "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *data_plane_volumes()[0]]
     if target.model_cache_claim is not None:
         # The user's claim (never made or deleted by the operator), or the one it makes
         # (builders/modelcache.py).
         volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": target.model_cache_claim}})
-    pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes})
+    else:  # downloaded at each start, at the same path (operator_env)
+        volumes.append({"name": MODEL_CACHE_VOLUME, "emptyDir": {}})
+    # The non-root vLLM writes the model cache the operator made through the pod's group (the
+    # kubelet gives the claim to it); a user's claim is never re-owned (as for L2's).
+    made = spec.vllm.model_cache is not None and not spec.vllm.model_cache.existing_claim_name
+    pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes},
+                                            fs_group=DATA_GROUP if made else None)
     pod_spec.update(image_pull_secrets(target))
     if spec.vllm.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.vllm.runtime_class_name
@@ -209,7 +235,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     if spec.identity.chat_template_digest:
         annotations["kvpersist.dev/chat-template-digest"] = spec.identity.chat_template_digest
     events = kv_events_config(target)
-    if events is not None:  # the topic to subscribe to, for a router that watches pods
+    if events is not None and not kv_events_env(target):  # the topic to subscribe to, for a router that watches pods
         annotations[KV_EVENTS_TOPIC_ANNOTATION] = events["topic"]
     return {
         "apiVersion": "apps/v1",

@@ -144,9 +144,9 @@ FAILURE_MESSAGE_MAX = 1024
 NOT_CREATED_REASONS = ("PodsForbidden", "PodsNotCreated")
 # The pods share no host namespace (CUDA IPC through lmcache's isolated IPC: docs/security.md) and
 # so pass baseline; restricted refuses them: the lmcache server and vLLM run as root.
-POD_SECURITY_FIX = ("kvpersist's pods need the baseline Pod Security level (the lmcache server and vLLM run as root, "
-                    "which restricted forbids): label the namespace pod-security.kubernetes.io/enforce=baseline "
-                    "(see docs/security.md)")
+POD_SECURITY_FIX = ("kvpersist's pods meet the restricted Pod Security level (non-root, no capability, RuntimeDefault "
+                    "seccomp, no host namespace): an older operator made these workloads, or a policy of the cluster's "
+                    "own refuses them (see docs/security.md)")
 
 
 def pods_missing(statefulset: Mapping[str, Any] | None, desired: int) -> bool:

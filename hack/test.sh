@@ -74,7 +74,8 @@ wait "$bin_pid" || rc=$?
 cat "$SIDE/bin.log" >&2
 [ "$rc" -eq 0 ] || { echo "the cluster's binaries failed to build (exit $rc)" >&2; exit 1; }
 BIN="$(cat "$SIDE/bin.out")"  # helm too, which the unit tier's chart checks render with
-export PATH="$VENV/bin:$BIN:$PATH"
+PROMTOOL="$(bash hack/promtool.sh)"  # the alert rules' own checker (tests/unit/test_alert_rules.py)
+export PATH="$VENV/bin:$BIN:$PROMTOOL:$PATH"
 PYTEST=(env KVPERSIST_SKIPS_FAIL=1 pytest -p no:cacheprovider -rfEs --durations=15)
 took "set-up (unit's part)" "$t" ok
 

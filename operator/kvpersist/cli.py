@@ -117,23 +117,64 @@ def _attach_policy(args: argparse.Namespace) -> int:
     return _render_or_write(args, render_config, write)
 
 
-def _admin(args: argparse.Namespace) -> int:
+def cluster_problem(exc: BaseException) -> str:
+    """One line for an error on the way to the API server, naming the fix (no traceback)."""
+    import kubernetes
     from kubernetes.client.exceptions import ApiException
 
+    if isinstance(exc, ApiException):
+        return f"error: the API server answered {exc.status} {exc.reason}"
+    if isinstance(exc, kubernetes.config.ConfigException):
+        return (f"error: no cluster to ask ({str(exc).strip() or type(exc).__name__}): set KUBECONFIG or --kubeconfig "
+                "to a kubeconfig file, or --context to one of its contexts")
+    return f"error: cannot reach the API server ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
+
+
+def _cluster_errors() -> tuple[type[BaseException], ...]:
+    import kubernetes
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+
+    return (ApiException, kubernetes.config.ConfigException, urllib3.exceptions.HTTPError, OSError)
+
+
+def _admin(args: argparse.Namespace) -> int:
     from kvpersist import admin, cliflags
     from kvpersist.controller import kube
 
-    kube.load_config(args.kubeconfig, args.context)
-    namespace = cliflags.namespace_of(args)
     try:
+        kube.load_config(args.kubeconfig, args.context)
+        namespace = cliflags.namespace_of(args)
         if args.command == "status":
             return admin.cmd_status(namespace, args.output)
         if args.command == "report":
             return admin.cmd_report(namespace, args.output)
         return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
-    except ApiException as exc:
-        print(f"error: the API server answered {exc.status} {exc.reason}", file=sys.stderr)
+    except _cluster_errors() as exc:
+        print(cluster_problem(exc), file=sys.stderr)
         return 1
+
+
+# The chart's operator Deployment carries these labels (charts/kvpersist/templates/_helpers.tpl).
+OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpersist-operator"
+
+
+def operator_versions(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, str]], str | None]:
+    """(the operator Deployments the cluster runs, each its namespace, name, chart appVersion and
+    image; why none could be read, or None)."""
+    import kubernetes
+
+    from kvpersist.controller import kube
+
+    try:
+        kube.load_config(kubeconfig, context)
+        found = kubernetes.client.AppsV1Api().list_deployment_for_all_namespaces(
+            label_selector=OPERATOR_SELECTOR, _request_timeout=10)
+    except _cluster_errors() as exc:
+        return [], cluster_problem(exc).removeprefix("error: ")
+    return [{"namespace": d.metadata.namespace, "name": d.metadata.name,
+             "version": (d.metadata.labels or {}).get("app.kubernetes.io/version", "unknown"),
+             "image": d.spec.template.spec.containers[0].image} for d in found.items], None
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -141,9 +182,25 @@ def _version(args: argparse.Namespace) -> int:
     from kvpersist.api import v1alpha1 as api
     from kvpersist.inserver.lmcache_internals import TESTED_LMCACHE
 
-    data = {"kvpersist": __version__, "api": api.API_VERSION, "lmcacheTested": list(TESTED_LMCACHE)}
-    print(cliflags.emit(args.output, data, lambda _wide: (
-        f"kvpersist {__version__} (API {api.API_VERSION}; lmcache {', '.join(TESTED_LMCACHE)})")))
+    data: dict[str, object] = {"kvpersist": __version__, "api": api.API_VERSION, "lmcacheTested": list(TESTED_LMCACHE)}
+    if not args.client:
+        operators, problem = operator_versions(args.kubeconfig, args.context)
+        data["operators"] = operators
+        if problem:
+            data["operatorsUnknown"] = problem
+
+    def table(_wide: bool) -> str:
+        lines = [f"client: kvpersist {__version__} (API {api.API_VERSION}; lmcache {', '.join(TESTED_LMCACHE)})"]
+        if not args.client:
+            lines += [f"operator: {o['version']} ({o['namespace']}/{o['name']}, image {o['image']})"
+                      for o in data["operators"]]  # type: ignore[attr-defined]
+            if data.get("operatorsUnknown"):
+                lines.append(f"operator: unknown ({data['operatorsUnknown']})")
+            elif not data["operators"]:
+                lines.append(f"operator: none found (no Deployment labelled {OPERATOR_SELECTOR})")
+        return "\n".join(lines)
+
+    print(cliflags.emit(args.output, data, table))
     return 0
 
 
@@ -204,9 +261,10 @@ def _operator_parser() -> argparse.ArgumentParser:
 def user_parser() -> argparse.ArgumentParser:
     """`kvpersist`: what users and admins run (also as `kubectl kvpersist`), with kubectl's flags
     (kvpersist.cliflags); the operator's entry points are `kvpersist-operator`'s."""
-    from kvpersist import cliflags, convertcmd, pinscmd, plancmd
+    from kvpersist import __version__, cliflags, convertcmd, pinscmd, plancmd
 
     parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvpersist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("status", "a table of KVCacheNamespaces: phase, namespace id, L1/L2 usage, health, orphans"),
                         ("report", "per volume or bucket: namespaces, bytes, objects, last write, orphan or not; "
@@ -225,8 +283,11 @@ def user_parser() -> argparse.ArgumentParser:
     plancmd.add_parser(sub)
     pinscmd.add_parser(sub)
     convertcmd.add_parser(sub)
-    version = sub.add_parser("version", help="the kvpersist version, its API version and the lmcache it was tested with")
+    version = sub.add_parser("version", help="this client's version, its API version and the lmcache it was tested with, "
+                             "and the operators the cluster runs")
     cliflags.add_output_flag(version, ("table", "json", "yaml"))
+    version.add_argument("--client", action="store_true", help="this client only: ask no cluster")
+    cliflags.add_cluster_flags(version, all_namespaces=False)
     version.set_defaults(fn=_version)
     completion = sub.add_parser("completion", help="print a shell completion script: "
                                 "`source <(kvpersist completion bash)`, or zsh")

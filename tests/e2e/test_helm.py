@@ -236,3 +236,15 @@ def test_argocd_health_of_captured_statuses(installed: dict) -> None:
     stale["metadata"]["generation"] = stale["status"]["observedGeneration"] + 1
     assert argo_health(stale)[0] == "Progressing"
     assert argo_health({"metadata": {"name": "new"}})[0] == "Progressing"
+
+
+def test_kvpersist_version_finds_the_installed_operator(kubectl: Kubectl, installed: dict) -> None:
+    """`kvpersist version` on the cluster the chart was installed in: the client's version and the
+    release's operator Deployment (its appVersion label and image), as an admin sees them."""
+    out = subprocess.run([sys.executable, "-m", "kvpersist.cli", "version", "-o", "json", "--kubeconfig",
+                          str(kubectl.kubeconfig)], capture_output=True, text=True, timeout=60, check=True)
+    data = json.loads(out.stdout)
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    mine = [o for o in data["operators"] if o["namespace"] == installed["release_ns"]]
+    assert "operatorsUnknown" not in data and len(mine) == 1, data
+    assert mine[0]["version"] == chart["appVersion"] and mine[0]["image"], mine

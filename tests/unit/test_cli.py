@@ -84,13 +84,33 @@ def test_report_wide_adds_the_last_write_stamp() -> None:
     assert admin.format_report([row], 0.0, wide=True).splitlines()[1].endswith("2026-12-01T00:00:00Z")
 
 
-def test_version_prints_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_prints_text_and_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
+    """The client's version, and the operators the cluster runs or, with no cluster to ask, why not
+    in one line naming the fix; --client asks none; `kvpersist --version` too."""
     from kvpersist import __version__
 
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    assert cli.main(["version", "--client"]) == 0
+    assert capsys.readouterr().out == f"client: kvpersist {__version__} (API kvpersist.dev/v1alpha1; lmcache 0.5.6)\n"
     assert cli.main(["version"]) == 0
-    assert capsys.readouterr().out.startswith(f"kvpersist {__version__} ")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"client: kvpersist {__version__} ") and out[1].startswith("operator: unknown (no cluster to ask")
+    assert "set KUBECONFIG or --kubeconfig" in out[1] and len(out) == 2
     assert cli.main(["version", "-o", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["kvpersist"] == __version__
+    data = json.loads(capsys.readouterr().out)
+    assert data["kvpersist"] == __version__ and data["operators"] == [] and "no cluster" in data["operatorsUnknown"]
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"kvpersist {__version__}\n"
+
+
+def test_no_cluster_is_one_line_naming_the_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    assert cli.main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no cluster to ask") and "--kubeconfig" in err
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")

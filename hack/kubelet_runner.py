@@ -444,7 +444,9 @@ class Runner:
                 continue
             folder = caches.get(m["mountPath"]) or self.empty_dir(pod, m["name"])
             binds.append([str(folder), m["mountPath"]])
-        keep = [str(p) for p in (self.workdir, self.shared_dir, self.hf_home) if p is not None]
+        # Kept too: this runner's working folder, the containers' (a spawned Python child chdirs to
+        # it by name, so an emptyDir at /tmp must not hide a checkout under /tmp).
+        keep = [str(p) for p in (self.workdir, self.shared_dir, self.hf_home, Path.cwd()) if p is not None]
         read_only = bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))
         return {"hosts": str(hosts), "binds": binds, "keep": keep, "readOnly": read_only}
 

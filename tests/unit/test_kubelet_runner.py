@@ -328,7 +328,7 @@ def test_emptydirs_are_bound_under_a_read_only_root_and_the_hub_cache_is_the_mac
     got = runner.mounts(p, spec["containers"][0], tmp_path / "hosts", {"HF_HUB_CACHE": "/models"})
     assert got["readOnly"] is True and got["hosts"] == str(tmp_path / "hosts")
     assert got["binds"] == [[str(tmp_path / "work" / "emptydirs" / "u1" / "home"), "/home"], [str(hf / "hub"), "/models"]]
-    assert got["keep"] == [str(tmp_path / "work"), str(hf)]
+    assert got["keep"] == [str(tmp_path / "work"), str(hf), str(Path.cwd())]
     plain = {**spec["containers"][0], "command": ["lmcache"], "securityContext": {}}
     got = runner.mounts(p, plain, tmp_path / "hosts", {"HF_HUB_CACHE": "/models"})
     assert got["readOnly"] is False and got["binds"][1] == [str(tmp_path / "work" / "emptydirs" / "u1" / "models"), "/models"]

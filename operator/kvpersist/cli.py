@@ -117,27 +117,6 @@ def _attach_policy(args: argparse.Namespace) -> int:
     return _render_or_write(args, render_config, write)
 
 
-def cluster_problem(exc: BaseException) -> str:
-    """One line for an error on the way to the API server, naming the fix (no traceback)."""
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
-
-    if isinstance(exc, ApiException):
-        return f"error: the API server answered {exc.status} {exc.reason}"
-    if isinstance(exc, kubernetes.config.ConfigException):
-        return (f"error: no cluster to ask ({str(exc).strip() or type(exc).__name__}): set KUBECONFIG or --kubeconfig "
-                "to a kubeconfig file, or --context to one of its contexts")
-    return f"error: cannot reach the API server ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
-
-
-def _cluster_errors() -> tuple[type[BaseException], ...]:
-    import kubernetes
-    import urllib3
-    from kubernetes.client.exceptions import ApiException
-
-    return (ApiException, kubernetes.config.ConfigException, urllib3.exceptions.HTTPError, OSError)
-
-
 def _admin(args: argparse.Namespace) -> int:
     from kvpersist import admin, cliflags
     from kvpersist.controller import kube
@@ -150,31 +129,11 @@ def _admin(args: argparse.Namespace) -> int:
         if args.command == "report":
             return admin.cmd_report(namespace, args.output)
         return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
-    except _cluster_errors() as exc:
-        print(cluster_problem(exc), file=sys.stderr)
+    except Exception as exc:
+        if not admin.is_cluster_error(exc):
+            raise
+        print(admin.cluster_problem(exc), file=sys.stderr)  # one line naming the fix, no traceback
         return 1
-
-
-# The chart's operator Deployment carries these labels (charts/kvpersist/templates/_helpers.tpl).
-OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpersist-operator"
-
-
-def operator_versions(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, str]], str | None]:
-    """(the operator Deployments the cluster runs, each its namespace, name, chart appVersion and
-    image; why none could be read, or None)."""
-    import kubernetes
-
-    from kvpersist.controller import kube
-
-    try:
-        kube.load_config(kubeconfig, context)
-        found = kubernetes.client.AppsV1Api().list_deployment_for_all_namespaces(
-            label_selector=OPERATOR_SELECTOR, _request_timeout=10)
-    except _cluster_errors() as exc:
-        return [], cluster_problem(exc).removeprefix("error: ")
-    return [{"namespace": d.metadata.namespace, "name": d.metadata.name,
-             "version": (d.metadata.labels or {}).get("app.kubernetes.io/version", "unknown"),
-             "image": d.spec.template.spec.containers[0].image} for d in found.items], None
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -184,6 +143,8 @@ def _version(args: argparse.Namespace) -> int:
 
     data: dict[str, object] = {"kvpersist": __version__, "api": api.API_VERSION, "lmcacheTested": list(TESTED_LMCACHE)}
     if not args.client:
+        from kvpersist.admin import OPERATOR_SELECTOR, operator_versions
+
         operators, problem = operator_versions(args.kubeconfig, args.context)
         data["operators"] = operators
         if problem:

@@ -389,7 +389,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
             args += ["--shared-folder", "--trim-grace", str(SHARED_TRIM_GRACE_S)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
     mounts = [{"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}]
-    # Non-root, no capability: it reads and deletes what the root server wrote through the pod's
+    # Non-root, no capability: it reads and deletes what the server wrote through the pod's
     # fsGroup (DATA_GROUP; the server writes group-writable), and reads its token file the same way.
     # On a user's claim (no fsGroup) only where its owner gave the volume's root that group, setgid.
     if nvme is not None:

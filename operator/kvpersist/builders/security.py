@@ -11,7 +11,7 @@ from typing import Any
 SECCOMP_PROFILE = "RuntimeDefault"
 # The lmcache server pod's L2 data group: the pod's fsGroup, so the kubelet gives the claim (and
 # the agent's token file) to it, and the non-root agent, in that group, may list and delete what
-# the root server writes there (the server writes group-writable: umask 0002).
+# the server writes there (group-writable: umask 0002).
 DATA_GROUP = 2000
 AGENT_USER = 65532  # the conventional "nonroot" uid of distroless images
 # vLLM and the lmcache server (one image, images/vllm-lmcache: its USER) run as this uid, both: vLLM's

@@ -84,7 +84,8 @@ VLLM_IMAGE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "V
 
 # Run by `unshare -m` before the container's program (Runner.mounts gives its settings as argv[1]):
 # the pod's /etc/hosts; each emptyDir and kept folder opened first and bound from its descriptor
-# (an emptyDir at /tmp would hide a folder under /tmp before it is bound); then `/` read-only.
+# (an emptyDir at /tmp would hide a folder under /tmp before it is bound), with what is mounted
+# under it (a test's small tmpfs claim: --rbind); then `/` read-only.
 MOUNTS_SCRIPT = """
 import json, os, subprocess, sys
 spec, argv = json.loads(sys.argv[1]), sys.argv[2:]
@@ -94,7 +95,7 @@ mount("--bind", spec["hosts"], "/etc/hosts")
 fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in [*spec["keep"], *(s for s, _ in spec["binds"])]}
 for source, target in [*spec["binds"], *((k, k) for k in spec["keep"])]:
     os.makedirs(target, exist_ok=True)
-    mount("--no-canonicalize", "--bind", "/proc/self/fd/%d" % fds[source], target, fds=(fds[source],))
+    mount("--no-canonicalize", "--rbind", "/proc/self/fd/%d" % fds[source], target, fds=(fds[source],))
 if spec["readOnly"]:
     mount("-o", "remount,ro,bind", "/")
 for fd in fds.values():

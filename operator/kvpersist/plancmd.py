@@ -461,7 +461,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         kube.load_config(args.kubeconfig, args.context)
     except (kubernetes.config.ConfigException, OSError) as exc:
-        print(f"error: no cluster to ask: {exc}", file=sys.stderr)
+        from kvpersist.admin import cluster_problem
+
+        print(cluster_problem(exc), file=sys.stderr)
         return ERROR
     default_namespace = cliflags.namespace_of(args) or "default"
     plans, codes = [], []

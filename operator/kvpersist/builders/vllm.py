@@ -76,8 +76,8 @@ POD_IP_FIELD = "status.podIP"
 
 def kv_events_env(target: Target) -> list[tuple[str, str]]:
     """(name, downward API field) of the variables the events' topic names: the pod IP for LLMD."""
-    events = kv_events_config(target)
-    return [(POD_IP_ENV, POD_IP_FIELD)] if events is not None and f"$({POD_IP_ENV})" in events["topic"] else []
+    llmd = target.spec.vllm.kv_events.topic_format == "LLMD" and kv_events_config(target) is not None
+    return [(POD_IP_ENV, POD_IP_FIELD)] if llmd else []
 
 
 def kv_events_ports(target: Target) -> list[dict[str, Any]]:

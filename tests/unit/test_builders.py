@@ -443,7 +443,7 @@ def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
 
 
 def test_the_serde_names_the_key_the_id_was_computed_with(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the operator renders (controller.reading._target): the fingerprint the namespace id
+    """What the operator renders (controller.reading.target_of): the fingerprint the namespace id
     was computed with (its canonical, lower-case form) and the id, never the key; the server
     refuses to start on a key file of another fingerprint (tests/integration/test_l2_serde.py).
     Without a fingerprint there is no id and no server runs (replicas 0)."""
@@ -453,17 +453,17 @@ def test_the_serde_names_the_key_the_id_was_computed_with(monkeypatch: pytest.Mo
     monkeypatch.setattr(runtime, "CONTROLLER", Controller())
     body = sample("nvme-minimal")
     body["metadata"]["namespace"] = "ml"
-    t, _ = reading._target(body, KEY_FINGERPRINT.upper())
+    t, _ = reading.target_of(body, KEY_FINGERPRINT.upper())
     serde = l2_adapter_config(t)["serde"]
     assert t.namespace_id == resolve(t.spec.pins(KEY_FINGERPRINT)).namespace_id is not None
     assert (serde["key_fingerprint"], serde["namespace_id"]) == (KEY_FINGERPRINT, t.namespace_id)
     rendered = json.dumps(build_all(t))
     assert base64.b64encode(b"k" * 32).decode() not in rendered and ("k" * 32) not in rendered
-    unread, _ = reading._target(body, None)
+    unread, _ = reading.target_of(body, None)
     assert unread.namespace_id is None and unread.key_fingerprint is None
     assert build_lmcache_statefulset(unread)["spec"]["replicas"] == 0
-    plain, _ = reading._target({**body, "spec": {**body["spec"], "l2": {**body["spec"]["l2"], "encryption": {"enabled": False}}}},
-                               KEY_FINGERPRINT)
+    plain, _ = reading.target_of({**body, "spec": {**body["spec"], "l2": {**body["spec"]["l2"], "encryption": {"enabled": False}}}},
+                                 KEY_FINGERPRINT)
     assert plain.namespace_id is not None and plain.key_fingerprint is None
     assert l2_adapter_config(plain)["serde"] == {"type": CHECKED_TYPE, "max_workers": 2, "namespace_id": plain.namespace_id}
 

@@ -85,7 +85,7 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
     key = ("ml", body["metadata"]["name"])
-    target, _ = reading._target(body)
+    target, _ = reading.target_of(body)
 
     # Seen by a watch event; applied, and the apply failed (to be retried); refreshed twice.
     asyncio.run(tracking.track(event={"type": "ADDED"}, body=body, logger=LOG))
@@ -112,7 +112,7 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
                   "CONTROLLER.hits", "kvpersist.controller.metrics._phases", "kvpersist.controller.metrics._resources"):
         assert any(path.startswith(place) for path in held), (place, held)
 
-    tracking._forget(key)
+    tracking.forget(key)
     assert _holding(_roots(), key) == []
     assert runtime.CONTROLLER.get(key) is None
 
@@ -168,19 +168,19 @@ def test_a_refresh_running_when_its_resource_is_deleted_leaves_nothing(monkeypat
     body = sample("nvme-minimal")
     body["metadata"].update(namespace="ml", uid="u2", generation=1)
     key = ("ml", body["metadata"]["name"])
-    target, _ = reading._target(body)
+    target, _ = reading.target_of(body)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")], live_ids=frozenset({target.namespace_id or ""}))
     entered, release = threading.Event(), threading.Event()
-    refusal = refresh._refusal
+    refusal = refresh.policy_refusal_of
 
     def slow_refusal(t: Any) -> Any:  # early in refresh_status, before it observes and writes
         entered.set()
         assert release.wait(10), "never released"
         return refusal(t)
 
-    monkeypatch.setattr(refresh, "_refusal", slow_refusal)
+    monkeypatch.setattr(refresh, "policy_refusal_of", slow_refusal)
 
     async def scene() -> None:
         await tracking.track(event={"type": "ADDED"}, body=body, logger=LOG)

@@ -15,7 +15,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import agents, bucketcheck, kube
+from kvpersist.controller import agents, bucketcheck, inuse, kube
 from kvpersist.controller import gc as controller_gc
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory import bucket as inventory_bucket
@@ -120,19 +120,19 @@ def test_an_unreadable_api_server_refuses_and_names_the_permission(monkeypatch: 
 def test_refusal_now_sees_pods_and_resources_by_spec() -> None:
     current = "kvp-" + "a" * 32
     pod = {"metadata": {"name": "p", "namespace": "x", "labels": {"kvpersist.dev/namespace-id": ORPHAN}}}
-    assert "pod x/p" in cleanup.refusal_now(ORPHAN, current, [], [pod])
+    assert "pod x/p" in inuse.refusal_now(ORPHAN, current, [], [pod])
     body = _body()
     fp = key_fingerprint(b"k" * 32)
     nsid = resolve(KVCacheNamespace.model_validate(body).spec.pins(fp)).namespace_id
     # The spec's id needs its L2 key: read for a resource whose status records none, ...
-    assert nsid and "KVCacheNamespace ml/" in cleanup.refusal_now(nsid, current, [body], [], fingerprint=lambda r: fp)
-    assert cleanup.refusal_now(nsid, current, [body], []) is None  # (without the key: another namespace, if any)
+    assert nsid and "KVCacheNamespace ml/" in inuse.refusal_now(nsid, current, [body], [], fingerprint=lambda r: fp)
+    assert inuse.refusal_now(nsid, current, [body], []) is None  # (without the key: another namespace, if any)
     # ... else the fingerprint status records for the same Secret; and one waiting for its key holds its namespace.
     recorded = {**body, "status": {"l2Key": {"secret": "llama31-8b-l2-key", "fingerprint": fp}}}
-    assert "KVCacheNamespace ml/" in cleanup.refusal_now(nsid, current, [recorded], [])
+    assert "KVCacheNamespace ml/" in inuse.refusal_now(nsid, current, [recorded], [])
     waiting = {**body, "status": {"l2Key": {"secret": "llama31-8b-l2-key", "fingerprint": fp, "namespaceId": ORPHAN}}}
-    assert "waiting for the L2 key" in cleanup.refusal_now(ORPHAN, current, [waiting], [])
-    assert cleanup.refusal_now(ORPHAN, ORPHAN, [], []) and cleanup.refusal_now(ORPHAN, current, [], []) is None
+    assert "waiting for the L2 key" in inuse.refusal_now(ORPHAN, current, [waiting], [])
+    assert inuse.refusal_now(ORPHAN, ORPHAN, [], []) and inuse.refusal_now(ORPHAN, current, [], []) is None
 
 
 # ------------------------------------------------------------------ buckets

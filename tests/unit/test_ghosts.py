@@ -45,4 +45,4 @@ def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, erro
         assert (KEY not in runtime.CONTROLLER.flagged("dirty")) is forgotten
         assert asked == ([KEY] if isinstance(error, ApiException) and error.status == 404 else [])
     finally:
-        tracking._forget(KEY)
+        tracking.forget(KEY)

@@ -209,7 +209,7 @@ def test_hub_deadline_bounds_calls_without_the_extension(calls: Callable[..., tu
     from huggingface_hub.utils import get_session
 
     monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", 30.0)
-    hfbucket._bound_hub_client()
+    hfbucket.bound_hub_client()
 
     def inside(seconds: float) -> Any:
         with hfbucket.hub_deadline(time.monotonic() + seconds):
@@ -243,7 +243,7 @@ def test_a_trace_callback_of_the_caller_still_runs(calls: Callable[..., tuple[di
     from huggingface_hub.utils import get_session
 
     seen: list[str] = []
-    hfbucket._bound_hub_client()
+    hfbucket.bound_hub_client()
     with HubStub(existing={BID}) as hub:
         box, _ = calls(lambda: get_session().get(f"{hub.url}/api/buckets/{BID}", headers={"Authorization": f"Bearer {GOOD_TOKEN}"},
                                                  extensions={"trace": lambda name, _info: seen.append(name)}))

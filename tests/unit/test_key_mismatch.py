@@ -138,7 +138,7 @@ def test_a_refresh_round_says_l2keymismatch_once_naming_the_secret(monkeypatch: 
     monkeypatch.setattr(kube, "post_event", lambda body, t, reason, message: events.append((t, reason, message)))
     body = copy.deepcopy(sample("nvme-minimal"))
     body["metadata"].update(namespace="ml", uid="u1", generation=1, annotations={})
-    target, _ = reading._target(body, OLD_FP)
+    target, _ = reading.target_of(body, OLD_FP)
     nsid = target.namespace_id
     assert nsid is not None
 

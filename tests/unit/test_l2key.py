@@ -273,13 +273,13 @@ def test_the_generated_key_and_claims_are_patched_out_of_prunes_once(monkeypatch
     body = _body()
     key = ("ml", name)
     runtime.CONTROLLER.state(key)
-    target, _ = reading._target(body)
+    target, _ = reading.target_of(body)
     claim = {"metadata": {"name": f"l2-{name}-lmcache-0", "namespace": "ml", "resourceVersion": "7",
                           "labels": {TRACKING_LABEL: name, "app.kubernetes.io/component": "lmcache-server"}}}
     seen = Seen(claims=[claim])
-    read = reading._read_key(target)
-    retention.protect_retained(reading._target(body, read.fingerprint)[0], read, seen, LOG)
-    retention.protect_retained(reading._target(body, read.fingerprint)[0], reading._read_key(target), seen, LOG)
+    read = reading.read_key(target)
+    retention.protect_retained(reading.target_of(body, read.fingerprint)[0], read, seen, LOG)
+    retention.protect_retained(reading.target_of(body, read.fingerprint)[0], reading.read_key(target), seen, LOG)
     assert [(a[1], a[2]) for a in api.metadata] == [("Secret", f"{name}-l2-key"), ("PersistentVolumeClaim", claim["metadata"]["name"])]
     secret_patch, claim_patch = api.metadata[0][-1], api.metadata[1][-1]
     assert secret_patch["metadata"]["labels"] == {TRACKING_LABEL: None, INSTANCE_LABEL: name}
@@ -342,7 +342,7 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
     monkeypatch.setattr(kube, "apply", lambda m: m)
     monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
-    target, _ = reading._target(body, FP_A)
+    target, _ = reading.target_of(body, FP_A)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")])
@@ -360,7 +360,7 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     assert len(api.patches) == writes and runtime.CONTROLLER.state(key).drifted
     assert apply_workloads(body, LOG, seen)
     refresh.refresh_status(body, seen, LOG)
-    new_id = reading._target(body, FP_B)[0].namespace_id
+    new_id = reading.target_of(body, FP_B)[0].namespace_id
     assert api.patches[-1]["namespaceId"] == new_id != target.namespace_id
     assert api.patches[-1]["l2Key"] == {"secret": f"{key[1]}-l2-key", "generated": True, "fingerprint": FP_B,
                                         "namespaceId": new_id}
@@ -454,7 +454,7 @@ def test_the_refresh_round_records_every_namespace_and_judges_the_loss_on_them(m
         Inventory("ignored", [NamespaceUsage(n, b, o, 1.7e9) for n, (b, o) in scans.items()], 0) for _ in pods])
 
     def round_on(spec_body: dict[str, Any]) -> str:
-        target = reading._target(spec_body, fp)[0]
+        target = reading.target_of(spec_body, fp)[0]
         seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                     deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                     pods=[_pod(f"{target.server_name}-0")],

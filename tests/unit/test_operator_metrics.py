@@ -99,7 +99,7 @@ def test_one_series_per_condition_replaced_when_it_changes_and_gone_with_the_res
         ("Ready", "True", "AllReady")]
     assert not any(s[0].startswith(("kvpersist_resource_l2_budget", "kvpersist_resource_l1_")) for s in got2)
 
-    tracking._forget((ns, "a"))  # deleted: every series of it goes
+    tracking.forget((ns, "a"))  # deleted: every series of it goes
     assert _of(metrics.render(), ns) == []
 
 
@@ -130,7 +130,7 @@ def test_a_refresh_publishes_the_resources_conditions_and_when_it_finished(monke
     ns = _ns()
     body["metadata"].update(namespace=ns, uid="u1", generation=2)
     api = FakeApi(monkeypatch, [_report("s-0", 2048, l2_writes_failed=0)])
-    target, _ = reading._target(body)
+    target, _ = reading.target_of(body)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")],
@@ -158,7 +158,7 @@ def test_a_refresh_publishes_the_resources_conditions_and_when_it_finished(monke
         again = [s[2] for s in _of(metrics.render(), ns) if s[0] == "kvpersist_resource_last_refresh_timestamp_seconds"]
         assert again == stamp
     finally:
-        tracking._forget((ns, body["metadata"]["name"]))
+        tracking.forget((ns, body["metadata"]["name"]))
 
 
 def test_a_replica_that_stands_down_drops_its_resource_series(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import pytest
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import retained_labels
-from kvpersist.controller import agents, apply, drift, kube, l2key, ownership, reading, runtime, status_loop
+from kvpersist.controller import agents, apply, decision, drift, kube, l2key, ownership, reading, runtime, status_loop
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
@@ -63,7 +63,7 @@ def test_a_child_is_ours_only_with_a_controller_reference_to_this_resource(refs,
 
 def test_labels_alone_make_no_child_ours() -> None:
     """Every label the operator sets, copied onto a user's object: still not its own."""
-    target, _ = reading._target(_body())
+    target, _ = reading.target_of(_body())
     for manifest in build_all(target):
         assert not ownership.is_own_child(manifest["metadata"], UID), manifest["kind"]
 
@@ -72,7 +72,7 @@ def test_what_the_operator_makes_is_its_own() -> None:
     """Every object the apply makes (with the owner reference it appends, as every version did),
     the agent token Secret, and the generated key Secret as built now."""
     body = _body()
-    target, _ = reading._target(body, "f" * 16)
+    target, _ = reading.target_of(body, "f" * 16)
     made = [*build_all(target), build_agent_token_secret(target)]
     for manifest in made:
         kopf.append_owner_reference(manifest, owner=body)
@@ -165,20 +165,20 @@ def test_an_object_it_did_not_make_stops_the_whole_apply_until_it_is_gone(monkey
 
     # Looked at again only after RETRY_S (a status refresh marks it), and still refused while there;
     # any other reason to apply (here: the key still to make, nothing made) waits for that moment too.
-    assert apply._taken_recheck(key) == state.name_taken and not state.drifted
+    assert apply.taken_recheck(key) == state.name_taken and not state.drifted
     now = time.monotonic()
     state.drifted = True
     assert not status_loop.may_apply(key, state, now) and status_loop.may_apply(key, state, now + ownership.RETRY_S)
     state.drifted = False
     state.name_taken_retry_at = 0.0
-    assert apply._taken_recheck(key) is not None and state.drifted and status_loop.may_apply(key, state, now)
+    assert apply.taken_recheck(key) is not None and state.drifted and status_loop.may_apply(key, state, now)
     assert apply.apply_workloads(body, LOG)
     assert api.applied == [] and state.name_taken_retry_at > now and not status_loop.may_apply(key, state, now)
 
     # Gone: the next apply makes everything, the operator's own.
     del api.existing[taken]
     assert apply.apply_workloads(body, LOG)
-    assert state.name_taken is None and apply._taken_recheck(key) is None
+    assert state.name_taken is None and apply.taken_recheck(key) is None
     made = {(m["kind"], m["metadata"]["name"]) for m in api.applied + api.created}
     assert taken in made and ("StatefulSet", "llama31-8b-lmcache") in made
 
@@ -237,14 +237,14 @@ def test_a_planted_key_secret_is_never_read_nor_patched(monkeypatch) -> None:
         raise AssertionError("the planted Secret's bytes were read")
 
     monkeypatch.setattr(kube, "secret_value", never)
-    target, _ = reading._target(_body())
-    read = reading._read_key(target, fresh=True)
+    target, _ = reading.target_of(_body())
+    read = reading.read_key(target, fresh=True)
     assert read is not None and read.fingerprint is None and not read.absent
     assert read.problem is not None and read.problem[0] == l2key.KEY_NOT_OWNED and "llama31-8b-l2-key" in read.problem[1]
     assert read.metadata is None  # nothing for protect_retained to patch onto it
     # Not absent, so no key is generated over it either (kvpersist.controller.apply), and the cache is off.
-    assert reading._judge_key(_body(), read, []) == (read, None)
-    assert reading._target(_body(), read.fingerprint)[0].namespace_id is None
+    assert decision.judge_key(_body(), read, []) == (read, None)
+    assert reading.target_of(_body(), read.fingerprint)[0].namespace_id is None
 
 
 def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
@@ -253,7 +253,7 @@ def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
     monkeypatch.setattr(runtime, "CONTROLLER", Controller())
     monkeypatch.setattr(kube, "get", lambda *a: token)
     runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
-    target, _ = reading._target(body)
+    target, _ = reading.target_of(body)
     assert agents.agent_token(target) is None
     token["metadata"]["ownerReferences"] = [_ref()]
     runtime.CONTROLLER.state(("ml", "llama31-8b")).agent_token = None
@@ -266,7 +266,7 @@ def test_only_its_own_stale_routes_are_deleted(monkeypatch) -> None:
     monkeypatch.setattr(runtime, "CONTROLLER", Controller())
     body = _body()
     runtime.CONTROLLER.state(("ml", "llama31-8b")).body = body
-    target, _ = reading._target(body, "f" * 16)
+    target, _ = reading.target_of(body, "f" * 16)
     old = "kvp-" + "a" * 32
     labels = {"app.kubernetes.io/instance": "llama31-8b", "app.kubernetes.io/component": "lmcache-server",
               "kvpersist.dev/namespace-id": old}

@@ -28,20 +28,20 @@ def test_the_same_spec_is_parsed_once_and_an_edit_parses_again(monkeypatch: pyte
     validate = api.KVCacheNamespace.model_validate
     monkeypatch.setattr(api.KVCacheNamespace, "model_validate",
                         classmethod(lambda cls, data, **kw: parsed.append(1) or validate(data, **kw)))
-    first = reading._target(body())[0]
-    again = reading._target(copy.deepcopy(body()))[0]  # an equal spec in another dict (the next watch event)
+    first = reading.target_of(body())[0]
+    again = reading.target_of(copy.deepcopy(body()))[0]  # an equal spec in another dict (the next watch event)
     assert len(parsed) == 1 and again.spec is first.spec
     edited = body()
     edited["spec"]["l1"] = {**edited["spec"]["l1"], "size": "3Gi"}
-    assert reading._target(edited)[0].spec.l1.size_gb == 3 and len(parsed) == 2  # same uid and generation, new spec
+    assert reading.target_of(edited)[0].spec.l1.size_gb == 3 and len(parsed) == 2  # same uid and generation, new spec
     renamed = body()
     renamed["metadata"]["name"] = "other"
-    assert reading._target(renamed)[0].name == "other" and len(parsed) == 3
+    assert reading.target_of(renamed)[0].name == "other" and len(parsed) == 3
     broken = body()
     broken["spec"]["l1"] = {"size": "-1Gi"}
     for _ in range(2):
         with pytest.raises(ValidationError):
-            reading._target(broken)
+            reading.target_of(broken)
     assert len(parsed) == 5  # refused each time, never cached
 
 
@@ -51,7 +51,7 @@ def test_an_unchanged_resource_is_neither_parsed_nor_hashed_again(monkeypatch: p
     key = ("ml", "r")
     reading._PARSED.clear()
     resolved: list[int] = []
-    resolve = decision.resolve  # reading._target's (kvpersist.controller.decision.target_for)
+    resolve = decision.resolve  # reading.target_of's (kvpersist.controller.decision.target_for)
     monkeypatch.setattr(decision, "resolve", lambda pins: resolved.append(1) or resolve(pins))
     try:
         tracking.remember(key, body(), logging.getLogger("test"))
@@ -62,12 +62,12 @@ def test_an_unchanged_resource_is_neither_parsed_nor_hashed_again(monkeypatch: p
         stored = runtime.CONTROLLER.get(key).body
         assert stored["spec"] is first["spec"] and stored["status"] == {"phase": "Ready"}
         n = len(resolved)
-        answers = [reading._target(stored, "f1") for _ in range(3)]
+        answers = [reading.target_of(stored, "f1") for _ in range(3)]
         assert len(resolved) == n + 1 and all(a[1] is answers[0][1] for a in answers)
-        assert reading._target(stored, "f2")[1] is not answers[0][1] and len(resolved) == n + 2
+        assert reading.target_of(stored, "f2")[1] is not answers[0][1] and len(resolved) == n + 2
         edited = body()
         edited["spec"]["l1"] = {**edited["spec"]["l1"], "size": "3Gi"}
         tracking.remember(key, edited, logging.getLogger("test"))
-        assert reading._target(runtime.CONTROLLER.get(key).body, "f2")[0].spec.l1.size_gb == 3
+        assert reading.target_of(runtime.CONTROLLER.get(key).body, "f2")[0].spec.l1.size_gb == 3
     finally:
         runtime.CONTROLLER.forget(key)

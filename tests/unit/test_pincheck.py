@@ -21,7 +21,7 @@ import pytest
 from kvpersist import hubpins
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import pincheck
-from kvpersist.controller.reading import _target
+from kvpersist.controller.reading import target_of
 from kvpersist.status.conditions import Observation, compute_status
 from tests.cases.invalid_manifests import sample
 from tests.integration.hub_stub import HubStub
@@ -82,10 +82,10 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
     fetcher, calls = cache_fetcher(tmp_path)
     controller.pin_files = pincheck.PinFiles(fetcher)
     wrong = body(headSize=64)
-    target, res = _target(wrong)
+    target, res = target_of(wrong)
     assert target.namespace_id is not None  # no verdict yet: the pins as declared
     checked(controller.pin_files, target.spec.identity)
-    target, res = _target(wrong)
+    target, res = target_of(wrong)
     assert target.namespace_id is None and res.code == "PinMismatch"
     assert "spec.identity.headSize is 64 but config.json" in res.reason and "says 128" in res.reason
     verdict = pincheck.condition_of(controller.pin_files.verdict(target.spec.identity), target.spec.identity, True)
@@ -100,11 +100,11 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
     right = body()
     checked(controller.pin_files, identity(right))
     assert calls.count("config.json") == 1
-    target, res = _target(right)
+    target, res = target_of(right)
     assert target.namespace_id is not None and res.code != "PinMismatch"
     assert controller.pin_files.verdict(target.spec.identity)[:2] == (True, "PinsMatch")
     monkeypatch.setenv(pincheck.ENV, "off")  # checked off: the pins as declared, Unknown
-    assert _target(wrong)[0].namespace_id is not None
+    assert target_of(wrong)[0].namespace_id is not None
     assert pincheck.condition_of(None, identity(wrong), pincheck.enabled())[:2] == (None, "CheckDisabled")
 
 
@@ -120,7 +120,7 @@ def test_an_unreachable_hub_changes_nothing_but_an_unknown_condition(controller:
     controller.pin_files = pincheck.PinFiles(fetcher)
     wrong = body(numKVHeads=4)
     checked(controller.pin_files, identity(wrong))
-    target, _res = _target(wrong)
+    target, _res = target_of(wrong)
     assert target.namespace_id is not None
     ok, reason, message = controller.pin_files.verdict(identity(wrong))
     assert (ok, reason) == (None, "HubUnreachable") and "ConnectError" in message

@@ -101,8 +101,8 @@ def test_a_resources_view_holds_only_its_own_pods(monkeypatch: Any, caplog: Any)
         "kvp_statefulsets": {key: SETS}, "kvp_deployments": {key: DEPLOYMENTS}, "kvp_replicasets": {key: REPLICASETS},
         "kvp_pods": {key: [own, foreign]}, "kvp_claims": {}})
     with caplog.at_level("WARNING", logger="kvpersist"):
-        seen = indexes._seen(key, frozenset(), {}, owner_uid=OWNER)
-        indexes._seen(key, frozenset(), {}, owner_uid=OWNER)
+        seen = indexes.seen_of(key, frozenset(), {}, owner_uid=OWNER)
+        indexes.seen_of(key, frozenset(), {}, owner_uid=OWNER)
     assert names(seen.server_pods()) == ["demo-lmcache-0"]
     assert [r.getMessage() for r in caplog.records].count(untrusted_message(foreign, "team/demo")) == 1
 

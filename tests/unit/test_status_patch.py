@@ -286,7 +286,7 @@ def test_refresh_status_writes_what_fits(monkeypatch: pytest.MonkeyPatch) -> Non
     body["metadata"].update(namespace="ml", uid="u1", generation=2)
     body["spec"]["l2"]["nvme"].update(budget="64Mi", adapter="nixl_store_dynamic")
     api = FakeApi(monkeypatch, [_report("s-0", 2048)])
-    target, _resolution = reading._target(body, key_fingerprint(KEY))
+    target, _resolution = reading.target_of(body, key_fingerprint(KEY))
     assert target.namespace_id == resolve(target.spec.pins(key_fingerprint(KEY))).namespace_id is not None
     pods = [_pod(f"{target.server_name}-0")]
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
@@ -342,8 +342,8 @@ def test_in_production_a_bad_field_is_left_out_and_logged(monkeypatch: pytest.Mo
     sent_to_api: list[dict[str, Any]] = []
     monkeypatch.setattr(kube, "patch_status", lambda *a: sent_to_api.append(a[-1]))
     meta = {"name": "a", "namespace": "ml"}
-    assert refresh._write_status(meta, {"phse": "Ready"}, LOG) is None and sent_to_api == []
-    assert refresh._write_status(meta, patch, LOG) == {"phase": "Ready", "replicas": "1/1"}
+    assert refresh.write_status(meta, {"phse": "Ready"}, LOG) is None and sent_to_api == []
+    assert refresh.write_status(meta, patch, LOG) == {"phase": "Ready", "replicas": "1/1"}
     assert sent_to_api == [{"phase": "Ready", "replicas": "1/1"}]
 
 
@@ -358,12 +358,12 @@ def test_in_tests_a_bad_patch_raises_before_anything_is_sent(monkeypatch: pytest
     sent: list[Any] = []
     monkeypatch.setattr(kube, "patch_status", lambda *a: sent.append(a))
     with pytest.raises(StatusPatchError, match=r"status\.gc\.outcom"):
-        refresh._write_status({"name": "a", "namespace": "ml"}, {"gc": {"outcom": "Deleted"}}, LOG)
+        refresh.write_status({"name": "a", "namespace": "ml"}, {"gc": {"outcom": "Deleted"}}, LOG)
     assert sent == []
 
 
 def test_every_status_write_goes_through_the_check() -> None:
-    """kube.patch_status is called in one place only: refresh._write_status, which checks first."""
+    """kube.patch_status is called in one place only: refresh.write_status, which checks first."""
     callers = []
     for path in sorted((ROOT / "operator" / "kvpersist").rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -373,4 +373,4 @@ def test_every_status_write_goes_through_the_check() -> None:
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "patch_status":
                     callers.append((path.relative_to(ROOT / "operator").as_posix(), func.name))
-    assert sorted(set(callers)) == [("kvpersist/controller/refresh.py", "_write_status")]
+    assert sorted(set(callers)) == [("kvpersist/controller/refresh.py", "write_status")]

@@ -62,8 +62,8 @@ def test_seen_reads_the_indexes(controller: Controller) -> None:
                         "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]}}
     controller.indices["kvp_pods"] = {("ns", "a"): [pod]}
     controller.indices["kvp_statefulsets"] = {("ns", "a"): [sts]}
-    seen = indexes._seen(("ns", "a"), owner_uid="r1")  # only pods of its own workloads (kvpersist.controller.podtrust)
-    assert seen.pods == [pod] and seen.statefulsets == [sts] and indexes._seen(("ns", "b")).pods == []
+    seen = indexes.seen_of(("ns", "a"), owner_uid="r1")  # only pods of its own workloads (kvpersist.controller.podtrust)
+    assert seen.pods == [pod] and seen.statefulsets == [sts] and indexes.seen_of(("ns", "b")).pods == []
 
 
 def _child(kind_name: str, generation: int | None = None) -> dict:
@@ -155,7 +155,7 @@ def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
     _known(controller, ("ns", "a"))
     applied = _child("a-lmcache", 7)
     applied["kind"] = "NetworkPolicy"
-    drift._note_own_write(applied)
+    drift.note_own_write(applied)
     asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
     assert controller.flagged("drifted") == set()
     asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
@@ -163,7 +163,7 @@ def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
 
 
 def test_a_watch_event_that_beats_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
-    """The child's event can arrive while the apply is still in flight, before _note_own_write has
+    """The child's event can arrive while the apply is still in flight, before note_own_write has
     its generation (tests/e2e/test_faults.py met it: an ApplyFailed resource applied again on the
     next tick). Inside own_apply it is no drift; the same event once the apply is over is."""
     _known(controller, ("ns", "a"))
@@ -184,7 +184,7 @@ def test_a_child_without_a_generation_the_operator_created_is_not_drift(controll
     _known(controller, ("ns", "a"))
     created = _child("a-connection")
     created["kind"], created["metadata"]["resourceVersion"] = "ConfigMap", "354"
-    drift._note_own_write(created)
+    drift.note_own_write(created)
     asyncio.run(drift.drift_configmaps(event={"type": "ADDED"}, body=created))
     assert controller.flagged("drifted") == set()
     edited = _child("a-connection")

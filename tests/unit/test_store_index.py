@@ -95,9 +95,9 @@ def test_an_idle_refresh_looks_at_the_others_only_after_a_store_changed(monkeypa
     monkeypatch.setattr(sharing, "holder", lambda me, others: looked.append(me.name) or holder(me, others))
     target = target_of(mine)
     for _ in range(3):
-        apply._exclusive_recheck(target, mine, seen_now())
+        apply.exclusive_recheck(target, mine, seen_now())
     assert looked == ["mine"]  # once: then nothing changed
     assert not runtime.CONTROLLER.state(key).drifted
     note(body("other", OLDER, namespace="team-b", bucket="hf://buckets/o/b/p"))
-    apply._exclusive_recheck(target, mine, seen_now())
+    apply.exclusive_recheck(target, mine, seen_now())
     assert looked == ["mine", "mine"] and runtime.CONTROLLER.state(key).drifted  # an older user came: applied again

@@ -2,7 +2,7 @@
 
 The API server prunes a status key its schema lacks without a word, so a misspelled key in a
 hand-built patch would never show and never fail. Every status write of the operator goes
-through checked_patch (kvpersist.controller.refresh._write_status) first: a key that is not a field (by its
+through checked_patch (kvpersist.controller.refresh.write_status) first: a key that is not a field (by its
 camelCase alias) of the model at its level, or a value of the wrong type, fails a test instead.
 """
 

@@ -1302,7 +1302,7 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
     sixteenth of a layer: an encrypted object is its chunk and a frame of a few bytes, so its file
     takes one page more than the chunk, and that page must stay small beside even a one-layer chunk
     (with encryption off too: a checked object is framed the same way)
-    (the disk share lmcache is given, builders.lmcache.encrypted_disk_share, follows from it)."""
+    (the disk share lmcache is given, builders.lmcache.framed_disk_share, follows from it)."""
     nvme = spec.l2.nvme
     layer = chunk_layer_bytes(spec)
     if nvme is None or nvme.adapter != "nixl_store_dynamic" or layer is None:

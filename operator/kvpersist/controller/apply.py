@@ -5,7 +5,7 @@ applies nothing (the policy, ClaimNotOwned, NameTaken: kvpersist.controller.owne
 or route names another resource or id holds apply with the cache off or without the routes.
 After an apply, an old namespace id's Services and policies go once no pod carries that id
 (clean_stale_routes). The status refresh looks again at what keeps a store or a name
-(_exclusive_recheck, _taken_recheck) and applies when it changed.
+(exclusive_recheck, taken_recheck) and applies when it changed.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime, sharing
 from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide, storage_refusal
-from kvpersist.controller.drift import _note_own_write, child_key, own_apply
+from kvpersist.controller.drift import child_key, note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
-from kvpersist.controller.reading import _target
+from kvpersist.controller.reading import target_of
 from kvpersist.controller.snapshot import read_snapshot, stores_from_api
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, stale
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, Seen
@@ -41,7 +41,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     and only then applied; no request between the decisions. False when the spec cannot be read
     (status says why). Blocking: runs in a worker thread."""
     try:
-        target, _reason = _target(body)
+        target, _reason = target_of(body)
     except ValidationError:
         return False
     key = (target.namespace, target.name)
@@ -113,7 +113,7 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         assert key_secret is not None
         # The operator's own Secrets carry secretLabel: usable under that rule.
         key_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
-        # The key as read stays cached (_read_key); only a key made here replaces it, so the next
+        # The key as read stays cached (read_key); only a key made here replaces it, so the next
         # refresh names the new fingerprint before the Secret watch shows it. A read judged lost is
         # never cached as such: with the Secret still absent, the cache would keep serving it, and
         # the refresh would judge it lost again even once the user accepted the loss.
@@ -198,7 +198,7 @@ def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, l
     and a Warning event says why there is no pool, once per generation."""
     generation = body["metadata"].get("generation")
     if not decision.pool_api_missing:
-        state.pool_api_missing_warned = None  # served now (or no pool asked): _pool_recheck has nothing to wait for
+        state.pool_api_missing_warned = None  # served now (or no pool asked): pool_recheck has nothing to wait for
         return
     if state.pool_api_missing_warned == generation:
         return
@@ -256,7 +256,7 @@ def _model_cache_claim(manifest: dict[str, Any], decision: Decision, body: Mappi
     state.model_cache_differs = differs
 
 
-def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
+def taken_recheck(key: tuple[str, str]) -> Refusal | None:
     """In a status refresh: NameTaken's (reason, message) while objects the operator did not make
     hold its names, and an apply (which looks them up again) once ownership.RETRY_S has passed:
     their holders carry none of the labels the drift watch selects, so nothing else says they went.
@@ -268,7 +268,7 @@ def _taken_recheck(key: tuple[str, str]) -> Refusal | None:
     return state.name_taken
 
 
-def _pool_recheck(key: tuple[str, str]) -> None:
+def pool_recheck(key: tuple[str, str]) -> None:
     """In a status refresh: applies again once the InferencePool API a resource waits for is served
     (discovery, cached: inferencepool.CACHE_S), so installing the extension makes the pool with no
     change to the resource. Nothing is asked while no resource waits for it."""
@@ -285,7 +285,7 @@ def _pool_recheck(key: tuple[str, str]) -> None:
 def _apply_owned(manifest: dict[str, Any]) -> None:
     with own_apply(manifest):
         applied = kube.apply(manifest)
-        _note_own_write(applied)
+        note_own_write(applied)
     metrics.inc("kvpersist_applies_total")
 
 
@@ -342,7 +342,7 @@ def _route_conflicts(target: Target) -> list[str]:
     return route_conflicts(target, [(listed, obj) for listed, job in jobs for obj in job.result()])
 
 
-def _exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:
+def exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:
     """In a status refresh: applies again when what _exclusive decided may have changed (the
     holder went, or an older resource now names the same store, or the route names are free),
     and returns the target as last applied. From the watch caches the status loop hands over

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, runtime
-from kvpersist.controller.reading import _named_secret_refusal, secret_version
+from kvpersist.controller.reading import named_secret_refusal, secret_version
 from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
 from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory
@@ -39,7 +39,7 @@ class SecretOnce:
         if not self._read:
             ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
             self._read = True
-            refused = _named_secret_refusal("spec.l2.hfBucket.tokenSecretRef", ref.name, self.target.namespace)
+            refused = named_secret_refusal("spec.l2.hfBucket.tokenSecretRef", ref.name, self.target.namespace)
             if refused is not None:  # not read at all: neither the preflight nor a listing nor gc uses it
                 self.problem = refused[1]
             else:

@@ -13,8 +13,7 @@ from typing import Any
 import kopf
 
 from kvpersist.controller import runtime
-from kvpersist.controller.ownership import controller_uid
-from kvpersist.controller.runtime import _MANAGED
+from kvpersist.controller.ownership import MANAGED, controller_uid
 from kvpersist.status.workloads import owner_key
 
 
@@ -26,7 +25,7 @@ def child_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
 @contextlib.contextmanager
 def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
     """Marks a child as being applied by the operator: its watch event can arrive before the apply
-    returns (and before _note_own_write records its generation), and is then no drift. Someone
+    returns (and before note_own_write records its generation), and is then no drift. Someone
     else's edit in that window is overwritten by the apply itself (server-side apply, forced)."""
     key = child_key(manifest)
     applying = runtime.CONTROLLER.child_applying
@@ -41,7 +40,7 @@ def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
             applying.pop(key, None)
 
 
-def _note_own_write(obj: Mapping[str, Any]) -> None:
+def note_own_write(obj: Mapping[str, Any]) -> None:
     """The generation the operator's own apply left a child at: its watch event is no drift. (If an
     apply changes something every time, e.g. a field the API server stores otherwise than sent,
     the child would otherwise look edited after every apply and be applied again each tick.)"""
@@ -73,7 +72,7 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     """A child of a known resource was deleted, or changed (a new generation, or any change of a
     kind without one, by resourceVersion): apply the resource again on the next tick. Status updates keep the
     generation, so a StatefulSet's or Deployment's rollout is no drift; the operator's own writes
-    are noted by _note_own_write. The initial listing (event type None) is not drift: resume
+    are noted by note_own_write. The initial listing (event type None) is not drift: resume
     applies everything then anyway."""
     owner = owner_key(body)
     meta = body.get("metadata") or {}
@@ -102,31 +101,31 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
         generations[child] = mark
 
 
-@kopf.on.event("", "v1", "services", labels=_MANAGED)
+@kopf.on.event("", "v1", "services", labels=MANAGED)
 async def drift_services(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "Service")
 
 
-@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
+@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
 async def drift_configmaps(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "ConfigMap")
 
 
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
 async def drift_networkpolicies(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "NetworkPolicy")
 
 
-@kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
+@kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
 async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "StatefulSet")
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "Deployment")
 
 
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 async def drift_poddisruptionbudgets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
     _note_drift(event, body, "PodDisruptionBudget")

@@ -93,12 +93,6 @@ class Fallback:
                 return False
             return None
 
-    def unavailable_for(self, key: Hashable, now: float) -> float:
-        """Seconds the servers have been unavailable (0 when they are ready or unseen)."""
-        with self._lock:
-            ready, since = self._since.get(key, (True, now))
-            return 0.0 if ready else now - since
-
     def forget(self, key: Hashable) -> None:
         with self._lock:
             self._since.pop(key, None)

@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
 from kvpersist.controller import agents, bucketcheck, kube, metrics, runtime
-from kvpersist.controller.indexes import _seen
+from kvpersist.controller.indexes import seen_of
 from kvpersist.controller.inuse import in_use_now
-from kvpersist.controller.reading import _known_fingerprint, _target
-from kvpersist.controller.refresh import _write_status
+from kvpersist.controller.reading import known_fingerprint, target_of
+from kvpersist.controller.refresh import write_status
 from kvpersist.inventory.bucket import remove_bucket_namespace
 from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal
 from kvpersist.inventory.cleanup import result as gc_result
@@ -35,7 +35,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     meta = body["metadata"]
     target: Target | None = None
     try:
-        target, _reason = _target(body, _known_fingerprint(body))
+        target, _reason = target_of(body, known_fingerprint(body))
     except ValidationError as exc:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
     if target is not None:
@@ -68,7 +68,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                     before_delete=before), bucket.bucket_handle, recheck)
                 runtime.CONTROLLER.held((meta["namespace"], meta["name"])).bucket_inventory = None
     outcome["completedAt"] = condition_now()
-    _write_status(meta, {"gc": outcome}, logger)
+    write_status(meta, {"gc": outcome}, logger)
     ok = outcome["outcome"] in ("Deleted", "NotFound")
     reasons = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}
     reason = reasons.get(outcome["outcome"], "GCFailed")
@@ -78,11 +78,11 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
 
 
-async def _gc(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
+async def gc_in_worker(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:
     try:
         state = runtime.CONTROLLER.get(key)
         if state is not None and state.body is not None:
-            await asyncio.get_running_loop().run_in_executor(None, run_gc, state.body, request, _seen(key), logger)
+            await asyncio.get_running_loop().run_in_executor(None, run_gc, state.body, request, seen_of(key), logger)
             state.dirty = True  # the inventory changed: show it
     except Exception as exc:  # reported, and retried on the next event while the annotation stays
         logger.error("gc of %s on %s/%s failed: %s", request.get("namespaceId"), key[0], key[1], exc)

@@ -14,7 +14,7 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.attach import ATTACH_LABEL, ATTACHED
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
 from kvpersist.controller import podtrust, runtime, sharing
-from kvpersist.controller.runtime import _MANAGED
+from kvpersist.controller.ownership import MANAGED
 from kvpersist.status.agentroll import AgentSet
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen, fleet, index_entry, live_ids, owner_key
 
@@ -22,25 +22,25 @@ from kvpersist.status.workloads import COMPONENT_LABEL, Seen, fleet, index_entry
 # restart never sees a half-filled cache.
 
 
-@kopf.index("apps", "v1", "statefulsets", labels=_MANAGED)
+@kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
 async def kvp_statefulsets(body: kopf.Body, **_: Any) -> Any:
     _mark_dirty(body)
     _FLEET.clear()  # made again from the index on its next read
     return index_entry(body)
 
 
-@kopf.index("apps", "v1", "deployments", labels=_MANAGED)
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
 async def kvp_deployments(body: kopf.Body, **_: Any) -> Any:
     _mark_dirty(body)
     return index_entry(body)
 
 
-@kopf.index("", "v1", "pods", labels=_MANAGED)
+@kopf.index("", "v1", "pods", labels=MANAGED)
 async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
     return index_entry(body)
 
 
-@kopf.index("apps", "v1", "replicasets", labels=_MANAGED)
+@kopf.index("apps", "v1", "replicasets", labels=MANAGED)
 async def kvp_replicasets(body: kopf.Body, **_: Any) -> Any:
     """A Deployment's ReplicaSets (they carry its pod template's labels): the middle link of a vLLM
     pod's ownerReference chain, which decides whether it gets credentials (kvpersist.controller.podtrust)."""
@@ -68,7 +68,7 @@ async def kvp_stores(body: kopf.Body, **_: Any) -> Any:
 Stores = tuple[int, tuple[sharing.User, ...], tuple[dict[str, Any], ...]]
 
 
-def _stores(pods: bool = True) -> Stores:
+def stores_now(pods: bool = True) -> Stores:
     """(stores_version, every store user, every server pod (when asked: only an apply or a refused
     resource's recheck looks at them)), from the indexes; call in the event loop only."""
     version, users = runtime.CONTROLLER.stores()
@@ -85,10 +85,10 @@ def _mark_dirty(body: Mapping[str, Any]) -> None:
         state.dirty = True
 
 
-def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
-          agents: Mapping[tuple[str, str], AgentSet] | None = None,
-          stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
-    """Copies of one resource's objects from the indexes (and, when given, every store: _stores);
+def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
+            agents: Mapping[tuple[str, str], AgentSet] | None = None,
+            stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
+    """Copies of one resource's objects from the indexes (and, when given, every store: stores_now);
     owner_uid: the resource's uid when its body is at hand (else the one last tracked). Call in the
     event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
@@ -112,8 +112,8 @@ def _seen(key: tuple[str, str], live: frozenset[str] | None = None,
                         if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
     return Seen(statefulsets=statefulsets, deployments=deployments,
                 pods=pods, untrusted_pods=untrusted, unadmitted_pods=unadmitted, claims=values("kvp_claims"),
-                live_ids=_live() if live is None else live,
-                fleet=_fleet() if agents is None else agents, stores=stores[1] if stores is not None else None,
+                live_ids=live_now() if live is None else live,
+                fleet=fleet_now() if agents is None else agents, stores=stores[1] if stores is not None else None,
                 stores_version=stores[0] if stores is not None else -1, all_server_pods=stores[2] if stores is not None else ())
 
 
@@ -153,7 +153,7 @@ def _attached(namespace: str | None) -> list[dict[str, Any]]:
     return cache.in_namespace(namespace)[1]
 
 
-def _live() -> frozenset[str]:
+def live_now() -> frozenset[str]:
     """Every namespace id in use, from the caches (attached pods' too); call in the event loop only."""
     pods = [p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store] + _attached(None)
     known = runtime.CONTROLLER.known().values()
@@ -165,7 +165,7 @@ def _live() -> frozenset[str]:
 _FLEET: list[dict[tuple[str, str], AgentSet]] = []
 
 
-def _fleet() -> dict[tuple[str, str], AgentSet]:
+def fleet_now() -> dict[tuple[str, str], AgentSet]:
     """Every resource's lmcache StatefulSet as the agent roll sees it; call in the event loop only."""
     if not _FLEET:
         _FLEET.append(fleet(runtime.CONTROLLER.indices.get("kvp_statefulsets", {})))

@@ -4,7 +4,7 @@ spec.l2.orphanRetention) both ask it right before deleting."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import kube, l2key, runtime
-from kvpersist.inventory.cleanup import refusal_now
+from kvpersist.inventory.cleanup import refusal
+from kvpersist.status.users import users_of
 
 
 def in_use_now(namespace_id: str, current: str | None) -> str | None:
@@ -36,6 +37,22 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
     except ApiException as exc:
         return (f"could not check again who uses {namespace_id}: an L2 key Secret could not be read (the API server "
                 f"answered {exc.status}), and a resource's namespace id needs its key")
+
+
+def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
+                pods: Iterable[Mapping[str, Any]],
+                fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
+    """cleanup.refusal() judged from a fresh listing of every KVCacheNamespace and every pod that
+    carries a namespace id, naming who uses it (what the watch caches may not have seen yet).
+    fingerprint: reads the L2 key of a resource whose status records none (users_of)."""
+    why = refusal(namespace_id, current, frozenset())
+    if why:
+        return why
+    users = users_of(namespace_id, resources, pods, fingerprint)
+    if users:
+        more = f" and {len(users) - 5} more" if len(users) > 5 else ""
+        return f"{namespace_id} is now in use by {', '.join(users[:5])}{more} (checked again right before deleting)"
+    return None
 
 
 def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:

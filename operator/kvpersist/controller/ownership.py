@@ -50,6 +50,7 @@ from kvpersist.builders.target import L2_VOLUME, MANAGED_BY, SERVER, Target
 NAME_TAKEN = "NameTaken"  # Ready's reason while an object the operator did not make holds a derived name
 CLAIM_NOT_OWNED = "ClaimNotOwned"  # Ready's reason while a claim the servers would mount is not the operator's
 RETRY_S = 30.0  # how often a taken name is looked at again (its holder has none of the watched labels)
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}  # the label every watch of the operator's own objects selects
 
 
 def controller_uid(meta: Mapping[str, Any] | None) -> str | None:

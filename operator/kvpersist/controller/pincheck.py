@@ -91,9 +91,9 @@ def hub_fetch(endpoint: str | None, deadline: float) -> hubpins.Fetch:
     the repository has no such file at that commit. Other answers raise HubRefused."""
     from huggingface_hub import constants, get_session, hf_hub_url
 
-    from kvpersist.inventory.hfbucket import _bound_hub_client, hub_deadline
+    from kvpersist.inventory.hfbucket import bound_hub_client, hub_deadline
 
-    _bound_hub_client()
+    bound_hub_client()
 
     def fetch(repo: str, revision: str, filename: str) -> bytes | None:
         url = hf_hub_url(repo, filename, revision=revision, endpoint=endpoint or constants.ENDPOINT)

@@ -112,10 +112,6 @@ class Policy:
         return cls(parse_allowed_images(environ.get(ALLOWED_IMAGES_ENV, "")),
                    parse_secret_label(environ.get(SECRET_LABEL_ENV, "")), read_cluster_domain(environ, resolv_conf))
 
-    @property
-    def label_text(self) -> str:
-        return "=".join(self.secret_label) if self.secret_label else ""
-
     def generated_secret_labels(self) -> dict[str, str]:
         """What the operator's own Secrets (<name>-l2-key, <name>-agent-token) carry besides their
         usual labels: the required label, so they are usable under the same rule."""

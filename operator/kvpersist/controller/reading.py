@@ -1,4 +1,4 @@
-"""What the roles read of one resource before they act on it: the builders' view of it (_target),
+"""What the roles read of one resource before they act on it: the builders' view of it (target_of),
 its L2 key (read from the Secret and judged, or as last known without a read) and why the
 operator's policy refuses it. Shared by apply, the status refresh, gc and tracking.
 """
@@ -16,9 +16,7 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
-from kvpersist.controller.decision import claim_not_shareable as _not_shareable
-from kvpersist.controller.decision import judge_key as _judge_key  # noqa: F401  (read as reading's by refresh)
+from kvpersist.controller import decision, kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.decision import target_for, unreadable_secret
 from kvpersist.controller.policy import Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
@@ -31,7 +29,7 @@ _PARSED: dict[tuple[str, str], api.KVCacheNamespace] = {}
 PARSED_MAX = 4096
 
 
-def _parsed(name: str, spec: Any) -> api.KVCacheNamespace:
+def parsed_model(name: str, spec: Any) -> api.KVCacheNamespace:
     """The model of a spec (raises ValidationError, never cached)."""
     try:
         key = (name, json.dumps(spec, sort_keys=True, separators=(",", ":")))
@@ -46,7 +44,7 @@ def _parsed(name: str, spec: Any) -> api.KVCacheNamespace:
     return found
 
 
-def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Target, Resolution]:
+def target_of(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Target, Resolution]:
     """The builders' view of the object and the reason its identity is incomplete (if it is).
     fingerprint: of the L2 key its servers mount (kvpersist.controller.l2key); without it an
     encrypted resource has no namespace id, so a Target for names and policy only. Raises
@@ -58,7 +56,7 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
     # verdict are the same: an idle round neither parses nor hashes again.
     state = runtime.CONTROLLER.get((meta.get("namespace", ""), meta["name"]))
     memo = state.target_memo if state is not None else None
-    obj = memo[1] if memo is not None and memo[0] is spec else _parsed(meta["name"], spec)
+    obj = memo[1] if memo is not None and memo[0] is spec else parsed_model(meta["name"], spec)
     checked = pincheck.enabled()
     mismatch = runtime.CONTROLLER.pin_files.mismatch(obj.spec.identity) if checked else None
     if memo is not None and memo[1] is obj and memo[2] == (fingerprint, checked, mismatch):
@@ -76,7 +74,7 @@ def _target(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[Ta
 KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)
 
 
-def _read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
+def read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
     """The key Secret the servers mount, judged (kvpersist.controller.l2key), or None when L2 is not
     encrypted; read at most every KEY_READ_TTL_S unless fresh. A failed read keeps the last
     fingerprint read from the same Secret (the Secret is there, the API server did not answer):
@@ -163,16 +161,16 @@ def claim_not_shareable(target: Target) -> bool:
     nvme = target.spec.l2.nvme
     if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
         return False
-    return _not_shareable(target, named_claim(nvme.existing_claim_name, target.namespace))
+    return decision.claim_not_shareable(target, named_claim(nvme.existing_claim_name, target.namespace))
 
 
-def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
+def known_fingerprint(body: Mapping[str, Any]) -> str | None:
     """The key fingerprint without reading the Secret (in the event loop, for gc): the last read,
     else what status records for the same Secret."""
     meta = body["metadata"]
     state = runtime.CONTROLLER.get((meta["namespace"], meta["name"]))
     try:
-        base, _ = _target(body)
+        base, _ = target_of(body)
     except ValidationError:
         return None
     if base.key_secret is None:
@@ -182,17 +180,17 @@ def _known_fingerprint(body: Mapping[str, Any]) -> str | None:
     return l2key.fingerprint_in_status(body.get("status"), base.key_secret[0])
 
 
-def _refusal(target: Target) -> Refusal | None:
+def policy_refusal_of(target: Target) -> Refusal | None:
     """Why this resource may not be applied under the operator's policy (an image outside
     allowedImages, a named Secret without secretLabel), or None. Only the named Secrets'
     metadata is read for it, never their data. Blocking."""
     refused = image_refusal(target.spec, runtime.CONTROLLER.policy.allowed_images)
     for field, name in named_secrets(target.spec):
-        refused = refused or _named_secret_refusal(field, name, target.namespace)
+        refused = refused or named_secret_refusal(field, name, target.namespace)
     return refused
 
 
-def _named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:
+def named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:
     """SecretNotAllowed when secretLabel is set and the Secret a user named lacks it, or None.
     Reads the Secret's metadata only. Blocking."""
     policy = runtime.CONTROLLER.policy

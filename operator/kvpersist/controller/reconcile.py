@@ -13,9 +13,9 @@ import kopf
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import runtime
 from kvpersist.controller.apply import apply_workloads
-from kvpersist.controller.indexes import _seen, _stores
+from kvpersist.controller.indexes import seen_of, stores_now
 from kvpersist.controller.refresh import refresh_status
-from kvpersist.controller.tracking import _sweep_if_forgotten
+from kvpersist.controller.tracking import sweep_if_forgotten
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
@@ -31,9 +31,9 @@ async def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         state.drifted = False
         try:
             await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger,
-                                       _seen(key, stores=_stores(), owner_uid=body["metadata"].get("uid")))
+                                       seen_of(key, stores=stores_now(), owner_uid=body["metadata"].get("uid")))
             await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body,
-                                       _seen(key, stores=_stores(), owner_uid=body["metadata"].get("uid")),
+                                       seen_of(key, stores=stores_now(), owner_uid=body["metadata"].get("uid")),
                                        logger)
         finally:
-            _sweep_if_forgotten(key)
+            sweep_if_forgotten(key)

@@ -36,9 +36,10 @@ from kvpersist.controller import (
     sharing,
     transitions,
 )
-from kvpersist.controller.apply import _exclusive_recheck, _pool_recheck, _taken_recheck, clean_stale_routes
+from kvpersist.controller.apply import clean_stale_routes, exclusive_recheck, pool_recheck, taken_recheck
+from kvpersist.controller.decision import claim_not_shareable, judge_key
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
-from kvpersist.controller.reading import _judge_key, _named_secret_refusal, _read_key, _refusal, _target, named_claim
+from kvpersist.controller.reading import named_claim, named_secret_refusal, policy_refusal_of, read_key, target_of
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
@@ -53,7 +54,6 @@ from kvpersist.status.conditions import (
     failed_create,
     failed_status,
     pods_missing,
-    shareable,
     status_patch,
 )
 from kvpersist.status.conditions import now as condition_now
@@ -65,7 +65,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
              secrets_usable: bool = True, key: l2key.KeyRead | None = None) -> Observation:
     """Workload objects come from the watch caches (seen); only a claim the user named is read,
     since it carries none of the operator's labels. secrets_usable False: the Secrets the user
-    named are refused (policy), so neither is read. key: the L2 key as read (_read_key)."""
+    named are refused (policy), so neither is read. key: the L2 key as read (read_key)."""
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
@@ -78,9 +78,8 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
-    if target.shared and spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name and claims \
-            and not shareable(claims[0]):
-        server_desired = min(server_desired, 1)  # as applied (apply._one_server_unless_shareable): ClaimNotShared
+    if claim_not_shareable(target, claims[0] if claims else None):  # ClaimNotShared: one server, as decide applies
+        server_desired = min(server_desired, 1)
     token = agents.agent_token(target) if target.cache_enabled else None
     reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
@@ -170,7 +169,7 @@ def _warm(key: tuple[str, str], target: Target, seen: Seen, state: Any) -> tuple
                 or runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None)
     token = agents.agent_token(target) if target.cache_enabled else None
     return runtime.CONTROLLER.prewarm.observe(key, dataclasses.replace(target, cache_bypassed=bypassed), seen.pods, token,
-                                              lambda: prewarm.read_api_key(target, _named_secret_refusal),
+                                              lambda: prewarm.read_api_key(target, named_secret_refusal),
                                               lambda: _mark_dirty(key))
 
 
@@ -186,7 +185,7 @@ def _attach_bypass(key: tuple[str, str], body: Mapping[str, Any], target: Target
     return None
 
 
-def _write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
+def write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
     """Every status write of the operator: checked against the status models first, since the API
     server would prune a key the CRD lacks without a word (kvpersist.api.status: in tests a bad
     key raises; in production its field is left out and logged). What was sent, or None. Blocking."""
@@ -208,17 +207,17 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     old = dict(body.get("status") or {})
     generation = meta.get("generation")
     try:
-        target, resolution = _target(body)
+        target, resolution = target_of(body)
     except ValidationError as exc:  # the models refuse what the schema let in: Failed, InvalidSpec
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory, shared, volume, floor = [], None, False, None, 0
     else:
-        refused = _refusal(target)
+        refused = policy_refusal_of(target)
         if refused is None and state.refused is not None:
             state.drifted = True  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
         secrets_usable = refused is None or refused[0] != SECRET_NOT_ALLOWED
-        read, _lost = _judge_key(body, _read_key(target) if secrets_usable else None, seen.server_claims())
-        target, resolution = _target(body, read.fingerprint if read is not None else None)
+        read, _lost = judge_key(body, read_key(target) if secrets_usable else None, seen.server_claims())
+        target, resolution = target_of(body, read.fingerprint if read is not None else None)
         pins_on = pincheck.enabled()
         if pins_on:  # off the refresh path; its end refreshes this resource again (and the verdict applies)
             runtime.CONTROLLER.pin_files.request(target.spec.identity, lambda: _mark_dirty(key))
@@ -235,7 +234,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 or retention.servers_on_unshared_claim(target, seen)) and state.name_taken is None:
             state.drifted = True  # its weights claim, or its shared L2 claim, was deleted: made again by the next apply
         resolved_id = target.namespace_id
-        target = _exclusive_recheck(target, body, seen)  # as last applied: the cache off while its store is held
+        target = exclusive_recheck(target, body, seen)  # as last applied: the cache off while its store is held
         if state.routes_pending and clean_stale_routes(target, seen, logger):
             state.routes_pending = False
         observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)
@@ -305,8 +304,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                        f"at {iso(retrying.due_wall)} (the workloads may not match the spec meanwhile)")
             fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
-        taken = _taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
-        _pool_recheck(key)  # spec.vllm.inferencePool waiting for its API: applied once it is served
+        taken = taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
+        pool_recheck(key)  # spec.vllm.inferencePool waiting for its API: applied once it is served
         if refused is None and taken is None and agentroll.ROLLER.may_go(key, seen.fleet):
             state.drifted = True  # its turn for the new agent image (or scaled to zero): apply it
         shown = refused if refused is not None else taken
@@ -318,7 +317,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
     new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=shared, volume=volume, floor=floor)
     if new_status is not None:
-        new_status = _write_status(meta, new_status, logger)  # raises when the API server refuses it
+        new_status = write_status(meta, new_status, logger)  # raises when the API server refuses it
     # Reached only when the status now stands in the API server: the resource's series, and its
     # last-refresh time, which an alert watches for an operator that stopped refreshing it.
     metrics.observed(meta["namespace"], meta["name"], {**old, **(new_status or {})}, hits, reports)

@@ -111,7 +111,7 @@ def model_cache_missing(target: Target, seen: Seen) -> bool:
 
 def servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
     """spec.l2.nvme.shared on a user's claim found not ReadWriteMany after the StatefulSet was
-    applied with several servers: apply again, with one (apply._one_server_unless_shareable)."""
+    applied with several servers: apply again, with one (decision.claim_not_shareable)."""
     statefulset = seen.statefulset(target)
     if statefulset is None or int((statefulset.get("spec") or {}).get("replicas") or 0) <= 1:
         return False

@@ -21,9 +21,6 @@ from kvpersist.status.workloads import WATCH_SELECTOR, WATCHED
 
 PREFIX = "kvpersist.dev"
 STATUS_INTERVAL_S = 10.0
-# What the index and drift watches select (indexes, drift): the objects the builders make. Only
-# those kinds carry WATCH_SELECTOR's label, which kopf sends as the watches' labelSelector (see configure).
-_MANAGED = {"app.kubernetes.io/managed-by": "kvpersist"}
 
 # Everything the operator remembers, per resource and across them (kvpersist.controller.state).
 CONTROLLER = Controller()

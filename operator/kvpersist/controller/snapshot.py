@@ -35,7 +35,7 @@ from kvpersist.controller.decision import (
     written_target,
 )
 from kvpersist.controller.policy import named_secrets
-from kvpersist.controller.reading import _parsed, _read_key, l2_claims, named_claim, secret_metadata
+from kvpersist.controller.reading import l2_claims, named_claim, parsed_model, read_key, secret_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
@@ -43,7 +43,7 @@ from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, un
 
 def parsed(body: Mapping[str, Any]) -> api.KVCacheNamespaceSpec:
     """The spec of a stored object (raises pydantic.ValidationError)."""
-    return _parsed(body["metadata"]["name"], body.get("spec")).spec
+    return parsed_model(body["metadata"]["name"], body.get("spec")).spec
 
 
 def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
@@ -153,7 +153,7 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     snap = dataclasses.replace(snap, l2_claims=dict(l2_claims(base)))
     if ownership.claim_refusal(base, snap.l2_claims or {}) is not None:
         return snap, None
-    read = _read_key(base, fresh=True)
+    read = read_key(base, fresh=True)
     raw = secrets.token_bytes(L2_KEY_BYTES) if read is not None and read.absent and read.generated else None
     snap = dataclasses.replace(snap, key=read, proposed_key=key_fingerprint(raw) if raw is not None else None)
     target = key_target(snap)

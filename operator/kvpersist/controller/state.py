@@ -51,7 +51,7 @@ class ResourceState:
     # timer: timers put a finalizer on every object, and nothing could be deleted while the operator is down).
     body: dict[str, Any] | None = None
     namespace_id: str | None = None
-    # The last _target answer (kvpersist.controller.reading): (spec object, its model, (key
+    # The last target_of answer (kvpersist.controller.reading): (spec object, its model, (key
     # fingerprint, pin check on, pin verdict), resolution).
     target_memo: tuple[Any, Any, Any, Any] | None = None
     # Its workloads changed since its last refresh (a StatefulSet or Deployment event): refreshed on
@@ -79,7 +79,7 @@ class ResourceState:
     # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
     route_taken: str | None = None
     # (Controller.stores_version, its own store) when a refresh last found no older resource on its
-    # store: looked at again only when one of them changed (kvpersist.controller.apply._exclusive_recheck).
+    # store: looked at again only when one of them changed (kvpersist.controller.apply.exclusive_recheck).
     stores_checked: tuple[int, Any] | None = None
     # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
     # (reason, message) while nothing is applied, and when the names are to be looked at again.

@@ -19,12 +19,12 @@ from kubernetes.client.exceptions import ApiException
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import admissioncheck, kube, metrics, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
-from kvpersist.controller.indexes import _fleet, _live, _seen, _stores
+from kvpersist.controller.indexes import fleet_now, live_now, seen_of, stores_now
 from kvpersist.controller.refresh import refresh_status
 from kvpersist.controller.retention import orphan_claims, protect_claims
 from kvpersist.controller.runtime import STATUS_INTERVAL_S, active
 from kvpersist.controller.state import ResourceState
-from kvpersist.controller.tracking import _forget, _sweep_if_forgotten
+from kvpersist.controller.tracking import forget, sweep_if_forgotten
 from kvpersist.status.workloads import Seen
 
 TICK_S = 1.0
@@ -72,7 +72,7 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
             if restore:
                 logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])
                 await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, apply_workloads, body, logger, seen)
-                seen = _seen(key, seen.live_ids, stores=_stores())  # what the apply changed, as the watch caches have it now
+                seen = seen_of(key, seen.live_ids, stores=stores_now())  # what the apply changed, as the watch caches have it now
             await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, refresh_status, body, seen, logger)
         except Exception as exc:  # one object's failure must not stop the others' status
             logger.warning("status refresh of %s/%s failed: %s", key[0], key[1], exc)
@@ -80,12 +80,12 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
         else:
             return
         finally:
-            _sweep_if_forgotten(key)
+            sweep_if_forgotten(key)
     # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
     # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
     if gone and not await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _exists, key):
         logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
-        _forget(key)
+        forget(key)
 
 
 def _read(key: tuple[str, str]) -> dict[str, Any] | None:
@@ -151,11 +151,11 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
     keys = sorted(set(due(time.monotonic())) | restore)
     # Where a peer is active, its status, not ours from caches kopf has paused.
     keys = await loop.run_in_executor(runtime.CONTROLLER.tick_pool, _active_keys, keys, tick)
-    live = _live() if keys else frozenset()
-    agents = _fleet() if keys else {}  # once a tick, as live: every refresh plans from the same view
+    live = live_now() if keys else frozenset()
+    agents = fleet_now() if keys else {}  # once a tick, as live: every refresh plans from the same view
     # Every resource's store, for the rounds that decide StorageInUse (an apply, or a refused resource's recheck).
-    stores = _stores(pods=any(k in restore or ((st := runtime.CONTROLLER.get(k)) is not None and st.storage_refused)
-                              for k in keys)) if keys else None
+    stores = stores_now(pods=any(k in restore or ((st := runtime.CONTROLLER.get(k)) is not None and st.storage_refused)
+                                 for k in keys)) if keys else None
     if tick - runtime.CONTROLLER.orphan_sweep_at >= STATUS_INTERVAL_S:
         runtime.CONTROLLER.orphan_sweep_at = tick
         orphans = orphan_claims()
@@ -168,7 +168,7 @@ async def _tick(tick: float, logger: logging.Logger) -> None:
             continue  # deleted meanwhile, or its last round (or a reconcile) still runs: next tick
         if key in restore:
             state.drifted = False
-        task = asyncio.create_task(_refresh_one(key, state.body, _seen(key, live, agents, stores), key in restore, logger))
+        task = asyncio.create_task(_refresh_one(key, state.body, seen_of(key, live, agents, stores), key in restore, logger))
         runtime.CONTROLLER.refresh_tasks.add(task)
         task.add_done_callback(runtime.CONTROLLER.refresh_tasks.discard)
 

@@ -14,12 +14,12 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import agentroll, metrics, runtime
-from kvpersist.controller.gc import _gc
-from kvpersist.controller.reading import _known_fingerprint, _target
+from kvpersist.controller.gc import gc_in_worker
+from kvpersist.controller.reading import known_fingerprint, target_of
 from kvpersist.inventory.cleanup import parse_request
 
 
-def _forget(key: tuple[str, str]) -> None:
+def forget(key: tuple[str, str]) -> None:
     """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
     event, or a 404 from the API server for one whose event a watch outage lost)."""
     runtime.CONTROLLER.forget(key)
@@ -27,19 +27,19 @@ def _forget(key: tuple[str, str]) -> None:
     metrics.set_phase(key[0], key[1], None)
 
 
-def _sweep_if_forgotten(key: tuple[str, str]) -> None:
+def sweep_if_forgotten(key: tuple[str, str]) -> None:
     """After a round of worker threads: when the resource was forgotten while they ran (deleted
     meanwhile), forget it again, so what they wrote into the trackers (hits, backoff, the phase
     metric) goes too. In the event loop, like track(): nothing can bring the key back in between."""
     if runtime.CONTROLLER.get(key) is None:
-        _forget(key)
+        forget(key)
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):
-        _forget(key)
+        forget(key)
     else:
         remember(key, body, logger)
 
@@ -50,20 +50,20 @@ def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logg
     state = runtime.CONTROLLER.state(key)
     spec = dict(body.get("spec") or {})
     if state.body is not None and state.body.get("spec") == spec:
-        spec = state.body["spec"]  # the same object while unchanged: one copy, and parsed once (reading._target)
+        spec = state.body["spec"]  # the same object while unchanged: one copy, and parsed once (reading.target_of)
     state.body = {"apiVersion": body.get("apiVersion", api.API_VERSION), "kind": body.get("kind", api.KIND),
                   # managedFields left out: nothing reads them, and they are most of a stored object's metadata
                   "metadata": {k: v for k, v in body["metadata"].items() if k != "managedFields"}, "spec": spec,
                   "status": dict(body.get("status") or {})}
     try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
-        # from the copy just kept: an unchanged spec is its last object, so _target answers from its memo
-        state.namespace_id = _target(state.body, _known_fingerprint(state.body))[0].namespace_id
+        # from the copy just kept: an unchanged spec is its last object, so target_of answers from its memo
+        state.namespace_id = target_of(state.body, known_fingerprint(state.body))[0].namespace_id
     except ValidationError:
         state.namespace_id = None
     request = parse_request(body["metadata"].get("annotations"))
     done = ((body.get("status") or {}).get("gc") or {}).get("requestId")
     if request and request["requestId"] != done and request["requestId"] not in runtime.CONTROLLER.gc_inflight:
         runtime.CONTROLLER.gc_inflight.add(request["requestId"])
-        task = asyncio.create_task(_gc(key, request, logger))
+        task = asyncio.create_task(gc_in_worker(key, request, logger))
         runtime.CONTROLLER.gc_tasks.add(task)
         task.add_done_callback(runtime.CONTROLLER.gc_tasks.discard)

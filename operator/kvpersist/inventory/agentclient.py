@@ -21,7 +21,7 @@ GC_TIMEOUT_S = 120.0  # deleting a big namespace folder takes a while
 
 
 def _unix_time(stamp: Any) -> float | None:
-    """An RFC 3339 stamp as the agent writes it (inventory.iso) -> unix seconds."""
+    """An RFC 3339 stamp as the agent writes it (volume.iso) -> unix seconds."""
     if stamp is None or stamp == "":
         return None
     if not isinstance(stamp, str):

@@ -1,7 +1,7 @@
 """Per-namespace inventory and explicit cleanup of a Hugging Face bucket used as L2.
 
 Each namespace's lmcache hfbucket adapter writes under `<bucketHandle>/<kvp-id>`, so a recursive
-listing of the handle's prefix, grouped by its first folder (inventory.group), says what each
+listing of the handle's prefix, grouped by its first folder (volume.group), says what each
 namespace holds; deleting a namespace deletes exactly the objects under `<prefix>/<kvp-id>/`.
 
 Bounded in time: every request goes through hfbucket's client, so each ends, connect to last
@@ -116,7 +116,7 @@ def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: flo
     from huggingface_hub import BucketFile, HfApi
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    hfbucket._bound_hub_client()
+    hfbucket.bound_hub_client()
     api = HfApi(endpoint=endpoint)
     base = f"{prefix}/" if prefix else ""
     url: str | None = f"{api.endpoint}/api/buckets/{bid}/tree" + (f"/{quote(prefix, safe='')}" if prefix else "")
@@ -144,7 +144,7 @@ def _delete_chunk(bid: str, paths: list[str], token: str, endpoint: str | None, 
     from huggingface_hub.errors import BucketBatchError
 
     _check_deadline(bid, deadline)
-    hfbucket._bound_hub_client()
+    hfbucket.bound_hub_client()
     try:
         with hfbucket.hub_deadline(deadline):
             HfApi(endpoint=endpoint, token=token).batch_bucket_files(bid, delete=paths)

@@ -12,14 +12,12 @@ cluster. The agents (volumes) refuse their own server's namespace a second time.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpersist.inventory.agentclient import request_gc
 from kvpersist.inventory.bucket import DeletionRefused
-from kvpersist.inventory.volume import NAMESPACE_ID_RE, NamespaceUsage
-from kvpersist.status.usage import human_bytes
-from kvpersist.status.users import users_of
+from kvpersist.inventory.volume import NAMESPACE_ID_RE, NamespaceUsage, human_bytes
 
 GC_ANNOTATION = "kvpersist.dev/gc-request"
 # Asked right before each deletion: why the namespace may not be deleted now, or None.
@@ -48,22 +46,6 @@ def refusal(namespace_id: str, current: str | None, live: frozenset[str]) -> str
         return f"{namespace_id} is the namespace this resource serves"
     if namespace_id in live:
         return f"{namespace_id} is still used by another KVCacheNamespace or a running lmcache server"
-    return None
-
-
-def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
-                pods: Iterable[Mapping[str, Any]],
-                fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
-    """refusal() judged from a fresh listing of every KVCacheNamespace and every pod that carries a
-    namespace id, naming who uses it (what the watch caches may not have seen yet). fingerprint:
-    reads the L2 key of a resource whose status records none (kvpersist.status.users.users_of)."""
-    why = refusal(namespace_id, current, frozenset())
-    if why:
-        return why
-    users = users_of(namespace_id, resources, pods, fingerprint)
-    if users:
-        more = f" and {len(users) - 5} more" if len(users) > 5 else ""
-        return f"{namespace_id} is now in use by {', '.join(users[:5])}{more} (checked again right before deleting)"
     return None
 
 

@@ -74,7 +74,7 @@ def _hub_client() -> httpx2.Client:
                          headers={"Accept-Encoding": "identity"}, transport=transport)
 
 
-def _bound_hub_client() -> None:
+def bound_hub_client() -> None:
     """huggingface_hub's shared HTTP client has no timeout by default; the operator's is _hub_client."""
     global _client_bounded
     with _client_lock:
@@ -105,7 +105,7 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    _bound_hub_client()
+    bound_hub_client()
     bid = bucket_id(handle)
     api = HfApi(endpoint=endpoint, token=token)
     try:

@@ -90,6 +90,16 @@ def parse_iso(stamp: str | None) -> float | None:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
 
 
+def human_bytes(n: int | None) -> str | None:
+    if n is None:
+        return None
+    for unit, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}".replace(".0" + unit, unit)
+    return f"{n}B"
+
+
 def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> Inventory:
     """(relative path, size, mtime) entries, grouped by the namespace folder they sit in."""
     by_id: dict[str, NamespaceUsage] = {}

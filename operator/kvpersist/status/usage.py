@@ -17,7 +17,7 @@ from pydantic import BaseModel, StrictBool, ValidationError
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
-from kvpersist.inventory.volume import iso
+from kvpersist.inventory.volume import human_bytes, iso
 
 STATUS_TIMEOUT_S = 2.0  # all of one server's answer, /status and /metrics together
 # A /metrics body larger than this is not read further: the figures it carries become unknown.
@@ -568,16 +568,6 @@ def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: fl
     for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout, token, prefix), with_ip):
         reports[rep.pod] = rep
     return [reports[p] for p, _ in pods]
-
-
-def human_bytes(n: int | None) -> str | None:
-    if n is None:
-        return None
-    for unit, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if n >= size:
-            value = n / size
-            return f"{value:.1f}{unit}".replace(".0" + unit, unit)
-    return f"{n}B"
 
 
 def servers_l2(reports: list[ServerReport], shared: bool) -> tuple[int, int]:

@@ -3,7 +3,7 @@ the lmcache pods labelled with it.
 
 Read from what the API server stores, without the L2 key itself (the key's fingerprint is in
 status), so the admin CLI, the operator's event loop and a gc's last check right before deleting
-judge it alike. It sits below both: kvpersist.inventory.cleanup refuses a gc with it and
+judge it alike. It sits below both: kvpersist.controller.inuse refuses a gc with it and
 kvpersist.admin reports with it.
 """
 

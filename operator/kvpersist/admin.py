@@ -193,25 +193,32 @@ def _live(resources: list[dict[str, Any]], namespace: str | None
     return live_ids(every, [resolved_id(r) for r in every], pods), every, pods
 
 
+def kubectl_name(item: Mapping[str, Any]) -> str:
+    """What `kubectl get -o name` prints for the resource an output item names."""
+    return f"{api.KIND.lower()}.{api.GROUP}/{item['name']}"
+
+
 def cmd_status(namespace: str | None, output: str) -> int:
-    """-o table|wide: format_status; json|yaml: each resource's namespace, name and status."""
+    """-o table|wide: format_status; json|yaml|jsonpath: each resource's namespace, name and status; name."""
     resources = _resources(namespace)
     data = [{"namespace": r["metadata"]["namespace"], "name": r["metadata"]["name"], **(r.get("status") or {})}
             for r in resources]
     if output in ("table", "wide") and not resources:
         print("No KVCacheNamespaces found.")
         return 0
-    print(cliflags.emit(output, data, lambda wide: format_status(resources, wide)))
+    text = cliflags.emit(output, data, lambda wide: format_status(resources, wide), kubectl_name)
+    if text:  # -o name or jsonpath with nothing to print: no blank line, as kubectl
+        print(text)
     return 0
 
 
 def cmd_report(namespace: str | None, output: str) -> int:
-    """-o table|wide: format_report and the first orphan to reclaim; json|yaml: the rows."""
+    """-o table|wide: format_report and the first orphan to reclaim; json|yaml|jsonpath: the rows; name: their ids."""
     resources = _resources(namespace)
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
-    if output in ("json", "yaml"):
-        print(cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: ""))
+    if output not in ("table", "wide"):  # -o name: the namespace ids, what `kvpersist gc` takes
+        print(cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"]))
     elif not rows:
         print("No inventory yet: the operator reports one within a minute of a server starting.")
     else:

@@ -53,7 +53,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()],
+                   log_refkey="k8s" if args.log_format == "json" else None)
     if not args.verbose:
         runtime.quiet_event_handler_logs()
     from kvpersist.controller import agentroll
@@ -191,6 +192,8 @@ def _operator_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     run.add_argument("-v", "--verbose", action="store_true")
+    run.add_argument("--log-format", choices=("full", "plain", "json"), default="full",
+                     help="full: time, logger, level, message; json: one object a line, with the resource under k8s")
     run.set_defaults(fn=_run)
 
     # Parsed by kvpersist.inventory.agent itself (operator_main() hands it the rest of the line).

@@ -1,17 +1,19 @@
 """The flags every user command shares, spelled and defaulted as kubectl's: `-n` is the kubeconfig
-context's namespace unless given, `-A` every namespace, `-o table|wide|json|yaml`, `--kubeconfig`
-and `--context`. One place, so `status`, `report`, `gc` and `plan` cannot drift apart."""
+context's namespace unless given, `-A` every namespace, `-o table|wide|json|yaml|name|jsonpath=...`,
+`--kubeconfig` and `--context`. One place, so `status`, `report`, `gc` and `plan` cannot drift apart."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import yaml
 
-OUTPUTS = ("table", "wide", "json", "yaml")
+OUTPUTS = ("table", "wide", "json", "yaml", "name")
+JSONPATH = "jsonpath="
 
 
 def add_cluster_flags(cmd: argparse.ArgumentParser, all_namespaces: bool = True) -> None:
@@ -24,8 +26,23 @@ def add_cluster_flags(cmd: argparse.ArgumentParser, all_namespaces: bool = True)
 
 
 def add_output_flag(cmd: argparse.ArgumentParser, choices: Sequence[str] = OUTPUTS) -> None:
-    cmd.add_argument("-o", "--output", choices=tuple(choices), default=choices[0],
-                     help=f"output format: {', '.join(choices)} (default {choices[0]})")
+    """-o: one of choices, or jsonpath=TEMPLATE (kubectl's template syntax over what -o json prints)."""
+
+    def output(value: str) -> str:
+        if value in choices:
+            return value
+        if value.startswith(JSONPATH):
+            try:
+                _template(value[len(JSONPATH):])
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"-o {value}: {exc}") from None
+            return value
+        raise argparse.ArgumentTypeError(f"-o {value}: use one of {', '.join(choices)} or jsonpath=TEMPLATE, "
+                                         "e.g. jsonpath='{[*].name}'")
+
+    cmd.add_argument("-o", "--output", type=output, default=choices[0], metavar="FORMAT",
+                     help=f"output format: {', '.join(choices)} or jsonpath=TEMPLATE (over what -o json prints, "
+                     f"e.g. '{{[*].name}}'; default {choices[0]})")
 
 
 def context_namespace(kubeconfig: str | None, context: str | None) -> str:
@@ -48,10 +65,121 @@ def namespace_of(args: argparse.Namespace) -> str | None:
     return args.namespace or context_namespace(args.kubeconfig, args.context)
 
 
-def emit(output: str, data: Any, table: Callable[[bool], str]) -> str:
-    """The text for one -o: json or yaml of the data itself, else the table (wide when asked)."""
+def emit(output: str, data: Any, table: Callable[[bool], str], name_of: Callable[[Any], str] = str) -> str:
+    """The text for one -o: json or yaml of the data itself, jsonpath over that same data, one
+    name a line (name_of each item), else the table (wide when asked)."""
     if output == "json":
         return json.dumps(data, indent=2)
     if output == "yaml":
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=False).rstrip("\n")
+    if output.startswith(JSONPATH):
+        return jsonpath(output[len(JSONPATH):], data)
+    if output == "name":
+        return "\n".join(name_of(item) for item in (data if isinstance(data, list) else [data]))
     return table(output == "wide")
+
+
+# ------------------------------------------------------------------ kubectl's jsonpath, the part people use
+
+_BLOCK = re.compile(r"\{((?:[^{}\"]|\"(?:[^\"\\]|\\.)*\")*)\}")
+_STEP = re.compile(r"\.([\w-]+|\*)|\[(\*|-?\d+|'[^']*'|\"[^\"]*\"|\?\(@((?:\.[\w-]+)+)\s*(==|!=)\s*(\S+?)\))\]")
+
+
+def _template(text: str) -> list[tuple[str, str]]:
+    """(kind, value) parts: ("text", literal), ("path", expr), ("range", expr), ("end", ""). Raises ValueError."""
+    parts: list[tuple[str, str]] = []
+    pos, depth = 0, 0
+    for m in _BLOCK.finditer(text):
+        if "{" in text[pos:m.start()] or "}" in text[pos:m.start()]:
+            raise ValueError(f"unbalanced braces near {text[pos:m.start()]!r}")
+        parts.append(("text", text[pos:m.start()]))
+        inner = m.group(1).strip()
+        if inner.startswith('"'):
+            parts.append(("text", json.loads(inner, strict=False)))  # a quoted literal: "\n", "\t"
+        elif inner == "end":
+            depth -= 1
+            parts.append(("end", ""))
+        elif inner.startswith("range "):
+            depth += 1
+            parts.append(("range", _checked(inner[len("range "):].strip())))
+        else:
+            parts.append(("path", _checked(inner)))
+        if depth < 0:
+            raise ValueError("{end} without {range}")
+        pos = m.end()
+    if "{" in text[pos:] or "}" in text[pos:]:
+        raise ValueError(f"unbalanced braces near {text[pos:]!r}")
+    if depth:
+        raise ValueError("{range} without {end}")
+    return [*parts, ("text", text[pos:])]
+
+
+def _checked(expr: str) -> str:
+    rest = expr[1:] if expr.startswith(("$", "@")) else expr
+    if rest in ("", "."):
+        return ""
+    if _STEP.sub("", rest):
+        raise ValueError(f"cannot read {expr!r}: use .field, [n], [*], ['key'] or [?(@.field==value)]")
+    return rest
+
+
+def _select(expr: str, root: Any) -> list[Any]:
+    nodes = [root]
+    for m in _STEP.finditer(expr):
+        key, index = m.group(1), m.group(2)
+        out: list[Any] = []
+        for node in nodes:
+            out.extend(_step(node, key, index, m))
+        nodes = out
+    return nodes
+
+
+def _step(node: Any, key: str | None, index: str | None, m: re.Match[str]) -> Iterator[Any]:
+    if key == "*" or index == "*":
+        yield from (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+    elif key is not None or (index is not None and index[0] in "'\""):
+        name = key if key is not None else index[1:-1]  # type: ignore[index]
+        if isinstance(node, dict) and name in node:
+            yield node[name]
+    elif index is not None and index.startswith("?"):
+        want = m.group(5).strip("'\"")
+        for item in node if isinstance(node, list) else ():
+            got = _select(m.group(3), item)
+            equal = bool(got) and _text(got[0]) == want
+            if equal == (m.group(4) == "=="):
+                yield item
+    elif index is not None and isinstance(node, list) and -len(node) <= int(index) < len(node):
+        yield node[int(index)]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def jsonpath(template: str, data: Any) -> str:
+    """kubectl's -o jsonpath over data: fields, indexes, [*], simple filters, {range}..{end} and
+    quoted literals; each match printed as kubectl does (strings bare, the rest as JSON, space apart)."""
+    parts = _template(template)
+
+    def render(start: int, root: Any) -> tuple[str, int]:
+        out, i = [], start
+        while i < len(parts):
+            kind, value = parts[i]
+            if kind == "end":
+                return "".join(out), i
+            if kind == "text":
+                out.append(value)
+            elif kind == "path":
+                out.append(" ".join(_text(v) for v in _select(value, root)))
+            else:  # range: the body once per match, then on past its end
+                body_end = i
+                for item in _select(value, root):
+                    text, body_end = render(i + 1, item)
+                    out.append(text)
+                if body_end == i:
+                    _, body_end = render(i + 1, None)
+                i = body_end
+            i += 1
+        return "".join(out), i
+
+    return render(0, data)[0]

@@ -447,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
     from kubernetes.client.exceptions import ApiException
 
+    from kvpersist import admin
     from kvpersist.controller import kube
 
     try:
@@ -461,9 +462,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kube.load_config(args.kubeconfig, args.context)
     except (kubernetes.config.ConfigException, OSError) as exc:
-        from kvpersist.admin import cluster_problem
-
-        print(cluster_problem(exc), file=sys.stderr)
+        print(admin.cluster_problem(exc), file=sys.stderr)
         return ERROR
     default_namespace = cliflags.namespace_of(args) or "default"
     plans, codes = [], []
@@ -482,5 +481,5 @@ def run(args: argparse.Namespace) -> int:
         plans.append(plan)
         codes.append(plan.code)
     print(cliflags.emit(args.output, [plan_json(p) for p in plans],
-                        lambda wide: "\n\n".join(format_plan(p, wide) for p in plans)))
+                        lambda wide: "\n\n".join(format_plan(p, wide) for p in plans), admin.kubectl_name))
     return exit_code(codes)

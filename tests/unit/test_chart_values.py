@@ -88,6 +88,52 @@ def test_monitoring_objects_only_where_served_and_with_the_metrics_service(helm:
     assert not monitoring & {d["kind"] for d in _render(helm, *apis)}  # served, not asked for: none
 
 
+def _raw(helm: Path, *args: str) -> str:
+    out = subprocess.run([str(helm), "template", "kvpersist", str(rb.CHART), "--namespace", "kvpersist-system", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_what_is_asked_for_and_not_served_is_said_in_the_render(helm: Path) -> None:
+    """`helm template` prints no NOTES: a kind the cluster does not serve is a comment there, naming
+    the value and the --api-versions that renders it, not a silent gap."""
+    on = ("--set", "metrics.serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true")
+    served = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+    said = [line for line in _raw(helm, *on).splitlines() if line.startswith("# NOT RENDERED: ")]
+    assert [line.split()[3] for line in said] == ["metrics.serviceMonitor.enabled", "prometheusRule.enabled",
+                                                  "attach.enabled"]
+    assert "--api-versions monitoring.coreos.com/v1/ServiceMonitor" in said[0]
+    assert "--api-versions admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" in said[2]
+    apis = [a for kind in ("ServiceMonitor", "PrometheusRule") for a in ("--api-versions", f"monitoring.coreos.com/v1/{kind}")]
+    assert "NOT RENDERED" not in _raw(helm, *on, *apis, *served)
+    assert "NOT RENDERED" not in _raw(helm, *served)  # nothing asked for, nothing to say
+    off = _raw(helm, *on, *apis, *served, "--set", "metrics.service.enabled=false")
+    assert "# NOT RENDERED: metrics.serviceMonitor.enabled is true, but metrics.service.enabled is false" in off
+
+
+def test_pull_secrets_by_name_peering_per_release_and_json_logs(helm: Path) -> None:
+    pod = _pod(_render(helm, "--set", "imagePullSecrets={regcred}", "--set-json",
+                       'global={"imagePullSecrets": ["regcred", {"name": "platform"}]}'))
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "platform"}]  # each once
+    for release, ns_flags, kind in (("kvpersist", (), "ClusterKopfPeering"), ("staging", (), "ClusterKopfPeering"),
+                                    ("staging", ("--set", "watchNamespaces={ml}"), "KopfPeering")):
+        out = subprocess.run([str(helm), "template", release, str(rb.CHART), "--namespace", "kvpersist-system", *ns_flags],
+                             capture_output=True, text=True, timeout=120)
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        [peering] = _kind(docs, kind)
+        [container] = _pod(docs)["spec"]["containers"]
+        name = "kvpersist" if release == "kvpersist" else f"{release}-kvpersist"  # the release's full name
+        assert peering["metadata"]["name"] == name and f"--peering={name}" in container["args"]
+    [container] = _pod(_render(helm, "--set", "peering.name=shared"))["spec"]["containers"]
+    assert "--peering=shared" in container["args"] and not any(a.startswith("--log-format") for a in container["args"])
+    [container] = _pod(_render(helm, "--set", "logFormat=json"))["spec"]["containers"]
+    assert "--log-format=json" in container["args"]
+    refused = subprocess.run([str(helm), "template", "kvpersist", str(rb.CHART), "--set", "logFormat=yaml"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "logFormat" in refused.stderr
+
+
 def test_policy_bindings_cover_the_watched_namespaces_only(helm: Path) -> None:
     clusterwide = _kind(_render(helm), "ValidatingAdmissionPolicyBinding")
     assert clusterwide and all("matchResources" not in b["spec"] for b in clusterwide)
@@ -115,13 +161,16 @@ def _notes(helm: Path, tmp_path: Path, *args: str) -> str:
 def test_notes_name_the_namespace_to_apply_to(helm: Path, tmp_path: Path) -> None:
     watched = _notes(helm, tmp_path / "a", "--set", "watchNamespaces={ml,research}")
     assert "It watches only: ml, research." in watched
-    assert "kubectl apply -n ml -f config/samples/nvme-minimal.yaml" in watched
+    assert "kubectl apply -n ml -f <your copy of config/samples/nvme-minimal.yaml>" in watched
     everywhere = _notes(helm, tmp_path / "b")
     assert "It watches every namespace" in everywhere and "kubectl apply -n YOUR-NAMESPACE -f" in everywhere
     assert "bind the ClusterRole\nkvpersist-gc" in everywhere and "The KVCacheNamespace CRD is this release's" in everywhere
     asked = _notes(helm, tmp_path / "c", "--set", "metrics.serviceMonitor.enabled=true", "--set", "crds.enabled=false")
-    assert "serves no monitoring.coreos.com/v1 ServiceMonitor: none made" in asked
-    assert "crds.enabled is false" in asked and "Monitoring asked for" not in everywhere
+    assert ("metrics.serviceMonitor.enabled is true, but this cluster does not serve "
+            "monitoring.coreos.com/v1/ServiceMonitor") in asked
+    assert "crds.enabled is false" in asked and "Asked for but not made" in asked
+    served = _notes(helm, tmp_path / "d", "--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+    assert "Asked for but not made" not in served
 
 
 def test_the_crd_is_a_kept_template_of_the_generated_one(helm: Path) -> None:

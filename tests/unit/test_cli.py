@@ -59,6 +59,31 @@ def test_every_output_format_is_accepted_and_others_refused() -> None:
         assert parser.parse_args(["plan", "-f", "x.yaml", "-o", output]).output == output
     with pytest.raises(SystemExit):
         parser.parse_args(["status", "-o", "xml"])
+    template = "jsonpath={range [*]}{.name}{end}"
+    assert parser.parse_args(["report", "-o", template]).output == template
+    assert parser.parse_args(["version", "-o", "jsonpath={.kvpersist}"]).output == "jsonpath={.kvpersist}"
+    for bad in ("jsonpath={[*].name", "jsonpath={range [*]}{.name}", "jsonpath={.a b}", "jsonpath={..name}"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["status", "-o", bad])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["version", "-o", "name"])  # version has no object to name
+
+
+def test_name_and_jsonpath_print_as_kubectl() -> None:
+    data = [{"namespace": "team-a", "name": "llama", **RESOURCE["status"]},
+            {"namespace": "team-a", "name": "qwen", "phase": "Pending", "conditions": []}]
+    assert cliflags.emit("name", data, lambda _: "", admin.kubectl_name) == ("kvcachenamespace.kvpersist.dev/llama\n"
+                                                                             "kvcachenamespace.kvpersist.dev/qwen")
+    assert cliflags.emit("name", [{"namespace_id": "kvp-1"}], lambda _: "", lambda r: r["namespace_id"]) == "kvp-1"
+    assert cliflags.emit("jsonpath={[*].name}", data, lambda _: "") == "llama qwen"
+    assert cliflags.jsonpath(r'{range [*]}{.name}{"\t"}{.phase}{"\n"}{end}', data) == "llama\tReady\nqwen\tPending\n"
+    assert cliflags.jsonpath('{[*].conditions[?(@.type=="Ready")].reason}', data) == "AllReady"
+    assert cliflags.jsonpath('{[?(@.phase!="Ready")].name}', data) == "qwen"
+    rows = [{"orphan": True, "namespace_id": "kvp-1"}, {"orphan": False, "namespace_id": "kvp-2"}]
+    assert cliflags.jsonpath("{[?(@.orphan==true)].namespace_id}", rows) == "kvp-1"  # docs/admin.md's example
+    assert cliflags.jsonpath("{$[0].usage}", data) == '{"l1Used":"1Mi","l2Used":"2Gi"}'  # maps as JSON
+    assert cliflags.jsonpath("{[5].name}{[-1]['name']}", data) == "qwen"  # out of range: nothing
+    assert cliflags.jsonpath("{range [*]}{range .conditions[*]}{.type};{end}|{end}", data) == "Ready;||"
 
 
 RESOURCE = {"metadata": {"namespace": "team-a", "name": "llama"},
@@ -154,3 +179,25 @@ def test_the_api_reference_is_current_and_covers_every_field() -> None:
 
     missing = [p for p in leaves(spec, "spec") if f"| `{p}` |" not in text]
     assert not missing, missing
+
+
+def test_run_logs_in_json_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--log-format json (the chart's logFormat): kopf's JSON lines, each naming its resource under k8s."""
+    import kopf
+
+    from kvpersist.controller import runtime
+
+    calls: dict[str, dict] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: calls.setdefault("run", kw))
+    monkeypatch.setattr(kopf, "configure", lambda **kw: calls.setdefault("configure", kw))
+    monkeypatch.setattr(runtime, "set_policy", lambda _policy: None)  # no global state left behind
+    monkeypatch.setattr(runtime, "set_peering", lambda *_: None)
+    monkeypatch.setattr(runtime, "quiet_event_handler_logs", lambda: None)
+    monkeypatch.setenv("KVPERSIST_CLUSTER_DOMAIN", "cluster.local")
+    assert cli.main(["run", "--standalone", "--log-format", "json"]) == 0
+    assert calls["configure"]["log_format"] == kopf.LogFormat.JSON and calls["configure"]["log_refkey"] == "k8s"
+    calls.clear()
+    assert cli.main(["run", "--standalone"]) == 0
+    assert calls["configure"]["log_format"] == kopf.LogFormat.FULL and "run" in calls
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--log-format", "yaml"])

@@ -88,6 +88,30 @@ from --api-versions, install and upgrade from the cluster. */}}
 {{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind) }}true{{ end -}}
 {{- end -}}
 
+{{/* The peering object's name: peering.name, else the release's full name (two releases never meet
+on one, as they would on a fixed name: the second's install failed on the first's ClusterKopfPeering). */}}
+{{- define "kvpersist.peeringName" -}}
+{{- .Values.peering.name | default (include "kvpersist.fullname" .) -}}
+{{- end -}}
+
+{{/* What a value asks for and the chart did not render, one line each: NOTES.txt says it at install,
+and templates/not-rendered.yaml as comments in `helm template`'s output, which prints no NOTES. */}}
+{{- define "kvpersist.notRendered" -}}
+{{- $missing := "but this cluster does not serve %s (with `helm template`, pass --api-versions %s; Argo CD passes the cluster's): %s" }}
+{{- range list (list .Values.metrics.serviceMonitor.enabled "metrics.serviceMonitor.enabled" "ServiceMonitor" true) (list .Values.prometheusRule.enabled "prometheusRule.enabled" "PrometheusRule" true) (list .Values.lmcacheMetrics.podMonitor.enabled "lmcacheMetrics.podMonitor.enabled" "PodMonitor" false) }}
+{{- $api := printf "monitoring.coreos.com/v1/%s" (index . 2) }}
+{{- if and (index . 0) (index . 3) (not $.Values.metrics.service.enabled) }}
+{{ index . 1 }} is true, but metrics.service.enabled is false: no {{ index . 2 }}
+{{- else if and (index . 0) (not ($.Capabilities.APIVersions.Has $api)) }}
+{{ index . 1 }} is true, {{ printf $missing $api $api (printf "no %s (install the Prometheus Operator's CRDs, then upgrade)" (index . 2)) }}
+{{- end }}
+{{- end }}
+{{- $map := "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" }}
+{{- if and .Values.attach.enabled (not (.Capabilities.APIVersions.Has $map)) }}
+attach.enabled is true, {{ printf $missing $map $map "no attach policies, so a labelled pod is admitted unchanged, without the cache (docs/attach.md)" }}
+{{- end }}
+{{- end -}}
+
 {{/* The operator's image (also the inventory agent's): by digest when image.digest is set (a tag can
 move; a digest cannot), else repository:tag (the tag defaulting to the chart's appVersion). */}}
 {{- define "kvpersist.image" -}}

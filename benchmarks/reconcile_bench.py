@@ -899,7 +899,8 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
         wait_for(f"{count} resources reconciled", all_observed, 1800, interval=2)
         converge_s, at1 = time.monotonic() - t0, audited.now()
         cpu1, w1 = op.cpu_seconds(), op.writes()
-        c_writes, c_reads, c_watches = split(audited.between(at0, at1))
+        converge_requests = audited.between(at0, at1)
+        c_writes, c_reads, c_watches = split(converge_requests)
         writes_per_reconcile = c_writes / count
         per_reconcile = (c_writes + c_reads) / count
         print(f"converged: {count} reconciled in {converge_s:.1f} s, operator CPU {cpu1 - cpu0:.1f} s, peak RSS so far "
@@ -937,6 +938,9 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
     counted = {f"{verb} {what}": n for (verb, what), n in sorted(Counter(idle_requests).items())}
     print(f"converge: the operator's requests (audit log) {c_writes} writes, {c_reads} gets and lists, {c_watches} watches "
           f"opened; its own counters: {w1 - w0:.0f} writes (applies, status writes, events)", flush=True)
+    by_request = {f"{verb} {what}": round(n / count, 2) for (verb, what), n in sorted(Counter(converge_requests).items())
+                  if verb != "watch"}
+    print(f"converge: the operator's requests per resource, by verb and resource: {by_request}", flush=True)
     print(f"idle {idle_s:.0f} s: the operator's requests (audit log): {counted or 'none'} ({i_watches} watches opened: "
           "kopf opens each kind's watch again every 300 s, not a read of a round); its counters: "
           f"{w3 - w2:.0f} writes", flush=True)

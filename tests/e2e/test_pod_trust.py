@@ -6,16 +6,21 @@ and prewarm send the vLLM API key: they used to find them by labels alone, which
 create a pod can copy. Here a tenant's pod carries the servers' labels (kwok runs it, with a
 loopback pod IP of its own on a kwok node), and a small HTTP server in this test process listens
 on that IP and the agent port, recording every request and its Authorization header: across
-several status rounds it is sent nothing, while the real agent keeps answering status's requests
-with the token (status.inventory and status.usage come from it), and the operator's log names the
-pod it left out.
+several status rounds and an explicit `kvpersist gc` of an orphaned namespace it is sent nothing,
+while the real agent keeps answering with the token (status.inventory and status.usage come from
+it, and it deletes the orphan gc names), and the operator's log names the pod it left out. The
+canary and prewarm (the vLLM API key, sent to vLLM pods) are not run here: they need vLLM pods
+serving (tests/e2e/test_canary.py, test_prewarm.py).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -96,8 +101,18 @@ def test_a_tenant_pod_with_the_servers_labels_is_sent_no_token(kubectl: Kubectl,
                      "containers": [{"name": "agent", "image": "registry.example/tenant:1",
                                      "ports": [{"containerPort": agent_port}]}]}}))
         ip = wait_for(f"{TENANT_POD} Running with a pod IP", lambda: _running_ip(kubectl, ns, TENANT_POD), timeout=120)
+        # An orphaned namespace on the real server's volume, for gc to delete while the look-alike is there.
+        orphan = "kvp-" + uuid.uuid4().hex
+        (env.volume() / orphan).mkdir()
+        (env.volume() / orphan / "chunk").write_bytes(b"\0" * 4096)
         with recorder(ip, agent_port) as requests:
             more_rounds(env.operator, ns, NAME, rounds=4)  # the first may have begun before the recorder listened
+            # gc sends the token to the resource's agents: only the real one is asked, and it answers.
+            gc = subprocess.run([sys.executable, "-m", "kvpersist.cli", "gc", orphan, "-n", ns, "--no-dry-run",
+                                 "--kubeconfig", str(kubectl.kubeconfig)], capture_output=True, text=True, timeout=240)
+            assert gc.returncode == 0, gc.stdout + gc.stderr
+            assert not (env.volume() / orphan).exists(), gc.stdout  # deleted by the real agent, during the window
+            more_rounds(env.operator, ns, NAME, rounds=1)
             sent = list(requests)
         assert not any(token in (auth or "") for _, _, auth in sent), sent
         assert sent == [], sent  # nothing at all: it is not one of the resource's servers

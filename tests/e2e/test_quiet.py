@@ -77,6 +77,7 @@ def requests(audit_log: Path, user: str, since: datetime, until: datetime) -> li
 def test_unschedulable_servers_cost_no_requests_a_minute_after_the_fallback(
         kubectl: Kubectl, quiet_operator: dict[str, Any], audit_log: Path) -> None:
     ns, proc, user = quiet_operator["ns"], quiet_operator["proc"], quiet_operator["user"]
+    started = datetime.now(UTC)
     for name in NAMES:
         kubectl.apply(resource(ns, name))
 
@@ -113,3 +114,12 @@ def test_unschedulable_servers_cost_no_requests_a_minute_after_the_fallback(
     # watches end every few minutes and are opened again; that is the watch, not a round).
     repeated = sorted(r for r, n in Counter(seen).items() if r.startswith("get ") or n > 1)
     assert repeated == [], f"reads in {until - since} of quiet rounds: {seen}"
+    # The one roll the fallback makes, counted: from its creation on, each vLLM Deployment was
+    # written twice by the operator (made with the cache, rolled without it) and its spec changed
+    # once (generation 2): the drift watch never took the roll for someone else's edit to undo.
+    since_start = requests(audit_log, user, started, until)
+    for name in NAMES:
+        writes = [r for r in since_start if r.split()[0] in WRITE_VERBS and r.endswith(f" {ns}/{name}-vllm")
+                  and r.split()[1] == "deployments"]
+        assert len(writes) == 2, f"{name}-vllm: {writes}"
+        assert kubectl.get("deployment", f"{name}-vllm", ns)["metadata"]["generation"] == 2

@@ -919,6 +919,8 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
         settled = time.monotonic() - quiet_since >= 30
         settle_s = time.monotonic() - settle_t0 - (30 if settled else 0)
         phases = pod_phases(k, ns)  # before the idle window: the benchmark's own LIST is no operator read
+        posted = Counter(e.get("reason") for e in json.loads(k.run("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+                         if e.get("reportingComponent") == "kvpersist")
         req2, cpu2, w2, at2 = cluster.requests(), op.cpu_seconds(), op.writes(), audited.now()
         print(f"settled: {settle_s:.0f} s more{'' if settled else f' (NOT settled: still writing after {settle_limit:.0f} s)'}"
               f", operator CPU {cpu2 - cpu1:.1f} s; pods by phase {phases}", flush=True)
@@ -940,7 +942,8 @@ def scale(cluster: Cluster, work: Path, count: int, idle_s: float, with_named: b
           f"opened; its own counters: {w1 - w0:.0f} writes (applies, status writes, events)", flush=True)
     by_request = {f"{verb} {what}": round(n / count, 2) for (verb, what), n in sorted(Counter(converge_requests).items())
                   if verb != "watch"}
-    print(f"converge: the operator's requests per resource, by verb and resource: {by_request}", flush=True)
+    print(f"converge: the operator's requests per resource, by verb and resource: {by_request}; its events by reason "
+          f"(all resources): {dict(posted)}", flush=True)
     print(f"idle {idle_s:.0f} s: the operator's requests (audit log): {counted or 'none'} ({i_watches} watches opened: "
           "kopf opens each kind's watch again every 300 s, not a read of a round); its counters: "
           f"{w3 - w2:.0f} writes", flush=True)

@@ -29,7 +29,7 @@ WEIGHTS = {
     "test_quiet.py": 140,
     "test_real_vllm.py": 404, "test_reconcile.py": 108, "test_rollout_pairing.py": 67, "test_runner_writes.py": 8,
     "test_samples.py": 23, "test_scale_out.py": 192, "test_secrets.py": 46, "test_shared_l2.py": 16,
-    "test_upgrade.py": 51, "test_vllm_pod.py": 26,
+    "test_upgrade.py": 51, "test_user_guide.py": 30, "test_vllm_pod.py": 26,
 }
 
 

@@ -110,7 +110,7 @@ class HubStub:
                 stub.seen_tokens.append(auth.removeprefix("Bearer "))
                 if method == "HEAD" and self.path.startswith("/buckets/") and stub.cas_dir is not None:
                     return self._bucket_resolve(auth)
-                if method == "GET" and "/resolve/" in self.path and not self.path.startswith("/api/"):
+                if method in ("GET", "HEAD") and "/resolve/" in self.path and not self.path.startswith("/api/"):
                     return self._resolve(unquote(self.path.partition("?")[0]))
                 if not self.path.startswith("/api/buckets/"):
                     return self._send(404, {"error": "not found"})
@@ -164,8 +164,12 @@ class HubStub:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(data)))
+                # What huggingface_hub's download (`kvpersist pins`) reads from the HEAD first.
+                self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.send_header("X-Repo-Commit", revision)
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
 
             def _tree(self, bid: str, prefix: str, query: dict[str, list[str]]) -> None:
                 if query.get("recursive", [""])[0].lower() != "true":

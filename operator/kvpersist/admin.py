@@ -218,7 +218,9 @@ def cmd_report(namespace: str | None, output: str) -> int:
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
     if output not in ("table", "wide"):  # -o name: the namespace ids, what `kvpersist gc` takes
-        print(cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"]))
+        text = cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"])
+        if text:  # -o name or jsonpath with nothing to print: no blank line, as cmd_status and kubectl
+            print(text)
     elif not rows:
         print("No inventory yet: the operator reports one within a minute of a server starting.")
     else:

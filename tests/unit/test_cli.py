@@ -201,3 +201,15 @@ def test_run_logs_in_json_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls["configure"]["log_format"] == kopf.LogFormat.FULL and "run" in calls
     with pytest.raises(SystemExit):
         cli.main(["run", "--log-format", "yaml"])
+
+
+def test_name_and_jsonpath_of_nothing_print_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """As kubectl: no resource (or no report row) under -o name or jsonpath is no output, not a blank line."""
+    monkeypatch.setattr(admin, "_resources", lambda _namespace: [])
+    monkeypatch.setattr(admin, "_live", lambda _resources, _namespace: (frozenset(), [], []))
+    for output in ("name", "jsonpath={[*].name}"):
+        assert admin.cmd_status("ml", output) == 0
+        assert admin.cmd_report("ml", output) == 0
+    assert capsys.readouterr().out == ""
+    assert admin.cmd_report("ml", "json") == 0 and capsys.readouterr().out == "[]\n"

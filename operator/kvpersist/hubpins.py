@@ -65,6 +65,7 @@ class Derived:
     chat_template_digest: str | None
     template_source: str | None  # which file the template came from
     notes: tuple[str, ...] = ()
+    mla: bool = False  # latent attention: its block size is the attention backend's choice, not a default
 
 
 def parse_json(name: str, data: bytes) -> dict[str, Any]:
@@ -222,7 +223,7 @@ def derive(config_bytes: bytes, tokenizer_files: Mapping[str, bytes | None]) -> 
     template = chat_template(tokenizer_files)
     return Derived(kv_heads, head_size, length, config_dtype(config),
                    template_digest(template[0]) if template else None, template[1] if template else None,
-                   tuple(notes + length_notes))
+                   tuple(notes + length_notes), mla=any(n.startswith("MLA") for n in notes))
 
 
 def check_revision(value: str, what: str) -> str:

@@ -104,6 +104,8 @@ def field_path(pin: str) -> str:
     A derived pin keeps its name (its messages name the field to fix themselves)."""
     if pin in DERIVED_PINS:
         return pin
+    if pin == "num_kv_heads":  # the API's one alias that is not plain camelCase
+        return "spec.identity.numKVHeads"
     head, *rest = pin.split("_")
     return "spec.identity." + head + "".join(w.capitalize() for w in rest)
 

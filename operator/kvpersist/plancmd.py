@@ -30,6 +30,7 @@ applied) or keep its cache off (StorageInUse), 1 an error (the file, an invalid 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -62,7 +63,7 @@ class Plan:
     changed_fields: list[str] = field(default_factory=list)
     # Why the new spec names no id: the cache turns off (a missing pin), or the key cannot be read.
     new_id_reason: str | None = None
-    unknown: bool = False  # the new id depends on a key this command could not read
+    unknown: bool = False  # the new id depends on a key or files this command could not read
     old_held: tuple[int, int] | None = None  # (bytes, objects) of old_id (status.usage); None: not measured
     old_hits: str | None = None  # status.hits.summary
     still_used_by: list[str] = field(default_factory=list)  # other resources that serve old_id
@@ -113,11 +114,39 @@ def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, 
     return record.get("fingerprint") if record.get("secret") == new_source[0] else None
 
 
+def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> Any:
+    """What the operator fills the spec's unset pins from (kvpersist.controller.pincheck): the
+    model's files as the live status keeps them, else read with huggingface_hub (its cache,
+    HF_TOKEN, HF_ENDPOINT). None when nothing is unset."""
+    from kvpersist import hubpins
+    from kvpersist.controller import pincheck
+    from kvpersist.pinscmd import hub_error
+
+    key = pincheck.key_of(spec.identity)
+    if key is None or not pincheck.unset(spec.identity):
+        return None
+    at = pincheck.where(key)
+    kept = pincheck.recorded((live or {}).get("status"), at)
+    if kept is not None:
+        return pincheck.Facts(at, kept)
+    try:
+        derived = hubpins.fetch_derived(hubpins.hub_fetch(token=os.environ.get("HF_TOKEN") or None), *key)
+    except hubpins.PinsError as exc:
+        return pincheck.Facts(at, unread=str(exc))
+    except Exception as exc:  # the Hub refused or is unreachable: which, never the token
+        return pincheck.Facts(at, unread=hub_error(exc))
+    return pincheck.Facts(at, tuple(pincheck.file_pins(derived).items()))
+
+
 def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
-            key: KeyRead | None = None) -> Plan:
-    """The plan, pure: the live object as read (None: it does not exist) and the key read from the
-    new spec's Secret when status records none for it (None: not read). still_used_by is the
-    caller's to fill (it lists other resources)."""
+            key: KeyRead | None = None, pins: Any = None) -> Plan:
+    """The plan, pure: the live object as read (None: it does not exist), the key read from the
+    new spec's Secret when status records none for it (None: not read) and what fills its unset
+    pins (pin_facts). still_used_by is the caller's to fill (it lists other resources)."""
+    from kvpersist.controller import pincheck
+
+    stored_new = new_spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+    new_spec, unresolved = pincheck.filled(new_spec, pins)
     source = key_source(new_spec, name, namespace)
     fingerprint = recorded_fingerprint(live, source)
     unknown, reason = False, None
@@ -130,10 +159,13 @@ def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live:
             reason = (f"the new id depends on L2's key in Secret {source[0]} key {source[1]}, which this command cannot "
                       f"read: {why}")
     resolution = resolve(new_spec.pins(fingerprint))
+    if unresolved is not None and pins is not None and pins.values is None:
+        files = f"the model's files, which this command could not read: {unresolved}"
+        reason = f"{reason}; and on {files}" if unknown else f"the new id depends on {files}"
+        unknown = True
     new_id = None if unknown else resolution.namespace_id
     if not unknown and new_id is None:
-        reason = f"the cache turns off: {resolution.reason}"
-    stored_new = new_spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+        reason = f"the cache turns off: {unresolved or resolution.reason}"
     if live is None:
         return Plan(namespace, name, False, None, new_id, [], reason, unknown)
     status = live.get("status") or {}
@@ -331,14 +363,13 @@ def _readable(unchecked: list[str], what: str, read: Any, default: Any = None) -
 
 
 def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
-                  key: KeyRead | None) -> tuple[Any, list[str]]:
+                  key: KeyRead | None, pins: Any = None) -> tuple[Any, list[str]]:
     """What the operator's decide looks at, read with the user's credentials, in the order the
     operator reads it (kvpersist.controller.snapshot): the new spec on the live object's metadata and
     status. A generated key not made yet is offered a random one, as the operator makes it (the id
     it names is no one's: only what decide concludes of it is shown). Raises ApiException, and
     ValueError for a malformed KVPERSIST_ALLOWED_IMAGES or KVPERSIST_SECRET_LABEL."""
     import dataclasses
-    import os
     import secrets
 
     from kvpersist.builders.target import L2_KEY_BYTES, SERVER
@@ -355,7 +386,7 @@ def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: 
             "metadata": {"name": name, "namespace": namespace, "uid": meta.get("uid"), "generation": meta.get("generation"),
                          "creationTimestamp": meta.get("creationTimestamp"),
                          "annotations": (doc.get("metadata") or {}).get("annotations") or meta.get("annotations")}}
-    snap = dec.Snapshot(body=body, spec=spec, policy=Policy.from_env(os.environ))
+    snap = dec.Snapshot(body=body, spec=spec, policy=Policy.from_env(os.environ), pins=pins)
     if snap.policy.secret_label is not None:
         labels = {n: _readable(unchecked, f"Secret {n}", lambda n=n: kube.get_metadata("v1", "Secret", n, namespace))
                   for _field, n in named_secrets(spec)}
@@ -430,7 +461,8 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     if source is not None and recorded_fingerprint(live, source) is None:
         key = _read_key(source, namespace, Target(name, namespace, spec, None).key_secret_generated)
     old_id = ((live or {}).get("status") or {}).get("namespaceId")
-    plan = compute(namespace, name, spec, live, key)
+    pins = pin_facts(spec, live)
+    plan = compute(namespace, name, spec, live, key, pins)
     if old_id and plan.moves:
         plan.still_used_by = _others_serving(old_id, namespace, name)
     # What the operator would decide, by its own decide on what these credentials can read: the key
@@ -438,7 +470,7 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     recorded_fp = recorded_fingerprint(live, source)
     if source is not None and recorded_fp is not None:
         key = KeyRead(source[0], source[1], Target(name, namespace, spec, None).key_secret_generated, fingerprint=recorded_fp)
-    snap, unchecked = read_snapshot(doc, spec, live, namespace, key)
+    snap, unchecked = read_snapshot(doc, spec, live, namespace, key, pins)
     return with_decision(plan, decide(snap), unchecked)
 
 

@@ -200,7 +200,7 @@ def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespac
 
 def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, namespace: str) -> None:
     obj = sample()
-    del obj["spec"]["identity"]["chatTemplateDigest"]
+    del obj["spec"]["identity"]["modelRevision"]  # no commit: no files to fill a pin from
     obj["metadata"]["namespace"] = namespace
     kubectl.apply(obj)
     status = wait_for("phase CacheDisabled", lambda: (lambda s: s if s.get("phase") == "CacheDisabled" else None)(
@@ -208,7 +208,7 @@ def test_missing_pin_disables_cache_with_condition(kubectl: Kubectl, operator, n
     assert "namespaceId" not in status
     cond = next(c for c in status["conditions"] if c["type"] == "IdentityResolved")
     assert cond["status"] == "False" and cond["reason"] == "IdentityIncomplete"
-    assert "spec.identity.chatTemplateDigest" in cond["message"]
+    assert "spec.identity.modelRevision" in cond["message"]
     dep = wait_for("the vLLM Deployment", lambda: kubectl.run("get", "deployment", "llama31-8b-vllm", "-n", namespace,
                                                             "-o", "json", check=False).stdout)
     args = json.loads(dep)["spec"]["template"]["spec"]["containers"][0]["args"]

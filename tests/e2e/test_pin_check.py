@@ -69,3 +69,50 @@ def test_a_pin_the_files_contradict_turns_the_cache_off_naming_the_field(kubectl
         finally:
             stop(operator)
             kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_newcomers_two_pins_reach_ready_with_the_cache_on_and_a_restart_without_the_hub_keeps_them(
+        kubectl: Kubectl, crd: None, tmp_path: Path) -> None:
+    """spec.identity with modelId and modelRevision alone (image, l1, l2 as a newcomer writes them):
+    the operator fills the rest from the stand-in Hub's files, the id is that of the same pins
+    written out, vLLM is started with them, status.identity shows them; an operator restarted with
+    no Hub resolves the same id from status.identity.files and rolls nothing."""
+    from kvpersist.identity import image_digest
+    from tests.e2e.operator_env import kvpersist_env, manifest, more_rounds, start_operator, target_of
+    from tests.integration.kvdriver import SHAPE_PINS
+
+    with HubStub() as hub, kvpersist_env(kubectl, tmp_path, {"HF_ENDPOINT": hub.url}) as env:
+        explicit = manifest(env.ns)
+        ident = explicit["spec"]["identity"]
+        hub.models[(ident["modelId"], ident["modelRevision"])] = {
+            "config.json": json.dumps({"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": SHAPE_PINS[
+                "numKVHeads"], "head_dim": SHAPE_PINS["headSize"], "max_position_embeddings": 2048,
+                "torch_dtype": SHAPE_PINS["kvCacheDtype"]}).encode(),
+            "tokenizer_config.json": json.dumps({"chat_template": TEMPLATE}).encode()}
+        two = json.loads(json.dumps(explicit))
+        two["spec"]["identity"] = {"modelId": ident["modelId"], "modelRevision": ident["modelRevision"]}
+        name = two["metadata"]["name"]
+        kubectl.apply(two)
+        status = wait_for("Ready with the cache on", lambda: (lambda s: s if s.get("phase") == "Ready" and s.get(
+            "namespaceId") else None)(kubectl.get("kvns", name, env.ns).get("status") or {}), timeout=240)
+        ident.update(blockSize=16, tensorParallelSize=1, maxModelLen=2048, connectorBuild=image_digest(explicit["spec"]["image"]),
+                     chatTemplateDigest="sha256:" + hashlib.sha256(TEMPLATE.encode()).hexdigest())
+        assert status["namespaceId"] == target_of(explicit, kubectl).namespace_id  # the same pins written out
+        shown = status["identity"]
+        assert shown["pins"] == {k: v for k, v in ident.items()}, shown
+        assert "numKVHeads" in shown["filled"] and shown["files"]["at"] == f"{ident['modelId']}@{ident['modelRevision']}"
+        dep = kubectl.get("deployment", f"{name}-vllm", env.ns)
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        for flag, value in (("--block-size", "16"), ("--max-model-len", "2048"), ("--kv-cache-dtype", "float16"),
+                            ("--tensor-parallel-size", "1")):
+            assert args[args.index(flag) + 1] == value, args
+        assert "--kv-transfer-config" in args
+        generation = dep["metadata"]["generation"]
+
+        stop(env.operator)  # a restart while the Hub cannot be reached: status keeps what the files said
+        env.operator = start_operator(kubectl.kubeconfig, env.ns, env.log, {"HF_ENDPOINT": "http://127.0.0.1:9"})
+        more_rounds(env.operator, env.ns, name)
+        status = kubectl.get("kvns", name, env.ns)["status"]
+        assert status["namespaceId"] == target_of(explicit, kubectl).namespace_id and status["phase"] == "Ready"
+        assert kubectl.get("deployment", f"{name}-vllm", env.ns)["metadata"]["generation"] == generation  # no roll
+        assert sum(1 for _, path in hub.requests if path.endswith("/config.json")) == 1

@@ -3,13 +3,14 @@ local cluster: a step the guide changes is a step this test runs, so the page ca
 what the chart, the CLI and the operator do.
 
 Run as written (bash -e, from the repository root, the local cluster's kubectl and helm): the
-namespace and its Pod Security label, `helm install`, the token Secret, the manifest made with
-sed, echo and `kvpersist pins`, and `kubectl apply` of it. What cannot run here, and what stands in:
+namespace and its Pod Security label, `helm install`, the token Secret, the two-pin manifest, and
+`kubectl apply` of it. What cannot run here, and what stands in:
 - step 1 (`pipx install .`): this venv's kvpersist is on PATH;
 - step 2 (docker build and push): no docker or registry here; REG, OPERATOR_DIGEST and IMAGE are set
   to what the step leaves (made-up digests: kwok runs no container, so nothing pulls them);
 - the Hugging Face Hub: tests/integration/hub_stub.py (a stand-in serving the model's config.json
-  and tokenizer_config.json at the sample's commit), as HF_ENDPOINT;
+  and tokenizer_config.json at the guide's commit, gated as Llama is: only to the token step 5
+  stores), as HF_ENDPOINT;
 - the chart's operator pod is kwok's (Ready, running nothing): the operator runs as a process with
   the chart's ServiceAccount and the Deployment's own environment, as tests/e2e/test_helm.py does;
 - `--set crds.enabled=false` is added to `helm install`: the CRD is this session's, no release's;
@@ -31,6 +32,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.kube import REPO, Kubectl, bin_dir, wait_for
 from tests.e2e.operator_env import start_operator, stop
@@ -73,7 +75,8 @@ def test_the_first_resource_as_the_guide_walks_it(kubectl: Kubectl, crd: None, t
            "HOME": str(tmp_path)}  # no one's kubeconfig or Hugging Face login
     work = tmp_path / "checkout"
     operator = None
-    with HubStub() as hub:
+    with HubStub(token="hf_...") as hub:  # the token step 5 stores, as the guide writes it
+        hub.gated.add("meta-llama/Llama-3.1-8B-Instruct")
         hub.models[("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f249a16976918f6564b8830bc894c89659")] = {
             "config.json": json.dumps({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
                                        "head_dim": 128, "max_position_embeddings": 131072,
@@ -94,15 +97,9 @@ def test_the_first_resource_as_the_guide_walks_it(kubectl: Kubectl, crd: None, t
                         block = block.replace("> llama31-8b.yaml", f"> {work}/llama31-8b.yaml").replace(
                             ">> llama31-8b.yaml", f">> {work}/llama31-8b.yaml")
                     ran.append((number, _bash(block, env)))
-            pins = ran[-1][1]
-            manifest = work / "llama31-8b.yaml"
-            # The one edit step 6 leaves to the reader: its identity block replaced by what pins printed.
-            lines = manifest.read_text().splitlines(keepends=True)
-            start = next(i for i, line in enumerate(lines) if line.startswith("  identity:"))
-            end = next(i for i, line in enumerate(lines) if line.startswith("  l1:"))
-            manifest.write_text("".join(lines[:start]) + pins + "".join(lines[end:]))
-            digest = "sha256:" + hashlib.sha256(TEMPLATE.encode()).hexdigest()
-            assert f"chatTemplateDigest: {digest}" in pins and "numKVHeads: 8" in pins, pins
+            written = yaml.safe_load((work / "llama31-8b.yaml").read_text())
+            assert sorted(written["spec"]) == ["identity", "image", "l1", "l2", "vllm"], written
+            assert sorted(written["spec"]["identity"]) == ["modelId", "modelRevision"], written
 
             # The operator as the chart runs it: its ServiceAccount, its Deployment's environment.
             deployment = kubectl.get("deployment", "kvpersist", "kvpersist-system")
@@ -123,6 +120,11 @@ def test_the_first_resource_as_the_guide_walks_it(kubectl: Kubectl, crd: None, t
                 kubectl.get("kvns", "llama31-8b", "ml").get("status") or {}), timeout=180,
                 explain=lambda: json.dumps(kubectl.get("kvns", "llama31-8b", "ml").get("status"))[:2000])
             assert re.fullmatch(r"kvp-[0-9a-f]{32}", status["namespaceId"])
+            digest = "sha256:" + hashlib.sha256(TEMPLATE.encode()).hexdigest()
+            assert status["identity"]["pins"] == {**written["spec"]["identity"], "numKVHeads": 8, "headSize": 128,
+                                                  "chatTemplateDigest": digest, "maxModelLen": 131072,
+                                                  "kvCacheDtype": "bfloat16", "blockSize": 16, "tensorParallelSize": 1,
+                                                  "connectorBuild": image.partition("@")[2]}, status["identity"]
 
             # Step 8 (GPU nodes) is not run: what it names is what the operator made.
             [ask_block] = found[8][1]

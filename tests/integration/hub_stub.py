@@ -14,7 +14,7 @@ huggingface_hub's client sends and parses them (read from its source), not the H
 - GET  /<org>/<model>/resolve/<commit>/<file>          a model repository's file (the pin check:
   kvpersist.controller.pincheck), from `models[(repo, commit)][file]`, anonymously as for a
   public model; as the Hub answers: 404 EntryNotFound (no such file at that commit), 404
-  RevisionNotFound, 401 RepoNotFound (unknown, or private), 401 GatedRepo (`gated`)
+  RevisionNotFound, 401 RepoNotFound (unknown, or private), 401 GatedRepo (`gated`, without the valid token)
 
 The bucket routes check the bearer token first (401 otherwise). Without `cas_dir`, no upload or
 download is possible: addFile/copyFile operations are refused as failures, and the xetHash of
@@ -111,7 +111,7 @@ class HubStub:
                 if method == "HEAD" and self.path.startswith("/buckets/") and stub.cas_dir is not None:
                     return self._bucket_resolve(auth)
                 if method in ("GET", "HEAD") and "/resolve/" in self.path and not self.path.startswith("/api/"):
-                    return self._resolve(unquote(self.path.partition("?")[0]))
+                    return self._resolve(unquote(self.path.partition("?")[0]), auth == f"Bearer {stub.token}")
                 if not self.path.startswith("/api/buckets/"):
                     return self._send(404, {"error": "not found"})
                 route, _, query = self.path.removeprefix("/api/buckets/").partition("?")
@@ -148,10 +148,10 @@ class HubStub:
                 stub.visibility[bid] = (json.loads(body) if body else {}).get("visibility")
                 return self._send(200, {"url": f"http://127.0.0.1:{stub.port}/buckets/{bid}"})
 
-            def _resolve(self, path: str) -> None:
+            def _resolve(self, path: str, let_in: bool = False) -> None:
                 repo, _, rest = path.strip("/").partition("/resolve/")
                 revision, _, filename = rest.partition("/")
-                if repo in stub.gated:
+                if repo in stub.gated and not let_in:
                     return self._send(401, {"error": "Access to this model is restricted"}, "GatedRepo")
                 if not any(r == repo for r, _ in stub.models):
                     return self._send(401, {"error": "Repository not found"}, "RepoNotFound")

@@ -163,3 +163,146 @@ def test_a_silent_hub_is_unknown_within_the_deadline(monkeypatch: pytest.MonkeyP
         checked(files, identity(body()))
         assert time.monotonic() - start < 15
         assert files.verdict(identity(body()))[:2] == (None, "HubUnreachable")
+
+
+def two_pins(**more: Any) -> dict[str, Any]:
+    """body() with only modelId and modelRevision in spec.identity (and what more adds)."""
+    obj = body()
+    obj["spec"]["identity"] = {"modelId": MODEL, "modelRevision": QWEN_REV, **more}
+    return obj
+
+
+def files_of(config: dict[str, Any] = CONFIG, template: str | None = TEMPLATE) -> pincheck.Facts:
+    derived = hubpins.derive(hubpins.json.dumps(config).encode(), {
+        "tokenizer_config.json": hubpins.json.dumps({"chat_template": template}).encode() if template else None})
+    return pincheck.Facts(f"{MODEL}@{QWEN_REV}", tuple(pincheck.file_pins(derived).items()))
+
+
+def test_two_pins_resolve_to_the_id_of_the_same_pins_written_out() -> None:
+    from kvpersist.builders.vllm import vllm_args
+    from kvpersist.controller.decision import target_for
+    from kvpersist.identity import image_digest
+
+    spec = api.KVCacheNamespace.model_validate(two_pins()).spec
+    target, res = target_for("a", "team-a", spec, None, files_of())
+    written = body(kvCacheDtype="bfloat16", blockSize=16, tensorParallelSize=1, maxModelLen=40960,
+                   connectorBuild=image_digest(spec.image))
+    explicit, _ = target_for("a", "team-a", api.KVCacheNamespace.model_validate(written).spec, None)
+    assert res.namespace_id is not None and res.namespace_id == explicit.namespace_id
+    args = vllm_args(target)  # rendered, so vLLM cannot choose otherwise
+    for flag, value in (("--kv-cache-dtype", "bfloat16"), ("--block-size", "16"), ("--tensor-parallel-size", "1"),
+                        ("--max-model-len", "40960")):
+        assert args[args.index(flag) + 1] == value
+    shown = pincheck.status_of(spec, files_of())
+    assert shown["pins"]["numKVHeads"] == 8 and shown["pins"]["chatTemplateDigest"] == DIGEST
+    assert shown["filled"] == sorted(["blockSize", "chatTemplateDigest", "connectorBuild", "headSize", "kvCacheDtype",
+                                      "maxModelLen", "numKVHeads", "tensorParallelSize"])
+    api.KVCacheNamespaceStatus.model_validate({"identity": shown})  # what the CRD's status takes
+
+
+def test_a_pin_written_stays_and_a_written_pin_the_files_contradict_turns_the_cache_off(controller: Any,
+                                                                                      tmp_path: Path) -> None:
+    from kvpersist.controller.decision import target_for
+
+    spec = api.KVCacheNamespace.model_validate(two_pins(maxModelLen=8192, blockSize=32)).spec
+    target, res = target_for("a", "team-a", spec, None, files_of())
+    assert (target.spec.identity.max_model_len, target.spec.identity.block_size) == (8192, 32) and res.namespace_id
+    fetcher, _calls = cache_fetcher(tmp_path)
+    controller.pin_files = pincheck.PinFiles(fetcher)
+    wrong = two_pins(numKVHeads=4)
+    checked(controller.pin_files, identity(wrong))
+    target, res = target_of(wrong)
+    assert target.namespace_id is None and res.code == "PinMismatch" and "numKVHeads is 4" in res.reason
+    target, res = target_of(two_pins())  # the same files fill the rest: read once
+    assert target.namespace_id is not None and target.spec.identity.num_kv_heads == 8
+
+
+def test_until_the_files_are_read_the_cache_stays_off_with_the_reason(controller: Any) -> None:
+    from kvpersist.controller.decision import target_for
+
+    spec = api.KVCacheNamespace.model_validate(two_pins()).spec
+    target, res = target_for("a", "team-a", spec, None, pincheck.Facts("m@r", unread="cannot reach the Hugging Face Hub"))
+    assert target.namespace_id is None and res.code == "PinsUnresolved"
+    assert "numKVHeads" in res.reason and "cannot reach the Hugging Face Hub" in res.reason
+    assert target.spec.identity.num_kv_heads is None  # vLLM gets no guessed flag
+    target, res = target_for("a", "team-a", spec, None, None)  # the check off: nothing read, nothing filled
+    assert target.namespace_id is None and pincheck.ENV in res.reason
+    target, res = target_of(two_pins())  # the operator: no read yet
+    assert res.code == "PinsUnresolved" and "reading the files" in res.reason
+
+
+def test_what_the_files_do_not_decide_is_named_not_guessed() -> None:
+    from kvpersist.controller.decision import target_for
+
+    mla = {"hidden_size": 7168, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "torch_dtype": "float32"}
+    spec = api.KVCacheNamespace.model_validate(two_pins()).spec
+    target, res = target_for("a", "team-a", spec, None, files_of(mla, template=None))
+    assert target.namespace_id is None and res.code == "PinsUnresolved"
+    for field in ("chatTemplateDigest (the tokenizer has no chat template", "kvCacheDtype", "maxModelLen",
+                  "blockSize (an MLA model's"):
+        assert f"spec.identity.{field}" in res.reason
+    assert (target.spec.identity.num_kv_heads, target.spec.identity.head_size) == (1, 576)
+
+
+def test_status_keeps_the_files_for_a_restart_and_only_for_the_same_commits(controller: Any) -> None:
+    spec = api.KVCacheNamespace.model_validate(two_pins()).spec
+    status = {"identity": pincheck.status_of(spec, files_of())}
+    facts = controller.pin_files.facts(spec, "team-a", status, True)  # nothing read by this operator
+    assert facts is not None and dict(facts.values or ()) == dict(files_of().values or ())
+    obj = {**two_pins(), "status": status}
+    assert target_of(obj)[0].namespace_id is not None
+    other = api.KVCacheNamespace.model_validate(two_pins(modelRevision="f" * 40)).spec
+    assert controller.pin_files.facts(other, "team-a", status, True).values is None
+    forged = {"identity": {"files": {**status["identity"]["files"], "numKVHeads": "eight"}}}
+    assert controller.pin_files.facts(spec, "team-a", forged, True).values is None
+
+
+def test_every_sample_keeps_its_id_whatever_the_files_say() -> None:
+    from kvpersist.controller.decision import target_for
+
+    odd = files_of({"hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 7, "torch_dtype": "float16"})
+    for name in ("nvme-minimal", "hf-bucket", "tp2-fp8"):
+        spec = api.KVCacheNamespace.model_validate(sample(name)).spec
+        assert pincheck.unset(spec.identity) == ()
+        assert target_for("a", "team-a", spec, "0" * 16, odd)[1] == target_for("a", "team-a", spec, "0" * 16)[1]
+
+
+def test_a_merge_patch_names_what_went_as_null() -> None:
+    from kvpersist.status.conditions import merge_patch
+
+    assert merge_patch({"pins": {"a": 1, "b": 2}, "files": {"at": "x"}}, {"pins": {"a": 1}}) == \
+        {"files": None, "pins": {"b": None, "a": 1}}
+
+
+def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_that_namespaces_alone() -> None:
+    """The stand-in Hub refuses meta-llama/Gated without its token (403 GatedRepo)."""
+    from tests.integration.hub_stub import GOOD_TOKEN
+
+    gated = "meta-llama/Gated"
+    with HubStub() as hub:
+        hub.models[(gated, QWEN_REV)] = {"config.json": hubpins.json.dumps(CONFIG).encode(),
+                                         "chat_template.jinja": TEMPLATE.encode()}
+        hub.gated.add(gated)
+        files = pincheck.PinFiles(lambda deadline, token=None: pincheck.hub_fetch(hub.url, deadline, token))
+        mine = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec
+        mine = mine.model_copy(update={"vllm": mine.vllm.model_copy(update={
+            "hf_token_secret_ref": api.HFTokenSecretRef(name="hf-reader")})})
+        theirs = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec  # names no token
+        reads: list[str] = []
+
+        def token() -> str:
+            reads.append("read")
+            return GOOD_TOKEN
+
+        done = threading.Event()
+        files.wait(mine.identity, done.set, timeout=30, token=(pincheck.scope_of(mine, "team-a"), token))
+        facts = files.facts(mine, "team-a", None, True)
+        assert facts is not None and dict(facts.values or ())["num_kv_heads"] == 8, facts
+        assert reads == ["read"] and GOOD_TOKEN in hub.seen_tokens
+        other = files.facts(theirs, "team-b", None, True)  # another tenant: the refusal, never the token's answer
+        assert other is not None and other.values is None and "anonymously" in other.unread
+        assert files.facts(mine, "team-b", None, True).values is None  # the same Secret's name elsewhere: not it
+        wrong = pincheck.PinFiles(lambda deadline, token=None: pincheck.hub_fetch(hub.url, deadline, token))
+        wrong.wait(mine.identity, lambda: None, timeout=30, token=(pincheck.scope_of(mine, "team-a"), lambda: "hf_wrong"))
+        assert "hfTokenSecretRef's token" in wrong.facts(mine, "team-a", None, True).unread

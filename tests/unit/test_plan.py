@@ -253,3 +253,32 @@ def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.
     free = plancmd.plan_one(_claiming("b", None), "ml")
     line = next(x for x in plancmd.format_plan(free).splitlines() if x.strip().startswith("operator:"))
     assert free.verdict is None and free.applied and line.endswith(" applies it") and free.code == plancmd.UNKNOWN
+
+
+def test_two_pins_plan_the_id_of_the_pins_the_files_fill_and_unread_files_leave_it_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan fills unset pins as the operator does: from the files the live status keeps for the
+    same commits, else from the Hub (here refused: no Hub is reachable), never a guess."""
+    from kvpersist.controller import pincheck
+    from kvpersist.identity import image_digest
+
+    obj = sample()
+    ident = obj["spec"]["identity"]
+    ident["connectorBuild"] = image_digest(obj["spec"]["image"])
+    live = _live(obj)
+    two = copy.deepcopy(obj)
+    two["spec"]["identity"] = {k: ident[k] for k in ("modelId", "modelRevision")}
+    spec = KVCacheNamespaceSpec.model_validate(two["spec"])
+    files = {"numKVHeads": ident["numKVHeads"], "headSize": ident["headSize"], "kvCacheDtype": ident["kvCacheDtype"],
+             "maxModelLen": ident["maxModelLen"], "chatTemplateDigest": ident["chatTemplateDigest"], "blockSize": 16}
+    live["status"]["identity"] = {"files": {"at": f"{ident['modelId']}@{ident['modelRevision']}", **files}}
+    pins = plancmd.pin_facts(spec, live)
+    plan = plancmd.compute("ml", "llama31-8b", spec, live, None, pins)
+    assert plan.new_id == live["status"]["namespaceId"] and not plan.unknown, plancmd.format_plan(plan)
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pins = plancmd.pin_facts(spec, None)
+    assert isinstance(pins, pincheck.Facts) and pins.values is None
+    plan = plancmd.compute("ml", "llama31-8b", spec, None, None, pins)
+    assert plan.unknown and plan.new_id is None and "could not read" in (plan.new_id_reason or "")

@@ -225,8 +225,10 @@ def defaults_of(model: type[_Model]) -> dict[str, Any]:
 
 class Identity(_Spec):
     """The pins that decide whether a stored KV block may be reused. Their canonical hash is the
-    compatibility namespace kvp-<32 hex>. Any pin left out disables the cache for this resource
-    (vLLM still runs) rather than risk a hit computed under other settings."""
+    compatibility namespace kvp-<32 hex>. modelId and modelRevision are enough: the operator fills
+    each pin left unset from the model's files at that revision, vLLM's defaults and spec.image's
+    digest, starts vLLM with them and shows them in status.identity; until it has read the files
+    the cache is off (PinsUnresolved), never guessed. A pin written is checked against the files."""
 
     model_id: str = Field(
         min_length=1, max_length=256, pattern=HF_REPO_ID,
@@ -247,31 +249,35 @@ class Identity(_Spec):
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
         None,
         description="Resolved KV cache dtype passed to vLLM as --kv-cache-dtype. 'auto' and 'fp8' are refused: "
-        "they resolve differently per model or platform, so they cannot identify stored KV.",
+        "they resolve differently per model or platform, so they cannot identify stored KV. Unset: the config's "
+        "float16 or bfloat16 dtype, what 'auto' resolves to.",
     )
     block_size: Literal[BLOCK_SIZES] | None = Field(  # type: ignore[valid-type]
-        None, description="vLLM KV block size in tokens (--block-size).",
+        None, description="vLLM KV block size in tokens (--block-size). Unset: 16, vLLM's default (an MLA model's "
+        "must be written).",
     )
     num_kv_heads: int | None = Field(
         None, ge=1, le=1024, alias="numKVHeads",
-        description="Number of KV heads of the model (its config's num_key_value_heads; `kvpersist pins` prints it).",
+        description="Number of KV heads of the model. Unset: its config's num_key_value_heads.",
     )
-    head_size: int | None = Field(None, ge=1, le=4096, description="Attention head size of the model.")
+    head_size: int | None = Field(None, ge=1, le=4096, description="Attention head size of the model. Unset: from "
+                                  "its config.")
     tensor_parallel_size: int | None = Field(
-        None, ge=1, le=64, description="vLLM tensor-parallel size (--tensor-parallel-size); KV is sharded by it.",
+        None, ge=1, le=64, description="vLLM tensor-parallel size (--tensor-parallel-size); KV is sharded by it. Unset: 1.",
     )
     connector_build: str | None = Field(
         None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+:@/=-]*$",
         description="Pinned identity of the connector and vLLM build, e.g. vllm-0.33.0+lmcache-0.5.6 or an image "
-        "digest; KV layouts may change between builds.",
+        "digest; KV layouts may change between builds. Unset: spec.image's digest.",
     )
     max_model_len: int | None = Field(
-        None, ge=1, le=16_777_216, description="Maximum model length in tokens (--max-model-len).",
+        None, ge=1, le=16_777_216, description="Maximum model length in tokens (--max-model-len). Unset: the config's "
+        "max_position_embeddings.",
     )
     chat_template_digest: str | None = Field(
         None, pattern=SHA256_DIGEST,
         description="sha256 of the chat template's text as the tokenizer's files at tokenizerRevision carry it, as "
-        "sha256:<64 hex> (`kvpersist pins` prints it); another template gives other tokens.",
+        "sha256:<64 hex>; another template gives other tokens. Unset: from those files.",
     )
 
     def resolved(self) -> dict[str, Any]:
@@ -1634,6 +1640,30 @@ class AttachStatus(_Model):
     ready_pods: int | None = Field(None, ge=0, description="Those Ready.")
 
 
+class IdentityFiles(_Model):
+    """What the model's files said at the commits named (kvpersist.controller.pincheck.file_pins)."""
+
+    at: str = Field(max_length=600, description="<model>@<commit>, and <tokenizer>@<commit> when another.")
+    num_kv_heads: int | None = Field(None, ge=1, le=1024, alias="numKVHeads")
+    head_size: int | None = Field(None, ge=1, le=4096)
+    chat_template_digest: str | None = Field(None, pattern=SHA256_DIGEST)
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None  # type: ignore[valid-type]
+    max_model_len: int | None = Field(None, ge=1, le=16_777_216)
+    block_size: Literal[BLOCK_SIZES] | None = None  # type: ignore[valid-type]
+
+
+class IdentityStatus(_Model):
+    """The identity pins as the operator resolved them."""
+
+    pins: Identity | None = Field(None, description="spec.identity as hashed into namespaceId and rendered into "
+                                  "vLLM's arguments: what the spec writes, and what the operator filled.")
+    filled: list[str] = Field(default_factory=list, max_length=16, description="The pins the spec leaves unset that "
+                              "the operator filled: from the model's files, vLLM's defaults, the image's digest.")
+    files: IdentityFiles | None = Field(None, description="What the model's and tokenizer's files at their commits "
+                                        "decide, read anonymously from the Hub (kept: the files at a commit never "
+                                        "change).")
+
+
 class KVCacheNamespaceStatus(_Model):
     """What the operator observed."""
 
@@ -1675,6 +1705,8 @@ class KVCacheNamespaceStatus(_Model):
         "namespace served now. Kept while encryption is off.")
     canary: CanaryStatus | None = Field(None, description="The correctness canary's reference and last check "
                                         "(spec.canary).")
+    identity: IdentityStatus | None = Field(None, description="The identity pins resolved: spec.identity with every "
+                                            "pin it leaves unset filled, and what the model's files say.")
     attach: AttachStatus | None = Field(None, description="With spec.vllm.mode Attached: what the admission "
                                         "policies check attached vLLM pods against and add to them, and how many "
                                         "there are.")

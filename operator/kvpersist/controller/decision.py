@@ -72,7 +72,7 @@ class Snapshot:
     body: Mapping[str, Any]  # the KVCacheNamespace as stored (metadata.uid, creationTimestamp, status)
     spec: api.KVCacheNamespaceSpec  # its spec, parsed
     policy: Policy = field(default_factory=Policy)
-    pin_mismatch: str | None = None  # PinMismatch's message when the model's files contradict a pin (pincheck)
+    pins: pincheck.Facts | None = None  # what the model's files say of its pins (None: no revision to read them at)
     # The Secrets the spec names (policy.named_secrets), read only with a secretLabel: each one's
     # metadata or None (absent); the API server's status code for one that could not be read.
     named_secrets: Mapping[str, Meta | None] = field(default_factory=dict)
@@ -141,18 +141,23 @@ class Decision:
 
 
 def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, fingerprint: str | None,
-               pin_mismatch: str | None = None, pins_checked: bool = False) -> tuple[Target, Resolution]:
-    """The builders' view and the reason its identity is incomplete (if it is), with the key's
-    fingerprint (without it an encrypted resource has no namespace id) and the pin check's verdict."""
+               pins: pincheck.Facts | None = None) -> tuple[Target, Resolution]:
+    """The builders' view, its unset pins filled from the model's files (pincheck.filled), and the
+    reason its identity is incomplete (if it is), with the key's fingerprint (without it an
+    encrypted resource has no namespace id) and the pin check's verdict."""
+    spec, unresolved = pincheck.filled(spec, pins)
     res = resolve(spec.pins(fingerprint))
-    if pins_checked:
-        res = pincheck.apply_mismatch(res, pin_mismatch)
+    if pins is not None and pins.mismatch is not None and res.namespace_id is not None:
+        res = dataclasses.replace(res, namespace_id=None, blocked=(pincheck.MISMATCH, pins.mismatch))
+    elif unresolved is not None and res.namespace_id is None:
+        rest = Resolution(None, tuple(p for p in res.missing if p not in pincheck.FILLED), res.invalid)
+        res = dataclasses.replace(res, blocked=(pincheck.UNRESOLVED, "; ".join(filter(None, (unresolved, rest.reason)))))
     fingerprint = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
     return Target(name, namespace, spec, res.namespace_id, key_fingerprint=fingerprint), res
 
 
 def _target(snap: Snapshot, fingerprint: str | None) -> Target:
-    target = target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pin_mismatch, snap.pin_mismatch is not None)[0]
+    target = target_for(snap.name, snap.namespace, snap.spec, fingerprint, snap.pins)[0]
     return dataclasses.replace(target, inference_pool_served=snap.inference_pool_served, unplaced_servers=snap.unplaced_servers,
                                cluster_domain=snap.policy.cluster_domain or target.cluster_domain)
 

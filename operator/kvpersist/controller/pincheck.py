@@ -5,13 +5,22 @@ A mismatch turns the cache off (the IdentityResolved and PinsVerified conditions
 PinMismatch, naming the field, both values and the fix): KV stored under a wrong geometry or
 template would be hits computed for other tokens or another layout. Anything else (Hub
 unreachable, a gated or private repository, unreadable files, the check turned off) is
-PinsVerified Unknown and changes nothing: the check only ever withholds the cache on evidence.
+PinsVerified Unknown and changes nothing for written pins: it withholds the cache on evidence.
 
 The files at a commit never change, so what they give is kept for the operator's lifetime per
 (model, revision, tokenizer, tokenizer revision); a failed read is tried again after RETRY_S.
-Reads are anonymous (no token: a gated model's pins are not checked), in a small pool of their
-own, each bounded by CHECK_DEADLINE_S through the operator's Hub client (deadline, body cap,
-proxy, no telemetry: kvpersist.inventory.hfbucket). KVPERSIST_PIN_CHECK=off turns it off.
+Reads are anonymous; a model the Hub refuses so (gated) is read again with the token of the
+resource's spec.vllm.hfTokenSecretRef, and that answer serves its namespace alone. They run in a
+pool of their own, each bounded by CHECK_DEADLINE_S through the operator's Hub client (deadline,
+body cap, proxy, no telemetry: kvpersist.inventory.hfbucket). KVPERSIST_PIN_CHECK=off turns it off.
+
+The same files fill the pins a resource leaves unset (filled): numKVHeads, headSize,
+chatTemplateDigest, maxModelLen and kvCacheDtype as the files decide them, blockSize and
+tensorParallelSize as vLLM would choose them for that model, connectorBuild the image's digest.
+They are rendered into vLLM's arguments, so vLLM cannot choose otherwise, and shown in
+status.identity. Until the files are read the cache stays off (PinsUnresolved), never a guess;
+status.identity.files keeps what they said, so a restarted operator resolves the same pins
+without the Hub (the files at a commit never change).
 """
 
 from __future__ import annotations
@@ -30,9 +39,23 @@ from kvpersist.api import v1alpha1 as api
 
 CONDITION = "PinsVerified"
 MISMATCH = "PinMismatch"
+UNRESOLVED = "PinsUnresolved"  # IdentityResolved's reason while unset pins wait for the files
+BLOCK_SIZE = 16  # vLLM's --block-size default on GPUs (an MLA model's is its attention backend's: not filled)
+TENSOR_PARALLEL = 1  # vLLM's --tensor-parallel-size default
+# The pins the files decide (file_pins), then those filled from the spec: the order of messages.
+FROM_FILES = ("num_kv_heads", "head_size", "chat_template_digest", "kv_cache_dtype", "max_model_len", "block_size")
+FILLED = (*FROM_FILES, "tensor_parallel_size", "connector_build")
+NOT_GIVEN = {  # why the files leave a pin unset: the user's to write
+    "chat_template_digest": "the tokenizer has no chat template",
+    "kv_cache_dtype": "config.json names no float16 or bfloat16 dtype",
+    "max_model_len": "config.json names no max_position_embeddings",
+    "block_size": "an MLA model's block size is its attention backend's choice",
+    "connector_build": "spec.image is not named by digest",
+}
 CHECK_DEADLINE_S = 30.0  # one check, all its files
 RETRY_S = 120.0  # after a check that could not read the files
 WORKERS = 2
+FIRST_READ_WAIT_S = 5.0  # how long an apply waits for a read in flight (PinFiles.wait)
 ENV = "KVPERSIST_PIN_CHECK"
 
 Key = tuple[str, str, str, str]  # model, revision, tokenizer, tokenizer revision
@@ -61,6 +84,77 @@ def key_of(identity: api.Identity) -> Key | None:
     return identity.model_id, identity.model_revision.lower(), pins["tokenizer"], (pins["tokenizer_revision"] or "").lower()
 
 
+def where(key: Key) -> str:
+    """The files' commits as status.identity.files.at and messages name them."""
+    model, revision, tokenizer, tok_rev = key
+    return f"{model}@{revision}" + (f" {tokenizer}@{tok_rev}" if (tokenizer, tok_rev) != (model, revision) else "")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a resource's model files say, as decide reads it (no I/O): the pins they decide
+    (file_pins; None while unknown, with why), and PinMismatch's message when they contradict a
+    declared pin."""
+
+    at: str
+    values: tuple[tuple[str, Any], ...] | None = None
+    unread: str = ""
+    mismatch: str | None = None
+
+
+def file_pins(derived: hubpins.Derived) -> dict[str, Any]:
+    return {"num_kv_heads": derived.num_kv_heads, "head_size": derived.head_size,
+            "chat_template_digest": derived.chat_template_digest, "kv_cache_dtype": derived.dtype,
+            "max_model_len": derived.max_model_len, "block_size": None if derived.mla else BLOCK_SIZE}
+
+
+def recorded(status: Mapping[str, Any] | None, at: str) -> tuple[tuple[str, Any], ...] | None:
+    """The file pins status.identity.files keeps for the same commits (None: none, or malformed:
+    status is read as untrusted as any peer)."""
+    files = ((status or {}).get("identity") or {}).get("files")
+    if not isinstance(files, dict) or files.get("at") != at:
+        return None
+    try:
+        found = api.IdentityFiles.model_validate(files)
+    except ValueError:
+        return None
+    return tuple((name, getattr(found, name)) for name in FROM_FILES)
+
+
+def unset(identity: api.Identity) -> tuple[str, ...]:
+    """The pins the operator fills for this identity: those left unset, once a revision names the files."""
+    return tuple(f for f in FILLED if getattr(identity, f) is None) if identity.model_revision else ()
+
+
+def filled(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> tuple[api.KVCacheNamespaceSpec, str | None]:
+    """The spec with its unset pins filled from the files (and vLLM's defaults, the image's
+    digest), and why any stays unset (None: all filled). Pure."""
+    from kvpersist.identity import field_path, image_digest
+
+    missing = unset(spec.identity)
+    if not missing:
+        return spec, None
+    if facts is None or facts.values is None:
+        why = facts.unread if facts is not None else f"{ENV}=off: no files are read"
+        names = ", ".join(field_path(f).removeprefix("spec.identity.") for f in missing)
+        return spec, (f"spec.identity leaves {names} unset, which the operator takes from the model's files, not read "
+                      f"yet ({why}); the cache stays off until they are, or write them (`kvpersist pins "
+                      "MODEL@REVISION` prints them)")
+    values = {**dict(facts.values), "tensor_parallel_size": TENSOR_PARALLEL, "connector_build": image_digest(spec.image)}
+    identity, left = spec.identity, []
+    for name in missing:
+        value = values.get(name)
+        try:
+            if value is None:
+                raise ValueError(name)
+            identity = api.Identity.model_validate({**identity.model_dump(by_alias=True, exclude_none=True),
+                                                    api.Identity.model_fields[name].alias or name: value})
+        except ValueError:
+            left.append(f"{field_path(name)} ({NOT_GIVEN.get(name, f'the files give {str(value)[:40]!r}, not a valid pin')})")
+    spec = spec.model_copy(update={"identity": identity})
+    return spec, (f"the files at {facts.at} do not decide " + ", ".join(left) + ": write them" if left else None)
+
+
 def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdict:
     """PinMismatch naming every declared pin the files contradict, else PinsMatch. Pure."""
     model, revision, tokenizer, tok_rev = key
@@ -85,10 +179,11 @@ def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdi
                else ""))
 
 
-def hub_fetch(endpoint: str | None, deadline: float) -> hubpins.Fetch:
+def hub_fetch(endpoint: str | None, deadline: float, token: str | None = None) -> hubpins.Fetch:
     """Reads a file from the Hub's resolve route into memory (the operator's filesystem is read-only,
-    and no cache is needed: the result is kept), anonymously, through the bounded Hub client. None:
-    the repository has no such file at that commit. Other answers raise HubRefused."""
+    and no cache is needed: the result is kept), anonymously unless given the resource's own token,
+    through the bounded Hub client. None: the repository has no such file at that commit. Other
+    answers raise HubRefused."""
     from huggingface_hub import constants, get_session, hf_hub_url
 
     from kvpersist.inventory.hfbucket import bound_hub_client, hub_deadline
@@ -98,7 +193,8 @@ def hub_fetch(endpoint: str | None, deadline: float) -> hubpins.Fetch:
     def fetch(repo: str, revision: str, filename: str) -> bytes | None:
         url = hf_hub_url(repo, filename, revision=revision, endpoint=endpoint or constants.ENDPOINT)
         with hub_deadline(deadline):
-            response = get_session().get(url, headers={"user-agent": "kvpersist-pin-check"})
+            response = get_session().get(url, headers={"user-agent": "kvpersist-pin-check",
+                                                       **({"authorization": f"Bearer {token}"} if token else {})})
         code = response.status_code
         error = response.headers.get("x-error-code", "")
         if code == 200:
@@ -119,7 +215,7 @@ class HubRefused(Exception):
         self.error = error
 
 
-def _unread(exc: BaseException, key: Key, now: float) -> Unread:
+def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) -> Unread:
     from kvpersist.inventory.hfbucket import transport_error_text
 
     model, revision = key[0], key[1]
@@ -129,79 +225,143 @@ def _unread(exc: BaseException, key: Key, now: float) -> Unread:
         if exc.error == "RevisionNotFound":
             return Unread("RevisionNotFound", f"the Hub has no revision {revision} of {model}: check "
                           "spec.identity.modelRevision and spec.identity.tokenizerRevision", now)
+        if (with_token and exc.code in (401, 403)) or exc.error == "NoToken":
+            return Unread("HubRefused", f"the Hub did not let spec.vllm.hfTokenSecretRef's token read {model} "
+                          f"({exc.code} {exc.error or ''}): accept the model's terms on the Hub with that account, or "
+                          "check the Secret's key".replace("  ", " "), now)
         if exc.code in (401, 403) or exc.error in ("RepoNotFound", "GatedRepo"):
             return Unread("HubRefused", f"the Hub did not let the operator read {model} anonymously ({exc.code} "
-                          f"{exc.error or ''}): a gated or private model's pins are not checked".replace("  ", " "), now)
+                          f"{exc.error or ''}): a gated or private model's files are read with the token of "
+                          "spec.vllm.hfTokenSecretRef where the resource names one".replace("  ", " "), now)
         return Unread("HubError", f"the Hub answered {exc.code} for the files of {model}@{revision}; retrying", now)
     return Unread("HubUnreachable", f"cannot reach the Hugging Face Hub to check the pins of {model}@{revision} "
                   f"({transport_error_text(exc)}); retrying in {RETRY_S:.0f}s", now)
 
 
+# Who a read's answer is for: "" anonymous (any resource), or "<namespace>/<Secret>" read with the
+# token of a resource's spec.vllm.hfTokenSecretRef (a gated model: that namespace's alone, never
+# another tenant's, who might not be let in).
+Scope = str
+TokenReader = Callable[[], str | None]
+
+
+def scope_of(spec: api.KVCacheNamespaceSpec, namespace: str) -> Scope:
+    ref = spec.vllm.hf_token_secret_ref
+    return f"{namespace}/{ref.name}" if ref is not None else ""
+
+
+def refused_anonymously(found: Any) -> bool:
+    return isinstance(found, Unread) and found.reason == "HubRefused"
+
+
 class PinFiles:
     """What the files at each Key gave: Derived pins (kept for good), or Unread (retried after
-    RETRY_S unless final). Checks run in a pool of their own, one per Key at a time, shared by
-    every resource that declares the same files; on_done is called when one ends (to refresh)."""
+    RETRY_S unless final). Checks run in a pool of their own, one per Key and Scope at a time,
+    shared by every resource that declares the same files; on_done is called when one ends (to
+    refresh). A model the Hub refuses anonymously (gated) is read again with the resource's own
+    token, under its Scope."""
 
-    def __init__(self, fetcher: Callable[[float], hubpins.Fetch] | None = None, workers: int = WORKERS) -> None:
+    def __init__(self, fetcher: Callable[..., hubpins.Fetch] | None = None, workers: int = WORKERS) -> None:
         self._fetcher = fetcher
         self._lock = threading.Lock()
-        self._found: dict[Key, hubpins.Derived | Unread] = {}
-        self._running: set[Key] = set()
+        self._found: dict[tuple[Key, Scope], hubpins.Derived | Unread] = {}
+        self._running: dict[tuple[Key, Scope], concurrent.futures.Future[None]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._workers = workers
 
-    def get(self, key: Key) -> hubpins.Derived | Unread | None:
+    def get(self, key: Key, scope: Scope = "") -> hubpins.Derived | Unread | None:
+        """The anonymous answer, or the scope's own where the anonymous one was a refusal."""
         with self._lock:
-            return self._found.get(key)
+            found = self._found.get((key, ""))
+            if scope and not isinstance(found, hubpins.Derived):
+                found = self._found.get((key, scope)) or found
+            return found
 
-    def verdict(self, identity: api.Identity) -> Verdict | None:
+    def verdict(self, identity: api.Identity, scope: Scope = "") -> Verdict | None:
         """The last verdict for these pins (no I/O): None while none is known or nothing to check."""
         key = key_of(identity)
         if key is None:
             return None
-        found = self.get(key)
+        found = self.get(key, scope)
         if isinstance(found, hubpins.Derived):
             return compare(identity, found, key)
         if isinstance(found, Unread):
             return (None, found.reason, found.message)
         return None
 
-    def mismatch(self, identity: api.Identity) -> str | None:
-        """The PinMismatch message for these pins, when the files contradict them. No I/O."""
-        got = self.verdict(identity)
-        return got[2] if got is not None and got[1] == MISMATCH else None
+    def facts(self, spec: api.KVCacheNamespaceSpec, namespace: str, status: Mapping[str, Any] | None,
+              checking: bool) -> Facts | None:
+        """What decide needs of these pins' files (no I/O): None when there is no revision to read."""
+        identity = spec.identity
+        key = key_of(identity)
+        if key is None:
+            return None
+        at = where(key)
+        found = self.get(key, scope_of(spec, namespace)) if checking else None
+        if isinstance(found, hubpins.Derived):
+            verdict = compare(identity, found, key)
+            return Facts(at, tuple(file_pins(found).items()), mismatch=verdict[2] if verdict[1] == MISMATCH else None)
+        kept = recorded(status, at)
+        if kept is not None:
+            return Facts(at, kept)
+        if not checking:
+            return Facts(at, unread=f"{ENV}=off: no files are read")
+        return Facts(at, unread=found.message if isinstance(found, Unread) else f"reading the files at {at}")
 
-    def request(self, identity: api.Identity, on_done: Callable[[], None]) -> bool:
+    def request(self, identity: api.Identity, on_done: Callable[[], None],
+                token: tuple[Scope, TokenReader] | None = None) -> bool:
         """Starts a check of these pins' files unless one is known (or runs, or failed under
-        RETRY_S ago); True if started (on_done is then called when it ends)."""
+        RETRY_S ago): anonymous first, then with token (its Scope and how to read it) once the Hub
+        refused the anonymous read. True if started (on_done is then called when it ends)."""
         key = key_of(identity)
         if key is None:
             return False
         now = time.monotonic()
         with self._lock:
-            found = self._found.get(key)
-            if isinstance(found, hubpins.Derived) or key in self._running:
+            anonymous = self._found.get((key, ""))
+            slot = (key, token[0]) if token is not None and refused_anonymously(anonymous) else (key, "")
+            found = self._found.get(slot)
+            if isinstance(anonymous, hubpins.Derived) or isinstance(found, hubpins.Derived) or slot in self._running:
                 return False
             if isinstance(found, Unread) and (found.final or now - found.when < RETRY_S):
                 return False
-            self._running.add(key)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvp-pins")
-            self._pool.submit(self._check, key, on_done)
+            reader = token[1] if slot[1] and token is not None else None
+            self._running[slot] = self._pool.submit(self._check, slot, on_done, reader)
             return True
 
-    def _check(self, key: Key, on_done: Callable[[], None]) -> None:
+    def wait(self, identity: api.Identity, on_done: Callable[[], None], timeout: float = FIRST_READ_WAIT_S,
+             token: tuple[Scope, TokenReader] | None = None) -> None:
+        """Starts the read of these pins' files if due and waits for it, at most timeout: a new
+        resource's first apply then renders its filled pins instead of rolling vLLM a moment later."""
+        deadline = time.monotonic() + timeout
+        for _ in range(2):  # anonymous, then (refused) with the token
+            self.request(identity, on_done, token)
+            key = key_of(identity)
+            with self._lock:
+                running = [f for (k, _s), f in self._running.items() if k == key]
+            if not running or time.monotonic() >= deadline:
+                return
+            concurrent.futures.wait(running, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _check(self, slot: tuple[Key, Scope], on_done: Callable[[], None], reader: TokenReader | None) -> None:
+        key = slot[0]
         try:
             deadline = time.monotonic() + CHECK_DEADLINE_S
-            fetch = (self._fetcher or (lambda d: hub_fetch(os.environ.get("HF_ENDPOINT"), d)))(deadline)
+            token = reader() if reader is not None else None
+            if reader is not None and not token:
+                raise HubRefused(401, "NoToken")
+            fetcher = self._fetcher or (lambda d, t=None: hub_fetch(os.environ.get("HF_ENDPOINT"), d, t))
+            fetch = fetcher(deadline, token) if token else fetcher(deadline)
             result: hubpins.Derived | Unread = hubpins.fetch_derived(fetch, *key)
         except Exception as exc:  # every failure is a verdict (Unknown), never a crashed thread
-            result = _unread(exc, key, time.monotonic())
+            result = _unread(exc, key, time.monotonic(), with_token=reader is not None)
             if result.reason == "HubUnreachable":
                 logging.getLogger("kvpersist").info("pin check of %s@%s: %s", key[0], key[1], result.message)
         with self._lock:
-            self._found[key] = result
-            self._running.discard(key)
+            self._found[slot] = result
+            self._running.pop(slot, None)
         on_done()
 
 
@@ -215,11 +375,17 @@ def condition_of(verdict: Verdict | None, identity: api.Identity, checking: bool
     return verdict or (None, "Checking", "reading config.json and the tokenizer's files at the declared revisions")
 
 
-def apply_mismatch(resolution: Any, message: str | None) -> Any:
-    """The resolution with the cache off for a pin mismatch (kvpersist.identity.Resolution.blocked)."""
-    import dataclasses
-
-    if message is None or resolution.namespace_id is None:
-        return resolution
-    return dataclasses.replace(resolution, namespace_id=None, blocked=(MISMATCH, message))
+def status_of(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> dict[str, Any]:
+    """status.identity: the pins as hashed and rendered (spec.pins of the filled spec), the ones the
+    operator filled, and what the files said where they were read (kept for a restart)."""
+    declared = spec.identity
+    full, _ = filled(spec, facts)
+    out: dict[str, Any] = {"pins": full.identity.model_dump(by_alias=True, exclude_none=True, mode="json")}
+    mine = [api.Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full.identity, f) is not None]
+    if mine:
+        out["filled"] = sorted(mine)
+    if facts is not None and facts.values is not None:
+        out["files"] = {"at": facts.at, **{api.Identity.model_fields[k].alias or k: v
+                                           for k, v in facts.values if v is not None}}
+    return out
 

@@ -20,7 +20,7 @@ from kvpersist.controller import decision, kube, l2key, ownership, pincheck, run
 from kvpersist.controller.decision import target_for, unreadable_secret
 from kvpersist.controller.policy import Refusal, image_refusal, named_secrets, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
-from kvpersist.identity import L2_KEY_PIN, Resolution
+from kvpersist.identity import Resolution
 
 # Parsed specs by (name, the spec as canonical JSON): the models are frozen and parsing is pure, so
 # the status rounds of an unchanged resource parse it once, not every round (parsing was a fifth
@@ -57,18 +57,31 @@ def target_of(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[
     state = runtime.CONTROLLER.get((meta.get("namespace", ""), meta["name"]))
     memo = state.target_memo if state is not None else None
     obj = memo[1] if memo is not None and memo[0] is spec else parsed_model(meta["name"], spec)
-    checked = pincheck.enabled()
-    mismatch = runtime.CONTROLLER.pin_files.mismatch(obj.spec.identity) if checked else None
-    if memo is not None and memo[1] is obj and memo[2] == (fingerprint, checked, mismatch):
-        res = memo[3]
-        used = (res.canonical or {}).get(L2_KEY_PIN) if res.namespace_id else None
-        found = Target(meta["name"], meta["namespace"], obj.spec, res.namespace_id, key_fingerprint=used)
-    else:  # the model's files contradicting a pin turn the cache off (no I/O here)
-        found, res = target_for(meta["name"], meta.get("namespace", ""), obj.spec, fingerprint, mismatch, checked)
+    pins = runtime.CONTROLLER.pin_files.facts(obj.spec, meta.get("namespace", ""), body.get("status"), pincheck.enabled())
+    if memo is not None and memo[1] is obj and memo[2] == (fingerprint, pins):
+        found = memo[3]
+    else:  # the model's files fill the unset pins, or turn the cache off by contradicting one (no I/O here)
+        found = target_for(meta["name"], meta.get("namespace", ""), obj.spec, fingerprint, pins)
     if state is not None and state.body is not None and spec is state.body.get("spec"):  # its own copy, never edited
-        state.target_memo = (spec, obj, (fingerprint, checked, mismatch), res)
+        state.target_memo = (spec, obj, (fingerprint, pins), found)
+    found, res = found
     domain = runtime.CONTROLLER.policy.cluster_domain
     return (dataclasses.replace(found, cluster_domain=domain) if domain else found), res
+
+
+def hub_token(spec: api.KVCacheNamespaceSpec, namespace: str) -> tuple[pincheck.Scope, pincheck.TokenReader] | None:
+    """The token of spec.vllm.hfTokenSecretRef, as the pin check reads a gated model's files with it
+    (read when needed, in the check's own thread; kept nowhere). Only for a resource the policy
+    lets use its Secrets."""
+    ref = spec.vllm.hf_token_secret_ref
+    if ref is None:
+        return None
+
+    def read() -> str | None:
+        value = kube.secret_value(kube.get("v1", "Secret", ref.name, namespace), ref.key)
+        return value.decode("utf-8", "replace").strip() if value else None
+
+    return pincheck.scope_of(spec, namespace), read
 
 
 KEY_READ_TTL_S = STATUS_INTERVAL_S  # the key Secret is read at most this often per resource (a rotation shows within it)

@@ -39,7 +39,15 @@ from kvpersist.controller import (
 from kvpersist.controller.apply import clean_stale_routes, exclusive_recheck, pool_recheck, taken_recheck
 from kvpersist.controller.decision import claim_not_shareable, judge_key
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
-from kvpersist.controller.reading import named_claim, named_secret_refusal, policy_refusal_of, read_key, target_of
+from kvpersist.controller.reading import (
+    hub_token,
+    named_claim,
+    named_secret_refusal,
+    parsed_model,
+    policy_refusal_of,
+    read_key,
+    target_of,
+)
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
@@ -53,6 +61,7 @@ from kvpersist.status.conditions import (
     condition,
     failed_create,
     failed_status,
+    merge_patch,
     pods_missing,
     status_patch,
 )
@@ -219,8 +228,10 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         read, _lost = judge_key(body, read_key(target) if secrets_usable else None, seen.server_claims())
         target, resolution = target_of(body, read.fingerprint if read is not None else None)
         pins_on = pincheck.enabled()
+        declared = parsed_model(meta["name"], body.get("spec")).spec
         if pins_on:  # off the refresh path; its end refreshes this resource again (and the verdict applies)
-            runtime.CONTROLLER.pin_files.request(target.spec.identity, lambda: _mark_dirty(key))
+            runtime.CONTROLLER.pin_files.request(declared.identity, lambda: _mark_dirty(key),
+                                                 hub_token(declared, key[0]) if secrets_usable else None)
         if read is not None and read.problem is not None and read.problem[0] == l2key.KEY_PENDING:
             state.drifted = True  # the generated key is to be made (or made again: nothing is sealed with the last one)
         if state.applied_id is not None and state.applied_id[0] != target.namespace_id:
@@ -240,8 +251,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)
         if target.cache_enabled:
             observation.build = transitions.build_check(key, body, target, seen, logger)
-        observation.pins = pincheck.condition_of(runtime.CONTROLLER.pin_files.verdict(target.spec.identity),
-                                                 target.spec.identity, pins_on)
+        observation.pins = pincheck.condition_of(runtime.CONTROLLER.pin_files.verdict(
+            declared.identity, pincheck.scope_of(declared, key[0])), declared.identity, pins_on)
         if target.cache_enabled:  # the correctness canary: its jobs run off this path, its verdict is read here
             observation.canary, released = runtime.CONTROLLER.canary.refresh(
                 key, body, target, seen.pods, lambda drift: transitions.canary_done(key, drift),
@@ -261,12 +272,11 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             observation.attached, observation.unadmitted = (count, ready, target.name), seen.unadmitted_pods
             if attach is not None:
                 attach.update(pods=count, readyPods=ready)
-                # A merge patch keeps what it does not name: a key gone (bypassed, once the cache is
-                # back) is sent as null.
-                for gone in set(old.get("attach") or {}) - set(attach):
-                    attach[gone] = None
         fields, conds = compute_status(observation)
-        fields["attach"] = attach
+        fields["attach"] = merge_patch(old.get("attach"), attach) if attach is not None else None
+        pins_now = pincheck.status_of(declared, runtime.CONTROLLER.pin_files.facts(declared, key[0], old, pins_on))
+        if old.get("identity") != pins_now:
+            fields["identity"] = merge_patch(old.get("identity"), pins_now)
         canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
         if canary_record is not None:
             fields["canary"] = canary_record

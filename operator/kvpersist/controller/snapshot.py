@@ -35,7 +35,7 @@ from kvpersist.controller.decision import (
     written_target,
 )
 from kvpersist.controller.policy import named_secrets
-from kvpersist.controller.reading import l2_claims, named_claim, parsed_model, read_key, secret_metadata
+from kvpersist.controller.reading import hub_token, l2_claims, named_claim, parsed_model, read_key, secret_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
 from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
@@ -133,7 +133,6 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     uid = meta.get("uid")
     own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
     snap = Snapshot(body=body, spec=spec, policy=runtime.CONTROLLER.policy, own=own,
-                    pin_mismatch=runtime.CONTROLLER.pin_files.mismatch(spec.identity) if pincheck.enabled() else None,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
                     fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
                     inference_pool_served=_pool_served(spec, own, key[0], key[1]),
@@ -149,6 +148,12 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
         snap = dataclasses.replace(snap, named_secrets=labels, unreadable_secrets=failed)
     if policy_refusal(snap) is not None:
         return snap, None
+    checking, files = pincheck.enabled(), runtime.CONTROLLER.pin_files
+    pins = files.facts(spec, key[0], body.get("status"), checking)
+    if checking and pins is not None and pins.values is None and pincheck.unset(spec.identity):  # the files first, briefly
+        files.wait(spec.identity, lambda: setattr(runtime.CONTROLLER.held(key), "dirty", True), token=hub_token(spec, key[0]))
+        pins = files.facts(spec, key[0], body.get("status"), checking)
+    snap = dataclasses.replace(snap, pins=pins)
     base = Target(key[1], key[0], spec, None)
     snap = dataclasses.replace(snap, l2_claims=dict(l2_claims(base)))
     if ownership.claim_refusal(base, snap.l2_claims or {}) is not None:

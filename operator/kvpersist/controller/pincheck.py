@@ -136,9 +136,8 @@ def filled(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> tuple[api.KVC
         return spec, None
     if facts is None or facts.values is None:
         why = facts.unread if facts is not None else f"{ENV}=off: no files are read"
-        names = ", ".join(field_path(f).removeprefix("spec.identity.") for f in missing)
-        return spec, (f"spec.identity leaves {names} unset, which the operator takes from the model's files, not read "
-                      f"yet ({why}); the cache stays off until they are, or write them (`kvpersist pins "
+        return spec, (f"{', '.join(map(field_path, missing))} unset: the operator takes them from the model's files, "
+                      f"not read yet ({why}); the cache stays off until they are, or write them (`kvpersist pins "
                       "MODEL@REVISION` prints them)")
     values = {**dict(facts.values), "tensor_parallel_size": TENSOR_PARALLEL, "connector_build": image_digest(spec.image)}
     identity, left = spec.identity, []
@@ -170,7 +169,8 @@ def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdi
                  if derived.chat_template_digest else f"the tokenizer {tokenizer}@{tok_rev} has no chat template")
         wrong.append(f"spec.identity.chatTemplateDigest is {declared} but {found}")
     if wrong:
-        return (False, MISMATCH, "; ".join(wrong) + f": set them to what the files say (`kvpersist pins {model}@{revision}"
+        return (False, MISMATCH, "; ".join(wrong) + ": delete them (the operator fills them from the files) or set them "
+                f"to what the files say (`kvpersist pins {model}@{revision}"
                 + (f" --tokenizer {tokenizer}@{tok_rev}" if tokenizer != model else "") + "` prints the block); "
                 "the cache stays off meanwhile, since hits under wrong pins would be KV of another layout or template")
     checked = ["numKVHeads", "headSize"] + (["chatTemplateDigest"] if declared is not None and tok_rev else [])

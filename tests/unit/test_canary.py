@@ -19,7 +19,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpersist import vllmclient
-from kvpersist.api.status import validate_patch
+from kvpersist.api.status import field_patch, validate_patch
 from kvpersist.api.v1alpha1 import DEFAULT_CANARY_PROMPT, KVCacheNamespace
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM, Target
 from kvpersist.builders.vllm import build_vllm_deployment
@@ -275,19 +275,19 @@ def test_the_record_fits_the_status_models_and_patches_only_changes() -> None:
     rec = c.with_check(rec, "r-vllm-b", "2026-01-01T00:01:00Z", True, c.GPU)
     assert rec["lastServedCheck"]["pod"] == "r-vllm-a" and rec["matches"]["gpu"] == 1  # not evidence: kept apart
     validate_patch({"canary": rec})
-    assert c.field_patch(rec, dict(rec)) is None
+    assert field_patch(rec, dict(rec)) is None
     found = c.with_mismatch(rec, "0123456789ab", "r-vllm-a", "2026-01-01T00:10:00Z", REF, WRONG, (c.L2, c.L1))
     validate_patch({"canary": found})
     with pytest.raises(Exception, match="tier"):
         validate_patch({"canary": {**rec, "lastCheck": {**rec["lastCheck"], "tier": "disk"}}})
     released = c.acknowledged(found, NID, {c.ACK_ANNOTATION: "0123456789ab"})
     assert released == rec
-    patch = c.field_patch(found, released)
+    patch = field_patch(found, released)
     assert patch == {**rec, "mismatch": None}  # a merge patch would keep the old key
     validate_patch({"canary": patch})
     again = c.with_reference(found, NID, "sha256:" + "a" * 64, (1, 2), "r-vllm-c", "2026-01-01T00:20:00Z", 3947)
     assert again["referenceRecomputes"] == 1 and "matches" not in again and "lastServedCheck" not in again
-    assert c.field_patch(found, again)["lastServedCheck"] is None  # evidence against the old reference goes
+    assert field_patch(found, again)["lastServedCheck"] is None  # evidence against the old reference goes
     validate_patch({"canary": again})
     with pytest.raises(Exception, match="referenceTokenIds"):
         validate_patch({"canary": {**rec, "referenceTokenIds": list(range(65))}})
@@ -515,7 +515,7 @@ def test_a_mismatch_turns_the_cache_off_until_acknowledged_and_survives_a_restar
     verdict, released, _ = run_round(again, t, acked, pods_of(t))
     assert released and again.standing(key, acked, t.namespace_id) is None
     assert verdict[:2] == (True, c.MATCH)  # checked again at once, with the cache back
-    assert c.field_patch(rec, again.record(key))["mismatch"] is None
+    assert field_patch(rec, again.record(key))["mismatch"] is None
 
 
 def test_checks_from_vllms_own_cache_verify_nothing_until_lmcache_serves_one() -> None:

@@ -55,7 +55,7 @@ def cache_fetcher(tmp_path: Path) -> Any:
         calls.append(name)
         return inner(repo, rev, name)
 
-    return (lambda _deadline: fetch), calls
+    return (lambda _deadline, _token: fetch), calls
 
 
 def checked(files: pincheck.PinFiles, ident: api.Identity) -> None:
@@ -111,7 +111,7 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
 def test_an_unreachable_hub_changes_nothing_but_an_unknown_condition(controller: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     tries: list[float] = []
 
-    def fetcher(_deadline: float) -> hubpins.Fetch:
+    def fetcher(_deadline: float, _token: str | None) -> hubpins.Fetch:
         def fetch(*_: str) -> bytes | None:
             tries.append(time.monotonic())
             raise httpx2.ConnectError("refused")
@@ -137,7 +137,7 @@ def test_the_operator_reads_the_files_through_its_bounded_hub_client() -> None:
         hub.models[(MODEL, QWEN_REV)] = {"config.json": hubpins.json.dumps({**CONFIG, "num_key_value_heads": 4}).encode(),
                                          "chat_template.jinja": TEMPLATE.encode()}
         hub.gated.add("meta-llama/Gated")
-        files = pincheck.PinFiles(lambda deadline: pincheck.hub_fetch(hub.url, deadline))
+        files = pincheck.PinFiles(lambda deadline, _token: pincheck.hub_fetch(hub.url, deadline))
         checked(files, identity(body()))
         ok, reason, message = files.verdict(identity(body()))
         assert (ok, reason) == (False, "PinMismatch") and "numKVHeads is 8 but" in message and "says 4" in message
@@ -158,7 +158,8 @@ def test_a_silent_hub_is_unknown_within_the_deadline(monkeypatch: pytest.MonkeyP
         srv.bind(("127.0.0.1", 0))
         srv.listen(8)
         monkeypatch.setattr(pincheck, "CHECK_DEADLINE_S", 1.5)
-        files = pincheck.PinFiles(lambda deadline: pincheck.hub_fetch(f"http://127.0.0.1:{srv.getsockname()[1]}", deadline))
+        files = pincheck.PinFiles(lambda deadline, _token: pincheck.hub_fetch(f"http://127.0.0.1:{srv.getsockname()[1]}",
+                                                                                 deadline))
         start = time.monotonic()
         checked(files, identity(body()))
         assert time.monotonic() - start < 15
@@ -193,7 +194,7 @@ def test_two_pins_resolve_to_the_id_of_the_same_pins_written_out() -> None:
     for flag, value in (("--kv-cache-dtype", "bfloat16"), ("--block-size", "16"), ("--tensor-parallel-size", "1"),
                         ("--max-model-len", "40960")):
         assert args[args.index(flag) + 1] == value
-    shown = pincheck.status_of(spec, files_of())
+    shown = pincheck.status_of(spec.identity, target.spec.identity, files_of())
     assert shown["pins"]["numKVHeads"] == 8 and shown["pins"]["chatTemplateDigest"] == DIGEST
     assert shown["filled"] == sorted(["blockSize", "chatTemplateDigest", "connectorBuild", "headSize", "kvCacheDtype",
                                       "maxModelLen", "numKVHeads", "tensorParallelSize"])
@@ -247,7 +248,10 @@ def test_what_the_files_do_not_decide_is_named_not_guessed() -> None:
 
 def test_status_keeps_the_files_for_a_restart_and_only_for_the_same_commits(controller: Any) -> None:
     spec = api.KVCacheNamespace.model_validate(two_pins()).spec
-    status = {"identity": pincheck.status_of(spec, files_of())}
+    from kvpersist.controller.decision import target_for
+
+    full = target_for("a", "team-a", spec, None, files_of())[0].spec.identity
+    status = {"identity": pincheck.status_of(spec.identity, full, files_of())}
     facts = controller.pin_files.facts(spec, "team-a", status, True)  # nothing read by this operator
     assert facts is not None and dict(facts.values or ()) == dict(files_of().values or ())
     obj = {**two_pins(), "status": status}
@@ -269,7 +273,7 @@ def test_every_sample_keeps_its_id_whatever_the_files_say() -> None:
 
 
 def test_a_merge_patch_names_what_went_as_null() -> None:
-    from kvpersist.status.conditions import merge_patch
+    from kvpersist.api.status import merge_patch
 
     assert merge_patch({"pins": {"a": 1, "b": 2}, "files": {"at": "x"}}, {"pins": {"a": 1}}) == \
         {"files": None, "pins": {"b": None, "a": 1}}
@@ -284,7 +288,7 @@ def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_th
         hub.models[(gated, QWEN_REV)] = {"config.json": hubpins.json.dumps(CONFIG).encode(),
                                          "chat_template.jinja": TEMPLATE.encode()}
         hub.gated.add(gated)
-        files = pincheck.PinFiles(lambda deadline, token=None: pincheck.hub_fetch(hub.url, deadline, token))
+        files = pincheck.PinFiles(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token))
         mine = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec
         mine = mine.model_copy(update={"vllm": mine.vllm.model_copy(update={
             "hf_token_secret_ref": api.HFTokenSecretRef(name="hf-reader")})})
@@ -303,6 +307,6 @@ def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_th
         other = files.facts(theirs, "team-b", None, True)  # another tenant: the refusal, never the token's answer
         assert other is not None and other.values is None and "anonymously" in other.unread
         assert files.facts(mine, "team-b", None, True).values is None  # the same Secret's name elsewhere: not it
-        wrong = pincheck.PinFiles(lambda deadline, token=None: pincheck.hub_fetch(hub.url, deadline, token))
+        wrong = pincheck.PinFiles(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token))
         wrong.wait(mine.identity, lambda: None, timeout=30, token=(pincheck.scope_of(mine, "team-a"), lambda: "hf_wrong"))
         assert "hfTokenSecretRef's token" in wrong.facts(mine, "team-a", None, True).unread

@@ -28,6 +28,22 @@ STRICT = False
 STRICT_ENV = "KVPERSIST_STRICT_STATUS"
 
 
+def merge_patch(old: Any, new: Any) -> Any:
+    """new as a JSON merge patch over old: every key old has and new lacks, at any depth, sent as
+    null (a merge patch keeps what it does not name)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return new
+    return {**{k: None for k in old if k not in new}, **{k: merge_patch(old.get(k), v) for k, v in new.items()}}
+
+
+def field_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """One status field (a record the operator keeps whole) to write as a merge patch over old, or
+    None when nothing changed."""
+    if new is None or dict(new) == dict(old or {}):
+        return None
+    return merge_patch(old or {}, new)
+
+
 class StatusPatchError(ValueError):
     """A status patch that does not fit the status models; problems name each key."""
 

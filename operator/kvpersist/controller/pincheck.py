@@ -261,7 +261,7 @@ class PinFiles:
     refresh). A model the Hub refuses anonymously (gated) is read again with the resource's own
     token, under its Scope."""
 
-    def __init__(self, fetcher: Callable[..., hubpins.Fetch] | None = None, workers: int = WORKERS) -> None:
+    def __init__(self, fetcher: Callable[[float, str | None], hubpins.Fetch] | None = None, workers: int = WORKERS) -> None:
         self._fetcher = fetcher
         self._lock = threading.Lock()
         self._found: dict[tuple[Key, Scope], hubpins.Derived | Unread] = {}
@@ -352,8 +352,7 @@ class PinFiles:
             token = reader() if reader is not None else None
             if reader is not None and not token:
                 raise HubRefused(401, "NoToken")
-            fetcher = self._fetcher or (lambda d, t=None: hub_fetch(os.environ.get("HF_ENDPOINT"), d, t))
-            fetch = fetcher(deadline, token) if token else fetcher(deadline)
+            fetch = (self._fetcher or (lambda d, t: hub_fetch(os.environ.get("HF_ENDPOINT"), d, t)))(deadline, token)
             result: hubpins.Derived | Unread = hubpins.fetch_derived(fetch, *key)
         except Exception as exc:  # every failure is a verdict (Unknown), never a crashed thread
             result = _unread(exc, key, time.monotonic(), with_token=reader is not None)
@@ -375,17 +374,15 @@ def condition_of(verdict: Verdict | None, identity: api.Identity, checking: bool
     return verdict or (None, "Checking", "reading config.json and the tokenizer's files at the declared revisions")
 
 
-def status_of(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> dict[str, Any]:
-    """status.identity: the pins as hashed and rendered (spec.pins of the filled spec), the ones the
-    operator filled, and what the files said where they were read (kept for a restart)."""
-    declared = spec.identity
-    full, _ = filled(spec, facts)
-    out: dict[str, Any] = {"pins": full.identity.model_dump(by_alias=True, exclude_none=True, mode="json")}
-    mine = [api.Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full.identity, f) is not None]
+def status_of(declared: api.Identity, full: api.Identity, facts: Facts | None) -> dict[str, Any]:
+    """status.identity: the pins as hashed and rendered (full: the declared ones filled, as
+    target_for made them), the ones the operator filled, and what the files said where they were
+    read (kept for a restart)."""
+    out: dict[str, Any] = {"pins": full.model_dump(by_alias=True, exclude_none=True, mode="json")}
+    mine = [api.Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full, f) is not None]
     if mine:
         out["filled"] = sorted(mine)
     if facts is not None and facts.values is not None:
         out["files"] = {"at": facts.at, **{api.Identity.model_fields[k].alias or k: v
                                            for k, v in facts.values if v is not None}}
     return out
-

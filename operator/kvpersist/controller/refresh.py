@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.api.status import checked_patch
+from kvpersist.api.status import checked_patch, field_patch, merge_patch
 from kvpersist.builders.attach import attach_status, attached
 from kvpersist.builders.target import L2_VOLUME, VLLM, Target
 from kvpersist.controller import (
@@ -52,7 +52,6 @@ from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
 from kvpersist.inventory.volume import iso, one_per_location, served_of, status_summary
-from kvpersist.status import canary as judge_canary
 from kvpersist.status import keymismatch
 from kvpersist.status.conditions import (
     Observation,
@@ -61,7 +60,6 @@ from kvpersist.status.conditions import (
     condition,
     failed_create,
     failed_status,
-    merge_patch,
     pods_missing,
     status_patch,
 )
@@ -274,12 +272,12 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 attach.update(pods=count, readyPods=ready)
         fields, conds = compute_status(observation)
         fields["attach"] = merge_patch(old.get("attach"), attach) if attach is not None else None
-        pins_now = pincheck.status_of(declared, runtime.CONTROLLER.pin_files.facts(declared, key[0], old, pins_on))
-        if old.get("identity") != pins_now:
-            fields["identity"] = merge_patch(old.get("identity"), pins_now)
-        canary_record = judge_canary.field_patch(old.get("canary"), runtime.CONTROLLER.canary.record(key))
-        if canary_record is not None:
-            fields["canary"] = canary_record
+        shown = pincheck.status_of(declared.identity, target.spec.identity,  # the pins as target_of filled them
+                                   runtime.CONTROLLER.pin_files.facts(declared, key[0], old, pins_on))
+        for name, record in (("identity", shown), ("canary", runtime.CONTROLLER.canary.record(key))):
+            patch = field_patch(old.get(name), record)
+            if patch is not None:
+                fields[name] = patch
         if target.key_secret is None:
             fields["l2Key"] = None  # not encrypted: no key (a record left from before goes)
         elif read is not None and read.fingerprint is not None and target.namespace_id is not None:

@@ -418,14 +418,6 @@ def acknowledged(record: Mapping[str, Any] | None, namespace_id: str | None,
     return {k: v for k, v in (record or {}).items() if k != "mismatch"}
 
 
-def field_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """status.canary to write as a merge patch, or None when nothing changed: keys the new record
-    lacks are nulled (a merge patch would keep them)."""
-    if new is None or dict(new) == dict(old or {}):
-        return None
-    return {**{k: None for k in (old or {}) if k not in new}, **new}
-
-
 # ---------------------------------------------------------------- the condition and its texts
 
 

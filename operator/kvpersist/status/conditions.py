@@ -560,14 +560,6 @@ def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, ri
     return {**hits, "measuredAt": iso(at.timestamp())}
 
 
-def merge_patch(old: Any, new: Any) -> Any:
-    """new as a JSON merge patch over old: every key old has and new lacks sent as null (a merge
-    patch keeps what it does not name)."""
-    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
-        return new
-    return {**{k: None for k in old if k not in new}, **{k: merge_patch(old.get(k), v) for k, v in new.items()}}
-
-
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
                  reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
                  hits: Mapping[str, Any] | None = None, at: datetime | None = None,

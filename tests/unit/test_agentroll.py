@@ -177,7 +177,7 @@ def test_the_limit_comes_from_the_chart_and_is_at_least_one(monkeypatch: pytest.
         assert glue.limit() == 1
 
 
-def test_a_held_image_reaches_only_the_agent_container_and_never_the_namespace_id(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_held_image_reaches_only_the_agent_container_and_never_the_namespace_id() -> None:
     """What the apply holds back is the agent's image alone: the server's container, its args and
     the namespace id (in every label) are those of the wanted image's render. The agent is off
     the data path, so it must not reach the id."""
@@ -186,8 +186,7 @@ def test_a_held_image_reaches_only_the_agent_container_and_never_the_namespace_i
     from kvpersist.builders.all import build_all
     from tests.unit.test_builders import target
 
-    monkeypatch.setenv(AGENT_IMAGE_ENV, NEW)
-    wanted = build_all(target())
+    wanted = build_all(dataclasses.replace(target(), agent_image=NEW))
     held = build_all(dataclasses.replace(target(), agent_image=OLD))
     [w_sts] = [m for m in wanted if m["kind"] == "StatefulSet"]
     [h_sts] = [m for m in held if m["kind"] == "StatefulSet"]

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from kvpersist.builders.all import build_all
-from kvpersist.builders.networkpolicy import OPERATOR_LABELS, SCRAPER_ENV, build_network_policy, parse_scraper
+from kvpersist.builders.networkpolicy import OPERATOR_LABELS, OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, build_network_policy, parse_scraper
+from kvpersist.controller.policy import Policy
 from tests import rbac_needs as rb
 from tests.unit.test_builders import target
 
@@ -110,14 +111,14 @@ def test_lmcache_server_policy_admits_the_scraper_to_the_agent_port_only() -> No
     assert build_network_policy(t, None, SCRAPER)["spec"]["ingress"] == [policy["spec"]["ingress"][1]]
 
 
-def test_build_all_reads_the_scraper_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_scraper_comes_from_the_environment_through_the_policy() -> None:
     t = target()
-    monkeypatch.setenv(SCRAPER_ENV, json.dumps(SCRAPER))
-    policy = build_all(t, "kvpersist-system")[0]
-    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["ingress"][1]["from"] == [SCRAPER]
-    zmq = next(m for m in build_all(t, "kvpersist-system")[1:] if m["kind"] == "NetworkPolicy")
+    policy = Policy.from_env({SCRAPER_ENV: json.dumps(SCRAPER), OPERATOR_NAMESPACE_ENV: "kvpersist-system"}, Path("/nonexistent"))
+    assert (policy.operator_namespace, policy.metrics_scraper) == ("kvpersist-system", SCRAPER)
+    made = build_all(t, policy.operator_namespace, policy.metrics_scraper)
+    assert made[0]["kind"] == "NetworkPolicy" and made[0]["spec"]["ingress"][1]["from"] == [SCRAPER]
+    zmq = next(m for m in made[1:] if m["kind"] == "NetworkPolicy")
     assert SCRAPER not in zmq["spec"]["ingress"][0]["from"]  # the ZMQ port stays vLLM's alone
-    monkeypatch.delenv(SCRAPER_ENV)
     assert len(build_all(t, "kvpersist-system")[0]["spec"]["ingress"]) == 1
 
 

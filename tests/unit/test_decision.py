@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -68,6 +70,46 @@ def test_a_plain_apply_renders_every_object_in_order_and_reads_nothing() -> None
     assert kinds(d)[:3] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet"] and kinds(d)[-1] == "Deployment"
     assert d.token_secret is not None and d.token_secret["metadata"]["name"] == "b-agent-token"
     assert all(m["metadata"]["ownerReferences"][0]["uid"] == UID for m in d.manifests)
+
+
+class ReadsOf(dict):  # type: ignore[type-arg]
+    """os.environ that notes every key read (the real values are kept: pytest reads some too)."""
+
+    def __init__(self, real: Mapping[str, str]) -> None:
+        super().__init__(real)
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> str:
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.read.append(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.append(str(key))
+        return super().__contains__(key)
+
+
+def test_decide_is_a_function_of_its_snapshot_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59: the same snapshot decides the same, twice, reading no environment and drawing no
+    random token: the token, the agent image and the chart's settings come in through it."""
+    scraper = {"namespaceSelector": {"matchLabels": {"team": "obs"}}}
+    image = "ghcr.io/kvpersist/kvpersist-operator@sha256:" + "c" * 64
+    snap = snapshot(body(), agent_token="t" * 64, agent_image=image,
+                    policy=Policy(operator_namespace="kvpersist-system", metrics_scraper=scraper))
+    environ = ReadsOf(os.environ)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "environ", environ)
+        first, second = decide(snap), decide(snap)
+    assert environ.read == [] and first == second and first.applies
+    assert first.token_secret is not None and first.token_secret["data"] == second.token_secret["data"]
+    [sts] = [m for m in first.manifests if m["kind"] == "StatefulSet"]
+    assert image in [c["image"] for c in sts["spec"]["template"]["spec"]["containers"]]
+    admin_policy = first.manifests[0]
+    assert [r["from"][0].get("namespaceSelector") for r in admin_policy["spec"]["ingress"]] == [
+        {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}}, scraper["namespaceSelector"]]
 
 
 def test_a_claim_an_older_resource_names_turns_the_cache_off_storage_in_use() -> None:

@@ -60,4 +60,4 @@ def test_bypassed_vllm_has_no_connector_affinity_or_host_ipc_and_the_servers_sta
     said = build_vllm_deployment(refused)["spec"]["template"]["metadata"]["annotations"]["kvpersist.dev/cache-bypassed"]
     assert said.startswith("a vLLM pod refused")  # the pods say which bypass it is
     assert "kvpersist.dev/cache-bypassed" not in with_cache["spec"]["template"]["metadata"]["annotations"]
-    assert build_lmcache_statefulset(off, "img") == build_lmcache_statefulset(on, "img")
+    assert build_lmcache_statefulset(off) == build_lmcache_statefulset(on)

@@ -104,7 +104,7 @@ def test_the_crd_fixes_shared_once_set_and_lets_a_shared_claim_serve_several() -
 
 def test_shared_size_makes_one_readwritemany_claim_and_no_claim_template() -> None:
     t = target_of(shared_obj())
-    sts = build_lmcache_statefulset(t, "img:1")["spec"]
+    sts = build_lmcache_statefulset(t)["spec"]
     assert "volumeClaimTemplates" not in sts and "persistentVolumeClaimRetentionPolicy" not in sts
     assert sts["replicas"] == 2
     pod = sts["template"]["spec"]
@@ -130,7 +130,7 @@ def test_shared_users_claim_is_mounted_by_every_server_and_no_claim_is_made() ->
         obj["spec"]["l2"]["nvme"].pop(key)
     t = target_of(obj)
     assert build_shared_claim(t) is None and t.shared_claim == "lustre-kv"
-    sts = build_lmcache_statefulset(t, "img:1")["spec"]
+    sts = build_lmcache_statefulset(t)["spec"]
     assert "volumeClaimTemplates" not in sts
     assert {"name": "l2", "persistentVolumeClaim": {"claimName": "lustre-kv"}} in sts["template"]["spec"]["volumes"]
     assert "fsGroup" not in sts["template"]["spec"]["securityContext"]  # a user's volume is never re-owned
@@ -139,7 +139,7 @@ def test_shared_users_claim_is_mounted_by_every_server_and_no_claim_is_made() ->
 def test_without_shared_nothing_changes() -> None:
     t = target_of(sample())
     assert build_shared_claim(t) is None and t.shared_claim is None
-    assert "volumeClaimTemplates" in build_lmcache_statefulset(t, "img:1")["spec"]
+    assert "volumeClaimTemplates" in build_lmcache_statefulset(t)["spec"]
     agent = agent_container(t, "img:1")
     assert "--shared-folder" not in agent["args"] and "env" not in agent
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.attach import attached
@@ -10,13 +11,13 @@ from kvpersist.builders.disruption import build_server_pdb
 from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.modelcache import build_model_cache_claim
-from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy, metrics_scraper, operator_namespace
+from kvpersist.builders.networkpolicy import build_network_policy, build_zmq_policy
 from kvpersist.builders.services import build_local_service, build_metrics_service, build_vllm_service
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
 
 
-def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, Any]]:
+def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Policies first (no window where the admin port is open), then the lmcache StatefulSet (the
     workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
     its Services (the governing one is only needed for pod DNS), its PodDisruptionBudget and the
@@ -26,14 +27,15 @@ def build_all(target: Target, operator_ns: str | None = None) -> list[dict[str, 
     until no pod of it is left (kvpersist.controller.apply removes them then). With the cache
     off there is no ZMQ policy (no server runs; the admin-port policy, which selects every server
     and admits no ZMQ, holds its name `<name>-lmcache` alone); with the id's route names held by
-    another id's objects (target.routes False), neither the ZMQ policy nor the local Service."""
+    another id's objects (target.routes False), neither the ZMQ policy nor the local Service.
+    operator_ns, scraper: who may reach the agents' port (the operator's Policy, from the chart)."""
     zmq, local = build_zmq_policy(target), build_local_service(target)
     vllm_service = build_vllm_service(target)
     pool = build_inference_pool(target)
     model_cache = build_model_cache_claim(target)
     vllm = build_vllm_deployment(target)
     manifests = [
-        build_network_policy(target, operator_ns if operator_ns is not None else operator_namespace(), metrics_scraper()),
+        build_network_policy(target, operator_ns, scraper),
         zmq,
         build_lmcache_statefulset(target),
         build_metrics_service(target),

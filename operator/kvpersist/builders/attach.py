@@ -17,15 +17,9 @@ from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config, kv_events_env
-from kvpersist.identity import image_digest
+from kvpersist.identity import field_path, image_digest
 
 ATTACHED = "Attached"
-PIN_FIELDS = {
-    "model_revision": "spec.identity.modelRevision", "tokenizer": "spec.identity.tokenizer",
-    "tokenizer_revision": "spec.identity.tokenizerRevision", "kv_cache_dtype": "spec.identity.kvCacheDtype",
-    "block_size": "spec.identity.blockSize", "tensor_parallel_size": "spec.identity.tensorParallelSize",
-    "max_model_len": "spec.identity.maxModelLen",
-}
 
 
 def attached(target: Target) -> bool:
@@ -51,7 +45,7 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
         "namespaceId": target.namespace_id,
         "model": target.spec.identity.model_id,
         "imageDigest": digest,
-        "pins": [{"flag": flag, "value": str(pins[attr]), "field": PIN_FIELDS[attr]}
+        "pins": [{"flag": flag, "value": str(pins[attr]), "field": field_path(attr)}
                  for attr, flag in PIN_FLAGS if pins[attr] is not None],
         "args": args,
         "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),

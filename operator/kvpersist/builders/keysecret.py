@@ -57,5 +57,5 @@ def build_agent_token_secret(target: Target, token: str | None = None) -> dict[s
             "labels": {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": target.name,
                        "app.kubernetes.io/component": "agent-token", "app.kubernetes.io/managed-by": MANAGED_BY},
         },
-        "data": {AGENT_TOKEN_KEY: base64.b64encode((token or secrets.token_hex(32)).encode()).decode()},
+        "data": {AGENT_TOKEN_KEY: base64.b64encode((secrets.token_hex(32) if token is None else token).encode()).decode()},
     }

@@ -21,10 +21,6 @@ OPERATOR_NAMESPACE_ENV = "KVPERSIST_OPERATOR_NAMESPACE"
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kvpersist-operator"}
 
 
-def operator_namespace() -> str | None:
-    return os.environ.get(OPERATOR_NAMESPACE_ENV) or None
-
-
 # A scraper (e.g. Prometheus) admitted to the agent's port, which serves the servers' /metrics:
 # {"namespaceSelector": <LabelSelector>, "podSelector": <LabelSelector>?} as JSON. Set by the Helm
 # chart from metrics.scraper.
@@ -84,7 +80,7 @@ def metrics_scraper() -> dict[str, Any] | None:
 
 def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every server of the resource: the agent's port from the operator's pods only (when the operator's
-    namespace is known; else from nowhere in the cluster), and from the scraper (metrics_scraper())
+    namespace is known; else from nowhere in the cluster), and from the scraper (parse_scraper)
     when one is named: the agent's port is the servers' only metrics port (/server/metrics; its
     other paths need the resource's token). Never a rule without peers: the kubelet's probes of the
     agent's /healthz come from the pod's own node, which Kubernetes always admits whatever a

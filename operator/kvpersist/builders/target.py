@@ -44,8 +44,8 @@ class Target:
     # hex of the id): no local Service or ZMQ policy is built, so none is re-pointed, and vLLM
     # goes without the cache meanwhile (kvpersist.controller.stale_routes.route_conflicts).
     routes: bool = True
-    # The inventory agent's image for the server pods; None: the wanted one (builders.lmcache
-    # .agent_image). An apply may keep an older one while other servers roll (controller.agentroll).
+    # The inventory agent's image for the server pods (the snapshot's: the chart's, or an older one
+    # kept while other servers roll, controller.agentroll); None: builders.lmcache.DEFAULT_AGENT_IMAGE.
     agent_image: str | None = None
     # spec.l2.nvme.shared on a user's claim that is not ReadWriteMany: one server only, not one per
     # node that could never mount it (status says ClaimNotShared); None: as many as the spec says.

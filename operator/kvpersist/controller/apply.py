@@ -137,6 +137,8 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
     assert token_secret is not None
     token_key = child_key(token_secret)
     token_known = owners.get(token_key) == uid
+    if not all(token_secret["data"].values()):  # read_snapshot mints one: never an empty credential
+        raise RuntimeError(f"no agent token minted for Secret {target.agent_token_secret}")
     # What the server pods need before they exist: the L2 key (created once and never owned, see
     # keysecret), the agent token, and the policies that close their ports. Side by side, one
     # round trip instead of four: the StatefulSet, next, is what a user waits for.

@@ -5,8 +5,10 @@ resources' stores, the route names, who holds each name), in six modules. Now ev
 at is read first into one value, a Snapshot (kvpersist.controller.snapshot, from the watch caches
 where they have it), and decide() turns that into the whole verdict: the refusal, with the
 conditions status then shows, or the objects to create, apply and delete. No I/O here, nor any
-state of the running operator: the operator acts on the Decision (kvpersist.controller.apply), and
-`kvpersist plan` prints the same Decision, from a snapshot read with the user's credentials.
+state of the running operator, nor the environment, nor chance: the same snapshot decides the same
+(a fresh token, the agent image and the chart's settings come in through the snapshot and its
+policy). The operator acts on the Decision (kvpersist.controller.apply), and `kvpersist plan`
+prints the same Decision, from a snapshot read with the user's credentials.
 
 The order of the rules is the order a user would fix them in, and each stops what follows:
 1. the operator's policy (ImageNotAllowed, SecretNotAllowed: kvpersist.controller.policy): nothing
@@ -29,8 +31,6 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import kopf
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders import inferencepool, modelcache
@@ -91,6 +91,7 @@ class Snapshot:
     build_refused: Mapping[str, str] = field(default_factory=dict)  # namespace id -> what a refusing vLLM said
     hit_mismatch: Mapping[str, str] = field(default_factory=dict)  # namespace id -> the canary's HitMismatch id
     agent_image: str | None = None  # the agent image the roll allows this apply (controller.agentroll)
+    agent_token: str = ""  # a fresh token, minted by the reader, for the agent token Secret if absent (none: plan)
     inference_pool_served: bool = False  # the API server serves InferencePool (controller.inferencepool)
     unplaced_servers: int = 0  # its server pods no node can take (status.workloads.unplaced_servers)
 
@@ -237,10 +238,9 @@ def route_keys(target: Target) -> list[ChildKey]:
 
 
 def _token_secret(target: Target, snap: Snapshot) -> dict[str, Any]:
-    secret = build_agent_token_secret(target)  # before the agents, which read it at start
+    secret = build_agent_token_secret(target, snap.agent_token)  # before the agents, which read it at start
     secret["metadata"]["labels"].update(snap.policy.generated_secret_labels())
-    kopf.append_owner_reference(secret, owner=dict(snap.body))
-    return secret
+    return ownership.owned_by(secret, snap.body)
 
 
 def key_target(snap: Snapshot) -> Target:
@@ -372,9 +372,9 @@ def decide(snap: Snapshot) -> Decision:
     token_secret = _token_secret(target, snap)
     if snap.agent_image is not None:
         target = dataclasses.replace(target, agent_image=snap.agent_image)
-    manifests = build_all(target)
+    manifests = build_all(target, snap.policy.operator_namespace, snap.policy.metrics_scraper)
     for manifest in manifests:
-        kopf.append_owner_reference(manifest, owner=dict(snap.body))
+        ownership.owned_by(manifest, snap.body)
     taken, owned, missing = _names([*manifests, token_secret], snap)
     unchecked += missing
     common = {"key": key, "key_lost": lost, "generated_key": made, "key_id": key_id, "storage_refused": storage,
@@ -385,7 +385,7 @@ def decide(snap: Snapshot) -> Decision:
         return Decision(target, refusal, NAMES, phase, conds, taken=tuple(sorted(taken)), **common)
     shared = build_shared_claim(target) if target.cache_enabled else None
     if shared is not None and target.spec.l2.nvme is not None and target.spec.l2.nvme.reclaim_policy == "Delete":
-        kopf.append_owner_reference(shared, owner=dict(snap.body))
+        ownership.owned_by(shared, snap.body)
     create_cache, differs = False, None
     cache_manifest = next((m for m in manifests if m["kind"] == "PersistentVolumeClaim"), None)
     if cache_manifest is not None:

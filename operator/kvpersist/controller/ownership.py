@@ -18,7 +18,7 @@ What counts as the operator's own, and why that is enough:
 - What it applies (workloads, Services, policies, the connection ConfigMap) and the agent token
   Secret: an ownerReference with controller true to this very KVCacheNamespace, by uid (the API
   server assigns it: a namesake deleted and made again has another one). Every version of the
-  operator has set that reference on them (kopf.append_owner_reference).
+  operator has set that reference on them (owned_by, as kopf.append_owner_reference wrote it).
 - The L2 claims, which have no owner on purpose either (kvpersist.builders.retained): the labels
   component lmcache-server and the resource's name (under kvpersist.dev/instance, or
   app.kubernetes.io/instance as the StatefulSet controller copies its selector in). What a
@@ -51,6 +51,17 @@ NAME_TAKEN = "NameTaken"  # Ready's reason while an object the operator did not 
 CLAIM_NOT_OWNED = "ClaimNotOwned"  # Ready's reason while a claim the servers would mount is not the operator's
 RETRY_S = 30.0  # how often a taken name is looked at again (its holder has none of the watched labels)
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}  # the label every watch of the operator's own objects selects
+
+
+def owned_by(obj: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
+    """obj with the controller reference to owner (the one kopf.append_owner_reference adds), once."""
+    meta = owner.get("metadata") or {}
+    ref = {"controller": True, "blockOwnerDeletion": True, "apiVersion": owner.get("apiVersion"), "kind": owner.get("kind"),
+           "name": meta.get("name"), "uid": meta.get("uid")}
+    refs = obj.setdefault("metadata", {}).setdefault("ownerReferences", [])
+    if not any(r.get("uid") == ref["uid"] for r in refs):
+        refs.append({k: v for k, v in ref.items() if v is not None})
+    return obj
 
 
 def controller_uid(meta: Mapping[str, Any] | None) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.builders.networkpolicy import OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, parse_scraper
 from kvpersist.status import references
 from kvpersist.status.conditions import condition
 
@@ -105,12 +106,18 @@ class Policy:
     # The DNS domain of the cluster's Services: vLLM reaches its server at an absolute name
     # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.connection).
     cluster_domain: str | None = None  # None: unknown (`kvpersist run` refuses to start)
+    # Who may reach the agents' port besides nobody: the operator's own pods in its namespace, and
+    # the chart's metrics.scraper (builders.networkpolicy). Read here, once, so decide reads no
+    # environment.
+    operator_namespace: str | None = None
+    metrics_scraper: Mapping[str, Any] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], resolv_conf: Path | None = None) -> Policy:
         """Raises ValueError naming the variable and the fix when one is malformed."""
         return cls(parse_allowed_images(environ.get(ALLOWED_IMAGES_ENV, "")),
-                   parse_secret_label(environ.get(SECRET_LABEL_ENV, "")), read_cluster_domain(environ, resolv_conf))
+                   parse_secret_label(environ.get(SECRET_LABEL_ENV, "")), read_cluster_domain(environ, resolv_conf),
+                   environ.get(OPERATOR_NAMESPACE_ENV) or None, parse_scraper(environ.get(SCRAPER_ENV, "")))
 
     def generated_secret_labels(self) -> dict[str, str]:
         """What the operator's own Secrets (<name>-l2-key, <name>-agent-token) carry besides their

@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
+from kvpersist.builders.lmcache import agent_image
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import agentroll, fallback, inferencepool, kube, ownership, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
@@ -136,7 +137,8 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
                     fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
                     inference_pool_served=_pool_served(spec, own, key[0], key[1]),
-                    unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0)
+                    unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0,
+                    agent_token=secrets.token_hex(32))  # used only if the token Secret is absent
     if snap.policy.secret_label is not None:
         labels: dict[str, Meta | None] = {}
         failed: dict[str, int | None] = {}
@@ -176,5 +178,5 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     hit = runtime.CONTROLLER.canary.standing(key, body, nid) if nid else None
     snap = dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
                                hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {},
-                               agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None else None)
+                               agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None else agent_image())
     return snap, raw

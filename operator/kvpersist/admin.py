@@ -264,9 +264,8 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
     if dry_run:
         print("dry run: nothing deleted; add --no-dry-run to delete")
         return 0
-    by_resource = {h.resource: h for h in holders}
     failed = 0
-    for ref in by_resource:
+    for ref in dict.fromkeys(h.resource for h in holders):  # a resource once, however many of its volumes hold it
         ns, name = ref.split("/", 1)
         request = str(uuid.uuid4())
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 # glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core); the
@@ -90,32 +89,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render_or_write(args: argparse.Namespace, render: Callable[[], str], write: Callable[[Path], list[Path]]) -> int:
+def _render_or_write(args: argparse.Namespace) -> int:
     """`--write` writes the generated files under `--root` and names them; otherwise one rendering goes to stdout."""
+    from kvpersist.api import attachpolicy, crd, pinchange, reference
+
+    render, write = {"crd": (crd.render_crd, crd.write_crds), "pin-change-policy": (pinchange.render_config, pinchange.write),
+                     "attach-policy": (attachpolicy.render_config, attachpolicy.write),
+                     "api-reference": (reference.render_reference, reference.write_reference)}[args.command]
     if args.write:
         for path in write(Path(args.root)):
             print(f"wrote {path}")
     else:
         sys.stdout.write(render())
     return 0
-
-
-def _crd(args: argparse.Namespace) -> int:
-    from kvpersist.api.crd import render_crd, write_crds
-
-    return _render_or_write(args, render_crd, write_crds)
-
-
-def _pin_change_policy(args: argparse.Namespace) -> int:
-    from kvpersist.api.pinchange import render_config, write
-
-    return _render_or_write(args, render_config, write)
-
-
-def _attach_policy(args: argparse.Namespace) -> int:
-    from kvpersist.api.attachpolicy import render_config, write
-
-    return _render_or_write(args, render_config, write)
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -166,12 +152,6 @@ def _version(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api_reference(args: argparse.Namespace) -> int:
-    from kvpersist.api.reference import render_reference, write_reference
-
-    return _render_or_write(args, render_reference, write_reference)
-
-
 # The operator image's own: `kvpersist-operator`.
 OPERATOR_COMMANDS = ("run", "agent", "crd", "pin-change-policy", "attach-policy", "api-reference")
 
@@ -199,26 +179,19 @@ def _operator_parser() -> argparse.ArgumentParser:
     # Parsed by kvpersist.inventory.agent itself (operator_main() hands it the rest of the line).
     sub.add_parser("agent", help="the inventory sidecar beside each lmcache server (kvpersist-operator agent --help)")
 
-    crd = sub.add_parser("crd", help="print the CRD generated from the API models")
-    crd.add_argument("--write", action="store_true", help="write every committed copy instead of printing")
-    crd.add_argument("--root", default=".", help="repository root for --write")
-    crd.set_defaults(fn=_crd)
-
-    policy = sub.add_parser("pin-change-policy", help="print the ValidatingAdmissionPolicy that warns at kubectl apply of a "
-                            "change that moves the namespace id (generated from the fields that reach it)")
-    policy.add_argument("--write", action="store_true", help="write config/pin-change-warning/ and the chart's template")
-    policy.add_argument("--root", default=".", help="repository root for --write")
-    policy.set_defaults(fn=_pin_change_policy)
-    attach = sub.add_parser("attach-policy", help="print the admission policies that attach users' own vLLM pods to a "
-                            "KVCacheNamespace with spec.vllm.mode Attached (docs/attach.md)")
-    attach.add_argument("--write", action="store_true", help="write config/attach/ and the chart's template")
-    attach.add_argument("--root", default=".", help="repository root for --write")
-    attach.set_defaults(fn=_attach_policy)
-
-    reference = sub.add_parser("api-reference", help="print docs/api-reference.md, generated from the API models")
-    reference.add_argument("--write", action="store_true", help="write docs/api-reference.md instead of printing")
-    reference.add_argument("--root", default=".", help="repository root for --write")
-    reference.set_defaults(fn=_api_reference)
+    # (name, help, --write's help): each prints what the API models generate, or writes it (_render_or_write).
+    for name, help_, write_help in (
+            ("crd", "print the CRD generated from the API models", "write every committed copy instead of printing"),
+            ("pin-change-policy", "print the ValidatingAdmissionPolicy that warns at kubectl apply of a change that moves the "
+             "namespace id (generated from the fields that reach it)", "write config/pin-change-warning/ and the chart's template"),
+            ("attach-policy", "print the admission policies that attach users' own vLLM pods to a KVCacheNamespace with "
+             "spec.vllm.mode Attached (docs/attach.md)", "write config/attach/ and the chart's template"),
+            ("api-reference", "print docs/api-reference.md, generated from the API models",
+             "write docs/api-reference.md instead of printing")):
+        cmd = sub.add_parser(name, help=help_)
+        cmd.add_argument("--write", action="store_true", help=write_help)
+        cmd.add_argument("--root", default=".", help="repository root for --write")
+        cmd.set_defaults(fn=_render_or_write)
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -24,11 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpersist.api.convert import ConvertError, convert_object
 
-    if args.filename == "-":
-        text = sys.stdin.read()
-    else:
-        with open(args.filename, encoding="utf-8") as f:
-            text = f.read()
+    text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text(encoding="utf-8")
     out: list[Any] = []
     try:
         for index, doc in enumerate(yaml.safe_load_all(text)):

@@ -98,6 +98,11 @@ def _int(name: str, section: Mapping[str, Any], key: str, where: str) -> int | N
     return value
 
 
+def _first(section: Mapping[str, Any], keys: tuple[str, ...], where: str) -> int | None:
+    """The first of config.json's keys that is set, in vLLM's order (a bad one before it is an error)."""
+    return next((value for key in keys if (value := _int(CONFIG, section, key, where)) is not None), None)
+
+
 def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """The language model's section of a config and its path prefix for messages."""
     for key in TEXT_CONFIG_KEYS:
@@ -123,11 +128,7 @@ def geometry(config: Mapping[str, Any]) -> tuple[int, int, list[str]]:
             raise PinsError(f"{CONFIG}: {where}kv_lora_rank is set (MLA) but {where}qk_rope_head_dim is missing")
         notes.append(f"MLA attention ({where}kv_lora_rank): one latent KV head of kv_lora_rank + qk_rope_head_dim")
         return 1, lora + rope, notes
-    kv_heads = None
-    for key in KV_HEAD_KEYS:
-        kv_heads = _int(CONFIG, section, key, where)
-        if kv_heads is not None:
-            break
+    kv_heads = _first(section, KV_HEAD_KEYS, where)
     if kv_heads is None and section.get("multi_query") is True:
         kv_heads = 1
     if kv_heads is None:
@@ -150,11 +151,7 @@ def geometry(config: Mapping[str, Any]) -> tuple[int, int, list[str]]:
 def max_model_len(config: Mapping[str, Any]) -> tuple[int | None, list[str]]:
     section, where = text_config(config)
     notes: list[str] = []
-    found = None
-    for key in MAX_LEN_KEYS:
-        found = _int(CONFIG, section, key, where)
-        if found is not None:
-            break
+    found = _first(section, MAX_LEN_KEYS, where)
     scaling = section.get("rope_scaling") or section.get("rope_parameters")
     if isinstance(scaling, dict) and scaling.get("factor") is not None:
         kind = scaling.get("rope_type") or scaling.get("type")
@@ -211,10 +208,6 @@ def chat_template(files: Mapping[str, bytes | None]) -> tuple[str, str] | None:
     return None
 
 
-def template_digest(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def derive(config_bytes: bytes, tokenizer_files: Mapping[str, bytes | None]) -> Derived:
     """The pins from config.json's bytes and the tokenizer repository's files (None: not there)."""
     config = parse_json(CONFIG, config_bytes)
@@ -222,7 +215,8 @@ def derive(config_bytes: bytes, tokenizer_files: Mapping[str, bytes | None]) -> 
     length, length_notes = max_model_len(config)
     template = chat_template(tokenizer_files)
     return Derived(kv_heads, head_size, length, config_dtype(config),
-                   template_digest(template[0]) if template else None, template[1] if template else None,
+                   "sha256:" + hashlib.sha256(template[0].encode("utf-8")).hexdigest() if template else None,
+                   template[1] if template else None,
                    tuple(notes + length_notes), mla=any(n.startswith("MLA") for n in notes))
 
 

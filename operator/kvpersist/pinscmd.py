@@ -43,13 +43,6 @@ def _split(value: str, what: str) -> tuple[str, str]:
     return repo, revision
 
 
-def _commit_of(path: str) -> str:
-    """The snapshot folder a downloaded file sits in is the commit it was read at."""
-    parts = Path(path).parts
-    commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts else ""
-    return hubpins.check_revision(commit, "resolved revision")
-
-
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -88,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"kvpersist pins: {api.validation_message(exc)}", file=sys.stderr)
         return 2
-    if getattr(args, "output", "yaml") == "json":
+    if args.output == "json":
         unknown = {k: UNKNOWN[k] for k, v in identity.items() if v is None}
         print(json.dumps({"identity": {k: v for k, v in identity.items() if v is not None}, "unknown": unknown,
                           "notes": list(derived.notes)}, indent=2))
@@ -103,7 +96,8 @@ def _resolved(repo: str, revision: str, token: str | None, cache_dir: str | None
         return revision
     from huggingface_hub import hf_hub_download
 
-    return _commit_of(hf_hub_download(repo, hubpins.CONFIG, revision=revision, token=token, cache_dir=cache_dir))
+    parts = Path(hf_hub_download(repo, hubpins.CONFIG, revision=revision, token=token, cache_dir=cache_dir)).parts
+    return hubpins.check_revision(parts[parts.index("snapshots") + 1] if "snapshots" in parts else "", "resolved revision")
 
 
 UNKNOWN = {
@@ -146,15 +140,14 @@ def hub_error(exc: BaseException) -> str:
         RevisionNotFoundError,
     )
 
-    if isinstance(exc, GatedRepoError):
-        return "the repository is gated: accept its terms on the Hub and set HF_TOKEN to a token with access"
-    if isinstance(exc, RepositoryNotFoundError):
-        return "no such repository, or it is private: check the id, or set HF_TOKEN to a token that can read it"
-    if isinstance(exc, RevisionNotFoundError):
-        return "no such revision in the repository: give a commit it has"
+    for kind, why in (
+            (GatedRepoError, "the repository is gated: accept its terms on the Hub and set HF_TOKEN to a token with access"),
+            (RepositoryNotFoundError,
+             "no such repository, or it is private: check the id, or set HF_TOKEN to a token that can read it"),
+            (RevisionNotFoundError, "no such revision in the repository: give a commit it has"),
+            (OfflineModeIsEnabled, "HF_HUB_OFFLINE is set and the files are not in the cache: unset it once to fetch them")):
+        if isinstance(exc, kind):  # the first that fits: a gated repository is also one not found
+            return why
     if isinstance(exc, HfHubHTTPError):
-        code = exc.response.status_code if exc.response is not None else None
-        return f"the Hub answered {code}"
-    if isinstance(exc, OfflineModeIsEnabled):
-        return "HF_HUB_OFFLINE is set and the files are not in the cache: unset it once to fetch them"
+        return f"the Hub answered {exc.response.status_code if exc.response is not None else None}"
     return f"cannot read the files from the Hub ({type(exc).__name__}): check the network, HF_ENDPOINT and the proxy"

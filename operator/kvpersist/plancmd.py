@@ -31,22 +31,31 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvpersist import cliflags
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kvpersist import cliflags, hubpins
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.target import Target
+from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
+from kvpersist.controller import decision as dec
+from kvpersist.controller import kube, l2key, ownership, pincheck, sharing
 from kvpersist.controller.decision import Decision, decide
 from kvpersist.controller.l2key import KeyRead, held
+from kvpersist.controller.policy import Policy, named_secrets
 from kvpersist.controller.sharing import STORAGE_IN_USE
 from kvpersist.controller.stale_routes import ROUTE_KINDS
-from kvpersist.identity import resolve
+from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.pinscmd import hub_error
 from kvpersist.status.usage import human_bytes
-from kvpersist.status.users import recorded
+from kvpersist.status.users import fingerprint_in_status, users_of
+from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR
 
 UNCHANGED, CHANGES, UNKNOWN, ERROR, REFUSED = 0, 2, 3, 1, 4
 
@@ -93,11 +102,6 @@ class Plan:
         return UNKNOWN if self.unknown else CHANGES if self.moves else UNCHANGED
 
 
-def key_source(spec: api.KVCacheNamespaceSpec, name: str, namespace: str) -> tuple[str, str] | None:
-    """(Secret, key) the servers would read L2's master key from; None with L2 not encrypted."""
-    return Target(name, namespace, spec, None).key_secret
-
-
 def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, str] | None) -> str | None:
     """The fingerprint status.l2Key records, when the new spec reads the key from the Secret and
     key the live one does (and status records that Secret): what the servers use now."""
@@ -108,20 +112,15 @@ def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, 
     except ValueError:
         return None
     meta = live.get("metadata") or {}
-    record = recorded(live.get("status"))
-    if key_source(live_spec, meta.get("name", ""), meta.get("namespace", "")) != new_source:
+    if Target(meta.get("name", ""), meta.get("namespace", ""), live_spec, None).key_secret != new_source:
         return None
-    return record.get("fingerprint") if record.get("secret") == new_source[0] else None
+    return fingerprint_in_status(live.get("status"), new_source[0])
 
 
-def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> Any:
+def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pincheck.Facts | None:
     """What the operator fills the spec's unset pins from (kvpersist.controller.pincheck): the
     model's files as the live status keeps them, else read with huggingface_hub (its cache,
     HF_TOKEN, HF_ENDPOINT). None when nothing is unset."""
-    from kvpersist import hubpins
-    from kvpersist.controller import pincheck
-    from kvpersist.pinscmd import hub_error
-
     key = pincheck.key_of(spec.identity)
     if key is None or not pincheck.unset(spec.identity):
         return None
@@ -139,15 +138,13 @@ def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) ->
 
 
 def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
-            key: KeyRead | None = None, pins: Any = None) -> Plan:
+            key: KeyRead | None = None, pins: pincheck.Facts | None = None) -> Plan:
     """The plan, pure: the live object as read (None: it does not exist), the key read from the
-    new spec's Secret when status records none for it (None: not read) and what fills its unset
-    pins (pin_facts). still_used_by is the caller's to fill (it lists other resources)."""
-    from kvpersist.controller import pincheck
-
+    new spec's Secret (used when status records none for it; None: not read) and what fills its
+    unset pins (pin_facts). still_used_by is the caller's to fill (it lists other resources)."""
     stored_new = new_spec.model_dump(by_alias=True, exclude_none=True, mode="json")
     new_spec, unresolved = pincheck.filled(new_spec, pins)
-    source = key_source(new_spec, name, namespace)
+    source = Target(name, namespace, new_spec, None).key_secret
     fingerprint = recorded_fingerprint(live, source)
     unknown, reason = False, None
     if source is not None and fingerprint is None:
@@ -179,20 +176,12 @@ def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live:
     plan = Plan(namespace, name, True, old_id, new_id, api.changed_id_fields(stored_old, stored_new), reason, unknown,
                 old_hits=(status.get("hits") or {}).get("summary"),
                 stale_status=status.get("observedGeneration") not in (None, meta.get("generation")))
-    if old_id and plan.moves:
-        plan.old_held = served_held(status)
+    usage = status.get("usage") or {}  # as status.usage shows it, the figure the pin-change warning reads
+    if old_id and plan.moves and usage.get("measuredAt") and usage.get("l2UsedBytes") is not None:
+        plan.old_held = int(usage["l2UsedBytes"]), int(usage.get("l2Objects") or 0)
     if new_id and plan.moves:
         plan.new_held = held(status, new_id)
     return plan
-
-
-def served_held(status: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(bytes, objects) of the namespace served now, as status.usage shows them (the pin-change
-    warning reads the same), or None before they were measured."""
-    usage = status.get("usage") or {}
-    if not usage.get("measuredAt") or usage.get("l2UsedBytes") is None:
-        return None
-    return int(usage["l2UsedBytes"]), int(usage.get("l2Objects") or 0)
 
 
 def _amount(amount: tuple[int, int]) -> str:
@@ -320,10 +309,6 @@ def _documents(path: str) -> list[dict[str, Any]]:
 
 
 def _read_key(source: tuple[str, str], namespace: str, generated: bool) -> KeyRead:
-    from kubernetes.client.exceptions import ApiException
-
-    from kvpersist.controller import kube, l2key
-
     try:
         secret = kube.get("v1", "Secret", source[0], namespace)
     except ApiException as exc:
@@ -333,11 +318,6 @@ def _read_key(source: tuple[str, str], namespace: str, generated: bool) -> KeyRe
 
 def _others_serving(namespace_id: str, namespace: str, name: str) -> list[str]:
     """Other resources that serve namespace_id (cluster-wide when allowed, else this namespace)."""
-    from kubernetes.client.exceptions import ApiException
-
-    from kvpersist.controller import kube
-    from kvpersist.status.users import users_of
-
     try:
         every = kube.list_all(api.API_VERSION, api.KIND)
     except ApiException:
@@ -349,12 +329,10 @@ def _others_serving(namespace_id: str, namespace: str, name: str) -> list[str]:
     return users_of(namespace_id, others, [])
 
 
-def _readable(unchecked: list[str], what: str, read: Any, default: Any = None) -> Any:
-    """read(), or default when these credentials may not (401/403: what is then said unchecked)."""
-    from kubernetes.client.exceptions import ApiException
-
+def _readable(unchecked: list[str], what: str, default: Any, read: Any, *args: Any) -> Any:
+    """read(*args), or default when these credentials may not (401/403: what is then said unchecked)."""
     try:
-        return read()
+        return read(*args)
     except ApiException as exc:
         if exc.status not in (401, 403):
             raise
@@ -363,22 +341,12 @@ def _readable(unchecked: list[str], what: str, read: Any, default: Any = None) -
 
 
 def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
-                  key: KeyRead | None, pins: Any = None) -> tuple[Any, list[str]]:
+                  key: KeyRead | None, pins: pincheck.Facts | None = None) -> tuple[dec.Snapshot, list[str]]:
     """What the operator's decide looks at, read with the user's credentials, in the order the
     operator reads it (kvpersist.controller.snapshot): the new spec on the live object's metadata and
     status. A generated key not made yet is offered a random one, as the operator makes it (the id
     it names is no one's: only what decide concludes of it is shown). Raises ApiException, and
     ValueError for a malformed KVPERSIST_ALLOWED_IMAGES or KVPERSIST_SECRET_LABEL."""
-    import dataclasses
-    import secrets
-
-    from kvpersist.builders.target import L2_KEY_BYTES, SERVER
-    from kvpersist.controller import decision as dec
-    from kvpersist.controller import kube, ownership, sharing
-    from kvpersist.controller.policy import Policy, named_secrets
-    from kvpersist.identity import key_fingerprint
-    from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR
-
     unchecked: list[str] = []
     meta = (live or {}).get("metadata") or {}
     name = (doc.get("metadata") or {}).get("name") or ""
@@ -388,65 +356,55 @@ def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: 
                          "annotations": (doc.get("metadata") or {}).get("annotations") or meta.get("annotations")}}
     snap = dec.Snapshot(body=body, spec=spec, policy=Policy.from_env(os.environ), pins=pins)
     if snap.policy.secret_label is not None:
-        labels = {n: _readable(unchecked, f"Secret {n}", lambda n=n: kube.get_metadata("v1", "Secret", n, namespace))
+        labels = {n: _readable(unchecked, f"Secret {n}", None, kube.get_metadata, "v1", "Secret", n, namespace)
                   for _field, n in named_secrets(spec)}
-        snap = dataclasses.replace(snap, named_secrets=labels)
+        snap = replace(snap, named_secrets=labels)
     if dec.policy_refusal(snap) is not None:
         return snap, unchecked
     base = Target(name, namespace, spec, None)
-    claims = {n: _readable(unchecked, f"PersistentVolumeClaim {n}", lambda n=n: kube.get("v1", "PersistentVolumeClaim", n, namespace))
+    claims = {n: _readable(unchecked, f"PersistentVolumeClaim {n}", None, kube.get, "v1", "PersistentVolumeClaim", n, namespace)
               for n in ownership.l2_claim_names(base)}
-    snap = dataclasses.replace(snap, l2_claims=claims)
+    snap = replace(snap, l2_claims=claims)
     if ownership.claim_refusal(base, claims) is not None:
         return snap, unchecked
     offered = key_fingerprint(secrets.token_bytes(L2_KEY_BYTES)) if key is not None and key.absent and key.generated else None
-    snap = dataclasses.replace(snap, key=key, proposed_key=offered)
-    target = dec.key_target(snap)
-    if target.cache_enabled:
-        nvme = spec.l2.nvme is not None
-        if nvme:
-            bodies = _readable(unchecked, f"KVCacheNamespaces in {namespace}",
-                               lambda: kube.list_all(api.API_VERSION, api.KIND, namespace), [])
-            pods = _readable(unchecked, f"lmcache server pods in {namespace}", lambda: kube.list_all(
-                "v1", "Pod", namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}"), [])
+    snap = replace(snap, key=key, proposed_key=offered)
+    if dec.key_target(snap).cache_enabled:
+        if spec.l2.nvme is not None:
+            bodies = _readable(unchecked, f"KVCacheNamespaces in {namespace}", [], kube.list_all, api.API_VERSION, api.KIND,
+                               namespace)
+            pods = _readable(unchecked, f"lmcache server pods in {namespace}", [], kube.list_all, "v1", "Pod", namespace,
+                             f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
         else:
-            bodies = _readable([], "", lambda: kube.list_all(api.API_VERSION, api.KIND), None)
+            bodies = _readable([], "", None, kube.list_all, api.API_VERSION, api.KIND)
             if bodies is None:
-                bodies = _readable(unchecked, "KVCacheNamespaces of other namespaces", lambda: kube.list_all(
-                    api.API_VERSION, api.KIND, namespace), [])
+                bodies = _readable(unchecked, "KVCacheNamespaces of other namespaces", [], kube.list_all, api.API_VERSION,
+                                   api.KIND, namespace)
             pods = []
         users = tuple(u for b in bodies if (u := sharing.user_of(b)) is not None)
-        snap = dataclasses.replace(snap, stores=users, server_pods=tuple(pods))
+        snap = replace(snap, stores=users, server_pods=tuple(pods))
     manifests, token = dec.names_to_read(snap)
-    written = dec.written_target(snap)
     wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]}
-    wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(written), ROUTE_KINDS, strict=False)})
+    wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(dec.written_target(snap)), ROUTE_KINDS, strict=False)})
     names: dict[Any, Any] = {}
     whole = None
     for (kind, ns, obj_name), api_version in wanted.items():
-        if kind == "PersistentVolumeClaim":  # the weights claim: whole (its spec is compared)
-            whole = _readable(unchecked, f"{kind} {obj_name}",
-                              lambda k=kind, n=obj_name, v=api_version: kube.get(v, k, n, namespace), False)
-            if whole is not False:
-                names[kind, ns, obj_name] = dict(whole.get("metadata") or {}) if whole is not None else None
+        weights = kind == "PersistentVolumeClaim"  # the weights claim: whole (its spec is compared)
+        found = _readable(unchecked, f"{kind} {obj_name}", False, kube.get if weights else kube.get_metadata, api_version, kind,
+                          obj_name, namespace)
+        if found is False:
             continue
-        found = _readable(unchecked, f"{kind} {obj_name}",
-                          lambda k=kind, n=obj_name, v=api_version: kube.get_metadata(v, k, n, namespace), False)
-        if found is not False:
-            names[kind, ns, obj_name] = found
+        if weights:
+            whole, found = found, dict(found.get("metadata") or {}) if found is not None else None
+        names[kind, ns, obj_name] = found
     shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
-    claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", lambda: kube.get("v1", "PersistentVolumeClaim", shared,
-                                                                                       namespace)) if shared else None
-    return dataclasses.replace(snap, names=names, model_cache_claim=whole if whole is not False else None,
-                               named_claim=claim), unchecked
+    claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", None, kube.get, "v1", "PersistentVolumeClaim", shared,
+                      namespace) if shared else None
+    return replace(snap, names=names, model_cache_claim=whole, named_claim=claim), unchecked
 
 
 def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     """Reads what the plan needs from the API server; raises ValueError for an invalid spec."""
-    from pydantic import ValidationError
-
-    from kvpersist.controller import kube
-
     meta = doc.get("metadata") or {}
     name, namespace = meta.get("name") or "", meta.get("namespace") or default_namespace
     if not name:
@@ -456,20 +414,20 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     except ValidationError as exc:
         raise ValueError(api.validation_message(exc)) from exc
     live = kube.get(api.API_VERSION, api.KIND, name, namespace)
-    source = key_source(spec, name, namespace)
+    base = Target(name, namespace, spec, None)
+    source = base.key_secret
+    recorded_fp = recorded_fingerprint(live, source)
     key = None
-    if source is not None and recorded_fingerprint(live, source) is None:
-        key = _read_key(source, namespace, Target(name, namespace, spec, None).key_secret_generated)
+    # The key as status records it where the new spec reads the same Secret (the servers use it
+    # now), else as read now: what compute names the id with and the operator's decide judges.
+    if source is not None:
+        key = (_read_key(source, namespace, base.key_secret_generated) if recorded_fp is None
+               else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
     old_id = ((live or {}).get("status") or {}).get("namespaceId")
     pins = pin_facts(spec, live)
     plan = compute(namespace, name, spec, live, key, pins)
     if old_id and plan.moves:
         plan.still_used_by = _others_serving(old_id, namespace, name)
-    # What the operator would decide, by its own decide on what these credentials can read: the key
-    # as status records it where the new spec reads the same Secret (the servers use it now).
-    recorded_fp = recorded_fingerprint(live, source)
-    if source is not None and recorded_fp is not None:
-        key = KeyRead(source[0], source[1], Target(name, namespace, spec, None).key_secret_generated, fingerprint=recorded_fp)
     snap, unchecked = read_snapshot(doc, spec, live, namespace, key, pins)
     return with_decision(plan, decide(snap), unchecked)
 
@@ -477,10 +435,8 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
 def run(args: argparse.Namespace) -> int:
     import kubernetes
     import yaml
-    from kubernetes.client.exceptions import ApiException
 
     from kvpersist import admin
-    from kvpersist.controller import kube
 
     try:
         docs = _documents(args.filename)
@@ -502,12 +458,9 @@ def run(args: argparse.Namespace) -> int:
         where = f"{(doc.get('metadata') or {}).get('namespace') or default_namespace}/{(doc.get('metadata') or {}).get('name')}"
         try:
             plan = plan_one(doc, default_namespace)
-        except ValueError as exc:
-            print(f"error: {api.KIND} {where}: {exc}", file=sys.stderr)
-            codes.append(ERROR)
-            continue
-        except ApiException as exc:
-            print(f"error: {api.KIND} {where}: the API server answered {exc.status} {exc.reason}", file=sys.stderr)
+        except (ValueError, ApiException) as exc:
+            why = f"the API server answered {exc.status} {exc.reason}" if isinstance(exc, ApiException) else exc
+            print(f"error: {api.KIND} {where}: {why}", file=sys.stderr)
             codes.append(ERROR)
             continue
         plans.append(plan)

@@ -117,14 +117,13 @@ def bucket_check(target: Target, secrets: SecretOnce) -> tuple[bool, str, str] |
     key = (*settings, secret["metadata"].get("resourceVersion"))
     if cached and cached[0] == key and now - cached[1] < PREFLIGHT_TTL_S:
         return cached[2]
-    resource = (target.namespace, target.name)
 
     def check() -> None:
         result = preflight_bucket(bucket.bucket_handle, token, bucket.create_bucket_if_missing,
                                   ref, endpoint=os.environ.get("HF_ENDPOINT"))
         state.preflight = (key, time.monotonic(), (result.ok, result.reason, result.message))
 
-    _off_path(resource, "preflight", check)
+    _off_path((target.namespace, target.name), "preflight", check)
     return cached[2] if cached and cached[0][:len(settings)] == settings else None  # the last verdict meanwhile
 
 
@@ -143,7 +142,6 @@ def bucket_inventory_of(target: Target, secrets: SecretOnce) -> Inventory | None
     if now - when < (BUCKET_INVENTORY_RETRY_S if state.bucket_inventory_failed else BUCKET_INVENTORY_TTL_S):
         return last
     token = secrets.token()
-    previous = last
 
     def listing() -> None:
         try:
@@ -152,7 +150,7 @@ def bucket_inventory_of(target: Target, secrets: SecretOnce) -> Inventory | None
             listed = scan_bucket(bucket.bucket_handle, token, endpoint=os.environ.get("HF_ENDPOINT"))
             state.bucket_inventory_failed = False
         except BucketInventoryError:
-            listed = previous
+            listed = last
             state.bucket_inventory_failed = True
         state.bucket_inventory = (time.monotonic(), listed)
 

@@ -1,13 +1,10 @@
-"""The correctness canary, run (kvpersist.status.canary judges): per resource, the reference and the
-checks as jobs in a pool of their own, never on the status refresh path (a CPU vLLM answers in
-seconds, a busy GPU one may take longer), one job per resource at a time, every call bounded
-(kvpersist.vllmclient) and every job too (JOB_BUDGET_S): the pool is shared by every resource.
-What the jobs found is kept here and written by the refresh into status.canary and the
-HitCorrectness condition; a HitMismatch keeps vLLM without the cache for that
-namespace id until the annotation kvpersist.dev/hit-correctness-ack names it. The record is seeded
-from status, so a restarted operator keeps the cache off over a mismatch it found before.
-Around each cached request the job reads the pod's prompt-token counters and the lookup counters
-of the lmcache servers on its node, so that status.canary says what served each check.
+"""The correctness canary, run (kvpersist.status.canary judges, and says why): per resource, the
+reference and the checks as jobs in a pool of their own, never on the status refresh path (a CPU
+vLLM answers in seconds, a busy GPU one may take longer), one job per resource at a time, every
+call bounded (kvpersist.vllmclient) and every job too (JOB_BUDGET_S): the pool is shared by every
+resource. What the jobs found is kept here and written by the refresh into status.canary and the
+HitCorrectness condition; the record is seeded from status, so a restarted operator keeps the
+cache off over a HitMismatch it found before (until kvpersist.dev/hit-correctness-ack names it).
 """
 
 from __future__ import annotations
@@ -132,12 +129,11 @@ class Canary:
         agent_token: the agents' (their servers' lookup counters tell L1 from L2). No I/O."""
         spec, namespace_id = target.spec, target.namespace_id
         digest = judge.digest(spec)
-        meta = body.get("metadata") or {}
         released = False
         now = time.monotonic()
         with self._lock:
             held = self._held(key, body)
-            acked = judge.acknowledged(held.record, namespace_id, meta.get("annotations"))
+            acked = judge.acknowledged(held.record, namespace_id, (body.get("metadata") or {}).get("annotations"))
             if acked is not None:
                 logger.warning("%s/%s: HitMismatch %s acknowledged (%s): vLLM gets the cache back", target.namespace,
                                target.name, (held.record or {}).get("mismatch", {}).get("id"), judge.ACK_ANNOTATION)
@@ -211,12 +207,6 @@ class Canary:
         finally:
             on_done(drift)
 
-    def _set_outcome(self, plan: Plan, verdict: judge.Verdict | None) -> None:
-        with self._lock:
-            held = self._by.get(plan.key)
-            if held is not None:
-                held.outcome = (plan.namespace_id, plan.digest, verdict) if verdict is not None else None
-
     def _job(self, plan: Plan) -> bool:
         """The reference (if due) and the checks, in order; True when a mismatch was found (vLLM is
         to be applied without the cache). Blocking."""
@@ -235,7 +225,12 @@ class Canary:
                                     f"{judge.RETRY_S:.0f}s"))
                 return False
         started = time.monotonic()
-        reference = self._reference(plan, api_key) if plan.reference_pod is not None else self._recorded(plan)
+        if plan.reference_pod is not None:
+            reference = self._reference(plan, plan.reference_pod, api_key)
+        else:
+            with self._lock:
+                held = self._by.get(plan.key)
+                reference = judge.reference_for(held.record if held else None, plan.namespace_id, plan.digest)
         if reference is None:
             return False
         # In order, stopping at the first mismatch (the cache goes off for every pod of the id), and
@@ -249,20 +244,13 @@ class Canary:
                 return True
         return False
 
-    def _recorded(self, plan: Plan) -> tuple[int, ...] | None:
-        with self._lock:
-            held = self._by.get(plan.key)
-            return judge.reference_for(held.record if held else None, plan.namespace_id, plan.digest)
-
-    def _salt(self) -> str:
-        # Hex: no '@', '/', '\\' (vLLM and lmcache refuse them). Short: lmcache puts the salt in a
-        # file name beside the model's name (a local snapshot path offline), under 255 bytes.
-        return "kvp-canary-" + secrets.token_hex(8)
-
     def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> vllmclient.Completion:
-        # A salted answer's KV is never read again: LMCache is asked to store none of it.
+        # A salted answer's KV is never read again: LMCache is asked to store none of it. The salt is hex:
+        # no '@', '/', '\\' (vLLM and lmcache refuse them). Short: lmcache puts the salt in a file name
+        # beside the model's name (a local snapshot path offline), under 255 bytes.
         return self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
-                         cache_salt=self._salt() if salted else None, store=not (salted and pod.uses_cache),
+                         cache_salt="kvp-canary-" + secrets.token_hex(8) if salted else None,
+                         store=not (salted and pod.uses_cache),
                          api_key=api_key, timeout=CALL_TIMEOUT_S)
 
     def _counters(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> judge.Counters:
@@ -278,8 +266,7 @@ class Canary:
         after it (the servers' once lmcache has counted its lookup)."""
         before = self._counters(plan, pod, api_key)
         answer = self._ask_pod(plan, pod, api_key, salted=False)
-        if self._settle_s > 0:
-            time.sleep(self._settle_s)
+        time.sleep(self._settle_s)
         after = self._counters(plan, pod, api_key)
         return tuple(answer.token_ids), judge.served_by(answer.prompt_tokens, before, after)
 
@@ -296,9 +283,7 @@ class Canary:
                 held.pods[pod].failed_at = time.monotonic()
             held.outcome = (plan.namespace_id, plan.digest, verdict)
 
-    def _reference(self, plan: Plan, api_key: str | None) -> tuple[int, ...] | None:
-        pod = plan.reference_pod
-        assert pod is not None
+    def _reference(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> tuple[int, ...] | None:
         try:
             answer = self._ask_pod(plan, pod, api_key, salted=True)
         except PeerError as exc:

@@ -70,7 +70,6 @@ class KopfLiveness:
         # A reading thread that stopped (or a read stuck past its own deadline) is a failed probe.
         self.stale_s = 3 * self.poll_s + UPSTREAM_TIMEOUT_S if stale_s is None else stale_s
         self._last: tuple[float, ProbeAnswer] | None = None  # (monotonic time, answer); replaced whole
-        self._stop = threading.Event()
 
     def read_once(self) -> ProbeAnswer:
         """One bounded GET of kopf's endpoint, kept as the answer: kopf's code and body, or 503 and why."""
@@ -98,18 +97,12 @@ class KopfLiveness:
         return last[1]
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             try:
                 self.read_once()
             except Exception as exc:  # the reader must outlive any one read; its answer says what failed
                 self._last = (time.monotonic(), _json(503, {"error": f"reading kopf's liveness endpoint: {exc}"}))
-            self._stop.wait(self.poll_s)
-
-    def start(self) -> None:
-        threading.Thread(target=self.run, name="liveness-reader", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
+            time.sleep(self.poll_s)
 
 
 def unlisted_caches() -> list[str]:
@@ -142,7 +135,7 @@ def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiv
     `liveness`: a reader the caller made (tests); else one of POLL_S, started here."""
     if liveness is None:
         liveness = KopfLiveness(upstream_port, path)
-        liveness.start()
+        threading.Thread(target=liveness.run, name="liveness-reader", daemon=True).start()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:

@@ -149,10 +149,6 @@ def refreshed(namespace: str, name: str, phase: str | None) -> None:
     set_phase(namespace, name, phase)
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else None
-
-
 def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping[str, Any] | None = None,
              reports: Iterable[Any] = (), at: float | None = None) -> None:
     """A finished refresh: the resource's status as it now stands (conditions, usage, budget),
@@ -161,15 +157,9 @@ def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping
     usage figure that went, is gone from the next scrape."""
     conditions = sorted({(str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
                          for c in status.get("conditions") or [] if isinstance(c, Mapping)})
-    values: dict[str, float] = {}
-    for metric, (part, key) in _USAGE.items():
-        v = _number((status.get(part) or {}).get(key))
-        if v is not None:
-            values[metric] = v
-    for metric, key in _HITS.items():
-        v = _number((hits or {}).get(key))
-        if v is not None:
-            values[metric] = v
+    read = {**{metric: (status.get(part) or {}).get(key) for metric, (part, key) in _USAGE.items()},
+            **{metric: (hits or {}).get(key) for metric, key in _HITS.items()}}
+    values = {metric: float(v) for metric, v in read.items() if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0}
     values["kvpersist_resource_last_refresh_timestamp_seconds"] = time.time() if at is None else at
     reports = list(reports)
     with _lock:
@@ -177,12 +167,18 @@ def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping
         res.conditions, res.values = conditions, values
         res.failures.add({r.pod: r.l2_writes_failed for r in reports})
         res.submitted.add({r.pod: r.l2_writes_submitted for r in reports})
+        values["kvpersist_resource_l2_write_failures_total"] = res.failures.total
+        values["kvpersist_resource_l2_writes_submitted_total"] = res.submitted.total
 
 
-def _family(kind: str, name: str, text: str, labels: Iterable[str] = ()) -> CounterMetricFamily | GaugeMetricFamily:
-    """One family; prometheus_client writes the text format (HELP, TYPE, escaped label values:
-    names and reasons come from users and their resources)."""
-    return (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=list(labels))
+def _family(kind: str, name: str, text: str, labels: Iterable[str],
+            samples: Iterable[tuple[list[str], float]]) -> CounterMetricFamily | GaugeMetricFamily:
+    """One family and its samples (label values, value); prometheus_client writes the text format
+    (HELP, TYPE, escaped label values: names and reasons come from users and their resources)."""
+    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=list(labels))
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
 
 
 class _Collector(Collector):
@@ -191,41 +187,24 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with _lock:
-            families: list[Metric] = []
-            for name, text in HELP.items():
-                counter = _family("counter", name, text)
-                counter.add_metric([], _counters[name])
-                families.append(counter)
+            families: list[Metric] = [_family("counter", name, text, (), [([], _counters[name])]) for name, text in HELP.items()]
             if _creator_rights:
-                gauge = _family("gauge", CREATOR_RIGHTS, "1 while the creator-rights ValidatingAdmissionPolicy and its Deny "
-                                "binding exist, 0 while not (then any creator of a KVCacheNamespace gets its pods).")
-                gauge.add_metric([], _creator_rights[0])
-                families.append(gauge)
-            phases = _family("gauge", "kvpersist_resources", "KVCacheNamespaces by phase.", ["phase"])
-            for phase, count in sorted(Counter(_phases.values()).items()):
-                phases.add_metric([phase], count)
-            refreshes = _family("counter", "kvpersist_resource_refreshes_total",
-                                "Status refreshes of one KVCacheNamespace (dropped when it is deleted).", ["namespace", "name"])
-            for (namespace, name), count in sorted(_refreshes.items()):
-                refreshes.add_metric([namespace, name], count)
-            families += [phases, refreshes]
+                families.append(_family("gauge", CREATOR_RIGHTS, "1 while the creator-rights ValidatingAdmissionPolicy and its "
+                                        "Deny binding exist, 0 while not (then any creator of a KVCacheNamespace gets its pods).",
+                                        (), [([], _creator_rights[0])]))
+            families.append(_family("gauge", "kvpersist_resources", "KVCacheNamespaces by phase.", ["phase"],
+                                    [([phase], count) for phase, count in sorted(Counter(_phases.values()).items())]))
+            families.append(_family("counter", "kvpersist_resource_refreshes_total",
+                                    "Status refreshes of one KVCacheNamespace (dropped when it is deleted).", ["namespace", "name"],
+                                    [(list(key), count) for key, count in sorted(_refreshes.items())]))
             resources = sorted(_resources.items())
-            condition = _family("gauge", CONDITION, "A KVCacheNamespace's conditions as last refreshed: one series of value 1 "
-                                "per condition, with its status and reason.", ["namespace", "name", "type", "status", "reason"])
-            for (namespace, name), res in resources:
-                for type_, status, reason in res.conditions:
-                    condition.add_metric([namespace, name, type_, status, reason], 1)
-            families.append(condition)
+            families.append(_family("gauge", CONDITION, "A KVCacheNamespace's conditions as last refreshed: one series of value 1 "
+                                    "per condition, with its status and reason.", ["namespace", "name", "type", "status", "reason"],
+                                    [([*key, *condition], 1) for key, res in resources for condition in res.conditions]))
             for kind, texts in (("gauge", RESOURCE_GAUGES), ("counter", RESOURCE_COUNTERS)):
-                for metric, text in texts.items():
-                    family = _family(kind, metric, text, ["namespace", "name"])
-                    for (namespace, name), res in resources:
-                        value = {"kvpersist_resource_l2_write_failures_total": res.failures.total,
-                                 "kvpersist_resource_l2_writes_submitted_total": res.submitted.total}.get(metric,
-                                                                                                        res.values.get(metric))
-                        if value is not None:
-                            family.add_metric([namespace, name], value)
-                    families.append(family)
+                families += [_family(kind, metric, text, ["namespace", "name"],
+                                     [(list(key), res.values[metric]) for key, res in resources if metric in res.values])
+                             for metric, text in texts.items()]
         yield from families
 
 

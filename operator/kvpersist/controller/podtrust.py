@@ -43,18 +43,14 @@ def trusted_pods(pods: Iterable[dict[str, Any]], replicasets: Iterable[Mapping[s
     """(trusted, untrusted) pods: trusted when controlled by one of the resource's own
     StatefulSets, or by a ReplicaSet controlled by one of its own Deployments (an old ReplicaSet
     mid-rollout included). owner_uid: the KVCacheNamespace's uid; None trusts nothing."""
-    own_sets = _uids(statefulsets, STATEFULSET, owner_uid)
-    own_deployments = _uids(deployments, DEPLOYMENT, owner_uid)
-    own_replicasets = {str(r["metadata"]["uid"]) for r in replicasets
-                       if (r.get("metadata") or {}).get("uid")
-                       and controller_of(r.get("metadata")) in {(DEPLOYMENT, u) for u in own_deployments}}
+    own_deployments = {(DEPLOYMENT, uid) for uid in _uids(deployments, DEPLOYMENT, owner_uid)}
+    controllers = {(STATEFULSET, uid) for uid in _uids(statefulsets, STATEFULSET, owner_uid)} | {
+        (REPLICASET, str(r["metadata"]["uid"])) for r in replicasets
+        if (r.get("metadata") or {}).get("uid") and controller_of(r.get("metadata")) in own_deployments}
     trusted: list[dict[str, Any]] = []
     untrusted: list[dict[str, Any]] = []
     for pod in pods:
-        ref = controller_of(pod.get("metadata"))
-        ok = ref is not None and ((ref[0] == STATEFULSET and ref[1] in own_sets)
-                                  or (ref[0] == REPLICASET and ref[1] in own_replicasets))
-        (trusted if ok else untrusted).append(pod)
+        (trusted if controller_of(pod.get("metadata")) in controllers else untrusted).append(pod)
     return trusted, untrusted
 
 

@@ -1,7 +1,5 @@
-"""spec.prewarm carried out: each Ready lmcache server with a Ready vLLM pod of its namespace id
-beside it gets a warm pass after every start of either pod (a new uid or a container started
-again: a restart or a rollout), whenever the declared list changes, and every REWARM_PERIOD_S
-(kvpersist.status.prewarm.due). A pass, per prompt:
+"""spec.prewarm carried out: the passes kvpersist.status.prewarm finds due, each over one Ready
+lmcache server, through the Ready vLLM pod of its namespace id beside it. A pass, per prompt:
 
 1. its token ids, from the vLLM pod's own POST /tokenize (the pinned tokenizer and chat template;
    kvpersist.vllmclient), kept per (namespace id, prompt) since the id pins both;
@@ -61,11 +59,6 @@ class PassFailed(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(reason, message)
         self.reason, self.message = reason, message
-
-
-def _http_refusal(exc: PeerError) -> bool:
-    """A peer that answered and refused (HTTP 4xx): about this prompt, not about the peer."""
-    return " answered HTTP 4" in str(exc)
 
 
 @dataclass(frozen=True)
@@ -142,15 +135,21 @@ class _Refused(Exception):
     """This prompt was refused by a peer (not the peer's fault): the prompt is not warm."""
 
 
+def _ask_vllm(call: Callable[[], Any], refused: str, failed: str) -> Any:
+    """call()'s answer. A vLLM that answered and refused (HTTP 4xx) refused this prompt (_Refused);
+    any other failure is about vLLM and stops the pass (PassFailed)."""
+    try:
+        return call()
+    except PeerError as exc:
+        if " answered HTTP 4" in str(exc):
+            raise _Refused(f"{refused}: {exc}") from None
+        raise PassFailed("VLLMUnreachable", f"{failed}: {exc}") from None
+
+
 def _one(prompt: Prompt, peers: Any, token_ids: Callable[[Prompt], list[int]],
          sleep: Callable[[float], None]) -> PromptResult:
     try:
-        try:
-            ids = token_ids(prompt)
-        except PeerError as exc:
-            if _http_refusal(exc):
-                raise _Refused(f"vLLM's /tokenize refused it: {exc}") from None
-            raise PassFailed("VLLMUnreachable", f"vLLM's /tokenize failed: {exc}") from None
+        ids: list[int] = _ask_vllm(lambda: token_ids(prompt), "vLLM's /tokenize refused it", "vLLM's /tokenize failed")
         if len(ids) > judge.MAX_PROMPT_TOKENS:
             raise _Refused(f"{len(ids)} tokens, over the {judge.MAX_PROMPT_TOKENS} one prefetch takes")
         answer = _prefetch(ids, peers, sleep, LAYOUT_WAIT_S)
@@ -161,13 +160,8 @@ def _one(prompt: Prompt, peers: Any, token_ids: Callable[[Prompt], list[int]],
         if peers.max_model_len is not None and len(ids) >= peers.max_model_len:
             raise _Refused(f"{len(ids)} tokens, not under spec.identity.maxModelLen {peers.max_model_len}: vLLM cannot "
                            f"compute it, and L2 holds {answer.found_keys} of its {answer.total_keys} chunk keys")
-        try:
-            peers.complete(ids)
-        except PeerError as exc:
-            if _http_refusal(exc):
-                raise _Refused(f"L2 held {answer.found_keys} of {answer.total_keys} chunk keys and vLLM refused to compute "
-                               f"it: {exc}") from None
-            raise PassFailed("VLLMUnreachable", f"vLLM's /v1/completions failed: {exc}") from None
+        _ask_vllm(lambda: peers.complete(ids), f"L2 held {answer.found_keys} of {answer.total_keys} chunk keys and vLLM "
+                  "refused to compute it", "vLLM's /v1/completions failed")
         again = answer
         for _ in range(RECHECK_TRIES):
             sleep(RECHECK_S)
@@ -231,12 +225,10 @@ class TokenCache:
 class Prewarmer:
     """spec.prewarm's passes and their outcomes, per resource and server; a pool of its own."""
 
-    def __init__(self, workers: int = WORKERS,
-                 configmap_reader: Callable[[str, str], Mapping[str, Any] | None] | None = None) -> None:
+    def __init__(self, configmap_reader: Callable[[str, str], Mapping[str, Any] | None] | None = None) -> None:
         self._lock = threading.Lock()
         self._resources: dict[Key, _Resource] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._workers = workers
         self._read_configmap = configmap_reader or _read_configmap
         self.tokens = TokenCache()
 
@@ -246,12 +238,11 @@ class Prewarmer:
 
     def _submit(self, job: Callable[[], None]) -> concurrent.futures.Future[None]:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvp-prewarm")
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvp-prewarm")
         return self._pool.submit(job)
 
     def observe(self, key: Key, target: Target, pods: list[Mapping[str, Any]], agent_token: str | None,
-                api_key: Callable[[], str | None], on_done: Callable[[], None],
-                now: float | None = None) -> judge.Verdict | None:
+                api_key: Callable[[], str | None], on_done: Callable[[], None]) -> judge.Verdict | None:
         """The Warm condition from what the passes found so far, starting the ConfigMap read and the
         passes that are due (off this thread, which api_key, the reader of vLLM's API key, is called
         on too). No I/O here: called on the status refresh."""
@@ -259,7 +250,7 @@ class Prewarmer:
         if prewarm is None or not prewarm.declared:
             self.forget(key)
             return None
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         with self._lock:
             res = self._resources.setdefault(key, _Resource())
         listed = self._declared(key, res, target, on_done, now)

@@ -77,8 +77,7 @@ def _return_freed_memory() -> None:
 class WatchCache:
     """Objects of one kind in the given namespaces (None: cluster-wide), kept fresh by a watch."""
 
-    def __init__(self, kind: str, namespaces: tuple[str, ...] | None, lister: Lister, watcher: Watcher,
-                 keep: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
+    def __init__(self, kind: str, namespaces: tuple[str, ...] | None, lister: Lister, watcher: Watcher, keep: Keep) -> None:
         self.kind, self.lister, self.watcher, self.keep = kind, lister, watcher, keep
         self.scopes: tuple[str | None, ...] = namespaces if namespaces else (None,)
         self._objects: dict[tuple[str, str], dict[str, Any]] = {}
@@ -86,15 +85,11 @@ class WatchCache:
         self._listed: set[str | None] = set()  # scopes that have listed at least once
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.reads = 0  # lists made (a test and the benchmark count them)
 
     def start(self) -> None:
         for scope in self.scopes:
-            thread = threading.Thread(target=self._run, args=(scope,), name=f"kvpersist-cache-{self.kind}-{scope or 'all'}",
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=self._run, args=(scope,), name=f"kvpersist-cache-{self.kind}-{scope or 'all'}",
+                             daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -147,7 +142,6 @@ class WatchCache:
                 failures += 1
 
     def _relist(self, scope: str | None) -> str:
-        self.reads += 1
         items, version = self.lister(scope, self.keep)  # each page cut down as it arrives
         with self._lock:
             for key in [k for k in self._objects if scope is None or k[0] == scope]:

@@ -52,9 +52,7 @@ def is_active(peering: Mapping[str, Any] | None, identity: str, priority: int, n
     """kopf's rule for one ClusterKopfPeering object: active unless another live peer has a
     priority at least as high. Not active before kopf has written our own record (it does so at
     start), nor when the object cannot be read: better a late status than two writers."""
-    if peering is None:
-        return False
-    peers = peering.get("status") or {}
+    peers = (peering or {}).get("status") or {}
     if not isinstance(peers, Mapping) or identity not in peers:
         return False
     now = now or datetime.now(UTC)

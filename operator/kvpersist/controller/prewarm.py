@@ -253,7 +253,7 @@ class Prewarmer:
         now = time.monotonic()
         with self._lock:
             res = self._resources.setdefault(key, _Resource())
-        listed = self._declared(key, res, target, on_done, now)
+        listed = self._declared(res, target, on_done, now)
         if target.namespace_id is None or not target.vllm_uses_cache:
             return judge.warm_condition(prewarm, listed, [], target.cache_enabled, target.vllm_uses_cache)
         found = judge.pairs(pods, target.namespace_id)
@@ -275,7 +275,7 @@ class Prewarmer:
                 views.append(ServerWarmth(pair, current, srv.running if busy else None))
         return judge.warm_condition(prewarm, listed, views, True, True)
 
-    def _declared(self, key: Key, res: _Resource, target: Target, on_done: Callable[[], None], now: float) -> Declared:
+    def _declared(self, res: _Resource, target: Target, on_done: Callable[[], None], now: float) -> Declared:
         """The list as last read, starting a read of the ConfigMap when it is due."""
         prewarm = target.spec.prewarm
         assert prewarm is not None

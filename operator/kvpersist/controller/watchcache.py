@@ -21,6 +21,8 @@ listing it does not have.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -61,17 +63,6 @@ def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:
         out["metadata"]["annotations"] = {k: annotations[k] for k in PROTECTED_ANNOTATIONS if k in annotations}
         return out
     return keep
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed heap for reuse: after a listing of large objects, cut down to a few
-    fields, the process would stay at its peak. malloc_trim hands the free pages back."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
 
 
 class WatchCache:
@@ -151,7 +142,10 @@ class WatchCache:
                 self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = item
             self._synced[scope] = True
             self._listed.add(scope)
-        _return_freed_memory()  # the pages' memory, freed but kept by malloc, back to the system
+        # glibc keeps freed heap for reuse: after a listing of large objects, cut down to a few fields,
+        # the process would stay at its peak. malloc_trim hands the pages' memory back to the system.
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:

@@ -33,7 +33,6 @@ def _run(args: argparse.Namespace) -> int:
     _fewer_malloc_arenas()
     import kopf
 
-    from kvpersist.builders.networkpolicy import metrics_scraper
     from kvpersist.controller import (
         handlers,  # noqa: F401  (importing it registers the kopf handlers)
         leadership,
@@ -47,7 +46,6 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("the cluster's DNS domain is unknown: /etc/resolv.conf has no svc.<domain> search entry "
                              "(not in a pod with cluster DNS?); set KVPERSIST_CLUSTER_DOMAIN (chart value clusterDomain), "
                              "the kubelet's --cluster-domain, e.g. cluster.local")
-        metrics_scraper()
         runtime.set_policy(policy)  # only once every value is good
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)

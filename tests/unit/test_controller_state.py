@@ -173,14 +173,14 @@ def test_a_refresh_running_when_its_resource_is_deleted_leaves_nothing(monkeypat
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
                 pods=[_pod(f"{target.server_name}-0")], live_ids=frozenset({target.namespace_id or ""}))
     entered, release = threading.Event(), threading.Event()
-    refusal = refresh.policy_refusal_of
+    refusal = refresh.policy_refusal
 
     def slow_refusal(t: Any) -> Any:  # early in refresh_status, before it observes and writes
         entered.set()
         assert release.wait(10), "never released"
         return refusal(t)
 
-    monkeypatch.setattr(refresh, "policy_refusal_of", slow_refusal)
+    monkeypatch.setattr(refresh, "policy_refusal", slow_refusal)
 
     async def scene() -> None:
         await tracking.track(event={"type": "ADDED"}, body=body, logger=LOG)

@@ -18,7 +18,7 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
 from kvpersist.controller import decision, kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.decision import target_for, unreadable_secret
-from kvpersist.controller.policy import Refusal, image_refusal, named_secrets, secret_refusal
+from kvpersist.controller.policy import Refusal, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import Resolution
 
@@ -191,16 +191,6 @@ def known_fingerprint(body: Mapping[str, Any]) -> str | None:
     if state is not None and state.key_read is not None and state.key_read[1].secret == base.key_secret[0]:
         return state.key_read[1].fingerprint
     return l2key.fingerprint_in_status(body.get("status"), base.key_secret[0])
-
-
-def policy_refusal_of(target: Target) -> Refusal | None:
-    """Why this resource may not be applied under the operator's policy (an image outside
-    allowedImages, a named Secret without secretLabel), or None. Only the named Secrets'
-    metadata is read for it, never their data. Blocking."""
-    refused = image_refusal(target.spec, runtime.CONTROLLER.policy.allowed_images)
-    for field, name in named_secrets(target.spec):
-        refused = refused or named_secret_refusal(field, name, target.namespace)
-    return refused
 
 
 def named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | None:

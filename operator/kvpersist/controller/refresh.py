@@ -37,17 +37,17 @@ from kvpersist.controller import (
     transitions,
 )
 from kvpersist.controller.apply import clean_stale_routes, exclusive_recheck, pool_recheck, taken_recheck
-from kvpersist.controller.decision import claim_not_shareable, judge_key
+from kvpersist.controller.decision import claim_not_shareable, judge_key, policy_refusal
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.reading import (
     hub_token,
     named_claim,
     named_secret_refusal,
     parsed_model,
-    policy_refusal_of,
     read_key,
     target_of,
 )
+from kvpersist.controller.snapshot import policy_read
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
@@ -219,7 +219,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory, shared, volume, floor = [], None, False, None, 0
     else:
-        refused = policy_refusal_of(target)
+        refused = policy_refusal(policy_read(body, target.spec))  # as decide judges it, on the same read
         if refused is None and state.refused is not None:
             state.drifted = True  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
         secrets_usable = refused is None or refused[0] != SECRET_NOT_ALLOWED

@@ -123,6 +123,23 @@ def _pool_served(spec: api.KVCacheNamespaceSpec, own: frozenset[tuple[str, str, 
     return inferencepool.served()
 
 
+def policy_read(body: Mapping[str, Any], spec: api.KVCacheNamespaceSpec) -> Snapshot:
+    """What decision.policy_refusal looks at, the first read of an apply and of a status round: the
+    operator's policy and, with a secretLabel, the labels of the Secrets the spec names (the watch
+    cache, else a request; never their data). Blocking."""
+    snap = Snapshot(body=body, spec=spec, policy=runtime.CONTROLLER.policy)
+    if snap.policy.secret_label is None:
+        return snap
+    labels: dict[str, Meta | None] = {}
+    failed: dict[str, int | None] = {}
+    for _field, name in named_secrets(spec):
+        try:
+            labels[name] = secret_metadata(name, body["metadata"]["namespace"])
+        except ApiException as exc:
+            failed[name] = exc.status
+    return dataclasses.replace(snap, named_secrets=labels, unreadable_secrets=failed)
+
+
 def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot, bytes | None]:
     """The snapshot one apply of the running operator decides on, and a fresh key's bytes when the
     generated Secret is absent (the snapshot holds only their fingerprint; the apply creates the
@@ -133,21 +150,12 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     spec = parsed(body)
     uid = meta.get("uid")
     own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
-    snap = Snapshot(body=body, spec=spec, policy=runtime.CONTROLLER.policy, own=own,
+    snap = dataclasses.replace(policy_read(body, spec), own=own,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
                     fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
                     inference_pool_served=_pool_served(spec, own, key[0], key[1]),
                     unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0,
                     agent_token=secrets.token_hex(32))  # used only if the token Secret is absent
-    if snap.policy.secret_label is not None:
-        labels: dict[str, Meta | None] = {}
-        failed: dict[str, int | None] = {}
-        for _field, name in named_secrets(spec):
-            try:
-                labels[name] = secret_metadata(name, key[0])
-            except ApiException as exc:
-                failed[name] = exc.status
-        snap = dataclasses.replace(snap, named_secrets=labels, unreadable_secrets=failed)
     if policy_refusal(snap) is not None:
         return snap, None
     checking, files = pincheck.enabled(), runtime.CONTROLLER.pin_files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 
 import pytest
@@ -376,8 +377,8 @@ def test_budget_caps_the_adapter_and_turns_eviction_off() -> None:
 
 
 def test_an_agent_beside_every_server_and_the_volume_only_with_nvme() -> None:
-    t = target()
-    pod = build_lmcache_statefulset(t, "img:1")["spec"]["template"]["spec"]
+    t = dataclasses.replace(target(), agent_image="img:1")
+    pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     server, agent = pod["containers"]
     assert agent["image"] == "img:1" and agent["command"] == ["kvpersist"]
     assert agent["args"][:1] == ["agent"] and _flag(agent["args"], "--serving") == t.namespace_id
@@ -620,8 +621,8 @@ def test_no_pod_uses_a_host_namespace_and_the_runtime_class_is_the_users() -> No
 
 
 def test_the_agent_gets_its_token_as_a_file_and_only_the_agent() -> None:
-    t = target()
-    pod = build_lmcache_statefulset(t, "img:1")["spec"]["template"]["spec"]
+    t = dataclasses.replace(target(), agent_image="img:1")
+    pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     server, agent = pod["containers"]
     token_file = _flag(agent["args"], "--token-file")
     mount = next(m for m in agent["volumeMounts"] if m["name"] == "agent-token")

@@ -449,7 +449,7 @@ def users_claim_name(target: Target) -> str | None:
     return nvme.existing_claim_name if nvme is not None and nvme.existing_claim_name else None
 
 
-def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
+def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
     """One lmcache server per GPU node of this resource (required anti-affinity), on the same
     nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
     (persistentVolumeClaimRetentionPolicy follows reclaimPolicy), or with shared all mount one
@@ -457,7 +457,7 @@ def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
     while the cache is disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
-    containers = [server_container(target), agent_container(target, target.agent_image or DEFAULT_AGENT_IMAGE)]
+    containers = [server_container(target), agent_container(target, image_of_agent or target.agent_image or DEFAULT_AGENT_IMAGE)]
     users_claim = users_claim_name(target)
     pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
         "containers": containers,

@@ -59,10 +59,9 @@ def test_the_slim_cache_keeps_what_the_plan_reads() -> None:
 
 def test_only_one_rolls_at_a_time_and_the_next_after_it_is_ready() -> None:
     everyone_old = {A: AgentSet(OLD, 1, True), B: AgentSet(OLD, 1, True), C: AgentSet(OLD, 1, True)}
-    assert plan.roll_now(NEW, everyone_old, [], 1) == [A]
     assert plan.decide(A, NEW, everyone_old, [], 1) == "roll"
     # A was handed the image; the watch cache has not shown it yet: its claim holds the slot.
-    assert plan.roll_now(NEW, everyone_old, [A], 1) == []
+    assert plan.decide(C, NEW, everyone_old, [A], 1) == "hold"
     assert plan.decide(B, NEW, everyone_old, [A], 1) == "hold"
     assert plan.decide(A, NEW, everyone_old, [A], 1) == "rolling"
     # A on the new image, its server restarting: still its slot.
@@ -73,13 +72,13 @@ def test_only_one_rolls_at_a_time_and_the_next_after_it_is_ready() -> None:
     # A Ready again on the new image: the next one goes.
     done = {**everyone_old, A: AgentSet(NEW, 1, True)}
     assert plan.decide(A, NEW, done, [A], 1) == "current"
-    assert plan.roll_now(NEW, done, [A], 1) == [B]
-    assert plan.waiting(NEW, done, []) == [B, C]
+    assert plan.decide(B, NEW, done, [A], 1) == "roll"
+    assert plan.decide(C, NEW, done, [], 1) == "roll"
 
 
 def test_a_larger_limit_rolls_that_many() -> None:
     fleet_ = {k: AgentSet(OLD, 1, True) for k in (A, B, C)}
-    assert plan.roll_now(NEW, fleet_, [], 2) == [A, B]
+    assert plan.decide(B, NEW, fleet_, [A], 2) == "roll"
     assert plan.decide(C, NEW, fleet_, [A, B], 2) == "hold"
     assert plan.decide(C, NEW, {**fleet_, A: AgentSet(NEW, 1, True)}, [A, B], 2) == "roll"
 
@@ -97,7 +96,7 @@ def test_an_old_image_server_that_is_down_does_not_hold_the_slot() -> None:
     down (its L1 already gone) takes no slot, and is itself a candidate."""
     fleet_ = {A: AgentSet(OLD, 1, False), B: AgentSet(OLD, 1, True)}
     assert plan.in_flight(NEW, fleet_, []) == set()
-    assert plan.roll_now(NEW, fleet_, [], 1) == [A]
+    assert plan.decide(A, NEW, fleet_, [], 1) == "roll"
 
 
 # How kube-controller-manager's StatefulSet controller writes status (k8s.io/kubernetes v1.37.2,
@@ -117,7 +116,6 @@ def test_a_new_statefulset_that_never_becomes_ready_does_not_hold_the_roll() -> 
     assert plan.in_flight(NEW, seen, []) == set()
     assert seen[A].image == NEW and not seen[A].settled and not seen[A].rollout  # the watch cache keeps both revisions
     assert plan.decide(B, NEW, seen, [], 1) == "roll"
-    assert plan.roll_now(NEW, seen, [], 1) == [B]
     assert plan.decide(A, NEW, seen, [], 1) == "current"
 
 

@@ -76,19 +76,6 @@ def in_flight(wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key]
     return out
 
 
-def waiting(wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key]) -> list[Key]:
-    """The StatefulSets still to roll, in the order they are listed (namespace, name)."""
-    busy = in_flight(wanted, fleet, claimed)
-    return sorted(k for k, s in fleet.items() if s.image != wanted and s.replicas > 0 and k not in busy)
-
-
-def roll_now(wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key], limit: int) -> list[Key]:
-    """Which waiting StatefulSets may take the wanted image now: as many as `limit` leaves free."""
-    claimed = list(claimed)
-    free = max(0, limit - len(in_flight(wanted, fleet, claimed)))
-    return waiting(wanted, fleet, claimed)[:free]
-
-
 def decide(key: Key, wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key], limit: int) -> Decision:
     """What one resource's apply renders: the wanted image ("new", "current", "idle", "rolling",
     "roll": "roll" takes a slot and must be claimed) or the image it runs ("hold"). Any waiting

@@ -30,14 +30,13 @@ class Refusal:
         return f"pod {self.pod} ({self.container}): {self.message[len(MISMATCH_PREFIX):].strip()}"
 
 
-def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The container's terminated state, now (Error) or last (while in CrashLoopBackOff)."""
-    out = []
+def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The container's terminated state with a refusal, now (Error) or else last (while in CrashLoopBackOff)."""
     for key in ("state", "lastState"):
         term = (status.get(key) or {}).get("terminated")
         if term and term.get("exitCode") == EXIT_CODE and str(term.get("message") or "").startswith(MISMATCH_PREFIX):
-            out.append(term)
-    return out
+            return term
+    return None
 
 
 def slim_statuses(statuses: Iterable[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
@@ -45,9 +44,9 @@ def slim_statuses(statuses: Iterable[Mapping[str, Any]] | None) -> list[dict[str
     out = []
     for status in statuses or []:
         term = _terminated(status)
-        if term:
+        if term is not None:
             out.append({"name": status.get("name"),
-                        "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": str(term[0]["message"])[:1024]}}})
+                        "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": str(term["message"])[:1024]}}})
     return out
 
 
@@ -62,7 +61,8 @@ def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> lis
             continue
         component = labels.get("app.kubernetes.io/component", "")
         for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            for term in _terminated(status)[:1]:
+            term = _terminated(status)
+            if term is not None:
                 out.append(Refusal(meta.get("name", ""), status.get("name", ""), component, str(term["message"])))
     return sorted(out, key=lambda r: (r.component != SERVER, r.pod, r.container))
 

@@ -34,6 +34,7 @@ from kvpersist.api.v1alpha1 import CHUNK_TOKENS, KVCacheNamespaceSpec
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM
 from kvpersist.status import usage
 from kvpersist.status.usage import LookupCounters
+from kvpersist.status.workloads import COMPONENT_LABEL
 
 CONDITION = "HitCorrectness"
 MATCH = "HitsMatch"
@@ -55,8 +56,6 @@ RETRY_S = 60.0
 # A reference a second cache-free answer contradicted is computed again, RETRY_S, then twice and
 # four times that later; after MAX_RECOMPUTES the canary gives no verdict for that (id, digest).
 MAX_RECOMPUTES = 3
-
-COMPONENT_LABEL = "app.kubernetes.io/component"
 
 Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
 
@@ -109,23 +108,22 @@ def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]
     return sorted(out, key=lambda q: q.name)
 
 
+def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Mapping[str, Any]]:
+    """The lmcache servers of the id on a node: those its vLLM pod reaches (the node-local Service)."""
+    return [p for p in _of_id(pods, namespace_id, SERVER) if node is not None and (p.get("spec") or {}).get("nodeName") == node]
+
+
 def server_addresses(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, str], ...]:
-    """(name, IP) of the lmcache servers of the id on a node that have an IP: whose lookup counters
-    say from which tier they served the pod's check."""
-    if node is None:
-        return ()
-    return tuple(sorted((p["metadata"]["name"], str((p.get("status") or {}).get("podIP")))
-                        for p in _of_id(pods, namespace_id, SERVER)
-                        if (p.get("spec") or {}).get("nodeName") == node and (p.get("status") or {}).get("podIP")))
+    """(name, IP) of the servers on a node that have an IP: whose lookup counters say from which
+    tier they served the pod's check."""
+    return tuple(sorted((p["metadata"]["name"], str(p["status"]["podIP"]))
+                        for p in _servers_on(pods, namespace_id, node) if (p.get("status") or {}).get("podIP")))
 
 
 def servers_of(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, int, bool], ...]:
-    """(uid, restarts, ready) of the lmcache servers of the id on a node: those its vLLM pod reaches
-    (the node-local Service), whose restart is a reason to check again."""
-    if node is None:
-        return ()
+    """(uid, restarts, ready) of the servers on a node, whose restart is a reason to check again."""
     return tuple(sorted((str(p["metadata"].get("uid") or ""), int((p.get("status") or {}).get("restarts") or 0), _ready(p))
-                        for p in _of_id(pods, namespace_id, SERVER) if (p.get("spec") or {}).get("nodeName") == node))
+                        for p in _servers_on(pods, namespace_id, node)))
 
 
 CheckKey = tuple[tuple[str, int], tuple[tuple[str, int], ...]]  # the pod's (uid, restarts), its servers' (uid, restarts)
@@ -209,7 +207,7 @@ def prompt_token_sources(text: str) -> PromptTokenSources | None:
     if not by or any(s not in by for s in SOURCES):
         return None
     values = [by[s] for s in SOURCES]
-    if not all(math.isfinite(v) and 0 <= v <= usage.MAX_COUNTER for v in values):
+    if not all(usage.is_count(v) for v in values):
         return None
     start = (usage.parse_exposition(text) or {}).get(usage.PROCESS_START)
     return PromptTokenSources(*(int(v) for v in values),
@@ -392,7 +390,7 @@ def with_check(record: Mapping[str, Any], pod: str, at: str, match: bool, tier: 
     check = {"at": at, "pod": pod, "match": match, "tier": tier}
     out = {**record, "lastCheck": check}
     if match:
-        counts = {t: int((record.get("matches") or {}).get(t) or 0) for t in TIERS}
+        counts = _matches(record)
         counts[tier] += 1
         out["matches"] = counts
         if tier in FROM_LMCACHE:

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.api.text import printable
+from kvpersist.api.v1alpha1 import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
 from kvpersist.api.v1alpha1 import Prewarm
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.status.workloads import COMPONENT_LABEL
 
 CONDITION = "Warm"
 MAX_PROMPTS = 64  # warmed per server and pass, the spec's and the ConfigMap's together (spec first)
 MAX_PROMPT_TOKENS = 262_144  # one prompt's token ids in one prefetch (the agent's body cap follows it)
-CHUNK_TOKENS = 256  # lmcache's chunk (its --chunk-size default, which the operator keeps): what can be warm
 # When a server is due again (monotonic seconds after its last pass with the same pods and list).
 REWARM_PERIOD_S = 900.0  # a warm prompt L1's LRU may have evicted since: loaded again, which touches it
 NOT_WARM_RETRY_S = 300.0  # a pass that left a prompt not warm (too long, vLLM refused it, L1 full)
@@ -163,9 +164,8 @@ def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
     another namespace's."""
     mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id
             and _ready(p)]
-    component = "app.kubernetes.io/component"
-    servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(component) == SERVER), key=lambda v: v.name)
-    vllms = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(component) == VLLM), key=lambda v: v.name)
+    servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER), key=lambda v: v.name)
+    vllms = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == VLLM), key=lambda v: v.name)
     return [Pair(s, next((v for v in vllms if v.node and v.node == s.node), None)) for s in servers]
 
 
@@ -232,10 +232,6 @@ class ServerWarmth:
 Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
 
 
-def _chunks(n: int) -> str:
-    return f"{n} chunk{'s' if n != 1 else ''}"
-
-
 def _not_warm(results: Iterable[PromptResult]) -> str:
     cold = [r for r in results if not r.warm]
     shown = "; ".join(f"{r.source}: {r.why}" for r in cold[:4])
@@ -298,5 +294,5 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
     chunks = sum(r.chunks for s in done if s.current for r in s.current.results)
     computed = sum(1 for s in done if s.current for r in s.current.results if r.computed)
     how = f"; {computed} computed through vLLM, L2 lacking them" if computed else ""
-    return (True, "Warm", f"{n} of {n} prompts warm on every server ({len(done)} server(s), {_chunks(chunks)} in L1){how}"
-            + tail)
+    in_l1 = f"{chunks} chunk{'s' if chunks != 1 else ''} in L1"
+    return (True, "Warm", f"{n} of {n} prompts warm on every server ({len(done)} server(s), {in_l1}){how}" + tail)

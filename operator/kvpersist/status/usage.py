@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field, replace
 from typing import Any
 
@@ -122,9 +122,9 @@ def _report(pod: str, status: LMCacheStatus) -> ServerReport:
         message=message,
         l1_used=l1.memory_used_bytes,
         l1_capacity=l1.memory_total_bytes,
-        l2_used=_sum(e.total_bytes_used for e in evictions),
-        l2_capacity=_sum(e.total_capacity_bytes for e in evictions),
-        l2_objects=_sum(a.stored_object_count for a in adapters),
+        l2_used=_total(e.total_bytes_used for e in evictions),
+        l2_capacity=_total(e.total_capacity_bytes for e in evictions),
+        l2_objects=_total(a.stored_object_count for a in adapters),
         l2_healthy=(not bad_l2) if adapters else None,
     )
 
@@ -174,13 +174,6 @@ def sum_by_label(text: str, name: str, label: str) -> dict[str, float] | None:
     return out
 
 
-def parse_metrics(text: str, names: Iterable[str] = (SUBMITTED, COMPLETED)) -> dict[str, float]:
-    """Sums of the named Prometheus samples over all label sets; empty for a body that is not
-    Prometheus text."""
-    wanted = set(names)
-    return {k: v for k, v in (parse_exposition(text) or {}).items() if k in wanted}
-
-
 def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics: Mapping[str, float]) -> ServerReport:
     """The report plus failed L2 writes: submitted - completed - still pending. Unchanged when
     the status or the counters are malformed."""
@@ -190,10 +183,15 @@ def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics
         return report
 
 
+def is_count(value: float) -> bool:
+    """Whether a sample's value is a counter's: finite, not negative, exact as a float."""
+    return math.isfinite(value) and 0 <= value <= MAX_COUNTER
+
+
 def _counter(metrics: Mapping[str, float], name: str) -> int | None:
-    """A counter's value when it is one (finite, not negative, exact); None otherwise."""
+    """A counter's value when it is one (is_count); None otherwise."""
     v = metrics.get(name)
-    return int(v) if v is not None and math.isfinite(v) and 0 <= v <= MAX_COUNTER else None
+    return int(v) if v is not None and is_count(v) else None
 
 
 def _with_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
@@ -272,21 +270,18 @@ def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | Non
     A server that has served no lookup yet exports none of them: zeros."""
     if not metrics or not any(k.startswith("lmcache_") for k in metrics):
         return None
-    values = []
-    for name in (LOOKUP_REQUESTED, LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2):
-        v = metrics.get(name, 0.0)
-        if not math.isfinite(v) or v < 0 or v > MAX_COUNTER:
-            return None
-        values.append(int(v))
+    values = [metrics.get(name, 0.0) for name in (LOOKUP_REQUESTED, LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2)]
+    if not all(is_count(v) for v in values):
+        return None
     start = metrics.get(PROCESS_START)
     started = _stamp(start) if start is not None and math.isfinite(start) and start > 0 else None
     restores = []
     for name in (RESTORE_L2, RESTORE_L1):
         total, loads = metrics.get(name + "_sum", 0.0), metrics.get(name + "_count", 0.0)
-        ok = all(math.isfinite(v) and 0 <= v <= MAX_COUNTER for v in (total, loads))
-        restores += [total, int(loads)] if ok else [0.0, 0]  # a garbled histogram: no rate, the rest stands
+        # A garbled histogram: no rate, the rest stands.
+        restores += [total, int(loads)] if is_count(total) and is_count(loads) else [0.0, 0]
     queued, dropped = (_counter(metrics, name) for name in (EVENTS_QUEUED, EVENTS_DROPPED))
-    return LookupCounters(*values, started=started, l2_gbps_sum=restores[0], l2_loads=restores[1],
+    return LookupCounters(*(int(v) for v in values), started=started, l2_gbps_sum=restores[0], l2_loads=restores[1],
                           l1_gbps_sum=restores[2], l1_loads=restores[3], events_queued=queued, events_dropped=dropped)
 
 
@@ -460,38 +455,30 @@ class HitTracker:
     def observe(self, key: Any, uid: str | None, stored: Mapping[str, Any] | None, reports: Iterable[ServerReport],
                 now: float, wall: str) -> dict[str, Any] | None:
         """Folds one refresh's reports in; status.hits, or None while nothing was ever counted."""
-        with self._lock:
-            return self._observe(key, uid, stored, list(reports), now, wall)
-
-    def _observe(self, key: Any, uid: str | None, stored: Mapping[str, Any] | None, reports: list[ServerReport],
-                 now: float, wall: str) -> dict[str, Any] | None:
-        state = self._state.get(key)
-        if state is None or state.uid != uid:
-            totals, baselines, since = persisted_hits(stored)
-            state = self._state[key] = _HitState(uid, totals, baselines, since)
         current = {r.pod: r.lookups for r in reports}
-        if any(c is not None for c in current.values()):
-            state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
-            state.since = state.since or wall
-            state.samples.append((now, state.totals))
-            trim_samples(state.samples, now, self.span_s)
-        if state.since is None:
-            return None
-        return hits_status(state.totals, state.baselines, window_figures(state.samples, now, self.span_s), state.since)
+        with self._lock:
+            state = self._state.get(key)
+            if state is None or state.uid != uid:
+                totals, baselines, since = persisted_hits(stored)
+                state = self._state[key] = _HitState(uid, totals, baselines, since)
+            if any(c is not None for c in current.values()):
+                state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
+                state.since = state.since or wall
+                state.samples.append((now, state.totals))
+                trim_samples(state.samples, now, self.span_s)
+            if state.since is None:
+                return None
+            return hits_status(state.totals, state.baselines, window_figures(state.samples, now, self.span_s), state.since)
 
     def forget(self, key: Any) -> None:
         with self._lock:
             self._state.pop(key, None)
 
 
-def _sum(values: Iterable[Any]) -> int | None:
+def _total(values: Iterable[Any], op: Callable[[list[int]], int] = sum) -> int | None:
+    """op (sum, max) of the counts among values; None without one."""
     nums = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return sum(nums) if nums else None
-
-
-def largest(values: Iterable[Any]) -> int | None:
-    nums = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return max(nums) if nums else None
+    return op(nums) if nums else None
 
 
 # lmcache's admin API listens on its pod's loopback only; the agent beside it forwards these two
@@ -570,22 +557,19 @@ def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: fl
     return [reports[p] for p, _ in pods]
 
 
-def servers_l2(reports: list[ServerReport], shared: bool) -> tuple[int, int]:
-    """(bytes, objects) the servers that answered count on L2: summed, or with spec.l2.nvme.shared
-    (one folder, each server counting the others' files too) the largest count."""
-    counted = [r for r in reports if r.l2_used is not None]
-    used, objects = [r.l2_used or 0 for r in counted], [r.l2_objects or 0 for r in counted]
-    if shared:
-        return max(used, default=0), max(objects, default=0)
-    return sum(used), sum(objects)
-
-
 def namespace_l2(reports: list[ServerReport], shared: bool, volume: tuple[int, int] | None,
                  floor: int = 0) -> tuple[int, int]:
     """The namespace's (bytes, objects) on L2, the one figure status shows (usage.l2UsedBytes) and
     the budget counts: the larger of the servers' count (a restarted server counts from zero) and
-    the volume's (read every few rounds), and never below floor (with a budget: the last written)."""
-    servers_bytes, servers_objects = servers_l2(reports, shared)
+    the volume's (read every few rounds), and never below floor (with a budget: the last written).
+    The servers' count is summed over those that answered, or with shared (one folder, each server
+    counting the others' files too) their largest."""
+    counted = [r for r in reports if r.l2_used is not None]
+    used, objects = [r.l2_used or 0 for r in counted], [r.l2_objects or 0 for r in counted]
+    if shared:
+        servers_bytes, servers_objects = max(used, default=0), max(objects, default=0)
+    else:
+        servers_bytes, servers_objects = sum(used), sum(objects)
     volume_bytes, volume_objects = volume or (0, 0)
     return max(servers_bytes, volume_bytes, floor), max(servers_objects, volume_objects)
 
@@ -598,7 +582,7 @@ def summarize(reports: list[ServerReport], measured_at: str, shared: bool = Fals
     answered = [r for r in reports if r.l1_capacity is not None]
     if not answered:
         return {}
-    total = {k: (largest if shared and k.startswith("l2_") else _sum)(getattr(r, k) for r in answered)
+    total = {k: _total((getattr(r, k) for r in answered), max if shared and k.startswith("l2_") else sum)
              for k in ("l1_used", "l1_capacity", "l2_capacity", "l2_objects")}
     total["l2_used"] = None
     if volume is not None or any(r.l2_used is not None for r in answered):  # L2's figure as the budget counts it
@@ -631,12 +615,10 @@ class WriteFailureTracker:
         if failed is None:
             return False
         previous = self._last.get(key)
-        if previous is None:
+        if previous is None or failed < previous[0]:  # first seen, or the server restarted: counters began again
             grew_at = now if failed > 0 else float("-inf")
         elif failed > previous[0]:
             grew_at = now
-        elif failed < previous[0]:  # the server restarted: counters began again
-            grew_at = now if failed > 0 else float("-inf")
         else:
             grew_at = previous[1]
         self._last[key] = (failed, grew_at)

@@ -51,8 +51,7 @@ def _pick(mapping: Mapping[str, Any] | None, keys: Iterable[str]) -> dict[str, A
 
 def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     """The fields kvpersist.status.conditions reads, and nothing else (a pod's spec is kilobytes)."""
-    meta = body.get("metadata") or {}
-    status = body.get("status") or {}
+    meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     out: dict[str, Any] = {
         "metadata": {**_pick(meta, ("name", "namespace", "uid", "generation", "deletionTimestamp", "resourceVersion")),
                      "labels": _pick(meta.get("labels"), (INSTANCE_LABEL, RETAINED_INSTANCE_LABEL, COMPONENT_LABEL,
@@ -70,31 +69,26 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     # An lmcache StatefulSet's size and agent image: what the agent roll plans from (status.agentroll).
     agent = agent_image_of(body)
     if agent is not None:
-        out["spec"] = {"replicas": (body.get("spec") or {}).get("replicas", 1),
+        out["spec"] = {"replicas": spec.get("replicas", 1),
                        "template": {"spec": {"containers": [{"name": AGENT_CONTAINER, "image": agent}]}}}
     # A pod's node and how often its containers started again: which vLLM pod warms which server,
-    # and when a server is due a warm pass (kvpersist.status.prewarm: a restart empties its L1).
-    if "containers" in (body.get("spec") or {}):  # a pod (a StatefulSet's are under spec.template)
-        out["spec"] = {"nodeName": (body.get("spec") or {}).get("nodeName")}
+    # and when a server is due a warm pass (kvpersist.status.prewarm: a restart empties its L1); the
+    # correctness canary checks a vLLM pod again after its own restart or one of the servers on its
+    # node (kvpersist.status.canary). A pod has spec.containers (a StatefulSet's are under spec.template).
+    if "containers" in spec or spec.get("nodeName"):
+        out["spec"] = {"nodeName": spec.get("nodeName")}
+    if "containers" in spec or status.get("containerStatuses"):
         out["status"]["restarts"] = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
     # A claim's access modes: spec.l2.nvme.shared needs ReadWriteMany (status.conditions ClaimNotShared).
-    modes = (body.get("status") or {}).get("accessModes") or (body.get("spec") or {}).get("accessModes")
+    modes = status.get("accessModes") or spec.get("accessModes")
     if modes:  # only claims have accessModes
         out["status"]["accessModes"] = list(modes)
-    # A pod's node and its containers' restarts: the correctness canary checks a vLLM pod again after
-    # its own restart or one of the servers on its node (kvpersist.status.canary).
-    node = (body.get("spec") or {}).get("nodeName")
-    if node:
-        out["spec"] = {"nodeName": node}
     # A server pod's claims: which store it mounts, for kvpersist.controller.sharing (a claim is
     # taken over only once no other resource's server mounts it).
-    claims = [v["persistentVolumeClaim"]["claimName"] for v in (body.get("spec") or {}).get("volumes") or []
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes") or []
               if (v.get("persistentVolumeClaim") or {}).get("claimName")]
-    if claims and "containers" in (body.get("spec") or {}):
+    if claims and "containers" in spec:
         out.setdefault("spec", {})["volumes"] = [{"persistentVolumeClaim": {"claimName": c}} for c in claims]
-    statuses = status.get("containerStatuses")
-    if statuses:
-        out["status"]["restarts"] = sum(int(c.get("restartCount") or 0) for c in statuses)
     # What keeps a claim out of GitOps prunes, and the key its data needs (kvpersist.builders.retained);
     # a vLLM pod launched without the cache while it is on.
     protected = _pick(meta.get("annotations"), (*PROTECTED_ANNOTATIONS, BYPASS_ANNOTATION))

@@ -11,11 +11,13 @@ from kvpersist.status.usage import (
     human_bytes,
     parse_exposition,
     parse_status,
+    status_model,
     summarize,
     with_write_failures,
 )
 
 CAPTURED = json.loads((Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_text())
+MODEL = status_model(CAPTURED)
 
 
 def test_parse_real_status() -> None:
@@ -66,9 +68,9 @@ def test_parse_metrics_and_failed_writes() -> None:
     metrics = parse_exposition(METRICS) or {}
     assert (metrics["lmcache_mp_l2_store_submitted_objects_chunks_total"],
             metrics["lmcache_mp_l2_store_completed_objects_chunks_total"]) == (32.0, 8.0)
-    rep = with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, metrics)
+    rep = with_write_failures(parse_status("s-0", CAPTURED), MODEL, metrics)
     assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (24, 32)
-    assert with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, {}).l2_writes_failed is None
+    assert with_write_failures(parse_status("s-0", CAPTURED), MODEL, {}).l2_writes_failed is None
 
 
 # A real lmcache 0.5.6 server's L2 store counters after 8 chunks whose every upload the bucket refused
@@ -85,11 +87,11 @@ def test_every_write_failed_counts_as_failed_writes() -> None:
     metrics = parse_exposition(METRICS_EVERY_WRITE_FAILED) or {}
     assert metrics["lmcache_mp_l2_store_submitted_objects_chunks_total"] == 8.0
     assert "lmcache_mp_l2_store_completed_objects_chunks_total" not in metrics
-    rep = with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, metrics)
+    rep = with_write_failures(parse_status("s-0", CAPTURED), MODEL, metrics)
     assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (8, 8)
     # A completed counter that is there but not a counter still leaves the report alone.
     bad = {**metrics, "lmcache_mp_l2_store_completed_objects_chunks_total": -1.0}
-    assert with_write_failures(parse_status("s-0", CAPTURED), CAPTURED, bad).l2_writes_failed is None
+    assert with_write_failures(parse_status("s-0", CAPTURED), MODEL, bad).l2_writes_failed is None
 
 
 def test_write_failure_tracker_flags_growth_then_forgets() -> None:

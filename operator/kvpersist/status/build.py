@@ -30,24 +30,13 @@ class Refusal:
         return f"pod {self.pod} ({self.container}): {self.message[len(MISMATCH_PREFIX):].strip()}"
 
 
-def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def refusal_of(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The container's terminated state with a refusal, now (Error) or else last (while in CrashLoopBackOff)."""
     for key in ("state", "lastState"):
         term = (status.get(key) or {}).get("terminated")
         if term and term.get("exitCode") == EXIT_CODE and str(term.get("message") or "").startswith(MISMATCH_PREFIX):
             return term
     return None
-
-
-def slim_statuses(statuses: Iterable[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
-    """Only the container statuses that carry a refusal, only that (the watch cache stays small)."""
-    out = []
-    for status in statuses or []:
-        term = _terminated(status)
-        if term is not None:
-            out.append({"name": status.get("name"),
-                        "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": str(term["message"])[:1024]}}})
-    return out
 
 
 def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> list[Refusal]:
@@ -61,7 +50,7 @@ def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> lis
             continue
         component = labels.get("app.kubernetes.io/component", "")
         for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            term = _terminated(status)
+            term = refusal_of(status)
             if term is not None:
                 out.append(Refusal(meta.get("name", ""), status.get("name", ""), component, str(term["message"])))
     return sorted(out, key=lambda r: (r.component != SERVER, r.pod, r.container))

@@ -34,7 +34,7 @@ from kvpersist.api.v1alpha1 import CHUNK_TOKENS, KVCacheNamespaceSpec
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM
 from kvpersist.status import usage
 from kvpersist.status.usage import LookupCounters
-from kvpersist.status.workloads import COMPONENT_LABEL
+from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
 
 CONDITION = "HitCorrectness"
 MATCH = "HitsMatch"
@@ -73,11 +73,6 @@ def digest(spec: KVCacheNamespaceSpec) -> str:
 # ---------------------------------------------------------------- pods and when they are due
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 @dataclass(frozen=True)
 class Pod:
     """A vLLM pod of the namespace id, as the watch cache has it."""
@@ -103,7 +98,7 @@ def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]
     for p in _of_id(pods, namespace_id, VLLM):
         meta, status = p["metadata"], p.get("status") or {}
         out.append(Pod(meta["name"], status.get("podIP"), str(meta.get("uid") or ""), int(status.get("restarts") or 0),
-                       (p.get("spec") or {}).get("nodeName"), _ready(p),
+                       (p.get("spec") or {}).get("nodeName"), pod_ready(p),
                        BYPASS_ANNOTATION not in (meta.get("annotations") or {})))
     return sorted(out, key=lambda q: q.name)
 
@@ -122,7 +117,7 @@ def server_addresses(pods: Iterable[Mapping[str, Any]], namespace_id: str, node:
 
 def servers_of(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, int, bool], ...]:
     """(uid, restarts, ready) of the servers on a node, whose restart is a reason to check again."""
-    return tuple(sorted((str(p["metadata"].get("uid") or ""), int((p.get("status") or {}).get("restarts") or 0), _ready(p))
+    return tuple(sorted((str(p["metadata"].get("uid") or ""), int((p.get("status") or {}).get("restarts") or 0), pod_ready(p))
                         for p in _servers_on(pods, namespace_id, node)))
 
 
@@ -308,17 +303,13 @@ class Answers:
     cache_free_again: tuple[int, ...] | None = None
     cached_again: tuple[int, ...] | None = None
 
-    @property
-    def complete(self) -> bool:
-        return self.cache_free_again is not None and self.cached_again is not None
-
 
 def judge(reference: tuple[int, ...], answers: Answers) -> str | None:
     """MATCH, MISMATCH or NONDETERMINISTIC; None: the cached answer differs and the second pair
     is still to be asked."""
     if answers.cached == reference:
         return MATCH
-    if not answers.complete:
+    if answers.cache_free_again is None or answers.cached_again is None:
         return None
     if answers.cache_free_again != reference or answers.cached_again == reference:
         return NONDETERMINISTIC  # the cache-free answers disagree, or the cached ones do

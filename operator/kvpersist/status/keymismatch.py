@@ -5,10 +5,10 @@ with the one its namespace id was computed with, and on a difference exits EXIT_
 termination message of MESSAGE's form, reading and removing nothing. That happens when the bytes
 of the key Secret are rotated and a server container restarts before its pod is rolled to the new
 namespace. The pod's container status is the only place that says so: the watch cache keeps it
-(slim_statuses), and kvpersist.status.conditions turns it into L2Ready False KEY_MISMATCH. The
-prefix and exit code are the server module's own (kvpersist.inserver.serve: standard library only
-at import, as the operator already reads SERDE_TYPE from it); MESSAGE parses its
-KEY_MISMATCH_FORMAT (tests/unit/test_key_mismatch.py renders one and reads it back).
+(kvpersist.status.workloads.slim), and kvpersist.status.conditions turns it into L2Ready False
+KEY_MISMATCH. The prefix and exit code are the server module's own (kvpersist.inserver.serve:
+standard library only at import, as the operator already reads SERDE_TYPE from it); MESSAGE
+parses its KEY_MISMATCH_FORMAT (tests/unit/test_key_mismatch.py renders one and reads it back).
 """
 
 from __future__ import annotations
@@ -54,17 +54,6 @@ def refused_now(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     if "running" not in state and _matches(last):
         return last
     return None
-
-
-def slim_statuses(statuses: Iterable[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
-    """Only the container statuses refusing their key now, only that (the watch cache stays small)."""
-    out = []
-    for status in statuses or []:
-        term = refused_now(status)
-        if term is not None:
-            out.append({"name": status.get("name"),
-                        "lastState": {"terminated": {"exitCode": EXIT_CODE, "message": str(term["message"])[:MESSAGE_MAX]}}})
-    return out
 
 
 def refusals(pods: Iterable[Mapping[str, Any]]) -> list[KeyRefusal]:

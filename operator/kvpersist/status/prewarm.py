@@ -20,7 +20,7 @@ from kvpersist.api.text import printable
 from kvpersist.api.v1alpha1 import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
 from kvpersist.api.v1alpha1 import Prewarm
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
-from kvpersist.status.workloads import COMPONENT_LABEL
+from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
 
 CONDITION = "Warm"
 MAX_PROMPTS = 64  # warmed per server and pass, the spec's and the ConfigMap's together (spec first)
@@ -29,7 +29,6 @@ MAX_PROMPT_TOKENS = 262_144  # one prompt's token ids in one prefetch (the agent
 REWARM_PERIOD_S = 900.0  # a warm prompt L1's LRU may have evicted since: loaded again, which touches it
 NOT_WARM_RETRY_S = 300.0  # a pass that left a prompt not warm (too long, vLLM refused it, L1 full)
 FAILED_RETRY_S = 15.0  # a pass that could not ask (the agent, vLLM or the layout not there yet)
-CONFIGMAP_PREFIXES = {"prompt": False, "system": True}  # a data key's prefix -> a system prompt?
 _KEY = re.compile(r"^(prompt|system)([-._a-zA-Z0-9]*)$")
 
 
@@ -98,7 +97,7 @@ def declared(prewarm: Prewarm | None, namespace: str,
             for k in sorted(data):
                 m = _KEY.match(k)
                 if m and isinstance(data[k], str) and data[k]:
-                    out.append(Prompt(f"ConfigMap {ref.name} key {k}", CONFIGMAP_PREFIXES[m.group(1)], data[k]))
+                    out.append(Prompt(f"ConfigMap {ref.name} key {k}", m.group(1) == "system", data[k]))
             if ignored:
                 shown = ", ".join(printable(k) for k in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
                 note = f"; ConfigMap {ref.name} keys ignored (not prompt-* or system-*): {shown}"
@@ -147,9 +146,7 @@ class Pair:
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    return (not (pod.get("metadata") or {}).get("deletionTimestamp") and bool(status.get("podIP"))
-            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
+    return not (pod.get("metadata") or {}).get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP")) and pod_ready(pod)
 
 
 def _view(pod: Mapping[str, Any]) -> PodView:

@@ -84,10 +84,6 @@ class LMCacheStatus(_Part):
     storage_manager: StorageManager | None = None
 
 
-def _malformed(pod: str, reason: str) -> ServerReport:
-    return ServerReport(pod=pod, healthy=False, message=f"malformed /status: {reason}")
-
-
 def status_model(status: Any) -> LMCacheStatus:
     """A /status body as the model; PeerError naming what is malformed."""
     try:
@@ -105,6 +101,10 @@ def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
         return _report(pod, status_model(status))
     except PeerError as exc:
         return _malformed(pod, str(exc))
+
+
+def _malformed(pod: str, reason: str) -> ServerReport:
+    return ServerReport(pod=pod, healthy=False, message=f"malformed /status: {reason}")
 
 
 def _report(pod: str, status: LMCacheStatus) -> ServerReport:
@@ -136,51 +136,34 @@ SUBMITTED = "lmcache_mp_l2_store_submitted_objects_chunks_total"
 COMPLETED = "lmcache_mp_l2_store_completed_objects_chunks_total"
 
 
-def _samples(text: str) -> list[Sample] | None:
-    """Every sample of a Prometheus text body, parsed by prometheus_client; None when the body is
-    not that format (a line that is neither a comment nor a sample) or is larger than
-    MAX_METRICS_BYTES. Never raises: a peer's body is whatever it sent."""
+def _summed(text: str, key: Callable[[Sample], str | None]) -> dict[str, float] | None:
+    """The samples of a Prometheus text body, parsed by prometheus_client, summed per key(sample)
+    (None: left out); None when the body is not that format (a line that is neither a comment nor
+    a sample) or is larger than MAX_METRICS_BYTES. Never raises: a peer's body is whatever it sent."""
     if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
         return None
     try:
-        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
     except Exception:  # the parser raises ValueError, and others on odd input
         return None
+    out: dict[str, float] = {}
+    for sample in samples:
+        k = key(sample)
+        if k is not None:
+            out[k] = out.get(k, 0.0) + float(sample.value)
+    return out
 
 
 def parse_exposition(text: str) -> dict[str, float] | None:
     """Every sample of a Prometheus text body, summed per sample name over its label sets; None
-    when the body is not that format or is too large (_samples)."""
-    samples = _samples(text)
-    if samples is None:
-        return None
-    out: dict[str, float] = {}
-    for sample in samples:
-        out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
-    return out
+    when the body is not that format or is too large (_summed)."""
+    return _summed(text, lambda sample: sample.name)
 
 
 def sum_by_label(text: str, name: str, label: str) -> dict[str, float] | None:
     """The samples of one metric summed per value of one of its labels (samples without it are
-    left out); None when the body is not Prometheus text (as parse_exposition) or is too large."""
-    samples = _samples(text)
-    if samples is None:
-        return None
-    out: dict[str, float] = {}
-    for sample in samples:
-        value = sample.labels.get(label) if sample.name == name else None
-        if value is not None:
-            out[value] = out.get(value, 0.0) + float(sample.value)
-    return out
-
-
-def with_write_failures(report: ServerReport, status: Mapping[str, Any], metrics: Mapping[str, float]) -> ServerReport:
-    """The report plus failed L2 writes: submitted - completed - still pending. Unchanged when
-    the status or the counters are malformed."""
-    try:
-        return _with_failures(report, status_model(status), metrics)
-    except PeerError:
-        return report
+    left out); None when the body is not Prometheus text or is too large (_summed)."""
+    return _summed(text, lambda sample: sample.labels.get(label) if sample.name == name else None)
 
 
 def is_count(value: float) -> bool:
@@ -194,7 +177,9 @@ def _counter(metrics: Mapping[str, float], name: str) -> int | None:
     return int(v) if v is not None and is_count(v) else None
 
 
-def _with_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
+def with_write_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
+    """The report plus failed L2 writes: submitted - completed - still pending. Unchanged when
+    the counters are malformed."""
     submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED)
     if submitted is not None and COMPLETED not in metrics:
         # lmcache's OTel counter has no sample before its first chunk lands: a server whose every
@@ -512,7 +497,7 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
         return _malformed(pod, str(exc))
     report = _report(pod, status)
     metrics = _fetch_metrics(ip, port, deadline - time.monotonic(), prefix, headers)
-    report = _with_failures(report, status, metrics or {})
+    report = with_write_failures(report, status, metrics or {})
     return replace(report, lookups=lookup_counters(metrics))
 
 

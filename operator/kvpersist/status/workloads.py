@@ -20,8 +20,8 @@ from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABE
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM, Target
 from kvpersist.status.agentroll import AgentSet, agent_image_of, view
-from kvpersist.status.build import slim_statuses
-from kvpersist.status.keymismatch import slim_statuses as key_refusing_statuses
+from kvpersist.status.build import refusal_of
+from kvpersist.status.keymismatch import MESSAGE_MAX, refused_now
 
 # Every object the builders make carries it (pods and claims included, through the templates'
 # selector labels), so one server-side selector per kind keeps everything else off the wire.
@@ -108,8 +108,10 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
         out["status"]["conditions"] = ready + failure + unplaced
     # A container that refused to start over its lmcache/vLLM versions (kvpersist.status.build), or
     # a server over the key file it mounts while it refuses (kvpersist.status.keymismatch), says so
-    # in its termination message: kept, and nothing else of the container statuses.
-    refused = slim_statuses(status.get("containerStatuses")) + key_refusing_statuses(status.get("containerStatuses"))
+    # in its termination message: kept, and nothing else of the container statuses (the cache stays small).
+    refused = [{"name": c.get("name"), "lastState": {"terminated": {"exitCode": term["exitCode"],
+                                                                     "message": str(term["message"])[:MESSAGE_MAX]}}}
+               for c in status.get("containerStatuses") or [] for term in (refusal_of(c), refused_now(c)) if term is not None]
     if refused:
         out["status"]["containerStatuses"] = refused
     return out
@@ -131,13 +133,15 @@ def attached_view(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def attached_counts(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> tuple[int, int]:
     """(attached pods of the namespace id, those Ready), none being deleted."""
     mine = [p for p in pods if ATTACH_LABEL in (p["metadata"].get("labels") or {})
             and p["metadata"]["labels"].get(NAMESPACE_ID_LABEL) == namespace_id and not p["metadata"].get("deletionTimestamp")]
-    ready = [p for p in mine if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                    for c in (p.get("status") or {}).get("conditions") or [])]
-    return len(mine), len(ready)
+    return len(mine), sum(1 for p in mine if pod_ready(p))
 
 
 def index_entry(body: Mapping[str, Any]) -> dict[OwnerKey, dict[str, Any]] | None:

@@ -81,7 +81,6 @@ def decide(key: Key, wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterab
     "roll": "roll" takes a slot and must be claimed) or the image it runs ("hold"). Any waiting
     StatefulSet may take a free slot (first come): one whose resource cannot be applied never
     blocks the others."""
-    claimed = list(claimed)
     mine = fleet.get(key)
     if mine is None or mine.image is None:
         return "new"

@@ -21,6 +21,7 @@ from kvpersist.status.keymismatch import KEY_MISMATCH
 from kvpersist.status.references import CONDITION as REFERENCES_CONDITION
 from kvpersist.status.references import MISSING as REFERENCE_MISSING
 from kvpersist.status.usage import ServerReport, summarize
+from kvpersist.status.workloads import pod_ready
 
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
@@ -88,11 +89,6 @@ def merge_conditions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str
         merged.append({**c, "lastTransitionTime": stamp or now()})
     order = {t: i for i, t in enumerate(CONDITION_TYPES)}
     return sorted(merged, key=lambda c: order.get(c["type"], len(order)))
-
-
-def _pod_ready(pod: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 @dataclass
@@ -397,7 +393,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
 
     servers_done, servers_ready = _rollout_done(obs.statefulset, obs.server_desired)
     vllm_done, vllm_ready = _rollout_done(obs.deployment, obs.vllm_desired)
-    ready_pods = {p["metadata"]["name"] for p in obs.server_pods if _pod_ready(p)}
+    ready_pods = {p["metadata"]["name"] for p in obs.server_pods if pod_ready(p)}
     sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
 
     budget = budget_status(obs)

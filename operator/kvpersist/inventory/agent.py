@@ -2,12 +2,10 @@
 
 lmcache's HTTP admin API (/env with the whole environment, /cache/clear, DELETE /cache/objects,
 /quota, /reconfigure) listens on the pod's loopback only, so nothing outside the pod reaches it
-whatever the CNI does. The agent forwards the operator the two reads it needs: GET /server/status
-(with the resource's agent token) and GET /server/metrics (counters only, open so Prometheus can
-scrape it), each bounded in time and size; and one write, POST /server/prefetch (with the token):
-lmcache's warm prefetch of one prompt's token ids from L2 into L1, submitted and polled to its end
-within a bound (kvpersist.inventory.prefetch), for spec.prewarm. Nothing else of lmcache's API is
-reachable through it.
+whatever the CNI does. The agent forwards only GET /server/status (with the resource's agent
+token), GET /server/metrics (counters only, open so Prometheus can scrape it), each bounded in time
+and size, and POST /server/prefetch (with the token): lmcache's warm prefetch of one prompt for
+spec.prewarm (kvpersist.inventory.prefetch).
 
 The operator cannot mount a claim, and lmcache reports only the namespace it serves (and only
 what its lazy index has seen since a restart). The agent reads the volume itself: GET /inventory
@@ -17,33 +15,23 @@ operator refuses every other namespace still in use before asking. Reached only 
 (the lmcache NetworkPolicy admits nothing else to this port), and both /inventory and /gc need
 the resource's agent token (a bearer token from an owned Secret, mounted as a file): where the
 policy is not enforced, nobody else can delete or list. Whoever reaches the port still costs
-the agent no thread per connection and no unbounded read (kvpersist.httpserver: idle connections
-wait on one selector and are closed after 10 s, a /gc body's Content-Length is checked first).
-Its /healthz (the pod's liveness and readiness probe) is answered on that selector thread, never
-behind the workers: requests that fill them (/server/metrics needs no token) cannot fail the probe.
-It answers from the agent's own state (Agent.alive, and the pool's progress: STUCK_S).
+the agent no thread per connection and no unbounded read (kvpersist.httpserver). Its /healthz
+(the pod's probes) is answered on the server's selector thread, never behind the workers:
+requests that fill them (/server/metrics needs no token) cannot fail the probe. It answers from
+the agent's own state (Agent.alive, and the pool's progress: STUCK_S).
 
 With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
 0.5.6's fs_native and nixl_store_dynamic count L2 from zero after a restart, so files from
 before the restart are neither counted nor evicted by them and the folder grows past its capacity
 (measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
-deletes that folder's oldest chunk files until they hold at most the capacity, counting only what it
-may delete (committed `*.data` or `*.bin` chunk files), and first the temp files of writes that died
-(untouched for an hour: kvpersist.inventory.volume.ABANDONED_TEMP_S). The
-capacity is lowered to what the claim has left beside the other namespaces' folders (old identities'
-data, kvpersist.inventory.space.effective_capacity), which the trim never touches.
-
-With --shared-folder (spec.l2.nvme.shared: the servers of one resource, one per node, on one
-ReadWriteMany claim and one folder) only the agent of the StatefulSet's pod of ordinal 0 trims
-(trimmer_of, from its pod's name): two, each cutting the folder to the capacity from its own scan,
-would between them delete up to twice the excess. It never deletes a
-file younger than --trim-grace seconds (another server may have just written it, or just found it
-and be about to read it). The other agents report the folder's inventory only.
+deletes that folder's abandoned temp files, then its oldest chunk files until they hold at most
+the capacity (kvpersist.inventory.volume), lowered to what the claim has left beside the other
+namespaces' folders (kvpersist.inventory.space.effective_capacity), which the trim never touches.
+With --shared-folder (spec.l2.nvme.shared) only one agent trims (trimmer_of), never a file younger
+than --trim-grace seconds; the others report the folder's inventory only.
 
 Deletion of other namespaces stays explicit (/gc) unless the resource opts into an age limit
-(spec.l2.orphanRetention): POST /expire removes the named folders whose newest file is older than
-maxAgeDays, never the served one nor any id in the protected list the operator must send (every
-id in use); without that list the agent cannot be sure, and refuses.
+(spec.l2.orphanRetention): POST /expire (Agent.expire).
 """
 
 from __future__ import annotations
@@ -94,11 +82,13 @@ TRIM_PERIOD_S = 30.0
 # overshot the capacity (measured with fs_native: 128% of an 8 MiB capacity back under it in 5 s).
 EXCESS_SETTLE_S = 15.0
 MAX_TRIM_PERIOD_S = 3600.0
-# lmcache's admin API, forwarded: what may pass, each read bounded (the server runs a tenant's
-# image; a stalled or flooding one must not hold the agent's threads or memory). Under the
-# operator's own 2-second deadline for both reads together.
-PROXIED = {"/server/status": ("/status", 4 * 2**20, True), "/server/metrics": ("/metrics", 4 * 2**20, False)}
+# lmcache's admin API, forwarded: what may pass (lmcache's path, whether the token is required, the
+# content type), each read bounded (the server runs a tenant's image; a stalled or flooding one must
+# not hold the agent's threads or memory). Under the operator's own 2-second deadline for both reads together.
+PROXIED = {"/server/status": ("/status", True, "application/json"),
+           "/server/metrics": ("/metrics", False, "text/plain; version=0.0.4")}
 PROXY_TIMEOUT_S = 1.5
+PROXY_MAX_BYTES = 4 * 2**20
 NO_VOLUME = {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"}
 MAX_GC_BODY = 4096  # {"namespaceId": ..., "dryRun": ...}
 MAX_EXPIRE_BODY = 256 * 1024  # {"maxAgeDays", "protected": [ids], "remove": [ids]}: thousands of ids
@@ -124,9 +114,10 @@ def pod_ordinal(pod_name: str | None) -> int | None:
 
 
 def trimmer_of(pod_name: str | None) -> bool:
-    """Whether this pod's agent is its shared folder's one trimmer: the StatefulSet's ordinal 0,
-    which always exists while any server runs (scale-in removes the highest first). A name without
-    an ordinal never trims: none at all is safer than two."""
+    """Whether this pod's agent is its shared folder's one trimmer (two, each cutting the folder to
+    the capacity from its own scan, would between them delete up to twice the excess): the
+    StatefulSet's ordinal 0, which always exists while any server runs (scale-in removes the highest
+    first). A name without an ordinal never trims: none at all is safer than two."""
     return pod_ordinal(pod_name) == 0
 
 
@@ -161,8 +152,7 @@ class Agent:
     accounting keeps what it has indexed within the capacity, so without a restart the agent finds
     nothing to trim (tests/integration/test_capacity.py)."""
 
-    def __init__(self, root: Path | None, serving: str | None, scan_ttl_s: float = SCAN_TTL_S,
-                 capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
+    def __init__(self, root: Path | None, serving: str | None, capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
                  token: str | TokenFile | None = None, server: tuple[str, int] | None = None,
                  trims: bool = True, trim_grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
                  settle_s: float = 0.0) -> None:
@@ -176,27 +166,25 @@ class Agent:
         self.prefetcher = prefetch.Prefetcher(server) if server is not None else None
         self.token = token
         self.serving = serving
-        self.scan_ttl_s = scan_ttl_s
         self.capacity_bytes = capacity_bytes
         self.trim_period_s = trim_period_s
         self.trim_passes = 0  # completed passes, whether they deleted anything or not (tests wait on it)
         self.last_trim: dict[str, Any] | None = None  # the last pass that deleted something
         self.swept_temp_files = 0  # abandoned temp files deleted so far
         self.effective_capacity: int | None = None  # the last trim's watermark (space.effective_capacity)
-        self.max_scan_files = MAX_SCAN_FILES
         self._lock = threading.Lock()
         self._scan: tuple[float, Inventory] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def inventory(self, fresh: bool = False, max_age_s: float | None = None) -> Inventory:
-        """The volume's scan (bounded: scan_volume's max_files), at most scan_ttl_s old (or max_age_s)."""
+        """The volume's scan (bounded: scan_volume's max_files), at most SCAN_TTL_S old (or max_age_s)."""
         assert self.root is not None
         with self._lock:
             now = time.monotonic()
-            ttl = self.scan_ttl_s if max_age_s is None else max_age_s
+            ttl = SCAN_TTL_S if max_age_s is None else max_age_s
             if fresh or self._scan is None or now - self._scan[0] > ttl:
-                self._scan = (now, scan_volume(self.root, self.serving, self.max_scan_files))
+                self._scan = (now, scan_volume(self.root, self.serving))
             return self._scan[1]
 
     def expire(self, max_age_days: Any, protected: Any, remove: Any, dry_run: bool,
@@ -224,7 +212,7 @@ class Agent:
         asked = sorted(ids["remove"] - ids["protected"] - {self.serving})
         removed, kept = [], []
         for nsid in asked:
-            held = namespace_usage(self.root, nsid, self.max_scan_files)  # that folder only, bounded
+            held = namespace_usage(self.root, nsid, MAX_SCAN_FILES)  # that folder only, bounded
             if held is None:
                 continue
             verdict = judge_expiry([held], self.serving, ids["protected"], max_age_days, now)[0]
@@ -261,31 +249,30 @@ class Agent:
         log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, removed.bytes, removed.objects)
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
 
-    def forward(self, path: str) -> tuple[int, str, bytes]:
-        """(HTTP code, content type, body) of one allowed read of lmcache's admin API. A server
-        that is down, slow or oversized answers 502/504 with why, never a hung request."""
-        upstream, cap, _ = PROXIED[path]
+    def forward(self, path: str) -> tuple[int, dict[str, Any] | bytes, str]:
+        """(HTTP code, body, content type) of one allowed read of lmcache's admin API; an error's body
+        is JSON to encode. A server that is down, slow or oversized answers 502/504 with why, never a
+        hung request."""
+        upstream, _, kind = PROXIED[path]
         if self.server is None:
-            return 404, "application/json", json.dumps({"error": "this agent was started without --server-url"}).encode()
+            return 404, {"error": "this agent was started without --server-url"}, "application/json"
         host, port = self.server
         try:
-            reply = httpclient.get(host, port, upstream, timeout=PROXY_TIMEOUT_S, max_bytes=cap)
+            reply = httpclient.get(host, port, upstream, timeout=PROXY_TIMEOUT_S, max_bytes=PROXY_MAX_BYTES)
         except PeerError as exc:
-            code = 504 if "deadline" in str(exc) or "timed out" in str(exc) else 502
-            return code, "application/json", json.dumps({"error": f"lmcache {upstream}: {exc}"}).encode()
-        kind = "application/json" if upstream == "/status" else "text/plain; version=0.0.4"
-        return reply.status, kind, reply.body
+            return prefetch.peer_code(exc), {"error": f"lmcache {upstream}: {exc}"}, "application/json"
+        return reply.status, reply.body, kind
 
-    def authorized(self, header: str | None, deleting: bool) -> tuple[bool, str]:
-        """Whether a request may go on, and why not. With a token (the operator renders one from
-        the resource's own Secret) every /inventory, /server/status and /gc must carry it; without
-        one, /gc and /server/status are off."""
+    def refusal(self, header: str | None, deleting: bool) -> tuple[int, str] | None:
+        """(HTTP code, why) when a request may not go on, else None. With a token (the operator renders
+        one from the resource's own Secret) every /inventory, /server/status, /server/prefetch, /gc and
+        /expire must carry it (401); without one, all but /inventory are off (403)."""
         expected = self.token.value if isinstance(self.token, TokenFile) else self.token
         if not expected:
-            return (not deleting, "this agent was started without --token-file: /gc, /server/status and /server/prefetch are off")
+            why = "this agent was started without --token-file: /gc, /server/status and /server/prefetch are off"
+            return (403, why) if deleting else None
         given = (header or "").removeprefix("Bearer ").strip()
-        ok = hmac.compare_digest(given.encode(), expected.encode())
-        return ok, "" if ok else "missing or wrong bearer token"
+        return None if hmac.compare_digest(given.encode(), expected.encode()) else (401, "missing or wrong bearer token")
 
     @property
     def trimming(self) -> bool:
@@ -379,33 +366,33 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug(fmt, *args)
 
-        def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
+        def _send(self, code: int, body: dict[str, Any] | bytes, kind: str = "application/json") -> None:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self, deleting: bool = True, warn: bool = False) -> bool:
+            """Whether the request lacks the token it needs (Agent.refusal); if so, it is answered here."""
+            refused = agent.refusal(self.headers.get("Authorization"), deleting)
+            if refused is not None:
+                if warn:
+                    log.warning("refused %s from %s: %s", urlparse(self.path).path, self.client_address[0], refused[1])
+                self._send(refused[0], {"error": refused[1]})
+            return refused is not None
+
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path in PROXIED:
-                ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True) if PROXIED[url.path][2] else (True, "")
-                if not ok:
-                    self._send(403 if "without --token-file" in why else 401, {"error": why})
+                if PROXIED[url.path][1] and self._refused():
                     return
-                code, kind, data = agent.forward(url.path)
-                self.send_response(code)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._send(*agent.forward(url.path))
             elif url.path == "/inventory" and agent.root is None:
                 self._send(404, NO_VOLUME)
             elif url.path == "/inventory":
-                ok, why = agent.authorized(self.headers.get("Authorization"), deleting=False)
-                if not ok:
-                    self._send(401, {"error": why})
+                if self._refused(deleting=False):
                     return
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
                 self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
@@ -422,10 +409,7 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
             if path not in ("/gc", "/expire"):
                 self._send(404, {"error": "not found"})
                 return
-            ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True)
-            if not ok:
-                log.warning("refused %s from %s: %s", path, self.client_address[0], why)
-                self._send(403 if "without --token-file" in why else 401, {"error": why})
+            if self._refused(warn=True):
                 return
             try:
                 body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
@@ -445,9 +429,7 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         def _prefetch(self) -> None:
             """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch): the token
             required, as for /gc (it makes lmcache read L2 and fill L1)."""
-            ok, why = agent.authorized(self.headers.get("Authorization"), deleting=True)
-            if not ok:
-                self._send(403 if "without --token-file" in why else 401, {"error": why})
+            if self._refused():
                 return
             if agent.prefetcher is None:
                 self._send(404, {"error": "this agent was started without --server-url"})

@@ -5,12 +5,12 @@ or hostile and one bad pod must not stall or crash a refresh."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from kvpersist import httpclient
-from kvpersist.httpclient import Count, PeerError
+from kvpersist.httpclient import Count, M, PeerError
 from kvpersist.inventory import prefetch
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, parse_iso
 
@@ -103,21 +103,19 @@ class ExpireBody(BaseModel):
     error: str | None = None
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
 def _post(ip: str, port: int, path: str, body: dict[str, Any], model: type[M], timeout: float,
-          token: str | None) -> tuple[int, M | str]:
-    """(HTTP code, the checked answer, or why there is none) of one POST to the agent; code 0 when
-    it could not be reached. A body that is not a well-formed answer keeps the code."""
+          token: str | None) -> tuple[int, M]:
+    """(HTTP code, the checked answer, or one with only `error` saying why there is none) of one POST
+    to the agent; code 0 when it could not be reached. A body that is not a well-formed answer keeps
+    the code."""
     try:
         reply = httpclient.post_json(ip, port, path, body, timeout=timeout, headers=auth(token))
     except PeerError as exc:
-        return 0, f"agent at {ip}:{port} unreachable: {exc}"
+        return 0, model(error=f"agent at {ip}:{port} unreachable: {exc}")
     try:
         return reply.status, httpclient.parse(reply.body, model)
     except PeerError as exc:
-        return reply.status, f"agent at {ip}:{port} answered HTTP {reply.status}, malformed: {exc}"
+        return reply.status, model(error=f"agent at {ip}:{port} answered HTTP {reply.status}, malformed: {exc}")
 
 
 def request_expire(ip: str, port: int, max_age_days: int, protected: list[str], remove: list[str],
@@ -125,8 +123,7 @@ def request_expire(ip: str, port: int, max_age_days: int, protected: list[str], 
     """(HTTP code, answer) of the agent's /expire (spec.l2.orphanRetention); code 0 when it could
     not be reached; a malformed answer is an error with nothing removed as far as the caller knows."""
     body = {"maxAgeDays": max_age_days, "protected": protected, "remove": remove, "dryRun": False}
-    code, answer = _post(ip, port, "/expire", body, ExpireBody, timeout, token)
-    return code, ExpireBody(error=answer) if isinstance(answer, str) else answer
+    return _post(ip, port, "/expire", body, ExpireBody, timeout, token)
 
 
 def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S,
@@ -134,7 +131,7 @@ def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: fl
     """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached. A body that is
     not a well-formed answer becomes {"error": why}, keeping the code."""
     code, answer = _post(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, GcBody, timeout, token)
-    return code, {"error": answer} if isinstance(answer, str) else answer.model_dump(exclude_unset=True)
+    return code, answer.model_dump(exclude_unset=True)
 
 
 PREFETCH_TIMEOUT_S = prefetch.WAIT_S + prefetch.CALL_TIMEOUT_S + 5.0  # the agent's own bounds, and the transfer
@@ -147,5 +144,4 @@ def request_prefetch(ip: str, port: int, token_ids: list[int], token: str | None
     (kvpersist.inventory.prefetch); code 0 when the agent could not be reached. 503: no vLLM has
     registered yet; 404: an agent older than the route. A malformed answer is an error
     (answer.error), keeping the code."""
-    code, answer = _post(ip, port, prefetch.PATH, {"tokenIds": token_ids}, prefetch.Answer, timeout, token)
-    return code, prefetch.Answer(error=answer) if isinstance(answer, str) else answer
+    return _post(ip, port, prefetch.PATH, {"tokenIds": token_ids}, prefetch.Answer, timeout, token)

@@ -86,9 +86,7 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
     deadline = time.monotonic() + BUCKET_DEADLINE_S
     folder = f"{prefix}/{namespace_id}" if prefix else namespace_id
     objects = _guarded(bid, "list", token, lambda: list(_list(bid, folder, token, endpoint, deadline)))
-    held = NamespaceUsage(namespace_id)
-    for o in objects:
-        held.add(o.size, o.mtime)
+    held = _usage(namespace_id, objects)
     if dry_run:
         return held
     paths = [o.path for o in objects]
@@ -96,15 +94,19 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
         chunk = paths[start:start + DELETE_CHUNK]
         why = before_delete() if before_delete is not None else None
         if why:
-            done = NamespaceUsage(namespace_id)
-            for o in objects[:start]:
-                done.add(o.size, o.mtime)
-            raise DeletionRefused(why, done, len(paths))
+            raise DeletionRefused(why, _usage(namespace_id, objects[:start]), len(paths))
         try:
             _guarded(bid, "delete from", token, lambda c=chunk: _delete_chunk(bid, c, token, endpoint, deadline))
         except BucketInventoryError as exc:
             raise BucketInventoryError(exc.reason, f"{exc}; {start} of {len(paths)} objects of {namespace_id} were deleted "
                                        "before this batch: run the removal again") from exc
+    return held
+
+
+def _usage(namespace_id: str, objects: list[_Object]) -> NamespaceUsage:
+    held = NamespaceUsage(namespace_id)
+    for o in objects:
+        held.add(o.size, o.mtime)
     return held
 
 
@@ -170,18 +172,16 @@ def _guarded(bid: str, action: str, token: str, fn: Callable[[], T]) -> T:
         return fn()
     except BucketInventoryError as exc:
         raise BucketInventoryError(exc.reason, _scrub(str(exc), token)) from exc
-    except BucketNotFoundError as exc:
-        raise BucketInventoryError("BucketNotFound", f"bucket {bid} does not exist (or the token cannot see it)") from exc
     except HfHubHTTPError as exc:
         code = exc.response.status_code if exc.response is not None else None
+        if code == 404 or isinstance(exc, BucketNotFoundError):
+            raise BucketInventoryError("BucketNotFound", f"bucket {bid} does not exist (or the token cannot see it)") from exc
         if code == 401:
             msg = f"the Hub rejected the token (401) when asked to {action} bucket {bid}: put a valid token in the Secret"
             raise BucketInventoryError("TokenRejected", msg) from exc
         if code == 403:
             msg = f"the token may not {action} bucket {bid} (403): grant it write access to the bucket's namespace"
             raise BucketInventoryError("TokenForbidden", msg) from exc
-        if code == 404:
-            raise BucketInventoryError("BucketNotFound", f"bucket {bid} does not exist (or the token cannot see it)") from exc
         raise BucketInventoryError("HubError", f"the Hub answered {code} when asked to {action} bucket {bid}") from exc
     except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
         msg = f"cannot reach the Hugging Face Hub to {action} bucket {bid}: {_scrub(hfbucket.transport_error_text(exc), token)}"

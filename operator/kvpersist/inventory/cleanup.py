@@ -59,10 +59,6 @@ def bucket_refusal(bucket_handle: str, exclusive: bool) -> str | None:
             "set it to true only if no other cluster reads or writes that bucket prefix, then ask again")
 
 
-def _so_far(notes: list[str]) -> str:
-    return f"; already deleted: {'; '.join(notes)}" if notes else ""
-
-
 def result(request: Mapping[str, str], outcome: str, message: str, held: NamespaceUsage | None = None,
            completed_at: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requestId": request["requestId"], "namespaceId": request["namespaceId"], "outcome": outcome,
@@ -84,8 +80,8 @@ def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent
     for pod, ip in servers:
         why = recheck() if recheck is not None else None
         if why:
-            return result(request, "Refused", f"refused before asking {pod}: {why}; nothing more was deleted"
-                          + _so_far(notes), deleted)
+            so_far = f"; already deleted: {'; '.join(notes)}" if notes else ""
+            return result(request, "Refused", f"refused before asking {pod}: {why}; nothing more was deleted{so_far}", deleted)
         code, body = request_gc(ip, agent_port, nsid, dry_run=False, token=token)
         if code == 200 and body.get("deleted"):
             deleted.bytes += int(body.get("bytes") or 0)

@@ -32,7 +32,6 @@ _client_lock = threading.Lock()
 _client_bounded = False
 
 HubDeadlineExceeded = httptransport.DeadlineExceeded  # a Hub request that did not end within its deadline
-HubAnswerTooLarge = httptransport.AnswerTooLarge  # a Hub answer longer than HUB_MAX_BODY_BYTES, dropped unread
 # Hub requests this thread makes inside `with hub_deadline(t):` end by t (a time.monotonic()), as if
 # each carried DEADLINE_EXTENSION: for calls made through HfApi, which passes no extensions.
 hub_deadline = httptransport.ending_by

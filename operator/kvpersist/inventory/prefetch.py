@@ -123,7 +123,8 @@ def _detail(reply: httpclient.Reply) -> str:
     return " ".join(text.split())[:300]
 
 
-def _peer_code(exc: PeerError) -> int:
+def peer_code(exc: PeerError) -> int:
+    """A peer that did not answer in time is a 504, any other failure to reach it a 502."""
     return 504 if "deadline" in str(exc) or "timed out" in str(exc) else 502
 
 
@@ -172,7 +173,7 @@ class Prefetcher:
         try:
             reply = httpclient.get(host, port, "/status", timeout=CALL_TIMEOUT_S, max_bytes=STATUS_MAX_BYTES)
         except PeerError as exc:
-            raise _Failed(_peer_code(exc), f"lmcache /status: {exc}") from None
+            raise _Failed(peer_code(exc), f"lmcache /status: {exc}") from None
         if not reply.ok:
             raise _Failed(502, f"lmcache /status answered HTTP {reply.status}: {_detail(reply)}")
         status = _parse(reply, _Status, "lmcache /status")
@@ -204,7 +205,7 @@ class Prefetcher:
             reply = httpclient.post_json(host, port, "/cache/prefetches", payload, timeout=CALL_TIMEOUT_S,
                                          max_bytes=ANSWER_MAX_BYTES)
         except PeerError as exc:
-            raise _Failed(_peer_code(exc), f"lmcache /cache/prefetches: {exc}") from None
+            raise _Failed(peer_code(exc), f"lmcache /cache/prefetches: {exc}") from None
         if reply.status in (400, 422, 503):  # refused, or unregistered since /status: lmcache's reason, its code
             raise _Failed(reply.status, f"lmcache /cache/prefetches answered {reply.status}: {_detail(reply)}")
         if reply.status not in (200, 202):
@@ -223,7 +224,7 @@ class Prefetcher:
             try:
                 polled = httpclient.get(host, port, path, timeout=CALL_TIMEOUT_S, max_bytes=ANSWER_MAX_BYTES)
             except PeerError as exc:
-                raise _Failed(_peer_code(exc), f"lmcache {path}: {exc}") from None
+                raise _Failed(peer_code(exc), f"lmcache {path}: {exc}") from None
             if polled.status == 404:  # completion is told once: someone else polled it, or lmcache lost it
                 raise _Failed(502, f"lmcache {path}: the job is gone before it was seen complete")
             if polled.status != 200:

@@ -108,20 +108,6 @@ def claim_summary(location: str, inv: Inventory, serving: str | None, live: froz
     return out
 
 
-def space_status(claims: list[dict[str, Any]], removed: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """status.l2: the fullest claim's figures (each claim is its own disk: the fullest fills
-    first), the other namespaces' bytes over all distinct claims, and the age limit's removals so
-    far (removed: {"orphansRemoved": n, "orphansRemovedBytes": b, ...}, carried over)."""
-    if not claims:
-        return None
-    distinct = {c["location"]: c for c in claims}
-    fullest = max(distinct.values(), key=lambda c: (fraction(c) or 0.0, c["location"]))
-    out = {**fullest, "claims": len(distinct),
-           "otherNamespacesBytes": sum(c["otherNamespacesBytes"] for c in distinct.values())}
-    out.update(removed or {})
-    return out
-
-
 def fraction(claim: dict[str, Any]) -> float | None:
     cap = claim.get("capacityBytes")
     return claim["usedBytes"] / cap if cap else None
@@ -136,15 +122,20 @@ def nearly_full(l2: dict[str, Any] | None, threshold: float = NEARLY_FULL) -> bo
 def claim_space_summary(volumes: list[tuple[str, str | None, Inventory]], serving: str | None, live: frozenset[str],
                         now: float, old: dict[str, Any] | None = None,
                         removed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """status.l2 from the agents' scans, each (location, pod, inventory); the age limit's removals
-    so far carried over from the old status.l2, plus those of this pass (removed)."""
-    claims = [claim_summary(loc, inv, serving, live, now, inv.effective_capacity_bytes) for loc, _pod, inv in volumes]
+    """status.l2 from the agents' scans, each (location, pod, inventory): the fullest claim's figures
+    (each claim is its own disk: the fullest fills first), the other namespaces' bytes over all
+    distinct claims, and the age limit's removals so far, carried over from the old status.l2, plus
+    those of this pass (removed)."""
+    if not volumes:
+        return None
+    distinct = {loc: claim_summary(loc, inv, serving, live, now, inv.effective_capacity_bytes) for loc, _pod, inv in volumes}
+    fullest = max(distinct.values(), key=lambda c: (fraction(c) or 0.0, c["location"]))
     old = old or {}
-    count = int(old.get("orphansRemoved") or 0) + len(removed or [])
-    carried: dict[str, Any] = {"orphansRemoved": count,
-                               "orphansRemovedBytes": int(old.get("orphansRemovedBytes") or 0)
-                               + sum(int(r.get("bytes") or 0) for r in removed or [])}
-    last = (removed or [])[-1]["namespaceId"] if removed else old.get("lastOrphanRemoved")
+    removed = removed or []
+    out = {**fullest, "claims": len(distinct), "otherNamespacesBytes": sum(c["otherNamespacesBytes"] for c in distinct.values()),
+           "orphansRemoved": int(old.get("orphansRemoved") or 0) + len(removed),
+           "orphansRemovedBytes": int(old.get("orphansRemovedBytes") or 0) + sum(int(r.get("bytes") or 0) for r in removed)}
+    last = removed[-1]["namespaceId"] if removed else old.get("lastOrphanRemoved")
     if last:
-        carried["lastOrphanRemoved"] = last
-    return space_status(claims, carried)
+        out["lastOrphanRemoved"] = last
+    return out

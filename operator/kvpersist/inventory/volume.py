@@ -13,7 +13,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,11 +48,6 @@ class NamespaceUsage:
             out["complete"] = False
         return out
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> NamespaceUsage:
-        return cls(data["namespaceId"], int(data.get("bytes") or 0), int(data.get("objects") or 0),
-                   parse_iso(data.get("lastWrite")), data.get("orphan"), data.get("complete") is not False)
-
 
 @dataclass
 class Inventory:
@@ -74,12 +69,6 @@ class Inventory:
                "capacityBytes": self.capacity_bytes, "freeBytes": self.free_bytes}
         return {**out, "truncated": True} if self.truncated else out
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Inventory:
-        return cls(data.get("location", ""), [NamespaceUsage.from_json(n) for n in data.get("namespaces") or []],
-                   int(data.get("otherBytes") or 0), data.get("capacityBytes"), data.get("freeBytes"),
-                   bool(data.get("truncated")))
-
 
 def iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if ts is not None else None
@@ -95,8 +84,7 @@ def human_bytes(n: int | None) -> str | None:
         return None
     for unit, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
         if n >= size:
-            value = n / size
-            return f"{value:.1f}{unit}".replace(".0" + unit, unit)
+            return f"{n / size:.1f}{unit}".replace(".0" + unit, unit)
     return f"{n}B"
 
 
@@ -130,23 +118,28 @@ class _Budget:
         return self.left <= 0
 
 
-def _files(root: Path, top: Path, budget: _Budget | None = None) -> Iterable[tuple[str, int, float | None]]:
-    """(path relative to root, apparent size, mtime) of every file under top. Apparent sizes are
-    what `du -sb` counts; files vanishing mid-walk (an eviction, a temp file renamed) are skipped.
-    Links are neither followed nor counted as directories (os.walk's followlinks=False); with a
-    budget, the walk stops once it is spent."""
-    for dirpath, _dirs, files in os.walk(top):
-        for name in files:
+def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(path, name, lstat) of every file under top; files vanishing mid-walk (an eviction, a temp
+    file renamed) are skipped. Links are neither followed nor counted as directories (os.walk's
+    followlinks=False); with a budget, the walk stops once it is spent."""
+    for dirpath, _dirs, names in os.walk(top):
+        for name in names:
             if budget is not None:
                 if budget.spent:
                     return
                 budget.left -= 1
-            full = os.path.join(dirpath, name)
+            path = os.path.join(dirpath, name)
             try:
-                st = os.lstat(full)
+                st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            yield os.path.relpath(full, root), st.st_size, st.st_mtime
+            yield path, name, st
+
+
+def _files(root: Path, top: Path, budget: _Budget | None = None) -> Iterable[tuple[str, int, float | None]]:
+    """(path relative to root, apparent size, mtime) of every file under top (_walk). Apparent
+    sizes are what `du -sb` counts."""
+    return ((os.path.relpath(path, root), st.st_size, st.st_mtime) for path, _name, st in _walk(top, budget))
 
 
 def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_FILES) -> Inventory:
@@ -200,10 +193,8 @@ def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None)
     """What one namespace folder holds (walking only that folder); None when there is no such
     folder. Refuses anything that is not a namespace id, so no other path is ever walked. With
     max_files, a folder holding more is returned with complete False."""
-    if not NAMESPACE_ID_RE.fullmatch(namespace_id):
-        raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
-    folder = root / namespace_id
-    if not folder.is_dir() or folder.is_symlink():
+    folder = _served_folder(root, namespace_id)
+    if folder is None:
         return None
     budget = _Budget(max_files) if max_files is not None else None
     held = group(_files(root, folder, budget), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
@@ -258,15 +249,6 @@ def is_chunk_name(name: str, adapter: str = DEFAULT_TRIMMED) -> bool:
     return name.endswith(TRIMMED_ADAPTERS[adapter][0]) and TEMP_MARK not in name
 
 
-def is_abandoned_temp(name: str, st: os.stat_result, now: float, after_s: float = ABANDONED_TEMP_S,
-                      adapter: str = DEFAULT_TRIMMED) -> bool:
-    """A temp file of nixl's or fs_native's (by its exact name) that nothing has written for
-    after_s: its writer is gone (a crash, a killed server), so no rename will ever commit it.
-    lmcache creates it with O_TRUNC and writes it at once, so its mtime is when its writer last did
-    anything with it."""
-    return bool(TRIMMED_ADAPTERS[adapter][1].fullmatch(name)) and now - st.st_mtime > after_s
-
-
 def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int,
                   spare_after: float | None = None) -> list[ChunkFile]:
     """The oldest files (by mtime, then path, so the choice is deterministic) whose removal brings
@@ -284,28 +266,24 @@ def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: in
     return chosen
 
 
-def folder_files(folder: Path, now: float | None = None, abandoned_after_s: float = ABANDONED_TEMP_S,
-                 adapter: str = DEFAULT_TRIMMED) -> tuple[list[ChunkFile], list[ChunkFile]]:
+def folder_files(folder: Path, now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> tuple[list[ChunkFile], list[ChunkFile]]:
     """(committed chunk files, abandoned temp files) under folder, which must be a real directory:
     all the agent may ever delete there. Anything else (another adapter's files, a temp file still
-    being written, what lmcache did not name, links) is neither deleted nor counted by the trim:
-    counted, bytes it cannot delete would make it delete live chunks in their place, down to all."""
+    being written, what lmcache did not name, links) is neither deleted nor counted by the trim
+    (TRIMMED_ADAPTERS). A temp file (by its exact name) is abandoned once nothing has written it
+    for ABANDONED_TEMP_S: its writer is gone (a crash, a killed server), so no rename will ever
+    commit it. lmcache creates it with O_TRUNC and writes it at once, so its mtime is when its
+    writer last did anything with it."""
     now = time.time() if now is None else now
     chunks: list[ChunkFile] = []
     temps: list[ChunkFile] = []
-    for dirpath, _dirs, names in os.walk(folder):  # followlinks=False: a linked directory is not entered
-        for name in names:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:  # evicted or renamed mid-walk
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if is_chunk_name(name, adapter):
-                chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
-            elif is_abandoned_temp(name, st, now, abandoned_after_s, adapter):
-                temps.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+    for path, name, st in _walk(folder):
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if is_chunk_name(name, adapter):
+            chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+        elif TRIMMED_ADAPTERS[adapter][1].fullmatch(name) and now - st.st_mtime > ABANDONED_TEMP_S:
+            temps.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
     return chunks, temps
 
 
@@ -333,41 +311,37 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
         return None
 
 
-def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0,
-                   now: float | None = None, adapter: str = DEFAULT_TRIMMED,
+def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
                    settled: Callable[[int], bool] | None = None) -> NamespaceUsage:
     """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
-    capacity_bytes; returns what was deleted. Only committed chunk files directly owned by
-    <root>/<namespace_id> (a real directory, not a link) are counted and deleted: a temp file or a
-    foreign file neither counts nor goes (abandoned temp files: sweep_abandoned). grace_s: none
-    written less than that long ago goes (a shared folder: choose_oldest's spare_after). settled:
-    asked with the chunk files' total, whether an excess may go now (the agent's settle time)."""
-    trimmed = NamespaceUsage(namespace_id)
+    capacity_bytes; returns what was deleted. Only the committed chunk files (folder_files) of
+    <root>/<namespace_id>, a real directory, count and go. grace_s: none written less than that
+    long ago goes (a shared folder: choose_oldest's spare_after). settled: asked with the chunk
+    files' total, whether an excess may go now (the agent's settle time)."""
     folder = _served_folder(root, namespace_id)
     if folder is None:
-        return trimmed
-    chunks, _temps = folder_files(folder, adapter=adapter)
+        return NamespaceUsage(namespace_id)
+    chunks = folder_files(folder, adapter=adapter)[0]
     total = sum(f.size for f in chunks)
     if settled is not None and not settled(total):
-        return trimmed
-    spare_after = (time.time() if now is None else now) - grace_s if grace_s > 0 else None
-    for f in choose_oldest(chunks, total, capacity_bytes, spare_after):
-        if _unlink_if_unchanged(f):
-            trimmed.add(f.size, f.mtime)
-    return trimmed
+        return NamespaceUsage(namespace_id)
+    spare_after = time.time() - grace_s if grace_s > 0 else None
+    return _unlink_unchanged(namespace_id, choose_oldest(chunks, total, capacity_bytes, spare_after))
 
 
-def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None,
-                    abandoned_after_s: float = ABANDONED_TEMP_S, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
-    """Deletes the abandoned temp files (is_abandoned_temp) of one namespace folder; returns them."""
-    swept = NamespaceUsage(namespace_id)
+def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
+    """Deletes the abandoned temp files (folder_files) of one namespace folder; returns them."""
     folder = _served_folder(root, namespace_id)
-    if folder is None:
-        return swept
-    for f in folder_files(folder, now, abandoned_after_s, adapter)[1]:
+    return _unlink_unchanged(namespace_id, folder_files(folder, now, adapter)[1] if folder is not None else [])
+
+
+def _unlink_unchanged(namespace_id: str, files: Iterable[ChunkFile]) -> NamespaceUsage:
+    """What of files went: each deleted only if unchanged (_unlink_if_unchanged)."""
+    gone = NamespaceUsage(namespace_id)
+    for f in files:
         if _unlink_if_unchanged(f):
-            swept.add(f.size, f.mtime)
-    return swept
+            gone.add(f.size, f.mtime)
+    return gone
 
 
 def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:
@@ -385,13 +359,10 @@ def rank(namespaces: Iterable[NamespaceUsage]) -> list[NamespaceUsage]:
 def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[tuple[str, str | None, Inventory]]:
     """The first scan of each location (claim): the servers of spec.l2.nvme.shared all mount one
     claim, and their agents' scans of it must count its bytes once, not once per server."""
-    seen: set[str] = set()
-    out = []
+    first: dict[str, tuple[str, str | None, Inventory]] = {}
     for volume in volumes:
-        if volume[0] not in seen:
-            seen.add(volume[0])
-            out.append(volume)
-    return out
+        first.setdefault(volume[0], volume)
+    return list(first.values())
 
 
 def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: str | None, live: set[str]) -> dict[str, Any]:

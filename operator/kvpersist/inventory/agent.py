@@ -403,13 +403,13 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
 
         def do_POST(self) -> None:
             path = urlparse(self.path).path
-            if path == prefetch.PATH:
-                self._prefetch()
-                return
-            if path not in ("/gc", "/expire"):
+            if path not in ("/gc", "/expire", prefetch.PATH):
                 self._send(404, {"error": "not found"})
                 return
-            if self._refused(warn=True):
+            if self._refused(warn=path != prefetch.PATH):
+                return
+            if path == prefetch.PATH:
+                self._prefetch()
                 return
             try:
                 body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
@@ -429,8 +429,6 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         def _prefetch(self) -> None:
             """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch): the token
             required, as for /gc (it makes lmcache read L2 and fill L1)."""
-            if self._refused():
-                return
             if agent.prefetcher is None:
                 self._send(404, {"error": "this agent was started without --server-url"})
                 return

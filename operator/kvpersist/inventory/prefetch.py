@@ -17,10 +17,9 @@ the agent reads them where lmcache lists them, GET /status (`non_cuda_context_me
 engine-driven transfer module, `cache_context_meta` of the lmcache-driven one: every registered
 worker's model_name and world_size), and prefetches under each registration it finds.
 
-The admin API listens on the pod's loopback, so the agent (which the operator reaches with the
-resource's token) submits and polls, each call bounded, and answers once the jobs have completed or
-the deadline has passed. lmcache is a peer like any other: its answers are validated, and a slow,
-huge or malformed one is a 502/504 naming what was wrong.
+The agent submits and polls on the pod's loopback, each call bounded, and answers once the jobs
+have completed or the deadline has passed. lmcache is a peer like any other: its answers are
+validated, and a slow, huge or malformed one is a 502/504 naming what was wrong.
 """
 
 from __future__ import annotations

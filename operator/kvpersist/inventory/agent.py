@@ -152,10 +152,10 @@ class Agent:
     accounting keeps what it has indexed within the capacity, so without a restart the agent finds
     nothing to trim (tests/integration/test_capacity.py)."""
 
-    def __init__(self, root: Path | None, serving: str | None, capacity_bytes: int | None = None, trim_period_s: float = TRIM_PERIOD_S,
-                 token: str | TokenFile | None = None, server: tuple[str, int] | None = None,
-                 trims: bool = True, trim_grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
-                 settle_s: float = 0.0) -> None:
+    def __init__(self, root: Path | None, serving: str | None, capacity_bytes: int | None = None,
+                 trim_period_s: float = TRIM_PERIOD_S, token: str | TokenFile | None = None,
+                 server: tuple[str, int] | None = None, trims: bool = True, trim_grace_s: float = 0.0,
+                 adapter: str = DEFAULT_TRIMMED, settle_s: float = 0.0) -> None:
         self.root = root  # None: no volume here (a bucket's L2), only the forwarded reads
         self.adapter = adapter  # whose chunk and temp files the trim counts and deletes (volume.TRIMMED_ADAPTERS)
         self.settle_s = settle_s  # an excess is trimmed once it has lasted this long (EXCESS_SETTLE_S)
@@ -288,8 +288,7 @@ class Agent:
         inv = self.inventory(max_age_s=OTHERS_TTL_S)
         capacity = effective_capacity(self.capacity_bytes, inv.capacity_bytes, others_bytes(inv, self.serving))
         with self._lock:
-            # Temp files of writes that died (a killed server) are never renamed: gone first. The
-            # trim counts only the chunk files it may delete (kvpersist.inventory.volume).
+            # Temp files of writes that died are never renamed: gone first (kvpersist.inventory.volume).
             swept = sweep_abandoned(self.root, self.serving, adapter=self.adapter)
             self.effective_capacity = capacity
             trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
@@ -406,7 +405,7 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
             if path not in ("/gc", "/expire", prefetch.PATH):
                 self._send(404, {"error": "not found"})
                 return
-            if self._refused(warn=path != prefetch.PATH):
+            if self._refused(warn=path != prefetch.PATH):  # prefetch too: it makes lmcache read L2 and fill L1
                 return
             if path == prefetch.PATH:
                 self._prefetch()
@@ -427,8 +426,7 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
             self._send(code, out)
 
         def _prefetch(self) -> None:
-            """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch): the token
-            required, as for /gc (it makes lmcache read L2 and fill L1)."""
+            """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch)."""
             if agent.prefetcher is None:
                 self._send(404, {"error": "this agent was started without --server-url"})
                 return

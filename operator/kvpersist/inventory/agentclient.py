@@ -21,10 +21,8 @@ GC_TIMEOUT_S = 120.0  # deleting a big namespace folder takes a while
 
 
 def _unix_time(stamp: Any) -> float | None:
-    """An RFC 3339 stamp as the agent writes it (volume.iso) -> unix seconds."""
-    if stamp is None or stamp == "":
-        return None
-    if not isinstance(stamp, str):
+    """An RFC 3339 stamp as the agent writes it (volume.iso) -> unix seconds; None or "" -> None."""
+    if stamp is not None and not isinstance(stamp, str):
         raise ValueError("not an RFC 3339 time")
     try:
         return parse_iso(stamp)

@@ -166,13 +166,20 @@ class Prefetcher:
         finally:
             self._slots.release()
 
-    def layouts(self) -> list[Layout]:
-        """The registrations lmcache's /status lists (model name, world size), each once, sorted."""
+    def _call(self, path: str, max_bytes: int, payload: dict[str, Any] | None = None) -> httpclient.Reply:
+        """One bounded call to lmcache: a POST of payload, else a GET. Raises _Failed (502, 504)
+        when lmcache is down or slow."""
         host, port = self.server
         try:
-            reply = httpclient.get(host, port, "/status", timeout=CALL_TIMEOUT_S, max_bytes=STATUS_MAX_BYTES)
+            if payload is None:
+                return httpclient.get(host, port, path, timeout=CALL_TIMEOUT_S, max_bytes=max_bytes)
+            return httpclient.post_json(host, port, path, payload, timeout=CALL_TIMEOUT_S, max_bytes=max_bytes)
         except PeerError as exc:
-            raise _Failed(peer_code(exc), f"lmcache /status: {exc}") from None
+            raise _Failed(peer_code(exc), f"lmcache {path}: {exc}") from None
+
+    def layouts(self) -> list[Layout]:
+        """The registrations lmcache's /status lists (model name, world size), each once, sorted."""
+        reply = self._call("/status", STATUS_MAX_BYTES)
         if not reply.ok:
             raise _Failed(502, f"lmcache /status answered HTTP {reply.status}: {_detail(reply)}")
         status = _parse(reply, _Status, "lmcache /status")
@@ -198,13 +205,8 @@ class Prefetcher:
 
     def _one(self, layout: Layout, token_ids: list[int], deadline: float) -> tuple[int, int, int] | None:
         """(chunks, found keys, total keys) of one registration's job; None for a noop. Raises _Failed."""
-        host, port = self.server
         payload = {"model_name": layout.model_name, "world_size": layout.world_size, "token_ids": token_ids}
-        try:
-            reply = httpclient.post_json(host, port, "/cache/prefetches", payload, timeout=CALL_TIMEOUT_S,
-                                         max_bytes=ANSWER_MAX_BYTES)
-        except PeerError as exc:
-            raise _Failed(peer_code(exc), f"lmcache /cache/prefetches: {exc}") from None
+        reply = self._call("/cache/prefetches", ANSWER_MAX_BYTES, payload)
         if reply.status in (400, 422, 503):  # refused, or unregistered since /status: lmcache's reason, its code
             raise _Failed(reply.status, f"lmcache /cache/prefetches answered {reply.status}: {_detail(reply)}")
         if reply.status not in (200, 202):
@@ -220,10 +222,7 @@ class Prefetcher:
                 raise _Failed(504, f"lmcache's prefetch {submitted.request_id} of {submitted.chunks} chunks still pending "
                               f"after {self.wait_s:.0f} s")
             time.sleep(POLL_S[min(i, len(POLL_S) - 1)])
-            try:
-                polled = httpclient.get(host, port, path, timeout=CALL_TIMEOUT_S, max_bytes=ANSWER_MAX_BYTES)
-            except PeerError as exc:
-                raise _Failed(peer_code(exc), f"lmcache {path}: {exc}") from None
+            polled = self._call(path, ANSWER_MAX_BYTES)
             if polled.status == 404:  # completion is told once: someone else polled it, or lmcache lost it
                 raise _Failed(502, f"lmcache {path}: the job is gone before it was seen complete")
             if polled.status != 200:

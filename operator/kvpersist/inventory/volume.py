@@ -307,7 +307,7 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
     folder = root / namespace_id
     try:
         return folder if stat.S_ISDIR(os.lstat(folder).st_mode) else None
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none there, or the root itself is no folder
         return None
 
 

@@ -75,7 +75,9 @@ def test_what_the_operator_makes_is_its_own() -> None:
     target, _ = reading.target_of(body, "f" * 16)
     made = [*build_all(target), build_agent_token_secret(target)]
     for manifest in made:
-        kopf.append_owner_reference(manifest, owner=body)
+        by_kopf = copy.deepcopy(manifest)
+        kopf.append_owner_reference(by_kopf, owner=body)  # what every earlier version wrote
+        assert ownership.owned_by(manifest, body) == by_kopf == ownership.owned_by(manifest, body)  # the same, once
         assert ownership.is_own_child(manifest["metadata"], UID), manifest["kind"]
     key = build_key_secret(target)
     assert key is not None and "ownerReferences" not in key["metadata"]

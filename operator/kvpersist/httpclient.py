@@ -1,12 +1,10 @@
 """Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents,
 vLLM pods): a status code and a whole body, or a PeerError with a short reason.
 
-Every call goes through the operator's one HTTP stack (kvpersist.httptransport on httpx2), which
-gives it one deadline for everything (name lookup, connect, request, status line and headers,
-body), checked before each socket read, and a body cap checked against Content-Length first and
-then while reading. The calls are plain http to pod and loopback addresses: no proxy from the
-environment, no cookies, no redirects, one connection per call (Connection: close), and the body
-as it came (never decoded, so the cap bounds what is held).
+Every call goes through the operator's one HTTP stack (kvpersist.httptransport: one deadline for
+the whole call, a cap on the body). The calls are plain http to pod and loopback addresses: no
+proxy from the environment, no cookies, no redirects, one connection per call (Connection: close),
+and the body as it came (never decoded, so the cap bounds what is held).
 """
 
 from __future__ import annotations
@@ -188,9 +186,7 @@ MAX_PARALLEL = 32  # peers asked at once: that many stuck ones still cost one de
 def in_parallel(call: Callable[[Any], R], items: Sequence[Any], limit: int = MAX_PARALLEL) -> list[R]:
     """call(item) for every item at once, results in order: each call is bounded by its own
     deadline, so a round over many peers costs one deadline, not one each."""
-    if not items:
-        return []
-    if len(items) == 1:  # one peer: its own deadline in this thread (a pool per call cost a thread start)
-        return [call(items[0])]
+    if len(items) <= 1:  # one peer: its own deadline in this thread (a pool per call cost a thread start)
+        return [call(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(limit, len(items))) as pool:
         return list(pool.map(call, items))

@@ -307,14 +307,12 @@ class BoundedHTTPServer(HTTPServer):
             code, kind, body = probe()
         except Exception as exc:
             code, kind, body = 500, "text/plain", f"the probe raised {type(exc).__name__}: {exc}".encode()
-        if len(body) > MAX_PROBE_BODY:
-            body = body[:MAX_PROBE_BODY]
         self.probed += 1
         try:
             reason = HTTPStatus(code).phrase
         except ValueError:
             reason = "Unknown"
-        _reply(pending.sock, code, reason, kind, body)
+        _reply(pending.sock, code, reason, kind, body[:MAX_PROBE_BODY])
 
     def _expire(self, sel: selectors.BaseSelector) -> None:
         now = time.monotonic()

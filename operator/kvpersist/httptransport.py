@@ -91,9 +91,6 @@ class _Call:
         self.received = 0  # bytes read back, head and body
         self.cut = False  # the last wait was bounded by the deadline, not by the caller's timeout
 
-    def expired(self) -> bool:
-        return time.monotonic() >= self.deadline
-
     def clamp(self, timeout: float | None, error: type[Exception]) -> float:
         """timeout, shortened to the time left; `error` once none is left."""
         left = self.deadline - time.monotonic()
@@ -177,11 +174,6 @@ class _Backend(httpcore2.NetworkBackend):
                 last = exc
         raise last
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Iterable[Any] | None = None) -> httpcore2.NetworkStream:
-        call = _call()
-        return _Stream(self._inner.connect_unix_socket(path, call.clamp(timeout, httpcore2.ConnectTimeout), socket_options), call)
-
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
 
@@ -234,7 +226,7 @@ class _Refusals:
 
     def failed(self, exc: httpx2.TransportError, call: _Call, body_seen: int | None = None) -> Refused | None:
         """Ours for a failure the deadline caused or a peer that broke HTTP; None: exc as it is."""
-        if call.expired() or (isinstance(exc, httpx2.TimeoutException) and call.cut):
+        if time.monotonic() >= call.deadline or (isinstance(exc, httpx2.TimeoutException) and call.cut):
             return DeadlineExceeded(f"{self.who} did not answer within {self.seconds:.3g}s", request=self.request)
         if isinstance(exc, httpx2.RemoteProtocolError) and body_seen is not None:
             return AnswerTruncated(f"{self.who}'s answer ended after {body_seen} bytes of its body", received=body_seen,

@@ -10,13 +10,12 @@ admission objects and a pod is judged even while the operator is down.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_config, kv_events_env
+from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_args, kv_events_env
 from kvpersist.identity import field_path, image_digest
 
 ATTACHED = "Attached"
@@ -37,17 +36,13 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
     if not attached(target) or target.namespace_id is None or digest is None or not target.routes:
         return None
     pins = target.spec.identity.resolved()
-    args = ["--kv-transfer-config", kv_transfer_config_json(target)]
-    events = kv_events_config(target)
-    if events is not None:
-        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
     out: dict[str, Any] = {
         "namespaceId": target.namespace_id,
         "model": target.spec.identity.model_id,
         "imageDigest": digest,
         "pins": [{"flag": flag, "value": str(pins[attr]), "field": field_path(attr)}
                  for attr, flag in PIN_FLAGS if pins[attr] is not None],
-        "args": args,
+        "args": ["--kv-transfer-config", kv_transfer_config_json(target), *kv_events_args(target)],
         "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),
                 *({"name": name, "fieldPath": path} for name, path in kv_events_env(target))],
         "serverSelector": target.id_selector(SERVER),

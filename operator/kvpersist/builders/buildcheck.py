@@ -136,11 +136,8 @@ def declared_vllm_variant(connector_build: str | None) -> str | None:
     parse (an image digest, free text)."""
     if declared_versions(connector_build) is None:
         return None
-    for token in (t.strip() for t in (connector_build or "").split("+")):
-        match = _COMPONENT.match(token)
-        if match and match.group(1).lower().startswith("vllm"):
-            return match.group(1).lower()[len("vllm-"):]
-    return None
+    matches = [_COMPONENT.match(token.strip()) for token in (connector_build or "").split("+")]
+    return next(m.group(1).lower()[len("vllm-"):] for m in matches if m and m.group(1).lower().startswith("vllm"))
 
 
 def checks(target: Target, component: str) -> tuple[str, ...]:
@@ -155,8 +152,8 @@ def checks(target: Target, component: str) -> tuple[str, ...]:
 def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str, Any]:
     """The container with CHECK_SCRIPT run first: its command becomes (or stays) `sh -c SCRIPT
     PROGRAM` with the check before the script's closing `exec "$0" ... "$@"`, so the program and
-    its args are unchanged;
-    the script and the declared versions go in its env. Returned as is when it checks nothing."""
+    its args are unchanged; the script and the declared versions go in its env. Returned as is
+    when it checks nothing."""
     wanted = checks(target, component)
     if not wanted:
         return container

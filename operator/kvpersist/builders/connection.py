@@ -20,10 +20,9 @@ def server_host(target: Target) -> str:
 
 def kv_transfer_config(target: Target) -> dict[str, Any]:
     """The connector is pinned by module path, so vLLM cannot pick up another implementation."""
-    connector = CONNECTOR
     return {
-        "kv_connector": connector,
-        "kv_connector_module_path": CONNECTOR_MODULES[connector],
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULES[CONNECTOR],
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             # Absolute (the trailing dot): a relative name with fewer than ndots (5) dots is tried

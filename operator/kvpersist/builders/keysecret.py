@@ -54,8 +54,7 @@ def build_agent_token_secret(target: Target, token: str | None = None) -> dict[s
         "metadata": {
             "name": target.agent_token_secret,
             "namespace": target.namespace,
-            "labels": {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": target.name,
-                       "app.kubernetes.io/component": "agent-token", "app.kubernetes.io/managed-by": MANAGED_BY},
+            "labels": {**target.selector("agent-token"), "app.kubernetes.io/managed-by": MANAGED_BY},
         },
         "data": {AGENT_TOKEN_KEY: base64.b64encode((secrets.token_hex(32) if token is None else token).encode()).decode()},
     }

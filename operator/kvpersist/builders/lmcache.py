@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, Eviction, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
+from kvpersist.api.v1alpha1 import GIB, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
 from kvpersist.builders import buildcheck
 from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import (
@@ -93,14 +93,6 @@ MEMORY_OVERHEAD_GIB = 5
 MEMORY_LIMIT_FACTOR = 1.5
 
 
-def _eviction_json(eviction: Eviction) -> dict[str, Any]:
-    return {
-        "eviction_policy": eviction.policy,
-        "trigger_watermark": eviction.trigger_watermark,
-        "eviction_ratio": eviction.eviction_ratio,
-    }
-
-
 def l2_path(target: Target) -> str:
     """Where this namespace's files live on the claim: one folder per namespace id, so two
     KVCacheNamespaces on one volume never read each other's files."""
@@ -116,10 +108,8 @@ FOUR_KIB_DISK_SHARE = 63 / 64
 
 
 def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
-    """The share of the capacity lmcache may count, every object being framed (encrypted or
-    checked): a chunk over its file. For
-    nixl_store_dynamic the smallest chunk (one layer) over one layer and a page: at most a
-    seventeenth lost, since the page is at most a sixteenth of a layer (api l1_page_bytes)."""
+    """A chunk over its file. For nixl_store_dynamic the smallest chunk (one layer) over one layer
+    and a page: at most a seventeenth lost, since the page is at most a sixteenth of a layer (api l1_page_bytes)."""
     layer = chunk_layer_bytes(spec)
     page = l1_page_bytes(spec)
     if spec.l2.nvme is None or spec.l2.nvme.adapter != "nixl_store_dynamic" or layer is None or layer % page:
@@ -128,8 +118,8 @@ def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
 
 
 # Threads that seal and open the chunks of a batch side by side (kvpersist.inserver.serve): one per
-# core the server pod requests, within these bounds.
-MIN_SERDE_WORKERS, MAX_SERDE_WORKERS = 1, 64
+# core the server pod requests, at most this many.
+MAX_SERDE_WORKERS = 64
 DEFAULT_SERVER_CPU = "2"
 
 
@@ -137,8 +127,8 @@ def serde_workers(target: Target) -> int:
     """The serde's threads, one per whole core of the server container's CPU request. Why: AES-GCM
     runs at a few GB/s a core (benchmarks/RESULTS.md), so a GPU node's L2 reads outrun the serde
     unless the work spreads over the cores the pod was given; more threads than cores only
-    contend for them. A request below one core still gets one worker."""
-    return max(MIN_SERDE_WORKERS, min(MAX_SERDE_WORKERS, server_cores(target)))
+    contend for them."""
+    return min(MAX_SERDE_WORKERS, server_cores(target))
 
 
 def server_cores(target: Target) -> int:
@@ -181,29 +171,42 @@ def l2_serde(target: Target) -> dict[str, Any]:
 def l2_adapter_config(target: Target) -> dict[str, Any]:
     """The --l2-adapter JSON. Carries its own eviction and capacity so L2 stays under maxCapacity,
     or under the budget (a hard cap, no eviction) when one is set, and the serde."""
-    return {**_adapter_config(target), "serde": l2_serde(target)}
-
-
-def _adapter_config(target: Target) -> dict[str, Any]:
     spec = target.spec
-    eviction = _eviction_json(spec.eviction)
-    if spec.l2.nvme is not None:
-        nvme = spec.l2.nvme
-        capacity_gb = nvme.max_capacity_gb
-        if nvme.budget_bytes is not None:
-            # A budget is a hard cap: the adapter's capacity, and no eviction to make room under it,
-            # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
-            capacity_gb = nvme.budget_bytes / GIB
-            eviction = {**eviction, "eviction_policy": "noop"}
-        capacity_gb *= framed_disk_share(spec)
-        if nvme.adapter == "fs_native":
-            return {"type": "fs_native", "base_path": l2_path(target), "num_workers": io_workers(target),
-                    "use_odirect": nvme.direct_io, "max_capacity_gb": capacity_gb, "persist_enabled": True,
-                    "eviction": eviction}
-        if nvme.adapter == "fs":
-            return {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io,
-                    "persist_enabled": True, "eviction": eviction}
+    eviction: dict[str, Any] = {"eviction_policy": spec.eviction.policy, "trigger_watermark": spec.eviction.trigger_watermark,
+                                "eviction_ratio": spec.eviction.eviction_ratio}
+    nvme = spec.l2.nvme
+    if nvme is None:
+        bucket = spec.l2.hf_bucket
+        assert bucket is not None
         return {
+            "type": "hfbucket",
+            "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
+            "token_env": HF_TOKEN_ENV,
+            # Never lmcache: its create_bucket sets no visibility, so the bucket would be public unless the
+            # org defaults to private. The operator's preflight creates it private (createBucketIfMissing);
+            # a write before that is a failed store, counted in L2Ready, never a public bucket.
+            "create_bucket_if_missing": False,
+            "num_workers": bucket.num_workers,
+            "metadata_cache_ttl_secs": bucket.metadata_cache_ttl_seconds,
+            "max_capacity_gb": bucket.max_capacity_gb,
+            "shared": True,
+            "eviction": eviction,
+            "serde": l2_serde(target),
+        }
+    capacity_gb = nvme.max_capacity_gb
+    if nvme.budget_bytes is not None:
+        # A budget is a hard cap: the adapter's capacity, and no eviction to make room under it,
+        # so at the cap stores are refused and what is stored stays (lmcache 0.5.6 measured).
+        capacity_gb = nvme.budget_bytes / GIB
+        eviction["eviction_policy"] = "noop"
+    capacity_gb *= framed_disk_share(spec)
+    if nvme.adapter == "fs_native":
+        adapter = {"type": "fs_native", "base_path": l2_path(target), "num_workers": io_workers(target),
+                   "use_odirect": nvme.direct_io, "max_capacity_gb": capacity_gb}
+    elif nvme.adapter == "fs":
+        adapter = {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io}
+    else:
+        adapter = {
             "type": "nixl_store_dynamic",
             "backend": NIXL_BACKEND,
             # nixl_store_dynamic takes string values in backend_params.
@@ -212,25 +215,8 @@ def _adapter_config(target: Target) -> dict[str, Any]:
                 "use_direct_io": "true" if nvme.direct_io else "false",
                 "max_capacity_gb": _number(capacity_gb),
             },
-            "persist_enabled": True,
-            "eviction": eviction,
         }
-    bucket = spec.l2.hf_bucket
-    assert bucket is not None
-    return {
-        "type": "hfbucket",
-        "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
-        "token_env": HF_TOKEN_ENV,
-        # Never lmcache: its create_bucket sets no visibility, so the bucket would be public unless the
-        # org defaults to private. The operator's preflight creates it private (createBucketIfMissing);
-        # a write before that is a failed store, counted in L2Ready, never a public bucket.
-        "create_bucket_if_missing": False,
-        "num_workers": bucket.num_workers,
-        "metadata_cache_ttl_secs": bucket.metadata_cache_ttl_seconds,
-        "max_capacity_gb": bucket.max_capacity_gb,
-        "shared": True,
-        "eviction": eviction,
-    }
+    return {**adapter, "persist_enabled": True, "eviction": eviction, "serde": l2_serde(target)}
 
 
 def _number(value: float) -> str:
@@ -351,15 +337,12 @@ def server_container(target: Target) -> dict[str, Any]:
     return buildcheck.wrap(container, target, SERVER)
 
 
-def key_volume(target: Target) -> dict[str, Any] | None:
-    """The master key as one read-only file; the server fails to start (and says so) without it.
-    The non-root server reads it as a member of the pod's fsGroup, or, on a user's claim (no
-    fsGroup: the file stays root's), as anyone in the one container that mounts it."""
-    if target.key_secret is None:
-        return None
-    name, key = target.key_secret
-    return {"name": L2_KEY_VOLUME, "secret": {"secretName": name, "items": [{"key": key, "path": L2_KEY_FILE}],
-                                              "defaultMode": 0o444 if users_claim_name(target) else 0o440}}
+def _secret_volume(volume: str, secret: str, key: str, path: str, users_claim: str | None) -> dict[str, Any]:
+    """One key of a Secret as one read-only file, mounted into one container only: read by its
+    non-root user as a member of the pod's fsGroup, or, on a user's claim (no fsGroup: the file
+    stays root's), as anyone in that container."""
+    return {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": path}],
+                                       "defaultMode": 0o444 if users_claim else 0o440}}
 
 
 def agent_image() -> str:
@@ -394,10 +377,9 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
     # On a user's claim (no fsGroup) only where its owner gave the volume's root that group, setgid.
     if nvme is not None:
         mounts.insert(0, {"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
-    env = [POD_NAME_ENV_VAR] if nvme is not None and nvme.shared else []
     return {
         "name": AGENT_CONTAINER,
-        **({"env": env} if env else {}),
+        **({"env": [POD_NAME_ENV_VAR]} if target.shared else {}),
         "image": image,
         "command": ["kvpersist"],
         "args": args,
@@ -440,25 +422,21 @@ def build_shared_claim(target: Target) -> dict[str, Any] | None:
     }
 
 
-def users_claim_name(target: Target) -> str | None:
-    """spec.l2.nvme.existingClaimName: a claim the operator did not make. Its server pod gets no
-    fsGroup, so the kubelet never re-owns the user's volume (chgrp and g+rwX over every file, which
-    Postgres and others refuse on their data); what the volume must then allow is the user's to
-    set (docs/api.md). The claims of volumeClaimTemplates are the operator's and keep DATA_GROUP."""
-    nvme = target.spec.l2.nvme
-    return nvme.existing_claim_name if nvme is not None and nvme.existing_claim_name else None
-
-
 def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
     """One lmcache server per GPU node of this resource (required anti-affinity), on the same
     nodes vLLM may use. With NVMe, each replica gets its own claim, kept when pods or the set go
     (persistentVolumeClaimRetentionPolicy follows reclaimPolicy), or with shared all mount one
-    (build_shared_claim, or the user's). Scaled to zero, never deleted,
-    while the cache is disabled, so no claim is lost over a missing pin."""
+    (build_shared_claim, or the user's). Scaled to zero, never deleted, while the cache is
+    disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
     containers = [server_container(target), agent_container(target, image_of_agent or target.agent_image or DEFAULT_AGENT_IMAGE)]
-    users_claim = users_claim_name(target)
+    nvme = spec.l2.nvme
+    # spec.l2.nvme.existingClaimName: a claim the operator did not make. Its server pod gets no
+    # fsGroup, so the kubelet never re-owns the user's volume (chgrp and g+rwX over every file, which
+    # Postgres and others refuse on their data); what the volume must then allow is the user's to
+    # set (docs/api.md). The claims of volumeClaimTemplates are the operator's and keep DATA_GROUP.
+    users_claim = nvme.existing_claim_name if nvme is not None else None
     pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
         "containers": containers,
         # No host namespace: isolated CUDA IPC (server_args) needs none, so the baseline Pod
@@ -483,13 +461,10 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
         "selector": {"matchLabels": selector},
         "template": {"metadata": {"labels": target.labels(SERVER)}, "spec": pod_spec},
     }
-    nvme = spec.l2.nvme
-    volumes = [v for v in (key_volume(target),) if v]
-    # The agent's token, mounted into the agent only; readable by the pod's group (the agent's), or
-    # without an fsGroup (the file is then root's) by all of the one container that mounts it.
-    volumes.append({"name": AGENT_TOKEN_VOLUME, "secret": {"secretName": target.agent_token_secret,
-                                                           "items": [{"key": AGENT_TOKEN_KEY, "path": AGENT_TOKEN_KEY}],
-                                                           "defaultMode": 0o444 if users_claim else 0o440}})
+    volumes = []
+    if target.key_secret is not None:  # the server's; it fails to start (and says so) without the key
+        volumes.append(_secret_volume(L2_KEY_VOLUME, *target.key_secret, L2_KEY_FILE, users_claim))
+    volumes.append(_secret_volume(AGENT_TOKEN_VOLUME, target.agent_token_secret, AGENT_TOKEN_KEY, AGENT_TOKEN_KEY, users_claim))
     one_claim = target.shared_claim or users_claim
     if one_claim:
         volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": one_claim}})

@@ -85,16 +85,13 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[
     other paths need the resource's token). Never a rule without peers: the kubelet's probes of the
     agent's /healthz come from the pod's own node, which Kubernetes always admits whatever a
     NetworkPolicy says. No ZMQ here: see build_zmq_policy."""
-    spec = target.spec
-    rules: list[dict[str, Any]] = []
+    peers: list[dict[str, Any]] = []
     if operator_ns:
-        rules.append({
-            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
-                      "podSelector": {"matchLabels": OPERATOR_LABELS}}],
-            "ports": [{"protocol": "TCP", "port": spec.lmcache_server.agent_port}],
-        })
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
+                      "podSelector": {"matchLabels": OPERATOR_LABELS}})
     if scraper:
-        rules.append({"from": [dict(scraper)], "ports": [{"protocol": "TCP", "port": spec.lmcache_server.agent_port}]})
+        peers.append(dict(scraper))
+    rules = [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers]
     spec_out: dict[str, Any] = {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"]}
     if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
         spec_out["ingress"] = rules  # so every apply would count as a change and bump the generation

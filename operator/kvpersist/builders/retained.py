@@ -70,11 +70,5 @@ def protect_patch(metadata: Mapping[str, Any], owner: str, fingerprint: str | No
     if labels.get(INSTANCE_LABEL) != owner:
         label_patch[INSTANCE_LABEL] = owner
     annotation_patch = {k: v for k, v in want.items() if annotations.get(k) != v}
-    if not label_patch and not annotation_patch:
-        return None
-    patch: dict[str, Any] = {}
-    if label_patch:
-        patch["labels"] = label_patch
-    if annotation_patch:
-        patch["annotations"] = annotation_patch
-    return {"metadata": patch}
+    patch = {key: value for key, value in (("labels", label_patch), ("annotations", annotation_patch)) if value}
+    return {"metadata": patch} if patch else None

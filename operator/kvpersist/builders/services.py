@@ -10,8 +10,8 @@ from kvpersist.builders.target import SERVER, VLLM, Target
 def build_local_service(target: Target) -> dict[str, Any]:
     """vLLM's way to its cache server: internalTrafficPolicy Local keeps every connection on the
     node, where the server can open vLLM's KV on the node's GPUs (CUDA IPC works within one node
-    only); the namespace id in its name and
-    selector keeps it to servers of the identity its clients were launched with."""
+    only); the namespace id in its name and selector keeps it to servers of the identity its
+    clients were launched with."""
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -37,10 +37,7 @@ def vllm_args(target: Target) -> list[str]:
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
     if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]
-    events = kv_events_config(target)
-    if events is not None:
-        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
-    return args + list(vllm.extra_args)
+    return args + kv_events_args(target) + list(vllm.extra_args)
 
 
 KV_EVENTS_TOPIC_ANNOTATION = "kvpersist.dev/kv-events-topic"
@@ -68,6 +65,12 @@ def kv_events_config(target: Target) -> dict[str, Any] | None:
     return out
 
 
+def kv_events_args(target: Target) -> list[str]:
+    """--kv-events-config as vLLM's command line carries it (nothing while events are off)."""
+    events = kv_events_config(target)
+    return [] if events is None else ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
+
+
 # llm-d's scorer knows a pod as `IP:port` and reads it from the topic (kv@<pod>@<model>): the pod's
 # IP from the downward API, which the kubelet expands where the argument names it.
 POD_IP_ENV = "KVPERSIST_POD_IP"
@@ -91,21 +94,12 @@ def kv_events_ports(target: Target) -> list[dict[str, Any]]:
     return ports
 
 
-def image_pull_secrets(target: Target) -> dict[str, Any]:
-    """spec.imagePullSecrets for a pod spec: every pod the operator makes for the resource."""
-    secrets = target.spec.image_pull_secrets
-    return {"imagePullSecrets": [{"name": s.name} for s in secrets]} if secrets else {}
-
-
-def gpus(target: Target) -> int:
-    return target.spec.vllm.gpus_per_replica or target.spec.identity.tensor_parallel_size or 1
-
-
 def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
     extra = target.spec.vllm.resources
     requests = {k: str(v) for k, v in ((extra.requests if extra else None) or {}).items()}
     limits = {k: str(v) for k, v in ((extra.limits if extra else None) or {}).items()}
-    requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus(target))
+    gpus = target.spec.vllm.gpus_per_replica or target.spec.identity.tensor_parallel_size or 1
+    requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
     return {"requests": requests, "limits": limits}
 
 
@@ -130,12 +124,8 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
     # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
     env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in FIXED_ENV]
     # Secrets only by reference: the kubelet reads them; they are in no arg, spec value or ConfigMap.
-    if vllm.hf_token_secret_ref is not None:
-        ref = vllm.hf_token_secret_ref
-        env.append({"name": HF_TOKEN, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    if vllm.api_key_secret_ref is not None:
-        ref = vllm.api_key_secret_ref
-        env.append({"name": API_KEY, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+            for name, ref in ((HF_TOKEN, vllm.hf_token_secret_ref), (API_KEY, vllm.api_key_secret_ref)) if ref is not None]
     # Always the same place, the claim's (spec.vllm.modelCache) or an emptyDir: with HF_HUB_OFFLINE
     # vLLM names the model by its local snapshot path, and lmcache keys every chunk by that name, so
     # a cache that moved (modelCache turned on, another HOME) would leave every stored chunk a miss.
@@ -217,7 +207,8 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     made = spec.vllm.model_cache is not None and not spec.vllm.model_cache.existing_claim_name
     pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes},
                                             fs_group=DATA_GROUP if made else None)
-    pod_spec.update(image_pull_secrets(target))
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if spec.vllm.runtime_class_name:
         pod_spec["runtimeClassName"] = spec.vllm.runtime_class_name
     if target.vllm_uses_cache:

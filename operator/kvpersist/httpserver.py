@@ -129,19 +129,14 @@ class _Writer(io.BufferedIOBase):
             return view.nbytes
 
 
-class _Accepted:
-    """A connection whose complete head was read, as the handler class receives it."""
+class _Connection:
+    """A connection waiting for its head until deadline; once it is whole, as the handler class
+    receives it, queued for a worker since queued_at (stalled(): how long it has waited)."""
 
-    def __init__(self, sock: socket.socket, address: Any, head: bytes) -> None:
-        self.sock, self.address, self.head = sock, address, head
-        self.queued_at = time.monotonic()  # stalled(): how long it has waited for a worker
-
-
-class _Pending:
-    __slots__ = ("address", "deadline", "head", "sock")
+    __slots__ = ("address", "deadline", "head", "queued_at", "sock")
 
     def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
-        self.sock, self.address, self.head, self.deadline = sock, address, bytearray(), deadline
+        self.sock, self.address, self.head, self.deadline, self.queued_at = sock, address, bytearray(), deadline, 0.0
 
 
 class BoundedHTTPServer(HTTPServer):
@@ -158,8 +153,8 @@ class BoundedHTTPServer(HTTPServer):
         self.workers, self.max_pending, self.head_timeout = workers, max_pending, head_timeout
         self.probes = dict(probes or {})  # path -> answered on the selector thread (the module's docstring)
         self.io_timeout, self.request_timeout, self.max_head, self.name = io_timeout, request_timeout, max_head, name
-        self._work: queue.Queue[_Accepted | None] = queue.Queue(queue_size)
-        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # by fd, oldest first
+        self._work: queue.Queue[_Connection | None] = queue.Queue(queue_size)
+        self._pending: collections.OrderedDict[int, _Connection] = collections.OrderedDict()  # by fd, oldest first
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
@@ -233,7 +228,7 @@ class BoundedHTTPServer(HTTPServer):
             return f"{ended} of the {self.workers} worker threads ended"
         with self._work.mutex:
             oldest = self._work.queue[0] if self._work.queue else None
-        if isinstance(oldest, _Accepted) and (waited := time.monotonic() - oldest.queued_at) > after_s:
+        if isinstance(oldest, _Connection) and (waited := time.monotonic() - oldest.queued_at) > after_s:
             return (f"a request has waited {waited:.0f} s for one of the {self.workers} workers (the limit is "
                     f"{after_s:.0f} s): every worker is stuck in one request")
         return None
@@ -256,11 +251,11 @@ class BoundedHTTPServer(HTTPServer):
             if len(self._pending) >= self.max_pending:
                 self._drop(sel, next(iter(self._pending.values())))
             sock.setblocking(False)
-            pending = _Pending(sock, address, time.monotonic() + self.head_timeout)
+            pending = _Connection(sock, address, time.monotonic() + self.head_timeout)
             self._pending[sock.fileno()] = pending
             sel.register(sock, selectors.EVENT_READ, pending)
 
-    def _read_head(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+    def _read_head(self, sel: selectors.BaseSelector, pending: _Connection) -> None:
         if pending.sock.fileno() < 0:  # dropped earlier in this same round of events
             return
         try:
@@ -280,7 +275,8 @@ class BoundedHTTPServer(HTTPServer):
                 self._answer_probe(pending, probe)
                 return
             try:
-                self._work.put_nowait(_Accepted(pending.sock, pending.address, bytes(pending.head)))
+                pending.queued_at = time.monotonic()
+                self._work.put_nowait(pending)
             except queue.Full:
                 self.refused += 1
                 if time.monotonic() - self._warned > 60:  # a flood must not flood the log too
@@ -301,7 +297,7 @@ class BoundedHTTPServer(HTTPServer):
             return None
         return self.probes.get(urlsplit(parts[1].decode("latin-1")).path)
 
-    def _answer_probe(self, pending: _Pending, probe: Probe) -> None:
+    def _answer_probe(self, pending: _Connection, probe: Probe) -> None:
         """The probe's answer, on this thread: a probe that raises is a failed probe (500, why)."""
         try:
             code, kind, body = probe()
@@ -323,12 +319,12 @@ class BoundedHTTPServer(HTTPServer):
             self._forget(sel, oldest)
             _reply(oldest.sock, 408, "Request Timeout")
 
-    def _forget(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+    def _forget(self, sel: selectors.BaseSelector, pending: _Connection) -> None:
         self._pending.pop(pending.sock.fileno(), None)
         with contextlib.suppress(KeyError, ValueError):
             sel.unregister(pending.sock)
 
-    def _drop(self, sel: selectors.BaseSelector, pending: _Pending) -> None:
+    def _drop(self, sel: selectors.BaseSelector, pending: _Connection) -> None:
         self._forget(sel, pending)
         _close(pending.sock)
 
@@ -353,7 +349,7 @@ def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandl
 
     class Bounded(handler):  # type: ignore[valid-type, misc]
         def setup(self) -> None:
-            accepted: _Accepted = self.request
+            accepted: _Connection = self.request
             server: BoundedHTTPServer = self.server  # type: ignore[assignment]
             self.request = self.connection = accepted.sock
             deadline = time.monotonic() + server.request_timeout

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NoReturn
 
 import httpcore2
 import httpx2
@@ -204,10 +204,7 @@ class _CappedStream(httpx2.SyncByteStream):
             self._inner.close()  # hang up now: the peer sees it, nothing more is read
             raise
         except httpx2.TransportError as exc:
-            refusal = self._refuse.failed(exc, self._call, body_seen=seen)
-            if refusal is None:
-                raise
-            raise refusal from exc
+            self._refuse.reraise(exc, self._call, body_seen=seen)
 
     def close(self) -> None:
         self._inner.close()
@@ -224,16 +221,16 @@ class _Refusals:
         return AnswerTooLarge(f"{self.who}'s answer was larger than {limit} bytes{said}", limit=limit, declared=declared,
                               request=self.request)
 
-    def failed(self, exc: httpx2.TransportError, call: _Call, body_seen: int | None = None) -> Refused | None:
-        """Ours for a failure the deadline caused or a peer that broke HTTP; None: exc as it is."""
+    def reraise(self, exc: httpx2.TransportError, call: _Call, body_seen: int | None = None) -> NoReturn:
+        """Ours for a failure the deadline caused or a peer that broke HTTP; else exc as it is."""
         if time.monotonic() >= call.deadline or (isinstance(exc, httpx2.TimeoutException) and call.cut):
-            return DeadlineExceeded(f"{self.who} did not answer within {self.seconds:.3g}s", request=self.request)
+            raise DeadlineExceeded(f"{self.who} did not answer within {self.seconds:.3g}s", request=self.request) from exc
         if isinstance(exc, httpx2.RemoteProtocolError) and body_seen is not None:
-            return AnswerTruncated(f"{self.who}'s answer ended after {body_seen} bytes of its body", received=body_seen,
-                                   request=self.request)
+            raise AnswerTruncated(f"{self.who}'s answer ended after {body_seen} bytes of its body", received=body_seen,
+                                  request=self.request) from exc
         if isinstance(exc, httpx2.RemoteProtocolError) and call.received:
-            return NotHTTP(f"{self.who} answered something that is not an HTTP response", request=self.request)
-        return None
+            raise NotHTTP(f"{self.who} answered something that is not an HTTP response", request=self.request) from exc
+        raise exc
 
 
 class BoundedTransport(httpx2.HTTPTransport):
@@ -268,10 +265,7 @@ class BoundedTransport(httpx2.HTTPTransport):
         try:
             response = super().handle_request(request)
         except httpx2.TransportError as exc:
-            refusal = refuse.failed(exc, call)
-            if refusal is None:
-                raise
-            raise refusal from exc
+            refuse.reraise(exc, call)
         finally:
             _connecting.reset(token)
         declared = response.headers.get("Content-Length", "")

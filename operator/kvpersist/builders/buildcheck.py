@@ -140,23 +140,16 @@ def declared_vllm_variant(connector_build: str | None) -> str | None:
     return next(m.group(1).lower()[len("vllm-"):] for m in matches if m and m.group(1).lower().startswith("vllm"))
 
 
-def checks(target: Target, component: str) -> tuple[str, ...]:
-    """What a component's container checks: the server lmcache only (its image need not have
-    vLLM; it reports vLLM if present), vLLM both (its connector is lmcache's). Nothing for a vLLM
-    without the cache (bypassed, or the cache off): it speaks no lmcache protocol."""
-    if component == VLLM:
-        return ("vllm", "lmcache") if target.vllm_uses_cache else ()
-    return ("lmcache",)
-
-
 def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str, Any]:
     """The container with CHECK_SCRIPT run first: its command becomes (or stays) `sh -c SCRIPT
     PROGRAM` with the check before the script's closing `exec "$0" ... "$@"`, so the program and
-    its args are unchanged; the script and the declared versions go in its env. Returned as is
-    when it checks nothing."""
-    wanted = checks(target, component)
-    if not wanted:
+    its args are unchanged; the script and the declared versions go in its env. The server checks
+    lmcache only (its image need not have vLLM; it reports vLLM if present), vLLM both (its
+    connector is lmcache's). A vLLM without the cache (bypassed, or the cache off) speaks no lmcache
+    protocol: returned as is."""
+    if component == VLLM and not target.vllm_uses_cache:
         return container
+    wanted = ("vllm", "lmcache") if component == VLLM else ("lmcache",)
     command = list(container["command"])
     if command[:2] == ["sh", "-c"]:
         script = command[2]

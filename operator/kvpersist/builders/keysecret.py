@@ -27,34 +27,26 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
     if not target.key_secret_generated or target.key_secret is None:
         return None
     name, item = target.key_secret
-    raw = key if key is not None else secrets.token_bytes(L2_KEY_BYTES)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {
-            "name": name,
-            "namespace": target.namespace,
-            "labels": retained_labels(target.name, L2_KEY_COMPONENT),
-            "annotations": {KEEP_ANNOTATION: "the master key of this resource's L2 data: without it the data is "
-                            "unreadable; kept when the KVCacheNamespace is deleted", **retained_annotations()},
-        },
-        "data": {item: base64.b64encode(raw).decode()},
-    }
+    return _secret({
+        "name": name,
+        "namespace": target.namespace,
+        "labels": retained_labels(target.name, L2_KEY_COMPONENT),
+        "annotations": {KEEP_ANNOTATION: "the master key of this resource's L2 data: without it the data is "
+                        "unreadable; kept when the KVCacheNamespace is deleted", **retained_annotations()},
+    }, item, key if key is not None else secrets.token_bytes(L2_KEY_BYTES))
 
 
 def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any]:
     """The agent's token (every server pod has an agent), random unless given. Unlike the key,
     the resource owns it (the handler adds the reference): worthless once the agents are gone.
     Created once; a token that changed under a running agent would lock the operator out of it."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {
-            "name": target.agent_token_secret,
-            "namespace": target.namespace,
-            "labels": {**target.selector("agent-token"), "app.kubernetes.io/managed-by": MANAGED_BY},
-        },
-        "data": {AGENT_TOKEN_KEY: base64.b64encode((secrets.token_hex(32) if token is None else token).encode()).decode()},
-    }
+    return _secret({
+        "name": target.agent_token_secret,
+        "namespace": target.namespace,
+        "labels": {**target.selector("agent-token"), "app.kubernetes.io/managed-by": MANAGED_BY},
+    }, AGENT_TOKEN_KEY, (secrets.token_hex(32) if token is None else token).encode())
+
+
+def _secret(metadata: dict[str, Any], key: str, value: bytes) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
+            "data": {key: base64.b64encode(value).decode()}}

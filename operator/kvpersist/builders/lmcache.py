@@ -108,8 +108,9 @@ FOUR_KIB_DISK_SHARE = 63 / 64
 
 
 def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
-    """A chunk over its file. For nixl_store_dynamic the smallest chunk (one layer) over one layer
-    and a page: at most a seventeenth lost, since the page is at most a sixteenth of a layer (api l1_page_bytes)."""
+    """The share of the capacity lmcache may count: a chunk over its file. For nixl_store_dynamic the
+    smallest chunk (one layer) over one layer and a page: at most a seventeenth lost, since the page is at
+    most a sixteenth of a layer (api l1_page_bytes)."""
     layer = chunk_layer_bytes(spec)
     page = l1_page_bytes(spec)
     if spec.l2.nvme is None or spec.l2.nvme.adapter != "nixl_store_dynamic" or layer is None or layer % page:

@@ -91,16 +91,8 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[
                       "podSelector": {"matchLabels": OPERATOR_LABELS}})
     if scraper:
         peers.append(dict(scraper))
-    rules = [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers]
-    spec_out: dict[str, Any] = {"podSelector": {"matchLabels": target.selector(SERVER)}, "policyTypes": ["Ingress"]}
-    if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
-        spec_out["ingress"] = rules  # so every apply would count as a change and bump the generation
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": target.metadata(f"{target.name}-lmcache", SERVER),
-        "spec": spec_out,
-    }
+    return _policy(target, f"{target.name}-lmcache", target.selector(SERVER),
+                   [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers])
 
 
 def build_zmq_policy(target: Target) -> dict[str, Any]:
@@ -109,12 +101,15 @@ def build_zmq_policy(target: Target) -> dict[str, Any]:
     policy per id, named like the id's Service). In attach mode only the user's pods the attach
     policies admitted for this resource and id (builders.attach.attached_peer): there are no managed
     vLLM pods then, and a pod wearing their labels would be admitted unchecked."""
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": target.metadata(target.local_service_name, SERVER),
-        "spec": {"podSelector": {"matchLabels": target.id_selector(SERVER)}, "policyTypes": ["Ingress"], "ingress": [{
-            "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
-            "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
-        }]},
-    }
+    return _policy(target, target.local_service_name, target.id_selector(SERVER), [{
+        "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
+        "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
+    }])
+
+
+def _policy(target: Target, name: str, servers: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ingress to the servers `servers` selects by `rules` only."""
+    spec: dict[str, Any] = {"podSelector": {"matchLabels": servers}, "policyTypes": ["Ingress"]}
+    if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
+        spec["ingress"] = rules  # so every apply would count as a change and bump the generation
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": target.metadata(name, SERVER), "spec": spec}

@@ -7,39 +7,33 @@ from typing import Any
 from kvpersist.builders.target import SERVER, VLLM, Target
 
 
+def _service(target: Target, name: str, component: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": target.metadata(name, component), "spec": spec}
+
+
 def build_local_service(target: Target) -> dict[str, Any]:
     """vLLM's way to its cache server: internalTrafficPolicy Local keeps every connection on the
     node, where the server can open vLLM's KV on the node's GPUs (CUDA IPC works within one node
     only); the namespace id in its name and selector keeps it to servers of the identity its
     clients were launched with."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": target.metadata(target.local_service_name, SERVER),
-        "spec": {
-            "type": "ClusterIP",
-            "internalTrafficPolicy": "Local",
-            "selector": target.id_selector(SERVER),
-            "ports": [{"name": "zmq", "port": target.spec.lmcache_server.port, "targetPort": "zmq", "protocol": "TCP"}],
-        },
-    }
+    return _service(target, target.local_service_name, SERVER, {
+        "type": "ClusterIP",
+        "internalTrafficPolicy": "Local",
+        "selector": target.id_selector(SERVER),
+        "ports": [{"name": "zmq", "port": target.spec.lmcache_server.port, "targetPort": "zmq", "protocol": "TCP"}],
+    })
 
 
 def build_metrics_service(target: Target) -> dict[str, Any]:
     """Headless: governs the StatefulSet (stable pod DNS) and exposes the agents' port, where
     lmcache's /metrics is forwarded as /server/metrics for scraping (the admin API is loopback)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": target.metadata(target.metrics_service_name, SERVER),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": target.selector(SERVER),
-            "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.agent_port, "targetPort": "agent",
-                       "protocol": "TCP"}],
-        },
-    }
+    return _service(target, target.metrics_service_name, SERVER, {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": target.selector(SERVER),
+        "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.agent_port, "targetPort": "agent",
+                   "protocol": "TCP"}],
+    })
 
 
 def build_vllm_service(target: Target) -> dict[str, Any] | None:
@@ -49,13 +43,8 @@ def build_vllm_service(target: Target) -> dict[str, Any] | None:
     svc = target.spec.vllm.service
     if not svc.enabled:
         return None
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": target.metadata(target.vllm_name, VLLM),
-        "spec": {
-            "type": svc.type,
-            "selector": target.selector(VLLM),
-            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _service(target, target.vllm_name, VLLM, {
+        "type": svc.type,
+        "selector": target.selector(VLLM),
+        "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
+    })

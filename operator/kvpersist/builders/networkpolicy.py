@@ -9,8 +9,8 @@ the second line where the CNI enforces it."""
 from __future__ import annotations
 
 import json
-import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.attach import attached, attached_peer
@@ -74,11 +74,7 @@ def parse_scraper(raw: str) -> dict[str, Any] | None:
     return {k: value[k] for k in ("namespaceSelector", "podSelector") if value.get(k)}
 
 
-def metrics_scraper() -> dict[str, Any] | None:
-    return parse_scraper(os.environ.get(SCRAPER_ENV, ""))
-
-
-def build_network_policy(target: Target, operator_ns: str | None, scraper: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_network_policy(target: Target, operator_ns: str | None, scraper: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every server of the resource: the agent's port from the operator's pods only (when the operator's
     namespace is known; else from nowhere in the cluster), and from the scraper (parse_scraper)
     when one is named: the agent's port is the servers' only metrics port (/server/metrics; its

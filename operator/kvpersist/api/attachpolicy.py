@@ -24,11 +24,10 @@ from typing import Any
 
 from kvpersist.api import policyfiles
 from kvpersist.api.policyfiles import chart_doc, dump
-from kvpersist.api.v1alpha1 import EXTRA_ARGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
+from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
 PLAIN_NAME = f"kvpersist-{POLICY}"
-CHART_NAME = '{{ include "kvpersist.fullname" . }}-' + POLICY
 CONFIG_PATH = Path("config/attach/attach.yaml")
 TEMPLATE_PATH = Path("charts/kvpersist/templates/attach.yaml")
 VALUE = "attach"
@@ -49,14 +48,6 @@ ATTACH_OWN_ENV = ("HF_TOKEN", "HOME", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
 # HF_HOME=/model-cache): empty when the pod starts, written by vLLM alone, from the Hub.
 CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 EPHEMERAL = "ephemeralcontainers"  # pods/ephemeralcontainers (kubectl debug): refused on attached pods
-
-
-def _escaped(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
-def _indexes() -> str:
-    return "[" + ", ".join(map(str, range(MAX_ARGS))) + "]"
 
 
 def _var(name: str, *lines: str) -> dict[str, str]:
@@ -81,8 +72,6 @@ def _common_variables() -> list[dict[str, str]]:
 
 
 def _validating_variables() -> list[dict[str, str]]:
-    extra = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"
-    extra_values = ", ".join(f"'{f}'" for f in sorted(f for f, takes in EXTRA_ARGS.items() if takes))
     own = ", ".join(f"'{f}'" for f in ATTACH_OWN_FLAGS)
     args, count, attach = "variables.args", "variables.count", "params.status.attach"
     return [
@@ -95,7 +84,7 @@ def _validating_variables() -> list[dict[str, str]]:
         _var("args", "(variables.command == ['vllm', 'serve'] ? ['serve'] : [])",
              "+ (variables.found && has(variables.cs[0].args) ? variables.cs[0].args : [])"),
         _var("count", "size(variables.args)"),
-        _var("idx", _indexes()),
+        _var("idx", str(list(range(MAX_ARGS)))),
         # The pins and the connection flags: each exactly once, `flag value`, at the status' value.
         _var("wanted", f"!variables.ready ? [] : {attach}.pins.map(p, [string(p.flag), string(p.value), string(p.field)])",
              f"+ [0, 2, 4, 6].filter(k, !variables.bypassed && k + 1 < size({attach}.args))",
@@ -104,10 +93,10 @@ def _validating_variables() -> list[dict[str, str]]:
              f"variables.idx.filter(i, i < {count} && ({args}[i] == w[0] || {args}[i].startsWith(w[0] + '='))).size() != 1",
              f"|| !variables.idx.exists(i, i + 1 < {count} && {args}[i] == w[0] && {args}[i + 1] == w[1]))"),
         _var("known", f"variables.wanted.map(w, w[0]) + [{own}]"),
-        _var("valueFlags", f"variables.known + [{extra_values}]"),
+        _var("valueFlags", f"variables.known + {EXTRA_ARG_VALUE_FLAGS}"),
         # extraArgs' allow-list rule, over the arguments after `serve MODEL`, with the known flags.
         _var("refusedFlags", f"variables.idx.filter(i, i >= 2 && i < {count} && {args}[i].startsWith('-')",
-             f"&& !{args}[i].matches('{extra}')",
+             f"&& !{args}[i].matches('{EXTRA_ARG_REGEX}')",
              f"&& !({args}[i] in variables.known))",
              f".map(i, {args}[i])"),
         # extraArgs' values rule: a word is the value of the flag before it, and such a flag has one.
@@ -265,7 +254,7 @@ def _mutation() -> str:
     label = (f"!has(object.metadata.labels) ? [JSONPatch{{op: 'add', path: '/metadata/labels', value: "
              f"{{'{NAMESPACE_ID_LABEL}': params.status.attach.namespaceId}}}}]\n"
              f"  : '{NAMESPACE_ID_LABEL}' in object.metadata.labels ? []\n"
-             f"  : [JSONPatch{{op: 'add', path: '/metadata/labels/{_escaped(NAMESPACE_ID_LABEL)}', "
+             f"  : [JSONPatch{{op: 'add', path: '/metadata/labels/{NAMESPACE_ID_LABEL.replace('/', '~1')}', "
              "value: params.status.attach.namespaceId}]")
     # The flag and value pairs whose flag the args lack, appended (a container without args is
     # refused by the validation: nothing to add to).
@@ -308,23 +297,16 @@ def mutating_policy(name: str) -> dict[str, Any]:
                    mutations=[{"patchType": "JSONPatch", "jsonPatch": {"expression": _mutation()}}])
 
 
-def _param_ref() -> dict[str, Any]:
-    """Every KVCacheNamespace of the pod's own namespace (each judges only pods its name labels);
-    none there: the labelled pod is refused."""
-    return {"selector": {}, "parameterNotFoundAction": "Deny"}
-
-
-def _match() -> dict[str, Any]:
-    return {"objectSelector": {"matchExpressions": [{"key": LABEL, "operator": "Exists"}]}}
-
-
 def bindings(name: str) -> list[dict[str, Any]]:
+    # The param: every KVCacheNamespace of the pod's own namespace (each judges only pods its name
+    # labels); none there: the labelled pod is refused.
+    spec = {"policyName": name, "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"},
+            "matchResources": {"objectSelector": {"matchExpressions": [{"key": LABEL, "operator": "Exists"}]}}}
     return [
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicyBinding",
-         "metadata": {"name": name}, "spec": {"policyName": name, "paramRef": _param_ref(), "matchResources": _match()}},
+         "metadata": {"name": name}, "spec": spec},
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": name}, "spec": {"policyName": name, "paramRef": _param_ref(), "matchResources": _match(),
-                                              "validationActions": ["Deny"]}},
+         "metadata": {"name": name}, "spec": {**spec, "validationActions": ["Deny"]}},
     ]
 
 
@@ -352,10 +334,6 @@ def render_config() -> str:
     return HEADER + "---\n".join(dump(d) for d in documents(PLAIN_NAME))
 
 
-def _chart_doc(doc: dict[str, Any]) -> str:
-    return chart_doc(doc, PLAIN_NAME, CHART_NAME)
-
-
 # Only where the API server serves MutatingAdmissionPolicy v1 (Kubernetes >= 1.36): elsewhere the
 # chart installs without attach mode, and a resource with spec.vllm.mode Attached says so (docs/attach.md).
 SERVED = '(.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")'
@@ -371,7 +349,7 @@ OBJECT_SELECTOR = "        operator: Exists\n"
 
 
 def render_template() -> str:
-    docs = [_chart_doc(d) for d in documents(PLAIN_NAME)]
+    docs = [chart_doc(d, POLICY) for d in documents(PLAIN_NAME)]
     docs = [d.replace(OBJECT_SELECTOR, OBJECT_SELECTOR + NAMESPACE_SCOPE, 1) if "Binding" in d.split("\n", 2)[1] else d
             for d in docs]
     return (CHART_HEADER + f"{{{{- if and .Values.{VALUE}.enabled {SERVED} }}}}\n" + "---\n".join(docs)

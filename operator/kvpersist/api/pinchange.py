@@ -28,7 +28,6 @@ from kvpersist.api.v1alpha1 import ADAPTER_FIELD, GROUP, PLURAL, IdField, id_fie
 
 POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
 PLAIN_NAME = f"kvpersist-{POLICY}"
-CHART_NAME = '{{ include "kvpersist.fullname" . }}-' + POLICY
 CONFIG_PATH = Path("config/pin-change-warning/pin-change-warning.yaml")
 TEMPLATE_PATH = Path("charts/kvpersist/templates/pin-change-warning.yaml")
 VALUE = "pinChangeWarning"
@@ -152,17 +151,13 @@ def render_config() -> str:
     return HEADER + dump(policy(PLAIN_NAME)) + "---\n" + dump(binding(PLAIN_NAME))
 
 
-def _chart_doc(doc: dict[str, Any]) -> str:
-    return chart_doc(doc, PLAIN_NAME, CHART_NAME)
-
-
 # In namespaced mode (watchNamespaces) the binding matches those namespaces only (_helpers.tpl).
 BINDING_SCOPE = '{{- include "kvpersist.bindingScope" . }}\n'
 
 
 def render_template() -> str:
-    return (CHART_HEADER + f"{{{{- if .Values.{VALUE}.enabled }}}}\n" + _chart_doc(policy(PLAIN_NAME)) + "---\n"
-            + _chart_doc(binding(PLAIN_NAME)) + BINDING_SCOPE + "{{- end }}\n")
+    return (CHART_HEADER + f"{{{{- if .Values.{VALUE}.enabled }}}}\n" + chart_doc(policy(PLAIN_NAME), POLICY) + "---\n"
+            + chart_doc(binding(PLAIN_NAME), POLICY) + BINDING_SCOPE + "{{- end }}\n")
 
 
 def write(root: Path) -> list[Path]:

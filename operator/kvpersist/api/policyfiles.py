@@ -36,8 +36,10 @@ def dump(doc: dict[str, Any]) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
-def chart_doc(doc: dict[str, Any], plain_name: str, chart_name: str) -> str:
-    """A document under the release's name (its policyName too) and with the chart's labels."""
+def chart_doc(doc: dict[str, Any], policy: str) -> str:
+    """A document of policy kvpersist-<policy> under the release's name, <fullname>-<policy> (its
+    policyName too), and with the chart's labels."""
+    plain_name, chart_name = f"kvpersist-{policy}", '{{ include "kvpersist.fullname" . }}-' + policy
     text = dump(doc).replace(f"name: {plain_name}\n", f"name: {chart_name}\n", 1)
     text = text.replace(f"policyName: {plain_name}\n", f"policyName: {chart_name}\n")
     labels = '  labels: {{- include "kvpersist.labels" . | nindent 4 }}\n'

@@ -52,10 +52,6 @@ class StatusPatchError(ValueError):
         self.problems = problems
 
 
-def strict() -> bool:
-    return STRICT or os.environ.get(STRICT_ENV) == "1"
-
-
 @functools.cache
 def _fields(model: type[BaseModel]) -> dict[str, tuple[str, FieldInfo]]:
     """A model's fields by the key the API stores (the alias): the Python name is no status key."""
@@ -115,14 +111,10 @@ def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
     return out
 
 
-def patch_problems(patch: Mapping[str, Any]) -> list[str]:
-    """Every problem of a status merge patch (the object under `status`), each naming its key."""
-    return _problems(KVCacheNamespaceStatus, patch, "status")
-
-
 def validate_patch(patch: Mapping[str, Any]) -> None:
-    """Raises StatusPatchError unless every key and value of the patch fits the status models."""
-    problems = patch_problems(patch)
+    """Raises StatusPatchError unless every key and value of the patch (the object under `status`)
+    fits the status models."""
+    problems = _problems(KVCacheNamespaceStatus, patch, "status")
     if problems:
         raise StatusPatchError(problems)
 
@@ -130,11 +122,11 @@ def validate_patch(patch: Mapping[str, Any]) -> None:
 def checked_patch(patch: Mapping[str, Any], logger: logging.Logger, what: str = "") -> dict[str, Any] | None:
     """The part of a status patch to send: all of it when it fits the status models.
 
-    Otherwise, when strict() (the unit tests), StatusPatchError. In production the status loop
+    Otherwise, when strict (STRICT: the unit tests; or STRICT_ENV), StatusPatchError. In production the status loop
     must go on: each top-level status field with a problem is left out whole (half an object
     could lack a required field and have the API server refuse the whole patch), an error is
     logged naming its keys, and the rest is sent; None when nothing is left."""
-    if strict():
+    if STRICT or os.environ.get(STRICT_ENV) == "1":
         validate_patch(patch)
         return dict(patch)
     sent: dict[str, Any] = {}

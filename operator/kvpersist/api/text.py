@@ -118,9 +118,8 @@ def refuse_control_in_prompt(value: Any) -> Any:
 def printable(text: str) -> str:
     """text with every refused character written as a \\u (or \\U) escape of its code point: for
     messages that quote user input (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
-    def one(ch: str) -> str:
-        if not forbidden(ch):
-            return ch
-        return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
+    def escaped(found: re.Match[str]) -> str:
+        c = ord(found.group())
+        return f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
 
-    return "".join(one(ch) for ch in text)
+    return _REFUSED.sub(escaped, text)

@@ -213,11 +213,22 @@ class _Spec(_Model):
     model_config = ConfigDict(strict=True)
 
 
-def defaults_of(model: type[_Model]) -> dict[str, Any]:
-    """A section's defaults as the API server should store them when the section is left out.
+def _cel_rules(*rules: dict[str, str]) -> ConfigDict:
+    """A model's own cross-field CEL rules (its object's x-kubernetes-validations)."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
+def _section(model: type[_Model], description: str) -> Any:
+    """A section that may be left out, with its defaults as the API server should store them then.
 
     Spelled out in full (not `{}`) because the server checks CEL rules against the default as written."""
-    return model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    default = model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    return Field(default_factory=model, description=description, json_schema_extra={"default": default})
+
+
+def _list(max_length: int, description: str) -> Any:
+    """A list that may be left out, stored as [] then."""
+    return Field(default_factory=list, max_length=max_length, description=description, json_schema_extra={"default": []})
 
 
 # ---------------------------------------------------------------- identity
@@ -309,12 +320,12 @@ def _gib(value: Any) -> float:
 class L1(_Spec):
     """The lmcache server's host-RAM tier."""
 
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            # has(): a resource stored before l1.size existed has none, and a rule that cannot be
-            # evaluated would refuse even its status writes (measured on the API server).
-            cel(f"!has(self.size) || ({_bytes('size')} >= 1048576.0 && {_bytes('size')} <= 4398046511104.0)",
-                "size must be at least 1Mi and at most 4Ti", field_path=".size")]})
+    model_config = _cel_rules(
+        # has(): a resource stored before l1.size existed has none, and a rule that cannot be
+        # evaluated would refuse even its status writes (measured on the API server).
+        cel(f"!has(self.size) || ({_bytes('size')} >= 1048576.0 && {_bytes('size')} <= 4398046511104.0)",
+            "size must be at least 1Mi and at most 4Ti", field_path=".size"),
+    )
 
     size: Quantity = Field(description="Host RAM for the lmcache server's L1 buffer, e.g. 32Gi (--l1-size-gb).")
 
@@ -342,43 +353,39 @@ class NVMe(_Spec):
     """A local NVMe volume as L2: a PersistentVolumeClaim per lmcache server, or an existing claim;
     with shared, one ReadWriteMany claim all the servers use."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.size) != has(self.existingClaimName)",
-                    "set exactly one of size (a new claim per lmcache server) or existingClaimName", reason="FieldValueInvalid"),
-                cel("!has(self.storageClassName) || has(self.size)",
-                    "storageClassName applies to a new claim: set size with it, or drop it with existingClaimName",
-                    field_path=".storageClassName"),
-                cel(f"!has(self.size) || {_bytes('size')} >= 1048576.0", "size must be at least 1Mi", field_path=".size"),
-                cel("has(self.size) || has(self.maxCapacity)",
-                    "maxCapacity is required with existingClaimName (with size it defaults to 90% of size)",
-                    field_path=".maxCapacity"),
-                cel(f"!has(self.maxCapacity) || ({_bytes('maxCapacity')} >= 1048576.0 && (!has(self.size) || "
-                    f"{_bytes('size')} >= {_bytes('maxCapacity')}))",
-                    "maxCapacity must be at least 1Mi and fit in the claim: lower maxCapacity or raise size",
-                    field_path=".maxCapacity"),
-                cel("has(self.size) == has(oldSelf.size) && (!has(self.size) || self.size == oldSelf.size)",
-                    "size is fixed once set (claims are made from it and keep their data): create a new KVCacheNamespace "
-                    "for another size", field_path=".size"),
-                cel("has(self.storageClassName) == has(oldSelf.storageClassName) && "
-                    "(!has(self.storageClassName) || self.storageClassName == oldSelf.storageClassName)",
-                    "storageClassName is fixed once set: create a new KVCacheNamespace for another class",
-                    field_path=".storageClassName"),
-                cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
-                    "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
-                cel(f"!has(self.budget) || ({_bytes('budget')} >= 1048576.0 && ((has(self.maxCapacity) && "
-                    f"{_bytes('budget')} <= {_bytes('maxCapacity')}) || (!has(self.maxCapacity) && has(self.size) && "
-                    f"{_bytes('budget')} <= {_bytes('size')} * {NVME_CAPACITY_SHARE})))",
-                    "budget must be at least 1Mi and at most maxCapacity (90% of size when unset)", field_path=".budget"),
-                cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'", BUDGET_NEEDS_NIXL, field_path=".budget"),
-                cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
-                cel("!self.shared || !has(self.size) || self.reclaimPolicy == oldSelf.reclaimPolicy",
-                    "with shared, reclaimPolicy is fixed once set: the one claim was made with it (owned by the resource "
-                    "for Delete, not for Retain); create a new KVCacheNamespace to change it", field_path=".reclaimPolicy"),
-                cel("!self.shared || self.adapter == 'nixl_store_dynamic'", SHARED_NEEDS_NIXL, field_path=".shared"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("has(self.size) != has(self.existingClaimName)",
+            "set exactly one of size (a new claim per lmcache server) or existingClaimName", reason="FieldValueInvalid"),
+        cel("!has(self.storageClassName) || has(self.size)",
+            "storageClassName applies to a new claim: set size with it, or drop it with existingClaimName",
+            field_path=".storageClassName"),
+        cel(f"!has(self.size) || {_bytes('size')} >= 1048576.0", "size must be at least 1Mi", field_path=".size"),
+        cel("has(self.size) || has(self.maxCapacity)",
+            "maxCapacity is required with existingClaimName (with size it defaults to 90% of size)",
+            field_path=".maxCapacity"),
+        cel(f"!has(self.maxCapacity) || ({_bytes('maxCapacity')} >= 1048576.0 && (!has(self.size) || "
+            f"{_bytes('size')} >= {_bytes('maxCapacity')}))",
+            "maxCapacity must be at least 1Mi and fit in the claim: lower maxCapacity or raise size",
+            field_path=".maxCapacity"),
+        cel("has(self.size) == has(oldSelf.size) && (!has(self.size) || self.size == oldSelf.size)",
+            "size is fixed once set (claims are made from it and keep their data): create a new KVCacheNamespace "
+            "for another size", field_path=".size"),
+        cel("has(self.storageClassName) == has(oldSelf.storageClassName) && "
+            "(!has(self.storageClassName) || self.storageClassName == oldSelf.storageClassName)",
+            "storageClassName is fixed once set: create a new KVCacheNamespace for another class",
+            field_path=".storageClassName"),
+        cel("!has(self.existingClaimName) || self.reclaimPolicy == 'Retain'",
+            "an existing claim is not the operator's to delete: use reclaimPolicy Retain", field_path=".reclaimPolicy"),
+        cel(f"!has(self.budget) || ({_bytes('budget')} >= 1048576.0 && ((has(self.maxCapacity) && "
+            f"{_bytes('budget')} <= {_bytes('maxCapacity')}) || (!has(self.maxCapacity) && has(self.size) && "
+            f"{_bytes('budget')} <= {_bytes('size')} * {NVME_CAPACITY_SHARE})))",
+            "budget must be at least 1Mi and at most maxCapacity (90% of size when unset)", field_path=".budget"),
+        cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'", BUDGET_NEEDS_NIXL, field_path=".budget"),
+        cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
+        cel("!self.shared || !has(self.size) || self.reclaimPolicy == oldSelf.reclaimPolicy",
+            "with shared, reclaimPolicy is fixed once set: the one claim was made with it (owned by the resource "
+            "for Delete, not for Retain); create a new KVCacheNamespace to change it", field_path=".reclaimPolicy"),
+        cel("!self.shared || self.adapter == 'nixl_store_dynamic'", SHARED_NEEDS_NIXL, field_path=".shared"),
     )
 
     storage_class_name: str | None = Field(
@@ -480,10 +487,9 @@ class HFBucket(_Spec):
         return _gib(self.max_capacity)
 
 
-class KeySecretRef(_Spec):
+class KeySecretRef(SecretKeyRef):
     """A Secret key holding L2's master key (its raw bytes, at least 32)."""
 
-    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
     key: str = Field("master-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
                      description="Key in the Secret.")
 
@@ -521,25 +527,18 @@ class OrphanRetention(_Spec):
 class L2(_Spec):
     """The durable tier: exactly one of nvme or hfBucket."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.nvme) != has(self.hfBucket)", "set exactly one of nvme or hfBucket", reason="FieldValueInvalid"),
-                cel("has(self.nvme) == has(oldSelf.nvme)",
-                    "the L2 kind is fixed once set (the cached data lives there): create a new KVCacheNamespace instead"),
-                cel("!has(self.orphanRetention) || has(self.nvme)",
-                    "orphanRetention applies to NVMe claims: a bucket's orphans are deleted with `kvpersist gc`",
-                    field_path=".orphanRetention"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("has(self.nvme) != has(self.hfBucket)", "set exactly one of nvme or hfBucket", reason="FieldValueInvalid"),
+        cel("has(self.nvme) == has(oldSelf.nvme)",
+            "the L2 kind is fixed once set (the cached data lives there): create a new KVCacheNamespace instead"),
+        cel("!has(self.orphanRetention) || has(self.nvme)",
+            "orphanRetention applies to NVMe claims: a bucket's orphans are deleted with `kvpersist gc`",
+            field_path=".orphanRetention"),
     )
 
     nvme: NVMe | None = Field(None, description="NVMe PersistentVolumeClaim as L2 (fs_native, nixl_store_dynamic or fs).")
     hf_bucket: HFBucket | None = Field(None, description="Hugging Face bucket as L2 (hfbucket adapter).")
-    encryption: L2Encryption = Field(
-        default_factory=L2Encryption, description="Authenticated encryption of L2 objects: corruption is a miss.",
-        json_schema_extra={"default": defaults_of(L2Encryption)},
-    )
+    encryption: L2Encryption = _section(L2Encryption, "Authenticated encryption of L2 objects: corruption is a miss.")
     orphan_retention: OrphanRetention | None = Field(
         None, alias="orphanRetention",
         description="Off by default: other namespaces' folders on the claim are kept until `kvpersist gc` deletes them. "
@@ -589,18 +588,14 @@ SECONDS_NEED_NO_EXECUTE = "applies to NoExecute taints only: set effect NoExecut
 class Toleration(_Spec):
     """A pod toleration. One naming no key is refused: it would put these GPU-seeing pods on any node."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.operator != 'Exists' || (has(self.key) && self.key != '')", CATCH_ALL_TOLERATION,
-                    field_path=".key", reason="FieldValueForbidden"),
-                cel("self.operator == 'Exists' || has(self.key)", EQUAL_NEEDS_KEY, field_path=".key"),
-                cel("self.operator != 'Exists' || !has(self.value) || self.value == ''", EXISTS_TAKES_NO_VALUE,
-                    field_path=".value"),
-                cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-                    SECONDS_NEED_NO_EXECUTE, field_path=".tolerationSeconds"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("self.operator != 'Exists' || (has(self.key) && self.key != '')", CATCH_ALL_TOLERATION,
+            field_path=".key", reason="FieldValueForbidden"),
+        cel("self.operator == 'Exists' || has(self.key)", EQUAL_NEEDS_KEY, field_path=".key"),
+        cel("self.operator != 'Exists' || !has(self.value) || self.value == ''", EXISTS_TAKES_NO_VALUE,
+            field_path=".value"),
+        cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            SECONDS_NEED_NO_EXECUTE, field_path=".tolerationSeconds"),
     )
 
     key: QualifiedName | None = Field(None, description="Taint key, e.g. nvidia.com/gpu. Required: without one a "
@@ -623,12 +618,8 @@ RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 class LMCacheServer(_Spec):
     """The lmcache server pods (a StatefulSet, one PersistentVolumeClaim per replica for NVMe)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.agentPort != self.port", "agentPort must differ from port", field_path=".agentPort"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("self.agentPort != self.port", "agentPort must differ from port", field_path=".agentPort"),
     )
 
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
@@ -762,26 +753,20 @@ class EnvFromSource(_Spec):
     """Every key of a Secret or ConfigMap as a variable of the vLLM container. A key that is a refused
     name (env_problem) never reaches vLLM, nor the loader or Python before it, and `env` wins."""
 
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("has(self.secretRef) != has(self.configMapRef)", "set exactly one of secretRef or configMapRef",
-                reason="FieldValueInvalid")]})
+    model_config = _cel_rules(cel("has(self.secretRef) != has(self.configMapRef)", "set exactly one of secretRef or configMapRef",
+                                  reason="FieldValueInvalid"))
 
     secret_ref: LocalObjectRef | None = Field(None, description="A Secret of the resource's namespace.")
     config_map_ref: LocalObjectRef | None = Field(None, description="A ConfigMap of the resource's namespace.")
 
 
-class HFTokenSecretRef(_Spec):
+class HFTokenSecretRef(SecretKeyRef):
     """A Secret key holding a Hugging Face token that may read the model (a gated one)."""
 
-    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
-    key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
 
-
-class APIKeySecretRef(_Spec):
+class APIKeySecretRef(SecretKeyRef):
     """A Secret key holding the API key vLLM requires of its clients (VLLM_API_KEY)."""
 
-    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
     key: str = Field("api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
                      description="Key in the Secret.")
 
@@ -798,20 +783,16 @@ class ModelCache(_Spec):
     makes, `<name>-model-cache` (size), owned by the resource: weights can be downloaded again, so
     unlike L2's claims it goes with the resource."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.size) != has(self.existingClaimName)",
-                    "set exactly one of size (a claim the operator makes, <name>-model-cache) or existingClaimName "
-                    "(a claim of yours)", reason="FieldValueInvalid"),
-                cel("!has(self.storageClassName) || has(self.size)",
-                    "storageClassName applies to the claim the operator makes: set size with it, or drop it with "
-                    "existingClaimName", field_path=".storageClassName"),
-                cel("!has(self.accessModes) || has(self.size)",
-                    "accessModes applies to the claim the operator makes: set size with it, or drop it with "
-                    "existingClaimName", field_path=".accessModes"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("has(self.size) != has(self.existingClaimName)",
+            "set exactly one of size (a claim the operator makes, <name>-model-cache) or existingClaimName "
+            "(a claim of yours)", reason="FieldValueInvalid"),
+        cel("!has(self.storageClassName) || has(self.size)",
+            "storageClassName applies to the claim the operator makes: set size with it, or drop it with "
+            "existingClaimName", field_path=".storageClassName"),
+        cel("!has(self.accessModes) || has(self.size)",
+            "accessModes applies to the claim the operator makes: set size with it, or drop it with "
+            "existingClaimName", field_path=".accessModes"),
     )
 
     existing_claim_name: str | None = Field(
@@ -852,13 +833,9 @@ class KVEvents(_Spec):
     """vLLM's KV cache events (--kv-events-config): a ZMQ PUB socket on each vLLM pod whose topic is
     the namespace id, so a router knows which compatibility namespace a block belongs to."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!has(self.replayPort) || self.replayPort != self.port", "replayPort must differ from port",
-                    field_path=".replayPort"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("!has(self.replayPort) || self.replayPort != self.port", "replayPort must differ from port",
+            field_path=".replayPort"),
     )
 
     enabled: bool = Field(
@@ -906,23 +883,19 @@ class InferencePool(_Spec):
 class VLLM(_Spec):
     """The vLLM serving pods, launched with exactly the pinned identity."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!self.kvEvents.enabled || (self.kvEvents.port != self.port && (!has(self.kvEvents.replayPort) || "
-                    "self.kvEvents.replayPort != self.port))", "kvEvents.port and kvEvents.replayPort must differ from port",
-                    field_path=".kvEvents.port"),
-                # Guarded with has(): a stored object from before the field holds no key of it.
-                cel("(has(self.mode) ? self.mode : 'Managed') == (has(oldSelf.mode) ? oldSelf.mode : 'Managed')",
-                    VLLM_MODE_FIXED, field_path=".mode"),
-                cel("!has(self.mode) || self.mode != 'Attached' || ((!has(self.extraArgs) || size(self.extraArgs) == 0) "
-                    "&& (!has(self.env) || size(self.env) == 0) && (!has(self.envFrom) || size(self.envFrom) == 0) "
-                    "&& !has(self.modelCache) && !has(self.hfTokenSecretRef) && (!has(self.service) || "
-                    "!has(self.service.enabled) || !self.service.enabled))", ATTACHED_OWN_FIELDS, field_path=".mode"),
-                cel("!has(self.mode) || self.mode != 'Attached' || !has(self.inferencePool)", ATTACHED_NO_POOL,
-                    field_path=".inferencePool"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("!self.kvEvents.enabled || (self.kvEvents.port != self.port && (!has(self.kvEvents.replayPort) || "
+            "self.kvEvents.replayPort != self.port))", "kvEvents.port and kvEvents.replayPort must differ from port",
+            field_path=".kvEvents.port"),
+        # Guarded with has(): a stored object from before the field holds no key of it.
+        cel("(has(self.mode) ? self.mode : 'Managed') == (has(oldSelf.mode) ? oldSelf.mode : 'Managed')",
+            VLLM_MODE_FIXED, field_path=".mode"),
+        cel("!has(self.mode) || self.mode != 'Attached' || ((!has(self.extraArgs) || size(self.extraArgs) == 0) "
+            "&& (!has(self.env) || size(self.env) == 0) && (!has(self.envFrom) || size(self.envFrom) == 0) "
+            "&& !has(self.modelCache) && !has(self.hfTokenSecretRef) && (!has(self.service) || "
+            "!has(self.service.enabled) || !self.service.enabled))", ATTACHED_OWN_FIELDS, field_path=".mode"),
+        cel("!has(self.mode) || self.mode != 'Attached' || !has(self.inferencePool)", ATTACHED_NO_POOL,
+            field_path=".inferencePool"),
     )
 
     mode: Literal["Managed", "Attached"] = Field(
@@ -967,17 +940,14 @@ class VLLM(_Spec):
         description="RuntimeClass of the vLLM pods (the NVIDIA GPU Operator makes `nvidia`). \"\": the node's "
         "default runtime.",
     )
-    env: list[EnvVar] = Field(
-        default_factory=list, max_length=64,
-        description="Literal variables of the vLLM container. Names the operator owns, that have a field of their "
+    env: list[EnvVar] = _list(
+        64, "Literal variables of the vLLM container. Names the operator owns, that have a field of their "
         "own, that would change the KV or the model behind the pins, or that load other code (every LD_*, PYTHON* but "
-        "a few) are refused (docs/api.md). Not part of the namespace id.", json_schema_extra={"default": []},
+        "a few) are refused (docs/api.md). Not part of the namespace id.",
     )
-    env_from: list[EnvFromSource] = Field(
-        default_factory=list, max_length=4,
-        description="Secrets or ConfigMaps whose keys become variables of the vLLM container; a key that is a refused "
+    env_from: list[EnvFromSource] = _list(
+        4, "Secrets or ConfigMaps whose keys become variables of the vLLM container; a key that is a refused "
         "name is never set (the start script says so on stderr), and a name in env wins. Not part of the namespace id.",
-        json_schema_extra={"default": []},
     )
     hf_token_secret_ref: HFTokenSecretRef | None = Field(
         None, alias="hfTokenSecretRef",
@@ -992,14 +962,8 @@ class VLLM(_Spec):
         None, description="A claim for the model's weights (HF_HOME), so a restarted vLLM does not download them "
         "again. Not part of the namespace id: the pins name the weights by revision.",
     )
-    service: VLLMService = Field(
-        default_factory=VLLMService, description="An optional Service in front of the vLLM pods.",
-        json_schema_extra={"default": defaults_of(VLLMService)},
-    )
-    kv_events: KVEvents = Field(
-        default_factory=KVEvents, description="KV cache events for a KV-aware router, topic the namespace id.",
-        json_schema_extra={"default": defaults_of(KVEvents)},
-    )
+    service: VLLMService = _section(VLLMService, "An optional Service in front of the vLLM pods.")
+    kv_events: KVEvents = _section(KVEvents, "KV cache events for a KV-aware router, topic the namespace id.")
     attached_containers: list[Annotated[str, Field(max_length=512, pattern=r"^[a-z0-9][a-z0-9._:/-]*@sha256:[0-9a-f]{64}$")]] = Field(
         default_factory=list, max_length=16, alias="attachedContainers",
         description="Attached mode: the images, by digest, that an attached pod's other containers (init containers and "
@@ -1069,17 +1033,13 @@ class Prewarm(_Spec):
     first request after a restart is an L1 hit. The Warm condition says how far it got. Not part of
     the namespace id: what is warm changes no KV."""
 
-    prompts: list[PromptText] = Field(
-        default_factory=list, max_length=PREWARM_INLINE_MAX,
-        description="Raw prompts, tokenized as /v1/completions tokenizes them (special tokens added): each one's "
+    prompts: list[PromptText] = _list(
+        PREWARM_INLINE_MAX, "Raw prompts, tokenized as /v1/completions tokenizes them (special tokens added): each one's "
         "whole-chunk prefix (256 tokens a chunk) is kept warm, so a request that starts with it hits.",
-        json_schema_extra={"default": []},
     )
-    system_prompts: list[PromptText] = Field(
-        default_factory=list, max_length=PREWARM_INLINE_MAX,
-        description="System prompts, rendered through the model's chat template as the only message (no generation "
+    system_prompts: list[PromptText] = _list(
+        PREWARM_INLINE_MAX, "System prompts, rendered through the model's chat template as the only message (no generation "
         "prompt): the prefix every chat with that system prompt starts with.",
-        json_schema_extra={"default": []},
     )
     config_map_ref: LocalObjectRef | None = Field(
         None, description="A ConfigMap of the resource's namespace with more of them: each data key prompt-* holds one "
@@ -1100,18 +1060,14 @@ IMAGE_REQUIRED = ("spec.image is required: the one image of vLLM and the lmcache
 class KVCacheNamespaceSpec(_Spec):
     """What the user wants: the pins, the tiers, eviction, and the two workloads."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!has(self.vllm.gpusPerReplica) || !has(self.identity.tensorParallelSize) || "
-                    "self.vllm.gpusPerReplica >= self.identity.tensorParallelSize",
-                    "vllm.gpusPerReplica must be at least identity.tensorParallelSize", field_path=".vllm.gpusPerReplica"),
-                cel("!has(self.l2.nvme) || !has(self.l2.nvme.existingClaimName) || self.l2.nvme.shared || "
-                    "self.lmcacheServer.replicas == 1",
-                    "an existing claim serves one lmcache server: set lmcacheServer.replicas to 1, use size for a "
-                    "claim per server, or set l2.nvme.shared with a ReadWriteMany claim", field_path=".lmcacheServer.replicas"),
-            ]
-        }
+    model_config = _cel_rules(
+        cel("!has(self.vllm.gpusPerReplica) || !has(self.identity.tensorParallelSize) || "
+            "self.vllm.gpusPerReplica >= self.identity.tensorParallelSize",
+            "vllm.gpusPerReplica must be at least identity.tensorParallelSize", field_path=".vllm.gpusPerReplica"),
+        cel("!has(self.l2.nvme) || !has(self.l2.nvme.existingClaimName) || self.l2.nvme.shared || "
+            "self.lmcacheServer.replicas == 1",
+            "an existing claim serves one lmcache server: set lmcacheServer.replicas to 1, use size for a "
+            "claim per server, or set l2.nvme.shared with a ReadWriteMany claim", field_path=".lmcacheServer.replicas"),
     )
 
     image: FreeText = Field(
@@ -1124,27 +1080,16 @@ class KVCacheNamespaceSpec(_Spec):
     identity: Identity = Field(description="Identity pins; their hash is the compatibility namespace.")
     l1: L1 = Field(description="Host-RAM tier of the lmcache server.")
     l2: L2 = Field(description="Durable tier: an NVMe claim or a Hugging Face bucket.")
-    eviction: Eviction = Field(
-        default_factory=Eviction, description="Eviction policy of L1 and L2.",
-        json_schema_extra={"default": defaults_of(Eviction)},
-    )
-    lmcache_server: LMCacheServer = Field(
-        default_factory=LMCacheServer, alias="lmcacheServer", description="The lmcache server pods.",
-        json_schema_extra={"default": defaults_of(LMCacheServer)},
-    )
-    vllm: VLLM = Field(
-        default_factory=VLLM, description="The vLLM pods.", json_schema_extra={"default": defaults_of(VLLM)},
-    )
-    image_pull_secrets: list[LocalObjectRef] = Field(
-        default_factory=list, max_length=4,
-        description="Secrets (docker-registry) of the resource's namespace that every pod the operator makes for it "
+    eviction: Eviction = _section(Eviction, "Eviction policy of L1 and L2.")
+    lmcache_server: LMCacheServer = _section(LMCacheServer, "The lmcache server pods.")
+    vllm: VLLM = _section(VLLM, "The vLLM pods.")
+    image_pull_secrets: list[LocalObjectRef] = _list(
+        4, "Secrets (docker-registry) of the resource's namespace that every pod the operator makes for it "
         "pulls its images with: vLLM, and the lmcache server with its inventory agent (the operator's image). Not "
-        "part of the namespace id.", json_schema_extra={"default": []},
+        "part of the namespace id.",
     )
-    canary: Canary = Field(
-        default_factory=Canary, description="The live correctness canary: a cached answer checked against one computed "
-        "without the cache. Not part of the namespace id.", json_schema_extra={"default": defaults_of(Canary)},
-    )
+    canary: Canary = _section(Canary, "The live correctness canary: a cached answer checked against one computed "
+                              "without the cache. Not part of the namespace id.")
     prewarm: Prewarm | None = Field(
         None, description="Prompts kept warm in every lmcache server's L1 after each server or vLLM (re)start, rollout "
         "and change of the list (the Warm condition). Not part of the namespace id.",
@@ -1565,8 +1510,7 @@ class CanaryMismatch(_Model):
     pod: str = Field(max_length=253, description="The vLLM pod whose cached answer differed.")
     expected: CanaryTokenIds = Field(max_length=64, description="The reference's token ids (computed without the cache).")
     got: CanaryTokenIds = Field(max_length=64, description="The token ids served with the cache, twice.")
-    tiers: list[CanaryTier] = Field(default_factory=list, max_length=2, description="What served the two cached "
-                                    "answers. " + _TIER_TEXT, json_schema_extra={"default": []})
+    tiers: list[CanaryTier] = _list(2, "What served the two cached answers. " + _TIER_TEXT)
 
 
 class CanaryStatus(_Model):
@@ -1622,14 +1566,11 @@ class AttachStatus(_Model):
     model: str = Field(max_length=256, description="The model, the argument after `serve`.")
     image_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="The digest the container image must "
                               "end with (@sha256:...).")
-    pins: list[AttachPin] = Field(default_factory=list, max_length=16, description="Arguments the pod must carry, "
-                                  "each exactly once with exactly this value.", json_schema_extra={"default": []})
-    args: list[Annotated[str, Field(max_length=8192)]] = Field(
-        default_factory=list, max_length=8, description="Flag and value pairs the policy adds where the flag is "
-        "absent, and requires exactly once at exactly this value (--kv-transfer-config, --kv-events-config).",
-        json_schema_extra={"default": []})
-    env: list[AttachEnv] = Field(default_factory=list, max_length=8, description="Variables added where absent, "
-                                 "required at this value.", json_schema_extra={"default": []})
+    pins: list[AttachPin] = _list(16, "Arguments the pod must carry, each exactly once with exactly this value.")
+    args: list[Annotated[str, Field(max_length=8192)]] = _list(
+        8, "Flag and value pairs the policy adds where the flag is absent, and requires exactly once at exactly this "
+        "value (--kv-transfer-config, --kv-events-config).")
+    env: list[AttachEnv] = _list(8, "Variables added where absent, required at this value.")
     server_selector: dict[str, str] = Field(default_factory=dict, description="Labels of this namespace id's "
                                             "lmcache servers: the pod's required podAffinity (same node).",
                                             json_schema_extra={"default": {}})

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
-from kvpersist.api.policyfiles import chart_doc, dump
+from kvpersist.api.policyfiles import chart_doc, dump, var
 from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
@@ -50,24 +50,19 @@ CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_C
 EPHEMERAL = "ephemeralcontainers"  # pods/ephemeralcontainers (kubectl debug): refused on attached pods
 
 
-def _var(name: str, *lines: str) -> dict[str, str]:
-    """A CEL variable, its lines joined as the policy's YAML shows them."""
-    return {"name": name, "expression": "\n  ".join(lines)}
-
-
 def _common_variables() -> list[dict[str, str]]:
     """What both policies read: whether the param is the resource the pod's label names, whether it
     takes attached pods (mode Attached, status.attach written), and the vLLM container's name."""
     annotations = "object.metadata.annotations"
     return [
-        _var("mine", f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels",
-             f"&& object.metadata.labels['{LABEL}'] == params.metadata.name"),
-        _var("attached", "has(params.spec.vllm) && has(params.spec.vllm.mode) && params.spec.vllm.mode == 'Attached'"),
-        _var("ready", "variables.attached && has(params.status) && has(params.status.attach)"),
+        var("mine", f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels",
+            f"&& object.metadata.labels['{LABEL}'] == params.metadata.name"),
+        var("attached", "has(params.spec.vllm) && has(params.spec.vllm.mode) && params.spec.vllm.mode == 'Attached'"),
+        var("ready", "variables.attached && has(params.status) && has(params.status.attach)"),
         # The cache off for vLLM (status.attach.bypassed): no connection added, none required.
-        _var("bypassed", "variables.ready && has(params.status.attach.bypassed)"),
-        _var("cname", f"has({annotations}) && '{CONTAINER_ANNOTATION}' in {annotations}",
-             f"? {annotations}['{CONTAINER_ANNOTATION}'] : '{DEFAULT_CONTAINER}'"),
+        var("bypassed", "variables.ready && has(params.status.attach.bypassed)"),
+        var("cname", f"has({annotations}) && '{CONTAINER_ANNOTATION}' in {annotations}",
+            f"? {annotations}['{CONTAINER_ANNOTATION}'] : '{DEFAULT_CONTAINER}'"),
     ]
 
 
@@ -76,59 +71,58 @@ def _validating_variables() -> list[dict[str, str]]:
     args, count, attach = "variables.args", "variables.count", "params.status.attach"
     return [
         *_common_variables(),
-        _var("judged", "variables.mine && variables.ready"),
-        _var("cs", "object.spec.containers.filter(c, c.name == variables.cname)"),
-        _var("found", "size(variables.cs) == 1"),
-        _var("command", "variables.found && has(variables.cs[0].command) ? variables.cs[0].command : []"),
+        var("judged", "variables.mine && variables.ready"),
+        var("cs", "object.spec.containers.filter(c, c.name == variables.cname)"),
+        var("found", "size(variables.cs) == 1"),
+        var("command", "variables.found && has(variables.cs[0].command) ? variables.cs[0].command : []"),
         # `vllm serve` as the command (llm-d's modelservice writes it so) reads as `vllm` with serve first.
-        _var("args", "(variables.command == ['vllm', 'serve'] ? ['serve'] : [])",
-             "+ (variables.found && has(variables.cs[0].args) ? variables.cs[0].args : [])"),
-        _var("count", "size(variables.args)"),
-        _var("idx", str(list(range(MAX_ARGS)))),
+        var("args", "(variables.command == ['vllm', 'serve'] ? ['serve'] : [])",
+            "+ (variables.found && has(variables.cs[0].args) ? variables.cs[0].args : [])"),
+        var("count", "size(variables.args)"),
+        var("idx", str(list(range(MAX_ARGS)))),
         # The pins and the connection flags: each exactly once, `flag value`, at the status' value.
-        _var("wanted", f"!variables.ready ? [] : {attach}.pins.map(p, [string(p.flag), string(p.value), string(p.field)])",
-             f"+ [0, 2, 4, 6].filter(k, !variables.bypassed && k + 1 < size({attach}.args))",
-             f"  .map(k, [string({attach}.args[k]), string({attach}.args[k + 1]), 'status.attach.args'])"),
-        _var("wrongPins", "variables.wanted.filter(w,",
-             f"variables.idx.filter(i, i < {count} && ({args}[i] == w[0] || {args}[i].startsWith(w[0] + '='))).size() != 1",
-             f"|| !variables.idx.exists(i, i + 1 < {count} && {args}[i] == w[0] && {args}[i + 1] == w[1]))"),
-        _var("known", f"variables.wanted.map(w, w[0]) + [{own}]"),
-        _var("valueFlags", f"variables.known + {EXTRA_ARG_VALUE_FLAGS}"),
+        var("wanted", f"!variables.ready ? [] : {attach}.pins.map(p, [string(p.flag), string(p.value), string(p.field)])",
+            f"+ [0, 2, 4, 6].filter(k, !variables.bypassed && k + 1 < size({attach}.args))",
+            f"  .map(k, [string({attach}.args[k]), string({attach}.args[k + 1]), 'status.attach.args'])"),
+        var("wrongPins", "variables.wanted.filter(w,",
+            f"variables.idx.filter(i, i < {count} && ({args}[i] == w[0] || {args}[i].startsWith(w[0] + '='))).size() != 1",
+            f"|| !variables.idx.exists(i, i + 1 < {count} && {args}[i] == w[0] && {args}[i + 1] == w[1]))"),
+        var("known", f"variables.wanted.map(w, w[0]) + [{own}]"),
+        var("valueFlags", f"variables.known + {EXTRA_ARG_VALUE_FLAGS}"),
         # extraArgs' allow-list rule, over the arguments after `serve MODEL`, with the known flags.
-        _var("refusedFlags", f"variables.idx.filter(i, i >= 2 && i < {count} && {args}[i].startsWith('-')",
-             f"&& !{args}[i].matches('{EXTRA_ARG_REGEX}')",
-             f"&& !({args}[i] in variables.known))",
-             f".map(i, {args}[i])"),
+        var("refusedFlags", f"variables.idx.filter(i, i >= 2 && i < {count} && {args}[i].startsWith('-')",
+            f"&& !{args}[i].matches('{EXTRA_ARG_REGEX}')",
+            f"&& !({args}[i] in variables.known))",
+            f".map(i, {args}[i])"),
         # extraArgs' values rule: a word is the value of the flag before it, and such a flag has one.
-        _var("strayWords", f"variables.idx.filter(i, i >= 2 && i < {count} && ({args}[i].startsWith('-')",
-             f"? ({args}[i] in variables.valueFlags && !(i + 1 < {count} && !{args}[i + 1].startsWith('-')))",
-             f": !(i > 2 && {args}[i - 1] in variables.valueFlags)))",
-             f".map(i, {args}[i])"),
+        var("strayWords", f"variables.idx.filter(i, i >= 2 && i < {count} && ({args}[i].startsWith('-')",
+            f"? ({args}[i] in variables.valueFlags && !(i + 1 < {count} && !{args}[i + 1].startsWith('-')))",
+            f": !(i > 2 && {args}[i - 1] in variables.valueFlags)))",
+            f".map(i, {args}[i])"),
         # The pod's other containers, init containers (native sidecars among them) included: each runs
         # an image the resource lists in spec.vllm.attachedContainers.
-        _var("others", "object.spec.containers.filter(c, c.name != variables.cname)",
-             "+ (has(object.spec.initContainers) ? object.spec.initContainers : [])"),
-        _var("refusedContainers", "variables.others.filter(c, !(has(params.spec.vllm.attachedContainers)",
-             "&& c.image in params.spec.vllm.attachedContainers)).map(c, c.name + ' (' + c.image + ')')"),
-        _var("freshDirs", "!variables.found || !has(variables.cs[0].volumeMounts) || !has(object.spec.volumes) ? []",
-             ": variables.cs[0].volumeMounts.filter(m, (!has(m.subPath) || m.subPath == '')",
-             "  && object.spec.volumes.exists(v, v.name == m.name && has(v.emptyDir))",
-             "  && !variables.others.exists(c, has(c.volumeMounts) && c.volumeMounts.exists(o, o.name == m.name)))",
-             "  .map(m, m.mountPath)"),
-        {"name": "env", "expression": "variables.found && has(variables.cs[0].env) ? variables.cs[0].env : []"},
+        var("others", "object.spec.containers.filter(c, c.name != variables.cname)",
+            "+ (has(object.spec.initContainers) ? object.spec.initContainers : [])"),
+        var("refusedContainers", "variables.others.filter(c, !(has(params.spec.vllm.attachedContainers)",
+            "&& c.image in params.spec.vllm.attachedContainers)).map(c, c.name + ' (' + c.image + ')')"),
+        var("freshDirs", "!variables.found || !has(variables.cs[0].volumeMounts) || !has(object.spec.volumes) ? []",
+            ": variables.cs[0].volumeMounts.filter(m, (!has(m.subPath) || m.subPath == '')",
+            "  && object.spec.volumes.exists(v, v.name == m.name && has(v.emptyDir))",
+            "  && !variables.others.exists(c, has(c.volumeMounts) && c.volumeMounts.exists(o, o.name == m.name)))",
+            "  .map(m, m.mountPath)"),
+        var("env", "variables.found && has(variables.cs[0].env) ? variables.cs[0].env : []"),
         # Each at its value, or from its downward API field (the pod IP of llm-d's event topic).
-        _var("wrongEnv", "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,",
-             "variables.env.filter(x, x.name == e.name).size() != 1",
-             "|| !variables.env.exists(x, x.name == e.name && (has(e.fieldPath)",
-             "  ? has(x.valueFrom) && has(x.valueFrom.fieldRef) && x.valueFrom.fieldRef.fieldPath == e.fieldPath",
-             "  : has(x.value) && x.value == e.value)))",
-             ".map(e, e.name + (has(e.fieldPath) ? ' from ' + e.fieldPath : '=' + e.value))"),
-        {"name": "refusedEnv", "expression": "!variables.ready ? [] : variables.env.filter(x,\n"
-                                             "  !params.status.attach.env.exists(e, e.name == x.name)\n"
-                                             f"  && !({env_name_rule('x.name', ATTACH_OWN_ENV)})\n"
-                                             f"  && !(x.name in [{', '.join(repr(n) for n in CACHE_ENV)}] && has(x.value)"
-                                             " && x.value in variables.freshDirs))\n"
-                                             "  .map(x, x.name)"},
+        var("wrongEnv", "!variables.ready || variables.bypassed ? [] : params.status.attach.env.filter(e,",
+            "variables.env.filter(x, x.name == e.name).size() != 1",
+            "|| !variables.env.exists(x, x.name == e.name && (has(e.fieldPath)",
+            "  ? has(x.valueFrom) && has(x.valueFrom.fieldRef) && x.valueFrom.fieldRef.fieldPath == e.fieldPath",
+            "  : has(x.value) && x.value == e.value)))",
+            ".map(e, e.name + (has(e.fieldPath) ? ' from ' + e.fieldPath : '=' + e.value))"),
+        var("refusedEnv", "!variables.ready ? [] : variables.env.filter(x,",
+            "!params.status.attach.env.exists(e, e.name == x.name)",
+            f"&& !({env_name_rule('x.name', ATTACH_OWN_ENV)})",
+            f"&& !(x.name in [{', '.join(repr(n) for n in CACHE_ENV)}] && has(x.value) && x.value in variables.freshDirs))",
+            ".map(x, x.name)"),
     ]
 
 
@@ -236,16 +230,15 @@ def validating_policy(name: str) -> dict[str, Any]:
 
 
 def _mutating_variables() -> list[dict[str, str]]:
-    term = ("{'labelSelector': dyn({'matchLabels': params.status.attach.serverSelector}), "
-            "'topologyKey': dyn('kubernetes.io/hostname')}")
     return [
         *_common_variables(),
-        {"name": "i", "expression": "object.spec.containers.map(c, c.name).indexOf(variables.cname)"},
-        {"name": "labels", "expression": "variables.mine && variables.ready && variables.i >= 0"},
-        {"name": "go", "expression": "variables.labels && !variables.bypassed"},
-        {"name": "c", "expression": "variables.go ? object.spec.containers[variables.i] : object.spec.containers[0]"},
-        {"name": "path", "expression": "'/spec/containers/' + string(variables.i)"},
-        {"name": "term", "expression": term},
+        var("i", "object.spec.containers.map(c, c.name).indexOf(variables.cname)"),
+        var("labels", "variables.mine && variables.ready && variables.i >= 0"),
+        var("go", "variables.labels && !variables.bypassed"),
+        var("c", "variables.go ? object.spec.containers[variables.i] : object.spec.containers[0]"),
+        var("path", "'/spec/containers/' + string(variables.i)"),
+        var("term", "{'labelSelector': dyn({'matchLabels': params.status.attach.serverSelector}), "
+            "'topologyKey': dyn('kubernetes.io/hostname')}"),
     ]
 
 
@@ -263,26 +256,24 @@ def _mutation() -> str:
             "    && !variables.c.args.exists(a, a.startsWith(params.status.attach.args[k - k % 2] + '=')))\n"
             "  .map(k, JSONPatch{op: 'add', path: variables.path + '/args/-', value: params.status.attach.args[k]})")
     # A status.attach.env entry as a container's variable: its value, or its downward API field.
-    var = ("(has(e.fieldPath) ? {'name': dyn(e.name), 'valueFrom': dyn({'fieldRef': {'apiVersion': dyn('v1'), "
+    env_var = ("(has(e.fieldPath) ? {'name': dyn(e.name), 'valueFrom': dyn({'fieldRef': {'apiVersion': dyn('v1'), "
            "'fieldPath': dyn(e.fieldPath)}})} : {'name': dyn(e.name), 'value': dyn(e.value)})")
     env = ("!has(variables.c.env) ? [JSONPatch{op: 'add', path: variables.path + '/env', "
-           f"value: params.status.attach.env.map(e, {var})}}]\n"
+           f"value: params.status.attach.env.map(e, {env_var})}}]\n"
            "  : params.status.attach.env.filter(e, !variables.c.env.exists(x, x.name == e.name))\n"
-           f"    .map(e, JSONPatch{{op: 'add', path: variables.path + '/env/-', value: {var}}})")
-    shm = (f"has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '/dev/shm') ? []\n"
-           f"  : (has(object.spec.volumes) ? [JSONPatch{{op: 'add', path: '/spec/volumes/-', value: "
-           f"{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': dyn({{'medium': 'Memory'}})}}}}]\n"
-           f"    : [JSONPatch{{op: 'add', path: '/spec/volumes', value: [{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': "
-           f"dyn({{'medium': 'Memory'}})}}]}}])\n"
-           f"  + (has(variables.c.volumeMounts) ? [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts/-', "
-           f"value: {{'name': '{SHM_VOLUME}', 'mountPath': '/dev/shm'}}}}]\n"
-           f"    : [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts', value: [{{'name': '{SHM_VOLUME}', "
-           f"'mountPath': '/dev/shm'}}]}}])")
+           f"    .map(e, JSONPatch{{op: 'add', path: variables.path + '/env/-', value: {env_var}}})")
+    volume = f"{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': dyn({{'medium': 'Memory'}})}}"
+    mount = f"{{'name': '{SHM_VOLUME}', 'mountPath': '/dev/shm'}}"
+    shm = ("has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '/dev/shm') ? []\n"
+           f"  : (has(object.spec.volumes) ? [JSONPatch{{op: 'add', path: '/spec/volumes/-', value: {volume}}}]\n"
+           f"    : [JSONPatch{{op: 'add', path: '/spec/volumes', value: [{volume}]}}])\n"
+           f"  + (has(variables.c.volumeMounts) ? [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts/-', value: {mount}}}]\n"
+           f"    : [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts', value: [{mount}]}}])")
     required = "requiredDuringSchedulingIgnoredDuringExecution"
-    affinity = ("!has(object.spec.affinity) ? [JSONPatch{op: 'add', path: '/spec/affinity', value: "
-                f"{{'podAffinity': {{'{required}': [variables.term]}}}}}}]\n"
-                "  : !has(object.spec.affinity.podAffinity) ? [JSONPatch{op: 'add', path: '/spec/affinity/podAffinity', "
-                f"value: {{'{required}': [variables.term]}}}}]\n"
+    terms = f"{{'{required}': [variables.term]}}"
+    affinity = (f"!has(object.spec.affinity) ? [JSONPatch{{op: 'add', path: '/spec/affinity', value: {{'podAffinity': {terms}}}}}]\n"
+                f"  : !has(object.spec.affinity.podAffinity) ? [JSONPatch{{op: 'add', path: '/spec/affinity/podAffinity', "
+                f"value: {terms}}}]\n"
                 f"  : !has(object.spec.affinity.podAffinity.{required}) ? [JSONPatch{{op: 'add', "
                 f"path: '/spec/affinity/podAffinity/{required}', value: [variables.term]}}]\n"
                 f"  : object.spec.affinity.podAffinity.{required}.exists(t, t == variables.term) ? []\n"

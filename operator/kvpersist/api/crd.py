@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kvpersist.api import policyfiles
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.structural import schema_of
 
@@ -102,10 +103,8 @@ CRD_PATHS = [Path("crds") / f"{api.PLURAL}.{api.GROUP}.yaml"]
 
 
 def write_crds(root: Path) -> list[Path]:
-    """Writes the CRD to every committed copy under root; returns the paths written."""
+    """Writes the CRD to every committed copy under root (the chart's where root has the chart);
+    returns the paths written."""
     text = render_crd()
-    written = []
-    for rel in CRD_PATHS + [p for p in [Path("charts/kvpersist/files") / CRD_PATHS[0].name] if (root / p.parent).is_dir()]:
-        (root / rel).write_text(text)
-        written.append(root / rel)
-    return written
+    chart = Path("charts/kvpersist/files") / CRD_PATHS[0].name
+    return policyfiles.write(root, tuple((rel, text) for rel in CRD_PATHS + ([chart] if (root / chart.parent).is_dir() else [])))

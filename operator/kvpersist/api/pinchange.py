@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
-from kvpersist.api.policyfiles import chart_doc, dump
+from kvpersist.api.policyfiles import chart_doc, dump, var
 from kvpersist.api.v1alpha1 import ADAPTER_FIELD, GROUP, PLURAL, IdField, id_fields
 
 POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
@@ -70,15 +70,14 @@ def _human_bytes() -> list[dict[str, str]]:
     unit = " : ".join(f"variables.bytes >= {size} ? {size}" for _, size in UNITS) + " : 1"
     names = ", ".join(f"{size}: '{name}'" for name, size in UNITS)
     return [
-        {"name": "unit", "expression": unit},
-        {"name": "quotient", "expression": "variables.bytes * 10 / variables.unit"},
-        {"name": "remainder", "expression": "variables.bytes * 10 % variables.unit"},
-        {"name": "tenths", "expression": "variables.quotient + (2 * variables.remainder > variables.unit\n"
-                                         "  || (2 * variables.remainder == variables.unit && variables.quotient % 2 == 1) ? 1 : 0)"},
-        {"name": "size", "expression": "variables.unit == 1 ? string(variables.bytes) + 'B'\n"
-                                       "  : string(variables.tenths / 10) + (variables.tenths % 10 == 0 ? '' : '.' + "
-                                       "string(variables.tenths % 10))\n"
-                                       f"  + {{{names}}}[variables.unit]"},
+        var("unit", unit),
+        var("quotient", "variables.bytes * 10 / variables.unit"),
+        var("remainder", "variables.bytes * 10 % variables.unit"),
+        var("tenths", "variables.quotient + (2 * variables.remainder > variables.unit",
+            "|| (2 * variables.remainder == variables.unit && variables.quotient % 2 == 1) ? 1 : 0)"),
+        var("size", "variables.unit == 1 ? string(variables.bytes) + 'B'",
+            ": string(variables.tenths / 10) + (variables.tenths % 10 == 0 ? '' : '.' + string(variables.tenths % 10))",
+            f"+ {{{names}}}[variables.unit]"),
     ]
 
 
@@ -88,20 +87,17 @@ MESSAGE = ("identity changes: this resource will serve another namespace id, and
 
 
 def policy(name: str) -> dict[str, Any]:
-    measured = _status("usage", "measuredAt")
     variables = [
-        {"name": "served", "expression": f"{_status('namespaceId')} ? oldObject.status.namespaceId : ''"},
-        {"name": "changed", "expression": changed_expression()},
-        {"name": "keyOnly", "expression": f"variables.changed.all(p, p.startsWith('{KEY_PREFIX}'))"},
-        {"name": "measured", "expression": measured},
-        {"name": "bytes", "expression": f"variables.measured && {_status('usage', 'l2UsedBytes')}\n"
-                                        "  ? oldObject.status.usage.l2UsedBytes : 0"},
-        {"name": "objects", "expression": f"variables.measured && {_status('usage', 'l2Objects')}\n"
-                                          "  ? oldObject.status.usage.l2Objects : 0"},
+        var("served", f"{_status('namespaceId')} ? oldObject.status.namespaceId : ''"),
+        var("changed", changed_expression()),
+        var("keyOnly", f"variables.changed.all(p, p.startsWith('{KEY_PREFIX}'))"),
+        var("measured", _status("usage", "measuredAt")),
+        var("bytes", f"variables.measured && {_status('usage', 'l2UsedBytes')}", "? oldObject.status.usage.l2UsedBytes : 0"),
+        var("objects", f"variables.measured && {_status('usage', 'l2Objects')}", "? oldObject.status.usage.l2Objects : 0"),
         *_human_bytes(),
-        {"name": "hits", "expression": f"{_status('hits', 'summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"},
-        {"name": "held", "expression": "(variables.measured ? variables.size + ' in ' + string(variables.objects) + ' objects'\n"
-                                       "  : 'its size not measured yet') + variables.hits"},
+        var("hits", f"{_status('hits', 'summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"),
+        var("held", "(variables.measured ? variables.size + ' in ' + string(variables.objects) + ' objects'",
+            ": 'its size not measured yet') + variables.hits"),
     ]
     message = ("'identity changes (' + variables.changed.join(', ') + '): ' + variables.served + ' (' + variables.held + ')'\n"
                "+ (variables.keyOnly ? ' will no longer be served unless the new Secret holds the same key'"

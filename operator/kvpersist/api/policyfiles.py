@@ -32,6 +32,11 @@ _Dumper.add_representer(str, _str)
 _Dumper.add_representer(list, _list)
 
 
+def var(name: str, *lines: str) -> dict[str, str]:
+    """A policy's CEL variable, its lines joined as the policy's YAML shows them."""
+    return {"name": name, "expression": "\n  ".join(lines)}
+
+
 def dump(doc: dict[str, Any]) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000)
 

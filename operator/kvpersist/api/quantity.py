@@ -40,8 +40,6 @@ def parse(text: str) -> Quantity:
     m = _GRAMMAR.fullmatch(text)
     if not text or not m:
         raise ValueError(f"not a quantity: {text!r} (a number, then a suffix such as Gi, M or e6)")
-    if text == "0":
-        return Quantity(0, 0, True)
     sign, num, denom, suffix = m.group(1), m.group(2) or "0", m.group(3) or "", m.group(4) or ""
     if suffix in _BINARY:
         base, exponent, binary = 2, _BINARY[suffix], True

@@ -53,8 +53,7 @@ def _from_cel(value: Any) -> quantity.Quantity:
 
 
 def _as_integer(value: Any) -> int:
-    q = _from_cel(value)
-    number = q.value
+    number = _from_cel(value).value
     if number != number.to_integral_value() or not -(2**63) <= number <= quantity.MAX_INT64:
         raise ValueError("cannot convert value to integer")
     return int(number)

@@ -33,7 +33,7 @@ from kvpersist.api.celrules import cel
 from kvpersist.api.quantity import MAX_INT64, parse_quantity
 from kvpersist.api.structural import LABEL_NAME, QUALIFIED_NAME, schema_of
 from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, printable, refuse_control, refuse_control_in_prompt
-from kvpersist.identity import CHECKED_SERDE
+from kvpersist.identity import CHECKED_SERDE, image_digest
 
 GROUP = "kvpersist.dev"
 VERSION = "v1alpha1"
@@ -1102,8 +1102,6 @@ class KVCacheNamespaceSpec(_Spec):
         (l2_layout: another adapter names its files otherwise, so a switch is a new folder). With
         encryption on, also the fingerprint of the key the servers mount (kvpersist.identity
         key_fingerprint), read from its Secret by the caller: None leaves the id unresolved."""
-        from kvpersist.identity import image_digest
-
         digest = image_digest(self.image)
         return {**self.identity.resolved(), "vllm_image_digest": digest, "lmcache_server_image_digest": digest,
                 "l2_serde": L2_SERDE if self.l2.encryption.enabled else L2_CHECKED,
@@ -1203,8 +1201,6 @@ def id_fields() -> tuple[IdField, ...]:
 def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
     """The field's value as the id sees it, in a spec as the API stores it (camelCase, defaults
     applied): None when unset, an image's digest alone (None without one)."""
-    from kvpersist.identity import image_digest
-
     node: Any = spec
     for part in field.path.split(".")[1:]:
         node = node.get(part) if isinstance(node, Mapping) else None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
-from kvpersist.api.policyfiles import chart_doc, dump, var
+from kvpersist.api.policyfiles import admission, chart_doc, dump, var
 from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
@@ -211,9 +211,8 @@ def _policy(kind: str, name: str, operations: list[str], resources: tuple[str, .
     """An admission policy on pods whose param is the KVCacheNamespace; an error refuses (Fail):
     never a pod attached unchecked."""
     rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": list(resources)}]
-    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": name},
-            "spec": {"failurePolicy": "Fail", "paramKind": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCacheNamespace"},
-                     "matchConstraints": {"resourceRules": rules}, **spec}}
+    param = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCacheNamespace"}
+    return admission(kind, name, {"failurePolicy": "Fail", "paramKind": param, "matchConstraints": {"resourceRules": rules}, **spec})
 
 
 def validating_policy(name: str) -> dict[str, Any]:
@@ -293,12 +292,8 @@ def bindings(name: str) -> list[dict[str, Any]]:
     # labels); none there: the labelled pod is refused.
     spec = {"policyName": name, "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"},
             "matchResources": {"objectSelector": {"matchExpressions": [{"key": LABEL, "operator": "Exists"}]}}}
-    return [
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicyBinding",
-         "metadata": {"name": name}, "spec": spec},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": name}, "spec": {**spec, "validationActions": ["Deny"]}},
-    ]
+    return [admission("MutatingAdmissionPolicyBinding", name, spec),
+            admission("ValidatingAdmissionPolicyBinding", name, {**spec, "validationActions": ["Deny"]})]
 
 
 def documents(name: str) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
-from kvpersist.api.policyfiles import chart_doc, dump, var
+from kvpersist.api.policyfiles import admission, chart_doc, dump, var
 from kvpersist.api.v1alpha1 import ADAPTER_FIELD, GROUP, PLURAL, IdField, id_fields
 
 POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
@@ -104,24 +104,18 @@ def policy(name: str) -> dict[str, Any]:
                " : ' will no longer be served')\n"
                "+ '; it stays in L2 as an orphan until `kvpersist gc ' + variables.served + '`'\n"
                "+ '; `kubectl kvpersist plan -f FILE` shows the new id and whether it already has data'")
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Ignore",
-            "matchConstraints": {"resourceRules": [{"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
-                                                    "resources": [PLURAL]}]},
-            "variables": variables,
-            "validations": [{"expression": "size(variables.changed) == 0 || variables.served == ''",
-                             "message": MESSAGE, "messageExpression": message}],
-        },
-    }
+    return admission("ValidatingAdmissionPolicy", name, {
+        "failurePolicy": "Ignore",
+        "matchConstraints": {"resourceRules": [{"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+                                                "resources": [PLURAL]}]},
+        "variables": variables,
+        "validations": [{"expression": "size(variables.changed) == 0 || variables.served == ''",
+                         "message": MESSAGE, "messageExpression": message}],
+    })
 
 
 def binding(name: str) -> dict[str, Any]:
-    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-            "metadata": {"name": name}, "spec": {"policyName": name, "validationActions": ["Warn"]}}
+    return admission("ValidatingAdmissionPolicyBinding", name, {"policyName": name, "validationActions": ["Warn"]})
 
 
 HEADER = f"""\

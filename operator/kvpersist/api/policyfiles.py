@@ -32,6 +32,11 @@ _Dumper.add_representer(str, _str)
 _Dumper.add_representer(list, _list)
 
 
+def admission(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An admissionregistration.k8s.io/v1 object (a policy or its binding)."""
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
+
+
 def var(name: str, *lines: str) -> dict[str, str]:
     """A policy's CEL variable, its lines joined as the policy's YAML shows them."""
     return {"name": name, "expression": "\n  ".join(lines)}

@@ -226,9 +226,10 @@ def _section(model: type[_Model], description: str) -> Any:
     return Field(default_factory=model, description=description, json_schema_extra={"default": default})
 
 
-def _list(max_length: int, description: str) -> Any:
-    """A list that may be left out, stored as [] then."""
-    return Field(default_factory=list, max_length=max_length, description=description, json_schema_extra={"default": []})
+def _list(max_length: int, description: str, *rules: dict[str, str]) -> Any:
+    """A list that may be left out, stored as [] then; rules: CEL on the whole list."""
+    extra: dict[str, Any] = {"default": [], "x-kubernetes-validations": list(rules)} if rules else {"default": []}
+    return Field(default_factory=list, max_length=max_length, description=description, json_schema_extra=extra)
 
 
 # ---------------------------------------------------------------- identity
@@ -914,21 +915,15 @@ class VLLM(_Spec):
         None, min_length=1, max_length=256, description="Name clients use in requests; defaults to identity.modelId.",
     )
     port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
-    extra_args: list[Annotated[FreeText, Field(max_length=1024)]] = Field(
-        default_factory=list, max_length=64,
-        description="More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
+    extra_args: list[Annotated[FreeText, Field(max_length=1024)]] = _list(
+        64, "More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
         "scheduling, logging, the HTTP API), spelled in full; everything else, the identity pins included, is refused: "
         "it could change KV under the same namespace.",
-        json_schema_extra={
-            "default": [],
-            "x-kubernetes-validations": [
-                cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))", EXTRA_ARGS_RULE),
-                # By index (CEL has no pairwise walk): maxItems is 64, the list below as long.
-                cel(f"[{', '.join(map(str, range(64)))}].all(i, i >= self.size() || (self[i].startsWith('-') ? "
-                    f"(!(self[i] in {EXTRA_ARG_VALUE_FLAGS}) || (i + 1 < self.size() && !self[i + 1].startsWith('-'))) "
-                    f": (i > 0 && self[i - 1] in {EXTRA_ARG_VALUE_FLAGS})))", EXTRA_ARGS_VALUES_RULE),
-            ],
-        },
+        cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))", EXTRA_ARGS_RULE),
+        # By index (CEL has no pairwise walk): maxItems is 64, the list below as long.
+        cel(f"[{', '.join(map(str, range(64)))}].all(i, i >= self.size() || (self[i].startsWith('-') ? "
+            f"(!(self[i] in {EXTRA_ARG_VALUE_FLAGS}) || (i + 1 < self.size() && !self[i + 1].startsWith('-'))) "
+            f": (i > 0 && self[i - 1] in {EXTRA_ARG_VALUE_FLAGS})))", EXTRA_ARGS_VALUES_RULE),
     )
     resources: Resources | None = Field(None, description="Extra requests/limits; GPUs come from gpusPerReplica.")
     node_selector: dict[QualifiedName, LabelValue] | None = Field(

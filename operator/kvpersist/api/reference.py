@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvpersist.api import policyfiles
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.crd import build_crd
 
@@ -75,6 +76,4 @@ def render_reference() -> str:
 
 
 def write_reference(root: Path) -> list[Path]:
-    path = root / REFERENCE_PATH
-    path.write_text(render_reference())
-    return [path]
+    return policyfiles.write(root, ((REFERENCE_PATH, render_reference()),))

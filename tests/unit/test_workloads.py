@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvpersist.builders.target import Target
-from kvpersist.status.conditions import _pod_ready, _rollout_done
-from kvpersist.status.workloads import Seen, index_entry, owner_key, slim
+from kvpersist.status.conditions import _rollout_done
+from kvpersist.status.workloads import Seen, index_entry, owner_key, pod_ready, slim
 
 POD = {
     "apiVersion": "v1", "kind": "Pod",
@@ -29,7 +29,7 @@ def test_slim_keeps_what_status_reads_and_drops_the_rest() -> None:
     # Its node, uid and container starts, and nothing else of its spec (spec.prewarm's schedule).
     assert pod["spec"] == {"nodeName": "gpu-0"} and pod["metadata"]["uid"] == "u" and pod["status"]["restarts"] == 3
     assert pod["status"]["conditions"] == [{"type": "Ready", "status": "True"}]
-    assert _pod_ready(pod) and _pod_ready(POD)
+    assert pod_ready(pod) and pod_ready(POD)
     assert pod["status"]["podIP"] == "127.16.0.5" and pod["metadata"]["labels"]["app.kubernetes.io/component"] == "lmcache-server"
     assert _rollout_done(slim(STS), 1) == _rollout_done(STS, 1) == (True, 1)
     assert len(repr(pod)) < len(repr(POD)) / 3

@@ -188,7 +188,12 @@ class BoundedHTTPServer(HTTPServer):
                     elif key.fileobj is self._wake_r:
                         self._wake_r.recv(64)
                     else:
-                        self._read_head(sel, key.data)
+                        try:
+                            self._read_head(sel, key.data)
+                        except Exception as exc:  # one peer's head must never end the loop every other one needs
+                            log.warning("%s: dropped a connection whose head could not be read: %s: %s", self.name,
+                                        type(exc).__name__, exc)
+                            self._drop(sel, key.data)
                 self._expire(sel)
         finally:
             for pending in list(self._pending.values()):
@@ -295,7 +300,10 @@ class BoundedHTTPServer(HTTPServer):
         parts = bytes(head[:head.find(b"\n")]).split()
         if len(parts) != 3 or parts[0] != b"GET" or not parts[2].startswith(b"HTTP/1."):
             return None
-        return self.probes.get(urlsplit(parts[1].decode("latin-1")).path)
+        try:
+            return self.probes.get(urlsplit(parts[1].decode("latin-1")).path)
+        except ValueError:  # e.g. `//[x`, an unclosed IPv6 literal: no probe, and never the end of this loop
+            return None
 
     def _answer_probe(self, pending: _Connection, probe: Probe) -> None:
         """The probe's answer, on this thread: a probe that raises is a failed probe (500, why)."""

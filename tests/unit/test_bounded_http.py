@@ -379,3 +379,17 @@ def test_the_agents_probe_is_answered_while_requests_hold_its_workers(tmp_path: 
         trimmer._stop.clear()
         code, body = status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")
         assert code == 503 and "trim thread" in json.loads(body)["error"]
+
+
+def test_a_request_line_no_url_parser_reads_neither_stops_the_server_nor_its_probe(tmp_path: Path) -> None:
+    """`GET //[x`: urlsplit raises on it (an unclosed IPv6 literal). Read for the probe check on the
+    server's own loop, it ended the loop, and with it every later request and /healthz (a hostile
+    peer stopped the agent). Now it is no probe, its worker refuses it, and the server goes on."""
+    with agent(tmp_path) as port:
+        for raw in (b"GET //[x HTTP/1.1\r\nHost: a\r\n\r\n", b"GET http://[::1 HTTP/1.0\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S) as s:
+                s.sendall(raw)
+                closed_within(s, ANSWER_S)  # whatever it answers, the connection ends
+            assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 200
+            code, _ = status_of(port, f"GET /inventory HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+            assert code == 200

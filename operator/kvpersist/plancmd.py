@@ -308,12 +308,18 @@ def _documents(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def _read_key(source: tuple[str, str], namespace: str, generated: bool) -> KeyRead:
+def _read_key(target: Target) -> KeyRead:
+    """The key Secret judged as the operator judges it (controller.reading.read_key): a Secret under
+    the generated name that the operator did not make is KeySecretNotOwned, its bytes never read."""
+    assert target.key_secret is not None
+    (name, item), generated = target.key_secret, target.key_secret_generated
     try:
-        secret = kube.get("v1", "Secret", source[0], namespace)
+        secret = kube.get("v1", "Secret", name, target.namespace)
     except ApiException as exc:
-        return l2key.unreadable(source[0], source[1], generated, exc.status)
-    return l2key.read(secret, source[0], source[1], namespace, generated, kube.secret_value(secret, source[1]))
+        return l2key.unreadable(name, item, generated, exc.status)
+    foreign = generated and secret is not None and not ownership.is_own_key_secret(secret.get("metadata"), target.name)
+    return l2key.read(secret, name, item, target.namespace, generated, None if foreign else kube.secret_value(secret, item),
+                      ownership.key_not_owned_message(name, target.name) if foreign else None)
 
 
 def _others_serving(namespace_id: str, namespace: str, name: str) -> list[str]:
@@ -421,7 +427,7 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     # The key as status records it where the new spec reads the same Secret (the servers use it
     # now), else as read now: what compute names the id with and the operator's decide judges.
     if source is not None:
-        key = (_read_key(source, namespace, base.key_secret_generated) if recorded_fp is None
+        key = (_read_key(base) if recorded_fp is None
                else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
     old_id = ((live or {}).get("status") or {}).get("namespaceId")
     pins = pin_facts(spec, live)

@@ -255,6 +255,35 @@ def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.
     assert free.verdict is None and free.applied and line.endswith(" applies it") and free.code == plancmd.UNKNOWN
 
 
+def test_a_planted_generated_key_secret_names_no_id_in_the_plan_as_in_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Secret under the generated key's name that the operator did not make: the operator never
+    uses its bytes (KeySecretNotOwned, the cache off), so the plan names no id from them either;
+    the same bytes in a Secret with the operator's labels name the id."""
+    import base64
+
+    from kvpersist.builders.retained import retained_labels
+    from kvpersist.builders.target import Target
+
+    doc = _claiming("b", None)
+    spec = KVCacheNamespaceSpec.model_validate(doc["spec"])
+    target = Target("b", "ml", spec, None)
+    assert target.key_secret is not None and target.key_secret_generated
+    name, item = target.key_secret
+    raw = b"p" * 32
+
+    def secret(labels: dict[str, str]) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ml", "labels": labels},
+                "data": {item: base64.b64encode(raw).decode()}}
+
+    _Cluster(monkeypatch, [secret({"team": "someone-else"})])
+    planted = plancmd.plan_one(doc, "ml")
+    assert planted.new_id is None and planted.unknown, planted
+    assert "was not made by the operator" in (planted.new_id_reason or ""), planted.new_id_reason
+    _Cluster(monkeypatch, [secret(retained_labels("b", "l2-key"))])
+    own = plancmd.plan_one(doc, "ml")
+    assert own.new_id == resolve(spec.pins(key_fingerprint(raw))).namespace_id, own
+
+
 def test_two_pins_plan_the_id_of_the_pins_the_files_fill_and_unread_files_leave_it_unknown(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan fills unset pins as the operator does: from the files the live status keeps for the

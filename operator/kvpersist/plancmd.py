@@ -309,17 +309,13 @@ def _documents(path: str) -> list[dict[str, Any]]:
 
 
 def _read_key(target: Target) -> KeyRead:
-    """The key Secret judged as the operator judges it (controller.reading.read_key): a Secret under
-    the generated name that the operator did not make is KeySecretNotOwned, its bytes never read."""
+    """The key Secret read with the user's credentials and judged as the operator judges it (ownership.judged_key)."""
     assert target.key_secret is not None
-    (name, item), generated = target.key_secret, target.key_secret_generated
     try:
-        secret = kube.get("v1", "Secret", name, target.namespace)
+        secret = kube.get("v1", "Secret", target.key_secret[0], target.namespace)
     except ApiException as exc:
-        return l2key.unreadable(name, item, generated, exc.status)
-    foreign = generated and secret is not None and not ownership.is_own_key_secret(secret.get("metadata"), target.name)
-    return l2key.read(secret, name, item, target.namespace, generated, None if foreign else kube.secret_value(secret, item),
-                      ownership.key_not_owned_message(name, target.name) if foreign else None)
+        return l2key.unreadable(*target.key_secret, target.key_secret_generated, exc.status)
+    return ownership.judged_key(target, secret)
 
 
 def _others_serving(namespace_id: str, namespace: str, name: str) -> list[str]:

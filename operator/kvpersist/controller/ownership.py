@@ -46,6 +46,8 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.keysecret import L2_KEY_COMPONENT
 from kvpersist.builders.retained import INSTANCE_LABEL, TRACKING_LABEL
 from kvpersist.builders.target import L2_VOLUME, MANAGED_BY, SERVER, Target
+from kvpersist.controller import l2key
+from kvpersist.controller.kube import secret_value
 
 NAME_TAKEN = "NameTaken"  # Ready's reason while an object the operator did not make holds a derived name
 CLAIM_NOT_OWNED = "ClaimNotOwned"  # Ready's reason while a claim the servers would mount is not the operator's
@@ -147,3 +149,15 @@ def claim_refusal(target: Target, existing: Mapping[str, Mapping[str, Any] | Non
         f"a deleted KVCacheNamespace {target.name}), label it: kubectl label pvc {first} -n {ns} "
         f"app.kubernetes.io/component={SERVER} {INSTANCE_LABEL}={target.name}. The "
         f"operator looks again every {RETRY_S:.0f} s")
+
+
+def judged_key(target: Target, secret: Mapping[str, Any] | None) -> l2key.KeyRead:
+    """The key Secret as fetched (None: absent), judged for target (l2key.read): under the generated
+    name, one the operator did not make is KeySecretNotOwned and its bytes are never read. Pure:
+    reading.read_key and `kvpersist plan` judge with it."""
+    assert target.key_secret is not None
+    name, item = target.key_secret
+    foreign = target.key_secret_generated and secret is not None and not is_own_key_secret(secret.get("metadata"), target.name)
+    return l2key.read(secret, name, item, target.namespace, target.key_secret_generated,
+                      None if foreign else secret_value(secret, item),
+                      key_not_owned_message(name, target.name) if foreign else None)

@@ -108,12 +108,7 @@ def read_key(target: Target, fresh: bool = False) -> l2key.KeyRead | None:
         if same and cached[1].fingerprint:  # type: ignore[index]
             return cached[1]  # type: ignore[index]
         return l2key.unreadable(name, item, target.key_secret_generated, exc.status)
-    # The generated name holding a Secret the operator did not make: its bytes are never read.
-    foreign = (target.key_secret_generated and secret is not None
-               and not ownership.is_own_key_secret(secret.get("metadata"), target.name))
-    not_owned = ownership.key_not_owned_message(name, target.name) if foreign else None
-    key = l2key.read(secret, name, item, target.namespace, target.key_secret_generated,
-                     None if foreign else kube.secret_value(secret, item), not_owned)
+    key = ownership.judged_key(target, secret)
     state.key_read = (now, key)
     state.key_read_version = ((secret or {}).get("metadata") or {}).get("resourceVersion")
     return key

@@ -279,6 +279,36 @@ def test_a_merge_patch_names_what_went_as_null() -> None:
         {"files": None, "pins": {"b": None, "a": 1}}
 
 
+class _Settled(pincheck.PinFiles):
+    """One worker, and each request returns only once its check has ended: nothing runs when
+    wait looks, as when the Hub's refusal is quicker than the caller."""
+
+    def request(self, *args: Any, **kwargs: Any) -> bool:
+        started = super().request(*args, **kwargs)
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result(timeout=30)  # queued behind the check
+        return started
+
+
+def test_a_refusal_done_before_wait_looks_still_leads_to_the_tokens_read() -> None:
+    """On 0958f5d wait returned when the anonymous read had already ended (nothing running), so
+    a quick 403 left a gated model's first apply without the token's read (a flaky CI failure)."""
+    from tests.integration.hub_stub import GOOD_TOKEN
+
+    gated = "meta-llama/Gated"
+    with HubStub() as hub:
+        hub.models[(gated, QWEN_REV)] = {"config.json": hubpins.json.dumps(CONFIG).encode(),
+                                         "chat_template.jinja": TEMPLATE.encode()}
+        hub.gated.add(gated)
+        files = _Settled(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token), workers=1)
+        spec = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec
+        spec = spec.model_copy(update={"vllm": spec.vllm.model_copy(update={
+            "hf_token_secret_ref": api.HFTokenSecretRef(name="hf-reader")})})
+        files.wait(spec.identity, lambda: None, timeout=30, token=(pincheck.scope_of(spec, "team-a"), lambda: GOOD_TOKEN))
+        facts = files.facts(spec, "team-a", None, True)
+        assert facts is not None and dict(facts.values or ())["num_kv_heads"] == 8, facts
+
+
 def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_that_namespaces_alone() -> None:
     """The stand-in Hub refuses meta-llama/Gated without its token (403 GatedRepo)."""
     from tests.integration.hub_stub import GOOD_TOKEN

@@ -341,9 +341,10 @@ class PinFiles:
             key = key_of(identity)
             with self._lock:
                 running = [f for (k, _s), f in self._running.items() if k == key]
-            if not running or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 return
-            concurrent.futures.wait(running, timeout=max(0.0, deadline - time.monotonic()))
+            if running:  # none: known, or already done (a quick refusal: the token's read is next)
+                concurrent.futures.wait(running, timeout=max(0.0, deadline - time.monotonic()))
 
     def _check(self, slot: tuple[Key, Scope], on_done: Callable[[], None], reader: TokenReader | None) -> None:
         key = slot[0]

@@ -15,7 +15,7 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
-from kvpersist.controller import apply, gc, kube, runtime
+from kvpersist.controller import decision, gc, kube, runtime, snapshot
 from tests.cases.invalid_manifests import sample
 
 NSID = "kvp-" + "a" * 32
@@ -96,10 +96,16 @@ def test_the_account_is_asked_once_and_may_still_look_everywhere(monkeypatch: py
     assert runtime.listing_scopes() == runtime.ALL_NAMESPACES and asked == []  # all namespaces: nothing to ask
 
 
+def storage_refusal_from_api(target: Target, body: dict[str, Any]) -> str | None:
+    """StorageInUse as an apply decides it when no watch caches were handed over: from the API server."""
+    users, pods = snapshot.stores_from_api(target)
+    return decision.storage_refusal(target, body["metadata"]["creationTimestamp"], users, pods)
+
+
 def test_named_namespaces_are_listed_one_by_one_and_each_is_seen(listed: list[tuple[str, str | None]]) -> None:
     runtime.set_peering(None, "", 0, ("team-a", "team-b"))
     target, body = _bucket_target("team-a")
-    refusal = apply._storage_refusal(target, body, None)  # no watch caches handed over: the API server
+    refusal = storage_refusal_from_api(target, body)
     # team-b's older resource on the same prefix is seen: not only the resource's own namespace.
     assert refusal is not None and "team-b/other" in refusal, refusal
     assert listed == [("KVCacheNamespace", "team-a"), ("KVCacheNamespace", "team-b")]
@@ -113,7 +119,7 @@ def test_named_namespaces_are_listed_one_by_one_and_each_is_seen(listed: list[tu
 def test_all_namespaces_is_one_cluster_wide_list(listed: list[tuple[str, str | None]]) -> None:
     runtime.set_peering(None, "", 0, ())
     target, body = _bucket_target("team-a")
-    assert apply._storage_refusal(target, body, None) is not None
+    assert storage_refusal_from_api(target, body) is not None
     gc.in_use_now(NSID, None)
     assert {ns for _kind, ns in listed} == {None}
 

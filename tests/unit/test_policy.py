@@ -234,13 +234,13 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key)  # known, as after its first watch event
     apply_workloads(body, logging.getLogger("test"))
-    assert calls == [] and runtime.CONTROLLER.state(key).refused[0] == IMAGE_NOT_ALLOWED
+    assert calls == [] and runtime.CONTROLLER.state(key).applied[1].refusal[0] == IMAGE_NOT_ALLOWED
 
     obj = sample()
     obj["spec"]["l2"]["encryption"] = {"keySecretRef": {"name": "shared-key"}}
     monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(secret_label=("kvpersist.dev/usable-by", "kvpersist")))
     apply_workloads(_body(obj), logging.getLogger("test"))
-    assert calls == ["metadata Secret shared-key"] and runtime.CONTROLLER.state(key).refused[0] == SECRET_NOT_ALLOWED
+    assert calls == ["metadata Secret shared-key"] and runtime.CONTROLLER.state(key).applied[1].refusal[0] == SECRET_NOT_ALLOWED
 
     calls.clear()
     monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
@@ -248,7 +248,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     created: list[dict[str, Any]] = []
     monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or True)
     apply_workloads(body, logging.getLogger("test"))
-    assert runtime.CONTROLLER.state(key).refused is None
+    assert runtime.CONTROLLER.state(key).applied[1].refusal is None
     assert {"apply StatefulSet", "apply Deployment"} <= set(calls)
     # The operator's own Secrets carry the label, so they are usable under the same rule.
     assert {s["metadata"]["name"] for s in created} == {"llama31-8b-l2-key", "llama31-8b-agent-token"}

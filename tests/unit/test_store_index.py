@@ -14,7 +14,8 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
-from kvpersist.controller import apply, kube, runtime, sharing
+from kvpersist.controller import decision, kube, l2key, refresh, runtime, sharing
+from kvpersist.controller.decision import Snapshot
 from kvpersist.status.workloads import Seen, slim
 from tests.unit.test_exclusive_stores import ID_A, body
 
@@ -42,6 +43,12 @@ def seen_now() -> Seen:
     return Seen(stores=users, stores_version=version)
 
 
+def storage_refusal(target: Target, b: dict[str, Any], seen: Seen) -> str | None:
+    """StorageInUse as decide judges it on the stores and pods an apply's snapshot takes from seen."""
+    return decision.storage_refusal(target, b["metadata"]["creationTimestamp"], tuple(seen.stores or ()),
+                                    tuple(seen.all_server_pods))
+
+
 def note(b: dict[str, Any]) -> None:
     runtime.CONTROLLER.note_store((b["metadata"]["namespace"], b["metadata"]["name"]), sharing.user_of(b))
 
@@ -50,9 +57,9 @@ def test_an_older_resource_on_the_same_prefix_is_found_in_the_caches_without_a_l
     mine, other = body("mine", NEWER, bucket="hf://buckets/o/b/p"), body("other", OLDER, namespace="team-b",
                                                                           bucket="hf://buckets/o/b/p")
     note(mine)
-    assert apply._storage_refusal(target_of(mine), mine, seen_now()) is None
+    assert storage_refusal(target_of(mine), mine, seen_now()) is None
     note(other)
-    why = apply._storage_refusal(target_of(mine), mine, seen_now())
+    why = storage_refusal(target_of(mine), mine, seen_now())
     assert why is not None and "team-b/other" in why, why
 
 
@@ -67,7 +74,7 @@ def test_a_claim_still_mounted_by_another_resources_server_is_seen_on_its_slim_p
     slimmed = slim(pod)
     assert slimmed["spec"]["volumes"] == [{"persistentVolumeClaim": {"claimName": "data"}}]
     version, users = runtime.CONTROLLER.stores()
-    why = apply._storage_refusal(target_of(mine), mine, Seen(stores=users, stores_version=version, all_server_pods=(slimmed,)))
+    why = storage_refusal(target_of(mine), mine, Seen(stores=users, stores_version=version, all_server_pods=(slimmed,)))
     assert why is not None and "gone-lmcache-0" in why, why
 
 
@@ -86,18 +93,22 @@ def test_the_version_moves_only_when_a_store_changes() -> None:
 
 
 def test_an_idle_refresh_looks_at_the_others_only_after_a_store_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refresh decides again (refresh._redecide) only on a snapshot that changed: the same
+    stores version and the same resource decide nothing, and walk no other resource's store."""
     mine = body("mine", NEWER, bucket="hf://buckets/o/b/p")
     key = ("ml", "mine")
-    runtime.CONTROLLER.state(key).body = mine
+    state = runtime.CONTROLLER.state(key)
+    state.body = mine
     note(mine)
     looked: list[str] = []
     holder = sharing.holder
     monkeypatch.setattr(sharing, "holder", lambda me, others: looked.append(me.name) or holder(me, others))
-    target = target_of(mine)
+    policy = Snapshot(body=mine, spec=KVCacheNamespaceSpec.model_validate(mine["spec"]))
+    read = l2key.KeyRead("mine-l2-key", "master-key", True, fingerprint="0123456789abcdef")
     for _ in range(3):
-        apply.exclusive_recheck(target, mine, seen_now())
-    assert looked == ["mine"]  # once: then nothing changed
-    assert not runtime.CONTROLLER.state(key).drifted
-    note(body("other", OLDER, namespace="team-b", bucket="hf://buckets/o/b/p"))
-    apply.exclusive_recheck(target, mine, seen_now())
-    assert looked == ["mine", "mine"] and runtime.CONTROLLER.state(key).drifted  # an older user came: applied again
+        first = refresh._redecide(state, policy, read, seen_now())
+    assert looked == ["mine"] and first.storage_refused is None and first.key_id  # once: then nothing changed
+    note(body("other", OLDER, namespace="team-b", bucket="hf://buckets/o/b/p", namespace_id=first.key_id))
+    now = refresh._redecide(state, policy, read, seen_now())
+    assert looked == ["mine", "mine"] and now.storage_refused is not None and "team-b/other" in now.storage_refused
+    assert now.applied_view() != first.applied_view()  # an older user came: the refresh applies again

@@ -4,8 +4,8 @@ and the network policies first, then the workloads (server-side apply, idempoten
 applies nothing (the policy, ClaimNotOwned, NameTaken: kvpersist.controller.ownership); a store
 or route names another resource or id holds apply with the cache off or without the routes.
 After an apply, an old namespace id's Services and policies go once no pod carries that id
-(clean_stale_routes). The status refresh looks again at what keeps a store or a name
-(exclusive_recheck, taken_recheck) and applies when it changed.
+(clean_stale_routes). The status refresh decides again on this apply's snapshot as the watch
+caches show it then (snapshot.refreshed) and applies when the decision changed.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from kvpersist.builders.inferencepool import API_VERSION as POOL_API_VERSION
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
-from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime, sharing
-from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide, storage_refusal
+from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime
+from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide
 from kvpersist.controller.drift import child_key, note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
 from kvpersist.controller.reading import target_of
-from kvpersist.controller.snapshot import read_snapshot, stores_from_api
-from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, route_conflicts, stale
+from kvpersist.controller.snapshot import read_snapshot
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ids_in_use, stale
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, Seen
 
 
@@ -52,15 +52,17 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     try:
         snap, raw_key = read_snapshot(body, seen)
         decision = decide(snap)
+        last = state.applied
+        applied = (dataclasses.replace(snap, agent_token=""), dataclasses.replace(decision, token_secret=None))  # no token kept
         if decision.stage == POLICY:  # nothing rendered and nothing deleted: the children stay as they are
             assert decision.refusal is not None
-            if state.refused != decision.refusal:
+            if last is None or last[1].refusal != decision.refusal:
                 logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
-            state.refused = decision.refusal
+            state.applied = applied
             return True
-        state.refused = None
         target = decision.target
         _act(decision, raw_key, body, state, logger)
+        state.applied = applied  # what the status refresh decides again on, and compares with
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -80,7 +82,6 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
             state.apply_error = None
             runtime.CONTROLLER.apply_backoff.succeeded(key)
             state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
-            state.applied_id = (decision.key_id, decision.target.unplaced_servers)
     return True
 
 
@@ -200,7 +201,7 @@ def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, l
     and a Warning event says why there is no pool, once per generation."""
     generation = body["metadata"].get("generation")
     if not decision.pool_api_missing:
-        state.pool_api_missing_warned = None  # served now (or no pool asked): pool_recheck has nothing to wait for
+        state.pool_api_missing_warned = None  # served now (or no pool asked)
         return
     if state.pool_api_missing_warned == generation:
         return
@@ -262,26 +263,12 @@ def taken_recheck(key: tuple[str, str]) -> Refusal | None:
     """In a status refresh: NameTaken's (reason, message) while objects the operator did not make
     hold its names, and an apply (which looks them up again) once ownership.RETRY_S has passed:
     their holders carry none of the labels the drift watch selects, so nothing else says they went.
-    Any other reason to apply meanwhile (a key still to make, a token missing: nothing was made)
-    waits for the same moment (status_loop.may_apply), so a taken name costs no reads per tick."""
+    Any other reason to apply meanwhile waits for the same moment (status_loop.may_apply), so a
+    taken name costs no reads per tick."""
     state = runtime.CONTROLLER.held(key)
     if state.name_taken is not None and time.monotonic() >= state.name_taken_retry_at:
         state.drifted = True
     return state.name_taken
-
-
-def pool_recheck(key: tuple[str, str]) -> None:
-    """In a status refresh: applies again once the InferencePool API a resource waits for is served
-    (discovery, cached: inferencepool.CACHE_S), so installing the extension makes the pool with no
-    change to the resource. Nothing is asked while no resource waits for it."""
-    state = runtime.CONTROLLER.held(key)
-    if state.pool_api_missing_warned is None:
-        return
-    try:
-        if inferencepool.served():
-            state.drifted = True
-    except Exception:  # refused, or no answer (urllib3's errors are no ApiException): asked again next refresh
-        pass
 
 
 def _apply_owned(manifest: dict[str, Any]) -> None:
@@ -311,71 +298,6 @@ def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bo
                        exc.status)
         return False
     return not (in_use - {target.namespace_id})
-
-
-def _store_user(target: Target, body: Mapping[str, Any]) -> sharing.User:
-    return sharing.user(target.namespace, target.name, str(body["metadata"].get("creationTimestamp") or ""), target.spec,
-                        target.namespace_id)
-
-
-def _storage_refusal(target: Target, body: Mapping[str, Any], seen: Seen | None) -> str | None:
-    """StorageInUse's message when another resource holds this one's claim or bucket prefix
-    (decision.storage_refusal), else None. From the watch caches (seen.stores: the kvp_stores
-    index, complete before any handler runs); without them (seen None or not copied), from the
-    API server (raises ApiException). Blocking."""
-    if target.spec.l2.nvme is None and not target.namespace_id:
-        return None
-    if seen is not None and seen.stores is not None:
-        users, pods = tuple(seen.stores), tuple(seen.all_server_pods)
-    else:
-        users, pods = stores_from_api(target)
-    return storage_refusal(target, str(body["metadata"].get("creationTimestamp") or ""), users, pods)
-
-
-def _route_conflicts(target: Target) -> list[str]:
-    """The objects already under this id's route names that route elsewhere (stale_routes
-    .route_conflicts): a LIST by name of each kind (list is what the operator may do on them),
-    side by side. Not from an apply_pool job (it waits on that pool). Raises ApiException. Blocking."""
-    name = target.per_id_name(target.namespace_id)
-    jobs = [(kind, runtime.CONTROLLER.apply_pool.submit(
-        lambda api_version=api_version, kind=kind: kube.list_all(api_version, kind, target.namespace,
-                                                                 field_selector=f"metadata.name={name}")))
-        for api_version, kind in ROUTE_KINDS]
-    return route_conflicts(target, [(listed, obj) for listed, job in jobs for obj in job.result()])
-
-
-def exclusive_recheck(target: Target, body: Mapping[str, Any], seen: Seen | None = None) -> Target:
-    """In a status refresh: applies again when what _exclusive decided may have changed (the
-    holder went, or an older resource now names the same store, or the route names are free),
-    and returns the target as last applied. From the watch caches the status loop hands over
-    (seen.stores), looked at again only once a store changed, so an idle refresh makes no request
-    and no walk of the others."""
-    state = runtime.CONTROLLER.held((target.namespace, target.name))
-    if not target.cache_enabled:
-        return target
-    try:
-        if state.storage_refused is not None:
-            changed = _storage_refusal(target, body, seen) != state.storage_refused
-        else:
-            me = _store_user(target, body)
-            mark = (seen.stores_version, me) if seen is not None and seen.stores is not None else None
-            if mark is not None and state.stores_checked == mark:
-                held = False  # neither its store nor any other changed since it was last looked at
-            else:
-                known = seen.stores if mark is not None else [
-                    u for st in runtime.CONTROLLER.known().values() if st.body is not None and (u := sharing.user_of(st.body))]
-                held = sharing.holder(me, known) is not None
-                state.stores_checked = None if held else mark
-            changed = held or (state.route_taken is not None and not _route_conflicts(target))
-        if changed:
-            state.drifted = True
-    except ApiException:
-        pass  # asked again on the next refresh
-    if state.storage_refused is not None:
-        return dataclasses.replace(target, namespace_id=None)
-    if state.route_taken is not None:
-        return dataclasses.replace(target, routes=False, cache_bypassed=True)
-    return target
 
 
 def _api_message(exc: ApiException) -> str:

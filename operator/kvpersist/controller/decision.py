@@ -140,6 +140,15 @@ class Decision:
     def applies(self) -> bool:
         return self.refusal is None
 
+    def applied_view(self) -> tuple[Any, ...]:
+        """What acting on it would write or keep from writing: two decisions with the same view
+        apply the same (the status refresh applies again when its own differs from the last apply's)."""
+        # A key to make that this decision does not make (the refresh offers no fresh key): an apply makes it.
+        pending = self.generated_key is None and self.key is not None and self.key.problem is not None \
+            and self.key.problem[0] == l2key.KEY_PENDING
+        return (self.stage, self.refusal, self.key_id, pending, self.storage_refused, self.route_taken, self.manifests,
+                self.shared_claim, self.drop_vllm_service, self.drop_inference_pool, self.pool_api_missing)
+
 
 def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, fingerprint: str | None,
                pins: pincheck.Facts | None = None) -> tuple[Target, Resolution]:
@@ -345,17 +354,14 @@ def decide(snap: Snapshot) -> Decision:
     """The whole verdict on one snapshot (see the module's docstring for the order of the rules)."""
     generation = snap.body["metadata"].get("generation")
     base = _target(snap, None)
-    refused = policy_refusal(snap)
-    if refused is not None:
-        phase, conds = refusal_conditions(refused, None, generation)
-        return Decision(base, refused, POLICY, phase, conds)
-    refused = ownership.claim_refusal(base, snap.l2_claims or {})
-    if refused is not None:
-        phase, conds = refusal_conditions(refused, None, generation)
-        return Decision(base, refused, CLAIMS, phase, conds)
+    key, lost, made = used_key(snap)  # judged before the refusals too: the status refresh shows it
+    for stage, rule in ((POLICY, policy_refusal), (CLAIMS, lambda s: ownership.claim_refusal(base, s.l2_claims or {}))):
+        refused = rule(snap)
+        if refused is not None:
+            phase, conds = refusal_conditions(refused, None, generation)
+            return Decision(base, refused, stage, phase, conds, key=key, key_lost=lost)
     unchecked: list[ChildKey] = [("PersistentVolumeClaim", snap.namespace, n) for n in ownership.l2_claim_names(base)
                                  if snap.l2_claims is None]
-    key, lost, made = used_key(snap)
     target = _bypassed(_target(snap, key.fingerprint if key is not None else None), snap)
     key_id = target.namespace_id
     target, storage, route = _exclusive(target, snap, unchecked)

@@ -36,8 +36,8 @@ from kvpersist.controller import (
     sharing,
     transitions,
 )
-from kvpersist.controller.apply import clean_stale_routes, exclusive_recheck, pool_recheck, taken_recheck
-from kvpersist.controller.decision import claim_not_shareable, judge_key, policy_refusal
+from kvpersist.controller.apply import clean_stale_routes, taken_recheck
+from kvpersist.controller.decision import Decision, Snapshot, decide, policy_refusal
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.reading import (
     hub_token,
@@ -47,7 +47,7 @@ from kvpersist.controller.reading import (
     read_key,
     target_of,
 )
-from kvpersist.controller.snapshot import policy_read
+from kvpersist.controller.snapshot import policy_read, refreshed
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
 from kvpersist.inventory.space import claim_space_summary
@@ -65,14 +65,15 @@ from kvpersist.status.conditions import (
 )
 from kvpersist.status.conditions import now as condition_now
 from kvpersist.status.usage import collect_usage
-from kvpersist.status.workloads import Seen, attached_counts, unplaced_servers
+from kvpersist.status.workloads import Seen, attached_counts
 
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
-             secrets_usable: bool = True, key: l2key.KeyRead | None = None) -> Observation:
+             secrets_usable: bool = True, key: l2key.KeyRead | None = None, max_servers: int | None = None) -> Observation:
     """Workload objects come from the watch caches (seen); only a claim the user named is read,
     since it carries none of the operator's labels. secrets_usable False: the Secrets the user
-    named are refused (policy), so neither is read. key: the L2 key as read (read_key)."""
+    named are refused (policy), so neither is read. key: the L2 key as judged; max_servers: as
+    decided (ClaimNotShared: one)."""
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
@@ -84,9 +85,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         claims = [c for c in seen.server_claims() if target.shared_claim in (None, c["metadata"]["name"])]
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
-    server_desired = spec.lmcache_server.replicas if target.cache_enabled else 0
-    if claim_not_shareable(target, claims[0] if claims else None):  # ClaimNotShared: one server, as decide applies
-        server_desired = min(server_desired, 1)
+    server_desired = min(spec.lmcache_server.replicas, max_servers or spec.lmcache_server.replicas) if target.cache_enabled else 0
     token = agents.agent_token(target) if target.cache_enabled else None
     reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
@@ -192,6 +191,18 @@ def _attach_bypass(key: tuple[str, str], body: Mapping[str, Any], target: Target
     return None
 
 
+def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Decision:
+    """decide on the last apply's snapshot as the watch caches show it now (snapshot.refreshed);
+    an idle round, whose snapshot is the last round's, reuses that decision. Blocking (the route
+    names' LIST while another id holds one)."""
+    snap = refreshed(state.applied[0] if state.applied is not None else policy, policy, key, seen)
+    if state.redecided is not None and state.redecided[0] == snap:
+        return state.redecided[1]
+    decision = decide(snap)
+    state.redecided = (snap, decision)
+    return decision
+
+
 def write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
     """Every status write of the operator: checked against the status models first, since the API
     server would prune a key the CRD lacks without a word (kvpersist.api.status: in tests a bad
@@ -219,34 +230,37 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         fields, conds = failed_status(generation, api.validation_message(exc))
         reports, inventory, shared, volume, floor = [], None, False, None, 0
     else:
-        refused = policy_refusal(policy_read(body, target.spec))  # as decide judges it, on the same read
-        if refused is None and state.refused is not None:
-            state.drifted = True  # refused when last applied, allowed now (e.g. the Secret was labelled): apply
+        policy = policy_read(body, target.spec)
+        refused = policy_refusal(policy)  # decide's first rule: a Secret it refuses is not read
         secrets_usable = refused is None or refused[0] != SECRET_NOT_ALLOWED
-        read, _lost = judge_key(body, read_key(target) if secrets_usable else None, seen.server_claims())
+        decision = _redecide(state, policy, read_key(target) if secrets_usable else None, seen)
+        read = decision.key
         target, resolution = target_of(body, read.fingerprint if read is not None else None)
         pins_on = pincheck.enabled()
         declared = parsed_model(meta["name"], body.get("spec")).spec
         if pins_on:  # off the refresh path; its end refreshes this resource again (and the verdict applies)
             runtime.CONTROLLER.pin_files.request(declared.identity, lambda: _mark_dirty(key),
                                                  hub_token(declared, key[0]) if secrets_usable else None)
-        if read is not None and read.problem is not None and read.problem[0] == l2key.KEY_PENDING:
-            state.drifted = True  # the generated key is to be made (or made again: nothing is sealed with the last one)
-        if state.applied_id is not None and state.applied_id[0] != target.namespace_id:
-            state.drifted = True  # the key changed, went or came back: another namespace id to apply
-            if refused is None and runtime.CONTROLLER.apply_backoff.pending(key) is None and state.apply_error is None:
+        last, applied = state.applied or (None, None)
+        if (applied is not None and applied.applied_view() != decision.applied_view()
+                and last.body["metadata"].get("generation") == generation):  # a new one: its own apply is on its way
+            state.drifted = True  # the same decide on what is seen now differs from the applied decision: apply
+            if (applied.key_id != decision.key_id and refused is None and state.apply_error is None
+                    and runtime.CONTROLLER.apply_backoff.pending(key) is None):
                 return  # status follows the apply (next tick): never the new id beside the old id's servers
-        if state.applied_id is not None and state.applied_id[1] != unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()):
-            state.drifted = True  # a server became unplaceable, or placed: its PodDisruptionBudget follows
         retention.protect_retained(target, read, seen, logger)
-        if (retention.model_cache_missing(target, seen) or retention.shared_claim_missing(target, seen)
-                or retention.servers_on_unshared_claim(target, seen)) and state.name_taken is None:
+        if (retention.model_cache_missing(target, seen) or retention.shared_claim_missing(target, seen)) \
+                and state.name_taken is None:
             state.drifted = True  # its weights claim, or its shared L2 claim, was deleted: made again by the next apply
         resolved_id = target.namespace_id
-        target = exclusive_recheck(target, body, seen)  # as last applied: the cache off while its store is held
+        if target.cache_enabled and state.storage_refused is not None:  # as last applied: the cache off
+            target = dataclasses.replace(target, namespace_id=None)
+        elif target.cache_enabled and state.route_taken is not None:
+            target = dataclasses.replace(target, routes=False, cache_bypassed=True)
         if state.routes_pending and clean_stale_routes(target, seen, logger):
             state.routes_pending = False
-        observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read)
+        observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read,
+                               max_servers=decision.target.max_servers)
         if target.cache_enabled:
             observation.build = transitions.build_check(key, body, target, seen, logger)
         observation.pins = pincheck.condition_of(runtime.CONTROLLER.pin_files.verdict(
@@ -256,7 +270,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 key, body, target, seen.pods, lambda drift: transitions.canary_done(key, drift),
                 allowed=refused is None and state.name_taken is None, agent_token=agents.agent_token(target))
             if released:
-                state.drifted = True  # acknowledged: vLLM is applied with the cache again
+                _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again
         observation.warm = _warm(key, target, seen, state)
         observation.references = references.condition_of(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
@@ -313,7 +327,6 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             fields = {**fields, "phase": "Degraded" if fields.get("phase") in ("Ready", "Degraded") else fields.get("phase")}
             conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyRetrying", message, generation)]
         taken = taken_recheck(key)  # objects it did not make under its names: nothing applied (NameTaken)
-        pool_recheck(key)  # spec.vllm.inferencePool waiting for its API: applied once it is served
         if refused is None and taken is None and agentroll.ROLLER.may_go(key, seen.fleet):
             state.drifted = True  # its turn for the new agent image (or scaled to zero): apply it
         shown = refused if refused is not None else taken

@@ -24,7 +24,7 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.lmcache import agent_image
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import agentroll, fallback, inferencepool, kube, ownership, pincheck, runtime, sharing
+from kvpersist.controller import agentroll, fallback, inferencepool, kube, l2key, ownership, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
     Meta,
     Snapshot,
@@ -188,3 +188,48 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
                                hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {},
                                agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None else agent_image())
     return snap, raw
+
+
+def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Snapshot:
+    """The last apply's snapshot with what the status refresh sees now, for decide to judge again:
+    the spec, the policy's read (policy_read) and the key as read (read_key, cached); from the
+    watch caches the claims, the stores and pods, its own names, the operator's trackers. What only
+    a request shows (who holds each other name, the derived claims, the weights claim) stays as
+    that apply read it: a name held by another is looked at again by an apply (ownership.RETRY_S),
+    and the route names, while another id holds one, by one LIST each here. No fresh key is
+    offered: an absent one leaves no id, so the refresh applies to make it. Blocking."""
+    meta = policy.body["metadata"]
+    key_ = (meta["namespace"], meta["name"])
+    uid = meta.get("uid")
+    spec = policy.spec
+    own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key_[0])
+    try:
+        served = _pool_served(spec, own, key_[0], key_[1])
+    except Exception:  # refused, or no answer: as last read, asked again next refresh
+        served = last.inference_pool_served
+    nvme = spec.l2.nvme
+    shared = nvme.existing_claim_name if nvme is not None and nvme.shared else None
+    snap = dataclasses.replace(
+        last, body=policy.body, spec=spec, policy=policy.policy, named_secrets=policy.named_secrets,
+        unreadable_secrets=policy.unreadable_secrets, key=key, proposed_key=None, own=own,
+        pins=runtime.CONTROLLER.pin_files.facts(spec, key_[0], policy.body.get("status"), pincheck.enabled()),
+        server_claims=tuple(seen.server_claims()), named_claim=named_claim(shared, key_[0]) if shared else None,
+        fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key_), inference_pool_served=served,
+        unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()))
+    if seen.stores is not None:
+        snap = dataclasses.replace(snap, stores=tuple(seen.stores), server_pods=tuple(seen.all_server_pods))
+    target = key_target(snap)
+    nid = target.namespace_id
+    if target.cache_enabled and runtime.CONTROLLER.held(key_).route_taken is not None:
+        name = target.per_id_name(nid)
+        routes = {}
+        try:
+            for api_version, kind in ROUTE_KINDS:
+                routes[kind, target.namespace, name] = _route(api_version, kind, name, target.namespace)
+        except ApiException:  # as that apply read them: asked again next refresh
+            routes = {}
+        snap = dataclasses.replace(snap, names={**snap.names, **routes})
+    build = runtime.CONTROLLER.build_bypass.detail(key_, nid) if nid else None
+    hit = runtime.CONTROLLER.canary.standing(key_, policy.body, nid) if nid else None
+    return dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
+                               hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {})

@@ -66,9 +66,6 @@ class ResourceState:
     # An apply failure the API server gave for a generation (e.g. an immutable field changed), kept
     # so the periodic refresh reports it instead of overwriting it: (generation, message).
     apply_error: tuple[int | None, str] | None = None
-    # Refused by the operator's policy when last applied: nothing was applied, so it is applied again
-    # once the refusal is gone (a Secret labelled later).
-    refused: Refusal | None = None
     # Its last apply may have left an old namespace id's Service and ZMQ policy behind (set by every
     # apply, so a restarted operator checks once too); cleared when none can be left.
     routes_pending: bool = False
@@ -78,9 +75,6 @@ class ResourceState:
     # Its namespace id's route names are held by another id's objects (kvpersist.controller
     # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
     route_taken: str | None = None
-    # (Controller.stores_version, its own store) when a refresh last found no older resource on its
-    # store: looked at again only when one of them changed (kvpersist.controller.apply.exclusive_recheck).
-    stores_checked: tuple[int, Any] | None = None
     # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
     # (reason, message) while nothing is applied, and when the names are to be looked at again.
     name_taken: Refusal | None = None
@@ -99,16 +93,17 @@ class ResourceState:
     # The bucket token's Secret as last read ((name, key, resourceVersion), its metadata and that
     # key), kept while the Secret watch cache shows the same version (kvpersist.controller.bucketcheck).
     token_secret: tuple[tuple[str, str, str | None], dict[str, Any] | None] | None = None
-    # The L2 key Secret as last read (when, judged: its fingerprint or why none; never the key), and
-    # the namespace id the last successful apply rendered, as (id,): another one (the key changed,
-    # went or came back) is applied on the next tick.
+    # The L2 key Secret as last read (when, judged: its fingerprint or why none; never the key).
     key_read: tuple[float, l2key.KeyRead] | None = None
     # The resourceVersion of the key Secret that read saw (None: it had none): while the Secret
     # watch cache shows the same, the read stands without another request (kvpersist.controller.watchcache).
     key_read_version: str | None = None
-    # What the last apply rendered from the resource's pods' state: (its namespace id, the servers it
-    # found unplaceable: status.workloads.unplaced_servers); another now is applied on the next tick.
-    applied_id: tuple[str | None, int] | None = None
+    # The snapshot the last apply decided on and its decision (kvpersist.controller.decision, the
+    # agent token left out of both); the status refresh decides again on that snapshot with what
+    # the watch caches show now, and applies again when its decision differs. And that refresh's
+    # (snapshot, decision): an idle round, whose snapshot is unchanged, decides nothing again.
+    applied: tuple[Any, Any] | None = None
+    redecided: tuple[Any, Any] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.
     agent_token: tuple[float, str | None] | None = None
     agent_token_version: str | None = None  # its Secret's resourceVersion at that read, as key_read_version

@@ -1,11 +1,8 @@
-"""`kvpersist status | report | gc`: what an admin runs (also as `kubectl kvpersist ...`), with kubectl's
--n, -A and -o (kvpersist.cliflags).
+"""`kvpersist status | report | gc` (also `kubectl kvpersist ...`), with kubectl's -n, -A and -o (kvpersist.cliflags).
 
-Everything comes from the API server: the resources' status, which the operator fills from the
-servers and from the inventory agents' reading of the data itself. `gc` never deletes by itself:
-it asks the operator (annotation kvpersist.dev/gc-request on the resource whose volume holds the
-namespace), which refuses any namespace still in use and records the outcome in status.gc and an
-Event. Dry run unless --no-dry-run.
+Everything comes from the resources' status on the API server. `gc` never deletes by itself: it asks
+the operator (annotation kvpersist.dev/gc-request), which refuses any namespace still in use and
+records the outcome in status.gc and an Event. Dry run unless --no-dry-run.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpersist-operator"
 
 
 def is_cluster_error(exc: BaseException) -> bool:
-    """An error on the way to the API server (no kubeconfig, no answer, a refusal), not a bug here:
-    urllib3's are the kubernetes client's own (its transport)."""
+    """An error on the way to the API server (no kubeconfig, no answer, a refusal; urllib3 is the client's transport)."""
     import kubernetes
 
     return (isinstance(exc, (kubernetes.client.exceptions.ApiException, kubernetes.config.ConfigException, OSError))
@@ -55,8 +51,7 @@ def cluster_problem(exc: BaseException) -> str:
 
 
 def operator_versions(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, str]], str | None]:
-    """(the operator Deployments the cluster runs, each its namespace, name, chart appVersion and
-    image; why none could be read, or None), as the person's own kubeconfig may see them."""
+    """(the operator Deployments: namespace, name, chart appVersion, image; why none could be read, or None)."""
     import kubernetes
 
     from kvpersist.controller import kube
@@ -108,20 +103,16 @@ def report_rows(resources: Iterable[Mapping[str, Any]], live: frozenset[str]) ->
     return rank_rows(rows.values())
 
 
-def _age_key(last_write: str | None) -> float:
-    return parse_iso(last_write) or 0.0
-
-
 def rank_rows(rows: Iterable[Row]) -> list[Row]:
     """Orphans first: the one whose deletion frees most at the top, then the longest unwritten;
     in-use namespaces after them, largest first."""
-    return sorted(rows, key=lambda r: (not r.orphan, -r.bytes, _age_key(r.last_write), r.location, r.namespace_id))
+    return sorted(rows, key=lambda r: (not r.orphan, -r.bytes, parse_iso(r.last_write) or 0.0, r.location, r.namespace_id))
 
 
 def _ago(stamp: str | None, now: float) -> str:
     if not stamp:
         return "-"
-    s = max(0, int(now - _age_key(stamp)))
+    s = max(0, int(now - (parse_iso(stamp) or 0.0)))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= size:
             return f"{s // size}{unit}"
@@ -130,8 +121,7 @@ def _ago(stamp: str | None, now: float) -> str:
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)] if rows else [len(h) for h in header]
-    lines = [header, *rows]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in lines)
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in [header, *rows])
 
 
 def format_report(rows: list[Row], now: float, wide: bool = False) -> str:
@@ -143,10 +133,6 @@ def format_report(rows: list[Row], now: float, wide: bool = False) -> str:
              human_bytes(r.budget_bytes) if r.budget_bytes else "-", r.resource]
             + ([r.last_write or "-"] if wide else []) for r in rows]
     return table(header, body)
-
-
-def _ready(status: Mapping[str, Any]) -> Mapping[str, Any]:
-    return next((c for c in status.get("conditions") or [] if isinstance(c, Mapping) and c.get("type") == "Ready"), {})
 
 
 def format_status(resources: Iterable[Mapping[str, Any]], wide: bool = False) -> str:
@@ -164,7 +150,8 @@ def format_status(resources: Iterable[Mapping[str, Any]], wide: bool = False) ->
                f"{inv.get('orphanedNamespaces', 0)} ({human_bytes(inv.get('orphanedBytes', 0)) or '0B'})" if inv else "-",
                budget.get("state") or "-"]
         if wide:
-            row += [_ready(st).get("reason") or "-", str(st.get("replicas") or "-"), (st.get("hits") or {}).get("summary") or "-"]
+            ready = next((c for c in st.get("conditions") or [] if isinstance(c, Mapping) and c.get("type") == "Ready"), {})
+            row += [ready.get("reason") or "-", str(st.get("replicas") or "-"), (st.get("hits") or {}).get("summary") or "-"]
         body.append(row)
     return table(header, body)
 
@@ -205,10 +192,8 @@ def cmd_status(namespace: str | None, output: str) -> int:
             for r in resources]
     if output in ("table", "wide") and not resources:
         print("No KVCacheNamespaces found.")
-        return 0
-    text = cliflags.emit(output, data, lambda wide: format_status(resources, wide), kubectl_name)
-    if text:  # -o name or jsonpath with nothing to print: no blank line, as kubectl
-        print(text)
+    elif text := cliflags.emit(output, data, lambda wide: format_status(resources, wide), kubectl_name):
+        print(text)  # -o name or jsonpath with nothing to print: no blank line, as kubectl
     return 0
 
 
@@ -218,18 +203,16 @@ def cmd_report(namespace: str | None, output: str) -> int:
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
     if output not in ("table", "wide"):  # -o name: the namespace ids, what `kvpersist gc` takes
-        text = cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"])
-        if text:  # -o name or jsonpath with nothing to print: no blank line, as cmd_status and kubectl
-            print(text)
+        if text := cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"]):
+            print(text)  # -o name or jsonpath with nothing to print: no blank line, as cmd_status and kubectl
     elif not rows:
         print("No inventory yet: the operator reports one within a minute of a server starting.")
     else:
         print(format_report(rows, time.time(), wide=output == "wide"))
         orphans = [r for r in rows if r.orphan]
         if orphans:
-            total = sum(r.bytes for r in orphans)
-            print(f"\n{len(orphans)} orphaned namespace(s), {human_bytes(total) or '0B'} reclaimable. First to delete: "
-                  f"kvpersist gc {orphans[0].namespace_id} --no-dry-run")
+            print(f"\n{len(orphans)} orphaned namespace(s), {human_bytes(sum(r.bytes for r in orphans)) or '0B'} reclaimable. "
+                  f"First to delete: kvpersist gc {orphans[0].namespace_id} --no-dry-run")
     return 0
 
 

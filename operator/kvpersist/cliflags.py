@@ -46,8 +46,7 @@ def add_output_flag(cmd: argparse.ArgumentParser, choices: Sequence[str] = OUTPU
 
 
 def context_namespace(kubeconfig: str | None, context: str | None) -> str:
-    """The namespace of the kubeconfig context in use (or the one named), `default` when it names
-    none or there is no kubeconfig: what kubectl uses without -n."""
+    """What kubectl uses without -n: the namespace of the context in use (or named), else `default`."""
     import kubernetes
 
     try:
@@ -60,14 +59,11 @@ def context_namespace(kubeconfig: str | None, context: str | None) -> str:
 
 def namespace_of(args: argparse.Namespace) -> str | None:
     """None with -A (every namespace), else -n or the context's namespace."""
-    if getattr(args, "all_namespaces", False):
-        return None
-    return args.namespace or context_namespace(args.kubeconfig, args.context)
+    return None if getattr(args, "all_namespaces", False) else (args.namespace or context_namespace(args.kubeconfig, args.context))
 
 
 def emit(output: str, data: Any, table: Callable[[bool], str], name_of: Callable[[Any], str] = str) -> str:
-    """The text for one -o: json or yaml of the data itself, jsonpath over that same data, one
-    name a line (name_of each item), else the table (wide when asked)."""
+    """The text for one -o: json, yaml or jsonpath of the data, one name_of(item) a line, else the table."""
     if output == "json":
         return json.dumps(data, indent=2)
     if output == "yaml":

@@ -39,6 +39,4 @@ def script(parser: argparse.ArgumentParser, shell: str) -> str:
 }}
 complete -o default -F {func} {prog}
 """
-    if shell == "zsh":
-        return "autoload -U +X bashcompinit && bashcompinit\n" + body
-    return body
+    return ("autoload -U +X bashcompinit && bashcompinit\n" if shell == "zsh" else "") + body

@@ -1,26 +1,22 @@
 """A bounded HTTP server for the inventory agent and the operator's metrics (standard library only).
 
 http.server's ThreadingHTTPServer starts a thread per connection with no cap and reads with no
-timeout: a peer that opens thousands of connections and sends nothing (or trickles its headers a
-byte at a time) holds as many threads, their stacks and sockets, for as long as it likes. Here one
-thread waits for request heads on every connection at once (a selector; an idle connection costs
-a socket and a few hundred bytes, no thread), each head must arrive whole within HEAD_TIMEOUT_S of
-the accept and fit MAX_HEAD_BYTES, and at most `max_pending` connections wait at once: beyond that
-the oldest waiting one is closed, so a flood of idle connections never shuts out a fresh client
-that sends its request at once (the operator, the kubelet's probe). A complete head goes to one of
-a fixed pool of worker threads (a bounded queue before them: 503 when full), which runs the
-ordinary BaseHTTPRequestHandler with every socket read bounded by IO_TIMEOUT_S and all of a
-request's reads by REQUEST_TIMEOUT_S. One request per connection (HTTP/1.0, as both handlers speak).
+timeout: a peer that opens thousands of connections and trickles (or never sends) its headers holds
+as many threads for as long as it likes. Here one selector thread waits for every request head at
+once (an idle connection costs a socket, no thread); each head must arrive whole within
+HEAD_TIMEOUT_S of the accept and fit MAX_HEAD_BYTES, and beyond `max_pending` waiting connections
+the oldest is closed, so a flood of idle ones never shuts out a client that sends at once (the
+operator, the kubelet's probe). A complete head goes to a fixed pool of workers (a bounded queue
+before them: 503 when full) running the ordinary handler, each socket read bounded by IO_TIMEOUT_S
+and all of a request's reads by REQUEST_TIMEOUT_S. One request per connection (HTTP/1.0).
 
-Probes: a GET of a path in `probes` never reaches the workers. The selector thread answers it
-itself, at once, from the probe's callable (in-memory state, never a blocking call), so a pool
-held by slow requests and a full queue (503 to everyone else) do not fail the kubelet's liveness
-probe and get a cluster-wide process restarted by whoever fills them. What the callable says is
-the process's own liveness (kopf's last answer for the operator, the agent's threads and its pool's
-progress: stalled()), not a constant 200.
+Probes: a GET of a path in `probes` is answered on the selector thread from the probe's callable
+(in-memory state, never blocking), so slow requests and a full queue cannot fail the kubelet's
+liveness probe and get a process restarted by whoever fills them. The callable reports real
+liveness (kopf's last answer, the agent's threads and stalled()), not a constant 200.
 
-Bodies: read_body() takes a Content-Length that is a plain non-negative integer within the
-caller's cap (400, 411 or 413 otherwise, before reading anything), never a read to EOF.
+Bodies: read_body() takes a Content-Length that is a plain non-negative integer within the caller's
+cap (400, 411 or 413 otherwise, before reading anything), never a read to EOF.
 """
 
 from __future__ import annotations
@@ -69,9 +65,8 @@ class BodyError(Exception):
 
 
 def read_body(handler: BaseHTTPRequestHandler, cap: int) -> bytes:
-    """The request's body, at most `cap` bytes; BodyError (400, 411, 413) for a Content-Length that
-    is missing where Transfer-Encoding is sent, not one plain non-negative integer, or over the cap;
-    408 when the body does not arrive within the request's deadline."""
+    """The request's body, at most `cap` bytes. BodyError: 411 for Transfer-Encoding, 400 for a Content-Length
+    not one plain non-negative integer, 413 over the cap, 408 for a body not in by the request's deadline."""
     if handler.headers.get("Transfer-Encoding") is not None:
         raise BodyError(411, "send the body with a Content-Length, not Transfer-Encoding")
     values = handler.headers.get_all("Content-Length") or []
@@ -140,8 +135,7 @@ class _Connection:
 
 
 class BoundedHTTPServer(HTTPServer):
-    """An HTTPServer with serve_forever(), shutdown() and server_close() as usual, bounded as the
-    module says. The handler class is an ordinary BaseHTTPRequestHandler subclass."""
+    """An HTTPServer (serve_forever, shutdown, server_close; any BaseHTTPRequestHandler) bounded as the module says."""
 
     request_queue_size = 128  # the listen backlog: a burst of connects must not wait on SYN retries
     daemon_threads = True
@@ -224,10 +218,8 @@ class BoundedHTTPServer(HTTPServer):
         self._wake_w.close()
 
     def stalled(self, after_s: float) -> str | None:
-        """Why the worker pool makes no progress, or None: a worker thread that ended, or a request
-        that has waited over after_s for a worker (every worker stuck in one request). A pool that
-        is only busy (workers finishing requests, the queue full, 503s) is not stalled. Cheap and
-        non-blocking: a probe may call it."""
+        """Why the pool makes no progress (a worker ended, or a request waited over after_s for one), else None;
+        only busy (503s) is not stalled. Non-blocking: a probe may call it."""
         ended = sum(not t.is_alive() for t in self._threads)
         if ended and not self._stop.is_set():
             return f"{ended} of the {self.workers} worker threads ended"
@@ -312,10 +304,7 @@ class BoundedHTTPServer(HTTPServer):
         except Exception as exc:
             code, kind, body = 500, "text/plain", f"the probe raised {type(exc).__name__}: {exc}".encode()
         self.probed += 1
-        try:
-            reason = HTTPStatus(code).phrase
-        except ValueError:
-            reason = "Unknown"
+        reason = next((status.phrase for status in HTTPStatus if status == code), "Unknown")
         _reply(pending.sock, code, reason, kind, body[:MAX_PROBE_BODY])
 
     def _expire(self, sel: selectors.BaseSelector) -> None:
@@ -369,9 +358,8 @@ def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandl
 
 
 def _reply(sock: socket.socket, code: int, reason: str, kind: str = "", body: bytes = b"") -> None:
-    """A short answer, best effort (the socket is non-blocking: one write, never a wait), then
-    closed. What the peer already sent is read first (at most 64 KiB), or the close resets the
-    connection and the peer may never see the answer."""
+    """A short answer, best effort (non-blocking: one write, never a wait), then closed. What the peer sent is
+    read first (at most 64 KiB), or the close resets the connection and the peer may never see the answer."""
     content_type = f"Content-Type: {kind}\r\n" if kind else ""
     head = f"HTTP/1.0 {code} {reason}\r\n{content_type}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     with contextlib.suppress(OSError):

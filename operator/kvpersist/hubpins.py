@@ -1,27 +1,11 @@
-"""The identity pins a model's own files decide, derived from them: `kvpersist pins` prints them,
-and the operator's pin check (kvpersist.controller.pincheck) compares a resource's declared pins
-with them. Pure: the files come in as bytes (fetch_files reads them through huggingface_hub).
+"""The identity pins a model's own files decide, derived from them as vLLM reads the same files:
+`kvpersist pins` prints them, and kvpersist.controller.pincheck compares a resource's declared pins
+with them. Pure: the files come in as bytes (hub_fetch reads them). Each pin's source: docs/design.md,
+"How `kvpersist pins` derives the pins".
 
-What each pin is taken from, as vLLM reads the same files:
-
-- numKVHeads: the text config's num_key_value_heads (else num_kv_heads, n_head_kv,
-  multi_query_group_num), else num_attention_heads; 1 for MLA (kv_lora_rank), whose latent
-  cache has a single head. The text config is config.json itself, or its text_config /
-  llm_config / language_config for a multimodal model.
-- headSize: head_dim, else hidden_size / num_attention_heads; kv_lora_rank + qk_rope_head_dim for MLA.
-- maxModelLen (a default: --max-model-len may lower it): max_position_embeddings (else n_positions,
-  max_seq_len, seq_length, max_sequence_length); rope scaling is only reported, never applied.
-- kvCacheDtype (a default: what "auto" would resolve to): the config's dtype / torch_dtype.
-- chatTemplateDigest: "sha256:" + the sha256 of the chat template's text, UTF-8 encoded, as the
-  tokenizer repository at that revision carries it and transformers hands it to vLLM: the first of
-  chat_template.jinja (decoded as UTF-8, newlines as Python's text mode reads them: \\r\\n and \\r
-  become \\n), chat_template.json's "chat_template", tokenizer_config.json's "chat_template" (a
-  string, or the entry named "default" of a list of {name, template}). The template text, not a
-  rendering of it: a rendering depends on the messages, the text does not, and the same text
-  always renders the same tokens. A --chat-template given to vLLM is not covered.
-
-Every file is hostile: size bounds, malformed JSON and wrong types are a PinsError naming the
-file and the field.
+The chat template's digest is of its text, not a rendering (a rendering depends on the messages; the
+same text always renders the same tokens); a --chat-template given to vLLM is not covered.
+Every file is hostile: size bounds, malformed JSON and wrong types are a PinsError naming the file and field.
 """
 
 from __future__ import annotations
@@ -68,15 +52,22 @@ class Derived:
     mla: bool = False  # latent attention: its block size is the attention backend's choice, not a default
 
 
-def parse_json(name: str, data: bytes) -> dict[str, Any]:
-    """A JSON object from a file, bounded; PinsError naming the file otherwise."""
+def _decoded(name: str, data: bytes, what: str) -> str:
+    """The file's text, within its MAX_BYTES (what: how the message names such a file)."""
     limit = MAX_BYTES.get(name, 4 << 20)
     if len(data) > limit:
-        raise PinsError(f"{name}: {len(data)} bytes, more than the {limit} a {name} may have")
+        raise PinsError(f"{name}: {len(data)} bytes, more than the {limit} {what} may have")
     try:
-        value = json.loads(data.decode("utf-8"))
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PinsError(f"{name}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def parse_json(name: str, data: bytes) -> dict[str, Any]:
+    """A JSON object from a file, bounded; PinsError naming the file otherwise."""
+    text = _decoded(name, data, f"a {name}")  # outside the try: a PinsError is a ValueError too
+    try:
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PinsError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:
@@ -178,13 +169,7 @@ def chat_template(files: Mapping[str, bytes | None]) -> tuple[str, str] | None:
     """(template text, file) as transformers loads it for vLLM, or None when the tokenizer has none."""
     raw = files.get(TEMPLATE_JINJA)
     if raw is not None:
-        if len(raw) > MAX_BYTES[TEMPLATE_JINJA]:
-            raise PinsError(f"{TEMPLATE_JINJA}: {len(raw)} bytes, more than the {MAX_BYTES[TEMPLATE_JINJA]} a template may have")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PinsError(f"{TEMPLATE_JINJA}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        return text.replace("\r\n", "\n").replace("\r", "\n"), TEMPLATE_JINJA
+        return _decoded(TEMPLATE_JINJA, raw, "a template").replace("\r\n", "\n").replace("\r", "\n"), TEMPLATE_JINJA
     for name in (TEMPLATE_JSON, TOKENIZER_CONFIG):
         raw = files.get(name)
         if raw is None:
@@ -241,10 +226,8 @@ def fetch_derived(fetch: Fetch, model: str, revision: str, tokenizer: str, token
 
 def hub_fetch(token: str | None = None, cache_dir: str | None = None, endpoint: str | None = None,
               local_files_only: bool = False) -> Fetch:
-    """A Fetch through huggingface_hub's hf_hub_download: its cache (HF_HOME / HF_HUB_CACHE or
-    cache_dir) and HF_HUB_OFFLINE apply. A file the repository lacks is None (offline: a file the
-    cache lacks, as transformers treats it offline; so with local_files_only). Bounded: a file over
-    its MAX_BYTES is an error."""
+    """A Fetch through hf_hub_download (its cache and HF_HUB_OFFLINE apply). A file the repository (offline:
+    the cache) lacks is None, as transformers treats it; a file over its MAX_BYTES is an error."""
 
     def fetch(repo: str, revision: str, filename: str) -> bytes | None:
         from huggingface_hub import hf_hub_download

@@ -1,13 +1,9 @@
 """Compatibility namespaces: the pins that decide whether stored KV may be reused, and their id.
 
-A KV block computed under one model revision, tokenizer, dtype, geometry, parallelism, connector
-build, length limit or chat template must never be served to a server running under another.
-So the id is a hash over all of them, and a missing pin yields no id at all: a cache that is
-off is slower, a guessed namespace is wrong. What runs is part of it too: the digest of the image
-vLLM and the lmcache server run (a tag can move to another build under the same name), so an
-image named by tag alone leaves the cache off. And with L2 encrypted, the key: objects sealed under
-one key are misses under another, forever, so another key is another namespace (a fingerprint of
-the key is the pin, never the key), and a key that cannot be read leaves the cache off.
+KV computed under one model revision, tokenizer, dtype, geometry, parallelism, connector build,
+length limit, chat template, image digest (a tag can move) or L2 key (its fingerprint, never the key)
+must never be served under another. So the id hashes them all, and a missing pin yields no id: a
+cache that is off is slower, a guessed namespace is wrong.
 """
 
 from __future__ import annotations
@@ -45,16 +41,13 @@ PIN_FIELDS = (
     "l2_layout",
     "l2_key_fingerprint",
 )
-# The L2 master key's fingerprint: a pin only while L2 is encrypted (l2_serde not in KEYLESS_SERDES).
-# The first 16 hex of HMAC-SHA256 keyed by the key over a fixed message: it names the key without
-# revealing anything of it, so it may be in status, events and logs (the key never is).
+# The L2 key's fingerprint, a pin only while L2 is encrypted: an HMAC names the key without revealing
+# it, so it may be in status, events and logs (the key never is).
 L2_KEY_PIN = "l2_key_fingerprint"
 KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
 KEY_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
-# Pins taken from what runs rather than from spec.identity: where each comes from, and the fix.
-# Two pins, one field: spec.image names the one image of both containers (the connector in vLLM
-# and the lmcache server must be one lmcache build); the two pin names are kept from when each
-# container named its own image, so an id hashed then is the same id now.
+# Pins taken from what runs, and the field that sets them. Both containers run spec.image (one
+# lmcache build); the two pin names stay from when each had its own image, so old ids still match.
 IMAGE_PINS = {
     "vllm_image_digest": "spec.image",
     "lmcache_server_image_digest": "spec.image",
@@ -70,13 +63,11 @@ LOWERCASE_PINS = {"model_revision", "tokenizer_revision", "chat_template_digest"
 
 
 def key_fingerprint(key: bytes) -> str:
-    """The L2 key's pin: 16 hex of HMAC-SHA256(key, KEY_FINGERPRINT_MESSAGE), over the bytes
-    exactly as the server's key file holds them."""
+    """16 hex of HMAC-SHA256(key, KEY_FINGERPRINT_MESSAGE), over the bytes exactly as the key file holds them."""
     return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
 
 
-# L2 serde pins that take no key: none (before every object was framed) and the checksum frames
-# of encryption off (api.v1alpha1.L2_CHECKED).
+# L2 serde pins that take no key: none (before every object was framed) and encryption off's checksum frames.
 CHECKED_SERDE = "kvpersist-checked/v3"  # api.v1alpha1.L2_CHECKED
 KEYLESS_SERDES = ("none", CHECKED_SERDE)
 
@@ -88,8 +79,7 @@ def encrypted(pins: Mapping[str, Any]) -> bool:
 
 
 def image_digest(reference: str | None) -> str | None:
-    """sha256:<64 hex> of an image reference pinned by digest (name[:tag]@sha256:...), else None.
-    A tag alone names whatever was pushed last; only the digest names the bytes that run."""
+    """sha256:<64 hex> of an image reference pinned by digest, else None (a tag names whatever was pushed last)."""
     match = IMAGE_DIGEST_RE.search((reference or "").strip())
     return match.group(1) if match else None
 
@@ -99,9 +89,8 @@ DERIVED_PINS = {"l2_serde", "l2_layout", L2_KEY_PIN, *IMAGE_PINS}
 
 
 def field_path(pin: str) -> str:
-    """The field a user edits for a pin of spec.identity, as the API spells it
-    (chat_template_digest: spec.identity.chatTemplateDigest); the pin's own name is the hash's.
-    A derived pin keeps its name (its messages name the field to fix themselves)."""
+    """The field a user edits for a pin (chat_template_digest: spec.identity.chatTemplateDigest); a derived
+    pin keeps its name (its messages name the field to fix themselves)."""
     if pin in DERIVED_PINS:
         return pin
     if pin == "num_kv_heads":  # the API's one alias that is not plain camelCase
@@ -124,8 +113,8 @@ class Resolution:
 
     @property
     def code(self) -> str:
-        """The condition reason: ImageNotPinned when only an image lacks its digest, L2KeyNotRead
-        when only the L2 key's fingerprint is missing (the handlers say why it could not be read)."""
+        """The condition reason: ImageNotPinned when only an image lacks its digest, L2KeyNotRead when only the
+        key's fingerprint is missing (the handlers say why it could not be read), else IdentityIncomplete."""
         if self.blocked is not None:
             return self.blocked[0]
         unpinned = set(self.missing) | set(self.invalid)
@@ -140,12 +129,9 @@ class Resolution:
         if self.blocked is not None:
             return self.blocked[1]
         parts = []
-        missing = [p for p in self.missing if p not in IMAGE_PINS and p != L2_KEY_PIN]
-        invalid = [p for p in self.invalid if p not in IMAGE_PINS and p != L2_KEY_PIN]
-        if missing:
-            parts.append("missing pins: " + ", ".join(map(field_path, missing)) + " (set them)")
-        if invalid:
-            parts.append("malformed pins: " + ", ".join(map(field_path, invalid)) + " (fix them)")
+        for label, pins, fix in (("missing", self.missing, "set them"), ("malformed", self.invalid, "fix them")):
+            if shown := [p for p in pins if p not in IMAGE_PINS and p != L2_KEY_PIN]:
+                parts.append(f"{label} pins: " + ", ".join(map(field_path, shown)) + f" ({fix})")
         unpinned = sorted({where for pin, where in IMAGE_PINS.items() if pin in self.missing or pin in self.invalid})
         if unpinned:
             parts.append(IMAGE_FIX.format(fields=" and ".join(unpinned), verb="is" if len(unpinned) == 1 else "are"))
@@ -160,20 +146,15 @@ def _normalize(name: str, value: Any) -> Any:
     if value is None or isinstance(value, bool):
         return None
     if name in INT_PINS:
-        if isinstance(value, int):
-            return value if value > 0 else None
         if isinstance(value, str) and value.strip().isdigit():
-            number = int(value.strip())
-            return number if number > 0 else None
-        return None
+            value = int(value.strip())
+        return value if isinstance(value, int) and value > 0 else None
     if not isinstance(value, str):
         return None
-    text = value.strip()
-    if not text:
+    text = value.strip().lower() if name in LOWERCASE_PINS else value.strip()  # L2_KEY_PIN is lower-cased
+    if not text or (name == L2_KEY_PIN and not KEY_FINGERPRINT_RE.fullmatch(text)):
         return None
-    if name == L2_KEY_PIN and not KEY_FINGERPRINT_RE.fullmatch(text.lower()):
-        return None
-    return text.lower() if name in LOWERCASE_PINS else text
+    return text
 
 
 def resolve(pins: Mapping[str, Any]) -> Resolution:

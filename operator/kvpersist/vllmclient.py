@@ -1,10 +1,8 @@
-"""Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize a prompt, complete one greedily.
+"""Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize, one greedy completion, /metrics.
 
-The operator asks vLLM only for what its own features need (the warm list's token ids, the
-correctness canary's greedy answer and the /metrics counters around it). vLLM is a peer like any
-other: every call has one deadline and a body cap (kvpersist.httpclient), and its answer is
-validated before anything uses it, so a slow, huge or malformed answer is a PeerError naming what
-was wrong, never a hang or a wrong figure.
+vLLM is a peer like any other: every call has one deadline and a body cap (kvpersist.httpclient),
+and its answer is validated before use, so a slow, huge or malformed answer is a PeerError naming
+what was wrong, never a hang or a wrong figure.
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ COMPLETE_TIMEOUT_S = 120.0  # one short greedy answer; a CPU test model or a bus
 MAX_TOKENS_BYTES = 16 * 2**20  # token ids of a long prompt as JSON: ~8 bytes a token, 1M tokens at most
 MAX_COMPLETION_BYTES = 2**20
 MAX_PROMPT_TOKENS = 1_000_000  # lmcache's own cap on a prefetch (cache_control/key_resolver.py)
+METRICS_TIMEOUT_S = 5.0
+MAX_METRICS_BYTES = 4 * 2**20  # vLLM 0.33.0's is some tens of KB (histograms per engine)
 
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
 M = TypeVar("M", bound=BaseModel)
@@ -52,15 +52,14 @@ class CompletionAnswer(_Lenient):
 
 
 class VLLMAnswerError(PeerError):
-    """vLLM answered, but not usably: an HTTP error status (a prompt too long for maxModelLen, a
-    wrong API key, an unknown model name) or a body that is not the answer asked for. A plain
-    PeerError is a vLLM that could not be reached or did not answer in time."""
+    """vLLM answered, but not usably: an HTTP error status (prompt too long, wrong API key, unknown model)
+    or not the answer asked for. A plain PeerError is a vLLM not reached or not answering in time."""
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A greedy answer: the generated token ids (what the canary compares), its text, and the
-    prompt's tokens as vLLM counted them (usage.prompt_tokens; None when it did not say)."""
+    """A greedy answer: the generated token ids (what the canary compares), its text, and
+    usage.prompt_tokens (None when vLLM did not say)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -79,7 +78,8 @@ def _checked(reply: httpclient.Reply, what: str) -> bytes:
     return reply.body
 
 
-def _parsed(body: bytes, model: type[M], what: str) -> M:
+def _parsed(reply: httpclient.Reply, model: type[M], what: str) -> M:
+    body = _checked(reply, what)
     try:
         return httpclient.parse(body, model)
     except PeerError as exc:
@@ -89,9 +89,8 @@ def _parsed(body: bytes, model: type[M], what: str) -> M:
 def tokenize(host: str, port: int, *, prompt: str | None = None, messages: list[Mapping[str, str]] | None = None,
              add_generation_prompt: bool = False, api_key: str | None = None,
              timeout: float = TOKENIZE_TIMEOUT_S) -> list[int]:
-    """The token ids vLLM's own tokenizer gives a prompt, or the chat template rendered over
-    messages (POST /tokenize): exactly the ids a later request of that text prefills, with the
-    pinned tokenizer and template of the pod that serves it."""
+    """The token ids the pod's own tokenizer gives a prompt, or its chat template over messages (POST
+    /tokenize): exactly the ids a later request of that text prefills."""
     if (prompt is None) == (messages is None):
         raise ValueError("tokenize takes a prompt or messages, not both")
     payload: dict[str, Any] = ({"prompt": prompt, "add_special_tokens": True} if prompt is not None else
@@ -99,25 +98,21 @@ def tokenize(host: str, port: int, *, prompt: str | None = None, messages: list[
                                 "add_special_tokens": False})
     reply = httpclient.post_json(host, port, "/tokenize", payload, timeout=timeout, max_bytes=MAX_TOKENS_BYTES,
                                  headers=_headers(api_key))
-    return list(_parsed(_checked(reply, "/tokenize"), TokenizeAnswer, "/tokenize").tokens)
+    return list(_parsed(reply, TokenizeAnswer, "/tokenize").tokens)
 
 
-# Per-request settings LMCache's connector (lmcache.integration.vllm.lmcache_mp_connector, the one
-# the operator configures) reads from kv_transfer_params: none of its KV offloaded, so nothing of
-# the request is stored (lmcache_mp_metadata.py: max_offload_tokens caps what is stored). Not part
-# of any cache key (request_configs compare=False in the IPC key).
+# kv_transfer_params for LMCache's connector (lmcache_mp_connector): no KV offloaded, so nothing of the
+# request is stored (lmcache_mp_metadata.py). Not part of any cache key (request_configs compare=False).
 NO_STORE = {"lmcache.max_offload_tokens": 0}
 
 
 def complete(host: str, port: int, model: str, prompt: str | list[int], *, max_tokens: int,
              cache_salt: str | None = None, store: bool = True, api_key: str | None = None,
              timeout: float = COMPLETE_TIMEOUT_S) -> Completion:
-    """One greedy completion (temperature 0, no sampling seed needed) of a prompt, text or token
-    ids, returning the generated token ids. A cache_salt makes every cache key of the request its
-    own (vLLM's prefix cache and lmcache's keys both take it), so a fresh salt is a request that
-    nothing cached can serve: computed from scratch. store False: LMCache keeps nothing of it (a
-    salted request's KV would never be read again); only for a pod with LMCache's connector, since
-    vLLM without one logs a warning for every request that carries kv_transfer_params."""
+    """One greedy completion (temperature 0) of a prompt, text or token ids. A fresh cache_salt (vLLM's
+    prefix cache and lmcache's keys both take it) makes a request nothing cached can serve. store False:
+    LMCache keeps nothing of it; only for a pod with LMCache's connector (vLLM without one warns for
+    every request carrying kv_transfer_params)."""
     payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "return_token_ids": True, "ignore_eos": True, "stream": False}
     if cache_salt is not None:
@@ -126,7 +121,7 @@ def complete(host: str, port: int, model: str, prompt: str | list[int], *, max_t
         payload["kv_transfer_params"] = dict(NO_STORE)
     reply = httpclient.post_json(host, port, "/v1/completions", payload, timeout=timeout,
                                  max_bytes=MAX_COMPLETION_BYTES, headers=_headers(api_key))
-    answer = _parsed(_checked(reply, "/v1/completions"), CompletionAnswer, "/v1/completions")
+    answer = _parsed(reply, CompletionAnswer, "/v1/completions")
     choice = answer.choices[0]
     # Fewer is an answer (a stop token of the model's generation config ends it, ignore_eos aside);
     # more is not what was asked.
@@ -136,13 +131,8 @@ def complete(host: str, port: int, model: str, prompt: str | list[int], *, max_t
     return Completion(tuple(choice.token_ids), choice.text, answer.usage.prompt_tokens if answer.usage else None)
 
 
-METRICS_TIMEOUT_S = 5.0
-MAX_METRICS_BYTES = 4 * 2**20  # vLLM 0.33.0's is some tens of KB (histograms per engine)
-
-
 def metrics(host: str, port: int, *, api_key: str | None = None, timeout: float = METRICS_TIMEOUT_S) -> str:
-    """The text of a vLLM pod's GET /metrics (Prometheus), bounded like every call; parsing it is
-    the reader's (kvpersist.status.canary reads its prompt-token counters)."""
+    """The text of a vLLM pod's GET /metrics (Prometheus), bounded; kvpersist.status.canary parses it."""
     reply = httpclient.get(host, port, "/metrics", timeout=timeout, max_bytes=MAX_METRICS_BYTES,
                            headers=_headers(api_key))
     return _checked(reply, "/metrics").decode("utf-8", "replace")

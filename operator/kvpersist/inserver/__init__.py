@@ -1,8 +1,6 @@
-"""Code that runs inside the lmcache server's container, not in the operator.
-
-The server image has lmcache and its dependencies but not kvpersist, so each module here is
-standalone (standard library, lmcache, cryptography, and the modules here before it) and is
-rendered into the pod as source: program_source, one `python3 -c` program.
+"""Code that runs inside the lmcache server's container, not in the operator: the image has lmcache
+but not kvpersist, so each module here is standalone (standard library, lmcache, cryptography, and
+the modules before it) and is rendered into the pod as one `python3 -c` program (program_source).
 """
 
 from __future__ import annotations
@@ -13,9 +11,9 @@ from importlib import resources
 # kvpersist.inserver.<name>); the last runs as the program (its `__name__ == "__main__"`).
 PROGRAM_MODULES = ("lmcache_internals", "serve")
 
-# Puts each module but the last in sys.modules under its own name, inside stand-ins for the
-# kvpersist and kvpersist.inserver packages (the image has neither), then runs the last as
-# __main__. The sources follow as string literals; nothing here may hold a dollar sign.
+# Puts each module but the last in sys.modules, inside stand-ins for the kvpersist packages (the
+# image has neither), then runs the last as __main__; the sources follow as string literals.
+# Nothing here may hold a dollar sign.
 _LOADER = '''\
 """kvpersist's lmcache server program (kvpersist.inserver.program_source): its modules, then serve."""
 import sys

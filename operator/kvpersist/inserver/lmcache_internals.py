@@ -1,23 +1,17 @@
 """Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, in one
 place, checked against the installed lmcache before the server starts.
 
-Why: serve.py replaces a class inside lmcache's storage manager (SerdeL2AdapterWrapper), subclasses
-lmcache's serde contract and reads fields of objects lmcache hands it. None of that is a versioned
-API: a new lmcache may rename, move or re-sign any of it, and the result would not be an error at
-start but a server that silently stops removing unreadable objects, or a frame whose binding leaves
-out a new field of the object's name. So each dependency is a record here (what, where in lmcache,
-why kvpersist needs it, the upstream change that would make it unnecessary: docs/datapath.md
-"lmcache internals"), serve.py reaches lmcache only through the accessors below, and serve.main
-runs check() first: on any mismatch, or on an lmcache version outside TESTED_LMCACHE (the build
-identity pins lmcache, so a new lmcache is a new image and a new kvpersist anyway), the server
-refuses to start the way the build check refuses (kvpersist.builders.buildcheck: MISMATCH_PREFIX
-in the container's termination message, exit EXIT_CODE), and the operator shows it as
-BuildVerified False (kvpersist.status.build) naming what is missing.
+Why: serve.py replaces a class inside lmcache's storage manager, subclasses its serde contract and
+reads fields of its objects; none of that is a versioned API, and a change would not fail at start
+but silently stop removing unreadable objects, or leave a new field of the object's name out of the
+frame's binding. So each dependency is a record here (docs/datapath.md "lmcache internals"), serve.py
+reaches lmcache only through the accessors below, and serve.main runs check() first: on a mismatch,
+or an lmcache outside TESTED_LMCACHE, the server refuses to start as the build check does
+(MISMATCH_PREFIX, EXIT_CODE) and the operator shows BuildVerified False naming what is missing.
 
-Shipped with serve.py into the server's container (kvpersist.inserver.program_source): standard
-library only at import, lmcache imported inside the checks and accessors, and nothing that the
-kubelet would expand in an environment variable's value (a dollar sign before an opening
-parenthesis or another dollar sign).
+Shipped with serve.py (kvpersist.inserver.program_source): standard library only at import, lmcache
+imported inside the checks and accessors, and no dollar sign before an opening parenthesis or
+another dollar sign (the kubelet would expand it in the environment variable's value).
 """
 
 from __future__ import annotations
@@ -32,13 +26,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-# The lmcache releases kvpersist's server was tested with (their public versions: a local label
-# such as +cu128 is a build of the same release). Another one refuses to start even when every
-# check passes: these records say what kvpersist uses, not what else changed in between.
+# The lmcache releases the server was tested with (public versions: +cu128 is a build of one). Another
+# refuses to start even when every check passes: the records say what kvpersist uses, not what changed.
 TESTED_LMCACHE = ("0.5.6",)
-# kvpersist.builders.buildcheck's MISMATCH_PREFIX and EXIT_CODE, here (the server's image has no
-# kvpersist; tests/unit/test_lmcache_internals.py checks the two agree), so the operator's
-# kvpersist.status.build reads this refusal as it reads the build check's.
+# kvpersist.builders.buildcheck's (the image has no kvpersist; a test checks they agree), so the
+# operator reads this refusal as it reads the build check's.
 MISMATCH_PREFIX = "kvpersist-build mismatch: "
 EXIT_CODE = 78  # EX_CONFIG: restarting the same image will not help
 MESSAGE_MAX = 1000  # the operator keeps 1024 characters of a termination message
@@ -47,8 +39,7 @@ VERSION = "lmcache version"  # the Mismatch of a release not in TESTED_LMCACHE (
 
 @dataclasses.dataclass(frozen=True)
 class Internal:
-    """One thing of lmcache's that kvpersist's server relies on; verify returns what differs from
-    lmcache 0.5.6 (nothing when it is as kvpersist uses it)."""
+    """One thing of lmcache's that kvpersist's server relies on; verify returns what differs."""
 
     name: str
     where: str  # its place in lmcache
@@ -110,8 +101,8 @@ def _method(cls: Any, name: str, expected: tuple[str, ...]) -> list[str]:
 
 
 def _abstract(cls: Any, expected: dict[str, tuple[str, ...]]) -> list[str]:
-    """cls's abstract methods are exactly those kvpersist implements, with its parameters: one
-    more and kvpersist's subclass cannot be made."""
+    """cls's abstract methods are exactly those kvpersist implements, with its parameters (one more
+    and kvpersist's subclass cannot be made)."""
     found = set(getattr(cls, "__abstractmethods__", ()))
     problems = []
     if found != set(expected):
@@ -133,8 +124,8 @@ def _fields(cls: Any, expected: tuple[str, ...], exact: bool) -> list[str]:
 
 
 def _guarded(check: Callable[[], list[str]]) -> Callable[[], list[str]]:
-    """A check that reports a Missing name, or any error of its own, as a problem: a check that
-    cannot tell is no proof that the internal is there."""
+    """check, with a Missing name or any error of its own a problem: a check that cannot tell is no
+    proof that the internal is there."""
     def run() -> list[str]:
         try:
             return check()
@@ -184,8 +175,8 @@ def _check_event_notifier() -> list[str]:
             notifier.close()
 
 
-# Every field of lmcache 0.5.6's ObjectKey: the frame binds all of them (serve.object_binding). A
-# field lmcache adds would be left out of the binding, so this list must be exactly lmcache's.
+# Every field of ObjectKey: the frame binds them all (serve.object_binding), so one lmcache adds
+# would be left out: this list must be exactly lmcache's.
 OBJECT_KEY_FIELDS = ("chunk_hash", "model_name", "kv_rank", "object_group_id", "cache_salt")
 
 
@@ -332,8 +323,8 @@ def installed_version() -> str | None:
 
 
 def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = None) -> list[Mismatch]:
-    """What differs in the installed lmcache from what kvpersist's server uses: its version when
-    not one of TESTED_LMCACHE, then every record's problems. Empty: the server may start."""
+    """What differs in the installed lmcache from what the server uses (its version when not
+    tested, then every record's problems); empty: the server may start."""
     import importlib.util
 
     version = installed_version() if version is None else version
@@ -351,9 +342,8 @@ def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = Non
 
 
 def refusal_message(found: list[Mismatch], version: str | None = None) -> str:
-    """The termination message of a server that refuses to start over found, in the build
-    check's form (MISMATCH_PREFIX ...), within MESSAGE_MAX characters: the names of what differs
-    first, then what each is."""
+    """The termination message of a server refusing over found, in the build check's form, within
+    MESSAGE_MAX characters: the names of what differs first, then what each is."""
     version = installed_version() if version is None else version
     tested = ", ".join(TESTED_LMCACHE)
     head = f"{MISMATCH_PREFIX}lmcache {version or '(its version unknown)'} in this container"
@@ -414,8 +404,7 @@ def bitmap_class() -> type:
 
 
 def logger(name: str) -> Any:
-    """lmcache's logger (its format, level and handler); the standard library's where there is no
-    lmcache (the operator's unit tests)."""
+    """lmcache's logger (its format, level and handler); the standard library's without lmcache."""
     try:
         init_logger = _get("lmcache.logging", "init_logger")
     except Missing:

@@ -1,56 +1,25 @@
-"""The lmcache server as the operator runs it: kvpersist's L2 serde registered, then lmcache's own
-entry point (`lmcache server ...`) in the same process.
+"""The lmcache server as the operator runs it: kvpersist's L2 serdes registered, then lmcache's own
+entry point (`lmcache server ...`) in the same process. The design and its measurements: docs/datapath.md.
 
-Why a serde of our own: lmcache 0.5.6's `aesgcm` serde copies each whole chunk three times around
-one AES-GCM call (`bytes(src.byte_array)`, a new plaintext or ciphertext, a copy into the
-destination) and works through a batch one chunk at a time, so an encrypted L2 read ran at a
-fifth of the disk (benchmarks/RESULTS.md). This one seals with no copy (`AESGCM.encrypt_into` /
-`decrypt_into` straight between the two buffers lmcache hands it), in segments of 2 MiB spread
-over a thread pool (cryptography releases the GIL), and the wrapper below loads a request's chunks
-one by one, so each is opened while the next ones are still being read.
+Our own serde because lmcache 0.5.6's `aesgcm` copies each chunk three times around one AES-GCM call
+and works through a batch one chunk at a time (a fifth of the disk's speed); this one seals with no
+copy (`encrypt_into` / `decrypt_into` between lmcache's buffers), in 2 MiB segments over a thread
+pool, and the wrapper below loads a request's chunks one by one, so decryption overlaps the reads.
 
-The keys are lmcache's own (one AES key per cache_salt by HKDF-SHA256 from the master key file,
-lmcache's info prefix). The frame is ours, version 3: `[3][8-byte key fingerprint][12 IV]`, then
-the chunk in segments, each `[ciphertext][16 tag]`. Each segment's associated data binds the
-object's name: a fixed label, the key's fingerprint, the namespace id and lmcache's whole
-ObjectKey (model name, kv rank, object group, chunk hash, cache salt), each length-prefixed, then
-the segment's index and the count. So an object read under any other name (a file copied or
-renamed over another chunk's, into another namespace's folder under the same key, a bucket path
-pointed at another object) fails authentication: a miss, never another chunk's bytes. Versions 1
-(lmcache's aesgcm) and 2 (ours before) bind no name and are refused (a miss); the frame version
-is in the namespace id (api.v1alpha1 L2_SERDE), so through the operator no server meets them.
+The keys are lmcache's (HKDF-SHA256 per cache_salt). The frame, version 3: `[3][8-byte key
+fingerprint][12 IV]`, then per segment `[ciphertext][16 tag]`, each bound to the object's whole name
+(object_binding), so an object read under any other name is a miss, never another chunk's bytes;
+versions 1 (lmcache's) and 2 (ours before) bind no name and are refused. With encryption off
+(kvpersist-checked) the same frames are sealed under a public key: no secret, but still checked.
+A key file other than the namespace id's refuses to start (check_key: else a rotated Secret makes
+every object unreadable). A version 3 frame of this key that fails, or an all-zero object, is removed
+(else lmcache skips its stores forever); anything else is a miss left as it is. Removal needs the
+adapter, hence the replaced SerdeL2AdapterWrapper.
 
-The key the server is given must be the one its namespace id was computed with: the settings
-carry the expected fingerprint (kvpersist.identity.key_fingerprint; never the key) and the id, and
-on any difference the server refuses to start before any object is read (KEY_MISMATCH_PREFIX in
-the container's termination message, exit KEY_MISMATCH_EXIT_CODE). Otherwise a Secret's bytes
-rotated under a running resource would make a restarted server read every object as unreadable.
-
-An object that fails authentication is removed from L2 (the adapter's own delete), so the prefix
-is stored again on its next computation, but only when it is a version 3 frame sealed under this
-server's key (its header says so): in this namespace's folder such an object can be read by no
-server under any name (damaged, or copied in under a wrong name). lmcache 0.5.6 otherwise keeps
-it: its index (or, for fs, the file itself) says the key is stored, so every store of it is
-skipped and the prefix stays a miss forever. A frame of another key or version, or one too short
-to tell, is a miss that is logged and left as it is. The removal needs the adapter, which the
-serde is not given: the storage manager's SerdeL2AdapterWrapper is replaced by a subclass that
-only wires the two together.
-
-With encryption off the server runs the same frames as kvpersist-checked, sealed under a public
-key (CHECKED_KEY): not a secret, but every object is still bound to its name and checked before it
-is served, so a copied, zeroed or damaged object is a miss in every mode (lmcache keeps no
-checksum: it served them as hits with wrong bytes). An object that is all zeros (a crash after the
-rename, before the data reached the disk: writes are not synced) is removed in either mode.
-
-lmcache offers `register_serde_factory`, but its `--server-module` hook loads after the storage
-manager (and so the L2 adapters and their serdes) is built: too late. Hence this launcher, run as
-`python3 -c "$KVPERSIST_LMCACHE_SERVE" server ...` (kvpersist.inserver.program_source: this module
-with kvpersist.inserver.lmcache_internals). Every name of lmcache used here is reached through
-lmcache_internals, which main checks against the installed lmcache first: on any difference, or an
-lmcache release not tested, the server refuses to start as the build check does (BuildVerified
-False). Standard library, lmcache and cryptography only: the server image has no kvpersist. Nothing
-here may contain a dollar sign followed by an opening parenthesis (the kubelet would expand it in
-the variable's value).
+lmcache's `--server-module` loads after the L2 serdes are built, hence this launcher
+(kvpersist.inserver.program_source); lmcache is reached only through lmcache_internals, which main
+checks first. Standard library, lmcache and cryptography only (the image has no kvpersist), and no
+dollar sign followed by an opening parenthesis (the kubelet would expand it in the variable's value).
 """
 
 from __future__ import annotations
@@ -61,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import hmac
+import math
 import os
 import re
 import struct
@@ -74,44 +44,36 @@ from typing import Any, NoReturn
 from kvpersist.inserver import lmcache_internals
 
 SERDE_TYPE = "kvpersist-aesgcm"
-# lmcache 0.5.6's aesgcm (lmcache/v1/distributed/serde/aesgcm.py): its frame `[1][12 IV]
-# [ciphertext][16 tag]` (version 1, refused here) and its key schedule (ours too): one AES key per
-# cache_salt by HKDF-SHA256 with this info prefix.
+# lmcache 0.5.6's aesgcm: its frame `[1][12 IV][ciphertext][16 tag]` (version 1, refused here) and
+# its key schedule (ours too): one AES key per cache_salt by HKDF-SHA256 with this info prefix.
 LMCACHE_VERSION = 1
 IV_LEN = 12
 TAG_LEN = 16
 HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"
-# Ours before: lmcache's header and segments whose associated data named only their index (refused).
-VERSION_SEGMENTED = 2
-# Ours (version 3): the chunk sealed in segments of SEGMENT_BYTES, each its own GCM message
-# (`[ciphertext][16 tag]`), so one chunk opens on several cores at once. Segment i's nonce is the
-# frame's random IV plus i in its last 32 bits; its associated data is the object's binding
-# (object_binding: the key's fingerprint, the namespace and the object's name) then i and the
-# count, so segments cannot be swapped, dropped or moved between frames, nor frames between names.
+VERSION_SEGMENTED = 2  # ours before: segments whose associated data named only their index (refused)
+# Ours: segments of SEGMENT_BYTES, each its own GCM message, so one chunk opens on several cores.
+# Segment i's nonce is the frame's IV plus i in its last 32 bits; its associated data is the
+# object's binding then i and the count, so segments cannot be swapped, dropped or moved between
+# frames, nor frames between names.
 VERSION = 3
 FINGERPRINT_LEN = 8
 HEADER_LEN = 1 + FINGERPRINT_LEN + IV_LEN
 FRAME_OVERHEAD = HEADER_LEN + TAG_LEN  # a frame of one segment
 SEGMENT_BYTES = 2 * 2**20
 BINDING_LABEL = b"kvpersist-aesgcm v3 object"
-# With encryption off (spec.l2.encryption.enabled false): kvpersist-checked, the same version 3
-# frames sealed under CHECKED_KEY, a public key: a checksum bound to the object's name, not a
-# secret. A copy under another name, a zeroed, flipped or short object is a miss as when
-# encrypted; anyone who may write the folder can forge one (use encryption against that). Why
-# AES-GCM and not a GMAC over plaintext: opening is one pass (read, write), where checking and
-# copying plaintext out of lmcache's temp buffer are two reads and a write (measured slower here).
+# Encryption off: the same frames under a public key, a checksum bound to the object's name, not a
+# secret (anyone who may write the folder can forge one). AES-GCM rather than a GMAC over the
+# plaintext: opening is one pass, where checking then copying out of lmcache's buffer is two.
 CHECKED_TYPE = "kvpersist-checked"
 CHECKED_KEY = hashlib.sha256(b"kvpersist-checked: a public key, for a checksum and not a secret").digest()
 DEFAULT_WORKERS = 4
-# Derived AES keys kept, one per cache_salt, least recently used first out: salts may be per user.
-MAX_SALT_KEYS = 256
-# kvpersist.identity.key_fingerprint, which the namespace id was computed with: 16 hex of
-# HMAC-SHA256 keyed by the key file's bytes over this message (tests check the two agree).
+MAX_SALT_KEYS = 256  # derived AES keys kept, least recently used out first: salts may be per user
+# kvpersist.identity.key_fingerprint (the namespace id's): 16 hex of HMAC-SHA256 keyed by the key
+# file's bytes over this message (tests check the two agree).
 KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
 FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
-# A server whose key file is not the key its namespace id names refuses to start: this message in
-# the container's termination message (the operator reads it back), this exit code (EX_CONFIG, as
-# builders.buildcheck: restarting will not help). The file: TERMINATION_LOG_ENV, else the kubelet's.
+# A key file other than the namespace id's: this termination message (the operator reads it back)
+# and exit code (EX_CONFIG, as builders.buildcheck). The file: TERMINATION_LOG_ENV, else the kubelet's.
 KEY_MISMATCH_PREFIX = "kvpersist-aesgcm key mismatch: "
 KEY_MISMATCH_FORMAT = (KEY_MISMATCH_PREFIX + "key file fingerprint {found}, namespace {namespace} expects {expected}: "
                        "refusing to start (no object is read or removed)")
@@ -125,9 +87,8 @@ TERMINATION_LOG = "/dev/termination-log"
 
 
 class FrameError(ValueError):
-    """A stored object that is not a frame this server can open (a miss). removable: it is a
-    version 3 frame of this server's key that cannot be this object (damaged or misplaced), so
-    the adapter may delete it; any other (another key or version, too short to tell) stays."""
+    """A stored object that is not a frame this server can open (a miss). removable: a version 3
+    frame of this key that cannot be this object, or all zeros; any other stays."""
 
     def __init__(self, message: str, removable: bool = False) -> None:
         super().__init__(message)
@@ -140,8 +101,7 @@ def key_fingerprint(key: bytes) -> str:
 
 
 def _bytes_view(buffer: Any) -> memoryview:
-    """A writable flat byte view of a MemoryObj's byte_array (a ctypes-backed `<B` memoryview,
-    which does not take slice assignment until cast)."""
+    """A MemoryObj's byte_array as flat bytes (its `<B` view takes no slice assignment uncast)."""
     return memoryview(buffer).cast("B")
 
 
@@ -158,23 +118,14 @@ def _nonce(iv: bytes, i: int) -> bytes:
     return iv[:8] + ((int.from_bytes(iv[8:], "big") + i) % 2**32).to_bytes(4, "big")
 
 
-def _field(value: bytes) -> bytes:
-    return struct.pack(">I", len(value)) + value
-
-
 def object_binding(fingerprint: bytes, namespace_id: str, key: Any) -> bytes:
     """What every segment's associated data of key's frame starts with: the label, then the key's
-    fingerprint, the namespace id and each field of lmcache's ObjectKey (model_name, kv_rank,
-    object_group_id, chunk_hash, cache_salt), each length-prefixed (integers in decimal), so no
-    two names give the same bytes."""
+    fingerprint, the namespace id and each field of lmcache's ObjectKey, each length-prefixed
+    (integers in decimal), so no two names give the same bytes."""
     fields = (fingerprint, namespace_id.encode("utf-8"), str(key.model_name).encode("utf-8"),
               str(int(key.kv_rank)).encode("ascii"), str(int(key.object_group_id)).encode("ascii"),
               bytes(key.chunk_hash), str(key.cache_salt).encode("utf-8"))
-    return BINDING_LABEL + b"".join(_field(f) for f in fields)
-
-
-def _aad(binding: bytes, i: int, count: int) -> bytes:
-    return binding + struct.pack(">II", i, count)
+    return BINDING_LABEL + b"".join(struct.pack(">I", len(f)) + f for f in fields)
 
 
 def _zero(view: memoryview) -> None:
@@ -195,33 +146,40 @@ def _open_segment(aead: Any, nonce: bytes, sealed: memoryview, aad: bytes, out: 
         raise
 
 
-def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview,
-              out: memoryview) -> tuple[int, list[Callable[[], None]]]:
-    """Writes the header of plaintext's frame into out and returns the frame's length and one job
-    per segment, each sealing its segment in place (no copy): they may run side by side."""
+def _segment_jobs(run: Callable[..., None], iv: bytes, binding: bytes, plaintext: memoryview, frame: memoryview,
+                  sealing: bool) -> list[Callable[[], None]]:
+    """One job per segment: run(nonce, source, associated data, destination), from plaintext into
+    frame when sealing, else back."""
     n, count = len(plaintext), segment_count(len(plaintext))
-    if len(iv) != IV_LEN or len(fingerprint) != FINGERPRINT_LEN or len(out) < sealed_size(n):
-        raise ValueError("seal: the IV, the fingerprint or the destination has the wrong size")
-    out[0] = VERSION
-    out[1:1 + FINGERPRINT_LEN] = fingerprint
-    out[1 + FINGERPRINT_LEN:HEADER_LEN] = iv
 
     def job(i: int) -> Callable[[], None]:
         lo, hi = i * SEGMENT_BYTES, min(n, (i + 1) * SEGMENT_BYTES)
         at = HEADER_LEN + lo + i * TAG_LEN
-        return lambda: aead.encrypt_into(_nonce(iv, i), plaintext[lo:hi], _aad(binding, i, count),
-                                         out[at:at + hi - lo + TAG_LEN])
+        part, sealed = plaintext[lo:hi], frame[at:at + hi - lo + TAG_LEN]
+        src, dst = (part, sealed) if sealing else (sealed, part)
+        return functools.partial(run, _nonce(iv, i), src, binding + struct.pack(">II", i, count), dst)
 
-    return sealed_size(n), [job(i) for i in range(count)]
+    return [job(i) for i in range(count)]
+
+
+def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview,
+              out: memoryview) -> tuple[int, list[Callable[[], None]]]:
+    """Writes the header of plaintext's frame into out and returns the frame's length and one job
+    per segment, each sealing its segment in place (no copy): they may run side by side."""
+    if len(iv) != IV_LEN or len(fingerprint) != FINGERPRINT_LEN or len(out) < sealed_size(len(plaintext)):
+        raise ValueError("seal: the IV, the fingerprint or the destination has the wrong size")
+    out[0] = VERSION
+    out[1:1 + FINGERPRINT_LEN] = fingerprint
+    out[1 + FINGERPRINT_LEN:HEADER_LEN] = iv
+    return sealed_size(len(plaintext)), _segment_jobs(aead.encrypt_into, iv, binding, plaintext, out, sealing=True)
 
 
 def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, out: memoryview) -> list[Callable[[], None]]:
-    """The jobs that authenticate and decrypt a frame into out, whose length is the plaintext's
-    (the frame may be padded, as the adapters store whole pages), one per segment. Raises
-    FrameError now for anything but a version 3 frame of this key (fingerprint) of the right
-    length, removable when it is all zeros (nothing's data: a crash after the rename); a job raises
-    cryptography's InvalidTag for any changed byte or another name (binding), leaving none of its
-    segment in out, and the caller then reports the object as not loaded."""
+    """The jobs that authenticate and decrypt a frame (maybe padded: the adapters store whole
+    pages) into out, whose length is the plaintext's, one per segment. Raises FrameError now for
+    anything but a version 3 frame of this key of the right length (removable when all zeros or of
+    this key); a job raises InvalidTag for any changed byte or another name, leaving none of its
+    segment in out."""
     n = len(out)
     if len(frame) == 0:
         raise FrameError("kvpersist-aesgcm: an empty object")
@@ -235,15 +193,8 @@ def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, 
         raise FrameError(f"kvpersist-aesgcm: a frame of another key (fingerprint {bytes(frame[1:1 + FINGERPRINT_LEN]).hex()})")
     if len(frame) < sealed_size(n):
         raise FrameError(f"kvpersist-aesgcm: a frame of this key, {len(frame)} bytes for {sealed_size(n)}", removable=True)
-    iv, count = bytes(frame[1 + FINGERPRINT_LEN:HEADER_LEN]), segment_count(n)
-
-    def job(i: int) -> Callable[[], None]:
-        lo, hi = i * SEGMENT_BYTES, min(n, (i + 1) * SEGMENT_BYTES)
-        at = HEADER_LEN + lo + i * TAG_LEN
-        return functools.partial(_open_segment, aead, _nonce(iv, i), frame[at:at + hi - lo + TAG_LEN],
-                                 _aad(binding, i, count), out[lo:hi])
-
-    return [job(i) for i in range(count)]
+    iv = bytes(frame[1 + FINGERPRINT_LEN:HEADER_LEN])
+    return _segment_jobs(functools.partial(_open_segment, aead), iv, binding, out, frame, sealing=False)
 
 
 def seal(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview, out: memoryview) -> int:
@@ -265,21 +216,14 @@ def _raise(exc: BaseException) -> None:
 
 
 def plaintext_bytes(shapes: Any, dtypes: Any) -> int:
-    """The bytes of a chunk's tensors (torch dtypes know their item size): sealed_size of these
-    is the frame's."""
-    total = 0
-    for shape, dtype in zip(shapes, dtypes, strict=True):
-        count = 1
-        for dim in shape:
-            count *= int(dim)
-        total += count * int(dtype.itemsize)
-    return total
+    """The bytes of a chunk's tensors (torch dtypes know their item size)."""
+    return sum(math.prod(int(dim) for dim in shape) * int(dtype.itemsize)
+               for shape, dtype in zip(shapes, dtypes, strict=True))
 
 
 class AeadKeys:
-    """One AESGCM object per cache_salt, its key derived from the master key as lmcache does; the
-    max_salts most recently used kept (salts may be per user: a derivation is cheap, memory for
-    every salt ever seen is not)."""
+    """One AESGCM per cache_salt, its key derived from the master key as lmcache does; the
+    max_salts most recently used kept (a derivation is cheap, memory for every salt ever seen is not)."""
 
     def __init__(self, master_key: bytes, key_len: int, max_salts: int = MAX_SALT_KEYS) -> None:
         if len(master_key) == 0:
@@ -289,8 +233,7 @@ class AeadKeys:
         self._max_salts = max(1, max_salts)
         self._aeads: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
-        # What every frame's header carries: the master key's fingerprint (identity's), as bytes.
-        self.fingerprint = bytes.fromhex(key_fingerprint(master_key))
+        self.fingerprint = bytes.fromhex(key_fingerprint(master_key))  # what every frame's header carries
 
     def derive(self, cache_salt: str) -> bytes:
         from cryptography.hazmat.primitives.hashes import SHA256
@@ -322,8 +265,7 @@ class AeadKeys:
 
 
 class PublicKey:
-    """AeadKeys' interface over CHECKED_KEY: one key for every salt (the salt is in each object's
-    binding)."""
+    """AeadKeys' interface over CHECKED_KEY: one key for every salt (the salt is in the binding)."""
 
     def __init__(self) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -336,9 +278,8 @@ class PublicKey:
 
 
 class ObjectBatches:
-    """Runs the objects of each submitted batch side by side on a thread pool and reports each
-    batch once, when its last object is done: all or nothing, as lmcache's serde contract has it
-    (one failed object fails the batch, so every key in it is a miss)."""
+    """Runs each submitted batch's jobs side by side on a thread pool and reports the batch once,
+    when its last job is done: all or nothing, as lmcache's serde contract has it."""
 
     def __init__(self, workers: int, on_done: Callable[[int, bool, bool], None]) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kvpersist-serde")
@@ -398,9 +339,8 @@ def _log_failure(task_id: int, sealing: bool, exc: BaseException) -> None:
 
 
 def refuse_to_start(message: str, code: int = KEY_MISMATCH_EXIT_CODE) -> NoReturn:
-    """Writes message to the container's termination message and stderr, then ends the process
-    with code at once: whatever lmcache would make of an exception from a serde factory (a log
-    line, a server without L2), this server must not run."""
+    """Writes message to the termination message and stderr, then ends the process at once:
+    whatever lmcache would make of a serde factory's exception, this server must not run."""
     with contextlib.suppress(OSError), open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as out:
         out.write(message)
     with contextlib.suppress(Exception):
@@ -411,8 +351,7 @@ def refuse_to_start(message: str, code: int = KEY_MISMATCH_EXIT_CODE) -> NoRetur
 
 def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
     """(the expected fingerprint, the namespace id) from the serde settings, once the key file's
-    fingerprint is the expected one; else the process ends (refuse_to_start), before any object is
-    read or removed."""
+    fingerprint is the expected one; else the process ends before any object is read or removed."""
     expected = str(kwargs.get("key_fingerprint") or "").strip().lower()
     namespace = str(kwargs.get("namespace_id") or "").strip()
     if not FINGERPRINT_RE.fullmatch(expected) or not namespace:
@@ -425,8 +364,7 @@ def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
 
 def make_processor(kwargs: dict[str, object]) -> Any:
     """The serde factory lmcache calls with the adapter's `serde` settings: master_key_path,
-    key_fingerprint and namespace_id (check_key), aes_bits (128 or 256) and max_workers. Fails
-    (and the server with it) without a key file; ends the process on another key (check_key)."""
+    key_fingerprint and namespace_id (check_key), aes_bits (128 or 256) and max_workers."""
     aes_bits = int(kwargs.get("aes_bits", 256))  # type: ignore[call-overload]
     if aes_bits not in (128, 256):
         raise ValueError(f"kvpersist-aesgcm: aes_bits must be 128 or 256, not {aes_bits}")
@@ -444,9 +382,8 @@ def make_processor(kwargs: dict[str, object]) -> Any:
 
 
 def make_checked_processor(kwargs: dict[str, object]) -> Any:
-    """The factory of kvpersist-checked (encryption off: the frames sealed under CHECKED_KEY):
-    namespace_id and max_workers; no key file. Refuses to start without the namespace id the
-    frames are bound to."""
+    """kvpersist-checked's factory (frames under CHECKED_KEY, no key file): namespace_id, which
+    the frames are bound to (refuses to start without it), and max_workers."""
     namespace = str(kwargs.get("namespace_id") or "").strip()
     if not namespace:
         refuse_to_start(CHECKED_SETTINGS_MISSING)
@@ -456,17 +393,13 @@ def make_checked_processor(kwargs: dict[str, object]) -> Any:
     return _processor_class()(PublicKey(), workers, namespace)
 
 
-_PROCESSOR: list[type] = []
-
-
+@functools.cache
 def _processor_class() -> type:
     """ParallelAesGcm, made on first use: its base is lmcache's, which the operator (importing
     this module for SERDE_TYPE) does not have."""
-    if _PROCESSOR:
-        return _PROCESSOR[0]
     class ParallelAesGcm(lmcache_internals.serde_processor()):  # type: ignore[misc]
         """lmcache's SerdeProcessor contract (submit, eventfd, each result queried once) over
-        ObjectBatches: every chunk of a batch sealed or opened on its own worker."""
+        ObjectBatches: every segment of a batch sealed or opened on its own worker."""
 
         def __init__(self, keys: AeadKeys | PublicKey, workers: int, namespace_id: str) -> None:
             self._keys = keys
@@ -501,22 +434,20 @@ def _processor_class() -> type:
             return jobs
 
         def _open_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:
-            def unreadable(run: Callable[[], None]) -> Callable[[], None]:
-                def checked() -> None:
-                    try:
-                        run()
-                    except Exception as exc:
-                        if removable(exc) and self.on_unreadable is not None:  # only a frame of this key
-                            self.on_unreadable([key])
-                        raise
-                return checked
-
             try:
                 jobs = open_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
                                  _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
             except FrameError as exc:
                 jobs = [functools.partial(_raise, exc)]
-            return [unreadable(run) for run in jobs]
+            return [functools.partial(self._opened, key, run) for run in jobs]
+
+        def _opened(self, key: Any, run: Callable[[], None]) -> None:
+            try:
+                run()
+            except Exception as exc:
+                if removable(exc) and self.on_unreadable is not None:  # only a frame of this key
+                    self.on_unreadable([key])
+                raise
 
         def _submit(self, sealing: bool, src_objs: list, dst_objs: list, keys: list) -> int:
             """One job per segment of every object: the batch's work spread over the workers."""
@@ -559,20 +490,15 @@ def _processor_class() -> type:
             for efd in self._efds.values():
                 efd.close()
 
-    _PROCESSOR.append(ParallelAesGcm)
     return ParallelAesGcm
 
 
 class UnreadableObjects:
-    """Removes objects that failed authentication from their adapter, so they can be stored again:
-    only frames of this server's key and version (removable), which no server can read under any
-    name, and all-zero objects.
-
-    nixl_store_dynamic skips a delete of a key that is still pinned (the prefetch that found it
-    unlocks it right after the failed load), so each key is asked again every RETRY_S until the
-    adapter reports it deleted (through its listener), for at most GIVE_UP_S. fs_native deletes
-    at once but reports only what this process stored, so a key is also done once a new object is
-    stored under its name (asking again then would delete the new one)."""
+    """Removes removable objects that failed authentication from their adapter, so they can be
+    stored again. nixl_store_dynamic skips the delete of a still pinned key, so each is asked again
+    every RETRY_S until the adapter's listener reports it deleted, for at most GIVE_UP_S; fs_native
+    reports only what this process stored, so a key is also done once a new object is stored under
+    its name (asking again then would delete the new one)."""
 
     RETRY_S = 0.2
     GIVE_UP_S = 30.0
@@ -650,8 +576,8 @@ class ChunkLoads:
             return task_id in self._loads
 
     def query(self, task_id: int) -> Any:
-        """The whole load's bitmap once every chunk's load has answered, else None (each
-        answer is taken once and kept here, as lmcache's results are popped when read)."""
+        """The whole load's bitmap once every chunk's load has answered, else None (each answer
+        is kept here: lmcache's results are popped when read)."""
         with self._lock:
             loads, results = self._loads[task_id]
             for i, one in enumerate(loads):
@@ -669,21 +595,16 @@ class ChunkLoads:
         return bitmap
 
 
-_LOGGER: list[Any] = []
-
-
+@functools.cache
 def _logger() -> Any:
     """lmcache's logger (its format, level and handler), made once: init_logger resets handlers."""
-    if not _LOGGER:
-        _LOGGER.append(lmcache_internals.logger("kvpersist.inserver.serve"))
-    return _LOGGER[0]
+    return lmcache_internals.logger("kvpersist.inserver.serve")
 
 
 def install_unreadable_removal() -> None:
     """Replaces the storage manager's SerdeL2AdapterWrapper by a subclass that hands our serde
     the inner adapter's delete (UnreadableObjects) and loads one chunk per load (ChunkLoads);
-    other serdes are left alone. main has checked that lmcache has these names as used here
-    (lmcache_internals)."""
+    other serdes are left alone."""
     base = lmcache_internals.serde_wrapper()
     if getattr(base, "kvpersist_wired", False):
         return
@@ -705,10 +626,8 @@ def install_unreadable_removal() -> None:
             self._unreadable.deleted(keys)
 
     class WiredSerdeL2AdapterWrapper(base):  # type: ignore[misc, valid-type]
-        """lmcache's wrapper, with two additions for our serde only: unreadable objects are
-        removed (UnreadableObjects), and a load of several chunks runs as one load per chunk
-        (ChunkLoads), so each chunk is opened as soon as it is read while the next ones are still
-        being read: the decryption overlaps the reads instead of following them."""
+        """lmcache's wrapper; for our serde only, unreadable objects are removed and a load of
+        several chunks runs as one load per chunk, so the decryption overlaps the reads."""
 
         kvpersist_wired = True
 
@@ -746,10 +665,9 @@ def register() -> None:
 
 
 def cryptography_problem() -> str | None:
-    """What is wrong with the installed cryptography for the serde, or None: a frame under a random
-    key and one under CHECKED_KEY seal and open a few bytes, and a changed byte fails its tag and
-    leaves nothing in the destination (AESGCM's encrypt_into and decrypt_into came in cryptography
-    43)."""
+    """What is wrong with the installed cryptography for the serde (encrypt_into and decrypt_into
+    came in 43), or None: a frame under a random key and under CHECKED_KEY seals and opens, and a
+    changed byte fails its tag and leaves nothing in the destination."""
     try:
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -777,10 +695,9 @@ def cryptography_problem() -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """lmcache's server with our serde, once the installed lmcache has every internal used here
-    as used here, and is a release tested with them, and cryptography does what the serde calls;
-    else it refuses to start (the build check's termination message and exit code), before
-    anything is registered or read."""
+    """lmcache's server with our serde, once the installed lmcache is a tested release with every
+    internal as used here and cryptography does what the serde calls; else it refuses to start
+    (the build check's message and exit code) before anything is registered or read."""
     found = lmcache_internals.check()
     if found:
         refuse_to_start(lmcache_internals.refusal_message(found), lmcache_internals.EXIT_CODE)

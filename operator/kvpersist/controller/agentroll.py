@@ -1,9 +1,7 @@
-"""The agent image roll in the controller: which image one apply renders (kvpersist.status
-.agentroll decides), the claims that bridge an apply and the watch event that shows it, and the
-events that tell a user their server's agent update waits or rolls.
-
-Claims live in memory: after a restart the watch cache alone says what is rolling (a StatefulSet
-on the wanted image whose rollout is not done yet), so a restarted operator never rolls more at once.
+"""The agent image roll in the controller: which image one apply renders (kvpersist.status.agentroll
+decides), the claims bridging an apply and the watch event that shows it, and the events telling a
+user their server's agent update waits or rolls. Claims live in memory: after a restart the watch cache
+alone says what rolls (a StatefulSet on the wanted image, not rolled out yet), so never more at once.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from kvpersist.identity import IMAGE_DIGEST_RE
 from kvpersist.status import agentroll as plan
 
 ROLL_MAX_ENV = "KVPERSIST_AGENT_ROLL_MAX"  # the chart's agentRoll.maxUnavailable
-# A claim whose StatefulSet the watch cache still shows on the old image this long after (its
-# apply failed, or the resource is refused now) frees its slot: a resource that cannot be applied
-# must not hold every other server's update. Once the new template is seen, only Ready frees it.
+# A claim whose StatefulSet is still seen on the old image this long after (apply failed, or now refused)
+# frees its slot: an unappliable resource must not hold every other update. Once seen new, only Ready frees it.
 CLAIM_TTL_S = 120.0
 PENDING = "AgentUpdatePending"
 UPDATING = "AgentUpdating"
@@ -39,9 +36,8 @@ def limit() -> int:
 
 
 def warn_if_unpinned() -> None:
-    """A tag names no build: the roll compares image names, so a tag moved under the same name rolls
-    nothing, and each server restarted for another reason pulls whatever it names now. The chart
-    refuses it with image.requireDigest (docs/upgrading.md)."""
+    """A tag names no build: the roll compares names, so a moved tag rolls nothing and each server restarted
+    for another reason pulls whatever it names now (the chart's image.requireDigest refuses it)."""
     image = agent_image()
     if not IMAGE_DIGEST_RE.search(image):
         log.warning("the inventory agent's image %s is named by tag alone: set the chart's image.digest (and "
@@ -80,23 +76,24 @@ class Roller:
             self._told[key] = decision
             rolling = sorted(plan.in_flight(wanted, fleet, self._claimed))
         current = fleet[key].image if key in fleet else None
+        reason = None
         if decision == "hold" and prior != "hold":
             busy = ", ".join(f"{ns}/{name}" for ns, name in rolling) or "none"
-            message = (f"the inventory agent's image {wanted} waits for its turn (it runs {current}): {limit()} lmcache "
-                       f"StatefulSet(s) take a new agent image at a time, cluster-wide, each once the last one's servers "
-                       f"are Ready again, so no two servers lose L1 together; rolling now: {busy}")
-            kube.post_event(body, "Normal", PENDING, message)
-            log.info("%s/%s %s: %s", key[0], key[1], PENDING, message)
+            reason, message = PENDING, (
+                f"the inventory agent's image {wanted} waits for its turn (it runs {current}): {limit()} lmcache "
+                f"StatefulSet(s) take a new agent image at a time, cluster-wide, each once the last one's servers "
+                f"are Ready again, so no two servers lose L1 together; rolling now: {busy}")
         elif decision == "roll":
-            message = (f"the lmcache servers restart, one at a time, for the inventory agent's image {wanted} (was "
-                       f"{current}): L1 of each restarted server is lost, L2 stays")
-            kube.post_event(body, "Normal", UPDATING, message)
-            log.info("%s/%s %s: %s", key[0], key[1], UPDATING, message)
+            reason, message = UPDATING, (f"the lmcache servers restart, one at a time, for the inventory agent's image "
+                                         f"{wanted} (was {current}): L1 of each restarted server is lost, L2 stays")
+        if reason is not None:
+            kube.post_event(body, "Normal", reason, message)
+            log.info("%s/%s %s: %s", key[0], key[1], reason, message)
         return current if decision == "hold" and current else wanted
 
     def may_go(self, key: plan.Key, fleet: Mapping[plan.Key, plan.AgentSet], now: float | None = None) -> bool:
-        """Whether an apply now would give this resource's StatefulSet the wanted agent image it lacks
-        (a slot is free, or it is scaled to zero): the status refresh then applies it."""
+        """Whether an apply now would give this StatefulSet the wanted agent image it lacks (a slot is free, or it
+        is scaled to zero): the status refresh then applies it."""
         wanted = agent_image()
         mine = fleet.get(key)
         if mine is None or mine.image is None or mine.image == wanted:

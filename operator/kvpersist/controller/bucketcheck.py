@@ -1,7 +1,6 @@
-"""The hfBucket's Hub calls of a status refresh, the preflight and the listing: they may take
-minutes for a slow Hub or a huge bucket, so they run in the controller's bucket pool, never on the
-refresh path, which reads their last result. The bucket token's Secret is read once per refresh at
-most, and only when the Secret watch cache shows it changed.
+"""The hfBucket's Hub calls of a status refresh (preflight, listing): minutes for a slow Hub or a huge
+bucket, so they run in the controller's bucket pool and the refresh reads their last result. The token's
+Secret is read at most once per refresh, and only when the Secret watch cache shows it changed.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory
 
 PREFLIGHT_TTL_S = 300.0
-
-# A bucket listing is a paged walk of the Hub's tree: at most once per this many seconds.
-BUCKET_INVENTORY_TTL_S = 300.0
+BUCKET_INVENTORY_TTL_S = 300.0  # a listing is a paged walk of the Hub's tree: at most this often
 BUCKET_INVENTORY_RETRY_S = 30.0  # after a failed listing (no token yet, Hub refused or down)
 
 
@@ -53,10 +50,8 @@ class SecretOnce:
 
 
 def _token_secret(target: Target, name: str, item: str) -> dict[str, Any] | None:
-    """The token's Secret (its metadata and that one key), read again only when the Secret watch
-    cache shows it changed (a new resourceVersion, or gone): a Hub that keeps failing, whose checks
-    come round every 30 s for every resource, no longer costs a Secret read each time (at 500
-    resources, about 600 reads a minute). Without the cache (a glob of namespaces), read each time."""
+    """The token's Secret (metadata and that key), read again only when the watch cache shows it changed: a
+    failing Hub's checks every 30 s cost ~600 reads a minute at 500 resources. Without the cache (a glob), each time."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     synced, version = secret_version(target.namespace, name)
     if synced and version is None:
@@ -73,8 +68,8 @@ def _token_secret(target: Target, name: str, item: str) -> dict[str, Any] | None
 
 
 def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
-    """Starts job in the bucket pool unless this resource's job of that kind still runs; True if
-    started. Whatever it raises is logged, and the resource is marked for a refresh when it ends."""
+    """Starts job in the bucket pool unless this resource's job of that kind runs; True if started. What it
+    raises is logged, and the resource is marked for a refresh when it ends."""
     state = runtime.CONTROLLER.held(key)
 
     def run() -> None:
@@ -94,10 +89,9 @@ def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
 
 
 def bucket_check(target: Target, secrets: SecretOnce) -> tuple[bool, str, str] | None:
-    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and bucket settings,
-    off the refresh path: None (unknown) until the first one for these settings has answered. A
-    passing check is reused without reading the Secret again; a failing one re-reads it on every
-    refresh, so a Secret created or fixed shows within one status interval."""
+    """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and settings, off the refresh path;
+    None until the first answer. A pass is reused without a Secret read; a failure re-reads it each refresh,
+    so a Secret created or fixed shows within one status interval."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
@@ -128,9 +122,8 @@ def bucket_check(target: Target, secrets: SecretOnce) -> tuple[bool, str, str] |
 
 
 def bucket_inventory_of(target: Target, secrets: SecretOnce) -> Inventory | None:
-    """The bucket prefix's listing, at most once per BUCKET_INVENTORY_TTL_S (BUCKET_INVENTORY_RETRY_S
-    after a failure), listed off the refresh path; the last good one meanwhile (L2Ready reports the
-    Hub's problems)."""
+    """The bucket prefix's listing, off the refresh path at most once per BUCKET_INVENTORY_TTL_S (RETRY_S after a
+    failure); the last good one meanwhile (L2Ready reports the Hub's problems)."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)

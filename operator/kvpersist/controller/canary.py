@@ -1,10 +1,8 @@
-"""The correctness canary, run (kvpersist.status.canary judges, and says why): per resource, the
-reference and the checks as jobs in a pool of their own, never on the status refresh path (a CPU
-vLLM answers in seconds, a busy GPU one may take longer), one job per resource at a time, every
-call bounded (kvpersist.vllmclient) and every job too (JOB_BUDGET_S): the pool is shared by every
-resource. What the jobs found is kept here and written by the refresh into status.canary and the
-HitCorrectness condition; the record is seeded from status, so a restarted operator keeps the
-cache off over a HitMismatch it found before (until kvpersist.dev/hit-correctness-ack names it).
+"""The correctness canary, run (kvpersist.status.canary judges): per resource, the reference and the checks
+as one job at a time in a shared pool, never on the status refresh (a busy vLLM may answer slowly), every
+call and job bounded (JOB_BUDGET_S). The refresh writes what they found into status.canary and
+HitCorrectness; the record is seeded from status, so a restarted operator keeps the cache off over a
+HitMismatch it found before (until kvpersist.dev/hit-correctness-ack names it).
 """
 
 from __future__ import annotations
@@ -31,13 +29,11 @@ from kvpersist.status.conditions import now as iso_now
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
-# A job starts no check after this long: the rest stay due for its next round, so one resource's
-# pods that answer nothing (each costs a whole call) hold a shared worker for about this plus one
-# check, never one call per pod (50 such pods were 50 minutes of the pool). The pods that failed
-# least recently go first, so the ones that did answer are not starved behind the ones that hang.
+# A job starts no check after this long (the rest stay due): pods that answer nothing hold a shared worker
+# about this plus one check, not one call each (50 such pods were 50 minutes of the pool). Pods that
+# failed least recently go first, so those that answer are not starved behind those that hang.
 JOB_BUDGET_S = CALL_TIMEOUT_S
-# lmcache counts a lookup on its event bus's thread, which drains every 0.1 s: the servers' counters
-# are read this long after a cached answer, so that its lookup is in them.
+# lmcache counts a lookup on its event bus's thread (drained every 0.1 s): counters are read this long after.
 LOOKUP_SETTLE_S = 0.5
 
 logger = logging.getLogger("kvpersist")
@@ -49,8 +45,6 @@ CounterReader = Callable[[str, int, str | None, tuple[tuple[str, str], ...], int
 
 @dataclass
 class _Resource:
-    """What the canary holds for one resource."""
-
     record: dict[str, Any] | None = None  # status.canary as it is to be
     seeded: bool = False
     pods: dict[str, judge.PodMemory] = field(default_factory=dict)
@@ -62,8 +56,7 @@ class _Resource:
 
 @dataclass(frozen=True)
 class Plan:
-    """One job: the reference to compute first (on reference_pod) when there is none, then the
-    pods due a check, with the keys they are checked at."""
+    """One job: the reference to compute first on reference_pod when there is none, then the checks due."""
 
     key: Hashable
     namespace_id: str
@@ -122,11 +115,9 @@ class Canary:
     def refresh(self, key: Hashable, body: Mapping[str, Any], target: Target, pods: list[dict[str, Any]],
                 on_done: Callable[[bool], None], allowed: bool = True,
                 agent_token: str | None = None) -> tuple[judge.Verdict | None, bool]:
-        """One status round: an acknowledgement taken, a job started when one is due (not while one
-        runs), and HitCorrectness as it stands now. Returns (the condition's verdict or None, whether
-        an acknowledgement released the cache: vLLM is to be applied with it again). allowed False:
-        the resource is refused (policy, names taken), so no job runs and no Secret is read.
-        agent_token: the agents' (their servers' lookup counters tell L1 from L2). No I/O."""
+        """One status round: an acknowledgement taken, a job started when due (not while one runs). Returns
+        (HitCorrectness's verdict or None, whether an acknowledgement released the cache: vLLM is applied
+        with it again). allowed False: a refused resource, so no job and no Secret read. No I/O."""
         spec, namespace_id = target.spec, target.namespace_id
         digest = judge.digest(spec)
         released = False
@@ -138,14 +129,11 @@ class Canary:
                 logger.warning("%s/%s: HitMismatch %s acknowledged (%s): vLLM gets the cache back", target.namespace,
                                target.name, (held.record or {}).get("mismatch", {}).get("id"), judge.ACK_ANNOTATION)
                 held.record, held.outcome, held.pods, released = acked, None, {}, True
-            plan = None
-            if spec.canary.enabled and namespace_id is not None and allowed \
-                    and judge.standing(held.record, namespace_id) is None:
-                plan = self._plan(key, held, target, digest, pods, now, agent_token)
+            due = spec.canary.enabled and namespace_id is not None and allowed and judge.standing(held.record, namespace_id) is None
+            plan = self._plan(key, held, target, digest, pods, now, agent_token) if due else None
             if plan is not None and (held.job is None or held.job.done()):
                 if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers,
-                                                                       thread_name_prefix="kvp-canary")
+                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvp-canary")
                 held.job = self._pool.submit(self._run, plan, on_done)
             outcome = held.outcome[2] if held.outcome is not None and held.outcome[:2] == (namespace_id, digest) else None
             verdict = judge.condition_of(held.record, namespace_id, digest, outcome, spec.canary.enabled,
@@ -159,8 +147,7 @@ class Canary:
         views = judge.vllm_pods(pods, namespace_id)
         held.pods = {v.name: held.pods.get(v.name) or judge.PodMemory() for v in views}
         recorded = judge.reference_for(held.record, namespace_id, digest)
-        # A contradicted reference: no check against it; computed again at recompute_at, then every
-        # pod is checked against the new one at once.
+        # A contradicted reference: no check against it; computed again at recompute_at, then every pod checked at once.
         recompute = recorded is not None and held.recompute_at is not None
         recompute_now = recompute and now >= (held.recompute_at or 0.0) and now - held.reference_failed_at >= judge.RETRY_S
         if recompute_now:
@@ -180,8 +167,7 @@ class Canary:
         if recorded is None or recompute:
             if now - held.reference_failed_at < judge.RETRY_S:
                 return None
-            # Any Ready pod of the id serves the reference (salted, it misses every cache): one using
-            # the cache first, so its check can follow at once.
+            # Any Ready pod serves the (salted, uncached) reference: one using the cache first, so its check follows at once.
             ready = sorted((v for v in views if v.ready and v.ip), key=lambda v: not v.uses_cache)
             if not ready:
                 return None
@@ -208,8 +194,7 @@ class Canary:
             on_done(drift)
 
     def _job(self, plan: Plan) -> bool:
-        """The reference (if due) and the checks, in order; True when a mismatch was found (vLLM is
-        to be applied without the cache). Blocking."""
+        """The reference (if due) and the checks; True on a mismatch (vLLM goes without the cache). Blocking."""
         api_key = None
         if plan.api_key_ref is not None:
             namespace, secret, item = plan.api_key_ref
@@ -221,8 +206,7 @@ class Canary:
                 why = "does not exist or has no such key"
             if api_key is None:
                 self._failed(plan, (None, judge.API_KEY_UNAVAILABLE, f"spec.vllm.apiKeySecretRef: Secret {secret} key {item} "
-                                    f"{why}; the canary cannot ask vLLM, which requires it; retrying in "
-                                    f"{judge.RETRY_S:.0f}s"))
+                                    f"{why}; the canary cannot ask vLLM, which requires it; retrying in {judge.RETRY_S:.0f}s"))
                 return False
         started = time.monotonic()
         if plan.reference_pod is not None:
@@ -233,8 +217,7 @@ class Canary:
                 reference = judge.reference_for(held.record if held else None, plan.namespace_id, plan.digest)
         if reference is None:
             return False
-        # In order, stopping at the first mismatch (the cache goes off for every pod of the id), and
-        # at the job's budget: the checks not started stay due for the next round.
+        # In order, stopping at the first mismatch (the cache goes off for the whole id) or the job's budget.
         for i, (pod, key) in enumerate(plan.checks):
             if time.monotonic() - started >= self._budget_s:
                 logger.info("%s: the canary's job reached its %.0f s budget; %d of its pods wait for the next round",
@@ -245,13 +228,11 @@ class Canary:
         return False
 
     def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> vllmclient.Completion:
-        # A salted answer's KV is never read again: LMCache is asked to store none of it. The salt is hex:
-        # no '@', '/', '\\' (vLLM and lmcache refuse them). Short: lmcache puts the salt in a file name
-        # beside the model's name (a local snapshot path offline), under 255 bytes.
+        # A salted answer's KV is never read again: LMCache stores none of it. The salt is short hex: vLLM and
+        # lmcache refuse '@', '/', '\\', and lmcache puts it in a file name beside the model's (under 255 bytes).
         return self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
                          cache_salt="kvp-canary-" + secrets.token_hex(8) if salted else None,
-                         store=not (salted and pod.uses_cache),
-                         api_key=api_key, timeout=CALL_TIMEOUT_S)
+                         store=not (salted and pod.uses_cache), api_key=api_key, timeout=CALL_TIMEOUT_S)
 
     def _counters(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> judge.Counters:
         try:
@@ -262,8 +243,7 @@ class Canary:
             return judge.Counters(None, {})
 
     def _ask_cached(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> tuple[tuple[int, ...], str]:
-        """One cached answer and what served it (judge.served_by): the counters read before, and
-        after it (the servers' once lmcache has counted its lookup)."""
+        """One cached answer and what served it (judge.served_by), from the counters before and after it."""
         before = self._counters(plan, pod, api_key)
         answer = self._ask_pod(plan, pod, api_key, salted=False)
         time.sleep(self._settle_s)
@@ -297,8 +277,7 @@ class Canary:
             tokens = tuple(answer.token_ids)
             held.record = judge.with_reference(held.record, plan.namespace_id, plan.digest, tokens, pod.name, iso_now(),
                                                answer.prompt_tokens)
-            held.outcome = None
-            held.recompute_at = None
+            held.outcome = held.recompute_at = None
         logger.info("%s: the canary's reference for %s recorded on %s (computed without the cache): %s", plan.key,
                     plan.namespace_id, pod.name, list(tokens))
         return tokens
@@ -324,8 +303,7 @@ class Canary:
             held = self._by.get(plan.key)
             if held is None or judge.reference_for(held.record, plan.namespace_id, plan.digest) != reference:
                 return False  # acknowledged, or another reference meanwhile: this answer is for another round
-            memory = held.pods.get(pod.name)
-            if memory is not None:
+            if (memory := held.pods.get(pod.name)) is not None:
                 memory.checked, memory.checked_at = key, time.monotonic()
             held.record = judge.with_check(held.record or {}, pod.name, at, verdict == judge.MATCH, tier)
             held.outcome = None
@@ -355,9 +333,8 @@ COUNTERS_TIMEOUT_S = 2.0  # each /metrics read around a check, all of them at on
 
 def read_counters_of(ip: str, port: int, api_key: str | None, servers: tuple[tuple[str, str], ...], agent_port: int,
                      agent_token: str | None, timeout: float = COUNTERS_TIMEOUT_S) -> judge.Counters:
-    """The pod's prompt-token counters and its node's servers' lookup counters (through their
-    agents), read at once, each bounded by timeout: what cannot be read (no answer in time, too
-    large, not Prometheus text) is None. Blocking."""
+    """The pod's prompt-token counters and its node's servers' lookup counters (through their agents), read
+    at once, each bounded by timeout; what cannot be read is None. Blocking."""
     def vllm() -> judge.PromptTokenSources | None:
         try:
             return judge.prompt_token_sources(vllmclient.metrics(ip, port, api_key=api_key, timeout=timeout))
@@ -372,8 +349,7 @@ def read_counters_of(ip: str, port: int, api_key: str | None, servers: tuple[tup
 
 
 def _unanswered(pod: str, exc: PeerError) -> judge.Verdict:
-    """HitCorrectness Unknown for a vLLM that did not answer (VLLMUnreachable) or answered an error
-    (VLLMError): nothing else changes."""
+    """HitCorrectness Unknown for a vLLM that did not answer (VLLMUnreachable) or answered an error (VLLMError)."""
     if isinstance(exc, vllmclient.VLLMAnswerError):
         return (None, judge.VLLM_ERROR, f"vLLM pod {pod} answered the canary with an error: {exc}; retrying in "
                 f"{judge.RETRY_S:.0f}s (a prompt too long for maxModelLen: shorten spec.canary.prompt)")

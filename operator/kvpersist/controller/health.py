@@ -1,22 +1,14 @@
-"""The operator's liveness endpoint: kopf's own (its probe handlers, and an event loop that still
-answers) on the pod's loopback, behind a bounded server on the address `--liveness` names.
+"""The operator's liveness endpoint: kopf's own on the pod's loopback, behind a bounded server on the
+address `--liveness` names. kopf's aiohttp (3.14) holds an idle or never-ending connection 3630 s, some
+6 KB each (+58 MiB for 10000): kvpersist.httpserver bounds connections, time and threads instead.
 
-kopf serves /healthz with aiohttp, which holds an idle connection, or one whose request head never
-ends, for aiohttp's keep-alive timeout (3630 s in aiohttp 3.14), some 6 KB of the operator's memory
-each (measured: +58 MiB for 10000). In front of it kvpersist.httpserver bounds connections, time
-and threads as for the agent and the metrics.
+The probe never waits on a worker: KopfLiveness's thread reads kopf's endpoint every POLL_S and the
+front's selector thread answers each GET from its last reading, so whoever fills the front's workers
+and queue (once any pod could, restarting the operator) no longer fails the probe. It still means
+kopf's: its code and body pass through; no answer within UPSTREAM_TIMEOUT_S, or a stale reading, is 503.
 
-The probe never waits on a worker: one thread of its own (KopfLiveness) reads kopf's endpoint on
-127.0.0.1 every POLL_S, and the front's selector thread answers each GET of the path at once from
-that thread's last reading (kvpersist.httpserver's probes). So whoever fills the front's workers
-and queue (once any pod could: 503 to the kubelet, and the cluster-wide operator restarted) no
-longer fails the probe, and the probe still means what kopf's means: kopf's code and body pass
-through, a kopf that did not answer within UPSTREAM_TIMEOUT_S is a 503, and so is a reading older
-than STALE_S (the reading thread stuck or gone).
-
-The same front answers the readiness probe at READY_PATH, from the same reading: ready once kopf
-answers its liveness (it does only after the startup handlers ran) and the watch caches have each
-listed once. A standby replica is ready as well: it takes over within the peering lifetime.
+READY_PATH answers readiness from the same reading: kopf live (only after its startup handlers) and
+every watch cache listed once. A standby replica is ready too: it takes over within the peering lifetime.
 """
 
 from __future__ import annotations
@@ -72,7 +64,7 @@ class KopfLiveness:
         self._last: tuple[float, ProbeAnswer] | None = None  # (monotonic time, answer); replaced whole
 
     def read_once(self) -> ProbeAnswer:
-        """One bounded GET of kopf's endpoint, kept as the answer: kopf's code and body, or 503 and why."""
+        """One bounded GET of kopf's endpoint, kept as the answer: its code and body, or 503 and why."""
         try:
             reply = httpclient.get("127.0.0.1", self.upstream_port, self.path, timeout=UPSTREAM_TIMEOUT_S,
                                    max_bytes=MAX_BODY)
@@ -115,8 +107,7 @@ def unlisted_caches() -> list[str]:
 
 
 def readiness(liveness: KopfLiveness, unlisted: Callable[[], list[str]] = unlisted_caches) -> Probe:
-    """The readiness probe's answer: 200 once kopf's liveness answers 200 and no cache is unlisted;
-    else 503 and why. In memory only, as the liveness answer: never blocks."""
+    """Readiness: 200 once kopf's liveness answers 200 and no cache is unlisted, else 503 and why. Never blocks."""
     def answer() -> ProbeAnswer:
         code, _, body = liveness.answer()
         if code != 200:
@@ -130,9 +121,8 @@ def readiness(liveness: KopfLiveness, unlisted: Callable[[], list[str]] = unlist
 
 
 def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiveness | None = None) -> BoundedHTTPServer:
-    """The front on a daemon thread: GET `path` is kopf's last answer and GET READY_PATH readiness
-    (both answered on the selector thread, never queued), anything else 404 from a one-worker pool.
-    `liveness`: a reader the caller made (tests); else one of POLL_S, started here."""
+    """The front on a daemon thread: `path` and READY_PATH answered on the selector thread (never queued),
+    anything else 404 from a one-worker pool. `liveness`: a caller's reader (tests), else one started here."""
     if liveness is None:
         liveness = KopfLiveness(upstream_port, path)
         threading.Thread(target=liveness.run, name="liveness-reader", daemon=True).start()

@@ -1,10 +1,9 @@
-"""The operator's own Prometheus metrics, served as text on /metrics (written by prometheus_client).
+"""The operator's own Prometheus metrics on /metrics (written by prometheus_client).
 
-Counts what costs the API server something (applies, status writes, events) so a scrape shows
-whether an idle cluster really costs nothing, plus the resources per phase; and, per resource,
-what alerts need (kube-state-metrics style): one series per condition, its usage, budget, hits and
-failed L2 writes, and when its status was last refreshed. One series set per existing resource:
-a resource's series go when it is deleted, a condition's when it changes."""
+Counts what costs the API server something (applies, status writes, events), so a scrape shows whether
+an idle cluster costs nothing, the resources per phase, and per resource what alerts need
+(kube-state-metrics style): its conditions, usage, budget, hits, failed L2 writes, last refresh. A
+resource's series go when it is deleted, a condition's when it changes."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ HELP = {
     "kvpersist_gc_total": "Explicit gc requests (kvpersist gc) carried out, whatever their outcome.",
 }
 
-# Per resource, labelled {namespace, name}: (HELP, TYPE), and where each value comes from.
+# Per resource, labelled {namespace, name}: HELP by TYPE, and where each value comes from.
 RESOURCE_GAUGES = {
     "kvpersist_resource_l1_used_bytes": "L1 (host RAM) bytes in use, summed over the servers (status.usage.l1UsedBytes).",
     "kvpersist_resource_l1_capacity_bytes": "L1 capacity in bytes (status.usage.l1CapacityBytes).",
@@ -73,8 +72,8 @@ _creator_rights: list[float] = []  # the gauge's value, when the check has an an
 
 
 def creator_rights(ok: bool | None) -> None:
-    """1 while the creator-rights policy and its Deny binding exist, 0 while either is missing;
-    absent while the operator cannot tell (it may not read them) or the check is off."""
+    """1 while the creator-rights policy and its Deny binding exist, 0 while either is missing; absent while
+    the operator cannot tell (it may not read them) or the check is off."""
     with _lock:
         _creator_rights[:] = [] if ok is None else [1.0 if ok else 0.0]
 
@@ -87,11 +86,10 @@ def families() -> set[str]:
 
 @dataclass
 class _Fold:
-    """A counter kept from each server's own cumulative count: what a server counted since it was
-    last read is added, all of it after its restart (a lower count); a server not read this time
-    keeps its baseline (and so does one not running a while), so nothing is counted twice, and the total never goes down. A
-    server's first reading is only its baseline: counted, a restarted operator's first scrape would
-    show every failure the servers ever had as new (Prometheus reads the drop to 0 as a reset)."""
+    """A counter folded from each server's cumulative count: what it counted since last read is added (all
+    of it after its restart: a lower count); one not read keeps its baseline, so nothing counts twice and
+    the total never goes down. A first reading is only a baseline: else a restarted operator's first
+    scrape would show every failure the servers ever had as new."""
 
     total: int = 0
     last: dict[str, int] = field(default_factory=dict)
@@ -125,24 +123,21 @@ def set_phase(namespace: str, name: str, phase: str | None) -> None:
     """A resource's phase; None when it is gone (all of its series go too)."""
     with _lock:
         if phase is None:
-            _phases.pop((namespace, name), None)
-            _refreshes.pop((namespace, name), None)
-            _resources.pop((namespace, name), None)
+            for held in (_phases, _refreshes, _resources):
+                held.pop((namespace, name), None)
         else:
             _phases[(namespace, name)] = phase
 
 
 def standby(namespace: str, name: str) -> None:
-    """This replica no longer refreshes the resource (another is active): its per-resource series
-    go, so the active replica's are the only ones an alert reads."""
+    """This replica no longer refreshes the resource: its series go, so alerts read only the active replica's."""
     with _lock:
         _resources.pop((namespace, name), None)
 
 
 def refreshed(namespace: str, name: str, phase: str | None) -> None:
-    """One status refresh of a resource, and the phase it found. Counted per resource too, so a
-    scrape (and a test) can tell that a resource had another round, whatever it wrote: a "nothing
-    happened" is only shown after the operator had its chance to make it happen."""
+    """One status refresh of a resource and its phase, counted per resource too so a scrape (and a test) can
+    tell a resource had another round, whatever it wrote: "nothing happened" only after it had its chance."""
     with _lock:
         _counters["kvpersist_status_refreshes_total"] += 1
         _refreshes[(namespace, name)] += 1
@@ -151,10 +146,8 @@ def refreshed(namespace: str, name: str, phase: str | None) -> None:
 
 def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping[str, Any] | None = None,
              reports: Iterable[Any] = (), at: float | None = None) -> None:
-    """A finished refresh: the resource's status as it now stands (conditions, usage, budget),
-    its hit totals (the tracker's, fresher than the written ones), and the servers' reports (their
-    failed and submitted L2 writes). Replaces the resource's series: a condition that changed, a
-    usage figure that went, is gone from the next scrape."""
+    """A finished refresh: the status as it stands, the hit totals (the tracker's, fresher than the written
+    ones) and the servers' reports (L2 writes). Replaces the resource's series: what went is gone next scrape."""
     conditions = sorted({(str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
                          for c in status.get("conditions") or [] if isinstance(c, Mapping)})
     read = {**{metric: (status.get(part) or {}).get(key) for metric, (part, key) in _USAGE.items()},
@@ -173,8 +166,7 @@ def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping
 
 def _family(kind: str, name: str, text: str, labels: Iterable[str],
             samples: Iterable[tuple[list[str], float]]) -> CounterMetricFamily | GaugeMetricFamily:
-    """One family and its samples (label values, value); prometheus_client writes the text format
-    (HELP, TYPE, escaped label values: names and reasons come from users and their resources)."""
+    """One family and its samples (label values, value); prometheus_client escapes label values (users' names)."""
     family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=list(labels))
     for values, value in samples:
         family.add_metric(values, value)
@@ -182,8 +174,7 @@ def _family(kind: str, name: str, text: str, labels: Iterable[str],
 
 
 class _Collector(Collector):
-    """What render() shows: the counters, the phases, and each resource's series, read under the
-    lock at each scrape (nothing is kept in prometheus_client's own metric objects)."""
+    """What render() shows, read under the lock at each scrape (nothing kept in prometheus_client's objects)."""
 
     def collect(self) -> Iterator[Metric]:
         with _lock:
@@ -234,8 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(host: str, port: int) -> BoundedHTTPServer:
-    """/metrics on a daemon thread; bounded in connections, threads and time (kvpersist.httpserver):
-    a scrape is one short GET, so two workers serve it."""
+    """/metrics on a daemon thread, bounded (kvpersist.httpserver): a scrape is one short GET, so two workers."""
     server = BoundedHTTPServer((host, port), _Handler, workers=2, queue_size=8, name="metrics")
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

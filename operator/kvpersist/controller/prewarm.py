@@ -1,19 +1,12 @@
-"""spec.prewarm carried out: the passes kvpersist.status.prewarm finds due, each over one Ready
-lmcache server, through the Ready vLLM pod of its namespace id beside it. A pass, per prompt:
+"""spec.prewarm carried out: the passes kvpersist.status.prewarm finds due, each over one Ready lmcache
+server through the Ready vLLM pod of its namespace id beside it. Per prompt: its token ids from that
+pod's /tokenize (pinned tokenizer and template, so kept per (namespace id, prompt)); lmcache's warm
+prefetch L2 -> L1 through the inventory agent (lmcache's admin API is on the pod's loopback); when L2
+lacks a chunk, one greedy token through vLLM (computed, stored) and the prefetch again.
 
-1. its token ids, from the vLLM pod's own POST /tokenize (the pinned tokenizer and chat template;
-   kvpersist.vllmclient), kept per (namespace id, prompt) since the id pins both;
-2. lmcache's warm prefetch of them, L2 -> L1, through the inventory agent beside the server
-   (its admin API listens on the pod's loopback: kvpersist.inventory.prefetch);
-3. when L2 does not hold every chunk (a prompt never asked, or evicted), the prompt once through
-   that vLLM pod (a greedy completion of one token: computed, stored in L1 and L2), and the
-   prefetch again to see it in L1.
-
-Passes run in a pool of their own, never on the status refresh (which reads their progress and
-last outcome, no I/O); one pass per server at a time, every call bounded (kvpersist.httpclient),
-a pass bounded by PASS_DEADLINE_S: a slow or hostile vLLM, agent or lmcache costs its own server's
-pass, never another's refresh. The ConfigMap of spec.prewarm.configMapRef is read in the same
-pool, at most every CONFIGMAP_TTL_S.
+Passes (and the configMapRef read, at most every CONFIGMAP_TTL_S) run in a pool of their own, never
+on the status refresh; one per server at a time, every call bounded and a pass by PASS_DEADLINE_S:
+a slow or hostile peer costs its own server's pass, never another's refresh.
 """
 
 from __future__ import annotations
@@ -63,9 +56,7 @@ class PassFailed(Exception):
 
 @dataclass(frozen=True)
 class Peers:
-    """The peers one pass talks to, with what addresses them: the server's agent (which finds the
-    model name and world size vLLM registered under in lmcache's /status), and the vLLM pod
-    beside it (tokenize, complete)."""
+    """The server's agent (it finds what vLLM registered under in lmcache's /status) and the vLLM pod beside it."""
 
     agent_ip: str
     agent_port: int
@@ -91,9 +82,8 @@ class Peers:
 
 def run_pass(fingerprint: tuple[Any, ...], prompts: tuple[Prompt, ...], peers: Any, token_ids: Callable[[Prompt], list[int]],
              progress: Callable[[int, int], None], deadline: float, sleep: Callable[[float], None] = time.sleep) -> Pass:
-    """One server's pass over the declared prompts (peers: Peers, or a stand-in in unit tests;
-    token_ids(prompt): the cached ids or peers.tokenize's). Never raises: what stops it is the
-    Pass's failure."""
+    """One server's pass over the prompts (peers: Peers or a test's stand-in). Never raises: what stops it is
+    the Pass's failure."""
     results: list[PromptResult] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -110,8 +100,8 @@ def run_pass(fingerprint: tuple[Any, ...], prompts: tuple[Prompt, ...], peers: A
 
 
 def _prefetch(ids: list[int], peers: Any, sleep: Callable[[float], None], layout_wait: float) -> Answer:
-    """The prefetch's answer, waiting up to layout_wait while no vLLM has registered with the
-    server (503). Raises PassFailed when it cannot be asked, _Refused when it refuses the prompt."""
+    """The prefetch's answer, waiting up to layout_wait while no vLLM registered with the server (503).
+    Raises PassFailed when it cannot be asked, _Refused when it refuses the prompt."""
     waited_until = time.monotonic() + layout_wait
     while True:
         code, answer = peers.prefetch(ids)
@@ -136,8 +126,7 @@ class _Refused(Exception):
 
 
 def _ask_vllm(call: Callable[[], Any], refused: str, failed: str) -> Any:
-    """call()'s answer. A vLLM that answered and refused (HTTP 4xx) refused this prompt (_Refused);
-    any other failure is about vLLM and stops the pass (PassFailed)."""
+    """call()'s answer. A vLLM 4xx refused this prompt (_Refused); any other failure stops the pass (PassFailed)."""
     try:
         return call()
     except PeerError as exc:
@@ -203,8 +192,7 @@ class TokenCache:
 
     def get(self, key: tuple[str, str]) -> list[int] | None:
         with self._lock:
-            found = self._ids.get(key)
-            if found is None:
+            if (found := self._ids.get(key)) is None:
                 return None
             self._ids.move_to_end(key)
             return found.tolist()
@@ -213,8 +201,7 @@ class TokenCache:
         if len(ids) > self.budget:
             return
         with self._lock:
-            old = self._ids.pop(key, None)
-            self._held -= len(old) if old is not None else 0
+            self._held -= len(self._ids.pop(key, ()))
             self._ids[key] = array("i", ids)
             self._held += len(ids)
             while self._held > self.budget:
@@ -243,9 +230,8 @@ class Prewarmer:
 
     def observe(self, key: Key, target: Target, pods: list[Mapping[str, Any]], agent_token: str | None,
                 api_key: Callable[[], str | None], on_done: Callable[[], None]) -> judge.Verdict | None:
-        """The Warm condition from what the passes found so far, starting the ConfigMap read and the
-        passes that are due (off this thread, which api_key, the reader of vLLM's API key, is called
-        on too). No I/O here: called on the status refresh."""
+        """The Warm condition from the passes so far, starting the ConfigMap read and the passes due (off this
+        thread; api_key, vLLM's API key's reader, runs there too). No I/O: called on the status refresh."""
         prewarm = target.spec.prewarm
         if prewarm is None or not prewarm.declared:
             self.forget(key)
@@ -318,8 +304,7 @@ class Prewarmer:
                 srv.running = (done, of)
 
         def token_ids(prompt: Prompt, peers: Peers) -> list[int]:
-            cached = self.tokens.get((nsid, prompt.digest))
-            if cached is not None:
+            if (cached := self.tokens.get((nsid, prompt.digest))) is not None:
                 return cached
             ids = peers.tokenize(prompt)
             self.tokens.put((nsid, prompt.digest), ids)
@@ -354,17 +339,14 @@ class Prewarmer:
 
 
 def _read_configmap(name: str, namespace: str) -> Mapping[str, Any] | None:
-    """spec.prewarm.configMapRef's ConfigMap, its data only (what is kept until the next read), by
-    request (raises ApiException). Blocking."""
+    """spec.prewarm.configMapRef's ConfigMap, its data only (kept until the next read). Raises ApiException. Blocking."""
     found = kube.get("v1", "ConfigMap", name, namespace)
     return {"data": dict(found.get("data") or {})} if found is not None else None
 
 
 def read_api_key(target: Target, refusal: Callable[[str, str, str], tuple[str, str] | None]) -> str | None:
-    """VLLM_API_KEY of spec.vllm.apiKeySecretRef, which vLLM's /v1 routes require (its /tokenize
-    does not); None without one. refusal(field, Secret, namespace): the chart's secretLabel check
-    (kvpersist.controller.reading). Never logged. Raises PassFailed when it cannot be read or is
-    refused. Blocking."""
+    """VLLM_API_KEY of spec.vllm.apiKeySecretRef (vLLM's /v1 routes require it), None without one; refusal: the
+    chart's secretLabel check (controller.reading). Never logged. Raises PassFailed if unreadable or refused. Blocking."""
     ref = target.spec.vllm.api_key_secret_ref
     if ref is None:
         return None

@@ -54,12 +54,10 @@ async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
 
 @kopf.index(api.GROUP, api.VERSION, api.PLURAL)
 async def kvp_stores(body: kopf.Body, **_: Any) -> Any:
-    """Each resource's L2 store (sharing.User), into Controller.store_users: an apply decides StorageInUse from
-    here instead of listing every resource from the API server (a LIST of all of them per apply
-    made converging quadratic: 500 resources, 250,000 bodies decoded). Being an index, kopf starts
-    no handler before its initial listing is in, so a restarted operator never judges a store from
-    a partial view; a resource created later came after the ones it could lose to (the older keeps
-    the store), and their events came first."""
+    """Each resource's L2 store (sharing.User), into Controller.store_users: an apply decides StorageInUse
+    from here (a LIST of every resource per apply made converging quadratic). Being an index, kopf
+    starts no handler before its initial listing is in: a restarted operator never judges a store
+    from a partial view."""
     meta = body["metadata"]
     runtime.CONTROLLER.note_store((meta["namespace"], meta["name"]), sharing.user_of(body))
     return None  # read from Controller.store_users (versioned); the index is here for kopf's start gate
@@ -69,8 +67,8 @@ Stores = tuple[int, tuple[sharing.User, ...], tuple[dict[str, Any], ...]]
 
 
 def stores_now(pods: bool = True) -> Stores:
-    """(stores_version, every store user, every server pod (when asked: only an apply or a refused
-    resource's recheck looks at them)), from the indexes; call in the event loop only."""
+    """(stores_version, every store user, every server pod (when asked: an apply or a refused
+    resource's recheck)), from the indexes; call in the event loop only."""
     version, users = runtime.CONTROLLER.stores()
     servers = tuple(p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store
                     if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER) if pods else ()
@@ -89,32 +87,29 @@ def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
             agents: Mapping[tuple[str, str], AgentSet] | None = None,
             stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
     """Copies of one resource's objects from the indexes (and, when given, every store: stores_now);
-    owner_uid: the resource's uid when its body is at hand (else the one last tracked). Call in the
-    event loop only."""
+    owner_uid: the resource's uid when its body is at hand (else the one last tracked). Event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
         store = runtime.CONTROLLER.indices.get(name, {}).get(key)
         return list(store) if store is not None else []
-    statefulsets, deployments = values("kvp_statefulsets"), values("kvp_deployments")
+    statefulsets, deployments, replicasets = values("kvp_statefulsets"), values("kvp_deployments"), values("kvp_replicasets")
     if owner_uid is None:
         state = runtime.CONTROLLER.get(key)
         owner_uid = (((state.body if state is not None else None) or {}).get("metadata") or {}).get("uid")
     # Only pods its own workloads made: labels are anyone's to copy, and these pods get the credentials.
-    pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), values("kvp_replicasets"), statefulsets, deployments,
-                                            owner_uid)
-    _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + values("kvp_replicasets")})
+    pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), replicasets, statefulsets, deployments, owner_uid)
+    _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + replicasets})
     # Users' own vLLM pods attached to it (spec.vllm.mode Attached): the attach policies admitted each
     # with its namespace id label; counted and checked by the canary like its own.
     labelled = [p for p in _attached(key[0]) if p["metadata"]["labels"].get(ATTACH_LABEL) == key[1]] \
         if _attach_mode(key) else []
     pods += [p for p in labelled if p["metadata"]["labels"].get(NAMESPACE_ID_LABEL)]
     # Labelled, yet no id label: admitted while the attach policies were not installed (they refuse that).
-    unadmitted = sorted(p["metadata"]["name"] for p in labelled
-                        if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
-    return Seen(statefulsets=statefulsets, deployments=deployments,
-                pods=pods, untrusted_pods=untrusted, unadmitted_pods=unadmitted, claims=values("kvp_claims"),
-                live_ids=live_now() if live is None else live,
-                fleet=fleet_now() if agents is None else agents, stores=stores[1] if stores is not None else None,
-                stores_version=stores[0] if stores is not None else -1, all_server_pods=stores[2] if stores is not None else ())
+    unadmitted = sorted(p["metadata"]["name"] for p in labelled if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
+    version, users, servers = stores if stores is not None else (-1, None, ())
+    return Seen(statefulsets=statefulsets, deployments=deployments, pods=pods, untrusted_pods=untrusted,
+                unadmitted_pods=unadmitted, claims=values("kvp_claims"), live_ids=live_now() if live is None else live,
+                fleet=fleet_now() if agents is None else agents, stores=users, stores_version=version,
+                all_server_pods=servers)
 
 
 # Pods already logged as untrusted (by uid), so each is named once, not every status round.
@@ -122,9 +117,8 @@ _UNTRUSTED_LOGGED: set[str] = set()
 
 
 def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set[str]) -> None:
-    """One warning per pod left out of a resource's view (kvpersist.controller.podtrust). A pod whose
-    controller the caches have not delivered yet (a new ReplicaSet's pod may come first) is left out
-    without a word until they have: it may be the operator's own."""
+    """One warning per pod left out of a resource's view (kvpersist.controller.podtrust); none yet for a
+    pod whose controller the caches have not delivered (a new ReplicaSet's pod may come first)."""
     for pod in pods:
         uid = str(pod["metadata"].get("uid"))
         ref = podtrust.controller_of(pod["metadata"])
@@ -137,7 +131,7 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
 
 def _attach_mode(key: tuple[str, str]) -> bool:
     """Whether the resource's spec, as last seen, says spec.vllm.mode Attached: only such a resource
-    looks through the attached pods (a namespace's many resources need not, every tick)."""
+    looks through the attached pods."""
     state = runtime.CONTROLLER.get(key)
     body = (state.body if state is not None else None) or {}
     return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == ATTACHED
@@ -148,9 +142,7 @@ def _attached(namespace: str | None) -> list[dict[str, Any]]:
     cache = runtime.CONTROLLER.attached_cache
     if cache is None:
         return []
-    if namespace is None:
-        return cache.everything()
-    return cache.in_namespace(namespace)[1]
+    return cache.everything() if namespace is None else cache.in_namespace(namespace)[1]
 
 
 def live_now() -> frozenset[str]:

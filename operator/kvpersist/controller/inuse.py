@@ -18,9 +18,8 @@ from kvpersist.status.users import users_of
 
 
 def in_use_now(namespace_id: str, current: str | None) -> str | None:
-    """Why namespace_id may not be deleted, from a LIST of every KVCacheNamespace and every pod
-    carrying a namespace id in all namespaces (or, where the operator's rights end there, each
-    watched one: runtime.listing_scopes), made now (never the watch caches): gc calls it right
+    """Why namespace_id may not be deleted, from a LIST made now (never the watch caches) of every
+    KVCacheNamespace and pod carrying a namespace id (runtime.listing_scopes): gc calls it right
     before each agent's /gc and each bucket batch. A failed read refuses too. Blocking."""
     where, scope = "all namespaces", "cluster-wide"
     try:
@@ -42,8 +41,7 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
 def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
                 pods: Iterable[Mapping[str, Any]],
                 fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
-    """cleanup.refusal() judged from a fresh listing of every KVCacheNamespace and every pod that
-    carries a namespace id, naming who uses it (what the watch caches may not have seen yet).
+    """cleanup.refusal() judged from a fresh listing of KVCacheNamespaces and pods, naming who uses it.
     fingerprint: reads the L2 key of a resource whose status records none (users_of)."""
     why = refusal(namespace_id, current, frozenset())
     if why:
@@ -56,9 +54,8 @@ def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapp
 
 
 def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
-    """The fingerprint of the key a resource's servers would mount, read now from its Secret (for
-    one whose status records none: another namespace, not yet served). None when the Secret or
-    key is absent or short: then it can use no namespace. Raises ApiException when unreadable."""
+    """The fingerprint of the key a resource's servers would mount, read now from its Secret; None when
+    the Secret or key is absent or short (it can use no namespace). Raises ApiException when unreadable."""
     meta = resource["metadata"]
     try:
         spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})

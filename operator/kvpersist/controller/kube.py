@@ -22,8 +22,7 @@ REQUEST_TIMEOUT_S = 30
 
 
 def load_config(kubeconfig: str | None = None, context: str | None = None) -> None:
-    """In a pod: its ServiceAccount. Elsewhere: the kubeconfig (the argument, $KUBECONFIG or
-    ~/.kube/config)."""
+    """In a pod: its ServiceAccount. Elsewhere: the kubeconfig (the argument, $KUBECONFIG or ~/.kube/config)."""
     if kubeconfig is None and context is None:
         try:
             kubernetes.config.load_incluster_config()
@@ -47,9 +46,8 @@ def client() -> DynamicClient:
 
 
 def _plain(_client: Any, data: Any) -> Any:
-    """The dynamic client's serializer for a response: the decoded JSON as it is. Its default
-    (ResourceInstance, then .to_dict() back) walked every field twice; at scale it was a tenth of
-    the operator's CPU."""
+    """The decoded JSON as it is: the default serializer (ResourceInstance, then .to_dict() back)
+    walked every field twice, at scale a tenth of the operator's CPU."""
     return data
 
 
@@ -61,9 +59,8 @@ def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """Server-side apply as the operator's field manager. force: the operator owns these fields;
     a hand edit of them is drift to undo, not a conflict to stop on."""
     res = _resource(manifest["apiVersion"], manifest["kind"])
-    out = res.server_side_apply(body=dict(manifest), field_manager=FIELD_MANAGER, force_conflicts=True,
-                                _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
-    return out
+    return res.server_side_apply(body=dict(manifest), field_manager=FIELD_MANAGER, force_conflicts=True,
+                                 _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
 
 
 def create_if_absent(manifest: Mapping[str, Any]) -> bool:
@@ -115,11 +112,9 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
               field_selector: str | None = None, label_selector: str | None = None,
               keep: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
               page: int = LIST_PAGE) -> tuple[list[dict[str, Any]], str]:
-    """Every object of a kind (in one namespace, or None: all), in pages of `page` objects, each
-    object cut down by keep as its page arrives (one raw page held at a time), and the list's
-    resourceVersion to watch from. metadata_only: the API server sends PartialObjectMetadata, so a
-    Secret's data never reaches the operator (kvpersist.controller.watchcache). field_selector
-    `metadata.name=X`: one object, which RBAC may grant by resourceNames."""
+    """Every object of a kind (namespace None: all) and the resourceVersion to watch from, listed in
+    pages, each object cut down by keep as its page arrives (one raw page held at a time).
+    metadata_only: PartialObjectMetadata, so a Secret's data never reaches the operator."""
     res = _resource(api_version, kind)
     headers = {"Accept": METADATA_LIST} if metadata_only else {}
     items: list[dict[str, Any]] = []
@@ -142,9 +137,8 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
 def watch_page(api_version: str, kind: str, namespace: str | None, resource_version: str, timeout_s: int,
                metadata_only: bool, stop: threading.Event, field_selector: str | None = None,
                label_selector: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(type, object) of each event of one watch from resource_version, until the API server ends
-    it after timeout_s (or stop is set: checked at each event). Raises ApiException on an ERROR
-    event (410: the version expired, list again)."""
+    """(type, object) of each event of one watch from resource_version, until the API server ends it
+    or stop is set. Raises ApiException on an ERROR event (410: the version expired, list again)."""
     res = _resource(api_version, kind)
     headers = {"Accept": METADATA_ONLY} if metadata_only else {}
     resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
@@ -167,9 +161,8 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
 
 
 def named_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """One object's metadata by name through a LIST (field selector metadata.name; the API server
-    answers PartialObjectMetadataList), or None when none exists: whether a name is taken, on
-    kinds the operator may list but not get, without reading what the object holds."""
+    """One object's metadata by name through a metadata-only LIST, or None: whether a name is taken,
+    on kinds the operator may list but not get, without reading what the object holds."""
     res = _resource(api_version, kind)
     out = client().request("get", res.path(namespace=namespace), field_selector=f"metadata.name={name}",
                            header_params={"Accept": METADATA_LIST}, _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
@@ -187,8 +180,7 @@ def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None
 
 def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None,
              field_selector: str | None = None) -> list[dict[str, Any]]:
-    """Every object of a kind, in one namespace or (None) all of them; field_selector e.g.
-    metadata.name=x: one name without `get` (which the operator may not do on every kind)."""
+    """Every object of a kind, in one namespace or (None) all of them."""
     out = _resource(api_version, kind).get(namespace=namespace, label_selector=label_selector,
                                            field_selector=field_selector, _request_timeout=REQUEST_TIMEOUT_S,
                                            serializer=_plain)
@@ -196,9 +188,8 @@ def list_all(api_version: str, kind: str, namespace: str | None = None, label_se
 
 
 def may(verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
-    """Whether this client's own account may do verb on resource (namespace None: in every
-    namespace), as the API server's authorizer answers a SelfSubjectAccessReview, which every
-    authenticated user may ask. Raises ApiException."""
+    """Whether this client's own account may do verb on resource (namespace None: in every namespace),
+    by a SelfSubjectAccessReview, which every authenticated user may ask. Raises ApiException."""
     attributes = kubernetes.client.V1ResourceAttributes(verb=verb, group=group, resource=resource, namespace=namespace)
     review = kubernetes.client.V1SelfSubjectAccessReview(
         spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes))
@@ -220,9 +211,8 @@ def patch_annotations(api_version: str, kind: str, name: str, namespace: str, an
 
 
 def patch_metadata(api_version: str, kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> None:
-    """JSON merge patch of an object's metadata only ({"metadata": {"labels": ..., "annotations":
-    ...}}, None removes one): never its data or spec (the key Secret and the claims are not the
-    operator's to apply over; kvpersist.builders.retained)."""
+    """JSON merge patch of an object's labels and annotations only (None removes one), never its data or
+    spec: the key Secret and the claims are not the operator's to apply over (kvpersist.builders.retained)."""
     if set(patch) != {"metadata"} or not set(patch["metadata"]) <= {"labels", "annotations"}:
         raise ValueError("patch_metadata patches labels and annotations only")
     res = _resource(api_version, kind)
@@ -238,27 +228,18 @@ def patch_status(api_version: str, kind: str, name: str, namespace: str, status:
 
 
 def post_event(owner: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """A core/v1 Event on the owner, as `kubectl describe` shows them. Best effort: a lost event
-    must never fail a reconcile."""
+    """A core/v1 Event on the owner, as `kubectl describe` shows them; best effort: a lost event must never fail a reconcile."""
     meta = owner["metadata"]
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    seconds = now.split(".")[0] + "Z"
     body = {
-        "apiVersion": "v1",
-        "kind": "Event",
+        "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
                            "namespace": meta["namespace"], **({"uid": meta["uid"]} if meta.get("uid") else {})},
-        "type": type_,
-        "reason": reason,
-        "message": message[:1024],
-        "source": {"component": FIELD_MANAGER},
-        "reportingComponent": FIELD_MANAGER,
-        "reportingInstance": FIELD_MANAGER,
-        "firstTimestamp": now.split(".")[0] + "Z",
-        "lastTimestamp": now.split(".")[0] + "Z",
-        "eventTime": now,
-        "action": reason,
-        "count": 1,
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER, "reportingInstance": FIELD_MANAGER,
+        "firstTimestamp": seconds, "lastTimestamp": seconds, "eventTime": now, "action": reason, "count": 1,
     }
     try:
         _resource("v1", "Event").create(body=body, namespace=meta["namespace"], _request_timeout=REQUEST_TIMEOUT_S)

@@ -2,16 +2,11 @@
 its fingerprint, and what to do when it changes or goes.
 
 Objects sealed under one key fail authentication under another: misses, forever. So the key is
-part of the identity (kvpersist.identity, pin l2_key_fingerprint): another key, or other bytes in
-the same Secret, is another namespace, and the old one's data stays as it was, an orphan for
-`kvpersist report` and `kvpersist gc` (readable again if that key comes back: its id follows the
-key). A key that cannot be read names no namespace: the cache is off, and the condition says why.
-
-The generated Secret is the one the operator would make again on its own. It never does so over
-data: when the Secret is gone and status (or a claim) shows data sealed under the key it held,
-the cache stays off and the resource says what happened and what the user can do (restore the
-Secret, or accept the loss with an annotation that names the lost key's fingerprint). Pure
-functions here; kvpersist.controller.reading reads the Secret and kvpersist.controller.apply acts.
+part of the identity (pin l2_key_fingerprint): another key is another namespace, and the old one's
+data stays, an orphan (readable again if that key comes back). A key that cannot be read names no
+namespace: the cache is off, and the condition says why. The operator never generates a new key
+over data sealed under a lost one: the cache stays off until the user restores the Secret or
+accepts the loss (REPLACE_ANNOTATION). Pure functions; reading reads the Secret and apply acts.
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ KEY_TOO_SHORT = "KeyTooShort"
 KEY_UNREADABLE = "KeySecretUnreadable"
 KEY_PENDING = "L2KeyPending"  # the generated Secret does not exist yet: the next apply makes it
 # KEY_LOST (L2KeyLost): the generated Secret is gone and data sealed under it exists: not made again
-# <name>-l2-key exists but is not the operator's (kvpersist.controller.ownership): never used, never replaced
-KEY_NOT_OWNED = "KeySecretNotOwned"
+KEY_NOT_OWNED = "KeySecretNotOwned"  # <name>-l2-key exists but is not the operator's: never used, never replaced
 KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "KeySecretUnreadable", "L2KeyPending",
                     "L2KeyLost", "KeySecretNotOwned"]
 KEY_REASONS: tuple[KeyReason, ...] = (KEY_NOT_FOUND, KEY_MISSING, KEY_TOO_SHORT, KEY_UNREADABLE, KEY_PENDING, KEY_LOST,
@@ -68,8 +62,7 @@ class KeyRead:
 def read(secret: Mapping[str, Any] | None, name: str, item: str, namespace: str, generated: bool,
          value: bytes | None, not_owned: str | None = None) -> KeyRead:
     """Judges a Secret as the API server returned it (None: not found) with its item's bytes.
-    not_owned: why an existing generated Secret is not the operator's own (then its bytes are
-    not looked at, nor its metadata kept: nothing is patched onto it either)."""
+    not_owned: why an existing generated Secret is not the operator's own (then nothing of it is kept)."""
     field = "the generated Secret" if generated else "spec.l2.encryption.keySecretRef: Secret"
     where = f"{field} {name} key {item}"
     if secret is not None and not_owned is not None:
@@ -101,9 +94,8 @@ def unreadable(name: str, item: str, generated: bool, status: int | None) -> Key
 
 
 def held(status: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[int, int] | None:
-    """(bytes, objects) of a namespace by the last inventory in status (the data itself), or None
-    when nothing says: no inventory yet, only the servers' own counts (which start empty after a
-    restart), or no namespace."""
+    """(bytes, objects) of a namespace by the last inventory in status, or None when nothing says: no
+    inventory yet (the servers' own counts start empty after a restart), or no namespace."""
     if not namespace_id:
         return None
     inventory = (status or {}).get("inventory")
@@ -123,9 +115,8 @@ def sealed(status: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def sealed_after(status: Mapping[str, Any] | None, *records: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """status.sealedNamespaces with each record (status.l2Key's form: secret, fingerprint,
-    namespaceId) added or moved to the end, the oldest dropped past SEALED_MAX. The record status
-    held before (seeded from a status written before this list existed) goes in first."""
+    """status.sealedNamespaces with each record (status.l2Key's form: secret, fingerprint, namespaceId)
+    added or moved to the end, the oldest dropped past SEALED_MAX."""
     out = sealed(status)
     for record in records:
         if not record or not record.get("namespaceId") or not record.get("fingerprint"):
@@ -166,13 +157,10 @@ def _lost_key(status: Mapping[str, Any] | None, secret: str) -> tuple[str | None
 
 def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[str, str] | None,
          claims: list[Mapping[str, Any]] | None = None) -> Loss | None:
-    """Whether making a new key now would make stored data unreadable without the user asking:
-    the generated Secret is absent, status records the key it held (status.l2Key, or
-    status.sealedNamespaces after a switch to another Secret), or a claim of the resource records
-    one; the inventory does not show every namespace sealed with that key empty (the one served
-    now, and those served before it under the same key: a pin change moves the resource to an
-    empty namespace and leaves the old one's data on its storage); and the user has not accepted
-    the loss of exactly that key (REPLACE_ANNOTATION)."""
+    """Whether a new key now would make stored data unreadable without the user asking: the generated
+    Secret is absent; status (status.l2Key, status.sealedNamespaces) or a claim records the key it
+    held; the inventory does not show every namespace sealed with it empty (a pin change leaves the
+    old namespace's data on its storage); and the user has not accepted losing exactly that key."""
     if not key.generated or not key.absent:
         return None
     fingerprint, ids = _lost_key(status, key.secret)
@@ -222,8 +210,7 @@ def loss_message(found: Loss, name: str, namespace: str) -> str:
 
 def events(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None,
            annotations: Mapping[str, str] | None) -> list[tuple[str, str, str]]:
-    """(type, reason, message) when the key in use changed: the data under the old one stays,
-    unreadable with the new key."""
+    """(type, reason, message) when the key in use changed: the data under the old one stays, unreadable with the new key."""
     before, after = recorded(old), recorded(new)
     if not before.get("fingerprint") or not after.get("fingerprint") or before["fingerprint"] == after["fingerprint"]:
         return []

@@ -2,11 +2,8 @@
 (the chart's allowedImages) and the Secrets it may name (the chart's secretLabel).
 
 Why: the operator runs with more rights than whoever creates a KVCacheNamespace. Without these,
-creating one runs any image on GPU nodes (the pods the operator makes; its lmcache server sees
-every GPU of its node), with any Secret of the namespace mounted into it
-(spec.l2.encryption.keySecretRef) or in its environment (spec.l2.hfBucket.tokenSecretRef): a Secret
-its author may not be allowed to read. Pure: the handlers read the Secrets' labels and act on the
-verdict (docs/security.md).
+creating one runs any image on GPU nodes, with any Secret of the namespace mounted into it or in
+its environment: a Secret its author may not be allowed to read. Pure (docs/security.md).
 """
 
 from __future__ import annotations
@@ -106,9 +103,8 @@ class Policy:
     # The DNS domain of the cluster's Services: vLLM reaches its server at an absolute name
     # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.connection).
     cluster_domain: str | None = None  # None: unknown (`kvpersist run` refuses to start)
-    # Who may reach the agents' port besides nobody: the operator's own pods in its namespace, and
-    # the chart's metrics.scraper (builders.networkpolicy). Read here, once, so decide reads no
-    # environment.
+    # Who may reach the agents' port: the operator's own pods in its namespace, and the chart's
+    # metrics.scraper (builders.networkpolicy). Read here, once, so decide reads no environment.
     operator_namespace: str | None = None
     metrics_scraper: Mapping[str, Any] | None = None
 
@@ -120,8 +116,7 @@ class Policy:
                    environ.get(OPERATOR_NAMESPACE_ENV) or None, parse_scraper(environ.get(SCRAPER_ENV, "")))
 
     def generated_secret_labels(self) -> dict[str, str]:
-        """What the operator's own Secrets (<name>-l2-key, <name>-agent-token) carry besides their
-        usual labels: the required label, so they are usable under the same rule."""
+        """The required label, on the operator's own Secrets too, so they are usable under the same rule."""
         return dict([self.secret_label]) if self.secret_label else {}
 
 
@@ -139,9 +134,9 @@ def canonical_image(reference: str) -> str:
 
 
 def _has_prefix(reference: str, prefix: str) -> bool:
-    """Prefix match on whole components: a prefix ending in /, : or @ matches any reference that
-    starts with it; otherwise the reference must equal it or go on with one of /, : or @ (only /
-    after a bare registry host, whose : would start a port, another registry)."""
+    """Prefix match on whole components: a prefix ending in /, : or @ matches any reference starting
+    with it; else the reference equals it or goes on with /, : or @ (only / after a bare registry
+    host, whose : would start a port, another registry)."""
     if prefix.endswith(_BOUNDARY_CHARS):
         return reference.startswith(prefix)
     if reference == prefix:
@@ -177,17 +172,15 @@ def image_refusal(spec: KVCacheNamespaceSpec, prefixes: tuple[str, ...]) -> Refu
 
 
 def named_secrets(spec: KVCacheNamespaceSpec) -> list[tuple[str, str]]:
-    """The Secrets a user named, as (field, Secret name): what the label rule applies to. The
-    operator's own (<name>-l2-key, <name>-agent-token) are not named by the user. One list with
-    the ConfigMaps ReferencesFound checks (kvpersist.status.references.named)."""
+    """The Secrets a user named, as (field, Secret name): what the label rule applies to (never the
+    operator's own). One list with the ConfigMaps ReferencesFound checks (references.named)."""
     return [(ref.field, ref.name) for ref in references.named(spec) if ref.kind == references.SECRET]
 
 
 def secret_refusal(field: str, name: str, namespace: str, metadata: Mapping[str, Any] | None,
                    label: tuple[str, str] | None) -> Refusal | None:
-    """SecretNotAllowed when a label is required and the named Secret lacks it (or does not exist:
-    a Secret made later, by someone else, must not be used unchecked), else None. metadata is the
-    Secret's metadata (its labels are all that is looked at), None when it does not exist."""
+    """SecretNotAllowed when a label is required and the Secret (its metadata; None: absent) lacks it or
+    does not exist (one made later, by someone else, must not be used unchecked), else None."""
     if label is None:
         return None
     key, value = label
@@ -205,8 +198,8 @@ def secret_refusal(field: str, name: str, namespace: str, metadata: Mapping[str,
 
 def refused_status(fields: Mapping[str, Any], conds: list[dict[str, Any]], refusal: Refusal,
                    generation: int | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The status of a refused resource: phase Failed and Ready False with the refusal's reason;
-    a refused Secret is L2's problem too (L2Ready says so instead of reading it)."""
+    """The status of a refused resource: phase Failed and Ready False with the refusal's reason; a
+    refused Secret is L2's problem too (L2Ready says so)."""
     reason, message = refusal
     out = [c for c in conds if c["type"] != "Ready"]
     if reason == SECRET_NOT_ALLOWED:

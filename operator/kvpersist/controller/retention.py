@@ -28,15 +28,12 @@ EXPIRE_MAX_PER_PASS = 16  # folder removals asked (each listed for right before)
 
 def expire_orphans(body: Mapping[str, Any], target: Target, volumes: list[tuple[str, str | None, Inventory]],
                    agents: list[tuple[str, str | None]], token: str | None, seen: Seen) -> list[dict[str, Any]]:
-    """spec.l2.orphanRetention: asks the agents to remove the folders of other namespaces unwritten
-    for maxAgeDays, one folder per request, each to the agent whose scan (just read) holds it.
-    Right before each request, who uses that namespace is listed again (kvpersist.controller.inuse
-    .in_use_now: a failed listing refuses): one that a resource switched to, or a pod started on,
-    while an earlier folder went (this agent's or another's) is kept from then on. A single check
-    before all the agents' passes let a later agent remove a namespace in use by then (issue 39).
-    The agent is sent every id in use (protected) and refuses without them; it judges the folder's
-    age again from its own walk. Each removal: a Normal OrphanExpired Event; returned, to be counted
-    in status.l2. Blocking; at most every EXPIRE_PERIOD_S, at most EXPIRE_MAX_PER_PASS requests."""
+    """spec.l2.orphanRetention: asks the agents to remove other namespaces' folders unwritten for
+    maxAgeDays, one folder per request, each to the agent whose scan holds it. Right before each
+    request, who uses that namespace is listed again (inuse.in_use_now; a failed listing refuses):
+    one check before all the agents' passes let a later agent remove a namespace in use by then
+    (issue 39). The agent is sent every id in use and judges the folder's age again itself. Each
+    removal: an OrphanExpired Event, and returned for status.l2. Blocking; rate- and count-limited."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     now = time.monotonic()
     if now - state.expired_at < EXPIRE_PERIOD_S or token is None or target.namespace_id is None:
@@ -76,13 +73,10 @@ def expire_orphans(body: Mapping[str, Any], target: Target, volumes: list[tuple[
     return removed
 
 
-
 def protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, logger: logging.Logger) -> None:
-    """What outlives the resource, kept out of GitOps prunes (kvpersist.builders.retained): the
-    generated key Secret (made before this version, or restored from a backup with its old labels)
-    and the claims the StatefulSet made (they get its selector's tracking label whatever the
-    template says), each patched once, metadata only; the claims also record the key fingerprint
-    their data needs. A failure is logged and tried again on a later refresh. Blocking."""
+    """Keeps what outlives the resource out of GitOps prunes (kvpersist.builders.retained): the generated
+    key Secret and the StatefulSet's claims, each patched once, metadata only; the claims also record
+    the key fingerprint their data needs. A failure is logged and tried again later. Blocking."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     if read is not None and read.generated and read.metadata is not None:
         patch = protect_patch(read.metadata, target.name)
@@ -104,9 +98,11 @@ def model_cache_missing(target: Target, seen: Seen) -> bool:
     """Whether the claim the operator makes for the weights (spec.vllm.modelCache.size) is not in
     the claims' watch cache: deleted (no drift watch on claims: L2's change status all the time)."""
     cache = target.spec.vllm.model_cache
-    if cache is None or cache.size is None:
-        return False
-    return not any(c["metadata"]["name"] == target.model_cache_claim for c in seen.claims)
+    return cache is not None and cache.size is not None and _claim_absent(seen, target.model_cache_claim)
+
+
+def _claim_absent(seen: Seen, name: str) -> bool:
+    return not any(c["metadata"]["name"] == name for c in seen.claims)
 
 
 def servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
@@ -120,12 +116,10 @@ def servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
 
 def shared_claim_missing(target: Target, seen: Seen) -> bool:
     """Whether the one claim the operator makes for spec.l2.nvme.shared (with size) is not in the
-    claims' watch cache: deleted by hand, it is made again (empty) by the next apply, as a
-    StatefulSet makes a deleted claim of its own again."""
+    claims' watch cache: deleted by hand, the next apply makes it again (empty), as a StatefulSet would."""
     nvme = target.spec.l2.nvme
-    if nvme is None or not nvme.shared or nvme.size is None or not target.cache_enabled:
-        return False
-    return not any(c["metadata"]["name"] == target.shared_claim for c in seen.claims)
+    return (nvme is not None and nvme.shared and nvme.size is not None and target.cache_enabled
+            and _claim_absent(seen, target.shared_claim))
 
 
 def protect_claims(claims: list[tuple[Mapping[str, Any], str]], fingerprint: str | None, logger: logging.Logger) -> None:
@@ -150,12 +144,7 @@ def orphan_claims() -> list[tuple[Mapping[str, Any], str]]:
     """Claims of the operator's StatefulSets whose resource is gone (or not seen yet) and that are
     not protected from prunes yet: a claim retained from before this version. Event loop only."""
     known = runtime.CONTROLLER.known()
-    out = []
-    for key, store in list(runtime.CONTROLLER.indices.get("kvp_claims", {}).items()):
-        if key in known:
-            continue
-        for claim in list(store):
-            if claim["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER and protect_patch(claim["metadata"], key[1]):
-                out.append((claim, key[1]))
-    return out
+    return [(claim, key[1]) for key, store in list(runtime.CONTROLLER.indices.get("kvp_claims", {}).items())
+            if key not in known for claim in list(store)
+            if claim["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER and protect_patch(claim["metadata"], key[1])]
 

@@ -1,9 +1,8 @@
-"""What every role of the controller shares: the one Controller (all the operator remembers), kopf's
-settings (configure), the policy and peering that `kvpersist run` sets, and whether this replica may
-write (active).
+"""What every role of the controller shares: the one Controller, kopf's settings (configure), the
+policy and peering that `kvpersist run` sets, and whether this replica may write (active).
 
-The other modules read the Controller as runtime.CONTROLLER (never `from ... import CONTROLLER`),
-so a Controller put in its place here (a test's fresh one) is the one every role uses.
+Other modules read runtime.CONTROLLER (never `from ... import CONTROLLER`), so a Controller put in
+its place (a test's fresh one) is the one every role uses.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ CROSS_NAMESPACE_LISTS = (("kvpersist.dev", "kvcachenamespaces"), ("", "pods"))
 
 
 def named_namespaces() -> tuple[str, ...] | None:
-    """The namespaces `kvpersist run --namespace` named (each once), or None when it watches all
-    of them or a pattern (kopf then matches the cluster's namespaces)."""
+    """The namespaces `kvpersist run --namespace` named (each once), or None when it watches all of them or a pattern."""
     named = CONTROLLER.peering["namespaces"]
     if not named or any(c in ns for ns in named for c in PATTERN_CHARACTERS):
         return None
@@ -43,13 +41,10 @@ def named_namespaces() -> tuple[str, ...] | None:
 
 
 def listing_scopes() -> tuple[str | None, ...]:
-    """Where a LIST meant to see every namespace's objects goes (who else holds a bucket prefix,
-    gc's last look before deleting): the whole cluster (None) when the operator watches all
-    namespaces or a pattern, or when its account may list those kinds cluster-wide anyway; else
-    each watched namespace by name. The chart, given watchNamespaces, grants a Role in each of them
-    and nothing cluster-wide, so a cluster-wide LIST would be refused; the operator then sees, and
-    guards, what those namespaces hold: all it serves. Asks the API server once (a
-    SelfSubjectAccessReview per kind). Raises ApiException. Blocking."""
+    """Where a LIST meant to see every namespace's objects goes (a bucket prefix's users, gc's last
+    look): the whole cluster (None) when the operator watches all namespaces or a pattern, or may
+    list those kinds cluster-wide anyway; else each watched namespace, where the chart's Roles grant
+    it (all it serves). Asks the API server once per kind. Raises ApiException. Blocking."""
     named = named_namespaces()
     if named is None:
         return ALL_NAMESPACES
@@ -61,9 +56,8 @@ def listing_scopes() -> tuple[str | None, ...]:
 API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
 
 
-# kopf's per-event handlers: the watch-event bookkeeping (tracking.track, the drift watches). kopf
-# logs "Handler 'x' succeeded." at INFO for each of their calls: at 500 resources thousands of lines
-# a minute, and a twentieth of the operator's CPU to format and write, saying nothing.
+# kopf's per-event handlers (tracking.track, the drift watches): kopf logs "Handler 'x' succeeded." for
+# each call, at 500 resources thousands of lines a minute and a twentieth of the CPU, saying nothing.
 EVENT_HANDLERS = frozenset({"track", "drift_services", "drift_configmaps", "drift_networkpolicies", "drift_statefulsets",
                             "drift_deployments", "drift_poddisruptionbudgets"})
 
@@ -76,17 +70,14 @@ class _EventHandlerSuccess(logging.Filter):
 
 
 def quiet_event_handler_logs() -> None:
-    """Drops kopf's success lines of EVENT_HANDLERS (their failures, and every other line, stay);
-    `kvpersist run --verbose` keeps them."""
+    """Drops kopf's success lines of EVENT_HANDLERS (all else stays); `kvpersist run --verbose` keeps them."""
     logging.getLogger("kopf.objects").addFilter(_EventHandlerSuccess())
 
 
 class LeanDiffBase(kopf.AnnotationsDiffBaseStorage):
-    """kopf's diff base, the same essence built without deep-copying the whole body first: kopf
-    copies status and managedFields on every event of a resource only to delete them, and at
-    500 resources that copy was a tenth of the operator's CPU (every status write is an event).
-    The essence kept is unchanged (tests/unit/test_lean_diffbase.py), so stored annotations
-    compare equal across an upgrade."""
+    """kopf's diff base without deep-copying the whole body first (status and managedFields, copied on
+    every event only to be deleted, were a tenth of the CPU at 500 resources). The essence is
+    unchanged (tests/unit/test_lean_diffbase.py), so stored annotations compare equal across an upgrade."""
 
     def build(self, *, body: Any, extra_fields: Any = None) -> Any:
         fields = [f.split(".") if isinstance(f, str) else list(f) for f in extra_fields or ()]
@@ -118,11 +109,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
     settings.peering.priority = CONTROLLER.peering["priority"]
     settings.peering.lifetime = leadership.PEERING_LIFETIME_S
-    # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces to
-    # match them, which the chart does not grant, and hold every watch back through every refused try
-    # (API_ERROR_BACKOFFS; a minute with kopf's default, measured in tests/e2e/test_helm_ha.py) before
-    # assuming they exist. Exact names need no scan; CRDs are then read once at start (the chart
-    # installs them before the operator).
+    # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces, which
+    # the chart does not grant, and hold every watch back through every refused try. Exact names
+    # need no scan; CRDs are then read once at start (the chart installs them first).
     if named_namespaces() is not None:
         settings.scanning.disabled = True
     kube.load_config()
@@ -138,9 +127,8 @@ def set_peering(name: str | None, identity: str, priority: int, namespaces: tupl
 
 
 def active(now: float, namespace: str | None) -> bool:
-    """Whether this replica may write status for a resource in namespace: always when standalone;
-    with peering, when the peering object kopf uses there says so (read at most every
-    PEERING_CHECK_S per object). Blocking."""
+    """Whether this replica may write status for a resource in namespace: always when standalone; with
+    peering, when kopf's peering object there says so (read at most every PEERING_CHECK_S). Blocking."""
     peering, seen_by_scope = CONTROLLER.peering, CONTROLLER.active_seen
     if not peering["name"]:
         return True
@@ -156,10 +144,8 @@ def active(now: float, namespace: str | None) -> bool:
     except ApiException:
         record = None
     except Exception:
-        # No answer at all (the API server down: urllib3's MaxRetryError, a timeout, a reset;
-        # none of them an ApiException): nothing is known of the peers, and nothing could be
-        # written anyway. The last verdict stands, not cached anew, so the record is read again
-        # on the next call; never seen, standing by.
+        # No answer at all (the API server down: MaxRetryError, a timeout, a reset): the last verdict
+        # stands, not cached anew, so the record is read again next call; never seen, standing by.
         return seen[1] if seen is not None else False
     verdict = leadership.is_active(record, peering["identity"], peering["priority"])
     if seen is None or verdict != seen[1]:

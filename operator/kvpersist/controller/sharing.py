@@ -1,21 +1,15 @@
 """One L2 store, one KVCacheNamespace: a second user of a claim or of a bucket prefix is refused.
 
-Nothing in the schema stops two resources from naming the same existingClaimName (or one naming
-the claim another's StatefulSet makes, `l2-<name>-lmcache-<n>`), nor two resources, in two
-Kubernetes namespaces, from writing under the same bucket prefix with the same namespace id. Both
-would serve the same `kvp-` folder: each inventory agent trims the folder to its own capacity, so
-the smaller budget deletes the other's live chunks, and with two keys each reads the other's
-objects as misses. So a store has one user: the oldest resource naming it (creationTimestamp,
-then namespace and name: the same answer from every replica and after every restart, never
-flapping), and every other one is refused (condition StorageInUse, naming the holder): its
-servers scale to zero, vLLM runs without the cache, nothing of the data is touched. It clears by
-itself when the holder goes or points elsewhere. A claim is taken over only once no server pod of
-another resource mounts it any more (a deleted holder's pods terminate for up to a minute).
-
-What collides is what the servers really share: the claim (whatever the ids: one volume, one
-folder tree, one disk), and for a bucket the handle's path plus the namespace id (one prefix
-being the other's, or the same). Pure decisions here; kvpersist.controller.apply reads the
-resources and pods from the API server and applies the verdict.
+Nothing in the schema stops two resources from naming the same claim (or the one another's
+StatefulSet makes), nor from writing under the same bucket prefix with the same namespace id. Each
+inventory agent trims the shared folder to its own capacity, deleting the other's live chunks, and
+with two keys each reads the other's objects as misses. So a store has one user: the oldest
+resource naming it (creationTimestamp, then namespace and name: the same answer from every replica,
+never flapping); every other one is refused (StorageInUse): its servers scale to zero, its data
+untouched, until the holder goes or points elsewhere and no other resource's server pod mounts the
+claim (a deleted holder's pods take up to a minute to go). What collides: the claim itself, or for
+a bucket the handle's path plus the namespace id (one prefix being the other's). Pure decisions;
+kvpersist.controller.apply acts.
 """
 
 from __future__ import annotations
@@ -129,22 +123,16 @@ def holder(me: User, others: Iterable[User]) -> tuple[User, str] | None:
     return min(older, key=lambda ow: ow[0].order) if older else None
 
 
-def my_claims(me: User) -> tuple[str | None, re.Pattern[str] | None]:
-    """The claim me names, or the pattern of those its StatefulSet makes."""
-    return me.claim, generated_claim(me.name) if me.generated else None
-
-
 def mounted_elsewhere(me: User, pods: Iterable[Mapping[str, Any]]) -> list[str]:
     """Server pods of other resources (listed from the API server in me's namespace) that mount one
     of me's claims, as `pod P of K`: while one lasts, me does not start on the claim."""
-    exact, pattern = my_claims(me)
+    exact, pattern = me.claim, generated_claim(me.name) if me.generated else None
     out = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if meta.get("namespace", me.namespace) != me.namespace or labels.get(INSTANCE_LABEL) == me.name:
-            continue
-        if labels.get(COMPONENT_LABEL) != SERVER:
+        if meta.get("namespace", me.namespace) != me.namespace or labels.get(INSTANCE_LABEL) == me.name \
+                or labels.get(COMPONENT_LABEL) != SERVER:
             continue
         for volume in (pod.get("spec") or {}).get("volumes") or []:
             claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")

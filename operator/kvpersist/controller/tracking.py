@@ -20,17 +20,15 @@ from kvpersist.inventory.cleanup import parse_request
 
 
 def forget(key: tuple[str, str]) -> None:
-    """Everything the operator holds about one resource, dropped: it was deleted (its DELETED
-    event, or a 404 from the API server for one whose event a watch outage lost)."""
+    """Drops everything held about a deleted resource (its DELETED event, or a 404 for one whose event a watch outage lost)."""
     runtime.CONTROLLER.forget(key)
     agentroll.ROLLER.forget(key)
     metrics.set_phase(key[0], key[1], None)
 
 
 def sweep_if_forgotten(key: tuple[str, str]) -> None:
-    """After a round of worker threads: when the resource was forgotten while they ran (deleted
-    meanwhile), forget it again, so what they wrote into the trackers (hits, backoff, the phase
-    metric) goes too. In the event loop, like track(): nothing can bring the key back in between."""
+    """After a round of worker threads: a resource forgotten while they ran is forgotten again, so what they
+    wrote (hits, backoff, the phase metric) goes too. In the event loop, like track(): nothing races it."""
     if runtime.CONTROLLER.get(key) is None:
         forget(key)
 
@@ -45,8 +43,8 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
 
 
 def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logger) -> None:
-    """The resource as a watch event shows it,
-    kept for the status loop; a new gc request in its annotations started. In the event loop."""
+    """The resource as a watch event shows it, kept for the status loop; a new gc request in its
+    annotations started. In the event loop."""
     state = runtime.CONTROLLER.state(key)
     spec = dict(body.get("spec") or {})
     if state.body is not None and state.body.get("spec") == spec:
@@ -55,8 +53,7 @@ def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logg
                   # managedFields left out: nothing reads them, and they are most of a stored object's metadata
                   "metadata": {k: v for k, v in body["metadata"].items() if k != "managedFields"}, "spec": spec,
                   "status": dict(body.get("status") or {})}
-    try:  # the key's fingerprint as last read (or recorded): nothing blocks the event loop
-        # from the copy just kept: an unchanged spec is its last object, so target_of answers from its memo
+    try:  # the key as last read (or recorded), from the copy just kept: target_of's memo, no blocking read
         state.namespace_id = target_of(state.body, known_fingerprint(state.body))[0].namespace_id
     except ValidationError:
         state.namespace_id = None

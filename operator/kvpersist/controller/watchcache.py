@@ -1,22 +1,14 @@
-"""Watch caches of what the status refresh used to read by request every round: the Secrets a
-resource names (metadata only: their labels for secretLabel, and the resourceVersion that says
-whether a key or token must be read again), the ConfigMaps (metadata only: whether each one a spec
-names exists) and the claims users name (existingClaimName, which
-carry none of the operator's labels, so the kopf index of claims never sees them).
+"""Watch caches of what the status refresh used to read by request every round (100+ reads a second
+at 500 resources): the Secrets a resource names and the ConfigMaps (metadata only: Secret data never
+reaches the cache), the claims users name and their attached pods (neither carries the operator's
+labels, so kopf's indexes never see them). One list, then one watch, per watched namespace (or one
+cluster-wide), each in a thread of its own.
 
-Each object is cut down to what is read of it as its page arrives (secret_view, names_view): every
-Secret and ConfigMap of a watched namespace is cached, and whoever may create one there decides
-its size (400 ConfigMaps of 1,500 labels and a 250 KiB annotation each took the operator from 110
-to 330 MiB when their labels and annotations were kept; issue 58). Lists of those two kinds come
-in small pages (SMALL_PAGE), so a relist never holds more than one page of such objects whole,
-and the freed pages go back to the system after it.
-
-One list, then one watch from its resourceVersion, per watched namespace (or one cluster-wide),
-in a thread of its own: at 500 resources the refresh made 100+ reads a second; from here it makes
-none while nothing changes. Secret data never reaches the cache: the API server answers
-PartialObjectMetadata. Until a cache has listed (and again after a failed watch, until it has
-listed anew) lookups say so, and callers read by request as before: a cache never answers from a
-listing it does not have.
+Each object is cut down to what is read of it as its page arrives (secret_view, names_view), and
+Secrets and ConfigMaps are listed in small pages: whoever may create one decides its size (400
+ConfigMaps of 1,500 labels and a 250 KiB annotation took the operator from 110 to 330 MiB; issue 58).
+Until a cache has listed (again after a failed watch) lookups say so and callers read by request:
+a cache never answers from a listing it does not have.
 """
 
 from __future__ import annotations
@@ -87,16 +79,19 @@ class WatchCache:
 
     @property
     def listed_once(self) -> bool:
-        """Whether every scope has listed at least once: the operator's readiness. A scope unsynced
-        later by a failed watch stays listed once, so an API server outage does not flap readiness."""
+        """Whether every scope has listed at least once: the operator's readiness (never unset again,
+        so an API server outage does not flap readiness)."""
         with self._lock:
             return self._listed >= set(self.scopes)
+
+    def _synced_for(self, namespace: str) -> bool:
+        """Whether the scope holding namespace has a listing; call with the lock held."""
+        return self._synced.get(namespace if namespace in self._synced else None, False)
 
     def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
         """(synced, the object or None when there is none). Not synced: the cache cannot say."""
         with self._lock:
-            scope = namespace if namespace in self._synced else None
-            if not self._synced.get(scope, False):
+            if not self._synced_for(namespace):
                 return False, None
             found = self._objects.get((namespace, name))
             return True, (dict(found) if found is not None else None)
@@ -104,8 +99,7 @@ class WatchCache:
     def in_namespace(self, namespace: str) -> tuple[bool, list[dict[str, Any]]]:
         """(synced, copies of every object of one namespace)."""
         with self._lock:
-            scope = namespace if namespace in self._synced else None
-            if not self._synced.get(scope, False):
+            if not self._synced_for(namespace):
                 return False, []
             return True, [dict(o) for (ns, _), o in self._objects.items() if ns == namespace]
 
@@ -149,8 +143,7 @@ class WatchCache:
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:
-        """One watch, until the API server ends it; the resourceVersion to go on from. Raises on a
-        410 (the version expired: list again) or an error."""
+        """One watch, until the API server ends it; the resourceVersion to go on from. Raises on a 410 or an error."""
         for kind, obj in self.watcher(scope, version, self._stop):
             meta = obj.get("metadata") or {}
             version = meta.get("resourceVersion") or version
@@ -191,10 +184,7 @@ def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) ->
     return kube.watch_page("v1", "ConfigMap", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
 
 
-# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached) carry none of the operator's
-# labels, so kopf's pod index never sees them: selected by the label the attach policies judge them by.
-
-
+# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached), by the label the attach policies judge.
 def _list_attached_pods(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
     return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_LABEL, keep=keep)
 
@@ -224,8 +214,8 @@ def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
 
 
 def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:
-    """The namespaces to watch: None (cluster-wide) when none are named, the names when all are
-    exact, False when a glob is among them (no list can be made per namespace: no cache)."""
+    """The namespaces to watch: None (cluster-wide) when none are named, the names when all are exact,
+    False when a glob is among them (no list can be made per namespace: no cache)."""
     if not named:
         return None
     if any(c in ns for ns in named for c in "*?[!"):

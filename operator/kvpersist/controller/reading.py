@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import decision, kube, l2key, ownership, pincheck, runtime
+from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.decision import target_for, unreadable_secret
 from kvpersist.controller.policy import Refusal, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
@@ -160,16 +160,6 @@ def l2_claims(target: Target) -> dict[str, dict[str, Any] | None]:
             return {n: claim for n, (_, claim) in found.items()}
     listed = {(c.get("metadata") or {}).get("name"): c for c in kube.list_all("v1", "PersistentVolumeClaim", target.namespace)}
     return {n: listed.get(n) for n in names}
-
-
-def claim_not_shareable(target: Target) -> bool:
-    """spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one
-    server only, since the others, on other nodes, could never mount it. A claim not found or not
-    read yet: False (the spec's count stands). Blocking (a GET when the claim cache has not listed)."""
-    nvme = target.spec.l2.nvme
-    if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
-        return False
-    return decision.claim_not_shareable(target, named_claim(nvme.existing_claim_name, target.namespace))
 
 
 def known_fingerprint(body: Mapping[str, Any]) -> str | None:

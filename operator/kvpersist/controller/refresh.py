@@ -164,31 +164,17 @@ def _mark_dirty(key: tuple[str, str]) -> None:
     runtime.CONTROLLER.held(key).dirty = True
 
 
-def _warm(key: tuple[str, str], target: Target, seen: Seen, state: Any) -> tuple[bool | None, str, str] | None:
+def _warm(key: tuple[str, str], target: Target, seen: Seen, bypassed: bool) -> tuple[bool | None, str, str] | None:
     """spec.prewarm's Warm condition (kvpersist.controller.prewarm), starting the passes that are
-    due off the refresh path; None when nothing is declared. vLLM without the cache (the servers'
-    fallback, a refused build, a taken route) registers no layout: nothing is warmed meanwhile."""
+    due off the refresh path; None when nothing is declared. vLLM without the cache (bypassed, as
+    decided) registers no layout: nothing is warmed meanwhile."""
     if target.spec.prewarm is None:
         runtime.CONTROLLER.prewarm.forget(key)
         return None
-    bypassed = (runtime.CONTROLLER.fallback.bypassed(key) or state.route_taken is not None
-                or runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id) is not None)
     token = agents.agent_token(target) if target.cache_enabled else None
     return runtime.CONTROLLER.prewarm.observe(key, dataclasses.replace(target, cache_bypassed=bypassed), seen.pods, token,
                                               lambda: prewarm.read_api_key(target, named_secret_refusal),
                                               lambda: _mark_dirty(key))
-
-
-
-def _attach_bypass(key: tuple[str, str], body: Mapping[str, Any], target: Target) -> str | None:
-    """Why new attached pods go without the cache now, as the operator's own vLLM would (decision._bypassed):
-    a hit that changed the canary's answer, until acknowledged; the servers away too long."""
-    hit = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
-    if hit is not None:
-        return f"a cache hit changed the canary's answer (HitMismatch {hit.get('id')}); see the HitCorrectness condition"
-    if runtime.CONTROLLER.fallback.bypassed(key):
-        return "the lmcache servers are unavailable; see the CacheBypassed condition"
-    return None
 
 
 def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Decision:
@@ -271,7 +257,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 allowed=refused is None and state.name_taken is None, agent_token=agents.agent_token(target))
             if released:
                 _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again
-        observation.warm = _warm(key, target, seen, state)
+        observation.warm = _warm(key, target, seen, decision.target.cache_bypassed)
         observation.references = references.condition_of(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:
@@ -279,7 +265,9 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             observation.budget_floor_exhausted = (old.get("budget") or {}).get("state") == "Exhausted"
         attach = None  # None removes it: pods labelled for this resource are then refused
         if attached(target):
-            attach = attach_status(target, _attach_bypass(key, body, target))
+            bypass = decision.target  # why new pods go without the cache, as the operator's own vLLM does
+            attach = attach_status(target, f"{bypass.bypass_reason}; see the CacheBypassed condition"
+                                   if bypass.cache_bypassed else None)
             count, ready = attached_counts(seen.pods, target.namespace_id)
             observation.attached, observation.unadmitted = (count, ready, target.name), seen.unadmitted_pods
             if attach is not None:

@@ -16,7 +16,6 @@ from kubernetes.client.exceptions import ApiException
 from kvpersist.builders.retained import protect_patch
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import inuse, kube, l2key, metrics, runtime
-from kvpersist.controller.reading import claim_not_shareable
 from kvpersist.inventory.agentclient import request_expire
 from kvpersist.inventory.space import judge_expiry
 from kvpersist.inventory.volume import Inventory
@@ -103,15 +102,6 @@ def model_cache_missing(target: Target, seen: Seen) -> bool:
 
 def _claim_absent(seen: Seen, name: str) -> bool:
     return not any(c["metadata"]["name"] == name for c in seen.claims)
-
-
-def servers_on_unshared_claim(target: Target, seen: Seen) -> bool:
-    """spec.l2.nvme.shared on a user's claim found not ReadWriteMany after the StatefulSet was
-    applied with several servers: apply again, with one (decision.claim_not_shareable)."""
-    statefulset = seen.statefulset(target)
-    if statefulset is None or int((statefulset.get("spec") or {}).get("replicas") or 0) <= 1:
-        return False
-    return claim_not_shareable(target)
 
 
 def shared_claim_missing(target: Target, seen: Seen) -> bool:

@@ -1,20 +1,14 @@
-"""Attach mode's admission policies (docs/attach.md): a MutatingAdmissionPolicy that completes a user's
-own vLLM pod labelled kvpersist.dev/attach=<KVCacheNamespace>, and a ValidatingAdmissionPolicy that
-admits it only when it carries exactly that resource's pins. Both run in the API server (no webhook,
-nothing to serve, judged while the operator is down), and both read the resource the label names
-as their param: its status.attach, which the operator writes from the pins
-(kvpersist.builders.attach), so the policies themselves are static and the operator holds no right
+"""Attach mode's admission policies (docs/attach.md): a MutatingAdmissionPolicy completes a user's vLLM pod
+labelled kvpersist.dev/attach=<KVCacheNamespace>, a ValidatingAdmissionPolicy admits it only with exactly that
+resource's pins. Both run in the API server (no webhook; judged while the operator is down) with the resource as
+param, reading its status.attach (kvpersist.builders.attach): the policies are static, the operator holds no right
 on admission objects.
 
-The mutation only adds what is absent; the validation, which runs after every mutation, requires
-the exact values, so a value the user wrote that differs is refused naming the field, never
-overwritten. Flags are judged with the extraArgs allow-list (v1alpha1.EXTRA_ARGS and its two rules)
-widened by the pins and the connection flags the resource's status lists (each exactly once at
-its value) and by the flags a pod of its own sets (ATTACH_OWN_FLAGS); variable names with
-spec.vllm.env's rule, less the names that only had a field of their own there (ATTACH_OWN_ENV).
-
-`kvpersist-operator attach-policy --write` writes config/attach/ and the chart's template (behind
-attach.enabled); tests/unit/test_attach.py fails when either is stale.
+The mutation only adds what is absent; the validation, after every mutation, requires the exact values, so a
+differing value is refused naming the field, never overwritten. Flags are judged with extraArgs' allow-list widened
+by the status' pins and connection flags (each exactly once) and ATTACH_OWN_FLAGS; variable names with
+spec.vllm.env's rule less ATTACH_OWN_ENV. `kvpersist-operator attach-policy --write` writes config/attach/ and the
+chart's template; tests/unit/test_attach.py fails when either is stale.
 """
 
 from __future__ import annotations
@@ -36,16 +30,14 @@ CONTAINER_ANNOTATION = "kvpersist.dev/attach-container"
 DEFAULT_CONTAINER = "vllm"
 SHM_VOLUME = "kvpersist-dshm"
 MAX_ARGS = 128  # CEL walks a list by index: an attached container's args are at most this long
-# Flags an attached pod sets for itself (the operator sets them on its own pods): where it listens,
-# the name clients use, its API key. None changes the KV.
+# Flags an attached pod sets for itself, as the operator does on its own pods (where it listens, the name clients
+# use, its API key): none changes the KV.
 ATTACH_OWN_FLAGS = ("--api-key", "--host", "--port", "--served-model-name")
 # Refused in spec.vllm.env only because they have a field of their own there (a Secret reference)
 # or the operator sets them on its own pods (HOME: KServe sets its own): an attached pod's own business.
 ATTACH_OWN_ENV = ("HF_TOKEN", "HOME", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
-# The model cache's locations: huggingface_hub serves a 40-hex revision from its cache without
-# checking the files, so a seeded cache is other weights under the pin. Allowed only at the
-# mountPath of an emptyDir that no other container mounts (KServe's HF_HUB_CACHE=/models, llm-d's
-# HF_HOME=/model-cache): empty when the pod starts, written by vLLM alone, from the Hub.
+# huggingface_hub serves a 40-hex revision from its cache unchecked, so a seeded cache is other weights under the
+# pin: allowed only at an emptyDir no other container mounts (KServe's /models, llm-d's /model-cache).
 CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 EPHEMERAL = "ephemeralcontainers"  # pods/ephemeralcontainers (kubectl debug): refused on attached pods
 
@@ -99,8 +91,7 @@ def _validating_variables() -> list[dict[str, str]]:
             f"? ({args}[i] in variables.valueFlags && !(i + 1 < {count} && !{args}[i + 1].startsWith('-')))",
             f": !(i > 2 && {args}[i - 1] in variables.valueFlags)))",
             f".map(i, {args}[i])"),
-        # The pod's other containers, init containers (native sidecars among them) included: each runs
-        # an image the resource lists in spec.vllm.attachedContainers.
+        # The other containers, init containers (native sidecars) included: each runs an image of spec.vllm.attachedContainers.
         var("others", "object.spec.containers.filter(c, c.name != variables.cname)",
             "+ (has(object.spec.initContainers) ? object.spec.initContainers : [])"),
         var("refusedContainers", "variables.others.filter(c, !(has(params.spec.vllm.attachedContainers)",
@@ -139,8 +130,7 @@ def _validations() -> list[dict[str, str]]:
     who = "'KVCacheNamespace ' + params.metadata.name"
     labels = "object.metadata.labels"
     return [
-        # Judged for every param, first: a debug container shares the pod's network (a peer of the
-        # servers) and runs what no pin covers.
+        # Judged for every param, first: a debug container shares the pod's network and runs what no pin covers.
         {"expression": f"!has(request.subResource) || request.subResource != '{EPHEMERAL}'", "messageExpression":
          f"'ephemeral containers are refused on a pod labelled {LABEL}: they share its network, a peer of the lmcache "
          "servers, and run what no pin covers; debug a copy of the pod without the label (kubectl debug --copy-to)'"},
@@ -199,8 +189,7 @@ def _validations() -> list[dict[str, str]]:
                "== params.status.attach.namespaceId",
                f"'metadata.labels[{NAMESPACE_ID_LABEL}] must be ' + params.status.attach.namespaceId + ', the namespace id "
                f"of ' + {who} + ' (the policy adds it when absent)'"),
-        # Judged for every param, last (the API server names the first refusal): a label that names no
-        # resource of the namespace gets nothing added.
+        # Judged for every param, last (the API server names the first refusal): a label naming no resource got nothing.
         {"expression": f"'{NAMESPACE_ID_LABEL}' in object.metadata.labels", "messageExpression":
          f"'no KVCacheNamespace named ' + object.metadata.labels['{LABEL}'] + ' with spec.vllm.mode Attached "
          f"and a namespace id in namespace ' + object.metadata.namespace + ' (label {LABEL})'"},
@@ -216,8 +205,7 @@ def _policy(kind: str, name: str, operations: list[str], resources: tuple[str, .
 
 
 def validating_policy(name: str) -> dict[str, Any]:
-    # An UPDATE is judged when it changes a labelled pod's labels or spec (an image set on a live pod,
-    # its ephemeral containers): what it runs is judged for its whole life. Metadata alone
+    # An UPDATE of a labelled pod's labels or spec is judged (what it runs, for its whole life); other metadata
     # (annotations, owners, finalizers) is left to the controllers that write it.
     conditions = [
         {"name": "labelled", "expression": f"has(object.metadata.labels) && '{LABEL}' in object.metadata.labels"},
@@ -248,8 +236,7 @@ def _mutation() -> str:
              f"  : '{NAMESPACE_ID_LABEL}' in object.metadata.labels ? []\n"
              f"  : [JSONPatch{{op: 'add', path: '/metadata/labels/{NAMESPACE_ID_LABEL.replace('/', '~1')}', "
              "value: params.status.attach.namespaceId}]")
-    # The flag and value pairs whose flag the args lack, appended (a container without args is
-    # refused by the validation: nothing to add to).
+    # The flag and value pairs whose flag the args lack, appended (the validation refuses a container without args).
     args = ("!has(variables.c.args) ? [] : [0, 1, 2, 3, 4, 5, 6, 7].filter(k, k < size(params.status.attach.args)\n"
             "    && !(params.status.attach.args[k - k % 2] in variables.c.args)\n"
             "    && !variables.c.args.exists(a, a.startsWith(params.status.attach.args[k - k % 2] + '=')))\n"
@@ -288,8 +275,7 @@ def mutating_policy(name: str) -> dict[str, Any]:
 
 
 def bindings(name: str) -> list[dict[str, Any]]:
-    # The param: every KVCacheNamespace of the pod's own namespace (each judges only pods its name
-    # labels); none there: the labelled pod is refused.
+    # The param: every KVCacheNamespace of the pod's namespace (each judges only pods labelled with its name); none: refused.
     spec = {"policyName": name, "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"},
             "matchResources": {"objectSelector": {"matchExpressions": [{"key": LABEL, "operator": "Exists"}]}}}
     return [admission("MutatingAdmissionPolicyBinding", name, spec),

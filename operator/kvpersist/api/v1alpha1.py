@@ -1,11 +1,7 @@
-"""The KVCacheNamespace API, version v1alpha1: the one definition of the spec and status.
+"""The KVCacheNamespace API, v1alpha1: the one definition of spec and status; the CRD is generated from it.
 
-The CRD in crds/ is generated from these models (kvpersist.api.crd), so every field's
-description, default, range and pattern lives here once. So does every cross-field rule: written
-once, as CEL (`cel(...)`, x-kubernetes-validations) so `kubectl apply` refuses bad input, and the
-models evaluate that same CEL on the object as stored (kvpersist.api.celrules), so the operator
-refuses exactly what the API server refuses, with the same message (tests/e2e/test_fuzz.py checks
-that the two never disagree).
+Cross-field rules are written once, as CEL, which the API server checks at apply time and the models evaluate
+on the object as stored (kvpersist.api.celrules): both refuse the same, with the same message (tests/e2e/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -43,21 +39,16 @@ SINGULAR = "kvcachenamespace"
 SHORT_NAMES = ["kvns"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# metadata.name prefixes every object the operator derives from it (builders/target.py), so it must
-# be valid wherever those names go. The strictest kinds: a Service's name is an RFC 1035 label (a
-# lowercase letter first, then letters, digits and '-', no '.', at most 63), and the longest derived
-# values are the per-id Service `NAME-lmcache-<8 hex>` (+17) and the StatefulSet's
-# controller-revision-hash label `NAME-lmcache-<hash of up to 10>` (+19, a label value of at most 63),
-# so 44 at most; 40 keeps room for a longer suffix.
+# metadata.name prefixes every derived object's name (builders/target.py): a Service's is an RFC 1035 label
+# (at most 63), the longest derivations add 17 (`NAME-lmcache-<8 hex>`) and 19 (the StatefulSet's
+# controller-revision-hash label), so 44 at most; 40 keeps room for a longer suffix.
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULE = (f"metadata.name: at most {MAX_NAME_LENGTH} characters, a lowercase letter first, then lowercase letters, "
              "digits and '-' (no '.'), ending with a letter or digit: it prefixes the names of the Services (RFC 1035 "
              "labels), pods, StatefulSet revision labels and ConfigMaps made for it, which Kubernetes would refuse later")
 
-# KV cache dtypes vLLM 0.33.0 accepts for --kv-cache-dtype, less the two that are not resolved
-# (UNRESOLVED_KV_CACHE_DTYPES). tests/contract checks this list against vLLM's own, so the two
-# cannot drift apart silently.
+# vLLM 0.33.0's --kv-cache-dtype values less the two unresolved ones (tests/contract checks it against vLLM's).
 UNRESOLVED_KV_CACHE_DTYPES = {
     "auto": "follows the model's dtype, which the pins do not name",
     "fp8": "means fp8_e4m3 on CUDA but e4m3fnuz on ROCm: name fp8_e4m3 or fp8_e5m2",
@@ -69,23 +60,18 @@ KV_CACHE_DTYPES = (
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-# The one vLLM connector the operator wires (builders.connection): a pin of every namespace id, not a
-# field (a field of one possible value would be one more thing to type).
+# The one vLLM connector the operator wires (builders.connection): a pin of every namespace id, not a field.
 CONNECTOR = "LMCacheMPConnector"
-# The label every pod of a namespace id carries: the operator's own, and attached ones (the attach
-# policies add it, kvpersist.api.attachpolicy); what routes and NetworkPolicies select by.
+# On every pod of a namespace id, the operator's and attached ones (kvpersist.api.attachpolicy): what routes select by.
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 EVICTION_POLICIES = ("LRU", "noop")
 
-# The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value).
-# An allow-list: each one sizes memory or batches, schedules, logs or shapes the HTTP API, and
-# none changes the KV a prompt produces. Everything else is refused in every spelling vLLM's
-# parser accepts (abbreviations, underscores, --flag=value, --some-config.key=value, -O3): the
-# identity pins, the operator's own flags (--kv-transfer-config, --host, --port,
-# --served-model-name) and whatever changes KV bytes, layout or tokens (--hf-overrides,
-# --kv-cache-dtype-skip-layers, --mamba-cache-dtype, --quantization, --code-revision,
-# --trust-remote-code, --hf-config-path, LoRA, speculative decoding, ...). Scheduling flags may
-# change the float rounding of a batch, as any batch composition does; not what it computes.
+# The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value): an
+# allow-list of flags that size memory or batches, schedule, log or shape the HTTP API, none changing the
+# KV a prompt produces (scheduling may change a batch's float rounding, not what it computes). Every other
+# spelling vLLM's parser accepts is refused (abbreviations, underscores, -O3, --some-config.key=value),
+# with the pins, the operator's own flags and whatever changes KV bytes, layout or tokens (--hf-overrides,
+# --quantization, --trust-remote-code, LoRA, ...).
 # tests/contract/test_extra_args_oracle.py checks this table against vLLM's own parsers.
 EXTRA_ARGS: dict[str, bool] = {
     "--gpu-memory-utilization": True, "--max-num-seqs": True, "--max-num-batched-tokens": True,
@@ -105,23 +91,11 @@ EXTRA_ARG_REGEX = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"  # flags are 
 # The flags that take a value as the next item (else written --flag=value): a bare word anywhere else
 # would reach vLLM as a positional argument (the model, say).
 EXTRA_ARG_VALUE_FLAGS = "[" + ", ".join(f"'{f}'" for f in sorted(f for f, takes in EXTRA_ARGS.items() if takes)) + "]"
-EXTRA_ARGS_VALUES_RULE = ("extraArgs: a value is the item right after a flag that takes one (or written --flag=value), "
-                          "and such a flag is followed by its value: any other word would reach vLLM as a positional "
-                          "argument")
-VLLM_MODE_FIXED = ("vllm.mode is fixed at creation: to move between Managed and Attached, delete this resource and "
-                   "create it again with the same pins (the namespace id, and so the cached KV, is the same)")
-ATTACHED_OWN_FIELDS = ("with vllm.mode Attached your own pods carry their arguments, environment, weights and Service: "
-                       "remove spec.vllm.extraArgs, env, envFrom, modelCache, hfTokenSecretRef and set service.enabled "
-                       "false (docs/attach.md)")
-EXTRA_ARGS_RULE = ("extraArgs may set only these vLLM flags, spelled in full: " + ", ".join(sorted(EXTRA_ARGS))
-                   + "; identity pins are set in spec.identity, and flags that change the KV are refused")
 
 
 def extra_args_problem(args: list[str]) -> str | None:
-    """Why extraArgs would let vLLM run with other KV than the pins say, or None, in words for one
-    list: each token is an allowed flag, or the value right after an allowed flag that takes one.
-    The models enforce the CRD's two extraArgs rules (the same allow-list, as CEL), not this; the
-    contract test checks that the two say the same."""
+    """Why extraArgs would let vLLM run with other KV than the pins say, or None: each token must be an allowed
+    flag or the value right after one that takes it. The models enforce the CRD's CEL; the contract test checks both agree."""
     wants_value = ""
     for arg in args:
         if wants_value and not arg.startswith("-"):
@@ -140,38 +114,35 @@ def extra_args_problem(args: list[str]) -> str | None:
 HEX40 = r"^[0-9a-f]{40}$"
 SHA256_DIGEST = r"^sha256:[0-9a-f]{64}$"
 HF_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
-# The prefix is path segments that each start with a letter, digit, `_` or `-`: no `.` or `..`
-# (the Hub resolves neither; a prefix of another resource's data could be reached through them), no
-# empty segment (`//`, a trailing `/`).
+# Prefix segments start with a letter, digit, `_` or `-`: no `.` or `..` (the Hub resolves neither; another
+# resource's data could be reached through them), no empty segment (`//`, a trailing `/`).
 BUCKET_HANDLE = r"^hf://buckets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-# A Kubernetes quantity that is a size: no sign (every quantity here is a size or a resource
-# amount), an exponent of at most two digits (1e309 overflows a float: refused at apply time, not
-# an exception in the operator). A CEL rule bounds the value (QUANTITY_RULE).
+ObjectName = Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN)]  # a Kubernetes object's name
+# A quantity that is a size: no sign, an exponent of at most two digits (1e309 overflows a float: refused at
+# apply time, not an exception in the operator); QUANTITY_RULE bounds the value.
 QUANTITY = r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$"
 MAX_QUANTITY = MAX_INT64  # Kubernetes keeps a quantity's value in an int64
 GIB = 1024**3
-# What spec.l2.encryption renders as the L2 adapter's serde, with the frame it writes
-# (kvpersist.inserver.serve: version 3, 2 MiB segments bound to the object's name and namespace),
-# which opens no other version; part of the namespace id, so another frame format is another
-# namespace (and the old folder an orphan).
+Port = Annotated[int, Field(ge=1, le=65535)]
+Count = Annotated[int, Field(ge=0)]
+NamespaceId = Annotated[str, Field(pattern=r"^kvp-[0-9a-f]{32}$")]  # kvp-<32 hex>
+# spec.l2.encryption's serde and frame version (kvpersist.inserver.serve), which opens no other version: part of
+# the namespace id, so another frame format is another namespace.
 L2_SERDE = "kvpersist-aesgcm-256/v3"
-# The same with encryption off: kvpersist-checked, the same frames under a public key (a checksum
-# bound to the object's name and namespace, not a secret): a damaged or misplaced object is a
-# miss, never wrong bytes, in every mode.
+# With encryption off: the same frames under a public key (a checksum bound to the object's name and
+# namespace): a damaged or misplaced object is a miss, never wrong bytes, in every mode.
 L2_CHECKED = CHECKED_SERDE  # one of identity.KEYLESS_SERDES: no key fingerprint in the id
 
-# What a quantity the operator computes with may be: less than 2^63 (an int64 holds it). The API
-# server parses "99999Ei" as 2^63 - 1 (it caps a binary suffix silently) and a decimal past 2^63 as
-# itself; as a float either is 2^63 or more, so one comparison refuses both.
+# Less than 2^63: the API server caps "99999Ei" at 2^63 - 1 silently and keeps a decimal past 2^63 as is; as a
+# float either is 2^63 or more, so one comparison refuses both.
 QUANTITY_RULE = ("quantity(string(self)).asApproximateFloat() < 9223372036854775808.0",
                  "a quantity must be less than 8Ei (2^63): Kubernetes keeps one in an int64")
 
 
 Quantity = Annotated[
-    # Strict int: a string is never turned into one (pydantic's lax int strips whitespace, U+2028
-    # included, and takes True as 1), so the models refuse what the API server's pattern refuses.
+    # Strict int: pydantic's lax int strips whitespace (U+2028 too) and takes True as 1, which the API server refuses.
     Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_QUANTITY)],
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY, "maxLength": 64,
                     "x-kubernetes-int-or-string": True,
@@ -179,17 +150,12 @@ Quantity = Annotated[
 ]
 
 
-# A string without a strict pattern of its own (an image, a served model name, an extraArgs
-# value, a toleration, a node selector): no control or format character (kvpersist.api.text).
-# The models name the character and its position; the schema's pattern is the same table, for
-# the API server, and a map keyed by it gets a CEL rule over its keys (kvpersist.api.crd).
+# A string without a strict pattern of its own: no control or format character (kvpersist.api.text); the
+# models name the character and its position, the schema's pattern is the same table for the API server.
 FreeText = Annotated[str, BeforeValidator(refuse_control), Field(json_schema_extra={"pattern": NO_CONTROL_PATTERN})]
-# Kubernetes' own syntax for what it checks when the operator applies a pod template: label keys,
-# toleration keys and resource names (memory, nvidia.com/gpu) are qualified names (an optional DNS
-# subdomain and "/", then at most 63 characters); label values at most 63 of the same characters.
-# Refused here, at apply time and naming the field, rather than later as a Deployment the API
-# server refuses. The control check runs first, to name the character (Field before the
-# validator: pydantic keeps the pattern in the schema only in that order).
+# Label keys, toleration keys, resource names and label values as Kubernetes checks them in a pod template:
+# refused at apply time naming the field, not later as a Deployment the API server refuses. Field before the
+# validator: pydantic keeps the pattern in the schema only in that order (the control check still runs first).
 LABEL_VALUE = "^(" + LABEL_NAME + ")?$"  # QUALIFIED_NAME: kvpersist.api.structural
 QualifiedName = Annotated[str, Field(min_length=1, max_length=317, pattern=QUALIFIED_NAME), BeforeValidator(refuse_control)]
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE), BeforeValidator(refuse_control)]
@@ -219,9 +185,8 @@ def _cel_rules(*rules: dict[str, str]) -> ConfigDict:
 
 
 def _section(model: type[_Model], description: str) -> Any:
-    """A section that may be left out, with its defaults as the API server should store them then.
-
-    Spelled out in full (not `{}`) because the server checks CEL rules against the default as written."""
+    """A section that may be left out, its defaults spelled out in full (not `{}`): the API server checks CEL rules
+    against the default as written."""
     default = model().model_dump(by_alias=True, exclude_none=True, mode="json")
     return Field(default_factory=model, description=description, json_schema_extra={"default": default})
 
@@ -236,11 +201,9 @@ def _list(max_length: int, description: str, *rules: dict[str, str]) -> Any:
 
 
 class Identity(_Spec):
-    """The pins that decide whether a stored KV block may be reused. Their canonical hash is the
-    compatibility namespace kvp-<32 hex>. modelId and modelRevision are enough: the operator fills
-    each pin left unset from the model's files at that revision, vLLM's defaults and spec.image's
-    digest, starts vLLM with them and shows them in status.identity; until it has read the files
-    the cache is off (PinsUnresolved), never guessed. A pin written is checked against the files."""
+    """The pins that decide whether a stored KV block may be reused; their hash is the namespace kvp-<32 hex>.
+    modelId and modelRevision are enough: the operator fills the rest from the model's files, vLLM's defaults and
+    spec.image's digest (status.identity), cache off until then (PinsUnresolved); a pin written is checked."""
 
     model_id: str = Field(
         min_length=1, max_length=256, pattern=HF_REPO_ID,
@@ -293,9 +256,8 @@ class Identity(_Spec):
     )
 
     def resolved(self) -> dict[str, Any]:
-        """The pins as they reach vLLM and the namespace id: the fields, with the tokenizer the model's
-        own and at the model's revision where unset (what vLLM loads without --tokenizer), and the one
-        connector the operator wires."""
+        """The pins as they reach vLLM and the namespace id: an unset tokenizer is the model's own at its
+        revision (what vLLM loads without --tokenizer), plus the one connector the operator wires."""
         pins = self.model_dump()
         if pins["tokenizer"] is None:
             pins["tokenizer"] = self.model_id
@@ -336,14 +298,9 @@ class L1(_Spec):
 
 
 # spec.l2.nvme.shared: one ReadWriteMany claim and one folder for all the servers (docs/design.md,
-# "Several writers on one folder"). Fixed once set: switching would strand the KV in the other claims.
+# "Several writers on one folder").
 SHARED_FIXED = ("shared is fixed once set (switching would strand the stored KV in the other claims): create a new "
                 "KVCacheNamespace to change it")
-SHARED_NEEDS_NIXL = ("shared needs adapter nixl_store_dynamic: its writes are a temp file of a name of their own and a "
-                     "rename, and its lookups find files other servers wrote (measured); fs_native and fs write one temp "
-                     "name per chunk, which two servers storing the same chunk at once would share")
-BUDGET_NEEDS_NIXL = ("budget needs adapter nixl_store_dynamic: it refuses writes past its capacity; fs_native only counts "
-                     "them (its eviction makes room instead) and fs declares no capacity")
 
 
 # maxCapacity unset: the share of a new claim's size lmcache may fill (the rest is the filesystem's).
@@ -381,22 +338,23 @@ class NVMe(_Spec):
             f"{_bytes('budget')} <= {_bytes('maxCapacity')}) || (!has(self.maxCapacity) && has(self.size) && "
             f"{_bytes('budget')} <= {_bytes('size')} * {NVME_CAPACITY_SHARE})))",
             "budget must be at least 1Mi and at most maxCapacity (90% of size when unset)", field_path=".budget"),
-        cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'", BUDGET_NEEDS_NIXL, field_path=".budget"),
+        cel("!has(self.budget) || self.adapter == 'nixl_store_dynamic'",
+            "budget needs adapter nixl_store_dynamic: it refuses writes past its capacity; fs_native only counts them "
+            "(its eviction makes room instead) and fs declares no capacity", field_path=".budget"),
         cel("self.shared == oldSelf.shared", SHARED_FIXED, field_path=".shared"),
         cel("!self.shared || !has(self.size) || self.reclaimPolicy == oldSelf.reclaimPolicy",
             "with shared, reclaimPolicy is fixed once set: the one claim was made with it (owned by the resource "
             "for Delete, not for Retain); create a new KVCacheNamespace to change it", field_path=".reclaimPolicy"),
-        cel("!self.shared || self.adapter == 'nixl_store_dynamic'", SHARED_NEEDS_NIXL, field_path=".shared"),
+        cel("!self.shared || self.adapter == 'nixl_store_dynamic'",
+            "shared needs adapter nixl_store_dynamic: its writes are a temp file of a name of their own and a rename, "
+            "and its lookups find files other servers wrote (measured); fs_native and fs write one temp name per chunk, "
+            "which two servers storing the same chunk at once would share", field_path=".shared"),
     )
 
-    storage_class_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN, description="StorageClass of the new claim; the cluster default when unset.",
-    )
+    storage_class_name: ObjectName | None = Field(None, description="StorageClass of the new claim; the cluster default when unset.")
     size: Quantity | None = Field(None, description="Size of the new claim, e.g. 500Gi.")
-    existing_claim_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN,
-        description="Use this existing PersistentVolumeClaim instead of creating one (one lmcache server replica).",
-    )
+    existing_claim_name: ObjectName | None = Field(
+        None, description="Use this existing PersistentVolumeClaim instead of creating one (one lmcache server replica).")
     adapter: Literal["fs_native", "nixl_store_dynamic", "fs"] = Field(
         "fs_native",
         description="LMCache L2 adapter, one file per chunk: fs_native (LMCache's C++ adapter: I/O threads following the "
@@ -445,16 +403,17 @@ class NVMe(_Spec):
     @property
     def max_capacity_gb(self) -> float:
         """maxCapacity in GiB, or 90% of size: what lmcache may fill."""
-        if self.max_capacity is not None:
-            return _gib(self.max_capacity)
-        return _gib(self.size) * NVME_CAPACITY_SHARE
+        return _gib(self.max_capacity) if self.max_capacity is not None else _gib(self.size) * NVME_CAPACITY_SHARE
+
+
+SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
 
 
 class SecretKeyRef(_Spec):
     """A key of a Secret in the resource's namespace."""
 
-    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Secret.")
-    key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
+    name: ObjectName = Field(description="Name of the Secret.")
+    key: SecretKey = Field("token", description="Key in the Secret.")
 
 
 class HFBucket(_Spec):
@@ -491,15 +450,12 @@ class HFBucket(_Spec):
 class KeySecretRef(SecretKeyRef):
     """A Secret key holding L2's master key (its raw bytes, at least 32)."""
 
-    key: str = Field("master-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="Key in the Secret.")
+    key: SecretKey = Field("master-key", description="Key in the Secret.")
 
 
 class L2Encryption(_Spec):
-    """Authenticated encryption of L2 (lmcache's aesgcm serde, AES-256-GCM, a key per cache salt
-    derived from a master key). Why on by default: lmcache keeps no checksum, so a file of the
-    right size with other bytes (bit rot, a bad disk, tampering) would be served as a hit; with
-    it, such a file fails authentication and is a miss. It also encrypts the KV at rest."""
+    """Authenticated encryption of L2 (AES-256-GCM, a key per cache salt derived from a master key). On by default:
+    lmcache keeps no checksum, so a right-sized file of other bytes (bit rot, tampering) would be a hit; here a miss."""
 
     enabled: bool = Field(
         True, description="Encrypt and authenticate every L2 object. Turning it off or on is a new namespace (the id "
@@ -554,14 +510,10 @@ class L2(_Spec):
 class Eviction(_Spec):
     """How LMCache makes room, in L1 and in the L2 adapter."""
 
-    policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "LRU", description="LRU or noop (stores fail when full).",
-    )
+    policy: Literal[EVICTION_POLICIES] = Field("LRU", description="LRU or noop (stores fail when full).")  # type: ignore[valid-type]
     # The source setup's values: evict at 90 % of capacity, a tenth at a time. A round frees less
     # than the 0.2 lmcache would pick and starts later, so more of the disk serves hits.
-    trigger_watermark: float = Field(
-        0.9, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.",
-    )
+    trigger_watermark: float = Field(0.9, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.")
     eviction_ratio: float = Field(0.1, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
 
 
@@ -576,27 +528,20 @@ class Resources(_Spec):
     limits: dict[QualifiedName, Quantity] | None = Field(None, max_length=32, description="Limits by resource name.")
 
 
-CATCH_ALL_TOLERATION = ("operator Exists without a key tolerates every taint (control-plane, GPU nodes reserved for "
-                        "others, NoExecute evictions): name the taint key, e.g. key: nvidia.com/gpu")
-
-
-# What Kubernetes refuses in a pod's tolerations, refused at apply time instead of as a Deployment.
-EQUAL_NEEDS_KEY = "operator Equal matches a taint by key and value: name the taint key"
-EXISTS_TAKES_NO_VALUE = "operator Exists matches every value of the key: drop value, or use operator Equal"
-SECONDS_NEED_NO_EXECUTE = "applies to NoExecute taints only: set effect NoExecute, or drop tolerationSeconds"
-
-
 class Toleration(_Spec):
     """A pod toleration. One naming no key is refused: it would put these GPU-seeing pods on any node."""
 
+    # The last three: what Kubernetes refuses in a pod's tolerations, refused at apply time instead of as a Deployment.
     model_config = _cel_rules(
-        cel("self.operator != 'Exists' || (has(self.key) && self.key != '')", CATCH_ALL_TOLERATION,
-            field_path=".key", reason="FieldValueForbidden"),
-        cel("self.operator == 'Exists' || has(self.key)", EQUAL_NEEDS_KEY, field_path=".key"),
-        cel("self.operator != 'Exists' || !has(self.value) || self.value == ''", EXISTS_TAKES_NO_VALUE,
-            field_path=".value"),
+        cel("self.operator != 'Exists' || (has(self.key) && self.key != '')",
+            "operator Exists without a key tolerates every taint (control-plane, GPU nodes reserved for others, "
+            "NoExecute evictions): name the taint key, e.g. key: nvidia.com/gpu", field_path=".key", reason="FieldValueForbidden"),
+        cel("self.operator == 'Exists' || has(self.key)", "operator Equal matches a taint by key and value: name the taint key",
+            field_path=".key"),
+        cel("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            "operator Exists matches every value of the key: drop value, or use operator Equal", field_path=".value"),
         cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-            SECONDS_NEED_NO_EXECUTE, field_path=".tolerationSeconds"),
+            "applies to NoExecute taints only: set effect NoExecute, or drop tolerationSeconds", field_path=".tolerationSeconds"),
     )
 
     key: QualifiedName | None = Field(None, description="Taint key, e.g. nvidia.com/gpu. Required: without one a "
@@ -604,14 +549,12 @@ class Toleration(_Spec):
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
     value: LabelValue | None = Field(None, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to match; all effects when unset.",
-    )
+        None, description="Taint effect to match; all effects when unset.")
     toleration_seconds: int | None = Field(None, ge=0, description="How long a NoExecute taint is tolerated.")
 
 
-# The RuntimeClass the NVIDIA GPU Operator creates; a DNS subdomain, as Kubernetes names it, or ""
-# for none (as storageClassName: "" means no class): a null would not survive `kubectl apply`,
-# which drops it and lets the schema's default back in (seen on the local cluster).
+# The NVIDIA GPU Operator's RuntimeClass; "" for none (as storageClassName ""): `kubectl apply` drops a null
+# and lets the schema's default back in (seen on the local cluster).
 DEFAULT_RUNTIME_CLASS = "nvidia"
 RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -619,17 +562,13 @@ RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 class LMCacheServer(_Spec):
     """The lmcache server pods (a StatefulSet, one PersistentVolumeClaim per replica for NVMe)."""
 
-    model_config = _cel_rules(
-        cel("self.agentPort != self.port", "agentPort must differ from port", field_path=".agentPort"),
-    )
+    model_config = _cel_rules(cel("self.agentPort != self.port", "agentPort must differ from port", field_path=".agentPort"))
 
     replicas: int = Field(1, ge=1, le=256, description="Number of lmcache server pods; each vLLM pod joins one on its node.")
-    port: int = Field(5555, ge=1, le=65535, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
-    agent_port: int = Field(
-        8090, ge=1, le=65535,
-        description="Port of the agent beside each server: the operator's door to lmcache's /status and /metrics, and "
-        "with NVMe L2 per-namespace usage of the volume and deletion of an orphaned namespace on an admin's request.",
-    )
+    port: Port = Field(5555, description="ZMQ port that vLLM's LMCacheMPConnector talks to.")
+    agent_port: Port = Field(
+        8090, description="Port of the agent beside each server: the operator's door to lmcache's /status and /metrics, "
+        "and with NVMe L2 per-namespace usage of the volume and deletion of an orphaned namespace on an admin's request.")
 
     @property
     def http_port(self) -> int:
@@ -650,15 +589,11 @@ class LMCacheServer(_Spec):
 
 # ---------------------------------------------------------------- the vLLM pod's environment
 
-# spec.vllm.env and envFrom: names a C identifier (the container's start script reads them back).
-# Refused, at apply time and by the models, with what to set instead: names the operator sets or owns
-# through a field of its own, and names that change what vLLM computes, which model it loads, which
-# GPUs it sees or which code runs in it, behind the pins' back (the same reasoning as EXTRA_ARGS).
-# Three families are allow-lists: VLLM_* (logging, usage stats, HTTP keep-alive, compile caches;
-# tests/contract checks each is a variable vLLM reads) and PYTHON* (output only), like extraArgs;
-# LD_* is refused whole: every one of them is the dynamic loader's. A refused name that arrives
-# through envFrom (whose keys are not known at apply time) never reaches vLLM: the keys come in
-# under a prefix and the container's start script sets only the allowed ones (builders/vllm.py).
+# spec.vllm.env and envFrom names (C identifiers: the start script reads them back). Refused, with what to set
+# instead: names the operator sets or owns through a field, and names that change what vLLM computes, loads, sees
+# or runs behind the pins' back (as EXTRA_ARGS). VLLM_* and PYTHON* are allow-lists (tests/contract checks the
+# VLLM_* ones are read by vLLM); LD_* is refused whole. envFrom's keys, unknown at apply time, come in under a
+# prefix and the start script sets only the allowed ones (builders/vllm.py).
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _USE_MODEL_CACHE = "the model cache is spec.vllm.modelCache (the operator sets HF_HOME on it)"
 _OTHER_CODE = "it runs other code in vLLM than the image's, which may compute other KV"
@@ -681,8 +616,7 @@ ENV_REFUSED: dict[str, str] = {
 ENV_REFUSED_PREFIXES: dict[str, str] = {
     "LMCACHE_": "lmcache's configuration is the operator's (the connector's kv-transfer-config)",
     "KVPERSIST_": "the operator's own variables",
-    # LD_PRELOAD, LD_AUDIT (its audit library sees, and may redirect, every symbol binding),
-    # LD_LIBRARY_PATH, ... : the loader's, in every process of the container, before any code of ours.
+    # The loader's, in every process of the container, before any code of ours (LD_AUDIT may redirect every symbol).
     "LD_": "every LD_* variable is the dynamic loader's (LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH, ...): "
            + _OTHER_CODE,
 }
@@ -692,10 +626,8 @@ VLLM_ENV_ALLOWED = (
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_LOGGING_LEVEL",
     "VLLM_LOGGING_PREFIX", "VLLM_LOG_STATS_INTERVAL", "VLLM_NO_USAGE_STATS",
 )  # not VLLM_LOGGING_CONFIG_PATH: logging.config.dictConfig runs any callable its file names ("()")
-# Python's own variables that change only its output or its crash report, never which code runs
-# nor what it computes. The rest of PYTHON* chooses the code (PYTHONPATH, PYTHONHOME, PYTHONUSERBASE,
-# PYTHONPYCACHEPREFIX, PYTHONSTARTUP), imports a module it names (PYTHONWARNINGS' category,
-# PYTHONBREAKPOINT) or changes what the same code does (PYTHONHASHSEED, PYTHONOPTIMIZE, PYTHONUTF8).
+# Python's variables that change only its output or crash report. The rest of PYTHON* chooses the code (PYTHONPATH,
+# PYTHONSTARTUP, ...), imports a module it names (PYTHONBREAKPOINT) or changes what it does (PYTHONOPTIMIZE, ...).
 PYTHON_ENV_ALLOWED = ("PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "PYTHONIOENCODING", "PYTHONUNBUFFERED")
 ENV_ALLOW_LISTED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_": (VLLM_ENV_ALLOWED, "the others may change the KV, the attention backend or the model behind the identity "
@@ -747,7 +679,7 @@ class EnvVar(_Spec):
 class LocalObjectRef(_Spec):
     """An object of the resource's namespace, by name."""
 
-    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Its name.")
+    name: ObjectName = Field(description="Its name.")
 
 
 class EnvFromSource(_Spec):
@@ -768,21 +700,16 @@ class HFTokenSecretRef(SecretKeyRef):
 class APIKeySecretRef(SecretKeyRef):
     """A Secret key holding the API key vLLM requires of its clients (VLLM_API_KEY)."""
 
-    key: str = Field("api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="Key in the Secret.")
+    key: SecretKey = Field("api-key", description="Key in the Secret.")
 
 
 MODEL_CACHE_PATH = "/var/lib/kvpersist/hf"
-
-
 MODEL_CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 
 
 class ModelCache(_Spec):
-    """A PersistentVolumeClaim the vLLM pods keep the model's weights on (HF_HOME), so a restarted
-    vLLM does not download them again: one of the user's (existingClaimName), or one the operator
-    makes, `<name>-model-cache` (size), owned by the resource: weights can be downloaded again, so
-    unlike L2's claims it goes with the resource."""
+    """A claim for the vLLM pods' model weights (HF_HOME): the user's, or `<name>-model-cache` the operator makes,
+    owned by the resource: unlike L2's claims it goes with it, as weights can be downloaded again."""
 
     model_config = _cel_rules(
         cel("has(self.size) != has(self.existingClaimName)",
@@ -796,9 +723,8 @@ class ModelCache(_Spec):
             "existingClaimName", field_path=".accessModes"),
     )
 
-    existing_claim_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN,
-        description="An existing PersistentVolumeClaim in the resource's namespace, mounted read-write at HF_HOME "
+    existing_claim_name: ObjectName | None = Field(
+        None, description="An existing PersistentVolumeClaim in the resource's namespace, mounted read-write at HF_HOME "
         f"({MODEL_CACHE_PATH}) in every vLLM pod. Never deleted by the operator. With replicas > 1 on several nodes it "
         "must be ReadWriteMany (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending). vLLM runs as uid "
         "10001 and the pod sets no fsGroup (your claim is never re-owned): its root must be writable by that uid.",
@@ -808,10 +734,8 @@ class ModelCache(_Spec):
         "this size (e.g. 100Gi), owned by this resource (deleted with it). Made once: a later change of size, "
         "storageClassName or accessModes is not applied to the claim (a Warning event ModelCacheDiffers says so).",
     )
-    storage_class_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN,
-        description="StorageClass of the claim the operator makes; the cluster default when unset.",
-    )
+    storage_class_name: ObjectName | None = Field(
+        None, description="StorageClass of the claim the operator makes; the cluster default when unset.")
     access_modes: list[Literal[MODEL_CACHE_ACCESS_MODES]] | None = Field(  # type: ignore[valid-type]
         None, min_length=1, max_length=3,
         description="Access modes of the claim the operator makes; [ReadWriteOnce] when unset. ReadWriteMany when "
@@ -824,20 +748,17 @@ class VLLMService(_Spec):
 
     enabled: bool = Field(False, description="Make Service <name>-vllm.")
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
-    port: int = Field(8000, ge=1, le=65535, description="Service port; it forwards to spec.vllm.port.")
+    port: Port = Field(8000, description="Service port; it forwards to spec.vllm.port.")
 
 
 KV_EVENTS_PORT = 5557  # vLLM's own default (KVEventsConfig.endpoint tcp://*:5557)
 
 
 class KVEvents(_Spec):
-    """vLLM's KV cache events (--kv-events-config): a ZMQ PUB socket on each vLLM pod whose topic is
-    the namespace id, so a router knows which compatibility namespace a block belongs to."""
+    """vLLM's KV events (--kv-events-config): a ZMQ PUB socket per vLLM pod, topic the namespace id (a block's, for a router)."""
 
-    model_config = _cel_rules(
-        cel("!has(self.replayPort) || self.replayPort != self.port", "replayPort must differ from port",
-            field_path=".replayPort"),
-    )
+    model_config = _cel_rules(cel("!has(self.replayPort) || self.replayPort != self.port", "replayPort must differ from port",
+                                  field_path=".replayPort"))
 
     enabled: bool = Field(
         False, description="Publish KV events from every vLLM pod on port, topic the namespace id (docs/api.md, "
@@ -848,18 +769,13 @@ class KVEvents(_Spec):
         "kv@<pod IP>:<spec.vllm.port>@<served model name>, the topic llm-d's precise prefix-cache scorer parses "
         "(subscribed to `kv@`; the pod IP from the downward API, KVPERSIST_POD_IP).",
     )
-    port: int = Field(KV_EVENTS_PORT, ge=1, le=65535,
-                      description="Port of the PUB socket (container port kv-events) a subscriber connects to.")
-    replay_port: int | None = Field(
-        None, ge=1, le=65535,
-        description="Port of vLLM's replay socket (ROUTER, container port kv-replay): a subscriber that missed "
-        "sequence numbers asks it for the batches from one on. Unset: no replay socket.",
-    )
+    port: Port = Field(KV_EVENTS_PORT, description="Port of the PUB socket (container port kv-events) a subscriber connects to.")
+    replay_port: Port | None = Field(
+        None, description="Port of vLLM's replay socket (ROUTER, container port kv-replay): a subscriber that missed "
+        "sequence numbers asks it for the batches from one on. Unset: no replay socket.")
 
 
 INFERENCE_POOL_PICKER_PORT = 9002  # the Gateway API Inference Extension's endpoint picker (EPP) gRPC port
-ATTACHED_NO_POOL = ("with vllm.mode Attached your own pods are not the operator's to pool: remove "
-                    "spec.vllm.inferencePool (your KServe or llm-d makes its own InferencePool)")
 
 
 class EndpointPicker(_Spec):
@@ -867,7 +783,7 @@ class EndpointPicker(_Spec):
     reads the pods' KV events (spec.vllm.kvEvents, topic the namespace id)."""
 
     name: str = Field(max_length=63, pattern=DNS_LABEL, description="Name of the picker's Service, in this namespace.")
-    port: int = Field(INFERENCE_POOL_PICKER_PORT, ge=1, le=65535, description="Port of the picker's Service.")
+    port: Port = Field(INFERENCE_POOL_PICKER_PORT, description="Port of the picker's Service.")
     failure_mode: Literal["FailOpen", "FailClose"] = Field(
         "FailClose", description="What a gateway does when the picker does not answer: FailClose refuses the request, "
         "FailOpen sends it to any pod of the pool.",
@@ -890,13 +806,18 @@ class VLLM(_Spec):
             field_path=".kvEvents.port"),
         # Guarded with has(): a stored object from before the field holds no key of it.
         cel("(has(self.mode) ? self.mode : 'Managed') == (has(oldSelf.mode) ? oldSelf.mode : 'Managed')",
-            VLLM_MODE_FIXED, field_path=".mode"),
+            "vllm.mode is fixed at creation: to move between Managed and Attached, delete this resource and create it "
+            "again with the same pins (the namespace id, and so the cached KV, is the same)", field_path=".mode"),
         cel("!has(self.mode) || self.mode != 'Attached' || ((!has(self.extraArgs) || size(self.extraArgs) == 0) "
             "&& (!has(self.env) || size(self.env) == 0) && (!has(self.envFrom) || size(self.envFrom) == 0) "
             "&& !has(self.modelCache) && !has(self.hfTokenSecretRef) && (!has(self.service) || "
-            "!has(self.service.enabled) || !self.service.enabled))", ATTACHED_OWN_FIELDS, field_path=".mode"),
-        cel("!has(self.mode) || self.mode != 'Attached' || !has(self.inferencePool)", ATTACHED_NO_POOL,
-            field_path=".inferencePool"),
+            "!has(self.service.enabled) || !self.service.enabled))",
+            "with vllm.mode Attached your own pods carry their arguments, environment, weights and Service: remove "
+            "spec.vllm.extraArgs, env, envFrom, modelCache, hfTokenSecretRef and set service.enabled false "
+            "(docs/attach.md)", field_path=".mode"),
+        cel("!has(self.mode) || self.mode != 'Attached' || !has(self.inferencePool)",
+            "with vllm.mode Attached your own pods are not the operator's to pool: remove spec.vllm.inferencePool "
+            "(your KServe or llm-d makes its own InferencePool)", field_path=".inferencePool"),
     )
 
     mode: Literal["Managed", "Attached"] = Field(
@@ -914,16 +835,20 @@ class VLLM(_Spec):
     served_model_name: FreeText | None = Field(
         None, min_length=1, max_length=256, description="Name clients use in requests; defaults to identity.modelId.",
     )
-    port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    port: Port = Field(8000, description="OpenAI-compatible HTTP port.")
     extra_args: list[Annotated[FreeText, Field(max_length=1024)]] = _list(
         64, "More vLLM arguments, from an allow-list of flags that do not change the KV (memory, batching, "
         "scheduling, logging, the HTTP API), spelled in full; everything else, the identity pins included, is refused: "
         "it could change KV under the same namespace.",
-        cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))", EXTRA_ARGS_RULE),
+        cel(f"self.all(a, !a.startsWith('-') || a.matches('{EXTRA_ARG_REGEX}'))",
+            "extraArgs may set only these vLLM flags, spelled in full: " + ", ".join(sorted(EXTRA_ARGS))
+            + "; identity pins are set in spec.identity, and flags that change the KV are refused"),
         # By index (CEL has no pairwise walk): maxItems is 64, the list below as long.
         cel(f"[{', '.join(map(str, range(64)))}].all(i, i >= self.size() || (self[i].startsWith('-') ? "
             f"(!(self[i] in {EXTRA_ARG_VALUE_FLAGS}) || (i + 1 < self.size() && !self[i + 1].startsWith('-'))) "
-            f": (i > 0 && self[i - 1] in {EXTRA_ARG_VALUE_FLAGS})))", EXTRA_ARGS_VALUES_RULE),
+            f": (i > 0 && self[i - 1] in {EXTRA_ARG_VALUE_FLAGS})))",
+            "extraArgs: a value is the item right after a flag that takes one (or written --flag=value), and such a "
+            "flag is followed by its value: any other word would reach vLLM as a positional argument"),
     )
     resources: Resources | None = Field(None, description="Extra requests/limits; GPUs come from gpusPerReplica.")
     node_selector: dict[QualifiedName, LabelValue] | None = Field(
@@ -975,12 +900,10 @@ class VLLM(_Spec):
 
 _CANARY_COLOURS = ("amber", "cobalt", "crimson", "ivory", "jade", "onyx", "scarlet", "silver", "teal", "violet")
 _CANARY_ANIMALS = ("falcon", "otter", "heron", "lynx", "badger", "marten", "osprey", "bison", "crane", "wren")
-# spec.canary.prompt unset: a hundred records and a request to repeat them, so the answer depends on
-# the first chunk's KV (a wrong prefix would change it) and is a confident copy where the cache is
-# right (greedy decoding with clear winners). 4,700 characters: about 1,200 to 1,800 tokens with
-# common tokenizers (12 to 17 a record, by how they split numbers), five to seven lmcache chunks of
-# 256 tokens; a byte-level tokenizer trained on other text (hack/testmodel.py's) makes nearly a
-# token of each character. One line: the spec's free text refuses line breaks.
+# spec.canary.prompt unset: a hundred records and a request to repeat them, so the answer depends on the first
+# chunk's KV and is a confident greedy copy where the cache is right. 4,700 characters: 1,200 to 1,800 tokens with
+# common tokenizers (five to seven lmcache chunks; hack/testmodel.py's byte-level one makes nearly a token of each
+# character). One line: the spec's free text refuses line breaks.
 DEFAULT_CANARY_PROMPT = (
     "The following records give a code for each name. Read them carefully. "
     + "".join(f"Record {i}: the code for {_CANARY_COLOURS[i % 10]} {_CANARY_ANIMALS[(i * 3 + i // 10) % 10]} is "
@@ -989,10 +912,8 @@ DEFAULT_CANARY_PROMPT = (
 
 
 class Canary(_Spec):
-    """The live correctness canary: a pinned greedy request whose answer without the cache is
-    recorded once per namespace id, then asked again with the cache after every vLLM or lmcache
-    server (re)start and every intervalSeconds. A different answer turns the cache off until a
-    person acknowledges it (docs/api.md#the-correctness-canary-hitcorrectness)."""
+    """A pinned greedy request answered once per namespace id without the cache, then with it after every (re)start
+    and intervalSeconds: another answer turns the cache off until acknowledged (docs/api.md, the correctness canary)."""
 
     enabled: bool = Field(
         False, description="Send the canary's requests to this resource's vLLM pods (off by default: it is traffic to "
@@ -1005,9 +926,7 @@ class Canary(_Spec):
         "Its tokens and maxTokens must fit in maxModelLen.",
     )
     max_tokens: int = Field(16, ge=1, le=64, description="Greedy tokens generated and compared.")
-    interval_seconds: int = Field(
-        600, ge=60, le=86400, description="How often each vLLM pod is checked again when nothing restarted.",
-    )
+    interval_seconds: int = Field(600, ge=60, le=86400, description="How often each vLLM pod is checked again when nothing restarted.")
 
     @property
     def effective_prompt(self) -> str:
@@ -1022,11 +941,8 @@ PromptText = Annotated[str, BeforeValidator(refuse_control_in_prompt),
 
 
 class Prewarm(_Spec):
-    """Prompts the operator keeps warm: after every start of an lmcache server or of the vLLM pod
-    beside it, and whenever the list changes, their KV is loaded from L2 into the server's L1
-    (lmcache's warm prefetch), or computed once through vLLM when L2 does not hold it whole, so the
-    first request after a restart is an L1 hit. The Warm condition says how far it got. Not part of
-    the namespace id: what is warm changes no KV."""
+    """Prompts whose KV is loaded from L2 into the server's L1 (or computed once through vLLM) after every server or
+    vLLM start and list change, so the first request after a restart is an L1 hit (the Warm condition)."""
 
     prompts: list[PromptText] = _list(
         PREWARM_INLINE_MAX, "Raw prompts, tokenized as /v1/completions tokenizes them (special tokens added): each one's "
@@ -1091,12 +1007,9 @@ class KVCacheNamespaceSpec(_Spec):
     )
 
     def pins(self, key_fingerprint: str | None = None) -> dict[str, Any]:
-        """Everything the namespace id hashes: spec.identity (Identity.resolved), the image's digest (under
-        both pins it had when vLLM and the server named their images apart, so an id stays the same), the
-        L2 serde (an encrypted object read as plain bytes would be wrong bytes) and the L2 layout
-        (l2_layout: another adapter names its files otherwise, so a switch is a new folder). With
-        encryption on, also the fingerprint of the key the servers mount (kvpersist.identity
-        key_fingerprint), read from its Secret by the caller: None leaves the id unresolved."""
+        """Everything the namespace id hashes: spec.identity, the image's digest (under both pins it had when vLLM and
+        the server named images apart, so ids stay the same), the L2 serde and layout (l2_layout), and with encryption
+        on the fingerprint of the servers' key, read from its Secret by the caller: None leaves the id unresolved."""
         digest = image_digest(self.image)
         return {**self.identity.resolved(), "vllm_image_digest": digest, "lmcache_server_image_digest": digest,
                 "l2_serde": L2_SERDE if self.l2.encryption.enabled else L2_CHECKED,
@@ -1106,9 +1019,8 @@ class KVCacheNamespaceSpec(_Spec):
     @model_validator(mode="before")
     @classmethod
     def _image_named(cls, data: Any) -> Any:
-        """spec.image's absence with the fix: an object stored before spec.image existed comes back
-        without its two image fields (the API server prunes them), and its workloads are left as they
-        are until the spec names the image again (docs/upgrading.md)."""
+        """An object stored before spec.image existed comes back without its image fields (the API server prunes
+        them): its workloads are left as they are until the spec names the image (docs/upgrading.md)."""
         if isinstance(data, dict) and "image" not in data:
             raise ValueError(IMAGE_REQUIRED)
         return data
@@ -1125,8 +1037,7 @@ class KVCacheNamespaceSpec(_Spec):
         """The CRD's CEL rules, every one under spec, on this spec as the API server would store it
         (kvpersist.api.celrules; transition rules, which need the old object, are left to it)."""
         stored = self.model_dump(by_alias=True, exclude_none=True, mode="json")
-        problems = celrules.violations(spec_schema(), stored, "spec")
-        if problems:
+        if problems := celrules.violations(spec_schema(), stored, "spec"):
             raise ValueError("; ".join(problems))
         return self
 
@@ -1138,14 +1049,9 @@ def spec_schema() -> dict[str, Any]:
 
 
 def l2_layout(spec: KVCacheNamespaceSpec) -> str:
-    """The L2 adapter's layout on disk or in the bucket, a pin: lmcache 0.5.6's nixl_store_dynamic
-    writes `<model>_<rank>_<group>_<hash>.bin`, fs and fs_native `<model>@0x<rank>@<group>@<hash>.data`
-    (fs_native padded to 4 KiB with direct I/O), hfbucket URL-encoded `<model>@<rank>@<hash>`
-    objects. Two adapters in one folder cannot read each other's files, and the inventory agent
-    trims what it can tell is the served adapter's: so a switch of adapter is a new namespace id, a
-    new folder, the old one an orphan for `kvpersist gc`.
-    The one place this is decided (anything else that changes the files, e.g. their page size,
-    belongs here too)."""
+    """The L2 adapter's file layout, a pin: each adapter of lmcache 0.5.6 names and sizes its files otherwise, none
+    reads another's, and the agent trims only the served adapter's, so a switch is a new namespace id and folder.
+    The one place this is decided: anything else that changes the files (their page size) belongs here too."""
     if spec.l2.nvme is not None:
         if spec.l2.nvme.adapter == "nixl_store_dynamic":
             # nixl moves and sizes each file in L1 pages: another page size is another file size
@@ -1164,12 +1070,9 @@ def l2_layout(spec: KVCacheNamespaceSpec) -> str:
 
 @dataclass(frozen=True)
 class IdField:
-    """A spec field the namespace id depends on (through pins()), as the API spells it. kind:
-    `value`, the field itself; `digest`, only an image's @sha256:<64 hex> (another tag or registry
-    with the same digest keeps the id); `key`, it names the Secret whose key's fingerprint is a pin
-    (builders.target.Target.key_secret): another Secret is another id unless it holds the same bytes;
-    `fs_native`, the field only while spec.l2.nvme.adapter is fs_native (it changes that adapter's
-    files, no other's: l2_layout)."""
+    """A spec field the namespace id depends on (through pins()), as the API spells it. kind: `value`, the field;
+    `digest`, only an image's @sha256:<64 hex>; `key`, it names the Secret whose key's fingerprint is a pin (another
+    Secret with the same bytes keeps the id); `fs_native`, the field only while the adapter is fs_native (l2_layout)."""
 
     path: str
     kind: Literal["value", "digest", "key", "fs_native"] = "value"
@@ -1180,12 +1083,8 @@ ADAPTER_FIELD = IdField("spec.l2.nvme.adapter")
 
 
 def id_fields() -> tuple[IdField, ...]:
-    """Every spec field that moves the namespace id: spec.identity whole, the image's digest,
-    L2 encryption on or off and the Secret its key is read from, and the adapter (l2_layout; the L1
-    page it adds follows from fields already here). The L2 kind (nvme or hfBucket) reaches
-    l2_layout too, but the CRD refuses to change it. The one list the pin-change warning
-    (kvpersist.api.pinchange) and `kvpersist plan` compare; tests/unit/test_id_fields.py changes
-    each field of full samples and fails when one that moves the id is missing here."""
+    """Every spec field that moves the namespace id (the L2 kind too reaches l2_layout, but the CRD refuses to change
+    it): the one list the pin-change warning and `kvpersist plan` compare; tests/unit/test_id_fields.py checks it."""
     identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
     return (*identity, IdField("spec.image", "digest"),
             IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
@@ -1214,8 +1113,7 @@ def changed_id_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[st
             if id_field_value(old, f) != id_field_value(new, f) and not (f.kind == "fs_native" and moved)]
 
 
-# lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered).
-CHUNK_TOKENS = 256
+CHUNK_TOKENS = 256  # lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered)
 DEFAULT_L1_PAGE = 4096  # lmcache's --l1-align-bytes default
 MAX_L1_PAGE = 2**20
 # Encrypted, a file is one page longer than its chunk: at most 1/16 of a layer (l1_page_bytes).
@@ -1235,16 +1133,11 @@ def chunk_layer_bytes(spec: KVCacheNamespaceSpec) -> int | None:
 
 
 def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
-    """The server's L1 page (--l1-align-bytes) for nixl_store_dynamic: a power of two, up to 1 MiB,
-    that divides one layer of a chunk, so every chunk (a whole number of layers) fills whole pages
-    and L1 wastes nothing; 4 KiB (lmcache's default) for other adapters and where the pins do not
-    tell the bytes. Why: nixl_store_dynamic moves a file as one transfer per L1 page, built in
-    Python (file_dynamic_nixl_store_agent.py), so 4 KiB pages cost 8,192 descriptors per 32 MiB
-    chunk, a third of an L2 read's time (benchmarks/RESULTS.md). Encrypted, the page is at most a
-    sixteenth of a layer: an encrypted object is its chunk and a frame of a few bytes, so its file
-    takes one page more than the chunk, and that page must stay small beside even a one-layer chunk
-    (with encryption off too: a checked object is framed the same way)
-    (the disk share lmcache is given, builders.lmcache.framed_disk_share, follows from it)."""
+    """The server's L1 page (--l1-align-bytes) for nixl_store_dynamic: the largest power of two up to 1 MiB dividing
+    a chunk's layer, so chunks fill whole pages; 4 KiB (lmcache's default) elsewhere or where the pins do not tell.
+    Why: nixl moves a file as one Python-built transfer per page, so 4 KiB pages cost a third of an L2 read's time
+    (benchmarks/RESULTS.md). At most 1/16 of a layer: a framed object (encrypted or checked) takes one page more than
+    its chunk (builders.lmcache.framed_disk_share follows from it)."""
     nvme = spec.l2.nvme
     layer = chunk_layer_bytes(spec)
     if nvme is None or nvme.adapter != "nixl_store_dynamic" or layer is None:
@@ -1299,9 +1192,9 @@ class ServerHealth(_Model):
 class NamespaceShare(_Model):
     """One compatibility namespace's data on a volume or bucket, read from the data itself."""
 
-    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace folder or prefix, kvp-<32 hex>.")
-    bytes: int = Field(ge=0, description="Bytes of its objects (apparent size, as du -sb counts).")
-    objects: int = Field(ge=0, description="Number of objects.")
+    namespace_id: NamespaceId = Field(description="The namespace folder or prefix, kvp-<32 hex>.")
+    bytes: Count = Field(description="Bytes of its objects (apparent size, as du -sb counts).")
+    objects: Count = Field(description="Number of objects.")
     last_write: datetime | None = Field(None, description="When its newest object was written.")
     orphan: bool | None = Field(None, description="No KVCacheNamespace and no lmcache server uses it any more.")
 
@@ -1311,15 +1204,15 @@ class VolumeInventory(_Model):
 
     location: str = Field(max_length=1024, description="pvc/<claim name>, or the bucket handle.")
     pod: str | None = Field(None, max_length=253, description="The lmcache server pod whose agent read the volume.")
-    other_bytes: int | None = Field(None, ge=0, description="Bytes outside any namespace folder (never touched by gc).")
+    other_bytes: Count | None = Field(None, description="Bytes outside any namespace folder (never touched by gc).")
     namespaces: list[NamespaceShare] = Field(default_factory=list, description="Namespaces found, orphans first, largest first.")
 
 
 class InventoryStatus(_Model):
     """Per-namespace L2 usage of this resource's volumes or bucket."""
 
-    orphaned_namespaces: int = Field(0, ge=0, description="Namespaces with data that nothing uses any more.")
-    orphaned_bytes: int = Field(0, ge=0, description="Bytes they hold: reclaimable with `kvpersist gc`.")
+    orphaned_namespaces: Count = Field(0, description="Namespaces with data that nothing uses any more.")
+    orphaned_bytes: Count = Field(0, description="Bytes they hold: reclaimable with `kvpersist gc`.")
     volumes: list[VolumeInventory] = Field(default_factory=list, description="Each volume or bucket prefix.")
     measured_at: datetime | None = Field(None, description="When the data was last read.")
 
@@ -1331,8 +1224,8 @@ class GCStatus(_Model):
     namespace_id: str = Field(max_length=64, description="The namespace named for deletion.")
     outcome: Literal["Deleted", "Refused", "NotFound", "Failed"] = Field(description="Deleted, Refused, NotFound or Failed.")
     message: str = Field("", max_length=4096, description="What was deleted, or why not.")
-    bytes: int = Field(0, ge=0, description="Bytes deleted.")
-    objects: int = Field(0, ge=0, description="Objects deleted.")
+    bytes: Count = Field(0, description="Bytes deleted.")
+    objects: Count = Field(0, description="Objects deleted.")
     completed_at: datetime | None = Field(None, description="When it finished.")
 
 
@@ -1342,11 +1235,11 @@ Ratio = Annotated[float, Field(ge=0, le=1)]
 class OtherNamespace(_Model):
     """A folder of another namespace on the claim (status.l2.largestOtherNamespaces)."""
 
-    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="Its folder, kvp-<32 hex>.")
-    bytes: int = Field(ge=0, description="Bytes of its files.")
-    objects: int = Field(ge=0, description="Number of files.")
+    namespace_id: NamespaceId = Field(description="Its folder, kvp-<32 hex>.")
+    bytes: Count = Field(description="Bytes of its files.")
+    objects: Count = Field(description="Number of files.")
     last_write: datetime | None = Field(None, description="When its newest file was written.")
-    age_days: int | None = Field(None, ge=0, description="Whole days since then.")
+    age_days: Count | None = Field(None, description="Whole days since then.")
     orphan: bool | None = Field(None, description="No KVCacheNamespace and no lmcache server uses it: `kvpersist gc` "
                                 "deletes it.")
 
@@ -1355,20 +1248,20 @@ class L2SpaceStatus(_Model):
     """The fullest claim's space, all namespaces counted (NVMe; from the inventory agents)."""
 
     location: str = Field(max_length=1024, description="pvc/<claim name> of the fullest claim.")
-    claims: int | None = Field(None, ge=0, description="Distinct claims read.")
-    capacity_bytes: int | None = Field(None, ge=0, description="The claim's size (its filesystem's).")
-    used_bytes: int = Field(0, ge=0, description="Bytes used on it, every namespace and stray file counted.")
-    other_namespaces_bytes: int = Field(0, ge=0, description="Bytes in the folders of other namespaces, over all claims.")
-    other_namespaces: int = Field(0, ge=0, description="How many other namespace folders the fullest claim holds.")
+    claims: Count | None = Field(None, description="Distinct claims read.")
+    capacity_bytes: Count | None = Field(None, description="The claim's size (its filesystem's).")
+    used_bytes: Count = Field(0, description="Bytes used on it, every namespace and stray file counted.")
+    other_namespaces_bytes: Count = Field(0, description="Bytes in the folders of other namespaces, over all claims.")
+    other_namespaces: Count = Field(0, description="How many other namespace folders the fullest claim holds.")
     largest_other_namespaces: list[OtherNamespace] = Field(default_factory=list, max_length=5,
                                                            description="The largest few of them.")
-    effective_capacity_bytes: int | None = Field(None, ge=0, description="The served namespace's trim watermark: its "
-                                                 "capacity (budget, else maxCapacity) lowered to 95% of the claim less "
-                                                 "what everything else on it holds.")
+    effective_capacity_bytes: Count | None = Field(None, description="The served namespace's trim watermark: its "
+                                                   "capacity (budget, else maxCapacity) lowered to 95% of the claim less "
+                                                   "what everything else on it holds.")
     scan_complete: bool | None = Field(None, description="False: the agent's bounded scan stopped early; other "
                                        "folders' figures are a lower bound.")
-    orphans_removed: int = Field(0, ge=0, description="Folders removed under spec.l2.orphanRetention so far.")
-    orphans_removed_bytes: int = Field(0, ge=0, description="Bytes they held.")
+    orphans_removed: Count = Field(0, description="Folders removed under spec.l2.orphanRetention so far.")
+    orphans_removed_bytes: Count = Field(0, description="Bytes they held.")
     last_orphan_removed: str | None = Field(None, max_length=64, description="The last one removed.")
     measured_at: datetime | None = Field(None, description="When this was computed.")
 
@@ -1376,21 +1269,19 @@ class L2SpaceStatus(_Model):
 class BudgetStatus(_Model):
     """The namespace's L2 budget (spec.l2.nvme.budget) and how much of it is used."""
 
-    bytes: int = Field(ge=0, description="The budget in bytes; what it counts is status.usage.l2UsedBytes.")
+    bytes: Count = Field(description="The budget in bytes; what it counts is status.usage.l2UsedBytes.")
     state: Literal["Available", "Exhausted"] = Field(description="Available, or Exhausted: new L2 writes are refused.")
-
-
 
 
 class HitFigures(_Model):
     """Tokens looked up in the cache and found there, from the lmcache servers' own lookup counters
     (lmcache_mp_lookup_{requested,hit,hit_l1,hit_l2}_tokens_total on their /metrics)."""
 
-    lookup_tokens: int = Field(0, ge=0, description="Tokens vLLM looked up in the cache (chunk-aligned prompt prefixes).")
-    hit_tokens: int = Field(0, ge=0, description="Tokens served from the cache: the prefix found in L1 or L2 "
-                            "(hitTokensL1 + hitTokensL2), which vLLM loads instead of recomputing.")
-    hit_tokens_l1: int = Field(0, ge=0, description="Of hitTokens: tokens L1 (host RAM) already held.")
-    hit_tokens_l2: int = Field(0, ge=0, description="Of hitTokens: tokens L2 (NVMe or bucket) added beyond what L1 held.")
+    lookup_tokens: Count = Field(0, description="Tokens vLLM looked up in the cache (chunk-aligned prompt prefixes).")
+    hit_tokens: Count = Field(0, description="Tokens served from the cache: the prefix found in L1 or L2 "
+                              "(hitTokensL1 + hitTokensL2), which vLLM loads instead of recomputing.")
+    hit_tokens_l1: Count = Field(0, description="Of hitTokens: tokens L1 (host RAM) already held.")
+    hit_tokens_l2: Count = Field(0, description="Of hitTokens: tokens L2 (NVMe or bucket) added beyond what L1 held.")
     hit_rate: Ratio | None = Field(None, description="hitTokens / lookupTokens as a number, e.g. 0.625; absent "
                                    "without lookups.")
     hit_rate_l1: Ratio | None = Field(None, description="hitTokensL1 / lookupTokens.")
@@ -1402,15 +1293,15 @@ class HitWindow(HitFigures):
     """The same figures over the recent window (the last 5 minutes), from samples the operator
     keeps in memory: absent until it has two, after it starts."""
 
-    seconds: int = Field(ge=0, description="The window's length: 300, or less while the operator has run for less.")
-    lookup_tokens_per_second: int = Field(0, ge=0, description="lookupTokens per second over the window.")
-    hit_tokens_per_second: int = Field(0, ge=0, description="hitTokens per second over the window: served from cache.")
-    restores_l2: int = Field(0, ge=0, description="Loads from L2 into L1 over the window (one per request that hit L2).")
+    seconds: Count = Field(description="The window's length: 300, or less while the operator has run for less.")
+    lookup_tokens_per_second: Count = Field(0, description="lookupTokens per second over the window.")
+    hit_tokens_per_second: Count = Field(0, description="hitTokens per second over the window: served from cache.")
+    restores_l2: Count = Field(0, description="Loads from L2 into L1 over the window (one per request that hit L2).")
     restore_gbps_l2: float | None = Field(None, ge=0, description="Their mean rate in GB/s (lmcache's per-load bytes over "
                                           "submit-to-done time, with the decryption): what an L2 hit costs before the "
                                           "engine has it. Absent without a load. Compare it with the GPU's rate of "
                                           "recomputing KV (docs/datapath.md): below that, L2 hits cost time.")
-    restores_l1: int = Field(0, ge=0, description="Copies from L1 into the engine over the window (every hit).")
+    restores_l1: Count = Field(0, description="Copies from L1 into the engine over the window (every hit).")
     restore_gbps_l1: float | None = Field(None, ge=0, description="Their mean rate in GB/s. Absent without a copy.")
 
 
@@ -1419,10 +1310,10 @@ class ServerLookups(_Model):
 
     pod: str = Field(max_length=253, description="Pod name.")
     started_at: datetime | None = Field(None, description="When the server process started (a change means a restart).")
-    lookup_tokens: int = Field(0, ge=0, description="Tokens looked up since it started.")
-    hit_tokens: int = Field(0, ge=0, description="Tokens found in L1 or L2 since it started.")
-    hit_tokens_l1: int = Field(0, ge=0, description="Of hitTokens: found in L1.")
-    hit_tokens_l2: int = Field(0, ge=0, description="Of hitTokens: added by L2.")
+    lookup_tokens: Count = Field(0, description="Tokens looked up since it started.")
+    hit_tokens: Count = Field(0, description="Tokens found in L1 or L2 since it started.")
+    hit_tokens_l1: Count = Field(0, description="Of hitTokens: found in L1.")
+    hit_tokens_l2: Count = Field(0, description="Of hitTokens: added by L2.")
 
 
 class HitStatus(HitFigures):
@@ -1449,15 +1340,14 @@ class L2KeyStatus(_Model):
     fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{16}$", description="The first 16 hex of HMAC-SHA256 keyed "
                                     "by the key over 'kvpersist l2 key fingerprint v1': a pin of the namespace id, so "
                                     "another key is another namespace. Kept while the key cannot be read.")
-    namespace_id: str | None = Field(None, pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace last served under "
-                                     "this key: what is unreadable without it. Kept, and refused by gc, while the key "
-                                     "cannot be read.")
+    namespace_id: NamespaceId | None = Field(None, description="The namespace last served under this key: what is unreadable without "
+                                             "it. Kept, and refused by gc, while the key cannot be read.")
 
 
 class SealedNamespace(_Model):
     """A namespace the resource served with L2 encrypted, and the key that sealed its objects."""
 
-    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace, kvp-<32 hex>.")
+    namespace_id: NamespaceId = Field(description="The namespace, kvp-<32 hex>.")
     fingerprint: str = Field(pattern=r"^[0-9a-f]{16}$", description="The fingerprint of the key its objects are "
                              "sealed with (as in l2Key).")
     secret: str | None = Field(None, max_length=253, description="The Secret that held that key.")
@@ -1484,12 +1374,12 @@ class CanaryCheck(_Model):
 class CanaryMatches(_Model):
     """Checks whose cached answer was the reference, by what served it."""
 
-    gpu: int = Field(0, ge=0, description="Answered from vLLM's own prefix cache: no evidence about lmcache.")
-    l1: int = Field(0, ge=0, description="Served by lmcache from L1.")
-    l2: int = Field(0, ge=0, description="Served by lmcache from L2.")
-    lmcache: int = Field(0, ge=0, description="Served by lmcache, the tier not attributable.")
-    computed: int = Field(0, ge=0, description="Computed: neither cache held the prompt.")
-    unknown: int = Field(0, ge=0, description="Not attributable.")
+    gpu: Count = Field(0, description="Answered from vLLM's own prefix cache: no evidence about lmcache.")
+    l1: Count = Field(0, description="Served by lmcache from L1.")
+    l2: Count = Field(0, description="Served by lmcache from L2.")
+    lmcache: Count = Field(0, description="Served by lmcache, the tier not attributable.")
+    computed: Count = Field(0, description="Computed: neither cache held the prompt.")
+    unknown: Count = Field(0, description="Not attributable.")
 
 
 class CanaryMismatch(_Model):
@@ -1507,16 +1397,16 @@ class CanaryMismatch(_Model):
 class CanaryStatus(_Model):
     """The canary's reference answer, computed without the cache, and its checks (spec.canary)."""
 
-    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace id the reference is for.")
-    prompt_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of what decides the answer "
+    namespace_id: NamespaceId = Field(description="The namespace id the reference is for.")
+    prompt_digest: str = Field(pattern=SHA256_DIGEST, description="sha256 of what decides the answer "
                                "besides the namespace id: the prompt, maxTokens, spec.vllm.extraArgs and env. "
                                "Another digest records another reference.")
     reference_token_ids: CanaryTokenIds = Field(max_length=64, description="The greedy token ids computed without "
                                                 "the cache (a fresh random cache_salt misses every cache).")
     reference_at: datetime = Field(description="When the reference was computed.")
     reference_pod: str = Field(max_length=253, description="The vLLM pod that computed it.")
-    prompt_tokens: int | None = Field(None, ge=0, description="The prompt's tokens as vLLM counted them: lmcache can "
-                                      "serve its whole chunks of 256 tokens, the last token left out.")
+    prompt_tokens: Count | None = Field(None, description="The prompt's tokens as vLLM counted them: lmcache can "
+                                        "serve its whole chunks of 256 tokens, the last token left out.")
     reference_recomputes: int | None = Field(None, ge=0, le=16, description="How often the reference was computed "
                                              "again because a second answer without the cache contradicted it (at "
                                              "most 3 times per namespace id and promptDigest).")
@@ -1547,16 +1437,13 @@ class AttachEnv(_Model):
 
 
 class AttachStatus(_Model):
-    """What the admission policies (kvpersist-attach, docs/attach.md) read, with spec.vllm.mode Attached: the
-    operator writes it from the pins, the one place they are turned into vLLM arguments, and the API server
-    checks and completes each pod labelled kvpersist.dev/attach=<name> against it. Absent while the resource has
-    no namespace id: such pods are refused."""
+    """What the admission policies (docs/attach.md) check and complete labelled pods against, with mode Attached: the
+    pins as vLLM arguments, written by the operator (the one place they are). Absent without a namespace id: pods refused."""
 
-    namespace_id: str = Field(pattern=r"^kvp-[0-9a-f]{32}$", description="The namespace id admitted pods write "
-                              "into (their label kvpersist.dev/namespace-id).")
+    namespace_id: NamespaceId = Field(description="The namespace id admitted pods write into (their label "
+                                      "kvpersist.dev/namespace-id).")
     model: str = Field(max_length=256, description="The model, the argument after `serve`.")
-    image_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="The digest the container image must "
-                              "end with (@sha256:...).")
+    image_digest: str = Field(pattern=SHA256_DIGEST, description="The digest the container image must end with (@sha256:...).")
     pins: list[AttachPin] = _list(16, "Arguments the pod must carry, each exactly once with exactly this value.")
     args: list[Annotated[str, Field(max_length=8192)]] = _list(
         8, "Flag and value pairs the policy adds where the flag is absent, and requires exactly once at exactly this "
@@ -1568,8 +1455,8 @@ class AttachStatus(_Model):
     bypassed: str | None = Field(None, max_length=512, description="Set while the cache is off for vLLM (a hit that "
                                  "changed the canary's answer, the servers away too long): new pods are admitted "
                                  "without the connection (args and env), their pins still checked.")
-    pods: int | None = Field(None, ge=0, description="Attached pods seen of this namespace id.")
-    ready_pods: int | None = Field(None, ge=0, description="Those Ready.")
+    pods: Count | None = Field(None, description="Attached pods seen of this namespace id.")
+    ready_pods: Count | None = Field(None, description="Those Ready.")
 
 
 class IdentityFiles(_Model):
@@ -1601,11 +1488,8 @@ class KVCacheNamespaceStatus(_Model):
 
     observed_generation: int | None = Field(None, description="The spec generation this status describes.")
     phase: Literal["Pending", "Progressing", "Ready", "Degraded", "CacheDisabled", "Failed"] | None = Field(
-        None, description="Pending, Progressing, Ready, Degraded, CacheDisabled or Failed.",
-    )
-    namespace_id: str | None = Field(
-        None, pattern=r"^kvp-[0-9a-f]{32}$", description="Compatibility namespace of the identity pins, kvp-<32 hex>.",
-    )
+        None, description="Pending, Progressing, Ready, Degraded, CacheDisabled or Failed.")
+    namespace_id: NamespaceId | None = Field(None, description="Compatibility namespace of the identity pins, kvp-<32 hex>.")
     l2_kind: Literal["nvme", "hfBucket"] | None = Field(None, alias="l2Kind", description="nvme or hfBucket.")
     ready_replicas: int | None = Field(None, description="vLLM pods ready.")
     desired_replicas: int | None = Field(None, description="vLLM pods wanted.")

@@ -1,37 +1,27 @@
 """The inventory agent: a sidecar beside each lmcache server, the one door into its pod.
 
-lmcache's HTTP admin API (/env with the whole environment, /cache/clear, DELETE /cache/objects,
-/quota, /reconfigure) listens on the pod's loopback only, so nothing outside the pod reaches it
-whatever the CNI does. The agent forwards only GET /server/status (with the resource's agent
-token), GET /server/metrics (counters only, open so Prometheus can scrape it), each bounded in time
-and size, and POST /server/prefetch (with the token): lmcache's warm prefetch of one prompt for
-spec.prewarm (kvpersist.inventory.prefetch).
+lmcache's admin API (/env, /cache/clear, DELETE /cache/objects, /quota, /reconfigure) listens on
+the pod's loopback only. The agent forwards only GET /server/status (token), GET /server/metrics
+(open, for Prometheus), each bounded in time and size, and POST /server/prefetch (token):
+lmcache's warm prefetch of one prompt for spec.prewarm (kvpersist.inventory.prefetch).
 
-The operator cannot mount a claim, and lmcache reports only the namespace it serves (and only
-what its lazy index has seen since a restart). The agent reads the volume itself: GET /inventory
-gives bytes, objects and last write per namespace folder; POST /gc deletes one named folder when
-the operator asks. It refuses the namespace its own server serves, whatever the caller says; the
-operator refuses every other namespace still in use before asking. Reached only by the operator
-(the lmcache NetworkPolicy admits nothing else to this port), and both /inventory and /gc need
-the resource's agent token (a bearer token from an owned Secret, mounted as a file): where the
-policy is not enforced, nobody else can delete or list. Whoever reaches the port still costs
-the agent no thread per connection and no unbounded read (kvpersist.httpserver). Its /healthz
-(the pod's probes) is answered on the server's selector thread, never behind the workers:
-requests that fill them (/server/metrics needs no token) cannot fail the probe. It answers from
-the agent's own state (Agent.alive, and the pool's progress: STUCK_S).
+The operator cannot mount a claim, and lmcache reports only what its lazy index has seen since a
+restart, so the agent reads the volume itself: GET /inventory (bytes, objects, last write per
+namespace folder) and POST /gc (delete one named folder; never the namespace its own server
+serves, whatever the caller says). Both need the resource's agent token (a mounted Secret), so
+nobody else can list or delete where the NetworkPolicy is not enforced; whoever reaches the port
+costs no thread per connection and no unbounded read (kvpersist.httpserver). /healthz is
+answered on the server's selector thread from the agent's own state (Agent.alive, STUCK_S), so
+requests that fill the workers cannot fail the probe.
 
-With --capacity-bytes it also keeps the served namespace's folder within that capacity: lmcache
-0.5.6's fs_native and nixl_store_dynamic count L2 from zero after a restart, so files from
-before the restart are neither counted nor evicted by them and the folder grows past its capacity
-(measured: 14 MiB in an 8 MiB namespace after one restart). Every --trim-period seconds the agent
-deletes that folder's abandoned temp files, then its oldest chunk files until they hold at most
-the capacity (kvpersist.inventory.volume), lowered to what the claim has left beside the other
-namespaces' folders (kvpersist.inventory.space.effective_capacity), which the trim never touches.
-With --shared-folder (spec.l2.nvme.shared) only one agent trims (trimmer_of), never a file younger
-than --trim-grace seconds; the others report the folder's inventory only.
-
-Deletion of other namespaces stays explicit (/gc) unless the resource opts into an age limit
-(spec.l2.orphanRetention): POST /expire (Agent.expire).
+With --capacity-bytes it keeps the served folder within that capacity: lmcache 0.5.6's fs_native
+and nixl_store_dynamic count L2 from zero after a restart, so older files are neither counted nor
+evicted and the folder outgrows its capacity (measured: 14 MiB in an 8 MiB namespace after one
+restart). Every --trim-period the agent deletes abandoned temp files, then the oldest chunk files
+(kvpersist.inventory.volume), down to the capacity lowered by what other namespaces' folders hold
+(space.effective_capacity); it never touches those. With --shared-folder only one agent trims
+(trimmer_of), never a file younger than --trim-grace. Other namespaces go only by /gc, or by
+POST /expire where the resource opts into an age limit (spec.l2.orphanRetention, Agent.expire).
 """
 
 from __future__ import annotations
@@ -74,17 +64,14 @@ from kvpersist.inventory.volume import (
 log = logging.getLogger("kvpersist.agent")
 DEFAULT_PORT = 8090
 SCAN_TTL_S = 30.0  # a walk of a big volume is not free: answer from a recent scan
-# Between two trims the folder can exceed its capacity by what lmcache writes in one period; a
-# trim walks only the served folder, so a short period is cheap.
-TRIM_PERIOD_S = 30.0
-# An excess the trim waits out first: lmcache's L2 eviction runs every second once usage passes its
-# watermark (storage_controllers/eviction_controller.py) and takes a few rounds to undo a burst that
-# overshot the capacity (measured with fs_native: 128% of an 8 MiB capacity back under it in 5 s).
+TRIM_PERIOD_S = 30.0  # the folder's overshoot is what lmcache writes in one period; a trim walks only that folder
+# An excess the trim waits out first: lmcache's own L2 eviction runs every second past its watermark and
+# takes a few rounds to undo a burst (measured with fs_native: 128% of an 8 MiB capacity back under it in 5 s).
 EXCESS_SETTLE_S = 15.0
 MAX_TRIM_PERIOD_S = 3600.0
-# lmcache's admin API, forwarded: what may pass (lmcache's path, whether the token is required, the
-# content type), each read bounded (the server runs a tenant's image; a stalled or flooding one must
-# not hold the agent's threads or memory). Under the operator's own 2-second deadline for both reads together.
+# lmcache's admin API, forwarded: agent path -> (lmcache's path, token required, content type). Each read is
+# bounded (a tenant's stalled or flooding server must not hold the agent's threads or memory), under the
+# operator's own 2-second deadline for both reads together.
 PROXIED = {"/server/status": ("/status", True, "application/json"),
            "/server/metrics": ("/metrics", False, "text/plain; version=0.0.4")}
 PROXY_TIMEOUT_S = 1.5
@@ -93,15 +80,11 @@ NO_VOLUME = {"error": "this agent has no L2 volume (the cache's L2 is a bucket)"
 MAX_GC_BODY = 4096  # {"namespaceId": ..., "dryRun": ...}
 MAX_EXPIRE_BODY = 256 * 1024  # {"maxAgeDays", "protected": [ids], "remove": [ids]}: thousands of ids
 MAX_EXPIRE_IDS = 4096
-# What the other folders hold moves only when someone writes there (another resource sharing the
-# claim) or deletes them: the trim re-reads them at most this often, not on every pass.
-OTHERS_TTL_S = 300.0
-# /healthz fails when a request has waited this long for a worker: all of them stuck (a hung
-# volume, a lock never released), which a restart clears. Every request's own reads are bounded to
-# seconds (kvpersist.httpserver, PROXY_TIMEOUT_S); only a /gc or /expire of a huge folder holds the
-# lock, and the reads behind it, longer, and it must run that long with every worker waiting too.
+OTHERS_TTL_S = 300.0  # the other folders change rarely: the trim re-reads them at most this often
+# /healthz fails when a request has waited this long for a worker: all stuck (a hung volume, a lock never
+# released), which a restart clears. Reads are bounded to seconds; only a /gc or /expire of a huge folder
+# holds the lock longer, and it must be allowed to finish with every worker waiting.
 STUCK_S = 300.0
-
 
 POD_NAME_ENV = "KVPERSIST_POD_NAME"  # the downward API's metadata.name (kvpersist.builders.lmcache)
 _ORDINAL = re.compile(r"-(0|[1-9][0-9]*)$")
@@ -114,16 +97,14 @@ def pod_ordinal(pod_name: str | None) -> int | None:
 
 
 def trimmer_of(pod_name: str | None) -> bool:
-    """Whether this pod's agent is its shared folder's one trimmer (two, each cutting the folder to
-    the capacity from its own scan, would between them delete up to twice the excess): the
-    StatefulSet's ordinal 0, which always exists while any server runs (scale-in removes the highest
-    first). A name without an ordinal never trims: none at all is safer than two."""
+    """Whether this pod trims its shared folder: only ordinal 0, which exists while any server runs (two
+    trimmers would delete up to twice the excess). No ordinal, no trim: none is safer than two."""
     return pod_ordinal(pod_name) == 0
 
 
 class TokenFile:
-    """The token from a mounted Secret, read again when the file changes: the kubelet updates a
-    Secret volume in place, and a re-created Secret must not lock the operator out until a restart."""
+    """A mounted Secret's token, re-read when the file changes: a re-created Secret must not lock the
+    operator out until a restart."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -144,13 +125,9 @@ class TokenFile:
 class Agent:
     """Scans (cached for SCAN_TTL_S), deletes and trims; one deletion or trim at a time.
 
-    The trim target is the capacity itself, not capacity x (1 - evictionRatio): a deleted file may
-    be one lmcache has re-indexed since its restart, and deleting it from under the server turns
-    that key's lookups into misses until lmcache drops the key (measured: no wrong bytes, but the
-    key is not written again meanwhile), so the agent deletes as little as it can. It walks the
-    folder every period anyway, so headroom below the capacity would not save walks. lmcache's own
-    accounting keeps what it has indexed within the capacity, so without a restart the agent finds
-    nothing to trim (tests/integration/test_capacity.py)."""
+    The trim target is the capacity itself, not capacity x (1 - evictionRatio): a deleted file lmcache
+    has re-indexed turns that key into misses until lmcache drops it, so the agent deletes as little as
+    it can. Without a restart lmcache's own accounting leaves nothing to trim (tests/integration/test_capacity.py)."""
 
     def __init__(self, root: Path | None, serving: str | None, capacity_bytes: int | None = None,
                  trim_period_s: float = TRIM_PERIOD_S, token: str | TokenFile | None = None,
@@ -189,11 +166,9 @@ class Agent:
 
     def expire(self, max_age_days: Any, protected: Any, remove: Any, dry_run: bool,
                now: float | None = None) -> tuple[int, dict[str, Any]]:
-        """(HTTP code, body) of an age-limit pass the operator asks for (spec.l2.orphanRetention):
-        removes those folders named in remove whose newest file is older than max_age_days, never
-        the served namespace nor any in protected (every id a live resource or server uses, which
-        the operator must send: without it, or without --serving, the agent cannot be sure and
-        refuses), each judged again from a walk of that folder alone right before it goes."""
+        """(HTTP code, body) of an age-limit pass (spec.l2.orphanRetention): removes the folders in remove
+        whose newest file is older than max_age_days, never the served one nor any in protected (every id
+        in use; without it, or without --serving, it refuses), each judged from its own walk right before."""
         if self.root is None:
             return 404, NO_VOLUME
         if not self.serving:
@@ -250,9 +225,8 @@ class Agent:
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
 
     def forward(self, path: str) -> tuple[int, dict[str, Any] | bytes, str]:
-        """(HTTP code, body, content type) of one allowed read of lmcache's admin API; an error's body
-        is JSON to encode. A server that is down, slow or oversized answers 502/504 with why, never a
-        hung request."""
+        """(HTTP code, body, content type) of one allowed read of lmcache's admin API; an error's body is
+        JSON to encode. A server down, slow or oversized answers 502/504 with why, never a hung request."""
         upstream, _, kind = PROXIED[path]
         if self.server is None:
             return 404, {"error": "this agent was started without --server-url"}, "application/json"
@@ -264,9 +238,8 @@ class Agent:
         return reply.status, reply.body, kind
 
     def refusal(self, header: str | None, deleting: bool) -> tuple[int, str] | None:
-        """(HTTP code, why) when a request may not go on, else None. With a token (the operator renders
-        one from the resource's own Secret) every /inventory, /server/status, /server/prefetch, /gc and
-        /expire must carry it (401); without one, all but /inventory are off (403)."""
+        """(HTTP code, why) when a request may not go on, else None. With a token every route but
+        /server/metrics must carry it (401); without one, all but /inventory are off (403)."""
         expected = self.token.value if isinstance(self.token, TokenFile) else self.token
         if not expected:
             why = "this agent was started without --token-file: /gc, /server/status and /server/prefetch are off"
@@ -283,8 +256,7 @@ class Agent:
         if not self.trimming:
             return None
         assert self.root and self.serving and self.capacity_bytes
-        # What else is on the claim (old namespaces' folders, stray files) lowers the served folder's
-        # watermark: its capacity assumed the whole claim (kvpersist.inventory.space).
+        # What else is on the claim lowers the served folder's watermark (kvpersist.inventory.space).
         inv = self.inventory(max_age_s=OTHERS_TTL_S)
         capacity = effective_capacity(self.capacity_bytes, inv.capacity_bytes, others_bytes(inv, self.serving))
         with self._lock:
@@ -311,10 +283,8 @@ class Agent:
         return trimmed
 
     def _settled(self, total: int, capacity: int) -> bool:
-        """Whether the served folder's chunk files (total bytes) have been over capacity for settle_s:
-        a burst of writes overshoots it until lmcache's own eviction catches up (fs_native evicts
-        after the write, once a second), and trimming that too would delete twice what must go. An
-        excess that lasts is one lmcache does not count (after a restart)."""
+        """Whether the chunk files (total bytes) have been over capacity for settle_s: a burst overshoots
+        until lmcache's own eviction catches up, and trimming that too would delete twice what must go."""
         if self.settle_s <= 0:
             return True
         now = time.monotonic()
@@ -339,8 +309,8 @@ class Agent:
             self._thread.start()
 
     def alive(self) -> str | None:
-        """Why the agent is not alive, or None: its trim thread ended (the folder would grow
-        past its capacity unseen). Never blocks: /healthz calls it on the server's selector thread."""
+        """Why the agent is not alive (its trim thread ended), or None. Never blocks: /healthz calls it on
+        the server's selector thread."""
         if self.trimming and self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
             return f"the trim thread of {self.serving} ended: the folder is no longer held to its capacity"
         return None
@@ -352,9 +322,8 @@ class Agent:
 
 
 def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTTPServer:
-    """The agent's HTTP server: bounded in connections, threads, time and body size
-    (kvpersist.httpserver; `bounds` override its limits, for tests). /healthz is a probe of the
-    server's: answered on its selector thread, from the agent's own state."""
+    """The agent's HTTP server, bounded in connections, threads, time and body size (kvpersist.httpserver;
+    `bounds` override its limits, for tests)."""
 
     def healthz() -> ProbeAnswer:
         why = agent.alive() or server.stalled(STUCK_S)
@@ -395,8 +364,8 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                     return
                 fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
                 self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
-                                 "trims": agent.trimming,
-                                 "trimPasses": agent.trim_passes, "effectiveCapacityBytes": agent.effective_capacity})
+                                 "trims": agent.trimming, "trimPasses": agent.trim_passes,
+                                 "effectiveCapacityBytes": agent.effective_capacity})
             else:
                 self._send(404, {"error": "not found"})
 
@@ -407,8 +376,13 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                 return
             if self._refused(warn=path != prefetch.PATH):  # prefetch too: it makes lmcache read L2 and fill L1
                 return
-            if path == prefetch.PATH:
-                self._prefetch()
+            if path == prefetch.PATH:  # lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch)
+                try:
+                    code, out = (agent.prefetcher.run(read_body(self, prefetch.MAX_BODY)) if agent.prefetcher is not None
+                                 else (404, {"error": "this agent was started without --server-url"}))
+                except BodyError as exc:
+                    code, out = exc.code, {"error": str(exc)}
+                self._send(code, out)
                 return
             try:
                 body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
@@ -423,17 +397,6 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                 code, out = exc.code, {"error": str(exc)}
             except (ValueError, OSError) as exc:
                 code, out = 500, {"error": str(exc)}
-            self._send(code, out)
-
-        def _prefetch(self) -> None:
-            """lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch)."""
-            if agent.prefetcher is None:
-                self._send(404, {"error": "this agent was started without --server-url"})
-                return
-            try:
-                code, out = agent.prefetcher.run(read_body(self, prefetch.MAX_BODY))
-            except BodyError as exc:
-                code, out = exc.code, {"error": str(exc)}
             self._send(code, out)
 
     server = BoundedHTTPServer((host, port), Handler, name="agent", probes={"/healthz": healthz}, **bounds)

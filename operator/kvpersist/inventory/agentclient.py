@@ -81,8 +81,7 @@ def auth(token: str | None) -> dict[str, str] | None:
 
 
 def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S, token: str | None = None) -> Inventory | None:
-    """The agent's last scan of its volume; None when it does not answer, or answers anything
-    but a well-formed inventory (status keeps the last; the reason is logged)."""
+    """The agent's last scan of its volume; None (the reason logged) unless it answers a well-formed one."""
     try:
         reply = httpclient.get(ip, port, "/inventory", timeout=timeout, headers=auth(token))
         if not reply.ok:
@@ -103,9 +102,8 @@ class ExpireBody(BaseModel):
 
 def _post(ip: str, port: int, path: str, body: dict[str, Any], model: type[M], timeout: float,
           token: str | None) -> tuple[int, M]:
-    """(HTTP code, the checked answer, or one with only `error` saying why there is none) of one POST
-    to the agent; code 0 when it could not be reached. A body that is not a well-formed answer keeps
-    the code."""
+    """(HTTP code, the checked answer or one with only `error` saying why) of one POST to the agent; code 0
+    when it could not be reached. A malformed answer keeps the code."""
     try:
         reply = httpclient.post_json(ip, port, path, body, timeout=timeout, headers=auth(token))
     except PeerError as exc:
@@ -118,16 +116,16 @@ def _post(ip: str, port: int, path: str, body: dict[str, Any], model: type[M], t
 
 def request_expire(ip: str, port: int, max_age_days: int, protected: list[str], remove: list[str],
                    token: str | None = None, timeout: float = GC_TIMEOUT_S) -> tuple[int, ExpireBody]:
-    """(HTTP code, answer) of the agent's /expire (spec.l2.orphanRetention); code 0 when it could
-    not be reached; a malformed answer is an error with nothing removed as far as the caller knows."""
+    """(HTTP code, answer) of the agent's /expire (spec.l2.orphanRetention); code 0 when unreachable; a
+    malformed answer is an error with nothing removed as far as the caller knows."""
     body = {"maxAgeDays": max_age_days, "protected": protected, "remove": remove, "dryRun": False}
     return _post(ip, port, "/expire", body, ExpireBody, timeout, token)
 
 
 def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S,
                token: str | None = None) -> tuple[int, dict[str, Any]]:
-    """(HTTP code, body) of the agent's /gc; code 0 when it could not be reached. A body that is
-    not a well-formed answer becomes {"error": why}, keeping the code."""
+    """(HTTP code, body) of the agent's /gc; code 0 when unreachable; a malformed answer becomes
+    {"error": why}, keeping the code."""
     code, answer = _post(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, GcBody, timeout, token)
     return code, answer.model_dump(exclude_unset=True)
 
@@ -137,9 +135,7 @@ PREFETCH_TIMEOUT_S = prefetch.WAIT_S + prefetch.CALL_TIMEOUT_S + 5.0  # the agen
 
 def request_prefetch(ip: str, port: int, token_ids: list[int], token: str | None,
                      timeout: float = PREFETCH_TIMEOUT_S) -> tuple[int, prefetch.Answer]:
-    """(HTTP code, answer) of the agent's POST /server/prefetch: lmcache's warm prefetch of these
-    token ids from L2 into the server's L1, under each KV layout a vLLM registered with it
-    (kvpersist.inventory.prefetch); code 0 when the agent could not be reached. 503: no vLLM has
-    registered yet; 404: an agent older than the route. A malformed answer is an error
-    (answer.error), keeping the code."""
+    """(HTTP code, answer) of the agent's POST /server/prefetch: lmcache's warm prefetch of these token
+    ids into the server's L1 (kvpersist.inventory.prefetch); code 0 when unreachable, 503 before any vLLM
+    registered, 404 from an agent older than the route. A malformed answer is an error, keeping the code."""
     return _post(ip, port, prefetch.PATH, {"tokenIds": token_ids}, prefetch.Answer, timeout, token)

@@ -4,12 +4,9 @@ Each namespace's lmcache hfbucket adapter writes under `<bucketHandle>/<kvp-id>`
 listing of the handle's prefix, grouped by its first folder (volume.group), says what each
 namespace holds; deleting a namespace deletes exactly the objects under `<prefix>/<kvp-id>/`.
 
-Bounded in time: every request goes through hfbucket's client, so each ends, connect to last
-byte, within hfbucket.HUB_CALL_DEADLINE_S and within the whole scan's or removal's
-BUCKET_DEADLINE_S (a Hub that trickles its answer is hung up on), and no new request starts once
-BUCKET_DEADLINE_S has passed.
-The token is passed in by the caller, sent only to the Hub, never logged, and no message or
-exception text built here contains it.
+Every request goes through hfbucket's client: each ends within hfbucket.HUB_CALL_DEADLINE_S and
+the whole scan's or removal's BUCKET_DEADLINE_S, after which no new request starts. The token
+is sent only to the Hub, never logged, and no message or exception text built here contains it.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ T = TypeVar("T")
 
 
 class DeletionRefused(RuntimeError):
-    """A removal stopped before a batch because before_delete gave a reason (the namespace came
-    into use); says how much was already deleted."""
+    """A removal stopped before a batch because before_delete gave a reason; says what was already deleted."""
 
     def __init__(self, reason: str, deleted: NamespaceUsage, total_objects: int) -> None:
         super().__init__(reason)
@@ -40,8 +36,8 @@ class DeletionRefused(RuntimeError):
 
 
 class BucketInventoryError(RuntimeError):
-    """A listing or deletion the Hub refused or did not answer in time. `reason` is a CamelCase
-    word for status conditions; the text names the bucket and the fix, never the token."""
+    """A listing or deletion the Hub refused or did not answer in time. `reason` is a CamelCase word for
+    status conditions; the text names the bucket and the fix, never the token."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -76,10 +72,9 @@ def scan_bucket(bucket_handle: str, token: str, endpoint: str | None = None) -> 
 
 def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, endpoint: str | None = None,
                             dry_run: bool = True, before_delete: Callable[[], str | None] | None = None) -> NamespaceUsage:
-    """What one namespace holds in the bucket; unless dry_run, deletes exactly its objects (those
-    under `<prefix>/<namespace_id>/`). The caller has already refused live namespaces; before_delete
-    is asked again right before each batch (the listing alone can take a while), and a reason from
-    it stops the removal with DeletionRefused."""
+    """What one namespace holds in the bucket; unless dry_run, deletes exactly its objects (under
+    `<prefix>/<namespace_id>/`). before_delete is asked again right before each batch (the listing alone
+    can take a while); a reason from it stops the removal with DeletionRefused."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
     bid, prefix = split_handle(bucket_handle)
@@ -111,10 +106,9 @@ def _usage(namespace_id: str, objects: list[_Object]) -> NamespaceUsage:
 
 
 def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: float) -> Iterator[_Object]:
-    """Files strictly below `prefix/`. Same route, params and paging as HfApi.list_bucket_tree, but
-    sent through the bounded client with the listing's deadline on each page (list_bucket_tree
-    pages with timeout=None and no way to pass one). The Hub matches the prefix as a raw string
-    ("p" also lists "p2/..."), so entries outside the folder are dropped here."""
+    """Files strictly below `prefix/`: HfApi.list_bucket_tree's route, params and paging, with the
+    listing's deadline on each page (list_bucket_tree can pass none). The Hub matches the prefix as a
+    raw string ("p" also lists "p2/..."), so entries outside the folder are dropped here."""
     from huggingface_hub import BucketFile, HfApi
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
@@ -140,8 +134,7 @@ def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: flo
 
 
 def _delete_chunk(bid: str, paths: list[str], token: str, endpoint: str | None, deadline: float) -> None:
-    """One /batch request of deleteFile operations. huggingface_hub retries it a few times on
-    timeouts and 5xx, each try bounded by hfbucket.HUB_CALL_DEADLINE_S and by `deadline`."""
+    """One /batch request of deleteFile operations (huggingface_hub retries it, each try bounded)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import BucketBatchError
 
@@ -163,8 +156,8 @@ def _check_deadline(bid: str, deadline: float) -> None:
 
 
 def _guarded(bid: str, action: str, token: str, fn: Callable[[], T]) -> T:
-    """Runs fn, turning the Hub's errors into BucketInventoryError with a reason and a message that
-    names the fix; the token is scrubbed from the message should a server ever echo it."""
+    """Runs fn, turning the Hub's errors into BucketInventoryError naming the fix; the token is scrubbed
+    from the message should a server ever echo it."""
     import httpx2
     from huggingface_hub.errors import BucketNotFoundError, HfHubHTTPError
 

@@ -1,12 +1,10 @@
 """Explicit deletion of one orphaned namespace's data, as an admin asked (`kvpersist gc`).
 
 Never automatic: it runs only for a request on the resource (annotation kvpersist.dev/gc-request,
-set by the CLI; where config/gc's ValidatingAdmissionPolicy is installed, only a user allowed
-`update` on kvcachenamespaces/gc can set it), and refuses any namespace some resource or server
-still uses, whatever the request says: judged once from the watch caches, then again from a
-fresh listing right before each deletion (recheck), since a resource or server may appear
-between the two. A bucket namespace is deleted only from a bucket marked exclusive to this
-cluster. The agents (volumes) refuse their own server's namespace a second time.
+set by the CLI; config/gc's ValidatingAdmissionPolicy limits who may set it), and refuses any
+namespace still in use, judged from the watch caches and again from a fresh listing right before
+each deletion (recheck). A bucket namespace is deleted only from a bucket exclusive to this
+cluster; the agents refuse their own server's namespace a second time.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ Recheck = Callable[[], str | None]
 
 
 def parse_request(annotations: Mapping[str, str] | None) -> dict[str, str] | None:
-    """The request on a resource, or None. A malformed one is returned with an error, so the
-    status can say what is wrong with it instead of ignoring it."""
+    """The request on a resource, or None; a malformed one comes with an error for the status to show."""
     raw = (annotations or {}).get(GC_ANNOTATION)
     if not raw:
         return None
@@ -50,8 +47,8 @@ def refusal(namespace_id: str, current: str | None, live: frozenset[str]) -> str
 
 
 def bucket_refusal(bucket_handle: str, exclusive: bool) -> str | None:
-    """Why no namespace may be deleted from this bucket: one other clusters may share looks orphaned
-    here while in use there (this cluster sees only its own resources and servers)."""
+    """Why no namespace may be deleted from this bucket: one shared with other clusters may look orphaned
+    here while in use there."""
     if exclusive:
         return None
     return (f"spec.l2.hfBucket.exclusiveToThisCluster is not true: {bucket_handle} may be shared with another cluster, "
@@ -70,9 +67,8 @@ def result(request: Mapping[str, str], outcome: str, message: str, held: Namespa
 
 def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent_port: int,
                token: str | None = None, recheck: Recheck | None = None) -> dict[str, Any]:
-    """Ask every server pod's agent (pod, ip) to delete the namespace from its volume (with the
-    resource's agent token: an agent refuses /gc without it). recheck runs right before each
-    agent's /gc; a reason from it stops there, and nothing more is deleted."""
+    """Ask every server pod's agent (pod, ip) to delete the namespace from its volume, with the agent token.
+    recheck runs right before each agent's /gc; a reason from it stops there."""
     nsid = request["namespaceId"]
     deleted = NamespaceUsage(nsid)
     notes: list[str] = []
@@ -102,8 +98,8 @@ def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent
 
 def gc_bucket(request: Mapping[str, str], remove: Callable[..., NamespaceUsage], handle: str,
               recheck: Recheck | None = None) -> dict[str, Any]:
-    """Delete the namespace's objects under the bucket prefix (remove: namespace id -> what it held;
-    with recheck, remove(namespace id, recheck), which asks it right before each batch it deletes)."""
+    """Delete the namespace's objects under the bucket prefix with remove(namespace id[, recheck]), which
+    returns what it held (and asks recheck right before each batch)."""
     nsid = request["namespaceId"]
     try:
         held = remove(nsid) if recheck is None else remove(nsid, recheck)

@@ -1,15 +1,11 @@
 """Operator-side preflight of a Hugging Face bucket L2: does the bucket exist (or may we create
-it), and does the token work? Checked with huggingface_hub before the lmcache servers find out
-the hard way, and reported as L2Ready with a reason that names the fix.
+it), and does the token work? Checked before the lmcache servers find out the hard way, and
+reported as L2Ready with a reason that names the fix.
 
-Every Hub call the operator makes (this preflight, the bucket listing and deletion in
-kvpersist.inventory.bucket, the pin check's file reads) goes through one shared client built here,
-on the operator's one HTTP stack (kvpersist.httptransport): each request has one total deadline,
-connect to last body byte, however slowly the Hub trickles its answer, and a cap on the answer's
-size.
-
-The token is read from the Secret by the caller and passed in; it is never logged, and no
-message built here contains it.
+Every Hub call the operator makes (this preflight, kvpersist.inventory.bucket, the pin check's
+reads) goes through one shared client built here on kvpersist.httptransport: each request has one
+total deadline, however slowly the Hub trickles its answer, and a cap on the answer's size. The
+token is passed in by the caller, never logged, and no message built here contains it.
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ def bucket_id(handle: str) -> str:
 
 
 def hub_proxy(endpoint: str | None = None) -> str | None:
-    """The proxy for the Hub endpoint (HF_ENDPOINT, else huggingface.co) from HTTPS_PROXY /
-    HTTP_PROXY, unless NO_PROXY names its host: httpx reads these only for a client without an
-    explicit transport, and this client has one, so they are applied here."""
+    """The proxy for the Hub endpoint (HF_ENDPOINT, else huggingface.co) from HTTPS_PROXY / HTTP_PROXY,
+    unless NO_PROXY names its host: httpx ignores these with an explicit transport, as this client has."""
     url = urllib.parse.urlsplit(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     if not url.hostname or urllib.request.proxy_bypass(url.hostname):
         return None
@@ -64,9 +59,8 @@ def hub_proxy(endpoint: str | None = None) -> str | None:
 
 
 def _hub_client() -> httpx2.Client:
-    """The operator's Hub client: HUB_CALL_DEADLINE_S and HUB_MAX_BODY_BYTES per request (read on
-    each), no keep-alive (the transport's). Accept-Encoding identity: the body cap then bounds what
-    is decoded, not just what crosses the wire."""
+    """The operator's Hub client: HUB_CALL_DEADLINE_S and HUB_MAX_BODY_BYTES per request (read on each),
+    no keep-alive. Accept-Encoding identity: the body cap then bounds what is decoded, not just sent."""
     transport = httptransport.BoundedTransport("the Hub", lambda: HUB_CALL_DEADLINE_S, lambda: HUB_MAX_BODY_BYTES,
                                                proxy=hub_proxy())
     return httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(PREFLIGHT_TIMEOUT_S),
@@ -81,9 +75,8 @@ def bound_hub_client() -> None:
             return
         from huggingface_hub import close_session, constants, set_client_factory
 
-        # No telemetry: with it, building a request's User-Agent makes huggingface_hub fetch
-        # {endpoint}/api/agent-harnesses once a day (a call the operator never asked for, outside
-        # any deadline of its own) and cache the answer under HF_HOME.
+        # No telemetry: with it, building a User-Agent makes huggingface_hub fetch
+        # {endpoint}/api/agent-harnesses once a day, a call outside any deadline of ours.
         constants.HF_HUB_DISABLE_TELEMETRY = True
         set_client_factory(_hub_client)
         close_session()
@@ -91,8 +84,7 @@ def bound_hub_client() -> None:
 
 
 def reset_hub_client() -> None:
-    """The next Hub call builds a fresh client (tests that change PREFLIGHT_TIMEOUT_S call this;
-    the deadline and the body cap are read on each request)."""
+    """The next Hub call builds a fresh client (for tests that change PREFLIGHT_TIMEOUT_S)."""
     global _client_bounded
     with _client_lock:
         _client_bounded = False
@@ -130,9 +122,8 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
 
 
 def transport_error_text(exc: BaseException) -> str:
-    """What a message may say about a failed Hub request: the exception type only, except for the
-    transport's own refusals, whose text is ours (the deadline, the size cap, not HTTP, cut short)
-    and never holds a URL or the token."""
+    """What a message may say of a failed Hub request: the exception type only, or the transport's own
+    refusals, whose text is ours and never holds a URL or the token."""
     return str(exc) if isinstance(exc, httptransport.Refused) else type(exc).__name__
 
 

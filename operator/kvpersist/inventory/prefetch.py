@@ -1,25 +1,17 @@
 """lmcache's warm prefetch (L2 -> L1), as the inventory agent runs it for the operator, and the
 answer the operator reads back (kvpersist.inventory.agentclient.request_prefetch).
 
-lmcache 0.5.6 (lmcache/v1/multiprocess/http_apis/cache_api.py, cache_control/prefetch_service.py):
-POST /cache/prefetches {model_name, world_size, token_ids} answers 202 {request_id, chunks,
-"submitted"} or {chunks: 0, "noop"} (under one chunk), 503 while no worker has registered a KV
-layout under that model name and world size, 400 for a request it refuses. GET
-/cache/prefetches/{id} answers {"pending"} or, once and only once, {"completed", found_keys,
-total_keys} (then 404). A key is a chunk for one KV rank and object group; found counts whole
-chunks only, those already in L1 too.
+lmcache 0.5.6 (http_apis/cache_api.py, cache_control/prefetch_service.py): POST /cache/prefetches
+{model_name, world_size, token_ids} answers 202 {request_id, chunks, "submitted"} or {chunks: 0,
+"noop"} (under one chunk), 503 while no worker registered that layout, 400 for a refusal. GET
+/cache/prefetches/{id} answers {"pending"} or, once only, {"completed", found_keys, total_keys}
+(then 404); found counts whole chunks, those already in L1 too.
 
-The model name and world size must be the registering vLLM's own: its `model_config.model`, which
-is the `serve` argument, or the local snapshot path when vLLM runs with HF_HUB_OFFLINE (vLLM
-0.32 engine/arg_utils.py; measured: `cache_model_name=/.../hub/models--org--name/snapshots/<rev>`),
-and its KV world size (the tensor-parallel size; 1 for MLA). The operator cannot know which, so
-the agent reads them where lmcache lists them, GET /status (`non_cuda_context_meta` of the
-engine-driven transfer module, `cache_context_meta` of the lmcache-driven one: every registered
-worker's model_name and world_size), and prefetches under each registration it finds.
-
-The agent submits and polls on the pod's loopback, each call bounded, and answers once the jobs
-have completed or the deadline has passed. lmcache is a peer like any other: its answers are
-validated, and a slow, huge or malformed one is a 502/504 naming what was wrong.
+The model name and world size must be the registering vLLM's own (its `serve` argument, or the
+snapshot path under HF_HUB_OFFLINE; its tensor-parallel size, 1 for MLA), which the operator
+cannot know, so the agent reads every registration from lmcache's GET /status
+(`non_cuda_context_meta`, `cache_context_meta`) and prefetches under each. Every call is bounded
+and every answer validated: a slow, huge or malformed one is a 502/504 naming what was wrong.
 """
 
 from __future__ import annotations
@@ -91,8 +83,7 @@ class Layout(_Lenient):
 
 
 class Answer(_Lenient):
-    """The agent's answer to the operator: the jobs' outcome, summed over the registrations, or why
-    there is none."""
+    """The agent's answer to the operator: the jobs' outcome summed over the registrations, or why none."""
 
     status: Literal["completed", "noop"] | None = None
     chunks: Count = 0
@@ -150,9 +141,8 @@ class Prefetcher:
         self._slots = threading.BoundedSemaphore(AT_ONCE)
 
     def run(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        """(HTTP code, answer) for one request body: 200 with the outcome; 400 for a body that is
-        not an Ask; 429 when AT_ONCE already run; 503 while no worker has registered a layout (try
-        again later); 502/504 when lmcache is down, slow or answers nonsense."""
+        """(HTTP code, answer) for one request body: 200 with the outcome; 400 for a body that is not an
+        Ask; 429 when AT_ONCE already run; 503 while no worker has registered; 502/504 for lmcache's failures."""
         try:
             ask = Ask.model_validate_json(body)
         except ValidationError as exc:
@@ -167,8 +157,7 @@ class Prefetcher:
             self._slots.release()
 
     def _call(self, path: str, max_bytes: int, payload: dict[str, Any] | None = None) -> httpclient.Reply:
-        """One bounded call to lmcache: a POST of payload, else a GET. Raises _Failed (502, 504)
-        when lmcache is down or slow."""
+        """One bounded call to lmcache: a POST of payload, else a GET; _Failed (502, 504) when down or slow."""
         host, port = self.server
         try:
             if payload is None:

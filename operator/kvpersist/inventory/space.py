@@ -1,9 +1,8 @@
 """What a claim can hold once the folders of other namespaces are counted, and which of them an
 opted-in age limit may remove. Pure: the agent and the operator both judge with these.
 
-An identity change moves a resource to a new namespace folder and leaves the old one on the claim
-(deletion is explicit: `kvpersist gc`). The agent trims only the namespace it serves, so without
-this the served folder's trim assumed the whole claim while old folders filled it.
+An identity change leaves the old namespace folder on the claim (deletion is explicit: `kvpersist
+gc`), and the agent trims only the folder it serves: without this its trim assumed the whole claim.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from typing import Any
 
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, iso
 
-# The agent keeps the served folder within this share of the claim minus what everything else on
-# it holds (it can delete only the served folder's chunks); L2SpaceAvailable turns False earlier,
-# at NEARLY_FULL, so a person hears of it before the served namespace starts shrinking for others.
+# The agent keeps the served folder within this share of the claim minus what else it holds;
+# L2SpaceAvailable turns False earlier, at NEARLY_FULL, so a person hears before the folder shrinks.
 TRIM_FILL = 0.95
 MIN_SHARE = 0.05  # the served folder's watermark never goes below this share of its capacity
 NEARLY_FULL = 0.9
@@ -25,12 +23,10 @@ DAY_S = 86400.0
 
 
 def effective_capacity(capacity_bytes: int, claim_bytes: int | None, others_bytes: int, fill: float = TRIM_FILL) -> int:
-    """The served namespace's trim watermark: its own capacity (budget or maxCapacity), lowered
-    to what the claim has left beside everything else on it (other namespaces' folders, files
-    outside any folder). Never below MIN_SHARE of the capacity: where old folders alone fill the
-    claim, deleting every served chunk would only trade its hits for writes that cannot stay
-    either (the claim is full: writes fail, L2Ready says so, serving goes on); the newest chunks
-    keep hitting. The claim's size unknown: the capacity alone."""
+    """The served namespace's trim watermark: its capacity, lowered to what the claim has left beside
+    everything else on it; the capacity alone when the claim's size is unknown. Never below MIN_SHARE:
+    where old folders alone fill the claim, deleting every served chunk would trade its hits for
+    writes that cannot stay either; the newest chunks keep hitting."""
     if claim_bytes is None or claim_bytes <= 0:
         return capacity_bytes
     return min(capacity_bytes, max(int(capacity_bytes * MIN_SHARE), int(claim_bytes * fill) - others_bytes))
@@ -42,8 +38,8 @@ def others_bytes(inv: Inventory, serving: str | None) -> int:
 
 
 def used_bytes(inv: Inventory) -> int:
-    """The claim's fill: the larger of what the scan counted and what the filesystem says is used
-    (the scan may be cut short by its bound; the filesystem counts its own overhead too)."""
+    """The claim's fill: the larger of what the (maybe cut short) scan counted and what the filesystem
+    says is used (its own overhead too)."""
     scanned = inv.other_bytes + sum(n.bytes for n in inv.namespaces)
     fs_used = inv.capacity_bytes - inv.free_bytes if inv.capacity_bytes is not None and inv.free_bytes is not None else 0
     return max(scanned, fs_used)
@@ -60,34 +56,27 @@ class Verdict:
 
 def judge_expiry(namespaces: Iterable[NamespaceUsage], serving: str | None, protected: frozenset[str],
                  max_age_days: int, now: float) -> list[Verdict]:
-    """Which folders of OTHER namespaces the age limit removes: those whose newest file is older
-    than max_age_days, never the served one, never one in protected (served by any live resource
-    or server), never one whose walk was cut short (its newest file unknown), never one with no
-    file (nothing to free, and no age to judge)."""
+    """Which folders of OTHER namespaces the age limit removes: those whose newest file is older than
+    max_age_days; never the served one, one in protected (used by a live resource or server), one whose
+    walk was cut short (its newest file unknown), nor one with no file (no age to judge)."""
     out = []
     for n in namespaces:
         nsid = n.namespace_id
-        if not NAMESPACE_ID_RE.fullmatch(nsid):
-            out.append(Verdict(n, False, "not a namespace id"))
-        elif nsid == serving:
-            out.append(Verdict(n, False, "the namespace this server serves"))
-        elif nsid in protected:
-            out.append(Verdict(n, False, "used by a live resource or server"))
-        elif not n.complete:
-            out.append(Verdict(n, False, "too many files to walk in one scan: its newest file is unknown"))
-        elif n.last_write is None:
-            out.append(Verdict(n, False, "no file in it"))
-        elif now - n.last_write <= max_age_days * DAY_S:
-            out.append(Verdict(n, False, f"written {int((now - n.last_write) // DAY_S)} day(s) ago, within {max_age_days}"))
-        else:
-            out.append(Verdict(n, True))
+        why = ("not a namespace id" if not NAMESPACE_ID_RE.fullmatch(nsid)
+               else "the namespace this server serves" if nsid == serving
+               else "used by a live resource or server" if nsid in protected
+               else "too many files to walk in one scan: its newest file is unknown" if not n.complete
+               else "no file in it" if n.last_write is None
+               else f"written {int((now - n.last_write) // DAY_S)} day(s) ago, within {max_age_days}"
+               if now - n.last_write <= max_age_days * DAY_S else "")
+        out.append(Verdict(n, not why, why))
     return out
 
 
 def claim_summary(location: str, inv: Inventory, serving: str | None, live: frozenset[str], now: float,
                   effective: int | None = None) -> dict[str, Any]:
-    """One claim's space as status.l2 shows it: its size, its fill (all namespaces), what the other
-    namespaces' folders hold, the largest few of them, and the served namespace's watermark."""
+    """One claim's space as status.l2 shows it: size, fill, what the other namespaces' folders hold (the
+    largest few too), and the served namespace's watermark."""
     others = sorted((n for n in inv.namespaces if n.namespace_id != serving), key=lambda n: (-n.bytes, n.namespace_id))
     out: dict[str, Any] = {
         "location": location,
@@ -122,10 +111,9 @@ def nearly_full(l2: dict[str, Any] | None, threshold: float = NEARLY_FULL) -> bo
 def claim_space_summary(volumes: list[tuple[str, str | None, Inventory]], serving: str | None, live: frozenset[str],
                         now: float, old: dict[str, Any] | None = None,
                         removed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """status.l2 from the agents' scans, each (location, pod, inventory): the fullest claim's figures
-    (each claim is its own disk: the fullest fills first), the other namespaces' bytes over all
-    distinct claims, and the age limit's removals so far, carried over from the old status.l2, plus
-    those of this pass (removed)."""
+    """status.l2 from the agents' scans, each (location, pod, inventory): the fullest claim's figures (it
+    fills first), the other namespaces' bytes over all claims, and the age limit's removals so far
+    (the old status.l2's plus this pass's)."""
     if not volumes:
         return None
     distinct = {loc: claim_summary(loc, inv, serving, live, now, inv.effective_capacity_bytes) for loc, _pod, inv in volumes}

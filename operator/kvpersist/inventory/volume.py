@@ -1,9 +1,8 @@
 """What each compatibility namespace holds on an L2 volume or bucket, read from the data itself.
 
 Every namespace's files live under a folder (volume) or prefix (bucket) named by its id
-(kvp-<32 hex>), so the data is its own record: nothing to drift. Pure grouping and ranking
-here; the volume scan (local paths, used by the agent beside each lmcache server) and the bucket
-listing (huggingface_hub) are thin sources of (path, size, mtime) entries.
+(kvp-<32 hex>), so the data is its own record: nothing to drift. The volume scan (the agent's)
+and the bucket listing are thin sources of (path, size, mtime) entries grouped here.
 """
 
 from __future__ import annotations
@@ -102,16 +101,15 @@ def group(entries: Iterable[tuple[str, int, float | None]], location: str) -> In
 
 
 # A claim may hold millions of files: one scan lstat()s at most this many (about a second per
-# 100,000 on a local disk), served folder first, then the others in name order; folders it did
-# not finish are marked incomplete (their counts a lower bound), and never expire (space.py).
+# 100,000), served folder first; folders it did not finish are incomplete and never expire (space.py).
 MAX_SCAN_FILES = 1_000_000
 
 
+@dataclass
 class _Budget:
     """Files a walk may still lstat; shared by the folders of one scan."""
 
-    def __init__(self, files: int) -> None:
-        self.left = files
+    left: int
 
     @property
     def spent(self) -> bool:
@@ -119,9 +117,8 @@ class _Budget:
 
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
-    """(path, name, lstat) of every file under top; files vanishing mid-walk (an eviction, a temp
-    file renamed) are skipped. Links are neither followed nor counted as directories (os.walk's
-    followlinks=False); with a budget, the walk stops once it is spent."""
+    """(path, name, lstat) of every file under top, skipping files that vanish mid-walk; links are not
+    followed. With a budget, the walk stops once it is spent."""
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
@@ -137,15 +134,13 @@ def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, 
 
 
 def _files(root: Path, top: Path, budget: _Budget | None = None) -> Iterable[tuple[str, int, float | None]]:
-    """(path relative to root, apparent size, mtime) of every file under top (_walk). Apparent
-    sizes are what `du -sb` counts."""
+    """(path relative to root, apparent size as `du -sb` counts it, mtime) of every file under top."""
     return ((os.path.relpath(path, root), st.st_size, st.st_mtime) for path, _name, st in _walk(top, budget))
 
 
 def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_FILES) -> Inventory:
-    """Walk an L2 mount, at most max_files files: every namespace folder (first, the served one,
-    walked before the others), and what lies outside them. A folder the bound cut short, or never
-    reached, is listed with complete False."""
+    """Walk an L2 mount, at most max_files files, the served folder (first) before the others; a folder
+    the bound cut short, or never reached, is listed with complete False."""
     budget = _Budget(max_files)
     entries: list[tuple[str, int, float | None]] = []
     folders: list[str] = []
@@ -161,11 +156,9 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
             continue
         if is_dir and NAMESPACE_ID_RE.fullmatch(child.name):
             folders.append(child.name)
-            if budget.spent:
-                incomplete.add(child.name)
-                continue
-            entries.extend(_files(root, Path(child.path), budget))
-            if budget.spent:  # it may have ended exactly on its last file: not sure either way
+            if not budget.spent:
+                entries.extend(_files(root, Path(child.path), budget))
+            if budget.spent:  # never reached, or cut short (or ended exactly on its last file: not sure either way)
                 incomplete.add(child.name)
         elif is_dir:
             entries.extend(_files(root, Path(child.path), budget))
@@ -190,9 +183,8 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
 
 
 def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None) -> NamespaceUsage | None:
-    """What one namespace folder holds (walking only that folder); None when there is no such
-    folder. Refuses anything that is not a namespace id, so no other path is ever walked. With
-    max_files, a folder holding more is returned with complete False."""
+    """What one namespace folder holds (walking only it); None when there is none. Refuses a non-id, so no
+    other path is ever walked. With max_files, a folder holding more comes back with complete False."""
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return None
@@ -203,8 +195,8 @@ def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None)
 
 
 def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
-    """Delete one namespace's folder from a volume; returns what it held. The caller has already
-    refused live namespaces; this only guards against a path that is not a namespace folder."""
+    """Delete one namespace's folder; returns what it held. The caller has refused live namespaces; this
+    only guards against a path that is not a namespace folder."""
     held = namespace_usage(root, namespace_id)
     if held is None:
         return NamespaceUsage(namespace_id)
@@ -221,26 +213,18 @@ class ChunkFile(NamedTuple):
     ino: int
 
 
-# lmcache 0.5.6's nixl_store_dynamic (nixl_store_agents/file_dynamic_nixl_store_agent.py, dynamic_store)
-# opens `<final>.bin.tmp.<uuid4 hex>`, writes the chunk into it and renames it to `<final>.bin`; a
-# crash in between leaves the temp file, which nixl removes only at a clean shutdown (cleanup()).
-# fs_native (its C++ FSConnector, as lmcache's Python fs adapter) writes `<stem>.tmp` beside
-# `<stem>.data` (`<model>@0x<rank>@<group>@<hash>[@<salt>]`), one temp name per chunk, and renames
-# it. One folder holds one adapter's files (the layout is a pin, api.v1alpha1.l2_layout), so a chunk
-# file is either adapter's committed name.
+# lmcache 0.5.6's nixl_store_dynamic writes `<final>.bin.tmp.<uuid4 hex>` and renames it to `<final>.bin`;
+# a crash in between leaves the temp file (nixl removes it only at a clean shutdown). fs_native writes
+# `<stem>.tmp` beside `<stem>.data` (`<model>@0x<rank>@<group>@<hash>[@<salt>]`) and renames it.
 TEMP_MARK = ".tmp."
 NIXL_TEMP_RE = re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")
 FS_TEMP_RE = re.compile(r".+@0x[0-9a-f]+@[0-9a-f]+@[0-9a-f]+(@.*)?\.tmp")
-# Per adapter the agent trims for: its committed chunk files' suffix and its temp files' names, the
-# only files it counts and deletes. Anything else in the folder (another adapter's files, if one
-# ever got there) neither counts nor goes: counted, bytes it may not delete would make it delete
-# live chunks in their place, down to all.
+# Per adapter: its committed chunk suffix and temp-file names, the only files the trim counts and deletes.
+# Anything else must not count: bytes it may not delete would make it delete live chunks in their place.
 TRIMMED_ADAPTERS = {"nixl_store_dynamic": (".bin", NIXL_TEMP_RE), "fs_native": (".data", FS_TEMP_RE)}
 DEFAULT_TRIMMED = "nixl_store_dynamic"  # an agent rendered before fs_native names none
-# A temp file untouched this long is abandoned: lmcache opens, writes and renames one chunk file in
-# one go (a chunk is megabytes; every write moves its mtime), so a live one is seconds old. Deleting
-# one still being written would only fail that store (its rename finds no file), never lose a
-# committed chunk; an hour leaves any slow disk its time.
+# A temp file untouched this long is abandoned: lmcache writes and renames a chunk in one go, so a live one
+# is seconds old; an hour leaves a slow disk its time. Deleting one being written only fails that store.
 ABANDONED_TEMP_S = 3600.0
 
 
@@ -251,11 +235,9 @@ def is_chunk_name(name: str, adapter: str = DEFAULT_TRIMMED) -> bool:
 
 def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: int,
                   spare_after: float | None = None) -> list[ChunkFile]:
-    """The oldest files (by mtime, then path, so the choice is deterministic) whose removal brings
-    total_bytes down to target_bytes or below; nothing when already there. Deleting by write age is
-    the only order the agent can see: lmcache's index and LRU live in the server's memory.
-    spare_after: never a file written at or after that time (a shared folder's grace: another
-    server may have just written it), even if the folder then stays above target_bytes."""
+    """The oldest files (by mtime, then path) whose removal brings total_bytes to target_bytes or below:
+    write age is the only order the agent sees (lmcache's LRU lives in its memory). spare_after: never a
+    file written at or after that time (a shared folder's grace), even if the folder stays above target."""
     chosen: list[ChunkFile] = []
     excess = total_bytes - target_bytes
     for f in sorted(files, key=lambda f: (f.mtime, f.path)):
@@ -267,29 +249,25 @@ def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: in
 
 
 def folder_files(folder: Path, now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> tuple[list[ChunkFile], list[ChunkFile]]:
-    """(committed chunk files, abandoned temp files) under folder, which must be a real directory:
-    all the agent may ever delete there. Anything else (another adapter's files, a temp file still
-    being written, what lmcache did not name, links) is neither deleted nor counted by the trim
-    (TRIMMED_ADAPTERS). A temp file (by its exact name) is abandoned once nothing has written it
-    for ABANDONED_TEMP_S: its writer is gone (a crash, a killed server), so no rename will ever
-    commit it. lmcache creates it with O_TRUNC and writes it at once, so its mtime is when its
-    writer last did anything with it."""
+    """(committed chunk files, abandoned temp files) under folder, a real directory: all the agent may ever
+    delete there. A temp file (by its exact name) is abandoned once untouched for ABANDONED_TEMP_S: its
+    writer is gone, so no rename will commit it."""
     now = time.time() if now is None else now
     chunks: list[ChunkFile] = []
     temps: list[ChunkFile] = []
     for path, name, st in _walk(folder):
         if not stat.S_ISREG(st.st_mode):
             continue
+        f = ChunkFile(path, st.st_size, st.st_mtime, st.st_ino)
         if is_chunk_name(name, adapter):
-            chunks.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+            chunks.append(f)
         elif TRIMMED_ADAPTERS[adapter][1].fullmatch(name) and now - st.st_mtime > ABANDONED_TEMP_S:
-            temps.append(ChunkFile(path, st.st_size, st.st_mtime, st.st_ino))
+            temps.append(f)
     return chunks, temps
 
 
 def _unlink_if_unchanged(f: ChunkFile) -> bool:
-    """Deletes f only if it is still the file that was chosen: lmcache may have renamed a fresh
-    write onto the same name since the scan (a re-store of a key it had not re-indexed)."""
+    """Deletes f only if it is still the file chosen: lmcache may have renamed a fresh write onto its name."""
     try:
         st = os.lstat(f.path)
         if not stat.S_ISREG(st.st_mode) or st.st_ino != f.ino or st.st_mtime != f.mtime:
@@ -313,11 +291,9 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
 
 def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
                    settled: Callable[[int], bool] | None = None) -> NamespaceUsage:
-    """Deletes the oldest chunk files of one namespace folder until its chunk files hold at most
-    capacity_bytes; returns what was deleted. Only the committed chunk files (folder_files) of
-    <root>/<namespace_id>, a real directory, count and go. grace_s: none written less than that
-    long ago goes (a shared folder: choose_oldest's spare_after). settled: asked with the chunk
-    files' total, whether an excess may go now (the agent's settle time)."""
+    """Deletes the oldest chunk files (folder_files) of one namespace folder until they hold at most
+    capacity_bytes; returns what went. grace_s: none younger goes. settled: asked with the chunk files'
+    total whether an excess may go now (the agent's settle time)."""
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return NamespaceUsage(namespace_id)
@@ -351,14 +327,13 @@ def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:
 
 
 def rank(namespaces: Iterable[NamespaceUsage]) -> list[NamespaceUsage]:
-    """Orphans first, the one whose deletion frees most at the top; equal sizes, the longest
-    unwritten first. Live namespaces last, largest first."""
+    """Orphans first, largest (then longest unwritten) first; live namespaces last, largest first."""
     return sorted(namespaces, key=lambda n: (not n.orphan, -n.bytes, n.last_write if n.last_write is not None else 0.0))
 
 
 def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[tuple[str, str | None, Inventory]]:
-    """The first scan of each location (claim): the servers of spec.l2.nvme.shared all mount one
-    claim, and their agents' scans of it must count its bytes once, not once per server."""
+    """The first scan of each location: the servers of spec.l2.nvme.shared mount one claim, whose bytes
+    count once, not once per server."""
     first: dict[str, tuple[str, str | None, Inventory]] = {}
     for volume in volumes:
         first.setdefault(volume[0], volume)
@@ -386,8 +361,7 @@ def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: st
 
 
 def served_of(inventory: Mapping[str, Any] | None, namespace_id: str | None) -> tuple[int, int] | None:
-    """(bytes, objects) of namespace_id over a status.inventory's volumes (each location once), or
-    None without an inventory: the volume's count of the namespace a resource serves."""
+    """(bytes, objects) of namespace_id over a status.inventory's volumes, or None without an inventory."""
     if not inventory or namespace_id is None:
         return None
     shares = [n for v in inventory.get("volumes") or [] for n in v.get("namespaces") or []

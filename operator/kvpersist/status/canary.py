@@ -1,24 +1,12 @@
-"""The correctness canary, judged: when each vLLM pod is due a check, what a check's answers mean,
-and the HitCorrectness condition, its event texts and status.canary. Pure functions; the calls to
-vLLM and the bookkeeping are kvpersist.controller.canary.
+"""The correctness canary, judged: when each vLLM pod is due a check, what served it, what its
+answers mean, and the HitCorrectness condition, its texts and status.canary. Pure functions; the
+calls to vLLM and the bookkeeping are kvpersist.controller.canary (docs/design.md, the canary).
 
-The product exists so that a hit never changes an answer. The canary checks it where it runs: a
-pinned greedy request (spec.canary) is answered once without the cache (a fresh random cache_salt
-is in every key of vLLM's prefix cache and of lmcache, so nothing cached can serve it) and that
-answer is kept in status.canary as the reference of the namespace id. The same request without a
-salt is then asked of every Ready vLLM pod that uses the cache, after each (re)start of the pod or
-of the lmcache server(s) on its node, and every intervalSeconds. An answer that differs is asked
-again, once without the cache and once with it: only when the cache-free answer is the reference
-again and the cached one differs again is it a HitMismatch (the cache off until a person
-acknowledges it); cache-free answers that disagree, or a cached answer that disagrees with
-itself, are nondeterminism (batching on a GPU may change greedy decoding), Unknown; a reference
-that a second cache-free answer contradicts is computed again, at most MAX_RECOMPUTES times.
-
-vLLM asks the cache (LMCache's connector) only for the part of a prompt its own prefix cache does
-not hold, so a check may be answered from vLLM's GPU memory and say nothing about lmcache. Each
-cached request is therefore attributed (served_by) from the pod's prompt-token counters and the
-lookup counters of the lmcache servers on its node, read before and after it: only a check that
-lmcache served counts as evidence, and HitCorrectness is True only with such a check.
+A greedy request answered without the cache (a fresh cache_salt: nothing cached can serve it) is
+the reference. A cached answer that differs is asked again without and with the cache: the
+reference again and a differing cached answer is a HitMismatch (the cache off until acknowledged);
+disagreeing answers are nondeterminism (Unknown). vLLM asks lmcache only for what its own prefix
+cache lacks, so only a check that lmcache served (served_by) is evidence.
 """
 
 from __future__ import annotations
@@ -47,23 +35,21 @@ API_KEY_UNAVAILABLE = "APIKeyUnavailable"
 NOT_REACHED = "LMCacheNotReached"
 ACK_ANNOTATION = "kvpersist.dev/hit-correctness-ack"
 
-# After a server restart vLLM finds its new server by its heartbeat (a ping every 10 s, each
-# waiting up to 10 s): a check before that is computed, not served from the cache. So a pod whose
-# servers changed is checked once they have all been Ready this long.
+# After a server restart vLLM finds its new server by its heartbeat (a ping every 10 s, each up to
+# 10 s): a check before that is computed. So a pod whose servers changed waits this long.
 SETTLE_S = 30.0
 # A check or reference that failed (vLLM unreachable, an error) is tried again after this.
 RETRY_S = 60.0
-# A reference a second cache-free answer contradicted is computed again, RETRY_S, then twice and
-# four times that later; after MAX_RECOMPUTES the canary gives no verdict for that (id, digest).
+# A contradicted reference is computed again after RETRY_S, doubling; after MAX_RECOMPUTES the
+# canary gives no verdict for that (id, digest).
 MAX_RECOMPUTES = 3
 
 Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
 
 
 def digest(spec: KVCacheNamespaceSpec) -> str:
-    """What decides the canary's answer besides the namespace id: the prompt and maxTokens, and
-    the vLLM settings outside the id that may change its float rounding (extraArgs, env). Another
-    digest is another reference."""
+    """What decides the canary's answer besides the namespace id (the prompt, maxTokens, and
+    extraArgs and env, which may change float rounding): another digest is another reference."""
     canary = spec.canary
     decided = {"prompt": canary.effective_prompt, "maxTokens": canary.max_tokens,
                "extraArgs": list(spec.vllm.extra_args), "env": [[e.name, e.value] for e in spec.vllm.env]}
@@ -130,8 +116,7 @@ def check_key(pod: Pod, servers: tuple[tuple[str, int, bool], ...]) -> CheckKey:
 
 @dataclass
 class PodMemory:
-    """What the operator remembers of one pod's checks (in memory: a restarted operator checks
-    every pod once)."""
+    """One pod's checks as remembered (in memory: a restarted operator checks every pod once)."""
 
     key: CheckKey | None = None  # as last seen with its servers all Ready (None: they were not), and since when
     seen_at: float = 0.0
@@ -148,10 +133,9 @@ def observe(memory: PodMemory, pod: Pod, servers: tuple[tuple[str, int, bool], .
 
 
 def due(pod: Pod, servers: tuple[tuple[str, int, bool], ...], memory: PodMemory, interval_s: float, now: float) -> bool:
-    """Whether a pod is to be checked now (observe() has seen it this round): Ready, using the
-    cache, its servers Ready; and then never checked in this form (after a (re)start of the pod at
-    once, of a server once they have been Ready for SETTLE_S), or not for interval_s; never within
-    RETRY_S of a check that did not answer."""
+    """Whether a pod (Ready, using the cache, its servers Ready) is to be checked now: never checked
+    in this form (a restarted pod at once, restarted servers after SETTLE_S), or not for interval_s;
+    never within RETRY_S of a check that did not answer."""
     if not (pod.ready and pod.uses_cache and pod.ip) or not servers or not all(ready for _, _, ready in servers):
         return False
     if now - memory.failed_at < RETRY_S:
@@ -174,20 +158,16 @@ UNKNOWN = "unknown"  # not attributable: counters unreadable, or other requests 
 TIERS = (GPU, L1, L2, LMCACHE, COMPUTED, UNKNOWN)
 FROM_LMCACHE = (L1, L2, LMCACHE)
 
-# vLLM's count of each request's prompt tokens by where their KV came from (vLLM 0.33.0,
-# vllm/v1/metrics/loggers.py; PromptTokenStats in vllm/v1/metrics/stats.py): computed on the pod,
-# found in its own prefix cache, or loaded through the KV connector (LMCache). A request adds its
-# prompt's tokens once, split over the three, in the output step of its first token (before its
-# answer is returned). One record per request, unlike vllm:external_prefix_cache_hits_total (the
-# connector's counter), so the three bound each other.
+# vLLM 0.33.0's prompt tokens by where their KV came from (v1/metrics/loggers.py): computed, its own
+# prefix cache, or the KV connector (LMCache). Each request adds its prompt's tokens once, split over
+# the three, before its answer returns, so the three bound each other.
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 @dataclass(frozen=True)
 class PromptTokenSources:
-    """A vLLM pod's cumulative prompt tokens by source, and its process start (a restarted vLLM
-    counts from zero)."""
+    """A vLLM pod's cumulative prompt tokens by source, and its process start."""
 
     computed: int
     local_cache_hit: int
@@ -196,8 +176,7 @@ class PromptTokenSources:
 
 
 def prompt_token_sources(text: str) -> PromptTokenSources | None:
-    """The counters of a vLLM /metrics body; None when unknown: not Prometheus text, no such
-    counter (a vLLM without it), or a value that is no count. Never raises."""
+    """The counters of a vLLM /metrics body; None when unknown (not there, no count). Never raises."""
     by = usage.sum_by_label(text, PROMPT_TOKENS_BY_SOURCE, "source")
     if not by or any(s not in by for s in SOURCES):
         return None
@@ -211,16 +190,14 @@ def prompt_token_sources(text: str) -> PromptTokenSources | None:
 
 @dataclass(frozen=True)
 class Counters:
-    """What was read on one side of a cached request: the pod's prompt-token counters and the
-    lookup counters of the lmcache servers on its node, by pod name (None: unknown)."""
+    """Read on one side of a cached request: the pod's counters and its node's servers' (None: unknown)."""
 
     vllm: PromptTokenSources | None
     servers: Mapping[str, LookupCounters | None]
 
 
 def cacheable_tokens(prompt_tokens: int) -> int:
-    """The tokens of a prompt lmcache can serve: its whole chunks, the last token left out (vLLM
-    always computes it and looks up only the tokens before it)."""
+    """The tokens lmcache can serve: whole chunks, the last token left out (vLLM always computes it)."""
     return (prompt_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS if prompt_tokens > 0 else 0
 
 
@@ -228,20 +205,22 @@ def _grew(before: int, after: int) -> int | None:
     return after - before if after >= before else None
 
 
+def _changed(a: object, b: object) -> bool:
+    """Both known and different: a process restarted, events were dropped."""
+    return a is not None and b is not None and a != b
+
+
 def served_by(prompt_tokens: int | None, before: Counters, after: Counters) -> str:
-    """Which tier served one cached request of prompt_tokens tokens (P), from counters read around
-    it. Other requests to the pod may move the same counters meanwhile, so each figure is a lower
-    bound for this request alone: its three sources add up to P, and each counter grew by at least
-    this request's share, so it had at least P minus the growth of the other two from each source.
-    A tier is named only when that bound reaches the cacheable tokens (C): external >= C is lmcache
-    (L1 or L2 when the servers' counters bound that too), local hits >= C vLLM's own cache (GPU),
-    computed > P - C computed; anything else, or counters that did not grow by P at all (this
-    request not counted yet), a restart between the readings or counters unread, is UNKNOWN."""
+    """Which tier served one cached request of P prompt tokens, from counters read around it. Other
+    requests may move them too, so each source gave this request at least P minus the growth of the
+    other two; a tier is named only when that bound reaches the cacheable tokens C: external (lmcache,
+    _lmcache_tier), local hits (GPU), or computed > P - C. Anything else, counters that grew by less
+    than P (not counted yet), a restart between the readings or counters unread: UNKNOWN."""
     if not prompt_tokens or before.vllm is None or after.vllm is None:
         return UNKNOWN
     cacheable = cacheable_tokens(prompt_tokens)
     b, a = before.vllm, after.vllm
-    if cacheable <= 0 or (b.started is not None and a.started is not None and b.started != a.started):
+    if cacheable <= 0 or _changed(b.started, a.started):
         return UNKNOWN
     grew = [_grew(b.computed, a.computed), _grew(b.local_cache_hit, a.local_cache_hit), _grew(b.external, a.external)]
     if None in grew:
@@ -260,23 +239,17 @@ def served_by(prompt_tokens: int | None, before: Counters, after: Counters) -> s
 
 def _lmcache_tier(external: int, cacheable: int, before: Mapping[str, LookupCounters | None],
                   after: Mapping[str, LookupCounters | None]) -> str:
-    """L1, L2 or LMCACHE for a request that loaded at least `external` (>= cacheable) tokens from
-    lmcache. Its one lookup on the node's server(s) hit at least that many tokens, split hit_l1 +
-    hit_l2; each counter grew by at least this lookup's share, so L2 gave it at least external
-    minus what hit_l1 grew by (and L1 likewise). Named only when that reaches the cacheable
-    tokens: all of it from one tier. LMCACHE when a server's counters are unknown on either side,
-    it restarted, its event bus still held events or dropped some (lookups not counted yet, or
-    never), or they grew by less than external (this lookup not counted yet)."""
+    """L1, L2 or LMCACHE for a request that loaded at least `external` tokens from lmcache: L2 gave
+    at least external minus what hit_l1 grew by (L1 likewise), named when that reaches cacheable.
+    LMCACHE when a server's counters are unknown, it restarted, its event bus held or dropped
+    events (lookups not counted yet, or never), or they grew by less than external."""
     if not before or set(before) != set(after):
         return LMCACHE
     hit = l1 = l2 = 0
     for pod, old in before.items():
         new = after[pod]
-        if old is None or new is None or (old.started is not None and new.started is not None
-                                          and old.started != new.started):
-            return LMCACHE
-        if new.events_queued or (old.events_dropped is not None and new.events_dropped is not None
-                                 and new.events_dropped != old.events_dropped):
+        if (old is None or new is None or _changed(old.started, new.started) or new.events_queued
+                or _changed(old.events_dropped, new.events_dropped)):
             return LMCACHE
         grew = [_grew(old.hit, new.hit), _grew(old.hit_l1, new.hit_l1), _grew(old.hit_l2, new.hit_l2)]
         if None in grew:
@@ -296,8 +269,7 @@ def _lmcache_tier(external: int, cacheable: int, before: Mapping[str, LookupCoun
 
 @dataclass(frozen=True)
 class Answers:
-    """One check's answers: the cached one, and when it differs from the reference, a second
-    answer without the cache and a second with it."""
+    """One check's answers: the cached one and, when it differs, a second without and with the cache."""
 
     cached: tuple[int, ...]
     cache_free_again: tuple[int, ...] | None = None
@@ -305,8 +277,7 @@ class Answers:
 
 
 def judge(reference: tuple[int, ...], answers: Answers) -> str | None:
-    """MATCH, MISMATCH or NONDETERMINISTIC; None: the cached answer differs and the second pair
-    is still to be asked."""
+    """MATCH, MISMATCH or NONDETERMINISTIC; None: the second pair is still to be asked."""
     if answers.cached == reference:
         return MATCH
     if answers.cache_free_again is None or answers.cached_again is None:
@@ -317,14 +288,12 @@ def judge(reference: tuple[int, ...], answers: Answers) -> str | None:
 
 
 def reference_contradicted(reference: tuple[int, ...], answers: Answers) -> bool:
-    """A second cache-free answer differs from the reference: the reference itself may be the odd
-    one out (computed in a nondeterministic moment), so it is computed again (MAX_RECOMPUTES)."""
+    """A second cache-free answer differs: the reference may be the odd one out, computed again."""
     return answers.cache_free_again is not None and answers.cache_free_again != reference
 
 
 def recompute_after(recomputes: int) -> float | None:
-    """Seconds until a contradicted reference is computed again, doubling each time; None once it
-    was computed again MAX_RECOMPUTES times for its (id, digest)."""
+    """Seconds until a contradicted reference is computed again; None after MAX_RECOMPUTES."""
     return RETRY_S * 2**recomputes if recomputes < MAX_RECOMPUTES else None
 
 
@@ -343,8 +312,7 @@ def reference_for(record: Mapping[str, Any] | None, namespace_id: str | None, pr
 
 
 def standing(record: Mapping[str, Any] | None, namespace_id: str | None) -> dict[str, Any] | None:
-    """The mismatch that keeps the cache off: one found under this namespace id and not yet
-    acknowledged. Another id starts clean (its data is another folder)."""
+    """The unacknowledged mismatch of this namespace id, which keeps the cache off (another id starts clean)."""
     if not record or namespace_id is None or record.get("namespaceId") != namespace_id:
         return None
     found = record.get("mismatch")
@@ -359,10 +327,8 @@ def recomputes(record: Mapping[str, Any] | None) -> int:
 
 def with_reference(record: Mapping[str, Any] | None, namespace_id: str, prompt_digest: str, tokens: tuple[int, ...],
                    pod: str, at: str, prompt_tokens: int | None = None) -> dict[str, Any]:
-    """A new reference, its checks to come (the matches counted were against the old one). A
-    mismatch of the same namespace id stays (a new prompt does not make the old hit right); under
-    another id the record starts clean. Another reference for the same id and digest is one
-    computed again: counted (referenceRecomputes)."""
+    """A new reference, its checks to come. A mismatch of the same id stays (a new prompt does not
+    make the old hit right); a new one for the same id and digest counts as referenceRecomputes."""
     out: dict[str, Any] = {"namespaceId": namespace_id, "promptDigest": prompt_digest,
                            "referenceTokenIds": list(tokens), "referenceAt": at, "referencePod": pod}
     if prompt_tokens is not None:
@@ -376,8 +342,7 @@ def with_reference(record: Mapping[str, Any] | None, namespace_id: str, prompt_d
 
 
 def with_check(record: Mapping[str, Any], pod: str, at: str, match: bool, tier: str = UNKNOWN) -> dict[str, Any]:
-    """The check as lastCheck; a match counted by the tier that served it (matches), and, served
-    by lmcache, kept as lastServedCheck: the evidence HitCorrectness True rests on."""
+    """The check as lastCheck; a match counted by tier, and kept as lastServedCheck when lmcache served it."""
     check = {"at": at, "pod": pod, "match": match, "tier": tier}
     out = {**record, "lastCheck": check}
     if match:
@@ -415,15 +380,13 @@ def ack_command(name: str, namespace: str, mismatch_id: str) -> str:
 
 
 def _window(tokens: list[int], start: int, size: int = 8) -> str:
-    """Token ids from the first difference on, at most size of them: the message stays within an
-    Event's 1024 characters with the acknowledgement in it (status.canary.mismatch has them all)."""
+    """At most size token ids from the first difference: the message fits an Event's 1024 characters."""
     shown = ", ".join(str(t) for t in tokens[start:start + size])
     return f"[{'..., ' if start else ''}{shown}{', ...' if len(tokens) > start + size else ''}]"
 
 
 def mismatch_message(mismatch: Mapping[str, Any], namespace_id: str, name: str, namespace: str) -> str:
-    """What happened, what it did, and what to do, within an Event's 1024 characters: the Warning
-    event and the condition's message."""
+    """What happened, what it did and what to do: the Warning event's and the condition's message."""
     expected, got = list(mismatch.get("expected") or []), list(mismatch.get("got") or [])
     at = first_difference(expected, got)
     return (f"vLLM pod {mismatch.get('pod')} (namespace {namespace_id}) served the canary's greedy answer with the cache "
@@ -473,8 +436,7 @@ def not_reached_message(record: Mapping[str, Any]) -> str:
 
 def nondeterministic_message(pod: str, reference: tuple[int, ...], answers: Answers,
                              recompute_in: float | None = None) -> str:
-    """recompute_in: when the reference a second cache-free answer contradicted is computed again
-    (None: it was computed again MAX_RECOMPUTES times already)."""
+    """recompute_in: when a contradicted reference is computed again (None: no more)."""
     contradicted = reference_contradicted(reference, answers)
     why = ("a second answer without the cache differs from the reference" if contradicted
            else "a second answer with the cache is the reference")
@@ -493,12 +455,9 @@ def nondeterministic_message(pod: str, reference: tuple[int, ...], answers: Answ
 
 def condition_of(record: Mapping[str, Any] | None, namespace_id: str | None, prompt_digest: str, outcome: Verdict | None,
                  enabled: bool, max_tokens: int, name: str, namespace: str) -> Verdict | None:
-    """HitCorrectness: False HitMismatch while a mismatch stands (the canary on or off: it keeps the
-    cache off either way); else, with the canary on, the last outcome for this id and digest (an
-    unreachable vLLM, nondeterminism), then the record: the last check a match and some matching
-    check served by lmcache, True; matches none of which lmcache served (vLLM's own prefix cache
-    answered), Unknown LMCacheNotReached: no claim about the cache; else Unknown Checking. Nothing
-    with the canary off or without a namespace id."""
+    """HitCorrectness: False while a mismatch stands (canary on or off); else, with the canary on
+    and a namespace id, the last outcome, then the record: True when the last check matched and one
+    lmcache served did; Unknown LMCacheNotReached when lmcache served none; else Unknown Checking."""
     found = standing(record, namespace_id)
     if found is not None:
         return (False, MISMATCH, mismatch_message(found, str(namespace_id), name, namespace))

@@ -10,7 +10,8 @@ from typing import Any
 from kvpersist.builders import buildcheck
 from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
-from kvpersist.inventory.volume import iso, parse_iso
+from kvpersist.inventory.space import NEARLY_FULL, fraction, nearly_full
+from kvpersist.inventory.volume import iso, parse_iso, served_of
 from kvpersist.status.build import CONDITION as BUILD_CONDITION
 from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
 from kvpersist.status.build import BuildVerdict, bypass_message
@@ -20,12 +21,13 @@ from kvpersist.status.creatorrights import CONDITION as CREATOR_RIGHTS_CONDITION
 from kvpersist.status.keymismatch import KEY_MISMATCH
 from kvpersist.status.references import CONDITION as REFERENCES_CONDITION
 from kvpersist.status.references import MISSING as REFERENCE_MISSING
-from kvpersist.status.usage import ServerReport, summarize
+from kvpersist.status.usage import ServerReport, human_bytes, namespace_l2, summarize
 from kvpersist.status.workloads import pod_ready
 
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
 HITS_WRITE_INTERVAL_S = 60.0
+Verdict = tuple[bool | None, str, str]  # (status, reason, message), as condition takes them
 
 SPACE_CONDITION = "L2SpaceAvailable"
 WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)
@@ -33,14 +35,12 @@ CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady"
                    CANARY_CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, REFERENCES_CONDITION,
                    CREATOR_RIGHTS_CONDITION, "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job,
-# a nearly full claim is a warning before it fills (writes still succeed), and a declared prompt
-# not warm yet is only slower (computed or read from L2 on its first request).
-# CreatorRightsEnforced False is the cluster's exposure, not this resource's health.
+# a nearly full claim a warning (writes still succeed), a prompt not warm yet only slower, and
+# CreatorRightsEnforced False the cluster's exposure, not this resource's health.
 INFORMATIONAL = ("WithinBudget", SPACE_CONDITION, "PinsVerified", WARM_CONDITION,  # PinsVerified False turns the cache off itself
                  CREATOR_RIGHTS_CONDITION)
-# ReferencesFound False holds Ready back only through what it stops (pods that never start are not
-# ready; a missing pull Secret of a public image stops nothing), but while Ready is False for any
-# reason a missing object is named first: it is why the pods wait.
+# ReferencesFound False holds Ready back only through what it stops (a missing pull Secret of a
+# public image stops nothing), but while Ready is False a missing object is named first.
 
 
 def now() -> str:
@@ -56,9 +56,8 @@ def condition(type_: str, ok: bool | None, reason: str, message: str = "", gener
 
 
 def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, Any]:
-    """BuildVerified: False (BuildMismatch) while a server refuses or vLLM runs without the cache
-    over its versions, naming the pod, both versions and the fix; True (BuildMatches) while none
-    has refused; Unknown (NotComparable) when connectorBuild names no versions."""
+    """BuildVerified: False while a server refuses or vLLM runs without the cache over its versions;
+    True while none has refused; Unknown when connectorBuild names no versions."""
     declared = buildcheck.declared_versions(verdict.connector_build)
     server = next((r for r in verdict.refusals if r.component == SERVER), None)
     problems = []
@@ -71,12 +70,11 @@ def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, 
         return condition(BUILD_CONDITION, False, BUILD_MISMATCH, "; ".join(problems), generation)
     if declared is None:
         return condition(BUILD_CONDITION, None, "NotComparable",
-                    f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions (vllm-X+lmcache-Y): "
-                    f"nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)", generation)
-    return condition(BUILD_CONDITION, True, "BuildMatches",
-                f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: each lmcache server and each vLLM pod "
-                "with the cache checks the versions it runs at start and would refuse to start on a difference; none "
-                "has refused", generation)
+                         f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions (vllm-X+lmcache-Y): "
+                         f"nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)", generation)
+    return condition(BUILD_CONDITION, True, "BuildMatches", f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: "
+                     "each lmcache server and each vLLM pod with the cache checks the versions it runs at start and would "
+                     "refuse to start on a difference; none has refused", generation)
 
 
 def merge_conditions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -131,9 +129,8 @@ class Observation:
     unadmitted: list[str] = field(default_factory=list)  # labelled pods the attach policies never saw (Seen)
 
 
-# Pods refused at creation (PodSecurity admission, a quota, a webhook). A Deployment says so in its
-# ReplicaFailure condition (in the watch cache); a StatefulSet only in FailedCreate Events, read
-# when it has lacked pods this long, at most this often per resource: none while all pods exist.
+# Pods refused at creation (PodSecurity, a quota, a webhook): a Deployment's ReplicaFailure says so;
+# a StatefulSet only FailedCreate Events, read once it lacked pods this long, at most this often.
 PODS_MISSING_GRACE_S = 10.0
 FAILED_CREATE_RECHECK_S = 60.0
 FAILURE_MESSAGE_MAX = 1024
@@ -166,8 +163,7 @@ def _event_time(event: Mapping[str, Any]) -> float:
 
 
 def failed_create(events: Iterable[Mapping[str, Any]]) -> str | None:
-    """The API server's reason from a workload's latest FailedCreate Event, unless a pod was
-    created after it (SuccessfulCreate): then that failure is over."""
+    """The latest FailedCreate Event's message, unless a pod was created after it (SuccessfulCreate)."""
     failed = [e for e in events if e.get("reason") == "FailedCreate"]
     if not failed:
         return None
@@ -179,9 +175,8 @@ def failed_create(events: Iterable[Mapping[str, Any]]) -> str | None:
 
 
 class FailedCreateCheck:
-    """When to read a StatefulSet's Events, and the last answer: only after its pods have been
-    missing PODS_MISSING_GRACE_S, then at most once per FAILED_CREATE_RECHECK_S; forgotten as soon
-    as every pod exists. Bounded: an idle or healthy resource costs no request."""
+    """When to read a StatefulSet's Events, and the last answer: after its pods were missing
+    PODS_MISSING_GRACE_S, at most once per FAILED_CREATE_RECHECK_S; a healthy resource costs none."""
 
     def __init__(self) -> None:
         self._missing_since: dict[Any, float] = {}
@@ -211,8 +206,7 @@ def replica_failure(deployment: Mapping[str, Any] | None) -> str | None:
 
 
 def not_created(what: str, message: str) -> tuple[str, str]:
-    """(reason, message) for pods the API server refused: PodsForbidden, with the fix, when Pod
-    Security admission refused them; PodsNotCreated with the API server's words otherwise."""
+    """(reason, message) for refused pods: PodsForbidden with the fix for Pod Security, else PodsNotCreated."""
     if "PodSecurity" in message:
         return "PodsForbidden", f"the API server refuses the {what} pods: {message}; {POD_SECURITY_FIX}"
     return "PodsNotCreated", f"the {what} pods cannot be created: {message}"
@@ -230,18 +224,11 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
 
 
 def budget_status(obs: Observation) -> dict[str, Any] | None:
-    """status.budget. Used bytes: the larger of the servers' count (what lmcache enforces against,
-    only what it saw since it started) and the volume's (the data itself, from a scan up to 30 s
-    old), and never less than last written for the same namespace: with a budget the adapter
-    evicts nothing, and gc refuses the namespace being served, so its bytes do not shrink; a
-    restarted server (counting from zero) beside a scan from before the last writes must not make
-    a full budget look Available. Exhausted once the next object of average size would not fit:
-    lmcache refuses it."""
+    """status.budget. Used: namespace_l2, never less than last written (a budgeted namespace's bytes
+    do not shrink, and a restarted server counts from zero). Exhausted once the next object of
+    average size would not fit: lmcache refuses it."""
     if obs.budget_bytes is None or obs.namespace_id is None:
         return None
-    from kvpersist.inventory.volume import served_of
-    from kvpersist.status.usage import human_bytes, namespace_l2
-
     reported = [r for r in obs.reports if r.l2_used is not None]
     volume = served_of(obs.inventory, obs.namespace_id)
     if not reported and volume is None and not obs.budget_floor:  # nothing measured yet
@@ -259,38 +246,29 @@ def budget_status(obs: Observation) -> dict[str, Any] | None:
 
 
 def budget_floor(obs: Observation) -> int:
-    """The least a budgeted namespace's L2 bytes may read: the last written, never above the budget
-    (past it, lmcache restarted counting from zero, the agent trims the folder back to the budget);
-    0 without a budget."""
+    """The least a budgeted namespace's L2 bytes may read: the last written, capped at the budget
+    (the agent trims the folder back to it); 0 without a budget."""
     return min(obs.budget_floor, obs.budget_bytes) if obs.budget_bytes is not None else 0
 
 
-def _budget_condition(budget: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
+def _budget_verdict(budget: Mapping[str, Any] | None) -> Verdict | None:
     if budget is None:
         return None
-    if budget["state"] == "Exhausted":
-        return condition("WithinBudget", False, "BudgetExhausted",
-                         f"L2 holds {budget['_shown']} of this namespace's budget: new KV is not persisted (served from L1 "
-                         "and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room", gen)
-    return condition("WithinBudget", True, "UnderBudget", f"L2 budget {budget['_shown']} used", gen)
+    if budget["state"] != "Exhausted":
+        return (True, "UnderBudget", f"L2 budget {budget['_shown']} used")
+    return (False, "BudgetExhausted", f"L2 holds {budget['_shown']} of this namespace's budget: new KV is not persisted "
+            "(served from L1 and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room")
 
 
 def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
-    """L2SpaceAvailable: False (ClaimNearlyFull) once the fullest claim is at NEARLY_FULL (90%) of
-    its size, every namespace counted, naming the other namespaces' folders and how to delete them
-    explicitly; True (ClaimHasRoom) otherwise; absent while no claim was read."""
-    from kvpersist.inventory.space import NEARLY_FULL, nearly_full
-    from kvpersist.status.usage import human_bytes
-
+    """L2SpaceAvailable: False once the fullest claim is NEARLY_FULL, naming the other namespaces'
+    folders and how to delete them; True otherwise; absent while no claim was read."""
     full = nearly_full(dict(l2) if l2 else None)
     if l2 is None or full is None:
         return None
-    from kvpersist.inventory.space import fraction
-
     share = fraction(dict(l2))
-    where = f"{l2['location']} is {'?' if share is None else f'{min(share, 9.999) * 100:.1f}%'} full " \
-            f"({human_bytes(l2['usedBytes']) or '0B'} of " \
-            f"{human_bytes(l2.get('capacityBytes') or 0) or '?'})"
+    where = (f"{l2['location']} is {'?' if share is None else f'{min(share, 9.999) * 100:.1f}%'} full "
+             f"({human_bytes(l2['usedBytes']) or '0B'} of {human_bytes(l2.get('capacityBytes') or 0) or '?'})")
     others = l2.get("largestOtherNamespaces") or []
     held = f"; other namespaces' folders hold {human_bytes(l2.get('otherNamespacesBytes') or 0) or '0B'}" if others else ""
     if not full:
@@ -326,15 +304,16 @@ def shareable(claim: Mapping[str, Any]) -> bool:
     return "ReadWriteMany" in access_modes(claim)
 
 
-def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] | None) -> dict[str, Any]:
+
+def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
     """L2Ready: claims (NVMe) or the bucket preflight (Hugging Face), the adapters' health, and
     L2 writes failing now, which lmcache's /status does not show."""
     if obs.key_problem is not None:  # no key, no namespace (kvpersist.controller.l2key): said here and in IdentityResolved
-        return condition("L2Ready", False, obs.key_problem[0], obs.key_problem[1], gen)
+        return (False, *obs.key_problem)
     if obs.namespace_id is None:
-        return condition("L2Ready", None, "CacheDisabled", "no namespace, no L2 in use", gen)
+        return (None, "CacheDisabled", "no namespace, no L2 in use")
     if obs.key_mismatch is not None:  # servers that refuse to start on the key file they mount
-        return condition("L2Ready", False, KEY_MISMATCH, obs.key_mismatch, gen)
+        return (False, KEY_MISMATCH, obs.key_mismatch)
     bad_adapter = [r.pod for r in obs.reports if r.l2_healthy is False]
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
@@ -342,123 +321,103 @@ def _l2_condition(obs: Observation, gen: int | None, budget: Mapping[str, Any] |
     if obs.l2_kind == "nvme":
         pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
         if obs.existing_claim and not obs.claims:
-            return condition("L2Ready", False, "ClaimNotFound",
-                             f"claim {obs.existing_claim} not found: create it, or fix spec.l2.nvme.existingClaimName", gen)
+            return (False, "ClaimNotFound", f"claim {obs.existing_claim} not found: create it, or fix "
+                    "spec.l2.nvme.existingClaimName")
         wanted = min(1, obs.server_desired) if obs.shared else obs.server_desired
         if len(obs.claims) < wanted:
             maker = "the operator creates it" if obs.shared else "the StatefulSet creates them"
-            return condition("L2Ready", False, "ClaimMissing", f"{len(obs.claims)}/{wanted} claims exist; {maker}", gen)
+            return (False, "ClaimMissing", f"{len(obs.claims)}/{wanted} claims exist; {maker}")
         not_shared = [c for c in obs.claims if obs.shared and not shareable(c)]
         if not_shared:
             c = not_shared[0]
             modes = ", ".join(access_modes(c)) or "of no access mode"
-            return condition("L2Ready", False, CLAIM_NOT_SHARED,
-                             f"spec.l2.nvme.shared: claim {c['metadata']['name']} is {modes}, not ReadWriteMany: the "
-                             "servers on other nodes cannot mount it, so they cannot start. Name a ReadWriteMany claim "
-                             "of a shared filesystem (NFS, Lustre, EFS, CephFS) in spec.l2.nvme.existingClaimName, or set "
-                             "spec.lmcacheServer.replicas to 1", gen)
+            return (False, CLAIM_NOT_SHARED,
+                    f"spec.l2.nvme.shared: claim {c['metadata']['name']} is {modes}, not ReadWriteMany: the "
+                    "servers on other nodes cannot mount it, so they cannot start. Name a ReadWriteMany claim "
+                    "of a shared filesystem (NFS, Lustre, EFS, CephFS) in spec.l2.nvme.existingClaimName, or set "
+                    "spec.lmcacheServer.replicas to 1")
         if pending:
-            return condition("L2Ready", False, "ClaimPending", f"claims not bound: {', '.join(sorted(pending))}; check "
-                             "spec.l2.nvme.storageClassName and that matching PersistentVolumes exist", gen)
+            return (False, "ClaimPending", f"claims not bound: {', '.join(sorted(pending))}; check "
+                    "spec.l2.nvme.storageClassName and that matching PersistentVolumes exist")
     elif obs.bucket_check is not None and not obs.bucket_check[0]:
-        return condition("L2Ready", False, obs.bucket_check[1], obs.bucket_check[2], gen)
+        return (False, obs.bucket_check[1], obs.bucket_check[2])
     if bad_adapter:
-        return condition("L2Ready", False, "AdapterUnhealthy", f"{obs.l2_kind} L2 adapter unhealthy on {', '.join(bad_adapter)}",
-                         gen)
+        return (False, "AdapterUnhealthy", f"{obs.l2_kind} L2 adapter unhealthy on {', '.join(bad_adapter)}")
     if failing:
         detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
-        return condition("L2Ready", False, "L2WritesFailing",
-                         f"L2 writes failing on {detail}: the volume is full or failing; serving continues from L1 "
-                         "and recompute. Free space or raise the claim, and keep maxCapacity below the free space", gen)
+        return (False, "L2WritesFailing", f"L2 writes failing on {detail}: the volume is full or failing; serving "
+                "continues from L1 and recompute. Free space or raise the claim, and keep maxCapacity below the free space")
     if obs.l2_kind == "nvme":
-        return condition("L2Ready", True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound", gen)
+        return (True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound")
     check = f"; {obs.bucket_check[2]}" if obs.bucket_check else ""
     if any(r.l2_healthy for r in obs.reports):
-        return condition("L2Ready", True, "AdapterHealthy", "hfbucket adapter healthy" + check, gen)
+        return (True, "AdapterHealthy", "hfbucket adapter healthy" + check)
     if obs.bucket_check is not None:
-        return condition("L2Ready", None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet", gen)
-    return condition("L2Ready", None, "NotMeasured", "no lmcache server has reported yet", gen)
+        return (None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet")
+    return (None, "NotMeasured", "no lmcache server has reported yet")
+
+
+def _vllm_verdict(obs: Observation, vllm_done: bool, vllm_ready: int) -> Verdict:
+    if obs.attached is not None:
+        # The user's own pods: how many there are is theirs to say; none yet holds nothing back.
+        count, ready, name = obs.attached
+        if obs.unadmitted:
+            shown = ", ".join(obs.unadmitted[:5]) + (f" and {len(obs.unadmitted) - 5} more" if len(obs.unadmitted) > 5 else "")
+            return (False, "AttachPoliciesMissing",
+                    f"pods labelled {ATTACH_LABEL}={name} run without the cache ({shown}): the API server "
+                    "admitted them without the attach policies, which add the connection; install them "
+                    "(the chart's attach.enabled, Kubernetes 1.36 or later, or config/attach/attach.yaml) "
+                    f"and restart those pods; {ready}/{count} attached vLLM pods ready")
+        if count == 0:
+            return (None, "NoAttachedPods", f"no vLLM pod is attached yet: label your vLLM pods {ATTACH_LABEL}={name} "
+                    "(docs/attach.md)")
+        return (ready > 0, "AttachedPodsReady" if ready else "AttachedPodsNotReady", f"{ready}/{count} attached vLLM pods ready")
+    failure = replica_failure(obs.deployment)
+    if failure is not None and not vllm_done:
+        return (False, *not_created("vLLM", failure))
+    return (vllm_done, "PodsReady" if vllm_done else "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready")
+
+
+def _given(type_: str, verdict: Verdict | None, gen: int | None) -> dict[str, Any] | None:
+    return None if verdict is None else condition(type_, *verdict, gen)
 
 
 def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The status fields (without timestamps) and the conditions for one observation."""
     gen = obs.generation
-    conds: list[dict[str, Any]] = []
     cache_on = obs.namespace_id is not None
-    if cache_on:
-        conds.append(condition("IdentityResolved", True, "PinsComplete", f"compatibility namespace {obs.namespace_id}", gen))
-    else:
-        conds.append(condition("IdentityResolved", False, obs.identity_code,
-                               f"cache disabled, vLLM runs without it: {obs.identity_reason}", gen))
-
+    identity: Verdict = ((True, "PinsComplete", f"compatibility namespace {obs.namespace_id}") if cache_on else
+                         (False, obs.identity_code, f"cache disabled, vLLM runs without it: {obs.identity_reason}"))
     servers_done, servers_ready = _rollout_done(obs.statefulset, obs.server_desired)
     vllm_done, vllm_ready = _rollout_done(obs.deployment, obs.vllm_desired)
     ready_pods = {p["metadata"]["name"] for p in obs.server_pods if pod_ready(p)}
     sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
-
     budget = budget_status(obs)
-    conds.append(_l2_condition(obs, gen, budget))
 
-    # lmcache servers
+    lmcache: Verdict
     if not cache_on:
-        conds.append(condition("LMCacheReady", None, "CacheDisabled", "lmcache servers scaled to zero", gen))
+        lmcache = (None, "CacheDisabled", "lmcache servers scaled to zero")
     elif sick:
-        conds.append(condition("LMCacheReady", False, "ServerUnhealthy",
-                               "; ".join(f"{r.pod}: {r.message}" for r in sick), gen))
+        lmcache = (False, "ServerUnhealthy", "; ".join(f"{r.pod}: {r.message}" for r in sick))
     elif obs.server_create_failure is not None and not servers_done:
-        conds.append(condition("LMCacheReady", False, *not_created("lmcache server", obs.server_create_failure), gen))
+        lmcache = (False, *not_created("lmcache server", obs.server_create_failure))
     elif servers_done and len([r for r in obs.reports if r.healthy]) >= obs.server_desired:
-        conds.append(condition("LMCacheReady", True, "ServersHealthy", f"{servers_ready}/{obs.server_desired} servers healthy", gen))
+        lmcache = (True, "ServersHealthy", f"{servers_ready}/{obs.server_desired} servers healthy")
     else:
-        conds.append(condition("LMCacheReady", False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready", gen))
+        lmcache = (False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready")
 
-    # vLLM
-    vllm_failure = replica_failure(obs.deployment)
     vllm_desired = obs.vllm_desired if obs.attached is None else obs.attached[0]  # attached: the pods there are
+    vllm = _vllm_verdict(obs, vllm_done, vllm_ready)
     if obs.attached is not None:
-        # The user's own pods: how many there are is theirs to say; none yet holds nothing back.
-        count, vllm_ready, name = obs.attached
-        if obs.unadmitted:
-            shown = ", ".join(obs.unadmitted[:5]) + (f" and {len(obs.unadmitted) - 5} more" if len(obs.unadmitted) > 5 else "")
-            conds.append(condition("VLLMReady", False, "AttachPoliciesMissing",
-                                   f"pods labelled {ATTACH_LABEL}={name} run without the cache ({shown}): the API server "
-                                   "admitted them without the attach policies, which add the connection; install them "
-                                   "(the chart's attach.enabled, Kubernetes 1.36 or later, or config/attach/attach.yaml) "
-                                   f"and restart those pods; {vllm_ready}/{count} attached vLLM pods ready", gen))
-        elif count == 0:
-            conds.append(condition("VLLMReady", None, "NoAttachedPods", f"no vLLM pod is attached yet: label your vLLM "
-                                   f"pods {ATTACH_LABEL}={name} (docs/attach.md)", gen))
-        else:
-            conds.append(condition("VLLMReady", vllm_ready > 0, "AttachedPodsReady" if vllm_ready else "AttachedPodsNotReady",
-                                   f"{vllm_ready}/{count} attached vLLM pods ready", gen))
-    elif vllm_failure is not None and not vllm_done:
-        conds.append(condition("VLLMReady", False, *not_created("vLLM", vllm_failure), gen))
-    elif vllm_done:
-        conds.append(condition("VLLMReady", True, "PodsReady", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
-    else:
-        conds.append(condition("VLLMReady", False, "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready", gen))
-
-    if obs.build is not None and cache_on:
-        conds.append(build_condition(obs.build, gen))
-
-    if obs.pins is not None:
-        conds.append(condition("PinsVerified", *obs.pins, gen))
-
-    if obs.canary is not None and cache_on:
-        conds.append(condition(CANARY_CONDITION, *obs.canary, gen))
-
-    budget_cond = _budget_condition(budget, gen)
-    if budget_cond is not None:
-        conds.append(budget_cond)
-    space_cond = space_condition(obs.l2_space, gen) if cache_on else None
-    if space_cond is not None:
-        conds.append(space_cond)
-    if obs.warm is not None:
-        conds.append(condition(WARM_CONDITION, *obs.warm, gen))
-    if obs.references is not None:
-        conds.append(condition(REFERENCES_CONDITION, *obs.references, gen))
-    if obs.creator_rights is not None:
-        conds.append(condition(CREATOR_RIGHTS_CONDITION, *obs.creator_rights, gen))
+        vllm_ready = obs.attached[1]
+    conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
+                                               ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
+    optional = [build_condition(obs.build, gen) if obs.build is not None and cache_on else None,
+                _given("PinsVerified", obs.pins, gen), _given(CANARY_CONDITION, obs.canary if cache_on else None, gen),
+                _given("WithinBudget", _budget_verdict(budget), gen), space_condition(obs.l2_space, gen) if cache_on else None,
+                _given(WARM_CONDITION, obs.warm, gen), _given(REFERENCES_CONDITION, obs.references, gen),
+                _given(CREATOR_RIGHTS_CONDITION, obs.creator_rights, gen)]
+    conds += [c for c in optional if c is not None]
 
     by_type = {c["type"]: c for c in conds}
     # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a
@@ -467,12 +426,11 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, REFERENCES_CONDITION)
               and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"),
                                                    ("VLLMReady", "Unknown"))]
+    ready: Verdict
     if not cache_on:
-        phase = "CacheDisabled"
-        conds.append(condition("Ready", False, "CacheDisabled", by_type["IdentityResolved"]["message"], gen))
+        phase, ready = "CacheDisabled", (False, "CacheDisabled", by_type["IdentityResolved"]["message"])
     elif not not_ok:
-        phase = "Ready"
-        conds.append(condition("Ready", True, "AllReady", "cache and vLLM are serving", gen))
+        phase, ready = "Ready", (True, "AllReady", "cache and vLLM are serving")
     else:
         build_mismatch = by_type.get(BUILD_CONDITION, {}).get("reason") == BUILD_MISMATCH
         hit_mismatch = by_type.get(CANARY_CONDITION, {}).get("reason") == HIT_MISMATCH
@@ -488,7 +446,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
             (c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or (
             missing if missing is not None and missing["reason"] == REFERENCE_MISSING else None) or next(
             (c for c in not_ok if c["reason"] == BUILD_MISMATCH), not_ok[0])
-        conds.append(condition("Ready", False, first["reason"], f"{first['type']}: {first['message']}", gen))
+        ready = (False, first["reason"], f"{first['type']}: {first['message']}")
+    conds.append(condition("Ready", *ready, gen))
 
     status: dict[str, Any] = {
         "observedGeneration": gen,
@@ -543,10 +502,8 @@ def _age_s(stamp: Any, at: datetime) -> float:
 
 def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, riding: bool,
                at: datetime) -> dict[str, Any] | None:
-    """status.hits to write, or None. Not when nothing changed (measuredAt aside); otherwise at once
-    when there were none, when another field is written anyway (riding), or when the stored ones
-    are HITS_WRITE_INTERVAL_S old; else later. Totals never lag in memory: a restarted operator
-    folds from the stored totals and per-server counters together."""
+    """status.hits to write, or None: not when unchanged (measuredAt aside); at once when there were
+    none, another field is written anyway (riding) or the stored ones are HITS_WRITE_INTERVAL_S old."""
     if hits is None:
         return None
     if _present(_without_stamp(hits)) == _present(_without_stamp(old)):
@@ -560,13 +517,9 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
                  reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
                  hits: Mapping[str, Any] | None = None, at: datetime | None = None,
                  shared: bool = False, volume: tuple[int, int] | None = None, floor: int = 0) -> dict[str, Any] | None:
-    """The status patch to write, or None when nothing a user could see changed.
-
-    Timestamps alone never cause a write: an idle resource costs the API server nothing. Usage
-    that could not be measured this time keeps its last known value; so do the hit figures
-    (status.hits, from kvpersist.status.usage.HitTracker), which alone write at most once per
-    HITS_WRITE_INTERVAL_S. volume and floor: the served namespace's own count on the volume and the
-    budget's floor, which usage.l2UsedBytes folds in (kvpersist.status.usage.namespace_l2)."""
+    """The status patch to write, or None when nothing a user could see changed: timestamps alone
+    never write. Unmeasured usage and hits keep their last value (hits_patch); volume and floor
+    are folded into usage.l2UsedBytes (namespace_l2)."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
     if old.get("budget") is not None and "budget" not in fields:
         patch["budget"] = None  # the budget was taken off the spec

@@ -1,11 +1,10 @@
 """spec.prewarm, judged: the declared list (the spec's prompts and a ConfigMap's), which lmcache
 server is warmed through which vLLM pod, when a server is due a pass, and the Warm condition.
-Pure functions; the passes themselves run in kvpersist.controller.prewarm.
+Pure functions; the passes run in kvpersist.controller.prewarm.
 
-A server is warmed through a vLLM pod of its namespace id on its node: lmcache's warm prefetch
-needs the KV layout a vLLM registers with its server (lmcache 0.5.6 cache_control/prefetch_service.py:
-503 until one has), and a prompt L2 does not hold whole is computed through that pod once. A
-server no vLLM pod uses is not warmed: nothing would read its L1.
+A server is warmed through a vLLM pod of its id on its node: lmcache's prefetch needs the KV layout
+a vLLM registers with its server (lmcache 0.5.6 prefetch_service.py: 503 until then), and a prompt
+L2 lacks is computed through that pod. A server no vLLM pod uses is not warmed: nothing reads its L1.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ _KEY = re.compile(r"^(prompt|system)([-._a-zA-Z0-9]*)$")
 
 @dataclass(frozen=True)
 class Prompt:
-    """One declared prompt: where it was declared (for messages; never its text), whether it is a
-    system prompt (rendered through the chat template), and its text."""
+    """One declared prompt: where it was declared (messages name that, never its text), whether it is
+    a system prompt (rendered through the chat template), and its text."""
 
     source: str
     system: bool
@@ -70,10 +69,9 @@ UNREAD = Unread()
 
 def declared(prewarm: Prewarm | None, namespace: str,
              configmap: Mapping[str, Any] | Unread | str | None = UNREAD) -> Declared:
-    """The spec's prompts, then the ConfigMap's (its data keys in sorted order: prompt-* raw,
-    system-* system prompts), duplicates dropped, at most MAX_PROMPTS. configmap: the object as read,
-    None when it does not exist, UNREAD while it has not been read, or why it could not be read (its
-    prompts are then left out, with a problem that says so)."""
+    """The spec's prompts, then the ConfigMap's by key (prompt-* raw, system-* system prompts), no
+    duplicates, at most MAX_PROMPTS. configmap: the object, None when missing, UNREAD, or why it
+    could not be read (its prompts are then left out, with a problem that says so)."""
     if prewarm is None:
         return Declared()
     out = [Prompt(f"spec.prewarm.prompts[{i}]", False, t) for i, t in enumerate(prewarm.prompts)]
@@ -138,9 +136,8 @@ class Pair:
     vllm: PodView | None
 
     def fingerprint(self, declared: Declared) -> tuple[Any, ...]:
-        """What a pass was for: a restart (a new pod, or a container started again) of either pod
-        or another list makes it stale. vLLM's restart leaves L1 alone, but a rollout may bring one
-        pod where there was another; the pass is then cheap: L1 hits count as found."""
+        """What a pass was for: a restart of either pod or another list makes it stale (after a vLLM
+        restart the pass is cheap: L1 hits count as found)."""
         v = self.vllm
         return (self.server.uid, self.server.restarts, v.uid if v else None, v.restarts if v else None, declared.digest)
 
@@ -156,9 +153,8 @@ def _view(pod: Mapping[str, Any]) -> PodView:
 
 
 def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
-    """Each Ready server pod of the namespace id, by name, with the first Ready vLLM pod of that
-    id on its node (by name). Pods of another id (mid-rollout) are never paired: their KV is
-    another namespace's."""
+    """Each Ready server of the id, by name, with the first Ready vLLM pod of that id on its node.
+    Pods of another id (mid-rollout) are never paired: their KV is another namespace's."""
     mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id
             and _ready(p)]
     servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER), key=lambda v: v.name)
@@ -171,8 +167,7 @@ def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
 
 @dataclass(frozen=True)
 class PromptResult:
-    """One prompt on one server: warm or not (and why not), its chunks, and whether it had to be
-    computed through vLLM (L2 did not hold it whole)."""
+    """One prompt on one server: warm or not (and why), its chunks, whether vLLM computed it (not in L2)."""
 
     source: str
     warm: bool
@@ -183,8 +178,8 @@ class PromptResult:
 
 @dataclass(frozen=True)
 class Pass:
-    """One server's last pass: what it was for (Pair.fingerprint), when it ended (monotonic), each
-    prompt's result, and why it stopped when it could not ask (reason, message)."""
+    """One server's last pass: its Pair.fingerprint, when it ended (monotonic), each prompt's
+    result, and why it stopped when it could not ask (reason, message)."""
 
     fingerprint: tuple[Any, ...]
     ended: float
@@ -201,22 +196,18 @@ class Pass:
 
 
 def due(fingerprint: tuple[Any, ...], last: Pass | None, now: float) -> bool:
-    """Whether a server needs a pass now: never warmed with these pods and this list; or after
-    FAILED_RETRY_S when its last could not ask, NOT_WARM_RETRY_S when it left a prompt cold,
-    REWARM_PERIOD_S otherwise (L1's LRU may have evicted a prompt since)."""
+    """Whether a server needs a pass: never warmed with these pods and list; else after FAILED_RETRY_S,
+    NOT_WARM_RETRY_S or REWARM_PERIOD_S since the last, as it failed, left a prompt cold, or not."""
     if last is None or last.fingerprint != fingerprint:
         return True
-    if last.failure is not None:
-        return now - last.ended >= FAILED_RETRY_S
-    if last.warm < len(last.results):
-        return now - last.ended >= NOT_WARM_RETRY_S
-    return now - last.ended >= REWARM_PERIOD_S
+    wait = (FAILED_RETRY_S if last.failure is not None
+            else NOT_WARM_RETRY_S if last.warm < len(last.results) else REWARM_PERIOD_S)
+    return now - last.ended >= wait
 
 
 @dataclass(frozen=True)
 class ServerWarmth:
-    """One Ready server as the condition sees it: its pair, its last pass if it was for the current
-    pods and list (else None), and progress (done, of) while a pass runs."""
+    """One Ready server: its pair, its last pass if for the current pods and list, and progress (done, of) while one runs."""
 
     pair: Pair
     current: Pass | None = None
@@ -237,8 +228,7 @@ def _not_warm(results: Iterable[PromptResult]) -> str:
 
 def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[ServerWarmth], cache_on: bool,
                    vllm_uses_cache: bool) -> Verdict | None:
-    """The Warm condition: None when nothing is declared. Informational: it never holds Ready back
-    (a cold cache serves, only slower)."""
+    """The Warm condition; None when nothing is declared. It never holds Ready back (cold is only slower)."""
     if prewarm is None or not prewarm.declared:
         return None
     if not cache_on:

@@ -93,10 +93,8 @@ def status_model(status: Any) -> LMCacheStatus:
 
 
 def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
-    """Reads lmcache 0.5.6's /status: L1 from l1_manager, L2 bytes from the L2 eviction
-    controller's per-adapter accounting, objects from the adapters' in-memory index (lazy after a
-    restart: files on disk count once they are looked up). A body of another shape is an
-    unhealthy report saying what is wrong, never an exception: the refresh must go on."""
+    """lmcache 0.5.6's /status (L2 objects: the adapters' index, lazy after a restart). A body of
+    another shape is an unhealthy report saying why, never an exception: the refresh must go on."""
     try:
         return _report(pod, status_model(status))
     except PeerError as exc:
@@ -116,30 +114,21 @@ def _report(pod: str, status: LMCacheStatus) -> ServerReport:
     bad_l2 = [a.type for a in adapters if a.is_healthy is False]
     healthy = bool(status.is_healthy) and not unhealthy and not bad_l2
     message = "" if healthy else "unhealthy: " + ", ".join(unhealthy + [f"L2 adapter {t}" for t in bad_l2] or ["server"])
-    return ServerReport(
-        pod=pod,
-        healthy=healthy,
-        message=message,
-        l1_used=l1.memory_used_bytes,
-        l1_capacity=l1.memory_total_bytes,
-        l2_used=_total(e.total_bytes_used for e in evictions),
-        l2_capacity=_total(e.total_capacity_bytes for e in evictions),
-        l2_objects=_total(a.stored_object_count for a in adapters),
-        l2_healthy=(not bad_l2) if adapters else None,
-    )
+    return ServerReport(pod=pod, healthy=healthy, message=message, l1_used=l1.memory_used_bytes,
+                        l1_capacity=l1.memory_total_bytes, l2_used=_total(e.total_bytes_used for e in evictions),
+                        l2_capacity=_total(e.total_capacity_bytes for e in evictions),
+                        l2_objects=_total(a.stored_object_count for a in adapters), l2_healthy=(not bad_l2) if adapters else None)
 
 
-# Counters from /metrics: objects handed to the L2 store path, and objects that landed. The
-# difference, less what is still pending, is what failed (ENOSPC, I/O errors): /status does not
-# show it, its adapters stay "healthy" while every write fails.
+# /metrics: objects handed to the L2 store path, and those that landed. The difference, less what
+# is pending, failed (ENOSPC, I/O errors): /status's adapters stay "healthy" while every write fails.
 SUBMITTED = "lmcache_mp_l2_store_submitted_objects_chunks_total"
 COMPLETED = "lmcache_mp_l2_store_completed_objects_chunks_total"
 
 
 def _summed(text: str, key: Callable[[Sample], str | None]) -> dict[str, float] | None:
-    """The samples of a Prometheus text body, parsed by prometheus_client, summed per key(sample)
-    (None: left out); None when the body is not that format (a line that is neither a comment nor
-    a sample) or is larger than MAX_METRICS_BYTES. Never raises: a peer's body is whatever it sent."""
+    """A Prometheus text body's samples summed per key(sample) (None: left out); None when it is not
+    that format or is over MAX_METRICS_BYTES. Never raises: a peer's body is whatever it sent."""
     if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
         return None
     try:
@@ -155,14 +144,12 @@ def _summed(text: str, key: Callable[[Sample], str | None]) -> dict[str, float] 
 
 
 def parse_exposition(text: str) -> dict[str, float] | None:
-    """Every sample of a Prometheus text body, summed per sample name over its label sets; None
-    when the body is not that format or is too large (_summed)."""
+    """Every sample summed per name over its label sets; None as _summed."""
     return _summed(text, lambda sample: sample.name)
 
 
 def sum_by_label(text: str, name: str, label: str) -> dict[str, float] | None:
-    """The samples of one metric summed per value of one of its labels (samples without it are
-    left out); None when the body is not Prometheus text or is too large (_summed)."""
+    """One metric's samples summed per value of a label (samples without it left out); None as _summed."""
     return _summed(text, lambda sample: sample.labels.get(label) if sample.name == name else None)
 
 
@@ -172,14 +159,12 @@ def is_count(value: float) -> bool:
 
 
 def _counter(metrics: Mapping[str, float], name: str) -> int | None:
-    """A counter's value when it is one (is_count); None otherwise."""
     v = metrics.get(name)
     return int(v) if v is not None and is_count(v) else None
 
 
 def with_write_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
-    """The report plus failed L2 writes: submitted - completed - still pending. Unchanged when
-    the counters are malformed."""
+    """The report plus failed L2 writes (submitted - completed - pending); unchanged if the counters are malformed."""
     submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED)
     if submitted is not None and COMPLETED not in metrics:
         # lmcache's OTel counter has no sample before its first chunk lands: a server whose every
@@ -193,20 +178,15 @@ def with_write_failures(report: ServerReport, status: LMCacheStatus, metrics: Ma
     return replace(report, l2_writes_failed=failed, l2_writes_submitted=submitted)
 
 
-# Lookup counters (lmcache 0.5.6, lmcache/v1/mp_observability/subscribers/metrics/lookup.py): OTel
-# counters that the Prometheus reader exports with their unit and _total appended, labelled by
-# model_name and cache_salt (summed here). All four move on every finished lookup, in tokens:
-# requested (chunk-aligned tokens looked up), hit (the contiguous prefix found in L1 or L2),
-# and its split by tier, hit_l1 (what L1 held) + hit_l2 (what L2 added beyond it) == hit.
-# They appear at the first lookup; a server that has served none has none.
+# Lookup counters (lmcache 0.5.6, mp_observability/subscribers/metrics/lookup.py), in tokens, summed
+# over model_name and cache_salt, from the first lookup on: requested (chunk-aligned), hit (the
+# contiguous prefix found in L1 or L2), and its split hit_l1 + hit_l2 (what L2 added) == hit.
 LOOKUP_REQUESTED = "lmcache_mp_lookup_requested_tokens_total"
 LOOKUP_HIT = "lmcache_mp_lookup_hit_tokens_total"
 LOOKUP_HIT_L1 = "lmcache_mp_lookup_hit_l1_tokens_total"
 LOOKUP_HIT_L2 = "lmcache_mp_lookup_hit_l2_tokens_total"
-# Restore rates (lmcache 0.5.6, mp_observability/subscribers/metrics/l2_throughput.py and the
-# L1 -> engine transfer): histograms of one GB/s figure per load, bytes over submit-to-completion
-# time, exported as _sum and _count. L2 -> L1 is what an L2 hit costs before the engine gets it,
-# L1 -> engine what every hit costs. Their window's sum over count is the mean rate per load.
+# Restore rates (l2_throughput.py, and L1 -> engine): histograms of one GB/s figure per load (_sum,
+# _count). L2 -> L1 is what an L2 hit costs first, L1 -> engine what every hit costs.
 RESTORE_L2 = "lmcache_mp_l2_load_throughput_GB_per_second"
 RESTORE_L1 = "lmcache_mp_l0_l1_load_throughput_GB_per_second"
 # prometheus_client's process collector: tells a restarted server from one whose counters grew.
@@ -217,7 +197,7 @@ EVENTS_QUEUED = "lmcache_mp_event_bus_queue_depth"
 EVENTS_DROPPED = "lmcache_mp_event_bus_dropped_events_total"
 MAX_COUNTER = 2**53  # beyond this a float counter is no longer exact: treat it as garbage
 
-# The recent window of status.hits.window, and how often hit figures alone may cause a write.
+# The recent window of status.hits.window.
 HIT_WINDOW_S = 300.0
 MAX_SAMPLES = 512  # per resource; the status loop adds about one per 10 s
 
@@ -250,9 +230,8 @@ def _stamp(seconds: float) -> str | None:
 
 
 def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | None:
-    """The lookup counters of a parsed /metrics body; None when unknown: no body, a body that is
-    not lmcache's (no lmcache_ sample at all), or a counter that is negative, not finite or absurd.
-    A server that has served no lookup yet exports none of them: zeros."""
+    """The lookup counters of a parsed /metrics; None when unknown (no body, no lmcache_ sample, a
+    counter that is no count). A server that served no lookup yet exports none of them: zeros."""
     if not metrics or not any(k.startswith("lmcache_") for k in metrics):
         return None
     values = [metrics.get(name, 0.0) for name in (LOOKUP_REQUESTED, LOOKUP_HIT, LOOKUP_HIT_L1, LOOKUP_HIT_L2)]
@@ -296,9 +275,8 @@ def _as_totals(c: LookupCounters) -> HitTotals:
 
 
 def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> HitTotals:
-    """What a server counted since previous. All of current when there is no previous, when its
-    process start changed, or when any counter went down: the server restarted and counts from
-    zero again, so what it shows now is all new."""
+    """What a server counted since previous; all of current without previous, or when its process
+    start changed or a counter went down (it restarted: all it shows is new)."""
     if previous is None:
         return _as_totals(current)
     restarted = previous.started is not None and current.started is not None and previous.started != current.started
@@ -310,9 +288,8 @@ def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> H
 
 def fold_counters(totals: HitTotals, baselines: Mapping[str, LookupCounters],
                   current: Mapping[str, LookupCounters | None]) -> tuple[HitTotals, dict[str, LookupCounters]]:
-    """Running totals plus what each server counted since its baseline (its counters when last
-    folded), and the new baselines. A server whose counters are unknown this time keeps its
-    baseline, so nothing it counts meanwhile is lost; servers no longer listed are forgotten, but
+    """Totals plus what each server counted since its baseline, and the new baselines. Unknown
+    counters keep their baseline (nothing is lost); servers no longer listed are forgotten, but
     only when some server is listed (an empty list says nothing about who runs)."""
     new_baselines = dict(baselines) if not current else {p: c for p, c in baselines.items() if p in current}
     for pod, counters in sorted(current.items()):
@@ -325,9 +302,7 @@ def fold_counters(totals: HitTotals, baselines: Mapping[str, LookupCounters],
 
 def percent(part: int, whole: int) -> str | None:
     """A ratio for people, to 0.1%: 2048 of 5120 -> 40.0%; None without a whole."""
-    if whole <= 0:
-        return None
-    return f"{100.0 * part / whole:.1f}%"
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else None
 
 
 def ratio(part: int, whole: int) -> float | None:
@@ -341,10 +316,8 @@ def _figures(t: HitTotals) -> dict[str, Any]:
 
 
 def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> dict[str, Any] | None:
-    """The figures over the recent window from (monotonic time, running totals) samples, oldest
-    first: from the newest sample at least span_s old (else the oldest) to the newest. None
-    (unknown) with fewer than two samples, or when the newest is older than the window (no
-    server has answered for that long)."""
+    """The figures from the newest (monotonic time, totals) sample at least span_s old (else the
+    oldest) to the newest; None with fewer than two, or the newest older than the window."""
     if len(samples) < 2 or now - samples[-1][0] > span_s:
         return None
     old = [s for s in samples if s[0] <= now - span_s]
@@ -377,10 +350,9 @@ def trim_samples(samples: deque[tuple[float, HitTotals]], now: float, span_s: fl
 
 def hits_status(totals: HitTotals, baselines: Mapping[str, LookupCounters], window: Mapping[str, Any] | None,
                 since: str | None) -> dict[str, Any]:
-    """status.hits: the totals and their rates, the window (None: unknown, removed from status),
-    the summary the HIT column prints (the window's hit rate, else the total's), and the counters
-    each server last showed (the baselines a restarted operator folds from). Absent figures are
-    None so that a merge patch removes them."""
+    """status.hits: totals, window, the HIT column's summary (the window's rate, else the total's)
+    and each server's last counters (a restarted operator folds from them). Absent figures are None
+    so that a merge patch removes them."""
     summary = None
     if window is not None and window.get("hitRate") is not None:
         summary = f"{percent(window['hitTokens'], window['lookupTokens'])} ({_duration(window['seconds'])})"
@@ -401,8 +373,7 @@ def _int(value: Any) -> int:
 
 
 def persisted_hits(hits: Mapping[str, Any] | None) -> tuple[HitTotals, dict[str, LookupCounters], str | None]:
-    """Totals, per-server baselines and start of counting from a stored status.hits (what a
-    restarted operator continues from); zeros when there is none."""
+    """Totals, baselines and since from a stored status.hits; zeros when there is none."""
     if not isinstance(hits, Mapping):
         return HitTotals(), {}, None
     totals = HitTotals(_int(hits.get("lookupTokens")), _int(hits.get("hitTokens")), _int(hits.get("hitTokensL1")),
@@ -427,10 +398,8 @@ class _HitState:
 
 
 class HitTracker:
-    """Per resource: running hit totals, each server's last counters, and the samples of the
-    recent window. Seeded from the stored status.hits when the operator (re)starts, so totals
-    survive operator restarts; the window lives only in memory, so it is unknown until two
-    refreshes have happened."""
+    """Per resource: hit totals, each server's last counters and the window's samples. Totals are
+    seeded from status.hits (they survive operator restarts); the window lives only in memory."""
 
     def __init__(self, span_s: float = HIT_WINDOW_S) -> None:
         self.span_s = span_s
@@ -466,18 +435,17 @@ def _total(values: Iterable[Any], op: Callable[[list[int]], int] = sum) -> int |
     return op(nums) if nums else None
 
 
-# lmcache's admin API listens on its pod's loopback only; the agent beside it forwards these two
-# reads (kvpersist.inventory.agent). DIRECT reads a server's own API (tests, or a process in its pod).
+# lmcache's admin API listens on its pod's loopback only; the agent forwards these two reads.
+# DIRECT reads a server's own API (tests, or a process in its pod).
 THROUGH_AGENT = "/server"
 DIRECT = ""
 
 
 def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None,
                  prefix: str = THROUGH_AGENT) -> ServerReport:
-    """GET /status (health, usage), then /metrics (failed writes, lookup counters), both within
-    timeout seconds in all, through the pod's agent (with the resource's agent token): a slow,
-    trickling, oversized or garbled answer costs at most that and makes an unhealthy report
-    saying why. A /metrics that fails, or is not Prometheus text, leaves only those figures unknown."""
+    """GET /status, then /metrics, both within timeout in all, through the pod's agent: a slow,
+    trickling, oversized or garbled answer costs at most that and makes an unhealthy report saying
+    why. A /metrics that fails or is not Prometheus text leaves only its figures unknown."""
     deadline = time.monotonic() + timeout
     where = f"{ip}:{port}" + (" (the pod's agent)" if prefix == THROUGH_AGENT else "")
     headers = {"Authorization": f"Bearer {token}"} if token else None
@@ -485,12 +453,10 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
         reply = httpclient.get(ip, port, prefix + "/status", timeout=timeout, headers=headers)
     except PeerError as exc:
         return ServerReport(pod=pod, healthy=False, message=f"/status unreachable at {where}: {exc}")
-    if reply.status in (502, 504) and prefix == THROUGH_AGENT:  # the agent is up, lmcache is not answering it
-        return ServerReport(pod=pod, healthy=False, message=f"/status unreachable from the agent at {where}: "
-                            f"HTTP {reply.status}{_error_of(reply.body)}")
     if not reply.ok:
-        return ServerReport(pod=pod, healthy=False,
-                            message=f"/status at {where} answered HTTP {reply.status}{_error_of(reply.body)}")
+        agent_up = reply.status in (502, 504) and prefix == THROUGH_AGENT  # lmcache is not answering the agent
+        what = f"unreachable from the agent at {where}: HTTP" if agent_up else f"at {where} answered HTTP"
+        return ServerReport(pod=pod, healthy=False, message=f"/status {what} {reply.status}{_error_of(reply.body)}")
     try:
         status = status_model(httpclient.load_json(reply.body))
     except PeerError as exc:
@@ -503,8 +469,7 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
 
 def fetch_lookup_counters(ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None,
                           prefix: str = THROUGH_AGENT) -> LookupCounters | None:
-    """One server's lookup counters alone (its /metrics, through its agent), within timeout; None
-    when unknown (no answer, not Prometheus text, not lmcache's)."""
+    """One server's lookup counters alone (its /metrics), within timeout; None when unknown."""
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return lookup_counters(_fetch_metrics(ip, port, timeout, prefix, headers))
 
@@ -532,8 +497,7 @@ def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str = THROUGH_AGE
 
 def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S,
                   token: str | None = None, prefix: str = THROUGH_AGENT) -> list[ServerReport]:
-    """Asks every (pod, ip) in parallel, so stuck servers cost one timeout together, not one
-    each; a pod without an IP yet is reported as not healthy."""
+    """Asks every (pod, ip) in parallel (stuck servers cost one timeout together); no IP yet: unhealthy."""
     pods = list(pods)
     with_ip = [(p, ip) for p, ip in pods if ip]
     reports = {p: ServerReport(pod=p, healthy=False, message="pod has no IP yet") for p, ip in pods if not ip}
@@ -544,11 +508,9 @@ def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: fl
 
 def namespace_l2(reports: list[ServerReport], shared: bool, volume: tuple[int, int] | None,
                  floor: int = 0) -> tuple[int, int]:
-    """The namespace's (bytes, objects) on L2, the one figure status shows (usage.l2UsedBytes) and
-    the budget counts: the larger of the servers' count (a restarted server counts from zero) and
-    the volume's (read every few rounds), and never below floor (with a budget: the last written).
-    The servers' count is summed over those that answered, or with shared (one folder, each server
-    counting the others' files too) their largest."""
+    """The namespace's (bytes, objects) on L2 (usage.l2UsedBytes, and what the budget counts): the
+    larger of the servers' count (a restarted server counts from zero) and the volume's, never
+    below floor. Servers are summed, or with shared (one folder, each counting all) their largest."""
     counted = [r for r in reports if r.l2_used is not None]
     used, objects = [r.l2_used or 0 for r in counted], [r.l2_objects or 0 for r in counted]
     if shared:
@@ -561,9 +523,8 @@ def namespace_l2(reports: list[ServerReport], shared: bool, volume: tuple[int, i
 
 def summarize(reports: list[ServerReport], measured_at: str, shared: bool = False,
               volume: tuple[int, int] | None = None, floor: int = 0) -> dict[str, Any]:
-    """Usage summed over servers that answered, in the status's shape, L2 as namespace_l2 counts it.
-    shared (spec.l2.nvme.shared): the servers' L2 is one folder, and each counts what it stored and
-    what it found of the others': L2 is then the largest count, never the sum."""
+    """Usage over the servers that answered, in the status's shape, L2 as namespace_l2 counts it
+    (shared: one folder each server counts whole, so the largest count, never the sum)."""
     answered = [r for r in reports if r.l1_capacity is not None]
     if not answered:
         return {}
@@ -580,17 +541,16 @@ def summarize(reports: list[ServerReport], measured_at: str, shared: bool = Fals
         "l2Objects": total["l2_objects"],
         "measuredAt": measured_at,
     }
-    if total["l1_used"] is not None and total["l1_capacity"]:
-        usage["l1Used"] = f"{human_bytes(total['l1_used'])}/{human_bytes(total['l1_capacity'])}"
-    if total["l2_used"] is not None and total["l2_capacity"]:
-        usage["l2Used"] = f"{human_bytes(total['l2_used'])}/{human_bytes(total['l2_capacity'])}"
+    for tier in ("l1", "l2"):
+        used, capacity = total[f"{tier}_used"], total[f"{tier}_capacity"]
+        if used is not None and capacity:
+            usage[f"{tier}Used"] = f"{human_bytes(used)}/{human_bytes(capacity)}"
     return {k: v for k, v in usage.items() if v is not None}
 
 
 class WriteFailureTracker:
-    """Remembers each server's failed-write count between polls: writes are failing *now* when
-    the count grew within the last hold_s seconds. Cumulative counts alone would flag a server
-    forever after one bad minute."""
+    """Writes are failing *now* when a server's failed-write count grew within hold_s: cumulative
+    counts alone would flag a server forever after one bad minute."""
 
     def __init__(self, hold_s: float = 120.0) -> None:
         self.hold_s = hold_s

@@ -245,8 +245,7 @@ def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | Non
         # A garbled histogram: no rate, the rest stands.
         restores += [total, int(loads)] if is_count(total) and is_count(loads) else [0.0, 0]
     queued, dropped = (_counter(metrics, name) for name in (EVENTS_QUEUED, EVENTS_DROPPED))
-    return LookupCounters(*(int(v) for v in values), started=started, l2_gbps_sum=restores[0], l2_loads=restores[1],
-                          l1_gbps_sum=restores[2], l1_loads=restores[3], events_queued=queued, events_dropped=dropped)
+    return LookupCounters(*(int(v) for v in values), started, *restores, events_queued=queued, events_dropped=dropped)
 
 
 @dataclass(frozen=True)

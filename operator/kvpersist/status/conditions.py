@@ -504,11 +504,8 @@ def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, ri
                at: datetime) -> dict[str, Any] | None:
     """status.hits to write, or None: not when unchanged (measuredAt aside); at once when there were
     none, another field is written anyway (riding) or the stored ones are HITS_WRITE_INTERVAL_S old."""
-    if hits is None:
-        return None
-    if _present(_without_stamp(hits)) == _present(_without_stamp(old)):
-        return None
-    if old and not riding and _age_s(old.get("measuredAt"), at) < HITS_WRITE_INTERVAL_S:
+    if (hits is None or _present(_without_stamp(hits)) == _present(_without_stamp(old))
+            or (old and not riding and _age_s(old.get("measuredAt"), at) < HITS_WRITE_INTERVAL_S)):
         return None
     return {**hits, "measuredAt": iso(at.timestamp())}
 

@@ -143,8 +143,8 @@ class Decision:
     def applied_view(self) -> tuple[Any, ...]:
         """What acting on it would write or keep from writing: two decisions with the same view
         apply the same (the status refresh applies again when its own differs from the last apply's)."""
-        # A key to make that this decision does not make (the refresh offers no fresh key): an apply makes it.
-        pending = self.generated_key is None and self.key is not None and self.key.problem is not None \
+        # A key to make that this decision, applying, does not make (the refresh offers no fresh key).
+        pending = self.applies and self.generated_key is None and self.key is not None and self.key.problem is not None \
             and self.key.problem[0] == l2key.KEY_PENDING
         return (self.stage, self.refusal, self.key_id, pending, self.storage_refused, self.route_taken, self.manifests,
                 self.shared_claim, self.drop_vllm_service, self.drop_inference_pool, self.pool_api_missing)

@@ -1,21 +1,16 @@
 """The inventory agent's image, rolled a few lmcache StatefulSets at a time.
 
-The agent runs from the operator's image, beside each lmcache server in the same pod. A new
-operator image is therefore a new pod template for every server: applied everywhere at once,
-every server restarts together and every L1 is lost together (L2 persists). So an apply renders
-the wanted agent image only where it may: a StatefulSet that does not exist yet, one already on
-it, one scaled to zero (nothing to lose), or while fewer than `limit` StatefulSets on the wanted
-image are still rolling (a rollout of their template in progress, and not all of their servers
-updated and Ready again). Every other one keeps the agent image it runs, and waits for its turn.
-The agent is not in the data path and not in the namespace id, so holding it back changes no KV
-byte. Pure functions of what the watch cache saw.
+The agent runs from the operator's image beside each lmcache server, so a new operator image is a
+new pod template for every server: applied at once, every L1 is lost together. An apply therefore
+renders the wanted agent image only on a StatefulSet that does not exist yet, is already on it, is
+scaled to zero, or while fewer than `limit` on the wanted image are still rolling; the others keep
+theirs. The agent is in neither the data path nor the namespace id, so holding it back changes no
+KV byte.
 
-"Rolling" is read as the StatefulSet controller writes it: it starts a new StatefulSet with
-status.currentRevision equal to its updateRevision, and sets currentRevision to updateRevision
-again only once every replica is updated and Ready (completeUpdate). A set whose controller has
-seen its generation and whose two revisions are equal has no rollout in progress: one made
-directly on the wanted image whose pods never become Ready is broken, not rolling, and takes no
-slot (it held every other roll before).
+"Rolling" is read as the StatefulSet controller writes it: currentRevision becomes updateRevision
+only once every replica is updated and Ready. A set seen at its generation with equal revisions
+has no rollout in progress: one made on the wanted image whose pods never become Ready is broken,
+not rolling, and takes no slot (it held every other roll before).
 """
 
 from __future__ import annotations
@@ -64,23 +59,16 @@ def view(statefulset: Mapping[str, Any]) -> AgentSet:
 
 
 def in_flight(wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key]) -> set[Key]:
-    """The StatefulSets rolling to the wanted image now: on it and rolling (AgentSet.rolling), and
-    those just handed it (claimed) whose watch event has not yet shown them on it and done rolling.
-    A claim whose StatefulSet is gone is dropped. Scaled to zero: nothing rolling. One on the wanted
-    image with no rollout in progress (made on it, or done) takes no slot, Ready or not."""
+    """The StatefulSets rolling to the wanted image now: on it and rolling, and those just handed it
+    (claimed) that the watch has not yet shown done on it; a claim gone or scaled to zero is dropped."""
     out = {k for k, s in fleet.items() if s.image == wanted and s.rolling()}
-    for key in claimed:
-        s = fleet.get(key)
-        if s is not None and s.replicas > 0 and not (s.image == wanted and not s.rolling()):
-            out.add(key)
-    return out
+    return out | {k for k in claimed if (s := fleet.get(k)) is not None and s.replicas > 0
+                  and not (s.image == wanted and not s.rolling())}
 
 
 def decide(key: Key, wanted: str, fleet: Mapping[Key, AgentSet], claimed: Iterable[Key], limit: int) -> Decision:
-    """What one resource's apply renders: the wanted image ("new", "current", "idle", "rolling",
-    "roll": "roll" takes a slot and must be claimed) or the image it runs ("hold"). Any waiting
-    StatefulSet may take a free slot (first come): one whose resource cannot be applied never
-    blocks the others."""
+    """What one resource's apply renders: the wanted image ("roll" takes a slot and must be claimed)
+    or the image it runs ("hold"). First come takes a free slot: an unappliable one blocks no other."""
     mine = fleet.get(key)
     if mine is None or mine.image is None:
         return "new"

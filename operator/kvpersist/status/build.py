@@ -48,11 +48,9 @@ def refusals(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> lis
         labels = meta.get("labels") or {}
         if namespace_id is None or labels.get(NAMESPACE_ID_LABEL) != namespace_id or meta.get("deletionTimestamp"):
             continue
-        component = labels.get("app.kubernetes.io/component", "")
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            term = refusal_of(status)
-            if term is not None:
-                out.append(Refusal(meta.get("name", ""), status.get("name", ""), component, str(term["message"])))
+        out += [Refusal(meta.get("name", ""), status.get("name", ""), labels.get("app.kubernetes.io/component", ""),
+                        str(term["message"]))
+                for status in (pod.get("status") or {}).get("containerStatuses") or [] if (term := refusal_of(status)) is not None]
     return sorted(out, key=lambda r: (r.component != SERVER, r.pod, r.container))
 
 

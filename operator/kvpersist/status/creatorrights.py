@@ -1,8 +1,6 @@
-"""Whether the creator-rights policy is there to enforce anything (issue 42 item 9): judged from
-what the operator read of the ValidatingAdmissionPolicy and its binding. Without them (the chart's
-`creatorRights.enabled=false`, a kubectl install that skipped config/creator-rights, an API server
-that does not serve the API) any user who may create a KVCacheNamespace gets pods of the image
-they name onto GPU nodes, with any Secret or claim of the namespace: nothing else says so.
+"""Whether the creator-rights ValidatingAdmissionPolicy and its binding are there to enforce
+anything (issue 42 item 9): without them any user who may create a KVCacheNamespace gets pods of
+the image they name onto GPU nodes, with any Secret or claim of the namespace, and nothing else says so.
 """
 
 from __future__ import annotations

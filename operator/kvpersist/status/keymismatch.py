@@ -1,14 +1,10 @@
 """A server that refused to start with another key than its namespace's, read back from its pod.
 
-The lmcache server (kvpersist.inserver.serve) compares the fingerprint of the key file it mounts
-with the one its namespace id was computed with, and on a difference exits EXIT_CODE with a
-termination message of MESSAGE's form, reading and removing nothing. That happens when the bytes
-of the key Secret are rotated and a server container restarts before its pod is rolled to the new
-namespace. The pod's container status is the only place that says so: the watch cache keeps it
-(kvpersist.status.workloads.slim), and kvpersist.status.conditions turns it into L2Ready False
-KEY_MISMATCH. The prefix and exit code are the server module's own (kvpersist.inserver.serve:
-standard library only at import, as the operator already reads SERDE_TYPE from it); MESSAGE
-parses its KEY_MISMATCH_FORMAT (tests/unit/test_key_mismatch.py renders one and reads it back).
+kvpersist.inserver.serve exits EXIT_CODE with a message of MESSAGE's form (reading and removing
+nothing) when its mounted key's fingerprint is not the one its namespace id was computed with: the
+key Secret's bytes were rotated and a container restarted before its pod rolled. Only the pod's
+container status says so (kept by status.workloads.slim); status.conditions makes it L2Ready False.
+MESSAGE parses serve's KEY_MISMATCH_FORMAT (tests/unit/test_key_mismatch.py checks they agree).
 """
 
 from __future__ import annotations
@@ -45,9 +41,8 @@ def _matches(term: Mapping[str, Any] | None) -> bool:
 
 
 def refused_now(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The container's refusal while it lasts: its state terminated with it, or waiting to start
-    again (CrashLoopBackOff) after it. A container running again (the old bytes put back) is not
-    refusing, though its lastState still says it did."""
+    """The container's refusal while it lasts: terminated with it, or waiting after it (CrashLoopBackOff);
+    one running again (the old bytes put back) is not refusing, though its lastState says it did."""
     state, last = status.get("state") or {}, (status.get("lastState") or {}).get("terminated")
     if _matches(state.get("terminated")):
         return state["terminated"]
@@ -84,7 +79,7 @@ def condition_message(found: list[KeyRefusal], secret: tuple[str, str] | None, g
              f"{'' if generated else ' (spec.l2.encryption.keySecretRef)'}" if secret else "the key Secret the pod mounts")
     pods = ", ".join(r.pod for r in found)
     if first.found is None or first.expected is None:
-        what = f"it says: {first.message[len(PREFIX):] if first.message.startswith(PREFIX) else first.message}"
+        what = f"it says: {first.message.removeprefix(PREFIX)}"
         head = f"{where} holds another key than the one the servers' namespace was computed with ({what})"
     else:
         head = (f"{where} now holds the key of fingerprint {first.found}, not the one namespace {first.namespace} was "
@@ -98,6 +93,6 @@ def condition_message(found: list[KeyRefusal], secret: tuple[str, str] | None, g
 
 
 def event_key(message: str | None) -> str | None:
-    """What makes a mismatch another one for the event (posted once each): the part of the message
-    before the pods, which come and go as they restart and roll."""
+    """What makes a mismatch another one for the event (posted once each): the message before the
+    pods, which come and go as they restart and roll."""
     return None if message is None else message.split(": lmcache server pod(s) ", 1)[0]

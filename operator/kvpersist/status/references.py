@@ -1,9 +1,6 @@
-"""The Secrets and ConfigMaps a spec names, and which of them do not exist (ReferencesFound).
-
-A pod whose envFrom, token or pull Secret is missing is simply never started by the kubelet
-(CreateContainerConfigError): without this condition the resource only says "0/1 pods ready".
-Existence is read from the operator's metadata-only watch caches (no request per round, no data);
-while a cache has not listed, nothing is claimed either way.
+"""The Secrets and ConfigMaps a spec names, and which of them do not exist (ReferencesFound):
+the kubelet never starts a pod missing one (CreateContainerConfigError), and without this the
+resource only says "0/1 pods ready". Read from metadata-only watch caches; unlisted: no claim.
 """
 
 from __future__ import annotations

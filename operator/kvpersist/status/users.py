@@ -1,10 +1,6 @@
 """Who uses a namespace id: the resources whose spec, status or awaited L2 key resolves to it, and
-the lmcache pods labelled with it.
-
-Read from what the API server stores, without the L2 key itself (the key's fingerprint is in
-status), so the admin CLI, the operator's event loop and a gc's last check right before deleting
-judge it alike. It sits below both: kvpersist.controller.inuse refuses a gc with it and
-kvpersist.admin reports with it.
+the lmcache pods labelled with it. Read from what the API server stores (the key's fingerprint, not
+the key), so the admin CLI, the event loop and a gc's last check before deleting judge it alike.
 """
 
 from __future__ import annotations
@@ -62,19 +58,16 @@ def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: It
             out.append(f"KVCacheNamespace {ref(r)} (waiting for the L2 key its data needs)")
         elif resolved_id(r, fingerprint) == namespace_id:
             out.append(f"KVCacheNamespace {ref(r)}")
-    for p in pods:
-        if (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id:
-            out.append(f"pod {ref(p)}")
-    return out
+    return out + [f"pod {ref(p)}" for p in pods if (p["metadata"].get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id]
 
 
 KEY_LOST = "L2KeyLost"  # IdentityResolved's reason while the generated key is gone over data (controller.l2key)
 
 
 def _awaits_lost_key(status: Mapping[str, Any], namespace_id: str) -> bool:
-    """Whether the resource waits for its lost key (IdentityResolved L2KeyLost) and namespace_id is
-    one it sealed with that key (status.sealedNamespaces): an earlier namespace than status.l2Key's
-    that a restored key would make readable again, which gc and the age limit must leave alone."""
+    """Whether the resource waits for its lost key (IdentityResolved L2KeyLost) and sealed namespace_id
+    with it (status.sealedNamespaces): a restored key makes it readable again, so gc and the age
+    limit leave it."""
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     if (conditions.get("IdentityResolved") or {}).get("reason") != KEY_LOST:
         return False

@@ -1,10 +1,8 @@
 """The operator's own workload objects as its watch streams last saw them.
 
-A status refresh used to GET the StatefulSet and Deployment and LIST pods and claims of every
-resource, every 10 s: four reads per resource per round (10 k a minute at 500 resources) to learn
-what the watch streams had already delivered. kopf indexes keep the objects instead, filtered
-server-side by one label, and slimmed to the fields status is computed from so memory stays
-small. Pure functions here; the kopf wiring is in kvpersist.controller.indexes.
+kopf indexes keep them (filtered server-side by one label, slimmed to the fields status reads) so a
+status refresh makes no reads of its own: four per resource per round were 10 k a minute at 500
+resources. Pure functions here; the kopf wiring is in kvpersist.controller.indexes.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
 
 
 def owner_key(body: Mapping[str, Any]) -> OwnerKey | None:
-    """(namespace, resource name) from the instance label, or on a claim that outlives its
-    resource from the operator's own (kvpersist.builders.retained: the tracking label is taken off)."""
+    """(namespace, resource name) from the instance label, or the operator's own on a claim that
+    outlives its resource (kvpersist.builders.retained)."""
     meta = body.get("metadata") or {}
     labels = meta.get("labels") or {}
     instance = labels.get(INSTANCE_LABEL) or labels.get(RETAINED_INSTANCE_LABEL)
@@ -71,10 +69,8 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     if agent is not None:
         out["spec"] = {"replicas": spec.get("replicas", 1),
                        "template": {"spec": {"containers": [{"name": AGENT_CONTAINER, "image": agent}]}}}
-    # A pod's node and how often its containers started again: which vLLM pod warms which server,
-    # and when a server is due a warm pass (kvpersist.status.prewarm: a restart empties its L1); the
-    # correctness canary checks a vLLM pod again after its own restart or one of the servers on its
-    # node (kvpersist.status.canary). A pod has spec.containers (a StatefulSet's are under spec.template).
+    # A pod's node and restarts: which vLLM pod warms which server and when (a restart empties L1;
+    # status.prewarm), and when the canary checks again (status.canary). Only a pod has spec.containers.
     if "containers" in spec or spec.get("nodeName"):
         out["spec"] = {"nodeName": spec.get("nodeName")}
     if "containers" in spec or status.get("containerStatuses"):
@@ -83,8 +79,8 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     modes = status.get("accessModes") or spec.get("accessModes")
     if modes:  # only claims have accessModes
         out["status"]["accessModes"] = list(modes)
-    # A server pod's claims: which store it mounts, for kvpersist.controller.sharing (a claim is
-    # taken over only once no other resource's server mounts it).
+    # A server pod's claims, for kvpersist.controller.sharing: one is taken over only once no other
+    # resource's server mounts it.
     claims = [v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes") or []
               if (v.get("persistentVolumeClaim") or {}).get("claimName")]
     if claims and "containers" in spec:
@@ -106,9 +102,8 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
                 if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"][:1]
     if ready or failure or unplaced:
         out["status"]["conditions"] = ready + failure + unplaced
-    # A container that refused to start over its lmcache/vLLM versions (kvpersist.status.build), or
-    # a server over the key file it mounts while it refuses (kvpersist.status.keymismatch), says so
-    # in its termination message: kept, and nothing else of the container statuses (the cache stays small).
+    # A container refusing its versions (status.build) or its mounted key (status.keymismatch) says
+    # so in its termination message: kept, and nothing else of the container statuses.
     refused = [{"name": c.get("name"), "lastState": {"terminated": {"exitCode": term["exitCode"],
                                                                      "message": str(term["message"])[:MESSAGE_MAX]}}}
                for c in status.get("containerStatuses") or [] for term in (refusal_of(c), refused_now(c)) if term is not None]
@@ -118,10 +113,9 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def attached_view(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A user's vLLM pod attached to a resource (its label kvpersist.dev/attach, which the attach
-    policies admitted with that resource's namespace id label) as the status and the canary read the
-    operator's own vLLM pods: slim, with the resource's instance and the vLLM component as labels,
-    whatever labels of those names the pod carries itself, and its attach label kept."""
+    """A user's vLLM pod attached to a resource (kvpersist.dev/attach) as status and the canary read
+    the operator's own: slim, labelled with that resource's instance and the vLLM component
+    (whatever the pod's own labels of those names say), its attach and namespace id labels kept."""
     out = slim(body)
     labels = (body.get("metadata") or {}).get("labels") or {}
     view = {ATTACH_LABEL: str(labels.get(ATTACH_LABEL) or ""), INSTANCE_LABEL: str(labels.get(ATTACH_LABEL) or ""),
@@ -157,9 +151,8 @@ class Seen:
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
     deployments: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)
-    # Pods with the resource's labels that its own workloads did not make (kvpersist.controller
-    # .podtrust): never sent a credential nor counted in status, but a route of their namespace id
-    # is kept while one runs (its controller may only not be in the caches yet).
+    # Pods with the resource's labels that its own workloads did not make (controller.podtrust): no
+    # credential, not counted, but their namespace id's route is kept (their controller may not be cached yet).
     untrusted_pods: list[dict[str, Any]] = field(default_factory=list)
     # Pods labelled kvpersist.dev/attach for it without a namespace id label: the attach policies were
     # not installed when they were created (spec.vllm.mode Attached), so they run without the cache.
@@ -167,8 +160,8 @@ class Seen:
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
     fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet
-    # Every watched resource's L2 store (kvpersist.controller.sharing.User) and every server pod, from
-    # the watch caches, for an apply's or a refused resource's StorageInUse decision; None: not copied.
+    # Every watched resource's L2 store (controller.sharing.User) and every server pod, for the
+    # StorageInUse decision; None: not copied.
     stores: tuple[Any, ...] | None = None
     stores_version: int = -1  # kvpersist.controller.state.Controller.stores_version of that copy
     all_server_pods: tuple[dict[str, Any], ...] = ()
@@ -196,16 +189,10 @@ def unplaced_servers(pods: Iterable[Mapping[str, Any]], now: datetime.datetime |
     """Server pods the scheduler has found no node for since at least after_s (by now, default the
     clock's): more servers than eligible nodes (required anti-affinity), which no wait will place."""
     now = now or datetime.datetime.now(datetime.UTC)
-    count = 0
-    for pod in pods:
-        if (pod["metadata"].get("labels") or {}).get(COMPONENT_LABEL) != SERVER:
-            continue
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            since = c.get("lastTransitionTime")
-            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable" and since:
-                at = datetime.datetime.fromisoformat(since.replace("Z", "+00:00"))
-                count += (now - at).total_seconds() >= after_s
-    return count
+    since = [c["lastTransitionTime"] for p in pods if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER
+             for c in (p.get("status") or {}).get("conditions") or []
+             if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable" and c.get("lastTransitionTime")]
+    return sum((now - datetime.datetime.fromisoformat(t.replace("Z", "+00:00"))).total_seconds() >= after_s for t in since)
 
 
 def _named(objs: Iterable[dict[str, Any]], name: str) -> dict[str, Any] | None:

@@ -193,25 +193,24 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
 def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Snapshot:
     """The last apply's snapshot with what the status refresh sees now, for decide to judge again:
     the spec, the policy's read (policy_read) and the key as read (read_key, cached); from the
-    watch caches the claims, the stores and pods, its own names, the operator's trackers. What only
-    a request shows (who holds each other name, the derived claims, the weights claim) stays as
-    that apply read it: a name held by another is looked at again by an apply (ownership.RETRY_S),
-    and the route names, while another id holds one, by one LIST each here. No fresh key is
-    offered: an absent one leaves no id, so the refresh applies to make it. Blocking."""
+    watch caches the claims, the stores and pods, the operator's trackers. What only a request
+    shows (who holds each name, the derived claims, the weights claim) stays as that apply read
+    it, and its own names as known then (a walk of every child each round costs too much at 500):
+    a name held by another is looked at again by an apply (ownership.RETRY_S), and the route
+    names, while another id holds one, by one LIST each here. No fresh key is offered: an absent
+    one leaves no id, so the refresh applies to make it. Blocking."""
     meta = policy.body["metadata"]
     key_ = (meta["namespace"], meta["name"])
-    uid = meta.get("uid")
     spec = policy.spec
-    own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key_[0])
     try:
-        served = _pool_served(spec, own, key_[0], key_[1])
+        served = _pool_served(spec, last.own, key_[0], key_[1])
     except Exception:  # refused, or no answer: as last read, asked again next refresh
         served = last.inference_pool_served
     nvme = spec.l2.nvme
     shared = nvme.existing_claim_name if nvme is not None and nvme.shared else None
     snap = dataclasses.replace(
         last, body=policy.body, spec=spec, policy=policy.policy, named_secrets=policy.named_secrets,
-        unreadable_secrets=policy.unreadable_secrets, key=key, proposed_key=None, own=own,
+        unreadable_secrets=policy.unreadable_secrets, key=key, proposed_key=None,
         pins=runtime.CONTROLLER.pin_files.facts(spec, key_[0], policy.body.get("status"), pincheck.enabled()),
         server_claims=tuple(seen.server_claims()), named_claim=named_claim(shared, key_[0]) if shared else None,
         fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key_), inference_pool_served=served,

@@ -1,18 +1,10 @@
 """The CRD's own CEL rules (x-kubernetes-validations), evaluated by the models.
 
-Each cross-field rule is written once, as CEL beside the model it belongs to (v1alpha1's `cel(...)`
-entries); the CRD carries it for the API server, and the models evaluate the very same text here,
-on the object as the API server stores it (camelCase, defaults applied, unset fields absent), over
-the CRD's own structural schema (kvpersist.api.structural, v1alpha1.spec_schema). So the operator
-refuses what `kubectl apply` refuses, with the same message, and a change to a rule is one edit.
-
-Transition rules (those naming oldSelf) are skipped: they judge an update against the object it
-replaces, which the models do not have; only the API server enforces them.
-
-The evaluator is common-expression-language (Rust's cel-interpreter): it has CEL's standard
-functions (size, matches with an RE2-like engine, all, in, startsWith, has, string()) and takes
-custom functions as methods too. Kubernetes' quantity library is bound here (kvpersist.api.quantity
-gives its exact semantics); a quantity is passed around as a one-key map, the binding's own value.
+Each rule is written once beside its model (v1alpha1's `cel(...)`); the CRD carries it and the
+models evaluate the same text over the object as the API server stores it, so the operator refuses
+what `kubectl apply` refuses, in the same words. Transition rules (oldSelf) are skipped: the models
+have no old object. Kubernetes' quantity library is bound here (kvpersist.api.quantity); a quantity
+travels through CEL as a one-key map.
 """
 
 from __future__ import annotations
@@ -33,12 +25,8 @@ _OLD_SELF = re.compile(r"\boldSelf\b")
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
     """One x-kubernetes-validations entry."""
-    out = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    if reason:
-        out["reason"] = reason
-    return out
+    optional = {"fieldPath": field_path, "reason": reason}
+    return {"rule": rule, "message": message, **{k: v for k, v in optional.items() if v}}
 
 
 def _to_cel(q: quantity.Quantity) -> dict[str, str]:
@@ -87,20 +75,15 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 
-@functools.cache
-def _program(rule: str) -> Any:
-    return celexpr.compile(rule)
-
-
+_program = functools.cache(celexpr.compile)
 _FIELD_OF_SELF = re.compile(r"\bself\.([A-Za-z_][A-Za-z0-9_]*)\b(?!\s*\()")
 _SELF = re.compile(r"\bself\b")
 
 
 @functools.cache
 def _fields_read(rule: str) -> frozenset[str] | None:
-    """The fields of self a rule reads, when it reads self only through them (`self.a.b`, never
-    `self.all(...)` or `self` whole); else None. Why: the library converts self in full for every
-    evaluation, and a rule on spec that reads two fields need not pay for the whole spec."""
+    """The fields of self a rule reads when it reads self only through them (`self.a.b`), else None:
+    the library converts self in full for every evaluation, and most rules read two fields."""
     fields = _FIELD_OF_SELF.findall(rule)
     return frozenset(fields) if len(fields) == len(_SELF.findall(rule)) else None
 

@@ -1,12 +1,8 @@
 """A v1alpha1 spec written before the API was made smaller, in today's form, with the same namespace id.
 
-The fields that went (docs/upgrading.md, "One image, fewer fields"): spec.vllm.image and
-spec.lmcacheServer.image became spec.image (they had to name one build); identity.connector (one
-possible value), l2.nvme.backend (likewise) and lmcacheServer.httpPort (loopback only) went; sizes became quantities
-(l1.sizeGB -> l1.size, maxCapacityGB -> maxCapacity); IsolatedLRU (always refused) left the
-eviction enum. The API server prunes the removed fields from a stored object, so a manifest is
-converted where its author keeps it (git, a chart), not in the cluster: `kvpersist convert`.
-Pure: dicts in, dicts out.
+The fields that went (docs/upgrading.md, "One image, fewer fields") are pruned by the API server from
+a stored object, so a manifest is converted where its author keeps it (git, a chart), not in the
+cluster: `kvpersist convert`. Pure: dicts in, dicts out.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Generates the KVCacheNamespace CustomResourceDefinition from the pydantic models: each model's
-structural schema (kvpersist.api.structural, which the models' CEL checks walk too), the root,
-printer columns and scale subresource."""
+"""The KVCacheNamespace CustomResourceDefinition, generated from the pydantic models' structural
+schemas (kvpersist.api.structural), with the root, printer columns and scale subresource."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from kvpersist.api.structural import schema_of
 
 
 def build_crd() -> dict[str, Any]:
-    spec = schema_of(api.KVCacheNamespaceSpec)
-    status = schema_of(api.KVCacheNamespaceStatus)
     root = {
         "type": "object",
         "description": "A persistent, identity-namespaced KV cache for vLLM served by LMCache.",
@@ -25,8 +22,8 @@ def build_crd() -> dict[str, Any]:
             "apiVersion": {"type": "string", "description": "APIVersion of this object."},
             "kind": {"type": "string", "description": "Kind of this object."},
             "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
+            "spec": schema_of(api.KVCacheNamespaceSpec),
+            "status": schema_of(api.KVCacheNamespaceStatus),
         },
         "x-kubernetes-validations": [api.NAME_CEL],
     }
@@ -55,31 +52,14 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{api.PLURAL}.{api.GROUP}",
-            "annotations": {"argocd.argoproj.io/sync-wave": "-1"},
-        },
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}", "annotations": {"argocd.argoproj.io/sync-wave": "-1"}},
         "spec": {
             "group": api.GROUP,
             "scope": "Namespaced",
-            "names": {
-                "kind": api.KIND,
-                "listKind": f"{api.KIND}List",
-                "plural": api.PLURAL,
-                "singular": api.SINGULAR,
-                "shortNames": api.SHORT_NAMES,
-                "categories": ["kvpersist"],
-            },
-            "versions": [
-                {
-                    "name": api.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}, "scale": scale},
-                    "additionalPrinterColumns": columns,
-                    "schema": {"openAPIV3Schema": root},
-                }
-            ],
+            "names": {"kind": api.KIND, "listKind": f"{api.KIND}List", "plural": api.PLURAL, "singular": api.SINGULAR,
+                      "shortNames": api.SHORT_NAMES, "categories": ["kvpersist"]},
+            "versions": [{"name": api.VERSION, "served": True, "storage": True, "subresources": {"status": {}, "scale": scale},
+                          "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": root}}],
         },
     }
 

@@ -1,20 +1,12 @@
 """The pin-change warning: a ValidatingAdmissionPolicy in Warn mode, generated from id_fields.
 
-A change of a field that moves the namespace id (kvpersist.api.v1alpha1.id_fields) makes the
-resource serve another namespace: the cached KV of the old one stops being served and stays in L2
-as an orphan until `kvpersist gc`. That should be seen when it is applied, not found later in
-`kvpersist report`: on every UPDATE of a KVCacheNamespace the API server compares those fields
-of oldObject and object (an image by its digest alone, as the id does) and, when one differs and
-the old object serves a namespace (oldObject.status.namespaceId), kubectl prints a Warning naming
-the fields, the id, what it holds (status.usage.l2UsedBytes and l2Objects: the larger of the
-servers' and the volume's count) and its hit rate (status.hits.summary). Never
-a refusal: Warn only, and failurePolicy Ignore, so an error in the policy admits the change. It
-cannot compute the new id (CEL has no sha256, and the L2 key is a Secret the API server does not
-read for admission): `kvpersist plan -f` does. A key rotated inside the same Secret changes no
-field and is not seen here (the operator's L2KeyChanged event says it afterwards).
-
-`kvpersist-operator pin-change-policy --write` writes config/pin-change-warning/ and the chart's template
-(behind pinChangeWarning.enabled); tests/unit/test_pin_change_policy.py fails when either is stale.
+A change of a field that moves the namespace id leaves the old namespace's KV in L2 as an orphan
+until `kvpersist gc`; that should be seen at `kubectl apply`. On UPDATE the API server compares
+those fields of oldObject and object (an image by its digest alone, as the id does) and, when one
+differs and the old object serves a namespace, warns with the fields, the id, its size and hit rate.
+Never a refusal: Warn only, failurePolicy Ignore. CEL cannot compute the new id (no sha256, and the
+L2 key is a Secret): `kvpersist plan -f` does. A key rotated in the same Secret is not seen here.
+`kvpersist-operator pin-change-policy --write` writes config/pin-change-warning/ and the chart's template.
 """
 
 from __future__ import annotations

@@ -58,9 +58,7 @@ def chart_doc(doc: dict[str, Any], policy: str) -> str:
 
 def write(root: Path, files: tuple[tuple[Path, str], ...]) -> list[Path]:
     """Writes each (path under root, text); returns the paths written."""
-    written = []
     for rel, text in files:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-        written.append(root / rel)
-    return written
+    return [root / rel for rel, _ in files]

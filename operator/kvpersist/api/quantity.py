@@ -1,11 +1,8 @@
 """Kubernetes quantities, parsed exactly as the API server parses them (never through a float).
 
-Two uses: the operator computing with a size (`parse_quantity`, a Decimal), and the CEL library
-the CRD's rules call (`quantity()`, `.asApproximateFloat()`, ...; kvpersist.api.celrules), which must
-give the models the API server's verdict on every value. So this follows apimachinery's
-resource.ParseQuantity step by step: the int64 fast path or the inf.Dec one, rounding a finer value
-than nano away from zero, capping a binary-suffixed one at 2^63-1; and AsApproximateFloat64's float
-arithmetic (the unscaled integer times Go's math.Pow10 of the scale), so even the last bit agrees.
+The operator computes with sizes (`parse_quantity`), and the CRD's CEL rules call the quantity
+library (kvpersist.api.celrules), where the models must reach the API server's verdict on every
+value: so this follows apimachinery's ParseQuantity and AsApproximateFloat64 step by step, to the last bit.
 """
 
 from __future__ import annotations
@@ -40,16 +37,11 @@ def parse(text: str) -> Quantity:
     m = _GRAMMAR.fullmatch(text)
     if not text or not m:
         raise ValueError(f"not a quantity: {text!r} (a number, then a suffix such as Gi, M or e6)")
-    sign, num, denom, suffix = m.group(1), m.group(2) or "0", m.group(3) or "", m.group(4) or ""
-    if suffix in _BINARY:
-        base, exponent, binary = 2, _BINARY[suffix], True
-    elif suffix in _SUFFIX:
-        base, exponent, binary = 10, _SUFFIX[suffix], False
-    else:
-        base, exponent, binary = 10, int(suffix[1:]), False
-        if not -(2**31) <= exponent < 2**31:
-            raise ValueError(f"not a quantity: {text!r} (its exponent is out of range)")
-    negative = sign == "-"
+    negative, num, denom, suffix = m.group(1) == "-", m.group(2) or "0", m.group(3) or "", m.group(4) or ""
+    binary = suffix in _BINARY  # else decimal: a suffix or an exponent (e6)
+    exponent = _BINARY[suffix] if binary else _SUFFIX[suffix] if suffix in _SUFFIX else int(suffix[1:])
+    if not -(2**31) <= exponent < 2**31:
+        raise ValueError(f"not a quantity: {text!r} (its exponent is out of range)")
     # The int64 fast path (int64Amount), taken when the digits surely fit.
     mantissa, scale = 1, 0
     if binary:
@@ -68,13 +60,11 @@ def parse(text: str) -> Quantity:
                 return Quantity(-result if negative else result, -scale, True)
     # The inf.Dec path: exact, then rounded up to nano, a binary one capped.
     amount = Decimal(f"{num}.{denom}" if denom else num)
-    amount = amount.scaleb(exponent) if base == 10 else amount * (1 << exponent)
+    amount = amount * (1 << exponent) if binary else amount.scaleb(exponent)
     with localcontext() as ctx:
         ctx.prec = 1000
         unscaled = int((amount * 10**9).to_integral_value(rounding=ROUND_UP))
-    scale_out = 9
-    if unscaled == 0:
-        unscaled, scale_out = 0, 0
+    scale_out = 9 if unscaled else 0
     if binary and Decimal(unscaled).scaleb(-scale_out) > MAX_INT64:
         unscaled, scale_out = MAX_INT64, 0
     return Quantity(-unscaled if negative else unscaled, scale_out, False)

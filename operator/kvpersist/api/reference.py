@@ -45,13 +45,10 @@ def _limits(node: dict[str, Any]) -> list[str]:
 
 def _walk(node: dict[str, Any], path: str, required: bool) -> Iterator[tuple[str, dict[str, Any], bool]]:
     yield path, node, required
-    children = node.get("properties") or {}
-    needed = set(node.get("required") or [])
-    for name, child in children.items():
-        yield from _walk(child, f"{path}.{name}", name in needed)
-    items = node.get("items") or {}
-    for name, child in (items.get("properties") or {}).items():
-        yield from _walk(child, f"{path}[].{name}", name in set(items.get("required") or []))
+    for parent, prefix in ((node, path), (node.get("items") or {}, f"{path}[]")):  # an object's fields, a list's items'
+        needed = set(parent.get("required") or [])
+        for name, child in (parent.get("properties") or {}).items():
+            yield from _walk(child, f"{prefix}.{name}", name in needed)
 
 
 def render_reference() -> str:

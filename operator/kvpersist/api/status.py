@@ -1,9 +1,7 @@
 """Status merge patches checked against the status models the CRD is generated from.
 
-The API server prunes a status key its schema lacks without a word, so a misspelled key in a
-hand-built patch would never show and never fail. Every status write of the operator goes
-through checked_patch (kvpersist.controller.refresh.write_status) first: a key that is not a field (by its
-camelCase alias) of the model at its level, or a value of the wrong type, fails a test instead.
+The API server silently prunes a status key its schema lacks, so a misspelled key in a hand-built
+patch would never show: every status write goes through checked_patch (refresh.write_status) first.
 """
 
 from __future__ import annotations
@@ -81,11 +79,9 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 
 def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
-    """What in a merge patch of model does not fit it. Merge-patch semantics: a nested object is
-    merged key by key, so it is checked key by key (recursively) and may leave required fields
-    out; a list replaces the stored one whole, so each item is validated whole; None removes a
-    field, which only an optional field (one with a default) may be. Values are checked as the
-    JSON the API server receives, strictly: "5" is no integer."""
+    """What in a merge patch of model does not fit it: a nested object is merged (so checked) key by
+    key and may leave required fields out; a list replaces the stored one, so is validated whole;
+    None removes a field, so only an optional one. Values are checked strictly as JSON: "5" is no integer."""
     if not isinstance(patch, Mapping):
         return [f"{path}: a patch of {model.__name__} must be an object, not {type(patch).__name__}"]
     fields = _fields(model)
@@ -120,12 +116,10 @@ def validate_patch(patch: Mapping[str, Any]) -> None:
 
 
 def checked_patch(patch: Mapping[str, Any], logger: logging.Logger, what: str = "") -> dict[str, Any] | None:
-    """The part of a status patch to send: all of it when it fits the status models.
-
-    Otherwise, when strict (STRICT: the unit tests; or STRICT_ENV), StatusPatchError. In production the status loop
-    must go on: each top-level status field with a problem is left out whole (half an object
-    could lack a required field and have the API server refuse the whole patch), an error is
-    logged naming its keys, and the rest is sent; None when nothing is left."""
+    """The part of a status patch to send: all of it when it fits the status models; else, when strict
+    (STRICT or STRICT_ENV), StatusPatchError. In production the status loop must go on: each top-level
+    field with a problem is logged and left out whole (half an object could lack a required field and
+    have the whole patch refused), the rest sent; None when nothing is left."""
     if STRICT or os.environ.get(STRICT_ENV) == "1":
         validate_patch(patch)
         return dict(patch)

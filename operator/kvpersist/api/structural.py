@@ -1,10 +1,5 @@
-"""A pydantic model's JSON Schema as a structural OpenAPI v3 schema, as a CRD carries it.
-
-pydantic writes JSON Schema (draft 2020-12, with $refs and anyOf-null for optional fields);
-Kubernetes wants a structural OpenAPI v3 schema (inlined, typed at every level, boolean
-exclusiveMinimum). This module is that translation and nothing else. Below the models: the CRD
-(kvpersist.api.crd) is built from it, and the models walk it to evaluate the CRD's CEL rules.
-"""
+"""A pydantic model's JSON Schema ($refs, anyOf-null) as the structural OpenAPI v3 schema a CRD
+carries (inlined, typed at every level): the CRD is built from it, and the models walk it for CEL."""
 
 from __future__ import annotations
 
@@ -17,16 +12,13 @@ _DROP = {"title"}
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    if "$ref" in node:
-        target = defs[node["$ref"].rsplit("/", 1)[-1]]
-        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
-        return _resolve(merged, defs)
+    while "$ref" in node:  # the node's own keys (a description) over its target's
+        node = {**defs[node["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
     return node
 
 
-# Kubernetes' qualified names (label keys, toleration keys, resource names such as nvidia.com/gpu):
-# an optional DNS subdomain and "/", then at most 63 characters. Here because a map keyed by them
-# gets a CEL rule over its keys (_key_rule), and the models' own key type uses it (v1alpha1).
+# Kubernetes' qualified names (label keys, resource names such as nvidia.com/gpu): here because a
+# map keyed by them gets a CEL rule over its keys (_key_rule), and v1alpha1's key type uses it.
 LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?" + LABEL_NAME + "$"
 
@@ -36,16 +28,12 @@ KEY_PATTERNS = {
     QUALIFIED_NAME: "a qualified name as Kubernetes has it, e.g. memory or nvidia.com/gpu: an optional DNS "
                         "subdomain and /, then at most 63 letters, digits, -, _ or ., a letter or digit at each end",
 }
-
-
 KEY_LENGTHS = {QUALIFIED_NAME: {"minLength": 1, "maxLength": 317}}
 
 
 def _key_rule(names: dict[str, Any]) -> dict[str, str]:
-    """propertyNames (the schema of a map's keys, which pydantic writes) as a CEL rule: a raw
-    string, so the pattern's \\x{...} escapes reach RE2 as written."""
-    # pydantic < 2.9 writes only the pattern of a map's keys (patternProperties): the lengths of a
-    # known key type come from here then, so every pydantic writes the same rule.
+    """propertyNames (a map's key schema) as a CEL rule: a raw string, so \\x{...} escapes reach RE2 as
+    written. pydantic < 2.9 writes only the pattern: a known key type's lengths come from KEY_LENGTHS."""
     names = {**KEY_LENGTHS.get(names.get("pattern", ""), {}), **names}
     unknown = set(names) - {"minLength", "maxLength", "pattern"}
     if unknown or "'" in names.get("pattern", ""):
@@ -55,8 +43,8 @@ def _key_rule(names: dict[str, Any]) -> dict[str, str]:
     checks += [f"k.matches(r'{names['pattern']}')"] if "pattern" in names else []
     size = f"{names.get('minLength', 0)} to {names['maxLength']}" if "maxLength" in names else "any number of"
     shape = KEY_PATTERNS.get(names["pattern"], f"matching {names['pattern']}") if "pattern" in names else "any text"
-    message = f"each key: {shape} ({size} characters)"
-    return cel(f"self.all(k, {' && '.join(checks) or 'true'})", message, reason="FieldValueInvalid")
+    return cel(f"self.all(k, {' && '.join(checks) or 'true'})", f"each key: {shape} ({size} characters)",
+               reason="FieldValueInvalid")
 
 
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -69,13 +57,10 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in node.items() if k not in _DROP}
     if "anyOf" in node:
         branches = [b for b in node["anyOf"] if b.get("type") != "null"]
-        rest = {k: v for k, v in node.items() if k != "anyOf"}
         if len(branches) != 1:
             raise ValueError(f"union types are not structural: {node}")
-        inner = _resolve(branches[0], defs)
-        if rest.get("default", ...) is None:
-            rest.pop("default")
-        return structural({**inner, **rest}, defs)
+        rest = {k: v for k, v in node.items() if k != "anyOf" and not (k == "default" and v is None)}
+        return structural({**_resolve(branches[0], defs), **rest}, defs)
     if "patternProperties" in node:  # pydantic's spelling of a map whose keys have a pattern
         (pattern, values), *more = node["patternProperties"].items()
         if more or "additionalProperties" in node:
@@ -96,10 +81,8 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             # with kubectl's default strict field validation, refuses unknown fields anyway.
             if isinstance(value, dict):
                 out[key] = structural(value, defs)
-        elif key == "exclusiveMinimum":
-            out["minimum"], out["exclusiveMinimum"] = value, True
-        elif key == "exclusiveMaximum":
-            out["maximum"], out["exclusiveMaximum"] = value, True
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):  # boolean in OpenAPI v3, beside the bound
+            out[key[9:].lower()], out[key] = value, True
         elif key == "const":
             out["enum"] = [value]
         elif key == "propertyNames":
@@ -112,8 +95,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if out.get("type") == "number":  # one spelling whatever pydantic wrote (versions differ: 0 or 0.0)
         out.update({k: float(out[k]) for k in ("minimum", "maximum", "default") if isinstance(out.get(k), int)})
     if "enum" in out and "type" not in out:
-        first = out["enum"][0]
-        out["type"] = "integer" if isinstance(first, int) else "string"
+        out["type"] = "integer" if isinstance(out["enum"][0], int) else "string"
     if "properties" in out:
         out["type"] = "object"
     if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:

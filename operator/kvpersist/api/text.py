@@ -1,15 +1,10 @@
 """The characters no free-text field of the spec may hold, decided once for the models and the CRD.
 
-A free string (an image, spec.vllm.servedModelName, an extraArgs value, a toleration, a node
-selector) ends up in pod specs, argv, logs and `kubectl` output. Control characters (NUL, CR, LF,
-TAB, ESC, C1) cut or forge lines there, and invisible format characters (bidi overrides such as
-U+202E, zero-width U+200B, U+FEFF) make one value read as another (a Trojan Source spelling). So
-both are refused at `kubectl apply` (the schema pattern NO_CONTROL_PATTERN, which the API server
-checks with Go's RE2) and by the models (refuse_control, which names the character and where it
-is). Both read the one table FORBIDDEN below, written out rather than taken from a Unicode
-database, so that Go's tables (the API server's) and Python's (unicodedata, another Unicode
-version) cannot make them disagree; tests/unit/test_free_text.py checks the table covers Python's
-categories and that the pattern and the check refuse the same characters.
+Free strings reach pod specs, argv, logs and `kubectl` output, where control characters cut or
+forge lines and format characters (bidi overrides, zero-width) make one value read as another
+(Trojan Source). The schema pattern (checked by the API server's RE2) and the models' check both
+read the one table FORBIDDEN, written out rather than taken from a Unicode database so that Go's
+and Python's Unicode versions cannot make them disagree (tests/unit/test_free_text.py).
 """
 
 from __future__ import annotations
@@ -51,9 +46,20 @@ FORBIDDEN: tuple[tuple[int, int], ...] = (
 # them); the models refuse them too, for objects built in Python.
 SURROGATES = (0xD800, 0xDFFF)
 
-# RE2 (Go: the API server) and Rust regex (pydantic) syntax alike: \x{...} escapes, ASCII only.
-NO_CONTROL_CLASS = "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}" for a, b in FORBIDDEN)
+
+def _class(ranges: tuple[tuple[int, int], ...]) -> str:
+    """RE2 (Go: the API server) and Rust regex (pydantic) syntax alike: \\x{...} escapes, ASCII only."""
+    return "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}" for a, b in ranges)
+
+
+def _compiled(ranges: tuple[tuple[int, int], ...]) -> re.Pattern[str]:
+    """The set as one compiled class: a check per character was the hottest line of a spec's parse."""
+    return re.compile("[" + "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in (*ranges, SURROGATES)) + "]")
+
+
+NO_CONTROL_CLASS = _class(FORBIDDEN)
 NO_CONTROL_PATTERN = f"^[^{NO_CONTROL_CLASS}]*$"
+_REFUSED = _compiled(FORBIDDEN)
 RULE = ("control and format characters are refused (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls such as "
         "U+202E, zero-width characters such as U+200B): remove it")
 
@@ -68,28 +74,22 @@ def forbidden(char: str) -> bool:
     return SURROGATES[0] <= c <= SURROGATES[1] or any(a <= c <= b for a, b in FORBIDDEN)
 
 
-# The same set as one compiled class (forbidden() per character was the hottest line of a
-# resource's parse: every status round parsed every spec).
-_REFUSED = re.compile("[" + "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in (*FORBIDDEN, SURROGATES)) + "]")
-
-
-def control_problem(value: str) -> str | None:
+def control_problem(value: str, refused: re.Pattern[str] = _REFUSED, rule: str = RULE) -> str | None:
     """Which refused character the value holds first, where, and the rule; None when it has none."""
-    found = _REFUSED.search(value)
+    found = refused.search(value)
     if found is None:
         return None
     index, char = found.start(), found.group()
     name = unicodedata.name(char, "") or CONTROL_NAMES.get(char, "a control character")
-    return f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {RULE}"
+    return f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {rule}"
 
 
 def refuse_control(value: Any) -> Any:
     """A pydantic before-validator: runs ahead of a field's pattern, so a string with a control
     or format character is told which one and where rather than just that it does not match."""
-    if isinstance(value, str):
-        problem = control_problem(value)
-        if problem:
-            raise ValueError(problem)
+    problem = control_problem(value) if isinstance(value, str) else None
+    if problem:
+        raise ValueError(problem)
     return value
 
 
@@ -98,8 +98,8 @@ def refuse_control(value: Any) -> Any:
 # vLLM's /tokenize, never into argv, a log line or a condition (which name it by its place).
 PROMPT_ALLOWED = "\t\n\r"
 PROMPT_FORBIDDEN: tuple[tuple[int, int], ...] = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F), *FORBIDDEN[1:])
-PROMPT_PATTERN = "^[^" + "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}"
-                                 for a, b in PROMPT_FORBIDDEN) + "]*$"
+PROMPT_PATTERN = f"^[^{_class(PROMPT_FORBIDDEN)}]*$"
+_PROMPT_REFUSED = _compiled(PROMPT_FORBIDDEN)
 PROMPT_RULE = ("control and format characters other than TAB, LF and CR are refused in a prompt (NUL, ESC, bidi "
                "controls such as U+202E, zero-width characters such as U+200B): remove it, or put the prompt in the "
                "ConfigMap of spec.prewarm.configMapRef")
@@ -107,17 +107,15 @@ PROMPT_RULE = ("control and format characters other than TAB, LF and CR are refu
 
 def refuse_control_in_prompt(value: Any) -> Any:
     """refuse_control for a prompt: its line breaks and tabs are its own."""
-    if isinstance(value, str):
-        for index, char in enumerate(value):
-            if char not in PROMPT_ALLOWED and forbidden(char):
-                name = unicodedata.name(char, "") or CONTROL_NAMES.get(char, "a control character")
-                raise ValueError(f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {PROMPT_RULE}")
+    problem = control_problem(value, _PROMPT_REFUSED, PROMPT_RULE) if isinstance(value, str) else None
+    if problem:
+        raise ValueError(problem)
     return value
 
 
 def printable(text: str) -> str:
-    """text with every refused character written as a \\u (or \\U) escape of its code point: for
-    messages that quote user input (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
+    """text with every refused character as a \\u (or \\U) escape: for messages that quote user input
+    (a condition, an event, a log line), so they carry no bidi override or line break of their own."""
     def escaped(found: re.Match[str]) -> str:
         c = ord(found.group())
         return f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"

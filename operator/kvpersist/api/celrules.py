@@ -110,10 +110,9 @@ def _holds(rule: str, value_json: str) -> bool:
 
 
 def json_numbers(schema: dict[str, Any], value: Any, path: str) -> Any:
-    """value with its JSON numbers read as the API server reads them against the CRD's schema: an
-    integral float is an integer where the schema wants one (2.0 for replicas, 5.0 for a quantity),
-    and a boolean is never a number, not even for an enum of integers (pydantic's Literal[1, 8]
-    would take true). ValueError naming the field for the latter."""
+    """value with its JSON numbers read as the API server reads them against the schema: an integral
+    float is an integer where one is wanted (2.0 replicas), and a boolean is never a number, not even
+    for an enum of integers (pydantic's Literal[1, 8] would take true): ValueError naming the field."""
     kind = "integer" if schema.get("x-kubernetes-int-or-string") else schema.get("type")
     if isinstance(value, bool):
         if kind in ("integer", "number"):

@@ -30,8 +30,7 @@ UNITS = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))  # as statu
 
 
 def field_value(obj: str, field: IdField) -> str:
-    """CEL for the field's value as the id sees it, as a string ('' when unset or, for an image,
-    without a digest), on `object` or `oldObject`."""
+    """CEL: the field of obj (object or oldObject) as the id sees it, a string ('' when unset or an image without a digest)."""
     parts = field.path.split(".")
     guards = " && ".join(f"has({obj}.{'.'.join(parts[:i + 1])})" for i in range(1, len(parts)))
     value = f"string({obj}.{field.path})"
@@ -52,7 +51,7 @@ def changed_expression() -> str:
 
 def _status(*path: str) -> str:
     """CEL: every has() down oldObject.status.<path>."""
-    steps = ["status", *path]
+    steps = ("status", *path)
     return " && ".join(f"has(oldObject.{'.'.join(steps[:i + 1])})" for i in range(len(steps)))
 
 

@@ -35,8 +35,7 @@ def merge_patch(old: Any, new: Any) -> Any:
 
 
 def field_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """One status field (a record the operator keeps whole) to write as a merge patch over old, or
-    None when nothing changed."""
+    """One status field (a record kept whole) as a merge patch over old; None when nothing changed."""
     if new is None or dict(new) == dict(old or {}):
         return None
     return merge_patch(old or {}, new)
@@ -92,11 +91,10 @@ def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
             out.append(f"{where}: {model.__name__} has no field {key!r} (it has {', '.join(sorted(fields))})")
             continue
         name, info = fields[key]
-        nested = _model_of(info.annotation)
         if value is None:
             if info.is_required():
                 out.append(f"{where}: required in {model.__name__}, so it cannot be removed (null)")
-        elif nested is not None and isinstance(value, Mapping):
+        elif (nested := _model_of(info.annotation)) is not None and isinstance(value, Mapping):
             out += _problems(nested, value, where)
         else:
             try:
@@ -108,8 +106,7 @@ def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
 
 
 def validate_patch(patch: Mapping[str, Any]) -> None:
-    """Raises StatusPatchError unless every key and value of the patch (the object under `status`)
-    fits the status models."""
+    """Raises StatusPatchError unless every key and value of the patch (under `status`) fits the models."""
     problems = _problems(KVCacheNamespaceStatus, patch, "status")
     if problems:
         raise StatusPatchError(problems)

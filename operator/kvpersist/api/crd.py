@@ -52,14 +52,31 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}", "annotations": {"argocd.argoproj.io/sync-wave": "-1"}},
+        "metadata": {
+            "name": f"{api.PLURAL}.{api.GROUP}",
+            "annotations": {"argocd.argoproj.io/sync-wave": "-1"},
+        },
         "spec": {
             "group": api.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": api.KIND, "listKind": f"{api.KIND}List", "plural": api.PLURAL, "singular": api.SINGULAR,
-                      "shortNames": api.SHORT_NAMES, "categories": ["kvpersist"]},
-            "versions": [{"name": api.VERSION, "served": True, "storage": True, "subresources": {"status": {}, "scale": scale},
-                          "additionalPrinterColumns": columns, "schema": {"openAPIV3Schema": root}}],
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["kvpersist"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}, "scale": scale},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
         },
     }
 

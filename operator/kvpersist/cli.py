@@ -12,10 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-# glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core); the
-# operator's worker threads (refresh, apply, bucket, watch caches) each held one, mostly empty, and
-# at 500 resources that was tens of MiB of its peak RSS. Two arenas serve threads that spend most
-# of their time waiting on the network. Set before any of them starts; not on other C libraries.
+# glibc gives each allocating thread an arena of its own (up to 8 per core): the operator's worker threads held
+# mostly empty ones, tens of MiB of peak RSS at 500 resources. Two serve threads that mostly wait on the network.
+# Set before any of them starts; not on other C libraries.
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 ARENAS = 2
 
@@ -109,11 +108,9 @@ def _admin(args: argparse.Namespace) -> int:
     try:
         kube.load_config(args.kubeconfig, args.context)
         namespace = cliflags.namespace_of(args)
-        if args.command == "status":
-            return admin.cmd_status(namespace, args.output)
-        if args.command == "report":
-            return admin.cmd_report(namespace, args.output)
-        return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
+        if args.command == "gc":
+            return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
+        return (admin.cmd_status if args.command == "status" else admin.cmd_report)(namespace, args.output)
     except Exception as exc:
         if not admin.is_cluster_error(exc):
             raise
@@ -130,8 +127,7 @@ def _version(args: argparse.Namespace) -> int:
     if not args.client:
         from kvpersist.admin import OPERATOR_SELECTOR, operator_versions
 
-        operators, problem = operator_versions(args.kubeconfig, args.context)
-        data["operators"] = operators
+        data["operators"], problem = operator_versions(args.kubeconfig, args.context)
         if problem:
             data["operatorsUnknown"] = problem
 
@@ -250,9 +246,8 @@ def operator_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kvpersist COMMAND`. The operator's commands still answer here (`kvpersist run`, `kvpersist
-    agent`: the image's entrypoint and every server pod's sidecar as rendered before), without
-    being listed."""
+    """`kvpersist COMMAND`. The operator's commands still answer here, unlisted (`kvpersist run`, `kvpersist agent`:
+    the image's entrypoint and every server pod's sidecar as rendered before)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in OPERATOR_COMMANDS:
         return operator_main(argv)

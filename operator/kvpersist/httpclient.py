@@ -1,10 +1,9 @@
-"""Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents,
-vLLM pods): a status code and a whole body, or a PeerError with a short reason.
+"""Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents, vLLM pods): a status
+code and a whole body, or a PeerError with a short reason.
 
-Every call goes through the operator's one HTTP stack (kvpersist.httptransport: one deadline for
-the whole call, a cap on the body). The calls are plain http to pod and loopback addresses: no
-proxy from the environment, no cookies, no redirects, one connection per call (Connection: close),
-and the body as it came (never decoded, so the cap bounds what is held).
+Every call goes through kvpersist.httptransport (one deadline for the whole call, a cap on the body), plain http to
+pod and loopback addresses: no proxy from the environment, no cookies, no redirects, one connection per call
+(Connection: close), and the body as it came (never decoded, so the cap bounds what is held).
 """
 
 from __future__ import annotations
@@ -55,9 +54,8 @@ _shared: httptransport.BoundedTransport | None = None
 
 
 def _transport() -> httptransport.BoundedTransport:
-    """One transport for every peer (thread-safe; it keeps no connection between calls), built on
-    first use. It is no httpx Client: nothing is read from the environment (proxies, .netrc) and no
-    cookie a peer sets is kept."""
+    """One transport for every peer (thread-safe; it keeps no connection between calls), built on first use. No httpx
+    Client: nothing is read from the environment (proxies, .netrc) and no cookie a peer sets is kept."""
     global _shared
     with _transport_lock:
         if _shared is None:
@@ -89,9 +87,8 @@ def _root(exc: BaseException) -> BaseException:
 def _reason(exc: BaseException, timeout: float) -> str:
     """Words for a failed call."""
     if isinstance(exc, httptransport.AnswerTooLarge):
-        if exc.declared is not None:
-            return f"body of {exc.declared} bytes is over the {exc.limit}-byte limit"
-        return f"body is over the {exc.limit}-byte limit"
+        body = f"body of {exc.declared} bytes" if exc.declared is not None else "body"
+        return f"{body} is over the {exc.limit}-byte limit"
     if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return f"timed out: no complete answer within {timeout:g}s"
     if isinstance(exc, httptransport.AnswerTruncated):
@@ -110,10 +107,6 @@ def _reason(exc: BaseException, timeout: float) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in text)[:_MAX_REASON]
-
-
 def request(method: str, host: str, port: int, path: str, *, timeout: float, max_bytes: int,
             body: bytes | None = None, content_type: str | None = None, headers: Mapping[str, str] | None = None) -> Reply:
     """One HTTP/1.1 call, over within timeout seconds in all, with a body of at most max_bytes.
@@ -128,7 +121,7 @@ def request(method: str, host: str, port: int, path: str, *, timeout: float, max
         response = _transport().handle_request(call)
         return Reply(response.status_code, b"".join(response.stream))  # type: ignore[arg-type]
     except (httpx2.HTTPError, httpx2.InvalidURL, OSError, ValueError) as exc:
-        raise PeerError(_printable(_reason(exc, timeout))) from exc
+        raise PeerError("".join(c if c.isprintable() else "?" for c in _reason(exc, timeout))[:_MAX_REASON]) from exc
     finally:
         if response is not None:
             response.close()
@@ -162,8 +155,7 @@ def problems(exc: ValidationError, limit: int = 3) -> str:
 
 
 def load_json(body: bytes) -> Any:
-    """A peer's JSON body; PeerError for anything that is not JSON (including nesting too deep
-    for the parser)."""
+    """A peer's JSON body; PeerError for anything that is not JSON (including nesting too deep for the parser)."""
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -184,8 +176,8 @@ MAX_PARALLEL = 32  # peers asked at once: that many stuck ones still cost one de
 
 
 def in_parallel(call: Callable[[Any], R], items: Sequence[Any], limit: int = MAX_PARALLEL) -> list[R]:
-    """call(item) for every item at once, results in order: each call is bounded by its own
-    deadline, so a round over many peers costs one deadline, not one each."""
+    """call(item) for every item at once, results in order: each call is bounded by its own deadline, so a round over
+    many peers costs one deadline, not one each."""
     if len(items) <= 1:  # one peer: its own deadline in this thread (a pool per call cost a thread start)
         return [call(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(limit, len(items))) as pool:

@@ -1,20 +1,16 @@
-"""The operator's one HTTP client stack: an httpx2 transport that gives each request one deadline
-for the whole exchange and a cap on its answer. Every peer is treated as hostile: the in-cluster
-ones (lmcache servers, inventory agents, vLLM pods; through kvpersist.httpclient) and the Hugging
-Face Hub (through kvpersist.inventory.hfbucket's client for huggingface_hub).
+"""The operator's one HTTP client stack: an httpx2 transport giving each request one deadline for the
+whole exchange and a cap on its answer. Every peer is hostile: the in-cluster ones (lmcache servers,
+inventory agents, vLLM pods; through kvpersist.httpclient) and the Hugging Face Hub (kvpersist.inventory.hfbucket).
 
-httpx's timeouts bound each socket operation, not the call: a peer sending one byte a second holds
-a call forever. Here a network backend bounds every operation of a request's connection (name
-lookup, connect, TLS handshake, each read and write) by the time left before the request's
-deadline, so a trickle is cut there, in headers or body alike. The body is refused by its
-Content-Length before any of it is read, else once one byte more than the cap has arrived. Keep-
-alive is off: a connection serves one request, carries that request's deadline, and is closed
-with it, so no request inherits a half-read connection or another's deadline.
+httpx's timeouts bound each socket operation, not the call: a peer sending a byte a second holds a call
+forever. Here a network backend bounds every operation of a request's connection (name lookup, connect,
+TLS handshake, each read and write) by the time left to its deadline, so a trickle is cut, in headers or
+body alike. The body is refused by its Content-Length before any is read, else once one byte over the cap
+has arrived. Keep-alive is off: a connection serves one request and is closed with it, so no request
+inherits a half-read connection or another's deadline.
 
-httpx2 (2.0 to 2.16 checked) builds its httpcore pool with no way to pass a network backend;
-BoundedTransport sets the pool's `_network_backend` itself, and refuses to build if that attribute
-is gone. An `HTTPTransport(network_backend=...)` upstream would remove that reach into httpx's
-internals.
+httpx2 (2.0 to 2.16 checked) gives no way to pass a network backend: BoundedTransport sets the pool's
+`_network_backend` itself, and refuses to build if that attribute is gone.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import Any, NoReturn
 
@@ -41,13 +37,13 @@ _connecting: ContextVar[_Call | None] = ContextVar("kvpersist_connecting", defau
 
 
 class Refused(Exception):
-    """An answer this transport gave up on. Its text is ours: never the URL, a header or the
-    peer's bytes, so a status message may quote it."""
+    """An answer this transport gave up on. Its text is ours (never the URL, a header or the peer's bytes): a status
+    message may quote it."""
 
 
 class DeadlineExceeded(httpx2.ReadTimeout, Refused):
-    """A request that did not end by its deadline; a ReadTimeout, so callers' (and
-    huggingface_hub's) handling of transport errors treats it as one."""
+    """A request that did not end by its deadline; a ReadTimeout, so callers' (and huggingface_hub's) handling of
+    transport errors treats it as one."""
 
 
 class AnswerTooLarge(httpx2.ReadError, Refused):
@@ -73,9 +69,8 @@ class AnswerTruncated(httpx2.RemoteProtocolError, Refused):
 
 @contextmanager
 def ending_by(deadline: float) -> Iterator[None]:
-    """Requests this thread makes through a BoundedTransport inside the block end by `deadline`
-    (a time.monotonic()), as if each carried the DEADLINE extension: for callers, such as
-    huggingface_hub's HfApi, that pass no extensions."""
+    """Requests this thread makes through a BoundedTransport in the block end by `deadline` (a time.monotonic()), as
+    if each carried DEADLINE: for callers that pass no extensions (huggingface_hub's HfApi)."""
     token = _caller_deadline.set(deadline)
     try:
         yield
@@ -128,13 +123,11 @@ class _Stream(httpcore2.NetworkStream):
 
 
 def _addresses(host: str, port: int, call: _Call) -> list[str]:
-    """The addresses of host, looked up before the deadline. getaddrinfo has no timeout, so a name
-    (not an IP) is looked up on a daemon thread that is abandoned at the deadline."""
-    try:
+    """The addresses of host, looked up before the deadline. getaddrinfo has no timeout, so a name (not an IP) is
+    looked up on a daemon thread that is abandoned at the deadline."""
+    with suppress(ValueError):
         ipaddress.ip_address(host)
         return [host]
-    except ValueError:
-        pass
     found: list[Any] = []
 
     def lookup() -> None:
@@ -163,7 +156,9 @@ class _Backend(httpcore2.NetworkBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Iterable[Any] | None = None) -> httpcore2.NetworkStream:
-        call = _call()
+        call = _connecting.get()
+        if call is None:  # only BoundedTransport's pool has this backend, and it sets the call
+            raise httpcore2.ConnectError("a connection outside a bounded request")
         last: Exception = httpcore2.ConnectError(f"no address for {host}")
         for address in _addresses(host, port, call):
             try:
@@ -178,16 +173,8 @@ class _Backend(httpcore2.NetworkBackend):
         self._inner.sleep(seconds)
 
 
-def _call() -> _Call:
-    call = _connecting.get()
-    if call is None:  # only BoundedTransport's pool has this backend, and it sets the call
-        raise httpcore2.ConnectError("a connection outside a bounded request")
-    return call
-
-
 class _CappedStream(httpx2.SyncByteStream):
-    """A response body read under its request's deadline and cap. A body cut short is an error,
-    never a short body."""
+    """A response body read under its request's deadline and cap. A body cut short is an error, never a short body."""
 
     def __init__(self, inner: httpx2.SyncByteStream, call: _Call, limit: int, refuse: _Refusals) -> None:
         self._inner, self._call, self._limit, self._refuse = inner, call, limit, refuse
@@ -234,10 +221,9 @@ class _Refusals:
 
 
 class BoundedTransport(httpx2.HTTPTransport):
-    """httpx's transport with one deadline per request (deadline_s() from its start, or earlier
-    when the request carries DEADLINE or runs inside ending_by()) and a cap on each answer
-    (max_bytes(), or the request's MAX_BYTES). The defaults are read on each request. `who` names
-    the peer in error messages ("the Hub"). A proxy is used only when passed in."""
+    """httpx's transport with one deadline per request (deadline_s() from its start, or earlier when the request
+    carries DEADLINE or runs inside ending_by()) and a cap on each answer (max_bytes(), or the request's MAX_BYTES),
+    both read on each request. `who` names the peer in error messages ("the Hub"). A proxy is used only when passed in."""
 
     def __init__(self, who: str, deadline_s: Callable[[], float], max_bytes: Callable[[], int], **options: Any) -> None:
         super().__init__(limits=httpx2.Limits(max_connections=None, max_keepalive_connections=0), **options)
@@ -250,10 +236,8 @@ class BoundedTransport(httpx2.HTTPTransport):
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         now = time.monotonic()
-        deadline = now + self._deadline_s()
-        for cap in (request.extensions.get(DEADLINE), _caller_deadline.get()):
-            if cap is not None:
-                deadline = min(deadline, float(cap))
+        caps = (request.extensions.get(DEADLINE), _caller_deadline.get())
+        deadline = min([now + self._deadline_s(), *(float(cap) for cap in caps if cap is not None)])
         refuse = _Refusals(self._who, deadline - now, request)
         if deadline <= now:
             raise DeadlineExceeded(f"the deadline of this call to {self._who} passed before the request was sent",

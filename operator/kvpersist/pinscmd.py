@@ -76,15 +76,15 @@ def run(args: argparse.Namespace) -> int:
         "blockSize": args.block_size, "tensorParallelSize": args.tensor_parallel_size,
         "connectorBuild": args.connector_build, "chatTemplateDigest": derived.chat_template_digest,
     }
+    given = {k: v for k, v in identity.items() if v is not None}
     try:
-        api.Identity.model_validate({k: v for k, v in identity.items() if v is not None})
+        api.Identity.model_validate(given)
     except ValidationError as exc:
         print(f"kvpersist pins: {api.validation_message(exc)}", file=sys.stderr)
         return 2
     if args.output == "json":
         unknown = {k: UNKNOWN[k] for k, v in identity.items() if v is None}
-        print(json.dumps({"identity": {k: v for k, v in identity.items() if v is not None}, "unknown": unknown,
-                          "notes": list(derived.notes)}, indent=2))
+        print(json.dumps({"identity": given, "unknown": unknown, "notes": list(derived.notes)}, indent=2))
     else:
         sys.stdout.write(render(identity, derived))
     return 0
@@ -122,32 +122,23 @@ def render(identity: dict[str, Any], derived: hubpins.Derived) -> str:
              "# maxModelLen and kvCacheDtype are defaults from the config: change them to what vLLM runs with.",
              *(f"# note: {n}" for n in derived.notes),
              "identity:"]
-    for key, value in identity.items():
-        if value is None:
-            lines.append(f"  # {key}: SET ME ({UNKNOWN[key]})")
-        else:
-            lines.append("  " + yaml.safe_dump({key: value}, sort_keys=False, width=1 << 16).strip())
+    lines += [f"  # {key}: SET ME ({UNKNOWN[key]})" if value is None
+              else "  " + yaml.safe_dump({key: value}, sort_keys=False, width=1 << 16).strip() for key, value in identity.items()]
     return "\n".join(lines) + "\n"
 
 
 def hub_error(exc: BaseException) -> str:
     """What went wrong with the Hub, by kind: the status code and the fix, never a header or the token."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import errors as hf
 
     for kind, why in (
-            (GatedRepoError, "the repository is gated: accept its terms on the Hub and set HF_TOKEN to a token with access"),
-            (RepositoryNotFoundError,
+            (hf.GatedRepoError, "the repository is gated: accept its terms on the Hub and set HF_TOKEN to a token with access"),
+            (hf.RepositoryNotFoundError,
              "no such repository, or it is private: check the id, or set HF_TOKEN to a token that can read it"),
-            (RevisionNotFoundError, "no such revision in the repository: give a commit it has"),
-            (OfflineModeIsEnabled, "HF_HUB_OFFLINE is set and the files are not in the cache: unset it once to fetch them")):
+            (hf.RevisionNotFoundError, "no such revision in the repository: give a commit it has"),
+            (hf.OfflineModeIsEnabled, "HF_HUB_OFFLINE is set and the files are not in the cache: unset it once to fetch them")):
         if isinstance(exc, kind):  # the first that fits: a gated repository is also one not found
             return why
-    if isinstance(exc, HfHubHTTPError):
+    if isinstance(exc, hf.HfHubHTTPError):
         return f"the Hub answered {exc.response.status_code if exc.response is not None else None}"
     return f"cannot read the files from the Hub ({type(exc).__name__}): check the network, HF_ENDPOINT and the proxy"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 from collections.abc import Mapping
@@ -97,9 +98,7 @@ class Plan:
 
     @property
     def code(self) -> int:
-        if self.refused:
-            return REFUSED
-        return UNKNOWN if self.unknown else CHANGES if self.moves else UNCHANGED
+        return REFUSED if self.refused else UNKNOWN if self.unknown else CHANGES if self.moves else UNCHANGED
 
 
 def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, str] | None) -> str | None:
@@ -118,9 +117,8 @@ def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, 
 
 
 def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pincheck.Facts | None:
-    """What the operator fills the spec's unset pins from (kvpersist.controller.pincheck): the
-    model's files as the live status keeps them, else read with huggingface_hub (its cache,
-    HF_TOKEN, HF_ENDPOINT). None when nothing is unset."""
+    """What the operator fills the spec's unset pins from (kvpersist.controller.pincheck): the model's files as the live
+    status keeps them, else read with huggingface_hub (its cache, HF_TOKEN, HF_ENDPOINT). None when nothing is unset."""
     key = pincheck.key_of(spec.identity)
     if key is None or not pincheck.unset(spec.identity):
         return None
@@ -139,9 +137,9 @@ def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) ->
 
 def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
             key: KeyRead | None = None, pins: pincheck.Facts | None = None) -> Plan:
-    """The plan, pure: the live object as read (None: it does not exist), the key read from the
-    new spec's Secret (used when status records none for it; None: not read) and what fills its
-    unset pins (pin_facts). still_used_by is the caller's to fill (it lists other resources)."""
+    """The plan, pure: the live object as read (None: it does not exist), the key read from the new spec's Secret (used
+    when status records none for it; None: not read) and what fills its unset pins (pin_facts). still_used_by is the
+    caller's to fill (it lists other resources)."""
     stored_new = new_spec.model_dump(by_alias=True, exclude_none=True, mode="json")
     new_spec, unresolved = pincheck.filled(new_spec, pins)
     source = Target(name, namespace, new_spec, None).key_secret
@@ -197,12 +195,8 @@ def format_plan(plan: Plan, wide: bool = False) -> str:
 
     old = plan.old_id or "none (the cache is off)"
     new = plan.new_id or ("unknown" if plan.unknown else "none")
-    if not plan.exists:
-        say("namespace id", f"{new} (not created yet: nothing is served now, nothing becomes an orphan)")
-    elif not plan.moves:
-        say("namespace id", f"{old} (unchanged)")
-    else:
-        say("namespace id", f"{old} -> {new}")
+    say("namespace id", f"{new} (not created yet: nothing is served now, nothing becomes an orphan)" if not plan.exists
+        else f"{old} (unchanged)" if not plan.moves else f"{old} -> {new}")
     if plan.new_id_reason:
         say("why", plan.new_id_reason)
     if plan.exists:
@@ -234,13 +228,10 @@ def format_plan(plan: Plan, wide: bool = False) -> str:
             say("orphaned", f"{plan.old_id}: {size}{hits}; no longer served, it stays in L2 as an orphan until "
                             f"`kvpersist gc {plan.old_id}`")
     if plan.new_id:
-        if plan.new_held is None:
-            say("new id's data", f"{plan.new_id}: not known (no inventory yet)")
-        elif plan.new_held[1] > 0:
-            say("new id's data", f"{plan.new_id}: {_amount(plan.new_held)} already on this resource's L2: served at "
-                                 "once (a rollback)")
-        else:
-            say("new id's data", f"{plan.new_id}: none on this resource's L2: it starts cold")
+        data = ("not known (no inventory yet)" if plan.new_held is None
+                else f"{_amount(plan.new_held)} already on this resource's L2: served at once (a rollback)"
+                if plan.new_held[1] > 0 else "none on this resource's L2: it starts cold")
+        say("new id's data", f"{plan.new_id}: {data}")
     return "\n".join(lines)
 
 
@@ -249,12 +240,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     for key in ("old_held", "new_held"):
         out[key] = {"bytes": out[key][0], "objects": out[key][1]} if out[key] is not None else None
     out.update({"moves": plan.moves, "refused": plan.refused, "exitCode": plan.code})
-    return {_camel(k): v for k, v in out.items()}
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(w.capitalize() for w in rest)
+    return {re.sub(r"_([a-z])", lambda m: m[1].upper(), k): v for k, v in out.items()}  # camelCase, as the API's
 
 
 def exit_code(codes: list[int]) -> int:
@@ -301,11 +287,8 @@ def _documents(path: str) -> list[dict[str, Any]]:
 
     text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     docs = [d for d in yaml.safe_load_all(text) if d]
-    out = []
-    for d in docs:
-        items = d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d]
-        out += [i for i in items or [] if isinstance(i, dict)]
-    return out
+    lists = [d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d] for d in docs]
+    return [i for items in lists for i in items or [] if isinstance(i, dict)]
 
 
 def _read_key(target: Target) -> KeyRead:
@@ -344,11 +327,10 @@ def _readable(unchecked: list[str], what: str, default: Any, read: Any, *args: A
 
 def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
                   key: KeyRead | None, pins: pincheck.Facts | None = None) -> tuple[dec.Snapshot, list[str]]:
-    """What the operator's decide looks at, read with the user's credentials, in the order the
-    operator reads it (kvpersist.controller.snapshot): the new spec on the live object's metadata and
-    status. A generated key not made yet is offered a random one, as the operator makes it (the id
-    it names is no one's: only what decide concludes of it is shown). Raises ApiException, and
-    ValueError for a malformed KVPERSIST_ALLOWED_IMAGES or KVPERSIST_SECRET_LABEL."""
+    """What the operator's decide looks at, read with the user's credentials in the operator's order
+    (kvpersist.controller.snapshot): the new spec on the live object's metadata and status. A generated key not made
+    yet is offered a random one, as the operator makes it (only what decide concludes of its id is shown). Raises
+    ApiException, and ValueError for a malformed KVPERSIST_ALLOWED_IMAGES or KVPERSIST_SECRET_LABEL."""
     unchecked: list[str] = []
     meta = (live or {}).get("metadata") or {}
     name = (doc.get("metadata") or {}).get("name") or ""
@@ -419,12 +401,10 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     base = Target(name, namespace, spec, None)
     source = base.key_secret
     recorded_fp = recorded_fingerprint(live, source)
-    key = None
     # The key as status records it where the new spec reads the same Secret (the servers use it
     # now), else as read now: what compute names the id with and the operator's decide judges.
-    if source is not None:
-        key = (_read_key(base) if recorded_fp is None
-               else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
+    key = (None if source is None else _read_key(base) if recorded_fp is None
+           else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
     old_id = ((live or {}).get("status") or {}).get("namespaceId")
     pins = pin_facts(spec, live)
     plan = compute(namespace, name, spec, live, key, pins)
@@ -455,18 +435,15 @@ def run(args: argparse.Namespace) -> int:
         print(admin.cluster_problem(exc), file=sys.stderr)
         return ERROR
     default_namespace = cliflags.namespace_of(args) or "default"
-    plans, codes = [], []
+    plans, errors = [], 0
     for doc in ours:
-        where = f"{(doc.get('metadata') or {}).get('namespace') or default_namespace}/{(doc.get('metadata') or {}).get('name')}"
         try:
-            plan = plan_one(doc, default_namespace)
+            plans.append(plan_one(doc, default_namespace))
         except (ValueError, ApiException) as exc:
+            meta = doc.get("metadata") or {}
             why = f"the API server answered {exc.status} {exc.reason}" if isinstance(exc, ApiException) else exc
-            print(f"error: {api.KIND} {where}: {why}", file=sys.stderr)
-            codes.append(ERROR)
-            continue
-        plans.append(plan)
-        codes.append(plan.code)
+            print(f"error: {api.KIND} {meta.get('namespace') or default_namespace}/{meta.get('name')}: {why}", file=sys.stderr)
+            errors += 1
     print(cliflags.emit(args.output, [plan_json(p) for p in plans],
                         lambda wide: "\n\n".join(format_plan(p, wide) for p in plans), admin.kubectl_name))
-    return exit_code(codes)
+    return exit_code([ERROR] * errors + [p.code for p in plans])

@@ -1,10 +1,8 @@
 """Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges).
-The two objects, by the name the install gives (KVPERSIST_CREATOR_RIGHTS_POLICY: the chart's
-`<release>-creator-rights`, config/'s `kvpersist-creator-rights`; `off`: no check), are kept by a
-list and watch each, field-selected to that one name (RBAC grants them by resourceNames): no
-request while nothing changes. A change of verdict is logged, posted as an Event on the
-operator's own pod, shown as the gauge kvpersist_creator_rights_enforced, and marks every
-resource for a refresh so its CreatorRightsEnforced condition follows.
+The two objects, by the install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), are each
+kept by a list and watch field-selected to that name (RBAC grants them by resourceNames). A new
+verdict is logged, posted as an Event on the operator's pod, shown as the gauge
+kvpersist_creator_rights_enforced, and marks every resource for a refresh (CreatorRightsEnforced).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The runtime build check, acted on: a vLLM pod that refused its versions (kvpersist.status.build
-reads the refusals from the pods' statuses) sends vLLM without the cache for that namespace id
-(BuildBypass), so serving goes on; a server that refuses is only not ready, and
-kvpersist.controller.fallback does the rest. The containers' side is kvpersist.builders.buildcheck.
+"""The runtime build check, acted on: a vLLM pod that refused its versions (kvpersist.status.build)
+sends vLLM without the cache for that namespace id, so serving goes on; a server that refuses is
+only not ready (kvpersist.controller.fallback). The containers' side: kvpersist.builders.buildcheck.
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ from kvpersist.status.build import MISMATCH, Refusal, detail_of
 
 
 class BuildBypass:
-    """Per resource: the namespace id for which a vLLM pod refused its versions, and what it said.
-    A refusal is final for that id (the image and connectorBuild are both in it, so any fix gives
-    another id): vLLM runs without the cache, and so without the check, until the id changes.
-    Kept in status (CacheBypassed, reason BuildMismatch), so a restarted operator keeps it.
-    Used from worker threads, hence the lock."""
+    """Per resource: the namespace id for which a vLLM pod refused its versions, and what it said. Final
+    for that id (any fix of image or connectorBuild gives another); kept in status (CacheBypassed,
+    BuildMismatch) across restarts. Used from worker threads, hence the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -24,9 +24,8 @@ def child_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
 
 @contextlib.contextmanager
 def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
-    """Marks a child as being applied by the operator: its watch event can arrive before the apply
-    returns (and before note_own_write records its generation), and is then no drift. Someone
-    else's edit in that window is overwritten by the apply itself (server-side apply, forced)."""
+    """Marks a child as being applied: its watch event may come before note_own_write records its
+    generation, and is no drift (someone else's edit then is overwritten by the forced apply)."""
     key = child_key(manifest)
     applying = runtime.CONTROLLER.child_applying
     applying[key] = applying.get(key, 0) + 1
@@ -41,9 +40,8 @@ def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
 
 
 def note_own_write(obj: Mapping[str, Any]) -> None:
-    """The generation the operator's own apply left a child at: its watch event is no drift. (If an
-    apply changes something every time, e.g. a field the API server stores otherwise than sent,
-    the child would otherwise look edited after every apply and be applied again each tick.)"""
+    """The generation the operator's own apply left a child at: its watch event is no drift (else a
+    field the API server stores otherwise than sent would make every apply look like an edit)."""
     mark = _mark(obj.get("metadata"))
     if mark is not None:
         runtime.CONTROLLER.child_generations[child_key(obj)] = mark
@@ -51,10 +49,9 @@ def note_own_write(obj: Mapping[str, Any]) -> None:
 
 
 def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
-    """What an event of the child is compared with: its generation; for a kind without one (a
-    Service, a ConfigMap) the resourceVersion the operator's own write left, so the ADDED event of
-    a child the operator just created is no drift (it was: each new resource applied twice, and
-    at scale every create cost a second whole apply). Someone else's edit is a new version."""
+    """What a child's event is compared with: its generation, else (a Service, a ConfigMap) the
+    resourceVersion the operator's write left, so the ADDED event of a child it just created is no
+    drift (each create used to cost a second whole apply)."""
     meta = meta or {}
     if meta.get("generation") is not None:
         return meta["generation"]
@@ -63,17 +60,14 @@ def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
 
 
 def _note_owner(child: tuple[str, str, str], meta: Mapping[str, Any] | None) -> None:
-    """Which resource controls a child as last seen (None: none): an apply looks up only the names
-    not known as its own (kvpersist.controller.ownership)."""
+    """Which resource controls a child as last seen: an apply looks up only names not known as its own."""
     runtime.CONTROLLER.child_owners[child] = controller_uid(meta)
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
-    """A child of a known resource was deleted, or changed (a new generation, or any change of a
-    kind without one, by resourceVersion): apply the resource again on the next tick. Status updates keep the
-    generation, so a StatefulSet's or Deployment's rollout is no drift; the operator's own writes
-    are noted by note_own_write. The initial listing (event type None) is not drift: resume
-    applies everything then anyway."""
+    """A child of a known resource deleted or changed (_mark): apply the resource on the next tick.
+    Status updates keep the generation (a rollout is no drift); the initial listing (event type None)
+    is none either: resume applies everything then anyway."""
     owner = owner_key(body)
     meta = body.get("metadata") or {}
     child = (kind, meta.get("namespace", ""), meta.get("name", ""))

@@ -1,13 +1,10 @@
 """vLLM without the cache while its lmcache servers are unavailable, and back when they return.
 
-vLLM cannot start with `--kv-transfer-config` while no server of its namespace id runs on its
-node: the required pod affinity keeps it Pending, and a connector that cannot reach its server
-gives up after mq_timeout (300 s). A cache is an optimisation, serving is not: when LMCacheReady
-has stayed false for FALLBACK_AFTER_S, vLLM is rolled without the connector (and without the
-affinity to a server that only the cache needs), and the resource says so (condition
-CacheBypassed). Once LMCacheReady has been true again for RECOVER_AFTER_S (so a flapping server
-does not roll vLLM back and forth), vLLM is rolled back with the cache. Nothing of the cache's
-data is touched either way: the servers stay as declared.
+vLLM with `--kv-transfer-config` stays Pending (its pod affinity) while no server of its id runs
+on its node, and its connector gives up after mq_timeout (300 s). A cache is an optimisation,
+serving is not: LMCacheReady false for FALLBACK_AFTER_S rolls vLLM without the connector and that
+affinity (condition CacheBypassed); true again for RECOVER_AFTER_S (a flapping server must not roll
+vLLM back and forth) rolls it back. The cache's data and servers are untouched either way.
 """
 
 from __future__ import annotations
@@ -42,19 +39,17 @@ def unplaced_after_s() -> float:
 
 
 def bypassed_in(body: Mapping[str, Any]) -> bool:
-    """Whether the resource's stored status says vLLM runs without the cache (so an operator that
-    restarts keeps it so, rather than rolling vLLM back to a cache that is still away)."""
+    """Whether the stored status says vLLM runs without the cache (a restarted operator keeps it so,
+    rather than rolling vLLM back to a cache still away)."""
     conds = ((body.get("status") or {}).get("conditions")) or []
-    # Not a bypass over a vLLM that refused its versions (kvpersist.controller.buildcheck keeps that
-    # one), over route names another id holds (decided again at every apply: stale_routes), nor over
-    # a hit that changed an answer (kvpersist.controller.canary keeps that one, from status.canary).
+    # Not the other bypasses: buildcheck and canary keep theirs; route names are decided at every apply.
     return any(c.get("type") == CONDITION and c.get("status") == "True"
                and c.get("reason") not in ("BuildMismatch", "RouteNameTaken", "HitMismatch") for c in conds)
 
 
 class Fallback:
-    """Per resource: since when its servers are unavailable (or available again), and whether vLLM
-    runs without the cache. Used from worker threads, hence the lock."""
+    """Per resource: since when its servers are (un)available, and whether vLLM runs without the cache.
+    Used from worker threads, hence the lock."""
 
     def __init__(self, after_s: float | None = None, recover_s: float | None = None) -> None:
         self.after_s = _seconds(FALLBACK_AFTER_ENV, FALLBACK_AFTER_S) if after_s is None else after_s
@@ -77,8 +72,8 @@ class Fallback:
             return key in self._bypassed
 
     def observe(self, key: Hashable, servers_ready: bool, now: float) -> bool | None:
-        """One status round's view of the servers. Returns the new state when it changes (True:
-        vLLM goes without the cache now; False: back with it), else None."""
+        """One status round's view of the servers: True when vLLM goes without the cache now, False
+        when back with it, None when nothing changes."""
         with self._lock:
             self._seeded.add(key)
             ready, since = self._since.get(key, (servers_ready, now))

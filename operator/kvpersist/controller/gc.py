@@ -29,9 +29,8 @@ from kvpersist.status.workloads import Seen
 
 
 def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger: logging.Logger) -> None:
-    """Carry out one gc request: refuse a live namespace, else delete through the agents or from
-    the bucket; record the outcome in status.gc and an Event, then clear the request. Blocking:
-    runs in a worker thread."""
+    """Carry out one gc request (refused for a live namespace), record the outcome in status.gc and an
+    Event, then clear the request. Blocking: runs in a worker thread."""
     meta = body["metadata"]
     target: Target | None = None
     try:
@@ -40,9 +39,8 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
     if target is not None:
         bucket = target.spec.l2.hf_bucket
-        # The watch caches first (cheap, and they see this resource's own pods); then, right before
-        # each deletion, the API server itself (recheck): the caches may lag, and cover only the
-        # watched namespaces.
+        # The watch caches first (cheap); then the API server right before each deletion (recheck):
+        # the caches may lag, and cover only the watched namespaces.
         why = (request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
                or (bucket_refusal(bucket.bucket_handle, bucket.exclusive_to_this_cluster) if bucket is not None else None))
         recheck = functools.partial(in_use_now, request["namespaceId"], target.namespace_id)

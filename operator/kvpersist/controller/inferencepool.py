@@ -1,10 +1,6 @@
-"""Whether the API server serves InferencePool (Gateway API Inference Extension): spec.vllm
-.inferencePool is made only then. Discovery (which every user may read), asked afresh at most once
-a CACHE_S per answer (the dynamic client's own discovery cache outlives a deleted CRD), so a
-cluster without the extension does not pay a discovery at every apply of every resource that
-asks for a pool.
-Installing the extension is seen within CACHE_S; a Warning event says why no pool was made
-meanwhile (kvpersist.controller.apply)."""
+"""Whether the API server serves InferencePool (Gateway API Inference Extension), for
+spec.vllm.inferencePool: discovery asked afresh at most once a CACHE_S (not at every apply; the
+dynamic client's own cache outlives a deleted CRD). Meanwhile a Warning event says why no pool."""
 
 from __future__ import annotations
 

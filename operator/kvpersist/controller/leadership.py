@@ -1,13 +1,10 @@
 """Which replica is active, when several run with kopf peering.
 
-kopf pauses every replica that sees a live peer of higher or equal priority, so replicas started
-with the same priority (a Deployment's pods all get the same args) would all pause. Each process
-therefore takes a random priority: the highest live one works, the others wait, and when it dies
-its record expires after PEERING_LIFETIME_S and the next highest resumes.
-
-kopf pauses only its own handlers. The status loop is the operator's own task, so it asks here,
-reading the same peering record with the same rule, before each round: a paused replica must not
-write status from caches that kopf stopped updating.
+kopf pauses every replica that sees a live peer of higher or equal priority, so replicas of one
+Deployment (the same args) would all pause: each process takes a random priority instead, and when
+the active one dies its record expires after PEERING_LIFETIME_S and the next highest resumes.
+kopf pauses only its own handlers: the status loop asks here, by the same record and rule, so a
+paused replica writes no status from caches kopf stopped updating.
 """
 
 from __future__ import annotations

@@ -1,40 +1,26 @@
 """Whose object a derived name holds: the operator's own, or someone else's it must never take over.
 
 Server-side apply with forced conflicts writes over whatever holds a name: a user's ConfigMap
-`<name>-connection` would be rewritten, given an owner reference and garbage-collected with the
-resource; a user's `<name>-agent-token` or `<name>-l2-key` Secret would be trusted as the
-operator's own credential. So before an apply, every name the operator has not yet seen as its
-own is looked up (kvpersist.controller.apply), and an object there that is not its own stops the
-whole apply: nothing is applied over it, nor any other child (vLLM would mount that ConfigMap,
-the servers that token), and Ready says NameTaken, naming it. The L2 key is judged where it is
-read (kvpersist.controller.reading): not its own, it is never used (the cache off, KeySecretNotOwned).
-The L2 claims the servers would mount under derived names (`l2-<name>-lmcache-shared`, which the
-operator makes with spec.l2.nvme.shared and size, and the StatefulSet's `l2-<name>-lmcache-<i>`,
-which its controller adopts whatever holds them) are looked up the same way before an apply (from
-the claim watch cache): one without the labels the operator's claims carry stops the apply, Ready
-ClaimNotOwned naming it (a pre-made claim would otherwise receive this resource's KV).
+`<name>-connection` would be rewritten and garbage-collected with the resource, a user's
+`<name>-agent-token` or `<name>-l2-key` Secret trusted as the operator's credential. So before an
+apply every name not yet seen as the operator's own is looked up (kvpersist.controller.apply); one
+held by another object stops the whole apply (Ready NameTaken). The L2 claims the servers would
+mount under derived names (`l2-<name>-lmcache-shared`, the StatefulSet's `l2-<name>-lmcache-<i>`,
+which its controller adopts whatever holds them) likewise (ClaimNotOwned: a pre-made claim would
+receive this resource's KV). The L2 key is judged where it is read (kvpersist.controller.reading):
+not its own, it is never used (KeySecretNotOwned).
 
-What counts as the operator's own, and why that is enough:
-- What it applies (workloads, Services, policies, the connection ConfigMap) and the agent token
-  Secret: an ownerReference with controller true to this very KVCacheNamespace, by uid (the API
-  server assigns it: a namesake deleted and made again has another one). Every version of the
-  operator has set that reference on them (owned_by, as kopf.append_owner_reference wrote it).
-- The L2 claims, which have no owner on purpose either (kvpersist.builders.retained): the labels
-  component lmcache-server and the resource's name (under kvpersist.dev/instance, or
-  app.kubernetes.io/instance as the StatefulSet controller copies its selector in). What a
-  deleted namesake left carries them too: the creator-rights policy asks for `get` on each.
-- The generated L2 key, which has no owner on purpose (kvpersist.builders.keysecret): the labels
-  every version gave it, managed-by kvpersist, component l2-key and the resource's name (under
-  kvpersist.dev/instance, or app.kubernetes.io/instance before kvpersist.builders.retained). A
-  key restored from a backup carries them too (that restore is how lost data comes back).
+The operator's own: what it applies and the agent token Secret carry a controller ownerReference
+to this very KVCacheNamespace by uid (owned_by, in every version; a deleted namesake's uid
+differs); the L2 claims and the generated key, ownerless on purpose (kvpersist.builders.retained,
+.keysecret), carry their component label and the resource's name under kvpersist.dev/instance or
+app.kubernetes.io/instance (a deleted namesake's claims too: the creator-rights policy asks for
+`get` on each; a key restored from a backup keeps them).
 
-Nothing in an object is out of a writer's reach: labels, owner references, even managedFields
-(a client may send them, and picks its field manager's name). What these marks need is the right
-to write that object. So the operator takes over only an object whose writer vouched for it, and
-such a writer could change or delete it anyway: creating a KVCacheNamespace reaches no object its
-creator could not already write. A user who may create Secrets can plant a marked `<name>-l2-key`
-whose bytes they know; with Kubernetes' own roles that user may read the namespace's Secrets,
-the generated key included, anyway. Pure decisions here.
+Every such mark is writable by whoever may write the object, so the operator takes over only
+objects whose writer vouched for them and could change or delete them anyway: creating a
+KVCacheNamespace reaches no object its creator could not already write (a user who may plant a
+marked `<name>-l2-key` may, with Kubernetes' own roles, read the generated key anyway). Pure.
 """
 
 from __future__ import annotations
@@ -67,8 +53,7 @@ def owned_by(obj: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def controller_uid(meta: Mapping[str, Any] | None) -> str | None:
-    """The uid of the KVCacheNamespace that controls an object (its ownerReference with controller
-    true), or None."""
+    """The uid of the KVCacheNamespace that controls an object (its controller ownerReference), or None."""
     for ref in (meta or {}).get("ownerReferences") or []:
         if (ref.get("controller") is True and ref.get("kind") == api.KIND
                 and str(ref.get("apiVersion", "")).split("/")[0] == api.GROUP):
@@ -82,12 +67,16 @@ def is_own_child(meta: Mapping[str, Any] | None, owner_uid: str | None) -> bool:
 
 
 def is_own_key_secret(meta: Mapping[str, Any] | None, name: str) -> bool:
-    """Whether an existing `<name>-l2-key` Secret carries the labels the operator gives the key it
-    generates (or gave it in earlier versions) for the resource `name`."""
+    """Whether a `<name>-l2-key` Secret carries the labels every version gave the key it generates."""
+    managed = ((meta or {}).get("labels") or {}).get("app.kubernetes.io/managed-by") == MANAGED_BY
+    return managed and _marked(meta, name, L2_KEY_COMPONENT)
+
+
+def _marked(meta: Mapping[str, Any] | None, name: str, component: str) -> bool:
+    """Whether an object's labels name this component and the resource (under either instance label)."""
     labels = (meta or {}).get("labels") or {}
-    return (labels.get("app.kubernetes.io/managed-by") == MANAGED_BY
-            and labels.get("app.kubernetes.io/component") == L2_KEY_COMPONENT
-            and name in (labels.get(INSTANCE_LABEL), labels.get(TRACKING_LABEL)))
+    return labels.get("app.kubernetes.io/component") == component and name in (labels.get(INSTANCE_LABEL),
+                                                                               labels.get(TRACKING_LABEL))
 
 
 def taken_message(name: str, namespace: str, taken: Iterable[tuple[str, str]]) -> str:
@@ -111,9 +100,8 @@ def key_not_owned_message(secret: str, name: str) -> str:
 
 
 def l2_claim_names(target: Target) -> list[str]:
-    """The claims under derived names the lmcache servers would mount: `l2-<name>-lmcache-shared`
-    (spec.l2.nvme.shared with size), or one per server ordinal up to spec.lmcacheServer.replicas
-    (size, not shared); none with the user's own claim (existingClaimName) or a bucket."""
+    """The derived claim names the servers would mount: the shared one, or one per server ordinal (both
+    need nvme.size); none with the user's own claim (existingClaimName) or a bucket."""
     nvme = target.spec.l2.nvme
     if nvme is None or nvme.size is None:
         return []
@@ -123,13 +111,9 @@ def l2_claim_names(target: Target) -> list[str]:
 
 
 def is_own_l2_claim(meta: Mapping[str, Any] | None, name: str) -> bool:
-    """Whether an existing L2 claim carries the labels every L2 claim the operator makes for the
-    resource `name` carries (the shared one, and a StatefulSet's before or after retention moved
-    its name from app.kubernetes.io/instance to kvpersist.dev/instance): component lmcache-server
-    and that name (what the claim watch cache keeps of its labels)."""
-    labels = (meta or {}).get("labels") or {}
-    return labels.get("app.kubernetes.io/component") == SERVER and name in (labels.get(INSTANCE_LABEL),
-                                                                             labels.get(TRACKING_LABEL))
+    """Whether an L2 claim carries the labels of every L2 claim the operator makes for `name` (before or
+    after retention moved the name to kvpersist.dev/instance), as the claim watch cache keeps them."""
+    return _marked(meta, name, SERVER)
 
 
 def claim_refusal(target: Target, existing: Mapping[str, Mapping[str, Any] | None]) -> tuple[str, str] | None:
@@ -143,18 +127,16 @@ def claim_refusal(target: Target, existing: Mapping[str, Mapping[str, Any] | Non
     return CLAIM_NOT_OWNED, (
         f"PersistentVolumeClaim {', '.join(foreign)} already exists in namespace {ns} without the labels the operator "
         f"puts on the L2 claims it makes (app.kubernetes.io/component={SERVER}, {INSTANCE_LABEL}={target.name}): the "
-        "lmcache servers would mount it and write this resource's KV to it, so "
-        f"nothing of this resource is applied. Delete it if it is not needed (kubectl delete pvc {first} -n {ns}), or "
-        f"give the KVCacheNamespace another name; if it truly is this resource's own L2 claim (made by the operator for "
-        f"a deleted KVCacheNamespace {target.name}), label it: kubectl label pvc {first} -n {ns} "
-        f"app.kubernetes.io/component={SERVER} {INSTANCE_LABEL}={target.name}. The "
-        f"operator looks again every {RETRY_S:.0f} s")
+        "lmcache servers would mount it and write this resource's KV to it, so nothing of this resource is applied. "
+        f"Delete it if it is not needed (kubectl delete pvc {first} -n {ns}), or give the KVCacheNamespace another name; "
+        f"if it truly is this resource's own L2 claim (made by the operator for a deleted KVCacheNamespace {target.name}), "
+        f"label it: kubectl label pvc {first} -n {ns} app.kubernetes.io/component={SERVER} {INSTANCE_LABEL}={target.name}. "
+        f"The operator looks again every {RETRY_S:.0f} s")
 
 
 def judged_key(target: Target, secret: Mapping[str, Any] | None) -> l2key.KeyRead:
-    """The key Secret as fetched (None: absent), judged for target (l2key.read): under the generated
-    name, one the operator did not make is KeySecretNotOwned and its bytes are never read. Pure:
-    reading.read_key and `kvpersist plan` judge with it."""
+    """The key Secret as fetched (None: absent), judged (l2key.read) for reading.read_key and `kvpersist
+    plan`: under the generated name, one the operator did not make is KeySecretNotOwned, its bytes unread."""
     assert target.key_secret is not None
     name, item = target.key_secret
     foreign = target.key_secret_generated and secret is not None and not is_own_key_secret(secret.get("metadata"), target.name)

@@ -1,15 +1,9 @@
-"""Which pods get the operator's credentials: the agent token (status, gc, orphan expiry, prewarm)
-and the vLLM API key (the canary, prewarm) go to pods picked from the watch caches, and those are
-picked by labels, which anyone who may create a pod can copy. So a pod is trusted only when its
-controller ownerReference chain ends, by uid, at the resource's own workload: pod -> StatefulSet,
-or pod -> ReplicaSet -> Deployment, that StatefulSet or Deployment itself controlled by this very
-KVCacheNamespace (its uid, which the API server assigns). A pod with the servers' labels made by
-anyone else, or by a look-alike StatefulSet of another uid, is left out of the resource's view:
-it is sent nothing and counts for nothing in its status.
-
-As for the names the operator derives (kvpersist.controller.ownership), an ownerReference is
-written by whoever creates the object, so forging the whole chain takes the right to create pods
-(and ReplicaSets) in the namespace, and that right already mounts the token's Secret. Pure.
+"""Which pods get the operator's credentials (the agent token, the vLLM API key). Pods are picked
+by labels, which anyone who may create a pod can copy, so a pod is trusted only when its controller
+ownerReference chain ends, by uid, at this very KVCacheNamespace's own workload (pod -> StatefulSet,
+or pod -> ReplicaSet -> Deployment); any other is sent nothing and counts for nothing in its status.
+Forging the chain takes the right to create pods (and ReplicaSets) in the namespace, which already
+mounts the token's Secret (as for derived names: kvpersist.controller.ownership). Pure.
 """
 
 from __future__ import annotations

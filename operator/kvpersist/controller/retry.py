@@ -1,11 +1,9 @@
 """Which failures of an apply to retry, and when.
 
-The API server refusing an object as invalid (400, 422) will refuse it again until the spec
-changes: that is ApplyFailed, for that generation. Everything else may pass on a later try: 403
-(RBAC still propagating, a ResourceQuota that is full, a webhook that is down), 404 (a namespace
-or CRD not there yet), 409 (a conflict), 429, 5xx, and no answer at all. Those are retried with
-exponential backoff per resource (5 s, 10 s, 20 s, ... up to 5 minutes), and the resource says
-meanwhile what is failing (Ready False, ApplyRetrying).
+An object refused as invalid (400, 422) is refused until the spec changes: ApplyFailed, for that
+generation. Anything else may pass later (403: RBAC propagating, a full quota, a webhook down; 404:
+a namespace or CRD not there yet; 409, 429, 5xx, no answer): retried with per-resource exponential
+backoff (5 s, 10 s, ... up to 5 minutes), Ready False ApplyRetrying meanwhile.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The local Service and ZMQ NetworkPolicy of a namespace id the resource no longer serves, and
 route names another id already holds.
 
-After a pin change they must outlive the old id's pods (old vLLM pods still resolve their
-Service, old servers still need their policy) and no longer: once no pod of the resource
-carries the old id, they are deleted. Their names keep 8 hex of the id (a Service name is a
-63-character DNS label, a resource name up to 40), so two ids of one resource may share a name:
-applying the new id's route over the old one would re-point old vLLM pods to servers of another
-identity. So an existing route of another id under the name is never applied over
-(route_conflicts): the new id goes without its route, and vLLM without the cache, until the old
-one is gone. Pure decisions here; kvpersist.controller.apply lists, deletes and applies.
+After a pin change they outlive the old id's pods (which still resolve that Service and need that
+policy), and are deleted once no pod carries the old id. Their names keep 8 hex of the id (a
+63-character DNS label), so two ids may share one: the new id's route applied over it would
+re-point old vLLM pods to servers of another identity. So it never is (route_conflicts): the new
+id goes without its route, vLLM without the cache, until the old one is gone. Pure decisions here.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ def ids_in_use(pods: Iterable[Mapping[str, Any]]) -> set[str]:
 
 
 def stale(target: Target, objs: Iterable[Mapping[str, Any]], in_use: set[str]) -> list[str]:
-    """Names among the resource's Services or NetworkPolicies that route to an id that is neither
-    the current one nor carried by any pod. Only per-id names (<name>-lmcache-<8 hex>) are ever
-    candidates: the resource's other objects keep their names across pin changes."""
+    """Per-id names (<name>-lmcache-<8 hex>) among the resource's Services or NetworkPolicies that route
+    to an id neither current nor carried by any pod (its other objects keep their names across pins)."""
     out = []
     for obj in objs:
         meta = obj.get("metadata") or {}
@@ -45,9 +41,8 @@ def stale(target: Target, objs: Iterable[Mapping[str, Any]], in_use: set[str]) -
 
 
 def route_conflicts(target: Target, objs: Iterable[tuple[str, Mapping[str, Any]]]) -> list[str]:
-    """(kind, object) pairs found under the current id's route name that route elsewhere: another
-    namespace id, another resource, or nothing the operator labelled (a user's own object). Each as
-    `Kind name (its id)`; empty when the names are free or already this id's own."""
+    """`Kind name (its id)` of each (kind, object) under the current id's route name that routes
+    elsewhere (another id or resource, or a user's own object); empty when free or this id's own."""
     if not target.namespace_id:
         return []
     name = target.per_id_name(target.namespace_id)

@@ -28,11 +28,12 @@ from kvpersist.controller.tracking import forget, sweep_if_forgotten
 from kvpersist.status.workloads import Seen
 
 TICK_S = 1.0
+CACHES = ("secret_cache", "claim_cache", "configmap_cache", "attached_cache")  # the watch caches on runtime.CONTROLLER
 
 
 def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str]]:
-    """The keys this replica may refresh. Each peering scope is checked every tick, keys or not,
-    so a standby knows (and says) it is one even before it has seen any resource."""
+    """The keys this replica may refresh. Every peering scope is checked each tick, keys or not, so a
+    standby knows (and says) it is one before it has seen any resource."""
     for scope in runtime.CONTROLLER.peering["namespaces"] or (None,):
         active(now, scope)
     mine = [k for k in keys if active(now, k[0])]
@@ -41,12 +42,9 @@ def _active_keys(keys: list[tuple[str, str]], now: float) -> list[tuple[str, str
     return mine
 
 
-# The periodic rounds of all resources together, at most this many a second: up to 200 resources
-# each is refreshed every STATUS_INTERVAL_S, beyond that every count / this seconds (500: 25 s,
-# 1000: 50 s), so an idle operator's CPU stops growing with the resources it holds (issue 46: at
-# 500 an idle operator spent 3.2 CPU seconds a minute on rounds that found nothing new). A change
-# the watches show (a workload, the resource itself, a job that ended) is refreshed at once
-# whatever the count: only the polls of the servers' usage come round more slowly.
+# The periodic rounds of all resources together, at most this many a second (past 200 resources each
+# comes round every count / this s), so an idle operator's CPU stops growing with them (issue 46). A
+# change the watches show is refreshed at once whatever the count: only the usage polls slow down.
 MAX_ROUNDS_ENV = "KVPERSIST_MAX_ROUNDS_PER_S"
 MAX_ROUNDS_PER_S = float(os.environ.get(MAX_ROUNDS_ENV) or 20)
 
@@ -117,9 +115,8 @@ def status_loop_alive(**_: Any) -> float:
 
 
 async def _status_loop(logger: logging.Logger) -> None:
-    """Ticks until cancelled. A tick that fails (the API server unreachable: urllib3's errors are
-    no ApiException) is logged once per streak and the next tick tries again: the loop ending would
-    fail the liveness probe and restart the operator for as long as an outage lasts."""
+    """Ticks until cancelled. A failed tick (e.g. urllib3's errors, no ApiException) is logged once per
+    streak and retried: the loop ending would fail the liveness probe, restarting the operator all outage."""
     failing: str | None = None
     while True:
         await asyncio.sleep(TICK_S)
@@ -185,16 +182,15 @@ async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[An
 
 
 def start_watch_caches() -> None:
-    """The named Secrets', ConfigMaps' and claims' watch caches, in the namespaces kopf watches (none with a
-    glob among them: there is no list per namespace to make, so reads go by request)."""
+    """The named Secrets', ConfigMaps' and claims' watch caches in kopf's namespaces (none with a glob
+    among them: no list per namespace to make, so reads go by request)."""
     scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
     if scope is False:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
         return
     label = runtime.CONTROLLER.policy.secret_label
     secrets = functools.partial(watchcache.secrets, label_keys=(label[0],) if label else ())
-    for name, make in (("secret_cache", secrets), ("claim_cache", watchcache.claims),
-                       ("configmap_cache", watchcache.configmaps), ("attached_cache", watchcache.attached_pods)):
+    for name, make in zip(CACHES, (secrets, watchcache.claims, watchcache.configmaps, watchcache.attached_pods), strict=True):
         cache = make(scope)  # type: ignore[operator]
         setattr(runtime.CONTROLLER, name, cache)
         cache.start()
@@ -202,9 +198,8 @@ def start_watch_caches() -> None:
 
 @kopf.on.cleanup()
 async def stop_status_loop(**_: Any) -> None:
-    for cache in (runtime.CONTROLLER.secret_cache, runtime.CONTROLLER.claim_cache, runtime.CONTROLLER.configmap_cache,
-                  runtime.CONTROLLER.attached_cache):
-        if cache is not None:
+    for name in CACHES:
+        if (cache := getattr(runtime.CONTROLLER, name)) is not None:
             cache.stop()
     if runtime.CONTROLLER.creator_rights_stop is not None:
         runtime.CONTROLLER.creator_rights_stop.set()

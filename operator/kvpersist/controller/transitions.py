@@ -21,9 +21,32 @@ from kvpersist.status.conditions import SPACE_CONDITION, WARM_CONDITION, conditi
 from kvpersist.status.workloads import Seen
 
 
+def _of(conds: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((c for c in conds if c.get("type") == kind), None)
+
+
+def _news(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether a condition says something new: events go once per distinct reason and message."""
+    return (old.get("reason"), old.get("message")) != (new["reason"], new["message"])
+
+
+def _failing(old: Mapping[str, Any], new: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """A Warning per distinct failure of a True/False condition, and a Normal once it holds again."""
+    if new is not None and new["status"] == "False" and _news(old, new):
+        return [("Warning", new["reason"], new["message"])]
+    if new is not None and new["status"] == "True" and old.get("status") == "False":
+        return [("Normal", new["reason"], new["message"])]
+    return []
+
+
 def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, Any]],
                annotations: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
     """The transitions a user cares about, as (type, reason, message)."""
+    was = old.get("conditions") or []
+
+    def pair(kind: str) -> tuple[dict[str, Any], dict[str, Any] | None]:  # before ({} for none), now (None for none)
+        return _of(was, kind) or {}, _of(conds, kind)
+
     events = []
     old_id, new_id = old.get("namespaceId"), new.get("namespaceId")
     if new_id and new_id != old_id:
@@ -32,62 +55,43 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     # Another L2 key: another namespace, the old one's data unreadable with it (kvpersist.controller.l2key).
     events += l2key.events(old, new, annotations)
     # The key cannot be used (lost, missing, too short, ...): the cache is off; said once per distinct message.
-    ident = next((c for c in conds if c["type"] == "IdentityResolved"), None)
-    old_ident = next((c for c in old.get("conditions") or [] if c.get("type") == "IdentityResolved"), {})
+    old_ident, ident = pair("IdentityResolved")
     key_off = ident is not None and ident["status"] == "False" and ident["reason"] in l2key.KEY_REASONS
-    if key_off and ident["reason"] != l2key.KEY_PENDING and (
-            (old_ident.get("reason"), old_ident.get("message")) != (ident["reason"], ident["message"])):
+    if key_off and ident["reason"] != l2key.KEY_PENDING and _news(old_ident, ident):
         events.append(("Warning", ident["reason"], ident["message"]))
-    was_bypassed = any(c.get("type") == fallback.CONDITION for c in old.get("conditions") or [])
-    bypass = next((c for c in conds if c["type"] == fallback.CONDITION), None)
+    was_bypassed, bypass = _of(was, fallback.CONDITION) is not None, _of(conds, fallback.CONDITION)
     if bypass is not None and not was_bypassed:
         events.append(("Warning", fallback.CONDITION, bypass["message"]))
     elif bypass is None and was_bypassed and new.get("namespaceId"):
-        over_build = any(c.get("type") == fallback.CONDITION and c.get("reason") == buildstatus.MISMATCH
-                         for c in old.get("conditions") or [])
-        over_route = any(c.get("type") == fallback.CONDITION and c.get("reason") == ROUTE_TAKEN
-                         for c in old.get("conditions") or [])
-        over_hit = any(c.get("type") == fallback.CONDITION and c.get("reason") == judge_canary.MISMATCH
-                       for c in old.get("conditions") or [])
+        over = {c.get("reason") for c in was if c.get("type") == fallback.CONDITION}
         events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
-                       "changed): vLLM runs with the cache again, checking its build" if over_build else
-                       "the namespace id's route names are free again: vLLM runs with the cache" if over_route else
+                       "changed): vLLM runs with the cache again, checking its build" if buildstatus.MISMATCH in over else
+                       "the namespace id's route names are free again: vLLM runs with the cache" if ROUTE_TAKEN in over else
                        "the hit that changed the canary's answer was acknowledged, or the namespace id changed: vLLM "
-                       "runs with the cache again, and the canary checks it" if over_hit else
+                       "runs with the cache again, and the canary checks it" if judge_canary.MISMATCH in over else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
     # A server refusing the key file it mounts (kvpersist.status.keymismatch): once per mismatch.
-    old_l2 = next((c for c in old.get("conditions") or [] if c.get("type") == "L2Ready"), {})
-    l2 = next((c for c in conds if c["type"] == "L2Ready"), None)
+    old_l2, l2 = pair("L2Ready")
     if l2 is not None and l2["reason"] == keymismatch.KEY_MISMATCH and (
             old_l2.get("reason") != l2["reason"] or keymismatch.event_key(old_l2.get("message")) != keymismatch.event_key(
                 l2["message"])):
-        events.append(("Warning", keymismatch.KEY_MISMATCH, l2["message"]))
+        events.append(("Warning", l2["reason"], l2["message"]))
     # The correctness canary (kvpersist.status.canary): a hit that changed an answer, once per
     # mismatch; output found not deterministic, once on the way in.
-    old_hit = next((c for c in old.get("conditions") or [] if c.get("type") == judge_canary.CONDITION), {})
-    hit = next((c for c in conds if c["type"] == judge_canary.CONDITION), None)
-    if hit is not None and hit["reason"] == judge_canary.MISMATCH and (
-            (old_hit.get("reason"), old_hit.get("message")) != (hit["reason"], hit["message"])):
-        events.append(("Warning", judge_canary.MISMATCH, hit["message"]))
-    elif hit is not None and hit["reason"] == judge_canary.NONDETERMINISTIC and old_hit.get("reason") != hit["reason"]:
-        events.append(("Warning", judge_canary.NONDETERMINISTIC, hit["message"]))
+    old_hit, hit = pair(judge_canary.CONDITION)
+    if hit is not None and ((hit["reason"] == judge_canary.MISMATCH and _news(old_hit, hit)) or (
+            hit["reason"] == judge_canary.NONDETERMINISTIC and old_hit.get("reason") != hit["reason"])):
+        events.append(("Warning", hit["reason"], hit["message"]))
     # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
-    old_build = next((c for c in old.get("conditions") or [] if c.get("type") == buildstatus.CONDITION), {})
-    build = next((c for c in conds if c["type"] == buildstatus.CONDITION), None)
-    if build is not None and build["status"] == "False":
-        if (old_build.get("reason"), old_build.get("message")) != (build["reason"], build["message"]):
-            events.append(("Warning", build["reason"], build["message"]))
-    elif build is not None and build["status"] == "True" and old_build.get("status") == "False":
-        events.append(("Normal", build["reason"], build["message"]))
+    events += _failing(*pair(buildstatus.CONDITION))
     phase = new.get("phase")
     # Refused by the operator's policy (ImageNotAllowed, SecretNotAllowed): a Warning of that reason
     # whenever the refusal is new or says something new, in place of the generic Failed one.
-    ready = next((c for c in conds if c["type"] == "Ready"), None)
-    old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
     # So is a store another resource holds (StorageInUse: kvpersist.controller.sharing), and its end.
+    old_ready, ready = pair("Ready")
     refused = ready is not None and ready["reason"] in (*REFUSAL_REASONS, sharing.STORAGE_IN_USE, ownership.NAME_TAKEN,
                                                         ownership.CLAIM_NOT_OWNED)
-    if refused and (old_ready.get("reason"), old_ready.get("message")) != (ready["reason"], ready["message"]):
+    if refused and _news(old_ready, ready):
         events.append(("Warning", ready["reason"], ready["message"]))
     elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None:
         events.append(("Normal", sharing.RELEASED, "the L2 store is no longer held by another resource: the lmcache "
@@ -102,33 +106,24 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
         elif phase == "Ready":
             events.append(("Normal", "Ready", detail))
     # The claim nearly full (kvpersist.inventory.space), and room again: once per transition.
-    old_space = next((c for c in old.get("conditions") or [] if c.get("type") == SPACE_CONDITION), {})
-    space = next((c for c in conds if c["type"] == SPACE_CONDITION), None)
+    old_space, space = pair(SPACE_CONDITION)
     if space is not None and space["status"] != old_space.get("status"):
         if space["status"] == "False":
             events.append(("Warning", space["reason"], space["message"]))
         elif old_space.get("status") == "False":
             events.append(("Normal", space["reason"], space["message"]))
     # spec.prewarm (kvpersist.status.prewarm): warm again, and a prompt the operator cannot warm (once per message).
-    old_warm = next((c for c in old.get("conditions") or [] if c.get("type") == WARM_CONDITION), {})
-    warm = next((c for c in conds if c["type"] == WARM_CONDITION), None)
+    old_warm, warm = pair(WARM_CONDITION)
     if warm is not None and warm["status"] == "True" and old_warm.get("status") != "True":
         events.append(("Normal", "Warmed", warm["message"]))
-    elif warm is not None and warm["status"] == "False" and warm["reason"] != "Warming" and (
-            (old_warm.get("reason"), old_warm.get("message")) != (warm["reason"], warm["message"])):
+    elif warm is not None and warm["status"] == "False" and warm["reason"] != "Warming" and _news(old_warm, warm):
         events.append(("Warning", warm["reason"], warm["message"]))
     # A Secret or ConfigMap the spec names that does not exist (kvpersist.status.references): once per
     # message, and once when all exist again.
-    old_refs = next((c for c in old.get("conditions") or [] if c.get("type") == references.CONDITION), {})
-    refs = next((c for c in conds if c["type"] == references.CONDITION), None)
-    if refs is not None and refs["status"] == "False" and (
-            (old_refs.get("reason"), old_refs.get("message")) != (refs["reason"], refs["message"])):
-        events.append(("Warning", refs["reason"], refs["message"]))
-    elif refs is not None and refs["status"] == "True" and old_refs.get("status") == "False":
-        events.append(("Normal", refs["reason"], refs["message"]))
+    events += _failing(*pair(references.CONDITION))
     old_budget, new_budget = (old.get("budget") or {}).get("state"), (new.get("budget") or {}).get("state")
     if new_budget != old_budget and new_budget is not None:
-        cond = next((c for c in conds if c["type"] == "WithinBudget"), None)
+        cond = _of(conds, "WithinBudget")
         if new_budget == "Exhausted":
             events.append(("Warning", "BudgetExhausted", cond["message"] if cond else "L2 budget exhausted"))
         elif old_budget == "Exhausted":
@@ -136,11 +131,10 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     return events
 
 
-
 def cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[dict[str, Any]], generation: int | None,
                    logger: logging.Logger) -> list[dict[str, Any]]:
-    """Feeds LMCacheReady to kvpersist.controller.fallback; when vLLM is to go without the cache, or back
-    with it, marks the resource for an apply. The conditions, with CacheBypassed while it lasts."""
+    """Feeds LMCacheReady to kvpersist.controller.fallback, marking the resource for an apply when vLLM
+    goes without the cache or back; the conditions, with CacheBypassed while it lasts."""
     lmcache = next((c for c in conds if c["type"] == "LMCacheReady"), {})
     tracker = runtime.CONTROLLER.fallback
     tracker.seed(key, fallback.bypassed_in(body))
@@ -159,10 +153,8 @@ def cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[di
 
 def build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, seen: Seen,
                 logger: logging.Logger) -> buildstatus.BuildVerdict:
-    """The pods' runtime build check (kvpersist.controller.buildcheck), read from their container statuses
-    in the watch cache. A vLLM pod that refused its versions sends vLLM without the cache for this
-    namespace id (applied on the next tick); a server that refuses is simply not ready, and
-    kvpersist.controller.fallback does the rest."""
+    """The pods' runtime build check (kvpersist.controller.buildcheck) from their cached container
+    statuses: a vLLM pod's refusal sends vLLM without the cache for this id (applied next tick)."""
     bypass = runtime.CONTROLLER.build_bypass
     bypass.seed(key, body)
     found = buildstatus.refusals(seen.pods, target.namespace_id)

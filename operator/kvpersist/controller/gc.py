@@ -67,10 +67,9 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
                 runtime.CONTROLLER.held((meta["namespace"], meta["name"])).bucket_inventory = None
     outcome["completedAt"] = condition_now()
     write_status(meta, {"gc": outcome}, logger)
-    ok = outcome["outcome"] in ("Deleted", "NotFound")
-    reasons = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}
-    reason = reasons.get(outcome["outcome"], "GCFailed")
-    kube.post_event(body, "Normal" if ok else "Warning", reason, outcome["message"])
+    done = outcome["outcome"]
+    reason = {"Deleted": "NamespaceDeleted", "NotFound": "NamespaceNotFound", "Refused": "GCRefused"}.get(done, "GCFailed")
+    kube.post_event(body, "Normal" if done in ("Deleted", "NotFound") else "Warning", reason, outcome["message"])
     metrics.inc("kvpersist_gc_total")
     logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
     kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})

@@ -73,7 +73,8 @@ def is_own_key_secret(meta: Mapping[str, Any] | None, name: str) -> bool:
 
 
 def _marked(meta: Mapping[str, Any] | None, name: str, component: str) -> bool:
-    """Whether an object's labels name this component and the resource (under either instance label)."""
+    """Whether an object's labels name this component and the resource (under either instance label:
+    retention moved it to kvpersist.dev/instance), as the claim watch cache keeps them."""
     labels = (meta or {}).get("labels") or {}
     return labels.get("app.kubernetes.io/component") == component and name in (labels.get(INSTANCE_LABEL),
                                                                                labels.get(TRACKING_LABEL))
@@ -110,17 +111,11 @@ def l2_claim_names(target: Target) -> list[str]:
     return [f"{L2_VOLUME}-{target.server_name}-{i}" for i in range(target.spec.lmcache_server.replicas)]
 
 
-def is_own_l2_claim(meta: Mapping[str, Any] | None, name: str) -> bool:
-    """Whether an L2 claim carries the labels of every L2 claim the operator makes for `name` (before or
-    after retention moved the name to kvpersist.dev/instance), as the claim watch cache keeps them."""
-    return _marked(meta, name, SERVER)
-
-
 def claim_refusal(target: Target, existing: Mapping[str, Mapping[str, Any] | None]) -> tuple[str, str] | None:
     """ClaimNotOwned's (reason, message) when an L2 claim the servers would mount (existing: by
     name, None for absent) is not the operator's, else None."""
     foreign = sorted(n for n, claim in existing.items() if claim is not None
-                     and not is_own_l2_claim(claim.get("metadata"), target.name))
+                     and not _marked(claim.get("metadata"), target.name, SERVER))
     if not foreign:
         return None
     ns, first = target.namespace, foreign[0]

@@ -41,11 +41,9 @@ def trusted_pods(pods: Iterable[dict[str, Any]], replicasets: Iterable[Mapping[s
     controllers = {(STATEFULSET, uid) for uid in _uids(statefulsets, STATEFULSET, owner_uid)} | {
         (REPLICASET, str(r["metadata"]["uid"])) for r in replicasets
         if (r.get("metadata") or {}).get("uid") and controller_of(r.get("metadata")) in own_deployments}
-    trusted: list[dict[str, Any]] = []
-    untrusted: list[dict[str, Any]] = []
-    for pod in pods:
-        (trusted if controller_of(pod.get("metadata")) in controllers else untrusted).append(pod)
-    return trusted, untrusted
+    pods = list(pods)
+    return ([p for p in pods if controller_of(p.get("metadata")) in controllers],
+            [p for p in pods if controller_of(p.get("metadata")) not in controllers])
 
 
 def untrusted_message(pod: Mapping[str, Any], resource: str) -> str:

@@ -18,15 +18,10 @@ from kvpersist.builders.vllm import build_vllm_deployment
 
 
 def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Policies first (no window where the admin port is open), then the lmcache StatefulSet (the
-    workload a user waits for: apply-to-Ready is measured in benchmarks/reconcile_bench.py), then
-    its Services (the governing one is only needed for pod DNS). The ZMQ policy and the local
-    Service are per namespace id: after a pin change the old id's stay until no pod of it is left
-    (kvpersist.controller.apply removes them then). With the cache off there is no ZMQ policy (no
-    server runs; the admin-port policy, which selects every server and admits no ZMQ, holds its
-    name `<name>-lmcache` alone); with the id's route names held by another id's objects
-    (target.routes False), neither the ZMQ policy nor the local Service.
-    operator_ns, scraper: who may reach the agents' port (the operator's Policy, from the chart)."""
+    """Policies first (no window where the admin port is open), then the lmcache StatefulSet (what a
+    user waits for: benchmarks/reconcile_bench.py), then its Services. The ZMQ policy and local Service
+    are per namespace id (an old id's stay until none of its pods is left: controller.apply); with the
+    cache off no ZMQ policy, with target.routes False neither. operator_ns, scraper: who may reach the agents."""
     zmq, local = build_zmq_policy(target), build_local_service(target)
     vllm_service = build_vllm_service(target)
     pool = build_inference_pool(target)

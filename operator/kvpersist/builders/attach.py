@@ -1,11 +1,7 @@
-"""Attach mode (spec.vllm.mode Attached): what the admission policies kvpersist-attach check a user's
-own vLLM pod against and add to it, as status.attach, from the same functions that launch the
-operator's own vLLM pods (vllm_args' pins, the connector's kv-transfer-config, the fixed variables),
-so an attached pod and a managed one of the same resource run with the same flags. Pure.
-
-The policies themselves are static (kvpersist.api.attachpolicy): the API server reads this status of
-the resource a pod's label names (paramKind KVCacheNamespace), so the operator needs no right on
-admission objects and a pod is judged even while the operator is down.
+"""Attach mode (spec.vllm.mode Attached): status.attach, what the kvpersist-attach admission policies
+check a user's own vLLM pod against and add to it, from the functions that launch managed pods, so
+both run with the same flags. Pure. The policies are static (kvpersist.api.attachpolicy) and read this
+status as their params: the operator needs no right on admission objects, and pods are judged while it is down.
 """
 
 from __future__ import annotations
@@ -26,12 +22,10 @@ def attached(target: Target) -> bool:
 
 
 def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any] | None:
-    """status.attach (camelCase, as stored), or None when there is nothing to attach to: not in
-    Attached mode, no namespace id (a pin missing or refused), an unpinned image, or the id's route
-    names held by another id (target.routes). A pod labelled for a resource without it is refused.
-    bypassed: why the cache is off for vLLM now (a HitMismatch, the servers away too long): the
-    policies then admit new pods without the connection, as the operator rolls its own vLLM
-    without it; pods already running are the user's to restart (the CacheBypassed condition says)."""
+    """status.attach (camelCase), or None (a pod labelled for the resource is then refused): not
+    Attached, no namespace id, an unpinned image, or the id's route names held by another id.
+    bypassed: why the cache is off for vLLM now; the policies then admit new pods without the
+    connection; running pods are the user's to restart (the CacheBypassed condition says)."""
     digest = image_digest(target.spec.image)
     if not attached(target) or target.namespace_id is None or digest is None or not target.routes:
         return None
@@ -53,6 +47,6 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
 
 
 def attached_peer(target: Target) -> dict[str, Any]:
-    """The ZMQ policy's peer for attached pods: only a pod the policies admitted for this resource and
-    this namespace id carries both labels (the validating policy checks them on every change)."""
+    """The ZMQ policy's peer for attached pods: only pods the policies admitted for this resource and
+    id carry both labels (checked on every change)."""
     return {"podSelector": {"matchLabels": {ATTACH_LABEL: target.name, NAMESPACE_ID_LABEL: str(target.namespace_id)}}}

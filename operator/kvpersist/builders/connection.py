@@ -25,15 +25,13 @@ def kv_transfer_config(target: Target) -> dict[str, Any]:
         "kv_connector_module_path": CONNECTOR_MODULES[CONNECTOR],
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            # Absolute (the trailing dot): a relative name with fewer than ndots (5) dots is tried
-            # against the pod's search list first, where <route>.<ns>.svc.svc.<domain> belongs to
-            # whoever owns a namespace named svc, and would receive every vLLM's KV connection.
+            # Absolute (the trailing dot): a relative name is tried against the search list first, where
+            # <route>.<ns>.svc.svc.<domain> belongs to whoever owns a namespace named svc.
             "lmcache.mp.host": f"tcp://{server_host(target)}",
             "lmcache.mp.port": target.spec.lmcache_server.port,
-            # vLLM notices a restarted server only by a failed heartbeat; a restart shorter than
-            # the interval (10 s by default) goes unseen, and vLLM's next cached request then
-            # hangs for mq_timeout (300 s) and kills its engine (seen with lmcache 0.5.6). A
-            # server takes several seconds to start, so 2 s cannot miss one.
+            # vLLM notices a restarted server only by a failed heartbeat: a restart shorter than the
+            # default 10 s goes unseen and the next cached request hangs 300 s and kills the engine
+            # (seen with lmcache 0.5.6). A server takes several seconds to start: 2 s cannot miss one.
             "lmcache.mp.heartbeat_interval": HEARTBEAT_INTERVAL_S,
             # Must match the server's --isolated-ipc (builders/lmcache.server_args says why).
             "lmcache.mp.isolated_ipc": True,
@@ -46,16 +44,9 @@ def kv_transfer_config_json(target: Target) -> str:
 
 
 def build_connection_configmap(target: Target) -> dict[str, Any]:
-    """The namespace id and whether the cache is on, for people and tools; never a way in. It once
-    published the kv-transfer-config "for other clients", but such a client runs with whatever
-    model and flags it likes and writes its KV into the namespace's folder, where the pinned vLLM
-    pods then hit it: the only writer of a namespace is the operator's own Deployment, launched
-    with exactly the pins. Applied as before, so server-side apply drops the old key from a
-    ConfigMap an earlier version wrote (docs/design.md, "Who may write into a namespace")."""
+    """The namespace id and whether the cache is on, for people and tools; never a way in: a client
+    with the kv-transfer-config could write KV under other flags that the pinned pods then hit.
+    Applied as before, so server-side apply drops the key an earlier version published
+    (docs/design.md, "Who may write into a namespace")."""
     data = {"namespace-id": target.namespace_id or "", "cache": "enabled"} if target.cache_enabled else {"cache": "disabled"}
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": target.metadata(target.connection_name, SERVER),
-        "data": data,
-    }
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": target.metadata(target.connection_name, SERVER), "data": data}

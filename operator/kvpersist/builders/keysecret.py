@@ -1,12 +1,8 @@
-"""The Secrets the operator generates: L2's master key (spec.l2.encryption with no keySecretRef)
-and the inventory agent's bearer token.
+"""The Secrets the operator generates: L2's master key (no keySecretRef) and the agent's bearer token.
 
-Created once, only if absent, and never applied over: a new key makes every stored object
-unreadable (misses, never wrong bytes). It carries no owner reference, so deleting the resource
-keeps it, as it keeps the data; re-creating the resource under the same name reads the data
-again. Deleting it is the user's call (`kubectl delete secret <name>-l2-key`). Unowned, it carries
-no tracking label and refuses GitOps prunes (kvpersist.builders.retained): a pruned key is all of
-L2 unreadable."""
+Created once, only if absent, never applied over: a new key makes every stored object unreadable. The
+key has no owner, so deleting the resource keeps it with the data (re-created, the resource reads it
+again); it refuses GitOps prunes (kvpersist.builders.retained): a pruned key is all of L2 unreadable."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ L2_KEY_COMPONENT = "l2-key"
 
 
 def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any] | None:
-    """The generated key Secret (random bytes unless given), or None when the user names one or L2
-    is not encrypted."""
+    """The generated key Secret (random unless given); None when the user names one or L2 is not encrypted."""
     if not target.key_secret_generated or target.key_secret is None:
         return None
     name, item = target.key_secret
@@ -37,9 +32,8 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
 
 
 def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any]:
-    """The agent's token (every server pod has an agent), random unless given. Unlike the key,
-    the resource owns it (the handler adds the reference): worthless once the agents are gone.
-    Created once; a token that changed under a running agent would lock the operator out of it."""
+    """The agents' token, random unless given; the resource owns it (worthless without the agents).
+    Created once: a token changed under a running agent would lock the operator out."""
     return _secret({
         "name": target.agent_token_secret,
         "namespace": target.namespace,

@@ -1,9 +1,8 @@
 """The claim the operator makes for the model's weights (spec.vllm.modelCache.size).
 
-Owned by the resource, so deleted with it: weights can be downloaded again, unlike L2's KV (whose
-claims outlive the resource). Made once and never patched (kvpersist.controller.apply): most of
-a claim's spec is immutable, and a size the StorageClass cannot expand would be refused, so a
-later change of size, class or access modes is reported, not applied.
+Owned by the resource, so deleted with it: weights can be downloaded again, unlike L2's KV. Made once
+and never patched (kvpersist.controller.apply): most of a claim's spec is immutable, so a later change
+of size, class or access modes is reported, not applied.
 """
 
 from __future__ import annotations
@@ -27,18 +26,14 @@ def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
                             "resources": {"requests": {"storage": str(cache.size)}}}
     if cache.storage_class_name is not None:
         spec["storageClassName"] = cache.storage_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": target.model_cache_claim, "namespace": target.namespace,
-                     "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}},
-        "spec": spec,
-    }
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": target.model_cache_claim, "namespace": target.namespace,
+                         "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}},
+            "spec": spec}
 
 
 def claim_differences(manifest: dict[str, Any], existing: dict[str, Any]) -> list[str]:
-    """What spec.vllm.modelCache declares that the existing claim does not have, by field name:
-    the claim is made once and kept as it is (its spec is mostly immutable)."""
+    """What spec.vllm.modelCache declares that the existing claim (made once, kept as is) lacks, by field."""
     want, have = manifest["spec"], existing.get("spec") or {}
     out = []
     wanted_size = want["resources"]["requests"]["storage"]

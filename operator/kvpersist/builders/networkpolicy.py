@@ -1,10 +1,6 @@
 """The NetworkPolicies of the lmcache server pods: the agent's port to the operator alone, ZMQ to
-vLLM pods of the same namespace id alone.
-
-lmcache's HTTP admin API (no authentication; /env holds the Hugging Face token) binds the pod's
-loopback and needs no policy. The inventory agent beside it forwards the operator's reads and can
-delete an orphaned namespace's data; it checks the resource's token itself, and this policy is
-the second line where the CNI enforces it."""
+vLLM pods of the same namespace id alone. lmcache's admin API (no authentication) binds loopback;
+the agent checks the resource's token itself, and the policy is the second line where the CNI enforces it."""
 
 from __future__ import annotations
 
@@ -20,10 +16,8 @@ from kvpersist.builders.target import SERVER, VLLM, Target
 OPERATOR_NAMESPACE_ENV = "KVPERSIST_OPERATOR_NAMESPACE"
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kvpersist-operator"}
 
-
-# A scraper (e.g. Prometheus) admitted to the agent's port, which serves the servers' /metrics:
-# {"namespaceSelector": <LabelSelector>, "podSelector": <LabelSelector>?} as JSON. Set by the Helm
-# chart from metrics.scraper.
+# A scraper admitted to the agent's port (the servers' /metrics): {"namespaceSelector": <LabelSelector>,
+# "podSelector": <LabelSelector>?} as JSON, from the chart's metrics.scraper.
 SCRAPER_ENV = "KVPERSIST_METRICS_SCRAPER"
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
@@ -50,9 +44,8 @@ def _selector_problems(where: str, sel: Any) -> list[str]:
 
 
 def parse_scraper(raw: str) -> dict[str, Any] | None:
-    """The scraper's NetworkPolicy peer from SCRAPER_ENV's JSON; None when unset or empty.
-    ValueError naming the field and the fix: a wrong selector must stop the operator, never admit
-    more than was meant."""
+    """The scraper's peer from SCRAPER_ENV's JSON; None when unset or empty. ValueError naming the
+    field and the fix: a wrong selector must stop the operator, never admit more than was meant."""
     if not raw.strip():
         return None
     try:
@@ -75,12 +68,9 @@ def parse_scraper(raw: str) -> dict[str, Any] | None:
 
 
 def build_network_policy(target: Target, operator_ns: str | None, scraper: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every server of the resource: the agent's port from the operator's pods only (when the operator's
-    namespace is known; else from nowhere in the cluster), and from the scraper (parse_scraper)
-    when one is named: the agent's port is the servers' only metrics port (/server/metrics; its
-    other paths need the resource's token). Never a rule without peers: the kubelet's probes of the
-    agent's /healthz come from the pod's own node, which Kubernetes always admits whatever a
-    NetworkPolicy says. No ZMQ here: see build_zmq_policy."""
+    """Every server: the agent's port from the operator's pods only (from nowhere when the operator's
+    namespace is unknown), and from the scraper when named (the servers' only metrics port). Never a
+    rule without peers: the kubelet's probes come from the pod's node, always admitted. No ZMQ here."""
     peers: list[dict[str, Any]] = []
     if operator_ns:
         peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
@@ -92,11 +82,9 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: Mappi
 
 
 def build_zmq_policy(target: Target) -> dict[str, Any]:
-    """ZMQ to the servers of one namespace id from the vLLM pods of the same id only: during a pin
-    change old vLLM pods may still run beside new servers, and must not store into them (one
-    policy per id, named like the id's Service). In attach mode only the user's pods the attach
-    policies admitted for this resource and id (builders.attach.attached_peer): there are no managed
-    vLLM pods then, and a pod wearing their labels would be admitted unchecked."""
+    """ZMQ to one namespace id's servers from the same id's vLLM pods only: during a pin change old
+    pods must not store into new servers (one policy per id, named like its Service). Attached: only
+    pods the attach policies admitted (attached_peer), not any pod wearing managed pods' labels."""
     return _policy(target, target.local_service_name, target.id_selector(SERVER), [{
         "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
         "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],

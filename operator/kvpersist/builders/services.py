@@ -12,10 +12,8 @@ def _service(target: Target, name: str, component: str, spec: dict[str, Any]) ->
 
 
 def build_local_service(target: Target) -> dict[str, Any]:
-    """vLLM's way to its cache server: internalTrafficPolicy Local keeps every connection on the
-    node, where the server can open vLLM's KV on the node's GPUs (CUDA IPC works within one node
-    only); the namespace id in its name and selector keeps it to servers of the identity its
-    clients were launched with."""
+    """vLLM's way to its cache server: Local keeps connections on the node (CUDA IPC works within a
+    node only); the namespace id in name and selector keeps it to servers of its clients' identity."""
     return _service(target, target.local_service_name, SERVER, {
         "type": "ClusterIP",
         "internalTrafficPolicy": "Local",
@@ -25,8 +23,7 @@ def build_local_service(target: Target) -> dict[str, Any]:
 
 
 def build_metrics_service(target: Target) -> dict[str, Any]:
-    """Headless: governs the StatefulSet (stable pod DNS) and exposes the agents' port, where
-    lmcache's /metrics is forwarded as /server/metrics for scraping (the admin API is loopback)."""
+    """Headless: governs the StatefulSet and exposes the agents' port (lmcache's /metrics as /server/metrics)."""
     return _service(target, target.metrics_service_name, SERVER, {
         "clusterIP": "None",
         "publishNotReadyAddresses": True,
@@ -37,9 +34,8 @@ def build_metrics_service(target: Target) -> dict[str, Any]:
 
 
 def build_vllm_service(target: Target) -> dict[str, Any] | None:
-    """spec.vllm.service: the OpenAI-compatible API of this resource's vLLM pods, by the pods'
-    selector (name, instance, component): never another resource's pods, and every namespace id's,
-    so it keeps serving across a pin change. None unless enabled."""
+    """spec.vllm.service: the OpenAI API of this resource's vLLM pods of every namespace id (it keeps
+    serving across a pin change); None unless enabled."""
     svc = target.spec.vllm.service
     if not svc.enabled:
         return None

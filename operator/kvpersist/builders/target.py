@@ -35,33 +35,27 @@ class Target:
     namespace: str
     spec: KVCacheNamespaceSpec
     namespace_id: str | None
-    # The servers have been unavailable too long: vLLM runs without the cache meanwhile
-    # (kvpersist.controller.fallback); the servers themselves stay as declared.
+    # The servers have been unavailable too long: vLLM runs without the cache (controller.fallback).
     cache_bypassed: bool = False
     # Why, for the vLLM pods' annotation: the servers' absence (the default) or a refused build.
     bypass_reason: str = "the lmcache servers are unavailable"
-    # False: an object of another namespace id holds this id's route names (per_id_name keeps 8
-    # hex of the id): no local Service or ZMQ policy is built, so none is re-pointed, and vLLM
-    # goes without the cache meanwhile (kvpersist.controller.stale_routes.route_conflicts).
+    # False: another id's objects hold this id's route names (8 hex of the id): no local Service or
+    # ZMQ policy is built, so none is re-pointed; vLLM goes without the cache (controller.stale_routes).
     routes: bool = True
-    # The inventory agent's image for the server pods (the snapshot's: the chart's, or an older one
-    # kept while other servers roll, controller.agentroll); None: builders.lmcache.DEFAULT_AGENT_IMAGE.
+    # The agent's image (the chart's, or an older one while servers roll: controller.agentroll);
+    # None: builders.lmcache.DEFAULT_AGENT_IMAGE.
     agent_image: str | None = None
-    # spec.l2.nvme.shared on a user's claim that is not ReadWriteMany: one server only, not one per
-    # node that could never mount it (status says ClaimNotShared); None: as many as the spec says.
+    # Shared on a user's claim that is not ReadWriteMany: one server, not one per node that could
+    # never mount it (ClaimNotShared); None: as many as the spec says.
     max_servers: int | None = None
-    # With L2 encrypted: the fingerprint of the key the namespace id was computed with (the pin
-    # l2_key_fingerprint, never the key). The servers refuse to start on a key file of another
-    # (kvpersist.inserver.serve check_key); None renders a serde no server starts with.
+    # Encrypted L2: the fingerprint (never the key) the id was computed with; servers refuse a key
+    # file of another (inserver.serve check_key); None renders a serde no server starts with.
     key_fingerprint: str | None = None
-    # The API server serves InferencePool (inference.networking.k8s.io/v1): spec.vllm.inferencePool
-    # is made only then (kvpersist.controller.inferencepool asks discovery); a pure build says False.
+    # The API server serves InferencePool (controller.inferencepool asks discovery); a pure build says False.
     inference_pool_served: bool = False
-    # The cluster's DNS domain (the operator reads it: controller.policy.read_cluster_domain); the
-    # connection names the server absolutely, <service>.<namespace>.svc.<domain>. (connection.py).
+    # The cluster's DNS domain (controller.policy.read_cluster_domain), for the server's absolute name.
     cluster_domain: str = "cluster.local"
-    # Server pods that have found no node for long (status.workloads.unplaced_servers): more
-    # servers than eligible nodes. The PodDisruptionBudget does not count them (disruption.py).
+    # Server pods that found no node for long (more servers than eligible nodes): the PDB does not count them.
     unplaced_servers: int = 0
 
     @property
@@ -80,9 +74,8 @@ class Target:
 
     @property
     def local_service_name(self) -> str:
-        """Node-local Service vLLM connects through. With the cache on it is one per namespace id
-        and selects only servers of that id: a vLLM pod of another identity (an old one, during
-        a pin change) cannot reach them by name, nor they it."""
+        """Node-local Service vLLM connects through: one per namespace id, selecting only its servers,
+        so a vLLM pod of another identity (during a pin change) cannot reach them by name."""
         return self.per_id_name(self.namespace_id)
 
     def per_id_name(self, namespace_id: str | None) -> str:
@@ -128,8 +121,8 @@ class Target:
 
     @property
     def shared_claim(self) -> str | None:
-        """The one claim all servers mount with spec.l2.nvme.shared: the user's (existingClaimName),
-        or `l2-<name>-lmcache-shared`, which the operator makes (size); None when not shared."""
+        """With spec.l2.nvme.shared, the one claim all servers mount: the user's, or
+        `l2-<name>-lmcache-shared` the operator makes; None when not shared."""
         nvme = self.spec.l2.nvme
         if nvme is None or not nvme.shared:
             return None
@@ -137,8 +130,7 @@ class Target:
 
     @property
     def model_cache_claim(self) -> str | None:
-        """The claim the vLLM pods keep the weights on: the user's, or `<name>-model-cache` the
-        operator makes (spec.vllm.modelCache.size); None without a model cache."""
+        """The weights' claim: the user's, or `<name>-model-cache` the operator makes; None without one."""
         cache = self.spec.vllm.model_cache
         if cache is None:
             return None
@@ -147,25 +139,16 @@ class Target:
     # ---- labels
     def selector(self, component: str) -> dict[str, str]:
         """Labels that select one component's pods; never change, so selectors stay valid."""
-        return {
-            "app.kubernetes.io/name": "kvpersist",
-            "app.kubernetes.io/instance": self.name,
-            "app.kubernetes.io/component": component,
-        }
+        return {"app.kubernetes.io/name": "kvpersist", "app.kubernetes.io/instance": self.name,
+                "app.kubernetes.io/component": component}
 
     def id_selector(self, component: str) -> dict[str, str]:
-        """One component's pods of this resource's current namespace id (all of them with the
-        cache off): what pairs vLLM pods with servers."""
-        out = self.selector(component)
-        if self.namespace_id:
-            out[NAMESPACE_ID_LABEL] = self.namespace_id
-        return out
+        """One component's pods of the current namespace id (all with the cache off): pairs vLLM with servers."""
+        return {**self.selector(component), **({NAMESPACE_ID_LABEL: self.namespace_id} if self.namespace_id else {})}
 
     def labels(self, component: str) -> dict[str, str]:
-        out = {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY}
-        if self.namespace_id:
-            out[NAMESPACE_ID_LABEL] = self.namespace_id
-        return out
+        return {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY,
+                **({NAMESPACE_ID_LABEL: self.namespace_id} if self.namespace_id else {})}
 
     def metadata(self, name: str, component: str) -> dict:
         return {"name": name, "namespace": self.namespace, "labels": self.labels(component)}

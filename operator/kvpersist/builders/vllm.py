@@ -5,22 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpersist.api.v1alpha1 import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH
+from kvpersist.api.v1alpha1 import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security
 from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
-PIN_FLAGS = (
-    ("model_revision", "--revision"),
-    ("tokenizer", "--tokenizer"),
-    ("tokenizer_revision", "--tokenizer-revision"),
-    ("kv_cache_dtype", "--kv-cache-dtype"),
-    ("block_size", "--block-size"),
-    ("tensor_parallel_size", "--tensor-parallel-size"),
-    ("max_model_len", "--max-model-len"),
-)
+PIN_FLAGS = (("model_revision", "--revision"), ("tokenizer", "--tokenizer"), ("tokenizer_revision", "--tokenizer-revision"),
+             ("kv_cache_dtype", "--kv-cache-dtype"), ("block_size", "--block-size"),
+             ("tensor_parallel_size", "--tensor-parallel-size"), ("max_model_len", "--max-model-len"))
 
 
 def vllm_args(target: Target) -> list[str]:
@@ -46,11 +40,9 @@ KV_EVENTS_REPLAY_PORT_NAME = "kv-replay"  # a port name has at most 15 character
 
 
 def kv_events_config(target: Target) -> dict[str, Any] | None:
-    """vLLM's --kv-events-config: a ZMQ PUB socket bound on every interface of the pod, one topic,
-    the namespace id, on every message, so a subscriber (a KV-aware router) can tell the
-    compatibility namespace of each block; None while off, or while the resource has no namespace
-    id (no namespace to name). The id stays the topic while the cache is bypassed: vLLM's own
-    blocks are still computed under the same pins. Events change no KV and no namespace id."""
+    """vLLM's --kv-events-config: a ZMQ PUB socket on every interface, its topic the namespace id, so a
+    KV-aware router can tell each block's namespace; None while off or without a namespace id. The id
+    stays the topic while the cache is bypassed: vLLM's blocks are still computed under the same pins."""
     events = target.spec.vllm.kv_events
     if not events.enabled or target.namespace_id is None:
         return None
@@ -71,8 +63,7 @@ def kv_events_args(target: Target) -> list[str]:
     return [] if events is None else ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
 
 
-# llm-d's scorer knows a pod as `IP:port` and reads it from the topic (kv@<pod>@<model>): the pod's
-# IP from the downward API, which the kubelet expands where the argument names it.
+# llm-d's scorer reads a pod's `IP:port` from the topic (kv@<pod>@<model>): the downward API's pod IP.
 POD_IP_ENV = "KVPERSIST_POD_IP"
 POD_IP_FIELD = "status.podIP"
 
@@ -116,41 +107,34 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
     """The vLLM container's variables the operator sets: fixed, or from the fields that own them.
     Listed in `env`, they win over any envFrom key of the same name (Kubernetes' rule)."""
     vllm = target.spec.vllm
-    # Python's hash seed feeds vLLM's prefix hashes; fixed, so chunk keys match across restarts.
-    # The KV lives in vLLM's engine process, a child of the container's PID 1 with V1
-    # multiprocessing on (vLLM's default, pinned here). The server is PID 1 in its own
-    # container, and CUDA IPC between two processes of the same PID fails even across PID
-    # namespaces (measured on an H200, both IPC modes: hack/gpu_ipc_check.py "both_pid_1";
-    # lmcache's timeline_semaphore_event_ipc.py: "only the PID values ... must differ").
+    # PYTHONHASHSEED feeds vLLM's prefix hashes: fixed, so chunk keys match across restarts. V1
+    # multiprocessing keeps the KV in a child of PID 1: the server is PID 1 in its own container, and
+    # CUDA IPC between two PID 1s fails even across PID namespaces (measured: gpu_ipc_check.py "both_pid_1").
     env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in FIXED_ENV]
     # Secrets only by reference: the kubelet reads them; they are in no arg, spec value or ConfigMap.
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
             for name, ref in ((HF_TOKEN, vllm.hf_token_secret_ref), (API_KEY, vllm.api_key_secret_ref)) if ref is not None]
-    # Always the same place, the claim's (spec.vllm.modelCache) or an emptyDir: with HF_HUB_OFFLINE
-    # vLLM names the model by its local snapshot path, and lmcache keys every chunk by that name, so
-    # a cache that moved (modelCache turned on, another HOME) would leave every stored chunk a miss.
+    # Always the same place: with HF_HUB_OFFLINE vLLM names the model by its snapshot path, which keys
+    # every chunk, so a cache that moved (modelCache turned on, another HOME) makes every chunk a miss.
     env.append({"name": "HF_HOME", "value": MODEL_CACHE_PATH})
     env += [{"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
             for name, path in kv_events_env(target)]
     return env
 
 
-# envFrom's keys are not known at apply time, so they never go into the container's environment as
-# they are: the kubelet sets each under ENV_FROM_PREFIX, where neither the dynamic loader (LD_AUDIT,
-# LD_PRELOAD in the start script's own shell), Python, nor the container runtime (NVIDIA_VISIBLE_DEVICES)
-# reads it, and the start script copies back only the names env_problem allows. The image's own
-# variables (PATH, the CUDA image's LD_LIBRARY_PATH, NVIDIA_*) are left as the image set them.
+# envFrom's keys are unknown at apply time, so the kubelet sets each under ENV_FROM_PREFIX, where no
+# loader (LD_PRELOAD in the start script's shell), Python or runtime (NVIDIA_*) reads it, and the start
+# script copies back only what env_problem allows; the image's own variables stay as the image set them.
 ENV_FROM_PREFIX = "KVPERSIST_ENVFROM_"  # KVPERSIST_* is refused in env, so no user's name is mistaken for one
 # Refused in env only because a literal would put a secret in the spec: from a Secret they are fine.
 ENV_FROM_ALLOWED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", API_KEY)
 
 
 def env_filter(set_in_env: list[str]) -> str:
-    """The start script's first part, with envFrom: for each `ENV_FROM_PREFIX<key>` the kubelet set,
-    export `<key>` unless it is refused (said on stderr) or named in the container's `env` (which
-    wins, Kubernetes' rule for env over envFrom), then unset the prefixed copy. No `$(` (the kubelet
-    would expand it): backquotes. A value's own lines (`X=y` inside a value) may name a prefixed
-    variable that is not set: skipped. `eval` sees only a C identifier, never a value."""
+    """The start script's first part: for each `ENV_FROM_PREFIX<key>` set, export `<key>` unless refused
+    (said on stderr) or named in `env` (which wins), then unset the prefixed copy. Backquotes, never
+    `$(` (the kubelet would expand it); a name from a value's own lines that is not set is skipped;
+    `eval` sees only a C identifier, never a value."""
     refused = [*sorted(set(ENV_REFUSED) - set(ENV_FROM_ALLOWED)), *(f"{p}*" for p in [*ENV_REFUSED_PREFIXES, *ENV_ALLOW_LISTED])]
     allowed = [*(n for names, _ in ENV_ALLOW_LISTED.values() for n in names), *ENV_FROM_ALLOWED]
     prefix = ENV_FROM_PREFIX
@@ -163,11 +147,25 @@ def env_filter(set_in_env: list[str]) -> str:
             + f'*) {export};; esac; unset "{prefix}$kvp_n"; done; ')
 
 
+def placement(pod_spec: dict[str, Any], spec: KVCacheNamespaceSpec, runtime_class: str | None,
+              affinity: dict[str, Any] | None = None) -> None:
+    """Pull secrets, runtime class, affinity, and vLLM's nodes (the servers follow them)."""
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    if runtime_class:
+        pod_spec["runtimeClassName"] = runtime_class
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if spec.vllm.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
+    if spec.vllm.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
+
+
 def build_vllm_deployment(target: Target) -> dict[str, Any]:
-    """With the cache on, each pod must land on a node that runs one of this resource's lmcache
-    servers of its own namespace id (required pod affinity); vLLM and the server stay separate
-    processes, so a vLLM restart never touches the cache. While the cache is bypassed (servers
-    unavailable too long, kvpersist.controller.fallback) no affinity: vLLM serves without it."""
+    """With the cache on, each pod lands beside a server of its own namespace id (required pod
+    affinity), a separate process, so a vLLM restart never touches the cache. Bypassed
+    (kvpersist.controller.fallback): no affinity, vLLM serves without it."""
     spec = target.spec
     container: dict[str, Any] = {
         "name": "vllm",
@@ -181,10 +179,8 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *data_plane_volumes()[1],
                          {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}],
-        # Non-root (the lmcache server's uid), no capabilities, a read-only root: vLLM downloads the
-        # model into its Hugging Face cache (HF_HOME: spec.vllm.modelCache's claim or an emptyDir) and compiles
-        # kernels (torch.compile, Triton, FlashInfer) into caches under HOME and /tmp, all emptyDirs
-        # (docs/security.md).
+        # Non-root (the server's uid), no capabilities, a read-only root: the model and the kernel caches
+        # go to HF_HOME, HOME and /tmp (docs/security.md).
         "securityContext": data_plane_security_context(),
     }
     if spec.vllm.env_from:
@@ -196,30 +192,18 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *data_plane_volumes()[0]]
-    if target.model_cache_claim is not None:
-        # The user's claim (never made or deleted by the operator), or the one it makes
-        # (builders/modelcache.py).
+    if target.model_cache_claim is not None:  # the user's, or the one the operator makes (builders/modelcache.py)
         volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": target.model_cache_claim}})
     else:  # downloaded at each start, at the same path (operator_env)
         volumes.append({"name": MODEL_CACHE_VOLUME, "emptyDir": {}})
-    # The non-root vLLM writes the model cache the operator made through the pod's group (the
-    # kubelet gives the claim to it); a user's claim is never re-owned (as for L2's).
+    # The non-root vLLM writes the operator's model cache through the pod's group; a user's claim is never re-owned.
     made = spec.vllm.model_cache is not None and not spec.vllm.model_cache.existing_claim_name
     pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes},
                                             fs_group=DATA_GROUP if made else None)
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    if spec.vllm.runtime_class_name:
-        pod_spec["runtimeClassName"] = spec.vllm.runtime_class_name
-    if target.vllm_uses_cache:
-        # Its own /dev/shm (above) and no host namespace: the isolated CUDA IPC the connector is
-        # set to (builders/connection.py) needs neither (builders/lmcache.server_args).
-        pod_spec["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
-    if spec.vllm.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
-    if spec.vllm.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
+    # Its own /dev/shm and no host namespace: isolated CUDA IPC needs neither (builders/lmcache.server_args).
+    beside_server = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
+    placement(pod_spec, spec, spec.vllm.runtime_class_name, beside_server if target.vllm_uses_cache else None)
     annotations = {}
     if target.cache_bypassed and target.cache_enabled:  # on the pods too: `kubectl get pod -o yaml` says why
         annotations[BYPASS_ANNOTATION] = f"{target.bypass_reason}; see the CacheBypassed condition"

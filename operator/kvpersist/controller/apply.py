@@ -53,7 +53,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         snap, raw_key = read_snapshot(body, seen)
         decision = decide(snap)
         last = state.applied
-        applied = (dataclasses.replace(snap, agent_token=""), dataclasses.replace(decision, token_secret=None))  # no token kept
+        applied = (dataclasses.replace(snap, agent_token=""), decision.kept())  # no token, no manifests kept
         if decision.stage == POLICY:  # nothing rendered and nothing deleted: the children stay as they are
             assert decision.refusal is not None
             if last is None or last[1].refusal != decision.refusal:

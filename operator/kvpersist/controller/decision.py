@@ -28,6 +28,8 @@ The order of the rules is the order a user would fix them in, and each stops wha
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,19 +137,30 @@ class Decision:
     owned: tuple[ChildKey, ...] = ()  # names looked up and found its own: not looked up again
     taken: tuple[tuple[str, str], ...] = ()  # (kind, name) held by objects it did not make
     unchecked: tuple[ChildKey, ...] = ()  # names the snapshot lacks: judged free, said by the plan
+    view: str = ""  # applied_view's digest, kept when the manifests are dropped (kept)
 
     @property
     def applies(self) -> bool:
         return self.refusal is None
 
-    def applied_view(self) -> tuple[Any, ...]:
-        """What acting on it would write or keep from writing: two decisions with the same view
-        apply the same (the status refresh applies again when its own differs from the last apply's)."""
+    def applied_view(self) -> str:
+        """A digest of what acting on it would write or keep from writing: two decisions with the
+        same view apply the same (the status refresh applies again when its own differs from the
+        last apply's)."""
+        if self.view:
+            return self.view
         # A key to make that this decision, applying, does not make (the refresh offers no fresh key).
         pending = self.applies and self.generated_key is None and self.key is not None and self.key.problem is not None \
             and self.key.problem[0] == l2key.KEY_PENDING
-        return (self.stage, self.refusal, self.key_id, pending, self.storage_refused, self.route_taken, self.manifests,
+        view = (self.stage, self.refusal, self.key_id, pending, self.storage_refused, self.route_taken, self.manifests,
                 self.shared_claim, self.drop_vllm_service, self.drop_inference_pool, self.pool_api_missing)
+        return hashlib.sha256(json.dumps(view, sort_keys=True, default=str).encode()).hexdigest()
+
+    def kept(self) -> Decision:
+        """What the operator keeps of it between rounds: its view's digest, not the manifests (80 KB
+        of JSON, the server's program text most of it: two kept a resource cost ~100 MiB at 500),
+        nor the agent token."""
+        return dataclasses.replace(self, view=self.applied_view(), manifests=(), token_secret=None, shared_claim=None)
 
 
 def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, fingerprint: str | None,

@@ -184,7 +184,7 @@ def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: See
     snap = refreshed(state.applied[0] if state.applied is not None else policy, policy, key, seen)
     if state.redecided is not None and state.redecided[0] == snap:
         return state.redecided[1]
-    decision = decide(snap)
+    decision = decide(snap).kept()
     state.redecided = (snap, decision)
     return decision
 

@@ -179,15 +179,19 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
             users, pods = stores_from_api(target)
             snap = dataclasses.replace(snap, stores=users, server_pods=pods)
     snap = _names(snap)
-    # What the running operator holds for the id the key names: a vLLM pod that refused its build
-    # (buildcheck), a cache hit that changed the canary's answer, the agent image the roll allows.
-    nid = target.namespace_id
-    build = runtime.CONTROLLER.build_bypass.detail(key, nid) if nid else None
-    hit = runtime.CONTROLLER.canary.standing(key, body, nid) if nid else None
-    snap = dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
-                               hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {},
-                               agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None else agent_image())
+    snap = dataclasses.replace(_held_for(snap, target.namespace_id), agent_image=agentroll.ROLLER.image_for(
+        key, seen.fleet, body) if seen is not None else agent_image())  # the agent image the roll allows
     return snap, raw
+
+
+def _held_for(snap: Snapshot, nid: str | None) -> Snapshot:
+    """What the running operator holds for the id the key names: a vLLM pod that refused its build
+    (buildcheck), a cache hit that changed the canary's answer (canary)."""
+    key = (snap.namespace, snap.name)
+    build = runtime.CONTROLLER.build_bypass.detail(key, nid) if nid else None
+    hit = runtime.CONTROLLER.canary.standing(key, snap.body, nid) if nid else None
+    return dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
+                               hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {})
 
 
 def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Snapshot:
@@ -228,7 +232,4 @@ def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen:
         except ApiException:  # as that apply read them: asked again next refresh
             routes = {}
         snap = dataclasses.replace(snap, names={**snap.names, **routes})
-    build = runtime.CONTROLLER.build_bypass.detail(key_, nid) if nid else None
-    hit = runtime.CONTROLLER.canary.standing(key_, policy.body, nid) if nid else None
-    return dataclasses.replace(snap, build_refused={nid: build} if nid and build is not None else {},
-                               hit_mismatch={nid: str(hit.get("id"))} if nid and hit is not None else {})
+    return _held_for(snap, nid)

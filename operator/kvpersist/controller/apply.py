@@ -119,13 +119,11 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         # never cached as such: with the Secret still absent, the cache would keep serving it, and
         # the refresh would judge it lost again even once the user accepted the loss.
         state.key_read = (time.monotonic(), read)
-    storage = decision.storage_refused
+    storage = decision.storage_refused  # state's: the last apply's, until this one is stored
     if storage != state.storage_refused and (storage or state.storage_refused):
         logger.warning("%s/%s: %s", target.namespace, target.name, storage or "its L2 store is free again: the cache is on")
-    state.storage_refused = storage
     if decision.route_taken != state.route_taken and decision.route_taken:
         logger.warning("%s/%s: %s", target.namespace, target.name, decision.route_taken)
-    state.route_taken = decision.route_taken
     uid = body["metadata"].get("uid")
     owners = runtime.CONTROLLER.child_owners
     for found in decision.owned:

@@ -69,12 +69,6 @@ class ResourceState:
     # Its last apply may have left an old namespace id's Service and ZMQ policy behind (set by every
     # apply, so a restarted operator checks once too); cleared when none can be left.
     routes_pending: bool = False
-    # Refused its L2 store when last applied (another, older resource uses its claim or bucket
-    # prefix: kvpersist.controller.sharing): StorageInUse's message; applied with the cache off.
-    storage_refused: str | None = None
-    # Its namespace id's route names are held by another id's objects (kvpersist.controller
-    # .stale_routes.route_conflicts): CacheBypassed's message; applied without those routes.
-    route_taken: str | None = None
     # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's
     # (reason, message) while nothing is applied, and when the names are to be looked at again.
     name_taken: Refusal | None = None
@@ -120,6 +114,18 @@ class ResourceState:
     def known(self) -> bool:
         """Whether a watch event has shown the resource (and it was not deleted since)."""
         return self.body is not None
+
+    @property
+    def storage_refused(self) -> str | None:
+        """StorageInUse's message as last applied (another, older resource holds its claim or bucket
+        prefix: kvpersist.controller.sharing): applied with the cache off."""
+        return self.applied[1].storage_refused if self.applied is not None else None
+
+    @property
+    def route_taken(self) -> str | None:
+        """CacheBypassed's message as last applied (another id's objects hold its route names:
+        kvpersist.controller.stale_routes): applied without those routes."""
+        return self.applied[1].route_taken if self.applied is not None else None
 
 
 class Controller:

@@ -79,10 +79,11 @@ def ending_by(deadline: float) -> Iterator[None]:
 
 
 class _Call:
-    """One request's deadline, shared by every stream of its connection."""
+    """One request's deadline, shared by every stream of its connection, and its errors, in words naming the peer
+    (`who`) and nothing it sent."""
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
+    def __init__(self, deadline: float, who: str, seconds: float, request: httpx2.Request) -> None:
+        self.deadline, self.who, self.seconds, self.request = deadline, who, seconds, request
         self.received = 0  # bytes read back, head and body
         self.cut = False  # the last wait was bounded by the deadline, not by the caller's timeout
 
@@ -94,6 +95,22 @@ class _Call:
             raise error("the request's deadline passed")
         self.cut = timeout is None or left <= timeout
         return left if self.cut else timeout  # type: ignore[return-value]
+
+    def too_large(self, limit: int, declared: int | None = None) -> AnswerTooLarge:
+        said = f" ({declared} declared)" if declared is not None else ""
+        return AnswerTooLarge(f"{self.who}'s answer was larger than {limit} bytes{said}", limit=limit, declared=declared,
+                              request=self.request)
+
+    def reraise(self, exc: httpx2.TransportError, body_seen: int | None = None) -> NoReturn:
+        """Ours for a failure the deadline caused or a peer that broke HTTP; else exc as it is."""
+        if time.monotonic() >= self.deadline or (isinstance(exc, httpx2.TimeoutException) and self.cut):
+            raise DeadlineExceeded(f"{self.who} did not answer within {self.seconds:.3g}s", request=self.request) from exc
+        if isinstance(exc, httpx2.RemoteProtocolError) and body_seen is not None:
+            raise AnswerTruncated(f"{self.who}'s answer ended after {body_seen} bytes of its body", received=body_seen,
+                                  request=self.request) from exc
+        if isinstance(exc, httpx2.RemoteProtocolError) and self.received:
+            raise NotHTTP(f"{self.who} answered something that is not an HTTP response", request=self.request) from exc
+        raise exc
 
 
 class _Stream(httpcore2.NetworkStream):
@@ -176,8 +193,8 @@ class _Backend(httpcore2.NetworkBackend):
 class _CappedStream(httpx2.SyncByteStream):
     """A response body read under its request's deadline and cap. A body cut short is an error, never a short body."""
 
-    def __init__(self, inner: httpx2.SyncByteStream, call: _Call, limit: int, refuse: _Refusals) -> None:
-        self._inner, self._call, self._limit, self._refuse = inner, call, limit, refuse
+    def __init__(self, inner: httpx2.SyncByteStream, call: _Call, limit: int) -> None:
+        self._inner, self._call, self._limit = inner, call, limit
 
     def __iter__(self) -> Iterator[bytes]:
         seen = 0
@@ -185,39 +202,16 @@ class _CappedStream(httpx2.SyncByteStream):
             for chunk in self._inner:
                 seen += len(chunk)
                 if seen > self._limit:
-                    raise self._refuse.too_large(self._limit)
+                    raise self._call.too_large(self._limit)
                 yield chunk
         except AnswerTooLarge:
             self._inner.close()  # hang up now: the peer sees it, nothing more is read
             raise
         except httpx2.TransportError as exc:
-            self._refuse.reraise(exc, self._call, body_seen=seen)
+            self._call.reraise(exc, body_seen=seen)
 
     def close(self) -> None:
         self._inner.close()
-
-
-class _Refusals:
-    """The errors of one request, in words naming the peer (`who`) and nothing it sent."""
-
-    def __init__(self, who: str, seconds: float, request: httpx2.Request) -> None:
-        self.who, self.seconds, self.request = who, seconds, request
-
-    def too_large(self, limit: int, declared: int | None = None) -> AnswerTooLarge:
-        said = f" ({declared} declared)" if declared is not None else ""
-        return AnswerTooLarge(f"{self.who}'s answer was larger than {limit} bytes{said}", limit=limit, declared=declared,
-                              request=self.request)
-
-    def reraise(self, exc: httpx2.TransportError, call: _Call, body_seen: int | None = None) -> NoReturn:
-        """Ours for a failure the deadline caused or a peer that broke HTTP; else exc as it is."""
-        if time.monotonic() >= call.deadline or (isinstance(exc, httpx2.TimeoutException) and call.cut):
-            raise DeadlineExceeded(f"{self.who} did not answer within {self.seconds:.3g}s", request=self.request) from exc
-        if isinstance(exc, httpx2.RemoteProtocolError) and body_seen is not None:
-            raise AnswerTruncated(f"{self.who}'s answer ended after {body_seen} bytes of its body", received=body_seen,
-                                  request=self.request) from exc
-        if isinstance(exc, httpx2.RemoteProtocolError) and call.received:
-            raise NotHTTP(f"{self.who} answered something that is not an HTTP response", request=self.request) from exc
-        raise exc
 
 
 class BoundedTransport(httpx2.HTTPTransport):
@@ -238,24 +232,23 @@ class BoundedTransport(httpx2.HTTPTransport):
         now = time.monotonic()
         caps = (request.extensions.get(DEADLINE), _caller_deadline.get())
         deadline = min([now + self._deadline_s(), *(float(cap) for cap in caps if cap is not None)])
-        refuse = _Refusals(self._who, deadline - now, request)
         if deadline <= now:
             raise DeadlineExceeded(f"the deadline of this call to {self._who} passed before the request was sent",
                                    request=request)
         limit = request.extensions.get(MAX_BYTES)
         limit = self._max_bytes() if limit is None else int(limit)
-        call = _Call(deadline)
+        call = _Call(deadline, self._who, deadline - now, request)
         token = _connecting.set(call)
         try:
             response = super().handle_request(request)
         except httpx2.TransportError as exc:
-            refuse.reraise(exc, call)
+            call.reraise(exc)
         finally:
             _connecting.reset(token)
         declared = response.headers.get("Content-Length", "")
         if (declared.isdigit() and int(declared) > limit and request.method != "HEAD"
                 and response.status_code not in _NO_BODY_STATUS):
             response.close()
-            raise refuse.too_large(limit, int(declared))
-        response.stream = _CappedStream(response.stream, call, limit, refuse)  # type: ignore[arg-type]
+            raise call.too_large(limit, int(declared))
+        response.stream = _CappedStream(response.stream, call, limit)  # type: ignore[arg-type]
         return response

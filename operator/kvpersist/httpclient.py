@@ -8,9 +8,9 @@ pod and loopback addresses: no proxy from the environment, no cookies, no redire
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,18 +49,11 @@ class Reply:
         return 200 <= self.status < 300
 
 
-_transport_lock = threading.Lock()
-_shared: httptransport.BoundedTransport | None = None
-
-
+@functools.cache
 def _transport() -> httptransport.BoundedTransport:
-    """One transport for every peer (thread-safe; it keeps no connection between calls), built on first use. No httpx
+    """One transport for every peer, built on first use (it keeps no connection, so any thread may share it). No httpx
     Client: nothing is read from the environment (proxies, .netrc) and no cookie a peer sets is kept."""
-    global _shared
-    with _transport_lock:
-        if _shared is None:
-            _shared = httptransport.BoundedTransport("the peer", lambda: _DEFAULT_DEADLINE_S, lambda: MAX_JSON_BYTES)
-        return _shared
+    return httptransport.BoundedTransport("the peer", lambda: _DEFAULT_DEADLINE_S, lambda: MAX_JSON_BYTES)
 
 
 def _headers(body: bytes | None, content_type: str | None, headers: Mapping[str, str] | None) -> dict[str, str]:
@@ -77,11 +70,9 @@ def _headers(body: bytes | None, content_type: str | None, headers: Mapping[str,
 def _root(exc: BaseException) -> BaseException:
     """The first OSError under exc (httpx wraps httpcore's error, which wraps the socket's)."""
     seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return seen
+    while seen is not None and not isinstance(seen, OSError):
         seen = seen.__cause__ or seen.__context__
-    return exc
+    return seen or exc
 
 
 def _reason(exc: BaseException, timeout: float) -> str:

@@ -9,6 +9,7 @@ Against raw loopback sockets; every server thread is joined and every wait is bo
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import ssl
@@ -73,7 +74,8 @@ def test_the_environments_proxy_is_never_used_for_a_peer(monkeypatch: pytest.Mon
             monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.port}")
         for name in ("NO_PROXY", "no_proxy"):
             monkeypatch.delenv(name, raising=False)
-        monkeypatch.setattr(httpclient, "_shared", None)  # built now, under this environment
+        # built now, under this environment
+        monkeypatch.setattr(httpclient, "_transport", functools.cache(httpclient._transport.__wrapped__))
         reply = httpclient.get("127.0.0.1", peer.port, "/status", timeout=DEADLINE)
     assert (reply.status, reply.body) == (200, BODY)
     assert (peer.connections, proxy.connections) == (1, 0)

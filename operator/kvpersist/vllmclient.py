@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
@@ -28,25 +28,22 @@ TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
 M = TypeVar("M", bound=BaseModel)
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TokenizeAnswer(_Lenient):
+# The answers' models ignore fields they do not name (pydantic's default): a newer vLLM adds some.
+class TokenizeAnswer(BaseModel):
     tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS)
 
 
-class _Choice(_Lenient):
+class _Choice(BaseModel):
     token_ids: list[TokenId] = Field(max_length=4096)
     text: str = ""
     finish_reason: str | None = None
 
 
-class _Usage(_Lenient):
+class _Usage(BaseModel):
     prompt_tokens: Count | None = None
 
 
-class CompletionAnswer(_Lenient):
+class CompletionAnswer(BaseModel):
     choices: list[_Choice] = Field(min_length=1, max_length=1)
     usage: _Usage | None = None
 

@@ -12,11 +12,7 @@ and all of a request's reads by REQUEST_TIMEOUT_S. One request per connection (H
 
 Probes: a GET of a path in `probes` is answered on the selector thread from the probe's callable
 (in-memory state, never blocking), so slow requests and a full queue cannot fail the kubelet's
-liveness probe and get a process restarted by whoever fills them. The callable reports real
-liveness (kopf's last answer, the agent's threads and stalled()), not a constant 200.
-
-Bodies: read_body() takes a Content-Length that is a plain non-negative integer within the caller's
-cap (400, 411 or 413 otherwise, before reading anything), never a read to EOF.
+liveness probe and get a process restarted by whoever fills them.
 """
 
 from __future__ import annotations
@@ -65,8 +61,9 @@ class BodyError(Exception):
 
 
 def read_body(handler: BaseHTTPRequestHandler, cap: int) -> bytes:
-    """The request's body, at most `cap` bytes. BodyError: 411 for Transfer-Encoding, 400 for a Content-Length
-    not one plain non-negative integer, 413 over the cap, 408 for a body not in by the request's deadline."""
+    """The request's body, at most `cap` bytes, never a read to EOF. BodyError before reading anything: 411 for
+    Transfer-Encoding, 400 for a Content-Length not one plain non-negative integer, 413 over the cap; 408 for a
+    body not in by the request's deadline."""
     if handler.headers.get("Transfer-Encoding") is not None:
         raise BodyError(411, "send the body with a Content-Length, not Transfer-Encoding")
     values = handler.headers.get_all("Content-Length") or []
@@ -267,8 +264,7 @@ class BoundedHTTPServer(HTTPServer):
         pending.head += data
         if any(end in pending.head for end in _HEAD_END):
             self._forget(sel, pending)
-            probe = self._probe_of(pending.head)
-            if probe is not None:
+            if (probe := self._probe_of(pending.head)) is not None:
                 self._answer_probe(pending, probe)
                 return
             try:
@@ -287,10 +283,8 @@ class BoundedHTTPServer(HTTPServer):
 
     def _probe_of(self, head: bytes | bytearray) -> Probe | None:
         """The probe a complete head asks for (`GET <a probe's path> HTTP/1.x`), or None."""
-        if not self.probes:
-            return None
         parts = bytes(head[:head.find(b"\n")]).split()
-        if len(parts) != 3 or parts[0] != b"GET" or not parts[2].startswith(b"HTTP/1."):
+        if not self.probes or len(parts) != 3 or parts[0] != b"GET" or not parts[2].startswith(b"HTTP/1."):
             return None
         try:
             return self.probes.get(urlsplit(parts[1].decode("latin-1")).path)
@@ -309,10 +303,7 @@ class BoundedHTTPServer(HTTPServer):
 
     def _expire(self, sel: selectors.BaseSelector) -> None:
         now = time.monotonic()
-        while self._pending:
-            oldest = next(iter(self._pending.values()))
-            if oldest.deadline > now:
-                return
+        while self._pending and (oldest := next(iter(self._pending.values()))).deadline <= now:
             self._forget(sel, oldest)
             _reply(oldest.sock, 408, "Request Timeout")
 

@@ -120,7 +120,7 @@ def _ago(stamp: str | None, now: float) -> str:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)] if rows else [len(h) for h in header]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in [header, *rows])
 
 
@@ -198,19 +198,19 @@ def cmd_status(namespace: str | None, output: str) -> int:
 
 
 def cmd_report(namespace: str | None, output: str) -> int:
-    """-o table|wide: format_report and the first orphan to reclaim; json|yaml|jsonpath: the rows; name: their ids."""
+    """-o table|wide: format_report and the first orphan to reclaim; json|yaml|jsonpath: the rows; name: their ids
+    (what `kvpersist gc` takes)."""
     resources = _resources(namespace)
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
-    if output not in ("table", "wide"):  # -o name: the namespace ids, what `kvpersist gc` takes
-        if text := cliflags.emit(output, [r.__dict__ for r in rows], lambda _wide: "", lambda row: row["namespace_id"]):
-            print(text)  # -o name or jsonpath with nothing to print: no blank line, as cmd_status and kubectl
-    elif not rows:
+    table = output in ("table", "wide")
+    if table and not rows:
         print("No inventory yet: the operator reports one within a minute of a server starting.")
-    else:
-        print(format_report(rows, time.time(), wide=output == "wide"))
+    elif text := cliflags.emit(output, [r.__dict__ for r in rows], lambda wide: format_report(rows, time.time(), wide),
+                               lambda row: row["namespace_id"]):
+        print(text)  # -o name or jsonpath with nothing to print: no blank line, as cmd_status and kubectl
         orphans = [r for r in rows if r.orphan]
-        if orphans:
+        if table and orphans:
             print(f"\n{len(orphans)} orphaned namespace(s), {human_bytes(sum(r.bytes for r in orphans)) or '0B'} reclaimable. "
                   f"First to delete: kvpersist gc {orphans[0].namespace_id} --no-dry-run")
     return 0

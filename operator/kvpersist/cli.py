@@ -8,24 +8,20 @@ warning, attach policies and API reference."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
 
-# glibc gives each allocating thread an arena of its own (up to 8 per core): the operator's worker threads held
-# mostly empty ones, tens of MiB of peak RSS at 500 resources. Two serve threads that mostly wait on the network.
-# Set before any of them starts; not on other C libraries.
-M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
-ARENAS = 2
-
 
 def _fewer_malloc_arenas() -> None:
-    try:
+    """glibc gives each allocating thread an arena of its own (up to 8 per core): the operator's worker threads held
+    mostly empty ones, tens of MiB of peak RSS at 500 resources. Two serve threads that mostly wait on the network.
+    Set before any of them starts; not on other C libraries."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, ARENAS)
-    except (OSError, AttributeError):
-        pass  # not glibc (musl, macOS): nothing to set
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX (malloc.h's parameter number): 2 arenas
 
 
 def _run(args: argparse.Namespace) -> int:

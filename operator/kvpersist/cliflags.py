@@ -122,11 +122,7 @@ def _checked(expr: str) -> str:
 def _select(expr: str, root: Any) -> list[Any]:
     nodes = [root]
     for m in _STEP.finditer(expr):
-        key, index = m.group(1), m.group(2)
-        out: list[Any] = []
-        for node in nodes:
-            out.extend(_step(node, key, index, m))
-        nodes = out
+        nodes = [found for node in nodes for found in _step(node, m.group(1), m.group(2), m)]
     return nodes
 
 

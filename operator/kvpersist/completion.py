@@ -9,12 +9,9 @@ import shlex
 
 def commands(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     """Each subcommand and its option strings (the long and short spellings), in parser order."""
-    out: dict[str, list[str]] = {}
-    for action in parser._actions:  # argparse has no public walk of its subparsers
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                out[name] = [o for a in sub._actions for o in a.option_strings]
-    return out
+    return {name: [o for a in sub._actions for o in a.option_strings]
+            for action in parser._actions if isinstance(action, argparse._SubParsersAction)  # no public walk of them
+            for name, sub in action.choices.items()}
 
 
 def script(parser: argparse.ArgumentParser, shell: str) -> str:

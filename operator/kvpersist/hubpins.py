@@ -172,10 +172,7 @@ def chat_template(files: Mapping[str, bytes | None]) -> tuple[str, str] | None:
         return _decoded(TEMPLATE_JINJA, raw, "a template").replace("\r\n", "\n").replace("\r", "\n"), TEMPLATE_JINJA
     for name in (TEMPLATE_JSON, TOKENIZER_CONFIG):
         raw = files.get(name)
-        if raw is None:
-            continue
-        value = parse_json(name, raw).get("chat_template")
-        if value is None:
+        if raw is None or (value := parse_json(name, raw).get("chat_template")) is None:
             continue
         if isinstance(value, str):
             return value, name

@@ -1,8 +1,7 @@
 """The correctness canary, run (kvpersist.status.canary judges): per resource, the reference and the checks
-as one job at a time in a shared pool, never on the status refresh (a busy vLLM may answer slowly), every
-call and job bounded (JOB_BUDGET_S). The refresh writes what they found into status.canary and
-HitCorrectness; the record is seeded from status, so a restarted operator keeps the cache off over a
-HitMismatch it found before (until kvpersist.dev/hit-correctness-ack names it).
+as one job at a time in a shared pool, never on the status refresh (a busy vLLM may answer slowly). The
+record is seeded from status.canary, so a restarted operator keeps the cache off over a HitMismatch it
+found before (until kvpersist.dev/hit-correctness-ack names it).
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ from kvpersist.status.conditions import now as iso_now
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
-# A job starts no check after this long (the rest stay due): pods that answer nothing hold a shared worker
-# about this plus one check, not one call each (50 such pods were 50 minutes of the pool). Pods that
-# failed least recently go first, so those that answer are not starved behind those that hang.
+# A job starts no check after this long (the rest stay due): pods that answer nothing hold a worker about
+# this plus one check, not one call each (50 such pods were 50 minutes of the pool). Pods that failed
+# least recently go first, so those that answer are not starved behind those that hang.
 JOB_BUDGET_S = CALL_TIMEOUT_S
 # lmcache counts a lookup on its event bus's thread (drained every 0.1 s): counters are read this long after.
 LOOKUP_SETTLE_S = 0.5
@@ -90,7 +89,7 @@ class Canary:
         self._workers = workers
 
     def _held(self, key: Hashable, body: Mapping[str, Any]) -> _Resource:
-        """The resource's entry, seeded once from its stored status (an operator restart). Under the lock."""
+        """The resource's entry, seeded once from its stored status (a restart). Under the lock."""
         found = self._by.setdefault(key, _Resource())
         if not found.seeded:
             found.seeded = True
@@ -116,8 +115,8 @@ class Canary:
                 on_done: Callable[[bool], None], allowed: bool = True,
                 agent_token: str | None = None) -> tuple[judge.Verdict | None, bool]:
         """One status round: an acknowledgement taken, a job started when due (not while one runs). Returns
-        (HitCorrectness's verdict or None, whether an acknowledgement released the cache: vLLM is applied
-        with it again). allowed False: a refused resource, so no job and no Secret read. No I/O."""
+        (HitCorrectness's verdict or None, whether an acknowledgement released the cache). allowed False:
+        a refused resource, so no job and no Secret read. No I/O."""
         spec, namespace_id = target.spec, target.namespace_id
         digest = judge.digest(spec)
         released = False
@@ -161,17 +160,16 @@ class Canary:
             if judge.due(view, servers, memory, target.spec.canary.interval_seconds, now):
                 checks.append((view, judge.check_key(view, servers)))
         checks.sort(key=lambda check: held.pods[check[0].name].failed_at)  # never failed, then failed longest ago
-        reference_pod = None
         if recompute and not recompute_now:
             return None
+        reference_pod = None
         if recorded is None or recompute:
             if now - held.reference_failed_at < judge.RETRY_S:
                 return None
             # Any Ready pod serves the (salted, uncached) reference: one using the cache first, so its check follows at once.
-            ready = sorted((v for v in views if v.ready and v.ip), key=lambda v: not v.uses_cache)
-            if not ready:
+            reference_pod = min((v for v in views if v.ready and v.ip), key=lambda v: not v.uses_cache, default=None)
+            if reference_pod is None:
                 return None
-            reference_pod = ready[0]
         elif not checks:
             return None
         spec = target.spec
@@ -334,7 +332,7 @@ COUNTERS_TIMEOUT_S = 2.0  # each /metrics read around a check, all of them at on
 def read_counters_of(ip: str, port: int, api_key: str | None, servers: tuple[tuple[str, str], ...], agent_port: int,
                      agent_token: str | None, timeout: float = COUNTERS_TIMEOUT_S) -> judge.Counters:
     """The pod's prompt-token counters and its node's servers' lookup counters (through their agents), read
-    at once, each bounded by timeout; what cannot be read is None. Blocking."""
+    at once, each bounded; what cannot be read is None. Blocking."""
     def vllm() -> judge.PromptTokenSources | None:
         try:
             return judge.prompt_token_sources(vllmclient.metrics(ip, port, api_key=api_key, timeout=timeout))

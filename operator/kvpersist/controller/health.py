@@ -2,13 +2,11 @@
 address `--liveness` names. kopf's aiohttp (3.14) holds an idle or never-ending connection 3630 s, some
 6 KB each (+58 MiB for 10000): kvpersist.httpserver bounds connections, time and threads instead.
 
-The probe never waits on a worker: KopfLiveness's thread reads kopf's endpoint every POLL_S and the
-front's selector thread answers each GET from its last reading, so whoever fills the front's workers
-and queue (once any pod could, restarting the operator) no longer fails the probe. It still means
-kopf's: its code and body pass through; no answer within UPSTREAM_TIMEOUT_S, or a stale reading, is 503.
-
-READY_PATH answers readiness from the same reading: kopf live (only after its startup handlers) and
-every watch cache listed once. A standby replica is ready too: it takes over within the peering lifetime.
+The probe never waits on a worker: a thread reads kopf's endpoint every POLL_S and the front's selector
+thread answers from its last reading, so whoever fills the front's workers and queue (once any pod could,
+restarting the operator) no longer fails the probe; kopf's code and body pass through.
+READY_PATH answers readiness from the same reading (kopf answers only after its startup handlers) and
+the watch caches. A standby replica is ready too: it takes over within the peering lifetime.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, Probe, Probe
 # Under the chart's probe timeoutSeconds (5): a kopf that does not answer in time is a failed probe.
 UPSTREAM_TIMEOUT_S = 4.0
 MAX_BODY = 2**20
-# kopf's endpoint is read this often (kopf itself reruns its probe handlers at most every 10 s),
-# well under the chart's probe period (20 s): each probe sees a reading at most this old.
+# kopf reruns its probe handlers at most every 10 s; well under the chart's probe period (20 s).
 POLL_S = 5.0
 READY_PATH = "/readyz"  # the chart's readinessProbe
 
@@ -122,7 +119,7 @@ def readiness(liveness: KopfLiveness, unlisted: Callable[[], list[str]] = unlist
 
 def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiveness | None = None) -> BoundedHTTPServer:
     """The front on a daemon thread: `path` and READY_PATH answered on the selector thread (never queued),
-    anything else 404 from a one-worker pool. `liveness`: a caller's reader (tests), else one started here."""
+    anything else 404 from a one-worker pool. `liveness`: a test's reader, else one started here."""
     if liveness is None:
         liveness = KopfLiveness(upstream_port, path)
         threading.Thread(target=liveness.run, name="liveness-reader", daemon=True).start()

@@ -1,19 +1,17 @@
-"""L2's master key as the namespace id sees it: read from the Secret the servers mount, named by
-its fingerprint, and what to do when it changes or goes.
+"""L2's master key as the namespace id sees it (named by its fingerprint), and what to do when it changes or goes.
 
-Objects sealed under one key fail authentication under another: misses, forever. So the key is
-part of the identity (pin l2_key_fingerprint): another key is another namespace, and the old one's
-data stays, an orphan (readable again if that key comes back). A key that cannot be read names no
-namespace: the cache is off, and the condition says why. The operator never generates a new key
-over data sealed under a lost one: the cache stays off until the user restores the Secret or
-accepts the loss (REPLACE_ANNOTATION). Pure functions; reading reads the Secret and apply acts.
+Objects sealed under one key fail authentication under another: misses, forever. So the key is part of
+the identity (pin l2_key_fingerprint): another key is another namespace, and the old one's data stays,
+an orphan (readable again if that key comes back). A key that cannot be read names no namespace: the
+cache is off. The operator never generates a new key over data sealed under a lost one: the cache stays
+off until the user restores the Secret or accepts the loss (REPLACE_ANNOTATION). Pure functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kvpersist.builders.retained import KEY_FINGERPRINT_ANNOTATION, PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import L2_KEY_BYTES
@@ -36,8 +34,7 @@ KEY_PENDING = "L2KeyPending"  # the generated Secret does not exist yet: the nex
 KEY_NOT_OWNED = "KeySecretNotOwned"  # <name>-l2-key exists but is not the operator's: never used, never replaced
 KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "KeySecretUnreadable", "L2KeyPending",
                     "L2KeyLost", "KeySecretNotOwned"]
-KEY_REASONS: tuple[KeyReason, ...] = (KEY_NOT_FOUND, KEY_MISSING, KEY_TOO_SHORT, KEY_UNREADABLE, KEY_PENDING, KEY_LOST,
-                                      KEY_NOT_OWNED)
+KEY_REASONS: tuple[KeyReason, ...] = get_args(KeyReason)
 # Events.
 KEY_GENERATED = "L2KeyGenerated"  # Normal: a generated key was made (first apply, or no data under the last one)
 KEY_CHANGED = "L2KeyChanged"  # Warning: another key, so another namespace; the old data is an orphan
@@ -157,10 +154,10 @@ def _lost_key(status: Mapping[str, Any] | None, secret: str) -> tuple[str | None
 
 def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[str, str] | None,
          claims: list[Mapping[str, Any]] | None = None) -> Loss | None:
-    """Whether a new key now would make stored data unreadable without the user asking: the generated
-    Secret is absent; status (status.l2Key, status.sealedNamespaces) or a claim records the key it
-    held; the inventory does not show every namespace sealed with it empty (a pin change leaves the
-    old namespace's data on its storage); and the user has not accepted losing exactly that key."""
+    """Whether a new key now would make stored data unreadable without the user asking: the generated Secret
+    is absent; status (l2Key, sealedNamespaces) or a claim records the key it held; the inventory does not show
+    every namespace sealed with it empty (a pin change leaves the old namespace's data on its storage); and
+    the user has not accepted losing exactly that key."""
     if not key.generated or not key.absent:
         return None
     fingerprint, ids = _lost_key(status, key.secret)
@@ -171,10 +168,9 @@ def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[st
         if holding:
             found = Loss(key.secret, fingerprint, holding, "status.l2Key" if recorded(status).get("fingerprint") ==
                          fingerprint else "status.sealedNamespaces")
-    if found is None and fingerprint is None and not recorded(status).get("fingerprint"):
+    elif not recorded(status).get("fingerprint"):
         for claim in claims or []:
-            fp = ((claim.get("metadata") or {}).get("annotations") or {}).get(KEY_FINGERPRINT_ANNOTATION)
-            if fp:
+            if fp := ((claim.get("metadata") or {}).get("annotations") or {}).get(KEY_FINGERPRINT_ANNOTATION):
                 found = Loss(key.secret, fp, ((None, None),), f"claim {claim['metadata'].get('name')}")
                 break
     if found is None or (annotations or {}).get(REPLACE_ANNOTATION) == found.fingerprint:

@@ -1,9 +1,6 @@
-"""The operator's own Prometheus metrics on /metrics (written by prometheus_client).
-
-Counts what costs the API server something (applies, status writes, events), so a scrape shows whether
-an idle cluster costs nothing, the resources per phase, and per resource what alerts need
-(kube-state-metrics style): its conditions, usage, budget, hits, failed L2 writes, last refresh. A
-resource's series go when it is deleted, a condition's when it changes."""
+"""The operator's own Prometheus metrics on /metrics: what costs the API server something (so a scrape
+shows whether an idle cluster costs nothing), the resources per phase, and per resource what alerts need
+(kube-state-metrics style). A resource's series go when it is deleted, a condition's when it changes."""
 
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ HELP = {
     "kvpersist_gc_total": "Explicit gc requests (kvpersist gc) carried out, whatever their outcome.",
 }
 
-# Per resource, labelled {namespace, name}: HELP by TYPE, and where each value comes from.
+# Per resource, labelled {namespace, name}: HELP by type, then where each value comes from.
 RESOURCE_GAUGES = {
     "kvpersist_resource_l1_used_bytes": "L1 (host RAM) bytes in use, summed over the servers (status.usage.l1UsedBytes).",
     "kvpersist_resource_l1_capacity_bytes": "L1 capacity in bytes (status.usage.l1CapacityBytes).",
@@ -86,10 +83,9 @@ def families() -> set[str]:
 
 @dataclass
 class _Fold:
-    """A counter folded from each server's cumulative count: what it counted since last read is added (all
-    of it after its restart: a lower count); one not read keeps its baseline, so nothing counts twice and
-    the total never goes down. A first reading is only a baseline: else a restarted operator's first
-    scrape would show every failure the servers ever had as new."""
+    """A counter folded from each server's cumulative count: what it counted since last read is added (all of it after
+    its restart: a lower count); one not read keeps its baseline, so nothing counts twice. A first reading is only a
+    baseline: else a restarted operator's first scrape would show every failure the servers ever had as new."""
 
     total: int = 0
     last: dict[str, int] = field(default_factory=dict)
@@ -136,8 +132,8 @@ def standby(namespace: str, name: str) -> None:
 
 
 def refreshed(namespace: str, name: str, phase: str | None) -> None:
-    """One status refresh of a resource and its phase, counted per resource too so a scrape (and a test) can
-    tell a resource had another round, whatever it wrote: "nothing happened" only after it had its chance."""
+    """One status refresh of a resource and its phase, counted per resource too: "nothing happened" only
+    after it had another round, whatever it wrote."""
     with _lock:
         _counters["kvpersist_status_refreshes_total"] += 1
         _refreshes[(namespace, name)] += 1
@@ -146,8 +142,8 @@ def refreshed(namespace: str, name: str, phase: str | None) -> None:
 
 def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping[str, Any] | None = None,
              reports: Iterable[Any] = (), at: float | None = None) -> None:
-    """A finished refresh: the status as it stands, the hit totals (the tracker's, fresher than the written
-    ones) and the servers' reports (L2 writes). Replaces the resource's series: what went is gone next scrape."""
+    """A finished refresh: the status, the hit totals (the tracker's, fresher than the written ones) and the
+    servers' reports (L2 writes). Replaces the resource's series."""
     conditions = sorted({(str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
                          for c in status.get("conditions") or [] if isinstance(c, Mapping)})
     read = {**{metric: (status.get(part) or {}).get(key) for metric, (part, key) in _USAGE.items()},

@@ -1,26 +1,16 @@
 """The pin check: a resource's declared numKVHeads, headSize and chatTemplateDigest against the
 model's and tokenizer's files at the declared commits (kvpersist.hubpins), read from the Hub.
 
-A mismatch turns the cache off (the IdentityResolved and PinsVerified conditions say
-PinMismatch, naming the field, both values and the fix): KV stored under a wrong geometry or
-template would be hits computed for other tokens or another layout. Anything else (Hub
-unreachable, a gated or private repository, unreadable files, the check turned off) is
-PinsVerified Unknown and changes nothing for written pins: it withholds the cache on evidence.
+A mismatch turns the cache off (PinMismatch, naming the field, both values and the fix): KV stored
+under a wrong geometry or template would be hits computed for other tokens or another layout.
+Anything else (Hub unreachable, a gated repository, the check off: KVPERSIST_PIN_CHECK=off) is
+PinsVerified Unknown and changes nothing for written pins: the cache is withheld on evidence only.
 
-The files at a commit never change, so what they give is kept for the operator's lifetime per
-(model, revision, tokenizer, tokenizer revision); a failed read is tried again after RETRY_S.
-Reads are anonymous; a model the Hub refuses so (gated) is read again with the token of the
-resource's spec.vllm.hfTokenSecretRef, and that answer serves its namespace alone. They run in a
-pool of their own, each bounded by CHECK_DEADLINE_S through the operator's Hub client (deadline,
-body cap, proxy, no telemetry: kvpersist.inventory.hfbucket). KVPERSIST_PIN_CHECK=off turns it off.
-
-The same files fill the pins a resource leaves unset (filled): numKVHeads, headSize,
-chatTemplateDigest, maxModelLen and kvCacheDtype as the files decide them, blockSize and
-tensorParallelSize as vLLM would choose them for that model, connectorBuild the image's digest.
-They are rendered into vLLM's arguments, so vLLM cannot choose otherwise, and shown in
-status.identity. Until the files are read the cache stays off (PinsUnresolved), never a guess;
-status.identity.files keeps what they said, so a restarted operator resolves the same pins
-without the Hub (the files at a commit never change).
+The same files fill the pins a resource leaves unset (filled), rendered into vLLM's arguments so
+vLLM cannot choose otherwise; until the files are read the cache stays off (PinsUnresolved), never
+a guess. The files at a commit never change: what they give is kept for the operator's lifetime,
+and in status.identity.files, so a restarted operator resolves the same pins without the Hub.
+Reads are bounded through the operator's Hub client (kvpersist.inventory.hfbucket).
 """
 
 from __future__ import annotations
@@ -92,9 +82,8 @@ def where(key: Key) -> str:
 
 @dataclass(frozen=True)
 class Facts:
-    """What a resource's model files say, as decide reads it (no I/O): the pins they decide
-    (file_pins; None while unknown, with why), and PinMismatch's message when they contradict a
-    declared pin."""
+    """What a resource's model files say (no I/O): the pins they decide (file_pins; None while unknown,
+    with why), and PinMismatch's message when they contradict a declared pin."""
 
     at: str
     values: tuple[tuple[str, Any], ...] | None = None
@@ -158,11 +147,9 @@ def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdi
     """PinMismatch naming every declared pin the files contradict, else PinsMatch. Pure."""
     model, revision, tokenizer, tok_rev = key
     where = f"config.json at {model}@{revision}"
-    wrong = []
-    if identity.num_kv_heads is not None and identity.num_kv_heads != derived.num_kv_heads:
-        wrong.append(f"spec.identity.numKVHeads is {identity.num_kv_heads} but {where} says {derived.num_kv_heads}")
-    if identity.head_size is not None and identity.head_size != derived.head_size:
-        wrong.append(f"spec.identity.headSize is {identity.head_size} but {where} says {derived.head_size}")
+    wrong = [f"spec.identity.{field} is {mine} but {where} says {theirs}"
+             for field, mine, theirs in (("numKVHeads", identity.num_kv_heads, derived.num_kv_heads),
+                                         ("headSize", identity.head_size, derived.head_size)) if mine is not None and mine != theirs]
     declared = (identity.chat_template_digest or "").lower() or None
     if declared is not None and tok_rev and declared != derived.chat_template_digest:
         found = (f"{derived.template_source} at {tokenizer}@{tok_rev} gives {derived.chat_template_digest}"
@@ -180,10 +167,8 @@ def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdi
 
 
 def hub_fetch(endpoint: str | None, deadline: float, token: str | None = None) -> hubpins.Fetch:
-    """Reads a file from the Hub's resolve route into memory (the operator's filesystem is read-only,
-    and no cache is needed: the result is kept), anonymously unless given the resource's own token,
-    through the bounded Hub client. None: the repository has no such file at that commit. Other
-    answers raise HubRefused."""
+    """Reads a file from the Hub into memory (the operator's filesystem is read-only, and the result is
+    kept), anonymously unless given a token. None: no such file at that commit; other answers: HubRefused."""
     from huggingface_hub import constants, get_session, hf_hub_url
 
     from kvpersist.inventory.hfbucket import bound_hub_client, hub_deadline
@@ -211,8 +196,7 @@ class HubRefused(Exception):
 
     def __init__(self, code: int, error: str) -> None:
         super().__init__(code, error)
-        self.code = code
-        self.error = error
+        self.code, self.error = code, error
 
 
 def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) -> Unread:
@@ -238,9 +222,8 @@ def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) 
                   f"({transport_error_text(exc)}); retrying in {RETRY_S:.0f}s", now)
 
 
-# Who a read's answer is for: "" anonymous (any resource), or "<namespace>/<Secret>" read with the
-# token of a resource's spec.vllm.hfTokenSecretRef (a gated model: that namespace's alone, never
-# another tenant's, who might not be let in).
+# Who a read's answer is for: "" anonymous (any resource), or "<namespace>/<Secret>" read with a
+# resource's spec.vllm.hfTokenSecretRef token (a gated model: that namespace's alone, never another tenant's).
 Scope = str
 TokenReader = Callable[[], str | None]
 
@@ -250,16 +233,11 @@ def scope_of(spec: api.KVCacheNamespaceSpec, namespace: str) -> Scope:
     return f"{namespace}/{ref.name}" if ref is not None else ""
 
 
-def refused_anonymously(found: Any) -> bool:
-    return isinstance(found, Unread) and found.reason == "HubRefused"
-
-
 class PinFiles:
-    """What the files at each Key gave: Derived pins (kept for good), or Unread (retried after
-    RETRY_S unless final). Checks run in a pool of their own, one per Key and Scope at a time,
-    shared by every resource that declares the same files; on_done is called when one ends (to
-    refresh). A model the Hub refuses anonymously (gated) is read again with the resource's own
-    token, under its Scope."""
+    """What the files at each Key gave: Derived pins (kept for good), or Unread (retried after RETRY_S
+    unless final). One check per Key and Scope at a time, in a pool of their own, shared by every
+    resource that declares the same files; a model refused anonymously (gated) is read again with the
+    resource's own token, under its Scope."""
 
     def __init__(self, fetcher: Callable[[float, str | None], hubpins.Fetch] | None = None, workers: int = WORKERS) -> None:
         self._fetcher = fetcher
@@ -310,16 +288,16 @@ class PinFiles:
 
     def request(self, identity: api.Identity, on_done: Callable[[], None],
                 token: tuple[Scope, TokenReader] | None = None) -> bool:
-        """Starts a check of these pins' files unless one is known (or runs, or failed under
-        RETRY_S ago): anonymous first, then with token (its Scope and how to read it) once the Hub
-        refused the anonymous read. True if started (on_done is then called when it ends)."""
+        """Starts a check of these pins' files unless one is known, runs or failed under RETRY_S ago:
+        anonymous, then with token (its Scope, its reader) once the Hub refused. True if started."""
         key = key_of(identity)
         if key is None:
             return False
         now = time.monotonic()
         with self._lock:
             anonymous = self._found.get((key, ""))
-            slot = (key, token[0]) if token is not None and refused_anonymously(anonymous) else (key, "")
+            refused = isinstance(anonymous, Unread) and anonymous.reason == "HubRefused"
+            slot = (key, token[0]) if token is not None and refused else (key, "")
             found = self._found.get(slot)
             if isinstance(anonymous, hubpins.Derived) or isinstance(found, hubpins.Derived) or slot in self._running:
                 return False
@@ -376,9 +354,8 @@ def condition_of(verdict: Verdict | None, identity: api.Identity, checking: bool
 
 
 def status_of(declared: api.Identity, full: api.Identity, facts: Facts | None) -> dict[str, Any]:
-    """status.identity: the pins as hashed and rendered (full: the declared ones filled, as
-    target_for made them), the ones the operator filled, and what the files said where they were
-    read (kept for a restart)."""
+    """status.identity: the pins as rendered (full: the declared ones filled), the ones the operator
+    filled, and what the files said where they were read (kept for a restart)."""
     out: dict[str, Any] = {"pins": full.model_dump(by_alias=True, exclude_none=True, mode="json")}
     mine = [api.Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full, f) is not None]
     if mine:

@@ -4,9 +4,8 @@ pod's /tokenize (pinned tokenizer and template, so kept per (namespace id, promp
 prefetch L2 -> L1 through the inventory agent (lmcache's admin API is on the pod's loopback); when L2
 lacks a chunk, one greedy token through vLLM (computed, stored) and the prefetch again.
 
-Passes (and the configMapRef read, at most every CONFIGMAP_TTL_S) run in a pool of their own, never
-on the status refresh; one per server at a time, every call bounded and a pass by PASS_DEADLINE_S:
-a slow or hostile peer costs its own server's pass, never another's refresh.
+Passes and the configMapRef read run in a pool of their own, never on the status refresh, one per
+server at a time, every call bounded: a slow or hostile peer costs its own server's pass, never another's refresh.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ class Peers:
 
 def run_pass(fingerprint: tuple[Any, ...], prompts: tuple[Prompt, ...], peers: Any, token_ids: Callable[[Prompt], list[int]],
              progress: Callable[[int, int], None], deadline: float, sleep: Callable[[float], None] = time.sleep) -> Pass:
-    """One server's pass over the prompts (peers: Peers or a test's stand-in). Never raises: what stops it is
-    the Pass's failure."""
+    """One server's pass over the prompts (peers: Peers or a test's stand-in); what stops it is the Pass's failure."""
     results: list[PromptResult] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -231,7 +229,7 @@ class Prewarmer:
     def observe(self, key: Key, target: Target, pods: list[Mapping[str, Any]], agent_token: str | None,
                 api_key: Callable[[], str | None], on_done: Callable[[], None]) -> judge.Verdict | None:
         """The Warm condition from the passes so far, starting the ConfigMap read and the passes due (off this
-        thread; api_key, vLLM's API key's reader, runs there too). No I/O: called on the status refresh."""
+        thread, with api_key, vLLM's API key's reader). No I/O: called on the status refresh."""
         prewarm = target.spec.prewarm
         if prewarm is None or not prewarm.declared:
             self.forget(key)
@@ -345,8 +343,8 @@ def _read_configmap(name: str, namespace: str) -> Mapping[str, Any] | None:
 
 
 def read_api_key(target: Target, refusal: Callable[[str, str, str], tuple[str, str] | None]) -> str | None:
-    """VLLM_API_KEY of spec.vllm.apiKeySecretRef (vLLM's /v1 routes require it), None without one; refusal: the
-    chart's secretLabel check (controller.reading). Never logged. Raises PassFailed if unreadable or refused. Blocking."""
+    """VLLM_API_KEY of spec.vllm.apiKeySecretRef, None without one; refusal: the chart's secretLabel check
+    (controller.reading). Never logged. Raises PassFailed if unreadable or refused. Blocking."""
     ref = target.spec.vllm.api_key_secret_ref
     if ref is None:
         return None

@@ -1,14 +1,13 @@
 """Watch caches of what the status refresh used to read by request every round (100+ reads a second
-at 500 resources): the Secrets a resource names and the ConfigMaps (metadata only: Secret data never
+at 500 resources): the Secrets and ConfigMaps a resource names (metadata only: Secret data never
 reaches the cache), the claims users name and their attached pods (neither carries the operator's
 labels, so kopf's indexes never see them). One list, then one watch, per watched namespace (or one
 cluster-wide), each in a thread of its own.
 
-Each object is cut down to what is read of it as its page arrives (secret_view, names_view), and
-Secrets and ConfigMaps are listed in small pages: whoever may create one decides its size (400
-ConfigMaps of 1,500 labels and a 250 KiB annotation took the operator from 110 to 330 MiB; issue 58).
-Until a cache has listed (again after a failed watch) lookups say so and callers read by request:
-a cache never answers from a listing it does not have.
+Each object is cut down as its page arrives, and Secrets and ConfigMaps are listed in small pages:
+whoever may create one decides its size (400 ConfigMaps of 1,500 labels and a 250 KiB annotation took
+the operator from 110 to 330 MiB; issue 58). Until a cache has listed (again after a failed watch),
+callers read by request.
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ class WatchCache:
 
     @property
     def listed_once(self) -> bool:
-        """Whether every scope has listed at least once: the operator's readiness (never unset again,
-        so an API server outage does not flap readiness)."""
+        """Whether every scope has listed once: the operator's readiness (never unset, so an outage does not flap it)."""
         with self._lock:
             return self._listed >= set(self.scopes)
 

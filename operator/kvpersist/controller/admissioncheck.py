@@ -1,8 +1,6 @@
-"""Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges).
-The two objects, by the install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), are each
-kept by a list and watch field-selected to that name (RBAC grants them by resourceNames). A new
-verdict is logged, posted as an Event on the operator's pod, shown as the gauge
-kvpersist_creator_rights_enforced, and marks every resource for a refresh (CreatorRightsEnforced).
+"""Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges). The two
+objects, by the install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), are each kept by a list
+and watch field-selected to that name (RBAC grants them by resourceNames).
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ def _post_operator_event(verdict: Verdict) -> None:
 def observe(verdict: Verdict) -> bool:
     """Keeps a new verdict; True when it changed (logged, posted, every resource marked)."""
     old = runtime.CONTROLLER.creator_rights
-    if old is not None and old == verdict:
+    if old == verdict:
         return False
     runtime.CONTROLLER.creator_rights = verdict
     metrics.creator_rights(verdict[0])

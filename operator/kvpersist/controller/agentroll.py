@@ -1,7 +1,6 @@
 """The agent image roll in the controller: which image one apply renders (kvpersist.status.agentroll
-decides), the claims bridging an apply and the watch event that shows it, and the events telling a
-user their server's agent update waits or rolls. Claims live in memory: after a restart the watch cache
-alone says what rolls (a StatefulSet on the wanted image, not rolled out yet), so never more at once.
+decides), the claims bridging an apply and the watch event that shows it, and the events. Claims live in
+memory: after a restart the watch cache alone says what rolls, so never more at once.
 """
 
 from __future__ import annotations
@@ -92,8 +91,8 @@ class Roller:
         return current if decision == "hold" and current else wanted
 
     def may_go(self, key: plan.Key, fleet: Mapping[plan.Key, plan.AgentSet], now: float | None = None) -> bool:
-        """Whether an apply now would give this StatefulSet the wanted agent image it lacks (a slot is free, or it
-        is scaled to zero): the status refresh then applies it."""
+        """Whether an apply now would give this StatefulSet the wanted agent image it lacks (the status refresh
+        then applies it)."""
         wanted = agent_image()
         mine = fleet.get(key)
         if mine is None or mine.image is None or mine.image == wanted:

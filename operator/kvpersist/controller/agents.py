@@ -20,8 +20,7 @@ TOKEN_REAPPLY_S = 15.0  # a missing token Secret is applied again at most this o
 
 
 def agent_token(target: Target) -> str | None:
-    """The resource's agent token, from its Secret, read at most every AGENT_TOKEN_TTL_S (and again
-    after a failed read). Never logged."""
+    """The resource's agent token, read at most every AGENT_TOKEN_TTL_S (and after a failed read). Never logged."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     cached = state.agent_token
     now = time.monotonic()
@@ -48,6 +47,5 @@ def agent_token(target: Target) -> str | None:
 
 
 def inventories(pods: list[tuple[str, str | None]], port: int, token: str | None) -> list[Inventory | None]:
-    """Every agent's inventory, asked in parallel: each call is bounded (kvpersist.httpclient), so
-    the round costs one deadline however many agents are slow."""
+    """Every agent's inventory, asked in parallel: the round costs one deadline however many agents are slow."""
     return in_parallel(lambda pi: fetch_inventory(pi[1], port, token=token) if pi[1] else None, pods, limit=16)

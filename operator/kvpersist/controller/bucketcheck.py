@@ -50,8 +50,8 @@ class SecretOnce:
 
 
 def _token_secret(target: Target, name: str, item: str) -> dict[str, Any] | None:
-    """The token's Secret (metadata and that key), read again only when the watch cache shows it changed: a
-    failing Hub's checks every 30 s cost ~600 reads a minute at 500 resources. Without the cache (a glob), each time."""
+    """The token's Secret (metadata and that key), read again only when the watch cache shows it changed (a
+    failing Hub's checks cost ~600 reads a minute at 500 resources); without the cache (a glob), each time."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     synced, version = secret_version(target.namespace, name)
     if synced and version is None:
@@ -68,8 +68,8 @@ def _token_secret(target: Target, name: str, item: str) -> dict[str, Any] | None
 
 
 def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
-    """Starts job in the bucket pool unless this resource's job of that kind runs; True if started. What it
-    raises is logged, and the resource is marked for a refresh when it ends."""
+    """Starts job in the bucket pool unless this resource's job of that kind runs; True if started. The
+    resource is marked for a refresh when it ends."""
     state = runtime.CONTROLLER.held(key)
 
     def run() -> None:
@@ -90,8 +90,7 @@ def _off_path(key: tuple[str, str], what: str, job: Callable[[], None]) -> bool:
 
 def bucket_check(target: Target, secrets: SecretOnce) -> tuple[bool, str, str] | None:
     """The hfBucket preflight, at most once per PREFLIGHT_TTL_S per resource and settings, off the refresh path;
-    None until the first answer. A pass is reused without a Secret read; a failure re-reads it each refresh,
-    so a Secret created or fixed shows within one status interval."""
+    None until the first answer. A failure re-reads the Secret each refresh: a fix shows within one interval."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     ref = f"Secret {bucket.token_secret_ref.name} key {bucket.token_secret_ref.key}"
@@ -122,8 +121,8 @@ def bucket_check(target: Target, secrets: SecretOnce) -> tuple[bool, str, str] |
 
 
 def bucket_inventory_of(target: Target, secrets: SecretOnce) -> Inventory | None:
-    """The bucket prefix's listing, off the refresh path at most once per BUCKET_INVENTORY_TTL_S (RETRY_S after a
-    failure); the last good one meanwhile (L2Ready reports the Hub's problems)."""
+    """The bucket prefix's listing, off the refresh path at most once per BUCKET_INVENTORY_TTL_S (RETRY_S after
+    a failure); the last good one meanwhile."""
     bucket = target.spec.l2.hf_bucket
     assert bucket is not None
     key = (target.namespace, target.name)

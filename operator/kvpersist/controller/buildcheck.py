@@ -1,6 +1,5 @@
-"""The runtime build check, acted on: a vLLM pod that refused its versions (kvpersist.status.build)
-sends vLLM without the cache for that namespace id, so serving goes on; a server that refuses is
-only not ready (kvpersist.controller.fallback). The containers' side: kvpersist.builders.buildcheck.
+"""The runtime build check, acted on: a vLLM pod that refused its versions (kvpersist.status.build) sends
+vLLM without the cache for that namespace id, so serving goes on; a server that refuses is only not ready.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from kvpersist.status.build import MISMATCH, Refusal, detail_of
 
 
 class BuildBypass:
-    """Per resource: the namespace id for which a vLLM pod refused its versions, and what it said. Final
-    for that id (any fix of image or connectorBuild gives another); kept in status (CacheBypassed,
-    BuildMismatch) across restarts. Used from worker threads, hence the lock."""
+    """Per resource: the namespace id for which a vLLM pod refused its versions, and what it said. Final for
+    that id (a fix gives another); kept in status (CacheBypassed) across restarts. Worker threads: the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -55,9 +55,7 @@ async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
 @kopf.index(api.GROUP, api.VERSION, api.PLURAL)
 async def kvp_stores(body: kopf.Body, **_: Any) -> Any:
     """Each resource's L2 store (sharing.User), into Controller.store_users: an apply decides StorageInUse
-    from here (a LIST of every resource per apply made converging quadratic). Being an index, kopf
-    starts no handler before its initial listing is in: a restarted operator never judges a store
-    from a partial view."""
+    from here (a LIST of every resource per apply made converging quadratic), never from a partial view."""
     meta = body["metadata"]
     runtime.CONTROLLER.note_store((meta["namespace"], meta["name"]), sharing.user_of(body))
     return None  # read from Controller.store_users (versioned); the index is here for kopf's start gate
@@ -67,8 +65,7 @@ Stores = tuple[int, tuple[sharing.User, ...], tuple[dict[str, Any], ...]]
 
 
 def stores_now(pods: bool = True) -> Stores:
-    """(stores_version, every store user, every server pod (when asked: an apply or a refused
-    resource's recheck)), from the indexes; call in the event loop only."""
+    """(stores_version, every store user, every server pod when asked), from the indexes; event loop only."""
     version, users = runtime.CONTROLLER.stores()
     servers = tuple(p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store
                     if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER) if pods else ()
@@ -86,8 +83,8 @@ def _mark_dirty(body: Mapping[str, Any]) -> None:
 def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
             agents: Mapping[tuple[str, str], AgentSet] | None = None,
             stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
-    """Copies of one resource's objects from the indexes (and, when given, every store: stores_now);
-    owner_uid: the resource's uid when its body is at hand (else the one last tracked). Event loop only."""
+    """Copies of one resource's objects from the indexes (and every store when given: stores_now); owner_uid:
+    the resource's uid when its body is at hand (else the one last tracked). Event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
         store = runtime.CONTROLLER.indices.get(name, {}).get(key)
         return list(store) if store is not None else []
@@ -117,8 +114,8 @@ _UNTRUSTED_LOGGED: set[str] = set()
 
 
 def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set[str]) -> None:
-    """One warning per pod left out of a resource's view (kvpersist.controller.podtrust); none yet for a
-    pod whose controller the caches have not delivered (a new ReplicaSet's pod may come first)."""
+    """One warning per pod left out of a resource's view; none yet for a pod whose controller the caches
+    have not delivered (a new ReplicaSet's pod may come first)."""
     for pod in pods:
         uid = str(pod["metadata"].get("uid"))
         ref = podtrust.controller_of(pod["metadata"])
@@ -130,15 +127,15 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
 
 
 def _attach_mode(key: tuple[str, str]) -> bool:
-    """Whether the resource's spec, as last seen, says spec.vllm.mode Attached: only such a resource
-    looks through the attached pods."""
+    """Whether the resource's spec, as last seen, says spec.vllm.mode Attached (only such a resource looks
+    through the attached pods)."""
     state = runtime.CONTROLLER.get(key)
     body = (state.body if state is not None else None) or {}
     return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == ATTACHED
 
 
 def _attached(namespace: str | None) -> list[dict[str, Any]]:
-    """Attached pods (watchcache.attached_pods) of one namespace, or of all (None); none while unsynced."""
+    """Attached pods of one namespace, or of all (None); none while unsynced."""
     cache = runtime.CONTROLLER.attached_cache
     if cache is None:
         return []

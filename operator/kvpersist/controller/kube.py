@@ -32,9 +32,8 @@ def load_config(kubeconfig: str | None = None, context: str | None = None) -> No
     kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
 
 
-# Connections kept to the API server: one for each thread that may call it at once (refresh,
-# apply, bucket, tick and watch-cache threads). urllib3's default of 10 discarded connections
-# under load ("Connection pool is full") and each new one cost a TLS handshake.
+# Connections kept to the API server, one per thread that may call it at once: urllib3's default of 10
+# discarded connections under load ("Connection pool is full"), each new one a TLS handshake.
 POOL_SIZE = 32
 
 
@@ -64,8 +63,7 @@ def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def create_if_absent(manifest: Mapping[str, Any]) -> bool:
-    """Creates an object unless one of its name exists (then leaves it as it is); True if created.
-    For what must never be overwritten, such as a generated key."""
+    """Creates an object unless one of its name exists (never overwritten: a generated key); True if created."""
     meta = manifest["metadata"]
     try:
         _resource(manifest["apiVersion"], manifest["kind"]).create(body=dict(manifest), namespace=meta.get("namespace"),
@@ -112,9 +110,8 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
               field_selector: str | None = None, label_selector: str | None = None,
               keep: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
               page: int = LIST_PAGE) -> tuple[list[dict[str, Any]], str]:
-    """Every object of a kind (namespace None: all) and the resourceVersion to watch from, listed in
-    pages, each object cut down by keep as its page arrives (one raw page held at a time).
-    metadata_only: PartialObjectMetadata, so a Secret's data never reaches the operator."""
+    """Every object of a kind (namespace None: all) and the resourceVersion to watch from, listed in pages,
+    each object cut down by keep as its page arrives. metadata_only: a Secret's data never reaches the operator."""
     res = _resource(api_version, kind)
     headers = {"Accept": METADATA_LIST} if metadata_only else {}
     items: list[dict[str, Any]] = []
@@ -122,8 +119,7 @@ def list_page(api_version: str, kind: str, namespace: str | None, metadata_only:
     while True:
         out = client().request("get", res.path(namespace=namespace), header_params=dict(headers), limit=page,
                                _continue=token, serialize=False, _request_timeout=REQUEST_TIMEOUT_S,
-                               **({"field_selector": field_selector} if field_selector else {}),
-                               **({"label_selector": label_selector} if label_selector else {}))
+                               field_selector=field_selector, label_selector=label_selector)
         body = json.loads(out.data)
         del out  # the raw page, before the next is read
         items += [keep(i) for i in body.get("items") or []] if keep else body.get("items") or []
@@ -144,8 +140,7 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
     resp = client().request("get", res.path(namespace=namespace), watch=True, header_params=headers,
                             resource_version=resource_version, timeout_seconds=timeout_s, serialize=False,
                             _request_timeout=(REQUEST_TIMEOUT_S, timeout_s + REQUEST_TIMEOUT_S),
-                            **({"field_selector": field_selector} if field_selector else {}),
-                            **({"label_selector": label_selector} if label_selector else {}))
+                            field_selector=field_selector, label_selector=label_selector)
     try:
         for line in iter_resp_lines(resp):
             if stop.is_set():
@@ -161,8 +156,8 @@ def watch_page(api_version: str, kind: str, namespace: str | None, resource_vers
 
 
 def named_metadata(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """One object's metadata by name through a metadata-only LIST, or None: whether a name is taken,
-    on kinds the operator may list but not get, without reading what the object holds."""
+    """One object's metadata by name through a metadata-only LIST (kinds the operator may list but not
+    get), or None: whether a name is taken, without reading what the object holds."""
     res = _resource(api_version, kind)
     out = client().request("get", res.path(namespace=namespace), field_selector=f"metadata.name={name}",
                            header_params={"Accept": METADATA_LIST}, _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
@@ -188,8 +183,8 @@ def list_all(api_version: str, kind: str, namespace: str | None = None, label_se
 
 
 def may(verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
-    """Whether this client's own account may do verb on resource (namespace None: in every namespace),
-    by a SelfSubjectAccessReview, which every authenticated user may ask. Raises ApiException."""
+    """Whether this client's own account may do verb on resource (namespace None: in every namespace), by a
+    SelfSubjectAccessReview (every authenticated user may ask). Raises ApiException."""
     attributes = kubernetes.client.V1ResourceAttributes(verb=verb, group=group, resource=resource, namespace=namespace)
     review = kubernetes.client.V1SelfSubjectAccessReview(
         spec=kubernetes.client.V1SelfSubjectAccessReviewSpec(resource_attributes=attributes))

@@ -23,8 +23,8 @@ POD_ID_ENV = "POD_ID"  # kopf's own name for the peer id (detect_own_id)
 
 
 def own_identity() -> str:
-    """The id kopf will use for this process: POD_ID if set (the chart sets the pod name), else one
-    made here and exported so that kopf and this module agree."""
+    """The id kopf will use for this process: POD_ID (the chart sets the pod name), else one made here and
+    exported so that kopf and this module agree."""
     if not os.environ.get(POD_ID_ENV):
         os.environ[POD_ID_ENV] = f"{socket.gethostname()}-{os.getpid()}-{random.getrandbits(32):08x}"
     return os.environ[POD_ID_ENV]
@@ -46,9 +46,8 @@ def _alive(info: Mapping[str, Any], now: datetime) -> bool:
 
 
 def is_active(peering: Mapping[str, Any] | None, identity: str, priority: int, now: datetime | None = None) -> bool:
-    """kopf's rule for one ClusterKopfPeering object: active unless another live peer has a
-    priority at least as high. Not active before kopf has written our own record (it does so at
-    start), nor when the object cannot be read: better a late status than two writers."""
+    """kopf's rule for one ClusterKopfPeering object: active unless another live peer has a priority at
+    least as high. Not before kopf wrote our own record, nor unreadable: better a late status than two writers."""
     peers = (peering or {}).get("status") or {}
     if not isinstance(peers, Mapping) or identity not in peers:
         return False

@@ -1,9 +1,7 @@
-"""Which pods get the operator's credentials (the agent token, the vLLM API key). Pods are picked
-by labels, which anyone who may create a pod can copy, so a pod is trusted only when its controller
-ownerReference chain ends, by uid, at this very KVCacheNamespace's own workload (pod -> StatefulSet,
-or pod -> ReplicaSet -> Deployment); any other is sent nothing and counts for nothing in its status.
-Forging the chain takes the right to create pods (and ReplicaSets) in the namespace, which already
-mounts the token's Secret (as for derived names: kvpersist.controller.ownership). Pure.
+"""Which pods get the operator's credentials (the agent token, the vLLM API key). Labels are anyone's to
+copy, so a pod is trusted only when its controller ownerReference chain ends, by uid, at this very
+KVCacheNamespace's own workload (pod -> StatefulSet, or pod -> ReplicaSet -> Deployment); any other is
+sent nothing. Forging the chain takes the right to create pods there, which already mounts the token's Secret.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def _uids(objs: Iterable[Mapping[str, Any]], kind: str, owner_uid: str | None) -
 def trusted_pods(pods: Iterable[dict[str, Any]], replicasets: Iterable[Mapping[str, Any]],
                  statefulsets: Iterable[Mapping[str, Any]], deployments: Iterable[Mapping[str, Any]],
                  owner_uid: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(trusted, untrusted) pods: trusted when controlled by one of the resource's own
-    StatefulSets, or by a ReplicaSet controlled by one of its own Deployments (an old ReplicaSet
-    mid-rollout included). owner_uid: the KVCacheNamespace's uid; None trusts nothing."""
+    """(trusted, untrusted) pods: trusted when controlled by one of the resource's own StatefulSets, or by a
+    ReplicaSet of one of its own Deployments (an old one mid-rollout too). owner_uid None trusts nothing."""
     own_deployments = {(DEPLOYMENT, uid) for uid in _uids(deployments, DEPLOYMENT, owner_uid)}
     controllers = {(STATEFULSET, uid) for uid in _uids(statefulsets, STATEFULSET, owner_uid)} | {
         (REPLICASET, str(r["metadata"]["uid"])) for r in replicasets

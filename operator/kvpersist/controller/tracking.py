@@ -27,8 +27,8 @@ def forget(key: tuple[str, str]) -> None:
 
 
 def sweep_if_forgotten(key: tuple[str, str]) -> None:
-    """After a round of worker threads: a resource forgotten while they ran is forgotten again, so what they
-    wrote (hits, backoff, the phase metric) goes too. In the event loop, like track(): nothing races it."""
+    """A resource forgotten while worker threads ran is forgotten again, so what they wrote (hits, backoff, the
+    phase metric) goes too. In the event loop, like track(): nothing races it."""
     if runtime.CONTROLLER.get(key) is None:
         forget(key)
 
@@ -43,8 +43,7 @@ async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logge
 
 
 def remember(key: tuple[str, str], body: Mapping[str, Any], logger: logging.Logger) -> None:
-    """The resource as a watch event shows it, kept for the status loop; a new gc request in its
-    annotations started. In the event loop."""
+    """The resource as a watch event shows it, kept for the status loop; a new gc request started. Event loop."""
     state = runtime.CONTROLLER.state(key)
     spec = dict(body.get("spec") or {})
     if state.body is not None and state.body.get("spec") == spec:

@@ -91,8 +91,7 @@ class Roller:
         return current if decision == "hold" and current else wanted
 
     def may_go(self, key: plan.Key, fleet: Mapping[plan.Key, plan.AgentSet], now: float | None = None) -> bool:
-        """Whether an apply now would give this StatefulSet the wanted agent image it lacks (the status refresh
-        then applies it)."""
+        """Whether an apply now would give this StatefulSet the wanted agent image it lacks (the refresh then applies it)."""
         wanted = agent_image()
         mine = fleet.get(key)
         if mine is None or mine.image is None or mine.image == wanted:

@@ -331,8 +331,7 @@ COUNTERS_TIMEOUT_S = 2.0  # each /metrics read around a check, all of them at on
 
 def read_counters_of(ip: str, port: int, api_key: str | None, servers: tuple[tuple[str, str], ...], agent_port: int,
                      agent_token: str | None, timeout: float = COUNTERS_TIMEOUT_S) -> judge.Counters:
-    """The pod's prompt-token counters and its node's servers' lookup counters (through their agents), read
-    at once, each bounded; what cannot be read is None. Blocking."""
+    """The pod's prompt-token counters and its node's servers' lookup counters (via their agents), at once; None if unread."""
     def vllm() -> judge.PromptTokenSources | None:
         try:
             return judge.prompt_token_sources(vllmclient.metrics(ip, port, api_key=api_key, timeout=timeout))

@@ -112,8 +112,7 @@ def sealed(status: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def sealed_after(status: Mapping[str, Any] | None, *records: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """status.sealedNamespaces with each record (status.l2Key's form: secret, fingerprint, namespaceId)
-    added or moved to the end, the oldest dropped past SEALED_MAX."""
+    """status.sealedNamespaces with each record (status.l2Key's form) added or moved to the end, at most SEALED_MAX."""
     out = sealed(status)
     for record in records:
         if not record or not record.get("namespaceId") or not record.get("fingerprint"):
@@ -154,10 +153,9 @@ def _lost_key(status: Mapping[str, Any] | None, secret: str) -> tuple[str | None
 
 def loss(status: Mapping[str, Any] | None, key: KeyRead, annotations: Mapping[str, str] | None,
          claims: list[Mapping[str, Any]] | None = None) -> Loss | None:
-    """Whether a new key now would make stored data unreadable without the user asking: the generated Secret
-    is absent; status (l2Key, sealedNamespaces) or a claim records the key it held; the inventory does not show
-    every namespace sealed with it empty (a pin change leaves the old namespace's data on its storage); and
-    the user has not accepted losing exactly that key."""
+    """Whether a new key now would make stored data unreadable without the user asking: the generated Secret is absent;
+    status or a claim records the key it held; the inventory does not show every namespace sealed with it empty (a pin
+    change leaves the old namespace's data on its storage); and the user has not accepted losing exactly that key."""
     if not key.generated or not key.absent:
         return None
     fingerprint, ids = _lost_key(status, key.secret)

@@ -142,8 +142,7 @@ def refreshed(namespace: str, name: str, phase: str | None) -> None:
 
 def observed(namespace: str, name: str, status: Mapping[str, Any], hits: Mapping[str, Any] | None = None,
              reports: Iterable[Any] = (), at: float | None = None) -> None:
-    """A finished refresh: the status, the hit totals (the tracker's, fresher than the written ones) and the
-    servers' reports (L2 writes). Replaces the resource's series."""
+    """A finished refresh: the status, the hit totals (the tracker's, fresher) and the servers' reports; replaces its series."""
     conditions = sorted({(str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
                          for c in status.get("conditions") or [] if isinstance(c, Mapping)})
     read = {**{metric: (status.get(part) or {}).get(key) for metric, (part, key) in _USAGE.items()},

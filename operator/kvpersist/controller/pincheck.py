@@ -82,8 +82,7 @@ def where(key: Key) -> str:
 
 @dataclass(frozen=True)
 class Facts:
-    """What a resource's model files say (no I/O): the pins they decide (file_pins; None while unknown,
-    with why), and PinMismatch's message when they contradict a declared pin."""
+    """What a resource's model files say: the pins they decide (None while unknown, with why), and PinMismatch's message."""
 
     at: str
     values: tuple[tuple[str, Any], ...] | None = None
@@ -98,8 +97,7 @@ def file_pins(derived: hubpins.Derived) -> dict[str, Any]:
 
 
 def recorded(status: Mapping[str, Any] | None, at: str) -> tuple[tuple[str, Any], ...] | None:
-    """The file pins status.identity.files keeps for the same commits (None: none, or malformed:
-    status is read as untrusted as any peer)."""
+    """The file pins status.identity.files keeps for the same commits (None: none, or malformed: status is untrusted)."""
     files = ((status or {}).get("identity") or {}).get("files")
     if not isinstance(files, dict) or files.get("at") != at:
         return None
@@ -116,8 +114,7 @@ def unset(identity: api.Identity) -> tuple[str, ...]:
 
 
 def filled(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> tuple[api.KVCacheNamespaceSpec, str | None]:
-    """The spec with its unset pins filled from the files (and vLLM's defaults, the image's
-    digest), and why any stays unset (None: all filled). Pure."""
+    """The spec with its unset pins filled from the files (and vLLM's defaults, the image's digest), and why any stays unset."""
     from kvpersist.identity import field_path, image_digest
 
     missing = unset(spec.identity)
@@ -149,7 +146,8 @@ def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdi
     where = f"config.json at {model}@{revision}"
     wrong = [f"spec.identity.{field} is {mine} but {where} says {theirs}"
              for field, mine, theirs in (("numKVHeads", identity.num_kv_heads, derived.num_kv_heads),
-                                         ("headSize", identity.head_size, derived.head_size)) if mine is not None and mine != theirs]
+                                         ("headSize", identity.head_size, derived.head_size))
+             if mine is not None and mine != theirs]
     declared = (identity.chat_template_digest or "").lower() or None
     if declared is not None and tok_rev and declared != derived.chat_template_digest:
         found = (f"{derived.template_source} at {tokenizer}@{tok_rev} gives {derived.chat_template_digest}"

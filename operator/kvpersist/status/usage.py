@@ -165,11 +165,9 @@ def _counter(metrics: Mapping[str, float], name: str) -> int | None:
 
 def with_write_failures(report: ServerReport, status: LMCacheStatus, metrics: Mapping[str, float]) -> ServerReport:
     """The report plus failed L2 writes (submitted - completed - pending); unchanged if the counters are malformed."""
-    submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED)
-    if submitted is not None and COMPLETED not in metrics:
-        # lmcache's OTel counter has no sample before its first chunk lands: a server whose every
-        # L2 write failed since it started (a Hub refusing every upload) shows only SUBMITTED.
-        completed = 0
+    # lmcache's OTel counter has no sample before its first chunk lands: a server whose every L2
+    # write failed since it started (a Hub refusing every upload) shows only SUBMITTED.
+    submitted, completed = _counter(metrics, SUBMITTED), _counter(metrics, COMPLETED) if COMPLETED in metrics else 0
     if submitted is None or completed is None:
         return report
     ctl = (status.storage_manager or StorageManager()).store_controller or StoreController()
@@ -341,9 +339,7 @@ def restore_rate(gbps_sum: float, loads: int) -> float | None:
 
 def trim_samples(samples: deque[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> None:
     """Drops samples the window no longer needs: all but the newest that is at least span_s old."""
-    while len(samples) > 1 and samples[1][0] <= now - span_s:
-        samples.popleft()
-    while len(samples) > MAX_SAMPLES:
+    while len(samples) > MAX_SAMPLES or (len(samples) > 1 and samples[1][0] <= now - span_s):
         samples.popleft()
 
 
@@ -367,24 +363,23 @@ def _duration(seconds: int) -> str:
     return f"{seconds // 60}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds}s"
 
 
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER else 0
+def _counts(stored: Mapping[str, Any]) -> list[int]:
+    """lookupTokens, hitTokens, hitTokensL1, hitTokensL2 as stored; 0 for any that is no count."""
+    values = [stored.get(k) for k in ("lookupTokens", "hitTokens", "hitTokensL1", "hitTokensL2")]
+    return [v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNTER else 0 for v in values]
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def persisted_hits(hits: Mapping[str, Any] | None) -> tuple[HitTotals, dict[str, LookupCounters], str | None]:
     """Totals, baselines and since from a stored status.hits; zeros when there is none."""
     if not isinstance(hits, Mapping):
         return HitTotals(), {}, None
-    totals = HitTotals(_int(hits.get("lookupTokens")), _int(hits.get("hitTokens")), _int(hits.get("hitTokensL1")),
-                       _int(hits.get("hitTokensL2")))
-    baselines = {}
-    for s in hits.get("servers") or []:
-        if isinstance(s, Mapping) and isinstance(s.get("pod"), str):
-            baselines[s["pod"]] = LookupCounters(_int(s.get("lookupTokens")), _int(s.get("hitTokens")),
-                                                 _int(s.get("hitTokensL1")), _int(s.get("hitTokensL2")),
-                                                 s.get("startedAt") if isinstance(s.get("startedAt"), str) else None)
-    since = hits.get("since") if isinstance(hits.get("since"), str) else None
-    return totals, baselines, since
+    baselines = {s["pod"]: LookupCounters(*_counts(s), _text(s.get("startedAt"))) for s in hits.get("servers") or []
+                 if isinstance(s, Mapping) and isinstance(s.get("pod"), str)}
+    return HitTotals(*_counts(hits)), baselines, _text(hits.get("since"))
 
 
 @dataclass
@@ -512,10 +507,7 @@ def namespace_l2(reports: list[ServerReport], shared: bool, volume: tuple[int, i
     below floor. Servers are summed, or with shared (one folder, each counting all) their largest."""
     counted = [r for r in reports if r.l2_used is not None]
     used, objects = [r.l2_used or 0 for r in counted], [r.l2_objects or 0 for r in counted]
-    if shared:
-        servers_bytes, servers_objects = max(used, default=0), max(objects, default=0)
-    else:
-        servers_bytes, servers_objects = sum(used), sum(objects)
+    servers_bytes, servers_objects = (max(used, default=0), max(objects, default=0)) if shared else (sum(used), sum(objects))
     volume_bytes, volume_objects = volume or (0, 0)
     return max(servers_bytes, volume_bytes, floor), max(servers_objects, volume_objects)
 

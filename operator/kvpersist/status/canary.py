@@ -1,12 +1,10 @@
-"""The correctness canary, judged: when each vLLM pod is due a check, what served it, what its
-answers mean, and the HitCorrectness condition, its texts and status.canary. Pure functions; the
-calls to vLLM and the bookkeeping are kvpersist.controller.canary (docs/design.md, the canary).
+"""The correctness canary, judged (pure functions; the calls to vLLM: kvpersist.controller.canary).
 
 A greedy request answered without the cache (a fresh cache_salt: nothing cached can serve it) is
 the reference. A cached answer that differs is asked again without and with the cache: the
 reference again and a differing cached answer is a HitMismatch (the cache off until acknowledged);
 disagreeing answers are nondeterminism (Unknown). vLLM asks lmcache only for what its own prefix
-cache lacks, so only a check that lmcache served (served_by) is evidence.
+cache lacks, so only a check that lmcache served (served_by) is evidence (docs/design.md, the canary).
 """
 
 from __future__ import annotations
@@ -95,8 +93,7 @@ def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str 
 
 
 def server_addresses(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, str], ...]:
-    """(name, IP) of the servers on a node that have an IP: whose lookup counters say from which
-    tier they served the pod's check."""
+    """(name, IP) of the servers on a node with an IP: their lookup counters tell which tier served a check."""
     return tuple(sorted((p["metadata"]["name"], str(p["status"]["podIP"]))
                         for p in _servers_on(pods, namespace_id, node) if (p.get("status") or {}).get("podIP")))
 
@@ -201,10 +198,6 @@ def cacheable_tokens(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS if prompt_tokens > 0 else 0
 
 
-def _grew(before: int, after: int) -> int | None:
-    return after - before if after >= before else None
-
-
 def _changed(a: object, b: object) -> bool:
     """Both known and different: a process restarted, events were dropped."""
     return a is not None and b is not None and a != b
@@ -222,11 +215,8 @@ def served_by(prompt_tokens: int | None, before: Counters, after: Counters) -> s
     b, a = before.vllm, after.vllm
     if cacheable <= 0 or _changed(b.started, a.started):
         return UNKNOWN
-    grew = [_grew(b.computed, a.computed), _grew(b.local_cache_hit, a.local_cache_hit), _grew(b.external, a.external)]
-    if None in grew:
-        return UNKNOWN
-    computed, local, external = (int(g or 0) for g in grew)
-    if computed + local + external < prompt_tokens:
+    computed, local, external = a.computed - b.computed, a.local_cache_hit - b.local_cache_hit, a.external - b.external
+    if min(computed, local, external) < 0 or computed + local + external < prompt_tokens:
         return UNKNOWN
     if prompt_tokens - computed - local >= cacheable:
         return _lmcache_tier(prompt_tokens - computed - local, cacheable, before.servers, after.servers)
@@ -251,10 +241,10 @@ def _lmcache_tier(external: int, cacheable: int, before: Mapping[str, LookupCoun
         if (old is None or new is None or _changed(old.started, new.started) or new.events_queued
                 or _changed(old.events_dropped, new.events_dropped)):
             return LMCACHE
-        grew = [_grew(old.hit, new.hit), _grew(old.hit_l1, new.hit_l1), _grew(old.hit_l2, new.hit_l2)]
-        if None in grew:
+        grew = (new.hit - old.hit, new.hit_l1 - old.hit_l1, new.hit_l2 - old.hit_l2)
+        if min(grew) < 0:
             return LMCACHE
-        hit, l1, l2 = hit + int(grew[0] or 0), l1 + int(grew[1] or 0), l2 + int(grew[2] or 0)
+        hit, l1, l2 = hit + grew[0], l1 + grew[1], l2 + grew[2]
     if hit < external:
         return LMCACHE
     if external - l1 >= cacheable:
@@ -335,8 +325,7 @@ def with_reference(record: Mapping[str, Any] | None, namespace_id: str, prompt_d
         out["promptTokens"] = prompt_tokens
     if reference_for(record, namespace_id, prompt_digest) is not None:
         out["referenceRecomputes"] = recomputes(record) + 1
-    kept = standing(record, namespace_id)
-    if kept is not None:
+    if (kept := standing(record, namespace_id)) is not None:
         out["mismatch"] = kept
     return out
 
@@ -357,9 +346,8 @@ def with_check(record: Mapping[str, Any], pod: str, at: str, match: bool, tier: 
 def with_mismatch(record: Mapping[str, Any], mismatch_id: str, pod: str, at: str, expected: tuple[int, ...],
                   got: tuple[int, ...], tiers: tuple[str, ...] = ()) -> dict[str, Any]:
     """tiers: what served each of the two differing cached answers."""
-    found = {"id": mismatch_id, "at": at, "pod": pod, "expected": list(expected), "got": list(got)}
-    if tiers:
-        found["tiers"] = list(tiers)
+    found = {"id": mismatch_id, "at": at, "pod": pod, "expected": list(expected), "got": list(got),
+             **({"tiers": list(tiers)} if tiers else {})}
     return {**record, "mismatch": found}
 
 
@@ -404,8 +392,7 @@ def _matches(record: Mapping[str, Any]) -> dict[str, int]:
 
 def served_matches(record: Mapping[str, Any] | None) -> int:
     """Matching checks lmcache served: the evidence that its hits keep the answer."""
-    counts = _matches(record or {})
-    return sum(counts[t] for t in FROM_LMCACHE)
+    return sum(_matches(record or {})[t] for t in FROM_LMCACHE)
 
 
 def _not_evidence(counts: Mapping[str, int]) -> str:

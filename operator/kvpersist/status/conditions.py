@@ -49,10 +49,8 @@ def now() -> str:
 
 def condition(type_: str, ok: bool | None, reason: str, message: str = "", generation: int | None = None) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
-    out: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message}
-    if generation is not None:
-        out["observedGeneration"] = generation
-    return out
+    return {"type": type_, "status": status, "reason": reason, "message": message,
+            **({"observedGeneration": generation} if generation is not None else {})}
 
 
 def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, Any]:
@@ -144,9 +142,7 @@ POD_SECURITY_FIX = ("kvpersist's pods meet the restricted Pod Security level (no
 
 def pods_missing(statefulset: Mapping[str, Any] | None, desired: int) -> bool:
     """Fewer pods exist than the StatefulSet should have (its status counts the pods it created)."""
-    if statefulset is None or desired == 0:
-        return False
-    return int((statefulset.get("status") or {}).get("replicas") or 0) < desired
+    return statefulset is not None and desired != 0 and int((statefulset.get("status") or {}).get("replicas") or 0) < desired
 
 
 def _event_time(event: Mapping[str, Any]) -> float:
@@ -192,8 +188,7 @@ class FailedCreateCheck:
             return None
         answer = self._answers.get(key)
         if answer is None or now - answer[0] >= FAILED_CREATE_RECHECK_S:
-            answer = (now, lookup())
-            self._answers[key] = answer
+            answer = self._answers[key] = (now, lookup())
         return answer[1]
 
 
@@ -302,7 +297,6 @@ def access_modes(claim: Mapping[str, Any]) -> list[str]:
 def shareable(claim: Mapping[str, Any]) -> bool:
     """Whether servers on several nodes may mount the claim at once."""
     return "ReadWriteMany" in access_modes(claim)
-
 
 
 def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
@@ -527,7 +521,6 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
         patch["usage"] = usage
     if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):
         patch["inventory"] = {**inventory, "measuredAt": now()}
-    hits_update = hits_patch(old.get("hits"), hits, bool(patch), at or datetime.now(UTC))
-    if hits_update is not None:
+    if (hits_update := hits_patch(old.get("hits"), hits, bool(patch), at or datetime.now(UTC))) is not None:
         patch["hits"] = hits_update
     return patch or None

@@ -1,16 +1,12 @@
 """The inventory agent's image, rolled a few lmcache StatefulSets at a time.
 
 The agent runs from the operator's image beside each lmcache server, so a new operator image is a
-new pod template for every server: applied at once, every L1 is lost together. An apply therefore
-renders the wanted agent image only on a StatefulSet that does not exist yet, is already on it, is
-scaled to zero, or while fewer than `limit` on the wanted image are still rolling; the others keep
-theirs. The agent is in neither the data path nor the namespace id, so holding it back changes no
-KV byte.
+new pod template for every server: applied at once, every L1 is lost together. The agent is in
+neither the data path nor the namespace id, so holding it back (decide) changes no KV byte.
 
-"Rolling" is read as the StatefulSet controller writes it: currentRevision becomes updateRevision
-only once every replica is updated and Ready. A set seen at its generation with equal revisions
-has no rollout in progress: one made on the wanted image whose pods never become Ready is broken,
-not rolling, and takes no slot (it held every other roll before).
+"Rolling" is as the StatefulSet controller writes it: currentRevision becomes updateRevision only
+once every replica is updated and Ready. A set on the wanted image whose pods never become Ready is
+broken, not rolling, and takes no slot (it held every other roll before).
 """
 
 from __future__ import annotations

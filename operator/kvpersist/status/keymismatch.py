@@ -1,9 +1,7 @@
 """A server that refused to start with another key than its namespace's, read back from its pod.
 
-kvpersist.inserver.serve exits EXIT_CODE with a message of MESSAGE's form (reading and removing
-nothing) when its mounted key's fingerprint is not the one its namespace id was computed with: the
-key Secret's bytes were rotated and a container restarted before its pod rolled. Only the pod's
-container status says so (kept by status.workloads.slim); status.conditions makes it L2Ready False.
+kvpersist.inserver.serve refuses so (reading and removing nothing) when the key Secret's bytes were
+rotated and a container restarted before its pod rolled: only the pod's container status says so.
 MESSAGE parses serve's KEY_MISMATCH_FORMAT (tests/unit/test_key_mismatch.py checks they agree).
 """
 
@@ -57,18 +55,15 @@ def refusals(pods: Iterable[Mapping[str, Any]]) -> list[KeyRefusal]:
     out = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        term = next((t for status in statuses if (t := refused_now(status)) is not None), None)
+        if meta.get("deletionTimestamp") or term is None:
             continue
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            term = refused_now(status)
-            if term is None:
-                continue
-            message = str(term.get("message") or "").strip()
-            parsed = MESSAGE.match(message)
-            namespace = parsed["namespace"] if parsed else (meta.get("labels") or {}).get(NAMESPACE_ID_LABEL)
-            out.append(KeyRefusal(meta.get("name", ""), parsed["found"] if parsed else None, namespace,
-                                  parsed["expected"] if parsed else None, message[:MESSAGE_MAX]))
-            break
+        message = str(term.get("message") or "").strip()
+        parsed = MESSAGE.match(message)
+        namespace = parsed["namespace"] if parsed else (meta.get("labels") or {}).get(NAMESPACE_ID_LABEL)
+        out.append(KeyRefusal(meta.get("name", ""), parsed["found"] if parsed else None, namespace,
+                              parsed["expected"] if parsed else None, message[:MESSAGE_MAX]))
     return sorted(out, key=lambda r: r.pod)
 
 

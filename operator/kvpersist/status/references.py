@@ -35,17 +35,12 @@ class Reference:
 
 def named(spec: KVCacheNamespaceSpec) -> list[Reference]:
     """Every Secret and ConfigMap of the resource's namespace the spec names, in field order."""
-    out = []
-    if spec.l2.hf_bucket is not None:
-        out.append(Reference("spec.l2.hfBucket.tokenSecretRef", SECRET, spec.l2.hf_bucket.token_secret_ref.name))
-    enc = spec.l2.encryption
-    if enc.enabled and enc.key_secret_ref is not None:
-        out.append(Reference("spec.l2.encryption.keySecretRef", SECRET, enc.key_secret_ref.name))
-    vllm = spec.vllm
-    if vllm.hf_token_secret_ref is not None:
-        out.append(Reference("spec.vllm.hfTokenSecretRef", SECRET, vllm.hf_token_secret_ref.name))
-    if vllm.api_key_secret_ref is not None:
-        out.append(Reference("spec.vllm.apiKeySecretRef", SECRET, vllm.api_key_secret_ref.name))
+    l2, vllm = spec.l2, spec.vllm
+    secrets = (("spec.l2.hfBucket.tokenSecretRef", l2.hf_bucket.token_secret_ref if l2.hf_bucket is not None else None),
+               ("spec.l2.encryption.keySecretRef", l2.encryption.key_secret_ref if l2.encryption.enabled else None),
+               ("spec.vllm.hfTokenSecretRef", vllm.hf_token_secret_ref),
+               ("spec.vllm.apiKeySecretRef", vllm.api_key_secret_ref))
+    out = [Reference(field, SECRET, ref.name) for field, ref in secrets if ref is not None]
     for i, source in enumerate(vllm.env_from):
         if source.secret_ref is not None:
             out.append(Reference(f"spec.vllm.envFrom[{i}].secretRef", SECRET, source.secret_ref.name))

@@ -246,7 +246,7 @@ S = Prompt("spec.prewarm.systemPrompts[0]", True, "sys-prompt!!")
 def test_a_prompt_l2_holds_is_loaded_and_never_computed() -> None:
     peers = StandInPeers(l2={tuple(map(ord, P.text)): True})
     done = run(peers, P)
-    assert done.complete and done.results == (PromptResult(P.source, True, 2),)
+    assert done.failure is None and done.results == (PromptResult(P.source, True, 2),)
     assert "complete" not in peers.calls
 
 
@@ -301,7 +301,7 @@ def test_tokenize_refused_is_that_prompt_cold_and_tokenize_unreachable_stops_the
     refused = StandInPeers()
     refused.tokenize_error = PeerError("/tokenize answered HTTP 400: no chat template")
     done = run(refused, S)
-    assert done.complete and not done.results[0].warm and "vLLM's /tokenize refused it" in done.results[0].why
+    assert done.failure is None and not done.results[0].warm and "vLLM's /tokenize refused it" in done.results[0].why
     down = StandInPeers()
     down.tokenize_error = PeerError("connection refused")
     assert run(down, S).failure == ("VLLMUnreachable", "vLLM's /tokenize failed: connection refused")

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpersist.api.v1alpha1 import CHUNK_TOKENS, KVCacheNamespaceSpec
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM
-from kvpersist.status import usage
+from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters
 from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
 
@@ -41,9 +41,6 @@ RETRY_S = 60.0
 # A contradicted reference is computed again after RETRY_S, doubling; after MAX_RECOMPUTES the
 # canary gives no verdict for that (id, digest).
 MAX_RECOMPUTES = 3
-
-Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
-
 
 def digest(spec: KVCacheNamespaceSpec) -> str:
     """What decides the canary's answer besides the namespace id (the prompt, maxTokens, and

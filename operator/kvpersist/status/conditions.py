@@ -12,6 +12,7 @@ from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
 from kvpersist.inventory.space import NEARLY_FULL, fraction, nearly_full
 from kvpersist.inventory.volume import iso, parse_iso, served_of
+from kvpersist.status import Verdict
 from kvpersist.status.build import CONDITION as BUILD_CONDITION
 from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
 from kvpersist.status.build import BuildVerdict, bypass_message
@@ -27,7 +28,6 @@ from kvpersist.status.workloads import pod_ready
 # Hit figures move with every request: alone they cause at most one status write per this many
 # seconds (with any other change they ride along at once; the first figures are written at once).
 HITS_WRITE_INTERVAL_S = 60.0
-Verdict = tuple[bool | None, str, str]  # (status, reason, message), as condition takes them
 
 SPACE_CONDITION = "L2SpaceAvailable"
 WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)

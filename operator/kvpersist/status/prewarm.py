@@ -19,6 +19,7 @@ from kvpersist.api.text import printable
 from kvpersist.api.v1alpha1 import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
 from kvpersist.api.v1alpha1 import Prewarm
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.status import Verdict
 from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
 
 CONDITION = "Warm"
@@ -92,14 +93,13 @@ def declared(prewarm: Prewarm | None, namespace: str,
         else:
             data = configmap.get("data") or {}
             ignored = sorted(k for k in data if not _KEY.match(k) or not isinstance(data[k], str))
-            for k in sorted(data):
-                m = _KEY.match(k)
-                if m and isinstance(data[k], str) and data[k]:
-                    out.append(Prompt(f"ConfigMap {ref.name} key {k}", m.group(1) == "system", data[k]))
+            found = [Prompt(f"ConfigMap {ref.name} key {k}", k.startswith("system"), data[k]) for k in sorted(data)
+                     if _KEY.match(k) and isinstance(data[k], str) and data[k]]
+            out += found
             if ignored:
                 shown = ", ".join(printable(k) for k in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
                 note = f"; ConfigMap {ref.name} keys ignored (not prompt-* or system-*): {shown}"
-            if not any(p.source.startswith(f"ConfigMap {ref.name} ") for p in out):
+            if not found:
                 problem = ("ConfigMapEmpty", f"{where} holds no prompt: name each data key prompt-<name> (a raw prompt) "
                            "or system-<name> (a system prompt)")
     unique: dict[str, Prompt] = {}
@@ -190,10 +190,6 @@ class Pass:
     def warm(self) -> int:
         return sum(1 for r in self.results if r.warm)
 
-    @property
-    def complete(self) -> bool:
-        return self.failure is None
-
 
 def due(fingerprint: tuple[Any, ...], last: Pass | None, now: float) -> bool:
     """Whether a server needs a pass: never warmed with these pods and list; else after FAILED_RETRY_S,
@@ -215,9 +211,6 @@ class ServerWarmth:
 
 
 # ---------------------------------------------------------------- the condition
-
-
-Verdict = tuple[bool | None, str, str]  # (status, reason, message), as conditions.condition takes them
 
 
 def _not_warm(results: Iterable[PromptResult]) -> str:
@@ -252,7 +245,7 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
                 "server; warming starts then")
     failed = [s for s in serving if s.current is not None and s.current.failure is not None and s.running is None]
     pending = [s for s in serving if s.current is None or s.running is not None]
-    done = [s for s in serving if s.current is not None and s.current.complete and s.running is None]
+    done = [s for s in serving if s.current is not None and s.current.failure is None and s.running is None]
     tail = listed.note + skipped
     if problem is not None and problem[0] != "ConfigMapNotRead":
         warm = sum(s.current.warm for s in done if s.current)
@@ -264,10 +257,7 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
         more = f" (and {len(failed) - 1} more server(s))" if len(failed) > 1 else ""
         return (None, reason, f"{s.pair.server.name}: {message}{more}; trying again every {FAILED_RETRY_S:.0f} s" + tail)
     if pending or (problem is not None and problem[0] == "ConfigMapNotRead"):
-        parts = []
-        for s in pending:
-            k, of = s.running or (0, n)
-            parts.append(f"{k} of {of} prompts on {s.pair.server.name}")
+        parts = [f"{k} of {of} prompts on {s.pair.server.name}" for s in pending for k, of in [s.running or (0, n)]]
         parts += [f"{s.current.warm} of {n} on {s.pair.server.name}" for s in done if s.current]
         why = f"; {problem[1]}" if problem else ""
         return (False, "Warming", "warming after a start of an lmcache server or its vLLM pod, or a change of the list: "

@@ -160,12 +160,9 @@ def _event_time(event: Mapping[str, Any]) -> float:
 
 def failed_create(events: Iterable[Mapping[str, Any]]) -> str | None:
     """The latest FailedCreate Event's message, unless a pod was created after it (SuccessfulCreate)."""
-    failed = [e for e in events if e.get("reason") == "FailedCreate"]
-    if not failed:
-        return None
-    latest = max(failed, key=_event_time)
-    created = [_event_time(e) for e in events if e.get("reason") == "SuccessfulCreate"]
-    if created and max(created) > _event_time(latest):
+    latest = max((e for e in events if e.get("reason") == "FailedCreate"), key=_event_time, default=None)
+    created = max((_event_time(e) for e in events if e.get("reason") == "SuccessfulCreate"), default=float("-inf"))
+    if latest is None or created > _event_time(latest):
         return None
     return str(latest.get("message") or "FailedCreate")[:FAILURE_MESSAGE_MAX]
 
@@ -400,10 +397,9 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     else:
         lmcache = (False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready")
 
-    vllm_desired = obs.vllm_desired if obs.attached is None else obs.attached[0]  # attached: the pods there are
     vllm = _vllm_verdict(obs, vllm_done, vllm_ready)
-    if obs.attached is not None:
-        vllm_ready = obs.attached[1]
+    # Attached: the user's pods there are.
+    vllm_desired, vllm_ready = (obs.vllm_desired, vllm_ready) if obs.attached is None else obs.attached[:2]
     conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
     optional = [build_condition(obs.build, gen) if obs.build is not None and cache_on else None,

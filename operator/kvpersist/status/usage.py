@@ -519,21 +519,19 @@ def summarize(reports: list[ServerReport], measured_at: str, shared: bool = Fals
     answered = [r for r in reports if r.l1_capacity is not None]
     if not answered:
         return {}
-    total = {k: _total((getattr(r, k) for r in answered), max if shared and k.startswith("l2_") else sum)
-             for k in ("l1_used", "l1_capacity", "l2_capacity", "l2_objects")}
-    total["l2_used"] = None
-    if volume is not None or any(r.l2_used is not None for r in answered):  # L2's figure as the budget counts it
-        total["l2_used"], total["l2_objects"] = namespace_l2(answered, shared, volume, floor)
+    l2_op = max if shared else sum
     usage: dict[str, Any] = {
-        "l1UsedBytes": total["l1_used"],
-        "l1CapacityBytes": total["l1_capacity"],
-        "l2UsedBytes": total["l2_used"],
-        "l2CapacityBytes": total["l2_capacity"],
-        "l2Objects": total["l2_objects"],
+        "l1UsedBytes": _total(r.l1_used for r in answered),
+        "l1CapacityBytes": _total(r.l1_capacity for r in answered),
+        "l2UsedBytes": None,
+        "l2CapacityBytes": _total((r.l2_capacity for r in answered), l2_op),
+        "l2Objects": _total((r.l2_objects for r in answered), l2_op),
         "measuredAt": measured_at,
     }
+    if volume is not None or any(r.l2_used is not None for r in answered):  # L2's figure as the budget counts it
+        usage["l2UsedBytes"], usage["l2Objects"] = namespace_l2(answered, shared, volume, floor)
     for tier in ("l1", "l2"):
-        used, capacity = total[f"{tier}_used"], total[f"{tier}_capacity"]
+        used, capacity = usage[f"{tier}UsedBytes"], usage[f"{tier}CapacityBytes"]
         if used is not None and capacity:
             usage[f"{tier}Used"] = f"{human_bytes(used)}/{human_bytes(capacity)}"
     return {k: v for k, v in usage.items() if v is not None}

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.v1alpha1 import CHUNK_TOKENS, KVCacheNamespaceSpec
-from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM
 from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters
-from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
+from kvpersist.status.workloads import of_id, pod_ready
 
 CONDITION = "HitCorrectness"
 MATCH = "HitsMatch"
@@ -67,16 +67,10 @@ class Pod:
     uses_cache: bool  # launched with --kv-transfer-config (not rolled without the cache)
 
 
-def _of_id(pods: Iterable[Mapping[str, Any]], namespace_id: str, component: str) -> list[Mapping[str, Any]]:
-    return [p for p in pods if (p.get("metadata") or {}).get("labels", {}).get(COMPONENT_LABEL) == component
-            and p["metadata"]["labels"].get(NAMESPACE_ID_LABEL) == namespace_id
-            and not p["metadata"].get("deletionTimestamp")]
-
-
 def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]:
     """The vLLM pods of this namespace id (an old id's pods mid-rollout run other pins), by name."""
     out = []
-    for p in _of_id(pods, namespace_id, VLLM):
+    for p in of_id(pods, namespace_id, VLLM):
         meta, status = p["metadata"], p.get("status") or {}
         out.append(Pod(meta["name"], status.get("podIP"), str(meta.get("uid") or ""), int(status.get("restarts") or 0),
                        (p.get("spec") or {}).get("nodeName"), pod_ready(p),
@@ -86,7 +80,7 @@ def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]
 
 def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Mapping[str, Any]]:
     """The lmcache servers of the id on a node: those its vLLM pod reaches (the node-local Service)."""
-    return [p for p in _of_id(pods, namespace_id, SERVER) if node is not None and (p.get("spec") or {}).get("nodeName") == node]
+    return [p for p in of_id(pods, namespace_id, SERVER) if node is not None and (p.get("spec") or {}).get("nodeName") == node]
 
 
 def server_addresses(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, str], ...]:

@@ -18,9 +18,9 @@ from typing import Any
 from kvpersist.api.text import printable
 from kvpersist.api.v1alpha1 import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
 from kvpersist.api.v1alpha1 import Prewarm
-from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
+from kvpersist.builders.target import SERVER, VLLM
 from kvpersist.status import Verdict
-from kvpersist.status.workloads import COMPONENT_LABEL, pod_ready
+from kvpersist.status.workloads import COMPONENT_LABEL, of_id, pod_ready
 
 CONDITION = "Warm"
 MAX_PROMPTS = 64  # warmed per server and pass, the spec's and the ConfigMap's together (spec first)
@@ -142,10 +142,6 @@ class Pair:
         return (self.server.uid, self.server.restarts, v.uid if v else None, v.restarts if v else None, declared.digest)
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
-    return not (pod.get("metadata") or {}).get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP")) and pod_ready(pod)
-
-
 def _view(pod: Mapping[str, Any]) -> PodView:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     return PodView(meta.get("name", ""), meta.get("uid", ""), status.get("podIP", ""), (pod.get("spec") or {}).get("nodeName", ""),
@@ -155,8 +151,7 @@ def _view(pod: Mapping[str, Any]) -> PodView:
 def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
     """Each Ready server of the id, by name, with the first Ready vLLM pod of that id on its node.
     Pods of another id (mid-rollout) are never paired: their KV is another namespace's."""
-    mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id
-            and _ready(p)]
+    mine = [p for p in of_id(pods, namespace_id) if (p.get("status") or {}).get("podIP") and pod_ready(p)]
     servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER), key=lambda v: v.name)
     vllms = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == VLLM), key=lambda v: v.name)
     return [Pair(s, next((v for v in vllms if v.node and v.node == s.node), None)) for s in servers]

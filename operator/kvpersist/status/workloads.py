@@ -131,10 +131,15 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def of_id(pods: Iterable[Mapping[str, Any]], namespace_id: str | None, component: str | None = None) -> list[Mapping[str, Any]]:
+    """The pods labelled with a namespace id (and component, when given), none being deleted."""
+    return [p for p in pods if (labels := (p.get("metadata") or {}).get("labels") or {}).get(NAMESPACE_ID_LABEL) == namespace_id
+            and component in (None, labels.get(COMPONENT_LABEL)) and not p["metadata"].get("deletionTimestamp")]
+
+
 def attached_counts(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> tuple[int, int]:
     """(attached pods of the namespace id, those Ready), none being deleted."""
-    mine = [p for p in pods if ATTACH_LABEL in (p["metadata"].get("labels") or {})
-            and p["metadata"]["labels"].get(NAMESPACE_ID_LABEL) == namespace_id and not p["metadata"].get("deletionTimestamp")]
+    mine = [p for p in of_id(pods, namespace_id) if ATTACH_LABEL in p["metadata"]["labels"]]
     return len(mine), sum(1 for p in mine if pod_ready(p))
 
 

@@ -318,9 +318,7 @@ def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
         if len(obs.claims) < wanted:
             maker = "the operator creates it" if obs.shared else "the StatefulSet creates them"
             return (False, "ClaimMissing", f"{len(obs.claims)}/{wanted} claims exist; {maker}")
-        not_shared = [c for c in obs.claims if obs.shared and not shareable(c)]
-        if not_shared:
-            c = not_shared[0]
+        if (c := next((claim for claim in obs.claims if obs.shared and not shareable(claim)), None)) is not None:
             modes = ", ".join(access_modes(c)) or "of no access mode"
             return (False, CLAIM_NOT_SHARED,
                     f"spec.l2.nvme.shared: claim {c['metadata']['name']} is {modes}, not ReadWriteMany: the "

@@ -63,18 +63,13 @@ def judge(refs: list[Reference], namespace: str,
     unknown one is neither reported missing nor counted found."""
     if not refs:
         return None
-    missing, unknown = [], 0
-    for ref in refs:
-        found = exists(ref.kind, ref.name)
-        if found is None:
-            unknown += 1
-        elif not found:
-            missing.append(ref)
+    found = [exists(ref.kind, ref.name) for ref in refs]
+    missing = [ref for ref, ok in zip(refs, found, strict=True) if ok is not None and not ok]
     if missing:
         parts = [f"{r.field} names {r.kind} {r.name}, which does not exist in {namespace}"
                  + (f" ({_effect(r.field)})" if _effect(r.field) else "") for r in missing]
         return False, MISSING, ("; ".join(parts) + ": create each in the resource's namespace, or correct the field; "
                                 "the pods start once it exists")
-    if unknown:
+    if None in found:
         return None, "NotChecked", "the operator has not listed Secrets and ConfigMaps yet"
     return True, FOUND, f"every Secret and ConfigMap the spec names exists ({len(refs)})"

@@ -396,7 +396,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         lmcache = (False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready")
 
     vllm = _vllm_verdict(obs, vllm_done, vllm_ready)
-    # Attached: the user's pods there are.
+    # Attached: the user's pods there are, and those Ready.
     vllm_desired, vllm_ready = (obs.vllm_desired, vllm_ready) if obs.attached is None else obs.attached[:2]
     conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
@@ -408,9 +408,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     conds += [c for c in optional if c is not None]
 
     by_type = {c["type"]: c for c in conds}
-    # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a
-    # canary without a verdict (vLLM unreachable, its output not deterministic): only a hit that
-    # changed an answer holds Ready back.
+    # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a canary
+    # without a verdict (vLLM unreachable, its output not deterministic): only a changed answer holds Ready back.
     not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, REFERENCES_CONDITION)
               and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"),
                                                    ("VLLMReady", "Unknown"))]

@@ -79,8 +79,7 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
     modes = status.get("accessModes") or spec.get("accessModes")
     if modes:  # only claims have accessModes
         out["status"]["accessModes"] = list(modes)
-    # A server pod's claims, for kvpersist.controller.sharing: one is taken over only once no other
-    # resource's server mounts it.
+    # A server pod's claims (controller.sharing): one is taken over only once no other resource's server mounts it.
     claims = [v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes") or []
               if (v.get("persistentVolumeClaim") or {}).get("claimName")]
     if claims and "containers" in spec:

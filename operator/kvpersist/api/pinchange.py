@@ -29,10 +29,15 @@ DIGEST_RE = "@sha256:[0-9a-f]{64}$"
 UNITS = (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))  # as status.usage.human_bytes
 
 
+def _has(path: str, root: str = "oldObject") -> str:
+    """CEL: every has() down root.path (root itself taken as present)."""
+    parts = path.split(".")
+    return " && ".join(f"has({root}.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+
+
 def field_value(obj: str, field: IdField) -> str:
     """CEL: the field of obj (object or oldObject) as the id sees it, a string ('' when unset or an image without a digest)."""
-    parts = field.path.split(".")
-    guards = " && ".join(f"has({obj}.{'.'.join(parts[:i + 1])})" for i in range(1, len(parts)))
+    guards = _has(field.path.removeprefix("spec."), f"{obj}.spec")
     value = f"string({obj}.{field.path})"
     if field.kind == "fs_native":
         guards += f" && {obj}.spec.l2.nvme.adapter == 'fs_native'"
@@ -47,12 +52,6 @@ def changed_expression() -> str:
     items = ",\n".join(f"  {field_value('oldObject', f)}\n    != {field_value('object', f)}"
                        + (f" && {same_adapter}" if f.kind == "fs_native" else "") + f" ? '{f.path}' : ''" for f in id_fields())
     return f"[\n{items}\n].filter(p, p != '')"
-
-
-def _status(*path: str) -> str:
-    """CEL: every has() down oldObject.status.<path>."""
-    steps = ("status", *path)
-    return " && ".join(f"has(oldObject.{'.'.join(steps[:i + 1])})" for i in range(len(steps)))
 
 
 def _human_bytes() -> list[dict[str, str]]:
@@ -79,14 +78,14 @@ MESSAGE = ("identity changes: this resource will serve another namespace id, and
 
 def policy(name: str) -> dict[str, Any]:
     variables = [
-        var("served", f"{_status('namespaceId')} ? oldObject.status.namespaceId : ''"),
+        var("served", f"{_has('status.namespaceId')} ? oldObject.status.namespaceId : ''"),
         var("changed", changed_expression()),
         var("keyOnly", f"variables.changed.all(p, p.startsWith('{KEY_PREFIX}'))"),
-        var("measured", _status("usage", "measuredAt")),
-        var("bytes", f"variables.measured && {_status('usage', 'l2UsedBytes')}", "? oldObject.status.usage.l2UsedBytes : 0"),
-        var("objects", f"variables.measured && {_status('usage', 'l2Objects')}", "? oldObject.status.usage.l2Objects : 0"),
+        var("measured", _has("status.usage.measuredAt")),
+        var("bytes", f"variables.measured && {_has('status.usage.l2UsedBytes')}", "? oldObject.status.usage.l2UsedBytes : 0"),
+        var("objects", f"variables.measured && {_has('status.usage.l2Objects')}", "? oldObject.status.usage.l2Objects : 0"),
         *_human_bytes(),
-        var("hits", f"{_status('hits', 'summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"),
+        var("hits", f"{_has('status.hits.summary')} ? ', hit rate ' + oldObject.status.hits.summary : ''"),
         var("held", "(variables.measured ? variables.size + ' in ' + string(variables.objects) + ' objects'",
             ": 'its size not measured yet') + variables.hits"),
     ]

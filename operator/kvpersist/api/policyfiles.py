@@ -10,12 +10,17 @@ from typing import Any
 import yaml
 
 
-class _Dumper(yaml.SafeDumper):
-    """CEL and messages as literal blocks (no quoting of their quotes), as a person would write
-    them; short lists in flow style; no anchors."""
+class NoAliases(yaml.SafeDumper):
+    """Writes a node shared by two places twice, never as a YAML anchor and alias (older pydantic
+    shares such dicts; the CRD must read the same whichever pydantic wrote it)."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
+
+
+class _Dumper(NoAliases):
+    """CEL and messages as literal blocks (no quoting of their quotes), as a person would write
+    them; short lists in flow style."""
 
 
 def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 # Unicode 15.1 categories Cc (controls) and Cf (format characters, bidi controls among them), and
@@ -84,13 +85,18 @@ def control_problem(value: str, refused: re.Pattern[str] = _REFUSED, rule: str =
     return f"U+{ord(char):04X} ({name}) at position {index + 1} of {len(value)}: {rule}"
 
 
-def refuse_control(value: Any) -> Any:
-    """A pydantic before-validator: runs ahead of a field's pattern, so a string with a control
-    or format character is told which one and where rather than just that it does not match."""
-    problem = control_problem(value) if isinstance(value, str) else None
-    if problem:
-        raise ValueError(problem)
-    return value
+def _refuser(refused: re.Pattern[str], rule: str) -> Callable[[Any], Any]:
+    """A pydantic before-validator: runs ahead of a field's pattern, so a string with a refused
+    character is told which one and where rather than just that it does not match."""
+    def refuse(value: Any) -> Any:
+        if isinstance(value, str) and (problem := control_problem(value, refused, rule)):
+            raise ValueError(problem)
+        return value
+
+    return refuse
+
+
+refuse_control = _refuser(_REFUSED, RULE)
 
 
 # A prompt (spec.prewarm) is text a model reads, so it keeps its line breaks and tabs: TAB, LF and
@@ -99,18 +105,10 @@ def refuse_control(value: Any) -> Any:
 PROMPT_ALLOWED = "\t\n\r"
 PROMPT_FORBIDDEN: tuple[tuple[int, int], ...] = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F), *FORBIDDEN[1:])
 PROMPT_PATTERN = f"^[^{_class(PROMPT_FORBIDDEN)}]*$"
-_PROMPT_REFUSED = _compiled(PROMPT_FORBIDDEN)
 PROMPT_RULE = ("control and format characters other than TAB, LF and CR are refused in a prompt (NUL, ESC, bidi "
                "controls such as U+202E, zero-width characters such as U+200B): remove it, or put the prompt in the "
                "ConfigMap of spec.prewarm.configMapRef")
-
-
-def refuse_control_in_prompt(value: Any) -> Any:
-    """refuse_control for a prompt: its line breaks and tabs are its own."""
-    problem = control_problem(value, _PROMPT_REFUSED, PROMPT_RULE) if isinstance(value, str) else None
-    if problem:
-        raise ValueError(problem)
-    return value
+refuse_control_in_prompt = _refuser(_compiled(PROMPT_FORBIDDEN), PROMPT_RULE)
 
 
 def printable(text: str) -> str:

@@ -98,17 +98,17 @@ def extra_args_problem(args: list[str]) -> str | None:
     flag or the value right after one that takes it. The models enforce the CRD's CEL; the contract test checks both agree."""
     wants_value = ""
     for arg in args:
-        if wants_value and not arg.startswith("-"):
-            wants_value = ""
-            continue
-        if wants_value:
-            return f"{wants_value} needs a value before {arg!r}"
         flag, eq, _ = arg.partition("=")
         if not arg.startswith("-"):
-            return f"{arg!r} is neither an allowed flag nor the value of one"
-        if flag not in EXTRA_ARGS:
+            if not wants_value:
+                return f"{arg!r} is neither an allowed flag nor the value of one"
+            wants_value = ""
+        elif wants_value:
+            return f"{wants_value} needs a value before {arg!r}"
+        elif flag not in EXTRA_ARGS:
             return f"{arg!r} is not a flag extraArgs may set"
-        wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
+        else:
+            wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
     return f"{wants_value} needs a value" if wants_value else None
 
 HEX40 = r"^[0-9a-f]{40}$"
@@ -1018,19 +1018,17 @@ class KVCacheNamespaceSpec(_Spec):
 
     @model_validator(mode="before")
     @classmethod
-    def _image_named(cls, data: Any) -> Any:
-        """An object stored before spec.image existed comes back without its image fields (the API server prunes
-        them): its workloads are left as they are until the spec names the image (docs/upgrading.md)."""
-        if isinstance(data, dict) and "image" not in data:
+    def _as_stored(cls, data: Any) -> Any:
+        """Numbers as the API server reads them (celrules.json_numbers): 2.0 is the integer 2, true no number; the
+        models are strict otherwise (_Spec). Then the image: an object stored before spec.image existed comes back
+        without its image fields (the API server prunes them): its workloads are left as they are until the spec
+        names the image (docs/upgrading.md)."""
+        if not isinstance(data, dict):
+            return data
+        data = celrules.json_numbers(spec_schema(), data, "spec")
+        if "image" not in data:
             raise ValueError(IMAGE_REQUIRED)
         return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_numbers(cls, data: Any) -> Any:
-        """Numbers as the API server reads them (celrules.json_numbers): 2.0 is the integer 2, true
-        no number; the models are strict otherwise (_Spec)."""
-        return celrules.json_numbers(spec_schema(), data, "spec") if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _cel_rules(self) -> KVCacheNamespaceSpec:

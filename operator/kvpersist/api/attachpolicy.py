@@ -5,10 +5,7 @@ param, reading its status.attach (kvpersist.builders.attach): the policies are s
 on admission objects.
 
 The mutation only adds what is absent; the validation, after every mutation, requires the exact values, so a
-differing value is refused naming the field, never overwritten. Flags are judged with extraArgs' allow-list widened
-by the status' pins and connection flags (each exactly once) and ATTACH_OWN_FLAGS; variable names with
-spec.vllm.env's rule less ATTACH_OWN_ENV. `kvpersist-operator attach-policy --write` writes config/attach/ and the
-chart's template; tests/unit/test_attach.py fails when either is stale.
+differing value is refused naming the field, never overwritten.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The CRD's own CEL rules (x-kubernetes-validations), evaluated by the models.
-
-Each rule is written once beside its model (v1alpha1's `cel(...)`); the CRD carries it and the
-models evaluate the same text over the object as the API server stores it, so the operator refuses
-what `kubectl apply` refuses, in the same words. Transition rules (oldSelf) are skipped: the models
-have no old object. Kubernetes' quantity library is bound here (kvpersist.api.quantity); a quantity
-travels through CEL as a one-key map.
+"""The CRD's own CEL rules (x-kubernetes-validations), each written once beside its model, evaluated by the
+models on the object as the API server stores it: the operator refuses what `kubectl apply` refuses, in the
+same words. Transition rules (oldSelf) are skipped: the models have no old object. Kubernetes' quantity
+library is bound here (kvpersist.api.quantity); a quantity travels through CEL as a one-key map.
 """
 
 from __future__ import annotations

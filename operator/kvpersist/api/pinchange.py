@@ -1,12 +1,9 @@
-"""The pin-change warning: a ValidatingAdmissionPolicy in Warn mode, generated from id_fields.
+"""The pin-change warning: a ValidatingAdmissionPolicy generated from id_fields (HEADER says what it compares).
 
-A change of a field that moves the namespace id leaves the old namespace's KV in L2 as an orphan
-until `kvpersist gc`; that should be seen at `kubectl apply`. On UPDATE the API server compares
-those fields of oldObject and object (an image by its digest alone, as the id does) and, when one
-differs and the old object serves a namespace, warns with the fields, the id, its size and hit rate.
-Never a refusal: Warn only, failurePolicy Ignore. CEL cannot compute the new id (no sha256, and the
-L2 key is a Secret): `kvpersist plan -f` does. A key rotated in the same Secret is not seen here.
-`kvpersist-operator pin-change-policy --write` writes config/pin-change-warning/ and the chart's template.
+A change that moves the namespace id leaves the old namespace's KV in L2 as an orphan until `kvpersist gc`,
+which should be seen at `kubectl apply`: Warn only, failurePolicy Ignore, never a refusal. CEL cannot compute
+the new id (no sha256, and the L2 key is a Secret): `kvpersist plan -f` does. A key rotated in the same Secret
+is not seen here.
 """
 
 from __future__ import annotations

@@ -107,8 +107,7 @@ def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
 
 def validate_patch(patch: Mapping[str, Any]) -> None:
     """Raises StatusPatchError unless every key and value of the patch (under `status`) fits the models."""
-    problems = _problems(KVCacheNamespaceStatus, patch, "status")
-    if problems:
+    if problems := _problems(KVCacheNamespaceStatus, patch, "status"):
         raise StatusPatchError(problems)
 
 
@@ -122,8 +121,7 @@ def checked_patch(patch: Mapping[str, Any], logger: logging.Logger, what: str = 
         return dict(patch)
     sent: dict[str, Any] = {}
     for key, value in patch.items():
-        problems = _problems(KVCacheNamespaceStatus, {key: value}, "status")
-        if problems:
+        if problems := _problems(KVCacheNamespaceStatus, {key: value}, "status"):
             logger.error("%sstatus.%s left out of the status patch, it does not fit the CRD: %s",
                          f"{what}: " if what else "", key, "; ".join(problems))
         else:

@@ -1114,7 +1114,6 @@ def changed_id_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[st
 CHUNK_TOKENS = 256  # lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered)
 DEFAULT_L1_PAGE = 4096  # lmcache's --l1-align-bytes default
 MAX_L1_PAGE = 2**20
-# Encrypted, a file is one page longer than its chunk: at most 1/16 of a layer (l1_page_bytes).
 ENCRYPTED_PAGES_PER_LAYER = 16
 KV_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
 

@@ -66,13 +66,11 @@ CONNECTOR = "LMCacheMPConnector"
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"
 EVICTION_POLICIES = ("LRU", "noop")
 
-# The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value): an
-# allow-list of flags that size memory or batches, schedule, log or shape the HTTP API, none changing the
-# KV a prompt produces (scheduling may change a batch's float rounding, not what it computes). Every other
-# spelling vLLM's parser accepts is refused (abbreviations, underscores, -O3, --some-config.key=value),
-# with the pins, the operator's own flags and whatever changes KV bytes, layout or tokens (--hf-overrides,
-# --quantization, --trust-remote-code, LoRA, ...).
-# tests/contract/test_extra_args_oracle.py checks this table against vLLM's own parsers.
+# The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value): none changes the
+# KV a prompt produces (scheduling may change a batch's float rounding, not what it computes). Refused: every other
+# spelling vLLM's parser accepts (abbreviations, underscores, -O3, --some-config.key=value), the pins, the operator's
+# own flags and whatever changes KV bytes, layout or tokens (--hf-overrides, --quantization, --trust-remote-code,
+# LoRA, ...). tests/contract/test_extra_args_oracle.py checks this table against vLLM's own parsers.
 EXTRA_ARGS: dict[str, bool] = {
     "--gpu-memory-utilization": True, "--max-num-seqs": True, "--max-num-batched-tokens": True,
     "--scheduling-policy": True, "--seed": True, "--max-logprobs": True, "--max-log-len": True,
@@ -197,9 +195,6 @@ def _list(max_length: int, description: str, *rules: dict[str, str]) -> Any:
     return Field(default_factory=list, max_length=max_length, description=description, json_schema_extra=extra)
 
 
-# ---------------------------------------------------------------- identity
-
-
 class Identity(_Spec):
     """The pins that decide whether a stored KV block may be reused; their hash is the namespace kvp-<32 hex>.
     modelId and modelRevision are enough: the operator fills the rest from the model's files, vLLM's defaults and
@@ -265,9 +260,6 @@ class Identity(_Spec):
             pins["tokenizer_revision"] = self.model_revision
         pins["connector"] = CONNECTOR
         return pins
-
-
-# ---------------------------------------------------------------- tiers
 
 
 def _bytes(field: str) -> str:
@@ -517,9 +509,6 @@ class Eviction(_Spec):
     eviction_ratio: float = Field(0.1, gt=0, le=1, description="Fraction of capacity freed by each eviction round.")
 
 
-# ---------------------------------------------------------------- workloads
-
-
 class Resources(_Spec):
     """Container resource requests and limits."""
 
@@ -586,8 +575,6 @@ class LMCacheServer(_Spec):
         "the node's default runtime (where that is NVIDIA's).",
     )
 
-
-# ---------------------------------------------------------------- the vLLM pod's environment
 
 # spec.vllm.env and envFrom names (C identifiers: the start script reads them back). Refused, with what to set
 # instead: names the operator sets or owns through a field, and names that change what vLLM computes, loads, sees
@@ -1063,9 +1050,6 @@ def l2_layout(spec: KVCacheNamespaceSpec) -> str:
     return "hfbucket"
 
 
-# ---------------------------------------------------------------- what reaches the namespace id
-
-
 @dataclass(frozen=True)
 class IdField:
     """A spec field the namespace id depends on (through pins()), as the API spells it. kind: `value`, the field;
@@ -1143,9 +1127,6 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
     if layer >= ENCRYPTED_PAGES_PER_LAYER:  # every object is framed (encrypted or checked)
         page = min(page, 1 << ((layer // ENCRYPTED_PAGES_PER_LAYER).bit_length() - 1))
     return max(DEFAULT_L1_PAGE, page)
-
-
-# ---------------------------------------------------------------- status
 
 
 class Condition(_Model):

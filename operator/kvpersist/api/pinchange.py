@@ -138,5 +138,4 @@ def render_template() -> str:
 
 
 def write(root: Path) -> list[Path]:
-    """Writes the config/ file and the chart's template under root; returns the paths written."""
     return policyfiles.write(root, ((CONFIG_PATH, render_config()), (TEMPLATE_PATH, render_template())))

@@ -148,8 +148,7 @@ Quantity = Annotated[
 ]
 
 
-# A string without a strict pattern of its own: no control or format character (kvpersist.api.text); the
-# models name the character and its position, the schema's pattern is the same table for the API server.
+# A string without a strict pattern of its own: no control or format character (kvpersist.api.text).
 FreeText = Annotated[str, BeforeValidator(refuse_control), Field(json_schema_extra={"pattern": NO_CONTROL_PATTERN})]
 # Label keys, toleration keys, resource names and label values as Kubernetes checks them in a pod template:
 # refused at apply time naming the field, not later as a Deployment the API server refuses. Field before the

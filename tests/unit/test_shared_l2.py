@@ -26,7 +26,7 @@ from kvpersist.builders.lmcache import (
 from kvpersist.builders.target import Target
 from kvpersist.controller import sharing
 from kvpersist.identity import key_fingerprint, resolve
-from kvpersist.inventory.agent import Agent, pod_ordinal, trimmer_of
+from kvpersist.inventory.agent import Agent, trimmer_of
 from kvpersist.inventory.volume import Inventory, NamespaceUsage, choose_oldest, one_per_location, served_of, status_summary
 from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.workloads import slim
@@ -228,7 +228,6 @@ def test_a_shared_folder_is_counted_once_in_status() -> None:
 @pytest.mark.parametrize(("pod", "ordinal"), [("x-lmcache-0", 0), ("x-lmcache-1", 1), ("a-b-lmcache-12", 12),
                                               ("x-lmcache-01", None), ("node-a", None), ("", None), (None, None)])
 def test_the_ordinal_comes_from_the_pod_name(pod: str | None, ordinal: int | None) -> None:
-    assert pod_ordinal(pod) == ordinal
     assert trimmer_of(pod) is (ordinal == 0)
 
 

@@ -1,27 +1,19 @@
 """The inventory agent: a sidecar beside each lmcache server, the one door into its pod.
 
-lmcache's admin API (/env, /cache/clear, DELETE /cache/objects, /quota, /reconfigure) listens on
-the pod's loopback only. The agent forwards only GET /server/status (token), GET /server/metrics
-(open, for Prometheus), each bounded in time and size, and POST /server/prefetch (token):
-lmcache's warm prefetch of one prompt for spec.prewarm (kvpersist.inventory.prefetch).
+lmcache's admin API (/env, /cache/clear, DELETE /cache/objects, ...) listens on the pod's loopback
+only. The agent forwards GET /server/status (token), GET /server/metrics (open, for Prometheus) and
+POST /server/prefetch (token; spec.prewarm, kvpersist.inventory.prefetch), each bounded.
 
 The operator cannot mount a claim, and lmcache reports only what its lazy index has seen since a
-restart, so the agent reads the volume itself: GET /inventory (bytes, objects, last write per
-namespace folder) and POST /gc (delete one named folder; never the namespace its own server
-serves, whatever the caller says). Both need the resource's agent token (a mounted Secret), so
-nobody else can list or delete where the NetworkPolicy is not enforced; whoever reaches the port
-costs no thread per connection and no unbounded read (kvpersist.httpserver). /healthz is
-answered on the server's selector thread from the agent's own state (Agent.alive, STUCK_S), so
-requests that fill the workers cannot fail the probe.
+restart, so the agent reads the volume itself: GET /inventory and POST /gc (one named folder, never
+the one its own server serves). Both need the agent token, so nobody else can list or delete where
+the NetworkPolicy is not enforced. /healthz is answered on the server's selector thread
+(kvpersist.httpserver), so requests that fill the workers cannot fail the probe.
 
-With --capacity-bytes it keeps the served folder within that capacity: lmcache 0.5.6's fs_native
-and nixl_store_dynamic count L2 from zero after a restart, so older files are neither counted nor
-evicted and the folder outgrows its capacity (measured: 14 MiB in an 8 MiB namespace after one
-restart). Every --trim-period the agent deletes abandoned temp files, then the oldest chunk files
-(kvpersist.inventory.volume), down to the capacity lowered by what other namespaces' folders hold
-(space.effective_capacity); it never touches those. With --shared-folder only one agent trims
-(trimmer_of), never a file younger than --trim-grace. Other namespaces go only by /gc, or by
-POST /expire where the resource opts into an age limit (spec.l2.orphanRetention, Agent.expire).
+With --capacity-bytes it trims the served folder: lmcache 0.5.6's fs_native and nixl_store_dynamic
+count L2 from zero after a restart, so older files are neither counted nor evicted and the folder
+outgrows its capacity (measured: 14 MiB in an 8 MiB namespace after one restart). Other namespaces'
+folders go only by /gc, or by POST /expire where the resource opts into an age limit.
 """
 
 from __future__ import annotations
@@ -69,9 +61,8 @@ TRIM_PERIOD_S = 30.0  # the folder's overshoot is what lmcache writes in one per
 # takes a few rounds to undo a burst (measured with fs_native: 128% of an 8 MiB capacity back under it in 5 s).
 EXCESS_SETTLE_S = 15.0
 MAX_TRIM_PERIOD_S = 3600.0
-# lmcache's admin API, forwarded: agent path -> (lmcache's path, token required, content type). Each read is
-# bounded (a tenant's stalled or flooding server must not hold the agent's threads or memory), under the
-# operator's own 2-second deadline for both reads together.
+# agent path -> (lmcache's path, token required, content type). Each read is bounded (a tenant's stalled or
+# flooding server must not hold the agent's threads or memory), under the operator's 2-second deadline.
 PROXIED = {"/server/status": ("/status", True, "application/json"),
            "/server/metrics": ("/metrics", False, "text/plain; version=0.0.4")}
 PROXY_TIMEOUT_S = 1.5
@@ -81,25 +72,19 @@ MAX_GC_BODY = 4096  # {"namespaceId": ..., "dryRun": ...}
 MAX_EXPIRE_BODY = 256 * 1024  # {"maxAgeDays", "protected": [ids], "remove": [ids]}: thousands of ids
 MAX_EXPIRE_IDS = 4096
 OTHERS_TTL_S = 300.0  # the other folders change rarely: the trim re-reads them at most this often
-# /healthz fails when a request has waited this long for a worker: all stuck (a hung volume, a lock never
-# released), which a restart clears. Reads are bounded to seconds; only a /gc or /expire of a huge folder
-# holds the lock longer, and it must be allowed to finish with every worker waiting.
+# /healthz fails when a request has waited this long for a worker: all stuck (a hung volume), which a restart
+# clears. Reads take seconds; a /gc or /expire of a huge folder holds the lock longer, and must be let finish.
 STUCK_S = 300.0
 
 POD_NAME_ENV = "KVPERSIST_POD_NAME"  # the downward API's metadata.name (kvpersist.builders.lmcache)
 _ORDINAL = re.compile(r"-(0|[1-9][0-9]*)$")
 
 
-def pod_ordinal(pod_name: str | None) -> int | None:
-    """A StatefulSet pod's ordinal from its name (<set>-<n>); None when the name has none."""
-    m = _ORDINAL.search(pod_name or "")
-    return int(m.group(1)) if m else None
-
-
 def trimmer_of(pod_name: str | None) -> bool:
-    """Whether this pod trims its shared folder: only ordinal 0, which exists while any server runs (two
-    trimmers would delete up to twice the excess). No ordinal, no trim: none is safer than two."""
-    return pod_ordinal(pod_name) == 0
+    """Whether this StatefulSet pod (<set>-<n>) trims its shared folder: only ordinal 0, which exists while
+    any server runs (two trimmers would delete up to twice the excess). No ordinal, no trim."""
+    m = _ORDINAL.search(pod_name or "")
+    return m is not None and int(m.group(1)) == 0
 
 
 class TokenFile:
@@ -123,11 +108,9 @@ class TokenFile:
 
 
 class Agent:
-    """Scans (cached for SCAN_TTL_S), deletes and trims; one deletion or trim at a time.
-
-    The trim target is the capacity itself, not capacity x (1 - evictionRatio): a deleted file lmcache
-    has re-indexed turns that key into misses until lmcache drops it, so the agent deletes as little as
-    it can. Without a restart lmcache's own accounting leaves nothing to trim (tests/integration/test_capacity.py)."""
+    """Scans (cached for SCAN_TTL_S), deletes and trims; one deletion or trim at a time. The trim target is
+    the capacity, not capacity x (1 - evictionRatio): a deleted file lmcache has re-indexed turns that key
+    into misses until lmcache drops it, so the agent deletes as little as it can."""
 
     def __init__(self, root: Path | None, serving: str | None, capacity_bytes: int | None = None,
                  trim_period_s: float = TRIM_PERIOD_S, token: str | TokenFile | None = None,
@@ -265,11 +248,10 @@ class Agent:
             self.effective_capacity = capacity
             trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
                                      settled=lambda total: self._settled(total, capacity))
-            if swept.objects:
+            self.swept_temp_files += swept.objects
+            if swept.objects or trimmed.objects:
                 self._scan = None
-                self.swept_temp_files += swept.objects
             if trimmed.objects:
-                self._scan = None
                 self.last_trim = {"bytes": trimmed.bytes, "objects": trimmed.objects, "at": iso(time.time()),
                                   "newestTrimmed": iso(trimmed.last_write), "capacityBytes": capacity}
             self.trim_passes += 1
@@ -285,12 +267,10 @@ class Agent:
     def _settled(self, total: int, capacity: int) -> bool:
         """Whether the chunk files (total bytes) have been over capacity for settle_s: a burst overshoots
         until lmcache's own eviction catches up, and trimming that too would delete twice what must go."""
-        if self.settle_s <= 0:
-            return True
         now = time.monotonic()
         if total <= capacity:
             self._over_since = None
-            return False
+            return self.settle_s <= 0
         self._over_since = self._over_since if self._over_since is not None else now
         return now - self._over_since >= self.settle_s
 

@@ -19,7 +19,7 @@ from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import Target
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.agent import Agent, _period, _positive_int, make_server
-from kvpersist.inventory.volume import ChunkFile, _unlink_if_unchanged, choose_oldest, is_chunk_name, trim_namespace
+from kvpersist.inventory.volume import ChunkFile, _unlink_unchanged, choose_oldest, is_chunk_name, trim_namespace
 from tests.cases.invalid_manifests import sample
 
 A, B = "kvp-" + "a" * 32, "kvp-" + "b" * 32
@@ -248,10 +248,10 @@ def test_a_file_rewritten_since_the_scan_is_not_deleted(tmp_path: Path) -> None:
     stale = ChunkFile(str(path), st.st_size, st.st_mtime, st.st_ino)
     fresh = _chunk(tmp_path / "new", 1, 10, 2.0)
     os.rename(fresh, path)
-    assert not _unlink_if_unchanged(stale) and path.exists()
+    assert _unlink_unchanged(A, [stale]).objects == 0 and path.exists()
     st = path.stat()
-    assert _unlink_if_unchanged(ChunkFile(str(path), st.st_size, st.st_mtime, st.st_ino)) and not path.exists()
-    assert not _unlink_if_unchanged(ChunkFile(str(path), 10, 2.0, st.st_ino))  # already gone: not counted
+    assert _unlink_unchanged(A, [ChunkFile(str(path), st.st_size, st.st_mtime, st.st_ino)]).objects == 1 and not path.exists()
+    assert _unlink_unchanged(A, [ChunkFile(str(path), 10, 2.0, st.st_ino)]).objects == 0  # already gone: not counted
 
 
 # ---- the agent

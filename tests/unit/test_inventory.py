@@ -16,7 +16,7 @@ from kvpersist.admin import Row, format_report, rank_rows, report_rows, users_of
 from kvpersist.inventory.agent import Agent, make_server
 from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 from kvpersist.inventory.cleanup import parse_request, refusal
-from kvpersist.inventory.volume import group, mark_orphans, rank, remove_namespace, scan_volume, served_of, status_summary
+from kvpersist.inventory.volume import group, remove_namespace, scan_volume, served_of, status_summary
 from tests.fsstate import files_state
 
 A, B, C = "kvp-" + "a" * 32, "kvp-" + "b" * 32, "kvp-" + "c" * 32
@@ -54,8 +54,6 @@ def test_scan_volume_matches_du(tmp_path: Path) -> None:
 
 def test_orphans_rank_biggest_then_oldest_first() -> None:
     inv = group([(f"{A}/1", 100, 50.0), (f"{B}/1", 500, 10.0), (f"{C}/1", 500, 5.0)], "v")
-    mark_orphans(inv, {A})
-    assert [n.namespace_id for n in rank(inv.namespaces)] == [C, B, A]
     summary = status_summary([("pvc/l2-x", "x-0", inv)], A, {A})
     assert (summary["orphanedNamespaces"], summary["orphanedBytes"]) == (2, 1000) and "currentBytes" not in summary
     assert served_of(summary, A) == (100, summary["volumes"][0]["namespaces"][-1]["objects"])

@@ -1,8 +1,6 @@
-"""What each compatibility namespace holds on an L2 volume or bucket, read from the data itself.
-
-Every namespace's files live under a folder (volume) or prefix (bucket) named by its id
-(kvp-<32 hex>), so the data is its own record: nothing to drift. The volume scan (the agent's)
-and the bucket listing are thin sources of (path, size, mtime) entries grouped here.
+"""What each compatibility namespace holds on an L2 volume or bucket, read from the data itself:
+every namespace's files live under a folder or prefix named by its id (kvp-<32 hex>), so the data
+is its own record, with nothing to drift.
 """
 
 from __future__ import annotations
@@ -39,13 +37,9 @@ class NamespaceUsage:
             self.last_write = mtime
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"namespaceId": self.namespace_id, "bytes": self.bytes, "objects": self.objects,
-                               "lastWrite": iso(self.last_write)}
-        if self.orphan is not None:
-            out["orphan"] = self.orphan
-        if not self.complete:
-            out["complete"] = False
-        return out
+        out = {"namespaceId": self.namespace_id, "bytes": self.bytes, "objects": self.objects, "lastWrite": iso(self.last_write),
+               "orphan": self.orphan, "complete": self.complete}
+        return {k: v for k, v in out.items() if (k, v) not in (("orphan", None), ("complete", True))}
 
 
 @dataclass
@@ -107,13 +101,7 @@ MAX_SCAN_FILES = 1_000_000
 
 @dataclass
 class _Budget:
-    """Files a walk may still lstat; shared by the folders of one scan."""
-
-    left: int
-
-    @property
-    def spent(self) -> bool:
-        return self.left <= 0
+    left: int  # files a walk may still lstat; shared by the folders of one scan
 
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
@@ -122,7 +110,7 @@ def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, 
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
-                if budget.spent:
+                if budget.left <= 0:
                     return
                 budget.left -= 1
             path = os.path.join(dirpath, name)
@@ -156,9 +144,9 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
             continue
         if is_dir and NAMESPACE_ID_RE.fullmatch(child.name):
             folders.append(child.name)
-            if not budget.spent:
+            if budget.left > 0:
                 entries.extend(_files(root, Path(child.path), budget))
-            if budget.spent:  # never reached, or cut short (or ended exactly on its last file: not sure either way)
+            if budget.left <= 0:  # never reached, or cut short (or ended exactly on its last file: not sure either way)
                 incomplete.add(child.name)
         elif is_dir:
             entries.extend(_files(root, Path(child.path), budget))
@@ -169,16 +157,13 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
                 continue
             entries.append((child.name, st.st_size, st.st_mtime))
     inv = group(entries, str(root))
+    held = {n.namespace_id: n for n in inv.namespaces}
     # Namespace folders with nothing in them yet still show (a server started, nothing stored).
-    for name in folders:
-        if inv.get(name) is None:
-            inv.namespaces.append(NamespaceUsage(name))
+    inv.namespaces = [held.get(name) or NamespaceUsage(name) for name in sorted(folders)]
     for n in inv.namespaces:
         n.complete = n.namespace_id not in incomplete
-    inv.namespaces.sort(key=lambda n: n.namespace_id)
-    inv.truncated = bool(incomplete) or budget.spent
-    usage = shutil.disk_usage(root)
-    inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
+    inv.truncated = bool(incomplete) or budget.left <= 0
+    inv.capacity_bytes, _, inv.free_bytes = shutil.disk_usage(root)
     return inv
 
 
@@ -190,7 +175,7 @@ def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None)
         return None
     budget = _Budget(max_files) if max_files is not None else None
     held = group(_files(root, folder, budget), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
-    held.complete = budget is None or not budget.spent
+    held.complete = budget is None or budget.left > 0
     return held
 
 
@@ -266,18 +251,6 @@ def folder_files(folder: Path, now: float | None = None, adapter: str = DEFAULT_
     return chunks, temps
 
 
-def _unlink_if_unchanged(f: ChunkFile) -> bool:
-    """Deletes f only if it is still the file chosen: lmcache may have renamed a fresh write onto its name."""
-    try:
-        st = os.lstat(f.path)
-        if not stat.S_ISREG(st.st_mode) or st.st_ino != f.ino or st.st_mtime != f.mtime:
-            return False
-        os.unlink(f.path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _served_folder(root: Path, namespace_id: str) -> Path | None:
     """<root>/<namespace_id> when it is a real directory (not a link); refuses a non-id."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
@@ -312,23 +285,18 @@ def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None, ada
 
 
 def _unlink_unchanged(namespace_id: str, files: Iterable[ChunkFile]) -> NamespaceUsage:
-    """What of files went: each deleted only if unchanged (_unlink_if_unchanged)."""
+    """What of files went: each deleted only if it is still the file chosen (lmcache may have renamed a
+    fresh write onto its name)."""
     gone = NamespaceUsage(namespace_id)
     for f in files:
-        if _unlink_if_unchanged(f):
-            gone.add(f.size, f.mtime)
+        try:
+            st = os.lstat(f.path)
+            if stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_mtime) == (f.ino, f.mtime):
+                os.unlink(f.path)
+                gone.add(f.size, f.mtime)
+        except FileNotFoundError:
+            pass
     return gone
-
-
-def mark_orphans(inv: Inventory, live: set[str]) -> Inventory:
-    for n in inv.namespaces:
-        n.orphan = n.namespace_id not in live
-    return inv
-
-
-def rank(namespaces: Iterable[NamespaceUsage]) -> list[NamespaceUsage]:
-    """Orphans first, largest (then longest unwritten) first; live namespaces last, largest first."""
-    return sorted(namespaces, key=lambda n: (not n.orphan, -n.bytes, n.last_write if n.last_write is not None else 0.0))
 
 
 def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[tuple[str, str | None, Inventory]]:
@@ -347,12 +315,14 @@ def status_summary(volumes: list[tuple[str, str | None, Inventory]], current: st
     orphaned_bytes = 0
     orphaned: set[str] = set()
     for location, pod, inv in volumes:
-        mark_orphans(inv, live)
         for n in inv.namespaces:
+            n.orphan = n.namespace_id not in live
             if n.namespace_id != current and n.orphan:
                 orphaned.add(n.namespace_id)
                 orphaned_bytes += n.bytes
-        vol: dict[str, Any] = {"location": location, "namespaces": [n.to_json() for n in rank(inv.namespaces)]}
+        # Orphans first, largest (then longest unwritten) first; live namespaces last, largest first.
+        ranked = sorted(inv.namespaces, key=lambda n: (not n.orphan, -n.bytes, n.last_write or 0.0))
+        vol: dict[str, Any] = {"location": location, "namespaces": [n.to_json() for n in ranked]}
         # Not the filesystem's free space: it moves with every write anywhere on the disk, and status
         # is written only when something changed.
         vol.update({k: v for k, v in (("pod", pod), ("otherBytes", inv.other_bytes or None)) if v is not None})

@@ -1,5 +1,3 @@
-"""The inventory subsystem: per-namespace L2 usage read from the data itself, and explicit cleanup.
-The volume scan (volume) runs in the agent beside each lmcache server and is reached through
-agentclient; a Hugging Face bucket is scanned from the operator (bucket, hfbucket's preflight).
-cleanup decides and runs a gc for the controller and `kvpersist gc`.
-"""
+"""Per-namespace L2 usage read from the data itself, and explicit cleanup: a volume is scanned by
+the agent beside each lmcache server (reached through agentclient), a Hugging Face bucket by the
+operator (bucket); cleanup runs a gc for the controller and `kvpersist gc`."""

@@ -1,6 +1,6 @@
-"""The operator's side of the inventory agent (kvpersist.inventory.agent): bounded HTTP calls whose
-answers are checked before use, since an agent (or whatever answers on its port) may be broken
-or hostile and one bad pod must not stall or crash a refresh."""
+"""The operator's side of the inventory agent: bounded calls whose answers are checked before use,
+since whatever answers on its port may be broken or hostile, and one bad pod must not stall or
+crash a refresh."""
 
 from __future__ import annotations
 
@@ -76,7 +76,6 @@ class GcBody(BaseModel):
 
 
 def auth(token: str | None) -> dict[str, str] | None:
-    """The agent's bearer token as a header (the agent refuses /gc, and /inventory, without it)."""
     return {"Authorization": f"Bearer {token}"} if token else None
 
 
@@ -116,16 +115,14 @@ def _post(ip: str, port: int, path: str, body: dict[str, Any], model: type[M], t
 
 def request_expire(ip: str, port: int, max_age_days: int, protected: list[str], remove: list[str],
                    token: str | None = None, timeout: float = GC_TIMEOUT_S) -> tuple[int, ExpireBody]:
-    """(HTTP code, answer) of the agent's /expire (spec.l2.orphanRetention); code 0 when unreachable; a
-    malformed answer is an error with nothing removed as far as the caller knows."""
+    """The agent's /expire (spec.l2.orphanRetention), as _post: a malformed answer removed nothing."""
     body = {"maxAgeDays": max_age_days, "protected": protected, "remove": remove, "dryRun": False}
     return _post(ip, port, "/expire", body, ExpireBody, timeout, token)
 
 
 def request_gc(ip: str, port: int, namespace_id: str, dry_run: bool, timeout: float = GC_TIMEOUT_S,
                token: str | None = None) -> tuple[int, dict[str, Any]]:
-    """(HTTP code, body) of the agent's /gc; code 0 when unreachable; a malformed answer becomes
-    {"error": why}, keeping the code."""
+    """The agent's /gc, as _post, its answer as a dict."""
     code, answer = _post(ip, port, "/gc", {"namespaceId": namespace_id, "dryRun": dry_run}, GcBody, timeout, token)
     return code, answer.model_dump(exclude_unset=True)
 
@@ -135,7 +132,6 @@ PREFETCH_TIMEOUT_S = prefetch.WAIT_S + prefetch.CALL_TIMEOUT_S + 5.0  # the agen
 
 def request_prefetch(ip: str, port: int, token_ids: list[int], token: str | None,
                      timeout: float = PREFETCH_TIMEOUT_S) -> tuple[int, prefetch.Answer]:
-    """(HTTP code, answer) of the agent's POST /server/prefetch: lmcache's warm prefetch of these token
-    ids into the server's L1 (kvpersist.inventory.prefetch); code 0 when unreachable, 503 before any vLLM
-    registered, 404 from an agent older than the route. A malformed answer is an error, keeping the code."""
+    """The agent's POST /server/prefetch (kvpersist.inventory.prefetch), as _post: 503 before any vLLM
+    registered, 404 from an agent older than the route."""
     return _post(ip, port, prefetch.PATH, {"tokenIds": token_ids}, prefetch.Answer, timeout, token)

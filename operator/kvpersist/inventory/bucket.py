@@ -1,12 +1,9 @@
-"""Per-namespace inventory and explicit cleanup of a Hugging Face bucket used as L2.
+"""Per-namespace inventory and explicit cleanup of a Hugging Face bucket used as L2: lmcache's
+hfbucket adapter writes each namespace under `<bucketHandle>/<kvp-id>`, so a listing of the handle's
+prefix says what each holds, and deleting one deletes exactly the objects under `<prefix>/<kvp-id>/`.
 
-Each namespace's lmcache hfbucket adapter writes under `<bucketHandle>/<kvp-id>`, so a recursive
-listing of the handle's prefix, grouped by its first folder (volume.group), says what each
-namespace holds; deleting a namespace deletes exactly the objects under `<prefix>/<kvp-id>/`.
-
-Every request goes through hfbucket's client: each ends within hfbucket.HUB_CALL_DEADLINE_S and
-the whole scan's or removal's BUCKET_DEADLINE_S, after which no new request starts. The token
-is sent only to the Hub, never logged, and no message or exception text built here contains it.
+Every request goes through hfbucket's bounded client, and the whole scan or removal ends within
+BUCKET_DEADLINE_S. The token is sent only to the Hub; no message or exception built here holds it.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from urllib.parse import quote
 from kvpersist.inventory import hfbucket
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, group
 
-BUCKET_DEADLINE_S = 120.0  # the whole scan or removal; each request is also bounded by hfbucket.HUB_CALL_DEADLINE_S
+BUCKET_DEADLINE_S = 120.0  # the whole scan or removal: no new request starts after it
 DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size)
 
 T = TypeVar("T")
@@ -31,13 +28,12 @@ class DeletionRefused(RuntimeError):
 
     def __init__(self, reason: str, deleted: NamespaceUsage, total_objects: int) -> None:
         super().__init__(reason)
-        self.deleted = deleted
-        self.total_objects = total_objects
+        self.deleted, self.total_objects = deleted, total_objects
 
 
 class BucketInventoryError(RuntimeError):
-    """A listing or deletion the Hub refused or did not answer in time. `reason` is a CamelCase word for
-    status conditions; the text names the bucket and the fix, never the token."""
+    """A listing or deletion the Hub refused or did not answer in time: `reason` (CamelCase) for status
+    conditions, and a text naming the bucket and the fix."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

@@ -1,11 +1,9 @@
-"""Operator-side preflight of a Hugging Face bucket L2: does the bucket exist (or may we create
-it), and does the token work? Checked before the lmcache servers find out the hard way, and
-reported as L2Ready with a reason that names the fix.
+"""Operator-side preflight of a Hugging Face bucket L2 (does the bucket exist, or may we create it,
+and does the token work?), so that L2Ready names the fix before the lmcache servers find out.
 
-Every Hub call the operator makes (this preflight, kvpersist.inventory.bucket, the pin check's
-reads) goes through one shared client built here on kvpersist.httptransport: each request has one
-total deadline, however slowly the Hub trickles its answer, and a cap on the answer's size. The
-token is passed in by the caller, never logged, and no message built here contains it.
+Every Hub call the operator makes (this preflight, inventory.bucket, the pin check's reads) goes
+through one client built here on kvpersist.httptransport: one total deadline per request, however
+slowly the Hub trickles its answer, and a cap on its size. No message built here holds the token.
 """
 
 from __future__ import annotations

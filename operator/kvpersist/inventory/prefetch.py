@@ -1,5 +1,5 @@
 """lmcache's warm prefetch (L2 -> L1), as the inventory agent runs it for the operator, and the
-answer the operator reads back (kvpersist.inventory.agentclient.request_prefetch).
+answer the operator reads back (agentclient.request_prefetch).
 
 lmcache 0.5.6 (http_apis/cache_api.py, cache_control/prefetch_service.py): POST /cache/prefetches
 {model_name, world_size, token_ids} answers 202 {request_id, chunks, "submitted"} or {chunks: 0,
@@ -8,10 +8,9 @@ lmcache 0.5.6 (http_apis/cache_api.py, cache_control/prefetch_service.py): POST 
 (then 404); found counts whole chunks, those already in L1 too.
 
 The model name and world size must be the registering vLLM's own (its `serve` argument, or the
-snapshot path under HF_HUB_OFFLINE; its tensor-parallel size, 1 for MLA), which the operator
-cannot know, so the agent reads every registration from lmcache's GET /status
-(`non_cuda_context_meta`, `cache_context_meta`) and prefetches under each. Every call is bounded
-and every answer validated: a slow, huge or malformed one is a 502/504 naming what was wrong.
+snapshot path under HF_HUB_OFFLINE; its tensor-parallel size, 1 for MLA), which the operator cannot
+know, so the agent prefetches under every registration lmcache's GET /status lists. Every call is
+bounded: a slow, huge or malformed answer is a 502/504 naming what was wrong.
 """
 
 from __future__ import annotations
@@ -119,9 +118,7 @@ def peer_code(exc: PeerError) -> int:
 
 
 class _Failed(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(code, message)
-        self.code, self.message = code, message
+    """lmcache's failure: (HTTP code, message)."""
 
 
 def _parse(reply: httpclient.Reply, model: type[M], what: str) -> M:
@@ -152,7 +149,7 @@ class Prefetcher:
         try:
             return self._run(ask)
         except _Failed as exc:
-            return _error(exc.code, exc.message)
+            return _error(*exc.args)
         finally:
             self._slots.release()
 
@@ -183,11 +180,10 @@ class Prefetcher:
         if not layouts:
             return _error(503, "no vLLM has registered its KV layout with this lmcache server yet (its /status lists no "
                           "worker): lmcache loads a prefix only under a registered model name and world size")
-        outcomes = [self._one(layout, ask.token_ids, deadline) for layout in layouts]
+        done = [o for o in [self._one(layout, ask.token_ids, deadline) for layout in layouts] if o is not None]
         seconds = round(time.monotonic() - t0, 3)
-        if all(o is None for o in outcomes):
+        if not done:
             return 200, Answer(status="noop", layouts=layouts, seconds=seconds).model_dump(by_alias=True)
-        done = [o for o in outcomes if o is not None]
         return 200, Answer(status="completed", chunks=max(o[0] for o in done), found_keys=sum(o[1] for o in done),
                            total_keys=sum(o[2] for o in done), layouts=layouts,
                            seconds=seconds).model_dump(by_alias=True)

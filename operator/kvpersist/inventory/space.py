@@ -1,8 +1,6 @@
-"""What a claim can hold once the folders of other namespaces are counted, and which of them an
-opted-in age limit may remove. Pure: the agent and the operator both judge with these.
-
-An identity change leaves the old namespace folder on the claim (deletion is explicit: `kvpersist
-gc`), and the agent trims only the folder it serves: without this its trim assumed the whole claim.
+"""What a claim can hold once the folders of other namespaces are counted (an identity change leaves
+the old folder there until `kvpersist gc`, and the agent trims only the one it serves), and which
+of them an opted-in age limit may remove. Pure: the agent and the operator both judge with these.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def others_bytes(inv: Inventory, serving: str | None) -> int:
 
 
 def used_bytes(inv: Inventory) -> int:
-    """The claim's fill: the larger of what the (maybe cut short) scan counted and what the filesystem
-    says is used (its own overhead too)."""
+    """The claim's fill: the larger of what the (maybe cut short) scan counted and the filesystem's."""
     scanned = inv.other_bytes + sum(n.bytes for n in inv.namespaces)
     fs_used = inv.capacity_bytes - inv.free_bytes if inv.capacity_bytes is not None and inv.free_bytes is not None else 0
     return max(scanned, fs_used)
@@ -73,8 +70,7 @@ def judge_expiry(namespaces: Iterable[NamespaceUsage], serving: str | None, prot
     return out
 
 
-def claim_summary(location: str, inv: Inventory, serving: str | None, live: frozenset[str], now: float,
-                  effective: int | None = None) -> dict[str, Any]:
+def claim_summary(location: str, inv: Inventory, serving: str | None, live: frozenset[str], now: float) -> dict[str, Any]:
     """One claim's space as status.l2 shows it: size, fill, what the other namespaces' folders hold (the
     largest few too), and the served namespace's watermark."""
     others = sorted((n for n in inv.namespaces if n.namespace_id != serving), key=lambda n: (-n.bytes, n.namespace_id))
@@ -90,8 +86,8 @@ def claim_summary(location: str, inv: Inventory, serving: str | None, live: froz
              "orphan": n.namespace_id not in live}
             for n in others[:LARGEST_SHOWN]],
     }
-    if effective is not None:
-        out["effectiveCapacityBytes"] = effective
+    if inv.effective_capacity_bytes is not None:
+        out["effectiveCapacityBytes"] = inv.effective_capacity_bytes
     if inv.truncated:
         out["scanComplete"] = False
     return out
@@ -116,7 +112,7 @@ def claim_space_summary(volumes: list[tuple[str, str | None, Inventory]], servin
     (the old status.l2's plus this pass's)."""
     if not volumes:
         return None
-    distinct = {loc: claim_summary(loc, inv, serving, live, now, inv.effective_capacity_bytes) for loc, _pod, inv in volumes}
+    distinct = {loc: claim_summary(loc, inv, serving, live, now) for loc, _pod, inv in volumes}
     fullest = max(distinct.values(), key=lambda c: (fraction(c) or 0.0, c["location"]))
     old = old or {}
     removed = removed or []

@@ -167,9 +167,8 @@ class Agent:
                              "without the protected ids the agent cannot be sure what is in use, so it removes nothing"}
             ids[name] = frozenset(value)
         now = time.time() if now is None else now
-        asked = sorted(ids["remove"] - ids["protected"] - {self.serving})
         removed, kept = [], []
-        for nsid in asked:
+        for nsid in sorted(ids["remove"] - ids["protected"] - {self.serving}):
             held = namespace_usage(self.root, nsid, MAX_SCAN_FILES)  # that folder only, bounded
             if held is None:
                 continue
@@ -208,8 +207,8 @@ class Agent:
         return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
 
     def forward(self, path: str) -> tuple[int, dict[str, Any] | bytes, str]:
-        """(HTTP code, body, content type) of one allowed read of lmcache's admin API; an error's body is
-        JSON to encode. A server down, slow or oversized answers 502/504 with why, never a hung request."""
+        """(HTTP code, body, content type) of one allowed read of lmcache's admin API: a server down, slow or
+        oversized answers 502/504 with why, never a hung request."""
         upstream, _, kind = PROXIED[path]
         if self.server is None:
             return 404, {"error": "this agent was started without --server-url"}, "application/json"
@@ -289,8 +288,7 @@ class Agent:
             self._thread.start()
 
     def alive(self) -> str | None:
-        """Why the agent is not alive (its trim thread ended), or None. Never blocks: /healthz calls it on
-        the server's selector thread."""
+        """Why the agent is not alive (its trim thread ended), or None; never blocks (/healthz's selector thread)."""
         if self.trimming and self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
             return f"the trim thread of {self.serving} ended: the folder is no longer held to its capacity"
         return None
@@ -302,8 +300,7 @@ class Agent:
 
 
 def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTTPServer:
-    """The agent's HTTP server, bounded in connections, threads, time and body size (kvpersist.httpserver;
-    `bounds` override its limits, for tests)."""
+    """The agent's HTTP server, bounded by kvpersist.httpserver (`bounds` override its limits, for tests)."""
 
     def healthz() -> ProbeAnswer:
         why = agent.alive() or server.stalled(STUCK_S)
@@ -334,18 +331,16 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path in PROXIED:
-                if PROXIED[url.path][1] and self._refused():
-                    return
-                self._send(*agent.forward(url.path))
+                if not (PROXIED[url.path][1] and self._refused()):
+                    self._send(*agent.forward(url.path))
             elif url.path == "/inventory" and agent.root is None:
                 self._send(404, NO_VOLUME)
             elif url.path == "/inventory":
-                if self._refused(deleting=False):
-                    return
-                fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
-                self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
-                                 "trims": agent.trimming, "trimPasses": agent.trim_passes,
-                                 "effectiveCapacityBytes": agent.effective_capacity})
+                if not self._refused(deleting=False):
+                    fresh = parse_qs(url.query).get("fresh", ["0"])[0] in ("1", "true")
+                    self._send(200, {**agent.inventory(fresh).to_json(), "serving": agent.serving, "trimmed": agent.last_trim,
+                                     "trims": agent.trimming, "trimPasses": agent.trim_passes,
+                                     "effectiveCapacityBytes": agent.effective_capacity})
             else:
                 self._send(404, {"error": "not found"})
 

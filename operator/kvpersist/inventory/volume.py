@@ -105,8 +105,7 @@ class _Budget:
 
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
-    """(path, name, lstat) of every file under top, skipping files that vanish mid-walk; links are not
-    followed. With a budget, the walk stops once it is spent."""
+    """(path, name, lstat) of every file under top (links not followed, vanished files skipped) until budget is spent."""
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
@@ -180,8 +179,7 @@ def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None)
 
 
 def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:
-    """Delete one namespace's folder; returns what it held. The caller has refused live namespaces; this
-    only guards against a path that is not a namespace folder."""
+    """Delete one namespace's folder (the caller refused live ones; this refuses any other path); returns what it held."""
     held = namespace_usage(root, namespace_id)
     if held is None:
         return NamespaceUsage(namespace_id)
@@ -300,8 +298,7 @@ def _unlink_unchanged(namespace_id: str, files: Iterable[ChunkFile]) -> Namespac
 
 
 def one_per_location(volumes: list[tuple[str, str | None, Inventory]]) -> list[tuple[str, str | None, Inventory]]:
-    """The first scan of each location: the servers of spec.l2.nvme.shared mount one claim, whose bytes
-    count once, not once per server."""
+    """The first scan of each location: spec.l2.nvme.shared's servers mount one claim, whose bytes count once."""
     first: dict[str, tuple[str, str | None, Inventory]] = {}
     for volume in volumes:
         first.setdefault(volume[0], volume)

@@ -6,9 +6,8 @@ POST /server/prefetch (token; spec.prewarm, kvpersist.inventory.prefetch), each 
 
 The operator cannot mount a claim, and lmcache reports only what its lazy index has seen since a
 restart, so the agent reads the volume itself: GET /inventory and POST /gc (one named folder, never
-the one its own server serves). Both need the agent token, so nobody else can list or delete where
-the NetworkPolicy is not enforced. /healthz is answered on the server's selector thread
-(kvpersist.httpserver), so requests that fill the workers cannot fail the probe.
+the one its own server serves), both behind the agent token for where the NetworkPolicy is not
+enforced. /healthz reports Agent.alive and the workers' progress (STUCK_S).
 
 With --capacity-bytes it trims the served folder: lmcache 0.5.6's fs_native and nixl_store_dynamic
 count L2 from zero after a restart, so older files are neither counted nor evicted and the folder

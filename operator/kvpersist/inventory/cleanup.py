@@ -60,9 +60,7 @@ def result(request: Mapping[str, str], outcome: str, message: str, held: Namespa
            completed_at: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requestId": request["requestId"], "namespaceId": request["namespaceId"], "outcome": outcome,
                            "message": message[:4096], "bytes": held.bytes if held else 0, "objects": held.objects if held else 0}
-    if completed_at:
-        out["completedAt"] = completed_at
-    return out
+    return {**out, "completedAt": completed_at} if completed_at else out
 
 
 def gc_volumes(request: Mapping[str, str], servers: list[tuple[str, str]], agent_port: int,

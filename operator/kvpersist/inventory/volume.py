@@ -200,11 +200,10 @@ class ChunkFile(NamedTuple):
 # a crash in between leaves the temp file (nixl removes it only at a clean shutdown). fs_native writes
 # `<stem>.tmp` beside `<stem>.data` (`<model>@0x<rank>@<group>@<hash>[@<salt>]`) and renames it.
 TEMP_MARK = ".tmp."
-NIXL_TEMP_RE = re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")
-FS_TEMP_RE = re.compile(r".+@0x[0-9a-f]+@[0-9a-f]+@[0-9a-f]+(@.*)?\.tmp")
 # Per adapter: its committed chunk suffix and temp-file names, the only files the trim counts and deletes.
 # Anything else must not count: bytes it may not delete would make it delete live chunks in their place.
-TRIMMED_ADAPTERS = {"nixl_store_dynamic": (".bin", NIXL_TEMP_RE), "fs_native": (".data", FS_TEMP_RE)}
+TRIMMED_ADAPTERS = {"nixl_store_dynamic": (".bin", re.compile(r".+\.bin\.tmp\.[0-9a-f]{32}")),
+                    "fs_native": (".data", re.compile(r".+@0x[0-9a-f]+@[0-9a-f]+@[0-9a-f]+(@.*)?\.tmp"))}
 DEFAULT_TRIMMED = "nixl_store_dynamic"  # an agent rendered before fs_native names none
 # A temp file untouched this long is abandoned: lmcache writes and renames a chunk in one go, so a live one
 # is seconds old; an hour leaves a slow disk its time. Deleting one being written only fails that store.

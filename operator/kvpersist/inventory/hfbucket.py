@@ -107,14 +107,13 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
                 api.create_bucket(bid, private=True, exist_ok=True)
                 return Preflight(True, "BucketCreated", f"bucket {bid} did not exist and was created (createBucketIfMissing)")
             except HfHubHTTPError as create_exc:
-                ccode = create_exc.response.status_code if create_exc.response is not None else None
-                return _refused(bid, ccode, secret_ref, creating=True)
+                return _refused(bid, create_exc.response, secret_ref, "create")
             except (httpx2.TransportError, OSError) as create_exc:  # not caught by the outer try's clauses below
                 return _unreachable(bid, create_exc)
         if code == 404:
             return Preflight(False, "BucketNotFound", f"bucket {bid} does not exist (or the token from {secret_ref} cannot "
                              "see it): create it, or set spec.l2.hfBucket.createBucketIfMissing: true")
-        return _refused(bid, code, secret_ref, creating=False)
+        return _refused(bid, exc.response, secret_ref, "read")
     except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
         return _unreachable(bid, exc)
 
@@ -130,8 +129,8 @@ def _unreachable(bid: str, exc: BaseException) -> Preflight:
                      f"cannot reach the Hugging Face Hub to check bucket {bid}: {transport_error_text(exc)}")
 
 
-def _refused(bid: str, code: int | None, secret_ref: str, creating: bool) -> Preflight:
-    action = "create" if creating else "read"
+def _refused(bid: str, response: httpx2.Response | None, secret_ref: str, action: str) -> Preflight:
+    code = response.status_code if response is not None else None
     if code == 401:
         return Preflight(False, "TokenRejected", f"the Hub rejected the token from {secret_ref} (401): put a valid token "
                          "with write access to the bucket in that Secret")

@@ -41,17 +41,11 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
         pool,  # spec.vllm.inferencePool, where the API server serves InferencePool
     ]
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
-    # list to its builders to derive the operator's grants.
-    if not (target.cache_enabled and target.routes):
-        manifests.remove(zmq)
-    if target.cache_enabled and not target.routes:
-        manifests.remove(local)
-    if vllm_service is None:
-        manifests.remove(vllm_service)
-    if pool is None or not target.inference_pool_served:
-        manifests.remove(pool)
-    if model_cache is None:
-        manifests.remove(model_cache)
-    if attached(target):  # the user's own vLLM pods (builders.attach): no Deployment of the operator's
-        manifests.remove(vllm)
+    # list to its builders to derive the operator's grants. Attached: the user's own vLLM pods
+    # (builders.attach), no Deployment of the operator's.
+    left_out = ((zmq, not (target.cache_enabled and target.routes)), (local, target.cache_enabled and not target.routes),
+                (vllm_service, vllm_service is None), (pool, pool is None or not target.inference_pool_served),
+                (model_cache, model_cache is None), (vllm, attached(target)))
+    for manifest in [m for m, out in left_out if out]:
+        manifests.remove(manifest)
     return manifests  # type: ignore[return-value]

@@ -30,7 +30,7 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
     if not attached(target) or target.namespace_id is None or digest is None or not target.routes:
         return None
     pins = target.spec.identity.resolved()
-    out: dict[str, Any] = {
+    return {
         "namespaceId": target.namespace_id,
         "model": target.spec.identity.model_id,
         "imageDigest": digest,
@@ -40,10 +40,8 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
         "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),
                 *({"name": name, "fieldPath": path} for name, path in kv_events_env(target))],
         "serverSelector": target.id_selector(SERVER),
+        **({"bypassed": bypassed} if bypassed is not None else {}),
     }
-    if bypassed is not None:
-        out["bypassed"] = bypassed
-    return out
 
 
 def attached_peer(target: Target) -> dict[str, Any]:

@@ -8,8 +8,9 @@ import os
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, KVCacheNamespaceSpec, NVMe, chunk_layer_bytes, l1_page_bytes, parse_quantity
+from kvpersist.api.v1alpha1 import GIB, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
 from kvpersist.builders import buildcheck
+from kvpersist.builders.modelcache import claim_spec
 from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import (
     AGENT_USER,
@@ -34,7 +35,7 @@ from kvpersist.builders.target import (
     SERVER,
     Target,
 )
-from kvpersist.builders.vllm import placement
+from kvpersist.builders.vllm import placement, quantities
 from kvpersist.inserver import program_source
 from kvpersist.inserver.serve import CHECKED_TYPE, SERDE_TYPE
 
@@ -59,11 +60,7 @@ HEALTH_SCRIPT = ("import sys, urllib.request; "
 # SERVE_ENV), which registers kvpersist's L2 serde, then runs lmcache's `lmcache` entry point with the args.
 SERVE_ENV = "KVPERSIST_LMCACHE_SERVE"
 SERVER_COMMAND = ["sh", "-c", f'umask 0002 && exec "$0" -c "${SERVE_ENV}" "$@"', "python3"]
-
-
-def serve_source() -> str:
-    """kvpersist.inserver.serve as the server runs it (python3 -c), with the module it imports."""
-    return program_source()
+serve_source = program_source  # kvpersist.inserver.serve as the server runs it (python3 -c), with what it imports
 
 
 # The server requests no GPU (that would take vLLM's) yet opens vLLM's KV by CUDA IPC, finding each GPU
@@ -115,7 +112,6 @@ def serde_workers(target: Target) -> int:
 
 
 def server_cores(target: Target) -> int:
-    """Whole cores of the server container's CPU request (at least 1)."""
     cpu = server_resources(target)["requests"].get("cpu", DEFAULT_SERVER_CPU)
     return max(1, math.ceil(parse_quantity(cpu)))  # exact (a Decimal): 2 is 2, not 2.0000000001
 
@@ -229,14 +225,9 @@ def server_args(target: Target) -> list[str]:
 def server_resources(target: Target) -> dict[str, dict[str, str]]:
     """Memory from L1 (L1 + 5Gi requested, 1.5x that as the limit) unless the spec overrides it."""
     request_mi = math.ceil((target.spec.l1.size_gb + MEMORY_OVERHEAD_GIB) * 1024)
-    limit_mi = math.ceil(request_mi * MEMORY_LIMIT_FACTOR)
-    requests: dict[str, str] = {"memory": f"{request_mi}Mi", "cpu": DEFAULT_SERVER_CPU}
-    limits: dict[str, str] = {"memory": f"{limit_mi}Mi"}
-    override = target.spec.lmcache_server.resources
-    if override is not None:
-        requests.update({k: str(v) for k, v in (override.requests or {}).items()})
-        limits.update({k: str(v) for k, v in (override.limits or {}).items()})
-    return {"requests": requests, "limits": limits}
+    defaults = {"requests": {"memory": f"{request_mi}Mi", "cpu": DEFAULT_SERVER_CPU},
+                "limits": {"memory": f"{math.ceil(request_mi * MEMORY_LIMIT_FACTOR)}Mi"}}
+    return {kind: {**default, **quantities(target.spec.lmcache_server.resources, kind)} for kind, default in defaults.items()}
 
 
 def admin_url(target: Target) -> str:
@@ -251,22 +242,21 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 
 
 def server_container(target: Target) -> dict[str, Any]:
-    srv = target.spec.lmcache_server
-    env: list[dict[str, Any]] = [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"},
-                                 HOME_ENV, {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV,
-                                 *TELEMETRY_OFF_ENV]
     bucket = target.spec.l2.hf_bucket
-    if bucket is not None:
-        # The token reaches the server only through the environment, from the Secret.
-        env.append({"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": bucket.token_secret_ref.name, "key": bucket.token_secret_ref.key}}})
-    container: dict[str, Any] = {
+    # The bucket's token reaches the server only through the environment, from the Secret.
+    token = [] if bucket is None else [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+        "name": bucket.token_secret_ref.name, "key": bucket.token_secret_ref.key}}}]
+    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if target.spec.l2.nvme is not None else []
+    key = [{"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True}] if target.key_secret is not None else []
+    # Its lmcache must be the declared build: checked before `lmcache server` starts.
+    return buildcheck.wrap({
         "name": "lmcache-server",
         "image": target.spec.image,
         "command": SERVER_COMMAND,
         "args": server_args(target),
-        "env": env,
-        "ports": [{"name": "zmq", "containerPort": srv.port, "protocol": "TCP"}],  # the admin API: loopback
+        "env": [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"}, HOME_ENV,
+                {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV, *TELEMETRY_OFF_ENV, *token],
+        "ports": [{"name": "zmq", "containerPort": target.spec.lmcache_server.port, "protocol": "TCP"}],  # the admin API: loopback
         "resources": server_resources(target),
         # Loading torch and allocating L1 takes a while (10 minutes allowed), checked every second.
         "startupProbe": _probe(target, 1, 600),
@@ -274,15 +264,8 @@ def server_container(target: Target) -> dict[str, Any]:
         "livenessProbe": _probe(target, 10, 6),
         # vLLM's uid (it must open vLLM's 0600 shared-memory KV), in the data group that owns the L2 folder.
         "securityContext": data_plane_security_context(DATA_GROUP),
-    }
-    mounts = []
-    if target.spec.l2.nvme is not None:
-        mounts.append({"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
-    if target.key_secret is not None:
-        mounts.append({"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True})
-    container["volumeMounts"] = [*mounts, *data_plane_volumes()[1]]
-    # Its lmcache must be the declared build: checked before `lmcache server` starts.
-    return buildcheck.wrap(container, target, SERVER)
+        "volumeMounts": [*l2, *key, *data_plane_volumes()[1]],
+    }, target, SERVER)
 
 
 def _secret_volume(volume: str, secret: str, key: str, path: str, users_claim: str | None) -> dict[str, Any]:
@@ -313,11 +296,9 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         if nvme.shared:  # only ordinal 0's agent trims (kvpersist.inventory.agent.trimmer_of)
             args += ["--shared-folder", "--trim-grace", str(SHARED_TRIM_GRACE_S)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
-    mounts = [{"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}]
+    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if nvme is not None else []
     # Non-root, no capability: it reads and deletes L2, and reads its token, through the fsGroup
     # (DATA_GROUP); on a user's claim only where its owner gave the volume's root that group, setgid.
-    if nvme is not None:
-        mounts.insert(0, {"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH})
     return {
         "name": AGENT_CONTAINER,
         **({"env": [POD_NAME_ENV_VAR]} if target.shared else {}),
@@ -328,7 +309,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "readinessProbe": probe,
         "livenessProbe": probe,
-        "volumeMounts": mounts,
+        "volumeMounts": [*l2, {"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}],
         "securityContext": {**container_security_context(), "runAsUser": AGENT_USER, "runAsGroup": DATA_GROUP,
                             "runAsNonRoot": True},
     }
@@ -351,14 +332,7 @@ def build_shared_claim(target: Target) -> dict[str, Any] | None:
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
             "metadata": {"name": target.shared_claim, "namespace": target.namespace,
                          "labels": retained_labels(target.name, SERVER), "annotations": retained_annotations()},
-            "spec": _claim_spec(nvme, "ReadWriteMany")}
-
-
-def _claim_spec(nvme: NVMe, access_mode: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"accessModes": [access_mode], "resources": {"requests": {"storage": str(nvme.size)}}}
-    if nvme.storage_class_name:
-        spec["storageClassName"] = nvme.storage_class_name
-    return spec
+            "spec": claim_spec(["ReadWriteMany"], nvme.size, nvme.storage_class_name)}
 
 
 def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
@@ -388,17 +362,14 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
         "selector": {"matchLabels": selector},
         "template": {"metadata": {"labels": target.labels(SERVER)}, "spec": pod_spec},
     }
-    volumes = []
-    if target.key_secret is not None:  # the server's; it fails to start (and says so) without the key
-        volumes.append(_secret_volume(L2_KEY_VOLUME, *target.key_secret, L2_KEY_FILE, users_claim))
-    volumes.append(_secret_volume(AGENT_TOKEN_VOLUME, target.agent_token_secret, AGENT_TOKEN_KEY, AGENT_TOKEN_KEY, users_claim))
     one_claim = target.shared_claim or users_claim
-    if one_claim:
-        volumes.append({"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": one_claim}})
-    volumes += data_plane_volumes(TMP_SIZE_LIMIT)[0]
-    pod_spec["volumes"] = volumes
+    pod_spec["volumes"] = [  # the key: the server's; it fails to start (and says so) without it
+        *([_secret_volume(L2_KEY_VOLUME, *target.key_secret, L2_KEY_FILE, users_claim)] if target.key_secret is not None else []),
+        _secret_volume(AGENT_TOKEN_VOLUME, target.agent_token_secret, AGENT_TOKEN_KEY, AGENT_TOKEN_KEY, users_claim),
+        *([{"name": L2_VOLUME, "persistentVolumeClaim": {"claimName": one_claim}}] if one_claim else []),
+        *data_plane_volumes(TMP_SIZE_LIMIT)[0]]
     if nvme is not None and not one_claim:
         sts_spec["volumeClaimTemplates"] = [{"metadata": {"name": L2_VOLUME, "labels": target.selector(SERVER)},
-                                             "spec": _claim_spec(nvme, "ReadWriteOnce")}]
+                                             "spec": claim_spec(["ReadWriteOnce"], nvme.size, nvme.storage_class_name)}]
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": nvme.reclaim_policy, "whenScaled": "Retain"}
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": target.metadata(target.server_name, SERVER), "spec": sts_spec}

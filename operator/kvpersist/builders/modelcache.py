@@ -22,14 +22,18 @@ def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
     cache = target.spec.vllm.model_cache
     if cache is None or cache.size is None:
         return None
-    spec: dict[str, Any] = {"accessModes": list(cache.access_modes or DEFAULT_ACCESS_MODES),
-                            "resources": {"requests": {"storage": str(cache.size)}}}
-    if cache.storage_class_name is not None:
-        spec["storageClassName"] = cache.storage_class_name
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
             "metadata": {"name": target.model_cache_claim, "namespace": target.namespace,
                          "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}},
-            "spec": spec}
+            "spec": claim_spec(list(cache.access_modes or DEFAULT_ACCESS_MODES), cache.size, cache.storage_class_name)}
+
+
+def claim_spec(access_modes: list[str], size: Any, storage_class: str | None) -> dict[str, Any]:
+    """A claim's spec; without storage_class, the cluster's default StorageClass (no key)."""
+    spec: dict[str, Any] = {"accessModes": access_modes, "resources": {"requests": {"storage": str(size)}}}
+    if storage_class is not None:
+        spec["storageClassName"] = storage_class
+    return spec
 
 
 def claim_differences(manifest: dict[str, Any], existing: dict[str, Any]) -> list[str]:

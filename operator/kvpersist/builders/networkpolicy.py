@@ -71,12 +71,9 @@ def build_network_policy(target: Target, operator_ns: str | None, scraper: Mappi
     """Every server: the agent's port from the operator's pods only (from nowhere when the operator's
     namespace is unknown), and from the scraper when named (the servers' only metrics port). Never a
     rule without peers: the kubelet's probes come from the pod's node, always admitted. No ZMQ here."""
-    peers: list[dict[str, Any]] = []
-    if operator_ns:
-        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
-                      "podSelector": {"matchLabels": OPERATOR_LABELS}})
-    if scraper:
-        peers.append(dict(scraper))
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
+                "podSelector": {"matchLabels": OPERATOR_LABELS}}
+    peers = [*([operator] if operator_ns else []), *([dict(scraper)] if scraper else [])]
     return _policy(target, f"{target.name}-lmcache", target.selector(SERVER),
                    [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers])
 

@@ -23,11 +23,7 @@ def vllm_args(target: Target) -> list[str]:
     ident = target.spec.identity
     pins = ident.resolved()
     vllm = target.spec.vllm
-    args = ["serve", ident.model_id]
-    for attr, flag in PIN_FLAGS:
-        value = pins[attr]
-        if value is not None:
-            args += [flag, str(value)]
+    args = ["serve", ident.model_id, *(a for attr, flag in PIN_FLAGS if pins[attr] is not None for a in (flag, str(pins[attr])))]
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
     if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]
@@ -50,11 +46,8 @@ def kv_events_config(target: Target) -> dict[str, Any] | None:
     if events.topic_format == "LLMD":  # the kubelet expands the pod's IP (kv_events_env) in the argument
         vllm = target.spec.vllm
         topic = f"kv@$({POD_IP_ENV}):{vllm.port}@{vllm.served_model_name or target.spec.identity.model_id}"
-    out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events.port}",
-                           "topic": topic}
-    if events.replay_port is not None:
-        out["replay_endpoint"] = f"tcp://*:{events.replay_port}"
-    return out
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events.port}", "topic": topic,
+            **({"replay_endpoint": f"tcp://*:{events.replay_port}"} if events.replay_port is not None else {})}
 
 
 def kv_events_args(target: Target) -> list[str]:
@@ -79,19 +72,18 @@ def kv_events_ports(target: Target) -> list[dict[str, Any]]:
     if kv_events_config(target) is None:
         return []
     events = target.spec.vllm.kv_events
-    ports = [{"name": KV_EVENTS_PORT_NAME, "containerPort": events.port, "protocol": "TCP"}]
-    if events.replay_port is not None:
-        ports.append({"name": KV_EVENTS_REPLAY_PORT_NAME, "containerPort": events.replay_port, "protocol": "TCP"})
-    return ports
+    ports = ((KV_EVENTS_PORT_NAME, events.port), (KV_EVENTS_REPLAY_PORT_NAME, events.replay_port))
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports if port is not None]
+
+
+def quantities(resources: Any, kind: str) -> dict[str, str]:
+    """The requests or limits (kind) of a spec's Resources (or None), as strings."""
+    return {k: str(v) for k, v in (getattr(resources, kind, None) or {}).items()}
 
 
 def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
-    extra = target.spec.vllm.resources
-    requests = {k: str(v) for k, v in ((extra.requests if extra else None) or {}).items()}
-    limits = {k: str(v) for k, v in ((extra.limits if extra else None) or {}).items()}
-    gpus = target.spec.vllm.gpus_per_replica or target.spec.identity.tensor_parallel_size or 1
-    requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
-    return {"requests": requests, "limits": limits}
+    gpus = {"nvidia.com/gpu": str(target.spec.vllm.gpus_per_replica or target.spec.identity.tensor_parallel_size or 1)}
+    return {kind: {**quantities(target.spec.vllm.resources, kind), **gpus} for kind in ("requests", "limits")}
 
 
 MODEL_CACHE_VOLUME = "model-cache"
@@ -191,11 +183,9 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         container["command"] = ["sh", "-c", env_filter(set_in_env) + buildcheck.EXEC, "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *data_plane_volumes()[0]]
-    if target.model_cache_claim is not None:  # the user's, or the one the operator makes (builders/modelcache.py)
-        volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": target.model_cache_claim}})
-    else:  # downloaded at each start, at the same path (operator_env)
-        volumes.append({"name": MODEL_CACHE_VOLUME, "emptyDir": {}})
+    # The user's claim or the operator's (builders/modelcache.py), or downloaded at each start to the same path (operator_env).
+    weights = {"persistentVolumeClaim": {"claimName": target.model_cache_claim}} if target.model_cache_claim else {"emptyDir": {}}
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *data_plane_volumes()[0], {"name": MODEL_CACHE_VOLUME, **weights}]
     # The non-root vLLM writes the operator's model cache through the pod's group; a user's claim is never re-owned.
     made = spec.vllm.model_cache is not None and not spec.vllm.model_cache.existing_claim_name
     pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes},

@@ -8,16 +8,12 @@ from kvpersist.builders.target import SERVER, Target
 
 
 def build_server_pdb(target: Target) -> dict[str, Any]:
-    """maxUnavailable 1, whatever the number of servers, with unhealthy pods always evictable.
-
-    An evicted server loses its node's L1 (its L2 is read again once it is back): a drain of many
+    """An evicted server loses its node's L1 (its L2 is read again once it is back): a drain of many
     nodes at once would otherwise take every vLLM pod's cache server together. With one server,
-    maxUnavailable 0 would block `kubectl drain` forever; the budget lets it go and vLLM runs without
-    the cache (CacheBypassed) meanwhile. maxUnavailable follows replicas without a rewrite and blocks
-    nothing with the cache off. AlwaysAllow: a server that is not Ready serves nothing, so a drain need
-    not wait for it. A server the scheduler has found no node for for UNPLACED_AFTER_S would use up the
-    one disruption for good: not counted (maxUnavailable 1 + target.unplaced_servers).
-    """
+    maxUnavailable 0 would block `kubectl drain` forever; 1 lets it go (vLLM runs without the cache
+    meanwhile: CacheBypassed), follows replicas without a rewrite and blocks nothing with the cache off.
+    AlwaysAllow: a server that is not Ready serves nothing, so a drain need not wait for it. Servers the
+    scheduler has found no node for for UNPLACED_AFTER_S are not counted: they would use up the one disruption for good."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

@@ -23,14 +23,12 @@ TMP_PATH = "/tmp"
 
 
 def container_security_context() -> dict[str, Any]:
-    """No privilege escalation, no Linux capabilities at all, a read-only root filesystem."""
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
 
 
 def data_plane_security_context(group: int = DATA_PLANE_USER) -> dict[str, Any]:
-    """vLLM's and the server's: non-root as DATA_PLANE_USER (set here too, for older images whose user
-    was root), read-only root."""
+    """vLLM's and the server's: runAsUser set too, for older images whose user was root."""
     return {**container_security_context(), "runAsUser": DATA_PLANE_USER, "runAsGroup": group, "runAsNonRoot": True}
 
 

@@ -74,8 +74,7 @@ class Target:
 
     @property
     def local_service_name(self) -> str:
-        """Node-local Service vLLM connects through: one per namespace id, selecting only its servers,
-        so a vLLM pod of another identity (during a pin change) cannot reach them by name."""
+        """The node-local Service vLLM connects through, one per namespace id (builders.services)."""
         return self.per_id_name(self.namespace_id)
 
     def per_id_name(self, namespace_id: str | None) -> str:
@@ -84,7 +83,6 @@ class Target:
 
     @property
     def metrics_service_name(self) -> str:
-        """Headless Service: governs the StatefulSet and exposes the HTTP admin/metrics port."""
         return f"{self.name}-lmcache-metrics"
 
     @property

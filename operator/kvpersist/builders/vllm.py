@@ -179,8 +179,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         container["envFrom"] = [{"prefix": ENV_FROM_PREFIX, **({"secretRef": {"name": e.secret_ref.name}} if e.secret_ref
                                  else {"configMapRef": {"name": e.config_map_ref.name}})}  # type: ignore[union-attr]
                                 for e in spec.vllm.env_from]
-        set_in_env = [e["name"] for e in container["env"]]
-        container["command"] = ["sh", "-c", env_filter(set_in_env) + buildcheck.EXEC, "vllm"]
+        container["command"] = ["sh", "-c", env_filter([e["name"] for e in container["env"]]) + buildcheck.EXEC, "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
     # The user's claim or the operator's (builders/modelcache.py), or downloaded at each start to the same path (operator_env).

@@ -151,7 +151,6 @@ def wrap(container: dict[str, Any], target: Target, component: str) -> dict[str,
         command = ["sh", "-c", f"{CHECK} && {EXEC}", command[0]]
     container["command"] = command
     declared = declared_versions(target.spec.identity.connector_build) or {}
-    env = [{"name": SCRIPT_ENV, "value": CHECK_SCRIPT}]
-    env += [{"name": EXPECT_ENV[p], "value": declared[p]} for p in wanted if p in declared]
-    container["env"] = [*container.get("env", []), *env]
+    container["env"] = [*container.get("env", []), {"name": SCRIPT_ENV, "value": CHECK_SCRIPT},
+                        *({"name": EXPECT_ENV[p], "value": declared[p]} for p in wanted if p in declared)]
     return container

@@ -193,7 +193,6 @@ def server_args(target: Target) -> list[str]:
     """`lmcache server` arguments: ZMQ on all interfaces (vLLM pods on the node reach it), the admin
     API on loopback only, /run_script off."""
     spec = target.spec
-    events = ["--kv-event-log-size", "0"] if worker_sourced_kv_events(target) else []
     return [
         "server",
         "--host", "0.0.0.0",
@@ -218,7 +217,7 @@ def server_args(target: Target) -> list[str]:
         # hack/gpu_ipc_check.py, docs/measurements/gpu-ipc-h200.json); isolated IPC (cudaIpc handles,
         # timeline semaphores) worked in every pod layout. The connector matches (builders/connection.py).
         "--isolated-ipc",
-        *events,
+        *(["--kv-event-log-size", "0"] if worker_sourced_kv_events(target) else []),
     ]
 
 
@@ -341,13 +340,12 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     to zero, never deleted, while the cache is disabled, so no claim is lost over a missing pin."""
     spec = target.spec
     selector = target.selector(SERVER)
-    containers = [server_container(target), agent_container(target, image_of_agent or target.agent_image or DEFAULT_AGENT_IMAGE)]
     nvme = spec.l2.nvme
     # A user's claim (existingClaimName): no fsGroup, so the kubelet never re-owns their volume (chgrp
     # and g+rwX over every file); what it must allow is the user's to set (docs/api.md).
     users_claim = nvme.existing_claim_name if nvme is not None else None
     pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
-        "containers": containers,
+        "containers": [server_container(target), agent_container(target, image_of_agent or target.agent_image or DEFAULT_AGENT_IMAGE)],
         # No host namespace: isolated CUDA IPC (server_args) needs none (baseline Pod Security admits them).
         "terminationGracePeriodSeconds": 60,
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [

@@ -145,8 +145,7 @@ class Target:
         return {**self.selector(component), **({NAMESPACE_ID_LABEL: self.namespace_id} if self.namespace_id else {})}
 
     def labels(self, component: str) -> dict[str, str]:
-        return {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY,
-                **({NAMESPACE_ID_LABEL: self.namespace_id} if self.namespace_id else {})}
+        return {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY, **self.id_selector(component)}
 
     def metadata(self, name: str, component: str) -> dict:
         return {"name": name, "namespace": self.namespace, "labels": self.labels(component)}

@@ -141,17 +141,11 @@ def env_filter(set_in_env: list[str]) -> str:
 
 def placement(pod_spec: dict[str, Any], spec: KVCacheNamespaceSpec, runtime_class: str | None,
               affinity: dict[str, Any] | None = None) -> None:
-    """Pull secrets, runtime class, affinity, and vLLM's nodes (the servers follow them)."""
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    if runtime_class:
-        pod_spec["runtimeClassName"] = runtime_class
-    if affinity:
-        pod_spec["affinity"] = affinity
-    if spec.vllm.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.vllm.node_selector)
-    if spec.vllm.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations]
+    """Pull secrets, runtime class, affinity, and vLLM's nodes (the servers follow them); each only when set."""
+    placed = {"imagePullSecrets": [{"name": s.name} for s in spec.image_pull_secrets], "runtimeClassName": runtime_class,
+              "affinity": affinity, "nodeSelector": dict(spec.vllm.node_selector or {}),
+              "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in spec.vllm.tolerations or []]}
+    pod_spec.update({key: value for key, value in placed.items() if value})
 
 
 def build_vllm_deployment(target: Target) -> dict[str, Any]:

@@ -6,13 +6,16 @@ object checked) and an encrypted one run at 0.67-0.79x of the unchecked read whe
 reads at memory speed. The server reads each object whole into a temporary L1 buffer, then the
 serde opens it into the destination: one more pass over every byte. This bench asks what reading
 each object straight into its destination and checking it there would give, before anyone
-replaces lmcache's load path for it: the same chunk files, read cold by the same threads, four
+replaces lmcache's load path for it: the same chunk files, read cold by the same threads, five
 ways, no server involved:
 
 - `unchecked`: each file read whole into its destination (what fs_native does, with no serde);
   the baseline of every ratio;
 - `temp+open`: each frame read whole into a temporary buffer, then opened into the destination
-  (serve.open_frame, the server's serde): today's structure, one thread's share of it;
+  (serve.open_frame, the server's serde): today's structure, one thread's share of it, with one
+  temporary buffer per thread, used again for every chunk (it may stay in the CPU's last-level cache);
+- `temps+open`: the same with a temporary buffer of its own for each chunk, as lmcache's wrapper
+  takes one from L1 for each load (distinct memory: every byte crosses memory once more);
 - `streamed`: each frame read in pieces of --piece-kib into a small buffer that stays in the CPU's
   cache and decrypted from there into the destination as it arrives (AES-GCM, the segments' own
   tags checked): the read-into-the-destination design for encryption on, no extra pass;
@@ -23,7 +26,7 @@ ways, no server involved:
 
 Every tag is checked for real (a failed one stops the bench), every destination compared with the
 plaintext by sha256 after each read. Page cache dropped before each read (needs root); the order
-of the four rotates by trial; ratios per trial, medians printed. --ram-device N sets up an ext4 on
+of the five rotates by trial; ratios per trial, medians printed. --ram-device N sets up an ext4 on
 a loop device over /dev/shm (O_DIRECT, as the server reads in production) and removes it;
 --dir DIR reads a folder you give (buffered; a tmpfs cannot take O_DIRECT).
 
@@ -52,7 +55,7 @@ from kvpersist.inserver import serve
 
 CHUNK_BYTES = 32 * 2**20  # datapath_bench's: a 256-token chunk of a 32-layer, 8-KV-head, 128-dim fp16 model
 PAGE = 4096
-READERS = ("unchecked", "temp+open", "streamed", "streamed-plain")
+READERS = ("unchecked", "temp+open", "temps+open", "streamed", "streamed-plain")
 GMAC_LABEL = b"check_ceiling plain segment"
 CHECKED_KEY = serve.CHECKED_KEY  # a public key: a checksum bound to the name, not a secret
 
@@ -132,12 +135,14 @@ class Reader:
     piece buffer, all page-aligned for O_DIRECT."""
 
     def __init__(self, chunks: int, piece: int) -> None:
+        self.frame = -(-serve.sealed_size(CHUNK_BYTES) // PAGE) * PAGE
         self.dest = _aligned(chunks * CHUNK_BYTES)
-        self.temp = _aligned(serve.sealed_size(CHUNK_BYTES) + PAGE)
+        self.temps = _aligned(chunks * self.frame)  # one per chunk (temps+open); temp+open reuses the first
         self.piece = _aligned(piece)
+        self.slot = 0
 
     def close(self) -> None:
-        for b in (self.dest, self.temp, self.piece):
+        for b in (self.dest, self.temps, self.piece):
             b.close()
 
 
@@ -149,15 +154,20 @@ def unchecked(files: Files, i: int, out: memoryview, r: Reader, flags: int) -> N
         os.close(fd)
 
 
-def temp_open(files: Files, i: int, out: memoryview, r: Reader, flags: int) -> None:
+def temp_open(files: Files, i: int, out: memoryview, r: Reader, flags: int, slot: int = 0) -> None:
     fd = os.open(files.frames[i], flags)
     try:
         size = os.fstat(fd).st_size
-        temp = memoryview(r.temp)[:-(-size // PAGE) * PAGE]
+        temp = memoryview(r.temps)[slot * r.frame:(slot + 1) * r.frame]
         _read_into(fd, temp, 0)
     finally:
         os.close(fd)
     serve.open_frame(files.aead, files.fingerprint, _binding(i), temp[:size], out)
+
+
+def temps_open(files: Files, i: int, out: memoryview, r: Reader, flags: int) -> None:
+    r.slot = (r.slot + 1) % (len(r.temps) // r.frame)
+    temp_open(files, i, out, r, flags, r.slot)
 
 
 def streamed(files: Files, i: int, out: memoryview, r: Reader, flags: int) -> None:
@@ -245,7 +255,8 @@ def streamed_plain(files: Files, i: int, out: memoryview, r: Reader, flags: int)
 
 
 READ: dict[str, Callable[[Files, int, memoryview, Reader, int], None]] = {
-    "unchecked": unchecked, "temp+open": temp_open, "streamed": streamed, "streamed-plain": streamed_plain}
+    "unchecked": unchecked, "temp+open": temp_open, "temps+open": temps_open, "streamed": streamed,
+    "streamed-plain": streamed_plain}
 
 
 def read_all(files: Files, how: str, threads: int, readers: list[Reader], direct: bool, cold: bool = True) -> float:

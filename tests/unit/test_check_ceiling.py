@@ -39,7 +39,7 @@ def test_every_way_reads_the_plaintext_with_one_and_two_threads(small: ModuleTyp
             assert small.read_all(files, how, threads, readers, direct=False, cold=False) > 0
 
 
-@pytest.mark.parametrize("how", ["temp+open", "streamed", "streamed-plain"])
+@pytest.mark.parametrize("how", ["temp+open", "temps+open", "streamed", "streamed-plain"])
 def test_a_changed_byte_stops_each_checked_way(small: ModuleType, tmp_path: Path, how: str) -> None:
     files = small.Files(tmp_path, 2)
     target = files.plains[1] if how == "streamed-plain" else files.frames[1]

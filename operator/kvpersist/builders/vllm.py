@@ -23,7 +23,10 @@ def vllm_args(target: Target) -> list[str]:
     ident = target.spec.identity
     pins = ident.resolved()
     vllm = target.spec.vllm
-    args = ["serve", ident.model_id, *(a for attr, flag in PIN_FLAGS if pins[attr] is not None for a in (flag, str(pins[attr])))]
+    args = ["serve", ident.model_id]
+    for attr, flag in PIN_FLAGS:
+        if pins[attr] is not None:
+            args += [flag, str(pins[attr])]
     args += ["--served-model-name", vllm.served_model_name or ident.model_id, "--host", "0.0.0.0", "--port", str(vllm.port)]
     if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]

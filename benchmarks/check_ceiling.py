@@ -44,9 +44,9 @@ import statistics
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -268,25 +268,19 @@ def read_all(files: Files, how: str, threads: int, readers: list[Reader], direct
         raise SystemExit("the page cache could not be dropped (needs root): the reads would not be cold")
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     count = len(files.frames)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            view = memoryview(readers[t].dest)
-            for slot, i in enumerate(range(t, count, threads)):
-                READ[how](files, i, view[slot * CHUNK_BYTES:(slot + 1) * CHUNK_BYTES], readers[t], flags)
-        except BaseException as exc:
-            errors.append(exc)
+        view = memoryview(readers[t].dest)
+        for slot, i in enumerate(range(t, count, threads)):
+            READ[how](files, i, view[slot * CHUNK_BYTES:(slot + 1) * CHUNK_BYTES], readers[t], flags)
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     t0 = time.monotonic()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+    except Exception as exc:  # a failed tag (InvalidTag), a short read
+        raise SystemExit(f"{how}: {type(exc).__name__}: {exc}") from exc
     elapsed = time.monotonic() - t0
-    if errors:
-        raise SystemExit(f"{how}: {type(errors[0]).__name__}: {errors[0]}")
     if how != "unchecked":  # unchecked reads frames: ciphertext, nothing to compare
         for t in range(threads):
             view = memoryview(readers[t].dest)

@@ -343,17 +343,17 @@ def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: 
         labels = {n: _readable(unchecked, f"Secret {n}", None, kube.get_metadata, "v1", "Secret", n, namespace)
                   for _field, n in named_secrets(spec)}
         snap = replace(snap, named_secrets=labels)
-    if dec.policy_refusal(snap) is not None:
-        return snap, unchecked
-    base = Target(name, namespace, spec, None)
-    claims = {n: _readable(unchecked, f"PersistentVolumeClaim {n}", None, kube.get, "v1", "PersistentVolumeClaim", n, namespace)
-              for n in ownership.l2_claim_names(base)}
-    snap = replace(snap, l2_claims=claims)
-    if ownership.claim_refusal(base, claims) is not None:
-        return snap, unchecked
-    offered = key_fingerprint(secrets.token_bytes(L2_KEY_BYTES)) if key is not None and key.absent and key.generated else None
-    snap = replace(snap, key=key, proposed_key=offered)
-    if dec.key_target(snap).cache_enabled:
+
+    def claims(base: Target) -> dict[str, Any]:
+        return {n: _readable(unchecked, f"PersistentVolumeClaim {n}", None, kube.get, "v1", "PersistentVolumeClaim", n,
+                             namespace) for n in ownership.l2_claim_names(base)}
+
+    def key_read(snap: dec.Snapshot, _base: Target) -> dec.Snapshot:
+        offered = key_fingerprint(secrets.token_bytes(L2_KEY_BYTES)) if key is not None and key.absent and key.generated \
+            else None
+        return replace(snap, key=key, proposed_key=offered)
+
+    def stores(_target: Target) -> tuple[tuple[sharing.User, ...], tuple[Any, ...]]:
         if spec.l2.nvme is not None:
             bodies = _readable(unchecked, f"KVCacheNamespaces in {namespace}", [], kube.list_all, api.API_VERSION, api.KIND,
                                namespace)
@@ -365,26 +365,29 @@ def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: 
                 bodies = _readable(unchecked, "KVCacheNamespaces of other namespaces", [], kube.list_all, api.API_VERSION,
                                    api.KIND, namespace)
             pods = []
-        users = tuple(u for b in bodies if (u := sharing.user_of(b)) is not None)
-        snap = replace(snap, stores=users, server_pods=tuple(pods))
-    manifests, token = dec.names_to_read(snap)
-    wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]}
-    wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(dec.written_target(snap)), ROUTE_KINDS, strict=False)})
-    names: dict[Any, Any] = {}
-    whole = None
-    for (kind, ns, obj_name), api_version in wanted.items():
-        weights = kind == "PersistentVolumeClaim"  # the weights claim: whole (its spec is compared)
-        found = _readable(unchecked, f"{kind} {obj_name}", False, kube.get if weights else kube.get_metadata, api_version, kind,
-                          obj_name, namespace)
-        if found is False:
-            continue
-        if weights:
-            whole, found = found, dict(found.get("metadata") or {}) if found is not None else None
-        names[kind, ns, obj_name] = found
-    shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
-    claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", None, kube.get, "v1", "PersistentVolumeClaim", shared,
-                      namespace) if shared else None
-    return replace(snap, names=names, model_cache_claim=whole, named_claim=claim), unchecked
+        return tuple(u for b in bodies if (u := sharing.user_of(b)) is not None), tuple(pods)
+
+    def names(snap: dec.Snapshot) -> dec.Snapshot:
+        manifests, token = dec.names_to_read(snap)
+        wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]}
+        wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(dec.written_target(snap)), ROUTE_KINDS, strict=False)})
+        found: dict[Any, Any] = {}
+        whole = None
+        for (kind, ns, obj_name), api_version in wanted.items():
+            weights = kind == "PersistentVolumeClaim"  # the weights claim: whole (its spec is compared)
+            got = _readable(unchecked, f"{kind} {obj_name}", False, kube.get if weights else kube.get_metadata, api_version,
+                            kind, obj_name, namespace)
+            if got is False:
+                continue
+            if weights:
+                whole, got = got, dict(got.get("metadata") or {}) if got is not None else None
+            found[kind, ns, obj_name] = got
+        shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
+        claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", None, kube.get, "v1", "PersistentVolumeClaim",
+                          shared, namespace) if shared else None
+        return replace(snap, names=found, model_cache_claim=whole, named_claim=claim)
+
+    return dec.staged(snap, dec.Reads(claims, key_read, stores, names)), unchecked
 
 
 def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,6 +361,38 @@ def refusal_conditions(refusal: Refusal, namespace_id: str | None, generation: i
     else:
         fields, conds = refused_status({}, placeholders, refusal, generation)
     return str(fields.get("phase")), tuple(c for c in conds if c.get("reason") == refusal[0])
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Where a snapshot's reads come from, each step of staged: the running operator's watch caches
+    and ServiceAccount (read_snapshot), or the user's credentials (`kvpersist plan`, kvpersist.plancmd)."""
+
+    claims: Callable[[Target], Mapping[str, Meta | None]]  # the L2 claims under derived names, each or None
+    key: Callable[[Snapshot, Target], Snapshot]  # the key as read, a fresh one's fingerprint offered if absent
+    stores: Callable[[Target], tuple[tuple[sharing.User, ...], tuple[Meta, ...]]]  # every resource's store, server pods
+    names: Callable[[Snapshot], Snapshot]  # what holds each name the apply writes, the weights and shared claims
+    pins: Callable[[Snapshot], Snapshot] = lambda snap: snap  # what the model's files say (read_snapshot: the Hub)
+
+
+def staged(snap: Snapshot, reads: Reads) -> Snapshot:
+    """snap, its policy read (snapshot.policy_read), with what the later rules look at, in decide's order and
+    each only as far as the rules before it let it: a refused policy stops before the model's files
+    and the claims, a claim not owned before the key (whose data is never read for nothing), the key's
+    fingerprint names the id whose stores and names are read. Raises ApiException from a read. Blocking."""
+    if policy_refusal(snap) is not None:
+        return snap
+    snap = reads.pins(snap)
+    base = Target(snap.name, snap.namespace, snap.spec, None)
+    snap = dataclasses.replace(snap, l2_claims=dict(reads.claims(base)))
+    if ownership.claim_refusal(base, snap.l2_claims or {}) is not None:
+        return snap
+    snap = reads.key(snap, base)
+    target = key_target(snap)
+    if target.cache_enabled:
+        users, pods = reads.stores(target)
+        snap = dataclasses.replace(snap, stores=users, server_pods=pods)
+    return reads.names(snap)
 
 
 def decide(snap: Snapshot) -> Decision:

@@ -1,13 +1,14 @@
 """The running operator's reads for one apply, into a Snapshot (kvpersist.controller.decision),
 before anything is decided: the watch caches first, the API server where they have not listed.
 
-Three steps, each only as far as the rules let it (decision's docstring): the named Secrets'
-labels (a policy refusal stops here: the key's data is never read for it); the L2 claims under
-derived names (ClaimNotOwned stops here); then the key, the other resources' stores (from the
-watch caches), and, once the key's fingerprint names the id, every name the apply writes, the
-route names, the weights claim and a user's shared claim, side by side in one round trip.
-`kvpersist plan` reads the same steps with the user's credentials (kvpersist.plancmd). Direct
-calls only, no reader object: tests/rbac_needs.py follows each call to the kinds it reaches.
+The steps, in decision.staged's order and each only as far as the rules let it: the named Secrets'
+labels (a policy refusal stops here: the key's data is never read for it); the model's files; the
+L2 claims under derived names (ClaimNotOwned stops here); then the key, the other resources' stores
+(from the watch caches), and, once the key's fingerprint names the id, every name the apply writes,
+the route names, the weights claim and a user's shared claim, side by side in one round trip.
+`kvpersist plan` runs the same staged with reads of its own, the user's credentials
+(kvpersist.plancmd). The reads here are functions and closures that call the API directly, which
+tests/rbac_needs.py follows to the kinds they reach.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.lmcache import agent_image
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
-from kvpersist.controller import agentroll, fallback, inferencepool, kube, l2key, ownership, pincheck, runtime, sharing
+from kvpersist.controller import agentroll, fallback, inferencepool, kube, l2key, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
     Meta,
+    Reads,
     Snapshot,
     child_key,
     key_target,
     names_to_read,
-    policy_refusal,
     route_keys,
+    staged,
     written_target,
 )
 from kvpersist.controller.policy import named_secrets
@@ -150,38 +152,39 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     spec = parsed(body)
     uid = meta.get("uid")
     own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
+    raw = secrets.token_bytes(L2_KEY_BYTES)  # offered only if the generated Secret is absent
+
+    def pins(snap: Snapshot) -> Snapshot:
+        checking, files = pincheck.enabled(), runtime.CONTROLLER.pin_files
+        facts = files.facts(spec, key[0], body.get("status"), checking)
+        if checking and facts is not None and facts.values is None and pincheck.unset(spec.identity):  # briefly, first
+            files.wait(spec.identity, lambda: setattr(runtime.CONTROLLER.held(key), "dirty", True), token=hub_token(spec, key[0]))
+            facts = files.facts(spec, key[0], body.get("status"), checking)
+        return dataclasses.replace(snap, pins=facts)
+
+    def key_read(snap: Snapshot, base: Target) -> Snapshot:
+        read = read_key(base, fresh=True)
+        offered = key_fingerprint(raw) if read is not None and read.absent and read.generated else None
+        return dataclasses.replace(snap, key=read, proposed_key=offered)
+
+    def stores(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
+        if seen is not None and seen.stores is not None:  # the watch caches, else the API server
+            return tuple(seen.stores), tuple(seen.all_server_pods)
+        return stores_from_api(target)
+
+    def names(snap: Snapshot) -> Snapshot:  # and what the operator holds for the id, the agent image the roll allows
+        snap = _held_for(_names(snap), key_target(snap).namespace_id)
+        return dataclasses.replace(snap, agent_image=agentroll.ROLLER.image_for(key, seen.fleet, body) if seen is not None
+                                   else agent_image())
+
     snap = dataclasses.replace(policy_read(body, spec), own=own,
                     server_claims=tuple(seen.server_claims()) if seen is not None else None,
                     fallback_bypassed=runtime.CONTROLLER.fallback.bypassed(key),
                     inference_pool_served=_pool_served(spec, own, key[0], key[1]),
                     unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0,
                     agent_token=secrets.token_hex(32))  # used only if the token Secret is absent
-    if policy_refusal(snap) is not None:
-        return snap, None
-    checking, files = pincheck.enabled(), runtime.CONTROLLER.pin_files
-    pins = files.facts(spec, key[0], body.get("status"), checking)
-    if checking and pins is not None and pins.values is None and pincheck.unset(spec.identity):  # the files first, briefly
-        files.wait(spec.identity, lambda: setattr(runtime.CONTROLLER.held(key), "dirty", True), token=hub_token(spec, key[0]))
-        pins = files.facts(spec, key[0], body.get("status"), checking)
-    snap = dataclasses.replace(snap, pins=pins)
-    base = Target(key[1], key[0], spec, None)
-    snap = dataclasses.replace(snap, l2_claims=dict(l2_claims(base)))
-    if ownership.claim_refusal(base, snap.l2_claims or {}) is not None:
-        return snap, None
-    read = read_key(base, fresh=True)
-    raw = secrets.token_bytes(L2_KEY_BYTES) if read is not None and read.absent and read.generated else None
-    snap = dataclasses.replace(snap, key=read, proposed_key=key_fingerprint(raw) if raw is not None else None)
-    target = key_target(snap)
-    if target.cache_enabled:  # who else uses its store: from the watch caches (seen.stores), else the API server
-        if seen is not None and seen.stores is not None:
-            snap = dataclasses.replace(snap, stores=tuple(seen.stores), server_pods=tuple(seen.all_server_pods))
-        else:
-            users, pods = stores_from_api(target)
-            snap = dataclasses.replace(snap, stores=users, server_pods=pods)
-    snap = _names(snap)
-    snap = dataclasses.replace(_held_for(snap, target.namespace_id), agent_image=agentroll.ROLLER.image_for(
-        key, seen.fleet, body) if seen is not None else agent_image())  # the agent image the roll allows
-    return snap, raw
+    snap = staged(snap, Reads(l2_claims, key_read, stores, names, pins))
+    return snap, raw if snap.proposed_key is not None else None
 
 
 def _held_for(snap: Snapshot, nid: str | None) -> Snapshot:

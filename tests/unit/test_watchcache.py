@@ -176,7 +176,7 @@ def test_each_page_of_a_list_is_cut_down_as_it_arrives(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(kube, "client", Client)
     monkeypatch.setattr(kube, "_resource", lambda *_a: Resource())
-    items, version = watchcache._list_configmaps("ns", keep)
+    items, version = watchcache.configmaps(("ns",)).lister("ns", keep)
     assert version == "7" and held == [0, 3, 6] and items == kept and len(items) == 9
     assert all("labels" not in i["metadata"] for i in items)
 

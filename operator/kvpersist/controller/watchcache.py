@@ -156,59 +156,37 @@ class WatchCache:
         return version
 
 
-# The kinds are spelled out per call (not passed along) so tests/rbac_needs.py can tell which
-# resource each reaches.
-def _list_secrets(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "Secret", scope, metadata_only=True, keep=keep, page=SMALL_PAGE)
+def _core(kind: str, metadata_only: bool, page: int = kube.LIST_PAGE, label_selector: str | None = None) -> tuple[Lister, Watcher]:
+    """The list and the watch of one core/v1 kind (as admissioncheck._by_name: tests/rbac_needs.py
+    follows the kind from each caller)."""
 
+    def lister(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
+        return kube.list_page("v1", kind, scope, metadata_only, label_selector=label_selector, keep=keep, page=page)
 
-def _watch_secrets(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-    return kube.watch_page("v1", "Secret", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
+    def watcher(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+        return kube.watch_page("v1", kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop, label_selector=label_selector)
 
-
-def _list_claims(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "PersistentVolumeClaim", scope, metadata_only=False, keep=keep)
-
-
-def _watch_claims(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-    return kube.watch_page("v1", "PersistentVolumeClaim", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop)
-
-
-def _list_configmaps(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "ConfigMap", scope, metadata_only=True, keep=keep, page=SMALL_PAGE)
-
-
-def _watch_configmaps(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-    return kube.watch_page("v1", "ConfigMap", scope, version, WATCH_TIMEOUT_S, metadata_only=True, stop=stop)
-
-
-# Users' own vLLM pods attached to a resource (spec.vllm.mode Attached), by the label the attach policies judge.
-def _list_attached_pods(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-    return kube.list_page("v1", "Pod", scope, metadata_only=False, label_selector=ATTACH_LABEL, keep=keep)
-
-
-def _watch_attached_pods(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-    return kube.watch_page("v1", "Pod", scope, version, WATCH_TIMEOUT_S, metadata_only=False, stop=stop,
-                           label_selector=ATTACH_LABEL)
+    return lister, watcher
 
 
 def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
-    """Attached vLLM pods, as kvpersist.status.workloads.attached_view keeps them (a pod's spec is kilobytes)."""
-    return WatchCache("Pod", namespaces, _list_attached_pods, _watch_attached_pods, keep=attached_view)
+    """Users' own vLLM pods attached to a resource (spec.vllm.mode Attached), by the label the attach
+    policies judge, as kvpersist.status.workloads.attached_view keeps them (a pod's spec is kilobytes)."""
+    return WatchCache("Pod", namespaces, *_core("Pod", False, label_selector=ATTACH_LABEL), keep=attached_view)
 
 
 def secrets(namespaces: tuple[str, ...] | None, label_keys: tuple[str, ...] = ()) -> WatchCache:
     """label_keys: the labels read besides the operator's own (the chart's secretLabel key)."""
-    return WatchCache("Secret", namespaces, _list_secrets, _watch_secrets, keep=secret_view(label_keys))
+    return WatchCache("Secret", namespaces, *_core("Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
-    return WatchCache("PersistentVolumeClaim", namespaces, _list_claims, _watch_claims, keep=slim)
+    return WatchCache("PersistentVolumeClaim", namespaces, *_core("PersistentVolumeClaim", False), keep=slim)
 
 
 def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Metadata only: whether a ConfigMap a spec names exists (ReferencesFound), never its data."""
-    return WatchCache("ConfigMap", namespaces, _list_configmaps, _watch_configmaps, keep=names_view)
+    return WatchCache("ConfigMap", namespaces, *_core("ConfigMap", True, SMALL_PAGE), keep=names_view)
 
 
 def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:

@@ -162,7 +162,8 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
     for n in inv.namespaces:
         n.complete = n.namespace_id not in incomplete
     inv.truncated = bool(incomplete) or budget.left <= 0
-    inv.capacity_bytes, _, inv.free_bytes = shutil.disk_usage(root)
+    usage = shutil.disk_usage(root)
+    inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
     return inv
 
 

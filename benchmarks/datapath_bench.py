@@ -50,11 +50,20 @@ Each read is split as lmcache splits it: the lookup (for an L2 hit: L2 -> L1, wh
 serde's decryption) and the retrieve (L1 -> the engine's KV buffers; here lmcache's CPU copy into
 the client's paged buffers, on a GPU node a copy from pinned L1 to the GPU, see docs/datapath.md).
 
+One driver reads one request at a time, as one vLLM replica with one request would: a request's
+chunks are opened before the next read begins, and the driver's own checks share the server's
+cores. A node's server serves several replicas at once: `--clients N` reads back with N drivers at
+once, each over its own part of the sequences, starting together. The L2 → L1 time is then the
+union of their lookups' intervals (the time during which at least one was in progress), not their
+sum, and so is L1 → engine's; end to end adds the two, so it counts one client's lookup beside
+another's retrieve twice (a low figure). The first L2 hit is sequence 0's, beside the others' reads.
+
     <venv>/bin/python benchmarks/datapath_bench.py --sizes-gb 1 [--modes aesgcm,lmcache-aesgcm,plain] [--trials 3]
         [--dir /dev/shm/kvp --direct-io off | --ram-device 6] [--adapter fs_native] [--server-cpus 1] [--json out.json]
 
 (the venv `bash hack/venv.sh` prints; its bin need not be on PATH). JSON schema kvpersist-datapath/2:
-/1's keys, plus the fio landing figures, the read with fio's depth, and each trial's validity.
+/1's keys, plus the fio landing figures, the read with fio's depth, each trial's validity and each
+run's `clients`.
 """
 
 from __future__ import annotations
@@ -74,7 +83,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +132,7 @@ FIO_TIMEOUT_S = 120
 LANDING_BYTES = 256 * 2**20  # a fio buffer at least this large: its reads land in memory, not in the CPU's cache
 MAX_READ_THREADS = 64  # the threaded read with fio's depth
 RAM_DEVICE_TIMEOUT_S = 60  # each command that sets up or removes --ram-device
+START_MARGIN_S = 5.0  # --clients: each driver imports torch and lmcache before its first request, per driver
 
 
 def drop_caches() -> bool:
@@ -436,6 +447,7 @@ class Setup:
     extra_args: tuple[str, ...]
     server_cpus: int
     backend_params: dict[str, str] = field(default_factory=dict)
+    clients: int = 1  # drivers reading back at once (--clients)
 
     @property
     def cpu_list(self) -> str | None:
@@ -512,8 +524,45 @@ def profiled(label: str, server_pid: int | None = None) -> Iterator[None]:
             data.with_suffix(suffix).write_text(report.stdout)
 
 
+def busy_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time during which at least one was in
+    progress. Several drivers' lookups overlap, so their sum would count the same seconds twice."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def verify(m: Mode, clients: int) -> dict[str, Any]:
+    """kvdriver verify over all of m's sequences. With clients > 1, that many drivers at once, each
+    over its own part, beginning together (--start-at): their rows in sequence order, their summed
+    summary, and `lookup_s` / `retrieve_s`, the unions of their lookups' and retrieves' intervals."""
+    clients = min(clients, m.seqs)
+    if clients == 1:
+        return drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
+    bounds = [m.seqs * i // clients for i in range(clients + 1)]
+    extra = (*EXTRA, "--start-at", str(time.time() + START_MARGIN_S * clients))
+
+    def part(i: int) -> dict[str, Any]:
+        seqs = f"{bounds[i]}:{bounds[i + 1]}"
+        return drive_subprocess("verify", m.server.rpc_url, m.server.http_url, seqs, timeout=1800, extra=extra)
+
+    with ThreadPoolExecutor(clients) as pool:
+        parts = list(pool.map(part, range(clients)))
+    rows = sorted((r for p in parts for r in p["sequences"]), key=lambda r: r["seq"])
+    late = max(p["late_s"] for p in parts)
+    if late > 0:
+        print(f"{m.name}: a driver was up {late:.1f} s after the common start (START_MARGIN_S)", flush=True)
+    return {"sequences": rows, "summary": {k: sum(p["summary"][k] for p in parts) for k in parts[0]["summary"]},
+            "lookup_s": busy_s((r["lookup_at"], r["lookup_at"] + r["lookup_ms"] / 1000) for r in rows),
+            "retrieve_s": busy_s((r["retrieve_at"], r["retrieve_at"] + r["retrieve_ms"] / 1000)
+                                 for r in rows if "retrieve_at" in r)}
+
+
 def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio: Fio | None,
-              cold: Cold) -> tuple[dict[str, Any], Ceilings]:
+              cold: Cold, clients: int = 1) -> tuple[dict[str, Any], Ceilings]:
     """One cold restart of m's server and a read of everything it stored, then threaded reads of
     the same files into fresh and into touched memory, and into touched memory with fio's depth
     (each cold); fio reads its own files at its best and its landing point before and after, and
@@ -525,12 +574,12 @@ def read_back(m: Mode, direct: bool, threads: int, deep_threads: int | None, fio
     healthy_s = m.server.start()
     try:
         with profiled(f"{m.name} L2 to L1", m.server.proc.pid if m.server.proc else None):
-            read = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
+            read = verify(m, clients)
         # Again into L1 memory the first read faulted in: L1 emptied (lmcache's POST /cache/clear,
         # L1 only), the page cache dropped, everything read from L2 once more.
         clear_l1(m.server.http_url)
         cold.drop(f"{m.name} L2 → L1, touched L1")
-        warm = drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
+        warm = verify(m, clients)
     finally:
         m.server.stop(signal.SIGKILL)
     files = chunk_files(m.server.l2_dir)
@@ -553,11 +602,17 @@ def clear_l1(http_url: str) -> None:
         r.read()
 
 
-def trial(modes: list[Mode], fio: Fio | None, direct: bool, threads: int, deep_threads: int | None) -> None:
+def _lookup_s(read: dict[str, Any]) -> float:
+    """A read's L2 → L1 time: its lookups' sum, or their union when several drivers read (verify)."""
+    return read["lookup_s"] if "lookup_s" in read else sum(r["lookup_ms"] for r in read["sequences"]) / 1000
+
+
+def trial(modes: list[Mode], fio: Fio | None, direct: bool, threads: int, deep_threads: int | None,
+          clients: int = 1) -> None:
     """Every mode read back once (in the order given), then the ceilings of this trial; the trial
     is invalid when any of its page cache drops failed."""
     cold = Cold()
-    reads = {m.name: read_back(m, direct, threads, deep_threads, fio, cold) for m in modes}
+    reads = {m.name: read_back(m, direct, threads, deep_threads, fio, cold, clients) for m in modes}
     aes = aesgcm_open_per_core()
     order = tuple(m.name for m in modes)
     for m in modes:
@@ -565,8 +620,9 @@ def trial(modes: list[Mode], fio: Fio | None, direct: bool, threads: int, deep_t
         rows = read["sequences"]
         m.trials.append(Trial(
             healthy_s=read["healthy_s"], first_hit_ms=rows[0]["lookup_ms"] + rows[0].get("retrieve_ms", 0.0),
-            lookup_s=sum(r["lookup_ms"] for r in rows) / 1000, retrieve_s=sum(r.get("retrieve_ms", 0.0) for r in rows) / 1000,
-            warm_lookup_s=sum(r["lookup_ms"] for r in read["warm"]["sequences"]) / 1000,
+            lookup_s=_lookup_s(read),
+            retrieve_s=read.get("retrieve_s", sum(r.get("retrieve_ms", 0.0) for r in rows) / 1000),
+            warm_lookup_s=_lookup_s(read["warm"]),
             warm_wrong=read["warm"]["summary"]["wrong_bytes"] + m.chunks - read["warm"]["summary"]["hit_chunks"],
             ceilings=ceilings, aes_gbps=aes, hit_chunks=read["summary"]["hit_chunks"], wrong=read["summary"]["wrong_bytes"],
             order=order, failed_drops=tuple(cold.failed)))
@@ -698,6 +754,7 @@ def report(size_gb: float, modes: list[Mode], setup: Setup, fio: Fio | None) -> 
     fio_best = [g for x in t0 if (g := x.ceilings.fio_best_gbps) is not None]
     fio_landing = [g for x in t0 if (g := x.ceilings.fio_landing_gbps) is not None]
     entry = {"size_gb": size_gb, "dir": str(setup.root), "direct_io": direct, "workers": serde_workers_of(setup),
+             "clients": setup.clients,
              "server_cpus": threads, "pinned_cores": setup.cpu_list, "trials": len(every), "valid_trials": len(t0),
              "invalid_trials": [{"trial": i, "failed_drops": list(d)} for i, d in invalid],
              "baseline": {"fio_gbps": median(fio_best) if fio_best else None, "fio_note": fio.note if fio else "off",
@@ -722,7 +779,8 @@ def report(size_gb: float, modes: list[Mode], setup: Setup, fio: Fio | None) -> 
         return entry
     print(f"Server: {threads} CPU requested ({serde_workers_of(setup)} serde workers), held to cores "
           f"{setup.cpu_list or 'all (this machine has fewer)'}; direct I/O {'on' if direct else 'off'}; "
-          f"{fio_line(fio, fio_best, fio_landing)}; AES-GCM open {median(aes):.2f} GB/s a core.\n")
+          + (f"{setup.clients} drivers at once (L2 → L1: the union of their lookups); " if setup.clients > 1 else "")
+          + f"{fio_line(fio, fio_best, fio_landing)}; AES-GCM open {median(aes):.2f} GB/s a core.\n")
     deep = f"read, {deep_n} threads" if deep_n else "read, fio's depth"
     print(f"| L2 | stored | chunks hit | wrong bytes | restart → healthy (s) | first L2 hit after restart (ms) | "
           f"L2 → L1 (GB/s) | L1 → engine alone (GB/s) | L2 → L1 → engine (GB/s) | read, {threads} threads, fresh / "
@@ -933,6 +991,9 @@ def parse_args() -> argparse.Namespace:
                         "to that many cores (default: the rendered request)")
     parser.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra nixl_store_dynamic backend_params entry (repeat it), e.g. use_posix_aio=true")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="read back with this many drivers at once, each over its own part of the sequences, as "
+                        "several vLLM replicas read from one server (default 1: one request at a time)")
     parser.add_argument("--no-fio", action="store_true", help="skip fio's ceiling")
     parser.add_argument("--json", default=None, help=f"also write the figures here (schema {SCHEMA})")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
@@ -950,6 +1011,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--ram-device and --keep: the device is removed afterwards, with its files")
     if args.ram_device is not None and args.ram_device < 1:
         parser.error("--ram-device: at least 1 (GiB)")
+    if args.clients < 1:
+        parser.error("--clients: at least 1")
     return args
 
 
@@ -958,7 +1021,7 @@ def bench(args: argparse.Namespace, root: Path, ram: RamDevice | None) -> list[f
     nvme = {**({"adapter": args.adapter} if args.adapter else {}),
             **({"directIO": args.direct_io == "on"} if args.direct_io else {})}
     setup = Setup(root, args.l1_gb, nvme, tuple(args.server_arg), max(1, args.server_cpus),
-                  dict(kv.split("=", 1) for kv in args.backend_param))
+                  dict(kv.split("=", 1) for kv in args.backend_param), args.clients)
     direct = args.direct_io != "off"
     cold = drop_caches()
     runs: list[dict[str, Any]] = []
@@ -975,7 +1038,7 @@ def bench(args: argparse.Namespace, root: Path, ram: RamDevice | None) -> list[f
         deep = read_threads(fio)
         for i in range(args.trials):
             trial(modes[i % len(modes):] + modes[:i % len(modes)], fio, fio.direct if fio else direct,
-                  setup.server_cpus, deep)
+                  setup.server_cpus, deep, setup.clients)
         runs.append(report(size, modes, setup, fio))
         if args.json:  # after each size, so a run stopped later still leaves what it measured
             Path(args.json).write_text(json.dumps({

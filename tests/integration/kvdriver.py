@@ -13,7 +13,9 @@ retrieve and checksums the local buffer the server wrote into.
     python -m tests.integration.kvdriver hold ...     (registers its KV layout, as a vLLM worker does, until stdin closes)
 
 Prints one JSON object: per sequence the chunks looked up, hit, stored, and whether the
-retrieved bytes equal the source bytes.
+retrieved bytes equal the source bytes; the lookup's and the retrieve's time (`*_ms`) and start
+(`*_at`, time.monotonic(): one clock for every process of the machine, so the intervals of
+drivers run at once can be merged).
 
     python -m tests.integration.kvdriver forkserver --socket PATH   (ForkServer: runs forked from one import)
 """
@@ -109,7 +111,7 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
                 lookup = client.lookup(request)
                 out["sequences"].append({"seq": seq, "chunks": lookup.total_chunks, "hit_chunks": lookup.hit_chunks,
                                          "lookup_error": lookup.error, "stored_chunks": 0,
-                                         "lookup_ms": round((time.monotonic() - t0) * 1000, 3)})
+                                         "lookup_ms": round((time.monotonic() - t0) * 1000, 3), "lookup_at": round(t0, 6)})
                 client.end_session(request)
                 continue
             for name, tensor in caches.items():
@@ -119,7 +121,7 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
             lookup = client.lookup(request)
             lookup_ms = (time.monotonic() - t0) * 1000
             row: dict[str, Any] = {"seq": seq, "chunks": lookup.total_chunks, "hit_chunks": lookup.hit_chunks,
-                                   "lookup_error": lookup.error, "lookup_ms": round(lookup_ms, 3)}
+                                   "lookup_error": lookup.error, "lookup_ms": round(lookup_ms, 3), "lookup_at": round(t0, 6)}
             hit_tokens = lookup.hit_chunks * request.chunk_size
             if hit_tokens:
                 _clear(client, request, hit_tokens)
@@ -127,7 +129,7 @@ def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, sh
                 row["cleared_differs"] = _checksums(client, request, hit_tokens) != expected[: lookup.hit_chunks]
                 t0 = time.monotonic()
                 retrieved = client.retrieve(request, start_token=0, token_count=hit_tokens)
-                row["retrieve_ms"] = round((time.monotonic() - t0) * 1000, 3)
+                row["retrieve_ms"], row["retrieve_at"] = round((time.monotonic() - t0) * 1000, 3), round(t0, 6)
                 row["retrieve_ok"] = bool(retrieved and retrieved.succeeded)
                 got = _checksums(client, request, hit_tokens)
                 row["bytes_match"] = got == expected[: len(got)]

@@ -537,17 +537,19 @@ def busy_s(intervals: Iterable[tuple[float, float]]) -> float:
 
 def verify(m: Mode, clients: int) -> dict[str, Any]:
     """kvdriver verify over all of m's sequences. With clients > 1, that many drivers at once, each
-    over its own part, beginning together (--start-at): their rows in sequence order, their summed
-    summary, and `lookup_s` / `retrieve_s`, the unions of their lookups' and retrieves' intervals."""
+    over its own part, beginning together (--start-at), under ids of their own: their rows in
+    sequence order, their summed summary, and `lookup_s` / `retrieve_s`, the unions of their
+    lookups' and retrieves' intervals."""
     clients = min(clients, m.seqs)
     if clients == 1:
         return drive_subprocess("verify", m.server.rpc_url, m.server.http_url, f"0:{m.seqs}", timeout=1800, extra=EXTRA)
     bounds = [m.seqs * i // clients for i in range(clients + 1)]
     extra = (*EXTRA, "--start-at", str(time.time() + START_MARGIN_S * clients))
 
-    def part(i: int) -> dict[str, Any]:
+    def part(i: int) -> dict[str, Any]:  # each driver's KV under an id of its own, as each vLLM replica's
         seqs = f"{bounds[i]}:{bounds[i + 1]}"
-        return drive_subprocess("verify", m.server.rpc_url, m.server.http_url, seqs, timeout=1800, extra=extra)
+        return drive_subprocess("verify", m.server.rpc_url, m.server.http_url, seqs, timeout=1800,
+                                extra=(*extra, "--instance-id", str(1000 + i)))
 
     with ThreadPoolExecutor(clients) as pool:
         parts = list(pool.map(part, range(clients)))

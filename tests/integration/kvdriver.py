@@ -65,6 +65,16 @@ def _fast_prefetch_polls() -> None:
     helpers._poll_prefetch_status = poll
 
 
+def _instance_id(instance_id: int | None) -> None:
+    """The id this driver registers its KV under (lmcache's bench client: 1000 for its one rank).
+    The server keeps one KV layout per id, so drivers that read from one server at once need an id
+    each: two under the same one read back wrong bytes (datapath_bench --clients 2, every request)."""
+    if instance_id is not None:
+        from lmcache.cli.commands.bench.server_bench import helpers
+
+        helpers._INSTANCE_ID_BASE = instance_id  # the client reads it when it starts
+
+
 def _config(rpc_url: str, http_url: str, num_tokens: int, shape: str = SHAPE, num_blocks: int = 64) -> Any:
     from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
@@ -88,12 +98,14 @@ def _clear(client: Any, request: Any, tokens: int) -> None:
 
 
 def run(mode: str, rpc_url: str, http_url: str, seqs: range, num_tokens: int, shape: str = SHAPE,
-        num_blocks: int = 64, start_at: float | None = None) -> dict[str, Any]:
+        num_blocks: int = 64, start_at: float | None = None, instance_id: int | None = None) -> dict[str, Any]:
     """start_at: a time.time() to wait for once the client is up, so several drivers (started at
-    different moments, each importing torch) begin their requests together."""
+    different moments, each importing torch) begin their requests together; instance_id: see
+    _instance_id."""
     from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 
     _fast_prefetch_polls()
+    _instance_id(instance_id)
     client = ServerBenchClient(_config(rpc_url, http_url, num_tokens, shape, num_blocks), log=lambda _msg: None)
     out: dict[str, Any] = {"mode": mode, "sequences": []}
     client.start()
@@ -317,6 +329,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default=SHAPE, help="KV shape spec, as lmcache bench server takes it")
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--start-at", type=float, default=None, help="a time.time() to begin the requests at")
+    parser.add_argument("--instance-id", type=int, default=None,
+                        help="the id to register the KV under (default lmcache's, 1000): one each for drivers run at once")
     return parser
 
 
@@ -324,7 +338,7 @@ def _run_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode not in ("store", "verify", "lookup") or not (args.rpc_url and args.http_url):
         raise SystemExit(f"{args.mode}: store, verify or lookup with --rpc-url and --http-url")
     return run(args.mode, args.rpc_url, args.http_url, _seqs(args), args.num_tokens, args.shape, args.num_blocks,
-               args.start_at)
+               args.start_at, args.instance_id)
 
 
 def _seqs(args: argparse.Namespace) -> range:

@@ -26,9 +26,11 @@ def test_busy_s_is_the_length_of_the_union(intervals: list[tuple[float, float]],
 
 def test_verify_with_two_clients_splits_the_sequences_and_merges_by_union(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
+    ids: list[str] = []
 
     def drive(mode: str, rpc: str, http: str, seqs: str, timeout: float, extra: tuple[str, ...]) -> dict[str, Any]:
         calls.append(seqs)
+        ids.append(extra[extra.index("--instance-id") + 1])
         start, end = (int(x) for x in seqs.split(":"))
         # Both drivers begin at t=100: sequence k of each runs [100 + k, 100 + k + 0.5] (and its retrieve after).
         rows = [{"seq": s, "lookup_at": 100.0 + s - start, "lookup_ms": 500.0, "hit_chunks": 4,
@@ -40,6 +42,7 @@ def test_verify_with_two_clients_splits_the_sequences_and_merges_by_union(monkey
     mode = SimpleNamespace(seqs=4, server=SimpleNamespace(rpc_url="tcp://x", http_url="http://x"))
     read = datapath_bench.verify(mode, 2)
     assert sorted(calls) == ["0:2", "2:4"]
+    assert len(set(ids)) == 2  # each driver's KV under an id of its own, or retrieves land in the other's
     assert [r["seq"] for r in read["sequences"]] == [0, 1, 2, 3]
     assert read["summary"] == {"hit_chunks": 16, "wrong_bytes": 0}
     assert read["lookup_s"] == pytest.approx(1.0)  # two 0.5 s lookups at once, twice: not their sum, 2.0

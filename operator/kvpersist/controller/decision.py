@@ -8,7 +8,8 @@ conditions status then shows, or the objects to create, apply and delete. No I/O
 state of the running operator, nor the environment, nor chance: the same snapshot decides the same
 (a fresh token, the agent image and the chart's settings come in through the snapshot and its
 policy). The operator acts on the Decision (kvpersist.controller.apply), and `kvpersist plan`
-prints the same Decision, from a snapshot read with the user's credentials.
+prints the same Decision, from a snapshot read with the user's credentials. Both are read in the
+rules' order by staged, which makes no read itself: it runs the Reads it is given.
 
 The order of the rules is the order a user would fix them in, and each stops what follows:
 1. the operator's policy (ImageNotAllowed, SecretNotAllowed: kvpersist.controller.policy): nothing

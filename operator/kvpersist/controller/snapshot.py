@@ -152,7 +152,7 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     spec = parsed(body)
     uid = meta.get("uid")
     own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
-    raw = secrets.token_bytes(L2_KEY_BYTES)  # offered only if the generated Secret is absent
+    raw: list[bytes] = []  # a fresh key's bytes, drawn only when the generated Secret is absent
 
     def pins(snap: Snapshot) -> Snapshot:
         checking, files = pincheck.enabled(), runtime.CONTROLLER.pin_files
@@ -164,8 +164,9 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
 
     def key_read(snap: Snapshot, base: Target) -> Snapshot:
         read = read_key(base, fresh=True)
-        offered = key_fingerprint(raw) if read is not None and read.absent and read.generated else None
-        return dataclasses.replace(snap, key=read, proposed_key=offered)
+        if read is not None and read.absent and read.generated:
+            raw.append(secrets.token_bytes(L2_KEY_BYTES))
+        return dataclasses.replace(snap, key=read, proposed_key=key_fingerprint(raw[0]) if raw else None)
 
     def stores(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
         if seen is not None and seen.stores is not None:  # the watch caches, else the API server
@@ -184,7 +185,7 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
                     unplaced_servers=unplaced_servers(seen.pods, after_s=fallback.unplaced_after_s()) if seen is not None else 0,
                     agent_token=secrets.token_hex(32))  # used only if the token Secret is absent
     snap = staged(snap, Reads(l2_claims, key_read, stores, names, pins))
-    return snap, raw if snap.proposed_key is not None else None
+    return snap, raw[0] if raw else None
 
 
 def _held_for(snap: Snapshot, nid: str | None) -> Snapshot:

@@ -708,3 +708,19 @@ def test_one_resources_hanging_pods_hold_the_shared_pool_for_one_budget_not_one_
     can.refresh(("ml", "a"), body_of(a), a, [*pods_a, server], lambda _d: a_done.set())
     assert a_done.wait(30)
     assert hung[len(first):] and not set(hung[len(first):]) & set(first), hung
+
+
+def test_the_calls_bound_comes_from_the_environment_and_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = canary_target()
+    timeouts: list[float] = []
+
+    def asker(*args: Any, timeout: float, **kw: Any) -> vllmclient.Completion:
+        timeouts.append(timeout)
+        return vllmclient.Completion(REF, "", P)
+
+    monkeypatch.setenv(runner.CALL_TIMEOUT_ENV, "7.5")
+    run_round(runner.Canary(asker=asker, read_counters=no_counters, settle_s=0), t, body_of(t), pods_of(t))
+    assert timeouts and set(timeouts) == {7.5}
+    monkeypatch.setenv(runner.CALL_TIMEOUT_ENV, "-1")
+    with pytest.raises(ValueError, match=runner.CALL_TIMEOUT_ENV):
+        runner.Canary()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -28,10 +29,7 @@ from kvpersist.status.conditions import now as iso_now
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
-# A job starts no check after this long (the rest stay due): pods that answer nothing hold a worker about
-# this plus one check, not one call each (50 such pods were 50 minutes of the pool). Pods that failed
-# least recently go first, so those that answer are not starved behind those that hang.
-JOB_BUDGET_S = CALL_TIMEOUT_S
+CALL_TIMEOUT_ENV = "KVPERSIST_CANARY_CALL_TIMEOUT_S"  # a slower model may need longer; tests shorten it
 # lmcache counts a lookup on its event bus's thread (drained every 0.1 s): counters are read this long after.
 LOOKUP_SETTLE_S = 0.5
 
@@ -77,12 +75,19 @@ class Canary:
 
     def __init__(self, asker: Asker | None = None, read_api_key: Callable[[str, str, str], str | None] | None = None,
                  workers: int = WORKERS, read_counters: CounterReader | None = None,
-                 settle_s: float = LOOKUP_SETTLE_S, job_budget_s: float = JOB_BUDGET_S) -> None:
+                 settle_s: float = LOOKUP_SETTLE_S, job_budget_s: float | None = None,
+                 call_timeout_s: float | None = None) -> None:
         self._ask = asker or vllmclient.complete
         self._read_api_key = read_api_key or _api_key
         self._read_counters = read_counters or read_counters_of
         self._settle_s = settle_s
-        self._budget_s = job_budget_s
+        self._call_timeout_s = call_timeout_s or float(os.environ.get(CALL_TIMEOUT_ENV) or CALL_TIMEOUT_S)
+        if self._call_timeout_s <= 0:
+            raise ValueError(f"{CALL_TIMEOUT_ENV}={self._call_timeout_s}: must be more than 0 seconds")
+        # A job starts no check after its budget (the rest stay due): pods that answer nothing hold a worker
+        # about one call's timeout plus one check, not one call each (50 such pods were 50 minutes of the pool).
+        # Pods that failed least recently go first, so those that answer are not starved behind those that hang.
+        self._budget_s = self._call_timeout_s if job_budget_s is None else job_budget_s
         self._lock = threading.Lock()
         self._by: dict[Hashable, _Resource] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -230,7 +235,7 @@ class Canary:
         # lmcache refuse '@', '/', '\\', and lmcache puts it in a file name beside the model's (under 255 bytes).
         return self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
                          cache_salt="kvp-canary-" + secrets.token_hex(8) if salted else None,
-                         store=not (salted and pod.uses_cache), api_key=api_key, timeout=CALL_TIMEOUT_S)
+                         store=not (salted and pod.uses_cache), api_key=api_key, timeout=self._call_timeout_s)
 
     def _counters(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> judge.Counters:
         try:

@@ -68,7 +68,7 @@ def key_fingerprint(key: bytes) -> str:
 
 
 # L2 serde pins that take no key: none (before every object was framed) and encryption off's checksum frames.
-CHECKED_SERDE = "kvpersist-checked/v3"  # api.v1alpha1.L2_CHECKED
+CHECKED_SERDE = "kvpersist-checked/v3"  # api.spec.L2_CHECKED
 KEYLESS_SERDES = ("none", CHECKED_SERDE)
 
 

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from kvpersist.api import v1alpha1 as api
+    from kvpersist.api.identity import Identity
 
     token = os.environ.get("HF_TOKEN") or None
     fetch = hubpins.hub_fetch(token=token, cache_dir=args.cache_dir)
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     }
     given = {k: v for k, v in identity.items() if v is not None}
     try:
-        api.Identity.model_validate(given)
+        Identity.model_validate(given)
     except ValidationError as exc:
         print(f"kvpersist pins: {api.validation_message(exc)}", file=sys.stderr)
         return 2

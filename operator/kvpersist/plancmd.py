@@ -44,6 +44,8 @@ from pydantic import ValidationError
 
 from kvpersist import cliflags, hubpins
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.identity import changed_id_fields
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import decision as dec
 from kvpersist.controller import kube, l2key, ownership, pincheck, sharing
@@ -107,7 +109,7 @@ def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, 
     if live is None or new_source is None:
         return None
     try:
-        live_spec = api.KVCacheNamespaceSpec.model_validate(live.get("spec") or {})
+        live_spec = KVCacheNamespaceSpec.model_validate(live.get("spec") or {})
     except ValueError:
         return None
     meta = live.get("metadata") or {}
@@ -116,7 +118,7 @@ def recorded_fingerprint(live: Mapping[str, Any] | None, new_source: tuple[str, 
     return fingerprint_in_status(live.get("status"), new_source[0])
 
 
-def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pincheck.Facts | None:
+def pin_facts(spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pincheck.Facts | None:
     """What the operator fills the spec's unset pins from (kvpersist.controller.pincheck): the model's files as the live
     status keeps them, else read with huggingface_hub (its cache, HF_TOKEN, HF_ENDPOINT). None when nothing is unset."""
     key = pincheck.key_of(spec.identity)
@@ -135,7 +137,7 @@ def pin_facts(spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None) ->
     return pincheck.Facts(at, tuple(pincheck.file_pins(derived).items()))
 
 
-def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
+def compute(namespace: str, name: str, new_spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
             key: KeyRead | None = None, pins: pincheck.Facts | None = None) -> Plan:
     """The plan, pure: the live object as read (None: it does not exist), the key read from the new spec's Secret (used
     when status records none for it; None: not read) and what fills its unset pins (pin_facts). still_used_by is the
@@ -166,12 +168,12 @@ def compute(namespace: str, name: str, new_spec: api.KVCacheNamespaceSpec, live:
     status = live.get("status") or {}
     meta = live.get("metadata") or {}
     try:
-        stored_old = api.KVCacheNamespaceSpec.model_validate(live.get("spec") or {}).model_dump(
+        stored_old = KVCacheNamespaceSpec.model_validate(live.get("spec") or {}).model_dump(
             by_alias=True, exclude_none=True, mode="json")
     except ValueError:
         stored_old = dict(live.get("spec") or {})
     old_id = status.get("namespaceId")
-    plan = Plan(namespace, name, True, old_id, new_id, api.changed_id_fields(stored_old, stored_new), reason, unknown,
+    plan = Plan(namespace, name, True, old_id, new_id, changed_id_fields(stored_old, stored_new), reason, unknown,
                 old_hits=(status.get("hits") or {}).get("summary"),
                 stale_status=status.get("observedGeneration") not in (None, meta.get("generation")))
     usage = status.get("usage") or {}  # as status.usage shows it, the figure the pin-change warning reads
@@ -325,7 +327,7 @@ def _readable(unchecked: list[str], what: str, default: Any, read: Any, *args: A
         return default
 
 
-def read_snapshot(doc: Mapping[str, Any], spec: api.KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
+def read_snapshot(doc: Mapping[str, Any], spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
                   key: KeyRead | None, pins: pincheck.Facts | None = None) -> tuple[dec.Snapshot, list[str]]:
     """What the operator's decide looks at, read with the user's credentials in the operator's order
     (kvpersist.controller.snapshot): the new spec on the live object's metadata and status. A generated key not made
@@ -397,7 +399,7 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     if not name:
         raise ValueError("metadata.name: required")
     try:
-        spec = api.KVCacheNamespaceSpec.model_validate(doc.get("spec") or {})
+        spec = KVCacheNamespaceSpec.model_validate(doc.get("spec") or {})
     except ValidationError as exc:
         raise ValueError(api.validation_message(exc)) from exc
     live = kube.get(api.API_VERSION, api.KIND, name, namespace)

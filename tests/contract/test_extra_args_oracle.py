@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARGS, KVCacheNamespace, extra_args_problem
+from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARGS, extra_args_problem
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args
 from kvpersist.identity import key_fingerprint, resolve

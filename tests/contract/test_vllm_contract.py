@@ -11,7 +11,8 @@ from typing import Any, get_args
 import pytest
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import BLOCK_SIZES, KV_CACHE_DTYPES, UNRESOLVED_KV_CACHE_DTYPES, Identity, KVCacheNamespace
+from kvpersist.api.identity import BLOCK_SIZES, KV_CACHE_DTYPES, UNRESOLVED_KV_CACHE_DTYPES, Identity
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.connection import CONNECTOR_MODULES
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args

@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from kvpersist.api.v1alpha1 import VLLM_ENV_ALLOWED, KVCacheNamespace
+from kvpersist.api.spec import VLLM_ENV_ALLOWED
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import API_KEY, vllm_args
 from kvpersist.identity import key_fingerprint, resolve

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpersist.api.v1alpha1 import KVCacheNamespace, LMCacheServer
+from kvpersist.api.spec import LMCacheServer
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import L2_KEY_BYTES, Target
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import key_fingerprint, resolve

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.v1alpha1 import KVCacheNamespace, l1_page_bytes
+from kvpersist.api.spec import l1_page_bytes
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, in_pod, kvpersist_env, manifest, target_of
 from tests.fsstate import files_state

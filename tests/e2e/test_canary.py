@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 
 from kvpersist import vllmclient
-from kvpersist.api.v1alpha1 import DEFAULT_CANARY_PROMPT
+from kvpersist.api.spec import DEFAULT_CANARY_PROMPT
 from kvpersist.inventory.volume import TRIMMED_ADAPTERS, is_chunk_name
 from kvpersist.status.canary import ACK_ANNOTATION
 from tests.e2e.kube import REPO, Kubectl, wait_for

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.api.status import checked_patch
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.status.usage import human_bytes
 from tests.cases.invalid_manifests import sample

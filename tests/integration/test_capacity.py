@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.api.v1alpha1 import GIB
+from kvpersist.api.spec import GIB
 from kvpersist.builders.lmcache import POD_NAME_ENV, agent_container
 from kvpersist.builders.target import AGENT_TOKEN_KEY, AGENT_TOKEN_MOUNT_PATH, L2_MOUNT_PATH
 from tests.integration.conftest import REPO, LocalServer, drive, free_port, localize_args, make_target

@@ -4,7 +4,7 @@ agent run from the args the operator renders (tests/integration/test_capacity.py
 - Switching spec.l2.nvme.adapter (fs -> nixl_store_dynamic): the fs adapter's `*.data` files stayed
   in the folder the nixl server then wrote to, and the agent, trimming for nixl, counted them
   against the capacity while it may delete only `*.bin`: it deleted every live nixl chunk. The
-  layout is now a pin (api.v1alpha1.l2_layout): the switch is a new namespace and folder, and the
+  layout is now a pin (api.spec.l2_layout): the switch is a new namespace and folder, and the
   fs folder stays as it was (an orphan: switching back serves it again).
 - A temp file of a write that died (`<final>.bin.tmp.<uuid hex>`, as lmcache's nixl agent names it)
   counted the same way; now an abandoned one is deleted, and a live one is not counted.

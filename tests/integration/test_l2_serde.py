@@ -54,7 +54,7 @@ def test_lmcaches_aesgcm_frames_are_misses_left_as_they_are_and_ours_are_misses_
     """Same folder, same key: what lmcache's own serde stored (version 1 frames, no name bound) is
     a miss to ours, never wrong bytes, and left byte for byte (not ours to remove); what ours
     stored (version 3) is a miss to lmcache's. Through the operator the two never meet: the frame
-    version is in the namespace id (api.v1alpha1.L2_SERDE)."""
+    version is in the namespace id (api.spec.L2_SERDE)."""
     target = make_target()
     theirs = servers(target)
     theirs.serde_type = "aesgcm"

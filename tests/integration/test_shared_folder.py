@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.api.v1alpha1 import GIB
+from kvpersist.api.spec import GIB
 from tests.fsstate import files_state
 from tests.integration.conftest import LocalServer, drive, make_target
 from tests.integration.test_capacity import CAPACITY, folder_bytes, settle

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.v1alpha1 import GIB, KVCacheNamespace
+from kvpersist.api.spec import GIB
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import agent_container
 from kvpersist.builders.target import Target
 from kvpersist.identity import key_fingerprint, resolve

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import MAX_NAME_LENGTH, KVCacheNamespace, parse_quantity, validation_message
+from kvpersist.api.quantity import parse_quantity
+from kvpersist.api.v1alpha1 import MAX_NAME_LENGTH, KVCacheNamespace, validation_message
 from kvpersist.identity import image_digest, key_fingerprint, resolve
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from kvpersist.api import attachpolicy
-from kvpersist.api.v1alpha1 import EXTRA_ARGS, KVCacheNamespace
+from kvpersist.api.spec import EXTRA_ARGS
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.attach import ATTACH_LABEL, attach_status, attached_peer
 from kvpersist.builders.connection import kv_transfer_config_json

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from kvpersist.api.convert import gib_quantity
-from kvpersist.api.v1alpha1 import L2_CHECKED, KVCacheNamespace
+from kvpersist.api.spec import L2_CHECKED
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret

@@ -19,8 +19,9 @@ import pytest
 from pydantic import ValidationError
 
 from kvpersist import vllmclient
+from kvpersist.api.spec import DEFAULT_CANARY_PROMPT
 from kvpersist.api.status import field_patch, validate_patch
-from kvpersist.api.v1alpha1 import DEFAULT_CANARY_PROMPT, KVCacheNamespace
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM, Target
 from kvpersist.builders.vllm import build_vllm_deployment
 from kvpersist.controller import canary as runner

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from kvpersist.api.v1alpha1 import (
+from kvpersist.api.spec import (
     VLLM,
     APIKeySecretRef,
     EnvFromSource,

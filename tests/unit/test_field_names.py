@@ -15,6 +15,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 from kvpersist.controller.policy import image_refusal, secret_refusal
 from kvpersist.identity import PIN_FIELDS, resolve
 from kvpersist.status.conditions import Observation, compute_status
@@ -40,7 +42,7 @@ def _types(annotation) -> Iterator:
         yield from _types(arg)
 
 
-SNAKE_FIELDS = sorted({name for root in (api.KVCacheNamespaceSpec, api.KVCacheNamespaceStatus) for m in _models(root)
+SNAKE_FIELDS = sorted({name for root in (KVCacheNamespaceSpec, KVCacheNamespaceStatus) for m in _models(root)
                        for name in m.model_fields if "_" in name})
 SNAKE = re.compile(r"(?<![-\w])(" + "|".join(map(re.escape, SNAKE_FIELDS)) + r")\b")
 
@@ -51,7 +53,7 @@ def test_the_scan_knows_the_names_it_looks_for() -> None:
     assert SNAKE.search("missing pins: model_revision") and not SNAKE.search("spec.identity.modelRevision")
 
 
-def _spec(mutate=None) -> api.KVCacheNamespaceSpec:
+def _spec(mutate=None) -> KVCacheNamespaceSpec:
     obj = sample()
     if mutate:
         mutate(obj)

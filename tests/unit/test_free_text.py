@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 
 from kvpersist.api.crd import build_crd
+from kvpersist.api.spec import QUANTITY
 from kvpersist.api.text import FORBIDDEN, NO_CONTROL_PATTERN, PROMPT_PATTERN, SURROGATES, control_problem, forbidden, printable
-from kvpersist.api.v1alpha1 import QUANTITY, KVCacheNamespace, validation_message
+from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import Target
 from kvpersist.controller.policy import image_refusal, named_secrets

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 from kvpersist.status.usage import (
     HIT_WINDOW_S,
     MAX_METRICS_BYTES,

@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import BUCKET_HANDLE, MAX_QUANTITY, QUANTITY, KVCacheNamespace, parse_quantity
+from kvpersist.api.quantity import parse_quantity
+from kvpersist.api.spec import BUCKET_HANDLE, MAX_QUANTITY, QUANTITY
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import Target
 from kvpersist.identity import resolve

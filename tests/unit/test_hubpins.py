@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvpersist import hubpins
-from kvpersist.api import v1alpha1 as api
+from kvpersist.api.identity import Identity
 from tests.unit.hfcache import CONFIG, QWEN_REV, TEMPLATE, write_repo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_the_cli_prints_an_identity_block_that_validates(tmp_path: Path) -> None
                         "kvCacheDtype": "bfloat16", "blockSize": 16, "tensorParallelSize": 1,
                         "connectorBuild": "vllm-0.33.0+lmcache-0.5.6",
                         "chatTemplateDigest": digest(TEMPLATE)}
-    api.Identity.model_validate(identity)  # what it prints is a valid spec.identity
+    Identity.model_validate(identity)  # what it prints is a valid spec.identity
 
 
 def test_the_cli_marks_the_pins_it_cannot_know(tmp_path: Path) -> None:

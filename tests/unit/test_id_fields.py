@@ -1,4 +1,4 @@
-"""kvpersist.api.v1alpha1.id_fields, the one list of spec fields that move the namespace id (what
+"""kvpersist.api.identity.id_fields, the one list of spec fields that move the namespace id (what
 the pin-change warning and `kvpersist plan` compare), checked against the code that computes the
 id: every leaf of the CRD's spec schema is changed, one at a time, in full samples; a change the
 API accepts either moves the id (resolve(spec.pins(...)), or the Secret the L2 key's fingerprint
@@ -16,7 +16,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvpersist.api.crd import build_crd
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec, changed_id_fields, id_field_value, id_fields
+from kvpersist.api.identity import changed_id_fields, id_field_value, id_fields
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample

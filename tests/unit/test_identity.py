@@ -176,7 +176,8 @@ def test_switching_the_l2_adapter_is_a_new_namespace_and_folder() -> None:
     """fs and nixl_store_dynamic name their files otherwise (*.data, *.bin) and the agent trims only
     nixl's: one folder under both would let the trim count files it cannot delete and remove live
     chunks. The layout is a pin, so a switch is a new id, hence a new folder (builders.lmcache.l2_path)."""
-    from kvpersist.api.v1alpha1 import KVCacheNamespace, l2_layout
+    from kvpersist.api.spec import l2_layout
+    from kvpersist.api.v1alpha1 import KVCacheNamespace
     from kvpersist.builders.lmcache import l2_path
     from kvpersist.builders.target import Target
     from tests.cases.invalid_manifests import sample
@@ -239,7 +240,7 @@ def test_a_manifest_without_an_image_is_refused_naming_spec_image() -> None:
 def test_every_identity_field_is_hashed_and_launched_or_says_why_not() -> None:
     """One table: a field added to spec.identity that is left out of the hash, or out of vLLM's
     command line without a reason here, fails this test."""
-    from kvpersist.api.v1alpha1 import Identity
+    from kvpersist.api.identity import Identity
     from kvpersist.builders.vllm import PIN_FLAGS
 
     fields = set(Identity.model_fields)

@@ -15,6 +15,7 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import EndpointPicker, InferencePool
 from kvpersist.builders.all import build_all
 from kvpersist.builders.inferencepool import API_VERSION, KIND, build_inference_pool
 from kvpersist.builders.target import VLLM, Target
@@ -81,7 +82,7 @@ def test_no_pool_in_attached_mode() -> None:
     obj = spec_obj(mode="Attached")
     spec = api.KVCacheNamespace.model_validate(obj).spec.model_copy(
         update={"vllm": api.KVCacheNamespace.model_validate(obj).spec.vllm.model_copy(
-            update={"inference_pool": api.InferencePool(endpoint_picker=api.EndpointPicker(name="epp"))})})
+            update={"inference_pool": InferencePool(endpoint_picker=EndpointPicker(name="epp"))})})
     t = Target("llama", "ml", spec, None, inference_pool_served=True)  # past the CRD's rule: still no pool
     assert build_inference_pool(t) is None
 

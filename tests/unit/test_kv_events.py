@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import KV_EVENTS_PORT, KVCacheNamespace, extra_args_problem
+from kvpersist.api.spec import KV_EVENTS_PORT, extra_args_problem
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.builders.vllm import (
     KV_EVENTS_PORT_NAME,

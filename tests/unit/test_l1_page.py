@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpersist.api.v1alpha1 import DEFAULT_L1_PAGE, MAX_L1_PAGE, chunk_layer_bytes, l1_page_bytes
+from kvpersist.api.spec import DEFAULT_L1_PAGE, MAX_L1_PAGE, chunk_layer_bytes, l1_page_bytes
 from kvpersist.builders.lmcache import framed_disk_share, server_args
 from kvpersist.identity import resolve
 from tests.unit.test_builders import target

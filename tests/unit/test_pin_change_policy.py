@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvpersist.api import pinchange
-from kvpersist.api.v1alpha1 import id_fields
+from kvpersist.api.identity import id_fields
 from kvpersist.identity import IMAGE_DIGEST_RE
 from kvpersist.status.usage import human_bytes
 from tests import rbac_needs as rb

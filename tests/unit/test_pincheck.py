@@ -20,6 +20,9 @@ import pytest
 
 from kvpersist import hubpins
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.identity import Identity
+from kvpersist.api.spec import HFTokenSecretRef
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 from kvpersist.controller import pincheck
 from kvpersist.controller.reading import target_of
 from kvpersist.status.conditions import Observation, compute_status
@@ -42,8 +45,8 @@ def body(**pins: Any) -> dict[str, Any]:
     return obj
 
 
-def identity(obj: dict[str, Any]) -> api.Identity:
-    return api.Identity.model_validate(obj["spec"]["identity"])
+def identity(obj: dict[str, Any]) -> Identity:
+    return Identity.model_validate(obj["spec"]["identity"])
 
 
 def cache_fetcher(tmp_path: Path) -> Any:
@@ -58,7 +61,7 @@ def cache_fetcher(tmp_path: Path) -> Any:
     return (lambda _deadline, _token: fetch), calls
 
 
-def checked(files: pincheck.PinFiles, ident: api.Identity) -> None:
+def checked(files: pincheck.PinFiles, ident: Identity) -> None:
     done = threading.Event()
     if files.request(ident, done.set):
         assert done.wait(30), "the pin check did not end"
@@ -198,7 +201,7 @@ def test_two_pins_resolve_to_the_id_of_the_same_pins_written_out() -> None:
     assert shown["pins"]["numKVHeads"] == 8 and shown["pins"]["chatTemplateDigest"] == DIGEST
     assert shown["filled"] == sorted(["blockSize", "chatTemplateDigest", "connectorBuild", "headSize", "kvCacheDtype",
                                       "maxModelLen", "numKVHeads", "tensorParallelSize"])
-    api.KVCacheNamespaceStatus.model_validate({"identity": shown})  # what the CRD's status takes
+    KVCacheNamespaceStatus.model_validate({"identity": shown})  # what the CRD's status takes
 
 
 def test_a_pin_written_stays_and_a_written_pin_the_files_contradict_turns_the_cache_off(controller: Any,
@@ -303,7 +306,7 @@ def test_a_refusal_done_before_wait_looks_still_leads_to_the_tokens_read() -> No
         files = _Settled(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token), workers=1)
         spec = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec
         spec = spec.model_copy(update={"vllm": spec.vllm.model_copy(update={
-            "hf_token_secret_ref": api.HFTokenSecretRef(name="hf-reader")})})
+            "hf_token_secret_ref": HFTokenSecretRef(name="hf-reader")})})
         files.wait(spec.identity, lambda: None, timeout=30, token=(pincheck.scope_of(spec, "team-a"), lambda: GOOD_TOKEN))
         facts = files.facts(spec, "team-a", None, True)
         assert facts is not None and dict(facts.values or ())["num_kv_heads"] == 8, facts
@@ -321,7 +324,7 @@ def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_th
         files = pincheck.PinFiles(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token))
         mine = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec
         mine = mine.model_copy(update={"vllm": mine.vllm.model_copy(update={
-            "hf_token_secret_ref": api.HFTokenSecretRef(name="hf-reader")})})
+            "hf_token_secret_ref": HFTokenSecretRef(name="hf-reader")})})
         theirs = api.KVCacheNamespace.model_validate(two_pins(modelId=gated)).spec  # names no token
         reads: list[str] = []
 

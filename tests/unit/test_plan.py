@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvpersist import cli, plancmd
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.controller.l2key import read as read_key
 from kvpersist.controller.l2key import unreadable
 from kvpersist.identity import key_fingerprint, resolve

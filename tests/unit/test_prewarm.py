@@ -15,8 +15,9 @@ from typing import Annotated, Any
 import pytest
 from pydantic import Field, TypeAdapter, ValidationError
 
+from kvpersist.api.spec import Prewarm
 from kvpersist.api.text import PROMPT_ALLOWED, PROMPT_PATTERN, SURROGATES, forbidden, refuse_control_in_prompt
-from kvpersist.api.v1alpha1 import KVCacheNamespace, Prewarm
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import prewarm as runner
 from kvpersist.httpclient import PeerError

@@ -14,7 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvpersist.api.crd import build_crd
-from kvpersist.api.v1alpha1 import SHARED_FIXED, KVCacheNamespace
+from kvpersist.api.spec import SHARED_FIXED
+from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import (
     POD_NAME_ENV,
     SHARED_TRIM_GRACE_S,

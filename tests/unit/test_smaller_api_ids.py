@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from kvpersist import identity
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.convert import OLD_DEFAULT_ADAPTER, ConvertError, convert_object, convert_spec, gib_quantity
+from kvpersist.api.spec import KVCacheNamespaceSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 BEFORE = ROOT / "tests" / "cases" / "before_one_image"
@@ -30,7 +31,7 @@ OLD_IDS = {
 
 
 def _id(spec: dict) -> str | None:
-    return identity.namespace_id(api.KVCacheNamespaceSpec.model_validate(spec).pins(FINGERPRINT))
+    return identity.namespace_id(KVCacheNamespaceSpec.model_validate(spec).pins(FINGERPRINT))
 
 
 def _doc(path: Path) -> dict:
@@ -41,7 +42,7 @@ def _doc(path: Path) -> dict:
 def test_an_old_manifest_converted_keeps_its_id(sample: str) -> None:
     old = _doc(BEFORE / f"{sample}.yaml")
     with pytest.raises(ValidationError):  # the old form is refused as it is: its fields are gone
-        api.KVCacheNamespaceSpec.model_validate(old["spec"])
+        KVCacheNamespaceSpec.model_validate(old["spec"])
     converted, notes = convert_object(old)
     assert "spec.vllm.image and spec.lmcacheServer.image -> spec.image" in notes
     assert _id(converted["spec"]) == OLD_IDS[sample]
@@ -103,7 +104,7 @@ def test_a_stored_object_the_api_server_pruned_says_what_to_set() -> None:
     old = _doc(BEFORE / "nvme-minimal.yaml")["spec"]
     del old["vllm"]["image"], old["lmcacheServer"], old["identity"]["connector"]
     with pytest.raises(ValidationError) as err:
-        api.KVCacheNamespaceSpec.model_validate(old)
+        KVCacheNamespaceSpec.model_validate(old)
     assert "spec.image is required" in api.validation_message(err.value)
     assert "docs/upgrading.md" in api.validation_message(err.value)
 
@@ -128,4 +129,4 @@ def test_what_went_is_converted_and_said() -> None:
     assert "connector" not in new["identity"]
     assert any("httpPort 9000" in n for n in notes) and any("IsolatedLRU" in n for n in notes)
     assert "backend" not in new["l2"]["nvme"] and any("backend POSIX" in n for n in notes)
-    api.KVCacheNamespaceSpec.model_validate(new)
+    KVCacheNamespaceSpec.model_validate(new)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from kvpersist.api import status as status_api
 from kvpersist.api.status import StatusPatchError, checked_patch, validate_patch
-from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 from kvpersist.builders.retained import retained_labels
 from kvpersist.builders.target import SERVER
 from kvpersist.controller import agents, kube, reading, refresh, runtime

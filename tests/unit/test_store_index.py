@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
 from kvpersist.controller import decision, kube, l2key, refresh, runtime, sharing
 from kvpersist.controller.decision import Snapshot

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
 from kvpersist.controller import bucketcheck, kube, runtime
 from tests.cases.invalid_manifests import sample

@@ -16,16 +16,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpersist.api.v1alpha1 import (
-    ENV_REFUSED,
-    ENV_RULE,
-    MODEL_CACHE_PATH,
-    PYTHON_ENV_ALLOWED,
-    VLLM_ENV_ALLOWED,
-    KVCacheNamespace,
-    env_problem,
-    validation_message,
-)
+from kvpersist.api.spec import ENV_REFUSED, ENV_RULE, MODEL_CACHE_PATH, PYTHON_ENV_ALLOWED, VLLM_ENV_ALLOWED, env_problem
+from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.services import build_vllm_service

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
+from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.api.policyfiles import admission, chart_doc, dump, var
-from kvpersist.api.v1alpha1 import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, GROUP, NAMESPACE_ID_LABEL, VERSION, env_name_rule
+from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, env_name_rule
+from kvpersist.api.v1alpha1 import GROUP, VERSION
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
 PLAIN_NAME = f"kvpersist-{POLICY}"

@@ -11,7 +11,8 @@ import copy
 from decimal import Decimal
 from typing import Any
 
-from kvpersist.api.v1alpha1 import CONNECTOR, IMAGE_REQUIRED
+from kvpersist.api.identity import CONNECTOR
+from kvpersist.api.spec import IMAGE_REQUIRED
 
 
 class ConvertError(ValueError):

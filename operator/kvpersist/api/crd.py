@@ -10,6 +10,8 @@ import yaml
 
 from kvpersist.api import policyfiles
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 from kvpersist.api.structural import schema_of
 
 
@@ -22,8 +24,8 @@ def build_crd() -> dict[str, Any]:
             "apiVersion": {"type": "string", "description": "APIVersion of this object."},
             "kind": {"type": "string", "description": "Kind of this object."},
             "metadata": {"type": "object"},
-            "spec": schema_of(api.KVCacheNamespaceSpec),
-            "status": schema_of(api.KVCacheNamespaceStatus),
+            "spec": schema_of(KVCacheNamespaceSpec),
+            "status": schema_of(KVCacheNamespaceStatus),
         },
         "x-kubernetes-validations": [api.NAME_CEL],
     }

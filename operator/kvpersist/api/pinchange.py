@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api import policyfiles
+from kvpersist.api.identity import ADAPTER_FIELD, IdField, id_fields
 from kvpersist.api.policyfiles import admission, chart_doc, dump, var
-from kvpersist.api.v1alpha1 import ADAPTER_FIELD, GROUP, PLURAL, IdField, id_fields
+from kvpersist.api.v1alpha1 import GROUP, PLURAL
 
 POLICY = "pin-change-warning"  # kvpersist-pin-change-warning; the chart's: <fullname>-pin-change-warning
 PLAIN_NAME = f"kvpersist-{POLICY}"

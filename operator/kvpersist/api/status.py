@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceStatus
+from kvpersist.api.statusmodels import KVCacheNamespaceStatus
 
 # An invalid patch raises (StatusPatchError) instead of being trimmed: set by the unit tests
 # (tests/unit/conftest.py), or for a whole operator process with KVPERSIST_STRICT_STATUS=1.

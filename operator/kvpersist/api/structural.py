@@ -18,7 +18,7 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 
 # Kubernetes' qualified names (label keys, resource names such as nvidia.com/gpu): here because a
-# map keyed by them gets a CEL rule over its keys (_key_rule), and v1alpha1's key type uses it.
+# map keyed by them gets a CEL rule over its keys (_key_rule), and spec's key type uses it.
 LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?" + LABEL_NAME + "$"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpersist.api.v1alpha1 import CONNECTOR
+from kvpersist.api.identity import CONNECTOR
 from kvpersist.builders.target import SERVER, Target
 
 HEARTBEAT_INTERVAL_S = 2.0

@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 from kvpersist import __version__
-from kvpersist.api.v1alpha1 import GIB, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes, parse_quantity
+from kvpersist.api.quantity import parse_quantity
+from kvpersist.api.spec import GIB, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
 from kvpersist.builders import buildcheck
 from kvpersist.builders.modelcache import claim_spec
 from kvpersist.builders.retained import retained_annotations, retained_labels

@@ -10,7 +10,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from kvpersist.api.v1alpha1 import parse_quantity
+from kvpersist.api.quantity import parse_quantity
 from kvpersist.builders.target import MANAGED_BY, MODEL_CACHE, Target
 
 DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpersist.api.v1alpha1 import NAMESPACE_ID_LABEL, KVCacheNamespaceSpec
+from kvpersist.api.identity import NAMESPACE_ID_LABEL
+from kvpersist.api.spec import KVCacheNamespaceSpec
 
 L2_MOUNT_PATH = "/var/lib/kvpersist/l2"
 L2_VOLUME = "l2"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpersist.api.v1alpha1 import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
+from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders import inferencepool, modelcache
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret
@@ -73,7 +73,7 @@ class Snapshot:
     read: the rules before it refused (nothing past the policy is read for a refused resource)."""
 
     body: Mapping[str, Any]  # the KVCacheNamespace as stored (metadata.uid, creationTimestamp, status)
-    spec: api.KVCacheNamespaceSpec  # its spec, parsed
+    spec: KVCacheNamespaceSpec  # its spec, parsed
     policy: Policy = field(default_factory=Policy)
     pins: pincheck.Facts | None = None  # what the model's files say of its pins (None: no revision to read them at)
     # The Secrets the spec names (policy.named_secrets), read only with a secretLabel: each one's
@@ -164,7 +164,7 @@ class Decision:
         return dataclasses.replace(self, view=self.applied_view(), manifests=(), token_secret=None, shared_claim=None)
 
 
-def target_for(name: str, namespace: str, spec: api.KVCacheNamespaceSpec, fingerprint: str | None,
+def target_for(name: str, namespace: str, spec: KVCacheNamespaceSpec, fingerprint: str | None,
                pins: pincheck.Facts | None = None) -> tuple[Target, Resolution]:
     """The builders' view, its unset pins filled from the model's files (pincheck.filled), and the
     reason its identity is incomplete (if it is), with the key's fingerprint (without it an

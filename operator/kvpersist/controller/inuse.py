@@ -11,6 +11,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import kube, l2key, runtime
 from kvpersist.inventory.cleanup import refusal
@@ -58,7 +59,7 @@ def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
     the Secret or key is absent or short (it can use no namespace). Raises ApiException when unreadable."""
     meta = resource["metadata"]
     try:
-        spec = api.KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
+        spec = KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
     except ValidationError:
         return None
     target = Target(meta["name"], meta["namespace"], spec, None)

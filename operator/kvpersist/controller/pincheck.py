@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist import hubpins
-from kvpersist.api import v1alpha1 as api
+from kvpersist.api.identity import Identity
+from kvpersist.api.spec import KVCacheNamespaceSpec
+from kvpersist.api.statusmodels import IdentityFiles
 
 CONDITION = "PinsVerified"
 MISMATCH = "PinMismatch"
@@ -66,7 +68,7 @@ def enabled(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(ENV, "on").strip().lower() not in ("off", "false", "0", "no")
 
 
-def key_of(identity: api.Identity) -> Key | None:
+def key_of(identity: Identity) -> Key | None:
     """What to read for these pins, or None when there is nothing to check against (no revision)."""
     if not identity.model_revision:
         return None
@@ -102,18 +104,18 @@ def recorded(status: Mapping[str, Any] | None, at: str) -> tuple[tuple[str, Any]
     if not isinstance(files, dict) or files.get("at") != at:
         return None
     try:
-        found = api.IdentityFiles.model_validate(files)
+        found = IdentityFiles.model_validate(files)
     except ValueError:
         return None
     return tuple((name, getattr(found, name)) for name in FROM_FILES)
 
 
-def unset(identity: api.Identity) -> tuple[str, ...]:
+def unset(identity: Identity) -> tuple[str, ...]:
     """The pins the operator fills for this identity: those left unset, once a revision names the files."""
     return tuple(f for f in FILLED if getattr(identity, f) is None) if identity.model_revision else ()
 
 
-def filled(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> tuple[api.KVCacheNamespaceSpec, str | None]:
+def filled(spec: KVCacheNamespaceSpec, facts: Facts | None) -> tuple[KVCacheNamespaceSpec, str | None]:
     """The spec with its unset pins filled from the files (and vLLM's defaults, the image's digest), and why any stays unset."""
     from kvpersist.identity import field_path, image_digest
 
@@ -132,15 +134,15 @@ def filled(spec: api.KVCacheNamespaceSpec, facts: Facts | None) -> tuple[api.KVC
         try:
             if value is None:
                 raise ValueError(name)
-            identity = api.Identity.model_validate({**identity.model_dump(by_alias=True, exclude_none=True),
-                                                    api.Identity.model_fields[name].alias or name: value})
+            identity = Identity.model_validate({**identity.model_dump(by_alias=True, exclude_none=True),
+                                                Identity.model_fields[name].alias or name: value})
         except ValueError:
             left.append(f"{field_path(name)} ({NOT_GIVEN.get(name, f'the files give {str(value)[:40]!r}, not a valid pin')})")
     spec = spec.model_copy(update={"identity": identity})
     return spec, (f"the files at {facts.at} do not decide " + ", ".join(left) + ": write them" if left else None)
 
 
-def compare(identity: api.Identity, derived: hubpins.Derived, key: Key) -> Verdict:
+def compare(identity: Identity, derived: hubpins.Derived, key: Key) -> Verdict:
     """PinMismatch naming every declared pin the files contradict, else PinsMatch. Pure."""
     model, revision, tokenizer, tok_rev = key
     where = f"config.json at {model}@{revision}"
@@ -226,7 +228,7 @@ Scope = str
 TokenReader = Callable[[], str | None]
 
 
-def scope_of(spec: api.KVCacheNamespaceSpec, namespace: str) -> Scope:
+def scope_of(spec: KVCacheNamespaceSpec, namespace: str) -> Scope:
     ref = spec.vllm.hf_token_secret_ref
     return f"{namespace}/{ref.name}" if ref is not None else ""
 
@@ -253,7 +255,7 @@ class PinFiles:
                 found = self._found.get((key, scope)) or found
             return found
 
-    def verdict(self, identity: api.Identity, scope: Scope = "") -> Verdict | None:
+    def verdict(self, identity: Identity, scope: Scope = "") -> Verdict | None:
         """The last verdict for these pins (no I/O): None while none is known or nothing to check."""
         key = key_of(identity)
         if key is None:
@@ -265,7 +267,7 @@ class PinFiles:
             return (None, found.reason, found.message)
         return None
 
-    def facts(self, spec: api.KVCacheNamespaceSpec, namespace: str, status: Mapping[str, Any] | None,
+    def facts(self, spec: KVCacheNamespaceSpec, namespace: str, status: Mapping[str, Any] | None,
               checking: bool) -> Facts | None:
         """What decide needs of these pins' files (no I/O): None when there is no revision to read."""
         identity = spec.identity
@@ -284,7 +286,7 @@ class PinFiles:
             return Facts(at, unread=f"{ENV}=off: no files are read")
         return Facts(at, unread=found.message if isinstance(found, Unread) else f"reading the files at {at}")
 
-    def request(self, identity: api.Identity, on_done: Callable[[], None],
+    def request(self, identity: Identity, on_done: Callable[[], None],
                 token: tuple[Scope, TokenReader] | None = None) -> bool:
         """Starts a check of these pins' files unless one is known, runs or failed under RETRY_S ago:
         anonymous, then with token (its Scope, its reader) once the Hub refused. True if started."""
@@ -307,7 +309,7 @@ class PinFiles:
             self._running[slot] = self._pool.submit(self._check, slot, on_done, reader)
             return True
 
-    def wait(self, identity: api.Identity, on_done: Callable[[], None], timeout: float = FIRST_READ_WAIT_S,
+    def wait(self, identity: Identity, on_done: Callable[[], None], timeout: float = FIRST_READ_WAIT_S,
              token: tuple[Scope, TokenReader] | None = None) -> None:
         """Starts the read of these pins' files if due and waits for it, at most timeout: a new
         resource's first apply then renders its filled pins instead of rolling vLLM a moment later."""
@@ -341,7 +343,7 @@ class PinFiles:
         on_done()
 
 
-def condition_of(verdict: Verdict | None, identity: api.Identity, checking: bool) -> Verdict | None:
+def condition_of(verdict: Verdict | None, identity: Identity, checking: bool) -> Verdict | None:
     """PinsVerified's (status, reason, message): the verdict; Unknown while the first check runs or
     when the check is off; None (no condition) when there is no revision to check against."""
     if key_of(identity) is None:
@@ -351,14 +353,14 @@ def condition_of(verdict: Verdict | None, identity: api.Identity, checking: bool
     return verdict or (None, "Checking", "reading config.json and the tokenizer's files at the declared revisions")
 
 
-def status_of(declared: api.Identity, full: api.Identity, facts: Facts | None) -> dict[str, Any]:
+def status_of(declared: Identity, full: Identity, facts: Facts | None) -> dict[str, Any]:
     """status.identity: the pins as rendered (full: the declared ones filled), the ones the operator
     filled, and what the files said where they were read (kept for a restart)."""
     out: dict[str, Any] = {"pins": full.model_dump(by_alias=True, exclude_none=True, mode="json")}
-    mine = [api.Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full, f) is not None]
+    mine = [Identity.model_fields[f].alias or f for f in unset(declared) if getattr(full, f) is not None]
     if mine:
         out["filled"] = sorted(mine)
     if facts is not None and facts.values is not None:
-        out["files"] = {"at": facts.at, **{api.Identity.model_fields[k].alias or k: v
-                                           for k, v in facts.values if v is not None}}
+        out["files"] = {"at": facts.at, **{Identity.model_fields[k].alias or k: v
+                                       for k, v in facts.values if v is not None}}
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.networkpolicy import OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, parse_scraper
 from kvpersist.status import references
 from kvpersist.status.conditions import condition

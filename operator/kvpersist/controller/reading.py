@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, l2key, ownership, pincheck, runtime
 from kvpersist.controller.decision import target_for, unreadable_secret
@@ -69,7 +70,7 @@ def target_of(body: Mapping[str, Any], fingerprint: str | None = None) -> tuple[
     return (dataclasses.replace(found, cluster_domain=domain) if domain else found), res
 
 
-def hub_token(spec: api.KVCacheNamespaceSpec, namespace: str) -> tuple[pincheck.Scope, pincheck.TokenReader] | None:
+def hub_token(spec: KVCacheNamespaceSpec, namespace: str) -> tuple[pincheck.Scope, pincheck.TokenReader] | None:
     """The token of spec.vllm.hfTokenSecretRef, as the pin check reads a gated model's files with it
     (read when needed, in the check's own thread; kept nowhere). Only for a resource the policy
     lets use its Secrets."""

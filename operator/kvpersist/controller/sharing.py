@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import L2_VOLUME, SERVER, SHARED_CLAIM_SUFFIX
 from kvpersist.status.conditions import condition
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL

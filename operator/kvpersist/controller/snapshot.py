@@ -22,6 +22,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.lmcache import agent_image
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
@@ -44,7 +45,7 @@ from kvpersist.identity import key_fingerprint
 from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
 
 
-def parsed(body: Mapping[str, Any]) -> api.KVCacheNamespaceSpec:
+def parsed(body: Mapping[str, Any]) -> KVCacheNamespaceSpec:
     """The spec of a stored object (raises pydantic.ValidationError)."""
     return parsed_model(body["metadata"]["name"], body.get("spec")).spec
 
@@ -117,7 +118,7 @@ def _names(snap: Snapshot) -> Snapshot:
                                named_claim=user_claim.result() if user_claim is not None else None)
 
 
-def _pool_served(spec: api.KVCacheNamespaceSpec, own: frozenset[tuple[str, str, str]], namespace: str, name: str) -> bool:
+def _pool_served(spec: KVCacheNamespaceSpec, own: frozenset[tuple[str, str, str]], namespace: str, name: str) -> bool:
     """Whether InferencePool is served (cached discovery), asked only for a resource that wants a pool
     or whose pool is known (to delete it once turned off): the others never pay a discovery."""
     if spec.vllm.inference_pool is None and (POOL_KIND, namespace, f"{name}-vllm") not in own:
@@ -125,7 +126,7 @@ def _pool_served(spec: api.KVCacheNamespaceSpec, own: frozenset[tuple[str, str, 
     return inferencepool.served()
 
 
-def policy_read(body: Mapping[str, Any], spec: api.KVCacheNamespaceSpec) -> Snapshot:
+def policy_read(body: Mapping[str, Any], spec: KVCacheNamespaceSpec) -> Snapshot:
     """What decision.policy_refusal looks at, the first read of an apply and of a status round: the
     operator's policy and, with a secretLabel, the labels of the Secrets the spec names (the watch
     cache, else a request; never their data). Blocking."""

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.api.v1alpha1 import CHUNK_TOKENS, KVCacheNamespaceSpec
+from kvpersist.api.spec import CHUNK_TOKENS, KVCacheNamespaceSpec
 from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM
 from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.api.spec import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
+from kvpersist.api.spec import Prewarm
 from kvpersist.api.text import printable
-from kvpersist.api.v1alpha1 import CHUNK_TOKENS as CHUNK_TOKENS  # lmcache's chunk: what can be warm (controller.prewarm)
-from kvpersist.api.v1alpha1 import Prewarm
 from kvpersist.builders.target import SERVER, VLLM
 from kvpersist.status import Verdict
 from kvpersist.status.workloads import COMPONENT_LABEL, of_id, pod_ready

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpersist.api.v1alpha1 import KVCacheNamespaceSpec
+from kvpersist.api.spec import KVCacheNamespaceSpec
 
 CONDITION = "ReferencesFound"
 MISSING = "ReferenceMissing"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvpersist.api import v1alpha1 as api
+from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.identity import resolve
 
@@ -30,7 +30,7 @@ def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]
     the spec names (the key itself is not read here); fingerprint, when given, reads the key of a
     resource whose status records none (the operator's check right before a gc deletes)."""
     try:
-        spec = api.KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
+        spec = KVCacheNamespaceSpec.model_validate(obj.get("spec") or {})
     except ValueError:
         return None
     meta = obj.get("metadata") or {}

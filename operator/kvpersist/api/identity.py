@@ -1,5 +1,5 @@
 """spec.identity, the pins that decide whether stored KV may be reused, and id_fields, every spec field the
-namespace id depends on (the pin-change warning, `kvpersist plan` and the attach policy's pins read it)."""
+namespace id depends on (the pin-change warning, `kvpersist plan` and status.attach's pins read it)."""
 
 from __future__ import annotations
 
@@ -116,10 +116,15 @@ class IdField:
 ADAPTER_FIELD = IdField("spec.l2.nvme.adapter")
 
 
+def pin_field(name: str) -> str:
+    """The spec field of a spec.identity pin, as the API spells it (num_kv_heads: spec.identity.numKVHeads)."""
+    return f"spec.identity.{Identity.model_fields[name].alias}"
+
+
 def id_fields() -> tuple[IdField, ...]:
     """Every spec field that moves the namespace id (the L2 kind too reaches l2_layout, but the CRD refuses to change
     it): the one list the pin-change warning and `kvpersist plan` compare; tests/unit/test_id_fields.py checks it."""
-    identity = tuple(IdField(f"spec.identity.{f.alias}") for f in Identity.model_fields.values())
+    identity = tuple(IdField(pin_field(name)) for name in Identity.model_fields)
     return (*identity, IdField("spec.image", "digest"),
             IdField("spec.l2.encryption.enabled"), IdField("spec.l2.encryption.keySecretRef.name", "key"),
             IdField("spec.l2.encryption.keySecretRef.key", "key"), ADAPTER_FIELD,

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
+from kvpersist.api.identity import pin_field
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_args, kv_events_env
-from kvpersist.identity import field_path, image_digest
+from kvpersist.identity import image_digest
 
 ATTACHED = "Attached"
 
@@ -34,7 +35,7 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
         "namespaceId": target.namespace_id,
         "model": target.spec.identity.model_id,
         "imageDigest": digest,
-        "pins": [{"flag": flag, "value": str(pins[attr]), "field": field_path(attr)}
+        "pins": [{"flag": flag, "value": str(pins[attr]), "field": pin_field(attr)}
                  for attr, flag in PIN_FLAGS if pins[attr] is not None],
         "args": ["--kv-transfer-config", kv_transfer_config_json(target), *kv_events_args(target)],
         "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),

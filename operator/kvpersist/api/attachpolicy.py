@@ -15,9 +15,10 @@ from typing import Any
 
 from kvpersist.api import policyfiles
 from kvpersist.api.identity import NAMESPACE_ID_LABEL
-from kvpersist.api.policyfiles import admission, chart_doc, dump, var
+from kvpersist.api.policyfiles import CEL, admission, cel_literal, chart_doc, dump, var
 from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, env_name_rule
 from kvpersist.api.v1alpha1 import GROUP, VERSION
+from kvpersist.api.vllmpod import POD_AFFINITY, REQUIRED, SHM_PATH, beside_servers, server_term, shm_mount, shm_volume
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
 PLAIN_NAME = f"kvpersist-{POLICY}"
@@ -223,8 +224,7 @@ def _mutating_variables() -> list[dict[str, str]]:
         var("go", "variables.labels && !variables.bypassed"),
         var("c", "variables.go ? object.spec.containers[variables.i] : object.spec.containers[0]"),
         var("path", "'/spec/containers/' + string(variables.i)"),
-        var("term", "{'labelSelector': dyn({'matchLabels': params.status.attach.serverSelector}), "
-            "'topologyKey': dyn('kubernetes.io/hostname')}"),
+        var("term", cel_literal(server_term(CEL("params.status.attach.serverSelector")))),
     ]
 
 
@@ -247,22 +247,21 @@ def _mutation() -> str:
            f"value: params.status.attach.env.map(e, {env_var})}}]\n"
            "  : params.status.attach.env.filter(e, !variables.c.env.exists(x, x.name == e.name))\n"
            f"    .map(e, JSONPatch{{op: 'add', path: variables.path + '/env/-', value: {env_var}}})")
-    volume = f"{{'name': dyn('{SHM_VOLUME}'), 'emptyDir': dyn({{'medium': 'Memory'}})}}"
-    mount = f"{{'name': '{SHM_VOLUME}', 'mountPath': '/dev/shm'}}"
-    shm = ("has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '/dev/shm') ? []\n"
+    volume, mount = cel_literal(shm_volume(SHM_VOLUME)), cel_literal(shm_mount(SHM_VOLUME))
+    shm = (f"has(variables.c.volumeMounts) && variables.c.volumeMounts.exists(m, m.mountPath == '{SHM_PATH}') ? []\n"
            f"  : (has(object.spec.volumes) ? [JSONPatch{{op: 'add', path: '/spec/volumes/-', value: {volume}}}]\n"
            f"    : [JSONPatch{{op: 'add', path: '/spec/volumes', value: [{volume}]}}])\n"
            f"  + (has(variables.c.volumeMounts) ? [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts/-', value: {mount}}}]\n"
            f"    : [JSONPatch{{op: 'add', path: variables.path + '/volumeMounts', value: [{mount}]}}])")
-    required = "requiredDuringSchedulingIgnoredDuringExecution"
-    terms = f"{{'{required}': [variables.term]}}"
-    affinity = (f"!has(object.spec.affinity) ? [JSONPatch{{op: 'add', path: '/spec/affinity', value: {{'podAffinity': {terms}}}}}]\n"
-                f"  : !has(object.spec.affinity.podAffinity) ? [JSONPatch{{op: 'add', path: '/spec/affinity/podAffinity', "
-                f"value: {terms}}}]\n"
-                f"  : !has(object.spec.affinity.podAffinity.{required}) ? [JSONPatch{{op: 'add', "
-                f"path: '/spec/affinity/podAffinity/{required}', value: [variables.term]}}]\n"
-                f"  : object.spec.affinity.podAffinity.{required}.exists(t, t == variables.term) ? []\n"
-                f"  : [JSONPatch{{op: 'add', path: '/spec/affinity/podAffinity/{required}/-', value: variables.term}}]")
+    beside = beside_servers(CEL("variables.term"))
+    pod, required = f"object.spec.affinity.{POD_AFFINITY}", f"/spec/affinity/{POD_AFFINITY}/{REQUIRED}"
+    affinity = (f"!has(object.spec.affinity) ? [JSONPatch{{op: 'add', path: '/spec/affinity', value: {cel_literal(beside)}}}]\n"
+                f"  : !has({pod}) ? [JSONPatch{{op: 'add', path: '/spec/affinity/{POD_AFFINITY}', "
+                f"value: {cel_literal(beside[POD_AFFINITY])}}}]\n"
+                f"  : !has({pod}.{REQUIRED}) ? [JSONPatch{{op: 'add', "
+                f"path: '{required}', value: [variables.term]}}]\n"
+                f"  : {pod}.{REQUIRED}.exists(t, t == variables.term) ? []\n"
+                f"  : [JSONPatch{{op: 'add', path: '{required}/-', value: variables.term}}]")
     connection = [args, env, shm, affinity]
     return (f"(!variables.labels ? [] : ({label}))\n+ (!variables.go ? [] :\n"
             + "\n+ ".join(f"({p})" for p in connection) + ")")

@@ -67,3 +67,21 @@ def write(root: Path, files: tuple[tuple[Path, str], ...]) -> list[Path]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     return [root / rel for rel, _ in files]
+
+
+class CEL(str):
+    """A CEL expression: cel_literal writes it as is, not as a string."""
+
+
+def cel_literal(value: Any) -> str:
+    """A JSON-like value as a CEL literal; a map whose values differ in type wraps each in dyn() (CEL's maps are
+    homogeneous), one whose values agree does not."""
+    if isinstance(value, CEL):
+        return str(value)
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(cel_literal, value)) + "]"
+    mixed = len({type(v) for v in value.values()}) > 1
+    return "{" + ", ".join(f"{cel_literal(k)}: " + (f"dyn({cel_literal(v)})" if mixed else cel_literal(v))
+                           for k, v in value.items()) + "}"

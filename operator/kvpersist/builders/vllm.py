@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
+from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_volume
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security
@@ -90,6 +91,7 @@ def vllm_resources(target: Target) -> dict[str, dict[str, str]]:
 
 
 MODEL_CACHE_VOLUME = "model-cache"
+SHM_VOLUME = "dshm"  # an attached pod's is kvpersist.api.attachpolicy's
 HF_TOKEN = "HF_TOKEN"  # huggingface_hub's token variable, which vLLM's downloads use
 API_KEY = "VLLM_API_KEY"  # vLLM's OpenAI server requires it as a bearer token when set (vllm.envs)
 
@@ -166,7 +168,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "resources": vllm_resources(target),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *data_plane_volumes()[1],
+        "volumeMounts": [shm_mount(SHM_VOLUME), *data_plane_volumes()[1],
                          {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}],
         # Non-root (the server's uid), no capabilities, a read-only root: the model and the kernel caches
         # go to HF_HOME, HOME and /tmp (docs/security.md).
@@ -181,14 +183,13 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     container = buildcheck.wrap(container, target, VLLM)
     # The user's claim or the operator's (builders/modelcache.py), or downloaded at each start to the same path (operator_env).
     weights = {"persistentVolumeClaim": {"claimName": target.model_cache_claim}} if target.model_cache_claim else {"emptyDir": {}}
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *data_plane_volumes()[0], {"name": MODEL_CACHE_VOLUME, **weights}]
+    volumes = [shm_volume(SHM_VOLUME), *data_plane_volumes()[0], {"name": MODEL_CACHE_VOLUME, **weights}]
     # The non-root vLLM writes the operator's model cache through the pod's group; a user's claim is never re-owned.
     made = spec.vllm.model_cache is not None and not spec.vllm.model_cache.existing_claim_name
     pod_spec: dict[str, Any] = pod_security({"containers": [container], "volumes": volumes},
                                             fs_group=DATA_GROUP if made else None)
     # Its own /dev/shm and no host namespace: isolated CUDA IPC needs neither (builders/lmcache.server_args).
-    beside_server = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        {"labelSelector": {"matchLabels": target.id_selector(SERVER)}, "topologyKey": "kubernetes.io/hostname"}]}}
+    beside_server = beside_servers(server_term(target.id_selector(SERVER)))
     placement(pod_spec, spec, spec.vllm.runtime_class_name, beside_server if target.vllm_uses_cache else None)
     annotations = {}
     if target.cache_bypassed and target.cache_enabled:  # on the pods too: `kubectl get pod -o yaml` says why

@@ -55,6 +55,7 @@ from kvpersist.controller.policy import Policy, named_secrets
 from kvpersist.controller.sharing import STORAGE_IN_USE
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.l2backends import backend_of
 from kvpersist.pinscmd import hub_error
 from kvpersist.status.usage import human_bytes
 from kvpersist.status.users import fingerprint_in_status, users_of
@@ -356,7 +357,7 @@ def read_snapshot(doc: Mapping[str, Any], spec: KVCacheNamespaceSpec, live: Mapp
         return replace(snap, key=key, proposed_key=offered)
 
     def stores(_target: Target) -> tuple[tuple[sharing.User, ...], tuple[Any, ...]]:
-        if spec.l2.nvme is not None:
+        if backend_of(spec.l2).namespaced:
             bodies = _readable(unchecked, f"KVCacheNamespaces in {namespace}", [], kube.list_all, api.API_VERSION, api.KIND,
                                namespace)
             pods = _readable(unchecked, f"lmcache server pods in {namespace}", [], kube.list_all, "v1", "Pod", namespace,

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.lmcache import framed_disk_share, server_args
+from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
 from kvpersist.inventory.volume import is_chunk_name
+from kvpersist.l2backends.nvme import framed_disk_share
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, REAL_NODE, bench_store, in_pod, kvpersist_env, manifest, start_operator, stop, target_of
 from tests.fsstate import files_state

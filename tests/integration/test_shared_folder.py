@@ -29,7 +29,7 @@ from tests.integration.test_capacity import CAPACITY, folder_bytes, settle
 pytestmark = pytest.mark.datapath
 
 Servers = Callable[..., LocalServer]
-GRACE_S = 15.0  # the trimmer's grace, shorter than the rendered one (builders.lmcache.SHARED_TRIM_GRACE_S)
+GRACE_S = 15.0  # the trimmer's grace, shorter than the rendered one (l2backends.nvme.SHARED_TRIM_GRACE_S)
 
 
 def shared_target(**kw: Any) -> Any:

@@ -15,7 +15,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import agents, bucketcheck, inuse, kube
+from kvpersist.controller import agents, bucketcheck, inuse, kube, l2runtime
 from kvpersist.controller import gc as controller_gc
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory import bucket as inventory_bucket
@@ -144,7 +144,7 @@ def test_a_bucket_not_marked_exclusive_is_refused_before_any_request(monkeypatch
     def never(*_a: Any, **_k: Any) -> NamespaceUsage:
         raise AssertionError("the bucket must not be touched")
 
-    monkeypatch.setattr(controller_gc, "remove_bucket_namespace", never)
+    monkeypatch.setattr(l2runtime, "remove_bucket_namespace", never)
     monkeypatch.setattr(bucketcheck.SecretOnce, "token", lambda self: "hf_x")
     body = _body("hf-bucket")
     assert KVCacheNamespace.model_validate(body).spec.l2.hf_bucket.exclusive_to_this_cluster is False  # the default

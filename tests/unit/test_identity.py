@@ -175,11 +175,11 @@ def test_a_changed_image_is_a_new_namespace() -> None:
 def test_switching_the_l2_adapter_is_a_new_namespace_and_folder() -> None:
     """fs and nixl_store_dynamic name their files otherwise (*.data, *.bin) and the agent trims only
     nixl's: one folder under both would let the trim count files it cannot delete and remove live
-    chunks. The layout is a pin, so a switch is a new id, hence a new folder (builders.lmcache.l2_path)."""
+    chunks. The layout is a pin, so a switch is a new id, hence a new folder (l2backends.nvme.l2_path)."""
     from kvpersist.api.spec import l2_layout
     from kvpersist.api.v1alpha1 import KVCacheNamespace
-    from kvpersist.builders.lmcache import l2_path
     from kvpersist.builders.target import Target
+    from kvpersist.l2backends.nvme import l2_path
     from tests.cases.invalid_manifests import sample
 
     def target(obj: dict) -> Target:

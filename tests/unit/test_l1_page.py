@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvpersist.api.spec import DEFAULT_L1_PAGE, MAX_L1_PAGE, chunk_layer_bytes, l1_page_bytes
-from kvpersist.builders.lmcache import framed_disk_share, server_args
+from kvpersist.builders.lmcache import server_args
 from kvpersist.identity import resolve
+from kvpersist.l2backends.nvme import framed_disk_share
 from tests.unit.test_builders import target
 
 

@@ -18,7 +18,6 @@ from kvpersist.api.spec import SHARED_FIXED
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import (
     POD_NAME_ENV,
-    SHARED_TRIM_GRACE_S,
     agent_container,
     build_lmcache_statefulset,
     build_shared_claim,
@@ -29,6 +28,7 @@ from kvpersist.controller import sharing
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory.agent import Agent, trimmer_of
 from kvpersist.inventory.volume import Inventory, NamespaceUsage, choose_oldest, one_per_location, served_of, status_summary
+from kvpersist.l2backends.nvme import SHARED_TRIM_GRACE_S
 from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.workloads import slim
 from tests.cases.invalid_manifests import sample

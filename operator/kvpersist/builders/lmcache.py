@@ -9,7 +9,7 @@ from typing import Any
 
 from kvpersist import __version__
 from kvpersist.api.quantity import parse_quantity
-from kvpersist.api.spec import GIB, KVCacheNamespaceSpec, chunk_layer_bytes, l1_page_bytes
+from kvpersist.api.spec import l1_page_bytes
 from kvpersist.builders import buildcheck
 from kvpersist.builders.modelcache import claim_spec
 from kvpersist.builders.retained import retained_annotations, retained_labels
@@ -27,7 +27,6 @@ from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
     AGENT_TOKEN_MOUNT_PATH,
     AGENT_TOKEN_VOLUME,
-    HF_TOKEN_ENV,
     L2_KEY_FILE,
     L2_KEY_MOUNT_PATH,
     L2_KEY_VOLUME,
@@ -39,13 +38,14 @@ from kvpersist.builders.target import (
 from kvpersist.builders.vllm import placement, quantities
 from kvpersist.inserver import program_source
 from kvpersist.inserver.serve import CHECKED_TYPE, SERDE_TYPE
+from kvpersist.l2backends import backend_of
+from kvpersist.l2backends.backend import lmcache_number
 
 # The inventory agent runs from the operator's own image; the Helm chart sets this to it.
 AGENT_IMAGE_ENV = "KVPERSIST_AGENT_IMAGE"
 DEFAULT_AGENT_IMAGE = f"ghcr.io/kvpersist/kvpersist-operator:{__version__}"
 AGENT_CONTAINER = "inventory-agent"
 
-NIXL_BACKEND = "POSIX"  # nixl_store_dynamic's one backend here (files on the mounted claim): not a field
 # numba caches lmcache's kernels at import; under the read-only root, without a writable
 # NUMBA_CACHE_DIR lmcache 0.5.6 falls back to its CLI-only mode and `lmcache server` exits (measured).
 NUMBA_CACHE_DIR = f"{TMP_PATH}/numba"
@@ -77,28 +77,6 @@ TELEMETRY_OFF_ENV = ({"name": "LMCACHE_TRACK_USAGE", "value": "false"}, {"name":
 # Headroom on top of L1 for the server's own memory (torch, buffers), as LMCache's operator does.
 MEMORY_OVERHEAD_GIB = 5
 MEMORY_LIMIT_FACTOR = 1.5
-
-
-def l2_path(target: Target) -> str:
-    """One folder per namespace id, so two KVCacheNamespaces on one volume never read each other's files."""
-    return f"{L2_MOUNT_PATH}/{target.namespace_id}"
-
-
-# lmcache counts an object at its framed size (its chunk and a few bytes), a file takes whole pages
-# (4 KiB; nixl_store_dynamic: L1's page, one more than the chunk). The adapter gets that share of the
-# capacity, so the disk stays within it (the agent trims to it) without trimming what lmcache still
-# counts as stored. 63/64: chunks of 252 KiB or more on 4 KiB pages.
-FOUR_KIB_DISK_SHARE = 63 / 64
-
-
-def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
-    """The share of the capacity lmcache may count: a chunk over its file. nixl_store_dynamic: one layer
-    over a layer and a page, at most a seventeenth lost (a page is at most 1/16 of a layer: api l1_page_bytes)."""
-    layer = chunk_layer_bytes(spec)
-    page = l1_page_bytes(spec)
-    if spec.l2.nvme is None or spec.l2.nvme.adapter != "nixl_store_dynamic" or layer is None or layer % page:
-        return FOUR_KIB_DISK_SHARE
-    return layer / (layer + page)
 
 
 # The serde's threads (kvpersist.inserver.serve): one per core the server requests, at most this many.
@@ -142,44 +120,11 @@ def l2_serde(target: Target) -> dict[str, Any]:
 
 
 def l2_adapter_config(target: Target) -> dict[str, Any]:
-    """The --l2-adapter JSON: its own eviction and capacity (L2 under maxCapacity, or the budget: a
-    hard cap, no eviction), and the serde."""
+    """The --l2-adapter JSON: the backend's adapter with its own eviction and capacity, and the serde."""
     spec = target.spec
     eviction: dict[str, Any] = {"eviction_policy": spec.eviction.policy, "trigger_watermark": spec.eviction.trigger_watermark,
                                 "eviction_ratio": spec.eviction.eviction_ratio}
-    nvme = spec.l2.nvme
-    if nvme is None:
-        bucket = spec.l2.hf_bucket
-        assert bucket is not None
-        return {
-            "type": "hfbucket", "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
-            "token_env": HF_TOKEN_ENV,
-            # Never lmcache: its create_bucket sets no visibility (public unless the org defaults to
-            # private). The operator's preflight creates it private; a write before that is a failed store.
-            "create_bucket_if_missing": False,
-            "num_workers": bucket.num_workers, "metadata_cache_ttl_secs": bucket.metadata_cache_ttl_seconds,
-            "max_capacity_gb": bucket.max_capacity_gb, "shared": True, "eviction": eviction, "serde": l2_serde(target),
-        }
-    capacity_gb = nvme.max_capacity_gb
-    if nvme.budget_bytes is not None:
-        # A hard cap, no eviction: at the cap stores are refused and what is stored stays (measured).
-        capacity_gb = nvme.budget_bytes / GIB
-        eviction["eviction_policy"] = "noop"
-    capacity_gb *= framed_disk_share(spec)
-    if nvme.adapter == "fs_native":
-        adapter = {"type": "fs_native", "base_path": l2_path(target), "num_workers": io_workers(target),
-                   "use_odirect": nvme.direct_io, "max_capacity_gb": capacity_gb}
-    elif nvme.adapter == "fs":
-        adapter = {"type": "fs", "base_path": l2_path(target), "use_odirect": nvme.direct_io}
-    else:
-        adapter = {"type": "nixl_store_dynamic", "backend": NIXL_BACKEND,  # backend_params takes strings
-                   "backend_params": {"file_path": l2_path(target), "use_direct_io": "true" if nvme.direct_io else "false",
-                                      "max_capacity_gb": _number(capacity_gb)}}
-    return {**adapter, "persist_enabled": True, "eviction": eviction, "serde": l2_serde(target)}
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+    return {**backend_of(spec.l2).adapter_config(target, eviction, io_workers(target)), "serde": l2_serde(target)}
 
 
 def worker_sourced_kv_events(target: Target) -> bool:
@@ -200,12 +145,12 @@ def server_args(target: Target) -> list[str]:
         "--port", str(spec.lmcache_server.port),
         "--http-host", ADMIN_HOST,
         "--http-port", str(spec.lmcache_server.http_port),
-        "--l1-size-gb", _number(spec.l1.size_gb),
+        "--l1-size-gb", lmcache_number(spec.l1.size_gb),
         # L1's page, which nixl_store_dynamic also moves and sizes files in (api l1_page_bytes).
         "--l1-align-bytes", str(l1_page_bytes(spec)),
         "--eviction-policy", spec.eviction.policy,
-        "--eviction-trigger-watermark", _number(spec.eviction.trigger_watermark),
-        "--eviction-ratio", _number(spec.eviction.eviction_ratio),
+        "--eviction-trigger-watermark", lmcache_number(spec.eviction.trigger_watermark),
+        "--eviction-ratio", lmcache_number(spec.eviction.eviction_ratio),
         "--l2-adapter", json.dumps(l2_adapter_config(target), separators=(",", ":"), sort_keys=True),
         # An L2 hit stays in L1 for the next request: lmcache 0.5.6's default drops it once the engine
         # has it, so after a server restart every repeat of a prefix read L2 again (docs/datapath.md).
@@ -242,11 +187,8 @@ def _probe(target: Target, period: int, failures: int) -> dict[str, Any]:
 
 
 def server_container(target: Target) -> dict[str, Any]:
-    bucket = target.spec.l2.hf_bucket
-    # The bucket's token reaches the server only through the environment, from the Secret.
-    token = [] if bucket is None else [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-        "name": bucket.token_secret_ref.name, "key": bucket.token_secret_ref.key}}}]
-    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if target.spec.l2.nvme is not None else []
+    backend = backend_of(target.spec.l2)
+    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if backend.mounts_volume else []
     key = [{"name": L2_KEY_VOLUME, "mountPath": L2_KEY_MOUNT_PATH, "readOnly": True}] if target.key_secret is not None else []
     # Its lmcache must be the declared build: checked before `lmcache server` starts.
     return buildcheck.wrap({
@@ -255,7 +197,8 @@ def server_container(target: Target) -> dict[str, Any]:
         "command": SERVER_COMMAND,
         "args": server_args(target),
         "env": [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"}, HOME_ENV,
-                {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV, *TELEMETRY_OFF_ENV, *token],
+                {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV, *TELEMETRY_OFF_ENV,
+                *backend.server_env(target)],
         "ports": [{"name": "zmq", "containerPort": target.spec.lmcache_server.port, "protocol": "TCP"}],  # the admin API: loopback
         "resources": server_resources(target),
         # Loading torch and allocating L1 takes a while (10 minutes allowed), checked every second.
@@ -281,22 +224,15 @@ def agent_image() -> str:
 
 def agent_container(target: Target, image: str) -> dict[str, Any]:
     """The inventory agent (kvpersist.inventory.agent), the one door into every server pod: it forwards
-    the operator's reads of the loopback-only admin API; with NVMe it reads the volume, deletes an
-    orphaned namespace when an admin asks, and (fs_native, nixl_store_dynamic) holds the folder to the
-    adapter's capacity, which lmcache 0.5.6 loses track of after a restart."""
+    the operator's reads of the loopback-only admin API; what it does with the store is the backend's
+    (L2Backend.agent_args): with NVMe it reads, trims and (when an admin asks) deletes on the volume."""
     port = target.spec.lmcache_server.agent_port
-    nvme = target.spec.l2.nvme
-    args = ["agent", *(["--root", L2_MOUNT_PATH] if nvme is not None else []), "--host", "0.0.0.0", "--port", str(port),
-            "--server-url", admin_url(target), "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}"]
-    if target.namespace_id and nvme is not None:
-        args += ["--serving", target.namespace_id]
-        if nvme.adapter in ("nixl_store_dynamic", "fs_native"):  # the agent's (inventory.volume.TRIMMED_ADAPTERS)
-            capacity = nvme.budget_bytes if nvme.budget_bytes is not None else int(nvme.max_capacity_gb * GIB)
-            args += ["--capacity-bytes", str(capacity), "--adapter", nvme.adapter]
-        if nvme.shared:  # only ordinal 0's agent trims (kvpersist.inventory.agent.trimmer_of)
-            args += ["--shared-folder", "--trim-grace", str(SHARED_TRIM_GRACE_S)]
+    backend = backend_of(target.spec.l2)
+    args = ["agent", *(["--root", L2_MOUNT_PATH] if backend.mounts_volume else []), "--host", "0.0.0.0", "--port", str(port),
+            "--server-url", admin_url(target), "--token-file", f"{AGENT_TOKEN_MOUNT_PATH}/{AGENT_TOKEN_KEY}",
+            *backend.agent_args(target)]
     probe = {"httpGet": {"path": "/healthz", "port": "agent"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
-    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if nvme is not None else []
+    l2 = [{"name": L2_VOLUME, "mountPath": L2_MOUNT_PATH}] if backend.mounts_volume else []
     # Non-root, no capability: it reads and deletes L2, and reads its token, through the fsGroup
     # (DATA_GROUP); on a user's claim only where its owner gave the volume's root that group, setgid.
     return {
@@ -318,9 +254,6 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
 # With spec.l2.nvme.shared ordinal 0's agent is the folder's one trimmer: its pod name from the downward API.
 POD_NAME_ENV = "KVPERSIST_POD_NAME"
 POD_NAME_ENV_VAR = {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-# A shared folder's trimmer spares younger files: another server may have just written or found one
-# (docs/design.md, "Several writers on one folder").
-SHARED_TRIM_GRACE_S = 120
 
 
 def build_shared_claim(target: Target) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from kvpersist.controller.reading import named_secret_refusal, secret_version
 from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
 from kvpersist.inventory.hfbucket import preflight_bucket
 from kvpersist.inventory.volume import Inventory
+from kvpersist.l2backends.hfbucket import TOKEN_FIELD
 
 PREFLIGHT_TTL_S = 300.0
 BUCKET_INVENTORY_TTL_S = 300.0  # a listing is a paged walk of the Hub's tree: at most this often
@@ -36,7 +37,7 @@ class SecretOnce:
         if not self._read:
             ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
             self._read = True
-            refused = named_secret_refusal("spec.l2.hfBucket.tokenSecretRef", ref.name, self.target.namespace)
+            refused = named_secret_refusal(TOKEN_FIELD, ref.name, self.target.namespace)
             if refused is not None:  # not read at all: neither the preflight nor a listing nor gc uses it
                 self.problem = refused[1]
             else:

@@ -53,6 +53,7 @@ from kvpersist.controller.policy import (
 )
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_TAKEN, route_conflicts, route_taken_message
 from kvpersist.identity import L2_KEY_PIN, Resolution, resolve
+from kvpersist.l2backends import backend_of
 from kvpersist.status.conditions import condition, shareable
 
 ChildKey = tuple[str, str, str]  # (kind, namespace, name), as kvpersist.controller.drift.child_key
@@ -234,11 +235,11 @@ def storage_refusal(target: Target, created: str, stores: tuple[sharing.User, ..
     (kvpersist.controller.sharing), else None. stores: every resource's store; pods: server pods.
     Claims are namespaced (that namespace's resources and servers); a bucket prefix is global."""
     me = sharing.user(target.namespace, target.name, created, target.spec, target.namespace_id)
-    nvme = target.spec.l2.nvme is not None
-    if not nvme and not target.namespace_id:
+    namespaced = backend_of(target.spec.l2).namespaced
+    if not namespaced and not target.namespace_id:
         return None
-    users = [u for u in stores if not nvme or u.namespace == target.namespace]
-    mounted = [p for p in pods if (p.get("metadata") or {}).get("namespace") == target.namespace] if nvme else []
+    users = [u for u in stores if not namespaced or u.namespace == target.namespace]
+    mounted = [p for p in pods if (p.get("metadata") or {}).get("namespace") == target.namespace] if namespaced else []
     return sharing.refusal(me, users, mounted)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,14 +15,15 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.target import Target
-from kvpersist.controller import agents, bucketcheck, kube, metrics, runtime
+from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.indexes import seen_of
 from kvpersist.controller.inuse import in_use_now
+from kvpersist.controller.l2runtime import RUNTIMES
 from kvpersist.controller.reading import known_fingerprint, target_of
 from kvpersist.controller.refresh import write_status
-from kvpersist.inventory.bucket import remove_bucket_namespace
-from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal, gc_bucket, gc_volumes, refusal
+from kvpersist.inventory.cleanup import GC_ANNOTATION, refusal
 from kvpersist.inventory.cleanup import result as gc_result
+from kvpersist.l2backends import backend_of
 from kvpersist.status.conditions import now as condition_now
 from kvpersist.status.workloads import Seen
 
@@ -38,33 +38,14 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     except ValidationError as exc:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
     if target is not None:
-        bucket = target.spec.l2.hf_bucket
         # The watch caches first (cheap); then the API server right before each deletion (recheck):
         # the caches may lag, and cover only the watched namespaces.
-        why = (request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
-               or (bucket_refusal(bucket.bucket_handle, bucket.exclusive_to_this_cluster) if bucket is not None else None))
+        why = request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)
         recheck = functools.partial(in_use_now, request["namespaceId"], target.namespace_id)
         if why:
             outcome = gc_result(request, "Refused", f"refused: {why}; nothing was deleted")
-        elif target.spec.l2.nvme is not None:
-            servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
-                       if p["status"].get("phase") == "Running" and p["status"].get("podIP")
-                       and not p["metadata"].get("deletionTimestamp")]
-            # One folder for all the servers (spec.l2.nvme.shared): one agent deletes it.
-            servers = servers[:1] if target.shared else servers
-            outcome = gc_volumes(request, servers, target.spec.lmcache_server.agent_port, agents.agent_token(target), recheck)
         else:
-            assert bucket is not None
-            token_secret = bucketcheck.SecretOnce(target)  # refused unread without secretLabel, when that is set
-            token = token_secret.token()
-            if token is None:
-                outcome = gc_result(request, "Failed", token_secret.problem or f"Secret {bucket.token_secret_ref.name} "
-                                    f"has no key {bucket.token_secret_ref.key}: the bucket cannot be reached")
-            else:
-                outcome = gc_bucket(request, lambda nsid, before: remove_bucket_namespace(
-                    bucket.bucket_handle, token, nsid, endpoint=os.environ.get("HF_ENDPOINT"), dry_run=False,
-                    before_delete=before), bucket.bucket_handle, recheck)
-                runtime.CONTROLLER.held((meta["namespace"], meta["name"])).bucket_inventory = None
+            outcome = RUNTIMES[backend_of(target.spec.l2).field].cleanup(request, target, seen, recheck)
     outcome["completedAt"] = condition_now()
     write_status(meta, {"gc": outcome}, logger)
     done = outcome["outcome"]

@@ -19,11 +19,10 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch, field_patch, merge_patch
 from kvpersist.builders.attach import attach_status, attached
-from kvpersist.builders.target import L2_VOLUME, VLLM, Target
+from kvpersist.builders.target import VLLM, Target
 from kvpersist.controller import (
     agentroll,
     agents,
-    bucketcheck,
     fallback,
     kube,
     l2key,
@@ -38,10 +37,10 @@ from kvpersist.controller import (
 )
 from kvpersist.controller.apply import clean_stale_routes, taken_recheck
 from kvpersist.controller.decision import Decision, Snapshot, decide, policy_refusal
+from kvpersist.controller.l2runtime import RUNTIMES
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.reading import (
     hub_token,
-    named_claim,
     named_secret_refusal,
     parsed_model,
     read_key,
@@ -50,8 +49,8 @@ from kvpersist.controller.reading import (
 from kvpersist.controller.snapshot import policy_read, refreshed
 from kvpersist.controller.stale_routes import ROUTE_TAKEN
 from kvpersist.identity import Resolution
-from kvpersist.inventory.space import claim_space_summary
-from kvpersist.inventory.volume import iso, one_per_location, served_of, status_summary
+from kvpersist.inventory.volume import iso, served_of
+from kvpersist.l2backends import backend_of
 from kvpersist.status import keymismatch
 from kvpersist.status.conditions import (
     Observation,
@@ -70,19 +69,12 @@ from kvpersist.status.workloads import Seen, attached_counts
 
 def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
              secrets_usable: bool = True, key: l2key.KeyRead | None = None, max_servers: int | None = None) -> Observation:
-    """Workload objects come from the watch caches (seen); only a claim the user named is read,
-    since it carries none of the operator's labels. secrets_usable False: the Secrets the user
-    named are refused (policy), so neither is read. key: the L2 key as judged; max_servers: as
-    decided (ClaimNotShared: one)."""
+    """Workload objects come from the watch caches (seen); the store is its backend's to observe
+    (controller.l2runtime). secrets_usable False: the Secrets the user named are refused (policy),
+    so neither is read. key: the L2 key as judged; max_servers: as decided (ClaimNotShared: one)."""
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
-    claims: list[dict[str, Any]] = []
-    if spec.l2.nvme is not None and spec.l2.nvme.existing_claim_name:
-        claim = named_claim(spec.l2.nvme.existing_claim_name, ns)
-        claims = [claim] if claim else []
-    elif spec.l2.nvme is not None:
-        claims = [c for c in seen.server_claims() if target.shared_claim in (None, c["metadata"]["name"])]
     running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
                for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     server_desired = min(spec.lmcache_server.replicas, max_servers or spec.lmcache_server.replicas) if target.cache_enabled else 0
@@ -94,27 +86,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
         state.drifted = True
     failing = [r.pod for r in reports if state.write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
-    inventory = space = None
-    secret = bucketcheck.SecretOnce(target)  # the preflight and the bucket listing share one read
-    if spec.l2.nvme is not None and target.cache_enabled:
-        volumes = []
-        agent_pods = sorted(running)
-        for (pod, _ip), inv in zip(agent_pods, agents.inventories(agent_pods, spec.lmcache_server.agent_port, token), strict=True):
-            if inv is None:  # a partial inventory would make totals flap: keep the last whole one
-                volumes = []
-                break
-            volumes.append((f"pvc/{target.shared_claim or spec.l2.nvme.existing_claim_name or f'{L2_VOLUME}-{pod}'}", pod,
-                            inv))
-        volumes = one_per_location(volumes)  # a shared claim's folder counted once, not once per server
-        removed = (retention.expire_orphans(body, target, volumes,
-                                            [a for a in agent_pods if a[1]][:1] if target.shared else agent_pods, token, seen)
-                   if volumes and spec.l2.orphan_retention is not None else [])
-        space = claim_space_summary(volumes, target.namespace_id, seen.live_ids, time.time(),
-                                    (body.get("status") or {}).get("l2"), removed) if volumes else None
-        inventory = status_summary(volumes, target.namespace_id, set(seen.live_ids)) if volumes else None
-    elif spec.l2.hf_bucket is not None and target.cache_enabled and secrets_usable:
-        inv = bucketcheck.bucket_inventory_of(target, secret)
-        inventory = status_summary([(inv.location, None, inv)], target.namespace_id, set(seen.live_ids)) if inv else None
+    store = RUNTIMES[backend_of(spec.l2).field].observe(body, target, seen, sorted(running), token, secrets_usable)
     statefulset = seen.statefulset(target)
 
     def statefulset_failure() -> str | None:
@@ -135,8 +107,6 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         key_problem=key_problem,
         key_mismatch=(keymismatch.condition_message(refusing_key, target.key_secret, target.key_secret_generated)
                       if refusing_key else None),
-        bucket_check=(bucketcheck.bucket_check(target, secret) if spec.l2.hf_bucket is not None and target.cache_enabled
-                      and secrets_usable else None),
         generation=body["metadata"].get("generation"),
         namespace_id=target.namespace_id,
         identity_reason=key_problem[1] if key_problem and resolution.code == "L2KeyNotRead" else resolution.reason,
@@ -149,14 +119,10 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         deployment=seen.deployment(target),
         server_create_failure=create_failure,
         server_pods=pods,
-        claims=claims,
-        existing_claim=spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None else None,
         shared=target.shared,
         writes_failing=failing,
         reports=reports,
-        inventory=inventory,
-        l2_space=space,
-        budget_bytes=spec.l2.nvme.budget_bytes if spec.l2.nvme is not None else None,
+        **store,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import L2_VOLUME, SERVER, SHARED_CLAIM_SUFFIX
+from kvpersist.l2backends import backend_of, stored_backend
 from kvpersist.status.conditions import condition
 from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL
 
@@ -38,7 +39,8 @@ class User:
     created: str  # metadata.creationTimestamp (RFC 3339 in UTC: sorts as text); "" when unknown
     claim: str | None = None  # spec.l2.nvme.existingClaimName
     generated: bool = False  # spec.l2.nvme with size: l2-<name>-lmcache-<n> (or -shared) made for it
-    bucket: str | None = None  # spec.l2.hfBucket.bucketHandle
+    prefix: tuple[str, ...] | None = None  # a remote store's prefix as path segments, its root first (l2backends)
+    field: str = ""  # the spec field naming the store, for StorageInUse's message
     namespace_id: str | None = None  # the id it serves (its status, for others: their keys are theirs to read)
 
     @property
@@ -52,15 +54,10 @@ class User:
 
 
 def user(namespace: str, name: str, created: str, spec: KVCacheNamespaceSpec, namespace_id: str | None) -> User:
-    """This resource, from its parsed spec."""
-    nvme, bucket = spec.l2.nvme, spec.l2.hf_bucket
-    return User(namespace, name, created, nvme.existing_claim_name if nvme is not None else None,
-                nvme is not None and nvme.existing_claim_name is None, bucket.bucket_handle if bucket is not None else None,
-                namespace_id)
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
+    """This resource, from its parsed spec: read as the stored spec is (user_of), so both say the same."""
+    backend = backend_of(spec.l2)
+    return User(namespace, name, created, namespace_id=namespace_id,
+                **backend.store(backend.settings(spec.l2).model_dump(by_alias=True)))
 
 
 def user_of(body: Mapping[str, Any]) -> User | None:
@@ -69,15 +66,12 @@ def user_of(body: Mapping[str, Any]) -> User | None:
     meta = body.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return None
-    l2 = (body.get("spec") or {}).get("l2") or {}
-    nvme = l2.get("nvme") if isinstance(l2.get("nvme"), Mapping) else None
-    bucket = l2.get("hfBucket") if isinstance(l2.get("hfBucket"), Mapping) else None
-    if nvme is None and bucket is None:
+    found = stored_backend((body.get("spec") or {}).get("l2") or {})
+    if found is None:
         return None
-    claim = _text(nvme.get("existingClaimName")) if nvme is not None else None
+    nsid = (body.get("status") or {}).get("namespaceId")
     return User(str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("creationTimestamp") or ""),
-                claim, nvme is not None and claim is None, _text(bucket.get("bucketHandle")) if bucket else None,
-                _text((body.get("status") or {}).get("namespaceId")))
+                namespace_id=nsid if isinstance(nsid, str) and nsid else None, **found[0].store(found[1]))
 
 
 def generated_claim(name: str) -> re.Pattern[str]:
@@ -88,10 +82,10 @@ def generated_claim(name: str) -> re.Pattern[str]:
 
 
 def _bucket_path(u: User) -> tuple[str, ...] | None:
-    """The bucket prefix the servers write under, as path segments (handle, then the id)."""
-    if u.bucket is None or not u.namespace_id:
+    """The bucket prefix the servers write under, as path segments (the store's, then the id)."""
+    if u.prefix is None or not u.namespace_id:
         return None
-    return (*(p for p in u.bucket.removeprefix("hf://buckets/").split("/") if p), u.namespace_id)
+    return (*u.prefix, u.namespace_id)
 
 
 def shared(a: User, b: User) -> str | None:
@@ -110,7 +104,7 @@ def shared(a: User, b: User) -> str | None:
         return None
     short, long_ = sorted((pa, pb), key=len)
     if long_[:len(short)] == short:
-        return "bucket prefix hf://buckets/" + "/".join(long_)
+        return "bucket prefix " + "/".join(long_)
     return None
 
 
@@ -141,12 +135,6 @@ def mounted_elsewhere(me: User, pods: Iterable[Mapping[str, Any]]) -> list[str]:
     return sorted(out)
 
 
-def field_of(me: User) -> str:
-    if me.bucket is not None:
-        return "spec.l2.hfBucket.bucketHandle"
-    return "spec.l2.nvme.existingClaimName" if me.claim else "spec.l2.nvme.size (its StatefulSet's claims)"
-
-
 def refusal(me: User, others: Iterable[User], pods: Iterable[Mapping[str, Any]] = ()) -> str | None:
     """Why me may not use its L2 store now (StorageInUse's message), or None."""
     first = holder(me, others)
@@ -154,13 +142,13 @@ def refusal(me: User, others: Iterable[User], pods: Iterable[Mapping[str, Any]] 
                    "untouched, until then")
     if first is not None:
         other, what = first
-        return (f"{field_of(me)}: {what} is already used by KVCacheNamespace {other.ref} (created "
+        return (f"{me.field}: {what} is already used by KVCacheNamespace {other.ref} (created "
                 f"{other.created or 'earlier'}; the oldest keeps it): two resources on one store delete each other's KV "
                 f"(each inventory agent or bucket eviction holds it to its own capacity) and read each other's objects as "
                 f"misses. Point this resource at another store, or remove {other.ref} or its claim on it; {consequence}")
     busy = mounted_elsewhere(me, pods)
     if busy:
-        return (f"{field_of(me)}: still mounted by {', '.join(busy[:3])}{' ...' if len(busy) > 3 else ''}: another "
+        return (f"{me.field}: still mounted by {', '.join(busy[:3])}{' ...' if len(busy) > 3 else ''}: another "
                 f"resource's lmcache server still runs on it; {consequence} (when that pod is gone)")
     return None
 

@@ -42,6 +42,7 @@ from kvpersist.controller.policy import named_secrets
 from kvpersist.controller.reading import hub_token, l2_claims, named_claim, parsed_model, read_key, secret_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
+from kvpersist.l2backends import backend_of
 from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
 
 
@@ -53,7 +54,7 @@ def parsed(body: Mapping[str, Any]) -> KVCacheNamespaceSpec:
 def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
     """Every resource's L2 store and the server pods, by LIST: a claim's namespace, or for a bucket
     every namespace the operator lists (runtime.listing_scopes). Raises ApiException."""
-    if target.spec.l2.nvme is not None:
+    if backend_of(target.spec.l2).namespaced:
         bodies = kube.list_all(api.API_VERSION, api.KIND, target.namespace)
         pods = kube.list_all("v1", "Pod", target.namespace, f"{WATCH_SELECTOR},{COMPONENT_LABEL}={SERVER}")
     else:

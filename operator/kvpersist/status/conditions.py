@@ -12,6 +12,7 @@ from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
 from kvpersist.inventory.space import NEARLY_FULL, fraction, nearly_full
 from kvpersist.inventory.volume import iso, parse_iso, served_of
+from kvpersist.l2backends import BACKENDS
 from kvpersist.status import Verdict
 from kvpersist.status.build import CONDITION as BUILD_CONDITION
 from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
@@ -309,7 +310,8 @@ def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
     # Writes refused at the budget are the budget doing its job, not a failing volume.
     exhausted = budget is not None and budget["state"] == "Exhausted"
     failing = [] if exhausted else [r for r in obs.reports if r.pod in obs.writes_failing]
-    if obs.l2_kind == "nvme":
+    backend = BACKENDS[obs.l2_kind]
+    if backend.mounts_volume:
         pending = [c["metadata"]["name"] for c in obs.claims if (c.get("status") or {}).get("phase") != "Bound"]
         if obs.existing_claim and not obs.claims:
             return (False, "ClaimNotFound", f"claim {obs.existing_claim} not found: create it, or fix "
@@ -336,11 +338,11 @@ def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
         detail = ", ".join(f"{r.pod} ({r.l2_writes_failed} of {r.l2_writes_submitted} objects not written)" for r in failing)
         return (False, "L2WritesFailing", f"L2 writes failing on {detail}: the volume is full or failing; serving "
                 "continues from L1 and recompute. Free space or raise the claim, and keep maxCapacity below the free space")
-    if obs.l2_kind == "nvme":
+    if backend.mounts_volume:
         return (True, "ClaimsBound", f"{len(obs.claims)} claim(s) bound")
     check = f"; {obs.bucket_check[2]}" if obs.bucket_check else ""
     if any(r.l2_healthy for r in obs.reports):
-        return (True, "AdapterHealthy", "hfbucket adapter healthy" + check)
+        return (True, "AdapterHealthy", f"{backend.adapter} adapter healthy" + check)
     if obs.bucket_check is not None:
         return (None, obs.bucket_check[1], obs.bucket_check[2] + "; no server has reported yet")
     return (None, "NotMeasured", "no lmcache server has reported yet")

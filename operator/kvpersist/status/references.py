@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
+from kvpersist.l2backends import BACKENDS, backend_of
 
 CONDITION = "ReferencesFound"
 MISSING = "ReferenceMissing"
@@ -16,7 +17,7 @@ FOUND = "AllFound"
 SECRET, CONFIGMAP = "Secret", "ConfigMap"
 # What each missing object stops, for the message: a user fixes the one that blocks a pod first.
 _EFFECT = {
-    "spec.l2.hfBucket.tokenSecretRef": "the lmcache servers cannot reach the bucket",
+    **{field: effect for backend in BACKENDS.values() for field, effect in backend.secret_effects},
     "spec.l2.encryption.keySecretRef": "the lmcache servers do not start (no L2 key)",
     "spec.vllm.hfTokenSecretRef": "the vLLM pods do not start",
     "spec.vllm.apiKeySecretRef": "the vLLM pods do not start",
@@ -36,7 +37,7 @@ class Reference:
 def named(spec: KVCacheNamespaceSpec) -> list[Reference]:
     """Every Secret and ConfigMap of the resource's namespace the spec names, in field order."""
     l2, vllm = spec.l2, spec.vllm
-    secrets = (("spec.l2.hfBucket.tokenSecretRef", l2.hf_bucket.token_secret_ref if l2.hf_bucket is not None else None),
+    secrets = (*backend_of(l2).secrets(l2),
                ("spec.l2.encryption.keySecretRef", l2.encryption.key_secret_ref if l2.encryption.enabled else None),
                ("spec.vllm.hfTokenSecretRef", vllm.hf_token_secret_ref),
                ("spec.vllm.apiKeySecretRef", vllm.api_key_secret_ref))

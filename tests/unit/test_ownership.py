@@ -18,7 +18,7 @@ import pytest
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import retained_labels
-from kvpersist.controller import agents, apply, decision, drift, kube, l2key, ownership, reading, runtime, status_loop
+from kvpersist.controller import agents, apply, decision, drift, kube, l2key, ownership, reading, runtime, status_loop, watchcache
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
@@ -147,6 +147,37 @@ class Api:
         self.secrets[manifest["metadata"]["name"]] = manifest
         self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
         return True
+
+
+class Cached:
+    """A Secret or ConfigMap watch cache that has listed: the objects as its view keeps them."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]], keep: Any) -> None:
+        self.objects = {name: keep({"metadata": meta}) for name, meta in objects.items()}
+
+    def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
+        return True, self.objects.get(name)
+
+
+@pytest.mark.parametrize("taken", [None, "llama31-8b-connection", "llama31-8b-agent-token"])
+def test_the_names_of_secrets_and_configmaps_are_judged_from_the_watch_caches(monkeypatch, taken) -> None:
+    """Issue 58 item 6: the names check asks the API server nothing for a Secret or ConfigMap name
+    once their metadata-only caches have listed; what the caches keep (the controller reference)
+    still tells a user's object under a derived name from the resource's own."""
+    users = {"name": taken, "namespace": "ml", "uid": "theirs", "ownerReferences": [_ref(uid="another", controller=True)]}
+    api = Api(monkeypatch)
+    runtime.CONTROLLER.configmap_cache = Cached({taken: users} if taken and "connection" in taken else {}, watchcache.names_view)
+    runtime.CONTROLLER.secret_cache = Cached({taken: users} if taken and "token" in taken else {}, watchcache.secret_view())
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)
+    assert not [r for r in api.reads if r[0] in ("Secret", "ConfigMap")], api.reads
+    state = runtime.CONTROLLER.state(key)
+    if taken is None:
+        assert state.name_taken is None and any(m["kind"] == "ConfigMap" for m in api.applied)
+    else:
+        assert state.name_taken is not None and taken in state.name_taken[1] and api.applied == []
 
 
 @pytest.mark.parametrize("taken", [("ConfigMap", "llama31-8b-connection"), ("Deployment", "llama31-8b-vllm"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller import watchcache
+from kvpersist.controller import ownership, watchcache
 
 
 def secret(name: str, version: str, data: str = "c2VjcmV0") -> dict[str, Any]:
@@ -129,17 +129,23 @@ def test_only_what_is_read_of_a_secret_or_configmap_is_kept() -> None:
     chart's secretLabel key) and the annotations it protects, never the rest."""
     from kvpersist.builders.retained import ARGOCD_SYNC_OPTIONS
 
+    # Its controller, which says whose a derived name is (ownership.controller_uid), without its name.
+    owner = {"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "name": "n" * 253, "uid": "c",
+             "controller": True, "blockOwnerDeletion": True}
+    controller = [{"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "uid": "c", "controller": True}]
     hostile = {"metadata": {"name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3",
                             "labels": {**{f"l{i}": "v" * 60 for i in range(1500)}, "usable": "yes",
                                        "app.kubernetes.io/managed-by": "kvpersist"},
                             "annotations": {"big": "a" * 256 * 1024, ARGOCD_SYNC_OPTIONS: "Prune=false"},
-                            "ownerReferences": [{"kind": "X", "name": "y", "uid": "z"}] * 100,
+                            "ownerReferences": [{"kind": "X", "name": "y", "uid": "z"}] * 100 + [owner],
                             "managedFields": [{"manager": "m"}] * 100}}
     assert watchcache.secret_view(("usable",))(hostile) == {"metadata": {
-        "name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3",
+        "name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3", "ownerReferences": controller,
         "labels": {"usable": "yes", "app.kubernetes.io/managed-by": "kvpersist"},
         "annotations": {ARGOCD_SYNC_OPTIONS: "Prune=false"}}}
-    assert watchcache.names_view(hostile) == {"metadata": {"name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3"}}
+    assert watchcache.names_view(hostile) == {"metadata": {"name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3",
+                                                           "ownerReferences": controller}}
+    assert ownership.controller_uid(watchcache.names_view(hostile)["metadata"]) == "c"
     assert watchcache.configmaps(("ns",)).keep is watchcache.names_view
     assert watchcache.secrets(("ns",), ("usable",)).keep(hostile)["metadata"]["labels"]["usable"] == "yes"
 

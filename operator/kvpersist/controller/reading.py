@@ -125,15 +125,18 @@ def secret_version(namespace: str, name: str) -> tuple[bool, str | None]:
     return synced, (found["metadata"].get("resourceVersion") or "") if found is not None else None
 
 
-def secret_metadata(name: str, namespace: str) -> dict[str, Any] | None:
-    """A Secret's metadata, from the watch cache when it has listed, else by request (metadata
-    only either way: its data is never read for this). Blocking."""
-    cache = runtime.CONTROLLER.secret_cache
+def watched_metadata(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """A Secret's or ConfigMap's metadata as its watch cache keeps it (who it is, its controller, the
+    labels read), from the cache when it has listed, else by request (metadata only either way: the
+    data is never read for this). Blocking."""
+    cache = runtime.CONTROLLER.secret_cache if kind == "Secret" else runtime.CONTROLLER.configmap_cache
     if cache is not None:
         synced, found = cache.lookup(namespace, name)
         if synced:
             return dict(found["metadata"]) if found is not None else None
-    return kube.get_metadata("v1", "Secret", name, namespace)
+    if kind == "Secret":  # the kinds spelled out: tests/rbac_needs.py tells from them which right each call needs
+        return kube.get_metadata("v1", "Secret", name, namespace)
+    return kube.get_metadata("v1", "ConfigMap", name, namespace)
 
 
 def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
@@ -186,7 +189,7 @@ def named_secret_refusal(field: str, name: str, namespace: str) -> Refusal | Non
     if policy.secret_label is None:
         return None
     try:
-        metadata = secret_metadata(name, namespace)
+        metadata = watched_metadata("Secret", name, namespace)
     except ApiException as exc:
         return unreadable_secret(field, name, exc.status)
     return secret_refusal(field, name, namespace, metadata, policy.secret_label)

@@ -39,7 +39,7 @@ from kvpersist.controller.decision import (
     written_target,
 )
 from kvpersist.controller.policy import named_secrets
-from kvpersist.controller.reading import hub_token, l2_claims, named_claim, parsed_model, read_key, secret_metadata
+from kvpersist.controller.reading import hub_token, l2_claims, named_claim, parsed_model, read_key, watched_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
 from kvpersist.l2backends import backend_of
@@ -64,11 +64,12 @@ def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Met
 
 
 def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The metadata of what holds a manifest's name now, or None: a Secret by GET (metadata only,
-    never its data), any other kind by a LIST of that name (what the operator may do on them)."""
+    """The metadata of what holds a manifest's name now, or None: a Secret or ConfigMap from its
+    metadata-only watch cache (watched_metadata), any other kind by a LIST of that name (what the
+    operator may do on them)."""
     meta = manifest["metadata"]
-    if manifest["kind"] == "Secret":
-        return kube.get_metadata("v1", "Secret", meta["name"], meta["namespace"])
+    if manifest["kind"] in ("Secret", "ConfigMap"):
+        return watched_metadata(manifest["kind"], meta["name"], meta["namespace"])
     return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
 
 
@@ -138,7 +139,7 @@ def policy_read(body: Mapping[str, Any], spec: KVCacheNamespaceSpec) -> Snapshot
     failed: dict[str, int | None] = {}
     for _field, name in named_secrets(spec):
         try:
-            labels[name] = secret_metadata(name, body["metadata"]["namespace"])
+            labels[name] = watched_metadata("Secret", name, body["metadata"]["namespace"])
         except ApiException as exc:
             failed[name] = exc.status
     return dataclasses.replace(snap, named_secrets=labels, unreadable_secrets=failed)

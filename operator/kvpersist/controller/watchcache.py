@@ -33,12 +33,18 @@ Watcher = Callable[[str | None, str, threading.Event], Iterator[tuple[str, dict[
 # The labels the operator reads on a Secret: its own key's (controller.ownership.is_own_key_secret).
 OWN_LABELS = ("app.kubernetes.io/managed-by", COMPONENT_LABEL, INSTANCE_LABEL, TRACKING_LABEL)
 _IDENTITY = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
+_CONTROLLER_REF = ("apiVersion", "kind", "uid", "controller")
 
 
 def names_view(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Whether it exists, and its version: all that is read of a ConfigMap (ReferencesFound)."""
+    """Whether it exists, its version and its controller: all that is read of a ConfigMap
+    (ReferencesFound, and whose a name an apply takes is: ownership.controller_uid)."""
     meta = obj.get("metadata") or {}
-    return {"metadata": {k: meta[k] for k in _IDENTITY if k in meta}}
+    out = {k: meta[k] for k in _IDENTITY if k in meta}
+    controllers = [{k: ref.get(k) for k in _CONTROLLER_REF} for ref in meta.get("ownerReferences") or [] if ref.get("controller")]
+    if controllers:
+        out["ownerReferences"] = controllers[:1]  # the API server admits one
+    return {"metadata": out}
 
 
 def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:

@@ -21,7 +21,6 @@ The call's bound is 4 s here (KVPERSIST_CANARY_CALL_TIMEOUT_S), 60 s by default.
 from __future__ import annotations
 
 import json
-import select
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from kvpersist.status import canary as judge
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import start_operator, stop, target_of
 from tests.e2e.test_faults import light
-from tests.e2e.test_hostile_peers_e2e import _claimed
+from tests.e2e.test_hostile_peers_e2e import _claimed, hold
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +90,11 @@ class StandInVLLM:
                     with vllm.lock:
                         vllm.checks.append(time.monotonic())
                     if vllm.cached is None:
-                        return vllm.hold(self.connection)
+                        held = hold(self.connection, vllm.halt, HANG_BOUND_S)
+                        if held is not None:
+                            with vllm.lock:
+                                vllm.hung_up_after.append(held)
+                        return None
                 tokens = REFERENCE if salted else vllm.cached
                 self._send(200, json.dumps({"choices": [{"token_ids": list(tokens or ()), "text": "",
                                                          "finish_reason": "length"}],
@@ -105,21 +108,6 @@ class StandInVLLM:
                 self.wfile.write(body)
 
         return Handler
-
-    def hold(self, sock: Any) -> None:
-        """Answers nothing until the operator closes the connection (its call's bound), halt, or HANG_BOUND_S."""
-        started = time.monotonic()
-        while not self.halt.is_set() and time.monotonic() - started < HANG_BOUND_S:
-            readable, _, _ = select.select([sock], [], [], 0.2)
-            if readable:
-                try:
-                    closed = not sock.recv(1)
-                except OSError:
-                    closed = True
-                if closed:
-                    with self.lock:
-                        self.hung_up_after.append(time.monotonic() - started)
-                    return
 
     def close(self) -> None:
         self.server.shutdown()

@@ -210,21 +210,13 @@ class HangingListings:
         hub.server.RequestHandlerClass = Handler
 
     def hang(self, sock: socket.socket) -> None:
-        started = time.monotonic()
         with self.lock:
             self.asked += 1
             self.threads.append(threading.current_thread())
-        while not self.release.is_set():
-            readable, _, _ = select.select([sock], [], [], 0.2)
-            if readable:
-                try:
-                    closed = not sock.recv(1)
-                except OSError:
-                    closed = True
-                if closed:
-                    with self.lock:
-                        self.given_up_after.append(time.monotonic() - started)
-                    return
+        held = hold(sock, self.release)
+        if held is not None:
+            with self.lock:
+                self.given_up_after.append(held)
 
     def join(self) -> None:
         with self.lock:
@@ -232,6 +224,22 @@ class HangingListings:
         for thread in threads:
             thread.join(timeout=5)
         assert not any(t.is_alive() for t in threads), "a hung listing's thread did not stop"
+
+
+def hold(sock: socket.socket, release: threading.Event, bound_s: float = float("inf")) -> float | None:
+    """Answers nothing on a request's connection: how long until the client hung up, or None when
+    release was set or bound_s passed first."""
+    started = time.monotonic()
+    while not release.is_set() and time.monotonic() - started < bound_s:
+        readable, _, _ = select.select([sock], [], [], 0.2)
+        if readable:
+            try:
+                closed = not sock.recv(1)
+            except OSError:
+                closed = True
+            if closed:
+                return time.monotonic() - started
+    return None
 
 
 class RssSampler:

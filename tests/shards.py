@@ -17,7 +17,8 @@ VLLM_MODULES = frozenset({"test_canary.py", "test_real_vllm.py", "test_scale_out
 WEIGHTS = {
     "test_admin.py": 200, "test_api.py": 250, "test_attach.py": 30, "test_attach_vllm.py": 300, "test_basics.py": 20,
     "test_budget.py": 150,
-    "test_build_check.py": 150, "test_cache_fallback.py": 112, "test_canary.py": 711, "test_cluster_smoke.py": 40, "test_drain.py": 20,
+    "test_build_check.py": 150, "test_cache_fallback.py": 112, "test_canary.py": 711,
+    "test_canary_fairness.py": 135, "test_cluster_smoke.py": 40, "test_drain.py": 20,
     "test_creator_rights.py": 42, "test_exclusive_stores.py": 154, "test_faults.py": 482, "test_fuzz.py": 42,
     "test_gitops_prune.py": 119, "test_ha.py": 57, "test_helm.py": 137, "test_helm_ha.py": 42,
     "test_hfbucket_status.py": 55, "test_hostile_objects.py": 5, "test_hostile_peers_e2e.py": 124, "test_idle_reads.py": 79,

@@ -21,6 +21,7 @@ from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, refuse_contro
 from kvpersist.identity import CHECKED_SERDE, image_digest
 
 EVICTION_POLICIES = ("LRU", "noop")
+L2_KINDS = ("nvme", "hfBucket")  # spec.l2's union, as the API spells its members (status.l2Kind)
 
 # The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value): none changes the
 # KV a prompt produces (scheduling may change a batch's float rounding, not what it computes). Refused: every other

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from kvpersist.api.identity import BLOCK_SIZES, KV_CACHE_DTYPES, SHA256_DIGEST, Identity
 from kvpersist.api.models import APIModel, list_field
+from kvpersist.api.spec import L2_KINDS
 
 Count = Annotated[int, Field(ge=0)]
 NamespaceId = Annotated[str, Field(pattern=r"^kvp-[0-9a-f]{32}$")]  # kvp-<32 hex>
@@ -354,7 +355,7 @@ class KVCacheNamespaceStatus(APIModel):
     phase: Literal["Pending", "Progressing", "Ready", "Degraded", "CacheDisabled", "Failed"] | None = Field(
         None, description="Pending, Progressing, Ready, Degraded, CacheDisabled or Failed.")
     namespace_id: NamespaceId | None = Field(None, description="Compatibility namespace of the identity pins, kvp-<32 hex>.")
-    l2_kind: Literal["nvme", "hfBucket"] | None = Field(None, alias="l2Kind", description="nvme or hfBucket.")
+    l2_kind: Literal[L2_KINDS] | None = Field(None, alias="l2Kind", description="nvme or hfBucket.")  # type: ignore[valid-type]
     ready_replicas: int | None = Field(None, description="vLLM pods ready.")
     desired_replicas: int | None = Field(None, description="vLLM pods wanted.")
     replicas: str | None = Field(None, description="ready/desired vLLM pods, for kubectl get.")

@@ -223,9 +223,10 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(kube, "apply", lambda m: calls.append(f"apply {m['kind']}") or m)
     monkeypatch.setattr(kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or True)
     monkeypatch.setattr(kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
-    # The Secrets named exist (unlabelled); the agent token does not yet (the operator makes it).
+    # The Secrets named exist (unlabelled); the agent token does not yet (the operator makes it), nor
+    # any other object under its names.
     monkeypatch.setattr(kube, "get_metadata", lambda *a: calls.append(f"metadata {a[1]} {a[2]}") or (
-        None if a[2].endswith("-agent-token") else {}))
+        None if a[1] != "Secret" or a[2].endswith("-agent-token") else {}))
     monkeypatch.setattr(kube, "post_event", lambda *a: None)
     monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
     monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet

@@ -22,7 +22,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -76,14 +75,12 @@ OTHERS_TTL_S = 300.0  # the other folders change rarely: the trim re-reads them 
 STUCK_S = 300.0
 
 POD_NAME_ENV = "KVPERSIST_POD_NAME"  # the downward API's metadata.name (kvpersist.builders.lmcache)
-_ORDINAL = re.compile(r"-(0|[1-9][0-9]*)$")
 
 
 def trimmer_of(pod_name: str | None) -> bool:
     """Whether this StatefulSet pod (<set>-<n>) trims its shared folder: only ordinal 0, which exists while
     any server runs (two trimmers would delete up to twice the excess). No ordinal, no trim."""
-    m = _ORDINAL.search(pod_name or "")
-    return m is not None and int(m.group(1)) == 0
+    return (pod_name or "").endswith("-0")
 
 
 class TokenFile:
@@ -350,23 +347,19 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
                 return
             if self._refused(warn=path != prefetch.PATH):  # prefetch too: it makes lmcache read L2 and fill L1
                 return
-            if path == prefetch.PATH:  # lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch)
-                try:
+            try:
+                if path == prefetch.PATH:  # lmcache's warm prefetch of one prompt (kvpersist.inventory.prefetch)
                     code, out = (agent.prefetcher.run(read_body(self, prefetch.MAX_BODY)) if agent.prefetcher is not None
                                  else (404, {"error": "this agent was started without --server-url"}))
-                except BodyError as exc:
-                    code, out = exc.code, {"error": str(exc)}
-                self._send(code, out)
-                return
-            try:
-                body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
-                if not isinstance(body, dict):
-                    raise BodyError(400, "the body must be a JSON object")
-                if path == "/gc":
-                    code, out = agent.gc(str(body.get("namespaceId", "")), bool(body.get("dryRun", True)))
                 else:
-                    code, out = agent.expire(body.get("maxAgeDays"), body.get("protected"), body.get("remove"),
-                                             body.get("dryRun", True) is not False)
+                    body = json.loads(read_body(self, MAX_GC_BODY if path == "/gc" else MAX_EXPIRE_BODY) or b"{}")
+                    if not isinstance(body, dict):
+                        raise BodyError(400, "the body must be a JSON object")
+                    if path == "/gc":
+                        code, out = agent.gc(str(body.get("namespaceId", "")), bool(body.get("dryRun", True)))
+                    else:
+                        code, out = agent.expire(body.get("maxAgeDays"), body.get("protected"), body.get("remove"),
+                                                 body.get("dryRun", True) is not False)
             except BodyError as exc:
                 code, out = exc.code, {"error": str(exc)}
             except (ValueError, OSError) as exc:

@@ -48,18 +48,10 @@ class _Object:
     mtime: float | None
 
 
-def split_handle(handle: str) -> tuple[str, str]:
-    """hf://buckets/<owner>/<bucket>[/<prefix>] -> (<owner>/<bucket>, <prefix>), parsed the way
-    lmcache's hfbucket adapter parses it (empty segments dropped), so the paths match its writes."""
-    bid = hfbucket.bucket_id(handle)
-    parts = [p for p in handle.removeprefix("hf://buckets/").split("/") if p]
-    return bid, "/".join(parts[2:])
-
-
 def scan_bucket(bucket_handle: str, token: str, endpoint: str | None = None) -> Inventory:
     """Every namespace folder under the handle's prefix with its bytes, objects and newest write;
     objects outside any namespace folder count as other_bytes (never deleted by gc)."""
-    bid, prefix = split_handle(bucket_handle)
+    bid, prefix = hfbucket.split_handle(bucket_handle)
     deadline = time.monotonic() + BUCKET_DEADLINE_S
     # Streamed: folded into per-namespace sums page by page, never held whole (a million objects).
     return _guarded(bid, "list", token, lambda: group(((o.rel, o.size, o.mtime)
@@ -73,7 +65,7 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
     can take a while); a reason from it stops the removal with DeletionRefused."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         raise ValueError(f"{namespace_id!r} is not a namespace id (kvp-<32 hex>)")
-    bid, prefix = split_handle(bucket_handle)
+    bid, prefix = hfbucket.split_handle(bucket_handle)
     deadline = time.monotonic() + BUCKET_DEADLINE_S
     folder = f"{prefix}/{namespace_id}" if prefix else namespace_id
     objects = _guarded(bid, "list", token, lambda: list(_list(bid, folder, token, endpoint, deadline)))

@@ -38,13 +38,18 @@ class Preflight:
     message: str
 
 
-def bucket_id(handle: str) -> str:
-    """hf://buckets/<ns>/<bucket>[/<prefix>] -> <ns>/<bucket>."""
-    rest = handle.removeprefix("hf://buckets/")
-    parts = [p for p in rest.split("/") if p]
+def split_handle(handle: str) -> tuple[str, str]:
+    """hf://buckets/<ns>/<bucket>[/<prefix>] -> (<ns>/<bucket>, <prefix>), parsed the way lmcache's
+    hfbucket adapter parses it (empty segments dropped), so the paths match its writes."""
+    parts = [p for p in handle.removeprefix("hf://buckets/").split("/") if p]
     if not handle.startswith("hf://buckets/") or len(parts) < 2:
         raise ValueError(f"not a bucket handle: {handle!r}")
-    return f"{parts[0]}/{parts[1]}"
+    return f"{parts[0]}/{parts[1]}", "/".join(parts[2:])
+
+
+def bucket_id(handle: str) -> str:
+    """hf://buckets/<ns>/<bucket>[/<prefix>] -> <ns>/<bucket>."""
+    return split_handle(handle)[0]
 
 
 def hub_proxy(endpoint: str | None = None) -> str | None:

@@ -106,6 +106,8 @@ class _Budget:
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
     """(path, name, lstat) of every file under top (links not followed, vanished files skipped) until budget is spent."""
+    if budget is not None and budget.left <= 0:
+        return  # not even listed: a folder of millions of names takes a while to list
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
@@ -130,25 +132,20 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
     the bound cut short, or never reached, is listed with complete False."""
     budget = _Budget(max_files)
     entries: list[tuple[str, int, float | None]] = []
-    folders: list[str] = []
+    complete: dict[str, bool] = {}  # namespace folder -> walked to its end
     try:
         children = sorted(os.scandir(root), key=lambda e: (e.name != first, e.name)) if root.is_dir() else []
     except OSError:
         children = []
-    incomplete: set[str] = set()
     for child in children:
         try:
             is_dir = child.is_dir(follow_symlinks=False)
         except OSError:
             continue
-        if is_dir and NAMESPACE_ID_RE.fullmatch(child.name):
-            folders.append(child.name)
-            if budget.left > 0:
-                entries.extend(_files(root, Path(child.path), budget))
-            if budget.left <= 0:  # never reached, or cut short (or ended exactly on its last file: not sure either way)
-                incomplete.add(child.name)
-        elif is_dir:
+        if is_dir:
             entries.extend(_files(root, Path(child.path), budget))
+            if NAMESPACE_ID_RE.fullmatch(child.name):
+                complete[child.name] = budget.left > 0  # False: never reached, or cut short (or ended on its last file)
         else:
             try:
                 st = os.lstat(child.path)
@@ -158,10 +155,10 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
     inv = group(entries, str(root))
     held = {n.namespace_id: n for n in inv.namespaces}
     # Namespace folders with nothing in them yet still show (a server started, nothing stored).
-    inv.namespaces = [held.get(name) or NamespaceUsage(name) for name in sorted(folders)]
+    inv.namespaces = [held.get(name) or NamespaceUsage(name) for name in sorted(complete)]
     for n in inv.namespaces:
-        n.complete = n.namespace_id not in incomplete
-    inv.truncated = bool(incomplete) or budget.left <= 0
+        n.complete = complete[n.namespace_id]
+    inv.truncated = budget.left <= 0  # a folder left incomplete spent it
     usage = shutil.disk_usage(root)
     inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
     return inv

@@ -133,13 +133,12 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def inventory(self, fresh: bool = False, max_age_s: float | None = None) -> Inventory:
-        """The volume's scan (bounded: scan_volume's max_files), at most SCAN_TTL_S old (or max_age_s)."""
+    def inventory(self, fresh: bool = False, max_age_s: float = SCAN_TTL_S) -> Inventory:
+        """The volume's scan (bounded: scan_volume's max_files), at most max_age_s old."""
         assert self.root is not None
         with self._lock:
             now = time.monotonic()
-            ttl = SCAN_TTL_S if max_age_s is None else max_age_s
-            if fresh or self._scan is None or now - self._scan[0] > ttl:
+            if fresh or self._scan is None or now - self._scan[0] > max_age_s:
                 self._scan = (now, scan_volume(self.root, self.serving))
             return self._scan[1]
 

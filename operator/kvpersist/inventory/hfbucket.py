@@ -102,36 +102,31 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
     bound_hub_client()
     bid = bucket_id(handle)
     api = HfApi(endpoint=endpoint, token=token)
+    action = "read"
     try:
-        api.bucket_info(bid)
-        return Preflight(True, "BucketReachable", f"bucket {bid} exists and the token from {secret_ref} can read it")
-    except HfHubHTTPError as exc:
-        code = exc.response.status_code if exc.response is not None else None
-        if code == 404 and create_if_missing:
-            try:
-                api.create_bucket(bid, private=True, exist_ok=True)
-                return Preflight(True, "BucketCreated", f"bucket {bid} did not exist and was created (createBucketIfMissing)")
-            except HfHubHTTPError as create_exc:
-                return _refused(bid, create_exc.response, secret_ref, "create")
-            except (httpx2.TransportError, OSError) as create_exc:  # not caught by the outer try's clauses below
-                return _unreachable(bid, create_exc)
-        if code == 404:
+        try:
+            api.bucket_info(bid)
+            return Preflight(True, "BucketReachable", f"bucket {bid} exists and the token from {secret_ref} can read it")
+        except HfHubHTTPError as exc:
+            if exc.response is None or exc.response.status_code != 404:
+                raise
+        if not create_if_missing:
             return Preflight(False, "BucketNotFound", f"bucket {bid} does not exist (or the token from {secret_ref} cannot "
                              "see it): create it, or set spec.l2.hfBucket.createBucketIfMissing: true")
-        return _refused(bid, exc.response, secret_ref, "read")
+        action = "create"
+        api.create_bucket(bid, private=True, exist_ok=True)
+        return Preflight(True, "BucketCreated", f"bucket {bid} did not exist and was created (createBucketIfMissing)")
+    except HfHubHTTPError as exc:
+        return _refused(bid, exc.response, secret_ref, action)
     except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
-        return _unreachable(bid, exc)
+        return Preflight(False, "HubUnreachable",
+                         f"cannot reach the Hugging Face Hub to check bucket {bid}: {transport_error_text(exc)}")
 
 
 def transport_error_text(exc: BaseException) -> str:
     """What a message may say of a failed Hub request: the exception type only, or the transport's own
     refusals, whose text is ours and never holds a URL or the token."""
     return str(exc) if isinstance(exc, httptransport.Refused) else type(exc).__name__
-
-
-def _unreachable(bid: str, exc: BaseException) -> Preflight:
-    return Preflight(False, "HubUnreachable",
-                     f"cannot reach the Hugging Face Hub to check bucket {bid}: {transport_error_text(exc)}")
 
 
 def _refused(bid: str, response: httpx2.Response | None, secret_ref: str, action: str) -> Preflight:

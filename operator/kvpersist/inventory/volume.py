@@ -139,19 +139,15 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
         children = []
     for child in children:
         try:
-            is_dir = child.is_dir(follow_symlinks=False)
-        except OSError:
+            st = child.stat(follow_symlinks=False)
+        except OSError:  # gone since the listing
             continue
-        if is_dir:
-            entries.extend(_files(root, Path(child.path), budget))
-            if NAMESPACE_ID_RE.fullmatch(child.name):
-                complete[child.name] = budget.left > 0  # False: never reached, or cut short (or ended on its last file)
-        else:
-            try:
-                st = os.lstat(child.path)
-            except FileNotFoundError:
-                continue
+        if not stat.S_ISDIR(st.st_mode):
             entries.append((child.name, st.st_size, st.st_mtime))
+            continue
+        entries.extend(_files(root, Path(child.path), budget))
+        if NAMESPACE_ID_RE.fullmatch(child.name):
+            complete[child.name] = budget.left > 0  # False: never reached, or cut short (or ended on its last file)
     inv = group(entries, str(root))
     held = {n.namespace_id: n for n in inv.namespaces}
     # Namespace folders with nothing in them yet still show (a server started, nothing stored).

@@ -193,13 +193,12 @@ class Agent:
         held = namespace_usage(self.root, namespace_id)  # that folder only, not the whole volume
         if held is None:
             return 404, {"error": f"{namespace_id} has no data on this volume"}
-        if dry_run:
-            return 200, {**held.to_json(), "dryRun": True, "deleted": False}
-        with self._lock:
-            removed = remove_namespace(self.root, namespace_id)
-            self._scan = None
-        log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, removed.bytes, removed.objects)
-        return 200, {**removed.to_json(), "dryRun": False, "deleted": True}
+        if not dry_run:
+            with self._lock:
+                held = remove_namespace(self.root, namespace_id)
+                self._scan = None
+            log.warning("deleted namespace %s: %d bytes in %d objects", namespace_id, held.bytes, held.objects)
+        return 200, {**held.to_json(), "dryRun": dry_run, "deleted": not dry_run}
 
     def forward(self, path: str) -> tuple[int, dict[str, Any] | bytes, str]:
         """(HTTP code, body, content type) of one allowed read of lmcache's admin API: a server down, slow or

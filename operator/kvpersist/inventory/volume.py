@@ -106,8 +106,6 @@ class _Budget:
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
     """(path, name, lstat) of every file under top (links not followed, vanished files skipped) until budget is spent."""
-    if budget is not None and budget.left <= 0:
-        return  # not even listed: a folder of millions of names takes a while to list
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
@@ -145,7 +143,8 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
         if not stat.S_ISDIR(st.st_mode):
             entries.append((child.name, st.st_size, st.st_mtime))
             continue
-        entries.extend(_files(root, Path(child.path), budget))
+        if budget.left > 0:  # else not even listed: a folder of millions of names takes a while to list
+            entries.extend(_files(root, Path(child.path), budget))
         if NAMESPACE_ID_RE.fullmatch(child.name):
             complete[child.name] = budget.left > 0  # False: never reached, or cut short (or ended on its last file)
     inv = group(entries, str(root))

@@ -106,6 +106,8 @@ class _Budget:
 
 def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
     """(path, name, lstat) of every file under top (links not followed, vanished files skipped) until budget is spent."""
+    if budget is not None and budget.left <= 0:
+        return  # not even listed: a folder of millions of names takes a while to list
     for dirpath, _dirs, names in os.walk(top):
         for name in names:
             if budget is not None:
@@ -120,17 +122,21 @@ def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, 
             yield path, name, st
 
 
-def _files(root: Path, top: Path, budget: _Budget | None = None) -> Iterable[tuple[str, int, float | None]]:
-    """(path relative to root, apparent size as `du -sb` counts it, mtime) of every file under top."""
-    return ((os.path.relpath(path, root), st.st_size, st.st_mtime) for path, _name, st in _walk(top, budget))
+def _folder_usage(name: str, folder: Path, budget: _Budget | None) -> NamespaceUsage:
+    """What the files under folder hold (apparent sizes, as `du -sb` counts them); complete False when
+    budget ran out in it or before it (or exactly on its last file: not sure either way)."""
+    held = NamespaceUsage(name)
+    for _path, _name, st in _walk(folder, budget):
+        held.add(st.st_size, st.st_mtime)
+    held.complete = budget is None or budget.left > 0
+    return held
 
 
 def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_FILES) -> Inventory:
     """Walk an L2 mount, at most max_files files, the served folder (first) before the others; a folder
     the bound cut short, or never reached, is listed with complete False."""
     budget = _Budget(max_files)
-    entries: list[tuple[str, int, float | None]] = []
-    complete: dict[str, bool] = {}  # namespace folder -> walked to its end
+    inv = Inventory(str(root))
     try:
         children = sorted(os.scandir(root), key=lambda e: (e.name != first, e.name)) if root.is_dir() else []
     except OSError:
@@ -141,18 +147,12 @@ def scan_volume(root: Path, first: str | None = None, max_files: int = MAX_SCAN_
         except OSError:  # gone since the listing
             continue
         if not stat.S_ISDIR(st.st_mode):
-            entries.append((child.name, st.st_size, st.st_mtime))
-            continue
-        if budget.left > 0:  # else not even listed: a folder of millions of names takes a while to list
-            entries.extend(_files(root, Path(child.path), budget))
-        if NAMESPACE_ID_RE.fullmatch(child.name):
-            complete[child.name] = budget.left > 0  # False: never reached, or cut short (or ended on its last file)
-    inv = group(entries, str(root))
-    held = {n.namespace_id: n for n in inv.namespaces}
-    # Namespace folders with nothing in them yet still show (a server started, nothing stored).
-    inv.namespaces = [held.get(name) or NamespaceUsage(name) for name in sorted(complete)]
-    for n in inv.namespaces:
-        n.complete = complete[n.namespace_id]
+            inv.other_bytes += st.st_size
+        elif NAMESPACE_ID_RE.fullmatch(child.name):  # listed even when empty (a server started, nothing stored)
+            inv.namespaces.append(_folder_usage(child.name, Path(child.path), budget))
+        else:
+            inv.other_bytes += _folder_usage(child.name, Path(child.path), budget).bytes
+    inv.namespaces.sort(key=lambda n: n.namespace_id)
     inv.truncated = budget.left <= 0  # a folder left incomplete spent it
     usage = shutil.disk_usage(root)
     inv.capacity_bytes, inv.free_bytes = usage.total, usage.free
@@ -165,10 +165,7 @@ def namespace_usage(root: Path, namespace_id: str, max_files: int | None = None)
     folder = _served_folder(root, namespace_id)
     if folder is None:
         return None
-    budget = _Budget(max_files) if max_files is not None else None
-    held = group(_files(root, folder, budget), str(root)).get(namespace_id) or NamespaceUsage(namespace_id)
-    held.complete = budget is None or budget.left > 0
-    return held
+    return _folder_usage(namespace_id, folder, _Budget(max_files) if max_files is not None else None)
 
 
 def remove_namespace(root: Path, namespace_id: str) -> NamespaceUsage:

@@ -312,19 +312,19 @@ def _figures(t: HitTotals) -> dict[str, Any]:
             "hitRate": ratio(t.hit, t.lookup), "hitRateL1": ratio(t.l1, t.lookup), "hitRateL2": ratio(t.l2, t.lookup)}
 
 
-def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> dict[str, Any] | None:
-    """The figures from the newest (monotonic time, totals) sample at least span_s old (else the
+def window_figures(samples: Sequence[tuple[float, HitTotals]], now: float) -> dict[str, Any] | None:
+    """The figures from the newest (monotonic time, totals) sample at least HIT_WINDOW_S old (else the
     oldest) to the newest; None with fewer than two, or the newest older than the window."""
-    if len(samples) < 2 or now - samples[-1][0] > span_s:
+    if len(samples) < 2 or now - samples[-1][0] > HIT_WINDOW_S:
         return None
-    old = [s for s in samples if s[0] <= now - span_s]
+    old = [s for s in samples if s[0] <= now - HIT_WINDOW_S]
     first = old[-1] if old else samples[0]
     last = samples[-1]
     elapsed = last[0] - first[0]
     if elapsed <= 0:
         return None
     d = last[1] - first[1]
-    out = {"seconds": int(span_s) if old else int(elapsed), **_figures(d)}
+    out = {"seconds": int(HIT_WINDOW_S) if old else int(elapsed), **_figures(d)}
     out["lookupTokensPerSecond"] = round(d.lookup / elapsed)
     out["hitTokensPerSecond"] = round(d.hit / elapsed)
     out["restoresL2"], out["restoreGbpsL2"] = d.l2_loads, restore_rate(d.l2_gbps_sum, d.l2_loads)
@@ -337,9 +337,9 @@ def restore_rate(gbps_sum: float, loads: int) -> float | None:
     return round(max(0.0, gbps_sum) / loads, 2) if loads > 0 else None
 
 
-def trim_samples(samples: deque[tuple[float, HitTotals]], now: float, span_s: float = HIT_WINDOW_S) -> None:
-    """Drops samples the window no longer needs: all but the newest that is at least span_s old."""
-    while len(samples) > MAX_SAMPLES or (len(samples) > 1 and samples[1][0] <= now - span_s):
+def trim_samples(samples: deque[tuple[float, HitTotals]], now: float) -> None:
+    """Drops samples the window no longer needs: all but the newest that is at least HIT_WINDOW_S old."""
+    while len(samples) > MAX_SAMPLES or (len(samples) > 1 and samples[1][0] <= now - HIT_WINDOW_S):
         samples.popleft()
 
 
@@ -395,8 +395,7 @@ class HitTracker:
     """Per resource: hit totals, each server's last counters and the window's samples. Totals are
     seeded from status.hits (they survive operator restarts); the window lives only in memory."""
 
-    def __init__(self, span_s: float = HIT_WINDOW_S) -> None:
-        self.span_s = span_s
+    def __init__(self) -> None:
         self._state: dict[Any, _HitState] = {}
         self._lock = threading.Lock()  # refreshes of one resource may overlap (status loop and reconcile)
 
@@ -413,10 +412,10 @@ class HitTracker:
                 state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
                 state.since = state.since or wall
                 state.samples.append((now, state.totals))
-                trim_samples(state.samples, now, self.span_s)
+                trim_samples(state.samples, now)
             if state.since is None:
                 return None
-            return hits_status(state.totals, state.baselines, window_figures(state.samples, now, self.span_s), state.since)
+            return hits_status(state.totals, state.baselines, window_figures(state.samples, now), state.since)
 
     def forget(self, key: Any) -> None:
         with self._lock:
@@ -461,11 +460,10 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
     return replace(report, lookups=lookup_counters(metrics))
 
 
-def fetch_lookup_counters(ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None,
-                          prefix: str = THROUGH_AGENT) -> LookupCounters | None:
-    """One server's lookup counters alone (its /metrics), within timeout; None when unknown."""
+def fetch_lookup_counters(ip: str, port: int, timeout: float = STATUS_TIMEOUT_S, token: str | None = None) -> LookupCounters | None:
+    """One server's lookup counters alone (its /metrics, through the pod's agent), within timeout; None when unknown."""
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    return lookup_counters(_fetch_metrics(ip, port, timeout, prefix, headers))
+    return lookup_counters(_fetch_metrics(ip, port, timeout, THROUGH_AGENT, headers))
 
 
 def _error_of(body: bytes) -> str:
@@ -477,8 +475,8 @@ def _error_of(body: bytes) -> str:
     return f": {str(error)[:200]}" if error else ""
 
 
-def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str = THROUGH_AGENT,
-                   headers: Mapping[str, str] | None = None) -> dict[str, float] | None:
+def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str,
+                   headers: Mapping[str, str] | None) -> dict[str, float] | None:
     """The parsed /metrics of a server, or None (no time left, no answer, not Prometheus text)."""
     if timeout <= 0:
         return None
@@ -490,12 +488,12 @@ def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str = THROUGH_AGE
 
 
 def collect_usage(pods: Iterable[tuple[str, str | None]], port: int, timeout: float = STATUS_TIMEOUT_S,
-                  token: str | None = None, prefix: str = THROUGH_AGENT) -> list[ServerReport]:
+                  token: str | None = None) -> list[ServerReport]:
     """Asks every (pod, ip) in parallel (stuck servers cost one timeout together); no IP yet: unhealthy."""
     pods = list(pods)
     with_ip = [(p, ip) for p, ip in pods if ip]
     reports = {p: ServerReport(pod=p, healthy=False, message="pod has no IP yet") for p, ip in pods if not ip}
-    for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout, token, prefix), with_ip):
+    for rep in httpclient.in_parallel(lambda pi: fetch_status(pi[0], pi[1], port, timeout, token), with_ip):
         reports[rep.pod] = rep
     return [reports[p] for p, _ in pods]
 

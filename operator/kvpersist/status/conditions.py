@@ -430,11 +430,9 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         # A hit that changed an answer comes first: it is why vLLM runs without the cache. Pods the
         # API server refuses explain everything after them (claims wait for a pod); so does a build
         # mismatch (a server that refuses to start is only "starting" to the others).
-        missing = by_type.get(REFERENCES_CONDITION)
-        first = next((c for c in not_ok if c["reason"] == HIT_MISMATCH), None) or next(
-            (c for c in not_ok if c["reason"] in NOT_CREATED_REASONS), None) or (
-            missing if missing is not None and missing["reason"] == REFERENCE_MISSING else None) or next(
-            (c for c in not_ok if c["reason"] == BUILD_MISMATCH), not_ok[0])
+        rank = {HIT_MISMATCH: 0, **dict.fromkeys(NOT_CREATED_REASONS, 1), REFERENCE_MISSING: 2, BUILD_MISMATCH: 3}
+        missing = [c for c in conds if c["type"] == REFERENCES_CONDITION and c["reason"] == REFERENCE_MISSING]
+        first = min(not_ok + missing, key=lambda c: rank.get(c["reason"], len(rank)))  # the first of the lowest rank
         ready = (False, first["reason"], f"{first['type']}: {first['message']}")
     conds.append(condition("Ready", *ready, gen))
 

@@ -25,7 +25,8 @@ from kvpersist.identity import resolve
 from kvpersist.inventory.prefetch import Answer
 from kvpersist.status import prewarm as judge
 from kvpersist.status.conditions import Observation, compute_status
-from kvpersist.status.prewarm import UNREAD, Declared, Pair, Pass, PodView, Prompt, PromptResult, ServerWarmth
+from kvpersist.status.prewarm import UNREAD, Declared, Pair, Pass, Prompt, PromptResult, ServerWarmth
+from kvpersist.status.workloads import Pod
 from tests.cases.invalid_manifests import sample
 
 NSID = "kvp-" + "a" * 32
@@ -329,8 +330,8 @@ def test_the_token_cache_keeps_a_budget() -> None:
 
 def view(name: str, vllm: str | None = "v", current: Pass | None = None, running: tuple[int, int] | None = None,
          ) -> ServerWarmth:
-    server = PodView(name, "u", "127.0.0.1", "gpu-0", 0)
-    return ServerWarmth(Pair(server, PodView(vllm, "uv", "127.0.0.2", "gpu-0", 0) if vllm else None), current, running)
+    server = Pod(name, "127.0.0.1", "u", 0, "gpu-0", True, True)
+    return ServerWarmth(Pair(server, Pod(vllm, "127.0.0.2", "uv", 0, "gpu-0", True, True) if vllm else None), current, running)
 
 
 PW = prewarm(prompts=["a", "b"])

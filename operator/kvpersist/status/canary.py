@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.spec import CHUNK_TOKENS, KVCacheNamespaceSpec
-from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM
+from kvpersist.builders.target import SERVER, VLLM
 from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters
-from kvpersist.status.workloads import of_id, pod_ready
+from kvpersist.status.workloads import Pod, of_id, pod_ready, pod_views
 
 CONDITION = "HitCorrectness"
 MATCH = "HitsMatch"
@@ -54,28 +54,9 @@ def digest(spec: KVCacheNamespaceSpec) -> str:
 # ---------------------------------------------------------------- pods and when they are due
 
 
-@dataclass(frozen=True)
-class Pod:
-    """A vLLM pod of the namespace id, as the watch cache has it."""
-
-    name: str
-    ip: str | None
-    uid: str
-    restarts: int
-    node: str | None
-    ready: bool
-    uses_cache: bool  # launched with --kv-transfer-config (not rolled without the cache)
-
-
 def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]:
     """The vLLM pods of this namespace id (an old id's pods mid-rollout run other pins), by name."""
-    out = []
-    for p in of_id(pods, namespace_id, VLLM):
-        meta, status = p["metadata"], p.get("status") or {}
-        out.append(Pod(meta["name"], status.get("podIP"), str(meta.get("uid") or ""), int(status.get("restarts") or 0),
-                       (p.get("spec") or {}).get("nodeName"), pod_ready(p),
-                       BYPASS_ANNOTATION not in (meta.get("annotations") or {})))
-    return sorted(out, key=lambda q: q.name)
+    return pod_views(pods, namespace_id, VLLM)
 
 
 def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Mapping[str, Any]]:

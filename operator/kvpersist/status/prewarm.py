@@ -20,7 +20,7 @@ from kvpersist.api.spec import Prewarm
 from kvpersist.api.text import printable
 from kvpersist.builders.target import SERVER, VLLM
 from kvpersist.status import Verdict
-from kvpersist.status.workloads import COMPONENT_LABEL, of_id, pod_ready
+from kvpersist.status.workloads import Pod, pod_views
 
 CONDITION = "Warm"
 MAX_PROMPTS = 64  # warmed per server and pass, the spec's and the ConfigMap's together (spec first)
@@ -118,22 +118,11 @@ def declared(prewarm: Prewarm | None, namespace: str,
 
 
 @dataclass(frozen=True)
-class PodView:
-    """What a pass and its schedule need of a pod (from the watch cache's slim copy)."""
-
-    name: str
-    uid: str
-    ip: str
-    node: str
-    restarts: int
-
-
-@dataclass(frozen=True)
 class Pair:
     """A Ready server of the namespace id and the Ready vLLM pod of that id on its node (None: none)."""
 
-    server: PodView
-    vllm: PodView | None
+    server: Pod
+    vllm: Pod | None
 
     def fingerprint(self, declared: Declared) -> tuple[Any, ...]:
         """What a pass was for: a restart of either pod or another list makes it stale (after a vLLM
@@ -142,18 +131,11 @@ class Pair:
         return (self.server.uid, self.server.restarts, v.uid if v else None, v.restarts if v else None, declared.digest)
 
 
-def _view(pod: Mapping[str, Any]) -> PodView:
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    return PodView(meta.get("name", ""), meta.get("uid", ""), status.get("podIP", ""), (pod.get("spec") or {}).get("nodeName", ""),
-                   int(status.get("restarts") or 0))
-
-
 def pairs(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pair]:
     """Each Ready server of the id, by name, with the first Ready vLLM pod of that id on its node.
     Pods of another id (mid-rollout) are never paired: their KV is another namespace's."""
-    mine = [p for p in of_id(pods, namespace_id) if (p.get("status") or {}).get("podIP") and pod_ready(p)]
-    servers = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER), key=lambda v: v.name)
-    vllms = sorted((_view(p) for p in mine if p["metadata"]["labels"].get(COMPONENT_LABEL) == VLLM), key=lambda v: v.name)
+    servers = [v for v in pod_views(pods, namespace_id, SERVER) if v.ip and v.ready]
+    vllms = [v for v in pod_views(pods, namespace_id, VLLM) if v.ip and v.ready]
     return [Pair(s, next((v for v in vllms if v.node and v.node == s.node), None)) for s in servers]
 
 
@@ -238,33 +220,31 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
         return (None, "WaitingForVLLM", f"no Ready vLLM pod of this namespace id runs beside a Ready lmcache server "
                 f"({', '.join(idle)}): lmcache loads a prefix only once a vLLM has registered its KV layout with the "
                 "server; warming starts then")
-    failed = [s for s in serving if s.current is not None and s.current.failure is not None and s.running is None]
     pending = [s for s in serving if s.current is None or s.running is not None]
-    done = [s for s in serving if s.current is not None and s.current.failure is None and s.running is None]
+    ended = [(s.pair.server.name, s.current) for s in serving if s.current is not None and s.running is None]
+    failed = [(name, p.failure) for name, p in ended if p.failure is not None]
+    done = [(name, p) for name, p in ended if p.failure is None]
     tail = listed.note + skipped
     if problem is not None and problem[0] != "ConfigMapNotRead":
-        warm = sum(s.current.warm for s in done if s.current)
+        warm = sum(p.warm for _, p in done)
         return (False, problem[0], f"{problem[1]}; {warm} of {n * len(done)} (prompt, server) pairs warm" + tail)
     if failed:
-        s = failed[0]
-        assert s.current is not None and s.current.failure is not None
-        reason, message = s.current.failure
+        name, (reason, message) = failed[0]
         more = f" (and {len(failed) - 1} more server(s))" if len(failed) > 1 else ""
-        return (None, reason, f"{s.pair.server.name}: {message}{more}; trying again every {FAILED_RETRY_S:.0f} s" + tail)
+        return (None, reason, f"{name}: {message}{more}; trying again every {FAILED_RETRY_S:.0f} s" + tail)
     if pending or (problem is not None and problem[0] == "ConfigMapNotRead"):
         parts = [f"{k} of {of} prompts on {s.pair.server.name}" for s in pending for k, of in [s.running or (0, n)]]
-        parts += [f"{s.current.warm} of {n} on {s.pair.server.name}" for s in done if s.current]
+        parts += [f"{p.warm} of {n} on {name}" for name, p in done]
         why = f"; {problem[1]}" if problem else ""
         return (False, "Warming", "warming after a start of an lmcache server or its vLLM pod, or a change of the list: "
                 + ", ".join(parts) + why + tail)
-    cold = [s for s in done if s.current and s.current.warm < n]
+    cold = [(name, p) for name, p in done if p.warm < n]
     if cold:
-        s = cold[0]
-        assert s.current is not None
-        return (False, "PromptsNotWarm", f"{s.current.warm} of {n} prompts warm on {s.pair.server.name}, not warm: "
-                f"{_not_warm(s.current.results)}; tried again every {NOT_WARM_RETRY_S:.0f} s" + tail)
-    chunks = sum(r.chunks for s in done if s.current for r in s.current.results)
-    computed = sum(1 for s in done if s.current for r in s.current.results if r.computed)
+        name, p = cold[0]
+        return (False, "PromptsNotWarm", f"{p.warm} of {n} prompts warm on {name}, not warm: "
+                f"{_not_warm(p.results)}; tried again every {NOT_WARM_RETRY_S:.0f} s" + tail)
+    chunks = sum(r.chunks for _, p in done for r in p.results)
+    computed = sum(1 for _, p in done for r in p.results if r.computed)
     how = f"; {computed} computed through vLLM, L2 lacking them" if computed else ""
     in_l1 = f"{chunks} chunk{'s' if chunks != 1 else ''} in L1"
     return (True, "Warm", f"{n} of {n} prompts warm on every server ({len(done)} server(s), {in_l1}){how}" + tail)

@@ -17,7 +17,7 @@ from kvpersist.builders.lmcache import AGENT_CONTAINER
 from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS
 from kvpersist.builders.target import BYPASS_ANNOTATION, NAMESPACE_ID_LABEL, SERVER, VLLM, Target
-from kvpersist.status.agentroll import AgentSet, agent_image_of, view
+from kvpersist.status.agentroll import AgentSet, Key, agent_image_of, view
 from kvpersist.status.build import refusal_of
 from kvpersist.status.keymismatch import MESSAGE_MAX, refused_now
 
@@ -30,10 +30,8 @@ WATCHED = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("apps
            ("", "v1", "persistentvolumeclaims"), ("", "v1", "services"), ("", "v1", "configmaps"),
            ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"))
 
-OwnerKey = tuple[str, str]  # (namespace, KVCacheNamespace name)
 
-
-def owner_key(body: Mapping[str, Any]) -> OwnerKey | None:
+def owner_key(body: Mapping[str, Any]) -> Key | None:
     """(namespace, resource name) from the instance label, or the operator's own on a claim that
     outlives its resource (kvpersist.builders.retained)."""
     meta = body.get("metadata") or {}
@@ -136,13 +134,37 @@ def of_id(pods: Iterable[Mapping[str, Any]], namespace_id: str | None, component
             and component in (None, labels.get(COMPONENT_LABEL)) and not p["metadata"].get("deletionTimestamp")]
 
 
+@dataclass(frozen=True)
+class Pod:
+    """A pod of the operator's workloads (or attached to them), as the watch cache has it."""
+
+    name: str
+    ip: str | None
+    uid: str
+    restarts: int
+    node: str | None
+    ready: bool
+    uses_cache: bool  # launched with --kv-transfer-config (not rolled without the cache)
+
+
+def pod_views(pods: Iterable[Mapping[str, Any]], namespace_id: str, component: str) -> list[Pod]:
+    """The pods of a namespace id and component (of_id) as Pods, by name."""
+    out = []
+    for p in of_id(pods, namespace_id, component):
+        meta, status = p["metadata"], p.get("status") or {}
+        out.append(Pod(meta["name"], status.get("podIP"), str(meta.get("uid") or ""), int(status.get("restarts") or 0),
+                       (p.get("spec") or {}).get("nodeName"), pod_ready(p),
+                       BYPASS_ANNOTATION not in (meta.get("annotations") or {})))
+    return sorted(out, key=lambda q: q.name)
+
+
 def attached_counts(pods: Iterable[Mapping[str, Any]], namespace_id: str | None) -> tuple[int, int]:
     """(attached pods of the namespace id, those Ready), none being deleted."""
     mine = [p for p in of_id(pods, namespace_id) if ATTACH_LABEL in p["metadata"]["labels"]]
     return len(mine), sum(1 for p in mine if pod_ready(p))
 
 
-def index_entry(body: Mapping[str, Any]) -> dict[OwnerKey, dict[str, Any]] | None:
+def index_entry(body: Mapping[str, Any]) -> dict[Key, dict[str, Any]] | None:
     """What a kopf index handler returns: the slim object under its owner's key."""
     key = owner_key(body)
     return {key: slim(body)} if key else None
@@ -163,7 +185,7 @@ class Seen:
     unadmitted_pods: list[str] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     live_ids: frozenset[str] = frozenset()  # every namespace some resource or server still uses
-    fleet: Mapping[OwnerKey, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet
+    fleet: Mapping[Key, AgentSet] = field(default_factory=dict)  # every resource's lmcache StatefulSet
     # Every watched resource's L2 store (controller.sharing.User) and every server pod, for the
     # StorageInUse decision; None: not copied.
     stores: tuple[Any, ...] | None = None
@@ -215,7 +237,7 @@ def live_ids(resources: Iterable[Mapping[str, Any]], resolved: Iterable[str | No
     return frozenset(i for i in out if i)
 
 
-def fleet(statefulsets: Mapping[OwnerKey, Iterable[Mapping[str, Any]]]) -> dict[OwnerKey, AgentSet]:
+def fleet(statefulsets: Mapping[Key, Iterable[Mapping[str, Any]]]) -> dict[Key, AgentSet]:
     """Every resource's lmcache StatefulSet, for the agent roll (kvpersist.status.agentroll)."""
     return {key: view(s) for key, store in statefulsets.items() for s in store
             if (s["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER}

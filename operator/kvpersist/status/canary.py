@@ -20,7 +20,7 @@ from kvpersist.api.spec import CHUNK_TOKENS, KVCacheNamespaceSpec
 from kvpersist.builders.target import SERVER, VLLM
 from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters
-from kvpersist.status.workloads import Pod, of_id, pod_ready, pod_views
+from kvpersist.status.workloads import Pod, pod_views
 
 CONDITION = "HitCorrectness"
 MATCH = "HitsMatch"
@@ -59,21 +59,19 @@ def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]
     return pod_views(pods, namespace_id, VLLM)
 
 
-def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Mapping[str, Any]]:
+def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Pod]:
     """The lmcache servers of the id on a node: those its vLLM pod reaches (the node-local Service)."""
-    return [p for p in of_id(pods, namespace_id, SERVER) if node is not None and (p.get("spec") or {}).get("nodeName") == node]
+    return [p for p in pod_views(pods, namespace_id, SERVER) if node is not None and p.node == node]
 
 
 def server_addresses(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, str], ...]:
     """(name, IP) of the servers on a node with an IP: their lookup counters tell which tier served a check."""
-    return tuple(sorted((p["metadata"]["name"], str(p["status"]["podIP"]))
-                        for p in _servers_on(pods, namespace_id, node) if (p.get("status") or {}).get("podIP")))
+    return tuple(sorted((p.name, str(p.ip)) for p in _servers_on(pods, namespace_id, node) if p.ip))
 
 
 def servers_of(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> tuple[tuple[str, int, bool], ...]:
     """(uid, restarts, ready) of the servers on a node, whose restart is a reason to check again."""
-    return tuple(sorted((str(p["metadata"].get("uid") or ""), int((p.get("status") or {}).get("restarts") or 0), pod_ready(p))
-                        for p in _servers_on(pods, namespace_id, node)))
+    return tuple(sorted((p.uid, p.restarts, p.ready) for p in _servers_on(pods, namespace_id, node)))
 
 
 CheckKey = tuple[tuple[str, int], tuple[tuple[str, int], ...]]  # the pod's (uid, restarts), its servers' (uid, restarts)

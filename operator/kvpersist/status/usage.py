@@ -274,8 +274,7 @@ def _as_totals(c: LookupCounters) -> HitTotals:
 def counter_delta(previous: LookupCounters | None, current: LookupCounters) -> HitTotals:
     """What a server counted since previous; all of current without previous, or when its process
     start changed or a counter went down (it restarted: all it shows is new)."""
-    if previous is None:
-        return _as_totals(current)
+    previous = previous or LookupCounters()  # none: zeros, so the delta is all of current
     restarted = previous.started is not None and current.started is not None and previous.started != current.started
     delta = _as_totals(current) - _as_totals(previous)
     if restarted or min(delta.lookup, delta.hit, delta.l1, delta.l2, delta.l2_loads, delta.l1_loads) < 0:

@@ -30,11 +30,12 @@ class Refusal:
         return f"pod {self.pod} ({self.container}): {self.message[len(MISMATCH_PREFIX):].strip()}"
 
 
-def refusal_of(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The container's terminated state with a refusal, now (Error) or else last (while in CrashLoopBackOff)."""
+def refusal_of(status: Mapping[str, Any], exit_code: int = EXIT_CODE, prefix: str = MISMATCH_PREFIX) -> Mapping[str, Any] | None:
+    """The container's terminated state with a refusal (exit_code, its message starting with prefix: the build
+    check's unless told), now (Error) or else last (while in CrashLoopBackOff)."""
     for key in ("state", "lastState"):
         term = (status.get(key) or {}).get("terminated")
-        if term and term.get("exitCode") == EXIT_CODE and str(term.get("message") or "").startswith(MISMATCH_PREFIX):
+        if term and term.get("exitCode") == exit_code and str(term.get("message") or "").startswith(prefix):
             return term
     return None
 

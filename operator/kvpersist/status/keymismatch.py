@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpersist.builders.target import NAMESPACE_ID_LABEL
 from kvpersist.inserver.serve import KEY_MISMATCH_EXIT_CODE, KEY_MISMATCH_PREFIX
+from kvpersist.status.build import refusal_of
 
 PREFIX = KEY_MISMATCH_PREFIX  # how the server's termination message starts
 EXIT_CODE = KEY_MISMATCH_EXIT_CODE  # EX_CONFIG: restarting with the same key file will not help
@@ -34,19 +35,10 @@ class KeyRefusal:
     message: str
 
 
-def _matches(term: Mapping[str, Any] | None) -> bool:
-    return bool(term) and term.get("exitCode") == EXIT_CODE and str(term.get("message") or "").startswith(PREFIX)
-
-
 def refused_now(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The container's refusal while it lasts: terminated with it, or waiting after it (CrashLoopBackOff);
     one running again (the old bytes put back) is not refusing, though its lastState says it did."""
-    state, last = status.get("state") or {}, (status.get("lastState") or {}).get("terminated")
-    if _matches(state.get("terminated")):
-        return state["terminated"]
-    if "running" not in state and _matches(last):
-        return last
-    return None
+    return None if "running" in (status.get("state") or {}) else refusal_of(status, EXIT_CODE, PREFIX)
 
 
 def refusals(pods: Iterable[Mapping[str, Any]]) -> list[KeyRefusal]:

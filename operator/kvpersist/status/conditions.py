@@ -210,10 +210,9 @@ def _rollout_done(obj: Mapping[str, Any] | None, desired: int) -> tuple[bool, in
     if obj is None:
         return desired == 0, 0
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
-    ready = int(status.get("readyReplicas") or 0)
+    ready, updated, replicas = (int(status.get(k) or 0) for k in ("readyReplicas", "updatedReplicas", "replicas"))
     current = status.get("observedGeneration") == meta.get("generation")
-    updated = int(status.get("updatedReplicas") or 0)
-    return current and ready == desired and updated == desired and int(status.get("replicas") or 0) == desired, ready
+    return current and ready == updated == replicas == desired, ready
 
 
 def budget_status(obs: Observation) -> dict[str, Any] | None:

@@ -13,16 +13,9 @@ from kvpersist.builders.target import SERVER
 from kvpersist.inventory.space import NEARLY_FULL, fraction, nearly_full
 from kvpersist.inventory.volume import iso, parse_iso, served_of
 from kvpersist.l2backends import BACKENDS
-from kvpersist.status import Verdict
-from kvpersist.status.build import CONDITION as BUILD_CONDITION
-from kvpersist.status.build import MISMATCH as BUILD_MISMATCH
+from kvpersist.status import Verdict, build, canary, creatorrights, references
 from kvpersist.status.build import BuildVerdict, bypass_message
-from kvpersist.status.canary import CONDITION as CANARY_CONDITION
-from kvpersist.status.canary import MISMATCH as HIT_MISMATCH
-from kvpersist.status.creatorrights import CONDITION as CREATOR_RIGHTS_CONDITION
 from kvpersist.status.keymismatch import KEY_MISMATCH
-from kvpersist.status.references import CONDITION as REFERENCES_CONDITION
-from kvpersist.status.references import MISSING as REFERENCE_MISSING
 from kvpersist.status.usage import ServerReport, human_bytes, namespace_l2, summarize
 from kvpersist.status.workloads import pod_ready
 
@@ -32,14 +25,14 @@ HITS_WRITE_INTERVAL_S = 60.0
 
 SPACE_CONDITION = "L2SpaceAvailable"
 WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)
-CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady", "VLLMReady", BUILD_CONDITION,
-                   CANARY_CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, REFERENCES_CONDITION,
-                   CREATOR_RIGHTS_CONDITION, "Ready")
+CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady", "VLLMReady", build.CONDITION,
+                   canary.CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, references.CONDITION,
+                   creatorrights.CONDITION, "Ready")
 # Conditions that inform without holding back Ready: an exhausted budget is the cap doing its job,
 # a nearly full claim a warning (writes still succeed), a prompt not warm yet only slower, and
 # CreatorRightsEnforced False the cluster's exposure, not this resource's health.
 INFORMATIONAL = ("WithinBudget", SPACE_CONDITION, "PinsVerified", WARM_CONDITION,  # PinsVerified False turns the cache off itself
-                 CREATOR_RIGHTS_CONDITION)
+                 creatorrights.CONDITION)
 # ReferencesFound False holds Ready back only through what it stops (a missing pull Secret of a
 # public image stops nothing), but while Ready is False a missing object is named first.
 
@@ -66,12 +59,12 @@ def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, 
     if verdict.vllm_bypass is not None:
         problems.append(bypass_message(verdict.vllm_bypass))
     if problems:
-        return condition(BUILD_CONDITION, False, BUILD_MISMATCH, "; ".join(problems), generation)
+        return condition(build.CONDITION, False, build.MISMATCH, "; ".join(problems), generation)
     if declared is None:
-        return condition(BUILD_CONDITION, None, "NotComparable",
+        return condition(build.CONDITION, None, "NotComparable",
                          f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions (vllm-X+lmcache-Y): "
                          f"nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)", generation)
-    return condition(BUILD_CONDITION, True, "BuildMatches", f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: "
+    return condition(build.CONDITION, True, "BuildMatches", f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: "
                      "each lmcache server and each vLLM pod with the cache checks the versions it runs at start and would "
                      "refuse to start on a difference; none has refused", generation)
 
@@ -402,17 +395,17 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
     optional = [build_condition(obs.build, gen) if obs.build is not None and cache_on else None,
-                _given("PinsVerified", obs.pins, gen), _given(CANARY_CONDITION, obs.canary if cache_on else None, gen),
+                _given("PinsVerified", obs.pins, gen), _given(canary.CONDITION, obs.canary if cache_on else None, gen),
                 _given("WithinBudget", _budget_verdict(budget), gen), space_condition(obs.l2_space, gen) if cache_on else None,
-                _given(WARM_CONDITION, obs.warm, gen), _given(REFERENCES_CONDITION, obs.references, gen),
-                _given(CREATOR_RIGHTS_CONDITION, obs.creator_rights, gen)]
+                _given(WARM_CONDITION, obs.warm, gen), _given(references.CONDITION, obs.references, gen),
+                _given(creatorrights.CONDITION, obs.creator_rights, gen)]
     conds += [c for c in optional if c is not None]
 
     by_type = {c["type"]: c for c in conds}
     # A build that cannot be compared (connectorBuild names no versions) is only reported; so is a canary
     # without a verdict (vLLM unreachable, its output not deterministic): only a changed answer holds Ready back.
-    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, REFERENCES_CONDITION)
-              and (c["type"], c["status"]) not in ((BUILD_CONDITION, "Unknown"), (CANARY_CONDITION, "Unknown"),
+    not_ok = [c for c in conds if c["status"] != "True" and c["type"] not in (*INFORMATIONAL, references.CONDITION)
+              and (c["type"], c["status"]) not in ((build.CONDITION, "Unknown"), (canary.CONDITION, "Unknown"),
                                                    ("VLLMReady", "Unknown"))]
     ready: Verdict
     if not cache_on:
@@ -420,8 +413,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     elif not not_ok:
         phase, ready = "Ready", (True, "AllReady", "cache and vLLM are serving")
     else:
-        build_mismatch = by_type.get(BUILD_CONDITION, {}).get("reason") == BUILD_MISMATCH
-        hit_mismatch = by_type.get(CANARY_CONDITION, {}).get("reason") == HIT_MISMATCH
+        build_mismatch = by_type.get(build.CONDITION, {}).get("reason") == build.MISMATCH
+        hit_mismatch = by_type.get(canary.CONDITION, {}).get("reason") == canary.MISMATCH
         degraded = (bool(sick) or build_mismatch or hit_mismatch
                     or by_type["L2Ready"]["reason"] in ("AdapterUnhealthy", "L2WritesFailing", KEY_MISMATCH))
         started = servers_ready + vllm_ready > 0
@@ -429,8 +422,8 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         # A hit that changed an answer comes first: it is why vLLM runs without the cache. Pods the
         # API server refuses explain everything after them (claims wait for a pod); so does a build
         # mismatch (a server that refuses to start is only "starting" to the others).
-        rank = {HIT_MISMATCH: 0, **dict.fromkeys(NOT_CREATED_REASONS, 1), REFERENCE_MISSING: 2, BUILD_MISMATCH: 3}
-        missing = [c for c in conds if c["type"] == REFERENCES_CONDITION and c["reason"] == REFERENCE_MISSING]
+        rank = {canary.MISMATCH: 0, **dict.fromkeys(NOT_CREATED_REASONS, 1), references.MISSING: 2, build.MISMATCH: 3}
+        missing = [c for c in conds if c["type"] == references.CONDITION and c["reason"] == references.MISSING]
         first = min(not_ok + missing, key=lambda c: rank.get(c["reason"], len(rank)))  # the first of the lowest rank
         ready = (False, first["reason"], f"{first['type']}: {first['message']}")
     conds.append(condition("Ready", *ready, gen))

@@ -276,9 +276,6 @@ def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, 
                      f"fail once it is full{fix}", gen)
 
 
-CLAIM_NOT_SHARED = "ClaimNotShared"  # spec.l2.nvme.shared on a claim that is not ReadWriteMany
-
-
 def access_modes(claim: Mapping[str, Any]) -> list[str]:
     """What a claim may do: its bound volume's modes (status), else what it asked for (spec)."""
     return list((claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or [])
@@ -314,7 +311,7 @@ def _l2_verdict(obs: Observation, budget: Mapping[str, Any] | None) -> Verdict:
             return (False, "ClaimMissing", f"{len(obs.claims)}/{wanted} claims exist; {maker}")
         if (c := next((claim for claim in obs.claims if obs.shared and not shareable(claim)), None)) is not None:
             modes = ", ".join(access_modes(c)) or "of no access mode"
-            return (False, CLAIM_NOT_SHARED,
+            return (False, "ClaimNotShared",
                     f"spec.l2.nvme.shared: claim {c['metadata']['name']} is {modes}, not ReadWriteMany: the "
                     "servers on other nodes cannot mount it, so they cannot start. Name a ReadWriteMany claim "
                     "of a shared filesystem (NFS, Lustre, EFS, CephFS) in spec.l2.nvme.existingClaimName, or set "

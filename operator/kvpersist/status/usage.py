@@ -405,8 +405,7 @@ class HitTracker:
         with self._lock:
             state = self._state.get(key)
             if state is None or state.uid != uid:
-                totals, baselines, since = persisted_hits(stored)
-                state = self._state[key] = _HitState(uid, totals, baselines, since)
+                state = self._state[key] = _HitState(uid, *persisted_hits(stored))
             if any(c is not None for c in current.values()):
                 state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
                 state.since = state.since or wall

@@ -81,10 +81,11 @@ _BLOCK = re.compile(r"\{((?:[^{}\"]|\"(?:[^\"\\]|\\.)*\")*)\}")
 _STEP = re.compile(r"\.([\w-]+|\*)|\[(\*|-?\d+|'[^']*'|\"[^\"]*\"|\?\(@((?:\.[\w-]+)+)\s*(==|!=)\s*(\S+?)\))\]")
 
 
-def _template(text: str) -> list[tuple[str, str]]:
-    """(kind, value) parts: ("text", literal), ("path", expr), ("range", expr), ("end", ""). Raises ValueError."""
-    parts: list[tuple[str, str]] = []
-    pos, depth = 0, 0
+def _template(text: str) -> list[tuple[Any, ...]]:
+    """The template's parts: ("text", literal), ("path", expr), ("range", expr, [its body's parts]). Raises ValueError."""
+    parts: list[tuple[Any, ...]] = []
+    ranges: list[tuple[str, list[tuple[Any, ...]]]] = []  # each open {range}: its expr, the parts before it
+    pos = 0
     for m in _BLOCK.finditer(text):
         if "{" in text[pos:m.start()] or "}" in text[pos:m.start()]:
             raise ValueError(f"unbalanced braces near {text[pos:m.start()]!r}")
@@ -93,19 +94,19 @@ def _template(text: str) -> list[tuple[str, str]]:
         if inner.startswith('"'):
             parts.append(("text", json.loads(inner, strict=False)))  # a quoted literal: "\n", "\t"
         elif inner == "end":
-            depth -= 1
-            parts.append(("end", ""))
+            if not ranges:
+                raise ValueError("{end} without {range}")
+            expr, before = ranges.pop()
+            parts = [*before, ("range", expr, parts)]
         elif inner.startswith("range "):
-            depth += 1
-            parts.append(("range", _checked(inner[len("range "):].strip())))
+            ranges.append((_checked(inner[len("range "):].strip()), parts))
+            parts = []
         else:
             parts.append(("path", _checked(inner)))
-        if depth < 0:
-            raise ValueError("{end} without {range}")
         pos = m.end()
     if "{" in text[pos:] or "}" in text[pos:]:
         raise ValueError(f"unbalanced braces near {text[pos:]!r}")
-    if depth:
+    if ranges:
         raise ValueError("{range} without {end}")
     return [*parts, ("text", text[pos:])]
 
@@ -151,27 +152,16 @@ def _text(value: Any) -> str:
 def jsonpath(template: str, data: Any) -> str:
     """kubectl's -o jsonpath over data: fields, indexes, [*], simple filters, {range}..{end} and
     quoted literals; each match printed as kubectl does (strings bare, the rest as JSON, space apart)."""
-    parts = _template(template)
 
-    def render(start: int, root: Any) -> tuple[str, int]:
-        out, i = [], start
-        while i < len(parts):
-            kind, value = parts[i]
-            if kind == "end":
-                return "".join(out), i
+    def render(parts: list[tuple[Any, ...]], root: Any) -> str:
+        out = []
+        for kind, value, *body in parts:
             if kind == "text":
                 out.append(value)
             elif kind == "path":
                 out.append(" ".join(_text(v) for v in _select(value, root)))
-            else:  # range: the body once per match, then on past its end
-                body_end = i
-                for item in _select(value, root):
-                    text, body_end = render(i + 1, item)
-                    out.append(text)
-                if body_end == i:
-                    _, body_end = render(i + 1, None)
-                i = body_end
-            i += 1
-        return "".join(out), i
+            else:  # range: the body once per match
+                out.extend(render(body[0], item) for item in _select(value, root))
+        return "".join(out)
 
-    return render(0, data)[0]
+    return render(_template(template), data)

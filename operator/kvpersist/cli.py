@@ -30,6 +30,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvpersist.controller import (
         handlers,  # noqa: F401  (importing it registers the kopf handlers)
+        health,
         leadership,
         runtime,
     )
@@ -41,6 +42,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("the cluster's DNS domain is unknown: /etc/resolv.conf has no svc.<domain> search entry "
                              "(not in a pod with cluster DNS?); set KVPERSIST_CLUSTER_DOMAIN (chart value clusterDomain), "
                              "the kubelet's --cluster-domain, e.g. cluster.local")
+        endpoint = health.split_endpoint(args.liveness) if args.liveness else None
         runtime.set_policy(policy)  # only once every value is good
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
@@ -60,14 +62,8 @@ def _run(args: argparse.Namespace) -> int:
 
         metrics.serve(args.metrics_host, args.metrics_port)
     liveness = None
-    if args.liveness:  # kopf's endpoint on the loopback, read by a thread; a bounded front answers from it
-        from kvpersist.controller import health
-
-        try:
-            host, port, path = health.split_endpoint(args.liveness)
-        except ValueError as exc:
-            print(f"kvpersist run: {exc}", file=sys.stderr)
-            return 2
+    if endpoint is not None:  # kopf's endpoint on the loopback, read by a thread; a bounded front answers from it
+        host, port, path = endpoint
         liveness, kopf_port = health.kopf_endpoint(path)
         health.serve(host, port, path, kopf_port)
     namespaces = args.namespace or []

@@ -221,8 +221,7 @@ def fetch_derived(fetch: Fetch, model: str, revision: str, tokenizer: str, token
     return derive(config, files)
 
 
-def hub_fetch(token: str | None = None, cache_dir: str | None = None, endpoint: str | None = None,
-              local_files_only: bool = False) -> Fetch:
+def hub_fetch(token: str | None = None, cache_dir: str | None = None, local_files_only: bool = False) -> Fetch:
     """A Fetch through hf_hub_download (its cache and HF_HUB_OFFLINE apply). A file the repository (offline:
     the cache) lacks is None, as transformers treats it; a file over its MAX_BYTES is an error."""
 
@@ -231,7 +230,7 @@ def hub_fetch(token: str | None = None, cache_dir: str | None = None, endpoint: 
         from huggingface_hub.errors import EntryNotFoundError
 
         try:
-            path = hf_hub_download(repo, filename, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint,
+            path = hf_hub_download(repo, filename, revision=revision, token=token, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
         except EntryNotFoundError:
             if filename == CONFIG:

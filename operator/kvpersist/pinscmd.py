@@ -54,11 +54,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, revision = _split(args.model, "MODEL")
         tokenizer, tokenizer_revision = _split(args.tokenizer, "TOKENIZER") if args.tokenizer else (model, revision)
-        if args.resolve:  # a branch or tag: the commit it names now
-            revision = _resolved(model, revision, token, args.cache_dir)
-            tokenizer_revision = _resolved(tokenizer, tokenizer_revision, token, args.cache_dir)
-        revision = hubpins.check_revision(revision, "MODEL's revision")
-        tokenizer_revision = hubpins.check_revision(tokenizer_revision, "TOKENIZER's revision")
+        revision = _commit(model, revision, "MODEL", args.resolve, token, args.cache_dir)
+        tokenizer_revision = _commit(tokenizer, tokenizer_revision, "TOKENIZER", args.resolve, token, args.cache_dir)
         derived = hubpins.fetch_derived(fetch, model, revision, tokenizer, tokenizer_revision)
     except hubpins.PinsError as exc:
         print(f"kvpersist pins: {exc}", file=sys.stderr)
@@ -91,14 +88,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolved(repo: str, revision: str, token: str | None, cache_dir: str | None) -> str:
-    """The commit a branch or tag names: the snapshot folder huggingface_hub files its config.json under."""
-    if hubpins.HEX40_RE.fullmatch(revision.strip().lower()):
-        return revision
-    from huggingface_hub import hf_hub_download
+def _commit(repo: str, revision: str, what: str, resolve: bool, token: str | None, cache_dir: str | None) -> str:
+    """The 40-hex commit revision is (a PinsError naming what otherwise); with resolve, a branch or tag is the commit it
+    names now: the snapshot folder huggingface_hub files its config.json under."""
+    if resolve and not hubpins.HEX40_RE.fullmatch(revision.strip().lower()):
+        from huggingface_hub import hf_hub_download
 
-    parts = Path(hf_hub_download(repo, hubpins.CONFIG, revision=revision, token=token, cache_dir=cache_dir)).parts
-    return hubpins.check_revision(parts[parts.index("snapshots") + 1] if "snapshots" in parts else "", "resolved revision")
+        parts = Path(hf_hub_download(repo, hubpins.CONFIG, revision=revision, token=token, cache_dir=cache_dir)).parts
+        revision = hubpins.check_revision(parts[parts.index("snapshots") + 1] if "snapshots" in parts else "", "resolved revision")
+    return hubpins.check_revision(revision, f"{what}'s revision")
 
 
 UNKNOWN = {

@@ -411,11 +411,10 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     # now), else as read now: what compute names the id with and the operator's decide judges.
     key = (None if source is None else _read_key(base) if recorded_fp is None
            else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
-    old_id = ((live or {}).get("status") or {}).get("namespaceId")
     pins = pin_facts(spec, live)
     plan = compute(namespace, name, spec, live, key, pins)
-    if old_id and plan.moves:
-        plan.still_used_by = _others_serving(old_id, namespace, name)
+    if plan.old_id and plan.moves:
+        plan.still_used_by = _others_serving(plan.old_id, namespace, name)
     snap, unchecked = read_snapshot(doc, spec, live, namespace, key, pins)
     return with_decision(plan, decide(snap), unchecked)
 

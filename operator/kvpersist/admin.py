@@ -15,8 +15,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
 from kvpersist import cliflags
 from kvpersist.api import v1alpha1 as api
+from kvpersist.controller import kube
 from kvpersist.inventory.cleanup import GC_ANNOTATION, bucket_refusal
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, parse_iso
 from kvpersist.status.usage import human_bytes
@@ -31,16 +35,12 @@ OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpersist-operator"
 
 def is_cluster_error(exc: BaseException) -> bool:
     """An error on the way to the API server (no kubeconfig, no answer, a refusal; urllib3 is the client's transport)."""
-    import kubernetes
-
     return (isinstance(exc, (kubernetes.client.exceptions.ApiException, kubernetes.config.ConfigException, OSError))
             or type(exc).__module__.split(".")[0] == "urllib3")
 
 
 def cluster_problem(exc: BaseException) -> str:
     """One line for an error on the way to the API server, naming the fix (no traceback)."""
-    import kubernetes
-
     if isinstance(exc, kubernetes.client.exceptions.ApiException):
         return f"error: the API server answered {exc.status} {exc.reason}"
     if isinstance(exc, kubernetes.config.ConfigException):
@@ -52,10 +52,6 @@ def cluster_problem(exc: BaseException) -> str:
 
 def operator_versions(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, str]], str | None]:
     """(the operator Deployments: namespace, name, chart appVersion, image; why none could be read, or None)."""
-    import kubernetes
-
-    from kvpersist.controller import kube
-
     try:
         kube.load_config(kubeconfig, context)
         found = kubernetes.client.AppsV1Api().list_deployment_for_all_namespaces(
@@ -160,18 +156,12 @@ def format_status(resources: Iterable[Mapping[str, Any]], wide: bool = False) ->
 
 
 def _resources(namespace: str | None) -> list[dict[str, Any]]:
-    from kvpersist.controller import kube
-
     return kube.list_all(api.API_VERSION, api.KIND, namespace)
 
 
 def _live(resources: list[dict[str, Any]], namespace: str | None
           ) -> tuple[frozenset[str], list[dict[str, Any]], list[dict[str, Any]]]:
     """Live ids over the whole cluster when allowed (a namespace elsewhere may share the volume)."""
-    from kubernetes.client.exceptions import ApiException
-
-    from kvpersist.controller import kube
-
     try:
         every = kube.list_all(api.API_VERSION, api.KIND) if namespace else resources
         pods = kube.list_all("v1", "Pod", None, SERVER_SELECTOR)
@@ -219,10 +209,6 @@ def cmd_report(namespace: str | None, output: str) -> int:
 def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: float) -> int:
     """Exit 0 deleted (or dry run), 1 no data or not deleted, 2 malformed id, 3 refused (in use, or
     a bucket not marked exclusive), 4 the API server refused the request (no gc permission)."""
-    from kubernetes.client.exceptions import ApiException
-
-    from kvpersist.controller import kube
-
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         print(f"error: {namespace_id!r} is not a namespace id (kvp-<32 hex>); `kvpersist report` lists them", file=sys.stderr)
         return 2
@@ -286,8 +272,6 @@ def _api_message(exc: Any) -> str:
 
 
 def _wait_gc(ns: str, name: str, request: str, timeout: float) -> dict[str, Any] | None:
-    from kvpersist.controller import kube
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         obj = kube.get(api.API_VERSION, api.KIND, name, ns)

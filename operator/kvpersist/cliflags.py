@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import kubernetes
 import yaml
 
 OUTPUTS = ("table", "wide", "json", "yaml", "name")
@@ -47,8 +48,6 @@ def add_output_flag(cmd: argparse.ArgumentParser, choices: Sequence[str] = OUTPU
 
 def context_namespace(kubeconfig: str | None, context: str | None) -> str:
     """What kubectl uses without -n: the namespace of the context in use (or named), else `default`."""
-    import kubernetes
-
     try:
         contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
     except (kubernetes.config.ConfigException, OSError):

@@ -13,7 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from kvpersist import hubpins
+from kvpersist.api import v1alpha1 as api
+from kvpersist.api.identity import Identity
 
 
 def add_parser(sub: Any) -> None:
@@ -44,11 +49,6 @@ def _split(value: str, what: str) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from kvpersist.api import v1alpha1 as api
-    from kvpersist.api.identity import Identity
-
     token = os.environ.get("HF_TOKEN") or None
     fetch = hubpins.hub_fetch(token=token, cache_dir=args.cache_dir)
     try:
@@ -111,8 +111,6 @@ UNKNOWN = {
 
 def render(identity: dict[str, Any], derived: hubpins.Derived) -> str:
     """The YAML block, each value as YAML writes it (a model id such as `1e5` or `yes` comes out quoted)."""
-    import yaml
-
     lines = [f"# kvpersist pins: from {hubpins.CONFIG} at {identity['modelId']}@{identity['modelRevision']}"
              + (f" and {derived.template_source} at {identity.get('tokenizer', identity['modelId'])}"
                 f"@{identity.get('tokenizerRevision', identity['modelRevision'])}"

@@ -39,10 +39,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import kubernetes
+import yaml
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import cliflags, hubpins
+from kvpersist import admin, cliflags, hubpins
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.identity import changed_id_fields
 from kvpersist.api.spec import KVCacheNamespaceSpec
@@ -286,8 +288,6 @@ def add_parser(sub: Any) -> None:
 
 def _documents(path: str) -> list[dict[str, Any]]:
     """The objects in a manifest (a List's items too); raises OSError or yaml.YAMLError."""
-    import yaml
-
     text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     docs = [d for d in yaml.safe_load_all(text) if d]
     lists = [d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d] for d in docs]
@@ -420,11 +420,6 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kubernetes
-    import yaml
-
-    from kvpersist import admin
-
     try:
         docs = _documents(args.filename)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:

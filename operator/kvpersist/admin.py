@@ -81,8 +81,9 @@ class Row:
 
 
 def report_rows(resources: Iterable[Mapping[str, Any]], live: frozenset[str]) -> list[Row]:
-    """Rows from every resource's status.inventory, orphans re-judged against what is live now.
-    A volume shared by several resources (one existing claim) is listed once."""
+    """Rows from every resource's status.inventory, orphans re-judged against what is live now; a volume shared by
+    several resources (one existing claim) is listed once. Orphans first: the one whose deletion frees most at the top,
+    then the longest unwritten; in-use namespaces after them, largest first."""
     rows: dict[tuple[str, str], Row] = {}
     for r in resources:
         status = r.get("status") or {}
@@ -96,13 +97,7 @@ def report_rows(resources: Iterable[Mapping[str, Any]], live: frozenset[str]) ->
                           n["namespaceId"] not in live, n["namespaceId"] == current, budget if n["namespaceId"] == current else None)
                 if key not in rows or row.current:
                     rows[key] = row
-    return rank_rows(rows.values())
-
-
-def rank_rows(rows: Iterable[Row]) -> list[Row]:
-    """Orphans first: the one whose deletion frees most at the top, then the longest unwritten;
-    in-use namespaces after them, largest first."""
-    return sorted(rows, key=lambda r: (not r.orphan, -r.bytes, parse_iso(r.last_write) or 0.0, r.location, r.namespace_id))
+    return sorted(rows.values(), key=lambda r: (not r.orphan, -r.bytes, parse_iso(r.last_write) or 0.0, r.location, r.namespace_id))
 
 
 def _ago(stamp: str | None, now: float) -> str:

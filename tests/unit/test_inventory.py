@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.admin import Row, format_report, rank_rows, report_rows, users_of
+from kvpersist.admin import format_report, report_rows, users_of
 from kvpersist.inventory.agent import Agent, make_server
 from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 from kvpersist.inventory.cleanup import parse_request, refusal
@@ -131,10 +131,11 @@ def test_report_rows_rejudge_orphans_and_rank() -> None:
     assert text.splitlines()[1].split()[1] == C and "orphan" in text.splitlines()[1]
 
 
-def test_rank_rows_oldest_first_among_equal_sizes() -> None:
-    rows = [Row("v", "r", B, 5, 1, "2026-11-29T00:00:00Z", True, False), Row("v", "r", C, 5, 1, "2026-01-01T00:00:00Z", True, False),
-            Row("v", "r", A, 99, 1, None, False, True)]
-    assert [r.namespace_id for r in rank_rows(rows)] == [C, B, A]
+def test_report_rows_oldest_first_among_equal_sizes() -> None:
+    vol = {"location": "v", "namespaces": [{"namespaceId": B, "bytes": 5, "objects": 1, "lastWrite": "2026-11-29T00:00:00Z"},
+                                           {"namespaceId": C, "bytes": 5, "objects": 1, "lastWrite": "2026-01-01T00:00:00Z"},
+                                           {"namespaceId": A, "bytes": 99, "objects": 1}]}
+    assert [r.namespace_id for r in report_rows([_resource("r", A, [vol])], frozenset({A}))] == [C, B, A]
 
 
 def test_users_of_names_resources_and_pods() -> None:

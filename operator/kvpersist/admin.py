@@ -33,19 +33,16 @@ SERVER_SELECTOR = "app.kubernetes.io/component=lmcache-server,app.kubernetes.io/
 OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpersist-operator"
 
 
-def is_cluster_error(exc: BaseException) -> bool:
-    """An error on the way to the API server (no kubeconfig, no answer, a refusal; urllib3 is the client's transport)."""
-    return (isinstance(exc, (kubernetes.client.exceptions.ApiException, kubernetes.config.ConfigException, OSError))
-            or type(exc).__module__.split(".")[0] == "urllib3")
-
-
-def cluster_problem(exc: BaseException) -> str:
-    """One line for an error on the way to the API server, naming the fix (no traceback)."""
+def cluster_problem(exc: BaseException) -> str | None:
+    """One line for an error on the way to the API server (no kubeconfig, no answer, a refusal; urllib3 is the client's
+    transport), naming the fix (no traceback); None for any other error."""
     if isinstance(exc, kubernetes.client.exceptions.ApiException):
         return f"error: the API server answered {exc.status} {exc.reason}"
     if isinstance(exc, kubernetes.config.ConfigException):
         return (f"error: no cluster to ask ({str(exc).strip() or type(exc).__name__}): set KUBECONFIG or --kubeconfig "
                 "to a kubeconfig file, or --context to one of its contexts")
+    if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] != "urllib3":
+        return None
     first = str(exc).splitlines()[0][:300] if str(exc) else ""
     return f"error: {type(exc).__name__}: {first} (is the API server of the kubeconfig's context reachable?)"
 
@@ -57,9 +54,9 @@ def operator_versions(kubeconfig: str | None, context: str | None) -> tuple[list
         found = kubernetes.client.AppsV1Api().list_deployment_for_all_namespaces(
             label_selector=OPERATOR_SELECTOR, _request_timeout=10)
     except Exception as exc:
-        if not is_cluster_error(exc):
+        if (problem := cluster_problem(exc)) is None:
             raise
-        return [], cluster_problem(exc).removeprefix("error: ")  # the client's own version still prints
+        return [], problem.removeprefix("error: ")  # the client's own version still prints
     return [{"namespace": d.metadata.namespace, "name": d.metadata.name,
              "version": (d.metadata.labels or {}).get("app.kubernetes.io/version", "unknown"),
              "image": d.spec.template.spec.containers[0].image} for d in found.items], None

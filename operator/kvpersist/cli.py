@@ -104,9 +104,9 @@ def _admin(args: argparse.Namespace) -> int:
             return admin.cmd_gc(args.namespace_id, namespace, args.dry_run, args.timeout)
         return (admin.cmd_status if args.command == "status" else admin.cmd_report)(namespace, args.output)
     except Exception as exc:
-        if not admin.is_cluster_error(exc):
+        if (problem := admin.cluster_problem(exc)) is None:
             raise
-        print(admin.cluster_problem(exc), file=sys.stderr)  # one line naming the fix, no traceback
+        print(problem, file=sys.stderr)  # one line naming the fix, no traceback
         return 1
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
 from kvpersist import httpclient
-from kvpersist.httpclient import Count, PeerError
+from kvpersist.httpclient import Count, M, PeerError
 
 TOKENIZE_TIMEOUT_S = 10.0
 COMPLETE_TIMEOUT_S = 120.0  # one short greedy answer; a CPU test model or a busy GPU takes seconds
@@ -25,7 +25,6 @@ METRICS_TIMEOUT_S = 5.0
 MAX_METRICS_BYTES = 4 * 2**20  # vLLM 0.33.0's is some tens of KB (histograms per engine)
 
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
-M = TypeVar("M", bound=BaseModel)
 
 
 # The answers' models ignore fields they do not name (pydantic's default): a newer vLLM adds some.

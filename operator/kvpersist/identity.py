@@ -53,7 +53,7 @@ IMAGE_PINS = {
     "lmcache_server_image_digest": "spec.image",
 }
 # The fix for an image named by tag alone (no image of this project is published to pin it to).
-IMAGE_FIX = ("{fields} {verb} not pinned by digest: build images/vllm-lmcache, push it and name that image by "
+IMAGE_FIX = ("spec.image is not pinned by digest: build images/vllm-lmcache, push it and name that image by "
              "digest, as <image>@sha256:<64 hex> (`docker buildx imagetools inspect <image>` prints the digest; "
              "docs/gpu-cluster.md); a tag can move to another build under the same namespace")
 IMAGE_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
@@ -132,9 +132,8 @@ class Resolution:
         for label, pins, fix in (("missing", self.missing, "set them"), ("malformed", self.invalid, "fix them")):
             if shown := [p for p in pins if p not in IMAGE_PINS and p != L2_KEY_PIN]:
                 parts.append(f"{label} pins: " + ", ".join(map(field_path, shown)) + f" ({fix})")
-        unpinned = sorted({where for pin, where in IMAGE_PINS.items() if pin in self.missing or pin in self.invalid})
-        if unpinned:
-            parts.append(IMAGE_FIX.format(fields=" and ".join(unpinned), verb="is" if len(unpinned) == 1 else "are"))
+        if any(pin in self.missing or pin in self.invalid for pin in IMAGE_PINS):  # both are spec.image's
+            parts.append(IMAGE_FIX)
         if L2_KEY_PIN in self.missing or L2_KEY_PIN in self.invalid:
             parts.append(f"the L2 key (spec.l2.encryption) has not been read ({L2_KEY_PIN}): without it no namespace "
                          "can be named")

@@ -147,10 +147,6 @@ def format_status(resources: Iterable[Mapping[str, Any]], wide: bool = False) ->
 # ------------------------------------------------------------------ commands (talk to the API)
 
 
-def _resources(namespace: str | None) -> list[dict[str, Any]]:
-    return kube.list_all(api.API_VERSION, api.KIND, namespace)
-
-
 def _live(resources: list[dict[str, Any]], namespace: str | None
           ) -> tuple[frozenset[str], list[dict[str, Any]], list[dict[str, Any]]]:
     """Live ids over the whole cluster when allowed (a namespace elsewhere may share the volume)."""
@@ -169,7 +165,7 @@ def kubectl_name(item: Mapping[str, Any]) -> str:
 
 def cmd_status(namespace: str | None, output: str) -> int:
     """-o table|wide: format_status; json|yaml|jsonpath: each resource's namespace, name and status; name."""
-    resources = _resources(namespace)
+    resources = kube.list_all(api.API_VERSION, api.KIND, namespace)
     data = [{"namespace": r["metadata"]["namespace"], "name": r["metadata"]["name"], **(r.get("status") or {})}
             for r in resources]
     if output in ("table", "wide") and not resources:
@@ -182,7 +178,7 @@ def cmd_status(namespace: str | None, output: str) -> int:
 def cmd_report(namespace: str | None, output: str) -> int:
     """-o table|wide: format_report and the first orphan to reclaim; json|yaml|jsonpath: the rows; name: their ids
     (what `kvpersist gc` takes)."""
-    resources = _resources(namespace)
+    resources = kube.list_all(api.API_VERSION, api.KIND, namespace)
     live, _, _ = _live(resources, namespace)
     rows = report_rows(resources, live)
     table = output in ("table", "wide")
@@ -204,7 +200,7 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
         print(f"error: {namespace_id!r} is not a namespace id (kvp-<32 hex>); `kvpersist report` lists them", file=sys.stderr)
         return 2
-    resources = _resources(namespace)
+    resources = kube.list_all(api.API_VERSION, api.KIND, namespace)
     live, every, pods = _live(resources, namespace)
     if namespace_id in live:
         print(f"refused: {namespace_id} is in use by {', '.join(users_of(namespace_id, every, pods))}; only orphaned "

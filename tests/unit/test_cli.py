@@ -206,8 +206,7 @@ def test_run_logs_in_json_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_name_and_jsonpath_of_nothing_print_nothing(monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """As kubectl: no resource (or no report row) under -o name or jsonpath is no output, not a blank line."""
-    monkeypatch.setattr(admin, "_resources", lambda _namespace: [])
-    monkeypatch.setattr(admin, "_live", lambda _resources, _namespace: (frozenset(), [], []))
+    monkeypatch.setattr(admin.kube, "list_all", lambda *_args, **_kwargs: [])  # no resource, no pod
     for output in ("name", "jsonpath={[*].name}"):
         assert admin.cmd_status("ml", output) == 0
         assert admin.cmd_report("ml", output) == 0

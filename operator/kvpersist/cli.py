@@ -247,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.fn(args)
 
 
-def kubectl_plugin() -> int:
-    """`kubectl kvpersist ...`: kubectl finds kubectl-kvpersist on PATH and passes the rest."""
-    return main(sys.argv[1:])
+kubectl_plugin = main  # `kubectl kvpersist ...`: kubectl finds kubectl-kvpersist on PATH and passes the rest
 
 
 if __name__ == "__main__":

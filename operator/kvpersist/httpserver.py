@@ -135,7 +135,6 @@ class BoundedHTTPServer(HTTPServer):
     """An HTTPServer (serve_forever, shutdown, server_close; any BaseHTTPRequestHandler) bounded as the module says."""
 
     request_queue_size = 128  # the listen backlog: a burst of connects must not wait on SYN retries
-    daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, workers: int = WORKERS,
                  max_pending: int = MAX_PENDING, queue_size: int = QUEUE, head_timeout: float = HEAD_TIMEOUT_S,

@@ -51,7 +51,6 @@ from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import decision as dec
 from kvpersist.controller import kube, l2key, ownership, pincheck, sharing
-from kvpersist.controller.decision import Decision, decide
 from kvpersist.controller.l2key import KeyRead, held
 from kvpersist.controller.policy import Policy, named_secrets
 from kvpersist.controller.sharing import STORAGE_IN_USE
@@ -255,7 +254,7 @@ def exit_code(codes: list[int]) -> int:
     return max(codes, default=UNCHANGED)
 
 
-def with_decision(plan: Plan, decision: Decision, unchecked: list[str]) -> Plan:
+def with_decision(plan: Plan, decision: dec.Decision, unchecked: list[str]) -> Plan:
     """The plan with what the operator would decide: the refusal (nothing applied), else StorageInUse
     or RouteNameTaken (applied with the cache off, or vLLM without it), with their conditions."""
     if decision.refusal is not None:
@@ -416,7 +415,7 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     if plan.old_id and plan.moves:
         plan.still_used_by = _others_serving(plan.old_id, namespace, name)
     snap, unchecked = read_snapshot(doc, spec, live, namespace, key, pins)
-    return with_decision(plan, decide(snap), unchecked)
+    return with_decision(plan, dec.decide(snap), unchecked)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,9 +51,7 @@ from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
 from kvpersist.controller import decision as dec
 from kvpersist.controller import kube, l2key, ownership, pincheck, sharing
-from kvpersist.controller.l2key import KeyRead, held
 from kvpersist.controller.policy import Policy, named_secrets
-from kvpersist.controller.sharing import STORAGE_IN_USE
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.l2backends import backend_of
@@ -98,7 +96,7 @@ class Plan:
 
     @property
     def refused(self) -> bool:
-        return not self.applied or self.verdict == STORAGE_IN_USE
+        return not self.applied or self.verdict == sharing.STORAGE_IN_USE
 
     @property
     def code(self) -> int:
@@ -140,7 +138,7 @@ def pin_facts(spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pin
 
 
 def compute(namespace: str, name: str, new_spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None,
-            key: KeyRead | None = None, pins: pincheck.Facts | None = None) -> Plan:
+            key: l2key.KeyRead | None = None, pins: pincheck.Facts | None = None) -> Plan:
     """The plan, pure: the live object as read (None: it does not exist), the key read from the new spec's Secret (used
     when status records none for it; None: not read) and what fills its unset pins (pin_facts). still_used_by is the
     caller's to fill (it lists other resources)."""
@@ -182,7 +180,7 @@ def compute(namespace: str, name: str, new_spec: KVCacheNamespaceSpec, live: Map
     if old_id and plan.moves and usage.get("measuredAt") and usage.get("l2UsedBytes") is not None:
         plan.old_held = int(usage["l2UsedBytes"]), int(usage.get("l2Objects") or 0)
     if new_id and plan.moves:
-        plan.new_held = held(status, new_id)
+        plan.new_held = l2key.held(status, new_id)
     return plan
 
 
@@ -210,7 +208,7 @@ def format_plan(plan: Plan, wide: bool = False) -> str:
                     "serves may move before this is applied")
     if plan.verdict is not None:
         how = ("refused, nothing applied" if not plan.applied else "applied with the cache off"
-               if plan.verdict == STORAGE_IN_USE else "applied, vLLM without the cache")
+               if plan.verdict == sharing.STORAGE_IN_USE else "applied, vLLM without the cache")
         say("operator", f"{how} ({plan.verdict}): {plan.verdict_message}")
         shown = ", ".join(f"{c['type']}={c['status']} {c['reason']}" for c in plan.conditions)
         say("conditions", shown + (f"; phase {plan.phase}" if plan.phase else ""))
@@ -261,7 +259,7 @@ def with_decision(plan: Plan, decision: dec.Decision, unchecked: list[str]) -> P
         plan.verdict, plan.verdict_message = decision.refusal
         plan.applied = False
     elif decision.storage_refused is not None:
-        plan.verdict, plan.verdict_message = STORAGE_IN_USE, decision.storage_refused
+        plan.verdict, plan.verdict_message = sharing.STORAGE_IN_USE, decision.storage_refused
     elif decision.route_taken is not None:
         plan.verdict, plan.verdict_message = decision.conditions[0]["reason"], decision.route_taken
     if plan.verdict is not None:
@@ -293,7 +291,7 @@ def _documents(path: str) -> list[dict[str, Any]]:
     return [i for items in lists for i in items or [] if isinstance(i, dict)]
 
 
-def _read_key(target: Target) -> KeyRead:
+def _read_key(target: Target) -> l2key.KeyRead:
     """The key Secret read with the user's credentials and judged as the operator judges it (ownership.judged_key)."""
     assert target.key_secret is not None
     try:
@@ -328,7 +326,7 @@ def _readable(unchecked: list[str], what: str, default: Any, read: Any, *args: A
 
 
 def read_snapshot(doc: Mapping[str, Any], spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None, namespace: str,
-                  key: KeyRead | None, pins: pincheck.Facts | None = None) -> tuple[dec.Snapshot, list[str]]:
+                  key: l2key.KeyRead | None, pins: pincheck.Facts | None = None) -> tuple[dec.Snapshot, list[str]]:
     """What the operator's decide looks at, read with the user's credentials in the operator's order
     (kvpersist.controller.snapshot): the new spec on the live object's metadata and status. A generated key not made
     yet is offered a random one, as the operator makes it (only what decide concludes of its id is shown). Raises
@@ -409,7 +407,7 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     # The key as status records it where the new spec reads the same Secret (the servers use it
     # now), else as read now: what compute names the id with and the operator's decide judges.
     key = (None if source is None else _read_key(base) if recorded_fp is None
-           else KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
+           else l2key.KeyRead(source[0], source[1], base.key_secret_generated, fingerprint=recorded_fp))
     pins = pin_facts(spec, live)
     plan = compute(namespace, name, spec, live, key, pins)
     if plan.old_id and plan.moves:

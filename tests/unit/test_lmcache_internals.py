@@ -235,7 +235,7 @@ def test_a_check_that_fails_is_a_mismatch_not_a_crash() -> None:
     def broken() -> list[str]:
         raise RuntimeError("boom")
 
-    odd = Internal("odd", "lmcache.odd", "why it is needed", "the upstream change", lmcache_internals._guarded(broken))
+    odd = Internal("odd", "lmcache.odd", "why it is needed", "the upstream change", broken)
     assert [str(m) for m in check((odd,), version="0.5.6")] == ["odd: could not be checked (RuntimeError: boom)"]
 
 

@@ -123,29 +123,13 @@ def _fields(cls: Any, expected: tuple[str, ...], exact: bool) -> list[str]:
     return []
 
 
-def _guarded(check: Callable[[], list[str]]) -> Callable[[], list[str]]:
-    """check, with a Missing name or any error of its own a problem: a check that cannot tell is no
-    proof that the internal is there."""
-    def run() -> list[str]:
-        try:
-            return check()
-        except Missing as exc:
-            return [str(exc)]
-        except Exception as exc:
-            return [f"could not be checked ({type(exc).__name__}: {exc})"]
-    return run
-
-
-# The checks, one per record below.
-
 def _check_serde_registry() -> list[str]:
-    serde = _get("lmcache.v1.distributed.serde")
     problems = _params(_get("lmcache.v1.distributed.serde", "register_serde_factory"), "register_serde_factory",
                        ("name", "factory"))
     problems += _params(_get("lmcache.v1.distributed.serde", "get_registered_serde_types"),
                         "get_registered_serde_types", ())
     problems += _fields(_get("lmcache.v1.distributed.serde", "SerdeConfig"), ("type", "kwargs"), exact=False)
-    if not isinstance(serde.get_registered_serde_types(), list):
+    if not isinstance(_get("lmcache.v1.distributed.serde", "get_registered_serde_types")(), list):
         problems.append("get_registered_serde_types() no longer returns a list")
     return problems
 
@@ -260,51 +244,51 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("serde registry", "lmcache.v1.distributed.serde: register_serde_factory(name, factory), "
              "get_registered_serde_types(), SerdeConfig(type, kwargs)",
              "registers `kvpersist-aesgcm`, whose factory lmcache calls with the adapter's `serde` settings",
-             PLUGIN_UPSTREAM, _guarded(_check_serde_registry)),
+             PLUGIN_UPSTREAM, _check_serde_registry),
     Internal("SerdeProcessor", "lmcache.v1.distributed.serde.base.SerdeProcessor (abstract methods "
              + ", ".join(SERDE_METHODS) + ")",
              "subclassed by serve's ParallelAesGcm: lmcache's AsyncSerdeProcessor seals a batch one chunk after "
-             "another, on one thread, with copies", SERDE_UPSTREAM, _guarded(_check_serde_processor)),
+             "another, on one thread, with copies", SERDE_UPSTREAM, _check_serde_processor),
     Internal("create_event_notifier", "lmcache.v1.platform.create_event_notifier() (notify, fileno, close)",
              "the serialize and deserialize completion fds SerdeProcessor's contract asks for", SERDE_UPSTREAM,
-             _guarded(_check_event_notifier)),
+             _check_event_notifier),
     Internal("ObjectKey", "lmcache.v1.distributed.api.ObjectKey (fields " + ", ".join(OBJECT_KEY_FIELDS) + ")",
              "every segment's associated data binds the object's whole name (serve.object_binding): a field lmcache "
              "adds would be left out, so the fields must be exactly these",
              "a canonical byte encoding of ObjectKey handed to the serde (e.g. the adapter's own object name), so the "
-             "binding need not know the fields", _guarded(_check_object_key)),
+             "binding need not know the fields", _check_object_key),
     Internal("MemoryLayoutDesc", "lmcache.v1.distributed.api.MemoryLayoutDesc (shapes, dtypes)",
              "estimate_serialized_size: a frame's size from the chunk's tensors",
-             "the plaintext's byte size handed to estimate_serialized_size", _guarded(_check_layout_desc)),
+             "the plaintext's byte size handed to estimate_serialized_size", _check_layout_desc),
     Internal("MemoryObj", "lmcache.v1.memory_management.MemoryObj (byte_array property, set_used_size(n))",
              "seals and opens straight between the two buffers lmcache hands the serde (no copy), and narrows the "
-             "destination to the frame so the adapter stores only it", SERDE_UPSTREAM, _guarded(_check_memory_obj)),
+             "destination to the frame so the adapter stores only it", SERDE_UPSTREAM, _check_memory_obj),
     Internal("SerdeL2AdapterWrapper", "lmcache.v1.distributed.storage_manager.SerdeL2AdapterWrapper "
              "(__init__(inner, serde, l1_manager), submit_load_task(keys, objects), query_load_result(task_id)), "
              "built by name in StorageManager._build_l2_adapter",
              "replaced by serve's WiredSerdeL2AdapterWrapper: hands the serde the inner adapter's delete (an object "
              "of this key that fails authentication is removed, else lmcache skips its stores forever) and loads a "
              "batch one chunk per load, so decryption overlaps the reads",
-             f"{UNREADABLE_UPSTREAM}; and {PER_CHUNK_UPSTREAM}", _guarded(_check_serde_wrapper)),
+             f"{UNREADABLE_UPSTREAM}; and {PER_CHUNK_UPSTREAM}", _check_serde_wrapper),
     Internal("wrapper task ids", "lmcache.v1.distributed.l2_adapters.serde_wrapper: SerdeL2AdapterWrapper.__init__ "
              "sets self._next_task_id = 0 and counts up",
              "serve's ChunkLoads answers its own load ids from 2**48 beside the wrapper's, which never reach them",
-             PER_CHUNK_UPSTREAM, _guarded(_check_wrapper_task_ids)),
+             PER_CHUNK_UPSTREAM, _check_wrapper_task_ids),
     Internal("L2AdapterListener", "lmcache.v1.distributed.internal_api.L2AdapterListener (on_l2_keys_stored, "
              "on_l2_keys_accessed, on_l2_keys_deleted) and L2AdapterInterface.register_listener(listener), "
              "delete(keys) in lmcache.v1.distributed.l2_adapters.base",
              "removes unreadable objects through the inner adapter and learns when they are gone (a pinned key's "
              "delete is skipped, so it is asked again until then)", UNREADABLE_UPSTREAM,
-             _guarded(_check_adapter_listener)),
+             _check_adapter_listener),
     Internal("Bitmap", "lmcache.lmcache_native.Bitmap (Bitmap(n), set(i), test(i))",
-             "the answer of a load of n chunks made of n one-chunk loads", PER_CHUNK_UPSTREAM, _guarded(_check_bitmap)),
+             "the answer of a load of n chunks made of n one-chunk loads", PER_CHUNK_UPSTREAM, _check_bitmap),
     Internal("init_logger", "lmcache.logging.init_logger(name)",
              "the server's log lines in lmcache's format and level",
              "lmcache's handler on its parent `lmcache` logger, so a child logger of the standard library logs "
-             "alike", _guarded(_check_logger)),
+             "alike", _check_logger),
     Internal("lmcache CLI", "lmcache.cli.main.main(argv=None)",
              "the `lmcache` entry point, run in the launcher's process once the serde is registered",
-             PLUGIN_UPSTREAM, _guarded(_check_cli)),
+             PLUGIN_UPSTREAM, _check_cli),
 )
 
 
@@ -337,7 +321,13 @@ def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = Non
         found.append(Mismatch(VERSION, f"{version} is not one kvpersist's server was tested with "
                                        f"({', '.join(TESTED_LMCACHE)})"))
     for internal in internals:
-        found += [Mismatch(internal.name, problem) for problem in internal.verify()]
+        try:
+            problems = internal.verify()
+        except Missing as exc:
+            problems = [str(exc)]
+        except Exception as exc:  # a check that cannot tell is no proof that the internal is there
+            problems = [f"could not be checked ({type(exc).__name__}: {exc})"]
+        found += [Mismatch(internal.name, problem) for problem in problems]
     return found
 
 

@@ -50,7 +50,6 @@ LMCACHE_VERSION = 1
 IV_LEN = 12
 TAG_LEN = 16
 HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"
-VERSION_SEGMENTED = 2  # ours before: segments whose associated data named only their index (refused)
 # Ours: segments of SEGMENT_BYTES, each its own GCM message, so one chunk opens on several cores.
 # Segment i's nonce is the frame's IV plus i in its last 32 bits; its associated data is the
 # object's binding then i and the count, so segments cannot be swapped, dropped or moved between
@@ -496,9 +495,9 @@ def _processor_class() -> type:
 class UnreadableObjects:
     """Removes removable objects that failed authentication from their adapter, so they can be
     stored again. nixl_store_dynamic skips the delete of a still pinned key, so each is asked again
-    every RETRY_S until the adapter's listener reports it deleted, for at most GIVE_UP_S; fs_native
-    reports only what this process stored, so a key is also done once a new object is stored under
-    its name (asking again then would delete the new one)."""
+    every RETRY_S until the adapter reports it deleted to this, its listener, for at most GIVE_UP_S;
+    fs_native reports only what this process stored, so a key is also done once a new object is
+    stored under its name (asking again then would delete the new one)."""
 
     RETRY_S = 0.2
     GIVE_UP_S = 30.0
@@ -518,15 +517,17 @@ class UnreadableObjects:
                 self._pending.setdefault(key, now)
         self._wake.set()
 
-    def deleted(self, keys: list) -> None:
-        """The adapter's word that keys are gone, or that new objects were stored under them."""
+    def on_l2_keys_deleted(self, keys: list) -> None:
+        """The adapter's word that keys are gone (evicted, or removed by us)."""
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
 
-    def pending(self) -> list:
-        with self._lock:
-            return list(self._pending)
+    def on_l2_keys_stored(self, keys: list, sizes: list) -> None:
+        self.on_l2_keys_deleted(keys)  # a new object under the name: not to be removed
+
+    def on_l2_keys_accessed(self, keys: list) -> None:
+        pass
 
     def _loop(self) -> None:
         log = _logger()
@@ -610,20 +611,8 @@ def install_unreadable_removal() -> None:
         return
     bitmap = lmcache_internals.bitmap_class()
 
-    class Deletions(lmcache_internals.adapter_listener()):  # type: ignore[misc]
-        """The adapter's word that keys are gone (evicted, or removed by us), or stored anew."""
-
-        def __init__(self, unreadable: UnreadableObjects) -> None:
-            self._unreadable = unreadable
-
-        def on_l2_keys_stored(self, keys: list, sizes: list) -> None:
-            self._unreadable.deleted(keys)  # a new object under the name: not to be removed
-
-        def on_l2_keys_accessed(self, keys: list) -> None:
-            pass
-
-        def on_l2_keys_deleted(self, keys: list) -> None:
-            self._unreadable.deleted(keys)
+    class Listening(UnreadableObjects, lmcache_internals.adapter_listener()):  # type: ignore[misc]
+        """UnreadableObjects as lmcache's listener type, which the adapter is handed."""
 
     class WiredSerdeL2AdapterWrapper(base):  # type: ignore[misc, valid-type]
         """lmcache's wrapper; for our serde only, unreadable objects are removed and a load of
@@ -635,10 +624,9 @@ def install_unreadable_removal() -> None:
             super().__init__(inner=inner, serde=serde, l1_manager=l1_manager)
             self.kvpersist_chunks: ChunkLoads | None = None
             if hasattr(serde, "on_unreadable"):
-                unreadable = UnreadableObjects(inner)
-                inner.register_listener(Deletions(unreadable))
+                unreadable = Listening(inner)
+                inner.register_listener(unreadable)
                 serde.on_unreadable = unreadable.add
-                self.kvpersist_unreadable = unreadable
                 self.kvpersist_chunks = ChunkLoads(super().submit_load_task, super().query_load_result, bitmap)
                 _logger().info("kvpersist-aesgcm: wired into the L2 wrapper: one load per chunk, unreadable objects of "
                                "this key removed")

@@ -245,17 +245,12 @@ class AeadKeys:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         with self._lock:
-            found = self._aeads.get(cache_salt)
-            if found is not None:
-                self._aeads.move_to_end(cache_salt)
-                return found
-        made = AESGCM(self.derive(cache_salt))
-        with self._lock:
-            found = self._aeads.setdefault(cache_salt, made)
+            if cache_salt not in self._aeads:
+                self._aeads[cache_salt] = AESGCM(self.derive(cache_salt))
             self._aeads.move_to_end(cache_salt)
             while len(self._aeads) > self._max_salts:
                 self._aeads.popitem(last=False)
-            return found
+            return self._aeads[cache_salt]
 
     def cached_salts(self) -> list[str]:
         """The salts whose key is kept, least recently used first."""
@@ -316,12 +311,10 @@ class ObjectBatches:
 def removable(exc: BaseException) -> bool:
     """Whether an object whose opening raised exc may be deleted: a version 3 frame of this
     server's key that failed authentication (InvalidTag is raised only for those) or is short."""
+    from cryptography.exceptions import InvalidTag  # main refuses to start without a working cryptography
+
     if isinstance(exc, FrameError):
         return exc.removable
-    try:
-        from cryptography.exceptions import InvalidTag
-    except ImportError:
-        return False
     return isinstance(exc, InvalidTag)
 
 

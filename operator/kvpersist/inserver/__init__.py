@@ -1,6 +1,7 @@
 """Code that runs inside the lmcache server's container, not in the operator: the image has lmcache
 but not kvpersist, so each module here is standalone (standard library, lmcache, cryptography, and
-the modules before it) and is rendered into the pod as one `python3 -c` program (program_source).
+the modules before it) and is rendered into the pod as one `python3 -c` program (program_source),
+an environment variable's value: nothing here may hold `$(` or `$$` (the kubelet expands both).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ PROGRAM_MODULES = ("lmcache_internals", "serve")
 
 # Puts each module but the last in sys.modules, inside stand-ins for the kvpersist packages (the
 # image has neither), then runs the last as __main__; the sources follow as string literals.
-# Nothing here may hold a dollar sign.
 _LOADER = '''\
 """kvpersist's lmcache server program (kvpersist.inserver.program_source): its modules, then serve."""
 import sys

@@ -10,8 +10,7 @@ or an lmcache outside TESTED_LMCACHE, the server refuses to start as the build c
 (MISMATCH_PREFIX, EXIT_CODE) and the operator shows BuildVerified False naming what is missing.
 
 Shipped with serve.py (kvpersist.inserver.program_source): standard library only at import, lmcache
-imported inside the checks and accessors, and no dollar sign before an opening parenthesis or
-another dollar sign (the kubelet would expand it in the environment variable's value).
+imported inside the checks and accessors.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ adapter, hence the replaced SerdeL2AdapterWrapper.
 
 lmcache's `--server-module` loads after the L2 serdes are built, hence this launcher
 (kvpersist.inserver.program_source); lmcache is reached only through lmcache_internals, which main
-checks first. Standard library, lmcache and cryptography only (the image has no kvpersist), and no
-dollar sign followed by an opening parenthesis (the kubelet would expand it in the variable's value).
+checks first.
 """
 
 from __future__ import annotations
@@ -67,8 +66,6 @@ CHECKED_TYPE = "kvpersist-checked"
 CHECKED_KEY = hashlib.sha256(b"kvpersist-checked: a public key, for a checksum and not a secret").digest()
 DEFAULT_WORKERS = 4
 MAX_SALT_KEYS = 256  # derived AES keys kept, least recently used out first: salts may be per user
-# kvpersist.identity.key_fingerprint (the namespace id's): 16 hex of HMAC-SHA256 keyed by the key
-# file's bytes over this message (tests check the two agree).
 KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
 FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 # A key file other than the namespace id's: this termination message (the operator reads it back)
@@ -95,7 +92,7 @@ class FrameError(ValueError):
 
 
 def key_fingerprint(key: bytes) -> str:
-    """kvpersist.identity.key_fingerprint, here (the server's image has no kvpersist)."""
+    """kvpersist.identity.key_fingerprint (the namespace id's), here: the server's image has no kvpersist."""
     return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
 
 
@@ -109,7 +106,6 @@ def segment_count(n: int) -> int:
 
 
 def sealed_size(n: int) -> int:
-    """The frame of n plaintext bytes: header, the ciphertext, a tag per segment."""
     return HEADER_LEN + n + TAG_LEN * segment_count(n)
 
 
@@ -442,7 +438,6 @@ def _processor_class() -> type:
                 raise
 
         def _submit(self, sealing: bool, src_objs: list, dst_objs: list, keys: list) -> int:
-            """One job per segment of every object: the batch's work spread over the workers."""
             task_id = self._task_id()
             make = self._seal_jobs if sealing else self._open_jobs
             jobs: list[Callable[[], None]] = []
@@ -597,8 +592,8 @@ def _logger() -> Any:
 
 def install_unreadable_removal() -> None:
     """Replaces the storage manager's SerdeL2AdapterWrapper by a subclass that hands our serde
-    the inner adapter's delete (UnreadableObjects) and loads one chunk per load (ChunkLoads);
-    other serdes are left alone."""
+    the inner adapter's delete (UnreadableObjects) and loads one chunk per load (ChunkLoads), so
+    the decryption overlaps the reads; other serdes are left alone."""
     base = lmcache_internals.serde_wrapper()
     if getattr(base, "kvpersist_wired", False):
         return
@@ -608,9 +603,6 @@ def install_unreadable_removal() -> None:
         """UnreadableObjects as lmcache's listener type, which the adapter is handed."""
 
     class WiredSerdeL2AdapterWrapper(base):  # type: ignore[misc, valid-type]
-        """lmcache's wrapper; for our serde only, unreadable objects are removed and a load of
-        several chunks runs as one load per chunk, so the decryption overlaps the reads."""
-
         kvpersist_wired = True
 
         def __init__(self, inner: Any, serde: Any, l1_manager: Any) -> None:
@@ -638,8 +630,6 @@ def install_unreadable_removal() -> None:
 
 
 def register() -> None:
-    """Makes `"serde": {"type": "kvpersist-aesgcm", ...}` and kvpersist-checked known to lmcache,
-    once per process, and wires unreadable objects' removal."""
     lmcache_internals.register_serde(SERDE_TYPE, make_processor)
     lmcache_internals.register_serde(CHECKED_TYPE, make_checked_processor)
     install_unreadable_removal()

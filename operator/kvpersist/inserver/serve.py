@@ -422,11 +422,8 @@ def _processor_class() -> type:
             return jobs
 
         def _open_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:
-            try:
-                jobs = open_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
-                                 _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
-            except FrameError as exc:
-                jobs = [functools.partial(_raise, exc)]
+            jobs = open_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
+                             _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
             return [functools.partial(self._opened, key, run) for run in jobs]
 
         def _opened(self, key: Any, run: Callable[[], None]) -> None:
@@ -445,7 +442,8 @@ def _processor_class() -> type:
                 try:
                     jobs += make(s, d, k)
                 except Exception as exc:  # e.g. a destination too small: this batch fails, not the server
-                    jobs.append(functools.partial(_raise, exc))
+                    failed = functools.partial(_raise, exc)  # a frame refused at once may still be removable
+                    jobs.append(failed if sealing else functools.partial(self._opened, k, failed))
             self._batches.run(task_id, sealing, jobs)
             return task_id
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import dis
 import importlib
+import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import re
@@ -297,19 +299,15 @@ def public_version(version: str) -> str:
 
 
 def installed_version() -> str | None:
-    from importlib import metadata
-
     try:
-        return metadata.version("lmcache")
-    except metadata.PackageNotFoundError:
+        return importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
 def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = None) -> list[Mismatch]:
     """What differs in the installed lmcache from what the server uses (its version when not
     tested, then every record's problems); empty: the server may start."""
-    import importlib.util
-
     version = installed_version() if version is None else version
     if version is None and importlib.util.find_spec("lmcache") is None:
         return [Mismatch(VERSION, "lmcache is not installed")]

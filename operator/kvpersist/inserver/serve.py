@@ -283,15 +283,13 @@ class ObjectBatches:
         state = {"left": len(jobs), "ok": True}
 
         def one(job: Callable[[], None]) -> None:
-            ok = True
             try:
                 job()
             except Exception as exc:  # a failed object is a miss, never a dead worker
-                ok = False
+                state["ok"] = False  # only ever cleared: read by the last job, after the lock below
                 with contextlib.suppress(Exception):  # nor a batch never reported: lmcache would wait on it
                     _log_failure(task_id, sealing, exc)
             with self._lock:
-                state["ok"] = state["ok"] and ok
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
@@ -417,8 +415,7 @@ def _processor_class() -> type:
         def _seal_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:
             n, jobs = seal_jobs(self._keys.aead(key.cache_salt), self._keys.fingerprint, self._binding(key),
                                 os.urandom(IV_LEN), _bytes_view(src.byte_array), _bytes_view(dst.byte_array))
-            if hasattr(dst, "set_used_size"):
-                dst.set_used_size(n)  # the adapter stores exactly the frame
+            dst.set_used_size(n)  # the adapter stores exactly the frame (every MemoryObj has it: lmcache_internals)
             return jobs
 
         def _open_jobs(self, src: Any, dst: Any, key: Any) -> list[Callable[[], None]]:

@@ -73,7 +73,7 @@ FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
 KEY_MISMATCH_PREFIX = "kvpersist-aesgcm key mismatch: "
 KEY_MISMATCH_FORMAT = (KEY_MISMATCH_PREFIX + "key file fingerprint {found}, namespace {namespace} expects {expected}: "
                        "refusing to start (no object is read or removed)")
-KEY_MISMATCH_EXIT_CODE = 78
+KEY_MISMATCH_EXIT_CODE = lmcache_internals.EXIT_CODE
 CHECKED_SETTINGS_MISSING = ("kvpersist-checked: the serde settings name no namespace id (namespace_id) to bind the "
                             "frames to: refusing to start (no object is read or removed)")
 SETTINGS_MISSING = ("kvpersist-aesgcm: the serde settings name no key fingerprint or namespace id to check the key "
@@ -172,9 +172,8 @@ def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintex
 def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, out: memoryview) -> list[Callable[[], None]]:
     """The jobs that authenticate and decrypt a frame (maybe padded: the adapters store whole
     pages) into out, whose length is the plaintext's, one per segment. Raises FrameError now for
-    anything but a version 3 frame of this key of the right length (removable when all zeros or of
-    this key); a job raises InvalidTag for any changed byte or another name, leaving none of its
-    segment in out."""
+    anything but a version 3 frame of this key of the right length (FrameError says if removable);
+    a job raises InvalidTag for any changed byte or another name, leaving none of its segment in out."""
     n = len(out)
     if len(frame) == 0:
         raise FrameError("kvpersist-aesgcm: an empty object")
@@ -324,7 +323,7 @@ def _log_failure(task_id: int, sealing: bool, exc: BaseException) -> None:
                       else "left as it is")
 
 
-def refuse_to_start(message: str, code: int = KEY_MISMATCH_EXIT_CODE) -> NoReturn:
+def refuse_to_start(message: str) -> NoReturn:
     """Writes message to the termination message and stderr, then ends the process at once:
     whatever lmcache would make of a serde factory's exception, this server must not run."""
     with contextlib.suppress(OSError), open(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG, "w") as out:
@@ -332,7 +331,7 @@ def refuse_to_start(message: str, code: int = KEY_MISMATCH_EXIT_CODE) -> NoRetur
     with contextlib.suppress(Exception):
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-    os._exit(code)
+    os._exit(KEY_MISMATCH_EXIT_CODE)  # lmcache_internals.EXIT_CODE: every refusal here is EX_CONFIG
 
 
 def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
@@ -666,12 +665,11 @@ def main(argv: list[str]) -> int:
     (the build check's message and exit code) before anything is registered or read."""
     found = lmcache_internals.check()
     if found:
-        refuse_to_start(lmcache_internals.refusal_message(found), lmcache_internals.EXIT_CODE)
+        refuse_to_start(lmcache_internals.refusal_message(found))
     problem = cryptography_problem()
     if problem:
         refuse_to_start(f"{lmcache_internals.MISMATCH_PREFIX}cryptography in this container cannot do what kvpersist's "
-                        f"L2 serde calls ({problem}): use an image with cryptography 43 or later (images/vllm-lmcache)",
-                        lmcache_internals.EXIT_CODE)
+                        f"L2 serde calls ({problem}): use an image with cryptography 43 or later (images/vllm-lmcache)")
     _logger().info("kvpersist: lmcache %s has the %d internals kvpersist's server uses, as it uses them "
                    "(kvpersist.inserver.lmcache_internals)", lmcache_internals.installed_version(),
                    len(lmcache_internals.INTERNALS))

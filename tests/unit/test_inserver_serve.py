@@ -471,7 +471,7 @@ def test_the_processor_seals_and_opens_batches_all_or_nothing(tmp_path: Path) ->
         task = proc.submit_deserialize(frames, [Buffer(len(c)) for c in chunks], swapped)
         assert wait_result(proc.query_deserialize_result, proc.get_deserialize_event_fd(), task) is False
         assert proc.estimate_serialized_size(type("L", (), {"shapes": [(2, 3)], "dtypes": [type("D", (), {"itemsize": 2})]})) \
-            == 12 + serve.FRAME_OVERHEAD
+            == 12 + serve.HEADER_LEN + serve.TAG_LEN
     finally:
         proc.close()
 

@@ -20,11 +20,10 @@ import sys
 import types
 
 
-def _package(name):
-    if name not in sys.modules:
-        sys.modules[name] = types.ModuleType(name)
-        sys.modules[name].__path__ = []
-    return sys.modules[name]
+for _name in ("kvpersist", "kvpersist.inserver"):
+    if _name not in sys.modules:
+        sys.modules[_name] = types.ModuleType(_name)
+        sys.modules[_name].__path__ = []
 
 
 def _run(name, source, main=False):
@@ -32,11 +31,8 @@ def _run(name, source, main=False):
     module.__file__ = "kvpersist/inserver/" + name + ".py"
     if not main:
         sys.modules[module.__name__] = module
-        setattr(_package("kvpersist.inserver"), name, module)
+        setattr(sys.modules["kvpersist.inserver"], name, module)
     exec(compile(source, module.__file__, "exec"), module.__dict__)
-
-
-_package("kvpersist")
 '''
 
 

@@ -56,7 +56,6 @@ HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"
 VERSION = 3
 FINGERPRINT_LEN = 8
 HEADER_LEN = 1 + FINGERPRINT_LEN + IV_LEN
-FRAME_OVERHEAD = HEADER_LEN + TAG_LEN  # a frame of one segment
 SEGMENT_BYTES = 2 * 2**20
 BINDING_LABEL = b"kvpersist-aesgcm v3 object"
 # Encryption off: the same frames under a public key, a checksum bound to the object's name, not a
@@ -163,9 +162,7 @@ def seal_jobs(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintex
     per segment, each sealing its segment in place (no copy): they may run side by side."""
     if len(iv) != IV_LEN or len(fingerprint) != FINGERPRINT_LEN or len(out) < sealed_size(len(plaintext)):
         raise ValueError("seal: the IV, the fingerprint or the destination has the wrong size")
-    out[0] = VERSION
-    out[1:1 + FINGERPRINT_LEN] = fingerprint
-    out[1 + FINGERPRINT_LEN:HEADER_LEN] = iv
+    out[:HEADER_LEN] = bytes([VERSION]) + fingerprint + iv
     return sealed_size(len(plaintext)), _segment_jobs(aead.encrypt_into, iv, binding, plaintext, out, sealing=True)
 
 
@@ -489,8 +486,7 @@ class UnreadableObjects:
         self._pending: dict[Any, float] = {}  # key -> when it failed
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvpersist-unreadable", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._loop, name="kvpersist-unreadable", daemon=True).start()
 
     def add(self, keys: list) -> None:
         now = time.monotonic()

@@ -12,8 +12,7 @@ from importlib import resources
 # kvpersist.inserver.<name>); the last runs as the program (its `__name__ == "__main__"`).
 PROGRAM_MODULES = ("lmcache_internals", "serve")
 
-# Puts each module but the last in sys.modules, inside stand-ins for the kvpersist packages (the
-# image has neither), then runs the last as __main__; the sources follow as string literals.
+# Stand-ins for the kvpersist packages (the image has neither), and _run, which program_source calls per module.
 _LOADER = '''\
 """kvpersist's lmcache server program (kvpersist.inserver.program_source): its modules, then serve."""
 import sys

@@ -189,7 +189,6 @@ def open_jobs(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, 
 
 
 def seal(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: memoryview, out: memoryview) -> int:
-    """seal_jobs, run here one after the other; the frame's length."""
     n, jobs = seal_jobs(aead, fingerprint, binding, iv, plaintext, out)
     for run in jobs:
         run()
@@ -197,7 +196,6 @@ def seal(aead: Any, fingerprint: bytes, binding: bytes, iv: bytes, plaintext: me
 
 
 def open_frame(aead: Any, fingerprint: bytes, binding: bytes, frame: memoryview, out: memoryview) -> None:
-    """open_jobs, run here one after the other."""
     for run in open_jobs(aead, fingerprint, binding, frame, out):
         run()
 

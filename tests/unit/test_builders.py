@@ -387,7 +387,7 @@ def test_an_agent_beside_every_server_and_the_volume_only_with_nvme() -> None:
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     # It forwards the operator's reads of lmcache's loopback-only admin API.
     assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:5556"
-    bucket = build_lmcache_statefulset(target("hf-bucket"), "img:1")["spec"]["template"]["spec"]
+    bucket = build_lmcache_statefulset(target("hf-bucket"))["spec"]["template"]["spec"]
     server, agent = bucket["containers"]
     assert agent["name"] == "inventory-agent" and "--root" not in agent["args"] and "--serving" not in agent["args"]
     assert _flag(agent["args"], "--server-url") == "http://127.0.0.1:5556"
@@ -548,7 +548,7 @@ def test_lmcache_server_writes_only_to_its_volumes() -> None:
     from kvpersist.builders.lmcache import NUMBA_CACHE_DIR
     from kvpersist.builders.security import TMP_PATH, TMP_VOLUME
 
-    pod = build_lmcache_statefulset(target(), "img:1")["spec"]["template"]["spec"]
+    pod = build_lmcache_statefulset(target())["spec"]["template"]["spec"]
     server = pod["containers"][0]
     assert {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR} in server["env"]
     assert NUMBA_CACHE_DIR.startswith(TMP_PATH + "/")
@@ -566,7 +566,7 @@ def test_the_agent_is_non_root_in_the_pods_data_group_and_the_servers_run_as_vll
     (vLLM's shared-memory KV is 0600 of its uid), the server in the data group, each with HOME and
     /tmp as emptyDirs under a read-only root."""
     from kvpersist.builders.security import DATA_PLANE_HOME, DATA_PLANE_USER
-    pod = build_lmcache_statefulset(target(name), "img:1")["spec"]["template"]["spec"]
+    pod = build_lmcache_statefulset(target(name))["spec"]["template"]["spec"]
     server, agent = pod["containers"]
     sc = agent["securityContext"]
     assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (65532, 2000, True) and sc["readOnlyRootFilesystem"]
@@ -591,7 +591,7 @@ def test_a_users_claim_is_never_re_owned_by_the_pods_fs_group() -> None:
     root's, is readable by the agent's container alone (only it mounts it). The operator's own
     claims (volumeClaimTemplates) keep the data group."""
     users = target(mutate=lambda o: o["spec"]["l2"].update(nvme={"existingClaimName": "pg-data", "maxCapacity": "100Gi"}))
-    pod = build_lmcache_statefulset(users, "img:1")["spec"]["template"]["spec"]
+    pod = build_lmcache_statefulset(users)["spec"]["template"]["spec"]
     assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     assert {"name": "l2", "persistentVolumeClaim": {"claimName": "pg-data"}} in pod["volumes"]
     token = next(v for v in pod["volumes"] if v["name"] == "agent-token")["secret"]
@@ -600,7 +600,7 @@ def test_a_users_claim_is_never_re_owned_by_the_pods_fs_group() -> None:
         "inventory-agent"]
     agent = pod["containers"][1]["securityContext"]
     assert (agent["runAsUser"], agent["runAsGroup"], agent["runAsNonRoot"]) == (65532, 2000, True)
-    own = build_lmcache_statefulset(target(), "img:1")["spec"]
+    own = build_lmcache_statefulset(target())["spec"]
     assert "volumeClaimTemplates" in own
     assert own["template"]["spec"]["securityContext"]["fsGroup"] == 2000
 

@@ -101,7 +101,6 @@ class Identity(SpecPart):
         return pins
 
 
-
 @dataclass(frozen=True)
 class IdField:
     """A spec field the namespace id depends on (through pins()), as the API spells it. kind: `value`, the field;

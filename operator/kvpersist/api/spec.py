@@ -405,7 +405,7 @@ class Toleration(SpecPart):
 # The NVIDIA GPU Operator's RuntimeClass; "" for none (as storageClassName ""): `kubectl apply` drops a null
 # and lets the schema's default back in (seen on the local cluster).
 DEFAULT_RUNTIME_CLASS = "nvidia"
-RUNTIME_CLASS_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+RUNTIME_CLASS_PATTERN = "^$|" + DNS_SUBDOMAIN
 
 
 class LMCacheServer(SpecPart):
@@ -908,7 +908,6 @@ def l2_layout(spec: KVCacheNamespaceSpec) -> str:
             return f"fs_native/direct_io={str(spec.l2.nvme.direct_io).lower()}"
         return spec.l2.nvme.adapter
     return "hfbucket"
-
 
 
 CHUNK_TOKENS = 256  # lmcache 0.5.6's server default: the tokens of one stored object (--chunk-size, not rendered)

@@ -15,7 +15,6 @@ Count = Annotated[int, Field(ge=0)]
 NamespaceId = Annotated[str, Field(pattern=r"^kvp-[0-9a-f]{32}$")]  # kvp-<32 hex>
 
 
-
 class Condition(APIModel):
     """A standard Kubernetes condition."""
 

@@ -10,6 +10,7 @@ from typing import Any
 from kvpersist import __version__
 from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.spec import l1_page_bytes
+from kvpersist.api.vllmpod import REQUIRED, server_term
 from kvpersist.builders import buildcheck
 from kvpersist.builders.modelcache import claim_spec
 from kvpersist.builders.retained import retained_annotations, retained_labels
@@ -268,7 +269,7 @@ def build_shared_claim(target: Target) -> dict[str, Any] | None:
             "spec": claim_spec(["ReadWriteMany"], nvme.size, nvme.storage_class_name)}
 
 
-def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None) -> dict[str, Any]:
+def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
     """One lmcache server per GPU node (required anti-affinity), where vLLM may run. With NVMe each
     replica has its own claim (retention follows reclaimPolicy), or with shared all mount one. Scaled
     to zero, never deleted, while the cache is disabled, so no claim is lost over a missing pin."""
@@ -279,11 +280,10 @@ def build_lmcache_statefulset(target: Target, image_of_agent: str | None = None)
     # and g+rwX over every file); what it must allow is the user's to set (docs/api.md).
     users_claim = nvme.existing_claim_name if nvme is not None else None
     pod_spec: dict[str, Any] = pod_security(fs_group=None if users_claim else DATA_GROUP, pod_spec={
-        "containers": [server_container(target), agent_container(target, image_of_agent or target.agent_image or DEFAULT_AGENT_IMAGE)],
+        "containers": [server_container(target), agent_container(target, target.agent_image or DEFAULT_AGENT_IMAGE)],
         # No host namespace: isolated CUDA IPC (server_args) needs none (baseline Pod Security admits them).
         "terminationGracePeriodSeconds": 60,
-        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}]}},
+        "affinity": {"podAntiAffinity": {REQUIRED: [server_term(selector)]}},
     })
     placement(pod_spec, spec, spec.lmcache_server.runtime_class_name)  # pull secrets: the agent's image too
     sts_spec: dict[str, Any] = {

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvpersist.api.spec import LABEL_VALUE
 from kvpersist.builders.attach import attached, attached_peer
 from kvpersist.builders.target import SERVER, VLLM, Target
 
@@ -20,7 +21,6 @@ OPERATOR_LABELS = {"app.kubernetes.io/name": "kvpersist-operator"}
 # "podSelector": <LabelSelector>?} as JSON, from the chart's metrics.scraper.
 SCRAPER_ENV = "KVPERSIST_METRICS_SCRAPER"
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 _OPERATORS = {"In", "NotIn", "Exists", "DoesNotExist"}
 
 
@@ -31,7 +31,7 @@ def _selector_problems(where: str, sel: Any) -> list[str]:
     out = []
     for k, v in (sel.get("matchLabels") or {}).items() if isinstance(sel.get("matchLabels") or {}, dict) else [(None, None)]:
         if k is None or not _LABEL_KEY.fullmatch(str(k)) or len(str(k)) > 316 or not isinstance(v, str) \
-                or not _LABEL_VALUE.fullmatch(v) or len(v) > 63:
+                or not re.fullmatch(LABEL_VALUE, v):
             out.append(f"{where}.matchLabels: {k!r}: {v!r} is not a label key and value")
     exprs = sel.get("matchExpressions") or []
     for i, e in enumerate(exprs if isinstance(exprs, list) else [None]):

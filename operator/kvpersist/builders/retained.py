@@ -56,11 +56,8 @@ def protect_patch(metadata: Mapping[str, Any], owner: str, fingerprint: str | No
     want = retained_annotations(annotations)
     if fingerprint is not None:
         want[KEY_FINGERPRINT_ANNOTATION] = fingerprint
-    label_patch: dict[str, str | None] = {}
-    if TRACKING_LABEL in labels:
-        label_patch[TRACKING_LABEL] = None
-    if labels.get(INSTANCE_LABEL) != owner:
-        label_patch[INSTANCE_LABEL] = owner
+    # Label values are strings: a tracking label present is one to remove (None), ours one to set.
+    label_patch = {k: v for k, v in ((TRACKING_LABEL, None), (INSTANCE_LABEL, owner)) if labels.get(k) != v}
     annotation_patch = {k: v for k, v in want.items() if annotations.get(k) != v}
     patch = {key: value for key, value in (("labels", label_patch), ("annotations", annotation_patch)) if value}
     return {"metadata": patch} if patch else None

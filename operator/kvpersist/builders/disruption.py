@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpersist.builders.target import SERVER, Target
+from kvpersist.builders.target import SERVER, Target, manifest
 
 
 def build_server_pdb(target: Target) -> dict[str, Any]:
@@ -14,13 +14,8 @@ def build_server_pdb(target: Target) -> dict[str, Any]:
     meanwhile: CacheBypassed), follows replicas without a rewrite and blocks nothing with the cache off.
     AlwaysAllow: a server that is not Ready serves nothing, so a drain need not wait for it. Servers the
     scheduler has found no node for for UNPLACED_AFTER_S are not counted: they would use up the one disruption for good."""
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": target.metadata(target.server_name, SERVER),
-        "spec": {
-            "maxUnavailable": 1 + target.unplaced_servers,
-            "selector": {"matchLabels": target.selector(SERVER)},
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    }
+    return manifest("policy/v1", "PodDisruptionBudget", target.metadata(target.server_name, SERVER), {
+        "maxUnavailable": 1 + target.unplaced_servers,
+        "selector": {"matchLabels": target.selector(SERVER)},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    })

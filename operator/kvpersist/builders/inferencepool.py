@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.builders.attach import attached
-from kvpersist.builders.target import VLLM, Target
+from kvpersist.builders.target import VLLM, Target, manifest
 
 API_GROUP = "inference.networking.k8s.io"
 API_VERSION = f"{API_GROUP}/v1"
@@ -21,14 +21,9 @@ def build_inference_pool(target: Target) -> dict[str, Any] | None:
     if pool is None or attached(target):
         return None
     picker = pool.endpoint_picker
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": target.metadata(target.vllm_name, VLLM),
-        "spec": {
-            "selector": {"matchLabels": target.selector(VLLM)},
-            "targetPorts": [{"number": target.spec.vllm.port}],
-            "endpointPickerRef": {"group": "", "kind": "Service", "name": picker.name, "port": {"number": picker.port},
-                                  "failureMode": picker.failure_mode},
-        },
-    }
+    return manifest(API_VERSION, KIND, target.metadata(target.vllm_name, VLLM), {
+        "selector": {"matchLabels": target.selector(VLLM)},
+        "targetPorts": [{"number": target.spec.vllm.port}],
+        "endpointPickerRef": {"group": "", "kind": "Service", "name": picker.name, "port": {"number": picker.port},
+                              "failureMode": picker.failure_mode},
+    })

@@ -35,6 +35,7 @@ from kvpersist.builders.target import (
     L2_VOLUME,
     SERVER,
     Target,
+    manifest,
 )
 from kvpersist.builders.vllm import placement, quantities
 from kvpersist.inserver import program_source
@@ -263,10 +264,9 @@ def build_shared_claim(target: Target) -> dict[str, Any] | None:
     nvme = target.spec.l2.nvme
     if nvme is None or not nvme.shared or nvme.size is None or target.shared_claim is None:
         return None
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": target.shared_claim, "namespace": target.namespace,
-                         "labels": retained_labels(target.name, SERVER), "annotations": retained_annotations()},
-            "spec": claim_spec(["ReadWriteMany"], nvme.size, nvme.storage_class_name)}
+    metadata = {"name": target.shared_claim, "namespace": target.namespace, "labels": retained_labels(target.name, SERVER),
+                "annotations": retained_annotations()}
+    return manifest("v1", "PersistentVolumeClaim", metadata, claim_spec(["ReadWriteMany"], nvme.size, nvme.storage_class_name))
 
 
 def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
@@ -304,4 +304,4 @@ def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
         sts_spec["volumeClaimTemplates"] = [{"metadata": {"name": L2_VOLUME, "labels": target.selector(SERVER)},
                                              "spec": claim_spec(["ReadWriteOnce"], nvme.size, nvme.storage_class_name)}]
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": nvme.reclaim_policy, "whenScaled": "Retain"}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": target.metadata(target.server_name, SERVER), "spec": sts_spec}
+    return manifest("apps/v1", "StatefulSet", target.metadata(target.server_name, SERVER), sts_spec)

@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from kvpersist.api.quantity import parse_quantity
-from kvpersist.builders.target import MANAGED_BY, MODEL_CACHE, Target
+from kvpersist.builders.target import MANAGED_BY, MODEL_CACHE, Target, manifest
 
 DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)
 
@@ -22,10 +22,10 @@ def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
     cache = target.spec.vllm.model_cache
     if cache is None or cache.size is None:
         return None
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": target.model_cache_claim, "namespace": target.namespace,
-                         "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}},
-            "spec": claim_spec(list(cache.access_modes or DEFAULT_ACCESS_MODES), cache.size, cache.storage_class_name)}
+    metadata = {"name": target.model_cache_claim, "namespace": target.namespace,
+                "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}}
+    return manifest("v1", "PersistentVolumeClaim", metadata,
+                    claim_spec(list(cache.access_modes or DEFAULT_ACCESS_MODES), cache.size, cache.storage_class_name))
 
 
 def claim_spec(access_modes: list[str], size: Any, storage_class: str | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvpersist.api.spec import LABEL_VALUE
 from kvpersist.builders.attach import attached, attached_peer
-from kvpersist.builders.target import SERVER, VLLM, Target
+from kvpersist.builders.target import SERVER, VLLM, Target, manifest
 
 # Where the operator runs, so the policy can admit it. Set by the Helm chart.
 OPERATOR_NAMESPACE_ENV = "KVPERSIST_OPERATOR_NAMESPACE"
@@ -93,4 +93,4 @@ def _policy(target: Target, name: str, servers: dict[str, str], rules: list[dict
     spec: dict[str, Any] = {"podSelector": {"matchLabels": servers}, "policyTypes": ["Ingress"]}
     if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
         spec["ingress"] = rules  # so every apply would count as a change and bump the generation
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": target.metadata(name, SERVER), "spec": spec}
+    return manifest("networking.k8s.io/v1", "NetworkPolicy", target.metadata(name, SERVER), spec)

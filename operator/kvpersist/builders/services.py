@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpersist.builders.target import SERVER, VLLM, Target
-
-
-def _service(target: Target, name: str, component: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": target.metadata(name, component), "spec": spec}
+from kvpersist.builders.target import SERVER, VLLM, Target, manifest
 
 
 def build_local_service(target: Target) -> dict[str, Any]:
     """vLLM's way to its cache server: Local keeps connections on the node (CUDA IPC works within a
     node only); the namespace id in name and selector keeps it to servers of its clients' identity."""
-    return _service(target, target.local_service_name, SERVER, {
+    return manifest("v1", "Service", target.metadata(target.local_service_name, SERVER), {
         "type": "ClusterIP",
         "internalTrafficPolicy": "Local",
         "selector": target.id_selector(SERVER),
@@ -24,7 +20,7 @@ def build_local_service(target: Target) -> dict[str, Any]:
 
 def build_metrics_service(target: Target) -> dict[str, Any]:
     """Headless: governs the StatefulSet and exposes the agents' port (lmcache's /metrics as /server/metrics)."""
-    return _service(target, target.metrics_service_name, SERVER, {
+    return manifest("v1", "Service", target.metadata(target.metrics_service_name, SERVER), {
         "clusterIP": "None",
         "publishNotReadyAddresses": True,
         "selector": target.selector(SERVER),
@@ -39,7 +35,7 @@ def build_vllm_service(target: Target) -> dict[str, Any] | None:
     svc = target.spec.vllm.service
     if not svc.enabled:
         return None
-    return _service(target, target.vllm_name, VLLM, {
+    return manifest("v1", "Service", target.metadata(target.vllm_name, VLLM), {
         "type": svc.type,
         "selector": target.selector(VLLM),
         "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],

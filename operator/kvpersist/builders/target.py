@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.api.spec import KVCacheNamespaceSpec
@@ -26,6 +27,10 @@ SERVER = "lmcache-server"
 VLLM = "vllm"
 SHARED_CLAIM_SUFFIX = "shared"  # l2-<name>-lmcache-shared: the one claim of spec.l2.nvme.shared with size
 MODEL_CACHE = "model-cache"  # the component of the weights claim the operator makes (spec.vllm.modelCache.size)
+
+
+def manifest(api_version: str, kind: str, metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, "spec": spec}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_vo
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security
-from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target
+from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target, manifest
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (("model_revision", "--revision"), ("tokenizer", "--tokenizer"), ("tokenizer_revision", "--tokenizer-revision"),
@@ -199,13 +199,8 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
     events = kv_events_config(target)
     if events is not None and not kv_events_env(target):  # the topic to subscribe to, for a router that watches pods
         annotations[KV_EVENTS_TOPIC_ANNOTATION] = events["topic"]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": target.metadata(target.vllm_name, VLLM),
-        "spec": {
-            "replicas": spec.vllm.replicas,
-            "selector": {"matchLabels": target.selector(VLLM)},
-            "template": {"metadata": {"labels": target.labels(VLLM), "annotations": annotations}, "spec": pod_spec},
-        },
-    }
+    return manifest("apps/v1", "Deployment", target.metadata(target.vllm_name, VLLM), {
+        "replicas": spec.vllm.replicas,
+        "selector": {"matchLabels": target.selector(VLLM)},
+        "template": {"metadata": {"labels": target.labels(VLLM), "annotations": annotations}, "spec": pod_spec},
+    })

@@ -435,7 +435,7 @@ def test_l2_is_encrypted_by_default_with_the_key_as_a_file(name: str) -> None:
                             "key_fingerprint": KEY_FINGERPRINT, "namespace_id": t.namespace_id}
     pod = build_lmcache_statefulset(t)["spec"]["template"]["spec"]
     key = next(v for v in pod["volumes"] if v["name"] == L2_KEY_VOLUME)
-    # 0440: the non-root server reads it through the pod's fsGroup (data_plane_security_context).
+    # 0440: the non-root server reads it through the pod's fsGroup (security_context).
     assert key["secret"] == {"secretName": f"{t.name}-l2-key", "items": [{"key": "master-key", "path": L2_KEY_FILE}],
                              "defaultMode": 0o440}
     server = pod["containers"][0]

@@ -17,12 +17,12 @@ from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import (
     AGENT_USER,
     DATA_GROUP,
+    DATA_PLANE_USER,
     HOME_ENV,
     TMP_PATH,
-    container_security_context,
-    data_plane_security_context,
     data_plane_volumes,
     pod_security,
+    security_context,
 )
 from kvpersist.builders.target import (
     AGENT_TOKEN_KEY,
@@ -208,7 +208,7 @@ def server_container(target: Target) -> dict[str, Any]:
         "readinessProbe": _probe(target, 5, 3),
         "livenessProbe": _probe(target, 10, 6),
         # vLLM's uid (it must open vLLM's 0600 shared-memory KV), in the data group that owns the L2 folder.
-        "securityContext": data_plane_security_context(DATA_GROUP),
+        "securityContext": security_context(DATA_PLANE_USER, DATA_GROUP),
         "volumeMounts": [*l2, *key, *data_plane_volumes()[1]],
     }, target, SERVER)
 
@@ -248,8 +248,7 @@ def agent_container(target: Target, image: str) -> dict[str, Any]:
         "readinessProbe": probe,
         "livenessProbe": probe,
         "volumeMounts": [*l2, {"name": AGENT_TOKEN_VOLUME, "mountPath": AGENT_TOKEN_MOUNT_PATH, "readOnly": True}],
-        "securityContext": {**container_security_context(), "runAsUser": AGENT_USER, "runAsGroup": DATA_GROUP,
-                            "runAsNonRoot": True},
+        "securityContext": security_context(AGENT_USER, DATA_GROUP),
     }
 
 

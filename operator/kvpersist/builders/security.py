@@ -22,14 +22,10 @@ TMP_VOLUME = "tmp"
 TMP_PATH = "/tmp"
 
 
-def container_security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
-
-
-def data_plane_security_context(group: int = DATA_PLANE_USER) -> dict[str, Any]:
-    """vLLM's and the server's: runAsUser set too, for older images whose user was root."""
-    return {**container_security_context(), "runAsUser": DATA_PLANE_USER, "runAsGroup": group, "runAsNonRoot": True}
+def security_context(user: int, group: int) -> dict[str, Any]:
+    """Every container's: runAsUser set too, for older images whose user was root."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+            "runAsUser": user, "runAsGroup": group, "runAsNonRoot": True}
 
 
 def data_plane_volumes(tmp_size_limit: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -9,7 +9,7 @@ from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIX
 from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_volume
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
-from kvpersist.builders.security import DATA_GROUP, HOME_ENV, data_plane_security_context, data_plane_volumes, pod_security
+from kvpersist.builders.security import DATA_GROUP, DATA_PLANE_USER, HOME_ENV, data_plane_volumes, pod_security, security_context
 from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target, manifest
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
@@ -172,7 +172,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
                          {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}],
         # Non-root (the server's uid), no capabilities, a read-only root: the model and the kernel caches
         # go to HF_HOME, HOME and /tmp (docs/security.md).
-        "securityContext": data_plane_security_context(),
+        "securityContext": security_context(DATA_PLANE_USER, DATA_PLANE_USER),
     }
     if spec.vllm.env_from:
         container["envFrom"] = [{"prefix": ENV_FROM_PREFIX, **({"secretRef": {"name": e.secret_ref.name}} if e.secret_ref

@@ -20,7 +20,6 @@ from kvpersist.api.structural import LABEL_NAME, QUALIFIED_NAME, schema_of
 from kvpersist.api.text import NO_CONTROL_PATTERN, PROMPT_PATTERN, refuse_control, refuse_control_in_prompt
 from kvpersist.identity import CHECKED_SERDE, image_digest
 
-EVICTION_POLICIES = ("LRU", "noop")
 L2_KINDS = ("nvme", "hfBucket")  # spec.l2's union, as the API spells its members (status.l2Kind)
 
 # The vLLM flags spec.vllm.extraArgs may set, spelled exactly (flag -> whether it takes a value): none changes the
@@ -362,7 +361,7 @@ class L2(SpecPart):
 class Eviction(SpecPart):
     """How LMCache makes room, in L1 and in the L2 adapter."""
 
-    policy: Literal[EVICTION_POLICIES] = Field("LRU", description="LRU or noop (stores fail when full).")  # type: ignore[valid-type]
+    policy: Literal["LRU", "noop"] = Field("LRU", description="LRU or noop (stores fail when full).")
     # The source setup's values: evict at 90 % of capacity, a tenth at a time. A round frees less
     # than the 0.2 lmcache would pick and starts later, so more of the disk serves hits.
     trigger_watermark: float = Field(0.9, gt=0, le=1, description="Usage fraction of capacity at which eviction starts.")
@@ -551,7 +550,6 @@ class APIKeySecretRef(SecretKeyRef):
 
 
 MODEL_CACHE_PATH = "/var/lib/kvpersist/hf"
-MODEL_CACHE_ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
 
 
 class ModelCache(SpecPart):
@@ -583,7 +581,7 @@ class ModelCache(SpecPart):
     )
     storage_class_name: ObjectName | None = Field(
         None, description="StorageClass of the claim the operator makes; the cluster default when unset.")
-    access_modes: list[Literal[MODEL_CACHE_ACCESS_MODES]] | None = Field(  # type: ignore[valid-type]
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]] | None = Field(
         None, min_length=1, max_length=3,
         description="Access modes of the claim the operator makes; [ReadWriteOnce] when unset. ReadWriteMany when "
         "vLLM replicas run on several nodes (ReadWriteOnce mounts on one node only: pods elsewhere stay Pending).",

@@ -11,7 +11,7 @@ import secrets
 from typing import Any
 
 from kvpersist.builders.retained import retained_annotations, retained_labels
-from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, MANAGED_BY, Target
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, Target
 
 KEEP_ANNOTATION = "kvpersist.dev/keep"
 L2_KEY_COMPONENT = "l2-key"
@@ -34,11 +34,8 @@ def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any]
 def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any]:
     """The agents' token, random unless given; the resource owns it (worthless without the agents).
     Created once: a token changed under a running agent would lock the operator out."""
-    return _secret({
-        "name": target.agent_token_secret,
-        "namespace": target.namespace,
-        "labels": {**target.selector("agent-token"), "app.kubernetes.io/managed-by": MANAGED_BY},
-    }, AGENT_TOKEN_KEY, (secrets.token_hex(32) if token is None else token).encode())
+    return _secret(target.metadata(target.agent_token_secret, "agent-token", per_id=False), AGENT_TOKEN_KEY,
+                   (secrets.token_hex(32) if token is None else token).encode())
 
 
 def _secret(metadata: dict[str, Any], key: str, value: bytes) -> dict[str, Any]:

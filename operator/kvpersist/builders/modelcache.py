@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from kvpersist.api.quantity import parse_quantity
-from kvpersist.builders.target import MANAGED_BY, MODEL_CACHE, Target, manifest
+from kvpersist.builders.target import MODEL_CACHE, Target, manifest
 
 DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)
 
@@ -22,9 +22,7 @@ def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
     cache = target.spec.vllm.model_cache
     if cache is None or cache.size is None:
         return None
-    metadata = {"name": target.model_cache_claim, "namespace": target.namespace,
-                "labels": {**target.selector(MODEL_CACHE), "app.kubernetes.io/managed-by": MANAGED_BY}}
-    return manifest("v1", "PersistentVolumeClaim", metadata,
+    return manifest("v1", "PersistentVolumeClaim", target.metadata(target.model_cache_claim, MODEL_CACHE, per_id=False),
                     claim_spec(list(cache.access_modes or DEFAULT_ACCESS_MODES), cache.size, cache.storage_class_name))
 
 

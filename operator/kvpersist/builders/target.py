@@ -150,8 +150,10 @@ class Target:
         """One component's pods of the current namespace id (all with the cache off): pairs vLLM with servers."""
         return {**self.selector(component), **({NAMESPACE_ID_LABEL: self.namespace_id} if self.namespace_id else {})}
 
-    def labels(self, component: str) -> dict[str, str]:
-        return {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY, **self.id_selector(component)}
+    def labels(self, component: str, per_id: bool = True) -> dict[str, str]:
+        """per_id False: an object that serves every namespace id (the weights' claim, the agents' token)."""
+        return {**self.selector(component), "app.kubernetes.io/managed-by": MANAGED_BY,
+                **(self.id_selector(component) if per_id else {})}
 
-    def metadata(self, name: str, component: str) -> dict:
-        return {"name": name, "namespace": self.namespace, "labels": self.labels(component)}
+    def metadata(self, name: str, component: str, per_id: bool = True) -> dict:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels(component, per_id)}

@@ -30,12 +30,12 @@ def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, erro
     def refresh(*_a: Any) -> None:
         raise error
 
-    def exists_now(key: tuple[str, str]) -> bool:
+    def read_now(key: tuple[str, str]) -> dict[str, Any] | None:
         asked.append(key)
-        return exists
+        return {"metadata": {"namespace": key[0], "name": key[1]}} if exists else None
 
     monkeypatch.setattr(status_loop, "refresh_status", refresh)
-    monkeypatch.setattr(status_loop, "_exists", exists_now)
+    monkeypatch.setattr(status_loop, "_read", read_now)
     state = runtime.CONTROLLER.state(KEY)
     state.body = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
     state.dirty = True

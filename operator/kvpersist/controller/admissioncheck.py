@@ -16,13 +16,12 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, Keep, WatchCache
-from kvpersist.status import creatorrights
+from kvpersist.status import Verdict, creatorrights
 
 POLICY_ENV = "KVPERSIST_CREATOR_RIGHTS_POLICY"
 DEFAULT_POLICY = "kvpersist-creator-rights"
 API = "admissionregistration.k8s.io/v1"
 POLL_S = 2.0  # how often the caches are judged again (no request: they are in memory)
-Verdict = tuple[bool | None, str, str]
 
 
 def policy_name(environ: Mapping[str, str]) -> str | None:

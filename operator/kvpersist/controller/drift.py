@@ -45,7 +45,7 @@ def note_own_write(obj: Mapping[str, Any]) -> None:
     mark = _mark(obj.get("metadata"))
     if mark is not None:
         runtime.CONTROLLER.child_generations[child_key(obj)] = mark
-    _note_owner(child_key(obj), obj.get("metadata"))
+    runtime.CONTROLLER.child_owners[child_key(obj)] = controller_uid(obj.get("metadata"))
 
 
 def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
@@ -57,11 +57,6 @@ def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
         return meta["generation"]
     version = meta.get("resourceVersion")
     return ("resourceVersion", version) if version else None
-
-
-def _note_owner(child: tuple[str, str, str], meta: Mapping[str, Any] | None) -> None:
-    """Which resource controls a child as last seen: an apply looks up only names not known as its own."""
-    runtime.CONTROLLER.child_owners[child] = controller_uid(meta)
 
 
 def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) -> None:
@@ -77,7 +72,7 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
         generations.pop(child, None)
         runtime.CONTROLLER.child_owners.pop(child, None)
     else:
-        _note_owner(child, meta)
+        runtime.CONTROLLER.child_owners[child] = controller_uid(meta)
     state = runtime.CONTROLLER.get(owner) if owner is not None else None
     mark = _mark(meta)
     if state is None or not state.known or kind_of_event is None:

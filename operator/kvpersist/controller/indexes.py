@@ -86,19 +86,19 @@ def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
     """Copies of one resource's objects from the indexes (and every store when given: stores_now); owner_uid:
     the resource's uid when its body is at hand (else the one last tracked). Event loop only."""
     def values(name: str) -> list[dict[str, Any]]:
-        store = runtime.CONTROLLER.indices.get(name, {}).get(key)
-        return list(store) if store is not None else []
+        return list(runtime.CONTROLLER.indices.get(name, {}).get(key) or [])
     statefulsets, deployments, replicasets = values("kvp_statefulsets"), values("kvp_deployments"), values("kvp_replicasets")
+    state = runtime.CONTROLLER.get(key)
+    body = (state.body if state is not None else None) or {}  # as last tracked
     if owner_uid is None:
-        state = runtime.CONTROLLER.get(key)
-        owner_uid = (((state.body if state is not None else None) or {}).get("metadata") or {}).get("uid")
+        owner_uid = (body.get("metadata") or {}).get("uid")
     # Only pods its own workloads made: labels are anyone's to copy, and these pods get the credentials.
     pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), replicasets, statefulsets, deployments, owner_uid)
     _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + replicasets})
-    # Users' own vLLM pods attached to it (spec.vllm.mode Attached): the attach policies admitted each
-    # with its namespace id label; counted and checked by the canary like its own.
+    # Users' own vLLM pods attached to it (spec.vllm.mode Attached, as last seen: only such a resource looks through
+    # them): the attach policies admitted each with its namespace id label; counted and checked by the canary like its own.
     labelled = [p for p in _attached(key[0]) if p["metadata"]["labels"].get(ATTACH_LABEL) == key[1]] \
-        if _attach_mode(key) else []
+        if ((body.get("spec") or {}).get("vllm") or {}).get("mode") == ATTACHED else []
     pods += [p for p in labelled if p["metadata"]["labels"].get(NAMESPACE_ID_LABEL)]
     # Labelled, yet no id label: admitted while the attach policies were not installed (they refuse that).
     unadmitted = sorted(p["metadata"]["name"] for p in labelled if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
@@ -124,14 +124,6 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
                 _UNTRUSTED_LOGGED.clear()
             _UNTRUSTED_LOGGED.add(uid)
             logging.getLogger("kvpersist").warning("%s", podtrust.untrusted_message(pod, f"{key[0]}/{key[1]}"))
-
-
-def _attach_mode(key: tuple[str, str]) -> bool:
-    """Whether the resource's spec, as last seen, says spec.vllm.mode Attached (only such a resource looks
-    through the attached pods)."""
-    state = runtime.CONTROLLER.get(key)
-    body = (state.body if state is not None else None) or {}
-    return ((body.get("spec") or {}).get("vllm") or {}).get("mode") == ATTACHED
 
 
 def _attached(namespace: str | None) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from kvpersist import hubpins
 from kvpersist.api.identity import Identity
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.api.statusmodels import IdentityFiles
+from kvpersist.status import Verdict
 
 CONDITION = "PinsVerified"
 MISMATCH = "PinMismatch"
@@ -51,7 +52,6 @@ FIRST_READ_WAIT_S = 5.0  # how long an apply waits for a read in flight (PinFile
 ENV = "KVPERSIST_PIN_CHECK"
 
 Key = tuple[str, str, str, str]  # model, revision, tokenizer, tokenizer revision
-Verdict = tuple[bool | None, str, str]  # (status, reason, message), as condition() takes them
 
 
 @dataclass(frozen=True)

@@ -221,10 +221,10 @@ class Prewarmer:
         with self._lock:
             self._resources.pop(key, None)
 
-    def _submit(self, job: Callable[[], None]) -> concurrent.futures.Future[None]:
+    def _submit(self, job: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvp-prewarm")
-        return self._pool.submit(job)
+        return self._pool.submit(job, *args)
 
     def observe(self, key: Key, target: Target, pods: list[Mapping[str, Any]], agent_token: str | None,
                 api_key: Callable[[], str | None], on_done: Callable[[], None]) -> judge.Verdict | None:
@@ -253,7 +253,7 @@ class Prewarmer:
                 waiting = listed.problem is not None and listed.problem[0] == "ConfigMapNotRead"
                 if pair.vllm is not None and not busy and not waiting and judge.due(fingerprint, srv.last, now):
                     srv.running = (0, len(listed.prompts))
-                    srv.future = self._submit(self._pass_job(key, target, pair, listed, agent_token, api_key, srv, on_done))
+                    srv.future = self._submit(self._pass, key, target, pair, listed, agent_token, api_key, srv, on_done)
                     busy = True
                 current = srv.last if srv.last is not None and srv.last.fingerprint == fingerprint else None
                 views.append(ServerWarmth(pair, current, srv.running if busy else None))
@@ -270,28 +270,26 @@ class Prewarmer:
             read = res.configmap if res.configmap is not None and res.configmap[1] == ref.name else None
             reading = res.configmap_job is not None and not res.configmap_job.done()
             if not reading and (read is None or now - read[0] >= CONFIGMAP_TTL_S):
-                res.configmap_job = self._submit(self._configmap_job(res, ref.name, target.namespace, on_done))
+                res.configmap_job = self._submit(self._configmap_read, res, ref.name, target.namespace, on_done)
         value: Mapping[str, Any] | str | Unread | None = read[2] if read is not None else UNREAD
         return judge.declared(prewarm, target.namespace, value)
 
-    def _configmap_job(self, res: _Resource, name: str, namespace: str, on_done: Callable[[], None]) -> Callable[[], None]:
-        def job() -> None:
-            try:
-                found: Mapping[str, Any] | str | None = self._read_configmap(name, namespace)
-            except ApiException as exc:
-                found = f"the API server answered {exc.status}" + (": the operator may not get ConfigMaps there"
-                                                                     if exc.status == 403 else "")
-            except Exception as exc:  # no answer at all: said in the condition, tried again
-                found = f"no answer from the API server ({exc.__class__.__name__})"
-            with self._lock:
-                changed = res.configmap is None or res.configmap[2] != found
-                res.configmap = (time.monotonic(), name, found)
-            if changed:
-                on_done()
-        return job
+    def _configmap_read(self, res: _Resource, name: str, namespace: str, on_done: Callable[[], None]) -> None:
+        try:
+            found: Mapping[str, Any] | str | None = self._read_configmap(name, namespace)
+        except ApiException as exc:
+            found = f"the API server answered {exc.status}" + (": the operator may not get ConfigMaps there"
+                                                                 if exc.status == 403 else "")
+        except Exception as exc:  # no answer at all: said in the condition, tried again
+            found = f"no answer from the API server ({exc.__class__.__name__})"
+        with self._lock:
+            changed = res.configmap is None or res.configmap[2] != found
+            res.configmap = (time.monotonic(), name, found)
+        if changed:
+            on_done()
 
-    def _pass_job(self, key: Key, target: Target, pair: Pair, listed: Declared, agent_token: str | None,
-                  api_key: Callable[[], str | None], srv: _Server, on_done: Callable[[], None]) -> Callable[[], None]:
+    def _pass(self, key: Key, target: Target, pair: Pair, listed: Declared, agent_token: str | None,
+              api_key: Callable[[], str | None], srv: _Server, on_done: Callable[[], None]) -> None:
         assert pair.vllm is not None and target.namespace_id is not None
         vllm, nsid = pair.vllm, target.namespace_id
         spec = target.spec
@@ -308,32 +306,30 @@ class Prewarmer:
             self.tokens.put((nsid, prompt.digest), ids)
             return ids
 
-        def job() -> None:
-            t0 = time.monotonic()
-            try:
-                peers = Peers(pair.server.ip, spec.lmcache_server.agent_port, agent_token, vllm.ip, spec.vllm.port,
-                              spec.vllm.served_model_name or spec.identity.model_id, api_key(), spec.identity.max_model_len)
-                if agent_token is None:
-                    raise PassFailed("AgentTokenMissing", f"the agent token Secret {target.agent_token_secret} cannot be "
-                                     "read; it is applied again")
-                done = run_pass(fingerprint, listed.prompts, peers, lambda p: token_ids(p, peers), progress,
-                                t0 + PASS_DEADLINE_S)
-            except PassFailed as exc:
-                done = Pass(fingerprint, time.monotonic(), (), (exc.reason, exc.message))
-            except Exception as exc:  # a pass must end in a verdict, never a dead worker
-                log.exception("warm pass of %s/%s on %s failed", key[0], key[1], pair.server.name)
-                done = Pass(fingerprint, time.monotonic(), (), ("PassFailed", f"{exc.__class__.__name__}: {exc}"[:300]))
-            with self._lock:
-                srv.last, srv.running = done, None
-            if done.failure is not None:
-                log.info("%s/%s: warm pass on %s through %s stopped: %s", key[0], key[1], pair.server.name, vllm.name,
-                         done.failure[1])
-            else:
-                log.info("%s/%s: %d of %d prompts warm on %s in %.1f s (%d chunks, %d computed through %s)", key[0], key[1],
-                         done.warm, len(done.results), pair.server.name, time.monotonic() - t0,
-                         sum(r.chunks for r in done.results), sum(1 for r in done.results if r.computed), vllm.name)
-            on_done()
-        return job
+        t0 = time.monotonic()
+        try:
+            peers = Peers(pair.server.ip, spec.lmcache_server.agent_port, agent_token, vllm.ip, spec.vllm.port,
+                          spec.vllm.served_model_name or spec.identity.model_id, api_key(), spec.identity.max_model_len)
+            if agent_token is None:
+                raise PassFailed("AgentTokenMissing", f"the agent token Secret {target.agent_token_secret} cannot be "
+                                 "read; it is applied again")
+            done = run_pass(fingerprint, listed.prompts, peers, lambda p: token_ids(p, peers), progress,
+                            t0 + PASS_DEADLINE_S)
+        except PassFailed as exc:
+            done = Pass(fingerprint, time.monotonic(), (), (exc.reason, exc.message))
+        except Exception as exc:  # a pass must end in a verdict, never a dead worker
+            log.exception("warm pass of %s/%s on %s failed", key[0], key[1], pair.server.name)
+            done = Pass(fingerprint, time.monotonic(), (), ("PassFailed", f"{exc.__class__.__name__}: {exc}"[:300]))
+        with self._lock:
+            srv.last, srv.running = done, None
+        if done.failure is not None:
+            log.info("%s/%s: warm pass on %s through %s stopped: %s", key[0], key[1], pair.server.name, vllm.name,
+                     done.failure[1])
+        else:
+            log.info("%s/%s: %d of %d prompts warm on %s in %.1f s (%d chunks, %d computed through %s)", key[0], key[1],
+                     done.warm, len(done.results), pair.server.name, time.monotonic() - t0,
+                     sum(r.chunks for r in done.results), sum(1 for r in done.results if r.computed), vllm.name)
+        on_done()
 
 
 def _read_configmap(name: str, namespace: str) -> Mapping[str, Any] | None:

@@ -81,7 +81,7 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
             sweep_if_forgotten(key)
     # Deleted while this operator missed its DELETED event (a watch outage)? A ghost would be
     # refreshed, and fail, forever: asked once, and forgotten when the API server says it is gone.
-    if gone and not await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _exists, key):
+    if gone and await loop.run_in_executor(runtime.CONTROLLER.refresh_pool, _read, key) is None:
         logger.info("%s/%s no longer exists; forgetting it", key[0], key[1])
         forget(key)
 
@@ -89,11 +89,6 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
 def _read(key: tuple[str, str]) -> dict[str, Any] | None:
     """The resource as the API server has it now, or None when it is gone. Blocking."""
     return kube.get(api.API_VERSION, api.KIND, key[1], key[0])
-
-
-def _exists(key: tuple[str, str]) -> bool:
-    """Whether the API server still has this resource. Blocking."""
-    return _read(key) is not None
 
 
 # The liveness probe fails when the loop has not ticked for this long: a status loop that stopped

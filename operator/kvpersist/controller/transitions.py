@@ -59,16 +59,16 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     key_off = ident is not None and ident["status"] == "False" and ident["reason"] in l2key.KEY_REASONS
     if key_off and ident["reason"] != l2key.KEY_PENDING and _news(old_ident, ident):
         events.append(("Warning", ident["reason"], ident["message"]))
-    was_bypassed, bypass = _of(was, fallback.CONDITION) is not None, _of(conds, fallback.CONDITION)
-    if bypass is not None and not was_bypassed:
+    old_bypass, bypass = pair(fallback.CONDITION)
+    if bypass is not None and not old_bypass:
         events.append(("Warning", fallback.CONDITION, bypass["message"]))
-    elif bypass is None and was_bypassed and new.get("namespaceId"):
-        over = {c.get("reason") for c in was if c.get("type") == fallback.CONDITION}
+    elif bypass is None and old_bypass and new.get("namespaceId"):
+        over = old_bypass.get("reason")
         events.append(("Normal", "CacheRestored", f"a new namespace id ({new['namespaceId']}: the image or connectorBuild "
-                       "changed): vLLM runs with the cache again, checking its build" if buildstatus.MISMATCH in over else
-                       "the namespace id's route names are free again: vLLM runs with the cache" if ROUTE_TAKEN in over else
+                       "changed): vLLM runs with the cache again, checking its build" if over == buildstatus.MISMATCH else
+                       "the namespace id's route names are free again: vLLM runs with the cache" if over == ROUTE_TAKEN else
                        "the hit that changed the canary's answer was acknowledged, or the namespace id changed: vLLM "
-                       "runs with the cache again, and the canary checks it" if judge_canary.MISMATCH in over else
+                       "runs with the cache again, and the canary checks it" if over == judge_canary.MISMATCH else
                        "the lmcache servers are healthy again: vLLM runs with the cache"))
     # A server refusing the key file it mounts (kvpersist.status.keymismatch): once per mismatch.
     old_l2, l2 = pair("L2Ready")
@@ -99,7 +99,6 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     if phase and phase != old.get("phase"):
         detail = ready["message"] if ready else ""
         if phase == "CacheDisabled" and not key_off and not refused:
-            ident = next(c for c in conds if c["type"] == "IdentityResolved")
             events.append(("Warning", ident["reason"], ident["message"]))
         elif phase in ("Degraded", "Failed") and not refused:
             events.append(("Warning", phase, detail))

@@ -23,6 +23,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist import vllmclient
+from kvpersist.api.spec import Prewarm
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube
 from kvpersist.httpclient import PeerError
@@ -237,7 +238,7 @@ class Prewarmer:
         now = time.monotonic()
         with self._lock:
             res = self._resources.setdefault(key, _Resource())
-        listed = self._declared(res, target, on_done, now)
+        listed = self._declared(res, prewarm, target.namespace, on_done, now)
         if target.namespace_id is None or not target.vllm_uses_cache:
             return judge.warm_condition(prewarm, listed, [], target.cache_enabled, target.vllm_uses_cache)
         found = judge.pairs(pods, target.namespace_id)
@@ -259,20 +260,18 @@ class Prewarmer:
                 views.append(ServerWarmth(pair, current, srv.running if busy else None))
         return judge.warm_condition(prewarm, listed, views, True, True)
 
-    def _declared(self, res: _Resource, target: Target, on_done: Callable[[], None], now: float) -> Declared:
+    def _declared(self, res: _Resource, prewarm: Prewarm, namespace: str, on_done: Callable[[], None], now: float) -> Declared:
         """The list as last read, starting a read of the ConfigMap when it is due."""
-        prewarm = target.spec.prewarm
-        assert prewarm is not None
         ref = prewarm.config_map_ref
         if ref is None:
-            return judge.declared(prewarm, target.namespace)
+            return judge.declared(prewarm, namespace)
         with self._lock:
             read = res.configmap if res.configmap is not None and res.configmap[1] == ref.name else None
             reading = res.configmap_job is not None and not res.configmap_job.done()
             if not reading and (read is None or now - read[0] >= CONFIGMAP_TTL_S):
-                res.configmap_job = self._submit(self._configmap_read, res, ref.name, target.namespace, on_done)
+                res.configmap_job = self._submit(self._configmap_read, res, ref.name, namespace, on_done)
         value: Mapping[str, Any] | str | Unread | None = read[2] if read is not None else UNREAD
-        return judge.declared(prewarm, target.namespace, value)
+        return judge.declared(prewarm, namespace, value)
 
     def _configmap_read(self, res: _Resource, name: str, namespace: str, on_done: Callable[[], None]) -> None:
         try:

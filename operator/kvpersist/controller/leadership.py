@@ -52,9 +52,5 @@ def is_active(peering: Mapping[str, Any] | None, identity: str, priority: int, n
     if not isinstance(peers, Mapping) or identity not in peers:
         return False
     now = now or datetime.now(UTC)
-    for peer_id, info in peers.items():
-        if peer_id == identity or not isinstance(info, Mapping) or not _alive(info, now):
-            continue
-        if int(info.get("priority", 0)) >= priority:
-            return False
-    return True
+    return not any(int(info.get("priority", 0)) >= priority for peer_id, info in peers.items()
+                   if peer_id != identity and isinstance(info, Mapping) and _alive(info, now))

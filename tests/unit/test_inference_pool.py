@@ -162,12 +162,9 @@ def test_discovery_is_asked_once_a_cache_period(monkeypatch: pytest.MonkeyPatch)
     fresh: list[bool] = []
     resources = SimpleNamespace(get=get, invalidate_cache=lambda: fresh.append(True))
     monkeypatch.setattr(kube, "client", lambda: SimpleNamespace(resources=resources))
-    inferencepool.forget()
-    try:
-        assert not inferencepool.served(now=100.0) and not inferencepool.served(now=100.0 + inferencepool.CACHE_S - 1)
-        assert asked == [KIND]
-        installed = True
-        assert inferencepool.served(now=100.0 + inferencepool.CACHE_S)
-        assert asked == [KIND, KIND] and len(fresh) == 2  # never from the dynamic client's shared cache file
-    finally:
-        inferencepool.forget()
+    monkeypatch.setattr(inferencepool, "_answer", None)  # nothing asked yet (restored after the test)
+    assert not inferencepool.served(now=100.0) and not inferencepool.served(now=100.0 + inferencepool.CACHE_S - 1)
+    assert asked == [KIND]
+    installed = True
+    assert inferencepool.served(now=100.0 + inferencepool.CACHE_S)
+    assert asked == [KIND, KIND] and len(fresh) == 2  # never from the dynamic client's shared cache file

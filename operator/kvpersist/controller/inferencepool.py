@@ -39,13 +39,6 @@ def served(now: float | None = None) -> bool:
     return found
 
 
-def forget() -> None:
-    """Asks discovery again at the next served(): an apply of a pool answered 404 (the CRD went)."""
-    global _answer
-    with _lock:
-        _answer = None
-
-
 def missing_message(name: str) -> str:
     return (f"spec.vllm.inferencePool is set but the InferencePool API (Gateway API Inference Extension, {API_GROUP}/v1) "
             f"is not installed in this cluster: no InferencePool {name} was made. Install the extension's CRDs; the "

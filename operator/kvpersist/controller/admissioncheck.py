@@ -5,6 +5,7 @@ and watch field-selected to that name (RBAC grants them by resourceNames).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -112,10 +113,8 @@ def start(environ: Mapping[str, str]) -> threading.Event | None:
             log.debug("creator-rights check: discovery failed: %s", exc)
             is_served = None
         while is_served is None and not stop.wait(POLL_S * 5):
-            try:
+            with contextlib.suppress(Exception):
                 is_served = served()
-            except Exception:
-                continue
         if stop.is_set():
             return
         if not is_served:

@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kvpersist.controller import kube, metrics, runtime
@@ -74,10 +73,7 @@ def _post_operator_event(verdict: Verdict) -> None:
         return
     owner = {"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": pod, "namespace": namespace, "uid": os.environ.get("POD_UID", "")}}
-    try:
-        kube.post_event(owner, "Normal" if verdict[0] else "Warning", verdict[1], verdict[2])
-    except ApiException as exc:  # namespaced mode without its own namespace watched: the log and the gauge say it
-        logging.getLogger("kvpersist").info("no Event on the operator's pod (%s): %s", exc.status, verdict[1])
+    kube.post_event(owner, "Normal" if verdict[0] else "Warning", verdict[1], verdict[2])  # best effort: it logs a refusal
 
 
 def observe(verdict: Verdict) -> bool:

@@ -22,6 +22,7 @@ POLICY_ENV = "KVPERSIST_CREATOR_RIGHTS_POLICY"
 DEFAULT_POLICY = "kvpersist-creator-rights"
 API = "admissionregistration.k8s.io/v1"
 POLL_S = 2.0  # how often the caches are judged again (no request: they are in memory)
+log = logging.getLogger("kvpersist")
 
 
 def policy_name(environ: Mapping[str, str]) -> str | None:
@@ -85,7 +86,6 @@ def observe(verdict: Verdict) -> bool:
     metrics.creator_rights(verdict[0])
     if old is not None and old[:2] == verdict[:2]:
         return True  # the message only: the conditions follow at their next round
-    log = logging.getLogger("kvpersist")
     (log.info if verdict[0] else log.warning)("creator-rights policy: %s: %s", verdict[1], verdict[2])
     _post_operator_event(verdict)
     for state in runtime.CONTROLLER.known().values():
@@ -96,7 +96,6 @@ def observe(verdict: Verdict) -> bool:
 def start(environ: Mapping[str, str]) -> threading.Event | None:
     """The check's caches and thread (daemons); the Event that stops them, None when the check is off."""
     name = policy_name(environ)
-    log = logging.getLogger("kvpersist")
     if name is None:
         log.info("%s=off: the creator-rights policy is not checked", POLICY_ENV)
         return None

@@ -53,7 +53,7 @@ def test_only_the_event_handlers_success_lines_are_dropped() -> None:
         return logging.LogRecord("kopf.objects", level, __file__, 1, msg, None, None)
 
     assert not keep(record("Handler 'track' succeeded."))
-    assert not keep(record("Handler 'drift_statefulsets' succeeded."))
+    assert not keep(record("Handler 'drift' succeeded."))
     assert keep(record("Handler 'reconcile' succeeded."))
     assert keep(record("Handler 'track' failed with an exception. Will retry.", logging.ERROR))
     assert keep(record("ml/r: generated L2 master key Secret r-l2-key (fingerprint 0)"))

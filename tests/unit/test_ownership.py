@@ -233,10 +233,7 @@ def test_its_own_names_are_read_once_then_never_in_a_steady_state(monkeypatch) -
     runtime.CONTROLLER.state(key).body = body
     for manifest in api.applied:
         meta = {**manifest["metadata"], "generation": 1}
-        handler = {"ConfigMap": drift.drift_configmaps, "Service": drift.drift_services, "Deployment": drift.drift_deployments,
-                   "StatefulSet": drift.drift_statefulsets, "NetworkPolicy": drift.drift_networkpolicies,
-                   "PodDisruptionBudget": drift.drift_poddisruptionbudgets}[manifest["kind"]]
-        asyncio.run(handler(event={"type": None}, body={"kind": manifest["kind"], "metadata": meta}))
+        asyncio.run(drift.drift(event={"type": None}, body={"kind": manifest["kind"], "metadata": meta}))
     api.reads.clear()
     assert apply.apply_workloads(body, LOG)
     assert api.reads == [("Secret", "llama31-8b-agent-token")]  # Secrets are not watched: looked up once
@@ -251,7 +248,7 @@ def test_a_deleted_child_is_looked_up_again(monkeypatch) -> None:
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)
     cm = next(m for m in api.applied if m["kind"] == "ConfigMap")
-    asyncio.run(drift.drift_configmaps(event={"type": "DELETED"}, body={"kind": "ConfigMap", "metadata": cm["metadata"]}))
+    asyncio.run(drift.drift(event={"type": "DELETED"}, body={"kind": "ConfigMap", "metadata": cm["metadata"]}))
     api.existing[("ConfigMap", cm["metadata"]["name"])] = {"name": cm["metadata"]["name"]}  # a user's, made meanwhile
     api.reads.clear()
     api.applied.clear()

@@ -76,24 +76,24 @@ def _child(kind_name: str, generation: int | None = None) -> dict:
 def test_a_deleted_or_edited_child_marks_its_owner_for_apply(controller: Controller) -> None:
     _known(controller, ("ns", "a"))
     # The initial listing is not drift (resume applies everything then).
-    asyncio.run(drift.drift_networkpolicies(event={"type": None}, body=_child("a-lmcache", 1)))
-    asyncio.run(drift.drift_statefulsets(event={"type": None}, body=_child("a-lmcache", 3)))
+    asyncio.run(drift.drift(event={"type": None}, body={**_child("a-lmcache", 1), "kind": "NetworkPolicy"}))
+    asyncio.run(drift.drift(event={"type": None}, body={**_child("a-lmcache", 3), "kind": "StatefulSet"}))
     assert controller.flagged("drifted") == set()
-    asyncio.run(drift.drift_networkpolicies(event={"type": "DELETED"}, body=_child("a-lmcache", 1)))
+    asyncio.run(drift.drift(event={"type": "DELETED"}, body={**_child("a-lmcache", 1), "kind": "NetworkPolicy"}))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
-    asyncio.run(drift.drift_configmaps(event={"type": "MODIFIED"}, body=_child("a-connection")))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-connection"), "kind": "ConfigMap"}))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
     # A StatefulSet's status changes all the time: only a new generation (a spec edit) is drift.
-    asyncio.run(drift.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 3)))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache", 3), "kind": "StatefulSet"}))
     assert controller.flagged("drifted") == set()
-    asyncio.run(drift.drift_statefulsets(event={"type": "MODIFIED"}, body=_child("a-lmcache", 4)))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache", 4), "kind": "StatefulSet"}))
     assert controller.flagged("drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
     # Children of unknown owners (another operator's, or a resource being deleted) are left alone.
     other = {"metadata": {"name": "x", "namespace": "ns", "labels": {"app.kubernetes.io/instance": "zz"}}}
-    asyncio.run(drift.drift_services(event={"type": "DELETED"}, body=other))
+    asyncio.run(drift.drift(event={"type": "DELETED"}, body={**other, "kind": "Service"}))
     assert controller.flagged("drifted") == set()
 
 
@@ -156,9 +156,9 @@ def test_the_operators_own_apply_is_not_drift(controller: Controller) -> None:
     applied = _child("a-lmcache", 7)
     applied["kind"] = "NetworkPolicy"
     drift.note_own_write(applied)
-    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 7)))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache", 7), "kind": "NetworkPolicy"}))
     assert controller.flagged("drifted") == set()
-    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 8)))  # someone else
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache", 8), "kind": "NetworkPolicy"}))  # someone else
     assert controller.flagged("drifted") == {("ns", "a")}
 
 
@@ -170,9 +170,9 @@ def test_a_watch_event_that_beats_the_operators_own_apply_is_not_drift(controlle
     manifest = _child("a-lmcache", 1)
     manifest["kind"] = "NetworkPolicy"
     with drift.own_apply(manifest):
-        asyncio.run(drift.drift_networkpolicies(event={"type": "ADDED"}, body=_child("a-lmcache", 1)))
+        asyncio.run(drift.drift(event={"type": "ADDED"}, body={**_child("a-lmcache", 1), "kind": "NetworkPolicy"}))
     assert controller.flagged("drifted") == set() and controller.child_applying == {}
-    asyncio.run(drift.drift_networkpolicies(event={"type": "MODIFIED"}, body=_child("a-lmcache", 2)))  # someone else
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache", 2), "kind": "NetworkPolicy"}))  # someone else
     assert controller.flagged("drifted") == {("ns", "a")}
 
 
@@ -185,9 +185,9 @@ def test_a_child_without_a_generation_the_operator_created_is_not_drift(controll
     created = _child("a-connection")
     created["kind"], created["metadata"]["resourceVersion"] = "ConfigMap", "354"
     drift.note_own_write(created)
-    asyncio.run(drift.drift_configmaps(event={"type": "ADDED"}, body=created))
+    asyncio.run(drift.drift(event={"type": "ADDED"}, body={**created, "kind": "ConfigMap"}))
     assert controller.flagged("drifted") == set()
     edited = _child("a-connection")
     edited["metadata"]["resourceVersion"] = "360"  # someone else's change
-    asyncio.run(drift.drift_configmaps(event={"type": "MODIFIED"}, body=edited))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**edited, "kind": "ConfigMap"}))
     assert controller.flagged("drifted") == {("ns", "a")}

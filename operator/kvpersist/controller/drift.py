@@ -90,31 +90,12 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
         generations[child] = mark
 
 
+# Every kind the operator applies, by its managed-by label: one handler, registered for each.
 @kopf.on.event("", "v1", "services", labels=MANAGED)
-async def drift_services(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "Service")
-
-
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
-async def drift_configmaps(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "ConfigMap")
-
-
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
-async def drift_networkpolicies(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "NetworkPolicy")
-
-
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
-async def drift_statefulsets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "StatefulSet")
-
-
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def drift_deployments(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "Deployment")
-
-
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
-async def drift_poddisruptionbudgets(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-    _note_drift(event, body, "PodDisruptionBudget")
+async def drift(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+    _note_drift(event, body, body["kind"])  # kopf gives each listed item its kind too

@@ -58,8 +58,7 @@ API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
 
 # kopf's per-event handlers (tracking.track, the drift watches): kopf logs "Handler 'x' succeeded." for
 # each call, at 500 resources thousands of lines a minute and a twentieth of the CPU, saying nothing.
-EVENT_HANDLERS = frozenset({"track", "drift_services", "drift_configmaps", "drift_networkpolicies", "drift_statefulsets",
-                            "drift_deployments", "drift_poddisruptionbudgets"})
+EVENT_HANDLERS = frozenset({"track", "drift"})
 
 
 class _EventHandlerSuccess(logging.Filter):

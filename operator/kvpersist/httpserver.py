@@ -83,6 +83,20 @@ def read_body(handler: BaseHTTPRequestHandler, cap: int) -> bytes:
     return body
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A handler that logs no request (the operator's log is for what went wrong) and answers in one call."""
+
+    def answer(self, code: int, kind: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        return
+
+
 class _Reader(io.RawIOBase):
     """The socket as the handler reads it: first the head the selector already read, then the
     socket, every read bounded by the time the request has left."""

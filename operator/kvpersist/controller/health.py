@@ -16,11 +16,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from kvpersist import httpclient
-from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, Probe, ProbeAnswer
+from kvpersist.httpserver import MAX_PROBE_BODY, BoundedHTTPServer, Probe, ProbeAnswer, QuietHandler
 
 # Under the chart's probe timeoutSeconds (5): a kopf that does not answer in time is a failed probe.
 UPSTREAM_TIMEOUT_S = 4.0
@@ -124,17 +123,9 @@ def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiv
         liveness = KopfLiveness(upstream_port, path)
         threading.Thread(target=liveness.run, name="liveness-reader", daemon=True).start()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
-            data = json.dumps({"error": f"not found: the liveness endpoint is {path}, readiness {READY_PATH}"}).encode()
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *_: object) -> None:
-            return
+            self.answer(*_json(404, {"error": f"not found: the liveness endpoint is {path}, readiness {READY_PATH}"}))
 
     server = BoundedHTTPServer((host, port), Handler, workers=1, queue_size=4, name="liveness",
                                probes={READY_PATH: readiness(liveness), path: liveness.answer})

@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvpersist.httpserver import BoundedHTTPServer
+from kvpersist.httpserver import BoundedHTTPServer, QuietHandler
 
 _lock = threading.Lock()
 _counters: Counter[str] = Counter()
@@ -203,20 +202,12 @@ def render() -> str:
     return generate_latest(_REGISTRY).decode()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     def do_GET(self) -> None:
         if self.path != "/metrics":
             self.send_error(404)
             return
-        body = render().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        return
+        self.answer(200, CONTENT_TYPE_LATEST, render().encode())
 
 
 def serve(host: str, port: int) -> BoundedHTTPServer:

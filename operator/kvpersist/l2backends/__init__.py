@@ -16,7 +16,7 @@ BACKENDS: dict[str, L2Backend] = {b.field: b for b in (NVMe(), HFBucket())}
 
 def backend_of(l2: L2) -> L2Backend:
     """The backend of the one member set (the API admits exactly one)."""
-    return next(b for b in BACKENDS.values() if b.settings(l2) is not None)
+    return BACKENDS[l2.kind]
 
 
 def stored_backend(l2: Mapping[str, Any]) -> tuple[L2Backend, Mapping[str, Any]] | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic.alias_generators import to_snake
+
 from kvpersist.api.spec import L2, SecretKeyRef
 from kvpersist.builders.target import Target
 
@@ -20,14 +22,13 @@ class L2Backend:
     """One L2 backend. The defaults are a remote store's: nothing mounted, no Secret, reachable from anywhere."""
 
     field = ""  # spec.l2's member as the API spells it (L2.kind): the registry's key
-    attr = ""  # the same member's attribute on the parsed L2
     namespaced = False  # its store is an object of the resource's namespace (StorageInUse looks only there)
     adapter = ""  # lmcache's adapter, as L2Ready names it
     mounts_volume = False  # the servers and agents mount L2 (claims to check, a folder for the agent to read)
     secret_effects: tuple[tuple[str, str], ...] = ()  # (field, what it stops when missing) of secrets() (ReferencesFound)
 
     def settings(self, l2: L2) -> Any:
-        return getattr(l2, self.attr)
+        return getattr(l2, to_snake(self.field))
 
     def adapter_config(self, target: Target, eviction: dict[str, Any], io_workers: int) -> dict[str, Any]:
         """lmcache's --l2-adapter JSON but the serde; eviction: the spec's, to adjust or embed."""

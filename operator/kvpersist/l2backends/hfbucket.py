@@ -15,12 +15,11 @@ ROOT = "hf://buckets"  # a handle's scheme and root, before the bucket's owner
 
 
 class HFBucket(L2Backend):
-    field, attr, adapter = "hfBucket", "hf_bucket", "hfbucket"
+    field, adapter = "hfBucket", "hfbucket"
     secret_effects = ((TOKEN_FIELD, "the lmcache servers cannot reach the bucket"),)
 
     def adapter_config(self, target: Target, eviction: dict[str, Any], io_workers: int) -> dict[str, Any]:
-        bucket = target.spec.l2.hf_bucket
-        assert bucket is not None
+        bucket = self.settings(target.spec.l2)
         return {
             "type": "hfbucket", "bucket_handle": f"{bucket.bucket_handle.rstrip('/')}/{target.namespace_id}",
             "token_env": HF_TOKEN_ENV,
@@ -33,15 +32,11 @@ class HFBucket(L2Backend):
 
     def server_env(self, target: Target) -> list[dict[str, Any]]:
         """The token reaches the server only through the environment, from the Secret."""
-        ref = self.token_ref(target.spec.l2)
+        ref = self.settings(target.spec.l2).token_secret_ref
         return [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
     def secrets(self, l2: L2) -> list[tuple[str, SecretKeyRef]]:
-        return [(TOKEN_FIELD, self.token_ref(l2))]
-
-    def token_ref(self, l2: L2) -> SecretKeyRef:
-        assert l2.hf_bucket is not None
-        return l2.hf_bucket.token_secret_ref
+        return [(TOKEN_FIELD, self.settings(l2).token_secret_ref)]
 
     def store(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The handle's path: under it and the namespace id the servers write."""

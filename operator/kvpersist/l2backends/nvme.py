@@ -39,14 +39,13 @@ def framed_disk_share(spec: KVCacheNamespaceSpec) -> float:
 
 
 class NVMe(L2Backend):
-    field = attr = "nvme"
+    field = "nvme"
     namespaced = True  # claims are namespaced
     mounts_volume = True
 
     def adapter_config(self, target: Target, eviction: dict[str, Any], io_workers: int) -> dict[str, Any]:
         """Its own eviction and capacity: L2 under maxCapacity, or the budget (a hard cap, no eviction)."""
-        nvme = target.spec.l2.nvme
-        assert nvme is not None
+        nvme = self.settings(target.spec.l2)
         capacity_gb = nvme.max_capacity_gb
         if nvme.budget_bytes is not None:
             # A hard cap, no eviction: at the cap stores are refused and what is stored stays (measured).
@@ -67,8 +66,7 @@ class NVMe(L2Backend):
     def agent_args(self, target: Target) -> list[str]:
         """Serving a namespace, the agent holds its folder to the adapter's capacity (fs_native,
         nixl_store_dynamic), which lmcache 0.5.6 loses track of after a restart."""
-        nvme = target.spec.l2.nvme
-        assert nvme is not None
+        nvme = self.settings(target.spec.l2)
         if not target.namespace_id:
             return []
         args = ["--serving", target.namespace_id]

@@ -227,6 +227,11 @@ class BoundedHTTPServer(HTTPServer):
         self._wake_r.close()
         self._wake_w.close()
 
+    def start(self) -> BoundedHTTPServer:
+        """serve_forever on a daemon thread of the server's name; the server, to stop with shutdown."""
+        threading.Thread(target=self.serve_forever, name=self.name, daemon=True).start()
+        return self
+
     def stalled(self, after_s: float) -> str | None:
         """Why the pool makes no progress (a worker ended, or a request waited over after_s for one), else None;
         only busy (503s) is not stalled. Non-blocking: a probe may call it."""

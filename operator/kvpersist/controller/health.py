@@ -127,7 +127,5 @@ def serve(host: str, port: int, path: str, upstream_port: int, liveness: KopfLiv
         def do_GET(self) -> None:
             self.answer(*_json(404, {"error": f"not found: the liveness endpoint is {path}, readiness {READY_PATH}"}))
 
-    server = BoundedHTTPServer((host, port), Handler, workers=1, queue_size=4, name="liveness",
-                               probes={READY_PATH: readiness(liveness), path: liveness.answer})
-    threading.Thread(target=server.serve_forever, name="liveness", daemon=True).start()
-    return server
+    return BoundedHTTPServer((host, port), Handler, workers=1, queue_size=4, name="liveness",
+                             probes={READY_PATH: readiness(liveness), path: liveness.answer}).start()

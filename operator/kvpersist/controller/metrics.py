@@ -212,6 +212,4 @@ class _Handler(QuietHandler):
 
 def serve(host: str, port: int) -> BoundedHTTPServer:
     """/metrics on a daemon thread, bounded (kvpersist.httpserver): a scrape is one short GET, so two workers."""
-    server = BoundedHTTPServer((host, port), _Handler, workers=2, queue_size=8, name="metrics")
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
+    return BoundedHTTPServer((host, port), _Handler, workers=2, queue_size=8, name="metrics").start()

@@ -90,14 +90,14 @@ def test_an_unanswered_peering_read_keeps_the_last_verdict(monkeypatch: pytest.M
     reads: list[str] = []
     answers: list[Any] = [{"status": {}}]
 
-    def get_cluster(api_version: str, kind: str, name: str) -> Any:
+    def get_peering(api_version: str, kind: str, name: str, namespace: str | None) -> Any:
         reads.append(name)
         answer = answers.pop(0) if answers else MaxRetryError(None, "/", "Connection refused")  # type: ignore[arg-type]
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    monkeypatch.setattr(kube, "get_cluster", get_cluster)
+    monkeypatch.setattr(kube, "get", get_peering)
     monkeypatch.setattr(runtime.leadership, "is_active", lambda record, identity, priority: record is not None)
     runtime.set_peering("kvpersist", "me", 0)
     try:

@@ -79,7 +79,8 @@ def secret_value(secret: Mapping[str, Any] | None, key: str) -> bytes | None:
     return base64.b64decode(raw) if raw else None
 
 
-def get(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+def get(api_version: str, kind: str, name: str, namespace: str | None) -> dict[str, Any] | None:
+    """One object, or None; namespace None: a cluster-scoped one."""
     try:
         return _resource(api_version, kind).get(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S,
                                                 serializer=_plain)
@@ -163,14 +164,6 @@ def named_metadata(api_version: str, kind: str, name: str, namespace: str) -> di
                            header_params={"Accept": METADATA_LIST}, _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
     items = [i for i in out.get("items") or [] if (i.get("metadata") or {}).get("name") == name]
     return dict(items[0].get("metadata") or {}) if items else None
-
-
-def get_cluster(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
-    """A cluster-scoped object, or None."""
-    try:
-        return _resource(api_version, kind).get(name=name, _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
-    except NotFoundError:
-        return None
 
 
 def list_all(api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None,

@@ -137,7 +137,7 @@ def active(now: float, namespace: str | None) -> bool:
         return seen[1]
     try:
         if scope is None:
-            record = kube.get_cluster("kopf.dev/v1", "ClusterKopfPeering", peering["name"])
+            record = kube.get("kopf.dev/v1", "ClusterKopfPeering", peering["name"], None)
         else:
             record = kube.get("kopf.dev/v1", "KopfPeering", peering["name"], scope)
     except ApiException:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.builders.target import Target
-from kvpersist.controller import kube, runtime
+from kvpersist.controller import runtime
+from kvpersist.controller.reading import watched_metadata
 from kvpersist.status import references
 
 
@@ -19,10 +20,8 @@ def exists(namespace: str, kind: str, name: str) -> bool | None:
     if cache is not None:
         synced, found = cache.lookup(namespace, name)
         return (found is not None) if synced else None
-    try:  # the kinds spelled out: tests/rbac_needs.py tells from them which right each call needs
-        if kind == references.SECRET:
-            return kube.get_metadata("v1", "Secret", name, namespace) is not None
-        return kube.get_metadata("v1", "ConfigMap", name, namespace) is not None
+    try:  # no cache: by request, as watched_metadata reads without one
+        return watched_metadata(kind, name, namespace) is not None
     except ApiException:
         return None
 

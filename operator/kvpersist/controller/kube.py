@@ -193,9 +193,7 @@ def delete(api_version: str, kind: str, name: str, namespace: str) -> None:
 
 def patch_annotations(api_version: str, kind: str, name: str, namespace: str, annotations: Mapping[str, str | None]) -> None:
     """JSON merge patch of metadata.annotations (None removes one)."""
-    res = _resource(api_version, kind)
-    client().request("patch", res.path(name=name, namespace=namespace), body={"metadata": {"annotations": dict(annotations)}},
-                     content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S)
+    patch_metadata(api_version, kind, name, namespace, {"metadata": {"annotations": dict(annotations)}})
 
 
 def patch_metadata(api_version: str, kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> None:

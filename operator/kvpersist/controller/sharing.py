@@ -111,9 +111,8 @@ def shared(a: User, b: User) -> str | None:
 def holder(me: User, others: Iterable[User]) -> tuple[User, str] | None:
     """The resource that keeps what me would share with it (the first by User.order), and what that
     is; None when me is the first, or shares nothing."""
-    found = [(other, what) for other in others
-             if (other.namespace, other.name) != (me.namespace, me.name) and (what := shared(me, other))]
-    older = [(other, what) for other, what in found if other.order < me.order]
+    older = [(other, what) for other in others if other.order < me.order
+             and (other.namespace, other.name) != (me.namespace, me.name) and (what := shared(me, other))]
     return min(older, key=lambda ow: ow[0].order) if older else None
 
 

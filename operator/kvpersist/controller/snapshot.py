@@ -95,12 +95,9 @@ def _names(snap: Snapshot) -> Snapshot:
     routes = []  # first: with more lookups than the pool has threads, the routes are not the ones to wait
     if target.cache_enabled:
         name = target.per_id_name(target.namespace_id)
-        for api_version, kind in ROUTE_KINDS:
-            routes.append(pool.submit(lambda api_version=api_version, kind=kind: _route(api_version, kind, name,
-                                                                                        target.namespace)))
-    lookups = []
-    for manifest in unknown:
-        lookups.append(pool.submit(lambda m=manifest: _existing_metadata(m)))
+        routes = [pool.submit(lambda api_version=api_version, kind=kind: _route(api_version, kind, name, target.namespace))
+                  for api_version, kind in ROUTE_KINDS]
+    lookups = [pool.submit(lambda m=manifest: _existing_metadata(m)) for manifest in unknown]
     cache_claim = target.model_cache_claim if any(m["kind"] == "PersistentVolumeClaim" for m in manifests) else None
     weights = pool.submit(lambda: kube.get("v1", "PersistentVolumeClaim", cache_claim, target.namespace)) if cache_claim else None
     nvme = target.spec.l2.nvme

@@ -29,24 +29,23 @@ class SecretOnce:
 
     def __init__(self, target: Target) -> None:
         self.target = target
+        self.ref = target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
         self._read = False
         self._secret: dict[str, Any] | None = None
         self.problem: str | None = None  # why the Secret is not used (secretLabel), when it is not
 
     def get(self) -> dict[str, Any] | None:
         if not self._read:
-            ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
             self._read = True
-            refused = named_secret_refusal(TOKEN_FIELD, ref.name, self.target.namespace)
+            refused = named_secret_refusal(TOKEN_FIELD, self.ref.name, self.target.namespace)
             if refused is not None:  # not read at all: neither the preflight nor a listing nor gc uses it
                 self.problem = refused[1]
             else:
-                self._secret = _token_secret(self.target, ref.name, ref.key)
+                self._secret = _token_secret(self.target, self.ref.name, self.ref.key)
         return self._secret
 
     def token(self) -> str | None:
-        ref = self.target.spec.l2.hf_bucket.token_secret_ref  # type: ignore[union-attr]
-        raw = kube.secret_value(self.get(), ref.key)
+        raw = kube.secret_value(self.get(), self.ref.key)
         return raw.decode().strip() if raw else None
 
 

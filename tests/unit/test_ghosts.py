@@ -42,7 +42,7 @@ def test_only_a_confirmed_deletion_forgets(monkeypatch: pytest.MonkeyPatch, erro
     try:
         asyncio.run(status_loop._refresh_one(KEY, state.body, Seen(), False, logging.getLogger("test")))
         assert (KEY not in runtime.CONTROLLER.known()) is forgotten
-        assert (KEY not in runtime.CONTROLLER.flagged("dirty")) is forgotten
+        assert (KEY not in {k for k, st in runtime.CONTROLLER.resources.items() if st.dirty}) is forgotten
         assert asked == ([KEY] if isinstance(error, ApiException) and error.status == 404 else [])
     finally:
         tracking.forget(KEY)

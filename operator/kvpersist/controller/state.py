@@ -229,10 +229,6 @@ class Controller:
         """A copy: the resources a watch event has shown, in the order first seen."""
         return {key: st for key, st in list(self.resources.items()) if st.known}
 
-    def flagged(self, flag: str) -> set[Key]:
-        """The keys whose ResourceState has this flag (dirty, drifted, ...) set."""
-        return {key for key, st in list(self.resources.items()) if getattr(st, flag)}
-
     def lock(self, key: Key) -> asyncio.Lock:
         return self.held(key).lock
 

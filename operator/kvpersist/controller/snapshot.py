@@ -46,11 +46,6 @@ from kvpersist.l2backends import backend_of
 from kvpersist.status.workloads import COMPONENT_LABEL, WATCH_SELECTOR, Seen, unplaced_servers
 
 
-def parsed(body: Mapping[str, Any]) -> KVCacheNamespaceSpec:
-    """The spec of a stored object (raises pydantic.ValidationError)."""
-    return parsed_model(body["metadata"]["name"], body.get("spec")).spec
-
-
 def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Meta, ...]]:
     """Every resource's L2 store and the server pods, by LIST: a claim's namespace, or for a bucket
     every namespace the operator lists (runtime.listing_scopes). Raises ApiException."""
@@ -149,7 +144,7 @@ def read_snapshot(body: Mapping[str, Any], seen: Seen | None) -> tuple[Snapshot,
     read, ApiException from a read. Blocking."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    spec = parsed(body)
+    spec = parsed_model(meta["name"], body.get("spec")).spec
     uid = meta.get("uid")
     own = frozenset(k for k, owner in list(runtime.CONTROLLER.child_owners.items()) if uid and owner == uid and k[1] == key[0])
     raw: list[bytes] = []  # a fresh key's bytes, drawn only when the generated Secret is absent
@@ -207,8 +202,7 @@ def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen:
     a name held by another is looked at again by an apply (ownership.RETRY_S), and the route
     names, while another id holds one, by one LIST each here. No fresh key is offered: an absent
     one leaves no id, so the refresh applies to make it. Blocking."""
-    meta = policy.body["metadata"]
-    key_ = (meta["namespace"], meta["name"])
+    key_ = (policy.namespace, policy.name)
     spec = policy.spec
     try:
         served = _pool_served(spec, last.own, key_[0], key_[1])

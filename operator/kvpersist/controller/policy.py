@@ -159,16 +159,15 @@ def image_allowed(reference: str, prefixes: tuple[str, ...]) -> bool:
 
 def image_refusal(spec: KVCacheNamespaceSpec, prefixes: tuple[str, ...]) -> Refusal | None:
     """ImageNotAllowed for spec.image when no prefix admits it, else None."""
-    image = spec.image
-    if not image_allowed(image, prefixes):
-        shown = ", ".join(prefixes)
-        if len(shown) > 1500:
-            shown = shown[:1500] + ", ..."
-        return IMAGE_NOT_ALLOWED, (
-            f"spec.image: image {image} matches none of the image prefixes this operator allows ({shown}): use an "
-            f"image under one of them, or ask the operator's admin to add its registry or repository to the chart "
-            f"value allowedImages; {UNTOUCHED}")
-    return None
+    if image_allowed(spec.image, prefixes):
+        return None
+    shown = ", ".join(prefixes)
+    if len(shown) > 1500:
+        shown = shown[:1500] + ", ..."
+    return IMAGE_NOT_ALLOWED, (
+        f"spec.image: image {spec.image} matches none of the image prefixes this operator allows ({shown}): use an "
+        f"image under one of them, or ask the operator's admin to add its registry or repository to the chart "
+        f"value allowedImages; {UNTOUCHED}")
 
 
 def named_secrets(spec: KVCacheNamespaceSpec) -> list[tuple[str, str]]:

@@ -60,7 +60,6 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
                 logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
             state.applied = applied
             return True
-        target = decision.target
         _act(decision, raw_key, body, state, logger)
         state.applied = applied  # what the status refresh decides again on, and compares with
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why

@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.target import Target
 from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.indexes import seen_of
 from kvpersist.controller.inuse import in_use_now
@@ -32,12 +31,11 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     """Carry out one gc request (refused for a live namespace), record the outcome in status.gc and an
     Event, then clear the request. Blocking: runs in a worker thread."""
     meta = body["metadata"]
-    target: Target | None = None
     try:
         target, _reason = target_of(body, known_fingerprint(body))
     except ValidationError as exc:
         outcome = gc_result(request, "Failed", f"the spec cannot be read: {api.validation_message(exc)}")
-    if target is not None:
+    else:
         # The watch caches first (cheap); then the API server right before each deletion (recheck):
         # the caches may lag, and cover only the watched namespaces.
         why = request.get("error") or refusal(request["namespaceId"], target.namespace_id, seen.live_ids)

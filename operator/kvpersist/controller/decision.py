@@ -289,8 +289,7 @@ def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]
     (route_keys), own or not, by a LIST of the name (their labels say which id they route to); the
     weights claim whole (its spec is compared)."""
     target = written_target(snap)
-    manifests = build_all(target, operator_ns="")
-    return manifests, _token_secret(target, snap)
+    return build_all(target, operator_ns=""), _token_secret(target, snap)
 
 
 def _exclusive(target: Target, snap: Snapshot, unchecked: list[ChildKey]) -> tuple[Target, str | None, str | None]:

@@ -165,7 +165,6 @@ def write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logg
     return sent
 
 
-
 def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) -> None:
     """Observe, judge, and write status only when something a user can see changed. Blocking
     (HTTP to the servers, the status patch): runs in a worker thread."""

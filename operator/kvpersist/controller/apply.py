@@ -26,8 +26,8 @@ from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime
-from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, decide
-from kvpersist.controller.drift import child_key, note_own_write, own_apply
+from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, child_key, decide
+from kvpersist.controller.drift import note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
 from kvpersist.controller.reading import target_of
 from kvpersist.controller.snapshot import read_snapshot

@@ -56,7 +56,7 @@ from kvpersist.identity import L2_KEY_PIN, Resolution, resolve
 from kvpersist.l2backends import backend_of
 from kvpersist.status.conditions import condition, shareable
 
-ChildKey = tuple[str, str, str]  # (kind, namespace, name), as kvpersist.controller.drift.child_key
+ChildKey = tuple[str, str, str]  # (kind, namespace, name): child_key
 Meta = Mapping[str, Any]
 
 # Decision.stage when refused: what was decided before the refusal.

@@ -13,13 +13,9 @@ from typing import Any
 import kopf
 
 from kvpersist.controller import runtime
+from kvpersist.controller.decision import child_key
 from kvpersist.controller.ownership import MANAGED, controller_uid
 from kvpersist.status.workloads import owner_key
-
-
-def child_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
-    meta = obj.get("metadata") or {}
-    return obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
 
 
 @contextlib.contextmanager

@@ -290,6 +290,24 @@ def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
     assert agents.agent_token(target) == "users-token"  # the operator's own (the reference it sets)
 
 
+def test_a_new_resource_has_no_stale_routes_to_look_for(monkeypatch) -> None:
+    """Issue 58 item 6: the first apply of a resource that never had a namespace id leaves no route
+    cleanup pending (two LISTs a new resource); a later apply, or one after a restart (the stored
+    status names an id), does."""
+    Api(monkeypatch)
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)
+    state = runtime.CONTROLLER.state(key)
+    assert state.applied is not None and not state.routes_pending
+    assert apply.apply_workloads(body, LOG) and state.routes_pending
+    restarted = {**body, "status": {"namespaceId": "kvp-" + "a" * 32}}
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())
+    runtime.CONTROLLER.state(key).body = restarted
+    assert apply.apply_workloads(restarted, LOG) and runtime.CONTROLLER.state(key).routes_pending
+
+
 def test_only_its_own_stale_routes_are_deleted(monkeypatch) -> None:
     """clean_stale_routes deletes an old id's Service and policy only when the resource controls
     them: a user's object with the same labels and a per-id name is left alone."""

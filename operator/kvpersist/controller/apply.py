@@ -80,7 +80,10 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         if decision.applies:
             state.apply_error = None
             runtime.CONTROLLER.apply_backoff.succeeded(key)
-            state.routes_pending = True  # an old id's Service and policy may now be stale (see clean_stale_routes)
+            # An old id's Service and policy may now be stale (see clean_stale_routes); a resource that never
+            # had an id (nothing applied before, no status.namespaceId) has none to look for.
+            if last is not None or (body.get("status") or {}).get("namespaceId"):
+                state.routes_pending = True
     return True
 
 

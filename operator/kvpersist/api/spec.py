@@ -931,7 +931,7 @@ def l1_page_bytes(spec: KVCacheNamespaceSpec) -> int:
     a chunk's layer, so chunks fill whole pages; 4 KiB (lmcache's default) elsewhere or where the pins do not tell.
     Why: nixl moves a file as one Python-built transfer per page, so 4 KiB pages cost a third of an L2 read's time
     (benchmarks/RESULTS.md). At most 1/16 of a layer: a framed object (encrypted or checked) takes one page more than
-    its chunk (builders.lmcache.framed_disk_share follows from it)."""
+    its chunk (l2backends.nvme.framed_disk_share follows from it)."""
     nvme = spec.l2.nvme
     layer = chunk_layer_bytes(spec)
     if nvme is None or nvme.adapter != "nixl_store_dynamic" or layer is None:

@@ -78,9 +78,7 @@ def observe_bucket(body: Mapping[str, Any], target: Target, seen: Seen, running:
 
 def remove_from_volumes(request: Mapping[str, str], target: Target, seen: Seen, recheck: Recheck) -> dict[str, Any]:
     """Through every running server's agent; one folder for all the servers (spec.l2.nvme.shared): one agent."""
-    servers = [(p["metadata"]["name"], p["status"]["podIP"]) for p in seen.server_pods()
-               if p["status"].get("phase") == "Running" and p["status"].get("podIP")
-               and not p["metadata"].get("deletionTimestamp")]
+    servers = [(pod, ip) for pod, ip in seen.running_servers() if ip]
     servers = servers[:1] if target.shared else servers
     return gc_volumes(request, servers, target.spec.lmcache_server.agent_port, agents.agent_token(target), recheck)
 

@@ -75,18 +75,17 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     ns = target.namespace
     spec = target.spec
     pods = seen.server_pods()
-    running = [(p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
-               for p in pods if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    running = seen.running_servers()
     server_desired = min(spec.lmcache_server.replicas, max_servers or spec.lmcache_server.replicas) if target.cache_enabled else 0
     token = agents.agent_token(target) if target.cache_enabled else None
-    reports = collect_usage(sorted(running), spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
+    reports = collect_usage(running, spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     if target.cache_enabled and token is None and now - state.token_missing_at > agents.TOKEN_REAPPLY_S:
         state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
         state.drifted = True
     failing = [r.pod for r in reports if state.write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
-    store = RUNTIMES[backend_of(spec.l2).field].observe(body, target, seen, sorted(running), token, secrets_usable)
+    store = RUNTIMES[backend_of(spec.l2).field].observe(body, target, seen, running, token, secrets_usable)
     statefulset = seen.statefulset(target)
 
     def statefulset_failure() -> str | None:

@@ -202,6 +202,11 @@ class Seen:
         return sorted((p for p in self.pods if p["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER),
                       key=lambda p: p["metadata"]["name"])
 
+    def running_servers(self) -> list[tuple[str, str | None]]:
+        """The server pods Running and not being deleted, as (name, IP), by name."""
+        return [(p["metadata"]["name"], (p.get("status") or {}).get("podIP")) for p in self.server_pods()
+                if (p.get("status") or {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
     def server_claims(self) -> list[dict[str, Any]]:
         return sorted((c for c in self.claims if c["metadata"]["labels"].get(COMPONENT_LABEL) == SERVER),
                       key=lambda c: c["metadata"]["name"])

@@ -158,6 +158,33 @@ def test_reconcile_and_the_status_loop_never_run_one_resource_at_once(monkeypatc
     assert most[0] == 1
 
 
+def test_a_spec_is_reconciled_once_per_change_and_once_after_a_start(monkeypatch: pytest.MonkeyPatch,
+                                                                      controller: Controller) -> None:
+    """The watch event handler stands in for kopf's create, update (of spec) and resume: a new
+    resource is applied, a status or metadata event is not, a changed spec is, and an operator that
+    starts again (a fresh controller) applies each resource it lists once. No annotation is written."""
+    applied: list[Any] = []
+    monkeypatch.setattr(reconcile, "apply_workloads", lambda body, *_a: applied.append(dict(body["spec"])) or True)
+    monkeypatch.setattr(reconcile, "refresh_status", lambda *_a: None)
+    body = {"metadata": {"namespace": "ns", "name": "a", "uid": "u1"}, "spec": {"l1": {"size": "1Gi"}}}
+
+    def event(**changes: Any) -> None:
+        asyncio.run(reconcile.on_event(event={"type": "MODIFIED"}, body={**body, **changes}, logger=LOG))
+
+    event()
+    event(status={"phase": "Pending"})
+    event(metadata={**body["metadata"], "annotations": {"a": "b"}})
+    assert applied == [{"l1": {"size": "1Gi"}}]
+    event(spec={"l1": {"size": "2Gi"}}, status={"phase": "Ready"})
+    event(spec={"l1": {"size": "2Gi"}}, status={"phase": "Ready"})
+    assert applied == [{"l1": {"size": "1Gi"}}, {"l1": {"size": "2Gi"}}]
+    monkeypatch.setattr(runtime, "CONTROLLER", Controller())  # started again: every resource once
+    event(spec={"l1": {"size": "2Gi"}})
+    assert len(applied) == 3
+    asyncio.run(reconcile.on_event(event={"type": "DELETED"}, body=body, logger=LOG))
+    assert len(applied) == 3 and runtime.CONTROLLER.get(("ns", "a")) is None
+
+
 def test_a_refresh_running_when_its_resource_is_deleted_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """The resource is deleted (its DELETED event, forget) while its refresh still runs in a worker
     thread: what that refresh writes afterwards (its state, the hit totals, the phase metric) must

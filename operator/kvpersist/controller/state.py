@@ -51,6 +51,9 @@ class ResourceState:
     # timer: timers put a finalizer on every object, and nothing could be deleted while the operator is down).
     body: dict[str, Any] | None = None
     namespace_id: str | None = None
+    # The spec object (of body) the last reconcile started from: another one is a spec to reconcile
+    # (kvpersist.controller.reconcile), in place of kopf's annotation, one patch of every new resource.
+    reconciled_spec: dict[str, Any] | None = None
     # The last target_of answer (kvpersist.controller.reading): (spec object, its model, (key
     # fingerprint, pin check on, pin verdict), resolution).
     target_memo: tuple[Any, Any, Any, Any] | None = None
@@ -210,7 +213,7 @@ class Controller:
 
     def state(self, key: Key) -> ResourceState:
         """The resource's state, made empty when there is none. Only for the event loop's entry
-        points (a watch event, a create/update handler): a worker thread uses held()."""
+        points (a watch event, the reconcile it starts): a worker thread uses held()."""
         found = self.resources.get(key)
         return found if found is not None else self.resources.setdefault(key, ResourceState())
 

@@ -33,7 +33,6 @@ def sweep_if_forgotten(key: tuple[str, str]) -> None:
         forget(key)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
 async def track(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if event.get("type") == "DELETED" or body["metadata"].get("deletionTimestamp"):

@@ -125,6 +125,14 @@ def test_an_event_on_each_transition_only() -> None:
     assert not [e for e in events_for({}, {}, [room]) if e[1] == "ClaimHasRoom"]  # first sight with room: no news
 
 
+def test_namespace_resolved_names_an_id_replaced_never_a_first_one() -> None:
+    """The id that strands data gets its Event; a new resource's first id is in status only (one
+    write less for every new resource: issue 58)."""
+    assert not [e for e in events_for({}, {"namespaceId": A}, []) if e[1] == "NamespaceResolved"]
+    moved = [e for e in events_for({"namespaceId": A}, {"namespaceId": B}, []) if e[1] == "NamespaceResolved"]
+    assert len(moved) == 1 and A in moved[0][2] and B in moved[0][2] and moved[0][0] == "Normal"
+
+
 # ---- which folders the age limit removes
 
 def test_judge_expiry_never_the_served_a_protected_a_recent_or_an_unsure_folder() -> None:

@@ -49,9 +49,9 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
 
     events = []
     old_id, new_id = old.get("namespaceId"), new.get("namespaceId")
-    if new_id and new_id != old_id:
-        events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id}"
-                       + (f" (was {old_id}; its data is kept, unreachable from these pins)" if old_id else "")))
+    if new_id and old_id and new_id != old_id:  # the first id is in status alone: no Event for every new resource
+        events.append(("Normal", "NamespaceResolved", f"identity pins resolve to {new_id} (was {old_id}; its data "
+                       "is kept, unreachable from these pins)"))
     # Another L2 key: another namespace, the old one's data unreadable with it (kvpersist.controller.l2key).
     events += l2key.events(old, new, annotations)
     # The key cannot be used (lost, missing, too short, ...): the cache is off; said once per distinct message.

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.connection import build_connection_configmap
+from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
@@ -98,8 +98,8 @@ def test_one_ipc_design_in_both_pods_as_lmcache_reads_it(name: str) -> None:
     assert server_cfg.isolated_ipc is True
     # "Must match the LMCache server's --isolated-ipc setting" (vllm_multi_process_adapter.py).
     assert _resolve_extra_config(vllm_extra)["isolated_ipc"] is True
-    # No other client is told how to connect: the connection ConfigMap names the namespace only.
-    assert "kv-transfer-config.json" not in build_connection_configmap(t)["data"]
+    # No other client is told how to connect: no object but the vLLM Deployment holds the config.
+    assert all("kv_connector" not in json.dumps(o) for o in build_all(t) if o["kind"] != "Deployment")
     assert not HOST_NAMESPACES & set(server_pod) and not HOST_NAMESPACES & set(vllm_pod)
 
 

@@ -114,9 +114,9 @@ def test_the_operator_runs_the_servers_publishes_the_contract_and_no_vllm(kubect
                                                             check=False).returncode == 0, timeout=60)
     assert not kubectl.get("deployments", namespace=ns)["items"]  # the user's vLLM: none of the operator's
     zmq = kubectl.get("networkpolicy", f"{NAME}-lmcache-{env['nsid'][4:12]}", ns)
-    # The attached pods of this id only: no selector of the managed vLLM pods (there are none; a pod
-    # wearing their labels would be a peer admitted by no policy).
-    assert zmq["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {LABEL: NAME, NAMESPACE_ID_LABEL: env["nsid"]}}}]
+    # The attached pods of this id only (ZMQ's rule, the last): no selector of the managed vLLM pods
+    # (there are none; a pod wearing their labels would be a peer admitted by no policy).
+    assert zmq["spec"]["ingress"][-1]["from"] == [{"podSelector": {"matchLabels": {LABEL: NAME, NAMESPACE_ID_LABEL: env["nsid"]}}}]
 
 
 def test_a_labelled_pod_gets_the_connection_and_is_counted(kubectl: Kubectl, env: dict) -> None:

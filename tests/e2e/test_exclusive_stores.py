@@ -6,8 +6,9 @@ real API server, the real operator process, resources side by side.
   its servers at zero, vLLM without the cache), steadily, and takes over once the first is gone.
 - A route object of another namespace id already under the id's route name (8 hex of the id): it
   is never applied over; vLLM goes without the cache until the operator has deleted it.
-- The connection ConfigMap publishes no kv-transfer-config (an older one's key is dropped).
-- With the cache off, `<name>-lmcache` is the admin-port policy alone.
+- An earlier version's connection ConfigMap, the resource's own, is deleted (none is made now).
+- With the cache off, or while another id holds the route name, `<name>-lmcache` is every server's
+  agent-port policy, without ZMQ; the id's own policy replaces it once the route is free.
 Pods are not run (none is needed: what is under test is what the operator writes).
 """
 
@@ -175,7 +176,7 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
     unpinned = copy.deepcopy(obj)
     unpinned["spec"]["image"] = "vllm/vllm-openai:v0.33.0"
     kubectl.apply(unpinned)
-    wait_for("the cache-off apply", lambda: kubectl.run("get", "configmap", "routed-connection", "-n", ns,
+    wait_for("the cache-off apply", lambda: kubectl.run("get", "networkpolicy", "routed-lmcache", "-n", ns,
                                                          check=False).returncode == 0, timeout=60)
     uid = kvns(kubectl, ns, "routed")["metadata"]["uid"]
     owner = [{"apiVersion": "kvpersist.dev/v1alpha1", "kind": "KVCacheNamespace", "name": "routed", "uid": uid,
@@ -191,7 +192,8 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
         "selector": {**labels, "app.kubernetes.io/component": "lmcache-server", NSID: twin},
         "ports": [{"name": "zmq", "port": 5555, "targetPort": "zmq"}]}})
     planted = kubectl.get("service", name, ns)
-    # And the connection ConfigMap as an earlier operator wrote it, with the config "for other clients".
+    # And the connection ConfigMap as an earlier operator wrote it (with the config "for other clients"
+    # as one before that did): the resource's own, deleted by this one.
     kubectl.run("apply", "--server-side", "--field-manager=kvpersist", "-f", "-", stdin=json.dumps({
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "routed-connection", "namespace": ns, "labels": {
             **labels, "app.kubernetes.io/component": "lmcache-server"}, "ownerReferences": owner},
@@ -207,12 +209,14 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
         svc = kubectl.get("service", name, ns)
         assert svc["metadata"]["uid"] == planted["metadata"]["uid"]
         assert svc["spec"]["selector"][NSID] == twin and svc["metadata"]["labels"][NSID] == twin, svc["spec"]
-        assert kubectl.run("get", "networkpolicy", name, "-n", ns, check=False).returncode != 0  # no ZMQ policy either
+        assert kubectl.run("get", "networkpolicy", name, "-n", ns, check=False).returncode != 0  # no per-id policy either
+        agent_only = kubectl.get("networkpolicy", "routed-lmcache", ns)  # but every server's agent-port one
+        assert 5555 not in [port["port"] for rule in agent_only["spec"].get("ingress") or [] for port in rule["ports"]]
         dep = kubectl.get("deployment", "routed-vllm", ns)
         assert "--kv-transfer-config" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
         time.sleep(1.0)
-    cm = kubectl.get("configmap", "routed-connection", ns)
-    assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}, cm["data"]  # the old key dropped
+    assert kubectl.run("get", "configmap", "routed-connection", "-n", ns, check=False).returncode != 0
+    assert "deleted ConfigMap routed-connection" in log.read_text()
 
     kubectl.run("delete", "pod", "routed-vllm-old", "-n", ns, "--grace-period=0", "--force")
     mine = wait_for("the id's own Service", lambda: (s := kubectl.get("services", namespace=ns)["items"]) and next(
@@ -223,6 +227,8 @@ def test_a_route_name_another_id_holds_is_never_re_pointed(kubectl: Kubectl, nam
         "deployment", "routed-vllm", ns)["spec"]["template"]["spec"]["containers"][0]["args"]), timeout=60)
     wait_for("CacheBypassed gone", lambda: not cond(kvns(kubectl, ns, "routed"), "CacheBypassed"), timeout=60)
     assert kubectl.get("networkpolicy", name, ns)["spec"]["podSelector"]["matchLabels"][NSID] == t.namespace_id
+    wait_for("every server's agent-port policy gone", lambda: kubectl.run(
+        "get", "networkpolicy", "routed-lmcache", "-n", ns, check=False).returncode != 0, timeout=60)
     assert "Traceback" not in log.read_text()
 
 
@@ -238,5 +244,5 @@ def test_with_the_cache_off_the_admin_port_policy_has_its_name_alone(kubectl: Ku
                 if p["metadata"]["labels"].get("app.kubernetes.io/instance") == "off"]
     assert [p["metadata"]["name"] for p in policies] == ["off-lmcache"]
     ports = [port["port"] for rule in policies[0]["spec"].get("ingress") or [] for port in rule["ports"]]
-    assert 5555 not in ports  # the ZMQ policy's rule never lands on it
-    assert kubectl.get("configmap", "off-connection", ns)["data"] == {"cache": "disabled"}
+    assert 5555 not in ports  # no ZMQ rule: no namespace id's vLLM pods to admit
+    assert not (kvns(kubectl, ns, "off").get("status") or {}).get("namespaceId")  # the cache off, as status says

@@ -36,10 +36,10 @@ from tests.e2e.operator_env import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
-# What each resource owns: two policies (admin port; ZMQ of its namespace id), the per-id local
-# Service, the headless one, the ConfigMap, the StatefulSet and the Deployment.
-KINDS = [("networkpolicy", "lmcache"), ("networkpolicy", "lmcache-<id>"), ("service", "lmcache-<id>"),
-         ("service", "lmcache-metrics"), ("configmap", "connection"), ("statefulset", "lmcache"), ("deployment", "vllm")]
+# What each resource owns: its namespace id's policy (the agent's port, ZMQ), the per-id local
+# Service, the headless one, the StatefulSet and the Deployment.
+KINDS = [("networkpolicy", "lmcache-<id>"), ("service", "lmcache-<id>"), ("service", "lmcache-metrics"),
+         ("statefulset", "lmcache"), ("deployment", "vllm")]
 
 
 @pytest.fixture()
@@ -277,18 +277,20 @@ def test_a_transient_refusal_is_retried_with_backoff_and_said_in_status(kubectl:
         conds = (kubectl.get("kvns", name, ns).get("status") or {}).get("conditions") or []
         return next((c for c in conds if c["type"] == "Ready"), {})
 
+    def policies() -> list[str]:  # its namespace id's: <name>-lmcache-<8 hex>
+        return [p["metadata"]["name"] for p in kubectl.get("networkpolicies", namespace=ns)["items"]
+                if p["metadata"]["labels"].get("app.kubernetes.io/instance") == name]
+
     wait_for("Ready to say the apply is being retried", lambda: ready().get("reason") == "ApplyRetrying", timeout=90)
     assert "exceeded quota" in ready()["message"] and "HTTP 403" in ready()["message"], ready()
     wait_for("a second try", lambda: "failed 2 time(s)" in ready().get("message", ""), timeout=60)
     seen = ready()["message"]
-    # The policies come first (no server pod before its port is closed to others): nothing after them yet.
-    for kind in ("networkpolicy", "statefulset"):
-        assert kubectl.run("get", kind, f"{name}-lmcache", "-n", ns, check=False).returncode != 0, kind
+    # The policy comes first (no server pod before its ports are closed to others): nothing after it yet.
+    assert policies() == [] and kubectl.run("get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode != 0
 
     kubectl.run("delete", "resourcequota", "no-policies", "-n", ns)
     freed = time.monotonic()
-    wait_for("the policies applied on the next try", lambda: kubectl.run(
-        "get", "networkpolicy", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=120)
+    wait_for("the policy applied on the next try", policies, timeout=120)
     applied = time.monotonic() - freed
     wait_for("the StatefulSet applied too", lambda: kubectl.run(
         "get", "statefulset", f"{name}-lmcache", "-n", ns, check=False).returncode == 0, timeout=60)

@@ -156,8 +156,9 @@ def test_chart_service_account_reconciles_to_ready(kubectl: Kubectl, installed: 
     # And the operator's log holds no RBAC refusal either (the API server's wording for one).
     log = installed["log"].read_text()
     assert re.search(rf'"{re.escape(user)}" cannot \w+ resource', log) is None, log[-3000:]
-    pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", ns)
-    [http_rule] = pol["spec"]["ingress"]
+    [pol] = [p for p in kubectl.get("networkpolicies", namespace=ns)["items"]  # the namespace id's, one
+             if p["metadata"]["labels"].get("app.kubernetes.io/instance") == NAME]
+    http_rule, _zmq = pol["spec"]["ingress"]
     assert http_rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": installed["release_ns"]}
 
 

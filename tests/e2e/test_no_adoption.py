@@ -1,7 +1,7 @@
 """No adoption (issue 29, item 4), on the real API server: an object the operator did not make under
 one of a KVCacheNamespace's derived names is never taken over, nor trusted.
 
-Server-side apply with forced conflicts would rewrite a user's `<name>-connection` ConfigMap and
+Server-side apply with forced conflicts would rewrite a user's `<name>-lmcache-metrics` Service and
 give it an owner reference (garbage-collected with the resource), and a planted
 `<name>-agent-token` would be handed to the agents as the operator's credential: instead nothing at
 all is applied, Ready says NameTaken naming the object and the fix, with a Warning event, and the
@@ -83,8 +83,9 @@ def _kept(obj: dict[str, Any]) -> dict[str, Any]:
 
 USER_TOKEN = "user-" + secrets.token_hex(16)  # what a planted agent-token Secret holds
 PLANTED = {
-    "connection": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{NAME}-connection"},
-                   "data": {"owner": "a user's own ConfigMap", "settings": "keep me"}},
+    "metrics-service": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{NAME}-lmcache-metrics",
+                                                                         "annotations": {"owner": "a user's own Service"}},
+                        "spec": {"selector": {"app": "mine"}, "ports": [{"port": 8080, "protocol": "TCP"}]}},
     "agent-token": {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": f"{NAME}-agent-token"},
                     "data": {"token": base64.b64encode(USER_TOKEN.encode()).decode()}},
 }
@@ -112,13 +113,14 @@ def test_a_users_object_under_a_derived_name_is_never_taken_over(kubectl: Kubect
     event = wait_for("a NameTaken event", lambda: _events(kubectl, ns, "NameTaken"), timeout=60)[0]
     assert event["type"] == "Warning" and event["involvedObject"]["uid"] == uid and f"{kind} {name}" in event["message"]
     more_rounds(operator, ns, NAME)
-    # Nothing at all applied (vLLM would mount that ConfigMap, the agents that token), the object untouched.
+    # Nothing at all applied (the agents would use that token, the Service select the servers), the object untouched.
     assert _kept(_get(kubectl, kind, name, ns)) == before  # type: ignore[arg-type]
     for other_kind, other in (("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
-                              ("networkpolicy", f"{NAME}-lmcache"), ("configmap", f"{NAME}-connection"),
+                              ("poddisruptionbudget", f"{NAME}-lmcache"), ("service", f"{NAME}-lmcache-metrics"),
                               ("secret", f"{NAME}-agent-token")):
         if other != name:
             assert _get(kubectl, other_kind, other, ns) is None, f"{other_kind} {other} applied beside a taken name"
+    assert kubectl.get("networkpolicies", namespace=ns)["items"] == []  # not even the policy
     assert len(_events(kubectl, ns, "NameTaken")) == 1  # once, not every round
     assert USER_TOKEN not in log.read_text()
 

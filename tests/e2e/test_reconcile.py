@@ -76,8 +76,16 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     svc = kubectl.get("service", t.local_service_name, ns)  # <name>-lmcache-<8 hex of the id>
     assert svc["spec"]["selector"]["kvpersist.dev/namespace-id"] == t.namespace_id
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
-    cm = kubectl.get("configmap", f"{NAME}-connection", ns)
-    assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}  # no kv-transfer-config for others
+    # One NetworkPolicy, the id's, named like its Service: the agent's port from the operator (where
+    # its namespace is known), ZMQ from the id's vLLM pods. No connection ConfigMap (status.namespaceId
+    # names the id) and no policy of every server.
+    policy = kubectl.get("networkpolicy", t.local_service_name, ns)
+    assert policy["spec"]["podSelector"]["matchLabels"]["kvpersist.dev/namespace-id"] == t.namespace_id
+    *agent, zmq = policy["spec"]["ingress"]
+    assert zmq["ports"] == [{"protocol": "TCP", "port": t.spec.lmcache_server.port}]
+    assert all(r["ports"] == [{"protocol": "TCP", "port": t.spec.lmcache_server.agent_port}] for r in agent)
+    for kind, name in (("configmap", f"{NAME}-connection"), ("networkpolicy", f"{NAME}-lmcache")):
+        assert kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0, (kind, name)
     pvc = kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)
     assert pvc["status"]["phase"] == "Bound"
     # L2's capacity as lmcache enforces it: the share of maxCapacity a framed file's padding leaves.
@@ -92,7 +100,7 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     key = kubectl.get("secret", f"{NAME}-l2-key", ns)
     assert "ownerReferences" not in key["metadata"] and len(base64.b64decode(key["data"]["master-key"])) == 32
     assert json.loads(server_args(t)[server_args(t).index("--l2-adapter") + 1])["serde"]["type"] == "kvpersist-aesgcm"
-    workloads = json.dumps([sts, dep, cm])
+    workloads = json.dumps([sts, dep, svc, policy])
     assert key["data"]["master-key"] not in workloads and f"{NAME}-l2-key" in json.dumps(sts)
     assert kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=L2KeyGenerated", "-o", "name").stdout.strip()
     scenario["key"] = key["data"]
@@ -129,12 +137,12 @@ def _l2_dir(scenario: dict, namespace_id: str | None) -> Path:
 
 
 def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict, fault_log) -> None:
-    """Drift: the NetworkPolicy that keeps the admin port closed, the Service vLLM connects
-    through and the connection ConfigMap, each deleted, and the Service's selector edited, are
-    applied again by the operator within seconds (it watches what it owns)."""
+    """Drift: the NetworkPolicy that keeps the agent's and ZMQ ports closed and the Service vLLM
+    connects through, each deleted, and the Service's selector edited, are applied again by the
+    operator within seconds (it watches what it owns)."""
     ns = scenario["ns"]
     t = target_of(manifest(ns), kubectl)
-    children = [("networkpolicy", f"{NAME}-lmcache"), ("service", t.local_service_name), ("configmap", f"{NAME}-connection")]
+    children = [("networkpolicy", t.local_service_name), ("service", t.local_service_name)]
     times = []
     for kind, name in children:
         uid = kubectl.get(kind, name, ns)["metadata"]["uid"]
@@ -152,8 +160,8 @@ def test_deleted_or_edited_children_come_back(kubectl: Kubectl, scenario: dict, 
         "kvpersist.dev/namespace-id") == t.namespace_id else None)(kubectl.get("service", t.local_service_name, ns)["spec"][
             "selector"]), timeout=30, interval=0.2)
     assert restored["kvpersist.dev/namespace-id"] == t.namespace_id
-    fault_log("owned children deleted by hand (the admin-port NetworkPolicy, the per-id Service, the connection "
-              "ConfigMap), and the Service's selector edited", "each came back, applied again by the operator: "
+    fault_log("owned children deleted by hand (the per-id NetworkPolicy and Service), and the Service's selector "
+              "edited", "each came back, applied again by the operator: "
               + ", ".join(times) + "; the selector restored")
 
 
@@ -204,12 +212,12 @@ def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubec
         name = obj["metadata"]["name"]
         wait_for(f"{name} reconciled", lambda n=name: kubectl.get("kvns", n, ns).get("status", {}).get("observedGeneration"),
                  timeout=120)
-    for kind in ("statefulsets", "deployments", "services", "configmaps"):
+    for kind in ("statefulsets", "deployments", "services", "networkpolicies"):
         names = [o["metadata"]["name"] for o in kubectl.get(kind, namespace=ns)["items"]]
         assert len(names) == len(set(names))
     for obj in extra:
         name = obj["metadata"]["name"]
-        for kind, suffix in (("statefulset", "lmcache"), ("deployment", "vllm"), ("configmap", "connection")):
+        for kind, suffix in (("statefulset", "lmcache"), ("deployment", "vllm"), ("service", "lmcache-metrics")):
             assert kubectl.get(kind, f"{name}-{suffix}", ns)["metadata"]["labels"]["app.kubernetes.io/instance"] == name
         kubectl.run("delete", "kvns", name, "-n", ns)
 
@@ -242,7 +250,7 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
         ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
         ("service", target_of(manifest(ns), kubectl).local_service_name),
-        ("service", f"{NAME}-lmcache-metrics"), ("configmap", f"{NAME}-connection")])
+        ("service", f"{NAME}-lmcache-metrics"), ("networkpolicy", target_of(manifest(ns), kubectl).local_service_name)])
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
     # And the key without which that data is unreadable: kept, unchanged.

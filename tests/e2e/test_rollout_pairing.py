@@ -3,7 +3,7 @@ one namespace id have a route to an lmcache server of another, by the Service na
 line carries, that Service's selector, or the name resolution the local cluster does
 (hack/kubelet_runner.py: a Service name to a Ready endpoint it selects). Old and new pods do
 overlap (checked, so the check is not vacuous), and once the old id's pods are gone, its
-Service and ZMQ NetworkPolicy are deleted. Real lmcache servers; vLLM pods simulated (the
+Service and NetworkPolicy are deleted. Real lmcache servers; vLLM pods simulated (the
 routes are what is under test, not vLLM)."""
 
 from __future__ import annotations
@@ -98,4 +98,4 @@ def test_pin_change_never_pairs_identities(kubectl: Kubectl, crd: None, tmp_path
 
         wait_for("the old id's Service and policy to go", lambda: routes(old.local_service_name) == [], timeout=90)
         assert routes(new.local_service_name) == ["service", "networkpolicy"]
-        assert routes(f"{NAME}-lmcache") == ["networkpolicy"]  # the admin-port policy keeps its name
+        assert routes(f"{NAME}-lmcache") == []  # no policy of every server: each id's holds the agent's rule

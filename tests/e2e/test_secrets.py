@@ -106,7 +106,8 @@ def test_planted_token_leaks_nowhere(kubectl: Kubectl, crd: None, tmp_path: Path
                 log_hits = [t for t in (token, encoded) if t in log.read_text()]
                 assert hits == [] and log_hits == []
 
-                pol = kubectl.get("networkpolicy", f"{NAME}-lmcache", nvme_ns)
+                [pol] = [p for p in kubectl.get("networkpolicies", namespace=nvme_ns)["items"]  # the id's, one
+                         if p["metadata"]["labels"].get("app.kubernetes.io/instance") == NAME]
                 # The inventory agent (it can delete an orphaned namespace): the operator only. lmcache's
                 # admin API needs no rule: it is on the pod's loopback.
                 agent = [r for r in pol["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 8090}]]

@@ -1,6 +1,6 @@
 """The order apply_workloads writes a resource's objects in (kvpersist.controller.apply): the L2
-key, the agent token and both NetworkPolicies, side by side, have all ended before the lmcache
-StatefulSet is applied (no server pod may exist before the policies that close its ports, or
+key, the agent token and the namespace id's NetworkPolicy, side by side, have all ended before the lmcache
+StatefulSet is applied (no server pod may exist before the policy that closes its ports, or
 without the Secrets it mounts); vLLM comes last. A first step run one call after another, or a
 StatefulSet applied early, fails here."""
 
@@ -50,10 +50,10 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
 
     kinds = [s[0].split("/")[0] for s in sorted(spans, key=lambda s: s[1])]
     first = [s for s in spans if s[0].split("/")[0] in ("Secret", "NetworkPolicy")]
-    assert sorted(s[0].split("/")[0] for s in first) == ["NetworkPolicy", "NetworkPolicy", "Secret", "Secret"], spans
+    assert sorted(s[0].split("/")[0] for s in first) == ["NetworkPolicy", "Secret", "Secret"], spans
     [sts] = [s for s in spans if s[0].startswith("StatefulSet/")]
     assert all(end <= sts[1] for _, _, end in first), "the StatefulSet was applied before its Secrets and policies ended"
-    # Side by side: the four took about one call, not four.
+    # Side by side: the three took about one call, not three.
     assert max(end for *_, end in first) - min(start for _, start, _ in first) < 2 * CALL_S, first
     assert kinds[-1] == "Deployment" and kinds.count("StatefulSet") == 1
     runtime.CONTROLLER.forget(key)

@@ -1,6 +1,6 @@
 """Attach mode without a cluster (spec.vllm.mode Attached, docs/attach.md): what the operator writes for
 the admission policies (status.attach) is what its own vLLM pods are launched with; no Deployment of
-its own; the ZMQ policy admits attached pods of the id only; status counts them; the committed
+its own; the policy's ZMQ rule admits attached pods of the id only; status counts them; the committed
 policies are the generated ones, and the chart ships the same. What the API server does with them
 (the mutation, each refusal): tests/e2e/test_attach.py; with the real vLLM: tests/e2e/test_attach_vllm.py."""
 
@@ -21,7 +21,7 @@ from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.attach import ATTACH_LABEL, attach_status, attached_peer
 from kvpersist.builders.connection import kv_transfer_config_json
-from kvpersist.builders.networkpolicy import build_zmq_policy
+from kvpersist.builders.networkpolicy import build_network_policy
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.builders.vllm import build_vllm_deployment, operator_env, vllm_args
 from kvpersist.identity import key_fingerprint, resolve
@@ -89,10 +89,10 @@ def test_attached_mode_makes_no_vllm_deployment_and_admits_attached_pods_of_its_
     kinds = [m["kind"] for m in build_all(t, "kvpersist-system")]
     assert "Deployment" not in kinds and "StatefulSet" in kinds
     assert build_vllm_deployment(_target(mode="Managed")) in build_all(_target(mode="Managed"), "kvpersist-system")
-    peers = build_zmq_policy(t)["spec"]["ingress"][0]["from"]
+    peers = build_network_policy(t, None)["spec"]["ingress"][0]["from"]  # ZMQ, the only rule without the operator
     assert peers == [attached_peer(t)]  # no selector of managed vLLM pods: none exist, a look-alike would be a peer
     assert attached_peer(t)["podSelector"]["matchLabels"] == {ATTACH_LABEL: t.name, NAMESPACE_ID_LABEL: t.namespace_id}
-    assert all(attached_peer(t) != p for p in build_zmq_policy(_target(mode="Managed"))["spec"]["ingress"][0]["from"])
+    assert all(attached_peer(t) != p for p in build_network_policy(_target(mode="Managed"), None)["spec"]["ingress"][0]["from"])
 
 
 def _pod(name: str, ready: bool, labels: dict[str, str], deleting: bool = False) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from kvpersist.api.convert import gib_quantity
 from kvpersist.api.spec import L2_CHECKED
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
-from kvpersist.builders.connection import build_connection_configmap, kv_transfer_config
+from kvpersist.builders.connection import kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     build_lmcache_statefulset,
@@ -200,7 +200,7 @@ def test_services() -> None:
 def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
     """Name, selector, affinity, policy and connection all carry the id: a pin change gives new
     ones, and the old vLLM pods keep theirs, which select no server of the new identity."""
-    from kvpersist.builders.networkpolicy import build_zmq_policy
+    from kvpersist.builders.networkpolicy import build_network_policy
 
     old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
     assert old.namespace_id != new.namespace_id
@@ -210,9 +210,10 @@ def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
         host = json.loads(_flag(vllm_pod["spec"]["containers"][0]["args"], "--kv-transfer-config"))[
             "kv_connector_extra_config"]["lmcache.mp.host"]
         assert host == f"tcp://{build_local_service(t)['metadata']['name']}.ml.svc.cluster.local."
-        assert build_connection_configmap(t)["data"]["namespace-id"] == t.namespace_id
         affinity = vllm_pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-        zmq = build_zmq_policy(t)
+        policy = build_network_policy(t, "kvpersist-system")
+        zmq = policy["spec"]["ingress"][-1]
+        assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
         for other in (old, new):
             other_server = build_lmcache_statefulset(other)["spec"]["template"]["metadata"]["labels"]
             other_vllm = build_vllm_deployment(other)["spec"]["template"]["metadata"]["labels"]
@@ -223,22 +224,21 @@ def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
 
             assert selects(build_local_service(t)["spec"]["selector"], other_server) == same
             assert selects(affinity["labelSelector"]["matchLabels"], other_server) == same
-            assert selects(zmq["spec"]["podSelector"]["matchLabels"], other_server) == same
-            assert selects(zmq["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"], other_vllm) == same
+            assert selects(policy["spec"]["podSelector"]["matchLabels"], other_server) == same
+            assert selects(zmq["from"][0]["podSelector"]["matchLabels"], other_vllm) == same
         assert selects(build_local_service(t)["spec"]["selector"], server_labels)
     assert build_local_service(old)["metadata"]["name"] != build_local_service(new)["metadata"]["name"]
-    assert build_zmq_policy(old)["metadata"]["name"] != build_zmq_policy(new)["metadata"]["name"]
+    assert build_network_policy(old, None)["metadata"]["name"] == build_local_service(old)["metadata"]["name"]
+    assert build_network_policy(old, None)["metadata"]["name"] != build_network_policy(new, None)["metadata"]["name"]
 
 
-def test_the_connection_configmap_names_the_namespace_and_invites_no_other_writer() -> None:
+def test_nothing_but_the_vllm_pods_carries_the_connection() -> None:
     """A client launched from a published kv-transfer-config carries none of the pins (any model,
-    any flags) and would write its KV into the namespace that pinned vLLM pods read: the ConfigMap
-    publishes the id and the cache's state, never the config or the server's address."""
-    t = target()
-    cm = build_connection_configmap(t)
-    assert cm["metadata"]["name"] == "llama31-8b-connection"
-    assert cm["data"] == {"namespace-id": t.namespace_id, "cache": "enabled"}
-    assert t.local_service_name not in json.dumps(cm) and "kv_connector" not in json.dumps(cm)
+    any flags) and would write its KV into the namespace that pinned vLLM pods read: no object but
+    the vLLM Deployment holds it (the namespace id is in status.namespaceId; no ConfigMap)."""
+    objs = build_all(target())
+    assert "ConfigMap" not in {o["kind"] for o in objs}
+    assert all("kv_connector" not in json.dumps(o) for o in objs if o["kind"] != "Deployment")
 
 
 def test_vllm_kv_transfer_config_pins_the_connector_module() -> None:
@@ -295,14 +295,20 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
     pod = build_vllm_deployment(t)["spec"]["template"]["spec"]
     assert "affinity" not in pod and "hostIPC" not in pod
     assert build_lmcache_statefulset(t)["spec"]["replicas"] == 0  # scaled down, claims kept
-    assert build_connection_configmap(t)["data"] == {"cache": "disabled"}
+    # Every server's policy (none runs): the agent's port, no ZMQ, under the name of no namespace id.
+    from kvpersist.builders.networkpolicy import build_network_policy
+
+    policy = build_network_policy(t, "kvpersist-system")
+    assert policy["metadata"]["name"] == "llama31-8b-lmcache" and [r["ports"] for r in policy["spec"]["ingress"]] == [
+        [{"protocol": "TCP", "port": 8090}]]
+    assert policy["spec"]["podSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
 
 
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet", "Service", "Service",
-                                         "PodDisruptionBudget", "ConfigMap", "Deployment"]
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "StatefulSet", "Service", "Service", "PodDisruptionBudget",
+                                         "Deployment"]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id
@@ -310,14 +316,14 @@ def test_namespace_id_labels_and_owned_names() -> None:
 
 
 def test_network_policy_admits_only_operator_to_admin_port() -> None:
-    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy, build_zmq_policy
+    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy
 
     t = target()
     pol = build_network_policy(t, "kvpersist-system")
-    assert pol["spec"]["podSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["podSelector"]["matchLabels"] == {**build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"],
+                                                         NAMESPACE_ID_LABEL: t.namespace_id}
     assert pol["spec"]["policyTypes"] == ["Ingress"]
-    [http] = pol["spec"]["ingress"]
-    [zmq] = build_zmq_policy(t)["spec"]["ingress"]
+    [http, zmq] = pol["spec"]["ingress"]
     assert zmq["ports"] == [{"protocol": "TCP", "port": 5555}]
     assert zmq["from"] == [{"podSelector": {"matchLabels": {
         **build_vllm_deployment(t)["spec"]["selector"]["matchLabels"], NAMESPACE_ID_LABEL: t.namespace_id}}}]
@@ -325,7 +331,21 @@ def test_network_policy_admits_only_operator_to_admin_port() -> None:
     assert http["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}},
                              "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     closed = build_network_policy(t, None)
-    assert "ingress" not in closed["spec"] and closed["spec"]["policyTypes"] == ["Ingress"]  # operator unknown: closed
+    assert closed["spec"]["ingress"] == [zmq] and closed["spec"]["policyTypes"] == ["Ingress"]  # operator unknown: closed
+
+
+def test_servers_keep_the_agent_rule_while_another_id_holds_the_route_name() -> None:
+    """target.routes False (controller.stale_routes): the id's policy name is another id's, so no
+    per-id policy; every server gets the agent rule under <name>-lmcache (labelled with no id: never
+    taken for an earlier version's, controller.decision.RETIRED), and ZMQ stays closed."""
+    from kvpersist.builders.networkpolicy import build_network_policy
+
+    t = dataclasses.replace(target(), routes=False, cache_bypassed=True)
+    [policy] = [o for o in build_all(t, "kvpersist-system") if o["kind"] == "NetworkPolicy"]
+    assert policy == build_network_policy(t, "kvpersist-system")
+    assert policy["metadata"]["name"] == "llama31-8b-lmcache" and NAMESPACE_ID_LABEL not in policy["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert [r["ports"] for r in policy["spec"]["ingress"]] == [[{"protocol": "TCP", "port": 8090}]]
 
 
 def test_operator_metrics_text() -> None:
@@ -642,7 +662,7 @@ def test_a_policy_without_rules_renders_no_ingress_key() -> None:
     """`ingress: []` is stored as absent: applied each time, it would bump the generation forever."""
     from kvpersist.builders.networkpolicy import build_network_policy
 
-    t = target()
+    t = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))  # the cache off: no ZMQ rule
     assert "ingress" not in build_network_policy(t, None)["spec"]
     assert build_network_policy(t, "kvpersist-system")["spec"]["ingress"]
 

@@ -105,10 +105,11 @@ def test_lmcache_server_policy_admits_the_scraper_to_the_agent_port_only() -> No
     policy = build_network_policy(t, "kvpersist-system", SCRAPER)
     assert policy["spec"]["ingress"][0] == plain["spec"]["ingress"][0]  # the operator's rule, untouched
     assert policy["spec"]["ingress"][1] == {"from": [SCRAPER], "ports": [{"protocol": "TCP", "port": 8090}]}
-    assert len(policy["spec"]["ingress"]) == 2
+    assert policy["spec"]["ingress"][2:] == plain["spec"]["ingress"][1:]  # ZMQ: the id's vLLM pods, never the scraper
+    assert len(policy["spec"]["ingress"]) == 3 and policy["spec"]["ingress"][2]["ports"][0]["port"] == 5555
     assert OPERATOR_LABELS.items() <= policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items()
-    # With no operator namespace known, the scraper still gets through, and only it.
-    assert build_network_policy(t, None, SCRAPER)["spec"]["ingress"] == [policy["spec"]["ingress"][1]]
+    # With no operator namespace known, the scraper still gets through to the agent, and only it.
+    assert build_network_policy(t, None, SCRAPER)["spec"]["ingress"] == policy["spec"]["ingress"][1:]
 
 
 def test_the_scraper_comes_from_the_environment_through_the_policy() -> None:
@@ -117,9 +118,9 @@ def test_the_scraper_comes_from_the_environment_through_the_policy() -> None:
     assert (policy.operator_namespace, policy.metrics_scraper) == ("kvpersist-system", SCRAPER)
     made = build_all(t, policy.operator_namespace, policy.metrics_scraper)
     assert made[0]["kind"] == "NetworkPolicy" and made[0]["spec"]["ingress"][1]["from"] == [SCRAPER]
-    zmq = next(m for m in made[1:] if m["kind"] == "NetworkPolicy")
-    assert SCRAPER not in zmq["spec"]["ingress"][0]["from"]  # the ZMQ port stays vLLM's alone
-    assert len(build_all(t, "kvpersist-system")[0]["spec"]["ingress"]) == 1
+    zmq = made[0]["spec"]["ingress"][2]
+    assert zmq["ports"][0]["port"] == 5555 and SCRAPER not in zmq["from"]  # the ZMQ port stays vLLM's alone
+    assert len(build_all(t, "kvpersist-system")[0]["spec"]["ingress"]) == 2  # the operator's, ZMQ
 
 
 @pytest.mark.parametrize(("raw", "says"), [

@@ -67,7 +67,7 @@ def test_a_plain_apply_renders_every_object_in_order_and_reads_nothing() -> None
     d = decide(snapshot(body()))
     assert d.applies and d.refusal is None and d.unchecked == () and d.conditions == ()
     assert d.target.cache_enabled and d.key_id == d.target.namespace_id and d.generated_key is None
-    assert kinds(d)[:3] == ["NetworkPolicy", "NetworkPolicy", "StatefulSet"] and kinds(d)[-1] == "Deployment"
+    assert kinds(d)[:3] == ["NetworkPolicy", "StatefulSet", "Service"] and kinds(d)[-1] == "Deployment"
     assert d.token_secret is not None and d.token_secret["metadata"]["name"] == "b-agent-token"
     assert all(m["metadata"]["ownerReferences"][0]["uid"] == UID for m in d.manifests)
 
@@ -108,7 +108,7 @@ def test_decide_is_a_function_of_its_snapshot_alone(monkeypatch: pytest.MonkeyPa
     [sts] = [m for m in first.manifests if m["kind"] == "StatefulSet"]
     assert image in [c["image"] for c in sts["spec"]["template"]["spec"]["containers"]]
     admin_policy = first.manifests[0]
-    assert [r["from"][0].get("namespaceSelector") for r in admin_policy["spec"]["ingress"]] == [
+    assert [r["from"][0].get("namespaceSelector") for r in admin_policy["spec"]["ingress"][:-1]] == [  # then ZMQ
         {"matchLabels": {"kubernetes.io/metadata.name": "kvpersist-system"}}, scraper["namespaceSelector"]]
 
 
@@ -129,17 +129,17 @@ def test_a_claim_an_older_resource_names_turns_the_cache_off_storage_in_use() ->
 
 def test_a_name_held_by_someone_elses_object_applies_nothing_name_taken() -> None:
     obj = body()
-    users = {"name": "b-connection", "namespace": NS, "labels": {}}  # a user's ConfigMap, no controller reference
-    d = decide(snapshot(obj, names={("ConfigMap", NS, "b-connection"): users}))
+    users = {"name": "b-lmcache-metrics", "namespace": NS, "labels": {}}  # a user's Service, no controller reference
+    d = decide(snapshot(obj, names={("Service", NS, "b-lmcache-metrics"): users}))
     assert not d.applies and d.stage == dec.NAMES and d.refusal is not None
-    assert d.refusal[0] == ownership.NAME_TAKEN and "ConfigMap b-connection" in d.refusal[1]
-    assert d.taken == (("ConfigMap", "b-connection"),) and d.phase == "Failed"
+    assert d.refusal[0] == ownership.NAME_TAKEN and "Service b-lmcache-metrics" in d.refusal[1]
+    assert d.taken == (("Service", "b-lmcache-metrics"),) and d.phase == "Failed"
     assert [(c["type"], c["reason"]) for c in d.conditions] == [("Ready", ownership.NAME_TAKEN)]
     # Its own (a controller reference to its uid): recorded, applied over.
     own = {**users, "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "b", "uid": UID,
                                          "controller": True}]}
-    d = decide(snapshot(obj, names={("ConfigMap", NS, "b-connection"): own}))
-    assert d.applies and ("ConfigMap", NS, "b-connection") in d.owned
+    d = decide(snapshot(obj, names={("Service", NS, "b-lmcache-metrics"): own}))
+    assert d.applies and ("Service", NS, "b-lmcache-metrics") in d.owned
 
 
 def test_a_route_name_another_id_holds_applies_without_routes() -> None:
@@ -149,8 +149,15 @@ def test_a_route_name_another_id_holds_applies_without_routes() -> None:
     d = decide(snapshot(body(), names={route: other}))
     assert d.applies and d.route_taken is not None and not d.target.routes and d.target.cache_bypassed
     assert [(c["type"], c["status"], c["reason"]) for c in d.conditions] == [("CacheBypassed", "True", ROUTE_TAKEN)]
-    assert kinds(d).count("NetworkPolicy") == 1  # the admin-port policy; neither the ZMQ one nor the local Service
+    # Every server's agent-port policy under b-lmcache, no ZMQ; neither the id's policy nor its local Service.
+    [policy] = [m for m in d.manifests if m["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["name"] == "b-lmcache" and len(policy["spec"].get("ingress") or []) <= 1
     assert route[2] not in [m["metadata"]["name"] for m in d.manifests]
+    # Known as its own, it is applied over, never dropped as an earlier version's (decision.RETIRED).
+    own = frozenset({("NetworkPolicy", NS, "b-lmcache"), ("ConfigMap", NS, "b-connection")})
+    d = decide(snapshot(body(), names={route: other}, own=own))
+    assert d.drops == (("ConfigMap", NS, "b-connection"),)
+    assert decide(snapshot(body(), own=own)).drops == (("NetworkPolicy", NS, "b-lmcache"), ("ConfigMap", NS, "b-connection"))
 
 
 def test_an_absent_generated_key_is_made_with_the_offered_fingerprint() -> None:
@@ -190,6 +197,6 @@ def test_a_name_missing_from_the_snapshot_is_said_unchecked() -> None:
     """read_snapshot reads every name decide judges; one it did not is never judged free silently."""
     snap = snapshot(body())
     names = dict(snap.names)
-    names.pop(("ConfigMap", NS, "b-connection"))
+    names.pop(("Service", NS, "b-lmcache-metrics"))
     d = decide(Snapshot(**{**snap.__dict__, "names": names}))
-    assert ("ConfigMap", NS, "b-connection") in d.unchecked
+    assert ("Service", NS, "b-lmcache-metrics") in d.unchecked

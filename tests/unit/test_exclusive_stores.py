@@ -181,8 +181,8 @@ def _names(objs: list[dict[str, Any]]) -> Counter:
 
 
 def test_every_object_has_a_name_of_its_own_with_the_cache_on_off_or_without_routes() -> None:
-    """With the cache off the admin-port policy and the ZMQ policy were both `<name>-lmcache`,
-    applied side by side: which one the API server kept was left to chance."""
+    """With the cache off the admin-port policy and the ZMQ policy were once both `<name>-lmcache`,
+    applied side by side: which one the API server kept was left to chance. Now one policy."""
     import dataclasses
 
     on = target()
@@ -192,7 +192,7 @@ def test_every_object_has_a_name_of_its_own_with_the_cache_on_off_or_without_rou
         names = _names(build_all(t, operator_ns="kvpersist-system"))
         assert max(names.values()) == 1, names
     policies = {o["metadata"]["name"]: o for o in build_all(off, "kvpersist-system") if o["kind"] == "NetworkPolicy"}
-    assert list(policies) == ["llama31-8b-lmcache"]  # the admin port's: ZMQ stays closed (no rule admits it)
+    assert list(policies) == ["llama31-8b-lmcache"]  # the agent port's: ZMQ stays closed (no rule admits it)
     assert [p["port"] for r in policies["llama31-8b-lmcache"]["spec"]["ingress"] for p in r["ports"]] == [8090]
     without = build_all(dataclasses.replace(on, routes=False, cache_bypassed=True), "kvpersist-system")
     name = on.per_id_name(on.namespace_id)

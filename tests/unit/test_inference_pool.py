@@ -119,16 +119,16 @@ POOL_KEY = (KIND, "ml", "llama-vllm")
 
 def test_decide_applies_the_pool_where_served_and_says_when_the_api_is_missing() -> None:
     d = decide(snap(spec_obj({"endpointPicker": PICKER}), served=True))
-    assert d.applies and d.manifests[-1]["kind"] == KIND and not d.pool_api_missing and not d.drop_inference_pool
+    assert d.applies and d.manifests[-1]["kind"] == KIND and not d.pool_api_missing and d.drops == ()
     assert d.manifests[-1]["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     d = decide(snap(spec_obj({"endpointPicker": PICKER}), served=False))
     assert d.applies and KIND not in [m["kind"] for m in d.manifests] and d.pool_api_missing
 
 
 def test_decide_deletes_its_own_pool_once_turned_off() -> None:
-    assert decide(snap(spec_obj(), served=True, own=frozenset({POOL_KEY}))).drop_inference_pool
-    assert not decide(snap(spec_obj(), served=True)).drop_inference_pool  # not known as its own: never touched
-    assert not decide(snap(spec_obj(), served=False, own=frozenset({POOL_KEY}))).drop_inference_pool
+    assert decide(snap(spec_obj(), served=True, own=frozenset({POOL_KEY}))).drops == (POOL_KEY,)
+    assert decide(snap(spec_obj(), served=True)).drops == ()  # not known as its own: never touched
+    assert decide(snap(spec_obj(), served=False, own=frozenset({POOL_KEY}))).drops == ()
 
 
 def test_the_missing_api_is_a_warning_event_once_per_generation(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 import pytest
 
+from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.retained import retained_labels
@@ -54,7 +55,7 @@ def _ref(uid: str = UID, controller: bool | None = True, kind: str = "KVCacheNam
     (None, False),
 ])
 def test_a_child_is_ours_only_with_a_controller_reference_to_this_resource(refs, ours) -> None:
-    meta = {"name": "llama31-8b-connection", "labels": {"app.kubernetes.io/managed-by": "kvpersist"}}
+    meta = {"name": "llama31-8b-lmcache-metrics", "labels": {"app.kubernetes.io/managed-by": "kvpersist"}}
     if refs is not None:
         meta["ownerReferences"] = refs
     assert ownership.is_own_child(meta, UID) is ours
@@ -121,6 +122,7 @@ class Api:
         self.reads: list[tuple[str, str]] = []
         self.applied: list[dict[str, Any]] = []
         self.created: list[dict[str, Any]] = []
+        self.deleted: list[tuple[str, str]] = []
         monkeypatch.setattr(runtime, "CONTROLLER", Controller())
         self.secrets: dict[str, dict[str, Any]] = {}  # what the operator created, as read back (L2's key)
         monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: self.secrets.get(name) if kind == "Secret" else None)
@@ -130,6 +132,7 @@ class Api:
         monkeypatch.setattr(kube, "apply", self._apply)
         monkeypatch.setattr(kube, "create_if_absent", self._create)
         monkeypatch.setattr(kube, "post_event", lambda *a: None)
+        monkeypatch.setattr(kube, "delete", self._delete)
 
     def _read(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         self.reads.append((kind, name))
@@ -139,6 +142,10 @@ class Api:
         self.applied.append(manifest)
         self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
         return manifest
+
+    def _delete(self, api_version: str, kind: str, name: str, namespace: str) -> None:
+        self.deleted.append((kind, name))
+        self.existing.pop((kind, name), None)
 
     def _create(self, manifest: dict[str, Any]) -> bool:
         if (manifest["kind"], manifest["metadata"]["name"]) in self.existing:
@@ -159,15 +166,15 @@ class Cached:
         return True, self.objects.get(name)
 
 
-@pytest.mark.parametrize("taken", [None, "llama31-8b-connection", "llama31-8b-agent-token"])
+@pytest.mark.parametrize("taken", [None, "llama31-8b-agent-token"])
 def test_the_names_of_secrets_and_configmaps_are_judged_from_the_watch_caches(monkeypatch, taken) -> None:
     """Issue 58 item 6: the names check asks the API server nothing for a Secret or ConfigMap name
     once their metadata-only caches have listed; what the caches keep (the controller reference)
     still tells a user's object under a derived name from the resource's own."""
     users = {"name": taken, "namespace": "ml", "uid": "theirs", "ownerReferences": [_ref(uid="another", controller=True)]}
     api = Api(monkeypatch)
-    runtime.CONTROLLER.configmap_cache = Cached({taken: users} if taken and "connection" in taken else {}, watchcache.names_view)
-    runtime.CONTROLLER.secret_cache = Cached({taken: users} if taken and "token" in taken else {}, watchcache.secret_view())
+    runtime.CONTROLLER.configmap_cache = Cached({}, watchcache.names_view)
+    runtime.CONTROLLER.secret_cache = Cached({taken: users} if taken else {}, watchcache.secret_view())
     body = _body()
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key).body = body
@@ -175,13 +182,13 @@ def test_the_names_of_secrets_and_configmaps_are_judged_from_the_watch_caches(mo
     assert not [r for r in api.reads if r[0] in ("Secret", "ConfigMap")], api.reads
     state = runtime.CONTROLLER.state(key)
     if taken is None:
-        assert state.name_taken is None and any(m["kind"] == "ConfigMap" for m in api.applied)
+        assert state.name_taken is None and any(m["kind"] == "StatefulSet" for m in api.applied)
     else:
         assert state.name_taken is not None and taken in state.name_taken[1] and api.applied == []
 
 
-@pytest.mark.parametrize("taken", [("ConfigMap", "llama31-8b-connection"), ("Deployment", "llama31-8b-vllm"),
-                                   ("NetworkPolicy", "llama31-8b-lmcache"), ("Secret", "llama31-8b-agent-token")])
+@pytest.mark.parametrize("taken", [("Service", "llama31-8b-lmcache-metrics"), ("Deployment", "llama31-8b-vllm"),
+                                   ("PodDisruptionBudget", "llama31-8b-lmcache"), ("Secret", "llama31-8b-agent-token")])
 def test_an_object_it_did_not_make_stops_the_whole_apply_until_it_is_gone(monkeypatch, taken) -> None:
     users = {"name": taken[1], "labels": {"app.kubernetes.io/managed-by": "kvpersist"},  # our label, copied
              "ownerReferences": [_ref(controller=False)]}
@@ -223,7 +230,7 @@ def test_its_own_names_are_read_once_then_never_in_a_steady_state(monkeypatch) -
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)  # first apply: every name looked up (all free), then made
     first = list(api.reads)
-    assert ("Secret", "llama31-8b-agent-token") in first and ("ConfigMap", "llama31-8b-connection") in first
+    assert ("Secret", "llama31-8b-agent-token") in first and ("Service", "llama31-8b-lmcache-metrics") in first
     api.reads.clear()
     assert apply.apply_workloads(body, LOG)
     assert api.reads == [] and runtime.CONTROLLER.state(key).name_taken is None
@@ -247,14 +254,71 @@ def test_a_deleted_child_is_looked_up_again(monkeypatch) -> None:
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)
-    cm = next(m for m in api.applied if m["kind"] == "ConfigMap")
-    asyncio.run(drift.drift(event={"type": "DELETED"}, body={"kind": "ConfigMap", "metadata": cm["metadata"]}))
-    api.existing[("ConfigMap", cm["metadata"]["name"])] = {"name": cm["metadata"]["name"]}  # a user's, made meanwhile
+    svc = next(m for m in api.applied if m["metadata"]["name"] == "llama31-8b-lmcache-metrics")
+    asyncio.run(drift.drift(event={"type": "DELETED"}, body={"kind": "Service", "metadata": svc["metadata"]}))
+    api.existing[("Service", svc["metadata"]["name"])] = {"name": svc["metadata"]["name"]}  # a user's, made meanwhile
     api.reads.clear()
     api.applied.clear()
     assert apply.apply_workloads(body, LOG)
-    assert api.reads == [("ConfigMap", cm["metadata"]["name"])] and api.applied == []
-    assert "ConfigMap llama31-8b-connection" in runtime.CONTROLLER.state(key).name_taken[1]
+    assert api.reads == [("Service", svc["metadata"]["name"])] and api.applied == []
+    assert "Service llama31-8b-lmcache-metrics" in runtime.CONTROLLER.state(key).name_taken[1]
+
+
+# What an earlier version made and this one no longer writes (decision.RETIRED): every server's
+# agent-port policy (now in each namespace id's policy) and the connection ConfigMap.
+EARLIER = [("NetworkPolicy", "llama31-8b-lmcache"), ("ConfigMap", "llama31-8b-connection")]
+
+
+def _listed(api: Api, refs: list[dict[str, Any]]) -> None:
+    """EARLIER's objects as that version labelled them (the cache on: the id), listed by the drift watch."""
+    for kind, name in EARLIER:
+        meta = {"name": name, "namespace": "ml", "ownerReferences": refs,
+                "labels": {"app.kubernetes.io/managed-by": "kvpersist", "app.kubernetes.io/instance": "llama31-8b",
+                           NAMESPACE_ID_LABEL: "kvp-0123456789abcdef"}}
+        api.existing[(kind, name)] = meta
+        asyncio.run(drift.drift(event={"type": None}, body={"kind": kind, "metadata": meta}))
+
+
+@pytest.mark.parametrize("listed_first", [True, False])
+def test_an_earlier_versions_policy_and_configmap_are_deleted_once(monkeypatch, caplog, listed_first) -> None:
+    """Upgraded: the resource's own are deleted by its first apply that knows them (watch events tell),
+    and once only. Listed after that apply looked (the watches start side by side), the listing marks
+    the resource for the apply that deletes them."""
+    api = Api(monkeypatch)
+    body = _body()
+    state = runtime.CONTROLLER.state(("ml", "llama31-8b"))
+    state.body = body
+    if listed_first:
+        _listed(api, [_ref()])
+    with caplog.at_level(logging.INFO, logger="test"):
+        assert apply.apply_workloads(body, LOG)
+        if not listed_first:
+            assert api.deleted == [] and not state.drifted
+            _listed(api, [_ref()])
+            assert state.drifted
+            assert apply.apply_workloads(body, LOG)
+    assert sorted(api.deleted) == sorted(EARLIER) and state.name_taken is None
+    assert "deleted NetworkPolicy llama31-8b-lmcache: one NetworkPolicy per namespace id replaced it" in caplog.text
+    assert "deleted ConfigMap llama31-8b-connection: no longer made: status.namespaceId shows" in caplog.text
+    assert [m["metadata"]["name"] for m in api.applied if m["kind"] == "NetworkPolicy"] == \
+        [f"llama31-8b-lmcache-{state.applied[1].target.namespace_id[4:12]}"] * (1 if listed_first else 2)
+    api.deleted.clear()
+    assert apply.apply_workloads(body, LOG) and api.deleted == []
+
+
+@pytest.mark.parametrize("refs", [[], [_ref(controller=False)], [_ref(uid="uid-of-a-deleted-namesake")]])
+def test_a_users_object_under_an_earlier_versions_name_is_never_touched(monkeypatch, refs) -> None:
+    """Labels copied, a reference that is no controller's, a deleted namesake's: not this resource's.
+    Not a name this version writes either: no NameTaken, and no apply for its listing."""
+    api = Api(monkeypatch)
+    body = _body()
+    state = runtime.CONTROLLER.state(("ml", "llama31-8b"))
+    state.body = body
+    _listed(api, refs)
+    assert not state.drifted
+    assert apply.apply_workloads(body, LOG)
+    assert api.deleted == [] and state.name_taken is None and api.applied
+    assert all((kind, name) in api.existing for kind, name in EARLIER)
 
 
 def test_a_planted_key_secret_is_never_read_nor_patched(monkeypatch) -> None:

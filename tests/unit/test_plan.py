@@ -243,11 +243,11 @@ def test_the_plan_says_the_operator_would_refuse_a_claim_another_resource_holds(
 
 
 def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    users = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "b-connection", "namespace": "ml"}}
+    users = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "b-lmcache-metrics", "namespace": "ml"}}
     _Cluster(monkeypatch, [users])
     plan = plancmd.plan_one(_claiming("b", None), "ml")
     assert plan.verdict == "NameTaken" and not plan.applied and plan.code == plancmd.REFUSED
-    assert "ConfigMap b-connection" in (plan.verdict_message or "")
+    assert "Service b-lmcache-metrics" in (plan.verdict_message or "")
     assert "refused, nothing applied (NameTaken)" in plancmd.format_plan(plan)
     _Cluster(monkeypatch, [])
     free = plancmd.plan_one(_claiming("b", None), "ml")

@@ -44,12 +44,15 @@ def test_the_operators_policy_admits_only_named_peers_to_the_metrics_port(helm: 
 @pytest.mark.parametrize("scraper", [SCRAPER, None])
 def test_the_servers_policy_admits_no_peer_less_rule(operator_ns: str | None, scraper: dict[str, Any] | None) -> None:
     """The agent's port (its /healthz the server pod's probes) is open to the operator and the
-    named scraper only; the kubelet needs no rule."""
+    named scraper only, ZMQ to the id's vLLM pods only; the kubelet needs no rule."""
     t = target()
     policy = build_network_policy(t, operator_ns, scraper)
     agent = agent_container(t, "unused")
     assert agent["livenessProbe"]["httpGet"]["port"] == "agent"
+    *agent_rules, zmq = _rules(policy)
     for rule in _rules(policy):
         assert rule.get("from"), f"a rule without peers admits every pod: {rule}"
+    for rule in agent_rules:
         assert rule["ports"] == [{"protocol": "TCP", "port": t.spec.lmcache_server.agent_port}]
-    assert len(_rules(policy)) == bool(operator_ns) + bool(scraper)
+    assert zmq["ports"] == [{"protocol": "TCP", "port": t.spec.lmcache_server.port}]
+    assert len(agent_rules) == bool(operator_ns) + bool(scraper)

@@ -46,6 +46,6 @@ def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any]
 
 
 def attached_peer(target: Target) -> dict[str, Any]:
-    """The ZMQ policy's peer for attached pods: only pods the policies admitted for this resource and
+    """The policy's ZMQ peer for attached pods: only pods the policies admitted for this resource and
     id carry both labels (checked on every change)."""
     return {"podSelector": {"matchLabels": {ATTACH_LABEL: target.name, NAMESPACE_ID_LABEL: str(target.namespace_id)}}}

@@ -1,5 +1,6 @@
-"""The kv-transfer-config that wires the operator's vLLM to its lmcache server, and the ConfigMap
-that names the namespace (and publishes no way in)."""
+"""The kv-transfer-config that wires the operator's vLLM to its lmcache server. Published nowhere:
+a client with it could write KV under other flags that the pinned pods then hit (docs/design.md,
+"Who may write into a namespace")."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from typing import Any
 
 from kvpersist.api.identity import CONNECTOR
-from kvpersist.builders.target import SERVER, Target
+from kvpersist.builders.target import Target
 
 HEARTBEAT_INTERVAL_S = 2.0
 CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_connector"}
@@ -41,12 +42,3 @@ def kv_transfer_config(target: Target) -> dict[str, Any]:
 
 def kv_transfer_config_json(target: Target) -> str:
     return json.dumps(kv_transfer_config(target), separators=(",", ":"), sort_keys=True)
-
-
-def build_connection_configmap(target: Target) -> dict[str, Any]:
-    """The namespace id and whether the cache is on, for people and tools; never a way in: a client
-    with the kv-transfer-config could write KV under other flags that the pinned pods then hit.
-    Applied as before, so server-side apply drops the key an earlier version published
-    (docs/design.md, "Who may write into a namespace")."""
-    data = {"namespace-id": target.namespace_id or "", "cache": "enabled"} if target.cache_enabled else {"cache": "disabled"}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": target.metadata(target.connection_name, SERVER), "data": data}

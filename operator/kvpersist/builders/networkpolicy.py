@@ -1,5 +1,5 @@
-"""The NetworkPolicies of the lmcache server pods: the agent's port to the operator alone, ZMQ to
-vLLM pods of the same namespace id alone. lmcache's admin API (no authentication) binds loopback;
+"""The NetworkPolicy of the lmcache server pods, one per namespace id: the agent's port to the
+operator alone, ZMQ to vLLM pods of the same namespace id alone. lmcache's admin API (no authentication) binds loopback;
 the agent checks the resource's token itself, and the policy is the second line where the CNI enforces it."""
 
 from __future__ import annotations
@@ -68,29 +68,33 @@ def parse_scraper(raw: str) -> dict[str, Any] | None:
 
 
 def build_network_policy(target: Target, operator_ns: str | None, scraper: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every server: the agent's port from the operator's pods only (from nowhere when the operator's
-    namespace is unknown), and from the scraper when named (the servers' only metrics port). Never a
-    rule without peers: the kubelet's probes come from the pod's node, always admitted. No ZMQ here."""
+    """The servers' one policy, per namespace id and named like its Service: the agent's port from the
+    operator's pods only (from nowhere when the operator's namespace is unknown) and from the scraper
+    when named (the servers' only metrics port); ZMQ from the same id's vLLM pods only, so during a pin
+    change old pods never store into new servers, and an old id's servers keep their own policy until
+    none is left (controller.stale_routes). Attached: ZMQ only from pods the attach policies admitted
+    (attached_peer), not any pod wearing managed pods' labels. With the cache off (no server runs)
+    every server, no ZMQ; while another id holds the route name (target.routes False) the same under
+    <name>-lmcache, so no server is ever without the agent rule's policy. Never a rule without peers:
+    the kubelet's probes come from the pod's node, always admitted."""
     operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                 "podSelector": {"matchLabels": OPERATOR_LABELS}}
     peers = [*([operator] if operator_ns else []), *([dict(scraper)] if scraper else [])]
-    return _policy(target, f"{target.name}-lmcache", target.selector(SERVER),
-                   [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers])
+    rules = [{"from": [peer], "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.agent_port}]} for peer in peers]
+    if not target.routes:
+        return _policy(target, target.per_id_name(None), target.selector(SERVER), rules, per_id=False)
+    if target.cache_enabled:
+        rules.append({
+            "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
+            "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
+        })
+    return _policy(target, target.local_service_name, target.id_selector(SERVER), rules)
 
 
-def build_zmq_policy(target: Target) -> dict[str, Any]:
-    """ZMQ to one namespace id's servers from the same id's vLLM pods only: during a pin change old
-    pods must not store into new servers (one policy per id, named like its Service). Attached: only
-    pods the attach policies admitted (attached_peer), not any pod wearing managed pods' labels."""
-    return _policy(target, target.local_service_name, target.id_selector(SERVER), [{
-        "from": [attached_peer(target) if attached(target) else {"podSelector": {"matchLabels": target.id_selector(VLLM)}}],
-        "ports": [{"protocol": "TCP", "port": target.spec.lmcache_server.port}],
-    }])
-
-
-def _policy(target: Target, name: str, servers: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ingress to the servers `servers` selects by `rules` only."""
+def _policy(target: Target, name: str, servers: dict[str, str], rules: list[dict[str, Any]],
+            per_id: bool = True) -> dict[str, Any]:
+    """Ingress to the servers `servers` selects by `rules` only; per_id False: labelled with no id."""
     spec: dict[str, Any] = {"podSelector": {"matchLabels": servers}, "policyTypes": ["Ingress"]}
     if rules:  # no rules: no key (the same deny-all); an applied `ingress: []` is stored as absent,
         spec["ingress"] = rules  # so every apply would count as a change and bump the generation
-    return manifest("networking.k8s.io/v1", "NetworkPolicy", target.metadata(name, SERVER), spec)
+    return manifest("networking.k8s.io/v1", "NetworkPolicy", target.metadata(name, SERVER, per_id), spec)

@@ -46,7 +46,7 @@ class Target:
     # Why, for the vLLM pods' annotation: the servers' absence (the default) or a refused build.
     bypass_reason: str = "the lmcache servers are unavailable"
     # False: another id's objects hold this id's route names (8 hex of the id): no local Service or
-    # ZMQ policy is built, so none is re-pointed; vLLM goes without the cache (controller.stale_routes).
+    # per-id policy is built, so none is re-pointed; vLLM goes without the cache (controller.stale_routes).
     routes: bool = True
     # The agent's image (the chart's, or an older one while servers roll: controller.agentroll);
     # None: builders.lmcache.DEFAULT_AGENT_IMAGE.
@@ -109,10 +109,6 @@ class Target:
     def key_secret_generated(self) -> bool:
         """The operator makes (once) and never deletes the key Secret: no key, no data."""
         return self.spec.l2.encryption.enabled and self.spec.l2.encryption.key_secret_ref is None
-
-    @property
-    def connection_name(self) -> str:
-        return f"{self.name}-connection"
 
     @property
     def vllm_name(self) -> str:

@@ -21,12 +21,10 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist.builders.inferencepool import API_VERSION as POOL_API_VERSION
-from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime
-from kvpersist.controller.decision import CLAIMS, NAMES, POLICY, Decision, child_key, decide
+from kvpersist.controller.decision import CLAIMS, DROPPABLE, NAMES, POLICY, Decision, child_key, decide
 from kvpersist.controller.drift import note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
 from kvpersist.controller.reading import target_of
@@ -178,16 +176,12 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
                 _model_cache_claim(manifest, decision, body, state, logger)
             elif manifest["kind"] != "NetworkPolicy":
                 _apply_owned(manifest)
-        if decision.drop_vllm_service:  # spec.vllm.service turned off: its own Service goes
-            kube.delete("v1", "Service", target.vllm_name, target.namespace)
-            owners.pop(("Service", target.namespace, target.vllm_name), None)
-            logger.info("%s/%s: deleted Service %s: spec.vllm.service is off", target.namespace, target.name,
-                        target.vllm_name)
-        if decision.drop_inference_pool:  # spec.vllm.inferencePool turned off: its own pool goes
-            kube.delete(POOL_API_VERSION, POOL_KIND, target.vllm_name, target.namespace)
-            owners.pop((POOL_KIND, target.namespace, target.vllm_name), None)
-            logger.info("%s/%s: deleted InferencePool %s: spec.vllm.inferencePool is off", target.namespace,
-                        target.name, target.vllm_name)
+        for api_version, kind, suffix, why in DROPPABLE:  # its own, under a name this apply does not write
+            name = target.name + suffix
+            if (kind, target.namespace, name) in decision.drops:
+                kube.delete(api_version, kind, name, target.namespace)
+                owners.pop((kind, target.namespace, name), None)
+                logger.info("%s/%s: deleted %s %s: %s", target.namespace, target.name, kind, name, why)
         _pool_api_missing(decision, body, state, logger)
     finally:
         # Once the workloads are applied (or failed): posted before them, it was one more round
@@ -279,7 +273,7 @@ def _apply_owned(manifest: dict[str, Any]) -> None:
 
 
 def clean_stale_routes(target: Target, seen: Seen, logger: logging.Logger) -> bool:
-    """Deletes the per-id Services and ZMQ policies of ids no pod of the resource carries any
+    """Deletes the per-id Services and policies of ids no pod of the resource carries any
     more; True once no pod of another id is left to wait for. Blocking: a worker thread."""
     in_use = ids_in_use([*seen.pods, *seen.untrusted_pods])  # a route outlives every pod that may use it
     selector = f"{INSTANCE_LABEL}={target.name},{COMPONENT_LABEL}={SERVER}"

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders import inferencepool, modelcache
 from kvpersist.builders.all import build_all
@@ -58,6 +59,17 @@ from kvpersist.status.conditions import condition, shareable
 
 ChildKey = tuple[str, str, str]  # (kind, namespace, name): child_key
 Meta = Mapping[str, Any]
+
+# (apiVersion, kind, suffix to the resource's name, why) of names an apply may not write: its own
+# object under one it does not write is deleted (dropped), a user's never. A literal table:
+# tests/rbac_needs.py derives the delete grants from it (kvpersist.controller.apply).
+SWITCHED_OFF = (("v1", "Service", "-vllm", "spec.vllm.service is off"),  # Target.vllm_name
+                (inferencepool.API_VERSION, inferencepool.KIND, "-vllm", "spec.vllm.inferencePool is off"))
+# Names earlier versions made and this one writes no more. <name>-lmcache (Target.server_name) is still
+# the policy of every server with the cache off or the route name taken (builders.networkpolicy).
+RETIRED = (("networking.k8s.io/v1", "NetworkPolicy", "-lmcache", "one NetworkPolicy per namespace id replaced it"),
+           ("v1", "ConfigMap", "-connection", "no longer made: status.namespaceId shows the namespace id"))
+DROPPABLE = SWITCHED_OFF + RETIRED
 
 # Decision.stage when refused: what was decided before the refusal.
 POLICY, CLAIMS, NAMES = "policy", "claims", "names"
@@ -133,8 +145,7 @@ class Decision:
     shared_claim: dict[str, Any] | None = None  # created when absent (spec.l2.nvme.shared with size)
     model_cache_create: bool = False  # the weights claim is absent: created (a manifest of its own kind in manifests)
     model_cache_differs: str | None = None  # what its spec declares that the existing claim lacks
-    drop_vllm_service: bool = False  # spec.vllm.service turned off: its own Service is deleted
-    drop_inference_pool: bool = False  # spec.vllm.inferencePool turned off (API served): its own pool is deleted
+    drops: tuple[ChildKey, ...] = ()  # its own objects under DROPPABLE names this apply does not write: deleted
     pool_api_missing: bool = False  # spec.vllm.inferencePool set, the API not served: a Warning event says so
     owned: tuple[ChildKey, ...] = ()  # names looked up and found its own: not looked up again
     taken: tuple[tuple[str, str], ...] = ()  # (kind, name) held by objects it did not make
@@ -155,7 +166,7 @@ class Decision:
         pending = self.applies and self.generated_key is None and self.key is not None and self.key.problem is not None \
             and self.key.problem[0] == l2key.KEY_PENDING
         view = (self.stage, self.refusal, self.key_id, pending, self.storage_refused, self.route_taken, self.manifests,
-                self.shared_claim, self.drop_vllm_service, self.drop_inference_pool, self.pool_api_missing)
+                self.shared_claim, self.drops, self.pool_api_missing)
         return hashlib.sha256(json.dumps(view, sort_keys=True, default=str).encode()).hexdigest()
 
     def kept(self) -> Decision:
@@ -259,6 +270,24 @@ def route_keys(target: Target) -> list[ChildKey]:
         return []
     name = target.per_id_name(target.namespace_id)
     return [(kind, target.namespace, name) for _, kind in ROUTE_KINDS]
+
+
+def retired_child(child: ChildKey, owner: str, meta: Meta) -> bool:
+    """A child of resource `owner` under a RETIRED name, made by an earlier version with the cache on
+    (it carries a namespace id, which this version's <name>-lmcache never does): its next apply drops it."""
+    kind, _namespace, name = child
+    labels = meta.get("labels") or {}
+    return labels.get(NAMESPACE_ID_LABEL) is not None and any(kind == k and name == owner + suffix for _, k, suffix, _ in RETIRED)
+
+
+def dropped(target: Target, manifests: list[dict[str, Any]], own: frozenset[ChildKey], pool_served: bool) -> tuple[ChildKey, ...]:
+    """Its own objects (known as such: watch events, an apply) under DROPPABLE names this apply does
+    not write: spec.vllm.service or spec.vllm.inferencePool (where served: else there is none) turned
+    off, and earlier versions' (RETIRED). A user's object under the name is never touched."""
+    written = {child_key(m) for m in manifests}
+    keys = [(kind, target.namespace, target.name + suffix) for _api_version, kind, suffix, _why in DROPPABLE
+            if pool_served or kind != inferencepool.KIND]
+    return tuple(key for key in keys if key in own and key not in written)
 
 
 def _token_secret(target: Target, snap: Snapshot) -> dict[str, Any]:
@@ -446,13 +475,9 @@ def decide(snap: Snapshot) -> Decision:
             create_cache = True
         else:
             differs = "; ".join(modelcache.claim_differences(cache_manifest, dict(existing))) or None
-    # A user's Service under the name is never touched: only one known as its own (watch events, an apply).
-    drop = not target.spec.vllm.service.enabled and ("Service", target.namespace, target.vllm_name) in snap.own
     wants_pool = inferencepool.build_inference_pool(target) is not None
-    drop_pool = (snap.inference_pool_served and not wants_pool
-                 and (inferencepool.KIND, target.namespace, target.vllm_name) in snap.own)
     return Decision(target, None, "", phase, conds, token_secret=token_secret, manifests=tuple(manifests),
-                    shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs, drop_vllm_service=drop,
-                    drop_inference_pool=drop_pool, pool_api_missing=wants_pool and not snap.inference_pool_served,
-                    **common)
+                    shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs,
+                    drops=dropped(target, manifests, snap.own, snap.inference_pool_served),
+                    pool_api_missing=wants_pool and not snap.inference_pool_served, **common)
 

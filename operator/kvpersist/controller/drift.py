@@ -13,8 +13,9 @@ from typing import Any
 import kopf
 
 from kvpersist.controller import runtime
-from kvpersist.controller.decision import child_key
+from kvpersist.controller.decision import child_key, retired_child
 from kvpersist.controller.ownership import MANAGED, controller_uid
+from kvpersist.controller.state import ResourceState
 from kvpersist.status.workloads import owner_key
 
 
@@ -74,6 +75,8 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     if state is None or not state.known or kind_of_event is None:
         if kind_of_event is None and mark is not None:
             generations[child] = mark
+        if kind_of_event is None and _earlier_versions_own(child, meta, state):
+            state.drifted = True  # its first apply may have looked before this listing: the next deletes it
         return
     if kind_of_event == "DELETED" or meta.get("deletionTimestamp"):
         state.drifted = True
@@ -84,6 +87,15 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
         state.drifted = True
     if mark is not None:
         generations[child] = mark
+
+
+def _earlier_versions_own(child: tuple[str, str, str], meta: Mapping[str, Any], state: ResourceState | None) -> bool:
+    """A known resource's own object under a name an earlier version made (decision.retired_child)."""
+    if state is None or state.body is None:
+        return False
+    owner = state.body.get("metadata") or {}
+    uid = owner.get("uid")
+    return uid is not None and controller_uid(meta) == uid and retired_child(child, owner.get("name", ""), meta)
 
 
 # Every kind the operator applies, by its managed-by label: one handler, registered for each.

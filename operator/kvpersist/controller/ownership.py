@@ -1,7 +1,7 @@
 """Whose object a derived name holds: the operator's own, or someone else's it must never take over.
 
-Server-side apply with forced conflicts writes over whatever holds a name: a user's ConfigMap
-`<name>-connection` would be rewritten and garbage-collected with the resource, a user's
+Server-side apply with forced conflicts writes over whatever holds a name: a user's Service
+`<name>-lmcache-metrics` would be rewritten and garbage-collected with the resource, a user's
 `<name>-agent-token` or `<name>-l2-key` Secret trusted as the operator's credential. So before an
 apply every name not yet seen as the operator's own is looked up (kvpersist.controller.apply); one
 held by another object stops the whole apply (Ready NameTaken). The L2 claims the servers would

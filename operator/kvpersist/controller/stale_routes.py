@@ -1,4 +1,4 @@
-"""The local Service and ZMQ NetworkPolicy of a namespace id the resource no longer serves, and
+"""The local Service and NetworkPolicy of a namespace id the resource no longer serves, and
 route names another id already holds.
 
 After a pin change they outlive the old id's pods (which still resolve that Service and need that

@@ -69,7 +69,7 @@ class ResourceState:
     # An apply failure the API server gave for a generation (e.g. an immutable field changed), kept
     # so the periodic refresh reports it instead of overwriting it: (generation, message).
     apply_error: tuple[int | None, str] | None = None
-    # Its last apply may have left an old namespace id's Service and ZMQ policy behind (set by every
+    # Its last apply may have left an old namespace id's Service and policy behind (set by every
     # apply, so a restarted operator checks once too); cleared when none can be left.
     routes_pending: bool = False
     # Objects the operator did not make hold some of its names (kvpersist.controller.ownership): Ready's

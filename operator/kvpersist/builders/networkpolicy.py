@@ -68,15 +68,13 @@ def parse_scraper(raw: str) -> dict[str, Any] | None:
 
 
 def build_network_policy(target: Target, operator_ns: str | None, scraper: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The servers' one policy, per namespace id and named like its Service: the agent's port from the
-    operator's pods only (from nowhere when the operator's namespace is unknown) and from the scraper
-    when named (the servers' only metrics port); ZMQ from the same id's vLLM pods only, so during a pin
-    change old pods never store into new servers, and an old id's servers keep their own policy until
-    none is left (controller.stale_routes). Attached: ZMQ only from pods the attach policies admitted
-    (attached_peer), not any pod wearing managed pods' labels. With the cache off (no server runs)
-    every server, no ZMQ; while another id holds the route name (target.routes False) the same under
-    <name>-lmcache, so no server is ever without the agent rule's policy. Never a rule without peers:
-    the kubelet's probes come from the pod's node, always admitted."""
+    """One per namespace id, named like its Service: the agent's port from the operator's pods only (none
+    when its namespace is unknown) and the scraper when named (the servers' only metrics port); ZMQ
+    from the id's vLLM pods only, so old pods never store into new servers during a pin change, whose
+    old servers keep their own until none is left (controller.stale_routes). Attached: ZMQ from pods
+    the attach policies admitted (attached_peer), not any pod wearing managed pods' labels. Cache off,
+    or another id holding the name (target.routes False): every server under <name>-lmcache, no ZMQ,
+    so none is ever without the agent's rule. No rule without peers: the kubelet probes from the node."""
     operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
                 "podSelector": {"matchLabels": OPERATOR_LABELS}}
     peers = [*([operator] if operator_ns else []), *([dict(scraper)] if scraper else [])]

@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders import inferencepool, modelcache
 from kvpersist.builders.all import build_all
@@ -270,14 +269,6 @@ def route_keys(target: Target) -> list[ChildKey]:
         return []
     name = target.per_id_name(target.namespace_id)
     return [(kind, target.namespace, name) for _, kind in ROUTE_KINDS]
-
-
-def retired_child(child: ChildKey, owner: str, meta: Meta) -> bool:
-    """A child of resource `owner` under a RETIRED name, made by an earlier version with the cache on
-    (it carries a namespace id, which this version's <name>-lmcache never does): its next apply drops it."""
-    kind, _namespace, name = child
-    labels = meta.get("labels") or {}
-    return labels.get(NAMESPACE_ID_LABEL) is not None and any(kind == k and name == owner + suffix for _, k, suffix, _ in RETIRED)
 
 
 def dropped(target: Target, manifests: list[dict[str, Any]], own: frozenset[ChildKey], pool_served: bool) -> tuple[ChildKey, ...]:

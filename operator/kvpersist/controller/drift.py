@@ -12,8 +12,9 @@ from typing import Any
 
 import kopf
 
+from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.controller import runtime
-from kvpersist.controller.decision import child_key, retired_child
+from kvpersist.controller.decision import RETIRED, child_key
 from kvpersist.controller.ownership import MANAGED, controller_uid
 from kvpersist.controller.state import ResourceState
 from kvpersist.status.workloads import owner_key
@@ -90,12 +91,14 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
 
 
 def _earlier_versions_own(child: tuple[str, str, str], meta: Mapping[str, Any], state: ResourceState | None) -> bool:
-    """A known resource's own object under a name an earlier version made (decision.retired_child)."""
+    """A known resource's own object under a name an earlier version made with the cache on
+    (decision.RETIRED; a namespace id label, which this version's <name>-lmcache never carries)."""
     if state is None or state.body is None:
         return False
     owner = state.body.get("metadata") or {}
-    uid = owner.get("uid")
-    return uid is not None and controller_uid(meta) == uid and retired_child(child, owner.get("name", ""), meta)
+    ours = owner.get("uid") is not None and controller_uid(meta) == owner.get("uid")
+    retired = {(kind, owner.get("name", "") + suffix) for _, kind, suffix, _ in RETIRED}
+    return ours and NAMESPACE_ID_LABEL in (meta.get("labels") or {}) and (child[0], child[2]) in retired
 
 
 # Every kind the operator applies, by its managed-by label: one handler, registered for each.

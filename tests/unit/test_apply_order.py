@@ -34,7 +34,7 @@ def test_secrets_and_policies_side_by_side_then_the_statefulset(monkeypatch: pyt
         return manifest
 
     monkeypatch.setattr(kube, "apply", call)
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: bool(call(m)))
+    monkeypatch.setattr(kube, "create_if_absent", call)
     monkeypatch.setattr(kube, "post_event", lambda *a: None)
     monkeypatch.setattr(kube, "get", lambda *a: None)  # no key Secret yet: generated (its fingerprint is in the id)
     monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
@@ -83,7 +83,7 @@ def test_a_new_resource_reaches_its_statefulset_in_four_rounds(monkeypatch: pyte
     monkeypatch.setattr(kube, "named_metadata", lambda v, kind, name, ns: timed(("lookup", kind, name)))
     monkeypatch.setattr(kube, "get_metadata", lambda v, kind, name, ns: timed(("lookup", kind, name)))
     monkeypatch.setattr(kube, "apply", lambda m: timed(("apply", m["kind"], m["metadata"]["name"]), m))
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: timed(("create", m["kind"], m["metadata"]["name"]), True))
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: timed(("create", m["kind"], m["metadata"]["name"]), m))
     monkeypatch.setattr(kube, "post_event", lambda owner, type_, reason, message: timed(("event", reason)))
     body = copy.deepcopy(sample("hf-bucket"))
     body["metadata"].update(namespace="ml", uid="u-rounds", generation=1)

@@ -89,7 +89,7 @@ def test_forget_leaves_nothing_of_a_resource(monkeypatch: pytest.MonkeyPatch) ->
 
     # Seen by a watch event; applied, and the apply failed (to be retried); refreshed twice.
     asyncio.run(tracking.track(event={"type": "ADDED"}, body=body, logger=LOG))
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: m)
 
     def unavailable(_m: Any) -> Any:
         raise ApiException(status=503)

@@ -191,7 +191,7 @@ class Api:
         monkeypatch.setattr(kube, "named_metadata", lambda *a: None)  # no object under its names yet
         monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
         monkeypatch.setattr(kube, "apply", lambda m: self.applied.append(m) or m)
-        monkeypatch.setattr(kube, "create_if_absent", lambda m: self.created.append(m) or True)
+        monkeypatch.setattr(kube, "create_if_absent", lambda m: self.created.append(m) or m)
         monkeypatch.setattr(kube, "post_event", lambda body, t, reason, message: self.events.append((t, reason, message)))
         monkeypatch.setattr(kube, "patch_status", lambda *a: self.status.append(a[-1]))
         monkeypatch.setattr(kube, "patch_metadata", lambda *a: self.metadata.append(a))
@@ -341,7 +341,7 @@ def test_status_follows_the_apply_when_the_key_changes(monkeypatch: pytest.Monke
     monkeypatch.setattr(kube, "named_metadata", lambda *a: None)
     monkeypatch.setattr(kube, "get_metadata", lambda *a: None)
     monkeypatch.setattr(kube, "apply", lambda m: m)
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: True)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: m)
     target, _ = reading.target_of(body, FP_A)
     seen = Seen(statefulsets=[{**_rollout(1, 1), "metadata": {"name": target.server_name, "generation": 1}}],
                 deployments=[{**_rollout(1, 1), "metadata": {"name": target.vllm_name, "generation": 1}}],
@@ -443,7 +443,7 @@ def test_the_refresh_round_records_every_namespace_and_judges_the_loss_on_them(m
     monkeypatch.setattr(kube, "list_all", lambda *a, **k: [])
     monkeypatch.setattr(kube, "apply", lambda m: m)
     created: list[dict[str, Any]] = []
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or True)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or m)
     body = copy.deepcopy(sample("nvme-minimal"))
     body["metadata"].update(namespace="ml", uid="u1", generation=1, annotations={})
     name = body["metadata"]["name"]

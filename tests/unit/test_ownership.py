@@ -126,7 +126,8 @@ class Api:
         monkeypatch.setattr(runtime, "CONTROLLER", Controller())
         self.secrets: dict[str, dict[str, Any]] = {}  # what the operator created, as read back (L2's key)
         monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: self.secrets.get(name) if kind == "Secret" else None)
-        monkeypatch.setattr(kube, "list_all", lambda *a, **kw: [])  # no other user of its claim, no route in the way
+        self.listed: list[tuple[str, str]] = []  # (kind, field selector) of each LIST by name (the route names)
+        monkeypatch.setattr(kube, "list_all", self._list)  # no other user of its claim, no route in the way
         monkeypatch.setattr(kube, "named_metadata", self._read)
         monkeypatch.setattr(kube, "get_metadata", self._read)
         monkeypatch.setattr(kube, "apply", self._apply)
@@ -138,53 +139,103 @@ class Api:
         self.reads.append((kind, name))
         return self.existing.get((kind, name))
 
+    def _list(self, api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None,
+              field_selector: str | None = None) -> list[dict[str, Any]]:
+        if field_selector:
+            self.listed.append((kind, field_selector))
+        return []
+
     def _apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.applied.append(manifest)
         self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
         return manifest
 
-    def _delete(self, api_version: str, kind: str, name: str, namespace: str) -> None:
-        self.deleted.append((kind, name))
-        self.existing.pop((kind, name), None)
-
-    def _create(self, manifest: dict[str, Any]) -> bool:
+    def _create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         if (manifest["kind"], manifest["metadata"]["name"]) in self.existing:
-            return False
+            return None
         self.created.append(manifest)
-        self.secrets[manifest["metadata"]["name"]] = manifest
-        self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
-        return True
+        made = {**manifest, "metadata": {**manifest["metadata"], "resourceVersion": "1"}}  # as the API server answers
+        self.secrets[manifest["metadata"]["name"]] = made
+        self.existing[(manifest["kind"], manifest["metadata"]["name"])] = made["metadata"]
+        return made
 
 
 class Cached:
-    """A Secret or ConfigMap watch cache that has listed: the objects as its view keeps them."""
+    """A watch cache as its view keeps the objects, listed (synced) or not yet."""
 
-    def __init__(self, objects: dict[str, dict[str, Any]], keep: Any) -> None:
+    def __init__(self, objects: dict[str, dict[str, Any]], keep: Any, synced: bool = True) -> None:
         self.objects = {name: keep({"metadata": meta}) for name, meta in objects.items()}
+        self.synced = synced
 
     def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
-        return True, self.objects.get(name)
+        return (True, self.objects.get(name)) if self.synced else (False, None)
 
 
-@pytest.mark.parametrize("taken", [None, "llama31-8b-agent-token"])
-def test_the_names_of_secrets_and_configmaps_are_judged_from_the_watch_caches(monkeypatch, taken) -> None:
-    """Issue 58 item 6: the names check asks the API server nothing for a Secret or ConfigMap name
-    once their metadata-only caches have listed; what the caches keep (the controller reference)
+def cache_names(objects: dict[tuple[str, str], dict[str, Any]], synced: bool = True) -> None:
+    """Every watch cache the names check reads (Secrets, ConfigMaps, watchcache.NAMED_KINDS), holding
+    objects (by (kind, name): metadata) as each cache's own view keeps them."""
+    def of(kind: str, keep: Any) -> Cached:
+        return Cached({name: meta for (k, name), meta in objects.items() if k == kind}, keep, synced)
+
+    runtime.CONTROLLER.configmap_cache = of("ConfigMap", watchcache.names_view)  # type: ignore[assignment]
+    runtime.CONTROLLER.secret_cache = of("Secret", watchcache.secret_view())  # type: ignore[assignment]
+    runtime.CONTROLLER.name_caches = {kind: of(kind, watchcache.names(version, kind, None).keep)  # type: ignore[misc]
+                                      for version, kind in watchcache.NAMED_KINDS}
+
+
+@pytest.mark.parametrize("taken", [None, ("Secret", "llama31-8b-agent-token"), ("StatefulSet", "llama31-8b-lmcache"),
+                                   ("Deployment", "llama31-8b-vllm"), ("PodDisruptionBudget", "llama31-8b-lmcache"),
+                                   ("Service", "llama31-8b-lmcache-metrics")])
+def test_the_names_an_apply_takes_are_judged_from_the_watch_caches(monkeypatch, taken) -> None:
+    """Issue 58 item 6: the names check and the route names ask the API server nothing once the
+    metadata-only caches of their kinds have listed; what the caches keep (the controller reference)
     still tells a user's object under a derived name from the resource's own."""
-    users = {"name": taken, "namespace": "ml", "uid": "theirs", "ownerReferences": [_ref(uid="another", controller=True)]}
+    users = {"name": taken and taken[1], "namespace": "ml", "uid": "theirs", "ownerReferences": [_ref(uid="another")]}
     api = Api(monkeypatch)
-    runtime.CONTROLLER.configmap_cache = Cached({}, watchcache.names_view)
-    runtime.CONTROLLER.secret_cache = Cached({taken: users} if taken else {}, watchcache.secret_view())
+    cache_names({taken: users} if taken else {})
     body = _body()
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)
-    assert not [r for r in api.reads if r[0] in ("Secret", "ConfigMap")], api.reads
+    assert api.reads == [] and api.listed == []  # no name looked up by request, the route names neither
     state = runtime.CONTROLLER.state(key)
     if taken is None:
         assert state.name_taken is None and any(m["kind"] == "StatefulSet" for m in api.applied)
     else:
-        assert state.name_taken is not None and taken in state.name_taken[1] and api.applied == []
+        assert state.name_taken is not None and f"{taken[0]} {taken[1]}" in state.name_taken[1] and api.applied == []
+
+
+def test_whose_route_name_it_is_is_seen_in_the_watch_cache(monkeypatch) -> None:
+    """The Service and NetworkPolicy caches keep the labels that say which id an object routes for:
+    this id's own routes are its own, another id's Service under the name leaves the routes out
+    (RouteNameTaken); neither read by request."""
+    api = Api(monkeypatch)
+    cache_names({})
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    state = runtime.CONTROLLER.state(key)
+    state.body = body
+    assert apply.apply_workloads(body, LOG)
+    route = state.applied[1].target.per_id_name(state.applied[1].target.namespace_id)
+    cache_names({k: meta for k, meta in api.existing.items() if k[1] == route})  # as applied
+    assert apply.apply_workloads(body, LOG) and state.route_taken is None
+    other_id = {"name": route, "labels": {"kvpersist.dev/namespace-id": "0" * 16, "app.kubernetes.io/instance": "llama31-8b"}}
+    cache_names({("Service", route): other_id})
+    assert apply.apply_workloads(body, LOG)
+    assert api.reads == [] and api.listed == [] and route in (state.route_taken or "")
+
+
+def test_an_unlisted_names_cache_falls_back_to_the_request(monkeypatch) -> None:
+    users = {"name": "llama31-8b-vllm", "ownerReferences": [_ref(uid="another")]}
+    api = Api(monkeypatch, {("Deployment", "llama31-8b-vllm"): users})
+    cache_names({("Deployment", "llama31-8b-vllm"): users}, synced=False)
+    body = _body()
+    key = ("ml", body["metadata"]["name"])
+    runtime.CONTROLLER.state(key).body = body
+    assert apply.apply_workloads(body, LOG)
+    assert {kind for kind, _ in api.reads} == {"Secret", "StatefulSet", "Deployment", "PodDisruptionBudget", "Service"}
+    assert sorted(kind for kind, _ in api.listed) == ["NetworkPolicy", "Service"]  # the route names
+    assert "Deployment llama31-8b-vllm" in runtime.CONTROLLER.state(key).name_taken[1]
 
 
 @pytest.mark.parametrize("taken", [("Service", "llama31-8b-lmcache-metrics"), ("Deployment", "llama31-8b-vllm"),
@@ -352,6 +403,39 @@ def test_a_planted_agent_token_is_never_sent_to_the_agents(monkeypatch) -> None:
     token["metadata"]["ownerReferences"] = [_ref()]
     runtime.CONTROLLER.state(("ml", "llama31-8b")).agent_token = None
     assert agents.agent_token(target) == "users-token"  # the operator's own (the reference it sets)
+
+
+class SecretsWatched:
+    """The Secret watch cache, listed, showing the Secrets in the fake API as they are now."""
+
+    def __init__(self, secrets: dict[str, dict[str, Any]]) -> None:
+        self.secrets = secrets
+
+    def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
+        found = self.secrets.get(name)
+        return True, (watchcache.secret_view()(found) if found is not None else None)
+
+
+def test_the_secrets_it_made_are_not_read_back(monkeypatch) -> None:
+    """Issue 58 item 6: the key and agent token Secrets are known as the apply created them (the
+    create answers with their version, and with any Secret under the name it fails): a refresh reads
+    neither while the Secret watch cache shows that version. Made again by someone else (a new
+    version), the token is read and judged, and not theirs, never used."""
+    api = Api(monkeypatch)
+    cache_names({})
+    runtime.CONTROLLER.secret_cache = SecretsWatched(api.secrets)  # type: ignore[assignment]
+    body = _body()
+    state = runtime.CONTROLLER.state(("ml", body["metadata"]["name"]))
+    state.body = body
+    assert apply.apply_workloads(body, LOG)
+    gets: list[str] = []
+    monkeypatch.setattr(kube, "get", lambda v, kind, name, ns: gets.append(name) or api.secrets.get(name))
+    target = state.applied[1].target
+    made = base64.b64decode(api.secrets["llama31-8b-agent-token"]["data"]["token"]).decode()
+    assert reading.read_key(target) == state.applied[1].key and agents.agent_token(target) == made and gets == []
+    api.secrets["llama31-8b-agent-token"] = {"metadata": {"name": "llama31-8b-agent-token", "resourceVersion": "2"},
+                                             "data": {"token": base64.b64encode(b"users-token").decode()}}
+    assert agents.agent_token(target) is None and gets == ["llama31-8b-agent-token"]
 
 
 def test_a_new_resource_has_no_stale_routes_to_look_for(monkeypatch) -> None:

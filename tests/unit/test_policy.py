@@ -221,7 +221,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     stay), no Secret data read; the same resource under an open policy is applied."""
     calls: list[str] = []
     monkeypatch.setattr(kube, "apply", lambda m: calls.append(f"apply {m['kind']}") or m)
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or True)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: calls.append(f"create {m['kind']}") or m)
     monkeypatch.setattr(kube, "get", lambda *a: calls.append(f"get {a[1]} {a[2]}"))
     # The Secrets named exist (unlabelled); the agent token does not yet (the operator makes it), nor
     # any other object under its names.
@@ -247,7 +247,7 @@ def test_a_refused_resource_renders_and_reads_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(runtime.CONTROLLER, "policy", Policy(allowed_images=("docker.io/vllm/", "lmcache/"),
                                                    secret_label=("kvpersist.dev/usable-by", "kvpersist")))
     created: list[dict[str, Any]] = []
-    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or True)
+    monkeypatch.setattr(kube, "create_if_absent", lambda m: created.append(m) or m)
     apply_workloads(body, logging.getLogger("test"))
     assert runtime.CONTROLLER.state(key).applied[1].refusal is None
     assert {"apply StatefulSet", "apply Deployment"} <= set(calls)

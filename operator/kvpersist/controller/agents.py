@@ -5,6 +5,8 @@ at most every AGENT_TOKEN_TTL_S, never someone else's under its name) and every 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
@@ -34,14 +36,21 @@ def agent_token(target: Target) -> str | None:
         secret = kube.get("v1", "Secret", target.agent_token_secret, target.namespace)
     except ApiException:
         secret = None
-    owner_uid = ((state.body or {}).get("metadata") or {}).get("uid")
+    return remember_token(target, secret, ((state.body or {}).get("metadata") or {}).get("uid"))
+
+
+def remember_token(target: Target, secret: Mapping[str, Any] | None, owner_uid: str | None) -> str | None:
+    """The token in the Secret as read, or as the apply created it (then never read back while the
+    Secret watch cache shows that version), kept; None when there is none or the Secret is not the
+    resource's own (owner_uid's). Never logged."""
     if secret is not None and not ownership.is_own_child(secret.get("metadata"), owner_uid):
         # Someone else's Secret under the token's name: never sent to the agents; the apply says NameTaken.
         runtime.CONTROLLER.child_owners.pop(("Secret", target.namespace, target.agent_token_secret), None)
         secret = None
     raw = kube.secret_value(secret, AGENT_TOKEN_KEY)
     token = raw.decode().strip() if raw else None
-    state.agent_token = (now, token)
+    state = runtime.CONTROLLER.held((target.namespace, target.name))
+    state.agent_token = (time.monotonic(), token)
     state.agent_token_version = ((secret or {}).get("metadata") or {}).get("resourceVersion")
     return token
 

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime
+from kvpersist.controller.agents import remember_token
 from kvpersist.controller.decision import CLAIMS, DROPPABLE, NAMES, POLICY, Decision, child_key, decide
 from kvpersist.controller.drift import note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
@@ -154,17 +155,22 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
     concurrent.futures.wait(jobs)
     for job in jobs:
         job.result()  # the first failure, raised here (every job has ended)
-    if token_job.result():
+    # What the operator created is known as created (never someone else's: the create fails on any
+    # object under the name), not read back while the Secret watch cache shows that version.
+    if (made_token := token_job.result()) is not None:
         owners[token_key] = uid
+        remember_token(target, made_token, uid)
     elif not token_known:  # absent when looked up, someone else's now: judged on the next try
         raise RuntimeError(f"Secret {target.agent_token_secret} appeared while applying; looking at it again")
-    if key_job is not None and not key_job.result():
+    if key_job is not None and key_job.result() is None:
         # Made by someone else between the read and the create: the manifests name a key it does
         # not hold. Nothing server-side was applied yet; read it and apply again.
         state.key_read = None
         raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
     key_event = None
     if key_job is not None:
+        # The key made (state.key_read above) stands, unread, while the Secret watch cache shows this version.
+        state.key_read_version = (key_job.result().get("metadata") or {}).get("resourceVersion")
         logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
                     key_secret["metadata"]["name"], decision.generated_key)
         key_event = (f"generated Secret {key_secret['metadata']['name']} with L2's master key (fingerprint "

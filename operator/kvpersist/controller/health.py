@@ -98,7 +98,7 @@ def unlisted_caches() -> list[str]:
     from kvpersist.controller import runtime
 
     c = runtime.CONTROLLER
-    return [cache.kind for cache in (c.secret_cache, c.claim_cache, c.configmap_cache)
+    return [cache.kind for cache in (c.secret_cache, c.claim_cache, c.configmap_cache, *c.name_caches.values())
             if cache is not None and not cache.listed_once]
 
 

@@ -62,15 +62,16 @@ def apply(manifest: Mapping[str, Any]) -> dict[str, Any]:
                                  _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
 
 
-def create_if_absent(manifest: Mapping[str, Any]) -> bool:
-    """Creates an object unless one of its name exists (never overwritten: a generated key); True if created."""
+def create_if_absent(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Creates an object unless one of its name exists (never overwritten: a generated key): the
+    object as the API server created it (what a read would return until its resourceVersion
+    changes), or None when one existed."""
     meta = manifest["metadata"]
     try:
-        _resource(manifest["apiVersion"], manifest["kind"]).create(body=dict(manifest), namespace=meta.get("namespace"),
-                                                                   _request_timeout=REQUEST_TIMEOUT_S)
+        return _resource(manifest["apiVersion"], manifest["kind"]).create(
+            body=dict(manifest), namespace=meta.get("namespace"), _request_timeout=REQUEST_TIMEOUT_S, serializer=_plain)
     except ConflictError:
-        return False
-    return True
+        return None
 
 
 def secret_value(secret: Mapping[str, Any] | None, key: str) -> bytes | None:

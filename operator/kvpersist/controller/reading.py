@@ -139,6 +139,17 @@ def watched_metadata(kind: str, name: str, namespace: str) -> dict[str, Any] | N
     return kube.get_metadata("v1", "ConfigMap", name, namespace)
 
 
+def cached_name(kind: str, name: str, namespace: str) -> tuple[bool, dict[str, Any] | None]:
+    """(whether kind's names watch cache has listed, the metadata it keeps of what holds the name or
+    None): (False, None) when there is no such cache, or it has not listed, and the caller asks the
+    API server. Never blocks."""
+    cache = runtime.CONTROLLER.name_caches.get(kind)
+    if cache is None:
+        return False, None
+    synced, found = cache.lookup(namespace, name)
+    return synced, (dict(found["metadata"]) if found is not None else None)
+
+
 def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
     """A claim the user named (existingClaimName), from the watch cache when it has listed, else
     by request. Blocking."""

@@ -39,7 +39,7 @@ from kvpersist.controller.decision import (
     written_target,
 )
 from kvpersist.controller.policy import named_secrets
-from kvpersist.controller.reading import hub_token, l2_claims, named_claim, parsed_model, read_key, watched_metadata
+from kvpersist.controller.reading import cached_name, hub_token, l2_claims, named_claim, parsed_model, read_key, watched_metadata
 from kvpersist.controller.stale_routes import ROUTE_KINDS
 from kvpersist.identity import key_fingerprint
 from kvpersist.l2backends import backend_of
@@ -59,18 +59,25 @@ def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Met
 
 
 def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The metadata of what holds a manifest's name now, or None: a Secret or ConfigMap from its
-    metadata-only watch cache (watched_metadata), any other kind by a LIST of that name (what the
-    operator may do on them)."""
+    """The metadata of what holds a manifest's name now, or None: from the kind's metadata-only
+    watch cache (watched_metadata for a Secret or ConfigMap, cached_name for the others) where it has
+    listed, else by request: a LIST of that name for the other kinds (what the operator may do on them)."""
     meta = manifest["metadata"]
     if manifest["kind"] in ("Secret", "ConfigMap"):
         return watched_metadata(manifest["kind"], meta["name"], meta["namespace"])
+    synced, found = cached_name(manifest["kind"], meta["name"], meta["namespace"])
+    if synced:
+        return found
     return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
 
 
 def _route(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """The metadata of the object under a route name, or None: a LIST by name (the operator may
+    """The metadata of the object under a route name, or None: from the kind's watch cache where it
+    has listed (it keeps the labels route_conflicts reads), else a LIST by name (the operator may
     list, not get, every kind it routes with)."""
+    synced, found = cached_name(kind, name, namespace)
+    if synced:
+        return found
     same = [o for o in kube.list_all(api_version, kind, namespace, field_selector=f"metadata.name={name}")
             if (o.get("metadata") or {}).get("name") == name]
     return dict(same[0].get("metadata") or {}) if same else None

@@ -19,6 +19,7 @@ from kvpersist.status.workloads import INSTANCE_LABEL
 ROUTE_TAKEN = "RouteNameTaken"  # the CacheBypassed reason while route_conflicts finds one
 
 ROUTE_KINDS = (("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy"))
+ROUTE_LABELS = (NAMESPACE_ID_LABEL, INSTANCE_LABEL)  # what route_conflicts reads of an object under a route name
 
 
 def ids_in_use(pods: Iterable[Mapping[str, Any]]) -> set[str]:

@@ -200,6 +200,9 @@ class Controller:
         self.claim_cache: WatchCache | None = None
         self.attached_cache: WatchCache | None = None  # users' vLLM pods labelled kvpersist.dev/attach
         self.configmap_cache: WatchCache | None = None  # metadata only: ReferencesFound
+        # By kind, who holds each name of the kinds an apply names besides those (watchcache.names);
+        # empty: not started, the names are looked up by request.
+        self.name_caches: dict[str, WatchCache] = {}
         # The creator-rights policy as last read (kvpersist.controller.admissioncheck): (ok, reason,
         # message); None: not read yet, or the check is off.
         self.creator_rights: tuple[bool | None, str, str] | None = None

@@ -177,8 +177,9 @@ async def start_status_loop(logger: logging.Logger, kvp_statefulsets: Mapping[An
 
 
 def start_watch_caches() -> None:
-    """The named Secrets', ConfigMaps' and claims' watch caches in kopf's namespaces (none with a glob
-    among them: no list per namespace to make, so reads go by request)."""
+    """The named Secrets', ConfigMaps' and claims' watch caches, and those of the names an apply
+    takes, in kopf's namespaces (none with a glob among them: no list per namespace to make, so
+    reads go by request)."""
     scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
     if scope is False:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
@@ -189,6 +190,9 @@ def start_watch_caches() -> None:
         cache = make(scope)  # type: ignore[operator]
         setattr(runtime.CONTROLLER, name, cache)
         cache.start()
+    for api_version, kind in watchcache.NAMED_KINDS:
+        runtime.CONTROLLER.name_caches[kind] = watchcache.names(api_version, kind, scope)
+        runtime.CONTROLLER.name_caches[kind].start()
 
 
 @kopf.on.cleanup()
@@ -196,6 +200,8 @@ async def stop_status_loop(**_: Any) -> None:
     for name in CACHES:
         if (cache := getattr(runtime.CONTROLLER, name)) is not None:
             cache.stop()
+    for cache in runtime.CONTROLLER.name_caches.values():
+        cache.stop()
     if runtime.CONTROLLER.creator_rights_stop is not None:
         runtime.CONTROLLER.creator_rights_stop.set()
     if runtime.CONTROLLER.loop_task is not None:

@@ -1,10 +1,11 @@
 """Watch caches of what the status refresh used to read by request every round (100+ reads a second
 at 500 resources): the Secrets and ConfigMaps a resource names (metadata only: Secret data never
 reaches the cache), the claims users name and their attached pods (neither carries the operator's
-labels, so kopf's indexes never see them). One list, then one watch, per watched namespace (or one
-cluster-wide), each in a thread of its own.
+labels, so kopf's indexes never see them); and of every object, the operator's or not, under a kind
+whose derived names an apply takes (names: who holds a name, without a LIST of it per apply). One
+list, then one watch, per watched namespace (or one cluster-wide), each in a thread of its own.
 
-Each object is cut down as its page arrives, and Secrets and ConfigMaps are listed in small pages:
+Each object is cut down as its page arrives, and all but claims and pods are listed in small pages:
 whoever may create one decides its size (400 ConfigMaps of 1,500 labels and a 250 KiB annotation took
 the operator from 110 to 330 MiB; issue 58). Until a cache has listed (again after a failed watch),
 callers read by request.
@@ -22,11 +23,12 @@ from typing import Any
 from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.retained import INSTANCE_LABEL, PROTECTED_ANNOTATIONS, TRACKING_LABEL
 from kvpersist.controller import kube
+from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_LABELS
 from kvpersist.status.workloads import COMPONENT_LABEL, attached_view, slim
 
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the next starts from the last resourceVersion
 BACKOFFS_S = (1, 2, 5, 10)  # after a failed list or watch (the API server down, a 410), then every 10 s
-SMALL_PAGE = 10  # objects per page of a Secret or ConfigMap list: a page is held whole until it is cut down
+SMALL_PAGE = 10  # objects per page of a metadata-only list: a page is held whole until it is cut down
 Keep = Callable[[Mapping[str, Any]], dict[str, Any]]
 Lister = Callable[[str | None, Keep], tuple[list[dict[str, Any]], str]]  # each item already kept
 Watcher = Callable[[str | None, str, threading.Event], Iterator[tuple[str, dict[str, Any]]]]
@@ -47,19 +49,24 @@ def names_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {"metadata": out}
 
 
-def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:
-    """A Secret's identity, the labels read of it (the operator's own, and secretLabel's key among
-    label_keys) and the annotations it protects, never the rest of its metadata."""
-    wanted = OWN_LABELS + label_keys
+def labelled_view(label_keys: tuple[str, ...], annotation_keys: tuple[str, ...] = ()) -> Keep:
+    """names_view, and of the labels and annotations only those read."""
 
     def keep(obj: Mapping[str, Any]) -> dict[str, Any]:
         out = names_view(obj)
         meta = obj.get("metadata") or {}
         labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
-        out["metadata"]["labels"] = {k: labels[k] for k in wanted if k in labels}
-        out["metadata"]["annotations"] = {k: annotations[k] for k in PROTECTED_ANNOTATIONS if k in annotations}
+        out["metadata"]["labels"] = {k: labels[k] for k in label_keys if k in labels}
+        if annotation_keys:
+            out["metadata"]["annotations"] = {k: annotations[k] for k in annotation_keys if k in annotations}
         return out
     return keep
+
+
+def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:
+    """A Secret's identity, the labels read of it (the operator's own, and secretLabel's key among
+    label_keys) and the annotations it protects, never the rest of its metadata."""
+    return labelled_view(OWN_LABELS + label_keys, PROTECTED_ANNOTATIONS)
 
 
 class WatchCache:
@@ -162,15 +169,17 @@ class WatchCache:
         return version
 
 
-def _core(kind: str, metadata_only: bool, page: int = kube.LIST_PAGE, label_selector: str | None = None) -> tuple[Lister, Watcher]:
-    """The list and the watch of one core/v1 kind (as admissioncheck._by_name: tests/rbac_needs.py
-    follows the kind from each caller)."""
+def _kind(api_version: str, kind: str, metadata_only: bool, page: int = kube.LIST_PAGE,
+          label_selector: str | None = None) -> tuple[Lister, Watcher]:
+    """The list and the watch of one kind (as admissioncheck._by_name: tests/rbac_needs.py follows
+    the kind from each caller)."""
 
     def lister(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-        return kube.list_page("v1", kind, scope, metadata_only, label_selector=label_selector, keep=keep, page=page)
+        return kube.list_page(api_version, kind, scope, metadata_only, label_selector=label_selector, keep=keep, page=page)
 
     def watcher(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-        return kube.watch_page("v1", kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop, label_selector=label_selector)
+        return kube.watch_page(api_version, kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop,
+                               label_selector=label_selector)
 
     return lister, watcher
 
@@ -178,21 +187,32 @@ def _core(kind: str, metadata_only: bool, page: int = kube.LIST_PAGE, label_sele
 def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Users' own vLLM pods attached to a resource (spec.vllm.mode Attached), by the label the attach
     policies judge, as kvpersist.status.workloads.attached_view keeps them (a pod's spec is kilobytes)."""
-    return WatchCache("Pod", namespaces, *_core("Pod", False, label_selector=ATTACH_LABEL), keep=attached_view)
+    return WatchCache("Pod", namespaces, *_kind("v1", "Pod", False, label_selector=ATTACH_LABEL), keep=attached_view)
 
 
 def secrets(namespaces: tuple[str, ...] | None, label_keys: tuple[str, ...] = ()) -> WatchCache:
     """label_keys: the labels read besides the operator's own (the chart's secretLabel key)."""
-    return WatchCache("Secret", namespaces, *_core("Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
+    return WatchCache("Secret", namespaces, *_kind("v1", "Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
-    return WatchCache("PersistentVolumeClaim", namespaces, *_core("PersistentVolumeClaim", False), keep=slim)
+    return WatchCache("PersistentVolumeClaim", namespaces, *_kind("v1", "PersistentVolumeClaim", False), keep=slim)
 
 
 def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Metadata only: whether a ConfigMap a spec names exists (ReferencesFound), never its data."""
-    return WatchCache("ConfigMap", namespaces, *_core("ConfigMap", True, SMALL_PAGE), keep=names_view)
+    return WatchCache("ConfigMap", namespaces, *_kind("v1", "ConfigMap", True, SMALL_PAGE), keep=names_view)
+
+
+# The kinds besides Secret and ConfigMap whose derived names an apply takes (snapshot's names check).
+NAMED_KINDS = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"), *ROUTE_KINDS)
+
+
+def names(api_version: str, kind: str, namespaces: tuple[str, ...] | None) -> WatchCache:
+    """Metadata only, whose each object is (names_view), and for a route kind the labels that say
+    which id and resource it routes for (stale_routes.route_conflicts)."""
+    keep = labelled_view(ROUTE_LABELS) if (api_version, kind) in ROUTE_KINDS else names_view
+    return WatchCache(kind, namespaces, *_kind(api_version, kind, True, SMALL_PAGE), keep=keep)
 
 
 def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:

@@ -129,21 +129,20 @@ def watched_metadata(kind: str, name: str, namespace: str) -> dict[str, Any] | N
     """A Secret's or ConfigMap's metadata as its watch cache keeps it (who it is, its controller, the
     labels read), from the cache when it has listed, else by request (metadata only either way: the
     data is never read for this). Blocking."""
-    cache = runtime.CONTROLLER.secret_cache if kind == "Secret" else runtime.CONTROLLER.configmap_cache
-    if cache is not None:
-        synced, found = cache.lookup(namespace, name)
-        if synced:
-            return dict(found["metadata"]) if found is not None else None
+    synced, found = cached_name(kind, name, namespace)
+    if synced:
+        return found
     if kind == "Secret":  # the kinds spelled out: tests/rbac_needs.py tells from them which right each call needs
         return kube.get_metadata("v1", "Secret", name, namespace)
     return kube.get_metadata("v1", "ConfigMap", name, namespace)
 
 
 def cached_name(kind: str, name: str, namespace: str) -> tuple[bool, dict[str, Any] | None]:
-    """(whether kind's names watch cache has listed, the metadata it keeps of what holds the name or
-    None): (False, None) when there is no such cache, or it has not listed, and the caller asks the
-    API server. Never blocks."""
-    cache = runtime.CONTROLLER.name_caches.get(kind)
+    """(whether kind's metadata-only watch cache has listed, the metadata it keeps of what holds the
+    name or None): (False, None) when there is no such cache, or it has not listed, and the caller
+    asks the API server. Never blocks."""
+    caches = {"Secret": runtime.CONTROLLER.secret_cache, "ConfigMap": runtime.CONTROLLER.configmap_cache}
+    cache = caches[kind] if kind in caches else runtime.CONTROLLER.name_caches.get(kind)
     if cache is None:
         return False, None
     synced, found = cache.lookup(namespace, name)

@@ -182,7 +182,7 @@ def start_watch_caches() -> None:
     reads go by request)."""
     scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
     if scope is False:
-        logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets and claims are read by request")
+        logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets, claims and names are read by request")
         return
     label = runtime.CONTROLLER.policy.secret_label
     secrets = functools.partial(watchcache.secrets, label_keys=(label[0],) if label else ())

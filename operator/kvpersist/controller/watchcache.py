@@ -178,8 +178,7 @@ def _kind(api_version: str, kind: str, metadata_only: bool, page: int = kube.LIS
         return kube.list_page(api_version, kind, scope, metadata_only, label_selector=label_selector, keep=keep, page=page)
 
     def watcher(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-        return kube.watch_page(api_version, kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop,
-                               label_selector=label_selector)
+        return kube.watch_page(api_version, kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop, label_selector=label_selector)
 
     return lister, watcher
 

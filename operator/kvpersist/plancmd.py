@@ -382,6 +382,13 @@ def read_snapshot(doc: Mapping[str, Any], spec: KVCacheNamespaceSpec, live: Mapp
             if weights:
                 whole, got = got, dict(got.get("metadata") or {}) if got is not None else None
             found[kind, ns, obj_name] = got
+        for manifest in dec.names_to_read(replace(snap, names=found))[0]:  # another id holds a route name
+            key = dec.child_key(manifest)
+            if key not in found:
+                got = _readable(unchecked, f"{key[0]} {key[2]}", False, kube.get_metadata, manifest["apiVersion"], key[0],
+                                key[2], namespace)
+                if got is not False:
+                    found[key] = got
         shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
         claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", None, kube.get, "v1", "PersistentVolumeClaim",
                           shared, namespace) if shared else None

@@ -150,6 +150,10 @@ class Api:
         self.existing[(manifest["kind"], manifest["metadata"]["name"])] = manifest["metadata"]
         return manifest
 
+    def _delete(self, api_version: str, kind: str, name: str, namespace: str) -> None:
+        self.deleted.append((kind, name))
+        self.existing.pop((kind, name), None)
+
     def _create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         if (manifest["kind"], manifest["metadata"]["name"]) in self.existing:
             return None

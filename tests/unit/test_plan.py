@@ -255,6 +255,26 @@ def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.
     assert free.verdict is None and free.applied and line.endswith(" applies it") and free.code == plancmd.UNKNOWN
 
 
+def test_the_plan_reads_the_policy_of_every_server_when_another_id_holds_a_route_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another id's Service under the new id's route name: the operator leaves the routes out and
+    applies the policy of every server (RouteNameTaken); the plan reads that policy's name too, so
+    it says so rather than "not checked"; a user's object under that name refuses the apply."""
+    obj = _claiming("b", None)
+    obj["spec"]["l2"]["encryption"] = {"enabled": False}
+    _Cluster(monkeypatch, [])
+    nid = plancmd.plan_one(obj, "ml").new_id
+    assert nid is not None
+    other = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"b-lmcache-{nid[4:12]}", "namespace": "ml", "labels": {
+        "kvpersist.dev/namespace-id": "kvp-" + "0" * 32, "app.kubernetes.io/instance": "b"}}}
+    _Cluster(monkeypatch, [other])
+    plan = plancmd.plan_one(obj, "ml")
+    assert plan.verdict == "RouteNameTaken" and plan.applied and not plan.unchecked, plan
+    users = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "b-lmcache", "namespace": "ml"}}
+    _Cluster(monkeypatch, [other, users])
+    plan = plancmd.plan_one(obj, "ml")
+    assert plan.verdict == "NameTaken" and not plan.applied and "NetworkPolicy b-lmcache" in (plan.verdict_message or "")
+
+
 def test_a_planted_generated_key_secret_names_no_id_in_the_plan_as_in_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Secret under the generated key's name that the operator did not make: the operator never
     uses its bytes (KeySecretNotOwned, the cache off), so the plan names no id from them either;

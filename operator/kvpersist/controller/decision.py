@@ -307,8 +307,12 @@ def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]
     """The manifests and the agent token Secret whose names the snapshot must hold (written_target's).
     Every name among them not known as its own is read by its metadata; the id's route names
     (route_keys), own or not, by a LIST of the name (their labels say which id they route to); the
-    weights claim whole (its spec is compared)."""
+    weights claim whole (its spec is compared). Where snap.names shows another id holding a route
+    name (so read the routes first), also the policy of every server decide builds in their place (_exclusive)."""
     target = written_target(snap)
+    routes = [(key[0], {"metadata": dict(meta)}) for key in route_keys(target) if (meta := snap.names.get(key)) is not None]
+    if target.cache_enabled and route_conflicts(target, routes):
+        return build_all(dataclasses.replace(target, routes=False), operator_ns=""), _token_secret(target, snap)
     return build_all(target, operator_ns=""), _token_secret(target, snap)
 
 

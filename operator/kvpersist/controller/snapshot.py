@@ -83,10 +83,11 @@ def _route(api_version: str, kind: str, name: str, namespace: str) -> dict[str, 
     return dict(same[0].get("metadata") or {}) if same else None
 
 
-def _names(snap: Snapshot) -> Snapshot:
+def _names(snap: Snapshot, again: bool = True) -> Snapshot:
     """Every name the apply writes that is not known as its own, the id's route names and the
     weights claim, and a user's shared claim: side by side on the apply pool (one after the other,
-    they were a round trip each). Raises ApiException."""
+    they were a round trip each). Once more (again) where the routes show another id holding a route
+    name: decide then writes other names in their place (names_to_read). Raises ApiException."""
     target = written_target(snap)
     manifests, token_secret = names_to_read(snap)
     pool = runtime.CONTROLLER.apply_pool
@@ -115,8 +116,11 @@ def _names(snap: Snapshot) -> Snapshot:
     if cache_claim:
         found["PersistentVolumeClaim", target.namespace, cache_claim] = dict((whole or {}).get("metadata") or {}) \
             if whole is not None else None
-    return dataclasses.replace(snap, names=found, model_cache_claim=whole,
+    read = dataclasses.replace(snap, names=found, model_cache_claim=whole,
                                named_claim=user_claim.result() if user_claim is not None else None)
+    in_their_place, _token = names_to_read(read)
+    unread = [m for m in in_their_place if child_key(m) not in found and child_key(m) not in known]
+    return _names(read, again=False) if again and unread else read
 
 
 def _pool_served(spec: KVCacheNamespaceSpec, own: frozenset[tuple[str, str, str]], namespace: str, name: str) -> bool:

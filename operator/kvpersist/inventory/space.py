@@ -98,12 +98,6 @@ def fraction(claim: dict[str, Any]) -> float | None:
     return claim["usedBytes"] / cap if cap else None
 
 
-def nearly_full(l2: dict[str, Any] | None, threshold: float = NEARLY_FULL) -> bool | None:
-    """Whether the fullest claim is at or past threshold of its size; None when unknown."""
-    pct = fraction(l2) if l2 else None
-    return None if pct is None else pct >= threshold
-
-
 def claim_space_summary(volumes: list[tuple[str, str | None, Inventory]], serving: str | None, live: frozenset[str],
                         now: float, old: dict[str, Any] | None = None,
                         removed: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:

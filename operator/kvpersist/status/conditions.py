@@ -10,7 +10,7 @@ from typing import Any
 from kvpersist.builders import buildcheck
 from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
-from kvpersist.inventory.space import NEARLY_FULL, fraction, nearly_full
+from kvpersist.inventory.space import NEARLY_FULL, fraction
 from kvpersist.inventory.volume import iso, parse_iso, served_of
 from kvpersist.l2backends import BACKENDS
 from kvpersist.status import Verdict, build, canary, creatorrights, references
@@ -248,15 +248,14 @@ def _budget_verdict(budget: Mapping[str, Any] | None) -> Verdict | None:
 def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
     """L2SpaceAvailable: False once the fullest claim is NEARLY_FULL, naming the other namespaces'
     folders and how to delete them; True otherwise; absent while no claim was read."""
-    full = nearly_full(dict(l2) if l2 else None)
-    if l2 is None or full is None:
+    share = fraction(dict(l2)) if l2 else None
+    if l2 is None or share is None:
         return None
-    share = fraction(dict(l2))
-    where = (f"{l2['location']} is {'?' if share is None else f'{min(share, 9.999) * 100:.1f}%'} full "
+    where = (f"{l2['location']} is {min(share, 9.999) * 100:.1f}% full "
              f"({human_bytes(l2['usedBytes']) or '0B'} of {human_bytes(l2.get('capacityBytes') or 0) or '?'})")
     others = l2.get("largestOtherNamespaces") or []
     held = f"; other namespaces' folders hold {human_bytes(l2.get('otherNamespacesBytes') or 0) or '0B'}" if others else ""
-    if not full:
+    if share < NEARLY_FULL:
         return condition(SPACE_CONDITION, True, "ClaimHasRoom", where + held, gen)
     if others:
         names = ", ".join(f"{o['namespaceId']} ({human_bytes(o['bytes']) or '0B'}, "

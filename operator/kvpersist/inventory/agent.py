@@ -25,14 +25,13 @@ import os
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from kvpersist import httpclient
 from kvpersist.httpclient import PeerError
-from kvpersist.httpserver import BodyError, BoundedHTTPServer, ProbeAnswer, read_body
+from kvpersist.httpserver import BodyError, BoundedHTTPServer, ProbeAnswer, QuietHandler, read_body
 from kvpersist.inventory import prefetch
 from kvpersist.inventory.space import effective_capacity, judge_expiry, others_bytes
 from kvpersist.inventory.volume import (
@@ -301,17 +300,12 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         body = {"status": "ok"} if why is None else {"error": why}
         return 200 if why is None else 503, "application/json", json.dumps(body).encode()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug(fmt, *args)
 
         def _send(self, code: int, body: dict[str, Any] | bytes, kind: str = "application/json") -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.answer(code, kind, body if isinstance(body, bytes) else json.dumps(body).encode())
 
         def _refused(self, deleting: bool = True, warn: bool = False) -> bool:
             """Whether the request lacks the token it needs (Agent.refusal); if so, it is answered here."""

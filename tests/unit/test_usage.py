@@ -6,18 +6,18 @@ import json
 from pathlib import Path
 
 from kvpersist.status.usage import (
+    LMCacheStatus,
     WriteFailureTracker,
     collect_usage,
     human_bytes,
     parse_exposition,
     parse_status,
-    status_model,
     summarize,
     with_write_failures,
 )
 
 CAPTURED = json.loads((Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_text())
-MODEL = status_model(CAPTURED)
+MODEL = LMCacheStatus.model_validate(CAPTURED)
 
 
 def test_parse_real_status() -> None:

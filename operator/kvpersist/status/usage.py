@@ -84,21 +84,13 @@ class LMCacheStatus(_Part):
     storage_manager: StorageManager | None = None
 
 
-def status_model(status: Any) -> LMCacheStatus:
-    """A /status body as the model; PeerError naming what is malformed."""
-    try:
-        return LMCacheStatus.model_validate(status)
-    except ValidationError as exc:
-        raise PeerError(httpclient.problems(exc)) from None
-
-
 def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
     """lmcache 0.5.6's /status (L2 objects: the adapters' index, lazy after a restart). A body of
     another shape is an unhealthy report saying why, never an exception: the refresh must go on."""
     try:
-        return _report(pod, status_model(status))
-    except PeerError as exc:
-        return _malformed(pod, str(exc))
+        return _report(pod, LMCacheStatus.model_validate(status))
+    except ValidationError as exc:
+        return _malformed(pod, httpclient.problems(exc))
 
 
 def _malformed(pod: str, reason: str) -> ServerReport:
@@ -449,7 +441,7 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
         what = f"unreachable from the agent at {where}: HTTP" if agent_up else f"at {where} answered HTTP"
         return ServerReport(pod=pod, healthy=False, message=f"/status {what} {reply.status}{_error_of(reply.body)}")
     try:
-        status = status_model(httpclient.load_json(reply.body))
+        status = httpclient.parse(reply.body, LMCacheStatus)
     except PeerError as exc:
         return _malformed(pod, str(exc))
     report = _report(pod, status)

@@ -50,16 +50,18 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
-class _Registered(_Lenient):
-    model_name: str = Field(min_length=1, max_length=1024)
-    world_size: int = Field(strict=True, ge=1, le=1024)
+class Layout(_Lenient):
+    """One registration: as lmcache's /status lists it (snake_case), and as the prefetch ran under it."""
+
+    model_name: str = Field(alias="modelName", min_length=1, max_length=1024)
+    world_size: int = Field(alias="worldSize", strict=True, ge=1, le=1024)
 
 
 class _Status(_Lenient):
     """What lmcache's /status says of the workers registered with it (the two transfer modules)."""
 
-    non_cuda_context_meta: dict[str, _Registered] = Field(default_factory=dict, max_length=1024)
-    cache_context_meta: dict[str, _Registered] = Field(default_factory=dict, max_length=1024)
+    non_cuda_context_meta: dict[str, Layout] = Field(default_factory=dict, max_length=1024)
+    cache_context_meta: dict[str, Layout] = Field(default_factory=dict, max_length=1024)
 
 
 class _Submitted(_Lenient):
@@ -72,13 +74,6 @@ class _Polled(_Lenient):
     status: Literal["pending", "completed"]
     found_keys: Count | None = None
     total_keys: Count | None = None
-
-
-class Layout(_Lenient):
-    """One registration the prefetch ran under."""
-
-    model_name: str = Field(alias="modelName", max_length=1024)
-    world_size: int = Field(alias="worldSize", ge=1, le=1024)
 
 
 class Answer(_Lenient):

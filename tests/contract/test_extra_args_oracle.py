@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARGS, extra_args_problem
+from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARGS
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args
 from kvpersist.identity import key_fingerprint, resolve
+from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
 
 pytestmark = pytest.mark.contract

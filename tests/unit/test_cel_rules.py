@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from kvpersist.api import celrules
 from kvpersist.api.crd import build_crd
 from kvpersist.api.quantity import as_approximate_float, parse, parse_quantity
-from kvpersist.api.spec import EXTRA_ARGS, extra_args_problem, spec_schema
+from kvpersist.api.spec import EXTRA_ARGS, spec_schema
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
+from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
 
 Edit = Callable[[dict[str, Any]], None]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpersist.api.spec import KV_EVENTS_PORT, extra_args_problem
+from kvpersist.api.spec import KV_EVENTS_PORT
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.builders.vllm import (
@@ -25,6 +25,7 @@ from kvpersist.builders.vllm import (
     vllm_args,
 )
 from kvpersist.identity import key_fingerprint, resolve
+from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
 
 FINGERPRINT = key_fingerprint(b"k" * 32)

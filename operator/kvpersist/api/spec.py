@@ -47,24 +47,6 @@ EXTRA_ARG_REGEX = "^(" + "|".join(sorted(EXTRA_ARGS)) + ")(=.*)?$"  # flags are 
 EXTRA_ARG_VALUE_FLAGS = "[" + ", ".join(f"'{f}'" for f in sorted(f for f, takes in EXTRA_ARGS.items() if takes)) + "]"
 
 
-def extra_args_problem(args: list[str]) -> str | None:
-    """Why extraArgs would let vLLM run with other KV than the pins say, or None: each token must be an allowed
-    flag or the value right after one that takes it. The models enforce the CRD's CEL; the contract test checks both agree."""
-    wants_value = ""
-    for arg in args:
-        flag, eq, _ = arg.partition("=")
-        if not arg.startswith("-"):
-            if not wants_value:
-                return f"{arg!r} is neither an allowed flag nor the value of one"
-            wants_value = ""
-        elif wants_value:
-            return f"{wants_value} needs a value before {arg!r}"
-        elif flag not in EXTRA_ARGS:
-            return f"{arg!r} is not a flag extraArgs may set"
-        else:
-            wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
-    return f"{wants_value} needs a value" if wants_value else None
-
 # Prefix segments start with a letter, digit, `_` or `-`: no `.` or `..` (the Hub resolves neither; another
 # resource's data could be reached through them), no empty segment (`//`, a trailing `/`).
 BUCKET_HANDLE = r"^hf://buckets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"

@@ -11,7 +11,7 @@ from typing import Any, get_args
 import pytest
 from pydantic import ValidationError
 
-from kvpersist.api.identity import BLOCK_SIZES, KV_CACHE_DTYPES, UNRESOLVED_KV_CACHE_DTYPES, Identity
+from kvpersist.api.identity import BLOCK_SIZES, KV_CACHE_DTYPES, Identity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.connection import CONNECTOR_MODULES
 from kvpersist.builders.target import Target
@@ -20,6 +20,11 @@ from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import SAMPLES, sample
 
 pytestmark = pytest.mark.contract
+# vLLM's --kv-cache-dtype values that KV_CACHE_DTYPES leaves out, and why.
+UNRESOLVED_KV_CACHE_DTYPES = {
+    "auto": "follows the model's dtype, which the pins do not name",
+    "fp8": "means fp8_e4m3 on CUDA but e4m3fnuz on ROCm: name fp8_e4m3 or fp8_e5m2",
+}
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,7 @@ from pydantic import Field
 from kvpersist.api.models import SpecPart
 from kvpersist.identity import image_digest
 
-# vLLM 0.33.0's --kv-cache-dtype values less the two unresolved ones (tests/contract checks it against vLLM's).
-UNRESOLVED_KV_CACHE_DTYPES = {
-    "auto": "follows the model's dtype, which the pins do not name",
-    "fp8": "means fp8_e4m3 on CUDA but e4m3fnuz on ROCm: name fp8_e4m3 or fp8_e5m2",
-}
+# vLLM 0.33.0's --kv-cache-dtype values less the two unresolved ones, auto and fp8 (tests/contract checks it against vLLM's).
 KV_CACHE_DTYPES = (
     "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",

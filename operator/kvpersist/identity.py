@@ -177,8 +177,3 @@ def resolve(pins: Mapping[str, Any]) -> Resolution:
                           ensure_ascii=True)
     digest = hashlib.sha256(document.encode("ascii")).hexdigest()
     return Resolution(NAMESPACE_PREFIX + digest[:32], canonical=canonical)
-
-
-def namespace_id(pins: Mapping[str, Any]) -> str | None:
-    """kvp-<32 hex> for complete pins; None when any pin is missing, empty or malformed."""
-    return resolve(pins).namespace_id

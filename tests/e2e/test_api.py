@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from kvpersist.api.text import FORBIDDEN, SURROGATES, forbidden
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
-from kvpersist.identity import key_fingerprint, namespace_id
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
 from tests.e2e.kube import Kubectl, wait_for
 
@@ -189,7 +189,7 @@ def test_get_shows_columns_and_namespace_id(kubectl: Kubectl, operator, namespac
              timeout=60)
     # The id is the pins with the fingerprint of the L2 key the operator generated (a pin since schema 3).
     key = base64.b64decode(kubectl.get("secret", "llama31-8b-l2-key", namespace)["data"]["master-key"])
-    expected = namespace_id(KVCacheNamespace.model_validate(sample()).spec.pins(key_fingerprint(key)))
+    expected = resolve(KVCacheNamespace.model_validate(sample()).spec.pins(key_fingerprint(key))).namespace_id
     assert expected is not None
     out = kubectl.run("get", "kvns", "-n", namespace, "-o", "wide").stdout
     header = out.splitlines()[0].split()
@@ -243,13 +243,13 @@ def test_image_by_tag_disables_cache_and_a_new_digest_is_a_new_namespace(kubectl
     kubectl.apply(obj)
     first = wait_for("a namespace id", status_with(lambda s: s.get("namespaceId")), timeout=60)["namespaceId"]
     fingerprint = key_fingerprint(base64.b64decode(kubectl.get("secret", "llama31-8b-l2-key", namespace)["data"]["master-key"]))
-    assert first == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint))
+    assert first == resolve(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint)).namespace_id
 
     obj["spec"]["image"] = pinned.split("@")[0] + "@sha256:" + "0" * 64  # another build, same tag
     kubectl.apply(obj)
     second = wait_for("another namespace id", status_with(lambda s: s.get("namespaceId") not in (None, first)),
                       timeout=60)["namespaceId"]
-    assert second == namespace_id(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint))
+    assert second == resolve(KVCacheNamespace.model_validate(obj).spec.pins(fingerprint)).namespace_id
     server = wait_for("the server set on the new id", lambda: (lambda s: s if second in json.dumps(s["spec"]["template"])
                                                                else None)(kubectl.get("statefulset", "llama31-8b-lmcache",
                                                                                       namespace)), timeout=60)

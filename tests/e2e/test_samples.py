@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.identity import key_fingerprint, namespace_id
+from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import SAMPLES
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import start_operator, stop
@@ -56,7 +56,7 @@ def _cache_on_as_the_sample_says(kubectl: Kubectl, ns: str, path: Path, obj: dic
     assert status.get("phase") != "CacheDisabled", status
     key = base64.b64decode(kubectl.get("secret", f"{name}-l2-key", ns)["data"]["master-key"])
     spec = KVCacheNamespace.model_validate(obj).spec
-    assert status["namespaceId"] == namespace_id(spec.pins(key_fingerprint(key))), path.name
+    assert status["namespaceId"] == resolve(spec.pins(key_fingerprint(key))).namespace_id, path.name
 
     image = obj["spec"]["image"]
     server_pod = kubectl.get("statefulset", f"{name}-lmcache", ns)["spec"]["template"]["spec"]

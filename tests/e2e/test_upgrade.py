@@ -30,7 +30,7 @@ from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.lmcache import AGENT_IMAGE_ENV
 from kvpersist.controller.agentroll import PENDING, UPDATING
-from kvpersist.identity import key_fingerprint, namespace_id
+from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.status.agentroll import agent_image_of, view
 from kvpersist.status.conditions import CONDITION_TYPES
 from tests.cases.invalid_manifests import sample
@@ -251,7 +251,7 @@ def test_the_documented_upgrade_keeps_namespace_ids_and_data(kubectl: Kubectl, p
     # as an orphan and said so in an event.
     key = base64.b64decode(key_secret["data"]["master-key"])
     spec = KVCacheNamespace.model_validate(kubectl.get("kvns", name, app)).spec
-    assert new_status["namespaceId"] == namespace_id(spec.pins(key_fingerprint(key)))
+    assert new_status["namespaceId"] == resolve(spec.pins(key_fingerprint(key))).namespace_id
     assert {k: v for k, v in new_status["l2Key"].items() if k != "namespaceId"} == {
         k: v for k, v in status["l2Key"].items() if k != "namespaceId"}
     assert new_status["l2Key"]["namespaceId"] == new_status["namespaceId"]

@@ -15,7 +15,6 @@ from kvpersist.identity import (
     field_path,
     image_digest,
     key_fingerprint,
-    namespace_id,
     resolve,
 )
 
@@ -68,7 +67,7 @@ def test_table_covers_every_pin() -> None:
 
 
 def test_id_shape_and_stability() -> None:
-    nid = namespace_id(BASE)
+    nid = resolve(BASE).namespace_id
     assert nid is not None and nid.startswith("kvp-") and len(nid) == 36
     int(nid[4:], 16)
     # Pinned value: the id is a storage contract, so a change to hashing must be deliberate (schema 2: images and serde
@@ -78,11 +77,11 @@ def test_id_shape_and_stability() -> None:
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
 def test_each_pin_changes_id(pin: str) -> None:
-    assert namespace_id({**BASE, pin: CHANGED[pin]}) != namespace_id(BASE)
+    assert resolve({**BASE, pin: CHANGED[pin]}).namespace_id != resolve(BASE).namespace_id
 
 
 def test_all_changed_ids_distinct() -> None:
-    ids = {namespace_id({**BASE, pin: CHANGED[pin]}) for pin in PIN_FIELDS} | {namespace_id(BASE)}
+    ids = {resolve({**BASE, pin: CHANGED[pin]}).namespace_id for pin in PIN_FIELDS} | {resolve(BASE).namespace_id}
     assert len(ids) == len(PIN_FIELDS) + 1
 
 
@@ -98,7 +97,7 @@ def test_all_changed_ids_distinct() -> None:
     ],
 )
 def test_formatting_keeps_id(variant: dict) -> None:
-    assert namespace_id(variant) == namespace_id(BASE)
+    assert resolve(variant).namespace_id == resolve(BASE).namespace_id
 
 
 @pytest.mark.parametrize("pin", PIN_FIELDS)
@@ -115,7 +114,7 @@ def test_missing_pin_gives_no_id(pin: str) -> None:
 @pytest.mark.parametrize("pin", PIN_FIELDS)
 @pytest.mark.parametrize("empty", ["", "   ", None])
 def test_empty_pin_gives_no_id(pin: str, empty: object) -> None:
-    assert namespace_id({**BASE, pin: empty}) is None
+    assert resolve({**BASE, pin: empty}).namespace_id is None
 
 
 @pytest.mark.parametrize(("pin", "bad"), [("block_size", True), ("block_size", 0), ("head_size", -1),

@@ -31,7 +31,7 @@ OLD_IDS = {
 
 
 def _id(spec: dict) -> str | None:
-    return identity.namespace_id(KVCacheNamespaceSpec.model_validate(spec).pins(FINGERPRINT))
+    return identity.resolve(KVCacheNamespaceSpec.model_validate(spec).pins(FINGERPRINT)).namespace_id
 
 
 def _doc(path: Path) -> dict:

@@ -23,8 +23,8 @@ from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import vllm_args
 from kvpersist.identity import key_fingerprint, resolve
-from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
+from tests.cases.oracles import extra_args_problem
 
 pytestmark = pytest.mark.contract
 SCRIPT = Path(__file__).with_name("vllm_options.py")

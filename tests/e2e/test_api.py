@@ -12,10 +12,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvpersist.api.text import FORBIDDEN, SURROGATES, forbidden
+from kvpersist.api.text import FORBIDDEN, SURROGATES
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import CASES, SAMPLES, Case, sample
+from tests.cases.oracles import forbidden
 from tests.e2e.kube import Kubectl, wait_for
 
 pytestmark = pytest.mark.e2e

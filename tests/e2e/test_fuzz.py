@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvpersist.api.text import forbidden
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from tests.cases.invalid_manifests import sample
+from tests.cases.oracles import forbidden
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import start_operator, stop
 

@@ -19,8 +19,8 @@ from kvpersist.api.crd import build_crd
 from kvpersist.api.quantity import as_approximate_float, parse, parse_quantity
 from kvpersist.api.spec import EXTRA_ARGS, spec_schema
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
-from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
+from tests.cases.oracles import extra_args_problem
 
 Edit = Callable[[dict[str, Any]], None]
 

@@ -30,13 +30,14 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from kvpersist.api.crd import build_crd
 from kvpersist.api.spec import QUANTITY
-from kvpersist.api.text import FORBIDDEN, NO_CONTROL_PATTERN, PROMPT_PATTERN, SURROGATES, control_problem, forbidden, printable
+from kvpersist.api.text import FORBIDDEN, NO_CONTROL_PATTERN, PROMPT_PATTERN, SURROGATES, control_problem, printable
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import Target
 from kvpersist.controller.policy import image_refusal, named_secrets
 from kvpersist.identity import resolve
 from tests.cases.invalid_manifests import sample
+from tests.cases.oracles import forbidden
 
 # ---------------------------------------------------------------- the table
 
@@ -350,6 +351,6 @@ def test_the_compiled_class_refuses_exactly_what_forbidden_names() -> None:
 
     chars = "".join(chr(c) for c in range(0x110000))
     found = {m.start() for m in text._REFUSED.finditer(chars)}
-    assert found == {c for c in range(0x110000) if text.forbidden(chr(c))}
+    assert found == {c for c in range(0x110000) if forbidden(chr(c))}
     assert text.control_problem("ok\u202eno") is not None and "position 3 of 5" in text.control_problem("ok\u202eno")
     assert text.control_problem("plain text") is None

@@ -25,8 +25,8 @@ from kvpersist.builders.vllm import (
     vllm_args,
 )
 from kvpersist.identity import key_fingerprint, resolve
-from tests.cases.extra_args import extra_args_problem
 from tests.cases.invalid_manifests import sample
+from tests.cases.oracles import extra_args_problem
 
 FINGERPRINT = key_fingerprint(b"k" * 32)
 

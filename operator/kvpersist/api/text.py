@@ -69,12 +69,6 @@ CONTROL_NAMES = {"\x00": "NUL", "\t": "TAB", "\n": "LINE FEED", "\r": "CARRIAGE 
                  "\x85": "NEXT LINE", "\x9b": "CONTROL SEQUENCE INTRODUCER"}  # unicodedata names no control
 
 
-def forbidden(char: str) -> bool:
-    """Whether one character is refused in a free string."""
-    c = ord(char)
-    return SURROGATES[0] <= c <= SURROGATES[1] or any(a <= c <= b for a, b in FORBIDDEN)
-
-
 def control_problem(value: str, refused: re.Pattern[str] = _REFUSED, rule: str = RULE) -> str | None:
     """Which refused character the value holds first, where, and the rule; None when it has none."""
     found = refused.search(value)

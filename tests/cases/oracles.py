@@ -1,9 +1,11 @@
-"""spec.vllm.extraArgs' two CEL rules in Python, as words for a list: the oracle the unit tests hold the CRD's
-rules to, and the contract test holds vLLM's own parsers to. The models evaluate the CEL itself."""
+"""Rules restated in Python, the plain way, as oracles the tests hold the operator's own forms to: extraArgs' two CEL
+rules (the models evaluate the CEL itself; the contract test also holds vLLM's parsers to them) and the table of
+characters refused in free text (kvpersist.api.text compiles it into one class)."""
 
 from __future__ import annotations
 
 from kvpersist.api.spec import EXTRA_ARGS
+from kvpersist.api.text import FORBIDDEN, SURROGATES
 
 
 def extra_args_problem(args: list[str]) -> str | None:
@@ -23,3 +25,9 @@ def extra_args_problem(args: list[str]) -> str | None:
         else:
             wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
     return f"{wants_value} needs a value" if wants_value else None
+
+
+def forbidden(char: str) -> bool:
+    """Whether one character is refused in a free string."""
+    c = ord(char)
+    return SURROGATES[0] <= c <= SURROGATES[1] or any(a <= c <= b for a, b in FORBIDDEN)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kvpersist.api.models import SpecPart
+from kvpersist.identity import field_path as pin_field  # the API's spelling of a pin's field (builders.attach too)
 from kvpersist.identity import image_digest
 
 # vLLM 0.33.0's --kv-cache-dtype values less the two unresolved ones, auto and fp8 (tests/contract checks it against vLLM's).
@@ -109,11 +110,6 @@ class IdField:
 
 # The adapter: an fs_native-only field is a change of its own only while the adapter stayed.
 ADAPTER_FIELD = IdField("spec.l2.nvme.adapter")
-
-
-def pin_field(name: str) -> str:
-    """The spec field of a spec.identity pin, as the API spells it (num_kv_heads: spec.identity.numKVHeads)."""
-    return f"spec.identity.{Identity.model_fields[name].alias}"
 
 
 def id_fields() -> tuple[IdField, ...]:

@@ -46,12 +46,9 @@ PIN_FIELDS = (
 L2_KEY_PIN = "l2_key_fingerprint"
 KEY_FINGERPRINT_MESSAGE = b"kvpersist l2 key fingerprint v1"
 KEY_FINGERPRINT_RE = re.compile(r"[0-9a-f]{16}")
-# Pins taken from what runs, and the field that sets them. Both containers run spec.image (one
-# lmcache build); the two pin names stay from when each had its own image, so old ids still match.
-IMAGE_PINS = {
-    "vllm_image_digest": "spec.image",
-    "lmcache_server_image_digest": "spec.image",
-}
+# Pins taken from what runs: spec.image's digest. Both containers run spec.image (one lmcache
+# build); the two pin names stay from when each had its own image, so old ids still match.
+IMAGE_PINS = ("vllm_image_digest", "lmcache_server_image_digest")
 # The fix for an image named by tag alone (no image of this project is published to pin it to).
 IMAGE_FIX = ("spec.image is not pinned by digest: build images/vllm-lmcache, push it and name that image by "
              "digest, as <image>@sha256:<64 hex> (`docker buildx imagetools inspect <image>` prints the digest; "

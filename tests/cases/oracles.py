@@ -1,6 +1,6 @@
 """Rules restated in Python, the plain way, as oracles the tests hold the operator's own forms to: extraArgs' two CEL
 rules (the models evaluate the CEL itself; the contract test also holds vLLM's parsers to them) and the table of
-characters refused in free text (kvpersist.api.text compiles it into one class)."""
+characters refused in free text (kvpersist.api.text compiles it into one class), less those a prompt may hold."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def extra_args_problem(args: list[str]) -> str | None:
         else:
             wants_value = flag if EXTRA_ARGS[flag] and not eq else ""
     return f"{wants_value} needs a value" if wants_value else None
+
+
+PROMPT_ALLOWED = "\t\n\r"
 
 
 def forbidden(char: str) -> bool:

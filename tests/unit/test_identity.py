@@ -106,7 +106,7 @@ def test_missing_pin_gives_no_id(pin: str) -> None:
     res = resolve(pins)
     assert res.namespace_id is None
     assert res.missing == (pin,)
-    assert (IMAGE_PINS.get(pin) or field_path(pin)) in res.reason
+    assert ("spec.image" if pin in IMAGE_PINS else field_path(pin)) in res.reason
     assert res.code == ("ImageNotPinned" if pin in IMAGE_PINS else "L2KeyNotRead" if pin == L2_KEY_PIN else
                         "IdentityIncomplete")
 

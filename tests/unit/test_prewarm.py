@@ -16,7 +16,7 @@ import pytest
 from pydantic import Field, TypeAdapter, ValidationError
 
 from kvpersist.api.spec import Prewarm
-from kvpersist.api.text import PROMPT_ALLOWED, PROMPT_PATTERN, SURROGATES, refuse_control_in_prompt
+from kvpersist.api.text import PROMPT_PATTERN, SURROGATES, refuse_control_in_prompt
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import prewarm as runner
@@ -28,7 +28,7 @@ from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.prewarm import UNREAD, Declared, Pair, Pass, Prompt, PromptResult, ServerWarmth
 from kvpersist.status.workloads import Pod
 from tests.cases.invalid_manifests import sample
-from tests.cases.oracles import forbidden
+from tests.cases.oracles import PROMPT_ALLOWED, forbidden
 
 NSID = "kvp-" + "a" * 32
 

@@ -96,7 +96,6 @@ refuse_control = _refuser(_REFUSED, RULE)
 # A prompt (spec.prewarm) is text a model reads, so it keeps its line breaks and tabs: TAB, LF and
 # CR are allowed there, every other refused character stays refused. The prompt goes only to
 # vLLM's /tokenize, never into argv, a log line or a condition (which name it by its place).
-PROMPT_ALLOWED = "\t\n\r"
 PROMPT_FORBIDDEN: tuple[tuple[int, int], ...] = ((0x00, 0x08), (0x0B, 0x0C), (0x0E, 0x1F), *FORBIDDEN[1:])
 PROMPT_PATTERN = f"^[^{_class(PROMPT_FORBIDDEN)}]*$"
 PROMPT_RULE = ("control and format characters other than TAB, LF and CR are refused in a prompt (NUL, ESC, bidi "

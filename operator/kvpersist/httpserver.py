@@ -26,6 +26,7 @@ import queue
 import re
 import selectors
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -118,21 +119,6 @@ class _Reader(io.RawIOBase):
             raise TimeoutError("the request's read deadline passed")
         self._sock.settimeout(min(left, self._io_timeout))
         return self._sock.recv_into(buffer)
-
-
-class _Writer(io.BufferedIOBase):
-    """Whole writes (sendall), each bounded by the socket's timeout."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self._sock.sendall(data)
-        with memoryview(data) as view:
-            return view.nbytes
 
 
 class _Connection:
@@ -360,7 +346,8 @@ def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandl
             self.request = self.connection = accepted.sock
             deadline = time.monotonic() + server.request_timeout
             self.rfile = io.BufferedReader(_Reader(accepted.sock, accepted.head, deadline, server.io_timeout))
-            self.wfile = _Writer(accepted.sock)
+            # Whole writes (sendall), each bounded by the socket's timeout: what StreamRequestHandler.setup writes with.
+            self.wfile = socketserver._SocketWriter(accepted.sock)
 
     Bounded.__name__ = Bounded.__qualname__ = handler.__name__
     return Bounded

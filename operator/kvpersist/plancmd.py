@@ -368,27 +368,23 @@ def read_snapshot(doc: Mapping[str, Any], spec: KVCacheNamespaceSpec, live: Mapp
         return tuple(u for b in bodies if (u := sharing.user_of(b)) is not None), tuple(pods)
 
     def names(snap: dec.Snapshot) -> dec.Snapshot:
-        manifests, token = dec.names_to_read(snap)
-        wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]}
-        wanted.update({k: v for k, (v, _kind) in zip(dec.route_keys(dec.written_target(snap)), ROUTE_KINDS, strict=False)})
+        routes = {k: v for k, (v, _kind) in zip(dec.route_keys(dec.written_target(snap)), ROUTE_KINDS, strict=False)}
         found: dict[Any, Any] = {}
         whole = None
-        for (kind, ns, obj_name), api_version in wanted.items():
-            weights = kind == "PersistentVolumeClaim"  # the weights claim: whole (its spec is compared)
-            got = _readable(unchecked, f"{kind} {obj_name}", False, kube.get if weights else kube.get_metadata, api_version,
-                            kind, obj_name, namespace)
-            if got is False:
-                continue
-            if weights:
-                whole, got = got, dict(got.get("metadata") or {}) if got is not None else None
-            found[kind, ns, obj_name] = got
-        for manifest in dec.names_to_read(replace(snap, names=found))[0]:  # another id holds a route name
-            key = dec.child_key(manifest)
-            if key not in found:
-                got = _readable(unchecked, f"{key[0]} {key[2]}", False, kube.get_metadata, manifest["apiVersion"], key[0],
-                                key[2], namespace)
-                if got is not False:
-                    found[key] = got
+        for _round in range(2):  # again for what another id's route names make decide write in their place
+            manifests, token = dec.names_to_read(replace(snap, names=found))
+            wanted = {dec.child_key(m): m["apiVersion"] for m in [*manifests, token]} | routes
+            for (kind, ns, obj_name), api_version in wanted.items():
+                if (kind, ns, obj_name) in found:
+                    continue
+                weights = kind == "PersistentVolumeClaim"  # the weights claim: whole (its spec is compared)
+                got = _readable(unchecked, f"{kind} {obj_name}", False, kube.get if weights else kube.get_metadata,
+                                api_version, kind, obj_name, namespace)
+                if got is False:
+                    continue
+                if weights:
+                    whole, got = got, dict(got.get("metadata") or {}) if got is not None else None
+                found[kind, ns, obj_name] = got
         shared = spec.l2.nvme.existing_claim_name if spec.l2.nvme is not None and spec.l2.nvme.shared else None
         claim = _readable(unchecked, f"PersistentVolumeClaim {shared}", None, kube.get, "v1", "PersistentVolumeClaim",
                           shared, namespace) if shared else None

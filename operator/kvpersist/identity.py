@@ -64,8 +64,10 @@ def key_fingerprint(key: bytes) -> str:
     return hmac.new(key, KEY_FINGERPRINT_MESSAGE, hashlib.sha256).hexdigest()[:16]
 
 
-# L2 serde pins that take no key: none (before every object was framed) and encryption off's checksum frames.
-CHECKED_SERDE = "kvpersist-checked/v3"  # api.spec.L2_CHECKED
+# L2 serde pins that take no key: none (before every object was framed) and encryption off's checksum frames, the
+# same frames under a public key (a checksum bound to the object's name and namespace): a damaged or misplaced
+# object is a miss, never wrong bytes, in every mode.
+CHECKED_SERDE = "kvpersist-checked/v3"
 KEYLESS_SERDES = ("none", CHECKED_SERDE)
 
 

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from kvpersist.api.convert import gib_quantity
-from kvpersist.api.spec import L2_CHECKED
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.connection import kv_transfer_config
@@ -34,7 +33,7 @@ from kvpersist.builders.target import (
     Target,
 )
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
-from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.identity import CHECKED_SERDE, key_fingerprint, resolve
 from kvpersist.inserver.serve import CHECKED_TYPE
 from tests.cases.invalid_manifests import sample
 
@@ -516,7 +515,7 @@ def test_unencrypted_l2_is_checked_with_no_key_and_another_namespace() -> None:
     plain = target(mutate=lambda o: o["spec"]["l2"].update(encryption={"enabled": False}))
     serde = l2_adapter_config(plain)["serde"]
     assert serde["type"] == CHECKED_TYPE and "master_key_path" not in serde and "key_fingerprint" not in serde
-    assert build_key_secret(plain) is None and plain.spec.pins()["l2_serde"] == L2_CHECKED
+    assert build_key_secret(plain) is None and plain.spec.pins()["l2_serde"] == CHECKED_SERDE
     pod = build_lmcache_statefulset(plain)["spec"]["template"]["spec"]
     assert all(v["name"] != L2_KEY_VOLUME for v in pod.get("volumes", []))
     # Plain and encrypted objects never share a folder: the serde is in the id.

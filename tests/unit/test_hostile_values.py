@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvpersist.api.quantity import parse_quantity
-from kvpersist.api.spec import BUCKET_HANDLE, MAX_QUANTITY, QUANTITY
+from kvpersist.api.quantity import MAX_INT64, parse_quantity
+from kvpersist.api.spec import BUCKET_HANDLE, QUANTITY
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
 from kvpersist.builders.target import Target
@@ -68,7 +68,7 @@ def test_a_hostile_quantity_is_refused_naming_its_field_or_works(where: tuple[tu
     if error is not None:
         assert names(error, path), error
     else:  # accepted: a size the operator can compute with
-        assert 0 <= parse_quantity(str(value)) <= MAX_QUANTITY
+        assert 0 <= parse_quantity(str(value)) <= MAX_INT64
 
 
 def test_overflowing_and_negative_sizes_are_refused() -> None:

@@ -209,7 +209,7 @@ def test_another_key_version_or_a_short_frame_is_refused_and_only_our_own_is_rem
 # out from the format (docs/datapath.md) with cryptography's primitives, and pinned by digest. A
 # change to the frame, the binding or the key schedule fails here: it would make every stored
 # object unreadable (and, being a frame of the server's own key, removable), so it must come with
-# a new L2 serde pin (api.spec.L2_SERDE, L2_CHECKED), not silently.
+# a new L2 serde pin (api.spec.L2_SERDE, identity.CHECKED_SERDE), not silently.
 KAT_PLAINTEXT = bytes(range(256)) * 40 + b"kvpersist"  # 10,249 bytes: one segment
 KAT_IV = bytes.fromhex("000102030405060708090a0b")
 KAT_NAME = Key(chunk_hash=bytes.fromhex("11" * 32), cache_salt="tenant-a")
@@ -355,10 +355,9 @@ def test_the_checked_serde_needs_a_namespace_and_no_key(tmp_path: Path) -> None:
 
 
 def test_encryption_off_is_a_keyless_serde_pin() -> None:
-    from kvpersist.api.spec import L2_CHECKED
-    from kvpersist.identity import KEYLESS_SERDES, encrypted
+    from kvpersist.identity import CHECKED_SERDE, KEYLESS_SERDES, encrypted
 
-    assert L2_CHECKED in KEYLESS_SERDES and not encrypted({"l2_serde": L2_CHECKED}) and encrypted({"l2_serde": L2_SERDE})
+    assert CHECKED_SERDE in KEYLESS_SERDES and not encrypted({"l2_serde": CHECKED_SERDE}) and encrypted({"l2_serde": L2_SERDE})
 
 
 def test_keys_are_lmcaches_hkdf_keys() -> None:

@@ -56,15 +56,11 @@ ObjectName = Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN)]  # a K
 # A quantity that is a size: no sign, an exponent of at most two digits (1e309 overflows a float: refused at
 # apply time, not an exception in the operator); QUANTITY_RULE bounds the value.
 QUANTITY = r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$"
-MAX_QUANTITY = MAX_INT64  # Kubernetes keeps a quantity's value in an int64
 GIB = 1024**3
 Port = Annotated[int, Field(ge=1, le=65535)]
 # spec.l2.encryption's serde and frame version (kvpersist.inserver.serve), which opens no other version: part of
 # the namespace id, so another frame format is another namespace.
 L2_SERDE = "kvpersist-aesgcm-256/v3"
-# With encryption off: the same frames under a public key (a checksum bound to the object's name and
-# namespace): a damaged or misplaced object is a miss, never wrong bytes, in every mode.
-L2_CHECKED = CHECKED_SERDE  # one of identity.KEYLESS_SERDES: no key fingerprint in the id
 
 # Less than 2^63: the API server caps "99999Ei" at 2^63 - 1 silently and keeps a decimal past 2^63 as is; as a
 # float either is 2^63 or more, so one comparison refuses both.
@@ -74,7 +70,7 @@ QUANTITY_RULE = ("quantity(string(self)).asApproximateFloat() < 9223372036854775
 
 Quantity = Annotated[
     # Strict int: pydantic's lax int strips whitespace (U+2028 too) and takes True as 1, which the API server refuses.
-    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_QUANTITY)],
+    Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_INT64)],
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY, "maxLength": 64,
                     "x-kubernetes-int-or-string": True,
                     "x-kubernetes-validations": [{"rule": QUANTITY_RULE[0], "message": QUANTITY_RULE[1]}]}),
@@ -839,7 +835,7 @@ class KVCacheNamespaceSpec(SpecPart):
         on the fingerprint of the servers' key, read from its Secret by the caller: None leaves the id unresolved."""
         digest = image_digest(self.image)
         return {**self.identity.resolved(), "vllm_image_digest": digest, "lmcache_server_image_digest": digest,
-                "l2_serde": L2_SERDE if self.l2.encryption.enabled else L2_CHECKED,
+                "l2_serde": L2_SERDE if self.l2.encryption.enabled else CHECKED_SERDE,
                 "l2_layout": l2_layout(self),
                 "l2_key_fingerprint": key_fingerprint if self.l2.encryption.enabled else None}
 

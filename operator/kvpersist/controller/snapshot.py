@@ -59,28 +59,22 @@ def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Met
 
 
 def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The metadata of what holds a manifest's name now, or None: from the kind's metadata-only
-    watch cache (watched_metadata for a Secret or ConfigMap, cached_name for the others) where it has
-    listed, else by request: a LIST of that name for the other kinds (what the operator may do on them)."""
+    """The metadata of what holds a manifest's name now, or None: a Secret or ConfigMap by
+    watched_metadata, any other kind by _held."""
     meta = manifest["metadata"]
     if manifest["kind"] in ("Secret", "ConfigMap"):
         return watched_metadata(manifest["kind"], meta["name"], meta["namespace"])
-    synced, found = cached_name(manifest["kind"], meta["name"], meta["namespace"])
-    if synced:
-        return found
-    return kube.named_metadata(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
+    return _held(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
 
 
-def _route(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """The metadata of the object under a route name, or None: from the kind's watch cache where it
-    has listed (it keeps the labels route_conflicts reads), else a LIST by name (the operator may
-    list, not get, every kind it routes with)."""
+def _held(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """The metadata of the object under a name, or None: from the kind's metadata-only watch cache
+    where it has listed (a route kind's keeps the labels route_conflicts reads), else by a
+    metadata-only LIST of that name (the operator may list, not get, these kinds)."""
     synced, found = cached_name(kind, name, namespace)
     if synced:
         return found
-    same = [o for o in kube.list_all(api_version, kind, namespace, field_selector=f"metadata.name={name}")
-            if (o.get("metadata") or {}).get("name") == name]
-    return dict(same[0].get("metadata") or {}) if same else None
+    return kube.named_metadata(api_version, kind, name, namespace)
 
 
 def _names(snap: Snapshot, again: bool = True) -> Snapshot:
@@ -98,7 +92,7 @@ def _names(snap: Snapshot, again: bool = True) -> Snapshot:
     routes = []  # first: with more lookups than the pool has threads, the routes are not the ones to wait
     if target.cache_enabled:
         name = target.per_id_name(target.namespace_id)
-        routes = [pool.submit(lambda api_version=api_version, kind=kind: _route(api_version, kind, name, target.namespace))
+        routes = [pool.submit(lambda api_version=api_version, kind=kind: _held(api_version, kind, name, target.namespace))
                   for api_version, kind in ROUTE_KINDS]
     lookups = [pool.submit(lambda m=manifest: _existing_metadata(m)) for manifest in unknown]
     cache_claim = target.model_cache_claim if any(m["kind"] == "PersistentVolumeClaim" for m in manifests) else None
@@ -237,7 +231,7 @@ def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen:
         routes = {}
         try:
             for api_version, kind in ROUTE_KINDS:
-                routes[kind, target.namespace, name] = _route(api_version, kind, name, target.namespace)
+                routes[kind, target.namespace, name] = _held(api_version, kind, name, target.namespace)
         except ApiException:  # as that apply read them: asked again next refresh
             routes = {}
         snap = dataclasses.replace(snap, names={**snap.names, **routes})

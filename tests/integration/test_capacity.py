@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -38,8 +39,16 @@ WAIT_S = 30.0
 
 
 def folder_bytes(folder: Path) -> int:
-    """What the namespace holds on disk: every regular file, temp files included."""
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+    """What the namespace holds on disk: every regular file, temp files included. One the agent's
+    trim or lmcache removes between the listing and its stat holds nothing (seen once in CI)."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            found = path.lstat()
+        except FileNotFoundError:
+            continue
+        total += found.st_size if stat.S_ISREG(found.st_mode) else 0
+    return total
 
 
 def settle(folder: Path, quiet_s: float = 1.5) -> int:

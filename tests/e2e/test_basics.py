@@ -4,8 +4,8 @@ policy in force; `kubectl get` tells Ready apart from the vLLM pod count; `kubec
 the vLLM Deployment through the operator; `view` reads and may not write.
 
 Users are impersonated (`kubectl --as`); the operator runs as a process (the `operator` fixture),
-its pods simulated by kwok (Running and Ready at once); the servers' PodDisruptionBudget is owned
-and, deleted, applied again (drift). Without the aggregated roles (today's main) `edit` grants
+its pods simulated by kwok (Running and Ready at once); the servers' PodDisruptionBudget (with two
+servers; none for one) is owned and, deleted, applied again (drift). Without the aggregated roles (today's main) `edit` grants
 nothing on KVCacheNamespaces; without the scale subresource `kubectl scale` is refused; the
 default columns were once NAMESPACE-ID ... READY (the pod count) AGE; now seven, the rest at -o wide.
 """
@@ -108,12 +108,25 @@ def test_an_editor_creates_and_scales_and_get_tells_ready_from_the_pod_count(
     assert as_user(kubectl, VIEWER, "scale", f"kvcachenamespace/{NAME}", "--replicas=3", "-n", ns).returncode != 0
     wait_for("VLLM 2/2", lambda: _columns(kubectl, ns)["VLLM"] == "2/2", timeout=120)
 
-    # The lmcache servers' PodDisruptionBudget, made by the operator and owned by the resource.
-    pdb = kubectl.get("poddisruptionbudget", f"{NAME}-lmcache", ns)
+    # One lmcache server: no PodDisruptionBudget (one disruption at a time over one server limits nothing).
+    assert _pdb(kubectl, ns) is None
+    # Two (the editor's change, through the creator-rights policy): the servers' budget, made by the
+    # operator and owned by the resource.
+    patched = as_user(kubectl, EDITOR, "patch", "kvns", NAME, "-n", ns, "--type=merge", "-p",
+                      json.dumps({"spec": {"lmcacheServer": {"replicas": 2}}}))
+    assert patched.returncode == 0, patched.stderr
+    pdb = wait_for("the servers' PodDisruptionBudget", lambda: _pdb(kubectl, ns), timeout=60)
     assert pdb["spec"]["maxUnavailable"] == 1
     assert [o["name"] for o in pdb["metadata"]["ownerReferences"]] == [NAME]
     # Deleted by hand, it comes back (drift: the operator watches PodDisruptionBudgets it owns).
     kubectl.run("delete", "poddisruptionbudget", f"{NAME}-lmcache", "-n", ns, "--wait=true")
     wait_for("the PodDisruptionBudget to come back", lambda: (lambda o: o and o["metadata"]["uid"] != pdb["metadata"]["uid"])(
-        json.loads(kubectl.run("get", "poddisruptionbudget", f"{NAME}-lmcache", "-n", ns, "-o", "json",
-                               check=False).stdout or "null")), timeout=60)
+        _pdb(kubectl, ns)), timeout=60)
+    # Back to one server: the budget goes.
+    kubectl.run("patch", "kvns", NAME, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"lmcacheServer": {"replicas": 1}}}))
+    wait_for("the PodDisruptionBudget to go", lambda: _pdb(kubectl, ns) is None, timeout=60)
+
+
+def _pdb(kubectl: Kubectl, ns: str) -> dict | None:
+    return json.loads(kubectl.run("get", "poddisruptionbudget", f"{NAME}-lmcache", "-n", ns, "-o", "json",
+                                  check=False).stdout or "null")

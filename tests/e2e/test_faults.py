@@ -37,9 +37,8 @@ from tests.e2e.operator_env import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.datapath]
 # What each resource owns: its namespace id's policy (the agent's port, ZMQ), the per-id local
-# Service, the headless one, the StatefulSet and the Deployment.
-KINDS = [("networkpolicy", "lmcache-<id>"), ("service", "lmcache-<id>"), ("service", "lmcache-metrics"),
-         ("statefulset", "lmcache"), ("deployment", "vllm")]
+# Service, the StatefulSet and the Deployment.
+KINDS = [("networkpolicy", "lmcache-<id>"), ("service", "lmcache-<id>"), ("statefulset", "lmcache"), ("deployment", "vllm")]
 
 
 @pytest.fixture()

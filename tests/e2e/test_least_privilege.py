@@ -77,8 +77,8 @@ def _refused(kubectl: Kubectl, name: str, ns: str, reason: str, generation: int 
 
 def _workloads(kubectl: Kubectl, name: str, ns: str) -> list[str]:
     return [f"{kind}/{n}" for kind, n in (("statefulset", f"{name}-lmcache"), ("deployment", f"{name}-vllm"),
-                                          ("secret", f"{name}-agent-token"), ("secret", f"{name}-l2-key"),
-                                          ("service", f"{name}-lmcache-metrics")) if _exists(kubectl, kind, n, ns)]
+                                          ("secret", f"{name}-agent-token"), ("secret", f"{name}-l2-key"))
+            if _exists(kubectl, kind, n, ns)]
 
 
 def test_image_outside_the_allowed_prefixes_is_refused(kubectl: Kubectl, namespace: str, start) -> None:

@@ -1,7 +1,7 @@
 """No adoption (issue 29, item 4), on the real API server: an object the operator did not make under
 one of a KVCacheNamespace's derived names is never taken over, nor trusted.
 
-Server-side apply with forced conflicts would rewrite a user's `<name>-lmcache-metrics` Service and
+Server-side apply with forced conflicts would rewrite a user's `<name>-vllm` Service and
 give it an owner reference (garbage-collected with the resource), and a planted
 `<name>-agent-token` would be handed to the agents as the operator's credential: instead nothing at
 all is applied, Ready says NameTaken naming the object and the fix, with a Warning event, and the
@@ -51,8 +51,10 @@ def start(kubectl: Kubectl, crd: None, namespace: str, tmp_path: Path) -> Iterat
 
 
 def _resource(ns: str) -> dict[str, Any]:
+    """With spec.vllm.service: <name>-vllm is one more name derived from it (the planted Service's)."""
     obj = sample()
     obj["metadata"].update(name=NAME, namespace=ns)
+    obj["spec"]["vllm"]["service"] = {"enabled": True}
     return obj
 
 
@@ -83,7 +85,7 @@ def _kept(obj: dict[str, Any]) -> dict[str, Any]:
 
 USER_TOKEN = "user-" + secrets.token_hex(16)  # what a planted agent-token Secret holds
 PLANTED = {
-    "metrics-service": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{NAME}-lmcache-metrics",
+    "vllm-service": {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{NAME}-vllm",
                                                                          "annotations": {"owner": "a user's own Service"}},
                         "spec": {"selector": {"app": "mine"}, "ports": [{"port": 8080, "protocol": "TCP"}]}},
     "agent-token": {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": f"{NAME}-agent-token"},
@@ -116,7 +118,7 @@ def test_a_users_object_under_a_derived_name_is_never_taken_over(kubectl: Kubect
     # Nothing at all applied (the agents would use that token, the Service select the servers), the object untouched.
     assert _kept(_get(kubectl, kind, name, ns)) == before  # type: ignore[arg-type]
     for other_kind, other in (("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
-                              ("poddisruptionbudget", f"{NAME}-lmcache"), ("service", f"{NAME}-lmcache-metrics"),
+                              ("service", f"{NAME}-vllm"),
                               ("secret", f"{NAME}-agent-token")):
         if other != name:
             assert _get(kubectl, other_kind, other, ns) is None, f"{other_kind} {other} applied beside a taken name"

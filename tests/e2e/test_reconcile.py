@@ -21,6 +21,7 @@ import pytest
 
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.vllm import vllm_args
+from kvpersist.identity import key_fingerprint
 from kvpersist.inventory.volume import is_chunk_name
 from kvpersist.l2backends.nvme import framed_disk_share
 from tests.e2e.kube import Kubectl, wait_for
@@ -102,7 +103,9 @@ def test_apply_becomes_workloads_and_ready(kubectl: Kubectl, scenario: dict) -> 
     assert json.loads(server_args(t)[server_args(t).index("--l2-adapter") + 1])["serde"]["type"] == "kvpersist-aesgcm"
     workloads = json.dumps([sts, dep, svc, policy])
     assert key["data"]["master-key"] not in workloads and f"{NAME}-l2-key" in json.dumps(sts)
-    assert kubectl.run("get", "events", "-n", ns, "--field-selector", "reason=L2KeyGenerated", "-o", "name").stdout.strip()
+    # Named in status by its fingerprint, with no Event: a new resource's key is no news (its change is).
+    assert kubectl.get("kvns", NAME, ns)["status"]["l2Key"]["fingerprint"] == key_fingerprint(
+        base64.b64decode(key["data"]["master-key"]))
     scenario["key"] = key["data"]
 
 
@@ -217,7 +220,7 @@ def test_kill_operator_mid_reconcile_converges_without_duplicates(kubectl: Kubec
         assert len(names) == len(set(names))
     for obj in extra:
         name = obj["metadata"]["name"]
-        for kind, suffix in (("statefulset", "lmcache"), ("deployment", "vllm"), ("service", "lmcache-metrics")):
+        for kind, suffix in (("statefulset", "lmcache"), ("deployment", "vllm")):
             assert kubectl.get(kind, f"{name}-{suffix}", ns)["metadata"]["labels"]["app.kubernetes.io/instance"] == name
         kubectl.run("delete", "kvns", name, "-n", ns)
 
@@ -250,7 +253,7 @@ def test_delete_removes_workloads_keeps_claim_and_data(kubectl: Kubectl, scenari
     gone = lambda: all(kubectl.run("get", kind, name, "-n", ns, check=False).returncode != 0 for kind, name in [  # noqa: E731
         ("statefulset", f"{NAME}-lmcache"), ("deployment", f"{NAME}-vllm"),
         ("service", target_of(manifest(ns), kubectl).local_service_name),
-        ("service", f"{NAME}-lmcache-metrics"), ("networkpolicy", target_of(manifest(ns), kubectl).local_service_name)])
+        ("networkpolicy", target_of(manifest(ns), kubectl).local_service_name)])
     wait_for("the owned objects to be garbage-collected", gone, timeout=120)
     assert kubectl.get("pvc", f"l2-{NAME}-lmcache-0", ns)["status"]["phase"] == "Bound"
     # And the key without which that data is unreadable: kept, unchanged.

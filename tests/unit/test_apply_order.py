@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller import kube, l2key, runtime
+from kvpersist.controller import kube, runtime
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.status.workloads import Seen
 from tests.cases.invalid_manifests import sample
@@ -67,7 +67,7 @@ def test_a_new_resource_reaches_its_statefulset_in_four_rounds(monkeypatch: pyte
     every other name looked up in one batch on the apply pool (the snapshot, read before anything
     is decided: kvpersist.controller.snapshot; not the route names again), the Secrets and
     policies side by side, then the StatefulSet: four rounds before it at most. The route lookups
-    one after the other, or the generated key's Event posted before the StatefulSet, make it more."""
+    one after the other make it more; its apply posts no Event."""
     spans: list[tuple[tuple[str, ...], float, float]] = []
     lock = threading.Lock()
 
@@ -105,5 +105,4 @@ def test_a_new_resource_reaches_its_statefulset_in_four_rounds(monkeypatch: pyte
     routes = [s for s in spans if s[0][0] == "lookup" and re.search(r"-lmcache-[0-9a-f]{8}$", s[0][2])]
     assert sorted(s[0][1] for s in routes) == ["NetworkPolicy", "Service"], routes  # each once: not looked up again
     assert abs(routes[0][1] - routes[1][1]) < CALL_S / 2, "the route lookups ran one after the other"
-    [event] = [s for s in spans if s[0][0] == "event"]
-    assert event[0][1] == l2key.KEY_GENERATED and event[1] >= sts[2], "an Event posted before the StatefulSet"
+    assert [s for s in spans if s[0][0] == "event"] == [], "a new resource's apply posts no Event (status.l2Key names the key)"

@@ -21,7 +21,7 @@ from kvpersist.builders.lmcache import (
     server_args,
     server_resources,
 )
-from kvpersist.builders.services import build_local_service, build_metrics_service
+from kvpersist.builders.services import build_local_service
 from kvpersist.builders.target import (
     HF_TOKEN_ENV,
     L2_KEY_BYTES,
@@ -187,13 +187,13 @@ def test_services() -> None:
     assert local["metadata"]["name"] == f"llama31-8b-lmcache-{t.namespace_id[4:12]}"
     assert local["spec"]["internalTrafficPolicy"] == "Local"
     assert local["spec"]["ports"] == [{"name": "zmq", "port": 5555, "targetPort": "zmq", "protocol": "TCP"}]
-    metrics = build_metrics_service(t)
-    # The agents' port (lmcache's /metrics forwarded as /server/metrics), not lmcache's loopback one.
-    assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["ports"][0]["port"] == 8090
-    assert metrics["spec"]["ports"][0]["targetPort"] == "agent"
-    assert metrics["spec"]["selector"] == build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
     # The local Service selects only servers of the current namespace id.
-    assert local["spec"]["selector"] == {**metrics["spec"]["selector"], NAMESPACE_ID_LABEL: t.namespace_id}
+    servers = build_lmcache_statefulset(t)["spec"]["selector"]["matchLabels"]
+    assert local["spec"]["selector"] == {**servers, NAMESPACE_ID_LABEL: t.namespace_id}
+    # No other Service in front of the servers: the StatefulSet keeps the serviceName earlier versions gave it
+    # (immutable), which no Service holds; an earlier version's own is deleted (decision.RETIRED).
+    assert [m["metadata"]["name"] for m in build_all(t) if m["kind"] == "Service"] == [local["metadata"]["name"]]
+    assert build_lmcache_statefulset(t)["spec"]["serviceName"] == "llama31-8b-lmcache-metrics"
 
 
 def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
@@ -306,8 +306,7 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
 def test_namespace_id_labels_and_owned_names() -> None:
     t = target()
     objs = build_all(t)
-    assert [o["kind"] for o in objs] == ["NetworkPolicy", "StatefulSet", "Service", "Service", "PodDisruptionBudget",
-                                         "Deployment"]
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "StatefulSet", "Service", "Deployment"]  # one server: no budget
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["labels"]["kvpersist.dev/namespace-id"] == t.namespace_id
@@ -418,7 +417,7 @@ def test_stale_routes_are_old_ids_no_pod_carries() -> None:
     from kvpersist.controller.stale_routes import ids_in_use, stale
 
     old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
-    objs = [build_local_service(old), build_local_service(new), build_metrics_service(new),
+    objs = [build_local_service(old), build_local_service(new),
             {"metadata": {"name": "llama31-8b-lmcache", "labels": {NAMESPACE_ID_LABEL: old.namespace_id}}}]
     old_pod = {"metadata": {"labels": build_vllm_deployment(old)["spec"]["template"]["metadata"]["labels"]}}
     new_pod = {"metadata": {"labels": build_vllm_deployment(new)["spec"]["template"]["metadata"]["labels"]}}

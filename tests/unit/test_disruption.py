@@ -21,7 +21,7 @@ def _servers(replicas: int):
     return target(mutate=mutate)
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 5])
+@pytest.mark.parametrize("replicas", [2, 5])
 def test_one_server_at_a_time_and_never_a_drain_blocked_forever(replicas: int) -> None:
     t = _servers(replicas)
     pdb = build_server_pdb(t)
@@ -42,3 +42,18 @@ def test_the_budget_is_applied_with_the_servers_and_with_the_cache_off() -> None
     assert kinds.index("StatefulSet") < kinds.index("PodDisruptionBudget") < kinds.index("Deployment")
     off = dataclasses.replace(t, namespace_id=None)  # cache off: no server pods, the budget blocks nothing
     assert "PodDisruptionBudget" in [m["kind"] for m in build_all(off, operator_ns="kvpersist-system")]
+
+
+def test_one_server_gets_no_budget_and_its_earlier_one_is_deleted() -> None:
+    """One disruption at a time over one server allows every eviction: nothing to write, and a budget
+    made while there were more servers goes (the resource's own only: controller.decision.dropped)."""
+    from kvpersist.controller.decision import dropped
+
+    one = _servers(1)
+    manifests = build_all(one, operator_ns="kvpersist-system")
+    assert "PodDisruptionBudget" not in [m["kind"] for m in manifests]
+    pdb = ("PodDisruptionBudget", "ml", one.server_name)
+    assert pdb in dropped(one, manifests, frozenset({pdb}), pool_served=False)
+    assert pdb not in dropped(one, manifests, frozenset(), pool_served=False)  # not known as its own: never touched
+    two = _servers(2)
+    assert pdb not in dropped(two, build_all(two, operator_ns="kvpersist-system"), frozenset({pdb}), pool_served=False)

@@ -196,8 +196,7 @@ def cache_names(objects: dict[tuple[str, str], dict[str, Any]], synced: bool = T
 
 
 @pytest.mark.parametrize("taken", [None, ("Secret", "llama31-8b-agent-token"), ("StatefulSet", "llama31-8b-lmcache"),
-                                   ("Deployment", "llama31-8b-vllm"), ("PodDisruptionBudget", "llama31-8b-lmcache"),
-                                   ("Service", "llama31-8b-lmcache-metrics")])
+                                   ("Deployment", "llama31-8b-vllm")])
 def test_the_names_an_apply_takes_are_judged_from_the_watch_caches(monkeypatch, taken) -> None:
     """Issue 58 item 6: the names check and the route names ask the API server nothing once the
     metadata-only caches of their kinds have listed; what the caches keep (the controller reference)
@@ -245,13 +244,13 @@ def test_an_unlisted_names_cache_falls_back_to_the_request(monkeypatch) -> None:
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)
-    assert {kind for kind, _ in api.reads} == {"Secret", "StatefulSet", "Deployment", "PodDisruptionBudget", "Service"}
+    assert {kind for kind, _ in api.reads} == {"Secret", "StatefulSet", "Deployment"}
     assert sorted(kind for kind, _ in api.listed) == ["NetworkPolicy", "Service"]  # the route names
     assert "Deployment llama31-8b-vllm" in runtime.CONTROLLER.state(key).name_taken[1]
 
 
-@pytest.mark.parametrize("taken", [("Service", "llama31-8b-lmcache-metrics"), ("Deployment", "llama31-8b-vllm"),
-                                   ("PodDisruptionBudget", "llama31-8b-lmcache"), ("Secret", "llama31-8b-agent-token")])
+@pytest.mark.parametrize("taken", [("StatefulSet", "llama31-8b-lmcache"), ("Deployment", "llama31-8b-vllm"),
+                                   ("Secret", "llama31-8b-agent-token")])
 def test_an_object_it_did_not_make_stops_the_whole_apply_until_it_is_gone(monkeypatch, taken) -> None:
     users = {"name": taken[1], "labels": {"app.kubernetes.io/managed-by": "kvpersist"},  # our label, copied
              "ownerReferences": [_ref(controller=False)]}
@@ -293,7 +292,7 @@ def test_its_own_names_are_read_once_then_never_in_a_steady_state(monkeypatch) -
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)  # first apply: every name looked up (all free), then made
     first = list(api.reads)
-    assert ("Secret", "llama31-8b-agent-token") in first and ("Service", "llama31-8b-lmcache-metrics") in first
+    assert ("Secret", "llama31-8b-agent-token") in first and ("StatefulSet", "llama31-8b-lmcache") in first
     api.reads.clear()
     assert apply.apply_workloads(body, LOG)
     assert api.reads == [] and runtime.CONTROLLER.state(key).name_taken is None
@@ -317,14 +316,14 @@ def test_a_deleted_child_is_looked_up_again(monkeypatch) -> None:
     key = ("ml", body["metadata"]["name"])
     runtime.CONTROLLER.state(key).body = body
     assert apply.apply_workloads(body, LOG)
-    svc = next(m for m in api.applied if m["metadata"]["name"] == "llama31-8b-lmcache-metrics")
-    asyncio.run(drift.drift(event={"type": "DELETED"}, body={"kind": "Service", "metadata": svc["metadata"]}))
-    api.existing[("Service", svc["metadata"]["name"])] = {"name": svc["metadata"]["name"]}  # a user's, made meanwhile
+    vllm = next(m for m in api.applied if m["metadata"]["name"] == "llama31-8b-vllm")
+    asyncio.run(drift.drift(event={"type": "DELETED"}, body={"kind": "Deployment", "metadata": vllm["metadata"]}))
+    api.existing[("Deployment", vllm["metadata"]["name"])] = {"name": vllm["metadata"]["name"]}  # a user's, made meanwhile
     api.reads.clear()
     api.applied.clear()
     assert apply.apply_workloads(body, LOG)
-    assert api.reads == [("Service", svc["metadata"]["name"])] and api.applied == []
-    assert "Service llama31-8b-lmcache-metrics" in runtime.CONTROLLER.state(key).name_taken[1]
+    assert api.reads == [("Deployment", vllm["metadata"]["name"])] and api.applied == []
+    assert "Deployment llama31-8b-vllm" in runtime.CONTROLLER.state(key).name_taken[1]
 
 
 # What an earlier version made and this one no longer writes (decision.RETIRED): every server's

@@ -243,11 +243,11 @@ def test_the_plan_says_the_operator_would_refuse_a_claim_another_resource_holds(
 
 
 def test_the_plan_says_a_taken_name_refuses_the_whole_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    users = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "b-lmcache-metrics", "namespace": "ml"}}
+    users = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "b-vllm", "namespace": "ml"}}
     _Cluster(monkeypatch, [users])
     plan = plancmd.plan_one(_claiming("b", None), "ml")
     assert plan.verdict == "NameTaken" and not plan.applied and plan.code == plancmd.REFUSED
-    assert "Service b-lmcache-metrics" in (plan.verdict_message or "")
+    assert "Deployment b-vllm" in (plan.verdict_message or "")
     assert "refused, nothing applied (NameTaken)" in plancmd.format_plan(plan)
     _Cluster(monkeypatch, [])
     free = plancmd.plan_one(_claiming("b", None), "ml")

@@ -6,19 +6,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.attach import attached
-from kvpersist.builders.disruption import build_server_pdb
+from kvpersist.builders.disruption import build_server_pdb, server_budget_limits
 from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.modelcache import build_model_cache_claim
 from kvpersist.builders.networkpolicy import build_network_policy
-from kvpersist.builders.services import build_local_service, build_metrics_service, build_vllm_service
+from kvpersist.builders.services import build_local_service, build_vllm_service
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_vllm_deployment
 
 
 def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The policy first (no window where the admin port is open), then the lmcache StatefulSet (what a
-    user waits for: benchmarks/reconcile_bench.py), then its Services. The policy and local Service
+    user waits for: benchmarks/reconcile_bench.py), then its Service. The policy and local Service
     are per namespace id (an old id's stay until none of its pods is left: controller.apply); with
     target.routes False no local Service, and the policy of every server (builders.networkpolicy).
     operator_ns, scraper: who may reach the agents."""
@@ -27,12 +27,12 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
     pool = build_inference_pool(target)
     model_cache = build_model_cache_claim(target)
     vllm = build_vllm_deployment(target)
+    pdb = build_server_pdb(target)
     manifests = [
         build_network_policy(target, operator_ns, scraper),
         build_lmcache_statefulset(target),
-        build_metrics_service(target),
         local,
-        build_server_pdb(target),
+        pdb,
         model_cache,  # spec.vllm.modelCache.size: created once, never applied over (controller.apply)
         vllm,
         vllm_service,  # spec.vllm.service, when enabled
@@ -41,7 +41,7 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
     # list to its builders to derive the operator's grants. Attached: the user's own vLLM pods
     # (builders.attach), no Deployment of the operator's.
-    left_out = ((local, target.cache_enabled and not target.routes),
+    left_out = ((local, target.cache_enabled and not target.routes), (pdb, not server_budget_limits(target)),
                 (vllm_service, vllm_service is None), (pool, pool is None or not target.inference_pool_served),
                 (model_cache, model_cache is None), (vllm, attached(target)))
     for manifest in [m for m, out in left_out if out]:

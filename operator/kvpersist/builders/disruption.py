@@ -1,10 +1,17 @@
-"""The PodDisruptionBudget of the lmcache servers: node drains take them one at a time."""
+"""The PodDisruptionBudget of the lmcache servers: node drains take them one at a time (with more than one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvpersist.builders.target import SERVER, Target, manifest
+
+
+def server_budget_limits(target: Target) -> bool:
+    """Whether the budget limits anything: one disruption at a time over a single server allows every
+    eviction, so with lmcacheServer.replicas 1 no budget is made (one write less a new resource), and one
+    made for more servers is deleted when they go back to one (controller.decision.SWITCHED_OFF)."""
+    return target.spec.lmcache_server.replicas > 1
 
 
 def build_server_pdb(target: Target) -> dict[str, Any]:

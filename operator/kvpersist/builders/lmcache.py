@@ -286,7 +286,7 @@ def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
     })
     placement(pod_spec, spec, spec.lmcache_server.runtime_class_name)  # pull secrets: the agent's image too
     sts_spec: dict[str, Any] = {
-        "serviceName": target.metrics_service_name,
+        "serviceName": target.governing_service_name,
         "replicas": min(spec.lmcache_server.replicas, target.max_servers if target.max_servers is not None
                         else spec.lmcache_server.replicas) if target.cache_enabled else 0,
         "podManagementPolicy": "Parallel",

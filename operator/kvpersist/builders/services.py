@@ -1,4 +1,4 @@
-"""The two Services in front of the lmcache servers, and the optional one in front of vLLM."""
+"""The Service in front of the lmcache servers of one namespace id, and the optional one in front of vLLM."""
 
 from __future__ import annotations
 
@@ -15,17 +15,6 @@ def build_local_service(target: Target) -> dict[str, Any]:
         "internalTrafficPolicy": "Local",
         "selector": target.id_selector(SERVER),
         "ports": [{"name": "zmq", "port": target.spec.lmcache_server.port, "targetPort": "zmq", "protocol": "TCP"}],
-    })
-
-
-def build_metrics_service(target: Target) -> dict[str, Any]:
-    """Headless: governs the StatefulSet and exposes the agents' port (lmcache's /metrics as /server/metrics)."""
-    return manifest("v1", "Service", target.metadata(target.metrics_service_name, SERVER), {
-        "clusterIP": "None",
-        "publishNotReadyAddresses": True,
-        "selector": target.selector(SERVER),
-        "ports": [{"name": "http-metrics", "port": target.spec.lmcache_server.agent_port, "targetPort": "agent",
-                   "protocol": "TCP"}],
     })
 
 

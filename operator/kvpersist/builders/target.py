@@ -88,7 +88,10 @@ class Target:
         return f"{self.name}-lmcache-{namespace_id[len('kvp-'):][:8]}" if namespace_id else f"{self.name}-lmcache"
 
     @property
-    def metrics_service_name(self) -> str:
+    def governing_service_name(self) -> str:
+        """The StatefulSet's serviceName, as earlier versions set it (it cannot change on a StatefulSet).
+        No Service of that name is made: nothing resolves the servers by name, the agents are reached by
+        pod IP and Prometheus scrapes the pods (the chart's PodMonitor)."""
         return f"{self.name}-lmcache-metrics"
 
     @property

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.target import SERVER, Target
-from kvpersist.controller import fallback, inferencepool, kube, l2key, metrics, ownership, retry, runtime
+from kvpersist.controller import fallback, inferencepool, kube, metrics, ownership, retry, runtime
 from kvpersist.controller.agents import remember_token
 from kvpersist.controller.decision import CLAIMS, DROPPABLE, NAMES, POLICY, Decision, child_key, decide
 from kvpersist.controller.drift import note_own_write, own_apply
@@ -167,33 +167,26 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         # not hold. Nothing server-side was applied yet; read it and apply again.
         state.key_read = None
         raise RuntimeError(f"Secret {key_secret['metadata']['name']} appeared while applying; applying again with its key")
-    key_event = None
     if key_job is not None:
         # The key made (state.key_read above) stands, unread, while the Secret watch cache shows this version.
+        # No Event: status.l2Key names it by fingerprint, and a key that replaces another is an Event of the
+        # status's own (L2KeyChanged, L2KeyReplaced: kvpersist.controller.l2key.events).
         state.key_read_version = (key_job.result().get("metadata") or {}).get("resourceVersion")
         logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
                     key_secret["metadata"]["name"], decision.generated_key)
-        key_event = (f"generated Secret {key_secret['metadata']['name']} with L2's master key (fingerprint "
-                     f"{decision.generated_key}); it is kept when this resource is deleted (the data needs it)")
-    try:
-        _shared_claim(decision, logger)  # before the StatefulSet whose pods mount it
-        for manifest in decision.manifests:
-            if manifest["kind"] == "PersistentVolumeClaim":
-                _model_cache_claim(manifest, decision, body, state, logger)
-            elif manifest["kind"] != "NetworkPolicy":
-                _apply_owned(manifest)
-        for api_version, kind, suffix, why in DROPPABLE:  # its own, under a name this apply does not write
-            name = target.name + suffix
-            if (kind, target.namespace, name) in decision.drops:
-                kube.delete(api_version, kind, name, target.namespace)
-                owners.pop((kind, target.namespace, name), None)
-                logger.info("%s/%s: deleted %s %s: %s", target.namespace, target.name, kind, name, why)
-        _pool_api_missing(decision, body, state, logger)
-    finally:
-        # Once the workloads are applied (or failed): posted before them, it was one more round
-        # trip between apply and the StatefulSet (benchmarks/reconcile_bench.py latency).
-        if key_event is not None:
-            kube.post_event(body, "Normal", l2key.KEY_GENERATED, key_event)
+    _shared_claim(decision, logger)  # before the StatefulSet whose pods mount it
+    for manifest in decision.manifests:
+        if manifest["kind"] == "PersistentVolumeClaim":
+            _model_cache_claim(manifest, decision, body, state, logger)
+        elif manifest["kind"] != "NetworkPolicy":
+            _apply_owned(manifest)
+    for api_version, kind, suffix, why in DROPPABLE:  # its own, under a name this apply does not write
+        name = target.name + suffix
+        if (kind, target.namespace, name) in decision.drops:
+            kube.delete(api_version, kind, name, target.namespace)
+            owners.pop((kind, target.namespace, name), None)
+            logger.info("%s/%s: deleted %s %s: %s", target.namespace, target.name, kind, name, why)
+    _pool_api_missing(decision, body, state, logger)
 
 
 def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, logger: logging.Logger) -> None:

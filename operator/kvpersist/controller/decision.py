@@ -63,11 +63,15 @@ Meta = Mapping[str, Any]
 # object under one it does not write is deleted (dropped), a user's never. A literal table:
 # tests/rbac_needs.py derives the delete grants from it (kvpersist.controller.apply).
 SWITCHED_OFF = (("v1", "Service", "-vllm", "spec.vllm.service is off"),  # Target.vllm_name
-                (inferencepool.API_VERSION, inferencepool.KIND, "-vllm", "spec.vllm.inferencePool is off"))
+                (inferencepool.API_VERSION, inferencepool.KIND, "-vllm", "spec.vllm.inferencePool is off"),
+                ("policy/v1", "PodDisruptionBudget", "-lmcache", "one lmcache server: a budget of one "
+                 "disruption limits nothing (builders.disruption.server_budget_limits)"))
 # Names earlier versions made and this one writes no more. <name>-lmcache (Target.server_name) is still
 # the policy of every server with the cache off or the route name taken (builders.networkpolicy).
 RETIRED = (("networking.k8s.io/v1", "NetworkPolicy", "-lmcache", "one NetworkPolicy per namespace id replaced it"),
-           ("v1", "ConfigMap", "-connection", "no longer made: status.namespaceId shows the namespace id"))
+           ("v1", "ConfigMap", "-connection", "no longer made: status.namespaceId shows the namespace id"),
+           ("v1", "Service", "-lmcache-metrics", "no longer made: nothing resolved the servers by it, and "
+            "Prometheus scrapes their pods (the chart's PodMonitor)"))
 DROPPABLE = SWITCHED_OFF + RETIRED
 
 # Decision.stage when refused: what was decided before the refusal.

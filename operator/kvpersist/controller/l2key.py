@@ -36,7 +36,6 @@ KeyReason = Literal["KeySecretNotFound", "KeySecretKeyMissing", "KeyTooShort", "
                     "L2KeyLost", "KeySecretNotOwned"]
 KEY_REASONS: tuple[KeyReason, ...] = get_args(KeyReason)
 # Events.
-KEY_GENERATED = "L2KeyGenerated"  # Normal: a generated key was made (first apply, or no data under the last one)
 KEY_CHANGED = "L2KeyChanged"  # Warning: another key, so another namespace; the old data is an orphan
 KEY_REPLACED = "L2KeyReplaced"  # Normal: a new key after the user accepted the loss (REPLACE_ANNOTATION)
 

@@ -129,17 +129,17 @@ def test_a_claim_an_older_resource_names_turns_the_cache_off_storage_in_use() ->
 
 def test_a_name_held_by_someone_elses_object_applies_nothing_name_taken() -> None:
     obj = body()
-    users = {"name": "b-lmcache-metrics", "namespace": NS, "labels": {}}  # a user's Service, no controller reference
-    d = decide(snapshot(obj, names={("Service", NS, "b-lmcache-metrics"): users}))
+    users = {"name": "b-vllm", "namespace": NS, "labels": {}}  # a user's Deployment, no controller reference
+    d = decide(snapshot(obj, names={("Deployment", NS, "b-vllm"): users}))
     assert not d.applies and d.stage == dec.NAMES and d.refusal is not None
-    assert d.refusal[0] == ownership.NAME_TAKEN and "Service b-lmcache-metrics" in d.refusal[1]
-    assert d.taken == (("Service", "b-lmcache-metrics"),) and d.phase == "Failed"
+    assert d.refusal[0] == ownership.NAME_TAKEN and "Deployment b-vllm" in d.refusal[1]
+    assert d.taken == (("Deployment", "b-vllm"),) and d.phase == "Failed"
     assert [(c["type"], c["reason"]) for c in d.conditions] == [("Ready", ownership.NAME_TAKEN)]
     # Its own (a controller reference to its uid): recorded, applied over.
     own = {**users, "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "b", "uid": UID,
                                          "controller": True}]}
-    d = decide(snapshot(obj, names={("Service", NS, "b-lmcache-metrics"): own}))
-    assert d.applies and ("Service", NS, "b-lmcache-metrics") in d.owned
+    d = decide(snapshot(obj, names={("Deployment", NS, "b-vllm"): own}))
+    assert d.applies and ("Deployment", NS, "b-vllm") in d.owned
 
 
 def test_a_route_name_another_id_holds_applies_without_routes() -> None:
@@ -197,6 +197,6 @@ def test_a_name_missing_from_the_snapshot_is_said_unchecked() -> None:
     """read_snapshot reads every name decide judges; one it did not is never judged free silently."""
     snap = snapshot(body())
     names = dict(snap.names)
-    names.pop(("Service", NS, "b-lmcache-metrics"))
+    names.pop(("Deployment", NS, "b-vllm"))
     d = decide(Snapshot(**{**snap.__dict__, "names": names}))
-    assert ("Service", NS, "b-lmcache-metrics") in d.unchecked
+    assert ("Deployment", NS, "b-vllm") in d.unchecked

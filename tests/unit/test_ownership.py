@@ -56,7 +56,7 @@ def _ref(uid: str = UID, controller: bool | None = True, kind: str = "KVCacheNam
     (None, False),
 ])
 def test_a_child_is_ours_only_with_a_controller_reference_to_this_resource(refs, ours) -> None:
-    meta = {"name": "llama31-8b-lmcache-metrics", "labels": {"app.kubernetes.io/managed-by": "kvpersist"}}
+    meta = {"name": "llama31-8b-vllm", "labels": {"app.kubernetes.io/managed-by": "kvpersist"}}
     if refs is not None:
         meta["ownerReferences"] = refs
     assert ownership.is_own_child(meta, UID) is ours

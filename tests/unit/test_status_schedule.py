@@ -87,7 +87,7 @@ def test_a_deleted_or_edited_child_marks_its_owner_for_apply(controller: Control
     asyncio.run(drift.drift(event={"type": "DELETED"}, body={**_child("a-lmcache", 1), "kind": "NetworkPolicy"}))
     assert _flagged(controller, "drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
-    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache-metrics"), "kind": "Service"}))
+    asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**_child("a-lmcache-1a2b3c4d"), "kind": "Service"}))
     assert _flagged(controller, "drifted") == {("ns", "a")}
     controller.state(("ns", "a")).drifted = False
     # A StatefulSet's status changes all the time: only a new generation (a spec edit) is drift.
@@ -187,12 +187,12 @@ def test_a_child_without_a_generation_the_operator_created_is_not_drift(controll
     (benchmarks/reconcile_bench.py scale: one extra apply per resource). The resourceVersion the
     operator's own write left tells them apart; another client's edit is a new version."""
     _known(controller, ("ns", "a"))
-    created = _child("a-lmcache-metrics")
+    created = _child("a-lmcache-1a2b3c4d")
     created["kind"], created["metadata"]["resourceVersion"] = "Service", "354"
     drift.note_own_write(created)
     asyncio.run(drift.drift(event={"type": "ADDED"}, body={**created, "kind": "Service"}))
     assert _flagged(controller, "drifted") == set()
-    edited = _child("a-lmcache-metrics")
+    edited = _child("a-lmcache-1a2b3c4d")
     edited["metadata"]["resourceVersion"] = "360"  # someone else's change
     asyncio.run(drift.drift(event={"type": "MODIFIED"}, body={**edited, "kind": "Service"}))
     assert _flagged(controller, "drifted") == {("ns", "a")}

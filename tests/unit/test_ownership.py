@@ -327,8 +327,9 @@ def test_a_deleted_child_is_looked_up_again(monkeypatch) -> None:
 
 
 # What an earlier version made and this one no longer writes (decision.RETIRED): every server's
-# agent-port policy (now in each namespace id's policy) and the connection ConfigMap.
-EARLIER = [("NetworkPolicy", "llama31-8b-lmcache"), ("ConfigMap", "llama31-8b-connection")]
+# agent-port policy (now in each namespace id's policy), the connection ConfigMap and the headless Service.
+EARLIER = [("NetworkPolicy", "llama31-8b-lmcache"), ("ConfigMap", "llama31-8b-connection"),
+           ("Service", "llama31-8b-lmcache-metrics")]
 
 
 def _listed(api: Api, refs: list[dict[str, Any]]) -> None:
@@ -362,6 +363,7 @@ def test_an_earlier_versions_policy_and_configmap_are_deleted_once(monkeypatch, 
     assert sorted(api.deleted) == sorted(EARLIER) and state.name_taken is None
     assert "deleted NetworkPolicy llama31-8b-lmcache: one NetworkPolicy per namespace id replaced it" in caplog.text
     assert "deleted ConfigMap llama31-8b-connection: no longer made: status.namespaceId shows" in caplog.text
+    assert "deleted Service llama31-8b-lmcache-metrics: no longer made: nothing resolved the servers" in caplog.text
     assert [m["metadata"]["name"] for m in api.applied if m["kind"] == "NetworkPolicy"] == \
         [f"llama31-8b-lmcache-{state.applied[1].target.namespace_id[4:12]}"] * (1 if listed_first else 2)
     api.deleted.clear()

@@ -26,7 +26,7 @@ from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, metrics, ownership, retry, runtime
 from kvpersist.controller.agents import remember_token
 from kvpersist.controller.decision import CLAIMS, DROPPABLE, NAMES, POLICY, Decision, child_key, decide
-from kvpersist.controller.drift import note_own_write, own_apply
+from kvpersist.controller.drift import note_own_delete, note_own_write, own_apply
 from kvpersist.controller.policy import Refusal
 from kvpersist.controller.reading import target_of
 from kvpersist.controller.snapshot import read_snapshot
@@ -184,7 +184,7 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         name = target.name + suffix
         if (kind, target.namespace, name) in decision.drops:
             kube.delete(api_version, kind, name, target.namespace)
-            owners.pop((kind, target.namespace, name), None)
+            note_own_delete((kind, target.namespace, name))
             logger.info("%s/%s: deleted %s %s: %s", target.namespace, target.name, kind, name, why)
     _pool_api_missing(decision, body, state, logger)
 

@@ -19,6 +19,8 @@ from kvpersist.controller.ownership import MANAGED, controller_uid
 from kvpersist.controller.state import ResourceState
 from kvpersist.status.workloads import owner_key
 
+DROPPED = ("deleted", "by the operator")  # child_generations' mark of a child the operator deleted itself
+
 
 @contextlib.contextmanager
 def own_apply(manifest: Mapping[str, Any]) -> Iterator[None]:
@@ -46,6 +48,13 @@ def note_own_write(obj: Mapping[str, Any]) -> None:
     runtime.CONTROLLER.child_owners[child_key(obj)] = controller_uid(obj.get("metadata"))
 
 
+def note_own_delete(child: tuple[str, str, str]) -> None:
+    """A child the operator deleted itself (decision.DROPPABLE): its DELETED event is no drift (else
+    every object dropped cost one more whole apply)."""
+    runtime.CONTROLLER.child_owners.pop(child, None)
+    runtime.CONTROLLER.child_generations[child] = DROPPED
+
+
 def _mark(meta: Mapping[str, Any] | None) -> int | tuple[str, str] | None:
     """What a child's event is compared with: its generation, else (a Service, a ConfigMap) the
     resourceVersion the operator's write left, so the ADDED event of a child it just created is no
@@ -67,8 +76,9 @@ def _note_drift(event: Mapping[str, Any], body: Mapping[str, Any], kind: str) ->
     kind_of_event = event.get("type")
     generations = runtime.CONTROLLER.child_generations
     if kind_of_event == "DELETED":  # (or no longer labelled as the operator's: the watch selects by label)
-        generations.pop(child, None)
         runtime.CONTROLLER.child_owners.pop(child, None)
+        if generations.pop(child, None) == DROPPED:
+            return
     else:
         runtime.CONTROLLER.child_owners[child] = controller_uid(meta)
     state = runtime.CONTROLLER.get(owner) if owner is not None else None

@@ -109,3 +109,24 @@ def test_an_unanswered_peering_read_keeps_the_last_verdict(monkeypatch: pytest.M
         assert runtime.active(200.0, None) is False  # never answered: standing by
     finally:
         runtime.set_peering(None, "", 0)
+
+
+def test_every_tick_hands_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 58: the heap freed by a second's refreshes and watch events is trimmed on the tick after
+    it, in the tick's own thread, so the operator's RSS follows what it holds, not its busiest second."""
+    from kvpersist.controller import heap
+
+    trims: list[str] = []
+    monkeypatch.setattr(status_loop, "TICK_S", 0.01)
+    monkeypatch.setattr(status_loop, "_active_keys", lambda keys, now: [])
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(threading.current_thread().name) or True)
+
+    async def run_for(seconds: float) -> None:
+        task = asyncio.create_task(status_loop._status_loop(logging.getLogger("test")))
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run_for(0.3))
+    assert len(trims) >= 5, trims
+    assert all(name.startswith("kvp-tick") for name in trims), trims  # never on the event loop

@@ -13,8 +13,6 @@ callers read by request.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -22,7 +20,7 @@ from typing import Any
 
 from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.retained import INSTANCE_LABEL, PROTECTED_ANNOTATIONS, TRACKING_LABEL
-from kvpersist.controller import kube
+from kvpersist.controller import heap, kube
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_LABELS
 from kvpersist.status.workloads import COMPONENT_LABEL, attached_view, slim
 
@@ -147,10 +145,8 @@ class WatchCache:
                 self._objects[(meta.get("namespace", ""), meta.get("name", ""))] = item
             self._synced[scope] = True
             self._listed.add(scope)
-        # glibc keeps freed heap for reuse: after a listing of large objects, cut down to a few fields,
-        # the process would stay at its peak. malloc_trim hands the pages' memory back to the system.
-        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        # After a listing of large objects, cut down to a few fields, the process would stay at its peak.
+        heap.trim()
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:

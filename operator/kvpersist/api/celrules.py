@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import cel as celexpr
+from kvpersist.api import celengine, quantity
 
-from kvpersist.api import quantity
+celexpr = celengine.extension()
 
 _QUANTITY_KEY = "kvpersist.dev/quantity"
 _OLD_SELF = re.compile(r"\boldSelf\b")

@@ -695,6 +695,6 @@ def test_a_server_no_node_can_take_stops_counting_against_the_disruption_budget(
             pod("r-vllm-a", VLLM, UNPLACED_AFTER_S * 2)]
     assert unplaced_servers(pods, now) == 1
     assert unplaced_servers(pods, now + datetime.timedelta(seconds=UNPLACED_AFTER_S)) == 2
-    t = target()
+    t = target(mutate=lambda o: o["spec"].update(lmcacheServer={"replicas": 2}))
     assert build_server_pdb(t)["spec"]["maxUnavailable"] == 1
     assert build_server_pdb(dataclasses.replace(t, unplaced_servers=1))["spec"]["maxUnavailable"] == 2

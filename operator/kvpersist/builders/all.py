@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.attach import attached
-from kvpersist.builders.disruption import build_server_pdb, server_budget_limits
+from kvpersist.builders.disruption import build_server_pdb
 from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset
 from kvpersist.builders.modelcache import build_model_cache_claim
@@ -41,7 +41,7 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
     # list to its builders to derive the operator's grants. Attached: the user's own vLLM pods
     # (builders.attach), no Deployment of the operator's.
-    left_out = ((local, target.cache_enabled and not target.routes), (pdb, not server_budget_limits(target)),
+    left_out = ((local, target.cache_enabled and not target.routes), (pdb, pdb is None),
                 (vllm_service, vllm_service is None), (pool, pool is None or not target.inference_pool_served),
                 (model_cache, model_cache is None), (vllm, attached(target)))
     for manifest in [m for m, out in left_out if out]:

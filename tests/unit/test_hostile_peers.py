@@ -23,7 +23,7 @@ from kvpersist import httpclient
 from kvpersist.controller.canary import read_counters_of
 from kvpersist.inventory.agentclient import fetch_inventory, request_gc
 from kvpersist.inventory.cleanup import gc_volumes
-from kvpersist.status.usage import collect_usage, fetch_status, parse_status
+from kvpersist.status.usage import collect_usage, fetch_status
 from tests.serving import in_thread
 
 STATUS = (Path(__file__).parent / "data" / "lmcache-0.5.6-status-nixl-8-objects.json").read_bytes()
@@ -274,11 +274,6 @@ def test_garbage_status_is_an_unhealthy_report_with_the_reason(case: str) -> Non
         rep = fetch_status("s-0", "127.0.0.1", peer.port, timeout=DEADLINE)
     assert not rep.healthy and rep.message.startswith("malformed /status: ") and reason in rep.message, rep.message
     assert len(rep.message) < 400
-    try:
-        decoded = json.loads(body)
-    except (ValueError, RecursionError):
-        return
-    assert parse_status("s-0", decoded).message == rep.message  # the same check for a body already decoded
 
 
 @pytest.mark.parametrize(("behave", "reason"), [

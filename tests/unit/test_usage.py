@@ -11,7 +11,7 @@ from kvpersist.status.usage import (
     collect_usage,
     human_bytes,
     parse_exposition,
-    parse_status,
+    report_of,
     summarize,
     with_write_failures,
 )
@@ -21,7 +21,7 @@ MODEL = LMCacheStatus.model_validate(CAPTURED)
 
 
 def test_parse_real_status() -> None:
-    rep = parse_status("s-0", CAPTURED)
+    rep = report_of("s-0", MODEL)
     assert rep.healthy and rep.message == ""
     assert (rep.l1_used, rep.l1_capacity) == (4194304, 536870912)
     assert (rep.l2_used, rep.l2_capacity, rep.l2_objects) == (4194304, 1073741824, 8)
@@ -31,12 +31,12 @@ def test_parse_real_status() -> None:
 def test_unhealthy_adapter_is_reported() -> None:
     bad = json.loads(json.dumps(CAPTURED))
     bad["storage_manager"]["l2_adapters"][0]["is_healthy"] = False
-    rep = parse_status("s-0", bad)
+    rep = report_of("s-0", LMCacheStatus.model_validate(bad))
     assert not rep.healthy and rep.l2_healthy is False and "DynamicNixlStoreL2Adapter" in rep.message
 
 
 def test_summarize_sums_servers() -> None:
-    reps = [parse_status("s-0", CAPTURED), parse_status("s-1", CAPTURED)]
+    reps = [report_of("s-0", MODEL), report_of("s-1", MODEL)]
     usage = summarize(reps, measured_at="2026-11-30T00:00:00Z")
     assert usage["l1UsedBytes"] == 2 * 4194304 and usage["l2Objects"] == 16
     assert usage["l1Used"] == "8Mi/1Gi" and usage["l2Used"] == "8Mi/2Gi"
@@ -68,9 +68,9 @@ def test_parse_metrics_and_failed_writes() -> None:
     metrics = parse_exposition(METRICS) or {}
     assert (metrics["lmcache_mp_l2_store_submitted_objects_chunks_total"],
             metrics["lmcache_mp_l2_store_completed_objects_chunks_total"]) == (32.0, 8.0)
-    rep = with_write_failures(parse_status("s-0", CAPTURED), MODEL, metrics)
+    rep = with_write_failures(report_of("s-0", MODEL), MODEL, metrics)
     assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (24, 32)
-    assert with_write_failures(parse_status("s-0", CAPTURED), MODEL, {}).l2_writes_failed is None
+    assert with_write_failures(report_of("s-0", MODEL), MODEL, {}).l2_writes_failed is None
 
 
 # A real lmcache 0.5.6 server's L2 store counters after 8 chunks whose every upload the bucket refused
@@ -87,11 +87,11 @@ def test_every_write_failed_counts_as_failed_writes() -> None:
     metrics = parse_exposition(METRICS_EVERY_WRITE_FAILED) or {}
     assert metrics["lmcache_mp_l2_store_submitted_objects_chunks_total"] == 8.0
     assert "lmcache_mp_l2_store_completed_objects_chunks_total" not in metrics
-    rep = with_write_failures(parse_status("s-0", CAPTURED), MODEL, metrics)
+    rep = with_write_failures(report_of("s-0", MODEL), MODEL, metrics)
     assert (rep.l2_writes_failed, rep.l2_writes_submitted) == (8, 8)
     # A completed counter that is there but not a counter still leaves the report alone.
     bad = {**metrics, "lmcache_mp_l2_store_completed_objects_chunks_total": -1.0}
-    assert with_write_failures(parse_status("s-0", CAPTURED), MODEL, bad).l2_writes_failed is None
+    assert with_write_failures(report_of("s-0", MODEL), MODEL, bad).l2_writes_failed is None
 
 
 def test_write_failure_tracker_flags_growth_then_forgets() -> None:

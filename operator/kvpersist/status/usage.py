@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from pydantic import BaseModel, StrictBool, ValidationError
+from pydantic import BaseModel, StrictBool
 
 from kvpersist import httpclient
 from kvpersist.httpclient import Count, PeerError
@@ -84,20 +84,8 @@ class LMCacheStatus(_Part):
     storage_manager: StorageManager | None = None
 
 
-def parse_status(pod: str, status: Mapping[str, Any]) -> ServerReport:
-    """lmcache 0.5.6's /status (L2 objects: the adapters' index, lazy after a restart). A body of
-    another shape is an unhealthy report saying why, never an exception: the refresh must go on."""
-    try:
-        return _report(pod, LMCacheStatus.model_validate(status))
-    except ValidationError as exc:
-        return _malformed(pod, httpclient.problems(exc))
-
-
-def _malformed(pod: str, reason: str) -> ServerReport:
-    return ServerReport(pod=pod, healthy=False, message=f"malformed /status: {reason}")
-
-
-def _report(pod: str, status: LMCacheStatus) -> ServerReport:
+def report_of(pod: str, status: LMCacheStatus) -> ServerReport:
+    """lmcache 0.5.6's /status as a report (L2 objects: the adapters' index, lazy after a restart)."""
     sm = status.storage_manager or StorageManager()
     l1 = sm.l1_manager or L1Manager()
     adapters = sm.l2_adapters or []
@@ -442,9 +430,9 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
         return ServerReport(pod=pod, healthy=False, message=f"/status {what} {reply.status}{_error_of(reply.body)}")
     try:
         status = httpclient.parse(reply.body, LMCacheStatus)
-    except PeerError as exc:
-        return _malformed(pod, str(exc))
-    report = _report(pod, status)
+    except PeerError as exc:  # another shape: an unhealthy report saying why, never an exception
+        return ServerReport(pod=pod, healthy=False, message=f"malformed /status: {exc}")
+    report = report_of(pod, status)
     metrics = _fetch_metrics(ip, port, deadline - time.monotonic(), prefix, headers)
     report = with_write_failures(report, status, metrics or {})
     return replace(report, lookups=lookup_counters(metrics))

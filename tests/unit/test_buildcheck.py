@@ -328,7 +328,7 @@ def test_the_operator_rolls_vllm_without_the_cache_and_says_so_once(controller: 
     verdict = transitions.build_check(key, {"status": {}}, t, seen, logging.getLogger("test"))
     assert runtime.CONTROLLER.state(key).drifted and verdict.vllm_bypass is not None
     assert runtime.CONTROLLER.build_bypass.detail(key, NID) is not None  # apply_workloads renders with cache_bypassed
-    conds = transitions.build_bypassed(key, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
+    conds = transitions.bypassed(key, {"status": {}}, t, [{"type": "CacheBypassed", "status": "True", "reason": "ServersUnavailable",
                                                 "message": "x"}], 3)
     assert [(c["type"], c["reason"]) for c in conds] == [("CacheBypassed", "BuildMismatch")]
     assert "until spec.image or spec.identity.connectorBuild changes" in conds[0]["message"]

@@ -634,7 +634,7 @@ def test_the_refresh_says_it_once_keeps_the_cache_off_and_says_when_it_is_back(c
     rec = c.with_mismatch(c.with_reference(None, t.namespace_id, c.digest(t.spec), REF, "r-vllm-a", "t"),
                           "0123456789ab", "r-vllm-a", "t", REF, WRONG)
     body = body_of(t, {"canary": rec, "namespaceId": t.namespace_id})
-    conds = transitions.canary_bypassed(key, body, t, [{"type": "CacheBypassed", "status": "True",
+    conds = transitions.bypassed(key, body, t, [{"type": "CacheBypassed", "status": "True",
                                                          "reason": "ServersUnavailable", "message": "x"}], 3)
     assert [(x["type"], x["reason"]) for x in conds] == [("CacheBypassed", c.MISMATCH)]
     verdict, _ = controller.canary.refresh(key, body, t, [], lambda d: None)

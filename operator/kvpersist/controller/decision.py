@@ -298,13 +298,9 @@ def key_target(snap: Snapshot) -> Target:
 
 
 def written_target(snap: Snapshot) -> Target:
-    """The target whose names the apply writes, once the key and the stores are read: with the id
-    the key names, or with the cache off when another resource holds the store."""
-    target = key_target(snap)
-    created = str(snap.body["metadata"].get("creationTimestamp") or "")
-    if target.cache_enabled and storage_refusal(target, created, snap.stores or (), snap.server_pods) is not None:
-        return dataclasses.replace(target, namespace_id=None)
-    return target
+    """The target whose names the apply writes, once the key and the stores are read (and the route
+    names, where snap.names holds them): decide's, as _exclusive leaves it."""
+    return _exclusive(key_target(snap), snap, [])[0]
 
 
 def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -312,11 +308,8 @@ def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]
     Every name among them not known as its own is read by its metadata; the id's route names
     (route_keys), own or not, by a LIST of the name (their labels say which id they route to); the
     weights claim whole (its spec is compared). Where snap.names shows another id holding a route
-    name (so read the routes first), also the policy of every server decide builds in their place (_exclusive)."""
+    name (so read the routes first), also the policy of every server decide builds in their place."""
     target = written_target(snap)
-    routes = [(key[0], {"metadata": dict(meta)}) for key in route_keys(target) if (meta := snap.names.get(key)) is not None]
-    if target.cache_enabled and route_conflicts(target, routes):
-        return build_all(dataclasses.replace(target, routes=False), operator_ns=""), _token_secret(target, snap)
     return build_all(target, operator_ns=""), _token_secret(target, snap)
 
 

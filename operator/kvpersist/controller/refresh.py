@@ -23,7 +23,6 @@ from kvpersist.builders.target import VLLM, Target
 from kvpersist.controller import (
     agentroll,
     agents,
-    fallback,
     kube,
     l2key,
     metrics,
@@ -261,13 +260,11 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         floor = budget_floor(observation)
         if target.cache_enabled:
             conds = transitions.cache_fallback(key, body, conds, generation, logger)
-            conds = transitions.build_bypassed(key, target, conds, generation)
-            conds = transitions.canary_bypassed(key, body, target, conds, generation)
+            conds = transitions.bypassed(key, body, target, conds, generation)
         if state.storage_refused is not None and resolved_id:
             fields, conds = sharing.refused_status(fields, conds, resolved_id, state.storage_refused, generation)
         elif state.route_taken is not None and target.cache_enabled:
-            conds = [*(c for c in conds if c["type"] != fallback.CONDITION),
-                     condition(fallback.CONDITION, True, ROUTE_TAKEN, state.route_taken, generation)]
+            conds = transitions.bypassed_for(conds, ROUTE_TAKEN, state.route_taken, generation)
         error = state.apply_error
         retrying = runtime.CONTROLLER.apply_backoff.pending(key)
         if error and error[0] == generation:

@@ -164,17 +164,6 @@ def build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, s
     return buildstatus.BuildVerdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
 
 
-def build_bypassed(key: tuple[str, str], target: Target, conds: list[dict[str, Any]],
-                   generation: int | None) -> list[dict[str, Any]]:
-    """CacheBypassed (reason BuildMismatch) while vLLM runs without the cache over its versions:
-    it says more than the servers' fallback, and lasts until the namespace id changes."""
-    detail = runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id)
-    if detail is None:
-        return conds
-    return [*(c for c in conds if c["type"] != fallback.CONDITION),
-            condition(fallback.CONDITION, True, buildstatus.MISMATCH, buildstatus.bypass_message(detail), generation)]
-
-
 def canary_done(key: tuple[str, str], drift: bool) -> None:
     """A canary job ended: refresh the resource (status.canary, HitCorrectness); on a HitMismatch
     also apply it (vLLM without the cache)."""
@@ -184,14 +173,21 @@ def canary_done(key: tuple[str, str], drift: bool) -> None:
         state.drifted = True
 
 
-def canary_bypassed(key: tuple[str, str], body: Mapping[str, Any], target: Target, conds: list[dict[str, Any]],
-                    generation: int | None) -> list[dict[str, Any]]:
-    """CacheBypassed (reason HitMismatch) while a hit that changed the canary's answer stands: it
-    says more than the others, and lasts until acknowledged or the namespace id changes."""
-    found = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
-    if found is None:
-        return conds
-    return [*(c for c in conds if c["type"] != fallback.CONDITION),
-            condition(fallback.CONDITION, True, judge_canary.MISMATCH,
-                      judge_canary.bypass_message(found, target.name, target.namespace), generation)]
+def bypassed(key: tuple[str, str], body: Mapping[str, Any], target: Target, conds: list[dict[str, Any]],
+             generation: int | None) -> list[dict[str, Any]]:
+    """CacheBypassed while vLLM runs without the cache over its versions (BuildMismatch, until the
+    namespace id changes) or over a hit that changed the canary's answer (HitMismatch, until
+    acknowledged): each says more than the one before it, the servers' fallback first."""
+    build = runtime.CONTROLLER.build_bypass.detail(key, target.namespace_id)
+    if build is not None:
+        conds = bypassed_for(conds, buildstatus.MISMATCH, buildstatus.bypass_message(build), generation)
+    hit = runtime.CONTROLLER.canary.standing(key, body, target.namespace_id)
+    if hit is not None:
+        conds = bypassed_for(conds, judge_canary.MISMATCH, judge_canary.bypass_message(hit, target.name, target.namespace),
+                             generation)
+    return conds
 
+
+def bypassed_for(conds: list[dict[str, Any]], reason: str, message: str, generation: int | None) -> list[dict[str, Any]]:
+    """The conditions with CacheBypassed for this reason in place of any other's."""
+    return [*(c for c in conds if c["type"] != fallback.CONDITION), condition(fallback.CONDITION, True, reason, message, generation)]

@@ -1,11 +1,7 @@
-"""Acting on what one apply decided (kvpersist.controller.decision): the snapshot is read first
-(kvpersist.controller.snapshot), decided on, then applied here: the L2 key and agent token Secrets
-and the network policies first, then the workloads (server-side apply, idempotent). A refusal
-applies nothing (the policy, ClaimNotOwned, NameTaken: kvpersist.controller.ownership); a store
-or route names another resource or id holds apply with the cache off or without the routes.
-After an apply, an old namespace id's Services and policies go once no pod carries that id
-(clean_stale_routes). The status refresh decides again on this apply's snapshot as the watch
-caches show it then (snapshot.refreshed) and applies when the decision changed.
+"""Acting on what one apply decided (kvpersist.controller.decision, on a snapshot read first:
+kvpersist.controller.snapshot): the L2 key and agent token Secrets and the network policies first,
+then the workloads (server-side apply, idempotent). After an apply, an old namespace id's Services
+and policies go once no pod carries that id (clean_stale_routes).
 """
 
 from __future__ import annotations
@@ -52,15 +48,9 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
         snap, raw_key = read_snapshot(body, seen)
         decision = decide(snap)
         last = state.applied
-        applied = (dataclasses.replace(snap, agent_token=""), decision.kept())  # no token, no manifests kept
-        if decision.stage == POLICY:  # nothing rendered and nothing deleted: the children stay as they are
-            assert decision.refusal is not None
-            if last is None or last[1].refusal != decision.refusal:
-                logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
-            state.applied = applied
-            return True
         _act(decision, raw_key, body, state, logger)
-        state.applied = applied  # what the status refresh decides again on, and compares with
+        # What the status refresh decides again on, and compares with: no token, no manifests kept.
+        state.applied = (dataclasses.replace(snap, agent_token=""), decision.kept())
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
@@ -100,6 +90,11 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
     then the claims and workloads in build_all's order. Raises (the apply is retried) on a failure,
     and when an object appeared under a name between the read and the create."""
     target = decision.target
+    if decision.stage == POLICY:  # nothing rendered and nothing deleted: the children stay as they are
+        assert decision.refusal is not None
+        if state.applied is None or state.applied[1].refusal != decision.refusal:
+            logger.warning("%s/%s: not applied: %s", target.namespace, target.name, decision.refusal[1])
+        return
     if decision.stage == CLAIMS:
         _refused_names(decision, state, logger)
         return

@@ -1,29 +1,20 @@
 """What one apply of a KVCacheNamespace decides, as one pure function of what it looks at.
 
-An apply used to read the API server between its decisions (the key, the claims, the other
-resources' stores, the route names, who holds each name), in six modules. Now everything it looks
-at is read first into one value, a Snapshot (kvpersist.controller.snapshot, from the watch caches
-where they have it), and decide() turns that into the whole verdict: the refusal, with the
-conditions status then shows, or the objects to create, apply and delete. No I/O here, nor any
-state of the running operator, nor the environment, nor chance: the same snapshot decides the same
-(a fresh token, the agent image and the chart's settings come in through the snapshot and its
-policy). The operator acts on the Decision (kvpersist.controller.apply), and `kvpersist plan`
-prints the same Decision, from a snapshot read with the user's credentials. Both are read in the
-rules' order by staged, which makes no read itself: it runs the Reads it is given.
+Everything an apply looks at is read first into one value, a Snapshot (kvpersist.controller.snapshot,
+from the watch caches where they have it; `kvpersist plan` reads its own with the user's credentials),
+and decide() turns it into the whole verdict, so the operator (kvpersist.controller.apply) and the plan
+act on the same one. No I/O, no state of the running operator, no environment, no chance: a fresh
+token, the agent image and the chart's settings come in through the snapshot and its policy.
 
-The order of the rules is the order a user would fix them in, and each stops what follows:
-1. the operator's policy (ImageNotAllowed, SecretNotAllowed: kvpersist.controller.policy): nothing
-   else is even read, the key's data included;
-2. an L2 claim under a derived name that is not the operator's (ClaimNotOwned: ownership): nothing
-   applied, no key made for nothing;
-3. the L2 key (kvpersist.controller.l2key): a generated one is made when absent unless data sealed
-   with the last one exists (L2KeyLost); its fingerprint is in the namespace id, so in every per-id
-   name; a fresh key's bytes never enter the snapshot, only its fingerprint;
-4. the L2 store another, older resource holds (StorageInUse: sharing): applied with the cache off;
-   else the id's route names held by another id's objects (RouteNameTaken: stale_routes): applied
-   without those routes, vLLM without the cache;
-5. any name of the objects to apply held by an object the operator did not make (NameTaken:
-   ownership): nothing applied.
+The rules, in the order a user would fix them, each stopping what follows:
+1. the operator's policy (ImageNotAllowed, SecretNotAllowed): nothing else is read, the key's data included;
+2. an L2 claim under a derived name that is not the operator's (ClaimNotOwned): no key made for nothing;
+3. the L2 key (l2key): a generated one is made when absent unless data sealed with the last one exists
+   (L2KeyLost); its fingerprint is in the namespace id; a fresh key's bytes never enter the snapshot;
+4. an L2 store an older resource holds (StorageInUse: sharing): applied with the cache off; else the
+   id's route names another id's objects hold (RouteNameTaken: stale_routes): applied without those
+   routes, vLLM without the cache;
+5. a name held by an object the operator did not make (NameTaken: ownership): nothing applied.
 """
 
 from __future__ import annotations

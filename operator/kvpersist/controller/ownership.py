@@ -1,26 +1,16 @@
 """Whose object a derived name holds: the operator's own, or someone else's it must never take over.
 
-Server-side apply with forced conflicts writes over whatever holds a name: a user's Service
-`<name>-lmcache-metrics` would be rewritten and garbage-collected with the resource, a user's
-`<name>-agent-token` or `<name>-l2-key` Secret trusted as the operator's credential. So before an
-apply every name not yet seen as the operator's own is looked up (kvpersist.controller.apply); one
-held by another object stops the whole apply (Ready NameTaken). The L2 claims the servers would
-mount under derived names (`l2-<name>-lmcache-shared`, the StatefulSet's `l2-<name>-lmcache-<i>`,
-which its controller adopts whatever holds them) likewise (ClaimNotOwned: a pre-made claim would
-receive this resource's KV). The L2 key is judged where it is read (kvpersist.controller.reading):
-not its own, it is never used (KeySecretNotOwned).
+Server-side apply with forced conflicts writes over whatever holds a name: a user's `<name>-agent-token`
+or `<name>-l2-key` Secret would be trusted as the operator's credential, a user's Service rewritten and
+garbage-collected with the resource. So a name not yet seen as the operator's own is looked up before
+an apply, and one held by another object stops it (NameTaken); so does an L2 claim under a derived name
+(ClaimNotOwned: a pre-made claim would receive this resource's KV, and the StatefulSet's controller
+adopts whatever holds its claims' names). A generated key not its own is never used (KeySecretNotOwned).
 
-The operator's own: what it applies and the agent token Secret carry a controller ownerReference
-to this very KVCacheNamespace by uid (owned_by, in every version; a deleted namesake's uid
-differs); the L2 claims and the generated key, ownerless on purpose (kvpersist.builders.retained,
-.keysecret), carry their component label and the resource's name under kvpersist.dev/instance or
-app.kubernetes.io/instance (a deleted namesake's claims too: the creator-rights policy asks for
-`get` on each; a key restored from a backup keeps them).
-
-Every such mark is writable by whoever may write the object, so the operator takes over only
-objects whose writer vouched for them and could change or delete them anyway: creating a
-KVCacheNamespace reaches no object its creator could not already write (a user who may plant a
-marked `<name>-l2-key` may, with Kubernetes' own roles, read the generated key anyway). Pure.
+Its own: a controller ownerReference to this very KVCacheNamespace by uid (a deleted namesake's
+differs); the L2 claims and generated key, ownerless on purpose (kvpersist.builders.retained), by their
+component and instance labels. Every such mark is writable by whoever may write the object, so nothing
+is taken over that its creator could not already write or read. Pure.
 """
 
 from __future__ import annotations

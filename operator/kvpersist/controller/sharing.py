@@ -1,15 +1,11 @@
 """One L2 store, one KVCacheNamespace: a second user of a claim or of a bucket prefix is refused.
 
-Nothing in the schema stops two resources from naming the same claim (or the one another's
-StatefulSet makes), nor from writing under the same bucket prefix with the same namespace id. Each
-inventory agent trims the shared folder to its own capacity, deleting the other's live chunks, and
-with two keys each reads the other's objects as misses. So a store has one user: the oldest
-resource naming it (creationTimestamp, then namespace and name: the same answer from every replica,
-never flapping); every other one is refused (StorageInUse): its servers scale to zero, its data
-untouched, until the holder goes or points elsewhere and no other resource's server pod mounts the
-claim (a deleted holder's pods take up to a minute to go). What collides: the claim itself, or for
-a bucket the handle's path plus the namespace id (one prefix being the other's). Pure decisions;
-kvpersist.controller.apply acts.
+Nothing in the schema stops two resources from naming the same store, and then each inventory agent
+trims it to its own capacity, deleting the other's live chunks, and with two keys each reads the
+other's objects as misses. So a store has one user: the oldest resource naming it (creationTimestamp,
+then namespace and name: the same answer from every replica, never flapping); every other one is
+refused (StorageInUse), its servers at zero and its data untouched, until the holder goes and no other
+resource's server pod mounts the claim. Pure decisions; kvpersist.controller.apply acts.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The running operator's reads for one apply, into a Snapshot (kvpersist.controller.decision),
 before anything is decided: the watch caches first, the API server where they have not listed.
-
-The steps, in decision.staged's order and each only as far as the rules let it: the named Secrets'
-labels (a policy refusal stops here: the key's data is never read for it); the model's files; the
-L2 claims under derived names (ClaimNotOwned stops here); then the key, the other resources' stores
-(from the watch caches), and, once the key's fingerprint names the id, every name the apply writes,
-the route names, the weights claim and a user's shared claim, side by side in one round trip.
-`kvpersist plan` runs the same staged with reads of its own, the user's credentials
-(kvpersist.plancmd). The reads here are functions and closures that call the API directly, which
+decision.staged runs them in the rules' order (`kvpersist plan` runs it with reads of its own,
+kvpersist.plancmd). They are functions and closures that call the API directly, which
 tests/rbac_needs.py follows to the kinds they reach.
 """
 

@@ -407,7 +407,7 @@ def test_a_planted_key_secret_is_never_read_nor_patched(monkeypatch) -> None:
     assert read.problem is not None and read.problem[0] == l2key.KEY_NOT_OWNED and "llama31-8b-l2-key" in read.problem[1]
     assert read.metadata is None  # nothing for protect_retained to patch onto it
     # Not absent, so no key is generated over it either (kvpersist.controller.apply), and the cache is off.
-    assert decision.judge_key(_body(), read, []) == (read, None)
+    assert decision.used_key(decision.Snapshot(_body(), target.spec, key=read, server_claims=())) == (read, None, None)
     assert reading.target_of(_body(), read.fingerprint)[0].namespace_id is None
 
 

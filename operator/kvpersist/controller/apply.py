@@ -110,10 +110,9 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         assert key_secret is not None
         # The operator's own Secrets carry secretLabel: usable under that rule.
         key_secret["metadata"]["labels"].update(runtime.CONTROLLER.policy.generated_secret_labels())
-        # The key as read stays cached (read_key); only a key made here replaces it, so the next
-        # refresh names the new fingerprint before the Secret watch shows it. A read judged lost is
-        # never cached as such: with the Secret still absent, the cache would keep serving it, and
-        # the refresh would judge it lost again even once the user accepted the loss.
+        # Only a key made here replaces the cached read, so the next refresh names it before the Secret
+        # watch shows it; a read judged lost never is (the refresh would judge it lost again even once
+        # the user accepted the loss).
         state.key_read = (time.monotonic(), read)
     storage = decision.storage_refused  # state's: the last apply's, until this one is stored
     if storage != state.storage_refused and (storage or state.storage_refused):
@@ -202,10 +201,8 @@ def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, l
 
 def _shared_claim(decision: Decision, logger: logging.Logger) -> None:
     """spec.l2.nvme.shared with size: the one ReadWriteMany claim, created when absent and never
-    applied over (kvpersist.builders.lmcache.build_shared_claim). Owned by the resource only with
-    reclaimPolicy Delete, so the garbage collector removes it with the resource; with Retain it
-    outlives it, as a StatefulSet's claims do (the policy is fixed while shared: api NVMe).
-    None with the cache off (its servers at zero, like a StatefulSet that makes no claim)."""
+    applied over (kvpersist.builders.lmcache.build_shared_claim; owned by the resource only with
+    reclaimPolicy Delete, decide sets that). None with the cache off, like a StatefulSet at zero."""
     manifest = decision.shared_claim
     target = decision.target
     if manifest is None:

@@ -192,19 +192,6 @@ def _target(snap: Snapshot, fingerprint: str | None) -> Target:
                                cluster_domain=snap.policy.cluster_domain or target.cluster_domain)
 
 
-def judge_key(body: Mapping[str, Any], key: l2key.KeyRead | None,
-              claims: list[Meta] | tuple[Meta, ...] | None) -> tuple[l2key.KeyRead | None, l2key.Loss | None]:
-    """The key as read, with L2KeyLost in place of L2KeyPending when the generated Secret is gone
-    over data sealed with it (kvpersist.controller.l2key.loss): then it is not made again."""
-    if key is None or not key.absent or not key.generated:
-        return key, None
-    meta = body["metadata"]
-    found = l2key.loss(body.get("status"), key, meta.get("annotations"), list(claims) if claims is not None else None)
-    if found is None:
-        return key, None
-    return dataclasses.replace(key, problem=(l2key.KEY_LOST, l2key.loss_message(found, meta["name"], meta["namespace"]))), found
-
-
 def unreadable_secret(field_: str, name: str, status: int | None) -> Refusal:
     """SecretNotAllowed while a named Secret's labels cannot be read: it is not used meanwhile."""
     return SECRET_NOT_ALLOWED, (f"{field_}: Secret {name}: its labels could not be read (the API server answered "
@@ -226,12 +213,21 @@ def policy_refusal(snap: Snapshot) -> Refusal | None:
 
 
 def used_key(snap: Snapshot) -> tuple[l2key.KeyRead | None, l2key.Loss | None, str | None]:
-    """The key the apply would use, judged; the loss that keeps a fresh one from being made; the
-    fresh key's fingerprint when one is made (the generated Secret absent, nothing sealed with it)."""
-    key, lost = judge_key(snap.body, snap.key, snap.server_claims)
-    if key is not None and key.absent and key.generated and lost is None and snap.proposed_key is not None:
+    """The key the apply would use, judged: L2KeyLost in place of L2KeyPending when the generated
+    Secret is gone over data sealed with it (l2key.loss), then not made again; else, the generated
+    Secret absent, a fresh key whose fingerprint is the third item."""
+    key = snap.key
+    if key is None or not key.absent or not key.generated:
+        return key, None, None
+    meta = snap.body["metadata"]
+    claims = list(snap.server_claims) if snap.server_claims is not None else None
+    lost = l2key.loss(snap.body.get("status"), key, meta.get("annotations"), claims)
+    if lost is not None:
+        problem = (l2key.KEY_LOST, l2key.loss_message(lost, meta["name"], meta["namespace"]))
+        return dataclasses.replace(key, problem=problem), lost, None
+    if snap.proposed_key is not None:
         return dataclasses.replace(key, fingerprint=snap.proposed_key, problem=None, absent=False), None, snap.proposed_key
-    return key, lost, None
+    return key, None, None
 
 
 def storage_refusal(target: Target, created: str, stores: tuple[sharing.User, ...],

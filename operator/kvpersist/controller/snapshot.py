@@ -193,14 +193,12 @@ def _held_for(snap: Snapshot, nid: str | None) -> Snapshot:
 
 
 def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Snapshot:
-    """The last apply's snapshot with what the status refresh sees now, for decide to judge again:
-    the spec, the policy's read (policy_read) and the key as read (read_key, cached); from the
-    watch caches the claims, the stores and pods, the operator's trackers. What only a request
-    shows (who holds each name, the derived claims, the weights claim) stays as that apply read
-    it, and its own names as known then (a walk of every child each round costs too much at 500):
-    a name held by another is looked at again by an apply (ownership.RETRY_S), and the route
-    names, while another id holds one, by one LIST each here. No fresh key is offered: an absent
-    one leaves no id, so the refresh applies to make it. Blocking."""
+    """The last apply's snapshot with what the status refresh sees now (the spec, the policy's and
+    the key's reads, the watch caches, the trackers), for decide to judge again. What only a request
+    shows stays as that apply read it (a walk of every child each round costs too much at 500; a
+    taken name is looked at again by an apply, ownership.RETRY_S), but for the route names while
+    another id holds one. No fresh key is offered: an absent one leaves no id, so the refresh
+    applies to make it. Blocking."""
     key_ = (policy.namespace, policy.name)
     spec = policy.spec
     try:

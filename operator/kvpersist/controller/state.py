@@ -1,11 +1,7 @@
 """What the running operator remembers, in one place: a ResourceState per KVCacheNamespace, and the
-Controller that owns them with what is shared across resources (thread pools, trackers, policy,
-the watch caches kopf hands over, peering). kvpersist.controller.runtime holds one Controller.
-
-Forgetting a resource (deleted, or a 404 from the API server) is one step: its ResourceState is
-dropped, and every tracker the Controller holds is told to forget it too (each member with a
-forget(key) method), so nothing about it is left behind by construction. Only plain state here:
-the handlers decide and talk to the API server.
+Controller that owns them with what is shared across resources (kvpersist.controller.runtime holds
+one). Forgetting a resource drops its ResourceState and tells every tracker with a forget(key) to
+forget it too, so nothing about it is left behind by construction. Only plain state here.
 """
 
 from __future__ import annotations

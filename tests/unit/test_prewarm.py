@@ -20,12 +20,11 @@ from kvpersist.api.text import PROMPT_PATTERN, SURROGATES, refuse_control_in_pro
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import prewarm as runner
+from kvpersist.controller.prewarm import UNREAD, Declared, Pair, Pass, Prompt, PromptResult, ServerWarmth
 from kvpersist.httpclient import PeerError
 from kvpersist.identity import resolve
 from kvpersist.inventory.prefetch import Answer
-from kvpersist.status import prewarm as judge
 from kvpersist.status.conditions import Observation, compute_status
-from kvpersist.status.prewarm import UNREAD, Declared, Pair, Pass, Prompt, PromptResult, ServerWarmth
 from kvpersist.status.workloads import Pod
 from tests.cases.invalid_manifests import sample
 from tests.cases.oracles import PROMPT_ALLOWED, forbidden
@@ -102,38 +101,38 @@ def prewarm(**fields: Any) -> Prewarm:
 def test_the_list_is_the_specs_then_the_configmaps_by_key_without_duplicates() -> None:
     pw = prewarm(prompts=["a", "b"], systemPrompts=["You are terse."], configMapRef={"name": "w"})
     cm = {"data": {"system-b": "Be brief.", "prompt-a": "c", "prompt-dup": "a", "notes": "x", "system-a": "You are terse."}}
-    listed = judge.declared(pw, "ml", cm)
+    listed = runner.declared(pw, "ml", cm)
     assert [(p.source, p.system) for p in listed.prompts] == [
         ("spec.prewarm.prompts[0]", False), ("spec.prewarm.prompts[1]", False), ("spec.prewarm.systemPrompts[0]", True),
         ("ConfigMap w key prompt-a", False), ("ConfigMap w key system-b", True)]
     assert listed.problem is None and "keys ignored (not prompt-* or system-*): notes" in listed.note
     # A system prompt and a raw prompt of the same text are other token ids: both kept.
-    both = judge.declared(prewarm(prompts=["x"], systemPrompts=["x"]), "ml")
+    both = runner.declared(prewarm(prompts=["x"], systemPrompts=["x"]), "ml")
     assert len(both.prompts) == 2 and both.prompts[0].digest != both.prompts[1].digest
 
 
 def test_the_list_digest_follows_every_change_of_the_list() -> None:
-    base = judge.declared(prewarm(prompts=["a", "b"]), "ml")
-    assert base.digest == judge.declared(prewarm(prompts=["a", "b"]), "ml").digest
+    base = runner.declared(prewarm(prompts=["a", "b"]), "ml")
+    assert base.digest == runner.declared(prewarm(prompts=["a", "b"]), "ml").digest
     for other in (prewarm(prompts=["b", "a"]), prewarm(prompts=["a", "b "]), prewarm(prompts=["a"]),
                   prewarm(prompts=["a"], systemPrompts=["b"])):
-        assert judge.declared(other, "ml").digest != base.digest
+        assert runner.declared(other, "ml").digest != base.digest
 
 
 @pytest.mark.parametrize(("configmap", "reason"), [
     (UNREAD, "ConfigMapNotRead"), (None, "ConfigMapNotFound"), ("the API server answered 403", "ConfigMapUnreadable"),
     ({"data": {"readme": "x"}}, "ConfigMapEmpty"), ({}, "ConfigMapEmpty")])
 def test_a_configmap_that_gives_no_prompt_is_a_problem_naming_the_field(configmap: Any, reason: str) -> None:
-    listed = judge.declared(prewarm(prompts=["a"], configMapRef={"name": "w"}), "ml", configmap)
+    listed = runner.declared(prewarm(prompts=["a"], configMapRef={"name": "w"}), "ml", configmap)
     assert [p.source for p in listed.prompts] == ["spec.prewarm.prompts[0]"]
     assert listed.problem is not None and listed.problem[0] == reason
     assert "spec.prewarm.configMapRef: ConfigMap w" in listed.problem[1]
 
 
 def test_over_the_cap_the_first_prompts_are_kept_and_the_rest_is_a_problem() -> None:
-    cm = {"data": {f"prompt-{i:03d}": f"text {i}" for i in range(judge.MAX_PROMPTS + 5)}}
-    listed = judge.declared(prewarm(prompts=["first"], configMapRef={"name": "w"}), "ml", cm)
-    assert len(listed.prompts) == judge.MAX_PROMPTS and listed.prompts[0].source == "spec.prewarm.prompts[0]"
+    cm = {"data": {f"prompt-{i:03d}": f"text {i}" for i in range(runner.MAX_PROMPTS + 5)}}
+    listed = runner.declared(prewarm(prompts=["first"], configMapRef={"name": "w"}), "ml", cm)
+    assert len(listed.prompts) == runner.MAX_PROMPTS and listed.prompts[0].source == "spec.prewarm.prompts[0]"
     assert listed.problem is not None and listed.problem[0] == "TooManyPrompts" and "declares 70 prompts" in listed.problem[1]
 
 
@@ -156,21 +155,21 @@ def test_each_ready_server_is_paired_with_a_ready_vllm_pod_of_its_id_on_its_node
             pod("r-lmcache-2", "lmcache-server", ready=False), pod("r-vllm-b", "vllm"), pod("r-vllm-a", "vllm"),
             pod("r-vllm-old", "vllm", node="gpu-1", nsid="kvp-" + "b" * 32),  # another id: never its KV
             pod("r-vllm-going", "vllm", node="gpu-1", deleting=True)]
-    got = judge.pairs(pods, NSID)
+    got = runner.pairs(pods, NSID)
     assert [(p.server.name, p.vllm.name if p.vllm else None) for p in got] == [("r-lmcache-0", "r-vllm-a"),
                                                                                 ("r-lmcache-1", None)]
 
 
 def test_a_restart_of_either_pod_or_another_list_is_a_new_pass() -> None:
-    listed = judge.declared(prewarm(prompts=["a"]), "ml")
-    base = judge.pairs([pod("s", "lmcache-server"), pod("v", "vllm")], NSID)[0].fingerprint(listed)
+    listed = runner.declared(prewarm(prompts=["a"]), "ml")
+    base = runner.pairs([pod("s", "lmcache-server"), pod("v", "vllm")], NSID)[0].fingerprint(listed)
     for changed in ([pod("s", "lmcache-server", restarts=1), pod("v", "vllm")],
                     [pod("s", "lmcache-server", uid="new"), pod("v", "vllm")],
                     [pod("s", "lmcache-server"), pod("v", "vllm", restarts=2)],
                     [pod("s", "lmcache-server"), pod("v2", "vllm")]):
-        assert judge.pairs(changed, NSID)[0].fingerprint(listed) != base
-    other = judge.declared(prewarm(prompts=["b"]), "ml")
-    assert judge.pairs([pod("s", "lmcache-server"), pod("v", "vllm")], NSID)[0].fingerprint(other) != base
+        assert runner.pairs(changed, NSID)[0].fingerprint(listed) != base
+    other = runner.declared(prewarm(prompts=["b"]), "ml")
+    assert runner.pairs([pod("s", "lmcache-server"), pod("v", "vllm")], NSID)[0].fingerprint(other) != base
 
 
 def test_when_a_server_is_due() -> None:
@@ -178,11 +177,11 @@ def test_when_a_server_is_due() -> None:
     ok = Pass(fp, 1000.0, (PromptResult("p", True, 3),))
     cold = Pass(fp, 1000.0, (PromptResult("p", False, why="x"),))
     failed = Pass(fp, 1000.0, (), ("NoLayout", "x"))
-    assert judge.due(fp, None, 1000.0)
-    assert judge.due(("uid", 1, "v", 0, "d"), ok, 1000.1)  # the server restarted: at once
-    assert not judge.due(fp, ok, 1000.0 + judge.REWARM_PERIOD_S - 1) and judge.due(fp, ok, 1000.0 + judge.REWARM_PERIOD_S)
-    assert not judge.due(fp, cold, 1000.0 + judge.NOT_WARM_RETRY_S - 1) and judge.due(fp, cold, 1000.0 + judge.NOT_WARM_RETRY_S)
-    assert not judge.due(fp, failed, 1000.0 + judge.FAILED_RETRY_S - 1) and judge.due(fp, failed, 1000.0 + judge.FAILED_RETRY_S)
+    assert runner.due(fp, None, 1000.0)
+    assert runner.due(("uid", 1, "v", 0, "d"), ok, 1000.1)  # the server restarted: at once
+    assert not runner.due(fp, ok, 1000.0 + runner.REWARM_PERIOD_S - 1) and runner.due(fp, ok, 1000.0 + runner.REWARM_PERIOD_S)
+    assert not runner.due(fp, cold, 1000.0 + runner.NOT_WARM_RETRY_S - 1) and runner.due(fp, cold, 1000.0 + runner.NOT_WARM_RETRY_S)
+    assert not runner.due(fp, failed, 1000.0 + runner.FAILED_RETRY_S - 1) and runner.due(fp, failed, 1000.0 + runner.FAILED_RETRY_S)
 
 
 # ---------------------------------------------------------------- a pass, against stand-in peers
@@ -336,7 +335,7 @@ def view(name: str, vllm: str | None = "v", current: Pass | None = None, running
 
 
 PW = prewarm(prompts=["a", "b"])
-LISTED = judge.declared(PW, "ml")
+LISTED = runner.declared(PW, "ml")
 
 
 def passed(*results: PromptResult, failure: tuple[str, str] | None = None) -> Pass:
@@ -344,8 +343,8 @@ def passed(*results: PromptResult, failure: tuple[str, str] | None = None) -> Pa
 
 
 def test_no_condition_without_a_declared_list() -> None:
-    assert judge.warm_condition(None, Declared(), [], True, True) is None
-    assert judge.warm_condition(Prewarm(), Declared(), [], True, True) is None
+    assert runner.warm_condition(None, Declared(), [], True, True) is None
+    assert runner.warm_condition(Prewarm(), Declared(), [], True, True) is None
 
 
 @pytest.mark.parametrize(("servers", "cache", "expected"), [
@@ -367,17 +366,17 @@ def test_no_condition_without_a_declared_list() -> None:
 ])
 def test_the_warm_condition_says_where_it_stands(servers: list[ServerWarmth], cache: tuple[bool, bool],
                                                  expected: tuple[bool | None, str, str]) -> None:
-    got = judge.warm_condition(PW, LISTED, servers, *cache)
+    got = runner.warm_condition(PW, LISTED, servers, *cache)
     assert got is not None and got[:2] == expected[:2] and expected[2] in got[2], got
 
 
 def test_a_configmap_problem_is_shown_before_warming_progress() -> None:
     pw = prewarm(prompts=["a"], configMapRef={"name": "w"})
-    missing = judge.declared(pw, "ml", None)
-    got = judge.warm_condition(pw, missing, [view("s-0", current=passed(PromptResult("a", True, 1)))], True, True)
+    missing = runner.declared(pw, "ml", None)
+    got = runner.warm_condition(pw, missing, [view("s-0", current=passed(PromptResult("a", True, 1)))], True, True)
     assert got is not None and got[:2] == (False, "ConfigMapNotFound") and "1 of 1 (prompt, server) pairs warm" in got[2]
-    only = judge.declared(prewarm(configMapRef={"name": "w"}), "ml", UNREAD)
-    assert judge.warm_condition(prewarm(configMapRef={"name": "w"}), only, [], True, True)[:2] == (None, "ConfigMapNotRead")
+    only = runner.declared(prewarm(configMapRef={"name": "w"}), "ml", UNREAD)
+    assert runner.warm_condition(prewarm(configMapRef={"name": "w"}), only, [], True, True)[:2] == (None, "ConfigMapNotRead")
 
 
 def test_warm_never_holds_ready_back() -> None:

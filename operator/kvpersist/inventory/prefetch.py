@@ -26,7 +26,7 @@ from kvpersist import httpclient
 from kvpersist.httpclient import Count, M, PeerError
 
 PATH = "/server/prefetch"  # the agent's route (kvpersist.inventory.agent), the resource's token required
-MAX_TOKENS = 262_144  # one prompt's token ids (kvpersist.status.prewarm.MAX_PROMPT_TOKENS)
+MAX_TOKENS = 262_144  # one prompt's token ids (kvpersist.controller.prewarm refuses longer prompts)
 MAX_BODY = 16 + 12 * MAX_TOKENS  # {"tokenIds": [...]}: 11 bytes a token at most, and the key
 WAIT_S = 20.0  # submit to completion, all registrations; an L2 read of one long prompt takes well under a second
 CALL_TIMEOUT_S = 2.0  # each call to lmcache

@@ -43,7 +43,6 @@ CounterReader = Callable[[str, int, str | None, tuple[tuple[str, str], ...], int
 @dataclass
 class _Resource:
     record: dict[str, Any] | None = None  # status.canary as it is to be
-    seeded: bool = False
     pods: dict[str, judge.PodMemory] = field(default_factory=dict)
     outcome: tuple[str, str, judge.Verdict] | None = None  # (namespace id, digest, verdict) of the last job, unless a match
     reference_failed_at: float = float("-inf")
@@ -56,17 +55,12 @@ class Plan:
     """One job: the reference to compute first on reference_pod when there is none, then the checks due."""
 
     key: Hashable
+    target: Target
     namespace_id: str
     digest: str
-    model: str
-    port: int
-    prompt: str
-    max_tokens: int
-    api_key_ref: tuple[str, str, str] | None  # (namespace, Secret, key) of spec.vllm.apiKeySecretRef
     reference_pod: judge.Pod | None
     checks: tuple[tuple[judge.Pod, judge.CheckKey], ...]
     servers: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # a checked pod's node's (name, IP)
-    agent_port: int = 0
     agent_token: str | None = None
 
 
@@ -95,11 +89,10 @@ class Canary:
 
     def _held(self, key: Hashable, body: Mapping[str, Any]) -> _Resource:
         """The resource's entry, seeded once from its stored status (a restart). Under the lock."""
-        found = self._by.setdefault(key, _Resource())
-        if not found.seeded:
-            found.seeded = True
+        found = self._by.get(key)
+        if found is None:
             stored = (body.get("status") or {}).get("canary")
-            found.record = dict(stored) if stored else None
+            found = self._by[key] = _Resource(record=dict(stored) if stored else None)
         return found
 
     def standing(self, key: Hashable, body: Mapping[str, Any], namespace_id: str | None) -> dict[str, Any] | None:
@@ -177,13 +170,8 @@ class Canary:
                 return None
         elif not checks:
             return None
-        spec = target.spec
-        ref = spec.vllm.api_key_secret_ref
-        return Plan(key, namespace_id, digest, spec.vllm.served_model_name or spec.identity.model_id, spec.vllm.port,
-                    spec.canary.effective_prompt, spec.canary.max_tokens,
-                    (target.namespace, ref.name, ref.key) if ref is not None else None, reference_pod, tuple(checks),
-                    {view.name: judge.server_addresses(pods, namespace_id, view.node) for view, _ in checks},
-                    spec.lmcache_server.agent_port, agent_token)
+        return Plan(key, target, namespace_id, digest, reference_pod, tuple(checks),
+                    {view.name: judge.server_addresses(pods, namespace_id, view.node) for view, _ in checks}, agent_token)
 
     # ---- the job (the canary's pool)
 
@@ -199,10 +187,11 @@ class Canary:
     def _job(self, plan: Plan) -> bool:
         """The reference (if due) and the checks; True on a mismatch (vLLM goes without the cache). Blocking."""
         api_key = None
-        if plan.api_key_ref is not None:
-            namespace, secret, item = plan.api_key_ref
+        ref = plan.target.spec.vllm.api_key_secret_ref
+        if ref is not None:
+            secret, item = ref.name, ref.key
             try:
-                api_key = self._read_api_key(namespace, secret, item)
+                api_key = self._read_api_key(plan.target.namespace, secret, item)
             except ApiException as exc:
                 api_key, why = None, f"could not be read (the API server answered {exc.status})"
             else:
@@ -233,14 +222,16 @@ class Canary:
     def _ask_pod(self, plan: Plan, pod: judge.Pod, api_key: str | None, salted: bool) -> vllmclient.Completion:
         # A salted answer's KV is never read again: LMCache stores none of it. The salt is short hex: vLLM and
         # lmcache refuse '@', '/', '\\', and lmcache puts it in a file name beside the model's (under 255 bytes).
-        return self._ask(str(pod.ip), plan.port, plan.model, plan.prompt, max_tokens=plan.max_tokens,
+        spec = plan.target.spec
+        return self._ask(str(pod.ip), spec.vllm.port, spec.vllm.served_model_name or spec.identity.model_id,
+                         spec.canary.effective_prompt, max_tokens=spec.canary.max_tokens,
                          cache_salt="kvp-canary-" + secrets.token_hex(8) if salted else None,
                          store=not (salted and pod.uses_cache), api_key=api_key, timeout=self._call_timeout_s)
 
     def _counters(self, plan: Plan, pod: judge.Pod, api_key: str | None) -> judge.Counters:
         try:
-            return self._read_counters(str(pod.ip), plan.port, api_key, tuple(plan.servers.get(pod.name, ())),
-                                       plan.agent_port, plan.agent_token)
+            return self._read_counters(str(pod.ip), plan.target.spec.vllm.port, api_key, tuple(plan.servers.get(pod.name, ())),
+                                       plan.target.spec.lmcache_server.agent_port, plan.agent_token)
         except Exception:  # what served a check is a detail: never the reason a check fails
             logger.exception("%s: the canary could not read the counters around its check of %s", plan.key, pod.name)
             return judge.Counters(None, {})

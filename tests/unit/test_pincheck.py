@@ -91,7 +91,7 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
     target, res = target_of(wrong)
     assert target.namespace_id is None and res.code == "PinMismatch"
     assert "spec.identity.headSize is 64 but config.json" in res.reason and "says 128" in res.reason
-    verdict = pincheck.condition_of(controller.pin_files.verdict(target.spec.identity), target.spec.identity, True)
+    verdict = controller.pin_files.verdict(target.spec.identity)
     _fields, conds = compute_status(Observation(generation=1, namespace_id=None, identity_reason=res.reason,
                                                 identity_code=res.code, l2_kind="nvme", server_desired=0,
                                                 vllm_desired=1, pins=verdict))
@@ -108,7 +108,7 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
     assert controller.pin_files.verdict(target.spec.identity)[:2] == (True, "PinsMatch")
     monkeypatch.setenv(pincheck.ENV, "off")  # checked off: the pins as declared, Unknown
     assert target_of(wrong)[0].namespace_id is not None
-    assert pincheck.condition_of(None, identity(wrong), pincheck.enabled())[:2] == (None, "CheckDisabled")
+    assert controller.pin_files.verdict(identity(wrong), checking=pincheck.enabled())[:2] == (None, "CheckDisabled")
 
 
 def test_an_unreachable_hub_changes_nothing_but_an_unknown_condition(controller: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -255,17 +255,20 @@ class PinFiles:
                 found = self._found.get((key, scope)) or found
             return found
 
-    def verdict(self, identity: Identity, scope: Scope = "") -> Verdict | None:
-        """The last verdict for these pins (no I/O): None while none is known or nothing to check."""
+    def verdict(self, identity: Identity, scope: Scope = "", checking: bool = True) -> Verdict | None:
+        """PinsVerified's (status, reason, message), no I/O: Unknown while the first check runs or when
+        the check is off; None (no condition) when there is no revision to check against."""
         key = key_of(identity)
         if key is None:
             return None
+        if not checking:
+            return (None, "CheckDisabled", f"{ENV}=off: the pins are not checked against the Hub")
         found = self.get(key, scope)
         if isinstance(found, hubpins.Derived):
             return compare(identity, found, key)
         if isinstance(found, Unread):
             return (None, found.reason, found.message)
-        return None
+        return (None, "Checking", "reading config.json and the tokenizer's files at the declared revisions")
 
     def facts(self, spec: KVCacheNamespaceSpec, namespace: str, status: Mapping[str, Any] | None,
               checking: bool) -> Facts | None:
@@ -341,16 +344,6 @@ class PinFiles:
             self._found[slot] = result
             self._running.pop(slot, None)
         on_done()
-
-
-def condition_of(verdict: Verdict | None, identity: Identity, checking: bool) -> Verdict | None:
-    """PinsVerified's (status, reason, message): the verdict; Unknown while the first check runs or
-    when the check is off; None (no condition) when there is no revision to check against."""
-    if key_of(identity) is None:
-        return None
-    if not checking:
-        return (None, "CheckDisabled", f"{ENV}=off: the pins are not checked against the Hub")
-    return verdict or (None, "Checking", "reading config.json and the tokenizer's files at the declared revisions")
 
 
 def status_of(declared: Identity, full: Identity, facts: Facts | None) -> dict[str, Any]:

@@ -212,8 +212,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                                max_servers=decision.target.max_servers)
         if target.cache_enabled:
             observation.build = transitions.build_check(key, body, target, seen, logger)
-        observation.pins = pincheck.condition_of(runtime.CONTROLLER.pin_files.verdict(
-            declared.identity, pincheck.scope_of(declared, key[0])), declared.identity, pins_on)
+        observation.pins = runtime.CONTROLLER.pin_files.verdict(declared.identity, pincheck.scope_of(declared, key[0]),
+                                                                pins_on)
         if target.cache_enabled:  # the correctness canary: its jobs run off this path, its verdict is read here
             observation.canary, released = runtime.CONTROLLER.canary.refresh(
                 key, body, target, seen.pods, lambda drift: transitions.canary_done(key, drift),

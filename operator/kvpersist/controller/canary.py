@@ -84,8 +84,7 @@ class Canary:
         self._budget_s = self._call_timeout_s if job_budget_s is None else job_budget_s
         self._lock = threading.Lock()
         self._by: dict[Hashable, _Resource] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._workers = workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvp-canary")
 
     def _held(self, key: Hashable, body: Mapping[str, Any]) -> _Resource:
         """The resource's entry, seeded once from its stored status (a restart). Under the lock."""
@@ -129,8 +128,6 @@ class Canary:
             due = spec.canary.enabled and namespace_id is not None and allowed and judge.standing(held.record, namespace_id) is None
             plan = self._plan(key, held, target, digest, pods, now, agent_token) if due else None
             if plan is not None and (held.job is None or held.job.done()):
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvp-canary")
                 held.job = self._pool.submit(self._run, plan, on_done)
             outcome = held.outcome[2] if held.outcome is not None and held.outcome[:2] == (namespace_id, digest) else None
             verdict = judge.condition_of(held.record, namespace_id, digest, outcome, spec.canary.enabled,

@@ -244,8 +244,7 @@ class PinFiles:
         self._lock = threading.Lock()
         self._found: dict[tuple[Key, Scope], hubpins.Derived | Unread] = {}
         self._running: dict[tuple[Key, Scope], concurrent.futures.Future[None]] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._workers = workers
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvp-pins")
 
     def get(self, key: Key, scope: Scope = "") -> hubpins.Derived | Unread | None:
         """The anonymous answer, or the scope's own where the anonymous one was a refusal."""
@@ -306,8 +305,6 @@ class PinFiles:
                 return False
             if isinstance(found, Unread) and (found.final or now - found.when < RETRY_S):
                 return False
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvp-pins")
             reader = token[1] if slot[1] and token is not None else None
             self._running[slot] = self._pool.submit(self._check, slot, on_done, reader)
             return True

@@ -449,18 +449,13 @@ class Prewarmer:
     def __init__(self, configmap_reader: Callable[[str, str], Mapping[str, Any] | None] | None = None) -> None:
         self._lock = threading.Lock()
         self._resources: dict[Key, _Resource] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvp-prewarm")
         self._read_configmap = configmap_reader or _read_configmap
         self.tokens = TokenCache()
 
     def forget(self, key: Key) -> None:
         with self._lock:
             self._resources.pop(key, None)
-
-    def _submit(self, job: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvp-prewarm")
-        return self._pool.submit(job, *args)
 
     def observe(self, key: Key, target: Target, pods: list[Mapping[str, Any]], agent_token: str | None,
                 api_key: Callable[[], str | None], on_done: Callable[[], None]) -> Verdict | None:
@@ -489,7 +484,7 @@ class Prewarmer:
                 waiting = listed.problem is not None and listed.problem[0] == "ConfigMapNotRead"
                 if pair.vllm is not None and not busy and not waiting and due(fingerprint, srv.last, now):
                     srv.running = (0, len(listed.prompts))
-                    srv.future = self._submit(self._pass, key, target, pair, listed, agent_token, api_key, srv, on_done)
+                    srv.future = self._pool.submit(self._pass, key, target, pair, listed, agent_token, api_key, srv, on_done)
                     busy = True
                 current = srv.last if srv.last is not None and srv.last.fingerprint == fingerprint else None
                 views.append(ServerWarmth(pair, current, srv.running if busy else None))
@@ -504,7 +499,7 @@ class Prewarmer:
             read = res.configmap if res.configmap is not None and res.configmap[1] == ref.name else None
             reading = res.configmap_job is not None and not res.configmap_job.done()
             if not reading and (read is None or now - read[0] >= CONFIGMAP_TTL_S):
-                res.configmap_job = self._submit(self._configmap_read, res, ref.name, namespace, on_done)
+                res.configmap_job = self._pool.submit(self._configmap_read, res, ref.name, namespace, on_done)
         value: Mapping[str, Any] | str | Unread | None = read[2] if read is not None else UNREAD
         return declared(prewarm, namespace, value)
 

@@ -186,15 +186,14 @@ class Canary:
         api_key = None
         ref = plan.target.spec.vllm.api_key_secret_ref
         if ref is not None:
-            secret, item = ref.name, ref.key
             try:
-                api_key = self._read_api_key(plan.target.namespace, secret, item)
+                api_key = self._read_api_key(plan.target.namespace, ref.name, ref.key)
             except ApiException as exc:
                 api_key, why = None, f"could not be read (the API server answered {exc.status})"
             else:
                 why = "does not exist or has no such key"
             if api_key is None:
-                self._failed(plan, (None, judge.API_KEY_UNAVAILABLE, f"spec.vllm.apiKeySecretRef: Secret {secret} key {item} "
+                self._failed(plan, (None, judge.API_KEY_UNAVAILABLE, f"spec.vllm.apiKeySecretRef: Secret {ref.name} key {ref.key} "
                                     f"{why}; the canary cannot ask vLLM, which requires it; retrying in {judge.RETRY_S:.0f}s"))
                 return False
         started = time.monotonic()

@@ -278,7 +278,7 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
     return (True, "Warm", f"{n} of {n} prompts warm on every server ({len(done)} server(s), {in_l1}){how}" + tail)
 
 
-# ---------------------------------------------------------------- the passes
+# ---------------------------------------------------------------- running a pass
 
 
 class PassFailed(Exception):

@@ -1,16 +1,8 @@
-"""Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, in one
-place, checked against the installed lmcache before the server starts.
-
-Why: serve.py replaces a class inside lmcache's storage manager, subclasses its serde contract and
-reads fields of its objects; none of that is a versioned API, and a change would not fail at start
-but silently stop removing unreadable objects, or leave a new field of the object's name out of the
-frame's binding. So each dependency is a record here (docs/datapath.md "lmcache internals"), serve.py
-reaches lmcache only through the accessors below, and serve.main runs check() first: on a mismatch,
-or an lmcache outside TESTED_LMCACHE, the server refuses to start as the build check does
-(MISMATCH_PREFIX, EXIT_CODE) and the operator shows BuildVerified False naming what is missing.
-
-Shipped with serve.py (kvpersist.inserver.program_source): standard library only at import, lmcache
-imported inside the checks and accessors.
+"""Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, each a
+record here, checked against the installed lmcache before the server starts: none of it is a
+versioned API, and a change would not fail at start but silently stop removing unreadable objects,
+or leave a new field of the object's name out of the frame's binding (docs/datapath.md "lmcache
+internals"). Shipped with serve.py: standard library only at import, lmcache inside the checks.
 """
 
 from __future__ import annotations

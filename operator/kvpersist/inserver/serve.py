@@ -1,24 +1,9 @@
 """The lmcache server as the operator runs it: kvpersist's L2 serdes registered, then lmcache's own
-entry point (`lmcache server ...`) in the same process. The design and its measurements: docs/datapath.md.
-
-Our own serde because lmcache 0.5.6's `aesgcm` copies each chunk three times around one AES-GCM call
-and works through a batch one chunk at a time (a fifth of the disk's speed); this one seals with no
-copy (`encrypt_into` / `decrypt_into` between lmcache's buffers), in 2 MiB segments over a thread
-pool, and the wrapper below loads a request's chunks one by one, so decryption overlaps the reads.
-
-The keys are lmcache's (HKDF-SHA256 per cache_salt). The frame, version 3: `[3][8-byte key
-fingerprint][12 IV]`, then per segment `[ciphertext][16 tag]`, each bound to the object's whole name
-(object_binding), so an object read under any other name is a miss, never another chunk's bytes;
-versions 1 (lmcache's) and 2 (ours before) bind no name and are refused. With encryption off
-(kvpersist-checked) the same frames are sealed under a public key: no secret, but still checked.
-A key file other than the namespace id's refuses to start (check_key: else a rotated Secret makes
-every object unreadable). A version 3 frame of this key that fails, or an all-zero object, is removed
-(else lmcache skips its stores forever); anything else is a miss left as it is. Removal needs the
-adapter, hence the replaced SerdeL2AdapterWrapper.
-
-lmcache's `--server-module` loads after the L2 serdes are built, hence this launcher
-(kvpersist.inserver.program_source); lmcache is reached only through lmcache_internals, which main
-checks first.
+entry point in the same process (its `--server-module` loads after the L2 serdes are built). Our own
+serde seals with no copy in 2 MiB segments over a thread pool, each bound to the object's whole name,
+and the replaced SerdeL2AdapterWrapper loads chunks one by one and removes what is unreadable.
+The frame, the key checks and the measurements: docs/datapath.md. lmcache is reached only through
+lmcache_internals, which main checks first.
 """
 
 from __future__ import annotations
@@ -331,7 +316,8 @@ def refuse_to_start(message: str) -> NoReturn:
 
 def check_key(master_key: bytes, kwargs: dict[str, object]) -> tuple[str, str]:
     """(the expected fingerprint, the namespace id) from the serde settings, once the key file's
-    fingerprint is the expected one; else the process ends before any object is read or removed."""
+    fingerprint is the expected one; else the process ends before any object is read or removed
+    (a rotated Secret would make every object unreadable)."""
     expected = str(kwargs.get("key_fingerprint") or "").strip().lower()
     namespace = str(kwargs.get("namespace_id") or "").strip()
     if not FINGERPRINT_RE.fullmatch(expected) or not namespace:

@@ -1,18 +1,11 @@
 """The inventory agent: a sidecar beside each lmcache server, the one door into its pod.
 
-lmcache's admin API (/env, /cache/clear, DELETE /cache/objects, ...) listens on the pod's loopback
-only. The agent forwards GET /server/status (token), GET /server/metrics (open, for Prometheus) and
-POST /server/prefetch (token; spec.prewarm, kvpersist.inventory.prefetch), each bounded.
-
-The operator cannot mount a claim, and lmcache reports only what its lazy index has seen since a
-restart, so the agent reads the volume itself: GET /inventory and POST /gc (one named folder, never
-the one its own server serves), both behind the agent token for where the NetworkPolicy is not
-enforced. /healthz reports Agent.alive and the workers' progress (STUCK_S).
-
-With --capacity-bytes it trims the served folder: lmcache 0.5.6's fs_native and nixl_store_dynamic
-count L2 from zero after a restart, so older files are neither counted nor evicted and the folder
-outgrows its capacity (measured: 14 MiB in an 8 MiB namespace after one restart). Other namespaces'
-folders go only by /gc, or by POST /expire where the resource opts into an age limit.
+lmcache's admin API listens on the pod's loopback only: the agent forwards a few bounded reads of it
+and spec.prewarm's prefetch. The operator cannot mount a claim, and lmcache reports only what its lazy
+index has seen since a restart, so the agent reads the volume itself (/inventory, /gc, /expire) and,
+with --capacity-bytes, trims the served folder: lmcache 0.5.6's fs_native and nixl_store_dynamic
+count L2 from zero after a restart, so the folder outgrows its capacity (measured: 14 MiB in an 8 MiB
+namespace after one restart).
 """
 
 from __future__ import annotations

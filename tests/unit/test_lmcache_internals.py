@@ -21,7 +21,7 @@ from kvpersist.builders import buildcheck
 from kvpersist.builders.lmcache import SERVE_ENV, serve_source, server_container
 from kvpersist.builders.target import SERVER
 from kvpersist.inserver import PROGRAM_MODULES, lmcache_internals, module_source, program_source, serve
-from kvpersist.inserver.lmcache_internals import EXIT_CODE, INTERNALS, MISMATCH_PREFIX, Internal, Mismatch, check
+from kvpersist.inserver.lmcache_internals import EXIT_CODE, INTERNALS, MISMATCH_PREFIX, Mismatch, check
 from kvpersist.status import build as buildstatus
 from tests.unit.test_buildcheck import NID, build_conds, refused_pod
 from tests.unit.test_builders import target
@@ -41,6 +41,11 @@ def lmcache_imports(path: Path) -> list[str]:
     return found
 
 
+def missing_names(message: str) -> list[str]:
+    """The internals a refusal_message names."""
+    return [name for name in INTERNALS if f"{name}: " in message]
+
+
 def test_serve_reaches_lmcache_only_through_the_internals_module() -> None:
     """One place: serve.py imports no lmcache name itself, and every lmcache module the accessors
     reach is one a record names (so docs/datapath.md lists it)."""
@@ -48,7 +53,7 @@ def test_serve_reaches_lmcache_only_through_the_internals_module() -> None:
     assert "lmcache_internals" in PROGRAM_MODULES and PROGRAM_MODULES[-1] == "serve"
     reached = set(re.findall(r'_get\("(lmcache[\w.]*)"', module_source("lmcache_internals")))
     assert reached, "the accessors reach lmcache through _get"
-    named = " ".join(i.where for i in INTERNALS)
+    named = internals_section()
     assert {m for m in reached if m not in named} == set()
 
 
@@ -59,21 +64,21 @@ def test_the_refusal_is_the_build_checks() -> None:
     assert serve.TERMINATION_LOG_ENV == buildcheck.TERMINATION_LOG_ENV
 
 
-def test_every_record_says_what_where_why_and_the_upstream_change() -> None:
-    names = [i.name for i in INTERNALS]
-    assert len(names) == len(set(names)) and "SerdeL2AdapterWrapper" in names and "ObjectKey" in names
-    for internal in INTERNALS:
-        assert internal.where.startswith("lmcache.") and len(internal.why) > 20 and len(internal.upstream) > 20, internal
-
-
-def test_the_docs_list_every_internal_with_its_upstream_change() -> None:
+def internals_section() -> str:
     text = (ROOT / "docs" / "datapath.md").read_text()
     assert "## lmcache internals" in text
-    section = text.split("## lmcache internals", 1)[1].split("\n## ", 1)[0]
-    rows = {line.split("|")[1].strip().strip("`"): line for line in section.splitlines() if line.startswith("| ")}
-    assert {i.name for i in INTERNALS} <= set(rows), sorted({i.name for i in INTERNALS} - set(rows))
+    return text.split("## lmcache internals", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_docs_list_every_internal_with_where_why_and_its_upstream_change() -> None:
+    assert "SerdeL2AdapterWrapper" in INTERNALS and "ObjectKey" in INTERNALS
+    rows = {line.split("|")[1].strip().strip("`"): line for line in internals_section().splitlines() if line.startswith("| ")}
+    assert set(INTERNALS) <= set(rows), sorted(set(INTERNALS) - set(rows))
+    for name in INTERNALS:
+        where, why, upstream = (cell.strip() for cell in rows[name].split("|")[2:5])
+        assert where.strip("`").startswith("lmcache.") and len(why) > 20 and len(upstream) > 20, rows[name]
     for tested in lmcache_internals.TESTED_LMCACHE:
-        assert tested in section
+        assert tested in internals_section()
 
 
 # ---------------------------------------------------------------- the message the operator reads
@@ -85,15 +90,15 @@ def test_the_refusal_message_names_what_differs_within_the_operators_bound() -> 
     message = lmcache_internals.refusal_message(found, version="0.5.6")
     assert message.startswith(MISMATCH_PREFIX + "lmcache 0.5.6 in this container differs")
     assert "2 internal(s) (SerdeL2AdapterWrapper, ObjectKey)" in message
-    assert lmcache_internals.missing_names(message) == ["ObjectKey", "SerdeL2AdapterWrapper"]
+    assert missing_names(message) == ["ObjectKey", "SerdeL2AdapterWrapper"]
     assert "lmcache 0.5.6 (images/vllm-lmcache)" in message and "docs/datapath.md" in message
     # Many long problems: cut, but the names of what differs come first and the advice stays.
-    many = [Mismatch(i.name, "x" * 300) for i in INTERNALS]
+    many = [Mismatch(name, "x" * 300) for name in INTERNALS]
     long = lmcache_internals.refusal_message(many, version="0.5.6")
     assert len(long) <= lmcache_internals.MESSAGE_MAX and " ..." in long and long.endswith("tested with this lmcache")
-    assert all(i.name in long for i in INTERNALS)
+    assert all(name in long for name in INTERNALS)
     # Only the version: said so.
-    only = lmcache_internals.refusal_message(check((), version="0.6.0"), version="0.6.0")
+    only = lmcache_internals.refusal_message(check({}, version="0.6.0"), version="0.6.0")
     assert only.startswith(MISMATCH_PREFIX + "lmcache 0.6.0 in this container is not a release kvpersist's server was "
                            "tested with (0.5.6)")
 
@@ -235,8 +240,7 @@ def test_a_check_that_fails_is_a_mismatch_not_a_crash() -> None:
     def broken() -> list[str]:
         raise RuntimeError("boom")
 
-    odd = Internal("odd", "lmcache.odd", "why it is needed", "the upstream change", broken)
-    assert [str(m) for m in check((odd,), version="0.5.6")] == ["odd: could not be checked (RuntimeError: boom)"]
+    assert [str(m) for m in check({"odd": broken}, version="0.5.6")] == ["odd: could not be checked (RuntimeError: boom)"]
 
 
 # ---------------------------------------------------------------- serve's entry point
@@ -295,7 +299,7 @@ def test_the_shipped_program_refuses_on_a_missing_internal(tmp_path: Path) -> No
         tmp_path, "import lmcache.v1.distributed.storage_manager as m\ndel m.SerdeL2AdapterWrapper", "server", "--help")
     assert done.returncode == EXIT_CODE, done.stderr[-2000:]
     assert "--l2-adapter" not in done.stdout  # lmcache's CLI never ran
-    assert lmcache_internals.missing_names(message) == ["SerdeL2AdapterWrapper"], message
+    assert missing_names(message) == ["SerdeL2AdapterWrapper"], message
     found = buildstatus.refusals([refused_pod("r-lmcache-0", SERVER, "lmcache-server", message=message)], NID)
     assert len(found) == 1 and "has no SerdeL2AdapterWrapper" in found[0].detail
 

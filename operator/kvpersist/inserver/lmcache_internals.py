@@ -1,5 +1,5 @@
-"""Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, each a
-record here, checked against the installed lmcache before the server starts: none of it is a
+"""Every name of lmcache that kvpersist's lmcache server (kvpersist.inserver.serve) uses, each
+checked here against the installed lmcache before the server starts: none of it is a
 versioned API, and a change would not fail at start but silently stop removing unreadable objects,
 or leave a new field of the object's name out of the frame's binding (docs/datapath.md "lmcache
 internals"). Shipped with serve.py: standard library only at import, lmcache inside the checks.
@@ -16,11 +16,11 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # The lmcache releases the server was tested with (public versions: +cu128 is a build of one). Another
-# refuses to start even when every check passes: the records say what kvpersist uses, not what changed.
+# refuses to start even when every check passes: the checks say what kvpersist uses, not what changed.
 TESTED_LMCACHE = ("0.5.6",)
 # kvpersist.builders.buildcheck's (the image has no kvpersist; a test checks they agree), so the
 # operator reads this refusal as it reads the build check's.
@@ -28,17 +28,6 @@ MISMATCH_PREFIX = "kvpersist-build mismatch: "
 EXIT_CODE = 78  # EX_CONFIG: restarting the same image will not help
 MESSAGE_MAX = 1000  # the operator keeps 1024 characters of a termination message
 VERSION = "lmcache version"  # the Mismatch of a release not in TESTED_LMCACHE (or none installed)
-
-
-@dataclasses.dataclass(frozen=True)
-class Internal:
-    """One thing of lmcache's that kvpersist's server relies on; verify returns what differs."""
-
-    name: str
-    where: str  # its place in lmcache
-    why: str  # what kvpersist needs it for
-    upstream: str  # the lmcache change that would make it unnecessary
-    verify: Callable[[], list[str]] = dataclasses.field(repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,67 +211,22 @@ def _check_cli() -> list[str]:
     return _params(_get("lmcache.cli.main", "main"), "lmcache.cli.main.main", ())
 
 
-SERDE_UPSTREAM = ("an AsyncSerdeProcessor that runs each object of a batch (and each part of one) on its pool, and a "
-                  "Serializer/Deserializer contract writing straight into the destination buffer: kvpersist would "
-                  "implement the public sync interface instead of the processor's eventfds")
-UNREADABLE_UPSTREAM = ("the serde able to answer 'unreadable, delete it' for an object (the wrapper then deleting it "
-                       "through the inner adapter), or the serde factory given the inner adapter")
-PER_CHUNK_UPSTREAM = ("SerdeL2AdapterWrapper deserializing each object as soon as the inner adapter has read it "
-                      "(per-key load completion), instead of after the whole batch's read")
-PLUGIN_UPSTREAM = ("serde factories loaded before the storage manager is built (a `lmcache.serdes` entry-point group, "
-                   "or --server-module loaded before the L2 adapters): the image's own `lmcache server` would run, "
-                   "with no launcher")
-
-INTERNALS: tuple[Internal, ...] = (
-    Internal("serde registry", "lmcache.v1.distributed.serde: register_serde_factory(name, factory), "
-             "get_registered_serde_types(), SerdeConfig(type, kwargs)",
-             "registers `kvpersist-aesgcm`, whose factory lmcache calls with the adapter's `serde` settings",
-             PLUGIN_UPSTREAM, _check_serde_registry),
-    Internal("SerdeProcessor", "lmcache.v1.distributed.serde.base.SerdeProcessor (abstract methods "
-             + ", ".join(SERDE_METHODS) + ")",
-             "subclassed by serve's ParallelAesGcm: lmcache's AsyncSerdeProcessor seals a batch one chunk after "
-             "another, on one thread, with copies", SERDE_UPSTREAM, _check_serde_processor),
-    Internal("create_event_notifier", "lmcache.v1.platform.create_event_notifier() (notify, fileno, close)",
-             "the serialize and deserialize completion fds SerdeProcessor's contract asks for", SERDE_UPSTREAM,
-             _check_event_notifier),
-    Internal("ObjectKey", "lmcache.v1.distributed.api.ObjectKey (fields " + ", ".join(OBJECT_KEY_FIELDS) + ")",
-             "every segment's associated data binds the object's whole name (serve.object_binding): a field lmcache "
-             "adds would be left out, so the fields must be exactly these",
-             "a canonical byte encoding of ObjectKey handed to the serde (e.g. the adapter's own object name), so the "
-             "binding need not know the fields", _check_object_key),
-    Internal("MemoryLayoutDesc", "lmcache.v1.distributed.api.MemoryLayoutDesc (shapes, dtypes)",
-             "estimate_serialized_size: a frame's size from the chunk's tensors",
-             "the plaintext's byte size handed to estimate_serialized_size", _check_layout_desc),
-    Internal("MemoryObj", "lmcache.v1.memory_management.MemoryObj (byte_array property, set_used_size(n))",
-             "seals and opens straight between the two buffers lmcache hands the serde (no copy), and narrows the "
-             "destination to the frame so the adapter stores only it", SERDE_UPSTREAM, _check_memory_obj),
-    Internal("SerdeL2AdapterWrapper", "lmcache.v1.distributed.storage_manager.SerdeL2AdapterWrapper "
-             "(__init__(inner, serde, l1_manager), submit_load_task(keys, objects), query_load_result(task_id)), "
-             "built by name in StorageManager._build_l2_adapter",
-             "replaced by serve's WiredSerdeL2AdapterWrapper: hands the serde the inner adapter's delete (an object "
-             "of this key that fails authentication is removed, else lmcache skips its stores forever) and loads a "
-             "batch one chunk per load, so decryption overlaps the reads",
-             f"{UNREADABLE_UPSTREAM}; and {PER_CHUNK_UPSTREAM}", _check_serde_wrapper),
-    Internal("wrapper task ids", "lmcache.v1.distributed.l2_adapters.serde_wrapper: SerdeL2AdapterWrapper.__init__ "
-             "sets self._next_task_id = 0 and counts up",
-             "serve's ChunkLoads answers its own load ids from 2**48 beside the wrapper's, which never reach them",
-             PER_CHUNK_UPSTREAM, _check_wrapper_task_ids),
-    Internal("L2AdapterListener", "lmcache.v1.distributed.internal_api.L2AdapterListener (on_l2_keys_stored, "
-             "on_l2_keys_accessed, on_l2_keys_deleted) and L2AdapterInterface.register_listener(listener), "
-             "delete(keys) in lmcache.v1.distributed.l2_adapters.base",
-             "removes unreadable objects through the inner adapter and learns when they are gone (a pinned key's "
-             "delete is skipped, so it is asked again until then)", UNREADABLE_UPSTREAM,
-             _check_adapter_listener),
-    Internal("Bitmap", "lmcache.lmcache_native.Bitmap (Bitmap(n), set(i), test(i))",
-             "the answer of a load of n chunks made of n one-chunk loads", PER_CHUNK_UPSTREAM, _check_bitmap),
-    Internal("init_logger", "lmcache.logging.init_logger(name)",
-             "the server's log lines in lmcache's format and level",
-             "lmcache's handler on its parent `lmcache` logger, so a child logger of the standard library logs "
-             "alike", _check_logger),
-    Internal("lmcache CLI", "lmcache.cli.main.main(argv=None)",
-             "the `lmcache` entry point, run in the launcher's process once the serde is registered",
-             PLUGIN_UPSTREAM, _check_cli),
-)
+# Each internal's check by its name; where it is in lmcache, why kvpersist needs it and the upstream
+# change that would make it unnecessary: docs/datapath.md's table, row by row.
+INTERNALS: dict[str, Callable[[], list[str]]] = {
+    "serde registry": _check_serde_registry,
+    "SerdeProcessor": _check_serde_processor,
+    "create_event_notifier": _check_event_notifier,
+    "ObjectKey": _check_object_key,
+    "MemoryLayoutDesc": _check_layout_desc,
+    "MemoryObj": _check_memory_obj,
+    "SerdeL2AdapterWrapper": _check_serde_wrapper,
+    "wrapper task ids": _check_wrapper_task_ids,
+    "L2AdapterListener": _check_adapter_listener,
+    "Bitmap": _check_bitmap,
+    "init_logger": _check_logger,
+    "lmcache CLI": _check_cli,
+}
 
 
 def public_version(version: str) -> str:
@@ -297,9 +241,9 @@ def installed_version() -> str | None:
         return None
 
 
-def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = None) -> list[Mismatch]:
+def check(internals: Mapping[str, Callable[[], list[str]]] = INTERNALS, version: str | None = None) -> list[Mismatch]:
     """What differs in the installed lmcache from what the server uses (its version when not
-    tested, then every record's problems); empty: the server may start."""
+    tested, then every internal's problems); empty: the server may start."""
     version = installed_version() if version is None else version
     if version is None and importlib.util.find_spec("lmcache") is None:
         return [Mismatch(VERSION, "lmcache is not installed")]
@@ -309,14 +253,14 @@ def check(internals: tuple[Internal, ...] = INTERNALS, version: str | None = Non
     elif public_version(version) not in TESTED_LMCACHE:
         found.append(Mismatch(VERSION, f"{version} is not one kvpersist's server was tested with "
                                        f"({', '.join(TESTED_LMCACHE)})"))
-    for internal in internals:
+    for name, verify in internals.items():
         try:
-            problems = internal.verify()
+            problems = verify()
         except Missing as exc:
             problems = [str(exc)]
         except Exception as exc:  # a check that cannot tell is no proof that the internal is there
             problems = [f"could not be checked ({type(exc).__name__}: {exc})"]
-        found += [Mismatch(internal.name, problem) for problem in problems]
+        found += [Mismatch(name, problem) for problem in problems]
     return found
 
 
@@ -341,11 +285,6 @@ def refusal_message(found: list[Mismatch], version: str | None = None) -> str:
     if len(head) > room:
         head = head[:room - 4] + " ..."
     return head + tail
-
-
-def missing_names(message: str) -> list[str]:
-    """The internals a refusal_message names (for tests and tooling reading it back)."""
-    return [name for name in (i.name for i in INTERNALS) if f"{name}: " in message]
 
 
 # The accessors: serve.py reaches lmcache through these only (tests check it imports no lmcache).

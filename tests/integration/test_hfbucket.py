@@ -115,7 +115,7 @@ def test_preflight_is_bounded_in_time(hub: HubStub, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(hfbucket, "_client_bounded", False)  # the next user re-binds with the real bound
 
 
-def test_bucket_id() -> None:
-    assert hfbucket.bucket_id("hf://buckets/acme-ml/kv-cache/prod/x") == "acme-ml/kv-cache"
+def test_split_handle() -> None:
+    assert hfbucket.split_handle("hf://buckets/acme-ml/kv-cache/prod/x") == ("acme-ml/kv-cache", "prod/x")
     with pytest.raises(ValueError, match="not a bucket handle"):
-        hfbucket.bucket_id("s3://acme/kv")
+        hfbucket.split_handle("s3://acme/kv")

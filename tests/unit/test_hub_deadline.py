@@ -117,7 +117,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[dict[
     """Runs a Hub call on a thread, joined within `limit` seconds: ({"result": ...} or {"error": ...},
     seconds taken). A small per-request deadline; the client rebuilt before and after."""
     monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", DEADLINE_S)
-    hfbucket.reset_hub_client()
+    hfbucket._client_bounded = False  # the next Hub call builds a fresh client
     threads: list[threading.Thread] = []
 
     def call(fn: Callable[[], Any], limit: float = DEADLINE_S + SLACK_S) -> tuple[dict[str, Any], float]:
@@ -142,7 +142,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[dict[
     yield call
     for thread in threads:  # a call that overran ends once its stub stops (the test's `with` has ended)
         thread.join(15)
-    hfbucket.reset_hub_client()
+    hfbucket._client_bounded = False  # the next Hub call builds a fresh client
 
 
 def watchdogs() -> list[str]:
@@ -281,7 +281,7 @@ def test_the_hub_is_asked_through_the_environments_proxy(calls: Callable[..., tu
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         monkeypatch.setenv("http_proxy", proxy.url)
         assert hfbucket.hub_proxy("http://hub.invalid") == proxy.url
-        hfbucket.reset_hub_client()
+        hfbucket._client_bounded = False  # the next Hub call builds a fresh client
         monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
         box, _ = calls(lambda: preflight_bucket(HANDLE, TOKEN, False, "ns/hf", endpoint="http://hub.invalid"))
         assert "result" in box and box["result"].ok, box

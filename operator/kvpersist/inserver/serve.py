@@ -189,12 +189,6 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def plaintext_bytes(shapes: Any, dtypes: Any) -> int:
-    """The bytes of a chunk's tensors (torch dtypes know their item size)."""
-    return sum(math.prod(int(dim) for dim in shape) * int(dtype.itemsize)
-               for shape, dtype in zip(shapes, dtypes, strict=True))
-
-
 class AeadKeys:
     """One AESGCM per cache_salt, its key derived from the master key as lmcache does; the
     max_salts most recently used kept (a derivation is cheap, memory for every salt ever seen is not)."""
@@ -384,11 +378,6 @@ def _processor_class() -> type:
             with contextlib.suppress(OSError, ValueError):  # closed at shutdown
                 self._efds[sealing].notify()
 
-        def _task_id(self) -> int:
-            with self._lock:
-                self._next += 1
-                return self._next
-
         def _binding(self, key: Any) -> bytes:
             return object_binding(self._keys.fingerprint, self._namespace_id, key)
 
@@ -412,7 +401,9 @@ def _processor_class() -> type:
                 raise
 
         def _submit(self, sealing: bool, src_objs: list, dst_objs: list, keys: list) -> int:
-            task_id = self._task_id()
+            with self._lock:
+                self._next += 1
+                task_id = self._next
             make = self._seal_jobs if sealing else self._open_jobs
             jobs: list[Callable[[], None]] = []
             for s, d, k in zip(src_objs, dst_objs, keys, strict=True):
@@ -445,7 +436,9 @@ def _processor_class() -> type:
                 return self._done[False].pop(task_id, None)
 
         def estimate_serialized_size(self, layout_desc: Any) -> int:
-            return sealed_size(plaintext_bytes(layout_desc.shapes, layout_desc.dtypes))
+            """The frame of the chunk's tensors (torch dtypes know their item size)."""
+            return sealed_size(sum(math.prod(int(dim) for dim in shape) * int(dtype.itemsize)
+                                   for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes, strict=True)))
 
         def close(self) -> None:
             self._batches.close()

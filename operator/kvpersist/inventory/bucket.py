@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import quote
 
+from kvpersist import httptransport
 from kvpersist.inventory import hfbucket
 from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsage, group
 
@@ -108,7 +109,7 @@ def _list(bid: str, prefix: str, token: str, endpoint: str | None, deadline: flo
     headers = build_hf_headers(token=token)
     while url is not None:
         _check_deadline(bid, deadline)
-        resp = get_session().get(url, params=params, headers=headers, extensions={hfbucket.DEADLINE_EXTENSION: deadline})
+        resp = get_session().get(url, params=params, headers=headers, extensions={httptransport.DEADLINE: deadline})
         if resp.status_code == 404 and resp.headers.get("X-Error-Code") == "EntryNotFound":
             return  # the bucket exists, nothing under the prefix (lmcache reads it as empty too)
         hf_raise_for_status(resp)

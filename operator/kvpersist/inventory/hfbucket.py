@@ -21,7 +21,6 @@ from kvpersist import httptransport
 PREFLIGHT_TIMEOUT_S = 10.0  # each connect, socket read or write
 HUB_CALL_DEADLINE_S = 30.0  # one whole request: connect, send, headers, body
 HUB_MAX_BODY_BYTES = 32 * 1024 * 1024  # one answer; a listing page of 1000 entries is about 200 KB
-DEADLINE_EXTENSION = httptransport.DEADLINE  # request extension: a time.monotonic() the request must end by
 _client_lock = threading.Lock()
 _client_bounded = False
 
@@ -45,11 +44,6 @@ def split_handle(handle: str) -> tuple[str, str]:
     if not handle.startswith("hf://buckets/") or len(parts) < 2:
         raise ValueError(f"not a bucket handle: {handle!r}")
     return f"{parts[0]}/{parts[1]}", "/".join(parts[2:])
-
-
-def bucket_id(handle: str) -> str:
-    """hf://buckets/<ns>/<bucket>[/<prefix>] -> <ns>/<bucket>."""
-    return split_handle(handle)[0]
 
 
 def hub_proxy(endpoint: str | None = None) -> str | None:
@@ -86,13 +80,6 @@ def bound_hub_client() -> None:
         _client_bounded = True
 
 
-def reset_hub_client() -> None:
-    """The next Hub call builds a fresh client (for tests that change PREFLIGHT_TIMEOUT_S)."""
-    global _client_bounded
-    with _client_lock:
-        _client_bounded = False
-
-
 def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_ref: str,
                      endpoint: str | None = None) -> Preflight:
     """One round of checks: bucket_info, then create_bucket when missing and allowed."""
@@ -100,7 +87,7 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
     from huggingface_hub.errors import HfHubHTTPError
 
     bound_hub_client()
-    bid = bucket_id(handle)
+    bid = split_handle(handle)[0]
     api = HfApi(endpoint=endpoint, token=token)
     action = "read"
     try:

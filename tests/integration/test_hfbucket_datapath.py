@@ -162,7 +162,7 @@ def test_kv_round_trip_through_the_real_adapter(servers, tmp_path: Path, cas_mod
 
         # The operator's inventory reads what lmcache wrote, and gc deletes exactly that folder.
         inv = scan_bucket("hf://buckets/acme-ml/kv-cache/prod", GOOD_TOKEN, endpoint=hub.url)
-        usage = inv.get(str(target.namespace_id))
+        usage = next((n for n in inv.namespaces if n.namespace_id == str(target.namespace_id)), None)
         assert usage is not None and usage.objects == 8
         assert usage.bytes == sum(size for _, size, _ in objects.values())
         removed = remove_bucket_namespace("hf://buckets/acme-ml/kv-cache/prod", GOOD_TOKEN, str(target.namespace_id),

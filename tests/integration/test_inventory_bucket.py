@@ -55,7 +55,7 @@ def test_scan_reports_each_namespace(hub: HubStub) -> None:
     assert inv.location == HANDLE
     assert [n.namespace_id for n in inv.namespaces] == [NS_A, NS_B]
     for ns in (NS_A, NS_B):
-        usage = inv.get(ns)
+        usage = next((n for n in inv.namespaces if n.namespace_id == ns), None)
         assert usage is not None
         assert (usage.bytes, usage.objects, usage.last_write) == _expected(ns)
     assert inv.other_bytes == 123  # README.md only: prod-old/ and staging/ are not under the prefix

@@ -94,7 +94,6 @@ def fetch_inventory(ip: str, port: int, timeout: float = TIMEOUT_S, token: str |
 class ExpireBody(BaseModel):
     """An agent's /expire answer: the folders it removed under the age limit, and those it kept."""
 
-    model_config = ConfigDict(extra="ignore")
     removed: list[NamespaceBody] = Field(default_factory=list, max_length=4096)
     error: str | None = None
 

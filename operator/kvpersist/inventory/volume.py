@@ -54,9 +54,6 @@ class Inventory:
     truncated: bool = False  # the scan stopped at its bound (MAX_SCAN_FILES): some folders are undercounted
     effective_capacity_bytes: int | None = None  # the served folder's trim watermark, as the agent reports it
 
-    def get(self, namespace_id: str) -> NamespaceUsage | None:
-        return next((n for n in self.namespaces if n.namespace_id == namespace_id), None)
-
     def to_json(self) -> dict[str, Any]:
         out = {"location": self.location, "namespaces": [n.to_json() for n in self.namespaces], "otherBytes": self.other_bytes,
                "capacityBytes": self.capacity_bytes, "freeBytes": self.free_bytes}

@@ -200,7 +200,7 @@ def test_the_agents_trim_pass_sweeps_abandoned_temp_files_first(tmp_path: Path) 
     kept = [_chunk(tmp_path / A, i, 100 * KIB, 100.0 + i) for i in range(3)]
     agent = Agent(tmp_path, A, capacity_bytes=300 * KIB)
     assert agent.trim_once().objects == 0  # the chunks fit; the dead write's file is gone
-    assert not crashed.exists() and all(p.exists() for p in kept) and agent.swept_temp_files == 1
+    assert not crashed.exists() and all(p.exists() for p in kept)
 
 
 def test_trim_reaches_sharded_subfolders(tmp_path: Path) -> None:

@@ -118,7 +118,6 @@ class Agent:
         self.trim_period_s = trim_period_s
         self.trim_passes = 0  # completed passes, whether they deleted anything or not (tests wait on it)
         self.last_trim: dict[str, Any] | None = None  # the last pass that deleted something
-        self.swept_temp_files = 0  # abandoned temp files deleted so far
         self.effective_capacity: int | None = None  # the last trim's watermark (space.effective_capacity)
         self._lock = threading.Lock()
         self._scan: tuple[float, Inventory] | None = None
@@ -233,7 +232,6 @@ class Agent:
             self.effective_capacity = capacity
             trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
                                      settled=lambda total: self._settled(total, capacity))
-            self.swept_temp_files += swept.objects
             if swept.objects or trimmed.objects:
                 self._scan = None
             if trimmed.objects:

@@ -1,4 +1,4 @@
-"""kvpersist.api.celengine: the CEL extension without the library's REPL (issue 58)."""
+"""kvpersist.api.celrules.extension: the CEL extension without the library's REPL (issue 58)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpersist.api import celengine, celrules
+from kvpersist.api import celrules
 
 REPL = ("typer", "rich", "prompt_toolkit", "pygments")
 
@@ -27,6 +27,6 @@ def test_the_package_imported_after_it_shares_the_one_extension() -> None:
     find the extension loaded, not load it again (which panics)."""
     import cel
 
-    assert celengine.extension() is celrules.celexpr
+    assert celrules.extension() is celrules.celexpr
     assert cel.compile is celrules.celexpr.compile
     assert celrules.holds("self.a.size() == 2", {"a": [1, 2]}) and not celrules.holds("self.a > 5", {"a": 2})

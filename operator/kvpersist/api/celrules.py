@@ -7,14 +7,45 @@ library is bound here (kvpersist.api.quantity); a quantity travels through CEL a
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.machinery
+import importlib.util
 import json
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from kvpersist.api import celengine, quantity
+from kvpersist.api import quantity
 
-celexpr = celengine.extension()
+PACKAGE = "cel"
+EXTENSION = "cel.cel"  # the name the package itself imports it by: one module, whichever loads it first
+
+
+def extension() -> ModuleType:
+    """The library's Rust extension without its package: `import cel` runs the package's __init__, which
+    imports its REPL (typer, rich, ...), 27 MiB of every process that validates a spec (issue 58). Through
+    the package where the layout is another. It initialises once a process (a second time it panics):
+    whoever loads it first, the package or this, the other finds it in sys.modules."""
+    loaded = sys.modules.get(EXTENSION)
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.find_spec(PACKAGE)
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    paths = [Path(f) / f"cel{suffix}" for f in folders for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        return importlib.import_module(PACKAGE)
+    loader = importlib.machinery.ExtensionFileLoader(EXTENSION, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(EXTENSION, loader))
+    loader.exec_module(module)
+    sys.modules[EXTENSION] = module
+    return module
+
+
+celexpr = extension()
 
 _QUANTITY_KEY = "kvpersist.dev/quantity"
 _OLD_SELF = re.compile(r"\boldSelf\b")
@@ -37,38 +68,11 @@ def _from_cel(value: Any) -> quantity.Quantity:
     return quantity.Quantity(int(unscaled), int(scale), fast == "1")
 
 
-def _as_integer(value: Any) -> int:
-    number = _from_cel(value).value
-    if number != number.to_integral_value() or not -(2**63) <= number <= quantity.MAX_INT64:
-        raise ValueError("cannot convert value to integer")
-    return int(number)
-
-
-def _compare(a: Any, b: Any) -> int:
-    x, y = _from_cel(a).value, _from_cel(b).value
-    return (x > y) - (x < y)
-
-
-def _is_quantity(text: str) -> bool:
-    try:
-        quantity.parse(text)
-    except ValueError:
-        return False
-    return True
-
-
-# Kubernetes' quantity library (k8s.io/apiserver/pkg/cel/library/quantity.go), less add and sub:
-# no rule uses them (a rule that did would fail every sample, tests/unit/test_cel_rules.py).
+# Kubernetes' quantity library (k8s.io/apiserver/pkg/cel/library/quantity.go), only what the rules call:
+# a rule calling another would fail every sample (tests/unit/test_cel_rules.py).
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "quantity": lambda text: _to_cel(quantity.parse(text)),
-    "isQuantity": _is_quantity,
     "asApproximateFloat": lambda q: quantity.as_approximate_float(_from_cel(q)),
-    "asInteger": _as_integer,
-    "isInteger": lambda q: (v := _from_cel(q).value) == v.to_integral_value() and -(2**63) <= v <= quantity.MAX_INT64,
-    "sign": lambda q: (lambda v: (v > 0) - (v < 0))(_from_cel(q).value),
-    "compareTo": _compare,
-    "isGreaterThan": lambda a, b: _compare(a, b) > 0,
-    "isLessThan": lambda a, b: _compare(a, b) < 0,
 }
 
 

@@ -465,19 +465,6 @@ ENV_RULE = ("env names refused: " + ", ".join(sorted(ENV_REFUSED)) + ", any " + 
             "pins, or load other code than the image's)")
 
 
-def env_problem(name: str) -> str | None:
-    """Why an env name may not be set on the vLLM container, or None."""
-    if name in ENV_REFUSED:
-        return f"{name} is refused: {ENV_REFUSED[name]}"
-    for prefix, why in ENV_REFUSED_PREFIXES.items():
-        if name.startswith(prefix):
-            return f"{name} is refused: {why}"
-    for prefix, (allowed, why) in ENV_ALLOW_LISTED.items():
-        if name.startswith(prefix) and name not in allowed:
-            return f"{name} is refused: of {prefix}* only {', '.join(allowed)} may be set ({why})"
-    return None
-
-
 def env_name_rule(name: str = "self", exempt: tuple[str, ...] = ()) -> str:
     """CEL: whether the variable `name` may be set in a vLLM container (spec.vllm.env's rule; the
     attach policy's with `exempt`, the names an attached pod may set itself)."""

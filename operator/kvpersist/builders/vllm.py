@@ -121,7 +121,7 @@ def operator_env(target: Target) -> list[dict[str, Any]]:
 
 # envFrom's keys are unknown at apply time, so the kubelet sets each under ENV_FROM_PREFIX, where no
 # loader (LD_PRELOAD in the start script's shell), Python or runtime (NVIDIA_*) reads it, and the start
-# script copies back only what env_problem allows; the image's own variables stay as the image set them.
+# script copies back only what api.spec's env tables allow; the image's own variables stay as the image set them.
 ENV_FROM_PREFIX = "KVPERSIST_ENVFROM_"  # KVPERSIST_* is refused in env, so no user's name is mistaken for one
 # Refused in env only because a literal would put a secret in the spec: from a Secret they are fine.
 ENV_FROM_ALLOWED = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", API_KEY)

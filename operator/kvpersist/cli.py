@@ -80,11 +80,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _render_or_write(args: argparse.Namespace) -> int:
     """`--write` writes the generated files under `--root` and names them; otherwise one rendering goes to stdout."""
-    from kvpersist.api import attachpolicy, crd, pinchange, reference
+    from kvpersist.api import attachpolicy, crd, pinchange
 
     render, write = {"crd": (crd.render_crd, crd.write_crds), "pin-change-policy": (pinchange.render_config, pinchange.write),
                      "attach-policy": (attachpolicy.render_config, attachpolicy.write),
-                     "api-reference": (reference.render_reference, reference.write_reference)}[args.command]
+                     "api-reference": (crd.render_reference, crd.write_reference)}[args.command]
     if args.write:
         for path in write(Path(args.root)):
             print(f"wrote {path}")

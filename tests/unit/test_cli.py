@@ -164,8 +164,7 @@ def test_zsh_script_loads_bashcompinit_first() -> None:
 def test_the_api_reference_is_current_and_covers_every_field() -> None:
     """docs/api-reference.md is what the models generate (`kvpersist-operator api-reference --write`),
     and it names every leaf of the CRD's spec."""
-    from kvpersist.api.crd import build_crd
-    from kvpersist.api.reference import REFERENCE_PATH, render_reference
+    from kvpersist.api.crd import REFERENCE_PATH, build_crd, render_reference
 
     root = Path(__file__).resolve().parents[2]
     text = render_reference()

@@ -1,12 +1,7 @@
-"""Attach mode's admission policies (docs/attach.md): a MutatingAdmissionPolicy completes a user's vLLM pod
-labelled kvpersist.dev/attach=<KVCacheNamespace>, a ValidatingAdmissionPolicy admits it only with exactly that
-resource's pins. Both run in the API server (no webhook; judged while the operator is down) with the resource as
-param, reading its status.attach (kvpersist.builders.attach): the policies are static, the operator holds no right
-on admission objects.
-
+"""Attach mode's admission policies (docs/attach.md): static, run by the API server with the resource as param,
+reading its status.attach (no webhook: judged while the operator is down, and the operator needs no right on admission objects).
 The mutation only adds what is absent; the validation, after every mutation, requires the exact values, so a
-differing value is refused naming the field, never overwritten.
-"""
+differing value is refused naming the field, never overwritten."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The CRD's own CEL rules (x-kubernetes-validations), each written once beside its model, evaluated by the
-models on the object as the API server stores it: the operator refuses what `kubectl apply` refuses, in the
-same words. Transition rules (oldSelf) are skipped: the models have no old object. Kubernetes' quantity
-library is bound here (kvpersist.api.quantity); a quantity travels through CEL as a one-key map.
-"""
+"""The CRD's own CEL rules, evaluated by the models on the object as the API server stores it, so the operator
+refuses what `kubectl apply` refuses, in the same words (transition rules skipped: the models have no old object).
+Kubernetes' quantity library is bound here (kvpersist.api.quantity); a quantity travels through CEL as a one-key map."""
 
 from __future__ import annotations
 

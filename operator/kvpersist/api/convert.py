@@ -1,9 +1,5 @@
-"""A v1alpha1 spec written before the API was made smaller, in today's form, with the same namespace id.
-
-The fields that went (docs/upgrading.md, "One image, fewer fields") are pruned by the API server from
-a stored object, so a manifest is converted where its author keeps it (git, a chart), not in the
-cluster: `kvpersist convert`. Pure: dicts in, dicts out.
-"""
+"""An old v1alpha1 spec in today's form, with the same namespace id (`kvpersist convert`): the API server prunes the
+fields that went (docs/upgrading.md) from a stored object, so a manifest is converted where its author keeps it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The pin-change warning: a ValidatingAdmissionPolicy generated from id_fields (HEADER says what it compares).
-
-A change that moves the namespace id leaves the old namespace's KV in L2 as an orphan until `kvpersist gc`,
-which should be seen at `kubectl apply`: Warn only, failurePolicy Ignore, never a refusal. CEL cannot compute
-the new id (no sha256, and the L2 key is a Secret): `kvpersist plan -f` does. A key rotated in the same Secret
-is not seen here.
-"""
+"""The pin-change warning, generated from id_fields: a change that moves the namespace id orphans the old KV, which
+should be seen at `kubectl apply` (Warn only, never a refusal). CEL cannot compute the new id (no sha256, the key is
+a Secret's): `kvpersist plan -f` does. A key rotated in the same Secret is not seen here."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Kubernetes quantities, parsed exactly as the API server parses them (never through a float).
-
-The operator computes with sizes (`parse_quantity`), and the CRD's CEL rules call the quantity
-library (kvpersist.api.celrules), where the models must reach the API server's verdict on every
-value: so this follows apimachinery's ParseQuantity and AsApproximateFloat64 step by step, to the last bit.
-"""
+"""Kubernetes quantities, parsed exactly as the API server parses them (never through a float): the models' CEL
+rules must reach its verdict on every value, so this follows apimachinery's ParseQuantity and AsApproximateFloat64
+step by step, to the last bit."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""spec of a KVCacheNamespace: what the user wants (the pins are kvpersist.api.identity's).
-
-Cross-field rules are written once, as CEL, which the API server checks at apply time and the models evaluate
-on the object as stored (kvpersist.api.celrules): both refuse the same, with the same message (tests/e2e/test_fuzz.py).
-"""
+"""spec of a KVCacheNamespace (the pins are kvpersist.api.identity's). Cross-field rules are written once, as CEL,
+which the API server checks and the models evaluate (kvpersist.api.celrules): both refuse the same, in the same words."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Status merge patches checked against the status models the CRD is generated from.
-
-The API server silently prunes a status key its schema lacks, so a misspelled key in a hand-built
-patch would never show: every status write goes through checked_patch (refresh.write_status) first.
-"""
+"""Status merge patches checked against the status models the CRD is generated from: the API server silently
+prunes a key its schema lacks, so every status write goes through checked_patch (refresh.write_status) first."""
 
 from __future__ import annotations
 

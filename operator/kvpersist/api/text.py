@@ -1,11 +1,6 @@
-"""The characters no free-text field of the spec may hold, decided once for the models and the CRD.
-
-Free strings reach pod specs, argv, logs and `kubectl` output, where control characters cut or
-forge lines and format characters (bidi overrides, zero-width) make one value read as another
-(Trojan Source). The schema pattern (checked by the API server's RE2) and the models' check both
-read the one table FORBIDDEN, written out rather than taken from a Unicode database so that Go's
-and Python's Unicode versions cannot make them disagree (tests/unit/test_free_text.py).
-"""
+"""The characters no free-text field of the spec may hold: control characters cut or forge lines in pod specs, argv,
+logs and `kubectl` output, format characters make one value read as another (Trojan Source). The CRD's pattern and
+the models' check read one table, written out so that Go's and Python's Unicode versions cannot disagree."""
 
 from __future__ import annotations
 

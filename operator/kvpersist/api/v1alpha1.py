@@ -1,7 +1,5 @@
-"""The KVCacheNamespace API, v1alpha1: the object, its group and version; the CRD is generated from it.
-
-Its spec is kvpersist.api.spec (the pins, kvpersist.api.identity), its status kvpersist.api.statusmodels.
-"""
+"""The KVCacheNamespace API, v1alpha1: the object, its group and version; the CRD is generated from it (its spec
+kvpersist.api.spec, its status kvpersist.api.statusmodels)."""
 
 from __future__ import annotations
 

@@ -56,14 +56,14 @@ def cel(rule: str, message: str, field_path: str | None = None, reason: str | No
 
 
 def _to_cel(q: quantity.Quantity) -> dict[str, str]:
-    return {_QUANTITY_KEY: f"{q.unscaled}/{q.scale}/{int(q.fast)}"}
+    return {_QUANTITY_KEY: f"{q.unscaled}/{q.scale}"}
 
 
 def _from_cel(value: Any) -> quantity.Quantity:
     if not isinstance(value, dict) or set(value) != {_QUANTITY_KEY}:
         raise TypeError(f"not a quantity: {value!r}")
-    unscaled, scale, fast = value[_QUANTITY_KEY].split("/")
-    return quantity.Quantity(int(unscaled), int(scale), fast == "1")
+    unscaled, scale = value[_QUANTITY_KEY].split("/")
+    return quantity.Quantity(int(unscaled), int(scale))
 
 
 # Kubernetes' quantity library (k8s.io/apiserver/pkg/cel/library/quantity.go), only what the rules call:

@@ -17,12 +17,10 @@ _GRAMMAR = re.compile(r"([+-]?)0*([0-9]*)(?:\.([0-9]*))?([KMGTPE]i|[numkMGTPE]|[
 
 @dataclass(frozen=True)
 class Quantity:
-    """A parsed quantity as apimachinery holds it: unscaled * 10**-scale, and whether it took the
-    int64 fast path (AsApproximateFloat64 computes differently for the two)."""
+    """A parsed quantity as apimachinery holds it: unscaled * 10**-scale."""
 
     unscaled: int
     scale: int
-    fast: bool
 
     @property
     def value(self) -> Decimal:
@@ -54,7 +52,7 @@ def parse(text: str) -> Quantity:
                 raise ValueError(f"not a quantity: {text!r} (too many digits)")
             result = shifted * mantissa
             if result <= MAX_INT64:
-                return Quantity(-result if negative else result, -scale, True)
+                return Quantity(-result if negative else result, -scale)
     # The inf.Dec path: exact, then rounded up to nano, a binary one capped.
     amount = Decimal(f"{num}.{denom}" if denom else num)
     amount = amount * (1 << exponent) if binary else amount.scaleb(exponent)
@@ -64,7 +62,7 @@ def parse(text: str) -> Quantity:
     scale_out = 9 if unscaled else 0
     if binary and Decimal(unscaled).scaleb(-scale_out) > MAX_INT64:
         unscaled, scale_out = MAX_INT64, 0
-    return Quantity(-unscaled if negative else unscaled, scale_out, False)
+    return Quantity(-unscaled if negative else unscaled, scale_out)
 
 
 def parse_quantity(text: str | int) -> Decimal:

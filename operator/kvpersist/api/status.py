@@ -74,12 +74,10 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
 
-def _problems(model: type[BaseModel], patch: Any, path: str) -> list[str]:
+def _problems(model: type[BaseModel], patch: Mapping[str, Any], path: str) -> list[str]:
     """What in a merge patch of model does not fit it: a nested object is merged (so checked) key by
     key and may leave required fields out; a list replaces the stored one, so is validated whole;
     None removes a field, so only an optional one. Values are checked strictly as JSON: "5" is no integer."""
-    if not isinstance(patch, Mapping):
-        return [f"{path}: a patch of {model.__name__} must be an object, not {type(patch).__name__}"]
     fields = _fields(model)
     out = []
     for key, value in patch.items():

@@ -15,13 +15,13 @@ from kvpersist.builders.connection import kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     build_lmcache_statefulset,
+    build_local_service,
     l2_adapter_config,
     l2_serde,
     serve_source,
     server_args,
     server_resources,
 )
-from kvpersist.builders.services import build_local_service
 from kvpersist.builders.target import (
     HF_TOKEN_ENV,
     L2_KEY_BYTES,

@@ -297,7 +297,7 @@ def test_node_local_service_resolves_to_the_server_on_the_pods_own_node() -> Non
     """The operator's node-local Service (internalTrafficPolicy Local) as the runner resolves it in
     each node's /etc/hosts: vLLM on node B reaches node B's server, on node A node A's; a node
     whose server is not Ready gets no entry (kube-proxy drops the traffic), never the other node's."""
-    from kvpersist.builders.services import build_local_service
+    from kvpersist.builders.lmcache import build_local_service
     from tests.unit.test_builders import target
 
     t = target()

@@ -21,9 +21,8 @@ from kvpersist.api.spec import ENV_REFUSED, ENV_RULE, MODEL_CACHE_PATH, PYTHON_E
 from kvpersist.api.v1alpha1 import KVCacheNamespace, validation_message
 from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import build_lmcache_statefulset
-from kvpersist.builders.services import build_vllm_service
 from kvpersist.builders.target import Target
-from kvpersist.builders.vllm import ENV_FROM_ALLOWED, ENV_FROM_PREFIX, build_vllm_deployment
+from kvpersist.builders.vllm import ENV_FROM_ALLOWED, ENV_FROM_PREFIX, build_vllm_deployment, build_vllm_service
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import sample
 

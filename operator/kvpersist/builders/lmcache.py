@@ -1,4 +1,5 @@
-"""The lmcache server: its command line, its L2 adapter JSON, and the StatefulSet that runs it."""
+"""The lmcache server: its command line, its L2 adapter JSON, the StatefulSet that runs it and the node-local
+Service in front of it."""
 
 from __future__ import annotations
 
@@ -304,3 +305,14 @@ def build_lmcache_statefulset(target: Target) -> dict[str, Any]:
                                              "spec": claim_spec(["ReadWriteOnce"], nvme.size, nvme.storage_class_name)}]
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": nvme.reclaim_policy, "whenScaled": "Retain"}
     return manifest("apps/v1", "StatefulSet", target.metadata(target.server_name, SERVER), sts_spec)
+
+
+def build_local_service(target: Target) -> dict[str, Any]:
+    """vLLM's way to its cache server: Local keeps connections on the node (CUDA IPC works within a
+    node only); the namespace id in name and selector keeps it to servers of its clients' identity."""
+    return manifest("v1", "Service", target.metadata(target.local_service_name, SERVER), {
+        "type": "ClusterIP",
+        "internalTrafficPolicy": "Local",
+        "selector": target.id_selector(SERVER),
+        "ports": [{"name": "zmq", "port": target.spec.lmcache_server.port, "targetPort": "zmq", "protocol": "TCP"}],
+    })

@@ -80,7 +80,7 @@ class Target:
 
     @property
     def local_service_name(self) -> str:
-        """The node-local Service vLLM connects through, one per namespace id (builders.services)."""
+        """The node-local Service vLLM connects through, one per namespace id (builders.lmcache)."""
         return self.per_id_name(self.namespace_id)
 
     def per_id_name(self, namespace_id: str | None) -> str:

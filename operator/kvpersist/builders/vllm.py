@@ -1,4 +1,4 @@
-"""The vLLM Deployment, launched with exactly the pinned identity."""
+"""The vLLM Deployment, launched with exactly the pinned identity, and the optional Service in front of it."""
 
 from __future__ import annotations
 
@@ -203,4 +203,17 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         "replicas": spec.vllm.replicas,
         "selector": {"matchLabels": target.selector(VLLM)},
         "template": {"metadata": {"labels": target.labels(VLLM), "annotations": annotations}, "spec": pod_spec},
+    })
+
+
+def build_vllm_service(target: Target) -> dict[str, Any] | None:
+    """spec.vllm.service: the OpenAI API of this resource's vLLM pods of every namespace id (it keeps
+    serving across a pin change); None unless enabled."""
+    svc = target.spec.vllm.service
+    if not svc.enabled:
+        return None
+    return manifest("v1", "Service", target.metadata(target.vllm_name, VLLM), {
+        "type": svc.type,
+        "selector": target.selector(VLLM),
+        "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
     })

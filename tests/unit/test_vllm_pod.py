@@ -166,7 +166,7 @@ def test_model_cache_size_makes_an_owned_claim_the_vllm_pods_mount() -> None:
 def test_model_cache_claim_differences_name_the_field() -> None:
     """The claim is made once and never patched: what the spec declares and the existing claim lacks
     is named by field (the Warning event's text); equal quantities in other spellings are no difference."""
-    from kvpersist.builders.modelcache import build_model_cache_claim, claim_differences
+    from kvpersist.builders.vllm import build_model_cache_claim, claim_differences
 
     claim = build_model_cache_claim(_target(FIELDS["modelCache.size"]))
     assert claim is not None

@@ -9,10 +9,9 @@ from kvpersist.builders.attach import attached
 from kvpersist.builders.disruption import build_server_pdb
 from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service
-from kvpersist.builders.modelcache import build_model_cache_claim
 from kvpersist.builders.networkpolicy import build_network_policy
 from kvpersist.builders.target import Target
-from kvpersist.builders.vllm import build_vllm_deployment, build_vllm_service
+from kvpersist.builders.vllm import build_model_cache_claim, build_vllm_deployment, build_vllm_service
 
 
 def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.spec import l1_page_bytes
 from kvpersist.api.vllmpod import REQUIRED, server_term
 from kvpersist.builders import buildcheck
-from kvpersist.builders.modelcache import claim_spec
 from kvpersist.builders.retained import retained_annotations, retained_labels
 from kvpersist.builders.security import (
     AGENT_USER,
@@ -38,7 +37,7 @@ from kvpersist.builders.target import (
     Target,
     manifest,
 )
-from kvpersist.builders.vllm import placement, quantities
+from kvpersist.builders.vllm import claim_spec, placement, quantities
 from kvpersist.inserver import program_source
 from kvpersist.inserver.serve import CHECKED_TYPE, SERDE_TYPE
 from kvpersist.l2backends import backend_of

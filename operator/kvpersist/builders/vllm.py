@@ -1,16 +1,19 @@
-"""The vLLM Deployment, launched with exactly the pinned identity, and the optional Service in front of it."""
+"""The vLLM Deployment, launched with exactly the pinned identity, the optional Service in front of it, and
+the claim the operator makes for the model's weights (spec.vllm.modelCache.size)."""
 
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any
 
+from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
 from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_volume
 from kvpersist.builders import buildcheck
 from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, DATA_PLANE_USER, HOME_ENV, data_plane_volumes, pod_security, security_context
-from kvpersist.builders.target import BYPASS_ANNOTATION, SERVER, VLLM, Target, manifest
+from kvpersist.builders.target import BYPASS_ANNOTATION, MODEL_CACHE, SERVER, VLLM, Target, manifest
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (("model_revision", "--revision"), ("tokenizer", "--tokenizer"), ("tokenizer_revision", "--tokenizer-revision"),
@@ -181,7 +184,7 @@ def build_vllm_deployment(target: Target) -> dict[str, Any]:
         container["command"] = ["sh", "-c", env_filter([e["name"] for e in container["env"]]) + buildcheck.EXEC, "vllm"]
     # With the cache, its vLLM and lmcache must be the declared build: checked before vLLM starts.
     container = buildcheck.wrap(container, target, VLLM)
-    # The user's claim or the operator's (builders/modelcache.py), or downloaded at each start to the same path (operator_env).
+    # The user's claim or the operator's (build_model_cache_claim), or downloaded at each start to the same path (operator_env).
     weights = {"persistentVolumeClaim": {"claimName": target.model_cache_claim}} if target.model_cache_claim else {"emptyDir": {}}
     volumes = [shm_volume(SHM_VOLUME), *data_plane_volumes()[0], {"name": MODEL_CACHE_VOLUME, **weights}]
     # The non-root vLLM writes the operator's model cache through the pod's group; a user's claim is never re-owned.
@@ -217,3 +220,49 @@ def build_vllm_service(target: Target) -> dict[str, Any] | None:
         "selector": target.selector(VLLM),
         "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
     })
+
+
+DEFAULT_ACCESS_MODES = ("ReadWriteOnce",)
+
+
+def build_model_cache_claim(target: Target) -> dict[str, Any] | None:
+    """PersistentVolumeClaim `<name>-model-cache`, or None when the user names their own claim (or there is
+    no model cache). Owned by the resource, so deleted with it: weights can be downloaded again, unlike L2's
+    KV. No namespace id label: the weights serve every id. Made once and never patched
+    (kvpersist.controller.apply): most of a claim's spec is immutable, so a later change is reported, not applied."""
+    cache = target.spec.vllm.model_cache
+    if cache is None or cache.size is None:
+        return None
+    return manifest("v1", "PersistentVolumeClaim", target.metadata(target.model_cache_claim, MODEL_CACHE, per_id=False),
+                    claim_spec(list(cache.access_modes or DEFAULT_ACCESS_MODES), cache.size, cache.storage_class_name))
+
+
+def claim_spec(access_modes: list[str], size: Any, storage_class: str | None) -> dict[str, Any]:
+    """A claim's spec; without storage_class, the cluster's default StorageClass (no key)."""
+    spec: dict[str, Any] = {"accessModes": access_modes, "resources": {"requests": {"storage": str(size)}}}
+    if storage_class is not None:
+        spec["storageClassName"] = storage_class
+    return spec
+
+
+def claim_differences(manifest: dict[str, Any], existing: dict[str, Any]) -> list[str]:
+    """What spec.vllm.modelCache declares that the existing claim (made once, kept as is) lacks, by field."""
+    want, have = manifest["spec"], existing.get("spec") or {}
+    out = []
+    wanted_size = want["resources"]["requests"]["storage"]
+    had_size = ((have.get("resources") or {}).get("requests") or {}).get("storage")
+    if _quantity(wanted_size) != _quantity(had_size):
+        out.append(f"spec.vllm.modelCache.size is {wanted_size}, the claim's {had_size}")
+    if "storageClassName" in want and want["storageClassName"] != have.get("storageClassName"):
+        out.append(f"spec.vllm.modelCache.storageClassName is {want['storageClassName']}, the claim's "
+                   f"{have.get('storageClassName')}")
+    if sorted(want["accessModes"]) != sorted(have.get("accessModes") or []):
+        out.append(f"spec.vllm.modelCache.accessModes is {want['accessModes']}, the claim's {have.get('accessModes')}")
+    return out
+
+
+def _quantity(value: Any) -> Decimal | None:
+    try:
+        return parse_quantity(value) if value is not None else None
+    except ValueError:
+        return None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
-from kvpersist.builders import inferencepool, modelcache
+from kvpersist.builders import inferencepool, vllm
 from kvpersist.builders.all import build_all
 from kvpersist.builders.keysecret import build_agent_token_secret
 from kvpersist.builders.lmcache import build_shared_claim
@@ -453,7 +453,7 @@ def decide(snap: Snapshot) -> Decision:
         if existing is None or not ownership.is_own_child(existing.get("metadata"), snap.uid):
             create_cache = True
         else:
-            differs = "; ".join(modelcache.claim_differences(cache_manifest, dict(existing))) or None
+            differs = "; ".join(vllm.claim_differences(cache_manifest, dict(existing))) or None
     wants_pool = inferencepool.build_inference_pool(target) is not None
     return Decision(target, None, "", phase, conds, token_secret=token_secret, manifests=tuple(manifests),
                     shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs,

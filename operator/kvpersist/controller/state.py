@@ -73,7 +73,7 @@ class ResourceState:
     name_taken: Refusal | None = None
     name_taken_retry_at: float = float("inf")
     # What spec.vllm.modelCache declares that its existing claim does not have (made once, never
-    # patched: kvpersist.builders.modelcache), as last reported in a ModelCacheDiffers event.
+    # patched: kvpersist.builders.vllm), as last reported in a ModelCacheDiffers event.
     model_cache_differs: str | None = None
     # The generation an InferencePoolAPIMissing Warning was posted for: one event per generation.
     pool_api_missing_warned: int | None = None

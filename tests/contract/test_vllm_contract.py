@@ -13,9 +13,8 @@ from pydantic import ValidationError
 
 from kvpersist.api.identity import BLOCK_SIZES, KV_CACHE_DTYPES, Identity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.connection import CONNECTOR_MODULES
 from kvpersist.builders.target import Target
-from kvpersist.builders.vllm import vllm_args
+from kvpersist.builders.vllm import CONNECTOR_MODULES, vllm_args
 from kvpersist.identity import key_fingerprint, resolve
 from tests.cases.invalid_manifests import SAMPLES, sample
 

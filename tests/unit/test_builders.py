@@ -11,7 +11,6 @@ import pytest
 from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
-from kvpersist.builders.connection import kv_transfer_config
 from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     build_lmcache_statefulset,
@@ -32,7 +31,7 @@ from kvpersist.builders.target import (
     NAMESPACE_ID_LABEL,
     Target,
 )
-from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
+from kvpersist.builders.vllm import build_vllm_deployment, kv_transfer_config, vllm_args
 from kvpersist.identity import CHECKED_SERDE, key_fingerprint, resolve
 from kvpersist.inserver.serve import CHECKED_TYPE
 from tests.cases.invalid_manifests import sample

@@ -141,7 +141,7 @@ def test_vllm_names_its_server_absolutely_in_the_clusters_domain(tmp_path: Path)
     first, where <route>.<ns>.svc.svc.<domain> is the Service <route>.<ns> of a namespace named
     svc: whoever owns it would receive every vLLM's KV connection. The absolute name is never
     searched."""
-    from kvpersist.builders.connection import server_host
+    from kvpersist.builders.vllm import server_host
     from kvpersist.controller import decision
 
     resolv = tmp_path / "resolv.conf"

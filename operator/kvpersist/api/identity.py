@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = (
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
 )
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-# The one vLLM connector the operator wires (builders.connection): a pin of every namespace id, not a field.
+# The one vLLM connector the operator wires (builders.vllm): a pin of every namespace id, not a field.
 CONNECTOR = "LMCacheMPConnector"
 # On every pod of a namespace id, the operator's and attached ones (kvpersist.api.attachpolicy): what routes select by.
 NAMESPACE_ID_LABEL = "kvpersist.dev/namespace-id"

@@ -10,9 +10,8 @@ from typing import Any
 
 from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.api.identity import pin_field
-from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_args, kv_events_env
+from kvpersist.builders.vllm import FIXED_ENV, PIN_FLAGS, kv_events_args, kv_events_env, kv_transfer_config_json
 from kvpersist.identity import image_digest
 
 ATTACHED = "Attached"

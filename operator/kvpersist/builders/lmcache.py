@@ -163,7 +163,7 @@ def server_args(target: Target) -> list[str]:
         # vLLM's pods and these share no /dev/shm, IPC or PID namespace: lmcache's default CUDA IPC (a
         # /dev/shm reference counter) then fails ("mapping of buffer object failed", measured on an H200:
         # hack/gpu_ipc_check.py, docs/measurements/gpu-ipc-h200.json); isolated IPC (cudaIpc handles,
-        # timeline semaphores) worked in every pod layout. The connector matches (builders/connection.py).
+        # timeline semaphores) worked in every pod layout. The connector matches (builders/vllm.py).
         "--isolated-ipc",
         *(["--kv-event-log-size", "0"] if worker_sourced_kv_events(target) else []),
     ]

@@ -7,11 +7,11 @@ import json
 from decimal import Decimal
 from typing import Any
 
+from kvpersist.api.identity import CONNECTOR
 from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
 from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_volume
 from kvpersist.builders import buildcheck
-from kvpersist.builders.connection import kv_transfer_config_json
 from kvpersist.builders.security import DATA_GROUP, DATA_PLANE_USER, HOME_ENV, data_plane_volumes, pod_security, security_context
 from kvpersist.builders.target import BYPASS_ANNOTATION, MODEL_CACHE, SERVER, VLLM, Target, manifest
 
@@ -35,6 +35,42 @@ def vllm_args(target: Target) -> list[str]:
     if target.vllm_uses_cache:
         args += ["--kv-transfer-config", kv_transfer_config_json(target)]
     return args + kv_events_args(target) + list(vllm.extra_args)
+
+
+# The kv-transfer-config is published nowhere: a client with it could write KV under other flags that
+# the pinned pods then hit (docs/design.md, "Who may write into a namespace").
+HEARTBEAT_INTERVAL_S = 2.0
+CONNECTOR_MODULES = {"LMCacheMPConnector": "lmcache.integration.vllm.lmcache_mp_connector"}
+
+
+def server_host(target: Target) -> str:
+    """The node-local Service's absolute DNS name, which no search list can capture."""
+    return f"{target.local_service_name}.{target.namespace}.svc.{target.cluster_domain}."
+
+
+def kv_transfer_config(target: Target) -> dict[str, Any]:
+    """The connector is pinned by module path, so vLLM cannot pick up another implementation."""
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULES[CONNECTOR],
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            # Absolute (the trailing dot): a relative name is tried against the search list first, where
+            # <route>.<ns>.svc.svc.<domain> belongs to whoever owns a namespace named svc.
+            "lmcache.mp.host": f"tcp://{server_host(target)}",
+            "lmcache.mp.port": target.spec.lmcache_server.port,
+            # vLLM notices a restarted server only by a failed heartbeat: a restart shorter than the
+            # default 10 s goes unseen and the next cached request hangs 300 s and kills the engine
+            # (seen with lmcache 0.5.6). A server takes several seconds to start: 2 s cannot miss one.
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_INTERVAL_S,
+            # Must match the server's --isolated-ipc (builders/lmcache.server_args says why).
+            "lmcache.mp.isolated_ipc": True,
+        },
+    }
+
+
+def kv_transfer_config_json(target: Target) -> str:
+    return json.dumps(kv_transfer_config(target), separators=(",", ":"), sort_keys=True)
 
 
 KV_EVENTS_TOPIC_ANNOTATION = "kvpersist.dev/kv-events-topic"

@@ -101,7 +101,7 @@ class Policy:
     allowed_images: tuple[str, ...] = ()  # empty: any image
     secret_label: tuple[str, str] | None = None  # None: any Secret the resource names
     # The DNS domain of the cluster's Services: vLLM reaches its server at an absolute name
-    # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.connection).
+    # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.vllm).
     cluster_domain: str | None = None  # None: unknown (`kvpersist run` refuses to start)
     # Who may reach the agents' port: the operator's own pods in its namespace, and the chart's
     # metrics.scraper (builders.networkpolicy). Read here, once, so decide reads no environment.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -220,10 +221,41 @@ def user_parser() -> argparse.ArgumentParser:
 
 
 def _completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvpersist import completion
-
-    sys.stdout.write(completion.script(parser, args.shell))
+    sys.stdout.write(completion_script(parser, args.shell))
     return 0
+
+
+def completion_commands(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Each subcommand and its option strings (the long and short spellings), in parser order."""
+    return {name: [o for a in sub._actions for o in a.option_strings]
+            for action in parser._actions if isinstance(action, argparse._SubParsersAction)  # no public walk of them
+            for name, sub in action.choices.items()}
+
+
+def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
+    """A bash completion function for the parser's program (zsh: through bashcompinit), written from the parser
+    itself: a command or flag added to the CLI completes without anyone editing a script."""
+    prog = parser.prog
+    table = completion_commands(parser)
+    func = "_" + prog.replace("-", "_") + "_complete"
+    cases = "\n".join(f"    {shlex.quote(name)}) opts={shlex.quote(' '.join(opts))} ;;" for name, opts in table.items())
+    body = f"""{func}() {{
+  local cur="${{COMP_WORDS[COMP_CWORD]}}" cmd="" opts="" i
+  for ((i = 1; i < COMP_CWORD; i++)); do
+    case "${{COMP_WORDS[i]}}" in -*) ;; *) cmd="${{COMP_WORDS[i]}}"; break ;; esac
+  done
+  if [ -z "$cmd" ]; then
+    COMPREPLY=($(compgen -W {shlex.quote(' '.join(table))} -- "$cur"))
+    return
+  fi
+  case "$cmd" in
+{cases}
+  esac
+  COMPREPLY=($(compgen -W "$opts" -- "$cur"))
+}}
+complete -o default -F {func} {prog}
+"""
+    return ("autoload -U +X bashcompinit && bashcompinit\n" if shell == "zsh" else "") + body
 
 
 def operator_main(argv: list[str] | None = None) -> int:

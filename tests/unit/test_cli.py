@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpersist import admin, cli, cliflags, completion
+from kvpersist import admin, cli, cliflags
 
 
 def _subcommands(parser: object) -> set[str]:
-    return set(completion.commands(parser))  # type: ignore[arg-type]
+    return set(cli.completion_commands(parser))  # type: ignore[arg-type]
 
 
 def test_users_commands_and_the_operators_are_apart() -> None:
@@ -147,7 +147,7 @@ def test_no_cluster_is_one_line_naming_the_fix(capsys: pytest.CaptureFixture[str
 ])
 def test_the_bash_completion_script_completes(words: list[str], expected: set[str]) -> None:
     """bash itself sources the script and runs its function on a command line, as it would on TAB."""
-    script = completion.script(cli.user_parser(), "bash")
+    script = cli.completion_script(cli.user_parser(), "bash")
     words_text = " ".join(f"'{w}'" for w in words)
     program = (f"{script}\nCOMP_WORDS=({words_text}); COMP_CWORD={len(words) - 1}\n"
                "_kvpersist_complete; printf '%s\\n' \"${COMPREPLY[@]}\"")
@@ -157,7 +157,7 @@ def test_the_bash_completion_script_completes(words: list[str], expected: set[st
 
 
 def test_zsh_script_loads_bashcompinit_first() -> None:
-    script = completion.script(cli.user_parser(), "zsh")
+    script = cli.completion_script(cli.user_parser(), "zsh")
     assert script.startswith("autoload -U +X bashcompinit && bashcompinit\n") and "complete -o default" in script
 
 

@@ -11,7 +11,6 @@ import pytest
 from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
-from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
 from kvpersist.builders.lmcache import (
     build_lmcache_statefulset,
     build_local_service,
@@ -21,6 +20,7 @@ from kvpersist.builders.lmcache import (
     server_args,
     server_resources,
 )
+from kvpersist.builders.retained import build_agent_token_secret, build_key_secret
 from kvpersist.builders.target import (
     HF_TOKEN_ENV,
     L2_KEY_BYTES,

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.keysecret import build_key_secret
 from kvpersist.builders.retained import (
     ARGOCD_COMPARE_OPTIONS,
     ARGOCD_SYNC_OPTIONS,
@@ -23,6 +22,7 @@ from kvpersist.builders.retained import (
     INSTANCE_LABEL,
     KEY_FINGERPRINT_ANNOTATION,
     TRACKING_LABEL,
+    build_key_secret,
     protect_patch,
     retained_labels,
 )

@@ -18,8 +18,7 @@ import pytest
 
 from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.builders.all import build_all
-from kvpersist.builders.keysecret import build_agent_token_secret, build_key_secret
-from kvpersist.builders.retained import retained_labels
+from kvpersist.builders.retained import build_agent_token_secret, build_key_secret, retained_labels
 from kvpersist.controller import agents, apply, decision, drift, kube, l2key, ownership, reading, runtime, status_loop, watchcache
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import Seen

@@ -8,12 +8,19 @@ resource's name under a label of the operator's own, and the annotations the too
 
 A StatefulSet's claims get its selector's labels whatever the template says, and its selector and
 volumeClaimTemplates are immutable: so claims are fixed in place by a metadata patch (protect_patch,
-applied by kvpersist.controller.retention)."""
+applied by kvpersist.controller.retention).
+
+The Secrets the operator generates are here too: L2's master key (no keySecretRef) and the agent's bearer
+token, created once, only if absent, never applied over: a new key makes every stored object unreadable."""
 
 from __future__ import annotations
 
+import base64
+import secrets
 from collections.abc import Mapping
 from typing import Any
+
+from kvpersist.builders.target import AGENT_TOKEN_KEY, L2_KEY_BYTES, Target
 
 TRACKING_LABEL = "app.kubernetes.io/instance"  # Argo CD's default tracking label, also a common prune selector
 INSTANCE_LABEL = "kvpersist.dev/instance"  # the resource's name on what outlives it (kvpersist.status.workloads reads it)
@@ -23,6 +30,8 @@ FLUX_PRUNE = "kustomize.toolkit.fluxcd.io/prune"
 # The key fingerprint L2 data on a claim was last written under: tells the operator, with the
 # resource's status gone, that there is data a new key would make unreadable.
 KEY_FINGERPRINT_ANNOTATION = "kvpersist.dev/l2-key-fingerprint"
+KEEP_ANNOTATION = "kvpersist.dev/keep"
+L2_KEY_COMPONENT = "l2-key"
 PROTECTED_ANNOTATIONS = (ARGOCD_SYNC_OPTIONS, ARGOCD_COMPARE_OPTIONS, FLUX_PRUNE, KEY_FINGERPRINT_ANNOTATION)
 
 
@@ -61,3 +70,30 @@ def protect_patch(metadata: Mapping[str, Any], owner: str, fingerprint: str | No
     annotation_patch = {k: v for k, v in want.items() if annotations.get(k) != v}
     patch = {key: value for key, value in (("labels", label_patch), ("annotations", annotation_patch)) if value}
     return {"metadata": patch} if patch else None
+
+
+def build_key_secret(target: Target, key: bytes | None = None) -> dict[str, Any] | None:
+    """The generated key Secret (random unless given); None when the user names one or L2 is not encrypted. No
+    owner: deleting the resource keeps it with the data (re-created, the resource reads it again)."""
+    if not target.key_secret_generated or target.key_secret is None:
+        return None
+    name, item = target.key_secret
+    return _secret({
+        "name": name,
+        "namespace": target.namespace,
+        "labels": retained_labels(target.name, L2_KEY_COMPONENT),
+        "annotations": {KEEP_ANNOTATION: "the master key of this resource's L2 data: without it the data is "
+                        "unreadable; kept when the KVCacheNamespace is deleted", **retained_annotations()},
+    }, item, key if key is not None else secrets.token_bytes(L2_KEY_BYTES))
+
+
+def build_agent_token_secret(target: Target, token: str | None = None) -> dict[str, Any]:
+    """The agents' token, random unless given; the resource owns it (worthless without the agents).
+    Created once: a token changed under a running agent would lock the operator out."""
+    return _secret(target.metadata(target.agent_token_secret, "agent-token", per_id=False), AGENT_TOKEN_KEY,
+                   (secrets.token_hex(32) if token is None else token).encode())
+
+
+def _secret(metadata: dict[str, Any], key: str, value: bytes) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
+            "data": {key: base64.b64encode(value).decode()}}

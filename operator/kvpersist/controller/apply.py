@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist.builders.keysecret import build_key_secret
+from kvpersist.builders.retained import build_key_secret
 from kvpersist.builders.target import SERVER, Target
 from kvpersist.controller import fallback, inferencepool, kube, metrics, ownership, retry, runtime
 from kvpersist.controller.agents import remember_token
@@ -134,7 +134,7 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
     if not all(token_secret["data"].values()):  # read_snapshot mints one: never an empty credential
         raise RuntimeError(f"no agent token minted for Secret {target.agent_token_secret}")
     # What the server pods need before they exist: the L2 key (created once and never owned, see
-    # keysecret), the agent token, and the policies that close their ports. Side by side, one
+    # builders.retained), the agent token, and the policies that close their ports. Side by side, one
     # round trip instead of four: the StatefulSet, next, is what a user waits for.
     policies = [m for m in decision.manifests if m["kind"] == "NetworkPolicy"]
     jobs = [runtime.CONTROLLER.apply_pool.submit(_apply_owned, m) for m in policies]

@@ -29,8 +29,8 @@ from typing import Any
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders import inferencepool, vllm
 from kvpersist.builders.all import build_all
-from kvpersist.builders.keysecret import build_agent_token_secret
 from kvpersist.builders.lmcache import build_shared_claim
+from kvpersist.builders.retained import build_agent_token_secret
 from kvpersist.builders.target import Target
 from kvpersist.controller import fallback, l2key, ownership, pincheck, sharing
 from kvpersist.controller.policy import (

@@ -19,8 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.keysecret import L2_KEY_COMPONENT
-from kvpersist.builders.retained import INSTANCE_LABEL, TRACKING_LABEL
+from kvpersist.builders.retained import INSTANCE_LABEL, L2_KEY_COMPONENT, TRACKING_LABEL
 from kvpersist.builders.target import L2_VOLUME, MANAGED_BY, SERVER, Target
 from kvpersist.controller import l2key
 from kvpersist.controller.kube import secret_value

@@ -1,10 +1,6 @@
 """Bounded HTTP calls to peers the operator does not trust (lmcache servers, inventory agents, vLLM pods): a status
-code and a whole body, or a PeerError with a short reason.
-
-Every call goes through kvpersist.httptransport (one deadline for the whole call, a cap on the body), plain http to
-pod and loopback addresses: no proxy from the environment, no cookies, no redirects, one connection per call
-(Connection: close), and the body as it came (never decoded, so the cap bounds what is held).
-"""
+code and a whole body, or a PeerError with a short reason. Through kvpersist.httptransport, plain http: no proxy from
+the environment, no cookies, no redirects, the body never decoded (so the cap bounds what is held)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize, one greedy completion, /metrics.
-
-vLLM is a peer like any other: every call has one deadline and a body cap (kvpersist.httpclient),
-and its answer is validated before use, so a slow, huge or malformed answer is a PeerError naming
-what was wrong, never a hang or a wrong figure.
-"""
+"""Bounded calls to a vLLM pod's OpenAI-compatible server: tokenize, one greedy completion, /metrics. A peer like
+any other (kvpersist.httpclient), its answer validated before use: a malformed one is a PeerError naming what was
+wrong, never a wrong figure."""
 
 from __future__ import annotations
 

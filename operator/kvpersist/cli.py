@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _fewer_malloc_arenas() -> None:
@@ -111,6 +112,38 @@ def _admin(args: argparse.Namespace) -> int:
         return 1
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """`kvpersist convert -f FILE`: KVCacheNamespace manifests written for the larger API, in today's form.
+
+    The API server prunes the fields that went from stored objects, so the place to convert is where a
+    manifest is kept (git for Argo CD, a chart's values): this prints each document converted, the
+    namespace id unchanged (kvpersist.api.convert), and what changed on stderr.
+    """
+    import yaml
+
+    from kvpersist.api.convert import ConvertError, convert_object
+
+    text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text(encoding="utf-8")
+    out: list[Any] = []
+    try:
+        for index, doc in enumerate(yaml.safe_load_all(text)):
+            if doc is None:
+                continue
+            converted, notes = convert_object(doc) if isinstance(doc, dict) else (doc, [])
+            name = (doc.get("metadata") or {}).get("name", f"document {index + 1}") if isinstance(doc, dict) else ""
+            for note in notes:
+                print(f"kvpersist convert: {name}: {note}", file=sys.stderr)
+            out.append(converted)
+    except ConvertError as exc:
+        print(f"kvpersist convert: {exc}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"kvpersist convert: {args.filename} is not YAML: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=1 << 16))
+    return 0
+
+
 def _version(args: argparse.Namespace) -> int:
     from kvpersist import __version__, cliflags
     from kvpersist.api import v1alpha1 as api
@@ -185,7 +218,7 @@ def _operator_parser() -> argparse.ArgumentParser:
 def user_parser() -> argparse.ArgumentParser:
     """`kvpersist`: what users and admins run (also as `kubectl kvpersist`), with kubectl's flags
     (kvpersist.cliflags); the operator's entry points are `kvpersist-operator`'s."""
-    from kvpersist import __version__, cliflags, convertcmd, pinscmd, plancmd
+    from kvpersist import __version__, cliflags, pinscmd, plancmd
 
     parser = argparse.ArgumentParser(prog="kvpersist", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvpersist {__version__}")
@@ -206,7 +239,10 @@ def user_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(fn=_admin)
     plancmd.add_parser(sub)
     pinscmd.add_parser(sub)
-    convertcmd.add_parser(sub)
+    convert = sub.add_parser("convert", help="print KVCacheNamespace manifests in today's API form (spec.image, "
+                             "quantities), the namespace id unchanged", description=_convert.__doc__)
+    convert.add_argument("-f", "--filename", required=True, metavar="FILE", help="a YAML file of one or more documents, or -")
+    convert.set_defaults(fn=_convert)
     version = sub.add_parser("version", help="this client's version, its API version and the lmcache it was tested with, "
                              "and the operators the cluster runs")
     cliflags.add_output_flag(version, ("table", "json", "yaml"))

@@ -109,10 +109,8 @@ def io_workers(target: Target) -> int:
 
 
 def l2_serde(target: Target) -> dict[str, Any]:
-    """kvpersist's serde around the adapter: frames bound to the object's name and the namespace id, so
-    a changed byte or another name is a miss, never wrong bytes (kvpersist.inserver.serve). Encrypted
-    (the default): AES-GCM, the master key a file from a Secret volume (never an argument or a
-    variable), and the server refuses to start on a key of another fingerprint than the id's. Off:
+    """kvpersist's serde around the adapter (kvpersist.inserver.serve: what its frames guard). Encrypted (the
+    default): AES-GCM, the master key a file from a Secret volume (never an argument or a variable). Off:
     kvpersist-checked, the same frames under a public key (a checksum: lmcache served damaged files as hits)."""
     if target.key_secret is None:
         return {"type": CHECKED_TYPE, "max_workers": serde_workers(target), "namespace_id": target.namespace_id}

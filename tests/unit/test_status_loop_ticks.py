@@ -114,12 +114,12 @@ def test_an_unanswered_peering_read_keeps_the_last_verdict(monkeypatch: pytest.M
 def test_every_tick_hands_freed_heap_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 58: the heap freed by a second's refreshes and watch events is trimmed on the tick after
     it, in the tick's own thread, so the operator's RSS follows what it holds, not its busiest second."""
-    from kvpersist.controller import heap
+    from kvpersist.controller import watchcache
 
     trims: list[str] = []
     monkeypatch.setattr(status_loop, "TICK_S", 0.01)
     monkeypatch.setattr(status_loop, "_active_keys", lambda keys, now: [])
-    monkeypatch.setattr(heap, "trim", lambda: trims.append(threading.current_thread().name) or True)
+    monkeypatch.setattr(watchcache, "trim", lambda: trims.append(threading.current_thread().name) or True)
 
     async def run_for(seconds: float) -> None:
         task = asyncio.create_task(status_loop._status_loop(logging.getLogger("test")))

@@ -17,7 +17,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller import admissioncheck, heap, kube, metrics, runtime, watchcache
+from kvpersist.controller import admissioncheck, kube, metrics, runtime, watchcache
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.indexes import fleet_now, live_now, seen_of, stores_now
 from kvpersist.controller.refresh import refresh_status
@@ -118,8 +118,8 @@ async def _status_loop(logger: logging.Logger) -> None:
         tick = runtime.CONTROLLER.last_tick = time.monotonic()
         try:
             await _tick(tick, logger)
-            # What the last second's refreshes and watch events freed, handed back (kvpersist.controller.heap).
-            await asyncio.get_running_loop().run_in_executor(runtime.CONTROLLER.tick_pool, heap.trim)
+            # What the last second's refreshes and watch events freed, handed back (watchcache.trim).
+            await asyncio.get_running_loop().run_in_executor(runtime.CONTROLLER.tick_pool, watchcache.trim)
         except Exception as exc:
             if failing is None:
                 logger.warning("status loop: a tick failed (%s: %s); trying again every %.0f s", type(exc).__name__, exc, TICK_S)

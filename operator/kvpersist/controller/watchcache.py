@@ -13,6 +13,8 @@ callers read by request.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -20,7 +22,7 @@ from typing import Any
 
 from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.retained import INSTANCE_LABEL, PROTECTED_ANNOTATIONS, TRACKING_LABEL
-from kvpersist.controller import heap, kube
+from kvpersist.controller import kube
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_LABELS
 from kvpersist.status.workloads import COMPONENT_LABEL, attached_view, slim
 
@@ -34,6 +36,29 @@ Watcher = Callable[[str | None, str, threading.Event], Iterator[tuple[str, dict[
 OWN_LABELS = ("app.kubernetes.io/managed-by", COMPONENT_LABEL, INSTANCE_LABEL, TRACKING_LABEL)
 _IDENTITY = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
 _CONTROLLER_REF = ("apiVersion", "kind", "uid", "controller")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None where the C library is another (musl, macOS): nothing to trim there."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - raises AttributeError where it is not glibc's
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim() -> bool:
+    """malloc_trim(0): freed heap back to the system. glibc keeps what Python frees, and every watch event
+    and API answer is parsed JSON freed a moment later: untrimmed, the process stays at its busiest
+    second's size (at 500 resources a trim every tick took peak RSS from 245 to 223 MiB; issue 58).
+    Milliseconds; ctypes lets the GIL go meanwhile. False: no glibc, nothing trimmed."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def names_view(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,7 +171,7 @@ class WatchCache:
             self._synced[scope] = True
             self._listed.add(scope)
         # After a listing of large objects, cut down to a few fields, the process would stay at its peak.
-        heap.trim()
+        trim()
         return version
 
     def _watch(self, scope: str | None, version: str) -> str:

@@ -118,9 +118,14 @@ def test_a_namespace_outside_the_scopes_is_never_answered() -> None:
 
 
 def test_the_scope_follows_the_watched_namespaces() -> None:
-    assert watchcache.scope_of(()) is None
-    assert watchcache.scope_of(("a", "b")) == ("a", "b")
-    assert watchcache.scope_of(("a", "team-*")) is False
+    from kvpersist.controller import runtime
+
+    try:
+        for named, scope in (((), None), (("a", "b"), ("a", "b")), (("a", "team-*"), None)):
+            runtime.set_peering(None, "", 0, named)
+            assert runtime.named_namespaces() == scope
+    finally:
+        runtime.set_peering(None, "", 0)
 
 
 def test_only_what_is_read_of_a_secret_or_configmap_is_kept() -> None:

@@ -182,8 +182,8 @@ def start_watch_caches() -> None:
     """The named Secrets', ConfigMaps' and claims' watch caches, and those of the names an apply
     takes, in kopf's namespaces (none with a glob among them: no list per namespace to make, so
     reads go by request)."""
-    scope = watchcache.scope_of(runtime.CONTROLLER.peering["namespaces"])
-    if scope is False:
+    scope = runtime.named_namespaces()  # None: cluster-wide, unless a pattern is among the names
+    if scope is None and runtime.CONTROLLER.peering["namespaces"]:
         logging.getLogger("kvpersist").info("a glob among the watched namespaces: named Secrets, claims and names are read by request")
         return
     label = runtime.CONTROLLER.policy.secret_label

@@ -233,13 +233,3 @@ def names(api_version: str, kind: str, namespaces: tuple[str, ...] | None) -> Wa
     which id and resource it routes for (stale_routes.route_conflicts)."""
     keep = labelled_view(ROUTE_LABELS) if (api_version, kind) in ROUTE_KINDS else names_view
     return WatchCache(kind, namespaces, *_kind(api_version, kind, True, SMALL_PAGE), keep=keep)
-
-
-def scope_of(named: tuple[str, ...]) -> tuple[str, ...] | bool | None:
-    """The namespaces to watch: None (cluster-wide) when none are named, the names when all are exact,
-    False when a glob is among them (no list can be made per namespace: no cache)."""
-    if not named:
-        return None
-    if any(c in ns for ns in named for c in "*?[!"):
-        return False
-    return tuple(named)

@@ -1,5 +1,5 @@
-"""Which pods get the agent token and the vLLM API key (kvpersist.controller.podtrust): only those
-whose controller ownerReference chain ends, by uid, at the resource's own StatefulSet or
+"""Which pods get the agent token and the vLLM API key (kvpersist.controller.indexes.trusted_pods): only
+those whose controller ownerReference chain ends, by uid, at the resource's own StatefulSet or
 Deployment; labels alone are anyone's to copy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.controller.podtrust import trusted_pods, untrusted_message
+from kvpersist.controller.indexes import trusted_pods, untrusted_message
 from kvpersist.status.workloads import slim
 
 OWNER = "uid-kvcachenamespace"

@@ -67,7 +67,7 @@ def test_seen_reads_the_indexes(controller: Controller) -> None:
                         "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]}}
     controller.indices["kvp_pods"] = {("ns", "a"): [pod]}
     controller.indices["kvp_statefulsets"] = {("ns", "a"): [sts]}
-    seen = indexes.seen_of(("ns", "a"), owner_uid="r1")  # only pods of its own workloads (kvpersist.controller.podtrust)
+    seen = indexes.seen_of(("ns", "a"), owner_uid="r1")  # only pods of its own workloads (indexes.trusted_pods)
     assert seen.pods == [pod] and seen.statefulsets == [sts] and indexes.seen_of(("ns", "b")).pods == []
 
 

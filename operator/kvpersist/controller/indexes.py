@@ -5,7 +5,7 @@ of them (Seen); a workload that changes marks its owner for a status refresh.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -13,8 +13,8 @@ import kopf
 from kvpersist.api import v1alpha1 as api
 from kvpersist.builders.attach import ATTACH_LABEL, ATTACHED
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
-from kvpersist.controller import podtrust, runtime, sharing
-from kvpersist.controller.ownership import MANAGED
+from kvpersist.controller import runtime, sharing
+from kvpersist.controller.ownership import MANAGED, is_own_child
 from kvpersist.status.agentroll import AgentSet
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen, fleet, index_entry, live_ids, owner_key
 
@@ -43,7 +43,7 @@ async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
 @kopf.index("apps", "v1", "replicasets", labels=MANAGED)
 async def kvp_replicasets(body: kopf.Body, **_: Any) -> Any:
     """A Deployment's ReplicaSets (they carry its pod template's labels): the middle link of a vLLM
-    pod's ownerReference chain, which decides whether it gets credentials (kvpersist.controller.podtrust)."""
+    pod's ownerReference chain, which decides whether it gets credentials (trusted_pods)."""
     return index_entry(body)
 
 
@@ -80,6 +80,52 @@ def _mark_dirty(body: Mapping[str, Any]) -> None:
         state.dirty = True
 
 
+# Which pods get the operator's credentials (the agent token, the vLLM API key). Labels are anyone's to
+# copy, so a pod is trusted only when its controller ownerReference chain ends, by uid, at this very
+# resource's own workload (pod -> StatefulSet, or pod -> ReplicaSet -> Deployment); any other is sent
+# nothing. Forging the chain takes the right to create pods there, which already mounts the token's Secret.
+STATEFULSET, DEPLOYMENT, REPLICASET = "StatefulSet", "Deployment", "ReplicaSet"
+
+
+def controller_of(meta: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(kind, uid) of an object's controller ownerReference (apps/v1 kinds and the like), or None."""
+    for ref in (meta or {}).get("ownerReferences") or []:
+        if ref.get("controller") is True and ref.get("uid"):
+            return str(ref.get("kind")), str(ref["uid"])
+    return None
+
+
+def _uids(objs: Iterable[Mapping[str, Any]], kind: str, owner_uid: str | None) -> set[str]:
+    """The uids of the objects of this kind that the resource (owner_uid) controls."""
+    return {str(o["metadata"]["uid"]) for o in objs
+            if o.get("kind", kind) == kind and (o.get("metadata") or {}).get("uid")
+            and is_own_child(o.get("metadata"), owner_uid)}
+
+
+def trusted_pods(pods: Iterable[dict[str, Any]], replicasets: Iterable[Mapping[str, Any]],
+                 statefulsets: Iterable[Mapping[str, Any]], deployments: Iterable[Mapping[str, Any]],
+                 owner_uid: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(trusted, untrusted) pods: trusted when controlled by one of the resource's own StatefulSets, or by a
+    ReplicaSet of one of its own Deployments (an old one mid-rollout too). owner_uid None trusts nothing."""
+    own_deployments = {(DEPLOYMENT, uid) for uid in _uids(deployments, DEPLOYMENT, owner_uid)}
+    controllers = {(STATEFULSET, uid) for uid in _uids(statefulsets, STATEFULSET, owner_uid)} | {
+        (REPLICASET, str(r["metadata"]["uid"])) for r in replicasets
+        if (r.get("metadata") or {}).get("uid") and controller_of(r.get("metadata")) in own_deployments}
+    pods = list(pods)
+    return ([p for p in pods if controller_of(p.get("metadata")) in controllers],
+            [p for p in pods if controller_of(p.get("metadata")) not in controllers])
+
+
+def untrusted_message(pod: Mapping[str, Any], resource: str) -> str:
+    """The log line for a pod left out: which pod, what controls it, and why nothing is sent to it."""
+    meta = pod.get("metadata") or {}
+    ref = controller_of(meta)
+    held = f"{ref[0]} uid {ref[1]}" if ref else "none (no controller ownerReference)"
+    return (f"pod {meta.get('namespace')}/{meta.get('name')} carries the labels of KVCacheNamespace {resource}'s pods, "
+            f"but its controller is {held}, not that resource's own StatefulSet or Deployment: it is sent no agent token "
+            "or API key and counts for nothing in its status. Remove those labels from it if it is not the operator's")
+
+
 def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
             agents: Mapping[tuple[str, str], AgentSet] | None = None,
             stores: Stores | None = None, owner_uid: str | None = None) -> Seen:
@@ -93,7 +139,7 @@ def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
     if owner_uid is None:
         owner_uid = (body.get("metadata") or {}).get("uid")
     # Only pods its own workloads made: labels are anyone's to copy, and these pods get the credentials.
-    pods, untrusted = podtrust.trusted_pods(values("kvp_pods"), replicasets, statefulsets, deployments, owner_uid)
+    pods, untrusted = trusted_pods(values("kvp_pods"), replicasets, statefulsets, deployments, owner_uid)
     _note_untrusted(key, untrusted, {str(o["metadata"].get("uid")) for o in statefulsets + replicasets})
     # Users' own vLLM pods attached to it (spec.vllm.mode Attached, as last seen: only such a resource looks through
     # them): the attach policies admitted each with its namespace id label; counted and checked by the canary like its own.
@@ -118,12 +164,12 @@ def _note_untrusted(key: tuple[str, str], pods: list[dict[str, Any]], known: set
     have not delivered (a new ReplicaSet's pod may come first)."""
     for pod in pods:
         uid = str(pod["metadata"].get("uid"))
-        ref = podtrust.controller_of(pod["metadata"])
+        ref = controller_of(pod["metadata"])
         if uid not in _UNTRUSTED_LOGGED and (ref is None or ref[1] in known):
             if len(_UNTRUSTED_LOGGED) >= 10_000:
                 _UNTRUSTED_LOGGED.clear()
             _UNTRUSTED_LOGGED.add(uid)
-            logging.getLogger("kvpersist").warning("%s", podtrust.untrusted_message(pod, f"{key[0]}/{key[1]}"))
+            logging.getLogger("kvpersist").warning("%s", untrusted_message(pod, f"{key[0]}/{key[1]}"))
 
 
 def _attached(namespace: str | None) -> list[dict[str, Any]]:

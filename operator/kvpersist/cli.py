@@ -33,7 +33,6 @@ def _run(args: argparse.Namespace) -> int:
     from kvpersist.controller import (
         handlers,  # noqa: F401  (importing it registers the kopf handlers)
         health,
-        leadership,
         runtime,
     )
     from kvpersist.controller.policy import Policy
@@ -57,8 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
     agentroll.warn_if_unpinned()
     peering = None if args.standalone else args.peering
-    priority = args.priority if args.priority is not None else leadership.random_priority()
-    runtime.set_peering(peering, leadership.own_identity(), priority, tuple(args.namespace or ()))
+    priority = args.priority if args.priority is not None else runtime.random_priority()
+    runtime.set_peering(peering, runtime.own_identity(), priority, tuple(args.namespace or ()))
     if args.metrics_port:
         from kvpersist.controller import metrics
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.controller.leadership import PEERING_LIFETIME_S
+from kvpersist.controller.runtime import PEERING_LIFETIME_S
 from tests.e2e.audit import writes
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import NAME, free_port, manifest, more_rounds, refreshes, stop, storage

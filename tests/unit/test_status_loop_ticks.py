@@ -98,7 +98,7 @@ def test_an_unanswered_peering_read_keeps_the_last_verdict(monkeypatch: pytest.M
         return answer
 
     monkeypatch.setattr(kube, "get", get_peering)
-    monkeypatch.setattr(runtime.leadership, "is_active", lambda record, identity, priority: record is not None)
+    monkeypatch.setattr(runtime, "is_active", lambda record, identity, priority: record is not None)
     runtime.set_peering("kvpersist", "me", 0)
     try:
         assert runtime.active(100.0, None) is True  # read: a record, active

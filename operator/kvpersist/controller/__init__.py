@@ -3,7 +3,7 @@ settings; reading; drift; indexes: the watch caches; apply; refresh: one resourc
 its parts agents, bucketcheck, retention and transitions; gc; tracking; reconcile; status_loop),
 registered by importing handlers; what the operator remembers (state: a ResourceState per
 resource, owned by one Controller, forgotten in one step), the decisions they act on (retry,
-fallback, policy, the runtime build check, stale routes), which replica is active (leadership),
+fallback, policy, the runtime build check, stale routes), which replica is active (runtime),
 the API server (kube) and the operator's metrics. It renders with kvpersist.builders and reads
 through kvpersist.status and kvpersist.inventory.
 """

@@ -8,12 +8,17 @@ its place (a test's fresh one) is the one every role uses.
 from __future__ import annotations
 
 import logging
+import os
+import random
+import socket
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvpersist.controller import kube, leadership
+from kvpersist.controller import kube
 from kvpersist.controller.policy import Policy
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import WATCH_SELECTOR, WATCHED
@@ -96,15 +101,61 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.queueing.idle_timeout = WORKER_IDLE_S
     for group, version, plural in WATCHED:
         settings.watching.label_selectors[group, version, plural] = WATCH_SELECTOR
-    # Peering (several replicas): a priority of our own and a short lifetime (kvpersist.controller.leadership).
+    # Peering (several replicas): a priority of our own and a short lifetime (is_active).
     settings.peering.priority = CONTROLLER.peering["priority"]
-    settings.peering.lifetime = leadership.PEERING_LIFETIME_S
+    settings.peering.lifetime = PEERING_LIFETIME_S
     # Namespaces named (the chart's watchNamespaces): kopf would list the cluster's namespaces, which
     # the chart does not grant, and hold every watch back through every refused try. Exact names
     # need no scan; CRDs are then read once at start (the chart installs them first).
     if named_namespaces() is not None:
         settings.scanning.disabled = True
     kube.load_config()
+
+
+# Which replica is active, when several run with kopf peering. kopf pauses every replica that sees a live
+# peer of higher or equal priority, so replicas of one Deployment (the same args) would all pause: each
+# takes a random priority instead, and when the active one dies its record expires after
+# PEERING_LIFETIME_S and the next highest resumes. kopf pauses only its own handlers: the status loop
+# asks `active`, by the same record and rule, so a paused replica writes no status from paused caches.
+
+# How long a replica's record counts as alive without a keep-alive; kopf touches it every
+# lifetime minus 5-10 s. Fail-over takes up to about this long after the active one dies.
+PEERING_LIFETIME_S = 15
+POD_ID_ENV = "POD_ID"  # kopf's own name for the peer id (detect_own_id)
+
+
+def own_identity() -> str:
+    """The id kopf will use for this process: POD_ID (the chart sets the pod name), else one made here and
+    exported so that kopf and this module agree."""
+    if not os.environ.get(POD_ID_ENV):
+        os.environ[POD_ID_ENV] = f"{socket.gethostname()}-{os.getpid()}-{random.getrandbits(32):08x}"
+    return os.environ[POD_ID_ENV]
+
+
+def random_priority() -> int:
+    """Distinct replicas, distinct priorities (ties would pause them all)."""
+    return random.randint(1, 2**31 - 1)
+
+
+def _alive(info: Mapping[str, Any], now: datetime) -> bool:
+    try:
+        seen = datetime.fromisoformat(str(info["lastseen"]))
+        if seen.tzinfo is None:
+            seen = seen.replace(tzinfo=UTC)
+        return now <= seen + timedelta(seconds=int(info.get("lifetime", PEERING_LIFETIME_S)))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def is_active(peering: Mapping[str, Any] | None, identity: str, priority: int, now: datetime | None = None) -> bool:
+    """kopf's rule for one ClusterKopfPeering object: active unless another live peer has a priority at
+    least as high. Not before kopf wrote our own record, nor unreadable: better a late status than two writers."""
+    peers = (peering or {}).get("status") or {}
+    if not isinstance(peers, Mapping) or identity not in peers:
+        return False
+    now = now or datetime.now(UTC)
+    return not any(int(info.get("priority", 0)) >= priority for peer_id, info in peers.items()
+                   if peer_id != identity and isinstance(info, Mapping) and _alive(info, now))
 
 
 PEERING_CHECK_S = 2.0
@@ -137,7 +188,7 @@ def active(now: float, namespace: str | None) -> bool:
         # No answer at all (the API server down: MaxRetryError, a timeout, a reset): the last verdict
         # stands, not cached anew, so the record is read again next call; never seen, standing by.
         return seen[1] if seen is not None else False
-    verdict = leadership.is_active(record, peering["identity"], peering["priority"])
+    verdict = is_active(record, peering["identity"], peering["priority"])
     if seen is None or verdict != seen[1]:
         logging.getLogger("kvpersist").info("this replica is %s%s", "active" if verdict else "standing by (a peer is active)",
                                             f" in {scope}" if scope else "")

@@ -12,8 +12,6 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
 from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, Keep, WatchCache
 from kvpersist.status import Verdict, creatorrights
@@ -42,15 +40,6 @@ def _by_name(kind: str, name: str) -> WatchCache:
         return kube.watch_page(API, kind, None, version, WATCH_TIMEOUT_S, False, stop, field_selector=selector)
 
     return WatchCache(kind, None, lister, watcher, keep=dict)
-
-
-def served() -> bool:
-    """Whether the API server serves ValidatingAdmissionPolicy (discovery, which every user may read)."""
-    try:
-        kube.client().resources.get(api_version=API, kind="ValidatingAdmissionPolicy")
-    except ResourceNotFoundError:
-        return False
-    return True
 
 
 def verdict_of(name: str, policies: WatchCache, bindings: WatchCache, failing: str | None) -> Verdict | None:
@@ -103,13 +92,13 @@ def start(environ: Mapping[str, str]) -> threading.Event | None:
 
     def run() -> None:
         try:
-            is_served = served()
+            is_served = kube.served(API, "ValidatingAdmissionPolicy")
         except Exception as exc:  # the API server unreachable at start: tried again
             log.debug("creator-rights check: discovery failed: %s", exc)
             is_served = None
         while is_served is None and not stop.wait(POLL_S * 5):
             with contextlib.suppress(Exception):
-                is_served = served()
+                is_served = kube.served(API, "ValidatingAdmissionPolicy")
         if stop.is_set():
             return
         if not is_served:

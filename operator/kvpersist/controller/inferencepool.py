@@ -7,8 +7,6 @@ from __future__ import annotations
 import threading
 import time
 
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
 from kvpersist.builders.inferencepool import API_GROUP, API_VERSION, KIND
 from kvpersist.controller import kube
 
@@ -25,15 +23,10 @@ def served(now: float | None = None) -> bool:
     with _lock:
         if _answer is not None and now - _answer[0] < CACHE_S:
             return _answer[1]
-    resources = kube.client().resources
     # The dynamic client keeps discovery in a file every process shares (tempdir, osrcp-*.json): it
     # may still list a CRD deleted since. Asked afresh: the server's groups and this one group.
-    resources.invalidate_cache()
-    try:
-        resources.get(api_version=API_VERSION, kind=KIND)
-        found = True
-    except ResourceNotFoundError:
-        found = False
+    kube.client().resources.invalidate_cache()
+    found = kube.served(API_VERSION, KIND)
     with _lock:
         _answer = (now, found)
     return found

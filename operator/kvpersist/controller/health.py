@@ -1,12 +1,8 @@
 """The operator's liveness endpoint: kopf's own on the pod's loopback, behind a bounded server on the
 address `--liveness` names. kopf's aiohttp (3.14) holds an idle or never-ending connection 3630 s, some
 6 KB each (+58 MiB for 10000): kvpersist.httpserver bounds connections, time and threads instead.
-
-The probe never waits on a worker: a thread reads kopf's endpoint every POLL_S and the front's selector
-thread answers from its last reading, so whoever fills the front's workers and queue (once any pod could,
-restarting the operator) no longer fails the probe; kopf's code and body pass through.
-READY_PATH answers readiness from the same reading (kopf answers only after its startup handlers) and
-the watch caches. A standby replica is ready too: it takes over within the peering lifetime.
+The probe is answered from a reading thread's last answer, so whoever fills the front's workers cannot
+fail it. A standby replica is ready too: it takes over within the peering lifetime.
 """
 
 from __future__ import annotations

@@ -27,12 +27,10 @@ EXPIRE_MAX_PER_PASS = 16  # folder removals asked (each listed for right before)
 
 def expire_orphans(body: Mapping[str, Any], target: Target, volumes: list[tuple[str, str | None, Inventory]],
                    agents: list[tuple[str, str | None]], token: str | None, seen: Seen) -> list[dict[str, Any]]:
-    """spec.l2.orphanRetention: asks the agents to remove other namespaces' folders unwritten for
-    maxAgeDays, one folder per request, each to the agent whose scan holds it. Right before each
-    request, who uses that namespace is listed again (inuse.in_use_now; a failed listing refuses):
-    one check before all the agents' passes let a later agent remove a namespace in use by then
-    (issue 39). The agent is sent every id in use and judges the folder's age again itself. Each
-    removal: an OrphanExpired Event, and returned for status.l2. Blocking; rate- and count-limited."""
+    """spec.l2.orphanRetention: other namespaces' folders unwritten for maxAgeDays removed, one per request,
+    each by the agent whose scan holds it, which judges the age again itself. Who uses it is listed right
+    before each request (inuse.in_use_now; a failed listing refuses): one check before all the passes let
+    a later agent remove a namespace in use by then (issue 39). Blocking; rate- and count-limited."""
     state = runtime.CONTROLLER.held((target.namespace, target.name))
     now = time.monotonic()
     if now - state.expired_at < EXPIRE_PERIOD_S or token is None or target.namespace_id is None:

@@ -1,7 +1,5 @@
-"""The status loop: every tick, the resources due (dirty, or not refreshed for STATUS_INTERVAL_S)
-refreshed, those whose children drifted applied first, by the active replica only; its liveness
-probe, and its start and stop with the operator.
-"""
+"""The status loop: every tick, the resources due refreshed (those whose children drifted applied first)
+by the active replica only; its liveness probe, and its start and stop with the operator."""
 
 from __future__ import annotations
 

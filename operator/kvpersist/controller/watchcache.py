@@ -1,14 +1,9 @@
 """Watch caches of what the status refresh used to read by request every round (100+ reads a second
-at 500 resources): the Secrets and ConfigMaps a resource names (metadata only: Secret data never
-reaches the cache), the claims users name and their attached pods (neither carries the operator's
-labels, so kopf's indexes never see them); and of every object, the operator's or not, under a kind
-whose derived names an apply takes (names: who holds a name, without a LIST of it per apply). One
-list, then one watch, per watched namespace (or one cluster-wide), each in a thread of its own.
-
+at 500 resources), of objects kopf's indexes never see (no operator labels): one list, then one watch,
+per watched namespace, each in a thread of its own; until a cache has listed, callers read by request.
 Each object is cut down as its page arrives, and all but claims and pods are listed in small pages:
 whoever may create one decides its size (400 ConfigMaps of 1,500 labels and a 250 KiB annotation took
-the operator from 110 to 330 MiB; issue 58). Until a cache has listed (again after a failed watch),
-callers read by request.
+the operator from 110 to 330 MiB; issue 58).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
                              "(not in a pod with cluster DNS?); set KVPERSIST_CLUSTER_DOMAIN (chart value clusterDomain), "
                              "the kubelet's --cluster-domain, e.g. cluster.local")
         endpoint = health.split_endpoint(args.liveness) if args.liveness else None
-        runtime.set_policy(policy)  # only once every value is good
+        runtime.CONTROLLER.policy = policy  # only once every value is good
     except ValueError as exc:
         print(f"kvpersist run: {exc}", file=sys.stderr)
         return 2

@@ -189,7 +189,7 @@ def test_run_logs_in_json_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: dict[str, dict] = {}
     monkeypatch.setattr(kopf, "run", lambda **kw: calls.setdefault("run", kw))
     monkeypatch.setattr(kopf, "configure", lambda **kw: calls.setdefault("configure", kw))
-    monkeypatch.setattr(runtime, "set_policy", lambda _policy: None)  # no global state left behind
+    monkeypatch.setattr(runtime.CONTROLLER, "policy", runtime.CONTROLLER.policy)  # no global state left behind
     monkeypatch.setattr(runtime, "set_peering", lambda *_: None)
     monkeypatch.setattr(runtime, "quiet_event_handler_logs", lambda: None)
     monkeypatch.setenv("KVPERSIST_CLUSTER_DOMAIN", "cluster.local")

@@ -19,7 +19,6 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.controller import kube
-from kvpersist.controller.policy import Policy
 from kvpersist.controller.state import Controller
 from kvpersist.status.workloads import WATCH_SELECTOR, WATCHED
 
@@ -194,8 +193,3 @@ def active(now: float, namespace: str | None) -> bool:
                                             f" in {scope}" if scope else "")
     seen_by_scope[scope] = (now, verdict)
     return verdict
-
-
-def set_policy(new: Policy) -> None:
-    CONTROLLER.policy = new
-

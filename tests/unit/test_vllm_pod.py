@@ -333,13 +333,13 @@ def test_a_deleted_model_cache_claim_is_applied_again() -> None:
     """No drift watch on claims (L2's change status all the time): the status refresh sees the
     operator's weights claim gone from the claims' watch cache and marks the resource for an apply,
     which makes it again. A user's claim (existingClaimName), or none, is never looked for."""
-    from kvpersist.controller.retention import model_cache_missing
+    from kvpersist.controller.retention import made_claim_missing
     from kvpersist.status.workloads import Seen
 
     t = _target(FIELDS["modelCache.size"])
     entry = {"metadata": {"name": f"{t.name}-model-cache", "labels": {}}, "status": {"phase": "Bound"}}
     l2 = {"metadata": {"name": f"l2-{t.name}-lmcache-0", "labels": {}}, "status": {}}
-    assert model_cache_missing(t, Seen(claims=[l2]))
-    assert not model_cache_missing(t, Seen(claims=[l2, entry]))
-    assert not model_cache_missing(_target(FIELDS["modelCache"]), Seen())
-    assert not model_cache_missing(_target(), Seen())
+    assert made_claim_missing(t, Seen(claims=[l2]))
+    assert not made_claim_missing(t, Seen(claims=[l2, entry]))
+    assert not made_claim_missing(_target(FIELDS["modelCache"]), Seen())
+    assert not made_claim_missing(_target(), Seen())

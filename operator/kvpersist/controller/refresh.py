@@ -198,8 +198,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                     and runtime.CONTROLLER.apply_backoff.pending(key) is None):
                 return  # status follows the apply (next tick): never the new id beside the old id's servers
         retention.protect_retained(target, read, seen, logger)
-        if (retention.model_cache_missing(target, seen) or retention.shared_claim_missing(target, seen)) \
-                and state.name_taken is None:
+        if retention.made_claim_missing(target, seen) and state.name_taken is None:
             state.drifted = True  # its weights claim, or its shared L2 claim, was deleted: made again by the next apply
         resolved_id = target.namespace_id
         if target.cache_enabled and state.storage_refused is not None:  # as last applied: the cache off

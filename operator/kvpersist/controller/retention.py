@@ -91,23 +91,16 @@ def protect_retained(target: Target, read: l2key.KeyRead | None, seen: Seen, log
     protect_claims([(c, target.name) for c in seen.server_claims()], fingerprint, logger)
 
 
-def model_cache_missing(target: Target, seen: Seen) -> bool:
-    """Whether the claim the operator makes for the weights (spec.vllm.modelCache.size) is not in
-    the claims' watch cache: deleted (no drift watch on claims: L2's change status all the time)."""
-    cache = target.spec.vllm.model_cache
-    return cache is not None and cache.size is not None and _claim_absent(seen, target.model_cache_claim)
-
-
-def _claim_absent(seen: Seen, name: str) -> bool:
-    return not any(c["metadata"]["name"] == name for c in seen.claims)
-
-
-def shared_claim_missing(target: Target, seen: Seen) -> bool:
-    """Whether the one claim the operator makes for spec.l2.nvme.shared (with size) is not in the
-    claims' watch cache: deleted by hand, the next apply makes it again (empty), as a StatefulSet would."""
-    nvme = target.spec.l2.nvme
-    return (nvme is not None and nvme.shared and nvme.size is not None and target.cache_enabled
-            and _claim_absent(seen, target.shared_claim))
+def made_claim_missing(target: Target, seen: Seen) -> bool:
+    """Whether a claim the operator makes (the weights' for spec.vllm.modelCache.size, the one of
+    spec.l2.nvme.shared with a size) is not in the claims' watch cache: deleted (no drift watch on claims:
+    L2's change status all the time), the next apply makes it again (empty), as a StatefulSet would."""
+    cache, nvme = target.spec.vllm.model_cache, target.spec.l2.nvme
+    made = [target.model_cache_claim] if cache is not None and cache.size is not None else []
+    if nvme is not None and nvme.shared and nvme.size is not None and target.cache_enabled:
+        made.append(target.shared_claim)
+    held = {c["metadata"]["name"] for c in seen.claims}
+    return any(name not in held for name in made)
 
 
 def protect_claims(claims: list[tuple[Mapping[str, Any], str]], fingerprint: str | None, logger: logging.Logger) -> None:

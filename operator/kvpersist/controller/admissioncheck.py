@@ -1,7 +1,5 @@
-"""Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges). The two
-objects, by the install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), are each kept by a list
-and watch field-selected to that name (RBAC grants them by resourceNames).
-"""
+"""Whether the creator-rights policy exists and is bound (kvpersist.status.creatorrights judges), by the
+install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), from watch caches of the two objects."""
 
 from __future__ import annotations
 

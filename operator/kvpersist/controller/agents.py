@@ -1,6 +1,4 @@
-"""The inventory agents as a status refresh asks them: the resource's agent token (its Secret read
-at most every AGENT_TOKEN_TTL_S, never someone else's under its name) and every agent's inventory.
-"""
+"""The inventory agents as a status refresh asks them: the resource's agent token and every agent's inventory."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The hfBucket's Hub calls of a status refresh (preflight, listing): minutes for a slow Hub or a huge
-bucket, so they run in the controller's bucket pool and the refresh reads their last result. The token's
-Secret is read at most once per refresh, and only when the Secret watch cache shows it changed.
-"""
+bucket, so they run in the controller's bucket pool and the refresh reads their last result."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Explicit cleanup (the gc annotation): a namespace id's data deleted through the agents or from the
-bucket, refused while anything uses the id, which the API server is asked again right before each
-deletion; the outcome recorded in status.gc and an Event.
-"""
+bucket, refused while anything uses the id (the API server asked again right before each deletion)."""
 
 from __future__ import annotations
 

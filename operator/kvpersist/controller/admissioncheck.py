@@ -3,7 +3,6 @@ install's name (KVPERSIST_CREATOR_RIGHTS_POLICY; `off`: no check), from watch ca
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -89,14 +88,13 @@ def start(environ: Mapping[str, str]) -> threading.Event | None:
     stop = threading.Event()
 
     def run() -> None:
-        try:
-            is_served = kube.served(API, "ValidatingAdmissionPolicy")
-        except Exception as exc:  # the API server unreachable at start: tried again
-            log.debug("creator-rights check: discovery failed: %s", exc)
-            is_served = None
-        while is_served is None and not stop.wait(POLL_S * 5):
-            with contextlib.suppress(Exception):
+        is_served: bool | None = None
+        while is_served is None and not stop.is_set():
+            try:
                 is_served = kube.served(API, "ValidatingAdmissionPolicy")
+            except Exception as exc:  # the API server unreachable at start: tried again
+                log.debug("creator-rights check: discovery failed: %s", exc)
+                stop.wait(POLL_S * 5)
         if stop.is_set():
             return
         if not is_served:

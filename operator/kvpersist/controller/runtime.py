@@ -177,10 +177,7 @@ def active(now: float, namespace: str | None) -> bool:
     if seen is not None and now - seen[0] < PEERING_CHECK_S:
         return seen[1]
     try:
-        if scope is None:
-            record = kube.get("kopf.dev/v1", "ClusterKopfPeering", peering["name"], None)
-        else:
-            record = kube.get("kopf.dev/v1", "KopfPeering", peering["name"], scope)
+        record = kube.get("kopf.dev/v1", "ClusterKopfPeering" if scope is None else "KopfPeering", peering["name"], scope)
     except ApiException:
         record = None
     except Exception:

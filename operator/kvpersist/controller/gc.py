@@ -15,7 +15,7 @@ from kvpersist.api import v1alpha1 as api
 from kvpersist.controller import kube, metrics, runtime
 from kvpersist.controller.indexes import seen_of
 from kvpersist.controller.inuse import in_use_now
-from kvpersist.controller.l2runtime import RUNTIMES
+from kvpersist.controller.l2runtime import CLEANUP
 from kvpersist.controller.reading import known_fingerprint, target_of
 from kvpersist.controller.refresh import write_status
 from kvpersist.inventory.cleanup import GC_ANNOTATION, refusal
@@ -41,7 +41,7 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
         if why:
             outcome = gc_result(request, "Refused", f"refused: {why}; nothing was deleted")
         else:
-            outcome = RUNTIMES[backend_of(target.spec.l2).field].cleanup(request, target, seen, recheck)
+            outcome = CLEANUP[backend_of(target.spec.l2).field](request, target, seen, recheck)
     outcome["completedAt"] = condition_now()
     write_status(meta, {"gc": outcome}, logger)
     done = outcome["outcome"]

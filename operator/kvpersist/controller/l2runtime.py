@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.target import L2_VOLUME, Target
@@ -21,15 +20,6 @@ from kvpersist.inventory.volume import one_per_location, status_summary
 from kvpersist.status.workloads import Seen
 
 Servers = list[tuple[str, str | None]]  # the running server pods, (name, IP), sorted by name
-
-
-@dataclass(frozen=True)
-class L2Runtime:
-    # The Observation fields of the store (status.conditions), from what a refresh holds: its body, target,
-    # seen, running servers, the agents' token and whether the Secrets the spec names may be read (policy).
-    observe: Callable[[Mapping[str, Any], Target, Seen, Servers, str | None, bool], dict[str, Any]]
-    # A gc request's outcome (status.gc), the namespace id already judged unused; the recheck before each deletion.
-    cleanup: Callable[[Mapping[str, str], Target, Seen, Recheck], dict[str, Any]]
 
 
 def observe_claims(body: Mapping[str, Any], target: Target, seen: Seen, running: Servers, token: str | None,
@@ -103,4 +93,8 @@ def remove_from_bucket(request: Mapping[str, str], target: Target, seen: Seen, r
     return outcome
 
 
-RUNTIMES = {"nvme": L2Runtime(observe_claims, remove_from_volumes), "hfBucket": L2Runtime(observe_bucket, remove_from_bucket)}
+# The Observation fields of the store (status.conditions), from what a refresh holds: its body, target,
+# seen, running servers, the agents' token and whether the Secrets the spec names may be read (policy).
+OBSERVE = {"nvme": observe_claims, "hfBucket": observe_bucket}
+# A gc request's outcome (status.gc), the namespace id already judged unused; the recheck before each deletion.
+CLEANUP = {"nvme": remove_from_volumes, "hfBucket": remove_from_bucket}

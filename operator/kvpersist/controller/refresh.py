@@ -36,7 +36,7 @@ from kvpersist.controller import (
 )
 from kvpersist.controller.apply import clean_stale_routes, taken_recheck
 from kvpersist.controller.decision import Decision, Snapshot, decide, policy_refusal
-from kvpersist.controller.l2runtime import RUNTIMES
+from kvpersist.controller.l2runtime import OBSERVE
 from kvpersist.controller.policy import SECRET_NOT_ALLOWED, refused_status
 from kvpersist.controller.reading import (
     hub_token,
@@ -84,7 +84,7 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
         state.token_missing_at = now  # its Secret is gone (or was a deleted namesake's): make it again
         state.drifted = True
     failing = [r.pod for r in reports if state.write_failures.failing(f"{ns}/{r.pod}", r.l2_writes_failed, now)]
-    store = RUNTIMES[backend_of(spec.l2).field].observe(body, target, seen, running, token, secrets_usable)
+    store = OBSERVE[backend_of(spec.l2).field](body, target, seen, running, token, secrets_usable)
     statefulset = seen.statefulset(target)
 
     def statefulset_failure() -> str | None:

@@ -4,7 +4,6 @@ dynamic client's own cache outlives a deleted CRD). Meanwhile a Warning event sa
 
 from __future__ import annotations
 
-import threading
 import time
 
 from kvpersist.builders.inferencepool import API_GROUP, API_VERSION, KIND
@@ -12,23 +11,20 @@ from kvpersist.controller import kube
 
 CACHE_S = 60.0
 API_MISSING = "InferencePoolAPIMissing"  # the Warning event's reason
-_lock = threading.Lock()
-_answer: tuple[float, bool] | None = None  # (when asked, served)
+_answer: tuple[float, bool] | None = None  # (when asked, served); replaced whole, so read without a lock
 
 
 def served(now: float | None = None) -> bool:
     """Whether inference.networking.k8s.io/v1 InferencePool is served, as last asked (CACHE_S)."""
     global _answer
     now = time.monotonic() if now is None else now
-    with _lock:
-        if _answer is not None and now - _answer[0] < CACHE_S:
-            return _answer[1]
+    if _answer is not None and now - _answer[0] < CACHE_S:
+        return _answer[1]
     # The dynamic client keeps discovery in a file every process shares (tempdir, osrcp-*.json): it
     # may still list a CRD deleted since. Asked afresh: the server's groups and this one group.
     kube.client().resources.invalidate_cache()
     found = kube.served(API_VERSION, KIND)
-    with _lock:
-        _answer = (now, found)
+    _answer = (now, found)
     return found
 
 

@@ -52,8 +52,7 @@ class Roller:
         self._told: dict[plan.Key, plan.Decision] = {}
 
     def _decide(self, key: plan.Key, wanted: str, fleet: Mapping[plan.Key, plan.AgentSet],
-                now: float | None = None) -> plan.Decision:
-        now = time.monotonic() if now is None else now
+                now: float) -> plan.Decision:
         claimed = [k for k, (image, at) in self._claimed.items() if image == wanted and (
             now - at < CLAIM_TTL_S or (k in fleet and fleet[k].image == wanted))]
         busy = plan.in_flight(wanted, fleet, claimed)
@@ -97,7 +96,7 @@ class Roller:
         if mine is None or mine.image is None or mine.image == wanted:
             return False
         with self._lock:
-            return self._decide(key, wanted, fleet, now) in ("roll", "idle", "rolling")
+            return self._decide(key, wanted, fleet, time.monotonic() if now is None else now) in ("roll", "idle", "rolling")
 
     def forget(self, key: plan.Key) -> None:
         with self._lock:

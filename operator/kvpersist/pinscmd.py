@@ -1,5 +1,5 @@
 """`kvpersist pins MODEL@REVISION`: the spec.identity block, derived from the model's config.json and
-its tokenizer's files at those commits (kvpersist.hubpins), ready to paste. Only those small files
+its tokenizer's files at those commits (kvpersist.controller.pincheck), ready to paste. Only those small files
 are fetched, through huggingface_hub (its cache, HF_HOME, HF_HUB_OFFLINE and HF_ENDPOINT apply);
 a token comes from HF_TOKEN (or `hf auth login`) and is never printed.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvpersist import hubpins
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.identity import Identity
+from kvpersist.controller import pincheck
 
 
 def add_parser(sub: Any) -> None:
@@ -44,20 +44,20 @@ def add_parser(sub: Any) -> None:
 def _split(value: str, what: str) -> tuple[str, str]:
     repo, at, revision = value.rpartition("@")
     if not at or not repo or not revision:
-        raise hubpins.PinsError(f"{what} {value[:120]!r}: give the revision as {what}@<40-hex commit>")
+        raise pincheck.PinsError(f"{what} {value[:120]!r}: give the revision as {what}@<40-hex commit>")
     return repo, revision
 
 
 def run(args: argparse.Namespace) -> int:
     token = os.environ.get("HF_TOKEN") or None
-    fetch = hubpins.hub_fetch(token=token, cache_dir=args.cache_dir)
+    fetch = pincheck.cache_fetch(token=token, cache_dir=args.cache_dir)
     try:
         model, revision = _split(args.model, "MODEL")
         tokenizer, tokenizer_revision = _split(args.tokenizer, "TOKENIZER") if args.tokenizer else (model, revision)
         revision = _commit(model, revision, "MODEL", args.resolve, token, args.cache_dir)
         tokenizer_revision = _commit(tokenizer, tokenizer_revision, "TOKENIZER", args.resolve, token, args.cache_dir)
-        derived = hubpins.fetch_derived(fetch, model, revision, tokenizer, tokenizer_revision)
-    except hubpins.PinsError as exc:
+        derived = pincheck.fetch_derived(fetch, model, revision, tokenizer, tokenizer_revision)
+    except pincheck.PinsError as exc:
         print(f"kvpersist pins: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the Hub refused or was unreachable: say which, never the token
@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
 def _commit(repo: str, revision: str, what: str, resolve: bool, token: str | None, cache_dir: str | None) -> str:
     """The 40-hex commit revision is (a PinsError naming what otherwise); with resolve, a branch or tag is the commit it
     names now: the snapshot folder huggingface_hub files its config.json under."""
-    if resolve and not hubpins.HEX40_RE.fullmatch(revision.strip().lower()):
+    if resolve and not pincheck.HEX40_RE.fullmatch(revision.strip().lower()):
         from huggingface_hub import hf_hub_download
 
-        parts = Path(hf_hub_download(repo, hubpins.CONFIG, revision=revision, token=token, cache_dir=cache_dir)).parts
-        revision = hubpins.check_revision(parts[parts.index("snapshots") + 1] if "snapshots" in parts else "", "resolved revision")
-    return hubpins.check_revision(revision, f"{what}'s revision")
+        parts = Path(hf_hub_download(repo, pincheck.CONFIG, revision=revision, token=token, cache_dir=cache_dir)).parts
+        revision = pincheck.check_revision(parts[parts.index("snapshots") + 1] if "snapshots" in parts else "", "resolved revision")
+    return pincheck.check_revision(revision, f"{what}'s revision")
 
 
 UNKNOWN = {
@@ -109,9 +109,9 @@ UNKNOWN = {
 }
 
 
-def render(identity: dict[str, Any], derived: hubpins.Derived) -> str:
+def render(identity: dict[str, Any], derived: pincheck.Derived) -> str:
     """The YAML block, each value as YAML writes it (a model id such as `1e5` or `yes` comes out quoted)."""
-    lines = [f"# kvpersist pins: from {hubpins.CONFIG} at {identity['modelId']}@{identity['modelRevision']}"
+    lines = [f"# kvpersist pins: from {pincheck.CONFIG} at {identity['modelId']}@{identity['modelRevision']}"
              + (f" and {derived.template_source} at {identity.get('tokenizer', identity['modelId'])}"
                 f"@{identity.get('tokenizerRevision', identity['modelRevision'])}"
                 if derived.template_source else ""),

@@ -44,7 +44,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kvpersist import admin, cliflags, hubpins
+from kvpersist import admin, cliflags
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.identity import changed_id_fields
 from kvpersist.api.spec import KVCacheNamespaceSpec
@@ -129,8 +129,8 @@ def pin_facts(spec: KVCacheNamespaceSpec, live: Mapping[str, Any] | None) -> pin
     if kept is not None:
         return pincheck.Facts(at, kept)
     try:
-        derived = hubpins.fetch_derived(hubpins.hub_fetch(token=os.environ.get("HF_TOKEN") or None), *key)
-    except hubpins.PinsError as exc:
+        derived = pincheck.fetch_derived(pincheck.cache_fetch(token=os.environ.get("HF_TOKEN") or None), *key)
+    except pincheck.PinsError as exc:
         return pincheck.Facts(at, unread=str(exc))
     except Exception as exc:  # the Hub refused or is unreachable: which, never the token
         return pincheck.Facts(at, unread=hub_error(exc))

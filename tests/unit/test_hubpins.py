@@ -1,4 +1,4 @@
-"""kvpersist.hubpins and `kvpersist pins`: the pins derived from a model's config.json and its
+"""kvpersist.controller.pincheck's derivation and `kvpersist pins`: the pins derived from a model's config.json and its
 tokenizer's files, read from a Hugging Face cache the test writes in huggingface_hub's layout
 (tests/unit/hfcache.py), with HF_HUB_OFFLINE=1: no network."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpersist import hubpins
 from kvpersist.api.identity import Identity
+from kvpersist.controller import pincheck
 from tests.unit.hfcache import CONFIG, QWEN_REV, TEMPLATE, write_repo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +25,10 @@ def digest(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def derive(config: dict | bytes, **files: bytes | str | dict | None) -> hubpins.Derived:
+def derive(config: dict | bytes, **files: bytes | str | dict | None) -> pincheck.Derived:
     raw = {k.replace("_json", ".json").replace("_jinja", ".jinja"): (
         json.dumps(v).encode() if isinstance(v, dict) else v.encode() if isinstance(v, str) else v) for k, v in files.items()}
-    return hubpins.derive(config if isinstance(config, bytes) else json.dumps(config).encode(), raw)
+    return pincheck.derive(config if isinstance(config, bytes) else json.dumps(config).encode(), raw)
 
 
 def test_geometry_and_template_of_a_plain_config() -> None:
@@ -90,8 +90,8 @@ def test_the_template_sources_in_transformers_order() -> None:
     (json.dumps(CONFIG).encode(), {"chat_template.jinja": b"x" * ((1 << 20) + 1)}, "chat_template.jinja: 1048577 bytes"),
 ])
 def test_hostile_files_are_refused_naming_the_file_and_field(config: bytes, files: dict, says: str) -> None:
-    with pytest.raises(hubpins.PinsError) as err:
-        hubpins.derive(config, files)
+    with pytest.raises(pincheck.PinsError) as err:
+        pincheck.derive(config, files)
     assert says in str(err.value)
 
 
@@ -102,17 +102,17 @@ def test_rope_scaling_is_noted_never_applied() -> None:
 
 @pytest.mark.parametrize("revision", ["main", "v1.0", "0123456789abcdef", "Z" * 40])
 def test_a_revision_must_be_a_commit(revision: str) -> None:
-    with pytest.raises(hubpins.PinsError, match="not a 40-character commit SHA"):
-        hubpins.check_revision(revision, "MODEL's revision")
+    with pytest.raises(pincheck.PinsError, match="not a 40-character commit SHA"):
+        pincheck.check_revision(revision, "MODEL's revision")
 
 
 def test_hub_fetch_reads_a_local_cache_and_treats_absent_files_as_absent(tmp_path: Path) -> None:
     write_repo(tmp_path, "Qwen/Qwen3-8B", QWEN_REV, {"config.json": CONFIG, "tokenizer_config.json": {"chat_template": TEMPLATE}})
-    fetch = hubpins.hub_fetch(cache_dir=str(tmp_path), local_files_only=True)
-    got = hubpins.fetch_derived(fetch, "Qwen/Qwen3-8B", QWEN_REV, "Qwen/Qwen3-8B", QWEN_REV)
+    fetch = pincheck.cache_fetch(cache_dir=str(tmp_path), local_files_only=True)
+    got = pincheck.fetch_derived(fetch, "Qwen/Qwen3-8B", QWEN_REV, "Qwen/Qwen3-8B", QWEN_REV)
     assert (got.num_kv_heads, got.head_size, got.chat_template_digest) == (8, 128, digest(TEMPLATE))
-    with pytest.raises(hubpins.PinsError, match=r"no config\.json at that revision"):
-        hubpins.fetch_derived(fetch, "Qwen/Other", QWEN_REV, "Qwen/Other", QWEN_REV)
+    with pytest.raises(pincheck.PinsError, match=r"no config\.json at that revision"):
+        pincheck.fetch_derived(fetch, "Qwen/Other", QWEN_REV, "Qwen/Other", QWEN_REV)
 
 
 def pins_cli(tmp_path: Path, *argv: str, token: str | None = None) -> subprocess.CompletedProcess[str]:

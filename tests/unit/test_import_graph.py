@@ -20,7 +20,7 @@ LAYERS = {
     "kvpersist": 0, "kvpersist.identity": 0, "kvpersist.httpclient": 0, "kvpersist.httpserver": 0, "kvpersist.inserver": 0,
     "kvpersist.api": 1, "kvpersist.builders": 2, "kvpersist.l2backends": 2, "kvpersist.inventory": 3, "kvpersist.status": 4,
     "kvpersist.controller": 5, "kvpersist.admin": 6, "kvpersist.cli": 7,
-    "kvpersist.hubpins": 0, "kvpersist.pinscmd": 6, "kvpersist.plancmd": 6, "kvpersist.vllmclient": 0,
+    "kvpersist.pinscmd": 6, "kvpersist.plancmd": 6, "kvpersist.vllmclient": 0,
 }
 
 

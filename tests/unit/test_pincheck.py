@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,6 @@ from typing import Any
 import httpx2
 import pytest
 
-from kvpersist import hubpins
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.identity import Identity
 from kvpersist.api.spec import HFTokenSecretRef
@@ -52,7 +52,7 @@ def identity(obj: dict[str, Any]) -> Identity:
 def cache_fetcher(tmp_path: Path) -> Any:
     write_repo(tmp_path, MODEL, QWEN_REV, {"config.json": CONFIG, "tokenizer_config.json": {"chat_template": TEMPLATE}})
     calls: list[str] = []
-    inner = hubpins.hub_fetch(cache_dir=str(tmp_path), local_files_only=True)
+    inner = pincheck.cache_fetch(cache_dir=str(tmp_path), local_files_only=True)
 
     def fetch(repo: str, rev: str, name: str) -> bytes | None:
         calls.append(name)
@@ -68,15 +68,15 @@ def checked(files: pincheck.PinFiles, ident: Identity) -> None:
 
 
 def test_a_wrong_pin_is_named_with_both_values_and_the_fix() -> None:
-    derived = hubpins.derive(hubpins.json.dumps(CONFIG).encode(), {"tokenizer_config.json": None})
+    derived = pincheck.derive(json.dumps(CONFIG).encode(), {"tokenizer_config.json": None})
     key = (MODEL, QWEN_REV, MODEL, QWEN_REV)
     ok, reason, message = pincheck.compare(identity(body(numKVHeads=4)), derived, key)
     assert (ok, reason) == (False, "PinMismatch")
     assert f"spec.identity.numKVHeads is 4 but config.json at {MODEL}@{QWEN_REV} says 8" in message
     assert f"kvpersist pins {MODEL}@{QWEN_REV}" in message and "headSize" not in message
     assert "spec.identity.chatTemplateDigest" in message and "has no chat template" in message
-    assert pincheck.compare(identity(body()), hubpins.derive(hubpins.json.dumps(CONFIG).encode(),
-                            {"tokenizer_config.json": hubpins.json.dumps({"chat_template": TEMPLATE}).encode()}),
+    assert pincheck.compare(identity(body()), pincheck.derive(json.dumps(CONFIG).encode(),
+                            {"tokenizer_config.json": json.dumps({"chat_template": TEMPLATE}).encode()}),
                             key)[:2] == (True, "PinsMatch")
 
 
@@ -114,7 +114,7 @@ def test_a_mismatch_turns_the_cache_off_with_the_field_named(tmp_path: Path, mon
 def test_an_unreachable_hub_changes_nothing_but_an_unknown_condition(controller: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     tries: list[float] = []
 
-    def fetcher(_deadline: float, _token: str | None) -> hubpins.Fetch:
+    def fetcher(_deadline: float, _token: str | None) -> pincheck.Fetch:
         def fetch(*_: str) -> bytes | None:
             tries.append(time.monotonic())
             raise httpx2.ConnectError("refused")
@@ -137,7 +137,7 @@ def test_an_unreachable_hub_changes_nothing_but_an_unknown_condition(controller:
 def test_the_operator_reads_the_files_through_its_bounded_hub_client() -> None:
     """The operator's own reads (anonymous, in memory), against the stand-in's resolve route."""
     with HubStub() as hub:
-        hub.models[(MODEL, QWEN_REV)] = {"config.json": hubpins.json.dumps({**CONFIG, "num_key_value_heads": 4}).encode(),
+        hub.models[(MODEL, QWEN_REV)] = {"config.json": json.dumps({**CONFIG, "num_key_value_heads": 4}).encode(),
                                          "chat_template.jinja": TEMPLATE.encode()}
         hub.gated.add("meta-llama/Gated")
         files = pincheck.PinFiles(lambda deadline, _token: pincheck.hub_fetch(hub.url, deadline))
@@ -177,8 +177,8 @@ def two_pins(**more: Any) -> dict[str, Any]:
 
 
 def files_of(config: dict[str, Any] = CONFIG, template: str | None = TEMPLATE) -> pincheck.Facts:
-    derived = hubpins.derive(hubpins.json.dumps(config).encode(), {
-        "tokenizer_config.json": hubpins.json.dumps({"chat_template": template}).encode() if template else None})
+    derived = pincheck.derive(json.dumps(config).encode(), {
+        "tokenizer_config.json": json.dumps({"chat_template": template}).encode() if template else None})
     return pincheck.Facts(f"{MODEL}@{QWEN_REV}", tuple(pincheck.file_pins(derived).items()))
 
 
@@ -300,7 +300,7 @@ def test_a_refusal_done_before_wait_looks_still_leads_to_the_tokens_read() -> No
 
     gated = "meta-llama/Gated"
     with HubStub() as hub:
-        hub.models[(gated, QWEN_REV)] = {"config.json": hubpins.json.dumps(CONFIG).encode(),
+        hub.models[(gated, QWEN_REV)] = {"config.json": json.dumps(CONFIG).encode(),
                                          "chat_template.jinja": TEMPLATE.encode()}
         hub.gated.add(gated)
         files = _Settled(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token), workers=1)
@@ -318,7 +318,7 @@ def test_a_gated_model_is_read_with_the_resources_own_token_and_its_answer_is_th
 
     gated = "meta-llama/Gated"
     with HubStub() as hub:
-        hub.models[(gated, QWEN_REV)] = {"config.json": hubpins.json.dumps(CONFIG).encode(),
+        hub.models[(gated, QWEN_REV)] = {"config.json": json.dumps(CONFIG).encode(),
                                          "chat_template.jinja": TEMPLATE.encode()}
         hub.gated.add(gated)
         files = pincheck.PinFiles(lambda deadline, token: pincheck.hub_fetch(hub.url, deadline, token))

@@ -69,13 +69,12 @@ class Canary:
 
     def __init__(self, asker: Asker | None = None, read_api_key: Callable[[str, str, str], str | None] | None = None,
                  workers: int = WORKERS, read_counters: CounterReader | None = None,
-                 settle_s: float = LOOKUP_SETTLE_S, job_budget_s: float | None = None,
-                 call_timeout_s: float | None = None) -> None:
+                 settle_s: float = LOOKUP_SETTLE_S, job_budget_s: float | None = None) -> None:
         self._ask = asker or vllmclient.complete
         self._read_api_key = read_api_key or _api_key
         self._read_counters = read_counters or read_counters_of
         self._settle_s = settle_s
-        self._call_timeout_s = call_timeout_s or float(os.environ.get(CALL_TIMEOUT_ENV) or CALL_TIMEOUT_S)
+        self._call_timeout_s = float(os.environ.get(CALL_TIMEOUT_ENV) or CALL_TIMEOUT_S)
         if self._call_timeout_s <= 0:
             raise ValueError(f"{CALL_TIMEOUT_ENV}={self._call_timeout_s}: must be more than 0 seconds")
         # A job starts no check after its budget (the rest stay due): pods that answer nothing hold a worker

@@ -426,11 +426,7 @@ def hub_fetch(endpoint: str | None, deadline: float, token: str | None = None) -
 
 
 class HubRefused(Exception):
-    """The Hub answered, but not with the file: (status code, X-Error-Code)."""
-
-    def __init__(self, code: int, error: str) -> None:
-        super().__init__(code, error)
-        self.code, self.error = code, error
+    """The Hub answered, but not with the file: its args are (status code, X-Error-Code)."""
 
 
 def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) -> Unread:
@@ -440,18 +436,19 @@ def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) 
     if isinstance(exc, PinsError):
         return Unread("FilesUnusable", f"the files at {model}@{revision} give no pins ({exc}); not checked", now, final=True)
     if isinstance(exc, HubRefused):
-        if exc.error == "RevisionNotFound":
+        code, error = exc.args
+        if error == "RevisionNotFound":
             return Unread("RevisionNotFound", f"the Hub has no revision {revision} of {model}: check "
                           "spec.identity.modelRevision and spec.identity.tokenizerRevision", now)
-        if (with_token and exc.code in (401, 403)) or exc.error == "NoToken":
+        if (with_token and code in (401, 403)) or error == "NoToken":
             return Unread("HubRefused", f"the Hub did not let spec.vllm.hfTokenSecretRef's token read {model} "
-                          f"({exc.code} {exc.error or ''}): accept the model's terms on the Hub with that account, or "
+                          f"({code} {error or ''}): accept the model's terms on the Hub with that account, or "
                           "check the Secret's key".replace("  ", " "), now)
-        if exc.code in (401, 403) or exc.error in ("RepoNotFound", "GatedRepo"):
-            return Unread("HubRefused", f"the Hub did not let the operator read {model} anonymously ({exc.code} "
-                          f"{exc.error or ''}): a gated or private model's files are read with the token of "
+        if code in (401, 403) or error in ("RepoNotFound", "GatedRepo"):
+            return Unread("HubRefused", f"the Hub did not let the operator read {model} anonymously ({code} "
+                          f"{error or ''}): a gated or private model's files are read with the token of "
                           "spec.vllm.hfTokenSecretRef where the resource names one".replace("  ", " "), now)
-        return Unread("HubError", f"the Hub answered {exc.code} for the files of {model}@{revision}; retrying", now)
+        return Unread("HubError", f"the Hub answered {code} for the files of {model}@{revision}; retrying", now)
     return Unread("HubUnreachable", f"cannot reach the Hugging Face Hub to check the pins of {model}@{revision} "
                   f"({transport_error_text(exc)}); retrying in {RETRY_S:.0f}s", now)
 

@@ -1,16 +1,8 @@
 """spec.prewarm: the declared list (the spec's prompts and a ConfigMap's), which lmcache server is
-warmed through which vLLM pod, when a server is due a pass, the Warm condition, and the passes.
-
-A server is warmed through a vLLM pod of its id on its node: lmcache's prefetch needs the KV layout
-a vLLM registers with its server (lmcache 0.5.6 prefetch_service.py: 503 until then), and a prompt
-L2 lacks is computed through that pod. A server no vLLM pod uses is not warmed: nothing reads its L1.
-Per prompt: its token ids from that pod's /tokenize (pinned tokenizer and template, so kept per
-(namespace id, prompt)); lmcache's warm prefetch L2 -> L1 through the inventory agent (lmcache's
-admin API is on the pod's loopback); when L2 lacks a chunk, one greedy token through vLLM
-(computed, stored) and the prefetch again.
-
-Passes and the configMapRef read run in a pool of their own, never on the status refresh, one per
-server at a time, every call bounded: a slow or hostile peer costs its own server's pass, never another's refresh.
+warmed through which vLLM pod, when a server is due a pass, the Warm condition, and the passes
+(docs/design.md, "Warm restarts"). Passes and the configMapRef read run in a pool of their own, never
+on the status refresh, one per server at a time, every call bounded: a slow or hostile peer costs its
+own server's pass, never another's refresh.
 """
 
 from __future__ import annotations
@@ -282,11 +274,7 @@ def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[Serv
 
 
 class PassFailed(Exception):
-    """A pass cannot go on (reason, message): the agent, vLLM or the layout is not there."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(reason, message)
-        self.reason, self.message = reason, message
+    """A pass cannot go on (its args: reason, message): the agent, vLLM or the layout is not there."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +317,7 @@ def run_pass(fingerprint: tuple[Any, ...], prompts: tuple[Prompt, ...], peers: A
             results.append(_one(prompt, peers, token_ids, sleep))
         progress(len(prompts), len(prompts))
     except PassFailed as exc:
-        return Pass(fingerprint, time.monotonic(), tuple(results), (exc.reason, exc.message))
+        return Pass(fingerprint, time.monotonic(), tuple(results), exc.args)
     return Pass(fingerprint, time.monotonic(), tuple(results))
 
 
@@ -545,7 +533,7 @@ class Prewarmer:
             done = run_pass(fingerprint, listed.prompts, peers, lambda p: token_ids(p, peers), progress,
                             t0 + PASS_DEADLINE_S)
         except PassFailed as exc:
-            done = Pass(fingerprint, time.monotonic(), (), (exc.reason, exc.message))
+            done = Pass(fingerprint, time.monotonic(), (), exc.args)
         except Exception as exc:  # a pass must end in a verdict, never a dead worker
             log.exception("warm pass of %s/%s on %s failed", key[0], key[1], pair.server.name)
             done = Pass(fingerprint, time.monotonic(), (), ("PassFailed", f"{exc.__class__.__name__}: {exc}"[:300]))

@@ -1,10 +1,7 @@
 """The correctness canary, judged (pure functions; the calls to vLLM: kvpersist.controller.canary).
-
-A greedy request answered without the cache (a fresh cache_salt: nothing cached can serve it) is
-the reference. A cached answer that differs is asked again without and with the cache: the
-reference again and a differing cached answer is a HitMismatch (the cache off until acknowledged);
-disagreeing answers are nondeterminism (Unknown). vLLM asks lmcache only for what its own prefix
-cache lacks, so only a check that lmcache served (served_by) is evidence (docs/design.md, the canary).
+A cached answer that differs from the reference (computed without the cache) is asked again without
+and with the cache: the difference reproduced is a HitMismatch, disagreeing answers nondeterminism.
+Only a check lmcache served (served_by) is evidence (docs/design.md, the correctness canary).
 """
 
 from __future__ import annotations

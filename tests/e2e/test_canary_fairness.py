@@ -32,7 +32,9 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
+from kvpersist.builders.target import VLLM
 from kvpersist.status import canary as judge
+from kvpersist.status.workloads import pod_views
 from tests.e2e.kube import Kubectl, wait_for
 from tests.e2e.operator_env import start_operator, stop, target_of
 from tests.e2e.test_faults import light
@@ -164,9 +166,9 @@ def scene(kubectl: Kubectl, crd: None, tmp_path: Path) -> Iterator[dict[str, Any
 
 def canary_pods(kubectl: Kubectl, ns: str, nid: str) -> list[judge.Pod]:
     """The namespace id's vLLM pods the canary would check: Ready, with the cache and an IP, on a node
-    whose server is Ready (judge.vllm_pods and servers_of, as the operator selects them)."""
+    whose server is Ready (pod_views and judge.servers_of, as the operator selects them)."""
     pods = kubectl.get("pods", namespace=ns)["items"]
-    return [p for p in judge.vllm_pods(pods, nid) if p.ready and p.uses_cache and p.ip
+    return [p for p in pod_views(pods, nid, VLLM) if p.ready and p.uses_cache and p.ip
             and (servers := judge.servers_of(pods, nid, p.node)) and all(ready for _, _, ready in servers)]
 
 

@@ -31,7 +31,7 @@ from kvpersist.identity import resolve
 from kvpersist.status import canary as c
 from kvpersist.status.conditions import compute_status
 from kvpersist.status.usage import LookupCounters
-from kvpersist.status.workloads import slim
+from kvpersist.status.workloads import pod_views, slim
 from tests.cases.invalid_manifests import sample
 from tests.unit.test_builders import target
 from tests.unit.test_conditions import obs
@@ -108,8 +108,8 @@ def test_the_watch_cache_keeps_what_the_canary_reads() -> None:
     kept = a_pod("r-vllm-a", VLLM, "u1", restarts=2, bypassed=True)
     assert kept["metadata"]["uid"] == "u1" and kept["spec"] == {"nodeName": "n1"} and kept["status"]["restarts"] == 2
     assert kept["metadata"]["annotations"] == {BYPASS_ANNOTATION: "why"}
-    (view,) = c.vllm_pods([kept, a_pod("r-vllm-b", VLLM, "u2", namespace_id=OTHER_ID), a_pod("r-lmcache-0", SERVER, "s")],
-                          NID)
+    (view,) = pod_views([kept, a_pod("r-vllm-b", VLLM, "u2", namespace_id=OTHER_ID), a_pod("r-lmcache-0", SERVER, "s")],
+                        NID, VLLM)
     assert view == c.Pod("r-vllm-a", "10.0.0.9", "u1", 2, "n1", True, False)
 
 
@@ -118,7 +118,7 @@ def servers(*pods: dict[str, Any], node: str = "n1") -> tuple[tuple[str, int, bo
 
 
 def test_a_new_pod_is_due_at_once_then_only_after_the_interval() -> None:
-    vllm = c.vllm_pods([a_pod("r-vllm-a", VLLM, "u1")], NID)[0]
+    vllm = pod_views([a_pod("r-vllm-a", VLLM, "u1")], NID, VLLM)[0]
     srv = servers(a_pod("r-lmcache-0", SERVER, "s1"), a_pod("r-lmcache-1", SERVER, "s9", node="n2"))
     assert srv == (("s1", 0, True),)  # only the server on the pod's node
     memory = c.PodMemory()
@@ -130,7 +130,7 @@ def test_a_new_pod_is_due_at_once_then_only_after_the_interval() -> None:
 
 
 def test_a_pod_restart_is_due_at_once_a_server_restart_once_it_settled() -> None:
-    vllm = c.vllm_pods([a_pod("r-vllm-a", VLLM, "u1")], NID)[0]
+    vllm = pod_views([a_pod("r-vllm-a", VLLM, "u1")], NID, VLLM)[0]
     srv = servers(a_pod("r-lmcache-0", SERVER, "s1"))
     memory = c.PodMemory()
     c.observe(memory, vllm, srv, 0.0)
@@ -153,7 +153,7 @@ def test_a_pod_restart_is_due_at_once_a_server_restart_once_it_settled() -> None
 
 @pytest.mark.parametrize("why", ["not ready", "bypassed", "no server", "server not ready", "failed lately"])
 def test_a_pod_that_cannot_show_a_hit_is_not_due(why: str) -> None:
-    vllm = c.vllm_pods([a_pod("r-vllm-a", VLLM, "u1", ready=why != "not ready", bypassed=why == "bypassed")], NID)[0]
+    vllm = pod_views([a_pod("r-vllm-a", VLLM, "u1", ready=why != "not ready", bypassed=why == "bypassed")], NID, VLLM)[0]
     srv = () if why == "no server" else servers(a_pod("r-lmcache-0", SERVER, "s1", ready=why != "server not ready"))
     memory = c.PodMemory(failed_at=95.0 if why == "failed lately" else float("-inf"))
     c.observe(memory, vllm, srv, 100.0)

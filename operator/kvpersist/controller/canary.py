@@ -20,12 +20,13 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist import httpclient, vllmclient
-from kvpersist.builders.target import Target
+from kvpersist.builders.target import VLLM, Target
 from kvpersist.controller import kube
 from kvpersist.httpclient import PeerError
 from kvpersist.status import canary as judge
 from kvpersist.status import usage
 from kvpersist.status.conditions import now as iso_now
+from kvpersist.status.workloads import pod_views
 
 WORKERS = 4
 CALL_TIMEOUT_S = 60.0  # one greedy answer of at most 64 tokens; a job makes at most four calls per pod
@@ -137,7 +138,7 @@ class Canary:
               now: float, agent_token: str | None = None) -> Plan | None:
         """What is due now, if anything. Under the lock."""
         namespace_id = str(target.namespace_id)
-        views = judge.vllm_pods(pods, namespace_id)
+        views = pod_views(pods, namespace_id, VLLM)  # an old id's pods mid-rollout run other pins
         held.pods = {v.name: held.pods.get(v.name) or judge.PodMemory() for v in views}
         recorded = judge.reference_for(held.record, namespace_id, digest)
         # A contradicted reference: no check against it; computed again at recompute_at, then every pod checked at once.
@@ -299,8 +300,9 @@ class Canary:
             if verdict == judge.NONDETERMINISTIC:
                 recompute_in = None
                 if judge.reference_contradicted(reference, answers):
-                    recompute_in = judge.recompute_after(judge.recomputes(held.record))
-                    if recompute_in is not None:
+                    recomputes = judge.recomputes(held.record)
+                    if recomputes < judge.MAX_RECOMPUTES:
+                        recompute_in = judge.RETRY_S * 2**recomputes
                         held.recompute_at = time.monotonic() + recompute_in
                 held.outcome = (plan.namespace_id, plan.digest, (None, judge.NONDETERMINISTIC,
                                 judge.nondeterministic_message(pod.name, reference, answers, recompute_in)))

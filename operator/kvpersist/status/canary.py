@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.api.spec import CHUNK_TOKENS, KVCacheNamespaceSpec
-from kvpersist.builders.target import SERVER, VLLM
+from kvpersist.builders.target import SERVER
 from kvpersist.status import Verdict, usage
 from kvpersist.status.usage import LookupCounters
 from kvpersist.status.workloads import Pod, pod_views
@@ -49,11 +49,6 @@ def digest(spec: KVCacheNamespaceSpec) -> str:
 
 
 # ---------------------------------------------------------------- pods and when they are due
-
-
-def vllm_pods(pods: Iterable[Mapping[str, Any]], namespace_id: str) -> list[Pod]:
-    """The vLLM pods of this namespace id (an old id's pods mid-rollout run other pins), by name."""
-    return pod_views(pods, namespace_id, VLLM)
 
 
 def _servers_on(pods: Iterable[Mapping[str, Any]], namespace_id: str, node: str | None) -> list[Pod]:
@@ -247,11 +242,6 @@ def judge(reference: tuple[int, ...], answers: Answers) -> str | None:
 def reference_contradicted(reference: tuple[int, ...], answers: Answers) -> bool:
     """A second cache-free answer differs: the reference may be the odd one out, computed again."""
     return answers.cache_free_again is not None and answers.cache_free_again != reference
-
-
-def recompute_after(recomputes: int) -> float | None:
-    """Seconds until a contradicted reference is computed again; None after MAX_RECOMPUTES."""
-    return RETRY_S * 2**recomputes if recomputes < MAX_RECOMPUTES else None
 
 
 def first_difference(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:

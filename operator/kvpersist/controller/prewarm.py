@@ -1,8 +1,10 @@
 """spec.prewarm: the declared list (the spec's prompts and a ConfigMap's), which lmcache server is
 warmed through which vLLM pod, when a server is due a pass, the Warm condition, and the passes
-(docs/design.md, "Warm restarts"). Passes and the configMapRef read run in a pool of their own, never
-on the status refresh, one per server at a time, every call bounded: a slow or hostile peer costs its
-own server's pass, never another's refresh.
+(docs/design.md, "Warm restarts"). A server is warmed through a vLLM pod of its id on its node, whose
+registered KV layout lmcache's prefetch needs; one no vLLM pod uses is not: nothing reads its L1.
+Passes and the configMapRef read run in a pool of their own, never on the status refresh, one per
+server at a time, every call bounded: a slow or hostile peer costs its own server's pass, never
+another's refresh.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@ answer the operator reads back (agentclient.request_prefetch; docs/design.md, "W
 
 lmcache 0.5.6 (http_apis/cache_api.py, cache_control/prefetch_service.py): POST /cache/prefetches
 {model_name, world_size, token_ids} answers 202 {request_id, chunks, "submitted"} or {chunks: 0,
-"noop"} (under one chunk), 503 while no worker registered that layout; GET /cache/prefetches/{id}
-answers {"pending"} or, once only, {"completed", found_keys, total_keys} (found: whole chunks, in L1
-too). The model name and world size are the registering vLLM's own, which the operator cannot know,
-so the agent prefetches under every registration lmcache's GET /status lists.
+"noop"} (under one chunk), 503 while no worker registered that layout, 400 for a refusal; GET
+/cache/prefetches/{id} answers {"pending"} or, once only, {"completed", found_keys, total_keys} (then
+404; found: whole chunks, in L1 too). The model name and world size are the registering vLLM's own,
+which the operator cannot know, so the agent prefetches under every registration lmcache's GET
+/status lists.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The correctness canary, judged (pure functions; the calls to vLLM: kvpersist.controller.canary).
-A cached answer that differs from the reference (computed without the cache) is asked again without
-and with the cache: the difference reproduced is a HitMismatch, disagreeing answers nondeterminism.
-Only a check lmcache served (served_by) is evidence (docs/design.md, the correctness canary).
+
+A cached answer that differs from the reference (computed without the cache: a fresh cache_salt) is
+asked again without and with the cache: the difference reproduced is a HitMismatch, disagreeing
+answers nondeterminism. vLLM asks lmcache only for what its own prefix cache lacks, so only a check
+lmcache served (served_by) is evidence (docs/design.md, the correctness canary).
 """
 
 from __future__ import annotations

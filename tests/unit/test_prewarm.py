@@ -20,7 +20,7 @@ from kvpersist.api.text import PROMPT_PATTERN, SURROGATES, refuse_control_in_pro
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import prewarm as runner
-from kvpersist.controller.prewarm import UNREAD, Declared, Pair, Pass, Prompt, PromptResult, ServerWarmth
+from kvpersist.controller.prewarm import UNREAD, Pair, Pass, Prompt, PromptResult, ServerWarmth
 from kvpersist.httpclient import PeerError
 from kvpersist.identity import resolve
 from kvpersist.inventory.prefetch import Answer
@@ -343,8 +343,9 @@ def passed(*results: PromptResult, failure: tuple[str, str] | None = None) -> Pa
 
 
 def test_no_condition_without_a_declared_list() -> None:
-    assert runner.warm_condition(None, Declared(), [], True, True) is None
-    assert runner.warm_condition(Prewarm(), Declared(), [], True, True) is None
+    warmer = runner.Prewarmer()
+    for prewarm_spec in (None, {}):
+        assert warmer.observe(("ml", "r"), target(prewarm_spec), [], "tok", lambda: None, lambda: None) is None
 
 
 @pytest.mark.parametrize(("servers", "cache", "expected"), [
@@ -366,17 +367,17 @@ def test_no_condition_without_a_declared_list() -> None:
 ])
 def test_the_warm_condition_says_where_it_stands(servers: list[ServerWarmth], cache: tuple[bool, bool],
                                                  expected: tuple[bool | None, str, str]) -> None:
-    got = runner.warm_condition(PW, LISTED, servers, *cache)
+    got = runner.warm_condition(LISTED, servers, *cache)
     assert got is not None and got[:2] == expected[:2] and expected[2] in got[2], got
 
 
 def test_a_configmap_problem_is_shown_before_warming_progress() -> None:
     pw = prewarm(prompts=["a"], configMapRef={"name": "w"})
     missing = runner.declared(pw, "ml", None)
-    got = runner.warm_condition(pw, missing, [view("s-0", current=passed(PromptResult("a", True, 1)))], True, True)
+    got = runner.warm_condition(missing, [view("s-0", current=passed(PromptResult("a", True, 1)))], True, True)
     assert got is not None and got[:2] == (False, "ConfigMapNotFound") and "1 of 1 (prompt, server) pairs warm" in got[2]
     only = runner.declared(prewarm(configMapRef={"name": "w"}), "ml", UNREAD)
-    assert runner.warm_condition(prewarm(configMapRef={"name": "w"}), only, [], True, True)[:2] == (None, "ConfigMapNotRead")
+    assert runner.warm_condition(only, [], True, True)[:2] == (None, "ConfigMapNotRead")
 
 
 def test_warm_never_holds_ready_back() -> None:

@@ -218,11 +218,8 @@ def _not_warm(results: Iterable[PromptResult]) -> str:
     return shown + (f"; and {len(cold) - 4} more" if len(cold) > 4 else "")
 
 
-def warm_condition(prewarm: Prewarm | None, listed: Declared, servers: list[ServerWarmth], cache_on: bool,
-                   vllm_uses_cache: bool) -> Verdict | None:
-    """The Warm condition; None when nothing is declared. It never holds Ready back (cold is only slower)."""
-    if prewarm is None or not prewarm.declared:
-        return None
+def warm_condition(listed: Declared, servers: list[ServerWarmth], cache_on: bool, vllm_uses_cache: bool) -> Verdict:
+    """The Warm condition of a declared list. It never holds Ready back (cold is only slower)."""
     if not cache_on:
         return (None, "CacheDisabled", "the cache is off (see IdentityResolved): nothing is kept warm")
     if not vllm_uses_cache:
@@ -460,7 +457,7 @@ class Prewarmer:
             res = self._resources.setdefault(key, _Resource())
         listed = self._declared(res, prewarm, target.namespace, on_done, now)
         if target.namespace_id is None or not target.vllm_uses_cache:
-            return warm_condition(prewarm, listed, [], target.cache_enabled, target.vllm_uses_cache)
+            return warm_condition(listed, [], target.cache_enabled, target.vllm_uses_cache)
         found = pairs(pods, target.namespace_id)
         views = []
         with self._lock:
@@ -478,7 +475,7 @@ class Prewarmer:
                     busy = True
                 current = srv.last if srv.last is not None and srv.last.fingerprint == fingerprint else None
                 views.append(ServerWarmth(pair, current, srv.running if busy else None))
-        return warm_condition(prewarm, listed, views, True, True)
+        return warm_condition(listed, views, True, True)
 
     def _declared(self, res: _Resource, prewarm: Prewarm, namespace: str, on_done: Callable[[], None], now: float) -> Declared:
         """The list as last read, starting a read of the ConfigMap when it is due."""

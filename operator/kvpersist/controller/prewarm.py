@@ -90,13 +90,11 @@ class Unread:
 UNREAD = Unread()
 
 
-def declared(prewarm: Prewarm | None, namespace: str,
+def declared(prewarm: Prewarm, namespace: str,
              configmap: Mapping[str, Any] | Unread | str | None = UNREAD) -> Declared:
     """The spec's prompts, then the ConfigMap's by key (prompt-* raw, system-* system prompts), no
     duplicates, at most MAX_PROMPTS. configmap: the object, None when missing, UNREAD, or why it
     could not be read (its prompts are then left out, with a problem that says so)."""
-    if prewarm is None:
-        return Declared()
     out = [Prompt(f"spec.prewarm.prompts[{i}]", False, t) for i, t in enumerate(prewarm.prompts)]
     out += [Prompt(f"spec.prewarm.systemPrompts[{i}]", True, t) for i, t in enumerate(prewarm.system_prompts)]
     problem: tuple[str, str] | None = None
@@ -218,7 +216,8 @@ def _not_warm(results: Iterable[PromptResult]) -> str:
     return shown + (f"; and {len(cold) - 4} more" if len(cold) > 4 else "")
 
 
-def warm_condition(listed: Declared, servers: list[ServerWarmth], cache_on: bool, vllm_uses_cache: bool) -> Verdict:
+def warm_condition(listed: Declared, servers: list[ServerWarmth], cache_on: bool,
+                   vllm_uses_cache: bool) -> Verdict:
     """The Warm condition of a declared list. It never holds Ready back (cold is only slower)."""
     if not cache_on:
         return (None, "CacheDisabled", "the cache is off (see IdentityResolved): nothing is kept warm")

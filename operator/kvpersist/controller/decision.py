@@ -142,7 +142,6 @@ class Decision:
     drops: tuple[ChildKey, ...] = ()  # its own objects under DROPPABLE names this apply does not write: deleted
     pool_api_missing: bool = False  # spec.vllm.inferencePool set, the API not served: a Warning event says so
     owned: tuple[ChildKey, ...] = ()  # names looked up and found its own: not looked up again
-    taken: tuple[tuple[str, str], ...] = ()  # (kind, name) held by objects it did not make
     unchecked: tuple[ChildKey, ...] = ()  # names the snapshot lacks: judged free, said by the plan
     view: str = ""  # applied_view's digest, kept when the manifests are dropped (kept)
 
@@ -442,7 +441,7 @@ def decide(snap: Snapshot) -> Decision:
     if taken:
         refusal = (ownership.NAME_TAKEN, ownership.taken_message(target.name, target.namespace, taken))
         phase, conds = refusal_conditions(refusal, None, generation)
-        return Decision(target, refusal, NAMES, phase, conds, taken=tuple(sorted(taken)), **common)
+        return Decision(target, refusal, NAMES, phase, conds, **common)
     shared = build_shared_claim(target) if target.cache_enabled else None
     if shared is not None and target.spec.l2.nvme is not None and target.spec.l2.nvme.reclaim_policy == "Delete":
         ownership.owned_by(shared, snap.body)

@@ -22,6 +22,7 @@ from kvpersist.controller.decision import target_for, unreadable_secret
 from kvpersist.controller.policy import Refusal, secret_refusal
 from kvpersist.controller.runtime import STATUS_INTERVAL_S
 from kvpersist.identity import Resolution
+from kvpersist.status import Verdict, references
 
 # Parsed specs by (name, the spec as canonical JSON): the models are frozen and parsing is pure, so
 # the status rounds of an unchanged resource parse it once, not every round (parsing was a fifth
@@ -135,6 +136,27 @@ def watched_metadata(kind: str, name: str, namespace: str) -> dict[str, Any] | N
     if kind == "Secret":  # the kinds spelled out: tests/rbac_needs.py tells from them which right each call needs
         return kube.get_metadata("v1", "Secret", name, namespace)
     return kube.get_metadata("v1", "ConfigMap", name, namespace)
+
+
+def references_found(target: Target) -> Verdict | None:
+    """ReferencesFound's (ok, reason, message) (kvpersist.status.references judges), or None when the
+    spec names none. From the metadata-only watch caches: no request per round while they have
+    listed, never an object's data; without a cache (a glob among the watched namespaces) by a
+    metadata-only request. Blocking."""
+    caches = {references.SECRET: runtime.CONTROLLER.secret_cache, references.CONFIGMAP: runtime.CONTROLLER.configmap_cache}
+
+    def exists(kind: str, name: str) -> bool | None:
+        """True/False, or None when it cannot be told (a cache not listed yet, the API server refusing)."""
+        cache = caches[kind]
+        if cache is not None:
+            synced, found = cache.lookup(target.namespace, name)
+            return (found is not None) if synced else None
+        try:
+            return watched_metadata(kind, name, target.namespace) is not None
+        except ApiException:
+            return None
+
+    return references.judge(references.named(target.spec), target.namespace, exists)
 
 
 def cached_name(kind: str, name: str, namespace: str) -> tuple[bool, dict[str, Any] | None]:

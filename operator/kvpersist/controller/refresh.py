@@ -28,7 +28,6 @@ from kvpersist.controller import (
     metrics,
     pincheck,
     prewarm,
-    references,
     retention,
     runtime,
     sharing,
@@ -43,6 +42,7 @@ from kvpersist.controller.reading import (
     named_secret_refusal,
     parsed_model,
     read_key,
+    references_found,
     target_of,
 )
 from kvpersist.controller.snapshot import policy_read, refreshed
@@ -220,7 +220,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             if released:
                 _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again
         observation.warm = _warm(key, target, seen, decision.target.cache_bypassed)
-        observation.references = references.condition_of(target)  # ReferencesFound: the named objects exist
+        observation.references = references_found(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:
             observation.budget_floor = int((old.get("usage") or {}).get("l2UsedBytes") or 0)

@@ -8,10 +8,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
-from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, Target
 from kvpersist.controller import kube, l2key, runtime
 from kvpersist.inventory.cleanup import refusal
@@ -41,7 +39,7 @@ def in_use_now(namespace_id: str, current: str | None) -> str | None:
 
 def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapping[str, Any]],
                 pods: Iterable[Mapping[str, Any]],
-                fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
+                fingerprint: Callable[[Target], str | None] | None = None) -> str | None:
     """cleanup.refusal() judged from a fresh listing of KVCacheNamespaces and pods, naming who uses it.
     fingerprint: reads the L2 key of a resource whose status records none (users_of)."""
     why = refusal(namespace_id, current, frozenset())
@@ -54,18 +52,12 @@ def refusal_now(namespace_id: str, current: str | None, resources: Iterable[Mapp
     return None
 
 
-def _fingerprint_now(resource: Mapping[str, Any]) -> str | None:
-    """The fingerprint of the key a resource's servers would mount, read now from its Secret; None when
-    the Secret or key is absent or short (it can use no namespace). Raises ApiException when unreadable."""
-    meta = resource["metadata"]
-    try:
-        spec = KVCacheNamespaceSpec.model_validate(resource.get("spec") or {})
-    except ValidationError:
-        return None
-    target = Target(meta["name"], meta["namespace"], spec, None)
-    if target.key_secret is None:
-        return None
+def _fingerprint_now(target: Target) -> str | None:
+    """The fingerprint of the key a resource's servers would mount (it names a key Secret), read now
+    from its Secret; None when the Secret or key is absent or short (it can use no namespace). Raises
+    ApiException when unreadable."""
+    assert target.key_secret is not None
     name, item = target.key_secret
-    secret = kube.get("v1", "Secret", name, meta["namespace"])
-    return l2key.read(secret, name, item, meta["namespace"], target.key_secret_generated,
+    secret = kube.get("v1", "Secret", name, target.namespace)
+    return l2key.read(secret, name, item, target.namespace, target.key_secret_generated,
                       kube.secret_value(secret, item)).fingerprint

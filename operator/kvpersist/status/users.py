@@ -25,7 +25,7 @@ def fingerprint_in_status(status: Mapping[str, Any] | None, secret: str | None) 
     return key.get("fingerprint") if secret is not None and key.get("secret") == secret else None
 
 
-def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> str | None:
+def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Target], str | None] | None = None) -> str | None:
     """The id the spec resolves to now, with the L2 key fingerprint status records for the Secret
     the spec names (the key itself is not read here); fingerprint, when given, reads the key of a
     resource whose status records none (the operator's check right before a gc deletes)."""
@@ -34,10 +34,11 @@ def resolved_id(obj: Mapping[str, Any], fingerprint: Callable[[Mapping[str, Any]
     except ValueError:
         return None
     meta = obj.get("metadata") or {}
-    key_secret = Target(meta.get("name", ""), meta.get("namespace", ""), spec, None).key_secret
+    target = Target(meta.get("name", ""), meta.get("namespace", ""), spec, None)
+    key_secret = target.key_secret
     found = fingerprint_in_status(obj.get("status"), key_secret[0] if key_secret else None)
     if key_secret is not None and found is None and fingerprint is not None:
-        found = fingerprint(obj)
+        found = fingerprint(target)
     return resolve(spec.pins(found)).namespace_id
 
 
@@ -46,7 +47,7 @@ def ref(obj: Mapping[str, Any]) -> str:
 
 
 def users_of(namespace_id: str, resources: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
-             fingerprint: Callable[[Mapping[str, Any]], str | None] | None = None) -> list[str]:
+             fingerprint: Callable[[Target], str | None] | None = None) -> list[str]:
     """Who still uses a namespace: resources (by status, by spec, or waiting for the L2 key whose
     data it holds) and lmcache pods."""
     out = []

@@ -111,7 +111,7 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
             events.append(("Warning", space["reason"], space["message"]))
         elif old_space.get("status") == "False":
             events.append(("Normal", space["reason"], space["message"]))
-    # spec.prewarm (kvpersist.status.prewarm): warm again, and a prompt the operator cannot warm (once per message).
+    # spec.prewarm (kvpersist.controller.prewarm): warm again, and a prompt the operator cannot warm (once per message).
     old_warm, warm = pair(WARM_CONDITION)
     if warm is not None and warm["status"] == "True" and old_warm.get("status") != "True":
         events.append(("Normal", "Warmed", warm["message"]))

@@ -24,7 +24,7 @@ from kvpersist.status.workloads import pod_ready
 HITS_WRITE_INTERVAL_S = 60.0
 
 SPACE_CONDITION = "L2SpaceAvailable"
-WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.status.prewarm)
+WARM_CONDITION = "Warm"  # spec.prewarm (kvpersist.controller.prewarm)
 CONDITION_TYPES = ("IdentityResolved", "PinsVerified", "L2Ready", "LMCacheReady", "VLLMReady", build.CONDITION,
                    canary.CONDITION, "WithinBudget", SPACE_CONDITION, WARM_CONDITION, references.CONDITION,
                    creatorrights.CONDITION, "Ready")
@@ -111,7 +111,7 @@ class Observation:
     server_create_failure: str | None = None  # why the StatefulSet cannot create pods (its FailedCreate event)
     build: BuildVerdict | None = None  # the pods' runtime build check (with the cache on); None: no condition
     pins: tuple[bool | None, str, str] | None = None  # PinsVerified (kvpersist.controller.pincheck); None: none
-    warm: tuple[bool | None, str, str] | None = None  # Warm (kvpersist.status.prewarm); None: nothing declared
+    warm: tuple[bool | None, str, str] | None = None  # Warm (kvpersist.controller.prewarm); None: nothing declared
     vllm_selector: str | None = None  # the vLLM pods' label selector (status.vllmSelector, for the scale subresource)
     canary: tuple[bool | None, str, str] | None = None  # HitCorrectness (kvpersist.status.canary); None: none
     references: tuple[bool | None, str, str] | None = None  # ReferencesFound (kvpersist.status.references); None: none named

@@ -68,7 +68,7 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
         out["spec"] = {"replicas": spec.get("replicas", 1),
                        "template": {"spec": {"containers": [{"name": AGENT_CONTAINER, "image": agent}]}}}
     # A pod's node and restarts: which vLLM pod warms which server and when (a restart empties L1;
-    # status.prewarm), and when the canary checks again (status.canary). Only a pod has spec.containers.
+    # controller.prewarm), and when the canary checks again (status.canary). Only a pod has spec.containers.
     if "containers" in spec or spec.get("nodeName"):
         out["spec"] = {"nodeName": spec.get("nodeName")}
     if "containers" in spec or status.get("containerStatuses"):

@@ -19,7 +19,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 import kvpersist.controller
-from kvpersist.controller import kube, reading, reconcile, refresh, runtime, status_loop, tracking
+from kvpersist.controller import kube, reading, refresh, runtime, status_loop, tracking
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.state import Controller, ResourceState
 from kvpersist.status.workloads import COMPONENT_LABEL, Seen
@@ -145,14 +145,14 @@ def test_reconcile_and_the_status_loop_never_run_one_resource_at_once(monkeypatc
             running[0] -= 1
         return True
 
-    for caller in (reconcile, status_loop):  # where each round looks them up
+    for caller in (tracking, status_loop):  # where each round looks them up
         monkeypatch.setattr(caller, "apply_workloads", work)
         monkeypatch.setattr(caller, "refresh_status", work)
 
     async def both() -> None:
-        await asyncio.gather(reconcile.reconcile(body=body, logger=LOG),
+        await asyncio.gather(tracking.reconcile(body=body, logger=LOG),
                              status_loop._refresh_one(key, body, Seen(), True, LOG),
-                             reconcile.reconcile(body=body, logger=LOG))
+                             tracking.reconcile(body=body, logger=LOG))
 
     asyncio.run(both())
     assert most[0] == 1
@@ -164,12 +164,12 @@ def test_a_spec_is_reconciled_once_per_change_and_once_after_a_start(monkeypatch
     resource is applied, a status or metadata event is not, a changed spec is, and an operator that
     starts again (a fresh controller) applies each resource it lists once. No annotation is written."""
     applied: list[Any] = []
-    monkeypatch.setattr(reconcile, "apply_workloads", lambda body, *_a: applied.append(dict(body["spec"])) or True)
-    monkeypatch.setattr(reconcile, "refresh_status", lambda *_a: None)
+    monkeypatch.setattr(tracking, "apply_workloads", lambda body, *_a: applied.append(dict(body["spec"])) or True)
+    monkeypatch.setattr(tracking, "refresh_status", lambda *_a: None)
     body = {"metadata": {"namespace": "ns", "name": "a", "uid": "u1"}, "spec": {"l1": {"size": "1Gi"}}}
 
     def event(**changes: Any) -> None:
-        asyncio.run(reconcile.on_event(event={"type": "MODIFIED"}, body={**body, **changes}, logger=LOG))
+        asyncio.run(tracking.on_event(event={"type": "MODIFIED"}, body={**body, **changes}, logger=LOG))
 
     event()
     event(status={"phase": "Pending"})
@@ -181,7 +181,7 @@ def test_a_spec_is_reconciled_once_per_change_and_once_after_a_start(monkeypatch
     monkeypatch.setattr(runtime, "CONTROLLER", Controller())  # started again: every resource once
     event(spec={"l1": {"size": "2Gi"}})
     assert len(applied) == 3
-    asyncio.run(reconcile.on_event(event={"type": "DELETED"}, body=body, logger=LOG))
+    asyncio.run(tracking.on_event(event={"type": "DELETED"}, body=body, logger=LOG))
     assert len(applied) == 3 and runtime.CONTROLLER.get(("ns", "a")) is None
 
 

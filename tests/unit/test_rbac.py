@@ -122,7 +122,7 @@ def test_the_chart_check_can_fail(rendered: dict) -> None:
 
 def test_kopf_keeps_no_state_on_the_resource() -> None:
     """kvpersist's startup handler keeps any kopf progress out of status (which the schema owns), and
-    only kopf's event handlers run on the resource (controller.reconcile), so kopf patches neither
+    only kopf's event handlers run on the resource (controller.tracking), so kopf patches neither
     the resource nor its status: a new resource costs no bookkeeping patch."""
     import kopf
 

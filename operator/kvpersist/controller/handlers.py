@@ -10,7 +10,6 @@ from kvpersist.controller import (  # noqa: F401  (imported for the handlers the
     gc,
     indexes,
     reading,
-    reconcile,
     refresh,
     runtime,
     status_loop,

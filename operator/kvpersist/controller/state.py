@@ -48,7 +48,7 @@ class ResourceState:
     body: dict[str, Any] | None = None
     namespace_id: str | None = None
     # The spec object (of body) the last reconcile started from: another one is a spec to reconcile
-    # (kvpersist.controller.reconcile), in place of kopf's annotation, one patch of every new resource.
+    # (kvpersist.controller.tracking), in place of kopf's annotation, one patch of every new resource.
     reconciled_spec: dict[str, Any] | None = None
     # The last target_of answer (kvpersist.controller.reading): (spec object, its model, (key
     # fingerprint, pin check on, pin verdict), resolution).

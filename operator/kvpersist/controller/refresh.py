@@ -1,8 +1,6 @@
 """One resource's status refresh, the round itself: observe its workloads, agents and L2, judge it
 (kvpersist.status.conditions), write status only when something a user can see changed, and post
-the Events of its transitions. Its parts, each a module of its own: the agents (agents), the Hub
-calls off the refresh path (bucketcheck), what outlives the resource (retention), the Events and
-the cache-bypass decisions (transitions). Blocking: worker threads.
+the Events of its transitions (docs/design.md names the modules of its parts). Blocking: worker threads.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from kvpersist.controller import decision as dec
 from kvpersist.controller import kube, l2key, ownership, pincheck, sharing
 from kvpersist.controller.policy import Policy, named_secrets
 from kvpersist.controller.stale_routes import ROUTE_KINDS
-from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.identity import key_fingerprint
 from kvpersist.l2backends import backend_of
 from kvpersist.pinscmd import hub_error
 from kvpersist.status.usage import human_bytes
@@ -143,7 +143,6 @@ def compute(namespace: str, name: str, new_spec: KVCacheNamespaceSpec, live: Map
     when status records none for it; None: not read) and what fills its unset pins (pin_facts). still_used_by is the
     caller's to fill (it lists other resources)."""
     stored_new = new_spec.model_dump(by_alias=True, exclude_none=True, mode="json")
-    new_spec, unresolved = pincheck.filled(new_spec, pins)
     source = Target(name, namespace, new_spec, None).key_secret
     fingerprint = recorded_fingerprint(live, source)
     unknown, reason = False, None
@@ -155,14 +154,15 @@ def compute(namespace: str, name: str, new_spec: KVCacheNamespaceSpec, live: Map
             why = key.problem[1] if key is not None and key.problem else "it was not read"
             reason = (f"the new id depends on L2's key in Secret {source[0]} key {source[1]}, which this command cannot "
                       f"read: {why}")
-    resolution = resolve(new_spec.pins(fingerprint))
-    if unresolved is not None and pins is not None and pins.values is None:
-        files = f"the model's files, which this command could not read: {unresolved}"
+    resolution = dec.target_for(name, namespace, new_spec, fingerprint, pins)[1]  # as the operator resolves it
+    unresolved = resolution.blocked is not None and resolution.blocked[0] == pincheck.UNRESOLVED
+    if unresolved and pins is not None and pins.values is None:
+        files = f"the model's files, which this command could not read: {resolution.reason}"
         reason = f"{reason}; and on {files}" if unknown else f"the new id depends on {files}"
         unknown = True
     new_id = None if unknown else resolution.namespace_id
     if not unknown and new_id is None:
-        reason = f"the cache turns off: {unresolved or resolution.reason}"
+        reason = f"the cache turns off: {resolution.reason}"
     if live is None:
         return Plan(namespace, name, False, None, new_id, [], reason, unknown)
     status = live.get("status") or {}

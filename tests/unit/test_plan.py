@@ -331,3 +331,16 @@ def test_two_pins_plan_the_id_of_the_pins_the_files_fill_and_unread_files_leave_
     assert isinstance(pins, pincheck.Facts) and pins.values is None
     plan = plancmd.compute("ml", "llama31-8b", spec, None, None, pins)
     assert plan.unknown and plan.new_id is None and "could not read" in (plan.new_id_reason or "")
+
+
+def test_pins_the_model_files_contradict_plan_the_cache_off_as_the_operator_decides() -> None:
+    """PinMismatch turns the cache off in the operator (decision.target_for): the plan names no new id either."""
+    from kvpersist.controller import pincheck
+
+    obj = sample()
+    live = _live(obj)
+    spec = KVCacheNamespaceSpec.model_validate(obj["spec"])
+    facts = pincheck.Facts("m@r", (), mismatch="spec.identity.headSize 128 but the files say 64")
+    plan = plancmd.compute("ml", "llama31-8b", spec, live, None, facts)
+    assert plan.new_id is None and not plan.unknown and plan.code == plancmd.CHANGES
+    assert plan.new_id_reason == "the cache turns off: spec.identity.headSize 128 but the files say 64"

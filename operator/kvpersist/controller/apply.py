@@ -54,7 +54,7 @@ def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen 
     except Exception as exc:  # any failure: the status loop tries again (retry.Backoff), status says why
         metrics.inc("kvpersist_apply_errors_total")
         generation = body["metadata"].get("generation")
-        if isinstance(exc, ApiException) and retry.is_permanent(exc.status):
+        if isinstance(exc, ApiException) and exc.status in retry.INVALID:
             state.apply_error = (generation, f"the API server refused an object: {_api_message(exc)}")
             runtime.CONTROLLER.apply_backoff.succeeded(key)  # not retried: only a changed spec can pass
             logger.error("apply failed: %s", state.apply_error[1])

@@ -243,15 +243,6 @@ def storage_refusal(target: Target, created: str, stores: tuple[sharing.User, ..
     return sharing.refusal(me, users, mounted)
 
 
-def claim_not_shareable(target: Target, claim: Meta | None) -> bool:
-    """spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one
-    server only, since the others, on other nodes, could never mount it. Not found: the spec stands."""
-    nvme = target.spec.l2.nvme
-    if nvme is None or not nvme.shared or not nvme.existing_claim_name or not target.cache_enabled:
-        return False
-    return claim is not None and not shareable(claim)
-
-
 def route_keys(target: Target) -> list[ChildKey]:
     """The id's route names (a Service and a NetworkPolicy), looked up at every apply, own or not:
     an object of another id of this very resource may hold one (8 hex of the id)."""
@@ -426,7 +417,11 @@ def decide(snap: Snapshot) -> Decision:
         conds = (condition(fallback.CONDITION, True, ROUTE_TAKEN, route, generation),)
     elif key is not None and key.problem is not None and key.fingerprint is None:
         conds = (condition("L2Ready", False, key.problem[0], key.problem[1], generation),)
-    if claim_not_shareable(target, snap.named_claim):
+    # spec.l2.nvme.shared on a user's claim known not to be ReadWriteMany (ClaimNotShared): one server
+    # only, since the others, on other nodes, could never mount it. Not found: the spec stands.
+    nvme = target.spec.l2.nvme
+    if (nvme is not None and nvme.shared and nvme.existing_claim_name and target.cache_enabled
+            and snap.named_claim is not None and not shareable(snap.named_claim)):
         target = dataclasses.replace(target, max_servers=1)
     token_secret = _token_secret(target, snap)
     if snap.agent_image is not None:

@@ -80,15 +80,6 @@ def taken_message(name: str, namespace: str, taken: Iterable[tuple[str, str]]) -
             f"{namespace}), or give the KVCacheNamespace another name; the operator looks again every {RETRY_S:.0f} s")
 
 
-def key_not_owned_message(secret: str, name: str) -> str:
-    """IdentityResolved's and L2Ready's message when `<name>-l2-key` is someone else's Secret."""
-    return (f"the generated Secret {secret} exists but was not made by the operator (it lacks the labels "
-            f"app.kubernetes.io/managed-by={MANAGED_BY}, app.kubernetes.io/component={L2_KEY_COMPONENT}, "
-            f"{INSTANCE_LABEL}={name}): its key is not used, and the cache stays off. Delete or rename that Secret "
-            f"(the operator then generates the key), or name it in spec.l2.encryption.keySecretRef if it is meant "
-            "as this resource's key; a key restored from a backup keeps its labels")
-
-
 def l2_claim_names(target: Target) -> list[str]:
     """The derived claim names the servers would mount: the shared one, or one per server ordinal (both
     need nvme.size); none with the user's own claim (existingClaimName) or a bucket."""
@@ -124,6 +115,11 @@ def judged_key(target: Target, secret: Mapping[str, Any] | None) -> l2key.KeyRea
     assert target.key_secret is not None
     name, item = target.key_secret
     foreign = target.key_secret_generated and secret is not None and not is_own_key_secret(secret.get("metadata"), target.name)
+    not_owned = (f"the generated Secret {name} exists but was not made by the operator (it lacks the labels "
+                 f"app.kubernetes.io/managed-by={MANAGED_BY}, app.kubernetes.io/component={L2_KEY_COMPONENT}, "
+                 f"{INSTANCE_LABEL}={target.name}): its key is not used, and the cache stays off. Delete or rename that "
+                 "Secret (the operator then generates the key), or name it in spec.l2.encryption.keySecretRef if it is "
+                 "meant as this resource's key; a key restored from a backup keeps its labels")
     return l2key.read(secret, name, item, target.namespace, target.key_secret_generated,
                       None if foreign else secret_value(secret, item),
-                      key_not_owned_message(name, target.name) if foreign else None)
+                      not_owned if foreign else None)

@@ -18,11 +18,6 @@ BASE_DELAY_S = 5.0
 MAX_DELAY_S = 300.0
 
 
-def is_permanent(status: int | None) -> bool:
-    """True for a refusal that only a changed spec can cure."""
-    return status in INVALID
-
-
 def delay(attempt: int) -> float:
     """Seconds before try attempt + 1, after `attempt` failures (1, 2, ...)."""
     return min(BASE_DELAY_S * 2 ** max(attempt - 1, 0), MAX_DELAY_S)

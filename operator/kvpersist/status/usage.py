@@ -316,12 +316,6 @@ def restore_rate(gbps_sum: float, loads: int) -> float | None:
     return round(max(0.0, gbps_sum) / loads, 2) if loads > 0 else None
 
 
-def trim_samples(samples: deque[tuple[float, HitTotals]], now: float) -> None:
-    """Drops samples the window no longer needs: all but the newest that is at least HIT_WINDOW_S old."""
-    while len(samples) > MAX_SAMPLES or (len(samples) > 1 and samples[1][0] <= now - HIT_WINDOW_S):
-        samples.popleft()
-
-
 def hits_status(totals: HitTotals, baselines: Mapping[str, LookupCounters], window: Mapping[str, Any] | None,
                 since: str | None) -> dict[str, Any]:
     """status.hits: totals, window, the HIT column's summary (the window's rate, else the total's)
@@ -329,17 +323,15 @@ def hits_status(totals: HitTotals, baselines: Mapping[str, LookupCounters], wind
     so that a merge patch removes them."""
     summary = None
     if window is not None and window.get("hitRate") is not None:
-        summary = f"{percent(window['hitTokens'], window['lookupTokens'])} ({_duration(window['seconds'])})"
+        seconds = window["seconds"]
+        shown = f"{seconds // 60}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds}s"
+        summary = f"{percent(window['hitTokens'], window['lookupTokens'])} ({shown})"
     elif totals.lookup > 0:
         summary = f"{percent(totals.hit, totals.lookup)} (total)"
     servers = [{"pod": pod, "startedAt": c.started, "lookupTokens": c.requested, "hitTokens": c.hit,
                 "hitTokensL1": c.hit_l1, "hitTokensL2": c.hit_l2} for pod, c in sorted(baselines.items())]
     return {**_figures(totals), "window": dict(window) if window is not None else None, "summary": summary,
             "since": since, "servers": [{k: v for k, v in s.items() if v is not None} for s in servers]}
-
-
-def _duration(seconds: int) -> str:
-    return f"{seconds // 60}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds}s"
 
 
 def _counts(stored: Mapping[str, Any]) -> list[int]:
@@ -390,7 +382,9 @@ class HitTracker:
                 state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
                 state.since = state.since or wall
                 state.samples.append((now, state.totals))
-                trim_samples(state.samples, now)
+                samples = state.samples  # the window needs none older than the newest at least HIT_WINDOW_S old
+                while len(samples) > MAX_SAMPLES or (len(samples) > 1 and samples[1][0] <= now - HIT_WINDOW_S):
+                    samples.popleft()
             if state.since is None:
                 return None
             return hits_status(state.totals, state.baselines, window_figures(state.samples, now), state.since)

@@ -283,14 +283,6 @@ def add_parser(sub: Any) -> None:
     cmd.set_defaults(fn=run)
 
 
-def _documents(path: str) -> list[dict[str, Any]]:
-    """The objects in a manifest (a List's items too); raises OSError or yaml.YAMLError."""
-    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    docs = [d for d in yaml.safe_load_all(text) if d]
-    lists = [d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d] for d in docs]
-    return [i for items in lists for i in items or [] if isinstance(i, dict)]
-
-
 def _read_key(target: Target) -> l2key.KeyRead:
     """The key Secret read with the user's credentials and judged as the operator judges it (ownership.judged_key)."""
     assert target.key_secret is not None
@@ -421,10 +413,14 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        docs = _documents(args.filename)
+        text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text(encoding="utf-8")
+        found = [d for d in yaml.safe_load_all(text) if d]
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         print(f"error: {args.filename}: {exc}", file=sys.stderr)
         return ERROR
+    # The objects in the manifest, a List's items too.
+    lists = [d.get("items") if isinstance(d, dict) and d.get("kind", "").endswith("List") else [d] for d in found]
+    docs = [i for items in lists for i in items or [] if isinstance(i, dict)]
     ours = [d for d in docs if d.get("kind") == api.KIND and str(d.get("apiVersion", "")).startswith(api.GROUP + "/")]
     if not ours:
         print(f"error: {args.filename}: no {api.KIND} in it", file=sys.stderr)

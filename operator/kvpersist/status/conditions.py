@@ -183,14 +183,6 @@ class FailedCreateCheck:
         return answer[1]
 
 
-def replica_failure(deployment: Mapping[str, Any] | None) -> str | None:
-    """A Deployment's ReplicaFailure message: its ReplicaSet could not create pods."""
-    for c in ((deployment or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
-            return str(c.get("message") or c.get("reason") or "ReplicaFailure")[:FAILURE_MESSAGE_MAX]
-    return None
-
-
 def not_created(what: str, message: str) -> tuple[str, str]:
     """(reason, message) for refused pods: PodsForbidden with the fix for Pod Security, else PodsNotCreated."""
     if "PodSecurity" in message:
@@ -351,9 +343,10 @@ def _vllm_verdict(obs: Observation, vllm_done: bool, vllm_ready: int) -> Verdict
             return (None, "NoAttachedPods", f"no vLLM pod is attached yet: label your vLLM pods {ATTACH_LABEL}={name} "
                     "(docs/attach.md)")
         return (ready > 0, "AttachedPodsReady" if ready else "AttachedPodsNotReady", f"{ready}/{count} attached vLLM pods ready")
-    failure = replica_failure(obs.deployment)
-    if failure is not None and not vllm_done:
-        return (False, *not_created("vLLM", failure))
+    for c in ((obs.deployment or {}).get("status") or {}).get("conditions") or []:  # its ReplicaSet cannot create pods
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True" and not vllm_done:
+            failure = str(c.get("message") or c.get("reason") or "ReplicaFailure")[:FAILURE_MESSAGE_MAX]
+            return (False, *not_created("vLLM", failure))
     return (vllm_done, "PodsReady" if vllm_done else "RollingOut", f"{vllm_ready}/{obs.vllm_desired} vLLM pods ready")
 
 
@@ -467,20 +460,18 @@ def _present(value: Any) -> Any:
     return value
 
 
-def _age_s(stamp: Any, at: datetime) -> float:
-    try:
-        then = parse_iso(stamp) if isinstance(stamp, str) else None
-    except ValueError:
-        then = None
-    return at.timestamp() - then if then is not None else float("inf")
-
-
 def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, riding: bool,
                at: datetime) -> dict[str, Any] | None:
     """status.hits to write, or None: not when unchanged (measuredAt aside); at once when there were
     none, another field is written anyway (riding) or the stored ones are HITS_WRITE_INTERVAL_S old."""
+    stamp = (old or {}).get("measuredAt")
+    try:
+        written = parse_iso(stamp) if isinstance(stamp, str) else None
+    except ValueError:
+        written = None
+    age_s = at.timestamp() - written if written is not None else float("inf")
     if (hits is None or _present(_without_stamp(hits)) == _present(_without_stamp(old))
-            or (old and not riding and _age_s(old.get("measuredAt"), at) < HITS_WRITE_INTERVAL_S)):
+            or (old and not riding and age_s < HITS_WRITE_INTERVAL_S)):
         return None
     return {**hits, "measuredAt": iso(at.timestamp())}
 

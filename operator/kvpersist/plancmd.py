@@ -252,23 +252,6 @@ def exit_code(codes: list[int]) -> int:
     return max(codes, default=UNCHANGED)
 
 
-def with_decision(plan: Plan, decision: dec.Decision, unchecked: list[str]) -> Plan:
-    """The plan with what the operator would decide: the refusal (nothing applied), else StorageInUse
-    or RouteNameTaken (applied with the cache off, or vLLM without it), with their conditions."""
-    if decision.refusal is not None:
-        plan.verdict, plan.verdict_message = decision.refusal
-        plan.applied = False
-    elif decision.storage_refused is not None:
-        plan.verdict, plan.verdict_message = sharing.STORAGE_IN_USE, decision.storage_refused
-    elif decision.route_taken is not None:
-        plan.verdict, plan.verdict_message = decision.conditions[0]["reason"], decision.route_taken
-    if plan.verdict is not None:
-        plan.phase = decision.phase
-        plan.conditions = [{k: c[k] for k in ("type", "status", "reason", "message")} for c in decision.conditions]
-    plan.unchecked = sorted(set(unchecked) | {"/".join(k) for k in decision.unchecked})
-    return plan
-
-
 # ------------------------------------------------------------------ the command (talks to the API)
 
 
@@ -408,7 +391,21 @@ def plan_one(doc: Mapping[str, Any], default_namespace: str) -> Plan:
     if plan.old_id and plan.moves:
         plan.still_used_by = _others_serving(plan.old_id, namespace, name)
     snap, unchecked = read_snapshot(doc, spec, live, namespace, key, pins)
-    return with_decision(plan, dec.decide(snap), unchecked)
+    # What the operator would decide: the refusal (nothing applied), else StorageInUse or
+    # RouteNameTaken (applied with the cache off, or vLLM without it), with their conditions.
+    decision = dec.decide(snap)
+    if decision.refusal is not None:
+        plan.verdict, plan.verdict_message = decision.refusal
+        plan.applied = False
+    elif decision.storage_refused is not None:
+        plan.verdict, plan.verdict_message = sharing.STORAGE_IN_USE, decision.storage_refused
+    elif decision.route_taken is not None:
+        plan.verdict, plan.verdict_message = decision.conditions[0]["reason"], decision.route_taken
+    if plan.verdict is not None:
+        plan.phase = decision.phase
+        plan.conditions = [{k: c[k] for k in ("type", "status", "reason", "message")} for c in decision.conditions]
+    plan.unchecked = sorted(set(unchecked) | {"/".join(k) for k in decision.unchecked})
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:

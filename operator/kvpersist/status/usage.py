@@ -421,7 +421,12 @@ def fetch_status(pod: str, ip: str, port: int, timeout: float = STATUS_TIMEOUT_S
     if not reply.ok:
         agent_up = reply.status in (502, 504) and prefix == THROUGH_AGENT  # lmcache is not answering the agent
         what = f"unreachable from the agent at {where}: HTTP" if agent_up else f"at {where} answered HTTP"
-        return ServerReport(pod=pod, healthy=False, message=f"/status {what} {reply.status}{_error_of(reply.body)}")
+        try:  # the agent's short reason for a refused or failed read (a JSON {"error": ...}), if any
+            error = httpclient.load_json(reply.body[:1024]).get("error")
+        except (PeerError, AttributeError):
+            error = None
+        detail = f": {str(error)[:200]}" if error else ""
+        return ServerReport(pod=pod, healthy=False, message=f"/status {what} {reply.status}{detail}")
     try:
         status = httpclient.parse(reply.body, LMCacheStatus)
     except PeerError as exc:  # another shape: an unhealthy report saying why, never an exception
@@ -436,15 +441,6 @@ def fetch_lookup_counters(ip: str, port: int, timeout: float = STATUS_TIMEOUT_S,
     """One server's lookup counters alone (its /metrics, through the pod's agent), within timeout; None when unknown."""
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return lookup_counters(_fetch_metrics(ip, port, timeout, THROUGH_AGENT, headers))
-
-
-def _error_of(body: bytes) -> str:
-    """The agent's short reason for a refused or failed read (a JSON {"error": ...}), if any."""
-    try:
-        error = httpclient.load_json(body[:1024]).get("error")
-    except (PeerError, AttributeError):
-        return ""
-    return f": {str(error)[:200]}" if error else ""
 
 
 def _fetch_metrics(ip: str, port: int, timeout: float, prefix: str,

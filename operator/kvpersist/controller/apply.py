@@ -31,10 +31,8 @@ from kvpersist.status.workloads import COMPONENT_LABEL, INSTANCE_LABEL, Seen
 
 
 def apply_workloads(body: Mapping[str, Any], logger: logging.Logger, seen: Seen | None = None) -> bool:
-    """Read, decide, act: everything the apply looks at is read into one snapshot first
-    (kvpersist.controller.snapshot), decided on by one pure function (kvpersist.controller.decision),
-    and only then applied; no request between the decisions. False when the spec cannot be read
-    (status says why). Blocking: runs in a worker thread."""
+    """Read (snapshot), decide (decision), act: no request between the decisions. False when the
+    spec cannot be read (status says why). Blocking: runs in a worker thread."""
     try:
         target, _reason = target_of(body)
     except ValidationError:

@@ -281,11 +281,9 @@ def written_target(snap: Snapshot) -> Target:
 
 
 def names_to_read(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The manifests and the agent token Secret whose names the snapshot must hold (written_target's).
-    Every name among them not known as its own is read by its metadata; the id's route names
-    (route_keys), own or not, by a LIST of the name (their labels say which id they route to); the
-    weights claim whole (its spec is compared). Where snap.names shows another id holding a route
-    name (so read the routes first), also the policy of every server decide builds in their place."""
+    """The manifests and the agent token Secret whose names the snapshot must hold (written_target's;
+    snapshot._names says how each is read). Where snap.names shows another id holding a route name
+    (so read the routes first), also the policy of every server decide builds in their place."""
     target = written_target(snap)
     return build_all(target, operator_ns=""), _token_secret(target, snap)
 

@@ -139,10 +139,8 @@ def watched_metadata(kind: str, name: str, namespace: str) -> dict[str, Any] | N
 
 
 def references_found(target: Target) -> Verdict | None:
-    """ReferencesFound's (ok, reason, message) (kvpersist.status.references judges), or None when the
-    spec names none. From the metadata-only watch caches: no request per round while they have
-    listed, never an object's data; without a cache (a glob among the watched namespaces) by a
-    metadata-only request. Blocking."""
+    """ReferencesFound (kvpersist.status.references judges), None when the spec names nothing: from the
+    metadata-only watch caches, without one (a glob among the watched namespaces) by request. Blocking."""
     caches = {references.SECRET: runtime.CONTROLLER.secret_cache, references.CONFIGMAP: runtime.CONTROLLER.configmap_cache}
 
     def exists(kind: str, name: str) -> bool | None:

@@ -233,7 +233,7 @@ def test_a_normal_listing_pages_through(calls: Callable[..., tuple[dict[str, Any
         box, _ = calls(lambda: scan_bucket(HANDLE, GOOD_TOKEN, endpoint=hub.url))
     inv = box.get("result")
     assert inv is not None, box
-    usage = inv.get(NS)
+    usage = next((n for n in inv.namespaces if n.namespace_id == NS), None)
     assert usage is not None and (usage.objects, usage.bytes) == (4, 100 + 101 + 102 + 103)
     assert inv.other_bytes == 7
     assert sum(1 for m, p in hub.requests if m == "GET" and "/tree/" in p) == 3

@@ -102,8 +102,8 @@ class _Reader(io.RawIOBase):
     """The socket as the handler reads it: first the head the selector already read, then the
     socket, every read bounded by the time the request has left."""
 
-    def __init__(self, sock: socket.socket, head: bytes, deadline: float, io_timeout: float) -> None:
-        self._sock, self._head, self._deadline, self._io_timeout = sock, memoryview(head), deadline, io_timeout
+    def __init__(self, sock: socket.socket, head: bytes, deadline: float) -> None:
+        self._sock, self._head, self._deadline = sock, memoryview(head), deadline
 
     def readable(self) -> bool:
         return True
@@ -117,7 +117,7 @@ class _Reader(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request's read deadline passed")
-        self._sock.settimeout(min(left, self._io_timeout))
+        self._sock.settimeout(min(left, IO_TIMEOUT_S))
         return self._sock.recv_into(buffer)
 
 
@@ -138,11 +138,10 @@ class BoundedHTTPServer(HTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, workers: int = WORKERS,
                  max_pending: int = MAX_PENDING, queue_size: int = QUEUE, head_timeout: float = HEAD_TIMEOUT_S,
-                 io_timeout: float = IO_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S,
-                 max_head: int = MAX_HEAD_BYTES, name: str = "http", probes: Mapping[str, Probe] | None = None) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT_S, name: str = "http", probes: Mapping[str, Probe] | None = None) -> None:
         self.workers, self.max_pending, self.head_timeout = workers, max_pending, head_timeout
         self.probes = dict(probes or {})  # path -> answered on the selector thread (the module's docstring)
-        self.io_timeout, self.request_timeout, self.max_head, self.name = io_timeout, request_timeout, max_head, name
+        self.request_timeout, self.name = request_timeout, name
         self._work: queue.Queue[_Connection | None] = queue.Queue(queue_size)
         self._pending: collections.OrderedDict[int, _Connection] = collections.OrderedDict()  # by fd, oldest first
         self._stop = threading.Event()
@@ -257,7 +256,7 @@ class BoundedHTTPServer(HTTPServer):
         if pending.sock.fileno() < 0:  # dropped earlier in this same round of events
             return
         try:
-            data = pending.sock.recv(min(4096, self.max_head + 1 - len(pending.head)))
+            data = pending.sock.recv(min(4096, MAX_HEAD_BYTES + 1 - len(pending.head)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -281,7 +280,7 @@ class BoundedHTTPServer(HTTPServer):
                     log.warning("%s: all %d workers busy and %d requests queued: 503 to %s (%d refused so far)",
                                 self.name, self.workers, self._work.maxsize, pending.address[0], self.refused)
                 _reply(pending.sock, 503, "Service Unavailable")
-        elif len(pending.head) > self.max_head:
+        elif len(pending.head) > MAX_HEAD_BYTES:
             self._forget(sel, pending)
             _reply(pending.sock, 431, "Request Header Fields Too Large")
 
@@ -326,7 +325,7 @@ class BoundedHTTPServer(HTTPServer):
         while (item := self._work.get()) is not None:
             try:
                 item.sock.setblocking(True)
-                item.sock.settimeout(self.io_timeout)
+                item.sock.settimeout(IO_TIMEOUT_S)
                 self.RequestHandlerClass(item, item.address, self)  # type: ignore[arg-type]
             except Exception as exc:  # one broken request must not end a worker
                 log.debug("%s: a request failed: %s: %s", self.name, type(exc).__name__, exc)
@@ -345,7 +344,7 @@ def _bounded(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandl
             server: BoundedHTTPServer = self.server  # type: ignore[assignment]
             self.request = self.connection = accepted.sock
             deadline = time.monotonic() + server.request_timeout
-            self.rfile = io.BufferedReader(_Reader(accepted.sock, accepted.head, deadline, server.io_timeout))
+            self.rfile = io.BufferedReader(_Reader(accepted.sock, accepted.head, deadline))
             # Whole writes (sendall), each bounded by the socket's timeout: what StreamRequestHandler.setup writes with.
             self.wfile = socketserver._SocketWriter(accepted.sock)
 

@@ -673,7 +673,7 @@ def test_a_server_no_node_can_take_stops_counting_against_the_disruption_budget(
     import dataclasses
     import datetime
 
-    from kvpersist.builders.disruption import build_server_pdb
+    from kvpersist.builders.lmcache import build_server_pdb
     from kvpersist.builders.target import SERVER, VLLM
     from kvpersist.status.workloads import UNPLACED_AFTER_S, slim, unplaced_servers
 

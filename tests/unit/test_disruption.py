@@ -1,4 +1,4 @@
-"""The lmcache servers' PodDisruptionBudget (kvpersist.builders.disruption)."""
+"""The lmcache servers' PodDisruptionBudget (kvpersist.builders.lmcache)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 
 from kvpersist.builders.all import build_all
-from kvpersist.builders.disruption import build_server_pdb
-from kvpersist.builders.lmcache import build_lmcache_statefulset
+from kvpersist.builders.lmcache import build_lmcache_statefulset, build_server_pdb
 from tests.unit.test_builders import target
 
 

@@ -6,9 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.builders.attach import attached
-from kvpersist.builders.disruption import build_server_pdb
 from kvpersist.builders.inferencepool import build_inference_pool
-from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service
+from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service, build_server_pdb
 from kvpersist.builders.networkpolicy import build_network_policy
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import build_model_cache_claim, build_vllm_deployment, build_vllm_service

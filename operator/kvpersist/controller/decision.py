@@ -56,7 +56,7 @@ Meta = Mapping[str, Any]
 SWITCHED_OFF = (("v1", "Service", "-vllm", "spec.vllm.service is off"),  # Target.vllm_name
                 (inferencepool.API_VERSION, inferencepool.KIND, "-vllm", "spec.vllm.inferencePool is off"),
                 ("policy/v1", "PodDisruptionBudget", "-lmcache", "one lmcache server: a budget of one "
-                 "disruption limits nothing (builders.disruption.build_server_pdb)"))
+                 "disruption limits nothing (builders.lmcache.build_server_pdb)"))
 # Names earlier versions made and this one writes no more. <name>-lmcache (Target.server_name) is still
 # the policy of every server with the cache off or the route name taken (builders.networkpolicy).
 RETIRED = (("networking.k8s.io/v1", "NetworkPolicy", "-lmcache", "one NetworkPolicy per namespace id replaced it"),

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.builders.inferencepool import API_GROUP
 from kvpersist.builders.target import NAMESPACE_ID_LABEL
 from kvpersist.builders.vllm import KV_EVENTS_TOPIC_ANNOTATION
+from kvpersist.builders.vllm import POOL_API_GROUP as API_GROUP
 from kvpersist.controller.inferencepool import API_MISSING
 from tests.cases.invalid_manifests import sample
 from tests.e2e.kube import REPO, Kubectl, wait_for

@@ -15,14 +15,21 @@ from typing import Any
 import yaml
 
 from kvpersist.api import attachpolicy
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.api.identity import id_fields
 from kvpersist.api.spec import EXTRA_ARGS
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
-from kvpersist.builders.attach import ATTACH_LABEL, attach_status, attached_peer
 from kvpersist.builders.networkpolicy import build_network_policy
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
-from kvpersist.builders.vllm import build_vllm_deployment, kv_transfer_config_json, operator_env, vllm_args
+from kvpersist.builders.vllm import (
+    attach_status,
+    attached_peer,
+    build_vllm_deployment,
+    kv_transfer_config_json,
+    operator_env,
+    vllm_args,
+)
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.status.conditions import Observation, compute_status
 from kvpersist.status.workloads import attached_counts, attached_view

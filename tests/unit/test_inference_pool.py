@@ -17,8 +17,10 @@ from pydantic import ValidationError
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.spec import EndpointPicker, InferencePool
 from kvpersist.builders.all import build_all
-from kvpersist.builders.inferencepool import API_VERSION, KIND, build_inference_pool
 from kvpersist.builders.target import VLLM, Target
+from kvpersist.builders.vllm import POOL_API_VERSION as API_VERSION
+from kvpersist.builders.vllm import POOL_KIND as KIND
+from kvpersist.builders.vllm import build_inference_pool
 from kvpersist.controller import apply, decision, inferencepool, kube, l2key
 from kvpersist.controller.decision import Snapshot, decide
 from kvpersist.identity import key_fingerprint, resolve

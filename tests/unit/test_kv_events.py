@@ -169,7 +169,7 @@ def test_the_llm_d_topic_names_the_pod_as_its_scorer_reads_it() -> None:
     the pod (IP:port, as its endpoint picker keys pods) and the model (llm-d-kv-cache,
     pkg/kvevents/engineadapter parseTopic); the IP from the downward API, expanded by the kubelet;
     no topic annotation (it differs per pod); the namespace id unchanged; attach mode adds the same."""
-    from kvpersist.builders.attach import attach_status
+    from kvpersist.builders.vllm import attach_status
 
     plain = _target(_events(enabled=True))
     t = _target(_events(enabled=True, topicFormat="LLMD"),

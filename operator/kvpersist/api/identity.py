@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kvpersist.api.models import SpecPart
-from kvpersist.identity import field_path as pin_field  # the API's spelling of a pin's field (builders.attach too)
+from kvpersist.identity import field_path as pin_field  # the API's spelling of a pin's field (builders.vllm's status.attach too)
 from kvpersist.identity import image_digest
 
 # vLLM 0.33.0's --kv-cache-dtype values less the two unresolved ones, auto and fp8 (tests/contract checks it against vLLM's).

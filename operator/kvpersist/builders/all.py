@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvpersist.builders.attach import attached
-from kvpersist.builders.inferencepool import build_inference_pool
 from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service, build_server_pdb
 from kvpersist.builders.networkpolicy import build_network_policy
 from kvpersist.builders.target import Target
-from kvpersist.builders.vllm import build_model_cache_claim, build_vllm_deployment, build_vllm_service
+from kvpersist.builders.vllm import attached, build_inference_pool, build_model_cache_claim, build_vllm_deployment, build_vllm_service
 
 
 def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -37,7 +35,7 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
     ]
     # Left out in place, not filtered into a new list: tests/rbac_needs.py follows this literal
     # list to its builders to derive the operator's grants. Attached: the user's own vLLM pods
-    # (builders.attach), no Deployment of the operator's.
+    # (builders.vllm.attach_status), no Deployment of the operator's.
     left_out = ((local, target.cache_enabled and not target.routes), (pdb, pdb is None),
                 (vllm_service, vllm_service is None), (pool, pool is None or not target.inference_pool_served),
                 (model_cache, model_cache is None), (vllm, attached(target)))

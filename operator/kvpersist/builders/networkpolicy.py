@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.api.spec import LABEL_VALUE
-from kvpersist.builders.attach import attached, attached_peer
 from kvpersist.builders.target import SERVER, VLLM, Target, manifest
+from kvpersist.builders.vllm import attached, attached_peer
 
 # Where the operator runs, so the policy can admit it. Set by the Helm chart.
 OPERATOR_NAMESPACE_ENV = "KVPERSIST_OPERATOR_NAMESPACE"

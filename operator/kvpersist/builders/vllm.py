@@ -1,5 +1,11 @@
-"""The vLLM Deployment, launched with exactly the pinned identity, the optional Service in front of it, and
-the claim the operator makes for the model's weights (spec.vllm.modelCache.size)."""
+"""The vLLM Deployment, launched with exactly the pinned identity, the optional Service in front of it, the
+claim the operator makes for the model's weights (spec.vllm.modelCache.size), and attach mode's status.attach:
+what the kvpersist-attach admission policies check a user's own vLLM pod against and add to it, from the
+functions that launch managed pods, so both run with the same flags. The policies are static
+(kvpersist.api.attachpolicy) and read that status as their params: the operator needs no right on admission
+objects, and pods are judged while it is down. And the optional InferencePool (Gateway API Inference Extension)
+over the vLLM pods: a gateway asks its endpoint picker which pod takes a request (a KV-aware one reads
+spec.vllm.kvEvents); made only where the API server serves the API (kvpersist.controller.inferencepool)."""
 
 from __future__ import annotations
 
@@ -7,13 +13,15 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from kvpersist.api.identity import CONNECTOR
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
+from kvpersist.api.identity import CONNECTOR, pin_field
 from kvpersist.api.quantity import parse_quantity
 from kvpersist.api.spec import ENV_ALLOW_LISTED, ENV_REFUSED, ENV_REFUSED_PREFIXES, MODEL_CACHE_PATH, KVCacheNamespaceSpec
 from kvpersist.api.vllmpod import beside_servers, server_term, shm_mount, shm_volume
 from kvpersist.builders import buildcheck
 from kvpersist.builders.security import DATA_GROUP, DATA_PLANE_USER, HOME_ENV, data_plane_volumes, pod_security, security_context
-from kvpersist.builders.target import BYPASS_ANNOTATION, MODEL_CACHE, SERVER, VLLM, Target, manifest
+from kvpersist.builders.target import BYPASS_ANNOTATION, MODEL_CACHE, NAMESPACE_ID_LABEL, SERVER, VLLM, Target, manifest
+from kvpersist.identity import image_digest
 
 # (pin attribute, vLLM flag) in the order they appear on the command line.
 PIN_FLAGS = (("model_revision", "--revision"), ("tokenizer", "--tokenizer"), ("tokenizer_revision", "--tokenizer-revision"),
@@ -135,7 +143,7 @@ HF_TOKEN = "HF_TOKEN"  # huggingface_hub's token variable, which vLLM's download
 API_KEY = "VLLM_API_KEY"  # vLLM's OpenAI server requires it as a bearer token when set (vllm.envs)
 
 
-# Fixed for every vLLM container of a namespace, the operator's and attached ones (builders.attach).
+# Fixed for every vLLM container of a namespace, the operator's and attached ones (attach_status).
 FIXED_ENV = (("PYTHONHASHSEED", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
 
 
@@ -302,3 +310,59 @@ def _quantity(value: Any) -> Decimal | None:
         return parse_quantity(value) if value is not None else None
     except ValueError:
         return None
+
+
+ATTACHED = "Attached"
+
+
+def attached(target: Target) -> bool:
+    return target.spec.vllm.mode == ATTACHED
+
+
+def attach_status(target: Target, bypassed: str | None = None) -> dict[str, Any] | None:
+    """status.attach (camelCase), or None (a pod labelled for the resource is then refused): not
+    Attached, no namespace id, an unpinned image, or the id's route names held by another id.
+    bypassed: why the cache is off for vLLM now; the policies then admit new pods without the
+    connection; running pods are the user's to restart (the CacheBypassed condition says)."""
+    digest = image_digest(target.spec.image)
+    if not attached(target) or target.namespace_id is None or digest is None or not target.routes:
+        return None
+    pins = target.spec.identity.resolved()
+    return {
+        "namespaceId": target.namespace_id,
+        "model": target.spec.identity.model_id,
+        "imageDigest": digest,
+        "pins": [{"flag": flag, "value": str(pins[attr]), "field": pin_field(attr)}
+                 for attr, flag in PIN_FLAGS if pins[attr] is not None],
+        "args": ["--kv-transfer-config", kv_transfer_config_json(target), *kv_events_args(target)],
+        "env": [*({"name": name, "value": value} for name, value in FIXED_ENV),
+                *({"name": name, "fieldPath": path} for name, path in kv_events_env(target))],
+        "serverSelector": target.id_selector(SERVER),
+        **({"bypassed": bypassed} if bypassed is not None else {}),
+    }
+
+
+def attached_peer(target: Target) -> dict[str, Any]:
+    """The policy's ZMQ peer for attached pods: only pods the policies admitted for this resource and
+    id carry both labels (checked on every change)."""
+    return {"podSelector": {"matchLabels": {ATTACH_LABEL: target.name, NAMESPACE_ID_LABEL: str(target.namespace_id)}}}
+
+
+POOL_API_GROUP = "inference.networking.k8s.io"
+POOL_API_VERSION = f"{POOL_API_GROUP}/v1"
+POOL_KIND = "InferencePool"
+
+
+def build_inference_pool(target: Target) -> dict[str, Any] | None:
+    """spec.vllm.inferencePool: every namespace id's vLLM pods (serving across a pin change). None when
+    unset, and when Attached (the user's KServe or llm-d pools their pods)."""
+    pool = target.spec.vllm.inference_pool
+    if pool is None or attached(target):
+        return None
+    picker = pool.endpoint_picker
+    return manifest(POOL_API_VERSION, POOL_KIND, target.metadata(target.vllm_name, VLLM), {
+        "selector": {"matchLabels": target.selector(VLLM)},
+        "targetPorts": [{"number": target.spec.vllm.port}],
+        "endpointPickerRef": {"group": "", "kind": "Service", "name": picker.name, "port": {"number": picker.port},
+                              "failureMode": picker.failure_mode},
+    })

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
-from kvpersist.builders import inferencepool, vllm
+from kvpersist.builders import vllm
 from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import build_shared_claim
 from kvpersist.builders.retained import build_agent_token_secret
@@ -54,7 +54,7 @@ Meta = Mapping[str, Any]
 # object under one it does not write is deleted (dropped), a user's never. A literal table:
 # tests/rbac_needs.py derives the delete grants from it (kvpersist.controller.apply).
 SWITCHED_OFF = (("v1", "Service", "-vllm", "spec.vllm.service is off"),  # Target.vllm_name
-                (inferencepool.API_VERSION, inferencepool.KIND, "-vllm", "spec.vllm.inferencePool is off"),
+                (vllm.POOL_API_VERSION, vllm.POOL_KIND, "-vllm", "spec.vllm.inferencePool is off"),
                 ("policy/v1", "PodDisruptionBudget", "-lmcache", "one lmcache server: a budget of one "
                  "disruption limits nothing (builders.lmcache.build_server_pdb)"))
 # Names earlier versions made and this one writes no more. <name>-lmcache (Target.server_name) is still
@@ -258,7 +258,7 @@ def dropped(target: Target, manifests: list[dict[str, Any]], own: frozenset[Chil
     off, and earlier versions' (RETIRED). A user's object under the name is never touched."""
     written = {child_key(m) for m in manifests}
     keys = [(kind, target.namespace, target.name + suffix) for _api_version, kind, suffix, _why in DROPPABLE
-            if pool_served or kind != inferencepool.KIND]
+            if pool_served or kind != vllm.POOL_KIND]
     return tuple(key for key in keys if key in own and key not in written)
 
 
@@ -446,7 +446,7 @@ def decide(snap: Snapshot) -> Decision:
             create_cache = True
         else:
             differs = "; ".join(vllm.claim_differences(cache_manifest, dict(existing))) or None
-    wants_pool = inferencepool.build_inference_pool(target) is not None
+    wants_pool = vllm.build_inference_pool(target) is not None
     return Decision(target, None, "", phase, conds, token_secret=token_secret, manifests=tuple(manifests),
                     shared_claim=shared, model_cache_create=create_cache, model_cache_differs=differs,
                     drops=dropped(target, manifests, snap.own, snap.inference_pool_served),

@@ -12,8 +12,9 @@ from typing import Any
 import kopf
 
 from kvpersist.api import v1alpha1 as api
-from kvpersist.builders.attach import ATTACH_LABEL, ATTACHED
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER
+from kvpersist.builders.vllm import ATTACHED
 from kvpersist.controller import runtime, sharing
 from kvpersist.controller.ownership import MANAGED, is_own_child
 from kvpersist.status.agentroll import AgentSet

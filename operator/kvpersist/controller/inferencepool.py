@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvpersist.builders.inferencepool import API_GROUP, API_VERSION, KIND
+from kvpersist.builders.vllm import POOL_API_GROUP, POOL_API_VERSION, POOL_KIND
 from kvpersist.controller import kube
 
 CACHE_S = 60.0
@@ -23,12 +23,12 @@ def served(now: float | None = None) -> bool:
     # The dynamic client keeps discovery in a file every process shares (tempdir, osrcp-*.json): it
     # may still list a CRD deleted since. Asked afresh: the server's groups and this one group.
     kube.client().resources.invalidate_cache()
-    found = kube.served(API_VERSION, KIND)
+    found = kube.served(POOL_API_VERSION, POOL_KIND)
     _answer = (now, found)
     return found
 
 
 def missing_message(name: str) -> str:
-    return (f"spec.vllm.inferencePool is set but the InferencePool API (Gateway API Inference Extension, {API_GROUP}/v1) "
+    return (f"spec.vllm.inferencePool is set but the InferencePool API (Gateway API Inference Extension, {POOL_API_GROUP}/v1) "
             f"is not installed in this cluster: no InferencePool {name} was made. Install the extension's CRDs; the "
             f"operator makes the pool within {CACHE_S:.0f} s")

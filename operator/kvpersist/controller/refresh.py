@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.status import checked_patch, field_patch, merge_patch
-from kvpersist.builders.attach import attach_status, attached
 from kvpersist.builders.target import VLLM, Target
+from kvpersist.builders.vllm import attach_status, attached
 from kvpersist.controller import (
     agentroll,
     agents,

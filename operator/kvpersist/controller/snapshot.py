@@ -17,9 +17,9 @@ from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api import v1alpha1 as api
 from kvpersist.api.spec import KVCacheNamespaceSpec
-from kvpersist.builders.inferencepool import KIND as POOL_KIND
 from kvpersist.builders.lmcache import agent_image
 from kvpersist.builders.target import L2_KEY_BYTES, SERVER, Target
+from kvpersist.builders.vllm import POOL_KIND
 from kvpersist.controller import agentroll, fallback, inferencepool, kube, l2key, pincheck, runtime, sharing
 from kvpersist.controller.decision import (
     Meta,

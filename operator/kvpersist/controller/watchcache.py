@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from kvpersist.builders.attach import ATTACH_LABEL
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.retained import INSTANCE_LABEL, PROTECTED_ANNOTATIONS, TRACKING_LABEL
 from kvpersist.controller import kube
 from kvpersist.controller.stale_routes import ROUTE_KINDS, ROUTE_LABELS

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders import buildcheck
-from kvpersist.builders.attach import ATTACH_LABEL
 from kvpersist.builders.target import SERVER
 from kvpersist.inventory.space import NEARLY_FULL, fraction
 from kvpersist.inventory.volume import iso, parse_iso, served_of

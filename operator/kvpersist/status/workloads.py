@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.builders.attach import ATTACH_LABEL
+from kvpersist.api.attachpolicy import LABEL as ATTACH_LABEL
 from kvpersist.builders.lmcache import AGENT_CONTAINER
 from kvpersist.builders.retained import INSTANCE_LABEL as RETAINED_INSTANCE_LABEL
 from kvpersist.builders.retained import PROTECTED_ANNOTATIONS

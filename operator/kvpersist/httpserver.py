@@ -150,7 +150,6 @@ class BoundedHTTPServer(HTTPServer):
         self._wake_r, self._wake_w = socket.socketpair()
         self._threads: list[threading.Thread] = []
         self.refused = 0  # 503s: every worker busy and the queue full
-        self.probed = 0  # probes answered on the selector thread
         self._warned = -1e9
         super().__init__(address, _bounded(handler))
 
@@ -300,7 +299,6 @@ class BoundedHTTPServer(HTTPServer):
             code, kind, body = probe()
         except Exception as exc:
             code, kind, body = 500, "text/plain", f"the probe raised {type(exc).__name__}: {exc}".encode()
-        self.probed += 1
         reason = next((status.phrase for status in HTTPStatus if status == code), "Unknown")
         _reply(pending.sock, code, reason, kind, body[:MAX_PROBE_BODY])
 

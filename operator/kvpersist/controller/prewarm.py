@@ -291,7 +291,7 @@ class Peers:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if prompt.system:
             return vllmclient.tokenize(self.vllm_ip, self.vllm_port, messages=[{"role": "system", "content": prompt.text}],
-                                       add_generation_prompt=False, api_key=self.api_key)
+                                       api_key=self.api_key)
         return vllmclient.tokenize(self.vllm_ip, self.vllm_port, prompt=prompt.text, api_key=self.api_key)
 
     def prefetch(self, token_ids: list[int]) -> tuple[int, Answer]:

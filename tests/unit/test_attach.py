@@ -20,7 +20,7 @@ from kvpersist.api.identity import id_fields
 from kvpersist.api.spec import EXTRA_ARGS
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.all import build_all
-from kvpersist.builders.networkpolicy import build_network_policy
+from kvpersist.builders.lmcache import build_network_policy
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, Target
 from kvpersist.builders.vllm import (
     attach_status,

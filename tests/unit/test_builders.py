@@ -198,7 +198,7 @@ def test_services() -> None:
 def test_a_vllm_pod_can_only_reach_servers_of_its_own_namespace_id() -> None:
     """Name, selector, affinity, policy and connection all carry the id: a pin change gives new
     ones, and the old vLLM pods keep theirs, which select no server of the new identity."""
-    from kvpersist.builders.networkpolicy import build_network_policy
+    from kvpersist.builders.lmcache import build_network_policy
 
     old, new = target(), target(mutate=lambda o: o["spec"]["identity"].update(maxModelLen=4096))
     assert old.namespace_id != new.namespace_id
@@ -294,7 +294,7 @@ def test_incomplete_identity_runs_vllm_without_cache() -> None:
     assert "affinity" not in pod and "hostIPC" not in pod
     assert build_lmcache_statefulset(t)["spec"]["replicas"] == 0  # scaled down, claims kept
     # Every server's policy (none runs): the agent's port, no ZMQ, under the name of no namespace id.
-    from kvpersist.builders.networkpolicy import build_network_policy
+    from kvpersist.builders.lmcache import build_network_policy
 
     policy = build_network_policy(t, "kvpersist-system")
     assert policy["metadata"]["name"] == "llama31-8b-lmcache" and [r["ports"] for r in policy["spec"]["ingress"]] == [
@@ -313,7 +313,7 @@ def test_namespace_id_labels_and_owned_names() -> None:
 
 
 def test_network_policy_admits_only_operator_to_admin_port() -> None:
-    from kvpersist.builders.networkpolicy import OPERATOR_LABELS, build_network_policy
+    from kvpersist.builders.lmcache import OPERATOR_LABELS, build_network_policy
 
     t = target()
     pol = build_network_policy(t, "kvpersist-system")
@@ -335,7 +335,7 @@ def test_servers_keep_the_agent_rule_while_another_id_holds_the_route_name() -> 
     """target.routes False (controller.stale_routes): the id's policy name is another id's, so no
     per-id policy; every server gets the agent rule under <name>-lmcache (labelled with no id: never
     taken for an earlier version's, controller.decision.RETIRED), and ZMQ stays closed."""
-    from kvpersist.builders.networkpolicy import build_network_policy
+    from kvpersist.builders.lmcache import build_network_policy
 
     t = dataclasses.replace(target(), routes=False, cache_bypassed=True)
     [policy] = [o for o in build_all(t, "kvpersist-system") if o["kind"] == "NetworkPolicy"]
@@ -657,7 +657,7 @@ def test_the_agent_gets_its_token_as_a_file_and_only_the_agent() -> None:
 
 def test_a_policy_without_rules_renders_no_ingress_key() -> None:
     """`ingress: []` is stored as absent: applied each time, it would bump the generation forever."""
-    from kvpersist.builders.networkpolicy import build_network_policy
+    from kvpersist.builders.lmcache import build_network_policy
 
     t = target(mutate=lambda o: o["spec"]["identity"].pop("chatTemplateDigest"))  # the cache off: no ZMQ rule
     assert "ingress" not in build_network_policy(t, None)["spec"]

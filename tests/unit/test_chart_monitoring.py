@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from kvpersist.builders.all import build_all
-from kvpersist.builders.networkpolicy import OPERATOR_LABELS, OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, build_network_policy, parse_scraper
+from kvpersist.builders.lmcache import OPERATOR_LABELS, OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, build_network_policy, parse_scraper
 from kvpersist.controller.policy import Policy
 from tests import rbac_needs as rb
 from tests.unit.test_builders import target

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.builders.lmcache import agent_container
-from kvpersist.builders.networkpolicy import build_network_policy
+from kvpersist.builders.lmcache import agent_container, build_network_policy
 from tests.unit.test_builders import target
 from tests.unit.test_chart_monitoring import SCRAPER, _kind, _template
 

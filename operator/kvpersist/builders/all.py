@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service, build_server_pdb
-from kvpersist.builders.networkpolicy import build_network_policy
+from kvpersist.builders.lmcache import build_lmcache_statefulset, build_local_service, build_network_policy, build_server_pdb
 from kvpersist.builders.target import Target
 from kvpersist.builders.vllm import attached, build_inference_pool, build_model_cache_claim, build_vllm_deployment, build_vllm_service
 
@@ -15,7 +14,7 @@ def build_all(target: Target, operator_ns: str | None = None, scraper: Mapping[s
     """The policy first (no window where the admin port is open), then the lmcache StatefulSet (what a
     user waits for: benchmarks/reconcile_bench.py), then its Service. The policy and local Service
     are per namespace id (an old id's stay until none of its pods is left: controller.apply); with
-    target.routes False no local Service, and the policy of every server (builders.networkpolicy).
+    target.routes False no local Service, and the policy of every server (builders.lmcache.build_network_policy).
     operator_ns, scraper: who may reach the agents."""
     local = build_local_service(target)
     vllm_service = build_vllm_service(target)

@@ -58,7 +58,7 @@ SWITCHED_OFF = (("v1", "Service", "-vllm", "spec.vllm.service is off"),  # Targe
                 ("policy/v1", "PodDisruptionBudget", "-lmcache", "one lmcache server: a budget of one "
                  "disruption limits nothing (builders.lmcache.build_server_pdb)"))
 # Names earlier versions made and this one writes no more. <name>-lmcache (Target.server_name) is still
-# the policy of every server with the cache off or the route name taken (builders.networkpolicy).
+# the policy of every server with the cache off or the route name taken (builders.lmcache.build_network_policy).
 RETIRED = (("networking.k8s.io/v1", "NetworkPolicy", "-lmcache", "one NetworkPolicy per namespace id replaced it"),
            ("v1", "ConfigMap", "-connection", "no longer made: status.namespaceId shows the namespace id"),
            ("v1", "Service", "-lmcache-metrics", "no longer made: nothing resolved the servers by it, and "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
-from kvpersist.builders.networkpolicy import OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, parse_scraper
+from kvpersist.builders.lmcache import OPERATOR_NAMESPACE_ENV, SCRAPER_ENV, parse_scraper
 from kvpersist.status import references
 from kvpersist.status.conditions import condition
 
@@ -104,7 +104,7 @@ class Policy:
     # (<service>.<ns>.svc.<domain>.), which no search list entry can capture (builders.vllm).
     cluster_domain: str | None = None  # None: unknown (`kvpersist run` refuses to start)
     # Who may reach the agents' port: the operator's own pods in its namespace, and the chart's
-    # metrics.scraper (builders.networkpolicy). Read here, once, so decide reads no environment.
+    # metrics.scraper (builders.lmcache). Read here, once, so decide reads no environment.
     operator_namespace: str | None = None
     metrics_scraper: Mapping[str, Any] | None = None
 

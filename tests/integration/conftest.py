@@ -26,9 +26,10 @@ import pytest
 
 from kvpersist.api.convert import gib_quantity
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.builders.lmcache import TELEMETRY_OFF_ENV, serve_source, server_args
+from kvpersist.builders.lmcache import TELEMETRY_OFF_ENV, server_args
 from kvpersist.builders.target import L2_KEY_BYTES, L2_KEY_FILE, L2_KEY_MOUNT_PATH, L2_MOUNT_PATH, Target
 from kvpersist.identity import key_fingerprint, resolve
+from kvpersist.inserver import program_source
 from kvpersist.inventory.volume import TRIMMED_ADAPTERS, is_chunk_name
 from tests.cases.invalid_manifests import sample
 from tests.integration import kvdriver
@@ -176,7 +177,7 @@ class LocalServer:
                 adapter["serde"]["type"] = self.serde_type
             args[at] = json.dumps(adapter, separators=(",", ":"), sort_keys=True)
         pinned = ["taskset", "-c", self.cpus] if self.cpus else []
-        return [*pinned, sys.executable, "-c", serve_source(),
+        return [*pinned, sys.executable, "-c", program_source(),
                 *localize_args(args, mounts, "127.0.0.1"), *self.extra_args]
 
     @property

@@ -16,7 +16,6 @@ from kvpersist.builders.lmcache import (
     build_local_service,
     l2_adapter_config,
     l2_serde,
-    serve_source,
     server_args,
     server_resources,
 )
@@ -33,6 +32,7 @@ from kvpersist.builders.target import (
 )
 from kvpersist.builders.vllm import build_vllm_deployment, kv_transfer_config, vllm_args
 from kvpersist.identity import CHECKED_SERDE, key_fingerprint, resolve
+from kvpersist.inserver import program_source
 from kvpersist.inserver.serve import CHECKED_TYPE
 from tests.cases.invalid_manifests import sample
 
@@ -160,7 +160,7 @@ def test_statefulset_claims_outlive_pods_and_follow_reclaim_policy() -> None:
     assert container["command"] == ["sh", "-c", 'umask 0002 && python3 -c "$KVPERSIST_BUILD_CHECK" && '
                                     'exec "$0" -c "$KVPERSIST_LMCACHE_SERVE" "$@"', "python3"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["KVPERSIST_LMCACHE_SERVE"] == serve_source() and "lmcache.cli.main" in env["KVPERSIST_LMCACHE_SERVE"]
+    assert env["KVPERSIST_LMCACHE_SERVE"] == program_source() and "lmcache.cli.main" in env["KVPERSIST_LMCACHE_SERVE"]
     assert container["volumeMounts"][0] == {"name": "l2", "mountPath": L2_MOUNT_PATH}
     # Nothing listens on the pod IP but ZMQ: the probes run inside the container, on loopback.
     assert [p["name"] for p in container["ports"]] == ["zmq"]

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from kvpersist.api.spec import L2_SERDE
-from kvpersist.builders.lmcache import SERVE_ENV, serve_source, server_container
+from kvpersist.builders.lmcache import SERVE_ENV, server_container
 from kvpersist.identity import key_fingerprint, resolve
-from kvpersist.inserver import serve
+from kvpersist.inserver import program_source, serve
 from tests.unit.test_builders import target
 
 MASTER = bytes(range(32))
@@ -50,7 +50,7 @@ def test_the_key_fingerprint_is_the_identitys() -> None:
 
 
 def test_the_kubelet_expands_nothing_in_the_shipped_source() -> None:
-    assert "$(" not in serve_source()
+    assert "$(" not in program_source()
 
 
 def test_the_frame_version_is_in_the_namespace_id() -> None:
@@ -620,7 +620,7 @@ def test_the_shipped_source_runs_in_an_image_without_kvpersist() -> None:
     """What the server container runs: the module's own source (SERVE_ENV) with the one it imports
     (kvpersist.inserver.program_source; each module's imports: test_lmcache_internals), nothing
     the kubelet would expand, and lmcache's own CLI, in a python where kvpersist is not importable."""
-    source = serve_source()
+    source = program_source()
     assert repr(Path(serve.__file__).read_text()) in source
     env = {e["name"]: e.get("value") for e in server_container(target())["env"]}
     assert env[SERVE_ENV] == source

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvpersist.builders import buildcheck
-from kvpersist.builders.lmcache import SERVE_ENV, serve_source, server_container
+from kvpersist.builders.lmcache import SERVE_ENV, server_container
 from kvpersist.builders.target import SERVER
 from kvpersist.inserver import PROGRAM_MODULES, lmcache_internals, module_source, program_source, serve
 from kvpersist.inserver.lmcache_internals import EXIT_CODE, INTERNALS, MISMATCH_PREFIX, Mismatch, check
@@ -277,7 +277,7 @@ def run_program(tmp_path: Path, preamble: str, *argv: str) -> tuple[subprocess.C
     """The shipped program as the container runs it (isolated: no kvpersist importable), after
     preamble (a change to the installed lmcache), with its termination log."""
     program = tmp_path / "program.py"
-    program.write_text(serve_source())
+    program.write_text(program_source())
     log = tmp_path / "termination-log"
     code = (f"{preamble}\nimport sys\nsource = open(sys.argv[1]).read()\nsys.argv = sys.argv[1:]\n"
             "exec(compile(source, '<program>', 'exec'), {'__name__': '__main__'})")
@@ -310,7 +310,7 @@ def test_the_shipped_program_refuses_on_a_missing_internal(tmp_path: Path) -> No
 def test_the_program_carries_each_module_as_it_is_in_the_package() -> None:
     source = program_source()
     env = {e["name"]: e.get("value") for e in server_container(target())["env"]}
-    assert env[SERVE_ENV] == source == serve_source()
+    assert env[SERVE_ENV] == source == program_source()
     shipped = [(node.args[0].value, node.args[1].value) for node in ast.walk(ast.parse(source))
                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_run"]
     assert shipped == [(name, module_source(name)) for name in PROGRAM_MODULES]
@@ -337,4 +337,3 @@ def test_the_program_is_made_once_a_process() -> None:
     """Issue 58: each StatefulSet build (every apply, every status refresh's decision) read the
     modules again and made a 56 KB string of its own; now every manifest shares one."""
     assert program_source() is program_source()
-    assert serve_source() is program_source()

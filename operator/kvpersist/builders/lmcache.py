@@ -69,7 +69,6 @@ HEALTH_SCRIPT = ("import sys, urllib.request; "
 # SERVE_ENV), which registers kvpersist's L2 serde, then runs lmcache's `lmcache` entry point with the args.
 SERVE_ENV = "KVPERSIST_LMCACHE_SERVE"
 SERVER_COMMAND = ["sh", "-c", f'umask 0002 && exec "$0" -c "${SERVE_ENV}" "$@"', "python3"]
-serve_source = program_source  # kvpersist.inserver.serve as the server runs it (python3 -c), with what it imports
 
 
 # The server requests no GPU (that would take vLLM's) yet opens vLLM's KV by CUDA IPC, finding each GPU
@@ -202,7 +201,7 @@ def server_container(target: Target) -> dict[str, Any]:
         "image": target.spec.image,
         "command": SERVER_COMMAND,
         "args": server_args(target),
-        "env": [{"name": SERVE_ENV, "value": serve_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"}, HOME_ENV,
+        "env": [{"name": SERVE_ENV, "value": program_source()}, {"name": "LMCACHE_DISABLE_BANNER", "value": "1"}, HOME_ENV,
                 {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}, *GPU_VISIBILITY_ENV, *TELEMETRY_OFF_ENV,
                 *backend.server_env(target)],
         "ports": [{"name": "zmq", "containerPort": target.spec.lmcache_server.port, "protocol": "TCP"}],  # the admin API: loopback

@@ -1,8 +1,7 @@
 """The lmcache server: its command line, its L2 adapter JSON, the StatefulSet that runs it, the node-local
-Service in front of it, the PodDisruptionBudget that takes node drains one server at a time, and the NetworkPolicy,
-one per namespace id: the agent's port to the operator alone, ZMQ to vLLM pods of the same namespace id alone.
-lmcache's admin API (no authentication) binds loopback; the agent checks the resource's token itself, and the
-policy is the second line where the CNI enforces it."""
+Service in front of it, the PodDisruptionBudget that takes node drains one server at a time, and the
+NetworkPolicy: lmcache's admin API (no authentication) binds loopback, the agent checks the resource's token
+itself, and the policy is the second line where the CNI enforces it."""
 
 from __future__ import annotations
 

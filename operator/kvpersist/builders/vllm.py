@@ -1,11 +1,9 @@
 """The vLLM Deployment, launched with exactly the pinned identity, the optional Service in front of it, the
-claim the operator makes for the model's weights (spec.vllm.modelCache.size), and attach mode's status.attach:
-what the kvpersist-attach admission policies check a user's own vLLM pod against and add to it, from the
-functions that launch managed pods, so both run with the same flags. The policies are static
-(kvpersist.api.attachpolicy) and read that status as their params: the operator needs no right on admission
-objects, and pods are judged while it is down. And the optional InferencePool (Gateway API Inference Extension)
-over the vLLM pods: a gateway asks its endpoint picker which pod takes a request (a KV-aware one reads
-spec.vllm.kvEvents); made only where the API server serves the API (kvpersist.controller.inferencepool)."""
+claim the operator makes for the model's weights (spec.vllm.modelCache.size), attach mode's status.attach (what
+kvpersist.api.attachpolicy's policies check a user's own vLLM pod against and add to it, from the functions that
+launch managed pods, so both run with the same flags), and the optional InferencePool (Gateway API Inference
+Extension) over the vLLM pods: a gateway asks its endpoint picker which pod takes a request (a KV-aware one
+reads spec.vllm.kvEvents)."""
 
 from __future__ import annotations
 

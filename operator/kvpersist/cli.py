@@ -31,8 +31,10 @@ def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvpersist.controller import (
+        agentroll,
         handlers,  # noqa: F401  (importing it registers the kopf handlers)
         health,
+        metrics,
         runtime,
     )
     from kvpersist.controller.policy import Policy
@@ -52,15 +54,11 @@ def _run(args: argparse.Namespace) -> int:
                    log_refkey="k8s" if args.log_format == "json" else None)
     if not args.verbose:
         runtime.quiet_event_handler_logs()
-    from kvpersist.controller import agentroll
-
     agentroll.warn_if_unpinned()
     peering = None if args.standalone else args.peering
     priority = args.priority if args.priority is not None else runtime.random_priority()
     runtime.set_peering(peering, runtime.own_identity(), priority, tuple(args.namespace or ()))
     if args.metrics_port:
-        from kvpersist.controller import metrics
-
         metrics.serve(args.metrics_host, args.metrics_port)
     liveness = None
     if endpoint is not None:  # kopf's endpoint on the loopback, read by a thread; a bounded front answers from it

@@ -81,11 +81,11 @@ def test_trim_deletes_the_oldest_chunks_of_the_served_folder_only(tmp_path: Path
         _chunk(served, i, 100 * KIB, 1000.0 + i)
         _chunk(other, i, 100 * KIB, 1.0 + i)  # older than everything served: must stay anyway
     other_before = sorted(p.name for p in other.iterdir())
-    trimmed = trim_namespace(tmp_path, A, 650 * KIB)
+    trimmed = trim_namespace(tmp_path, A, 650 * KIB)[1]
     assert (trimmed.objects, trimmed.bytes, trimmed.last_write) == (4, 400 * KIB, 1003.0)
     assert sorted(p.name for p in served.iterdir()) == [f"m_00000000_0_{i:064x}.bin" for i in range(4, 10)]
     assert sorted(p.name for p in other.iterdir()) == other_before
-    assert trim_namespace(tmp_path, A, 650 * KIB).objects == 0  # under capacity: nothing more
+    assert trim_namespace(tmp_path, A, 650 * KIB)[1].objects == 0  # under capacity: nothing more
 
 
 def test_trim_neither_counts_nor_deletes_temp_and_foreign_files(tmp_path: Path) -> None:
@@ -98,9 +98,9 @@ def test_trim_neither_counts_nor_deletes_temp_and_foreign_files(tmp_path: Path) 
     os.utime(foreign, (1.0, 1.0))
     for i in range(4):
         _chunk(served, i, 100 * KIB, 100.0 + i)
-    assert trim_namespace(tmp_path, A, 500 * KIB).objects == 0  # 400 KiB of chunks: within capacity
+    assert trim_namespace(tmp_path, A, 500 * KIB)[1].objects == 0  # 400 KiB of chunks: within capacity
     assert tmp_file.exists() and foreign.exists() and len(list(served.glob("*.bin"))) == 4
-    trimmed = trim_namespace(tmp_path, A, 250 * KIB)  # over it: the chunks alone come down to it
+    trimmed = trim_namespace(tmp_path, A, 250 * KIB)[1]  # over it: the chunks alone come down to it
     assert (trimmed.objects, trimmed.bytes) == (2, 200 * KIB) and tmp_file.exists() and foreign.exists()
 
 
@@ -120,7 +120,7 @@ def test_another_adapters_files_never_make_the_trim_delete_every_chunk(tmp_path:
     served.mkdir()
     fs_files = [_fs_file(served, i, 256 * KIB, 10.0 + i) for i in range(8)]
     chunks = [_chunk(served, i, 100 * KIB, 1000.0 + i) for i in range(4)]
-    assert trim_namespace(tmp_path, A, 1024 * KIB).objects == 0
+    assert trim_namespace(tmp_path, A, 1024 * KIB)[1].objects == 0
     assert all(p.exists() for p in fs_files + chunks)
 
 
@@ -131,15 +131,15 @@ def test_the_fs_native_trim_counts_only_its_own_files(tmp_path: Path) -> None:
     served.mkdir()
     nixl = [_chunk(served, i, 256 * KIB, 10.0 + i) for i in range(8)]
     own = [_fs_file(served, i, 100 * KIB, 1000.0 + i) for i in range(4)]
-    assert trim_namespace(tmp_path, A, 1024 * KIB, adapter="fs_native").objects == 0
-    assert trim_namespace(tmp_path, A, 250 * KIB, adapter="fs_native").objects == 2
+    assert trim_namespace(tmp_path, A, 1024 * KIB, adapter="fs_native")[1].objects == 0
+    assert trim_namespace(tmp_path, A, 250 * KIB, adapter="fs_native")[1].objects == 2
     assert all(p.exists() for p in nixl) and [p.exists() for p in own] == [False, False, True, True]
 
 
 def test_abandoned_fs_native_temp_files_are_swept(tmp_path: Path) -> None:
     """fs_native writes `<stem>.tmp` and renames it to `<stem>.data`; one untouched for an hour
     is a write that died with its server."""
-    from kvpersist.inventory.volume import ABANDONED_TEMP_S, sweep_abandoned
+    from kvpersist.inventory.volume import ABANDONED_TEMP_S
 
     served = tmp_path / A
     served.mkdir()
@@ -147,7 +147,7 @@ def test_abandoned_fs_native_temp_files_are_swept(tmp_path: Path) -> None:
     dead = _fs_file(served, 1, 300 * KIB, now - ABANDONED_TEMP_S - 60, suffix=".tmp")
     live = _fs_file(served, 2, 300 * KIB, now - 5, suffix=".tmp")
     chunk = _fs_file(served, 3, 10, now - ABANDONED_TEMP_S - 60)
-    assert sweep_abandoned(tmp_path, A, now=now, adapter="fs_native").objects == 1
+    assert trim_namespace(tmp_path, A, 2**30, adapter="fs_native", now=now)[0].objects == 1
     assert not dead.exists() and live.exists() and chunk.exists()
 
 
@@ -171,7 +171,7 @@ def test_an_excess_is_trimmed_only_once_it_has_lasted(tmp_path: Path) -> None:
 
 
 def test_abandoned_nixl_temp_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
-    from kvpersist.inventory.volume import ABANDONED_TEMP_S, sweep_abandoned
+    from kvpersist.inventory.volume import ABANDONED_TEMP_S
 
     served = tmp_path / A
     now = time.time()
@@ -183,13 +183,13 @@ def test_abandoned_nixl_temp_files_are_swept_and_live_ones_kept(tmp_path: Path) 
     unknown = _chunk(served, 4, 10, old, suffix=".tmp.not-a-uuid")  # not lmcache's name: not ours
     fs_tmp = _fs_file(served, 5, 10, old, suffix=".tmp")  # the fs adapter's, reused by its next store
     chunk = _chunk(served, 6, 10, old)
-    swept = sweep_abandoned(tmp_path, A, now=now)
+    swept = trim_namespace(tmp_path, A, 2**30, now=now)[0]
     assert (swept.objects, swept.bytes) == (2, 310 * KIB)
     assert not abandoned.exists() and not sharded.exists()
     assert live.exists() and unknown.exists() and fs_tmp.exists() and chunk.exists()
-    assert sweep_abandoned(tmp_path, B).objects == 0  # no such folder
+    assert trim_namespace(tmp_path, B, 2**30)[0].objects == 0  # no such folder
     with pytest.raises(ValueError):
-        sweep_abandoned(tmp_path, "..")
+        trim_namespace(tmp_path, "..", 2**30)
 
 
 def test_the_agents_trim_pass_sweeps_abandoned_temp_files_first(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ def test_the_agents_trim_pass_sweeps_abandoned_temp_files_first(tmp_path: Path) 
 def test_trim_reaches_sharded_subfolders(tmp_path: Path) -> None:
     for i in range(4):
         _chunk(tmp_path / A / "ab" / f"{i:02x}", i, 100 * KIB, 10.0 + i)
-    assert trim_namespace(tmp_path, A, 200 * KIB).objects == 2
+    assert trim_namespace(tmp_path, A, 200 * KIB)[1].objects == 2
     assert _sizes(tmp_path / A) == 200 * KIB
 
 
@@ -219,7 +219,7 @@ def test_trim_never_follows_links(tmp_path: Path) -> None:
         _chunk(served, 10 + i, 100 * KIB, 50.0 + i)
     (served / victim.name).symlink_to(victim)  # an old-looking chunk name, pointing outside
     (served / "linked-dir").symlink_to(tmp_path / B, target_is_directory=True)
-    trimmed = trim_namespace(tmp_path / "vol", A, 200 * KIB)
+    trimmed = trim_namespace(tmp_path / "vol", A, 200 * KIB)[1]
     assert trimmed.objects == 1  # links neither counted nor deleted: 300 KiB of real files -> 200
     assert victim.exists() and len(list((tmp_path / B).iterdir())) == 1
     assert (served / victim.name).is_symlink()
@@ -231,9 +231,9 @@ def test_a_linked_namespace_folder_is_not_trimmed(tmp_path: Path) -> None:
         _chunk(real, i, 100 * KIB, 1.0 + i)
     (tmp_path / "vol").mkdir()
     (tmp_path / "vol" / A).symlink_to(real, target_is_directory=True)
-    assert trim_namespace(tmp_path / "vol", A, 0).objects == 0
+    assert trim_namespace(tmp_path / "vol", A, 0)[1].objects == 0
     assert len(list(real.iterdir())) == 3
-    assert trim_namespace(tmp_path / "vol", B, 0).objects == 0  # no folder at all
+    assert trim_namespace(tmp_path / "vol", B, 0)[1].objects == 0  # no folder at all
 
 
 def test_trim_refuses_what_is_not_a_namespace_id(tmp_path: Path) -> None:

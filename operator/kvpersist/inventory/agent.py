@@ -39,7 +39,6 @@ from kvpersist.inventory.volume import (
     namespace_usage,
     remove_namespace,
     scan_volume,
-    sweep_abandoned,
     trim_namespace,
 )
 
@@ -228,10 +227,9 @@ class Agent:
         capacity = effective_capacity(self.capacity_bytes, inv.capacity_bytes, others_bytes(inv, self.serving))
         with self._lock:
             # Temp files of writes that died are never renamed: gone first (kvpersist.inventory.volume).
-            swept = sweep_abandoned(self.root, self.serving, adapter=self.adapter)
             self.effective_capacity = capacity
-            trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
-                                     settled=lambda total: self._settled(total, capacity))
+            swept, trimmed = trim_namespace(self.root, self.serving, capacity, self.trim_grace_s, adapter=self.adapter,
+                                            settled=lambda total: self._settled(total, capacity))
             if swept.objects or trimmed.objects:
                 self._scan = None
             if trimmed.objects:

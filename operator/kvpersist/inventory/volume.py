@@ -217,24 +217,6 @@ def choose_oldest(files: Sequence[ChunkFile], total_bytes: int, target_bytes: in
     return chosen
 
 
-def folder_files(folder: Path, now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> tuple[list[ChunkFile], list[ChunkFile]]:
-    """(committed chunk files, abandoned temp files) under folder, a real directory: all the agent may ever
-    delete there. A temp file (by its exact name) is abandoned once untouched for ABANDONED_TEMP_S: its
-    writer is gone, so no rename will commit it."""
-    now = time.time() if now is None else now
-    chunks: list[ChunkFile] = []
-    temps: list[ChunkFile] = []
-    for path, name, st in _walk(folder):
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        f = ChunkFile(path, st.st_size, st.st_mtime, st.st_ino)
-        if is_chunk_name(name, adapter):
-            chunks.append(f)
-        elif TRIMMED_ADAPTERS[adapter][1].fullmatch(name) and now - st.st_mtime > ABANDONED_TEMP_S:
-            temps.append(f)
-    return chunks, temps
-
-
 def _served_folder(root: Path, namespace_id: str) -> Path | None:
     """<root>/<namespace_id> when it is a real directory (not a link); refuses a non-id."""
     if not NAMESPACE_ID_RE.fullmatch(namespace_id):
@@ -247,25 +229,33 @@ def _served_folder(root: Path, namespace_id: str) -> Path | None:
 
 
 def trim_namespace(root: Path, namespace_id: str, capacity_bytes: int, grace_s: float = 0.0, adapter: str = DEFAULT_TRIMMED,
-                   settled: Callable[[int], bool] | None = None) -> NamespaceUsage:
-    """Deletes the oldest chunk files (folder_files) of one namespace folder until they hold at most
-    capacity_bytes; returns what went. grace_s: none younger goes. settled: asked with the chunk files'
-    total whether an excess may go now (the agent's settle time)."""
+                   settled: Callable[[int], bool] | None = None,
+                   now: float | None = None) -> tuple[NamespaceUsage, NamespaceUsage]:
+    """(swept, trimmed) of one pass over a namespace folder, a real directory, walked once for all the
+    agent may ever delete there. Its abandoned temp files go first (by their exact name, untouched for
+    ABANDONED_TEMP_S: the writer is gone, so no rename will commit them), then its oldest committed chunk
+    files until they hold at most capacity_bytes. grace_s: no chunk younger goes. settled: asked with the
+    chunks' total whether an excess may go now (the agent's settle time)."""
     folder = _served_folder(root, namespace_id)
     if folder is None:
-        return NamespaceUsage(namespace_id)
-    chunks = folder_files(folder, adapter=adapter)[0]
+        return NamespaceUsage(namespace_id), NamespaceUsage(namespace_id)
+    now = time.time() if now is None else now
+    chunks: list[ChunkFile] = []
+    temps: list[ChunkFile] = []
+    for path, name, st in _walk(folder):
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        f = ChunkFile(path, st.st_size, st.st_mtime, st.st_ino)
+        if is_chunk_name(name, adapter):
+            chunks.append(f)
+        elif TRIMMED_ADAPTERS[adapter][1].fullmatch(name) and now - st.st_mtime > ABANDONED_TEMP_S:
+            temps.append(f)
+    swept = _unlink_unchanged(namespace_id, temps)
     total = sum(f.size for f in chunks)
     if settled is not None and not settled(total):
-        return NamespaceUsage(namespace_id)
-    spare_after = time.time() - grace_s if grace_s > 0 else None
-    return _unlink_unchanged(namespace_id, choose_oldest(chunks, total, capacity_bytes, spare_after))
-
-
-def sweep_abandoned(root: Path, namespace_id: str, now: float | None = None, adapter: str = DEFAULT_TRIMMED) -> NamespaceUsage:
-    """Deletes the abandoned temp files (folder_files) of one namespace folder; returns them."""
-    folder = _served_folder(root, namespace_id)
-    return _unlink_unchanged(namespace_id, folder_files(folder, now, adapter)[1] if folder is not None else [])
+        return swept, NamespaceUsage(namespace_id)
+    spare_after = now - grace_s if grace_s > 0 else None
+    return swept, _unlink_unchanged(namespace_id, choose_oldest(chunks, total, capacity_bytes, spare_after))
 
 
 def _unlink_unchanged(namespace_id: str, files: Iterable[ChunkFile]) -> NamespaceUsage:

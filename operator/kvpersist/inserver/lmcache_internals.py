@@ -124,10 +124,6 @@ SERDE_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _check_serde_processor() -> list[str]:
-    return _abstract(_get("lmcache.v1.distributed.serde.base", "SerdeProcessor"), SERDE_METHODS)
-
-
 def _check_event_notifier() -> list[str]:
     notifier = _get("lmcache.v1.platform", "create_event_notifier")()
     try:
@@ -144,14 +140,6 @@ def _check_event_notifier() -> list[str]:
 # Every field of ObjectKey: the frame binds them all (serve.object_binding), so one lmcache adds
 # would be left out: this list must be exactly lmcache's.
 OBJECT_KEY_FIELDS = ("chunk_hash", "model_name", "kv_rank", "object_group_id", "cache_salt")
-
-
-def _check_object_key() -> list[str]:
-    return _fields(_get("lmcache.v1.distributed.api", "ObjectKey"), OBJECT_KEY_FIELDS, exact=True)
-
-
-def _check_layout_desc() -> list[str]:
-    return _fields(_get("lmcache.v1.distributed.api", "MemoryLayoutDesc"), ("shapes", "dtypes"), exact=False)
 
 
 def _check_memory_obj() -> list[str]:
@@ -203,29 +191,21 @@ def _check_bitmap() -> list[str]:
     return []
 
 
-def _check_logger() -> list[str]:
-    return _params(_get("lmcache.logging", "init_logger"), "init_logger", ("name",))
-
-
-def _check_cli() -> list[str]:
-    return _params(_get("lmcache.cli.main", "main"), "lmcache.cli.main.main", ())
-
-
 # Each internal's check by its name; where it is in lmcache, why kvpersist needs it and the upstream
 # change that would make it unnecessary: docs/datapath.md's table, row by row.
 INTERNALS: dict[str, Callable[[], list[str]]] = {
     "serde registry": _check_serde_registry,
-    "SerdeProcessor": _check_serde_processor,
+    "SerdeProcessor": lambda: _abstract(_get("lmcache.v1.distributed.serde.base", "SerdeProcessor"), SERDE_METHODS),
     "create_event_notifier": _check_event_notifier,
-    "ObjectKey": _check_object_key,
-    "MemoryLayoutDesc": _check_layout_desc,
+    "ObjectKey": lambda: _fields(_get("lmcache.v1.distributed.api", "ObjectKey"), OBJECT_KEY_FIELDS, exact=True),
+    "MemoryLayoutDesc": lambda: _fields(_get("lmcache.v1.distributed.api", "MemoryLayoutDesc"), ("shapes", "dtypes"), exact=False),
     "MemoryObj": _check_memory_obj,
     "SerdeL2AdapterWrapper": _check_serde_wrapper,
     "wrapper task ids": _check_wrapper_task_ids,
     "L2AdapterListener": _check_adapter_listener,
     "Bitmap": _check_bitmap,
-    "init_logger": _check_logger,
-    "lmcache CLI": _check_cli,
+    "init_logger": lambda: _params(_get("lmcache.logging", "init_logger"), "init_logger", ("name",)),
+    "lmcache CLI": lambda: _params(_get("lmcache.cli.main", "main"), "lmcache.cli.main.main", ()),
 }
 
 

@@ -1,6 +1,6 @@
 """The operator's one HTTP client stack: an httpx2 transport giving each request one deadline for the
 whole exchange and a cap on its answer. Every peer is hostile: the in-cluster ones (lmcache servers,
-inventory agents, vLLM pods; through kvpersist.httpclient) and the Hugging Face Hub (kvpersist.inventory.hfbucket).
+inventory agents, vLLM pods; through kvpersist.httpclient) and the Hugging Face Hub (kvpersist.inventory.bucket).
 
 httpx's timeouts bound each socket operation, not the call: a peer sending a byte a second holds a call
 forever. Here a network backend bounds every operation of a request's connection (name lookup, connect,

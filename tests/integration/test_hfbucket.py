@@ -17,7 +17,7 @@ import pytest
 from kvpersist.builders.all import build_all
 from kvpersist.builders.lmcache import server_args
 from kvpersist.builders.target import HF_TOKEN_ENV
-from kvpersist.inventory import hfbucket
+from kvpersist.inventory import bucket
 from tests.integration.conftest import make_target
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub
 
@@ -84,7 +84,7 @@ def hub():
     ],
 )
 def test_preflight_against_hub_stub(hub: HubStub, handle: str, token: str, create: bool, ok: bool, reason: str) -> None:
-    result = hfbucket.preflight_bucket(handle, token, create, REF, endpoint=hub.url)
+    result = bucket.preflight_bucket(handle, token, create, REF, endpoint=hub.url)
     assert (result.ok, result.reason) == (ok, reason), result.message
     assert token not in result.message and GOOD_TOKEN not in result.message
     assert hub.seen_tokens and set(hub.seen_tokens) == {token}  # the token went to the Hub, and only there
@@ -98,7 +98,7 @@ def test_preflight_unreachable_hub_is_a_reason_not_a_crash() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connection refused
-        result = hfbucket.preflight_bucket("hf://buckets/acme-ml/kv-cache", GOOD_TOKEN, False, REF,
+        result = bucket.preflight_bucket("hf://buckets/acme-ml/kv-cache", GOOD_TOKEN, False, REF,
                                            endpoint=f"http://127.0.0.1:{port}")
     assert (result.ok, result.reason) == (False, "HubUnreachable")
 
@@ -106,16 +106,16 @@ def test_preflight_unreachable_hub_is_a_reason_not_a_crash() -> None:
 def test_preflight_is_bounded_in_time(hub: HubStub, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    monkeypatch.setattr(hfbucket, "PREFLIGHT_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(hfbucket, "_client_bounded", False)
+    monkeypatch.setattr(bucket, "PREFLIGHT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bucket, "_client_bounded", False)
     t0 = time.monotonic()
-    result = hfbucket.preflight_bucket("hf://buckets/slow/bucket", GOOD_TOKEN, False, REF, endpoint=hub.url)
+    result = bucket.preflight_bucket("hf://buckets/slow/bucket", GOOD_TOKEN, False, REF, endpoint=hub.url)
     assert time.monotonic() - t0 < 4.0
     assert result.reason == "HubUnreachable"
-    monkeypatch.setattr(hfbucket, "_client_bounded", False)  # the next user re-binds with the real bound
+    monkeypatch.setattr(bucket, "_client_bounded", False)  # the next user re-binds with the real bound
 
 
 def test_split_handle() -> None:
-    assert hfbucket.split_handle("hf://buckets/acme-ml/kv-cache/prod/x") == ("acme-ml/kv-cache", "prod/x")
+    assert bucket.split_handle("hf://buckets/acme-ml/kv-cache/prod/x") == ("acme-ml/kv-cache", "prod/x")
     with pytest.raises(ValueError, match="not a bucket handle"):
-        hfbucket.split_handle("s3://acme/kv")
+        bucket.split_handle("s3://acme/kv")

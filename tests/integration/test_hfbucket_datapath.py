@@ -34,8 +34,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from kvpersist.inventory.bucket import remove_bucket_namespace, scan_bucket
-from kvpersist.inventory.hfbucket import preflight_bucket
+from kvpersist.inventory.bucket import preflight_bucket, remove_bucket_namespace, scan_bucket
 from tests.conftest import NOT_RUN
 from tests.integration.conftest import drive, free_port, make_target
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub

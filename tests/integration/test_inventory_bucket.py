@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import pytest
 
 from kvpersist.inventory import bucket as inventory_bucket
-from kvpersist.inventory import hfbucket
 from kvpersist.inventory.bucket import BucketInventoryError, remove_bucket_namespace, scan_bucket
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub
 
@@ -133,15 +132,15 @@ def test_missing_bucket_is_a_reason(hub: HubStub) -> None:
 
 
 def test_unanswered_listing_is_bounded(hub: HubStub, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hfbucket, "PREFLIGHT_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(hfbucket, "_client_bounded", False)
+    monkeypatch.setattr(inventory_bucket, "PREFLIGHT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(inventory_bucket, "_client_bounded", False)
     hub.existing.add("slow/bucket")
     t0 = time.monotonic()
     with pytest.raises(BucketInventoryError) as err:
         scan_bucket("hf://buckets/slow/bucket/prod", GOOD_TOKEN, endpoint=hub.url)
     assert time.monotonic() - t0 < 4.0
     assert err.value.reason == "HubUnreachable"
-    monkeypatch.setattr(hfbucket, "_client_bounded", False)  # the next user re-binds with the real bound
+    monkeypatch.setattr(inventory_bucket, "_client_bounded", False)  # the next user re-binds with the real bound
 
 
 def test_deadline_stops_before_any_request(hub: HubStub, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import pytest
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
 from kvpersist.controller import bucketcheck, runtime
-from kvpersist.inventory.hfbucket import Preflight
+from kvpersist.inventory.bucket import Preflight
 from kvpersist.inventory.volume import Inventory
 from tests.cases.invalid_manifests import sample
 

@@ -1,5 +1,5 @@
 """Each Hub request has one deadline for the whole exchange and a cap on its answer
-(kvpersist.inventory.hfbucket's client): a Hub that trickles its answer, headers or body, a byte
+(kvpersist.inventory.bucket's client): a Hub that trickles its answer, headers or body, a byte
 at a time (each read well inside httpx's per-read timeout) is hung up on at the deadline, and an
 endless answer is hung up on at the cap, instead of holding a worker thread.
 
@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 
 from kvpersist import httptransport
-from kvpersist.inventory import bucket, hfbucket
-from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
-from kvpersist.inventory.hfbucket import preflight_bucket
+from kvpersist.inventory import bucket
+from kvpersist.inventory.bucket import BucketInventoryError, preflight_bucket, scan_bucket
 from tests.integration.hub_stub import GOOD_TOKEN, HubStub
 from tests.serving import in_thread
 
@@ -116,8 +115,8 @@ def huge(stub: Stub, handler: BaseHTTPRequestHandler) -> None:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[dict[str, Any], float]]]:
     """Runs a Hub call on a thread, joined within `limit` seconds: ({"result": ...} or {"error": ...},
     seconds taken). A small per-request deadline; the client rebuilt before and after."""
-    monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", DEADLINE_S)
-    hfbucket._client_bounded = False  # the next Hub call builds a fresh client
+    monkeypatch.setattr(bucket, "HUB_CALL_DEADLINE_S", DEADLINE_S)
+    bucket._client_bounded = False  # the next Hub call builds a fresh client
     threads: list[threading.Thread] = []
 
     def call(fn: Callable[[], Any], limit: float = DEADLINE_S + SLACK_S) -> tuple[dict[str, Any], float]:
@@ -142,7 +141,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[dict[
     yield call
     for thread in threads:  # a call that overran ends once its stub stops (the test's `with` has ended)
         thread.join(15)
-    hfbucket._client_bounded = False  # the next Hub call builds a fresh client
+    bucket._client_bounded = False  # the next Hub call builds a fresh client
 
 
 def watchdogs() -> list[str]:
@@ -167,13 +166,13 @@ def test_a_trickled_listing_ends_at_the_deadline(calls: Callable[..., tuple[dict
 
 def test_a_huge_page_is_refused_and_the_connection_dropped(calls: Callable[..., tuple[dict[str, Any], float]],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", 20.0)  # the cap, not the deadline, ends it
+    monkeypatch.setattr(bucket, "HUB_CALL_DEADLINE_S", 20.0)  # the cap, not the deadline, ends it
     with serving(huge) as stub:
         box, _ = calls(lambda: scan_bucket(HANDLE, TOKEN, endpoint=stub.url), limit=20.0)
         assert stub.hung_up.wait(5), "the client read on to the end"
     err = box.get("error")
     assert isinstance(err, BucketInventoryError), box
-    assert err.reason == "HubUnreachable" and f"larger than {hfbucket.HUB_MAX_BODY_BYTES} bytes" in str(err)
+    assert err.reason == "HubUnreachable" and f"larger than {bucket.HUB_MAX_BODY_BYTES} bytes" in str(err)
     assert stub.sent < HUGE
 
 
@@ -193,7 +192,7 @@ def test_the_listings_own_deadline_reaches_each_page(calls: Callable[..., tuple[
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """BUCKET_DEADLINE_S, earlier than the per-request deadline, cuts a page short (the extension
     reaches the transport), not only the start of the next page."""
-    monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", 30.0)
+    monkeypatch.setattr(bucket, "HUB_CALL_DEADLINE_S", 30.0)
     monkeypatch.setattr(bucket, "BUCKET_DEADLINE_S", DEADLINE_S)
     with serving(body_trickled) as stub:
         box, took = calls(lambda: scan_bucket(HANDLE, TOKEN, endpoint=stub.url))
@@ -208,19 +207,19 @@ def test_hub_deadline_bounds_calls_without_the_extension(calls: Callable[..., tu
     after it passed is not sent at all."""
     from huggingface_hub.utils import get_session
 
-    monkeypatch.setattr(hfbucket, "HUB_CALL_DEADLINE_S", 30.0)
-    hfbucket.bound_hub_client()
+    monkeypatch.setattr(bucket, "HUB_CALL_DEADLINE_S", 30.0)
+    bucket.bound_hub_client()
 
     def inside(seconds: float) -> Any:
-        with hfbucket.hub_deadline(time.monotonic() + seconds):
+        with bucket.hub_deadline(time.monotonic() + seconds):
             return get_session().get(stub.url + "/api/buckets/x/y")
 
     with serving(body_trickled) as stub:
         box, took = calls(lambda: inside(DEADLINE_S))
-        assert isinstance(box.get("error"), hfbucket.HubDeadlineExceeded), box
+        assert isinstance(box.get("error"), bucket.HubDeadlineExceeded), box
         assert took < DEADLINE_S + SLACK_S
         box, _ = calls(lambda: inside(-1.0))
-        assert isinstance(box.get("error"), hfbucket.HubDeadlineExceeded), box
+        assert isinstance(box.get("error"), bucket.HubDeadlineExceeded), box
         assert len(stub.paths) == 1
 
 
@@ -243,7 +242,7 @@ def test_a_trace_callback_of_the_caller_still_runs(calls: Callable[..., tuple[di
     from huggingface_hub.utils import get_session
 
     seen: list[str] = []
-    hfbucket.bound_hub_client()
+    bucket.bound_hub_client()
     with HubStub(existing={BID}) as hub:
         box, _ = calls(lambda: get_session().get(f"{hub.url}/api/buckets/{BID}", headers={"Authorization": f"Bearer {GOOD_TOKEN}"},
                                                  extensions={"trace": lambda name, _info: seen.append(name)}))
@@ -280,12 +279,12 @@ def test_the_hub_is_asked_through_the_environments_proxy(calls: Callable[..., tu
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         monkeypatch.setenv("http_proxy", proxy.url)
-        assert hfbucket.hub_proxy("http://hub.invalid") == proxy.url
-        hfbucket._client_bounded = False  # the next Hub call builds a fresh client
+        assert bucket.hub_proxy("http://hub.invalid") == proxy.url
+        bucket._client_bounded = False  # the next Hub call builds a fresh client
         monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
         box, _ = calls(lambda: preflight_bucket(HANDLE, TOKEN, False, "ns/hf", endpoint="http://hub.invalid"))
         assert "result" in box and box["result"].ok, box
         assert proxy.paths == [f"http://hub.invalid/api/buckets/{BID}"], proxy.paths
         monkeypatch.setenv("NO_PROXY", "hub.invalid")
         monkeypatch.setenv("no_proxy", "hub.invalid")
-        assert hfbucket.hub_proxy("http://hub.invalid") is None
+        assert bucket.hub_proxy("http://hub.invalid") is None

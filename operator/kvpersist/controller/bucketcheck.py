@@ -12,8 +12,7 @@ from typing import Any
 from kvpersist.builders.target import Target
 from kvpersist.controller import kube, runtime
 from kvpersist.controller.reading import named_secret_refusal, secret_version
-from kvpersist.inventory.bucket import BucketInventoryError, scan_bucket
-from kvpersist.inventory.hfbucket import preflight_bucket
+from kvpersist.inventory.bucket import BucketInventoryError, preflight_bucket, scan_bucket
 from kvpersist.inventory.volume import Inventory
 from kvpersist.l2backends.hfbucket import TOKEN_FIELD
 

@@ -12,7 +12,7 @@ KVPERSIST_PIN_CHECK=off) is PinsVerified Unknown: the cache is withheld on evide
 files fill the pins a resource leaves unset (filled); until they are read the cache stays off
 (PinsUnresolved), never a guess. The files at a commit never change: what they give is kept, also in
 status.identity.files, so a restarted operator resolves the same pins without the Hub (reads bounded
-through kvpersist.inventory.hfbucket's Hub client).
+through kvpersist.inventory.bucket's Hub client).
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def hub_fetch(endpoint: str | None, deadline: float, token: str | None = None) -
     kept), anonymously unless given a token. None: no such file at that commit; other answers: HubRefused."""
     from huggingface_hub import constants, get_session, hf_hub_url
 
-    from kvpersist.inventory.hfbucket import bound_hub_client, hub_deadline
+    from kvpersist.inventory.bucket import bound_hub_client, hub_deadline
 
     bound_hub_client()
 
@@ -430,7 +430,7 @@ class HubRefused(Exception):
 
 
 def _unread(exc: BaseException, key: Key, now: float, with_token: bool = False) -> Unread:
-    from kvpersist.inventory.hfbucket import transport_error_text
+    from kvpersist.inventory.bucket import transport_error_text
 
     model, revision = key[0], key[1]
     if isinstance(exc, PinsError):

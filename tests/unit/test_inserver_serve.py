@@ -374,24 +374,25 @@ def test_keys_are_lmcaches_hkdf_keys() -> None:
 
 def test_the_salt_keys_kept_are_bounded_and_least_recently_used_go() -> None:
     """One AES key per cache_salt: salts may be per user, so only the most recent are kept (before,
-    every salt ever seen stayed in memory); one that went is derived again, the same key."""
+    every salt ever seen stayed in memory); one that went is derived again, the same key. The kept
+    salts, least recently used first, are its _aeads'."""
     keys = serve.AeadKeys(MASTER, 32, max_salts=3)
     data = os.urandom(100)
     first = keys.aead("s0")
     sealed = first.encrypt(b"\0" * 12, data, None)
     for salt in ("s1", "s2", "s0", "s3"):  # s0 used again: s1 is the least recent
         keys.aead(salt)
-    assert keys.cached_salts() == ["s2", "s0", "s3"]
+    assert list(keys._aeads) == ["s2", "s0", "s3"]
     for i in range(1000):
         keys.aead(f"user-{i}")
-    assert len(keys.cached_salts()) == 3
+    assert len(list(keys._aeads)) == 3
     again = keys.aead("s0")
     assert again is not first and again.decrypt(b"\0" * 12, sealed, None) == data
-    assert serve.AeadKeys(MASTER, 32).cached_salts() == [] and serve.MAX_SALT_KEYS == 256
+    assert list(serve.AeadKeys(MASTER, 32)._aeads) == [] and serve.MAX_SALT_KEYS == 256
     default = serve.AeadKeys(MASTER, 32)
     for i in range(serve.MAX_SALT_KEYS + 50):
         default.aead(f"user-{i}")
-    assert len(default.cached_salts()) == serve.MAX_SALT_KEYS
+    assert len(list(default._aeads)) == serve.MAX_SALT_KEYS
 
 
 def test_lmcaches_frames_and_ours_are_misses_to_each_other() -> None:

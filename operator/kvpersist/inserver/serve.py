@@ -221,11 +221,6 @@ class AeadKeys:
                 self._aeads.popitem(last=False)
             return self._aeads[cache_salt]
 
-    def cached_salts(self) -> list[str]:
-        """The salts whose key is kept, least recently used first."""
-        with self._lock:
-            return list(self._aeads)
-
 
 class PublicKey:
     """AeadKeys' interface over CHECKED_KEY: one key for every salt (the salt is in the binding)."""

@@ -290,9 +290,6 @@ def make_server(agent: Agent, host: str, port: int, **bounds: Any) -> BoundedHTT
         return 200 if why is None else 503, "application/json", json.dumps(body).encode()
 
     class Handler(QuietHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug(fmt, *args)
-
         def _send(self, code: int, body: dict[str, Any] | bytes, kind: str = "application/json") -> None:
             self.answer(code, kind, body if isinstance(body, bytes) else json.dumps(body).encode())
 

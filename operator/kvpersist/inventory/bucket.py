@@ -187,7 +187,7 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
     deadline = time.monotonic() + BUCKET_DEADLINE_S
     folder = f"{prefix}/{namespace_id}" if prefix else namespace_id
     objects = _guarded(bid, "list", token, lambda: list(_list(bid, folder, token, endpoint, deadline)))
-    held = _usage(namespace_id, objects)
+    held = NamespaceUsage(namespace_id).add_all((o.size, o.mtime) for o in objects)
     if dry_run:
         return held
     paths = [o.path for o in objects]
@@ -195,19 +195,12 @@ def remove_bucket_namespace(bucket_handle: str, token: str, namespace_id: str, e
         chunk = paths[start:start + DELETE_CHUNK]
         why = before_delete() if before_delete is not None else None
         if why:
-            raise DeletionRefused(why, _usage(namespace_id, objects[:start]), len(paths))
+            raise DeletionRefused(why, NamespaceUsage(namespace_id).add_all((o.size, o.mtime) for o in objects[:start]), len(paths))
         try:
             _guarded(bid, "delete from", token, lambda c=chunk: _delete_chunk(bid, c, token, endpoint, deadline))
         except BucketInventoryError as exc:
             raise BucketInventoryError(exc.reason, f"{exc}; {start} of {len(paths)} objects of {namespace_id} were deleted "
                                        "before this batch: run the removal again") from exc
-    return held
-
-
-def _usage(namespace_id: str, objects: list[_Object]) -> NamespaceUsage:
-    held = NamespaceUsage(namespace_id)
-    for o in objects:
-        held.add(o.size, o.mtime)
     return held
 
 

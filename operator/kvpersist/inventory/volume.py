@@ -36,6 +36,11 @@ class NamespaceUsage:
         if mtime is not None and (self.last_write is None or mtime > self.last_write):
             self.last_write = mtime
 
+    def add_all(self, files: Iterable[tuple[int, float | None]]) -> NamespaceUsage:
+        for size, mtime in files:
+            self.add(size, mtime)
+        return self
+
     def to_json(self) -> dict[str, Any]:
         out = {"namespaceId": self.namespace_id, "bytes": self.bytes, "objects": self.objects, "lastWrite": iso(self.last_write),
                "orphan": self.orphan, "complete": self.complete}
@@ -122,9 +127,7 @@ def _walk(top: Path, budget: _Budget | None = None) -> Iterator[tuple[str, str, 
 def _folder_usage(name: str, folder: Path, budget: _Budget | None) -> NamespaceUsage:
     """What the files under folder hold (apparent sizes, as `du -sb` counts them); complete False when
     budget ran out in it or before it (or exactly on its last file: not sure either way)."""
-    held = NamespaceUsage(name)
-    for _path, _name, st in _walk(folder, budget):
-        held.add(st.st_size, st.st_mtime)
+    held = NamespaceUsage(name).add_all((st.st_size, st.st_mtime) for _path, _name, st in _walk(folder, budget))
     held.complete = budget is None or budget.left > 0
     return held
 

@@ -1,13 +1,10 @@
-"""A Hugging Face bucket used as L2, from the operator's side: the preflight (does the bucket exist, or
-may we create it, and does the token work?), so that L2Ready names the fix before the lmcache servers
-find out; the per-namespace inventory (lmcache's hfbucket adapter writes each namespace under
-`<bucketHandle>/<kvp-id>`, so a listing of the handle's prefix says what each holds); and explicit
-cleanup (deleting one deletes exactly the objects under `<prefix>/<kvp-id>/`).
+"""A Hugging Face bucket as L2, from the operator's side: a preflight, so that L2Ready names the fix
+before the lmcache servers find out; each namespace's inventory and cleanup, read from a listing of the
+handle's prefix, since lmcache's hfbucket adapter writes each under `<bucketHandle>/<kvp-id>`.
 
 Every Hub call the operator makes (these, the pin check's reads) goes through one client built here on
 kvpersist.httptransport: one total deadline per request, however slowly the Hub trickles its answer, and
-a cap on its size; a whole scan or removal ends within BUCKET_DEADLINE_S. The token is sent only to the
-Hub; no message or exception built here holds it.
+a cap on its size; a whole scan or removal ends within BUCKET_DEADLINE_S. No message built here holds the token.
 """
 
 from __future__ import annotations

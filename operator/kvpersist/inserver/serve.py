@@ -329,11 +329,8 @@ def make_processor(kwargs: dict[str, object]) -> Any:
     with open(path, "rb") as f:
         master_key = f.read()
     expected, namespace = check_key(master_key, kwargs)
-    keys = AeadKeys(master_key, aes_bits // 8)
-    workers = int(kwargs.get("max_workers", DEFAULT_WORKERS))  # type: ignore[call-overload]
-    _logger().info("kvpersist-aesgcm: AES-%d-GCM, frames of 2 MiB segments bound to their names, key %s, namespace %s, "
-                   "%d workers", aes_bits, expected, namespace, workers)
-    return _processor_class()(keys, workers, namespace)
+    return _processor_class()(AeadKeys(master_key, aes_bits // 8), namespace, kwargs, f"kvpersist-aesgcm: AES-{aes_bits}-GCM, "
+                              f"frames of 2 MiB segments bound to their names, key {expected}")
 
 
 def make_checked_processor(kwargs: dict[str, object]) -> Any:
@@ -342,10 +339,8 @@ def make_checked_processor(kwargs: dict[str, object]) -> Any:
     namespace = str(kwargs.get("namespace_id") or "").strip()
     if not namespace:
         refuse_to_start(CHECKED_SETTINGS_MISSING)
-    workers = int(kwargs.get("max_workers", DEFAULT_WORKERS))  # type: ignore[call-overload]
-    _logger().info("kvpersist-checked: frames of 2 MiB segments bound to their names under a public key (a checksum, "
-                   "not a secret), namespace %s, %d workers", namespace, workers)
-    return _processor_class()(PublicKey(), workers, namespace)
+    return _processor_class()(PublicKey(), namespace, kwargs, "kvpersist-checked: frames of 2 MiB segments bound to their "
+                              "names under a public key (a checksum, not a secret)")
 
 
 @functools.cache
@@ -356,7 +351,10 @@ def _processor_class() -> type:
         """lmcache's SerdeProcessor contract (submit, eventfd, each result queried once) over
         ObjectBatches: every segment of a batch sealed or opened on its own worker."""
 
-        def __init__(self, keys: AeadKeys | PublicKey, workers: int, namespace_id: str) -> None:
+        def __init__(self, keys: AeadKeys | PublicKey, namespace_id: str, settings: dict[str, object], described: str) -> None:
+            """settings: the serde's (max_workers); described: what the log says of its frames and key."""
+            workers = int(settings.get("max_workers", DEFAULT_WORKERS))  # type: ignore[call-overload]
+            _logger().info("%s, namespace %s, %d workers", described, namespace_id, workers)
             self._keys = keys
             self._namespace_id = namespace_id
             self._efds = {True: lmcache_internals.event_notifier(), False: lmcache_internals.event_notifier()}

@@ -550,10 +550,12 @@ def _logger() -> Any:
     return lmcache_internals.logger("kvpersist.inserver.serve")
 
 
-def install_unreadable_removal() -> None:
-    """Replaces the storage manager's SerdeL2AdapterWrapper by a subclass that hands our serde
-    the inner adapter's delete (UnreadableObjects) and loads one chunk per load (ChunkLoads), so
-    the decryption overlaps the reads; other serdes are left alone."""
+def register() -> None:
+    """Registers both serdes, then replaces the storage manager's SerdeL2AdapterWrapper by a subclass
+    that hands our serde the inner adapter's delete (UnreadableObjects) and loads one chunk per load
+    (ChunkLoads), so the decryption overlaps the reads; other serdes are left alone."""
+    lmcache_internals.register_serde(SERDE_TYPE, make_processor)
+    lmcache_internals.register_serde(CHECKED_TYPE, make_checked_processor)
     base = lmcache_internals.serde_wrapper()
     if getattr(base, "kvpersist_wired", False):
         return
@@ -587,12 +589,6 @@ def install_unreadable_removal() -> None:
             return self.kvpersist_chunks.query(task_id)
 
     lmcache_internals.replace_serde_wrapper(WiredSerdeL2AdapterWrapper)
-
-
-def register() -> None:
-    lmcache_internals.register_serde(SERDE_TYPE, make_processor)
-    lmcache_internals.register_serde(CHECKED_TYPE, make_checked_processor)
-    install_unreadable_removal()
 
 
 def cryptography_problem() -> str | None:

@@ -109,7 +109,14 @@ def preflight_bucket(handle: str, token: str, create_if_missing: bool, secret_re
         api.create_bucket(bid, private=True, exist_ok=True)
         return Preflight(True, "BucketCreated", f"bucket {bid} did not exist and was created (createBucketIfMissing)")
     except HfHubHTTPError as exc:
-        return _refused(bid, exc.response, secret_ref, action)
+        code = exc.response.status_code if exc.response is not None else None
+        if code == 401:
+            return Preflight(False, "TokenRejected", f"the Hub rejected the token from {secret_ref} (401): put a valid token "
+                             "with write access to the bucket in that Secret")
+        if code == 403:
+            return Preflight(False, "TokenForbidden", f"the token from {secret_ref} may not {action} bucket {bid} (403): grant "
+                             "it write access to the bucket's namespace")
+        return Preflight(False, "HubError", f"the Hub answered {code} when asked to {action} bucket {bid}; retrying")
     except (httpx2.TransportError, OSError) as exc:  # refused, DNS, TLS, timeout, deadline, answer too large
         return Preflight(False, "HubUnreachable",
                          f"cannot reach the Hugging Face Hub to check bucket {bid}: {transport_error_text(exc)}")
@@ -119,17 +126,6 @@ def transport_error_text(exc: BaseException) -> str:
     """What a message may say of a failed Hub request: the exception type only, or the transport's own
     refusals, whose text is ours and never holds a URL or the token."""
     return str(exc) if isinstance(exc, httptransport.Refused) else type(exc).__name__
-
-
-def _refused(bid: str, response: httpx2.Response | None, secret_ref: str, action: str) -> Preflight:
-    code = response.status_code if response is not None else None
-    if code == 401:
-        return Preflight(False, "TokenRejected", f"the Hub rejected the token from {secret_ref} (401): put a valid token "
-                         "with write access to the bucket in that Secret")
-    if code == 403:
-        return Preflight(False, "TokenForbidden", f"the token from {secret_ref} may not {action} bucket {bid} (403): grant "
-                         "it write access to the bucket's namespace")
-    return Preflight(False, "HubError", f"the Hub answered {code} when asked to {action} bucket {bid}; retrying")
 
 
 BUCKET_DEADLINE_S = 120.0  # the whole scan or removal: no new request starts after it

@@ -26,8 +26,11 @@ from kvpersist.inventory.volume import NAMESPACE_ID_RE, Inventory, NamespaceUsag
 PREFLIGHT_TIMEOUT_S = 10.0  # each connect, socket read or write
 HUB_CALL_DEADLINE_S = 30.0  # one whole request: connect, send, headers, body
 HUB_MAX_BODY_BYTES = 32 * 1024 * 1024  # one answer; a listing page of 1000 entries is about 200 KB
+BUCKET_DEADLINE_S = 120.0  # the whole scan or removal: no new request starts after it
+DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size)
 _client_lock = threading.Lock()
 _client_bounded = False
+T = TypeVar("T")
 
 HubDeadlineExceeded = httptransport.DeadlineExceeded  # a Hub request that did not end within its deadline
 # Hub requests this thread makes inside `with hub_deadline(t):` end by t (a time.monotonic()), as if
@@ -126,12 +129,6 @@ def transport_error_text(exc: BaseException) -> str:
     """What a message may say of a failed Hub request: the exception type only, or the transport's own
     refusals, whose text is ours and never holds a URL or the token."""
     return str(exc) if isinstance(exc, httptransport.Refused) else type(exc).__name__
-
-
-BUCKET_DEADLINE_S = 120.0  # the whole scan or removal: no new request starts after it
-DELETE_CHUNK = 1000  # paths per batch request (huggingface_hub's own chunk size)
-
-T = TypeVar("T")
 
 
 class DeletionRefused(RuntimeError):

@@ -82,7 +82,7 @@ WORKER_IDLE_S = 0.5
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """kopf's bookkeeping (none while only its event handlers run: kvpersist.controller.reconcile) in
+    """kopf's bookkeeping (none while only its event handlers run: kvpersist.controller.tracking) in
     our own annotations and out of status, which our schema owns."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")

@@ -57,7 +57,7 @@ def slim(body: Mapping[str, Any]) -> dict[str, Any]:
                                  "currentRevision", "updateRevision")),
     }
     # Its controller reference, by uid: credentials go only to pods whose chain of them ends at the
-    # resource's own workload (kvpersist.controller.podtrust); labels are anyone's to copy.
+    # resource's own workload (kvpersist.controller.indexes.trusted_pods); labels are anyone's to copy.
     controller = [_pick(r, ("apiVersion", "kind", "name", "uid", "controller")) for r in meta.get("ownerReferences") or []
                   if r.get("controller") is True][:1]
     if controller:
@@ -120,7 +120,7 @@ def attached_view(body: Mapping[str, Any]) -> dict[str, Any]:
     if labels.get(NAMESPACE_ID_LABEL):
         view[NAMESPACE_ID_LABEL] = str(labels[NAMESPACE_ID_LABEL])
     out["metadata"]["labels"] = view
-    out["metadata"].pop("ownerReferences", None)  # the user's controller: nothing podtrust follows
+    out["metadata"].pop("ownerReferences", None)  # the user's controller: nothing trusted_pods follows
     return out
 
 
@@ -177,7 +177,7 @@ class Seen:
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
     deployments: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)
-    # Pods with the resource's labels that its own workloads did not make (controller.podtrust): no
+    # Pods with the resource's labels that its own workloads did not make (controller.indexes.trusted_pods): no
     # credential, not counted, but their namespace id's route is kept (their controller may not be cached yet).
     untrusted_pods: list[dict[str, Any]] = field(default_factory=list)
     # Pods labelled kvpersist.dev/attach for it without a namespace id label: the attach policies were

@@ -410,37 +410,27 @@ class LMCacheServer(SpecPart):
     )
 
 
-# spec.vllm.env and envFrom names (C identifiers: the start script reads them back). Refused, with what to set
-# instead: names the operator sets or owns through a field, and names that change what vLLM computes, loads, sees
-# or runs behind the pins' back (as EXTRA_ARGS). VLLM_* and PYTHON* are allow-lists (tests/contract checks the
-# VLLM_* ones are read by vLLM); LD_* is refused whole. envFrom's keys, unknown at apply time, come in under a
-# prefix and the start script sets only the allowed ones (builders/vllm.py).
+# spec.vllm.env and envFrom names (C identifiers: the start script reads them back). Refused, each for the reason
+# docs/api.md's table gives: names the operator sets or owns through a field, and names that change what vLLM
+# computes, loads, sees or runs behind the pins' back (as EXTRA_ARGS). VLLM_* and PYTHON* are allow-lists
+# (tests/contract checks the VLLM_* ones are read by vLLM); LD_* is refused whole. envFrom's keys, unknown at apply
+# time, come in under a prefix and the start script sets only the allowed ones (builders/vllm.py).
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_USE_MODEL_CACHE = "the model cache is spec.vllm.modelCache (the operator sets HF_HOME on it)"
-_OTHER_CODE = "it runs other code in vLLM than the image's, which may compute other KV"
-_GPUS = "the GPUs are the device plugin's (spec.vllm.gpusPerReplica); the lmcache server finds vLLM's by them"
-ENV_REFUSED: dict[str, str] = {
-    "PYTHONHASHSEED": "the operator fixes it: vLLM's prefix hashes, so the cache's chunk keys, follow it",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "the operator sets it: the KV must live in a child of PID 1 for CUDA IPC",
-    "HF_TOKEN": "set spec.vllm.hfTokenSecretRef (a Secret key), never a literal",
-    "HUGGING_FACE_HUB_TOKEN": "set spec.vllm.hfTokenSecretRef (a Secret key), never a literal",
-    "VLLM_API_KEY": "set spec.vllm.apiKeySecretRef (a Secret key), never a literal",
-    "HF_HOME": _USE_MODEL_CACHE, "HF_HUB_CACHE": _USE_MODEL_CACHE, "HUGGINGFACE_HUB_CACHE": _USE_MODEL_CACHE,
-    "TRANSFORMERS_CACHE": _USE_MODEL_CACHE,
-    "HF_ENDPOINT": "another endpoint may serve other files under the pinned revision",
-    "CUDA_VISIBLE_DEVICES": _GPUS, "NVIDIA_VISIBLE_DEVICES": _GPUS, "NVIDIA_DRIVER_CAPABILITIES": _GPUS,
-    "HIP_VISIBLE_DEVICES": _GPUS, "ROCR_VISIBLE_DEVICES": _GPUS,
-    "PATH": _OTHER_CODE,
-    "HOME": "the operator sets it: an emptyDir, where vLLM writes its caches under a read-only root",
-    "GCONV_PATH": _OTHER_CODE + " (glibc's iconv loads the shared objects it names)",
-}
-ENV_REFUSED_PREFIXES: dict[str, str] = {
-    "LMCACHE_": "lmcache's configuration is the operator's (the connector's kv-transfer-config)",
-    "KVPERSIST_": "the operator's own variables",
-    # The loader's, in every process of the container, before any code of ours (LD_AUDIT may redirect every symbol).
-    "LD_": "every LD_* variable is the dynamic loader's (LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH, ...): "
-           + _OTHER_CODE,
-}
+ENV_REFUSED = (
+    # The operator's: vLLM's prefix hashes (so the chunk keys) follow PYTHONHASHSEED; the KV must live in a child
+    # of PID 1 for CUDA IPC; HOME is an emptyDir, where vLLM writes its caches under a read-only root.
+    "PYTHONHASHSEED", "VLLM_ENABLE_V1_MULTIPROCESSING", "HOME",
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",  # a Secret key's field, never a literal
+    "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",  # spec.vllm.modelCache
+    "HF_ENDPOINT",  # another endpoint may serve other files under the pinned revision
+    # The GPUs are the device plugin's (gpusPerReplica): the lmcache server finds vLLM's by them.
+    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "PATH", "GCONV_PATH",  # other code than the image's (glibc's iconv loads the shared objects GCONV_PATH names)
+)
+# LMCACHE_*: the connector's configuration is the operator's. LD_*: the dynamic loader's, in every process of the
+# container before any code of ours (LD_PRELOAD, LD_AUDIT may redirect every symbol).
+ENV_REFUSED_PREFIXES = ("LMCACHE_", "KVPERSIST_", "LD_")
 # The VLLM_* and PYTHON* names that may be set; the rest of each family is refused.
 VLLM_ENV_ALLOWED = (
     "VLLM_CACHE_ROOT", "VLLM_CONFIGURE_LOGGING", "VLLM_DISABLE_COMPILE_CACHE", "VLLM_DO_NOT_TRACK",

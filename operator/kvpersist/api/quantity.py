@@ -22,10 +22,6 @@ class Quantity:
     unscaled: int
     scale: int
 
-    @property
-    def value(self) -> Decimal:
-        return Decimal(self.unscaled).scaleb(-self.scale)
-
 
 def parse(text: str) -> Quantity:
     """resource.ParseQuantity; ValueError where it returns an error."""
@@ -68,7 +64,8 @@ def parse(text: str) -> Quantity:
 def parse_quantity(text: str | int) -> Decimal:
     """A quantity's exact value (bytes, cores, ...) as the API server has it, like
     kubernetes.utils.parse_quantity but with the server's rounding and cap."""
-    return parse(str(text)).value
+    parsed = parse(str(text))
+    return Decimal(parsed.unscaled).scaleb(-parsed.scale)
 
 
 # Go's math.Pow10 tables: its products differ from a correctly rounded 10**n in the last bit at times.

@@ -300,7 +300,7 @@ class OrphanRetention(SpecPart):
     """An opt-in age limit on the folders of OTHER namespaces on this resource's claims."""
 
     max_age_days: int = Field(
-        alias="maxAgeDays", ge=1, le=36500,
+        ge=1, le=36500,
         description="Remove a folder of another namespace (one an identity change left behind) once its newest file is "
         "older than this many days. Never the namespace this resource serves, never one any live KVCacheNamespace or "
         "lmcache server uses; each removal is an Event (OrphanExpired) and counted in status.l2.",
@@ -323,7 +323,7 @@ class L2(SpecPart):
     hf_bucket: HFBucket | None = Field(None, description="Hugging Face bucket as L2 (hfbucket adapter).")
     encryption: L2Encryption = _section(L2Encryption, "Authenticated encryption of L2 objects: corruption is a miss.")
     orphan_retention: OrphanRetention | None = Field(
-        None, alias="orphanRetention",
+        None,
         description="Off by default: other namespaces' folders on the claim are kept until `kvpersist gc` deletes them. "
         "Set maxAgeDays to let the inventory agent remove those unwritten for that long. Not part of the namespace id.",
     )
@@ -626,7 +626,7 @@ class VLLM(SpecPart):
     )
     replicas: int = Field(1, ge=0, le=1024, description="Number of vLLM pods.")
     gpus_per_replica: int | None = Field(
-        None, ge=1, le=64, alias="gpusPerReplica",
+        None, ge=1, le=64,
         description="nvidia.com/gpu per pod; defaults to identity.tensorParallelSize (or 1).",
     )
     served_model_name: FreeText | None = Field(
@@ -667,7 +667,7 @@ class VLLM(SpecPart):
         "name is never set (the start script says so on stderr), and a name in env wins. Not part of the namespace id.",
     )
     hf_token_secret_ref: HFTokenSecretRef | None = Field(
-        None, alias="hfTokenSecretRef",
+        None,
         description="A Secret key with a Hugging Face token that may read the model (a gated one): HF_TOKEN in the "
         "vLLM container, from the Secret (never in args, the spec or a ConfigMap). Not part of the namespace id.",
     )
@@ -682,7 +682,7 @@ class VLLM(SpecPart):
     service: VLLMService = _section(VLLMService, "An optional Service in front of the vLLM pods.")
     kv_events: KVEvents = _section(KVEvents, "KV cache events for a KV-aware router, topic the namespace id.")
     attached_containers: list[Annotated[str, Field(max_length=512, pattern=r"^[a-z0-9][a-z0-9._:/-]*@sha256:[0-9a-f]{64}$")]] = Field(
-        default_factory=list, max_length=16, alias="attachedContainers",
+        default_factory=list, max_length=16,
         description="Attached mode: the images, by digest, that an attached pod's other containers (init containers and "
         "native sidecars included: a service mesh proxy, a log shipper, llm-d's routing sidecar) may run. They share "
         "the pod's network, a peer of the lmcache servers, so any other is refused (docs/attach.md). Not part of the "

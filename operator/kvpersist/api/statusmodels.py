@@ -29,18 +29,18 @@ class Condition(APIModel):
 class Usage(APIModel):
     """Cache usage summed over the lmcache servers, from their /status."""
 
-    l1_used_bytes: int | None = Field(None, alias="l1UsedBytes", description="L1 bytes in use.")
-    l1_capacity_bytes: int | None = Field(None, alias="l1CapacityBytes", description="L1 capacity in bytes.")
-    l2_used_bytes: int | None = Field(None, alias="l2UsedBytes", description="This namespace's bytes on L2: the larger of "
+    l1_used_bytes: int | None = Field(None, description="L1 bytes in use.")
+    l1_capacity_bytes: int | None = Field(None, description="L1 capacity in bytes.")
+    l2_used_bytes: int | None = Field(None, description="This namespace's bytes on L2: the larger of "
                                       "the servers' count and the volume's (the inventory), and with a budget never less "
                                       "than last written. The one figure the budget, the pin-change warning and "
                                       "`kvpersist status` read.")
-    l2_capacity_bytes: int | None = Field(None, alias="l2CapacityBytes", description="L2 capacity in bytes.")
-    l2_objects: int | None = Field(None, alias="l2Objects", description="This namespace's objects on L2, counted as "
+    l2_capacity_bytes: int | None = Field(None, description="L2 capacity in bytes.")
+    l2_objects: int | None = Field(None, description="This namespace's objects on L2, counted as "
                                    "l2UsedBytes is.")
-    l1_used: str | None = Field(None, alias="l1Used", description="l1UsedBytes/l1CapacityBytes as kubectl get prints "
+    l1_used: str | None = Field(None, description="l1UsedBytes/l1CapacityBytes as kubectl get prints "
                                 "them (L1-USED), e.g. 1.5Gi/8Gi: kubectl cannot format a number of bytes.")
-    l2_used: str | None = Field(None, alias="l2Used", description="l2UsedBytes/l2CapacityBytes as kubectl get prints "
+    l2_used: str | None = Field(None, description="l2UsedBytes/l2CapacityBytes as kubectl get prints "
                                 "them (L2-USED), e.g. 120Gi/500Gi.")
     measured_at: datetime | None = Field(None, description="When the servers were last asked.")
 
@@ -354,13 +354,13 @@ class KVCacheNamespaceStatus(APIModel):
     phase: Literal["Pending", "Progressing", "Ready", "Degraded", "CacheDisabled", "Failed"] | None = Field(
         None, description="Pending, Progressing, Ready, Degraded, CacheDisabled or Failed.")
     namespace_id: NamespaceId | None = Field(None, description="Compatibility namespace of the identity pins, kvp-<32 hex>.")
-    l2_kind: Literal[L2_KINDS] | None = Field(None, alias="l2Kind", description="nvme or hfBucket.")  # type: ignore[valid-type]
+    l2_kind: Literal[L2_KINDS] | None = Field(None, description="nvme or hfBucket.")  # type: ignore[valid-type]
     ready_replicas: int | None = Field(None, description="vLLM pods ready.")
     desired_replicas: int | None = Field(None, description="vLLM pods wanted.")
     replicas: str | None = Field(None, description="ready/desired vLLM pods, for kubectl get.")
-    vllm_replicas: int | None = Field(None, alias="vllmReplicas", description="vLLM pods the Deployment has now: the "
+    vllm_replicas: int | None = Field(None, description="vLLM pods the Deployment has now: the "
                                       "scale subresource's status.replicas (kubectl scale, a HorizontalPodAutoscaler).")
-    vllm_selector: str | None = Field(None, alias="vllmSelector", description="The label selector of the vLLM pods, "
+    vllm_selector: str | None = Field(None, description="The label selector of the vLLM pods, "
                                       "as a string: the scale subresource's status.selector, which an HPA needs.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Latest observations.",
@@ -375,7 +375,7 @@ class KVCacheNamespaceStatus(APIModel):
     gc: GCStatus | None = Field(None, description="The last explicit cleanup of an orphaned namespace.")
     l2: L2SpaceStatus | None = Field(None, description="The claims' space with every namespace counted, and what the "
                                      "age limit (spec.l2.orphanRetention) removed.")
-    l2_key: L2KeyStatus | None = Field(None, alias="l2Key", description="The L2 master key in use, by fingerprint, and "
+    l2_key: L2KeyStatus | None = Field(None, description="The L2 master key in use, by fingerprint, and "
                                        "the namespace stored under it (with spec.l2.encryption on).")
     sealed_namespaces: list[SealedNamespace] = Field(
         default_factory=list, max_length=16, description="Each namespace served with L2 encrypted, with the key that "

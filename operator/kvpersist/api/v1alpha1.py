@@ -42,7 +42,7 @@ class KVCacheNamespace(APIModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    api_version: Literal[API_VERSION] = Field(API_VERSION, alias="apiVersion")  # type: ignore[valid-type]
+    api_version: Literal[API_VERSION] = API_VERSION  # type: ignore[valid-type]
     kind: Literal[KIND] = KIND  # type: ignore[valid-type]
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: KVCacheNamespaceSpec

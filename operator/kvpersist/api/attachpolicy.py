@@ -12,7 +12,7 @@ from kvpersist.api import policyfiles
 from kvpersist.api.identity import NAMESPACE_ID_LABEL
 from kvpersist.api.policyfiles import CEL, admission, cel_literal, chart_doc, dump, var
 from kvpersist.api.spec import EXTRA_ARG_REGEX, EXTRA_ARG_VALUE_FLAGS, env_name_rule
-from kvpersist.api.v1alpha1 import GROUP, VERSION
+from kvpersist.api.v1alpha1 import API_VERSION, KIND
 from kvpersist.api.vllmpod import POD_AFFINITY, REQUIRED, SHM_PATH, beside_servers, server_term, shm_mount, shm_volume
 
 POLICY = "attach"  # kvpersist-attach; the chart's: <fullname>-attach
@@ -195,7 +195,7 @@ def _policy(kind: str, name: str, operations: list[str], resources: tuple[str, .
     """An admission policy on pods whose param is the KVCacheNamespace; an error refuses (Fail):
     never a pod attached unchecked."""
     rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": list(resources)}]
-    param = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCacheNamespace"}
+    param = {"apiVersion": API_VERSION, "kind": KIND}
     return admission(kind, name, {"failurePolicy": "Fail", "paramKind": param, "matchConstraints": {"resourceRules": rules}, **spec})
 
 

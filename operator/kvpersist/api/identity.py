@@ -130,7 +130,7 @@ def id_field_value(spec: Mapping[str, Any], field: IdField) -> Any:
         node = node.get(part) if isinstance(node, Mapping) else None
     if field.kind == "digest":
         return image_digest(node) if isinstance(node, str) else None
-    if field.kind == "fs_native" and ((spec.get("l2") or {}).get("nvme") or {}).get("adapter") != "fs_native":
+    if field.kind == "fs_native" and id_field_value(spec, ADAPTER_FIELD) != "fs_native":
         return None
     return node
 

@@ -55,10 +55,9 @@ def chart_doc(doc: dict[str, Any], policy: str) -> str:
     """A document of policy kvpersist-<policy> under the release's name, <fullname>-<policy> (its
     policyName too), and with the chart's labels."""
     plain_name, chart_name = f"kvpersist-{policy}", '{{ include "kvpersist.fullname" . }}-' + policy
-    text = dump(doc).replace(f"name: {plain_name}\n", f"name: {chart_name}\n", 1)
-    text = text.replace(f"policyName: {plain_name}\n", f"policyName: {chart_name}\n")
     labels = '  labels: {{- include "kvpersist.labels" . | nindent 4 }}\n'
-    return text.replace(f"name: {chart_name}\n", f"name: {chart_name}\n{labels}", 1)
+    text = dump(doc).replace(f"name: {plain_name}\n", f"name: {chart_name}\n{labels}", 1)
+    return text.replace(f"policyName: {plain_name}\n", f"policyName: {chart_name}\n")
 
 
 def write(root: Path, files: tuple[tuple[Path, str], ...]) -> list[Path]:

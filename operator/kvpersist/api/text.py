@@ -53,8 +53,7 @@ def _compiled(ranges: tuple[tuple[int, int], ...]) -> re.Pattern[str]:
     return re.compile("[" + "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in (*ranges, SURROGATES)) + "]")
 
 
-NO_CONTROL_CLASS = _class(FORBIDDEN)
-NO_CONTROL_PATTERN = f"^[^{NO_CONTROL_CLASS}]*$"
+NO_CONTROL_PATTERN = f"^[^{_class(FORBIDDEN)}]*$"
 _REFUSED = _compiled(FORBIDDEN)
 RULE = ("control and format characters are refused (Unicode Cc, Cf, Zl, Zp: NUL, TAB, CR, LF, bidi controls such as "
         "U+202E, zero-width characters such as U+200B): remove it")

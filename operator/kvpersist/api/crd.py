@@ -134,12 +134,13 @@ def _limits(node: dict[str, Any]) -> list[str]:
     return out
 
 
-def _walk(node: dict[str, Any], path: str, required: bool) -> Iterator[tuple[str, dict[str, Any], bool]]:
-    yield path, node, required
+def _walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any], bool]]:
+    """Every field under node, depth first: (its path, its schema, whether it is required)."""
     for parent, prefix in ((node, path), (node.get("items") or {}, f"{path}[]")):  # an object's fields, a list's items'
         needed = set(parent.get("required") or [])
         for name, child in (parent.get("properties") or {}).items():
-            yield from _walk(child, f"{prefix}.{name}", name in needed)
+            yield f"{prefix}.{name}", child, name in needed
+            yield from _walk(child, f"{prefix}.{name}")
 
 
 def render_reference() -> str:
@@ -152,9 +153,7 @@ def render_reference() -> str:
              "Concepts and examples: [api.md](api.md).", ""]
     for part in ("spec", "status"):
         lines += [f"## {part}", "", "| field | type | default | rules | description |", "| --- | --- | --- | --- | --- |"]
-        for path, node, required in _walk(schema[part], part, False):
-            if path == part:
-                continue
+        for path, node, required in _walk(schema[part], part):
             default = f"`{json.dumps(node['default'], separators=(',', ':'))}`" if "default" in node else ""
             rules = ([] if not required else ["required"]) + _limits(node)
             lines.append(f"| `{path}` | {_type(node)} | {_cell(default)} | {'; '.join(rules)} | "

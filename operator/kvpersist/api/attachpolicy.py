@@ -310,13 +310,12 @@ NAMESPACE_SCOPE = ("{{- with .Values.watchNamespaces }}\n"
                    "    namespaceSelector:\n      matchExpressions:\n"
                    "        - {key: kubernetes.io/metadata.name, operator: In, values: {{ toJson . }}}\n"
                    "{{- end }}\n")
-OBJECT_SELECTOR = "        operator: Exists\n"
+OBJECT_SELECTOR = "        operator: Exists\n"  # the bindings' objectSelector: no policy has such a line
 
 
 def render_template() -> str:
-    docs = [chart_doc(d, POLICY) for d in documents(PLAIN_NAME)]
-    docs = [d.replace(OBJECT_SELECTOR, OBJECT_SELECTOR + NAMESPACE_SCOPE, 1) if "Binding" in d.split("\n", 2)[1] else d
-            for d in docs]
+    docs = [chart_doc(d, POLICY).replace(OBJECT_SELECTOR, OBJECT_SELECTOR + NAMESPACE_SCOPE, 1)
+            for d in documents(PLAIN_NAME)]
     return (CHART_HEADER + f"{{{{- if and .Values.{VALUE}.enabled {SERVED} }}}}\n" + "---\n".join(docs)
             + "{{- end }}\n")
 

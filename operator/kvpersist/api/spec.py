@@ -410,11 +410,9 @@ class LMCacheServer(SpecPart):
     )
 
 
-# spec.vllm.env and envFrom names (C identifiers: the start script reads them back). Refused, each for the reason
-# docs/api.md's table gives: names the operator sets or owns through a field, and names that change what vLLM
-# computes, loads, sees or runs behind the pins' back (as EXTRA_ARGS). VLLM_* and PYTHON* are allow-lists
-# (tests/contract checks the VLLM_* ones are read by vLLM); LD_* is refused whole. envFrom's keys, unknown at apply
-# time, come in under a prefix and the start script sets only the allowed ones (builders/vllm.py).
+# spec.vllm.env and envFrom names (C identifiers: the start script reads them back), refused as docs/api.md's table
+# says why; VLLM_* and PYTHON* are allow-lists (tests/contract checks the VLLM_* ones are read by vLLM). envFrom's keys,
+# unknown at apply time, come in under a prefix and the start script sets only the allowed ones (builders/vllm.py).
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 ENV_REFUSED = (
     # The operator's: vLLM's prefix hashes (so the chunk keys) follow PYTHONHASHSEED; the KV must live in a child

@@ -29,18 +29,16 @@ KEY_PATTERNS = {
                         "subdomain and /, then at most 63 letters, digits, -, _ or ., a letter or digit at each end",
 }
 KEY_LENGTHS = {QUALIFIED_NAME: {"minLength": 1, "maxLength": 317}}
+KEY_CHECKS = {"minLength": "k.size() >= {}", "maxLength": "k.size() <= {}", "pattern": "k.matches(r'{}')"}  # CEL, key k
 
 
 def _key_rule(names: dict[str, Any]) -> dict[str, str]:
     """propertyNames (a map's key schema) as a CEL rule: a raw string, so \\x{...} escapes reach RE2 as
     written. pydantic < 2.9 writes only the pattern: a known key type's lengths come from KEY_LENGTHS."""
     names = {**KEY_LENGTHS.get(names.get("pattern", ""), {}), **names}
-    unknown = set(names) - {"minLength", "maxLength", "pattern"}
-    if unknown or "'" in names.get("pattern", ""):
+    if set(names) - set(KEY_CHECKS) or "'" in names.get("pattern", ""):
         raise ValueError(f"propertyNames not translated to CEL: {names}")
-    checks = [f"k.size() >= {names['minLength']}"] if "minLength" in names else []
-    checks += [f"k.size() <= {names['maxLength']}"] if "maxLength" in names else []
-    checks += [f"k.matches(r'{names['pattern']}')"] if "pattern" in names else []
+    checks = [check.format(names[key]) for key, check in KEY_CHECKS.items() if key in names]
     size = f"{names.get('minLength', 0)} to {names['maxLength']}" if "maxLength" in names else "any number of"
     shape = KEY_PATTERNS.get(names["pattern"], f"matching {names['pattern']}") if "pattern" in names else "any text"
     return cel(f"self.all(k, {' && '.join(checks) or 'true'})", f"each key: {shape} ({size} characters)",

@@ -61,8 +61,8 @@ L2_SERDE = "kvpersist-aesgcm-256/v3"
 
 # Less than 2^63: the API server caps "99999Ei" at 2^63 - 1 silently and keeps a decimal past 2^63 as is; as a
 # float either is 2^63 or more, so one comparison refuses both.
-QUANTITY_RULE = ("quantity(string(self)).asApproximateFloat() < 9223372036854775808.0",
-                 "a quantity must be less than 8Ei (2^63): Kubernetes keeps one in an int64")
+QUANTITY_RULE = cel("quantity(string(self)).asApproximateFloat() < 9223372036854775808.0",
+                    "a quantity must be less than 8Ei (2^63): Kubernetes keeps one in an int64")
 
 
 Quantity = Annotated[
@@ -70,7 +70,7 @@ Quantity = Annotated[
     Annotated[str, Field(pattern=QUANTITY, max_length=64)] | Annotated[int, Strict(), Field(ge=0, le=MAX_INT64)],
     WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY, "maxLength": 64,
                     "x-kubernetes-int-or-string": True,
-                    "x-kubernetes-validations": [{"rule": QUANTITY_RULE[0], "message": QUANTITY_RULE[1]}]}),
+                    "x-kubernetes-validations": [QUANTITY_RULE]}),
 ]
 
 

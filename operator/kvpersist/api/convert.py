@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 from kvpersist.api.identity import CONNECTOR
-from kvpersist.api.spec import IMAGE_REQUIRED
+from kvpersist.api.spec import IMAGE_REQUIRED, L2_KINDS
 
 
 class ConvertError(ValueError):
@@ -69,7 +69,7 @@ def convert_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         l2["nvme"]["adapter"] = OLD_DEFAULT_ADAPTER
         notes.append(f"l2.nvme.adapter {OLD_DEFAULT_ADAPTER} (the default then, and so in its namespace id; today's is "
                      "fs_native, a new namespace)")
-    for kind in ("nvme", "hfBucket"):
+    for kind in L2_KINDS:
         tier = l2.get(kind) or {}
         if "maxCapacityGB" in tier:
             tier["maxCapacity"] = gib_quantity(tier.pop("maxCapacityGB"), f"spec.l2.{kind}.maxCapacityGB")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from kvpersist.controller import kube, metrics, runtime
-from kvpersist.controller.watchcache import WATCH_TIMEOUT_S, Keep, WatchCache
+from kvpersist.controller.watchcache import WatchCache, list_and_watch
 from kvpersist.status import Verdict, creatorrights
 
 POLICY_ENV = "KVPERSIST_CREATOR_RIGHTS_POLICY"
@@ -28,15 +27,7 @@ def policy_name(environ: Mapping[str, str]) -> str | None:
 
 def _by_name(kind: str, name: str) -> WatchCache:
     """One object of a cluster-scoped kind, by name: a list and a watch field-selected to it."""
-    selector = f"metadata.name={name}"
-
-    def lister(_scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-        return kube.list_page(API, kind, None, False, field_selector=selector, keep=keep)
-
-    def watcher(_scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-        return kube.watch_page(API, kind, None, version, WATCH_TIMEOUT_S, False, stop, field_selector=selector)
-
-    return WatchCache(kind, None, lister, watcher, keep=dict)
+    return WatchCache(kind, None, *list_and_watch(API, kind, False, field_selector=f"metadata.name={name}"), keep=dict)
 
 
 def verdict_of(name: str, policies: WatchCache, bindings: WatchCache, failing: str | None) -> Verdict | None:

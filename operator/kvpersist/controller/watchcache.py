@@ -185,16 +185,17 @@ class WatchCache:
         return version
 
 
-def _kind(api_version: str, kind: str, metadata_only: bool, page: int = kube.LIST_PAGE,
-          label_selector: str | None = None) -> tuple[Lister, Watcher]:
-    """The list and the watch of one kind (as admissioncheck._by_name: tests/rbac_needs.py follows
-    the kind from each caller)."""
+def list_and_watch(api_version: str, kind: str, metadata_only: bool, page: int = kube.LIST_PAGE,
+                   label_selector: str | None = None, field_selector: str | None = None) -> tuple[Lister, Watcher]:
+    """The list and the watch of one kind (tests/rbac_needs.py follows the kind from each caller)."""
 
     def lister(scope: str | None, keep: Keep) -> tuple[list[dict[str, Any]], str]:
-        return kube.list_page(api_version, kind, scope, metadata_only, label_selector=label_selector, keep=keep, page=page)
+        return kube.list_page(api_version, kind, scope, metadata_only, field_selector=field_selector,
+                              label_selector=label_selector, keep=keep, page=page)
 
     def watcher(scope: str | None, version: str, stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-        return kube.watch_page(api_version, kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop, label_selector=label_selector)
+        return kube.watch_page(api_version, kind, scope, version, WATCH_TIMEOUT_S, metadata_only, stop,
+                               field_selector=field_selector, label_selector=label_selector)
 
     return lister, watcher
 
@@ -202,21 +203,21 @@ def _kind(api_version: str, kind: str, metadata_only: bool, page: int = kube.LIS
 def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Users' own vLLM pods attached to a resource (spec.vllm.mode Attached), by the label the attach
     policies judge, as kvpersist.status.workloads.attached_view keeps them (a pod's spec is kilobytes)."""
-    return WatchCache("Pod", namespaces, *_kind("v1", "Pod", False, label_selector=ATTACH_LABEL), keep=attached_view)
+    return WatchCache("Pod", namespaces, *list_and_watch("v1", "Pod", False, label_selector=ATTACH_LABEL), keep=attached_view)
 
 
 def secrets(namespaces: tuple[str, ...] | None, label_keys: tuple[str, ...] = ()) -> WatchCache:
     """label_keys: the labels read besides the operator's own (the chart's secretLabel key)."""
-    return WatchCache("Secret", namespaces, *_kind("v1", "Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
+    return WatchCache("Secret", namespaces, *list_and_watch("v1", "Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:
-    return WatchCache("PersistentVolumeClaim", namespaces, *_kind("v1", "PersistentVolumeClaim", False), keep=slim)
+    return WatchCache("PersistentVolumeClaim", namespaces, *list_and_watch("v1", "PersistentVolumeClaim", False), keep=slim)
 
 
 def configmaps(namespaces: tuple[str, ...] | None) -> WatchCache:
     """Metadata only: whether a ConfigMap a spec names exists (ReferencesFound), never its data."""
-    return WatchCache("ConfigMap", namespaces, *_kind("v1", "ConfigMap", True, SMALL_PAGE), keep=names_view)
+    return WatchCache("ConfigMap", namespaces, *list_and_watch("v1", "ConfigMap", True, SMALL_PAGE), keep=names_view)
 
 
 # The kinds besides Secret and ConfigMap whose derived names an apply takes (snapshot's names check).
@@ -227,4 +228,4 @@ def names(api_version: str, kind: str, namespaces: tuple[str, ...] | None) -> Wa
     """Metadata only, whose each object is (names_view), and for a route kind the labels that say
     which id and resource it routes for (stale_routes.route_conflicts)."""
     keep = labelled_view(ROUTE_LABELS) if (api_version, kind) in ROUTE_KINDS else names_view
-    return WatchCache(kind, namespaces, *_kind(api_version, kind, True, SMALL_PAGE), keep=keep)
+    return WatchCache(kind, namespaces, *list_and_watch(api_version, kind, True, SMALL_PAGE), keep=keep)

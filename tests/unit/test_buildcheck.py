@@ -1,4 +1,4 @@
-"""The runtime build check (kvpersist.builders.buildcheck, .status.build, .controller.buildcheck):
+"""The runtime build check (kvpersist.builders.buildcheck, .status.build):
 connectorBuild parsed, the check script run for real against fake installed distributions, the
 containers it wraps, and what the operator makes of a pod that refused to start."""
 
@@ -27,11 +27,10 @@ from kvpersist.builders.lmcache import SERVE_ENV, server_container
 from kvpersist.builders.target import NAMESPACE_ID_LABEL, SERVER, VLLM
 from kvpersist.builders.vllm import build_vllm_deployment, vllm_args
 from kvpersist.controller import runtime, transitions
-from kvpersist.controller.buildcheck import BuildBypass
 from kvpersist.controller.fallback import bypassed_in
 from kvpersist.controller.state import Controller
+from kvpersist.status.build import BuildBypass, bypass_message, refusals
 from kvpersist.status.build import BuildVerdict as Verdict
-from kvpersist.status.build import bypass_message, refusals
 from kvpersist.status.conditions import compute_status
 from kvpersist.status.workloads import Seen, slim
 from tests.unit.test_builders import target

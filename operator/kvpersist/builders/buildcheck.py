@@ -5,7 +5,7 @@ LMCache's multi-process protocol has no version handshake: a connector and a ser
 builds talk without an error and may disagree on layouts, and nothing stops a resource from naming
 another image than spec.identity.connectorBuild declares. So those containers run CHECK_SCRIPT first:
 it logs the installed versions, and when they differ from the declared ones writes why to the
-termination message and exits EXIT_CODE (kvpersist.status.build and controller.buildcheck read it).
+termination message and exits EXIT_CODE (kvpersist.status.build reads it).
 """
 
 from __future__ import annotations

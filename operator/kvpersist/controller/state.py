@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpersist.controller import buildcheck, canary, fallback, l2key, retry
+from kvpersist.controller import canary, fallback, l2key, retry
 from kvpersist.controller.pincheck import PinFiles
 from kvpersist.controller.policy import Policy, Refusal
 from kvpersist.controller.prewarm import Prewarmer
+from kvpersist.status.build import BuildBypass
 from kvpersist.status.conditions import FailedCreateCheck
 from kvpersist.status.usage import HitTracker, WriteFailureTracker
 
@@ -136,7 +137,7 @@ class Controller:
         # forget() calls each one's forget(key).
         self.apply_backoff = retry.Backoff()  # applies that failed transiently: tried again later, said in status
         self.fallback = fallback.Fallback()  # vLLM without the cache while a resource's servers are away
-        self.build_bypass = buildcheck.BuildBypass()  # vLLM refused its lmcache/vLLM versions: no cache for that id
+        self.build_bypass = BuildBypass()  # vLLM refused its lmcache/vLLM versions: no cache for that id
         self.hits = HitTracker()  # status.hits: totals folded from the servers' lookup counters, and the window
         # The correctness canary: its reference and checks, run in a pool of its own; a hit that changed
         # an answer keeps vLLM without the cache for that id until acknowledged (kvpersist.controller.canary).

@@ -82,7 +82,7 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
     if hit is not None and ((hit["reason"] == judge_canary.MISMATCH and _news(old_hit, hit)) or (
             hit["reason"] == judge_canary.NONDETERMINISTIC and old_hit.get("reason") != hit["reason"])):
         events.append(("Warning", hit["reason"], hit["message"]))
-    # The pods' build check (kvpersist.controller.buildcheck): once per distinct mismatch, and when it is over.
+    # The pods' build check (kvpersist.status.build): once per distinct mismatch, and when it is over.
     events += _failing(*pair(buildstatus.CONDITION))
     phase = new.get("phase")
     # Refused by the operator's policy (ImageNotAllowed, SecretNotAllowed): a Warning of that reason
@@ -152,7 +152,7 @@ def cache_fallback(key: tuple[str, str], body: Mapping[str, Any], conds: list[di
 
 def build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, seen: Seen,
                 logger: logging.Logger) -> buildstatus.BuildVerdict:
-    """The pods' runtime build check (kvpersist.controller.buildcheck) from their cached container
+    """The pods' runtime build check (kvpersist.status.build) from their cached container
     statuses: a vLLM pod's refusal sends vLLM without the cache for this id (applied next tick)."""
     bypass = runtime.CONTROLLER.build_bypass
     bypass.seed(key, body)

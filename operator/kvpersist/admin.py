@@ -226,8 +226,8 @@ def cmd_gc(namespace_id: str, namespace: str | None, dry_run: bool, timeout: flo
         ns, name = ref.split("/", 1)
         request = str(uuid.uuid4())
         try:
-            kube.patch_annotations(api.API_VERSION, api.KIND, name, ns,
-                                   {GC_ANNOTATION: json.dumps({"requestId": request, "namespaceId": namespace_id})})
+            kube.patch_metadata(api.API_VERSION, api.KIND, name, ns, {"metadata": {"annotations": {
+                GC_ANNOTATION: json.dumps({"requestId": request, "namespaceId": namespace_id})}}})
         except ApiException as exc:
             if exc.status not in (401, 403):
                 raise

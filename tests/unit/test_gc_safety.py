@@ -55,7 +55,7 @@ class FakeCluster:
         monkeypatch.setattr(kube, "list_all", self.list_all)
         monkeypatch.setattr(kube, "patch_status", lambda *a: self.status.update(a[-1]))
         monkeypatch.setattr(kube, "post_event", lambda *a: self.calls.append(f"event {a[2]}"))
-        monkeypatch.setattr(kube, "patch_annotations", lambda *a: self.annotations.update(a[-1]))
+        monkeypatch.setattr(kube, "patch_metadata", lambda *a: self.annotations.update(a[-1]["metadata"]["annotations"]))
         monkeypatch.setattr(agents, "agent_token", lambda target: "token")
         monkeypatch.setattr(cleanup, "request_gc", self.request_gc)
 

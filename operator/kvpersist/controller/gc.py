@@ -49,7 +49,8 @@ def run_gc(body: Mapping[str, Any], request: dict[str, str], seen: Seen, logger:
     kube.post_event(body, "Normal" if done in ("Deleted", "NotFound") else "Warning", reason, outcome["message"])
     metrics.inc("kvpersist_gc_total")
     logger.warning("%s/%s gc %s: %s", meta["namespace"], meta["name"], outcome["outcome"], outcome["message"])
-    kube.patch_annotations(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], {GC_ANNOTATION: None})
+    kube.patch_metadata(api.API_VERSION, api.KIND, meta["name"], meta["namespace"],
+                        {"metadata": {"annotations": {GC_ANNOTATION: None}}})
 
 
 async def gc_in_worker(key: tuple[str, str], request: dict[str, str], logger: logging.Logger) -> None:

@@ -201,11 +201,6 @@ def delete(api_version: str, kind: str, name: str, namespace: str) -> None:
         _resource(api_version, kind).delete(name=name, namespace=namespace, _request_timeout=REQUEST_TIMEOUT_S)
 
 
-def patch_annotations(api_version: str, kind: str, name: str, namespace: str, annotations: Mapping[str, str | None]) -> None:
-    """JSON merge patch of metadata.annotations (None removes one)."""
-    patch_metadata(api_version, kind, name, namespace, {"metadata": {"annotations": dict(annotations)}})
-
-
 def patch_metadata(api_version: str, kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> None:
     """JSON merge patch of an object's labels and annotations only (None removes one), never its data or
     spec: the key Secret and the claims are not the operator's to apply over (kvpersist.builders.retained)."""

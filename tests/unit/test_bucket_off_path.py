@@ -12,7 +12,7 @@ import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
 from kvpersist.builders.target import Target
-from kvpersist.controller import bucketcheck, runtime
+from kvpersist.controller import l2runtime, runtime
 from kvpersist.inventory.bucket import Preflight
 from kvpersist.inventory.volume import Inventory
 from tests.cases.invalid_manifests import sample
@@ -57,8 +57,8 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Any:
         assert state["release"].wait(10)
         return Preflight(True, "BucketReachable", "bucket reachable")
 
-    monkeypatch.setattr(bucketcheck, "scan_bucket", scan)
-    monkeypatch.setattr(bucketcheck, "preflight_bucket", preflight)
+    monkeypatch.setattr(l2runtime, "scan_bucket", scan)
+    monkeypatch.setattr(l2runtime, "preflight_bucket", preflight)
     runtime.CONTROLLER.forget((target.namespace, target.name))
     runtime.CONTROLLER.state((target.namespace, target.name))  # known, as after its first watch event
     state.update(target=target, inventory=inventory)
@@ -70,24 +70,24 @@ def test_a_hanging_listing_costs_the_refresh_nothing(hub: dict) -> None:
     target, key = hub["target"], (hub["target"].namespace, hub["target"].name)
     start = time.monotonic()
     for _ in range(5):  # five refreshes while the Hub hangs: each returns at once, one listing runs
-        assert bucketcheck.bucket_inventory_of(target, Token()) is None
+        assert l2runtime.bucket_inventory_of(target, Token()) is None
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["listings"] == 1)
     assert hub["listings"] == 1 and not runtime.CONTROLLER.state(key).dirty
     hub["release"].set()
     wait_until(lambda: runtime.CONTROLLER.state(key).dirty)  # marked for a refresh when it ended
-    assert bucketcheck.bucket_inventory_of(target, Token()) is hub["inventory"]
+    assert l2runtime.bucket_inventory_of(target, Token()) is hub["inventory"]
     assert hub["listings"] == 1  # and cached for its TTL
 
 
 def test_a_hanging_preflight_leaves_the_check_unknown_then_shows_its_verdict(hub: dict) -> None:
     target, key = hub["target"], (hub["target"].namespace, hub["target"].name)
     start = time.monotonic()
-    assert bucketcheck.bucket_check(target, Token()) is None  # unknown: L2Ready is not judged on it yet
-    assert bucketcheck.bucket_check(target, Token()) is None
+    assert l2runtime.bucket_check(target, Token()) is None  # unknown: L2Ready is not judged on it yet
+    assert l2runtime.bucket_check(target, Token()) is None
     assert time.monotonic() - start < 0.5
     wait_until(lambda: hub["preflights"] == 1)
     hub["release"].set()
     wait_until(lambda: runtime.CONTROLLER.state(key).dirty)
-    assert bucketcheck.bucket_check(target, Token()) == (True, "BucketReachable", "bucket reachable")
+    assert l2runtime.bucket_check(target, Token()) == (True, "BucketReachable", "bucket reachable")
     assert hub["preflights"] == 1

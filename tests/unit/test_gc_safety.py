@@ -15,7 +15,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import agents, bucketcheck, inuse, kube, l2runtime
+from kvpersist.controller import agents, inuse, kube, l2runtime
 from kvpersist.controller import gc as controller_gc
 from kvpersist.identity import key_fingerprint, resolve
 from kvpersist.inventory import bucket as inventory_bucket
@@ -145,7 +145,7 @@ def test_a_bucket_not_marked_exclusive_is_refused_before_any_request(monkeypatch
         raise AssertionError("the bucket must not be touched")
 
     monkeypatch.setattr(l2runtime, "remove_bucket_namespace", never)
-    monkeypatch.setattr(bucketcheck.SecretOnce, "token", lambda self: "hf_x")
+    monkeypatch.setattr(l2runtime.SecretOnce, "token", lambda self: "hf_x")
     body = _body("hf-bucket")
     assert KVCacheNamespace.model_validate(body).spec.l2.hf_bucket.exclusive_to_this_cluster is False  # the default
     controller_gc.run_gc(body, {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
@@ -164,7 +164,7 @@ def test_an_exclusive_bucket_is_deleted_with_a_recheck_before_each_batch(monkeyp
         api.appears_after = 0  # a resource using the namespace is created after the first batch
 
     monkeypatch.setattr(inventory_bucket, "_delete_chunk", delete_chunk)
-    monkeypatch.setattr(bucketcheck.SecretOnce, "token", lambda self: "hf_x")
+    monkeypatch.setattr(l2runtime.SecretOnce, "token", lambda self: "hf_x")
     controller_gc.run_gc(_body("hf-bucket", exclusiveToThisCluster=True), {"requestId": "r1", "namespaceId": ORPHAN}, Seen(), LOG)
     deletes = [i for i, c in enumerate(api.calls) if c.startswith("delete")]
     assert api.calls[:3] == ["list KVCacheNamespace", "list Pod", "delete 1000"]

@@ -14,7 +14,7 @@ import pytest
 
 from kvpersist.api.spec import KVCacheNamespaceSpec
 from kvpersist.builders.target import Target
-from kvpersist.controller import bucketcheck, kube, runtime
+from kvpersist.controller import kube, l2runtime, runtime
 from tests.cases.invalid_manifests import sample
 
 KEY = ("ml", "r")
@@ -51,7 +51,7 @@ def target() -> Target:
 
 
 def token() -> str | None:
-    return bucketcheck.SecretOnce(target()).token()
+    return l2runtime.SecretOnce(target()).token()
 
 
 def test_read_once_per_version_and_never_once_gone(reads: list[str]) -> None:

@@ -85,7 +85,7 @@ class ResourceState:
     bucket_inventory_failed: bool = False
     bucket_jobs: dict[str, concurrent.futures.Future[None]] = field(default_factory=dict)  # "preflight"/"listing"
     # The bucket token's Secret as last read ((name, key, resourceVersion), its metadata and that
-    # key), kept while the Secret watch cache shows the same version (kvpersist.controller.bucketcheck).
+    # key), kept while the Secret watch cache shows the same version (kvpersist.controller.l2runtime).
     token_secret: tuple[tuple[str, str, str | None], dict[str, Any] | None] | None = None
     # The L2 key Secret as last read (when, judged: its fingerprint or why none; never the key).
     key_read: tuple[float, l2key.KeyRead] | None = None

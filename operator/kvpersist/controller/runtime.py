@@ -65,16 +65,15 @@ API_ERROR_BACKOFFS = (1, 1, 2, 3, 5, 8, *(10,) * 40)  # about 7 minutes
 EVENT_HANDLERS = frozenset({"track", "drift"})
 
 
-class _EventHandlerSuccess(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.msg
-        return not (record.levelno <= logging.INFO and isinstance(msg, str) and msg.startswith("Handler '")
-                    and msg.endswith("' succeeded.") and msg[9:-12] in EVENT_HANDLERS)
+def _not_event_handler_success(record: logging.LogRecord) -> bool:
+    msg = record.msg
+    return not (record.levelno <= logging.INFO and isinstance(msg, str) and msg.startswith("Handler '")
+                and msg.endswith("' succeeded.") and msg[9:-12] in EVENT_HANDLERS)
 
 
 def quiet_event_handler_logs() -> None:
     """Drops kopf's success lines of EVENT_HANDLERS (all else stays); `kvpersist run --verbose` keeps them."""
-    logging.getLogger("kopf.objects").addFilter(_EventHandlerSuccess())
+    logging.getLogger("kopf.objects").addFilter(_not_event_handler_success)
 
 
 WORKER_IDLE_S = 0.5

@@ -189,7 +189,7 @@ def cache_names(objects: dict[tuple[str, str], dict[str, Any]], synced: bool = T
         return Cached({name: meta for (k, name), meta in objects.items() if k == kind}, keep, synced)
 
     runtime.CONTROLLER.configmap_cache = of("ConfigMap", watchcache.names_view)  # type: ignore[assignment]
-    runtime.CONTROLLER.secret_cache = of("Secret", watchcache.secret_view())  # type: ignore[assignment]
+    runtime.CONTROLLER.secret_cache = of("Secret", watchcache.secrets(None).keep)  # type: ignore[assignment]
     runtime.CONTROLLER.name_caches = {kind: of(kind, watchcache.names(version, kind, None).keep)  # type: ignore[misc]
                                       for version, kind in watchcache.NAMED_KINDS}
 
@@ -431,7 +431,7 @@ class SecretsWatched:
 
     def lookup(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
         found = self.secrets.get(name)
-        return True, (watchcache.secret_view()(found) if found is not None else None)
+        return True, (watchcache.secrets(None).keep(found) if found is not None else None)
 
 
 def test_the_secrets_it_made_are_not_read_back(monkeypatch) -> None:

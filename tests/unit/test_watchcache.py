@@ -65,7 +65,7 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make(script: Script) -> watchcache.WatchCache:
-    return watchcache.WatchCache("Secret", ("ns",), script.lister, script.watcher, keep=watchcache.secret_view(("a",)))
+    return watchcache.WatchCache("Secret", ("ns",), script.lister, script.watcher, keep=watchcache.secrets(("ns",), ("a",)).keep)
 
 
 def test_nothing_is_answered_before_the_first_listing(fast: None) -> None:
@@ -93,7 +93,7 @@ def test_changes_and_deletes_land_and_a_failed_watch_unsyncs_until_the_next_list
             script.listings = relisted
         return Script.lister(script, scope, keep)
 
-    cache = watchcache.WatchCache("Secret", ("ns",), lister, script.watcher, keep=watchcache.secret_view())
+    cache = watchcache.WatchCache("Secret", ("ns",), lister, script.watcher, keep=watchcache.secrets(("ns",)).keep)
     cache.start()
     try:
         until(lambda: cache.lookup("ns", "k")[0])
@@ -113,7 +113,7 @@ def test_changes_and_deletes_land_and_a_failed_watch_unsyncs_until_the_next_list
 
 
 def test_a_namespace_outside_the_scopes_is_never_answered() -> None:
-    cache = watchcache.WatchCache("Secret", ("ns",), Script([[]]).lister, Script([[]]).watcher, keep=watchcache.secret_view())
+    cache = watchcache.WatchCache("Secret", ("ns",), Script([[]]).lister, Script([[]]).watcher, keep=watchcache.secrets(("ns",)).keep)
     assert cache.lookup("elsewhere", "k") == (False, None)
 
 
@@ -144,7 +144,7 @@ def test_only_what_is_read_of_a_secret_or_configmap_is_kept() -> None:
                             "annotations": {"big": "a" * 256 * 1024, ARGOCD_SYNC_OPTIONS: "Prune=false"},
                             "ownerReferences": [{"kind": "X", "name": "y", "uid": "z"}] * 100 + [owner],
                             "managedFields": [{"manager": "m"}] * 100}}
-    assert watchcache.secret_view(("usable",))(hostile) == {"metadata": {
+    assert watchcache.secrets(("ns",), ("usable",)).keep(hostile) == {"metadata": {
         "name": "x", "namespace": "ns", "uid": "u", "resourceVersion": "3", "ownerReferences": controller,
         "labels": {"usable": "yes", "app.kubernetes.io/managed-by": "kvpersist"},
         "annotations": {ARGOCD_SYNC_OPTIONS: "Prune=false"}}}

@@ -81,12 +81,6 @@ def labelled_view(label_keys: tuple[str, ...], annotation_keys: tuple[str, ...] 
     return keep
 
 
-def secret_view(label_keys: tuple[str, ...] = ()) -> Keep:
-    """A Secret's identity, the labels read of it (the operator's own, and secretLabel's key among
-    label_keys) and the annotations it protects, never the rest of its metadata."""
-    return labelled_view(OWN_LABELS + label_keys, PROTECTED_ANNOTATIONS)
-
-
 class WatchCache:
     """Objects of one kind in the given namespaces (None: cluster-wide), kept fresh by a watch."""
 
@@ -207,8 +201,10 @@ def attached_pods(namespaces: tuple[str, ...] | None) -> WatchCache:
 
 
 def secrets(namespaces: tuple[str, ...] | None, label_keys: tuple[str, ...] = ()) -> WatchCache:
-    """label_keys: the labels read besides the operator's own (the chart's secretLabel key)."""
-    return WatchCache("Secret", namespaces, *list_and_watch("v1", "Secret", True, SMALL_PAGE), keep=secret_view(label_keys))
+    """A Secret's identity, the labels read of it (the operator's own, and label_keys: the chart's secretLabel
+    key) and the annotations it protects, never the rest of its metadata."""
+    keep = labelled_view(OWN_LABELS + label_keys, PROTECTED_ANNOTATIONS)
+    return WatchCache("Secret", namespaces, *list_and_watch("v1", "Secret", True, SMALL_PAGE), keep=keep)
 
 
 def claims(namespaces: tuple[str, ...] | None) -> WatchCache:

@@ -37,20 +37,12 @@ async def kvp_deployments(body: kopf.Body, **_: Any) -> Any:
     return index_entry(body)
 
 
-@kopf.index("", "v1", "pods", labels=MANAGED)
-async def kvp_pods(body: kopf.Body, **_: Any) -> Any:
-    return index_entry(body)
-
-
-@kopf.index("apps", "v1", "replicasets", labels=MANAGED)
-async def kvp_replicasets(body: kopf.Body, **_: Any) -> Any:
-    """A Deployment's ReplicaSets (they carry its pod template's labels): the middle link of a vLLM
-    pod's ownerReference chain, which decides whether it gets credentials (trusted_pods)."""
-    return index_entry(body)
-
-
-@kopf.index("", "v1", "persistentvolumeclaims")
-async def kvp_claims(body: kopf.Body, **_: Any) -> Any:
+# Indexed only: a change marks no resource. A Deployment's ReplicaSets carry its pod template's labels: the
+# middle link of a vLLM pod's ownerReference chain, which decides whether it gets credentials (trusted_pods).
+@kopf.index("", "v1", "pods", labels=MANAGED, id="kvp_pods")
+@kopf.index("apps", "v1", "replicasets", labels=MANAGED, id="kvp_replicasets")
+@kopf.index("", "v1", "persistentvolumeclaims", id="kvp_claims")
+async def entry(body: kopf.Body, **_: Any) -> Any:
     return index_entry(body)
 
 

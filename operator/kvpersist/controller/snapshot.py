@@ -52,19 +52,12 @@ def stores_from_api(target: Target) -> tuple[tuple[sharing.User, ...], tuple[Met
     return tuple(u for b in bodies if (u := sharing.user_of(b)) is not None), tuple(pods)
 
 
-def _existing_metadata(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The metadata of what holds a manifest's name now, or None: a Secret or ConfigMap by
-    watched_metadata, any other kind by _held."""
-    meta = manifest["metadata"]
-    if manifest["kind"] in ("Secret", "ConfigMap"):
-        return watched_metadata(manifest["kind"], meta["name"], meta["namespace"])
-    return _held(manifest["apiVersion"], manifest["kind"], meta["name"], meta["namespace"])
-
-
 def _held(api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    """The metadata of the object under a name, or None: from the kind's metadata-only watch cache
-    where it has listed (a route kind's keeps the labels route_conflicts reads), else by a
-    metadata-only LIST of that name (the operator may list, not get, these kinds)."""
+    """The metadata of the object under a name, or None: a Secret or ConfigMap by watched_metadata;
+    else from the kind's metadata-only watch cache where it has listed (a route kind's keeps the labels
+    route_conflicts reads), else by a metadata-only LIST of that name (the operator may list, not get, these kinds)."""
+    if kind in ("Secret", "ConfigMap"):
+        return watched_metadata(kind, name, namespace)
     synced, found = cached_name(kind, name, namespace)
     if synced:
         return found
@@ -88,7 +81,8 @@ def _names(snap: Snapshot, again: bool = True) -> Snapshot:
         name = target.per_id_name(target.namespace_id)
         routes = [pool.submit(lambda api_version=api_version, kind=kind: _held(api_version, kind, name, target.namespace))
                   for api_version, kind in ROUTE_KINDS]
-    lookups = [pool.submit(lambda m=manifest: _existing_metadata(m)) for manifest in unknown]
+    lookups = [pool.submit(lambda m=manifest: _held(m["apiVersion"], m["kind"], m["metadata"]["name"], m["metadata"]["namespace"]))
+               for manifest in unknown]
     cache_claim = target.model_cache_claim if any(m["kind"] == "PersistentVolumeClaim" for m in manifests) else None
     weights = pool.submit(lambda: kube.get("v1", "PersistentVolumeClaim", cache_claim, target.namespace)) if cache_claim else None
     nvme = target.spec.l2.nvme

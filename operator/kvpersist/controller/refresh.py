@@ -64,8 +64,8 @@ from kvpersist.status.usage import collect_usage
 from kvpersist.status.workloads import Seen, attached_counts
 
 
-def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen,
-             secrets_usable: bool = True, key: l2key.KeyRead | None = None, max_servers: int | None = None) -> Observation:
+def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, seen: Seen, token: str | None,
+             secrets_usable: bool, key: l2key.KeyRead | None, max_servers: int | None) -> Observation:
     """Workload objects come from the watch caches (seen); the store is its backend's to observe
     (controller.l2runtime). secrets_usable False: the Secrets the user named are refused (policy),
     so neither is read. key: the L2 key as judged; max_servers: as decided (ClaimNotShared: one)."""
@@ -74,7 +74,6 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     pods = seen.server_pods()
     running = seen.running_servers()
     server_desired = min(spec.lmcache_server.replicas, max_servers or spec.lmcache_server.replicas) if target.cache_enabled else 0
-    token = agents.agent_token(target) if target.cache_enabled else None
     reports = collect_usage(running, spec.lmcache_server.agent_port, token=token) if target.cache_enabled else []
     now = time.monotonic()
     state = runtime.CONTROLLER.held((target.namespace, target.name))
@@ -126,14 +125,13 @@ def _mark_dirty(key: tuple[str, str]) -> None:
     runtime.CONTROLLER.held(key).dirty = True
 
 
-def _warm(key: tuple[str, str], target: Target, seen: Seen, bypassed: bool) -> tuple[bool | None, str, str] | None:
+def _warm(key: tuple[str, str], target: Target, seen: Seen, bypassed: bool, token: str | None) -> tuple[bool | None, str, str] | None:
     """spec.prewarm's Warm condition (kvpersist.controller.prewarm), starting the passes that are
     due off the refresh path; None when nothing is declared. vLLM without the cache (bypassed, as
     decided) registers no layout: nothing is warmed meanwhile."""
     if target.spec.prewarm is None:
         runtime.CONTROLLER.prewarm.forget(key)
         return None
-    token = agents.agent_token(target) if target.cache_enabled else None
     return runtime.CONTROLLER.prewarm.observe(key, dataclasses.replace(target, cache_bypassed=bypassed), seen.pods, token,
                                               lambda: prewarm.read_api_key(target, named_secret_refusal),
                                               lambda: _mark_dirty(key))
@@ -205,19 +203,19 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             target = dataclasses.replace(target, routes=False, cache_bypassed=True)
         if state.routes_pending and clean_stale_routes(target, seen, logger):
             state.routes_pending = False
-        observation = _observe(body, target, resolution, seen, secrets_usable=secrets_usable, key=read,
+        token = agents.agent_token(target) if target.cache_enabled else None  # read once for the round
+        observation = _observe(body, target, resolution, seen, token, secrets_usable=secrets_usable, key=read,
                                max_servers=decision.target.max_servers)
-        if target.cache_enabled:
-            observation.build = transitions.build_check(key, body, target, seen, logger)
         observation.pins = runtime.CONTROLLER.pin_files.verdict(declared.identity, pincheck.scope_of(declared, key[0]),
                                                                 pins_on)
-        if target.cache_enabled:  # the correctness canary: its jobs run off this path, its verdict is read here
+        if target.cache_enabled:  # the build check, and the correctness canary (its jobs run off this path, its verdict here)
+            observation.build = transitions.build_check(key, body, target, seen, logger)
             observation.canary, released = runtime.CONTROLLER.canary.refresh(
                 key, body, target, seen.pods, lambda drift: transitions.canary_done(key, drift),
-                allowed=refused is None and state.name_taken is None, agent_token=agents.agent_token(target))
+                allowed=refused is None and state.name_taken is None, agent_token=token)
             if released:
                 _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again
-        observation.warm = _warm(key, target, seen, decision.target.cache_bypassed)
+        observation.warm = _warm(key, target, seen, decision.target.cache_bypassed, token)
         observation.references = references_found(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:

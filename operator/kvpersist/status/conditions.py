@@ -142,9 +142,7 @@ def pods_missing(statefulset: Mapping[str, Any] | None, desired: int) -> bool:
 def _event_time(event: Mapping[str, Any]) -> float:
     for key in ("lastTimestamp", "eventTime", "firstTimestamp"):
         stamp = event.get(key) or ((event.get("series") or {}).get("lastObservedTime") if key == "eventTime" else None)
-        if isinstance(stamp, datetime):
-            return stamp.timestamp()
-        if isinstance(stamp, str):
+        if isinstance(stamp, str):  # the Events are read as JSON (to_dict)
             try:
                 return parse_iso(stamp) or 0.0
             except ValueError:

@@ -1,10 +1,6 @@
-"""What one apply of a KVCacheNamespace decides, as one pure function of what it looks at.
-
-Everything an apply looks at is read first into one value, a Snapshot (kvpersist.controller.snapshot,
-from the watch caches where they have it; `kvpersist plan` reads its own with the user's credentials),
-and decide() turns it into the whole verdict, so the operator (kvpersist.controller.apply) and the plan
-act on the same one. No I/O, no state of the running operator, no environment, no chance: a fresh
-token, the agent image and the chart's settings come in through the snapshot and its policy.
+"""What one apply of a KVCacheNamespace decides: decide(Snapshot), pure (no I/O, state, environment
+or chance: a fresh token, the agent image and the chart's settings come in the snapshot), so the
+operator and `kvpersist plan` act on the same verdict (docs/design.md).
 
 The rules, in the order a user would fix them, each stopping what follows:
 1. the operator's policy (ImageNotAllowed, SecretNotAllowed): nothing else is read, the key's data included;

@@ -1,8 +1,6 @@
-"""The running operator's reads for one apply, into a Snapshot (kvpersist.controller.decision),
-before anything is decided: the watch caches first, the API server where they have not listed.
-decision.staged runs them in the rules' order (`kvpersist plan` runs it with reads of its own,
-kvpersist.plancmd). They are functions and closures that call the API directly, which
-tests/rbac_needs.py follows to the kinds they reach.
+"""The running operator's reads for one apply, into a Snapshot (kvpersist.controller.decision, whose
+staged orders them): the watch caches first, the API server where they have not listed. Functions and
+closures that call the API directly, which tests/rbac_needs.py follows to the kinds they reach.
 """
 
 from __future__ import annotations
@@ -85,8 +83,7 @@ def _names(snap: Snapshot, again: bool = True) -> Snapshot:
                for manifest in unknown]
     cache_claim = target.model_cache_claim if any(m["kind"] == "PersistentVolumeClaim" for m in manifests) else None
     weights = pool.submit(lambda: kube.get("v1", "PersistentVolumeClaim", cache_claim, target.namespace)) if cache_claim else None
-    nvme = target.spec.l2.nvme
-    shared = nvme.existing_claim_name if nvme is not None and nvme.shared else None
+    shared = target.spec.l2.nvme.existing_claim_name if target.shared else None  # type: ignore[union-attr]
     user_claim = pool.submit(lambda: named_claim(shared, target.namespace)) if shared else None
     concurrent.futures.wait([*lookups, *routes, *(j for j in (weights, user_claim) if j is not None)])
     found: dict[tuple[str, str, str], Meta | None] = {}
@@ -214,10 +211,9 @@ def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen:
     nid = target.namespace_id
     if target.cache_enabled and runtime.CONTROLLER.held(key_).route_taken is not None:
         name = target.per_id_name(nid)
-        routes = {}
         try:
-            for api_version, kind in ROUTE_KINDS:
-                routes[kind, target.namespace, name] = _held(api_version, kind, name, target.namespace)
+            routes = {(kind, target.namespace, name): _held(api_version, kind, name, target.namespace)
+                      for api_version, kind in ROUTE_KINDS}
         except ApiException:  # as that apply read them: asked again next refresh
             routes = {}
         snap = dataclasses.replace(snap, names={**snap.names, **routes})

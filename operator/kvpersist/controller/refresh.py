@@ -125,18 +125,6 @@ def _mark_dirty(key: tuple[str, str]) -> None:
     runtime.CONTROLLER.held(key).dirty = True
 
 
-def _warm(key: tuple[str, str], target: Target, seen: Seen, bypassed: bool, token: str | None) -> tuple[bool | None, str, str] | None:
-    """spec.prewarm's Warm condition (kvpersist.controller.prewarm), starting the passes that are
-    due off the refresh path; None when nothing is declared. vLLM without the cache (bypassed, as
-    decided) registers no layout: nothing is warmed meanwhile."""
-    if target.spec.prewarm is None:
-        runtime.CONTROLLER.prewarm.forget(key)
-        return None
-    return runtime.CONTROLLER.prewarm.observe(key, dataclasses.replace(target, cache_bypassed=bypassed), seen.pods, token,
-                                              lambda: prewarm.read_api_key(target, named_secret_refusal),
-                                              lambda: _mark_dirty(key))
-
-
 def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Decision:
     """decide on the last apply's snapshot as the watch caches show it now (snapshot.refreshed);
     an idle round, whose snapshot is the last round's, reuses that decision. Blocking (the route
@@ -215,7 +203,13 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
                 allowed=refused is None and state.name_taken is None, agent_token=token)
             if released:
                 _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again
-        observation.warm = _warm(key, target, seen, decision.target.cache_bypassed, token)
+        if target.spec.prewarm is None:
+            runtime.CONTROLLER.prewarm.forget(key)
+        else:  # Warm, its due passes started off this path; vLLM without the cache (as decided) warms nothing
+            observation.warm = runtime.CONTROLLER.prewarm.observe(
+                key, dataclasses.replace(target, cache_bypassed=decision.target.cache_bypassed), seen.pods, token,
+                lambda: prewarm.read_api_key(target, named_secret_refusal),
+                lambda: _mark_dirty(key))
         observation.references = references_found(target)  # ReferencesFound: the named objects exist
         observation.creator_rights = runtime.CONTROLLER.creator_rights  # CreatorRightsEnforced (admissioncheck)
         if old.get("namespaceId") == target.namespace_id and observation.budget_bytes is not None:

@@ -226,15 +226,6 @@ def budget_floor(obs: Observation) -> int:
     return min(obs.budget_floor, obs.budget_bytes) if obs.budget_bytes is not None else 0
 
 
-def _budget_verdict(budget: Mapping[str, Any] | None) -> Verdict | None:
-    if budget is None:
-        return None
-    if budget["state"] != "Exhausted":
-        return (True, "UnderBudget", f"L2 budget {budget['_shown']} used")
-    return (False, "BudgetExhausted", f"L2 holds {budget['_shown']} of this namespace's budget: new KV is not persisted "
-            "(served from L1 and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room")
-
-
 def space_condition(l2: Mapping[str, Any] | None, gen: int | None) -> dict[str, Any] | None:
     """L2SpaceAvailable: False once the fullest claim is NEARLY_FULL, naming the other namespaces'
     folders and how to delete them; True otherwise; absent while no claim was read."""
@@ -363,6 +354,12 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     ready_pods = {p["metadata"]["name"] for p in obs.server_pods if pod_ready(p)}
     sick = [r for r in obs.reports if not r.healthy and r.pod in ready_pods]
     budget = budget_status(obs)
+    within: Verdict | None = None
+    if budget is not None and budget["state"] != "Exhausted":
+        within = (True, "UnderBudget", f"L2 budget {budget['_shown']} used")
+    elif budget is not None:
+        within = (False, "BudgetExhausted", f"L2 holds {budget['_shown']} of this namespace's budget: new KV is not persisted "
+                  "(served from L1 and recompute), stored KV keeps hitting. Raise spec.l2.nvme.budget, or free room")
 
     lmcache: Verdict
     if not cache_on:
@@ -383,7 +380,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
     optional = [build_condition(obs.build, gen) if obs.build is not None and cache_on else None,
                 _given("PinsVerified", obs.pins, gen), _given(canary.CONDITION, obs.canary if cache_on else None, gen),
-                _given("WithinBudget", _budget_verdict(budget), gen), space_condition(obs.l2_space, gen) if cache_on else None,
+                _given("WithinBudget", within, gen), space_condition(obs.l2_space, gen) if cache_on else None,
                 _given(WARM_CONDITION, obs.warm, gen), _given(references.CONDITION, obs.references, gen),
                 _given(creatorrights.CONDITION, obs.creator_rights, gen)]
     conds += [c for c in optional if c is not None]

@@ -166,7 +166,11 @@ def _act(decision: Decision, raw_key: bytes | None, body: Mapping[str, Any], sta
         state.key_read_version = (key_job.result().get("metadata") or {}).get("resourceVersion")
         logger.info("%s/%s: generated L2 master key Secret %s (fingerprint %s)", target.namespace, target.name,
                     key_secret["metadata"]["name"], decision.generated_key)
-    _shared_claim(decision, logger)  # before the StatefulSet whose pods mount it
+    # spec.l2.nvme.shared with size: its one claim, before the StatefulSet whose pods mount it; created
+    # when absent, never applied over (builders.lmcache.build_shared_claim). None with the cache off.
+    if decision.shared_claim is not None and kube.create_if_absent(decision.shared_claim):
+        logger.info("%s/%s: created the shared L2 claim %s (ReadWriteMany, %s)", target.namespace, target.name,
+                    decision.shared_claim["metadata"]["name"], target.spec.l2.nvme.size)  # type: ignore[union-attr]
     for manifest in decision.manifests:
         if manifest["kind"] == "PersistentVolumeClaim":
             _model_cache_claim(manifest, decision, body, state, logger)
@@ -195,20 +199,6 @@ def _pool_api_missing(decision: Decision, body: Mapping[str, Any], state: Any, l
     logger.warning("%s/%s: %s", target.namespace, target.name, message)
     kube.post_event(body, "Warning", inferencepool.API_MISSING, message)
     state.pool_api_missing_warned = generation
-
-
-def _shared_claim(decision: Decision, logger: logging.Logger) -> None:
-    """spec.l2.nvme.shared with size: the one ReadWriteMany claim, created when absent and never
-    applied over (kvpersist.builders.lmcache.build_shared_claim; owned by the resource only with
-    reclaimPolicy Delete, decide sets that). None with the cache off, like a StatefulSet at zero."""
-    manifest = decision.shared_claim
-    target = decision.target
-    if manifest is None:
-        return
-    assert target.spec.l2.nvme is not None
-    if kube.create_if_absent(manifest):
-        logger.info("%s/%s: created the shared L2 claim %s (ReadWriteMany, %s)", target.namespace, target.name,
-                    manifest["metadata"]["name"], target.spec.l2.nvme.size)
 
 
 MODEL_CACHE_DIFFERS = "ModelCacheDiffers"  # the Warning event's reason: the claim is kept as it was made

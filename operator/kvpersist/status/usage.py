@@ -199,14 +199,6 @@ class LookupCounters:
     events_dropped: int | None = None
 
 
-def _stamp(seconds: float) -> str | None:
-    """iso(), or None for a value no clock shows (a hostile /metrics)."""
-    try:
-        return iso(seconds)
-    except (OverflowError, OSError, ValueError):
-        return None
-
-
 def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | None:
     """The lookup counters of a parsed /metrics; None when unknown (no body, no lmcache_ sample, a
     counter that is no count). A server that served no lookup yet exports none of them: zeros."""
@@ -216,7 +208,12 @@ def lookup_counters(metrics: Mapping[str, float] | None) -> LookupCounters | Non
     if not all(is_count(v) for v in values):
         return None
     start = metrics.get(PROCESS_START)
-    started = _stamp(start) if start is not None and math.isfinite(start) and start > 0 else None
+    started = None
+    if start is not None and math.isfinite(start) and start > 0:
+        try:
+            started = iso(start)
+        except (OverflowError, OSError, ValueError):  # a value no clock shows (a hostile /metrics)
+            started = None
     restores = []
     for name in (RESTORE_L2, RESTORE_L1):
         total, loads = metrics.get(name + "_sum", 0.0), metrics.get(name + "_count", 0.0)

@@ -309,20 +309,6 @@ def _exclusive(target: Target, snap: Snapshot, unchecked: list[ChildKey]) -> tup
                                bypass_reason=f"route name {target.per_id_name(target.namespace_id)} is taken"), None, taken
 
 
-def _bypassed(target: Target, snap: Snapshot) -> Target:
-    """vLLM without the cache: its servers away, a vLLM pod that refused its build for this id, or a
-    cache hit that changed the canary's answer (status.canary) until acknowledged."""
-    nid = target.namespace_id
-    build = snap.build_refused.get(nid) if nid else None
-    hit = snap.hit_mismatch.get(nid) if nid else None
-    target = dataclasses.replace(target, cache_bypassed=snap.fallback_bypassed or build is not None or hit is not None)
-    if build is not None:
-        target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
-    if hit is not None:
-        target = dataclasses.replace(target, bypass_reason=f"a cache hit changed the canary's answer (HitMismatch {hit})")
-    return target
-
-
 def _names(manifests: list[dict[str, Any]], snap: Snapshot) -> tuple[list[tuple[str, str]], list[ChildKey], list[ChildKey]]:
     """(kind, name) of each object under the apply's names that is not this resource's own; the
     names found its own; the names the snapshot lacks."""
@@ -400,8 +386,17 @@ def decide(snap: Snapshot) -> Decision:
             return Decision(base, refused, stage, phase, conds, key=key, key_lost=lost)
     unchecked: list[ChildKey] = [("PersistentVolumeClaim", snap.namespace, n) for n in ownership.l2_claim_names(base)
                                  if snap.l2_claims is None]
-    target = _bypassed(_target(snap, key.fingerprint if key is not None else None), snap)
+    target = _target(snap, key.fingerprint if key is not None else None)
     key_id = target.namespace_id
+    # vLLM without the cache: its servers away, a vLLM pod that refused its build for this id, or a
+    # cache hit that changed the canary's answer (status.canary) until acknowledged.
+    build = snap.build_refused.get(key_id) if key_id else None
+    hit = snap.hit_mismatch.get(key_id) if key_id else None
+    target = dataclasses.replace(target, cache_bypassed=snap.fallback_bypassed or build is not None or hit is not None)
+    if build is not None:
+        target = dataclasses.replace(target, bypass_reason="a vLLM pod refused its lmcache/vLLM build")
+    if hit is not None:
+        target = dataclasses.replace(target, bypass_reason=f"a cache hit changed the canary's answer (HitMismatch {hit})")
     target, storage, route = _exclusive(target, snap, unchecked)
     conds: tuple[dict[str, Any], ...] = ()
     phase = None

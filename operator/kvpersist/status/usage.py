@@ -341,15 +341,6 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def persisted_hits(hits: Mapping[str, Any] | None) -> tuple[HitTotals, dict[str, LookupCounters], str | None]:
-    """Totals, baselines and since from a stored status.hits; zeros when there is none."""
-    if not isinstance(hits, Mapping):
-        return HitTotals(), {}, None
-    baselines = {s["pod"]: LookupCounters(*_counts(s), _text(s.get("startedAt"))) for s in hits.get("servers") or []
-                 if isinstance(s, Mapping) and isinstance(s.get("pod"), str)}
-    return HitTotals(*_counts(hits)), baselines, _text(hits.get("since"))
-
-
 @dataclass
 class _HitState:
     uid: str | None
@@ -373,8 +364,11 @@ class HitTracker:
         current = {r.pod: r.lookups for r in reports}
         with self._lock:
             state = self._state.get(key)
-            if state is None or state.uid != uid:
-                state = self._state[key] = _HitState(uid, *persisted_hits(stored))
+            if state is None or state.uid != uid:  # seeded from a stored status.hits: zeros without one
+                hits = stored if isinstance(stored, Mapping) else {}
+                baselines = {s["pod"]: LookupCounters(*_counts(s), _text(s.get("startedAt"))) for s in hits.get("servers") or []
+                             if isinstance(s, Mapping) and isinstance(s.get("pod"), str)}
+                state = self._state[key] = _HitState(uid, HitTotals(*_counts(hits)), baselines, _text(hits.get("since")))
             if any(c is not None for c in current.values()):
                 state.totals, state.baselines = fold_counters(state.totals, state.baselines, current)
                 state.since = state.since or wall

@@ -121,8 +121,12 @@ def _observe(body: Mapping[str, Any], target: Target, resolution: Resolution, se
     )
 
 
-def _mark_dirty(key: tuple[str, str]) -> None:
-    runtime.CONTROLLER.held(key).dirty = True
+def _mark_dirty(key: tuple[str, str], drift: bool = False) -> None:
+    """Refresh the resource next tick; drift: apply it too (a canary's HitMismatch: vLLM without the cache)."""
+    state = runtime.CONTROLLER.held(key)
+    state.dirty = True
+    if drift:
+        state.drifted = True
 
 
 def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Decision:
@@ -199,7 +203,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         if target.cache_enabled:  # the build check, and the correctness canary (its jobs run off this path, its verdict here)
             observation.build = transitions.build_check(key, body, target, seen, logger)
             observation.canary, released = runtime.CONTROLLER.canary.refresh(
-                key, body, target, seen.pods, lambda drift: transitions.canary_done(key, drift),
+                key, body, target, seen.pods, lambda drift: _mark_dirty(key, drift),
                 allowed=refused is None and state.name_taken is None, agent_token=token)
             if released:
                 _mark_dirty(key)  # acknowledged: the next round decides vLLM with the cache again

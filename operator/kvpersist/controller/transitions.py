@@ -164,15 +164,6 @@ def build_check(key: tuple[str, str], body: Mapping[str, Any], target: Target, s
     return buildstatus.BuildVerdict(target.spec.identity.connector_build, tuple(found), bypass.detail(key, target.namespace_id))
 
 
-def canary_done(key: tuple[str, str], drift: bool) -> None:
-    """A canary job ended: refresh the resource (status.canary, HitCorrectness); on a HitMismatch
-    also apply it (vLLM without the cache)."""
-    state = runtime.CONTROLLER.held(key)
-    state.dirty = True
-    if drift:
-        state.drifted = True
-
-
 def bypassed(key: tuple[str, str], body: Mapping[str, Any], target: Target, conds: list[dict[str, Any]],
              generation: int | None) -> list[dict[str, Any]]:
     """CacheBypassed while vLLM runs without the cache over its versions (BuildMismatch, until the

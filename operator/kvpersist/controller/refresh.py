@@ -274,8 +274,7 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
         shown = refused if refused is not None else taken
         if shown is not None:
             fields, conds = refused_status(fields, conds, shown, generation)
-            if fields.get("attach") is not None:
-                fields = {**fields, "attach": None}  # nothing applied: no server to attach new pods to
+            fields = {**fields, "attach": None}  # nothing applied: no server to attach new pods to
     metrics.refreshed(meta["namespace"], meta["name"], fields.get("phase"))
     hits = runtime.CONTROLLER.hits.observe(key, meta.get("uid"), old.get("hits"), reports, time.monotonic(), condition_now())
     new_status = status_patch(old, fields, conds, reports, inventory, hits, shared=shared, volume=volume, floor=floor)

@@ -47,7 +47,7 @@ def condition(type_: str, ok: bool | None, reason: str, message: str = "", gener
             **({"observedGeneration": generation} if generation is not None else {})}
 
 
-def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, Any]:
+def _build_verdict(verdict: BuildVerdict) -> Verdict:
     """BuildVerified: False while a server refuses or vLLM runs without the cache over its versions;
     True while none has refused; Unknown when connectorBuild names no versions."""
     declared = buildcheck.declared_versions(verdict.connector_build)
@@ -59,14 +59,13 @@ def build_condition(verdict: BuildVerdict, generation: int | None) -> dict[str, 
     if verdict.vllm_bypass is not None:
         problems.append(bypass_message(verdict.vllm_bypass))
     if problems:
-        return condition(build.CONDITION, False, build.MISMATCH, "; ".join(problems), generation)
+        return (False, build.MISMATCH, "; ".join(problems))
     if declared is None:
-        return condition(build.CONDITION, None, "NotComparable",
-                         f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions (vllm-X+lmcache-Y): "
-                         f"nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)", generation)
-    return condition(build.CONDITION, True, "BuildMatches", f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: "
-                     "each lmcache server and each vLLM pod with the cache checks the versions it runs at start and would "
-                     "refuse to start on a difference; none has refused", generation)
+        return (None, "NotComparable", f"spec.identity.connectorBuild {verdict.connector_build!r} names no versions "
+                f"(vllm-X+lmcache-Y): nothing is compared; each pod logs the versions it runs ({buildcheck.PREFIX} ...)")
+    return (True, "BuildMatches", f"declared vllm {declared['vllm']}, lmcache {declared['lmcache']}: each lmcache server "
+            "and each vLLM pod with the cache checks the versions it runs at start and would refuse to start on a "
+            "difference; none has refused")
 
 
 def merge_conditions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -378,7 +377,7 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
     vllm_desired, vllm_ready = (obs.vllm_desired, vllm_ready) if obs.attached is None else obs.attached[:2]
     conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]
-    optional = [build_condition(obs.build, gen) if obs.build is not None and cache_on else None,
+    optional = [_given(build.CONDITION, _build_verdict(obs.build) if obs.build is not None and cache_on else None, gen),
                 _given("PinsVerified", obs.pins, gen), _given(canary.CONDITION, obs.canary if cache_on else None, gen),
                 _given("WithinBudget", within, gen), space_condition(obs.l2_space, gen) if cache_on else None,
                 _given(WARM_CONDITION, obs.warm, gen), _given(references.CONDITION, obs.references, gen),

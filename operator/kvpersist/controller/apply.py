@@ -1,7 +1,6 @@
 """Acting on what one apply decided (kvpersist.controller.decision, on a snapshot read first:
-kvpersist.controller.snapshot): the L2 key and agent token Secrets and the network policies first,
-then the workloads (server-side apply, idempotent). After an apply, an old namespace id's Services
-and policies go once no pod carries that id (clean_stale_routes).
+kvpersist.controller.snapshot), and an old namespace id's Services and policies, once no pod
+carries that id (clean_stale_routes).
 """
 
 from __future__ import annotations

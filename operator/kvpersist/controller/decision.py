@@ -355,10 +355,8 @@ class Reads:
 
 
 def staged(snap: Snapshot, reads: Reads) -> Snapshot:
-    """snap, its policy read (snapshot.policy_read), with what the later rules look at, in decide's order and
-    each only as far as the rules before it let it: a refused policy stops before the model's files
-    and the claims, a claim not owned before the key (whose data is never read for nothing), the key's
-    fingerprint names the id whose stores and names are read. Raises ApiException from a read. Blocking."""
+    """snap, its policy read (snapshot.policy_read), with what the later rules look at, in decide's order
+    and each only as far as the rules before it let it (the module's list). Raises ApiException. Blocking."""
     if policy_refusal(snap) is not None:
         return snap
     snap = reads.pins(snap)

@@ -184,12 +184,9 @@ def _held_for(snap: Snapshot, nid: str | None) -> Snapshot:
 
 
 def refreshed(last: Snapshot, policy: Snapshot, key: l2key.KeyRead | None, seen: Seen) -> Snapshot:
-    """The last apply's snapshot with what the status refresh sees now (the spec, the policy's and
-    the key's reads, the watch caches, the trackers), for decide to judge again. What only a request
-    shows stays as that apply read it (a walk of every child each round costs too much at 500; a
-    taken name is looked at again by an apply, ownership.RETRY_S), but for the route names while
-    another id holds one. No fresh key is offered: an absent one leaves no id, so the refresh
-    applies to make it. Blocking."""
+    """The last apply's snapshot with what the status refresh sees now, for decide to judge again
+    (docs/design.md): what only a request shows stays as that apply read it, but for the route names
+    while another id holds one. No fresh key is offered: an absent one leaves no id. Blocking."""
     key_ = (policy.namespace, policy.name)
     spec = policy.spec
     try:

@@ -1,7 +1,6 @@
 """What the running operator remembers, in one place: a ResourceState per KVCacheNamespace, and the
 Controller that owns them with what is shared across resources (kvpersist.controller.runtime holds
-one). Forgetting a resource drops its ResourceState and tells every tracker with a forget(key) to
-forget it too, so nothing about it is left behind by construction. Only plain state here.
+one), whose forget() leaves nothing of a resource behind by construction. Only plain state here.
 """
 
 from __future__ import annotations
@@ -92,10 +91,8 @@ class ResourceState:
     # The resourceVersion of the key Secret that read saw (None: it had none): while the Secret
     # watch cache shows the same, the read stands without another request (kvpersist.controller.watchcache).
     key_read_version: str | None = None
-    # The snapshot the last apply decided on and its decision (kvpersist.controller.decision, the
-    # agent token left out of both); the status refresh decides again on that snapshot with what
-    # the watch caches show now, and applies again when its decision differs. And that refresh's
-    # (snapshot, decision): an idle round, whose snapshot is unchanged, decides nothing again.
+    # The last apply's (snapshot, decision), the agent token left out of both, which the status refresh
+    # decides again on (docs/design.md); and that refresh's own pair, which an idle round reuses.
     applied: tuple[Any, Any] | None = None
     redecided: tuple[Any, Any] | None = None
     # The agent token read from its Secret (when, token), and when its Secret was last found missing.

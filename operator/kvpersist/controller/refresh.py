@@ -260,9 +260,8 @@ def refresh_status(body: Mapping[str, Any], seen: Seen, logger: logging.Logger) 
             conds = transitions.bypassed_for(conds, ROUTE_TAKEN, state.route_taken, generation)
         error = state.apply_error
         retrying = runtime.CONTROLLER.apply_backoff.pending(key)
-        if error and error[0] == generation:
-            fields = {**fields, "phase": "Failed"}
-            conds = [c for c in conds if c["type"] != "Ready"] + [condition("Ready", False, "ApplyFailed", error[1], generation)]
+        if error and error[0] == generation:  # the API server refused an object: Failed as for the policy's refusals
+            fields, conds = refused_status(fields, conds, ("ApplyFailed", error[1]), generation)
         elif retrying is not None:
             message = (f"applying the workloads failed {retrying.attempts} time(s), last: {retrying.message}; next try "
                        f"at {iso(retrying.due_wall)} (the workloads may not match the spec meanwhile)")

@@ -454,29 +454,13 @@ def _present(value: Any) -> Any:
     return value
 
 
-def hits_patch(old: Mapping[str, Any] | None, hits: Mapping[str, Any] | None, riding: bool,
-               at: datetime) -> dict[str, Any] | None:
-    """status.hits to write, or None: not when unchanged (measuredAt aside); at once when there were
-    none, another field is written anyway (riding) or the stored ones are HITS_WRITE_INTERVAL_S old."""
-    stamp = (old or {}).get("measuredAt")
-    try:
-        written = parse_iso(stamp) if isinstance(stamp, str) else None
-    except ValueError:
-        written = None
-    age_s = at.timestamp() - written if written is not None else float("inf")
-    if (hits is None or _present(_without_stamp(hits)) == _present(_without_stamp(old))
-            or (old and not riding and age_s < HITS_WRITE_INTERVAL_S)):
-        return None
-    return {**hits, "measuredAt": iso(at.timestamp())}
-
-
 def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[dict[str, Any]],
                  reports: list[ServerReport], inventory: Mapping[str, Any] | None = None,
                  hits: Mapping[str, Any] | None = None, at: datetime | None = None,
                  shared: bool = False, volume: tuple[int, int] | None = None, floor: int = 0) -> dict[str, Any] | None:
     """The status patch to write, or None when nothing a user could see changed: timestamps alone
-    never write. Unmeasured usage and hits keep their last value (hits_patch); volume and floor
-    are folded into usage.l2UsedBytes (namespace_l2)."""
+    never write. Unmeasured usage and hits keep their last value; volume and floor are folded into
+    usage.l2UsedBytes (namespace_l2)."""
     patch: dict[str, Any] = {k: v for k, v in fields.items() if old.get(k) != v}
     if old.get("budget") is not None and "budget" not in fields:
         patch["budget"] = None  # the budget was taken off the spec
@@ -487,6 +471,17 @@ def status_patch(old: Mapping[str, Any], fields: Mapping[str, Any], conds: list[
         patch["usage"] = usage
     if inventory is not None and _without_stamp(inventory) != _without_stamp(old.get("inventory")):
         patch["inventory"] = {**inventory, "measuredAt": now()}
-    if (hits_update := hits_patch(old.get("hits"), hits, bool(patch), at or datetime.now(UTC))) is not None:
-        patch["hits"] = hits_update
+    stored = old.get("hits")
+    stamp = (stored or {}).get("measuredAt")
+    try:
+        written = parse_iso(stamp) if isinstance(stamp, str) else None
+    except ValueError:
+        written = None
+    at = at or datetime.now(UTC)
+    age_s = at.timestamp() - written if written is not None else float("inf")
+    # Changed hits (measuredAt aside) are written at once when there were none or another field is
+    # written anyway (they ride along), else once the stored ones are HITS_WRITE_INTERVAL_S old.
+    if (hits is not None and _present(_without_stamp(hits)) != _present(_without_stamp(stored))
+            and (not stored or patch or age_s >= HITS_WRITE_INTERVAL_S)):
+        patch["hits"] = {**hits, "measuredAt": iso(at.timestamp())}
     return patch or None

@@ -229,9 +229,6 @@ class Controller:
         """A copy: the resources a watch event has shown, in the order first seen."""
         return {key: st for key, st in list(self.resources.items()) if st.known}
 
-    def lock(self, key: Key) -> asyncio.Lock:
-        return self.held(key).lock
-
     def note_store(self, key: Key, user: Any) -> None:
         """A resource's L2 store as its watch event shows it (sharing.User; None: none, or being
         deleted); another one moves stores_version on. In the event loop (the kvp_stores index)."""

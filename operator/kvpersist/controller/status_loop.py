@@ -63,7 +63,7 @@ async def _refresh_one(key: tuple[str, str], body: Mapping[str, Any], seen: Seen
                        logger: logging.Logger) -> None:
     """One resource's round under its lock: its drifted children applied again, then its status."""
     loop = asyncio.get_running_loop()
-    async with runtime.CONTROLLER.lock(key):
+    async with runtime.CONTROLLER.held(key).lock:
         try:
             if restore:
                 logger.info("%s/%s: an owned object was deleted or edited; applying again", key[0], key[1])

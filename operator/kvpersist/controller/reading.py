@@ -181,9 +181,8 @@ def named_claim(name: str, namespace: str) -> dict[str, Any] | None:
 
 
 def l2_claims(target: Target) -> dict[str, dict[str, Any] | None]:
-    """The L2 claims under derived names the servers would mount (ownership.l2_claim_names), each
-    as it exists or None: from the claim watch cache when it has listed (no request), else one LIST
-    of the namespace's claims. Blocking."""
+    """The L2 claims under derived names (ownership.l2_claim_names), each as it exists or None: the
+    claim watch cache's when it has listed, else one LIST of the namespace's claims. Blocking."""
     names = ownership.l2_claim_names(target)
     if not names:
         return {}

@@ -142,9 +142,8 @@ def _redecide(state: Any, policy: Snapshot, key: l2key.KeyRead | None, seen: See
 
 
 def write_status(meta: Mapping[str, Any], patch: Mapping[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
-    """Every status write of the operator: checked against the status models first, since the API
-    server would prune a key the CRD lacks without a word (kvpersist.api.status: in tests a bad
-    key raises; in production its field is left out and logged). What was sent, or None. Blocking."""
+    """Every status write of the operator, checked against the status models first (checked_patch): the API
+    server would prune a key the CRD lacks without a word. What was sent, or None. Blocking."""
     sent = checked_patch(patch, logger, f"{meta['namespace']}/{meta['name']}")
     if sent is not None:
         kube.patch_status(api.API_VERSION, api.KIND, meta["name"], meta["namespace"], sent)

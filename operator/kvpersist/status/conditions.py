@@ -373,7 +373,6 @@ def compute_status(obs: Observation) -> tuple[dict[str, Any], list[dict[str, Any
         lmcache = (False, "ServersStarting", f"{servers_ready}/{obs.server_desired} servers ready")
 
     vllm = _vllm_verdict(obs, vllm_done, vllm_ready)
-    # Attached: the user's pods there are, and those Ready.
     vllm_desired, vllm_ready = (obs.vllm_desired, vllm_ready) if obs.attached is None else obs.attached[:2]
     conds = [condition(t, *v, gen) for t, v in (("IdentityResolved", identity), ("L2Ready", _l2_verdict(obs, budget)),
                                                ("LMCacheReady", lmcache), ("VLLMReady", vllm))]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpersist.api.v1alpha1 import KVCacheNamespace
-from kvpersist.controller import kube, runtime, transitions
+from kvpersist.controller import kube, runtime, sharing, transitions
 from kvpersist.controller.apply import apply_workloads
 from kvpersist.controller.policy import (
     ALLOWED_IMAGES_ENV,
@@ -266,6 +266,17 @@ def test_refusal_event_is_posted_once_with_its_reason() -> None:
     other = condition("Ready", False, SECRET_NOT_ALLOWED, "spec.l2...: ...")
     assert transitions.events_for(new, {**new, "conditions": [other]}, [other]) == [("Warning", SECRET_NOT_ALLOWED,
                                                                                      "spec.l2...: ...")]
+
+
+def test_storage_released_only_once_the_store_is_no_longer_held() -> None:
+    """A status written for another reason while Ready stays StorageInUse says nothing of the store;
+    StorageReleased comes when Ready leaves StorageInUse."""
+    held = condition("Ready", False, sharing.STORAGE_IN_USE, "spec.l2.nvme: held by ns/other")
+    old = {"phase": "CacheDisabled", "conditions": [held]}
+    assert transitions.events_for(old, {**old, "observedGeneration": 2}, [held]) == []
+    ready = condition("Ready", True, "Ready", "")
+    events = transitions.events_for(old, {"phase": "Ready", "conditions": [ready]}, [ready])
+    assert sharing.RELEASED in [reason for _, reason, _ in events]
 
 
 def test_a_malformed_value_stops_the_operator_at_start(monkeypatch: pytest.MonkeyPatch,

@@ -93,7 +93,7 @@ def events_for(old: dict[str, Any], new: dict[str, Any], conds: list[dict[str, A
                                                         ownership.CLAIM_NOT_OWNED)
     if refused and _news(old_ready, ready):
         events.append(("Warning", ready["reason"], ready["message"]))
-    elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None:
+    elif old_ready.get("reason") == sharing.STORAGE_IN_USE and ready is not None and ready["reason"] != sharing.STORAGE_IN_USE:
         events.append(("Normal", sharing.RELEASED, "the L2 store is no longer held by another resource: the lmcache "
                        "servers start on it"))
     if phase and phase != old.get("phase"):

@@ -39,8 +39,7 @@ def target_of(b: dict[str, Any]) -> Target:
 
 
 def seen_now() -> Seen:
-    version, users = runtime.CONTROLLER.stores()
-    return Seen(stores=users, stores_version=version)
+    return Seen(stores=runtime.CONTROLLER.stores())
 
 
 def storage_refusal(target: Target, b: dict[str, Any], seen: Seen) -> str | None:
@@ -73,23 +72,22 @@ def test_a_claim_still_mounted_by_another_resources_server_is_seen_on_its_slim_p
                     "volumes": [{"name": "l2", "persistentVolumeClaim": {"claimName": "data"}}, {"name": "shm", "emptyDir": {}}]}}
     slimmed = slim(pod)
     assert slimmed["spec"]["volumes"] == [{"persistentVolumeClaim": {"claimName": "data"}}]
-    version, users = runtime.CONTROLLER.stores()
-    why = storage_refusal(target_of(mine), mine, Seen(stores=users, stores_version=version, all_server_pods=(slimmed,)))
+    why = storage_refusal(target_of(mine), mine, Seen(stores=runtime.CONTROLLER.stores(), all_server_pods=(slimmed,)))
     assert why is not None and "gone-lmcache-0" in why, why
 
 
 def test_the_version_moves_only_when_a_store_changes() -> None:
     a = body("a", OLDER, bucket="hf://buckets/o/b/p")
     note(a)
-    version, first = runtime.CONTROLLER.stores()
-    note(a)  # the same store again (a status write, say): nothing moved
-    assert runtime.CONTROLLER.stores() == (version, first)
+    version, first = runtime.CONTROLLER.stores_version, runtime.CONTROLLER.stores()
+    note(a)  # the same store again (a status write, say): nothing moved, the same tuple
+    assert runtime.CONTROLLER.stores_version == version and runtime.CONTROLLER.stores() is first
     a["status"]["namespaceId"] = "kvp-" + "c" * 32
     note(a)
-    assert runtime.CONTROLLER.stores()[0] > version
-    moved = runtime.CONTROLLER.stores()[0]
+    assert runtime.CONTROLLER.stores_version > version and runtime.CONTROLLER.stores() != first
+    moved = runtime.CONTROLLER.stores_version
     runtime.CONTROLLER.forget(("ml", "a"))  # deleted: the others may take its store now
-    assert runtime.CONTROLLER.stores() == (moved + 1, ())
+    assert runtime.CONTROLLER.stores_version == moved + 1 and runtime.CONTROLLER.stores() == ()
 
 
 def test_an_idle_refresh_looks_at_the_others_only_after_a_store_changed(monkeypatch: pytest.MonkeyPatch) -> None:

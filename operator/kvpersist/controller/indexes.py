@@ -55,15 +55,15 @@ async def kvp_stores(body: kopf.Body, **_: Any) -> Any:
     return None  # read from Controller.store_users (versioned); the index is here for kopf's start gate
 
 
-Stores = tuple[int, tuple[sharing.User, ...], tuple[dict[str, Any], ...]]
+Stores = tuple[tuple[sharing.User, ...], tuple[dict[str, Any], ...]]
 
 
 def stores_now(pods: bool = True) -> Stores:
-    """(stores_version, every store user, every server pod when asked), from the indexes; event loop only."""
-    version, users = runtime.CONTROLLER.stores()
+    """(every store user, every server pod when asked), from the indexes; event loop only."""
+    users = runtime.CONTROLLER.stores()
     servers = tuple(p for store in runtime.CONTROLLER.indices.get("kvp_pods", {}).values() for p in store
                     if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == SERVER) if pods else ()
-    return version, users, servers
+    return users, servers
 
 
 def _mark_dirty(body: Mapping[str, Any]) -> None:
@@ -142,11 +142,10 @@ def seen_of(key: tuple[str, str], live: frozenset[str] | None = None,
     pods += [p for p in labelled if p["metadata"]["labels"].get(NAMESPACE_ID_LABEL)]
     # Labelled, yet no id label: admitted while the attach policies were not installed (they refuse that).
     unadmitted = sorted(p["metadata"]["name"] for p in labelled if not p["metadata"]["labels"].get(NAMESPACE_ID_LABEL))
-    version, users, servers = stores if stores is not None else (-1, None, ())
+    users, servers = stores if stores is not None else (None, ())
     return Seen(statefulsets=statefulsets, deployments=deployments, pods=pods, untrusted_pods=untrusted,
                 unadmitted_pods=unadmitted, claims=values("kvp_claims"), live_ids=live_now() if live is None else live,
-                fleet=fleet_now() if agents is None else agents, stores=users, stores_version=version,
-                all_server_pods=servers)
+                fleet=fleet_now() if agents is None else agents, stores=users, all_server_pods=servers)
 
 
 # Pods already logged as untrusted (by uid), so each is named once, not every status round.

@@ -239,12 +239,12 @@ class Controller:
                 self.store_users[key] = user
             self.stores_version += 1
 
-    def stores(self) -> tuple[int, tuple[Any, ...]]:
-        """(stores_version, every resource's store): one tuple, made again only when a store changed,
+    def stores(self) -> tuple[Any, ...]:
+        """Every resource's store: one tuple, made again only when a store changed (stores_version),
         so every refresh of a tick reads the same one. In the event loop."""
         if self._stores[0] != self.stores_version:
             self._stores = (self.stores_version, tuple(self.store_users.values()))
-        return self._stores
+        return self._stores[1]
 
     def forget(self, key: Key) -> None:
         """Everything held about one resource, dropped in one step."""

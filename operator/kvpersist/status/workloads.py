@@ -189,7 +189,6 @@ class Seen:
     # Every watched resource's L2 store (controller.sharing.User) and every server pod, for the
     # StorageInUse decision; None: not copied.
     stores: tuple[Any, ...] | None = None
-    stores_version: int = -1  # kvpersist.controller.state.Controller.stores_version of that copy
     all_server_pods: tuple[dict[str, Any], ...] = ()
 
     def statefulset(self, target: Target) -> dict[str, Any] | None:

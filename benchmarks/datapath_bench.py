@@ -522,6 +522,41 @@ def profiled(label: str, server_pid: int | None = None) -> Iterator[None]:
                                      "-g", "none", "--percent-limit", "0.5", *only], capture_output=True, text=True,
                                     timeout=300)
             data.with_suffix(suffix).write_text(report.stdout)
+        if server_pid:
+            script = subprocess.run([perf, "script", "-i", str(data), "--pid", str(server_pid), "-F", "tid,period,ip,sym,dso"],
+                                    capture_output=True, text=True, timeout=300)
+            data.with_suffix(".server-seconds.txt").write_text(cpu_seconds(script.stdout))
+
+
+# What a server sample's time went to, by its leaf frame (AES-GCM anywhere in the stack): CPU-seconds,
+# not percentages of the whole machine, in which the client's own work drowns the server's.
+CPU_KINDS = (("AES-GCM (the serde's open)", re.compile(r"aes_gcm|gcm_|ghash", re.I), True),
+             ("kernel copy of the file's pages (the adapter's reads)",
+              re.compile(r"copy_user|rep_movs|shmem_file_read_iter|filemap_read|copy_page_to_iter|_copy_to_iter"), False),
+             ("page faults and zeroing", re.compile(r"clear_page|do_anonymous_page|handle_mm_fault|exc_page_fault"), False),
+             ("memcpy and torch copies (the retrieve into the client's buffers)",
+              re.compile(r"memcpy|memmove|direct_copy_kernel|index_copy|copy_kernel|loop_2d"), False),
+             ("waiting (futex, scheduler)", re.compile(r"futex|__schedule|finish_task_switch|poll"), False),
+             ("Python interpreter (lmcache's request path)", re.compile(r"libpython"), False))
+
+
+def cpu_seconds(script: str) -> str:
+    """`perf script -F tid,period,ip,sym,dso` of one process, summed: CPU-seconds by kind and by thread."""
+    kinds: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    for block in script.split("\n\n"):
+        lines = [line.strip() for line in block.strip().splitlines() if line.strip()]
+        if not lines or len(head := lines[0].split()) < 2 or not head[1].isdigit():
+            continue
+        tid, period, stack = head[0].split("/")[-1], int(head[1]), lines[1:]
+        threads[tid] = threads.get(tid, 0) + period
+        kind = next((name for name, pattern, whole in CPU_KINDS
+                     if any(pattern.search(frame) for frame in (stack if whole else stack[:1]))), "other")
+        kinds[kind] = kinds.get(kind, 0) + period
+    total = sum(kinds.values()) or 1
+    rows = [f"{v / 1e9:7.3f} s {100 * v / total:5.1f}%  {k}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    busiest = ", ".join(f"{t} {v / 1e9:.2f} s" for t, v in sorted(threads.items(), key=lambda kv: -kv[1])[:8])
+    return "\n".join([f"server CPU-seconds in the window: {total / 1e9:.3f}", *rows, f"busiest threads: {busiest}", ""])
 
 
 def busy_s(intervals: Iterable[tuple[float, float]]) -> float:

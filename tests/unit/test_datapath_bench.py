@@ -47,3 +47,22 @@ def test_verify_with_two_clients_splits_the_sequences_and_merges_by_union(monkey
     assert read["summary"] == {"hit_chunks": 16, "wrong_bytes": 0}
     assert read["lookup_s"] == pytest.approx(1.0)  # two 0.5 s lookups at once, twice: not their sum, 2.0
     assert read["retrieve_s"] == pytest.approx(0.5)
+
+
+def test_a_profile_is_summed_to_cpu_seconds_by_kind_and_thread() -> None:
+    """--profile's server view: AES-GCM wherever it is in the stack, the rest by the leaf frame."""
+    script = "\n\n".join([
+        "  11     100000 \n\t aaa ossl_aes_gcm_decrypt_avx512 (_rust.abi3.so)\n\t bbb Py_Call (libpython3.11.so)",
+        "  12     300000 \n\t ccc shmem_file_read_iter ([kernel.kallsyms])",
+        "  12     200000 \n\t ddd _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)\n\t eee gcm_open (x.so)",
+        "  13     400000 \n\t fff something_else (libfoo.so)",
+        "  not a sample",
+    ]) + "\n"
+    text = datapath_bench.cpu_seconds(script)
+    assert text.splitlines()[0] == "server CPU-seconds in the window: 0.001"
+    lines = {line.split("%  ", 1)[1]: line.split()[0] for line in text.splitlines() if "%  " in line}
+    assert lines == {"AES-GCM (the serde's open)": "0.000", "kernel copy of the file's pages (the adapter's reads)": "0.000",
+                     "other": "0.000"}, text
+    assert "busiest threads: 12 0.00 s, 13 0.00 s, 11 0.00 s" in text
+    shares = [float(line.split("%")[0].split()[-1]) for line in text.splitlines() if "%  " in line]
+    assert shares == [40.0, 30.0, 30.0], text  # 0.4 other; AES-GCM 0.1 + 0.2 (in the stack); the copy 0.3

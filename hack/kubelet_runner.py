@@ -449,6 +449,10 @@ class Runner:
         # it by name, so an emptyDir at /tmp must not hide a checkout under /tmp).
         keep = [str(p) for p in (self.workdir, self.shared_dir, self.hf_home, Path.cwd()) if p is not None]
         read_only = bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))
+        if not read_only and not any(m["mountPath"] == "/tmp" for m in container.get("volumeMounts", [])):
+            # A writable container's /tmp is its own layer's, gone with the pod, not this machine's
+            # (where a killed vLLM leaves its ZMQ sockets); a read-only one writes there only through a volume.
+            binds.insert(0, [str(self.empty_dir(pod, f".tmp-{container['name']}")), "/tmp"])
         return {"hosts": str(hosts), "binds": binds, "keep": keep, "readOnly": read_only}
 
     def termination_file(self, key: str) -> Path:

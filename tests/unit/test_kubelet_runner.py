@@ -331,7 +331,13 @@ def test_emptydirs_are_bound_under_a_read_only_root_and_the_hub_cache_is_the_mac
     assert got["keep"] == [str(tmp_path / "work"), str(hf), str(Path.cwd())]
     plain = {**spec["containers"][0], "command": ["lmcache"], "securityContext": {}}
     got = runner.mounts(p, plain, tmp_path / "hosts", {"HF_HUB_CACHE": "/models"})
-    assert got["readOnly"] is False and got["binds"][1] == [str(tmp_path / "work" / "emptydirs" / "u1" / "models"), "/models"]
+    assert got["readOnly"] is False and got["binds"][2] == [str(tmp_path / "work" / "emptydirs" / "u1" / "models"), "/models"]
+    # A writable root: /tmp is the container's own (first, so the kept folders under /tmp show through
+    # it), a folder of the pod's that goes with it; unless the pod mounts a volume there.
+    assert got["binds"][0] == [str(tmp_path / "work" / "emptydirs" / "u1" / ".tmp-main"), "/tmp"]
+    with_tmp = {**plain, "volumeMounts": [*plain["volumeMounts"], {"name": "home", "mountPath": "/tmp"}]}
+    got = runner.mounts(p, with_tmp, tmp_path / "hosts", {})
+    assert [b for b in got["binds"] if b[1] == "/tmp"] == [[str(tmp_path / "work" / "emptydirs" / "u1" / "home"), "/tmp"]]
 
 
 def test_args_expand_the_containers_own_variables_as_a_kubelet_does() -> None:

@@ -40,11 +40,13 @@ Of a container's securityContext only readOnlyRootFilesystem is applied: in the 
 namespace `/` is remounted read-only, its emptyDir volumes are folders of the pod's bound at their
 mountPaths (the mount point made on this machine where it is missing, as a runtime makes it in the
 image's root), and the runner's own folders (claims, Secrets, termination messages), the shared
-folder and the model cache stay writable, as the volumes they stand for. A memory emptyDir at
-/dev/shm keeps this machine's /dev/shm. A STAND-IN for the Hub (none here): an emptyDir that the
-vLLM container's HF_HOME, HF_HUB_CACHE or HUGGINGFACE_HUB_CACHE names is this machine's model
-cache (--hf-home, or its hub folder), as if vLLM had downloaded the model into it. The user,
-group and capabilities are not applied: processes run as the runner's user.
+folder and the model cache stay writable, as the volumes they stand for. A writable container
+with no volume at /tmp gets a /tmp of its own (a folder of the pod's, gone with it), as its
+layer's would be. A memory emptyDir at /dev/shm keeps this machine's /dev/shm. A STAND-IN for
+the Hub (none here): an emptyDir that the vLLM container's HF_HOME, HF_HUB_CACHE or
+HUGGINGFACE_HUB_CACHE names is this machine's model cache (--hf-home, or its hub folder), as if
+vLLM had downloaded the model into it. The user, group and capabilities are not applied:
+processes run as the runner's user.
 
     python3 hack/kubelet_runner.py --namespace default [--node real-gpu-1] [--shared-dir DIR]
                                    [--vllm PATH --hf-home DIR] [--once]
